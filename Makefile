@@ -1,0 +1,32 @@
+# Two entry points: `make demo` and `make test`. Both create .venv when missing and are idempotent.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ds4sci-installed
+# Extras installed for tests; the openfold3 extra joins once the OpenFold integration lands.
+EXTRAS ?= dev
+
+.PHONY: install demo test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+
+# torch first, pinned to the CPU wheel on local disk: a bare `torch` would pull a multi-GB CUDA build.
+$(STAMP): $(PY) setup.py pyproject.toml Makefile
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) examples/demo.py
+
+# pytest exits 5 when it collected no test: that is a failure here, never a pass.
+test: install
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""ds4sci.sequence"""

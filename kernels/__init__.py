@@ -1,0 +1,1 @@
+"""ds4sci.kernels: Evoformer attention kernels (Triton, chunked PyTorch, reference)."""

@@ -1,0 +1,1 @@
+"""ds4sci.models: single-device nn.Modules (GenSLM, Evoformer attention layers)."""

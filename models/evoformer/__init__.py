@@ -1,0 +1,1 @@
+"""ds4sci.models.evoformer: Evoformer attention layers (OpenFold-compatible)."""

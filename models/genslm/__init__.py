@@ -1,0 +1,1 @@
+"""ds4sci.models.genslm: GenSLM-style GPT for genome sequences."""

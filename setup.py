@@ -1,0 +1,50 @@
+"""ds4sci: Evoformer attention kernels and long-context genome language models.
+
+Packages are listed explicitly. ``kernels/`` and ``models/`` are installed as ``ds4sci.kernels`` and
+``ds4sci.models`` (never as top-level ``kernels``/``models``: PyPI already has packages by those names).
+"""
+from setuptools import setup
+
+PACKAGES = {
+    "ds4sci": "ds4sci",
+    "ds4sci.sequence": "ds4sci/sequence",
+    "ds4sci.data": "ds4sci/data",
+    "ds4sci.train": "ds4sci/train",
+    "ds4sci.integrations": "ds4sci/integrations",
+    "ds4sci.bench": "ds4sci/bench",
+    "ds4sci.kernels": "kernels",
+    "ds4sci.models": "models",
+    "ds4sci.models.genslm": "models/genslm",
+    "ds4sci.models.evoformer": "models/evoformer",
+}
+
+setup(
+    name="ds4sci",
+    version="0.1.0",
+    description="Evoformer attention kernels in Triton and long-context genome LMs with sequence parallelism",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=list(PACKAGES),
+    package_dir=PACKAGES,
+    install_requires=[
+        # A range the CPU wheel torch==2.13.0 satisfies; the Makefile installs that wheel first.
+        "torch>=2.4,<2.15",
+        "triton>=3.2",
+        "deepspeed>=0.16",
+        "biopython>=1.80",
+        "numpy>=1.24",
+        "pyyaml>=6.0",
+        "safetensors>=0.4",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+        "tensorboard>=2.14",
+    ],
+    extras_require={
+        "openfold": ["openfold3"],
+        "gpu": ["flash-attn"],
+        "dev": ["pytest>=7.4", "pytest-timeout>=2.2", "hypothesis>=6.80", "transformers>=4.40"],
+    },
+    entry_points={"console_scripts": ["ds4sci=ds4sci.cli:main"]},
+)

@@ -1,0 +1,97 @@
+"""The repository contract: bundled data, import names, console script."""
+import gzip
+import hashlib
+import importlib
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "examples" / "data"
+
+SHA256 = {
+    "MN908947.3_sars_cov_2.fasta.gz": "13cb7ce9f60e1a64c06b649189612e1a6b96cad9c21d7b7fecd15c1a7f47cee3",
+    "NC_007779.1_ecoli_K12_W3110.fasta.gz": "64083cc14e1057adc9ffbaa8480daa7b00e04036e9ad89b71cdc545e7b83115d",
+    "NZ_CP040672.1_cds_100.fna": "c9763f8e21d5a31e1517d37d368ff545450abdd79525153f47cce7ba522d7e61",
+    "genslm_codon_vocab_69.tsv": "f05c1f58a60062c35d0e6ed04e8dc16c30e7d2baa6e1df11854b900db276cbce",
+    "genslm_codon_vocab_71.tsv": "1c6a2e160ef3811a8ef846a1cdea5e0f7fb65ee1de5b66720dcb7b4c4c6aa920",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHA256))
+def test_bundled_file_checksum(name):
+    assert hashlib.sha256((DATA / name).read_bytes()).hexdigest() == SHA256[name]
+
+
+def _fasta_lengths(path: Path) -> list[int]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    lengths: list[int] = []
+    with opener(path, "rt") as handle:
+        for line in handle:
+            if line.startswith(">"):
+                lengths.append(0)
+            else:
+                lengths[-1] += len(line.strip())
+    return lengths
+
+
+@pytest.mark.parametrize(
+    "name, lengths",
+    [
+        ("NC_007779.1_ecoli_K12_W3110.fasta.gz", [4_646_332]),
+        ("MN908947.3_sars_cov_2.fasta.gz", [29_903]),
+    ],
+)
+def test_genome_lengths(name, lengths):
+    assert _fasta_lengths(DATA / name) == lengths
+
+
+def test_cds_file_is_in_frame():
+    lengths = _fasta_lengths(DATA / "NZ_CP040672.1_cds_100.fna")
+    assert len(lengths) == 100 and sum(lengths) == 89_094
+    assert all(n % 3 == 0 for n in lengths)
+
+
+def test_vocab_69_layout():
+    rows = [line.split("\t") for line in (DATA / "genslm_codon_vocab_69.tsv").read_text().splitlines()[1:]]
+    ids = {tok: int(i) for tok, i in rows}
+    assert [t for t, i in sorted(ids.items(), key=lambda kv: kv[1])][:5] == ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    codons = [t for t in ids if not t.startswith("[")]
+    assert len(codons) == 64 and sorted(ids.values()) == list(range(69))
+
+
+@pytest.mark.parametrize("name", ["ds4sci", "ds4sci.kernels", "ds4sci.models", "ds4sci.sequence", "ds4sci.data"])
+def test_package_imports(name):
+    importlib.import_module(name)
+
+
+@pytest.mark.parametrize("name", ["kernels", "models"])
+def test_no_top_level_kernels_or_models(name):
+    # `kernels`/`models` must only exist as ds4sci.kernels / ds4sci.models; run from a neutral directory so
+    # the repository root on sys.path does not make them importable by accident.
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is not None)"
+    assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0
+
+
+def test_light_top_level_import():
+    code = "import sys, ds4sci, ds4sci.kernels, ds4sci.models; sys.exit(int('deepspeed' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0
+
+
+def test_cli_help_lists_commands():
+    from ds4sci.cli import COMMANDS
+
+    out = subprocess.run([sys.executable, "-m", "ds4sci.cli", "--help"], capture_output=True, text=True, check=True)
+    for name in COMMANDS:
+        assert name in out.stdout
+
+
+def test_cli_info_json():
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "ds4sci.cli", "info", "--json"], capture_output=True, text=True, check=True)
+    info = json.loads(out.stdout)
+    assert info["torch"].startswith("2.")
