@@ -1,0 +1,26 @@
+"""``ds4sci bench NAME``: benchmarks that write their results to files (JSON plus a readable table).
+
+Each benchmark is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; results go under
+``--out`` (default ``runs/bench``). Speed and memory targets are shown here, never by timed tests.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help)
+BENCHMARKS: dict[str, tuple[str, str]] = {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--out", default="runs/bench", help="output directory (default: %(default)s)")
+        module.add_arguments(p)
+        p.set_defaults(_bench_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args) or 0)
