@@ -1,0 +1,375 @@
+"""Sequence-parallel attention: Ulysses, ring, and Unified (Ulysses x Ring) sequence parallelism.
+
+- DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509): an all-to-all switches q, k, v from
+  sequence-sharded ``[B, S/P, H, D]`` to head-sharded ``[B, S, H/P, D]``, local attention runs over the full
+  sequence on ``H/P`` heads, an inverse all-to-all brings the output back. Per rank and layer it moves 4 tensors
+  of ``B*S*H*D/P`` elements, ``(P-1)/P`` of each leaving the rank.
+- Ring attention (Liu et al. 2023, arXiv:2310.01889): key/value blocks travel around a ring of ``R`` ranks while
+  each rank keeps its queries; block results are merged with their log-sum-exp (online softmax, Milakov &
+  Gimelshein 2018). Backward recomputes each block and sends the key/value gradients around the ring with the
+  blocks, so only q, k, v, out and lse are saved.
+- Unified SP (Fang & Zhao 2024, USP, arXiv:2405.07719): Ulysses inside the Ulysses group, ring across the ring
+  group on the head-sharded tensors, inverse all-to-all. The ring degree carries what the head count cannot.
+
+Sharding contract: rank ``(ring_rank, ulysses_rank)`` holds sequence shard
+``sp_rank = ring_rank * U + ulysses_rank`` of ``U * R`` (``shard_sequence(x, 1, attn.shard_rank,
+attn.shard_world, attn.layout)``), contiguous or zigzag. After the all-to-all a ring rank then holds a contiguous
+block (contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag); each piece is passed to the local attention with
+its own global offsets, so causal, window and document masks stay exact.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, all_to_all, group_rank, group_size
+from ds4sci.sequence.sharding import LAYOUTS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DistributedAttention"]
+
+_KV_TAG, _GRAD_TAG = 0, 1
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A contiguous run of rows of the local (post all-to-all) block: local rows ``[start, start+length)`` hold
+    global sequence positions ``[offset, offset+length)``."""
+
+    start: int
+    length: int
+    offset: int
+
+
+def _pieces(ring_rank: int, ring: int, block_len: int, layout: str) -> list[_Piece]:
+    """Pieces of the block a ring rank holds after the Ulysses all-to-all (``block_len`` rows, S = ring*block_len)."""
+    if layout == "contiguous":
+        return [_Piece(0, block_len, ring_rank * block_len)]
+    half = block_len // 2
+    if ring == 1:  # chunks 0 and 1 of 2: the whole sequence, in order
+        return [_Piece(0, block_len, 0)]
+    return [_Piece(0, half, ring_rank * half), _Piece(half, half, (2 * ring - 1 - ring_rank) * half)]
+
+
+def _merge(acc_out, acc_lse, out, lse):
+    """Merge two partial softmax results over disjoint key sets by their log-sum-exp.
+
+    out ``[B, S, H, D]``, lse ``[B, H, S]``; rows with ``lse = -inf`` on both sides stay ``out = 0, lse = -inf``.
+    """
+    m = torch.maximum(acc_lse, lse)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(acc_lse - m), torch.exp(lse - m)  # [B, H, S]
+    total = wa + wb
+    seen = total > 0
+    total = torch.where(seen, total, torch.ones_like(total))
+    wa_, wb_ = (wa / total).transpose(1, 2).unsqueeze(-1), (wb / total).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
+    new_out = wa_ * acc_out + wb_ * out.to(acc_out.dtype)
+    new_lse = torch.where(seen, m + torch.log(total), torch.full_like(m, -math.inf))
+    return new_out, new_lse
+
+
+@dataclass
+class _RingPlan:
+    local_attention: Callable
+    group: dist.ProcessGroup
+    counter: CommCounter | None
+    layout: str
+    head_offset: int
+    q_doc: torch.Tensor | None  # [B, Sq_blk] ids of the local queries
+    k_docs: torch.Tensor | None  # [R, B, Sk_blk] ids of every ring rank's keys
+
+    @property
+    def ring(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def blocks(self, q_len: int, k_len: int, src: int):
+        """(query piece, key piece) pairs between this rank's queries and ring rank ``src``'s keys."""
+        for qp in _pieces(self.rank, self.ring, q_len, self.layout):
+            for kp in _pieces(src, self.ring, k_len, self.layout):
+                yield qp, kp
+
+    def attend(self, q, k, v, qp: _Piece, kp: _Piece, src: int):
+        q_doc = k_doc = None
+        if self.q_doc is not None:
+            q_doc = self.q_doc[:, qp.start : qp.start + qp.length]
+            k_doc = self.k_docs[src][:, kp.start : kp.start + kp.length]
+        return self.local_attention(
+            q[:, qp.start : qp.start + qp.length],
+            k[:, kp.start : kp.start + kp.length],
+            v[:, kp.start : kp.start + kp.length],
+            q_offset=qp.offset, k_offset=kp.offset, head_offset=self.head_offset, q_doc=q_doc, k_doc=k_doc,
+            return_lse=True,
+        )
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention over ``plan.group`` on local blocks q ``[B, Sq, h, D]``, k and v ``[B, Sk, hkv, D]``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: _RingPlan):
+        ct = torch.promote_types(q.dtype, torch.float32)
+        B, Sq, h, _ = q.shape
+        out = torch.zeros(B, Sq, h, v.shape[-1], dtype=ct, device=q.device)  # [B, Sq, h, D]
+        lse = torch.full((B, h, Sq), -math.inf, dtype=ct, device=q.device)  # [B, h, Sq]
+        kv = [k, v]
+        for step in range(plan.ring):
+            src = (plan.rank - step) % plan.ring
+            # post the next rotation first: it overlaps with this step's compute
+            shift = RingShift(kv, plan.group, plan.counter, tag=_KV_TAG) if step < plan.ring - 1 else None
+            for qp, kp in plan.blocks(Sq, k.shape[1], src):
+                o_blk, l_blk = plan.attend(q, kv[0], kv[1], qp, kp, src)
+                rows = slice(qp.start, qp.start + qp.length)
+                out[:, rows], lse[:, :, rows] = _merge(out[:, rows], lse[:, :, rows], o_blk, l_blk.to(ct))
+            if shift is not None:
+                kv = shift.wait()
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: _RingPlan = ctx.plan
+        ct = out.dtype
+        Sq, Sk = q.shape[1], k.shape[1]
+        grad_out = grad_out.to(ct)
+        dq = torch.zeros_like(q, dtype=ct)
+        dkv = [torch.zeros_like(k, dtype=ct), torch.zeros_like(v, dtype=ct)]  # travel with their key block
+        kv = [k, v]
+        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # [B, h, Sq]
+        for step in range(plan.ring):
+            src = (plan.rank - step) % plan.ring
+            shift = RingShift(kv, plan.group, plan.counter, tag=_KV_TAG) if step < plan.ring - 1 else None
+            for qp, kp in plan.blocks(Sq, Sk, src):
+                rows = slice(qp.start, qp.start + qp.length)
+                keys = slice(kp.start, kp.start + kp.length)
+                with torch.enable_grad():
+                    qb = q.detach().requires_grad_()
+                    kb = kv[0].detach().requires_grad_()
+                    vb = kv[1].detach().requires_grad_()
+                    o_blk, l_blk = plan.attend(qb, kb, vb, qp, kp, src)
+                if not o_blk.requires_grad:  # a block the mask empties: no contribution
+                    continue
+                if not l_blk.requires_grad:
+                    raise RuntimeError(
+                        "ring attention backpropagates through the block log-sum-exp, but local_attention "
+                        f"{plan.local_attention!r} returned an lse without autograd history"
+                    )
+                # The block's share of the merged softmax: w = exp(lse_blk - lse) [B, h, rows].
+                w = torch.exp(l_blk.detach().to(ct) - lse_safe[:, :, rows])
+                w_ = w.transpose(1, 2).unsqueeze(-1)  # [B, rows, h, 1]
+                g_out = grad_out[:, rows]  # [B, rows, h, D]
+                # d loss / d o_blk = w dO;  d loss / d lse_blk = w * <dO, o_blk - out>  (per row and head)
+                g_o = (w_ * g_out).to(o_blk.dtype)
+                g_l = w * (g_out * (o_blk.detach().to(ct) - out[:, rows])).sum(-1).transpose(1, 2)
+                grads = torch.autograd.grad(
+                    (o_blk, l_blk), (qb, kb, vb), (g_o, g_l.to(l_blk.dtype)), allow_unused=True
+                )
+                for acc, g, sl in ((dq, grads[0], rows), (dkv[0], grads[1], keys), (dkv[1], grads[2], keys)):
+                    if g is not None:
+                        acc[:, sl] += g[:, sl].to(ct)
+            # the key/value gradients follow their block; after R shifts they are back with their owner
+            dkv = RingShift(dkv, plan.group, plan.counter, tag=_GRAD_TAG).wait()
+            if shift is not None:
+                kv = shift.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+class DistributedAttention(torch.nn.Module):
+    """Sequence-parallel attention around any local attention (Ulysses, ring, or Unified Ulysses x Ring).
+
+    Args:
+        local_attention: a callable implementing the local attention protocol
+            (:mod:`ds4sci.sequence.local_attention`), e.g. ``functools.partial(sdpa_attention, causal=True)``
+            or a model's attention core.
+        sp_group: the Ulysses (all-to-all) group; ``None`` for ring attention alone.
+        ring_group: the ring group; ``None`` for Ulysses alone. With both, the groups must meet only in this
+            rank (as :func:`~ds4sci.sequence.build_groups` makes them); passing the whole SP group as
+            ``sp_group`` together with a ring group is rejected.
+        layout: ``"contiguous"`` or ``"zigzag"``, the layout the inputs were sharded with (see
+            :mod:`ds4sci.sequence.sharding`).
+        counter: optional :class:`~ds4sci.sequence.CommCounter` recording this layer's communication.
+        check_shapes: all-gather the local shapes first (a few bytes, recorded as ``"all_gather"``) and raise a
+            ``ValueError`` if the ranks disagree (unevenly sharded sequences), instead of a hang or a silently
+            wrong result.
+
+    Heads: Ulysses needs ``H % U == 0`` (else ``ValueError`` naming heads, KV heads and degrees; a ring degree
+    can carry the parallelism instead). GQA/MQA key/value heads are split over the Ulysses group when ``U``
+    divides ``Hkv``; otherwise each is replicated ``U / gcd(Hkv, U)`` times first (the smallest count the
+    all-to-all can split; gradients of the copies are summed by autograd).
+    """
+
+    def __init__(
+        self,
+        local_attention: Callable,
+        sp_group: dist.ProcessGroup | None,
+        ring_group: dist.ProcessGroup | None = None,
+        *,
+        layout: str = "contiguous",
+        counter: CommCounter | None = None,
+        check_shapes: bool = True,
+    ) -> None:
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+        if group_size(sp_group) > 1 and group_size(ring_group) > 1:
+            shared = set(dist.get_process_group_ranks(sp_group)) & set(dist.get_process_group_ranks(ring_group))
+            if shared != {dist.get_rank()}:
+                raise ValueError(
+                    f"sp_group (ranks {dist.get_process_group_ranks(sp_group)}) and ring_group (ranks "
+                    f"{dist.get_process_group_ranks(ring_group)}) share ranks {sorted(shared)}; pass the Ulysses "
+                    "group as sp_group (SequenceParallelGroups.ulysses), not the whole sequence-parallel group"
+                )
+        self.local_attention = local_attention
+        self.sp_group = sp_group
+        self.ring_group = ring_group
+        self.layout = layout
+        self.counter = counter
+        self.check_shapes = check_shapes
+
+    @property
+    def ulysses_size(self) -> int:
+        return group_size(self.sp_group)
+
+    @property
+    def ring_size(self) -> int:
+        return group_size(self.ring_group)
+
+    @property
+    def shard_world(self) -> int:
+        """Number of sequence shards (``U * R``)."""
+        return self.ulysses_size * self.ring_size
+
+    @property
+    def shard_rank(self) -> int:
+        """Index of the sequence shard this rank must hold: ``ring_rank * U + ulysses_rank``."""
+        return group_rank(self.ring_group) * self.ulysses_size + group_rank(self.sp_group)
+
+    def _validate(self, q, k, v, q_doc, k_doc) -> None:
+        U, R = self.ulysses_size, self.ring_size
+        if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+            raise ValueError(
+                f"expected local shards q [B, S/P, H, D], k and v [B, S/P, Hkv, D]; got q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        H, Hkv = q.shape[2], k.shape[2]
+        if H % Hkv != 0:
+            raise ValueError(f"heads={H} is not a multiple of kv heads={Hkv}")
+        if H % U != 0:
+            raise ValueError(
+                f"heads={H} (kv heads={Hkv}) cannot be split over the Ulysses degree {U} (ring degree {R}); use a "
+                f"Ulysses degree that divides {H} and let the ring degree carry the rest"
+            )
+        if self.layout == "zigzag" and (q.shape[1] % 2 or k.shape[1] % 2):
+            raise ValueError(
+                f"zigzag shards hold two equal chunks; local lengths q {q.shape[1]}, k {k.shape[1]} are odd"
+            )
+        if (q_doc is None) != (k_doc is None):
+            raise ValueError("pass both q_doc and k_doc, or neither")
+        if q_doc is not None and (tuple(q_doc.shape) != tuple(q.shape[:2]) or tuple(k_doc.shape) != tuple(k.shape[:2])):
+            raise ValueError(
+                f"q_doc {tuple(q_doc.shape)} / k_doc {tuple(k_doc.shape)} must be the local [B, S/P] shards "
+                f"{tuple(q.shape[:2])} / {tuple(k.shape[:2])}"
+            )
+        if self.check_shapes:
+            mine = torch.tensor([*q.shape, *k.shape], dtype=torch.int64, device=q.device)  # [8]
+            for group in (self.sp_group, self.ring_group):
+                shapes = all_gather_seq(mine[None], group, dim=0, counter=self.counter)  # [P, 8]
+                if not bool((shapes == mine).all()):
+                    raise ValueError(
+                        "ranks hold different local shapes (q then k, per rank): "
+                        f"{shapes.tolist()}; shard the sequence evenly (shard_sequence, pad_to_multiple)"
+                    )
+
+    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Ulysses all-to-all and zigzag reorder: ``[B, s, H, D] -> [B, U*s, H/U, D]`` with the ring rank's
+        pieces in sequence order."""
+        x = all_to_all(x, self.sp_group, scatter_dim=2, gather_dim=1, counter=self.counter)  # [B, U*s, H/U, D]
+        return self._reorder(x, inverse=False)
+
+    def _from_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`_to_heads`: ``[B, U*s, H/U, D] -> [B, s, H, D]``."""
+        x = self._reorder(x, inverse=True)
+        return all_to_all(x, self.sp_group, scatter_dim=1, gather_dim=2, counter=self.counter)  # [B, s, H, D]
+
+    def _reorder(self, x: torch.Tensor, inverse: bool) -> torch.Tensor:
+        """Zigzag: SP rank ``p`` holds chunks ``p`` and ``2P-1-p``, so the all-to-all concatenates the U shards of
+        ring rank r as ``[c_a, c_z, c_(a+1), c_(z-1), ...]`` (``a = r*U``, ``z = 2P-1-a``). Regroup them as
+        ``[c_a .. c_(a+U-1), c_(z-U+1) .. c_z]`` = ring chunks ``r`` and ``2R-1-r`` in sequence order (or back)."""
+        U = self.ulysses_size
+        if self.layout != "zigzag" or U == 1:
+            return x
+        B, L = x.shape[:2]
+        rest = x.shape[2:]
+        c = L // (2 * U)
+        if inverse:
+            early, late = x.reshape(B, 2, U, c, *rest).unbind(1)  # 2 x [B, U, c, ...]
+            x = torch.stack([early, late.flip(1)], dim=2)  # [B, U, 2, c, ...]
+        else:
+            x = x.reshape(B, U, 2, c, *rest)  # [B, U, 2, c, ...]: the early then the late chunk of each shard
+            x = torch.stack([x[:, :, 0], x[:, :, 1].flip(1)], dim=1)  # [B, 2, U, c, ...], late chunks ascending
+        return x.reshape(B, L, *rest)  # [B, U*s, ...]
+
+    def _block_docs(self, doc: torch.Tensor) -> torch.Tensor:
+        """Document ids of the post all-to-all block: ``[B, s] -> [B, U*s]`` (gathered, zigzag-reordered)."""
+        doc = all_gather_seq(doc, self.sp_group, dim=1, counter=self.counter)  # [B, U*s]
+        return self._reorder(doc, inverse=False)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        q_doc: torch.Tensor | None = None,
+        k_doc: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention on local shards.
+
+        Args:
+            q: ``[B, S/P, H, D]``, k and v: ``[B, S/P, Hkv, D]``, this rank's sequence shard
+                (``P = U * R``, shard index :attr:`shard_rank`, layout :attr:`layout`).
+            q_doc, k_doc: optional ``[B, S/P]`` document ids of the same shards.
+        Returns:
+            ``[B, S/P, H, D]``: this rank's shard of the attention output.
+        """
+        self._validate(q, k, v, q_doc, k_doc)
+        U, R = self.ulysses_size, self.ring_size
+        H, Hkv = q.shape[2], k.shape[2]
+        if Hkv % U != 0:
+            # GQA/MQA with fewer KV heads than the split needs: replicate each KV head so the all-to-all can
+            # split them and every rank still holds the KV heads its query heads use (h -> h // (H/Hkv)).
+            copies = U // math.gcd(Hkv, U)
+            k = k.repeat_interleave(copies, dim=2)  # [B, s, Hkv*copies, D]
+            v = v.repeat_interleave(copies, dim=2)
+        q, k, v = self._to_heads(q), self._to_heads(k), self._to_heads(v)  # [B, s, H, D] -> [B, U*s, H/U, D]
+        head_offset = group_rank(self.sp_group) * (H // U)
+        q_blk_doc = k_blk_doc = None
+        if q_doc is not None:
+            q_blk_doc = self._block_docs(q_doc)  # [B, U*s]
+            k_blk_doc = q_blk_doc if k_doc is q_doc else self._block_docs(k_doc)
+        if R == 1:
+            (qp,) = _pieces(0, 1, q.shape[1], self.layout)
+            (kp,) = _pieces(0, 1, k.shape[1], self.layout)
+            out = self.local_attention(
+                q, k, v, q_offset=qp.offset, k_offset=kp.offset, head_offset=head_offset, q_doc=q_blk_doc,
+                k_doc=k_blk_doc,
+            )
+        else:
+            k_docs = None
+            if k_blk_doc is not None:
+                k_docs = all_gather_seq(k_blk_doc[None], self.ring_group, dim=0, counter=self.counter)  # [R, B, U*s]
+            plan = _RingPlan(self.local_attention, self.ring_group, self.counter, self.layout, head_offset,
+                             q_blk_doc, k_docs)
+            out = _RingAttention.apply(q, k, v, plan)  # [B, U*s, H/U, D]
+        return self._from_heads(out)  # [B, U*s, H/U, D] -> [B, s, H, D]

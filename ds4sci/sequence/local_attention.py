@@ -1,0 +1,316 @@
+"""Local attentions implementing the ds4sci local attention protocol.
+
+A local attention is a callable::
+
+    local_attention(q, k, v, *, q_offset=0, k_offset=0, head_offset=0, q_doc=None, k_doc=None, return_lse=False)
+
+- q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` (``Hkv`` divides ``H``: GQA/MQA, query head ``h`` uses key/value
+  head ``h // (H/Hkv)``), each one contiguous block of the sequence.
+- ``q_offset`` / ``k_offset``: global sequence index of the first query / key row; masks are evaluated on global
+  indices (causal: query ``i`` sees key ``j`` iff ``j <= i``).
+- ``head_offset``: global index of local head 0 (for per-head masks or biases).
+- ``q_doc`` / ``k_doc``: optional int ``[B, Sq]`` / ``[B, Sk]`` document ids (packed sequences): a query sees a
+  key only if both carry the same id.
+- returns out ``[B, Sq, H, D]``, or with ``return_lse=True`` ``(out, lse)``, lse ``[B, H, Sq]`` the natural
+  log-sum-exp of the scaled logits, in ``promote_types(dtype, float32)`` (float32, or float64 for float64
+  inputs, so that merging blocks keeps float64 exact). Rows that see no key: ``lse = -inf`` and ``out = 0``.
+  Ring attention backpropagates through the lse, so it must carry autograd history when q, k, v do.
+
+Options beyond the protocol (``causal``, ``window``, ``mask``, ``scale``) are keyword arguments; bind them with
+``functools.partial(sdpa_attention, causal=True)``.
+
+- :func:`sdpa_attention`: PyTorch ``scaled_dot_product_attention``; with ``return_lse`` an explicit softmax in
+  ``promote_types(dtype, float32)`` (the readable oracle; SDPA's fused CPU op returns a log-sum-exp without a
+  gradient).
+- :func:`flex_attention`: FlexAttention with a block mask (causal, sliding window, documents). Its backward is
+  not implemented on the CPU (PyTorch raises ``NotImplementedError``); use it for GPU training or CPU inference.
+- :func:`flash_attention`: flash-attn's ``flash_attn_func`` when importable (GPU, fp16/bf16).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["attention_mask", "sdpa_attention", "flex_attention", "flash_attention", "flash_causal_mode"]
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc, k_doc) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"expected q [B, Sq, H, D], k and v [B, Sk, Hkv, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("pass both q_doc and k_doc, or neither")
+    if q_doc is not None and (tuple(q_doc.shape) != tuple(q.shape[:2]) or tuple(k_doc.shape) != tuple(k.shape[:2])):
+        raise ValueError(
+            f"q_doc {tuple(q_doc.shape)} / k_doc {tuple(k_doc.shape)} must be [B, Sq] = {tuple(q.shape[:2])} / "
+            f"[B, Sk] = {tuple(k.shape[:2])}"
+        )
+
+
+def attention_mask(
+    q_len: int,
+    k_len: int,
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    head_offset: int = 0,
+    num_heads: int = 1,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    mask: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor | None:
+    """Boolean visibility (True = attend) of a block, evaluated on global indices; ``None`` if all visible.
+
+    Query ``i = q_offset + a`` sees key ``j = k_offset + b`` iff all of: ``j <= i`` (causal); ``i - j < window``
+    (and ``j - i < window`` without causal: a symmetric band); same document id; ``mask[..., i, j]``.
+
+    Args:
+        mask: explicit global mask ``[S, S]`` or ``[B|1, H_total|1, S, S]`` on global indices; the block and
+            heads ``head_offset .. head_offset+num_heads-1`` are sliced from it.
+    Returns:
+        ``[B|1, H|1, q_len, k_len]`` bool, or ``None``.
+    """
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be >= 1")
+    out: torch.Tensor | None = None
+    if causal or window is not None:
+        qi = torch.arange(q_offset, q_offset + q_len, device=device)[:, None]  # [Sq, 1] global query index
+        kj = torch.arange(k_offset, k_offset + k_len, device=device)[None, :]  # [1, Sk] global key index
+        band = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+        if causal:
+            band &= kj <= qi
+        if window is not None:
+            band &= (qi - kj < window) & (kj - qi < window)
+        out = band[None, None]  # [1, 1, Sq, Sk]
+    if q_doc is not None:
+        same = q_doc[:, None, :, None] == k_doc[:, None, None, :]  # [B, 1, Sq, Sk]
+        out = same if out is None else out & same
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() not in (2, 4):
+            raise ValueError(f"mask must be bool [S, S] or [B|1, H|1, S, S]; got {mask.dtype} {tuple(mask.shape)}")
+        if mask.shape[-2] < q_offset + q_len or mask.shape[-1] < k_offset + k_len:
+            raise ValueError(
+                f"mask {tuple(mask.shape)} does not cover queries [{q_offset}, {q_offset + q_len}) and keys "
+                f"[{k_offset}, {k_offset + k_len})"
+            )
+        block = mask[..., q_offset : q_offset + q_len, k_offset : k_offset + k_len].to(device)
+        if block.dim() == 2:
+            block = block[None, None]  # [1, 1, Sq, Sk]
+        elif block.shape[1] != 1:
+            if block.shape[1] < head_offset + num_heads:
+                raise ValueError(f"mask {tuple(mask.shape)} has no heads [{head_offset}, {head_offset + num_heads})")
+            block = block[:, head_offset : head_offset + num_heads]  # [B|1, H, Sq, Sk]
+        out = block if out is None else out & block
+    return out
+
+
+def _empty_result(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
+    B, Sq, H, _ = q.shape
+    out = q.new_zeros(B, Sq, H, v.shape[-1])
+    if not return_lse:
+        return out
+    lse = torch.full((B, H, Sq), -math.inf, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    return out, lse
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    head_offset: int = 0,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+    return_lse: bool = False,
+    causal: bool = False,
+    window: int | None = None,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+):
+    """Softmax attention ``softmax(q k^T * scale + mask) v`` (Vaswani et al. 2017) on one block.
+
+    q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` -> out ``[B, Sq, H, D]`` (and lse ``[B, H, Sq]``); see the
+    module docstring for the protocol and :func:`attention_mask` for ``causal``, ``window`` and ``mask``.
+    ``scale`` defaults to ``1/sqrt(D)``. A block no query of which sees any key returns zeros without computing
+    (ring attention relies on this to skip the blocks causal masking empties).
+    """
+    _check_qkv(q, k, v, q_doc, k_doc)
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if causal and k_offset > q_offset + Sq - 1:  # every key is in every query's future
+        return _empty_result(q, v, return_lse)
+    visible = attention_mask(
+        Sq, Sk, q_offset=q_offset, k_offset=k_offset, head_offset=head_offset, num_heads=H, q_doc=q_doc,
+        k_doc=k_doc, causal=causal, window=window, mask=mask, device=q.device,
+    )
+    row_any = None
+    if visible is not None:
+        if not visible.any():
+            return _empty_result(q, v, return_lse)
+        row_any = visible.any(dim=-1, keepdim=True)  # [B|1, H|1, Sq, 1]
+        # Rows that see no key attend to everything (finite, NaN-free gradients), then are zeroed.
+        visible = visible | ~row_any
+
+    if not return_lse:
+        # The aligned causal block (every row sees its diagonal) takes SDPA's is_causal kernel.
+        causal_kernel = causal and visible is not None and window is None and q_doc is None and mask is None
+        causal_kernel = causal_kernel and q_offset == k_offset and Sq == Sk
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H|Hkv, S, D]
+            attn_mask=None if causal_kernel else visible, is_causal=causal_kernel, scale=scale,
+            enable_gqa=Hkv != H,
+        )  # [B, H, Sq, D]
+        if row_any is not None:
+            out = out.masked_fill(~row_any, 0.0)
+        return out.transpose(1, 2)  # [B, Sq, H, D]
+
+    ct = torch.promote_types(q.dtype, torch.float32)
+    qf = q.to(ct).transpose(1, 2)  # [B, H, Sq, D]
+    kf = k.to(ct).repeat_interleave(H // Hkv, dim=2).transpose(1, 2)  # [B, H, Sk, D]
+    vf = v.to(ct).repeat_interleave(H // Hkv, dim=2).transpose(1, 2)  # [B, H, Sk, D]
+    logits = (qf @ kf.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
+    if visible is not None:
+        logits = logits.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)  # [B, H, Sq]
+    out = torch.exp(logits - lse.unsqueeze(-1)) @ vf  # [B, H, Sq, D]
+    if row_any is not None:
+        out = out.masked_fill(~row_any, 0.0)
+        lse = lse.masked_fill(~row_any.squeeze(-1), -math.inf)
+    return out.transpose(1, 2).to(q.dtype), lse  # [B, Sq, H, D], [B, H, Sq]
+
+
+def flex_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    head_offset: int = 0,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+    return_lse: bool = False,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    block_size: int = 128,
+    compile: bool | None = None,
+):
+    """FlexAttention (PyTorch ``torch.nn.attention.flex_attention``) with a block mask on global indices.
+
+    Same protocol and mask semantics as :func:`sdpa_attention` (``causal``, ``window``, documents), expressed as
+    a ``mask_mod`` so fully masked tiles of ``block_size`` are skipped. ``compile=None`` compiles on GPUs and
+    runs eagerly on the CPU (where FlexAttention has no backward: PyTorch raises ``NotImplementedError``).
+    ``head_offset`` is accepted for the protocol; these masks do not depend on the head.
+    """
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as _flex
+
+    _check_qkv(q, k, v, q_doc, k_doc)
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be >= 1")
+    B, Sq, H, _ = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if causal and k_offset > q_offset + Sq - 1:
+        return _empty_result(q, v, return_lse)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        i, j = q_idx + q_offset, kv_idx + k_offset  # global indices
+        keep = i >= 0  # all True, as a tensor
+        if causal:
+            keep = keep & (j <= i)
+        if window is not None:
+            keep = keep & (i - j < window) & (j - i < window)
+        if q_doc is not None:
+            keep = keep & (q_doc[b, q_idx] == k_doc[b, kv_idx])
+        return keep
+
+    needs_mask = causal or window is not None or q_doc is not None
+    block_mask = (
+        create_block_mask(mask_mod, B if q_doc is not None else None, None, Sq, Sk, device=q.device,
+                          BLOCK_SIZE=block_size)
+        if needs_mask else None
+    )
+    use_compile = q.is_cuda if compile is None else compile
+    fn = torch.compile(_flex) if use_compile else _flex
+    out, aux = fn(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H|Hkv, S, D]
+        block_mask=block_mask, scale=scale, enable_gqa=Hkv != H, return_aux=AuxRequest(lse=True),
+    )
+    out = out.transpose(1, 2)  # [B, Sq, H, D]
+    if not return_lse:
+        return out
+    return out, aux.lse.to(torch.promote_types(q.dtype, torch.float32))  # [B, H, Sq]
+
+
+def flash_causal_mode(q_offset: int, q_len: int, k_offset: int, k_len: int) -> str:
+    """How a causal block maps onto flash-attn's bottom-right-aligned ``causal`` flag.
+
+    Returns ``"empty"`` (every key after every query), ``"full"`` (every key at or before every query),
+    ``"causal"`` (flash's mask equals the global one: ``q_offset + q_len == k_offset + k_len``), or
+    ``"unsupported"``.
+    """
+    if k_offset > q_offset + q_len - 1:
+        return "empty"
+    if k_offset + k_len - 1 <= q_offset:
+        return "full"
+    if q_offset + q_len == k_offset + k_len:
+        return "causal"
+    return "unsupported"
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    head_offset: int = 0,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+    return_lse: bool = False,
+    causal: bool = False,
+    scale: float | None = None,
+):
+    """flash-attn 2 (Dao 2023) ``flash_attn_func`` on one block (GPU, fp16/bf16, same ``[B, S, H, D]`` layout).
+
+    Causal blocks are mapped with :func:`flash_causal_mode`. Not supported (``NotImplementedError``): document
+    ids (use flash-attn's varlen API or :func:`flex_attention`) and causal blocks whose mask is not
+    bottom-right aligned. flash-attn returns its lse without a gradient, so it serves Ulysses and ring inference,
+    not ring training. Untested in ds4sci's CI (no GPU); the offset mapping is tested.
+    """
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as err:
+        raise ImportError("flash_attention needs the flash-attn package (pip install flash-attn)") from err
+    _check_qkv(q, k, v, q_doc, k_doc)
+    if q_doc is not None:
+        raise NotImplementedError("flash_attention does not take document ids; use flex_attention")
+    mode = flash_causal_mode(q_offset, q.shape[1], k_offset, k.shape[1]) if causal else "full"
+    if mode == "empty":
+        return _empty_result(q, v, return_lse)
+    if mode == "unsupported":
+        raise NotImplementedError(
+            f"flash_attention: causal block q [{q_offset}, {q_offset + q.shape[1]}) x k [{k_offset}, "
+            f"{k_offset + k.shape[1]}) is not bottom-right aligned"
+        )
+    result = flash_attn_func(q, k, v, softmax_scale=scale, causal=mode == "causal", return_attn_probs=return_lse)
+    if not return_lse:
+        return result
+    out, lse = result[0], result[1]  # [B, Sq, H, D], [B, H, Sq] float32
+    return out, lse.to(torch.promote_types(q.dtype, torch.float32))
