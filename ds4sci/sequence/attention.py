@@ -358,12 +358,9 @@ class DistributedAttention(torch.nn.Module):
         if q_doc is not None:
             q_blk_doc = self._block_docs(q_doc)  # [B, U*s]
             k_blk_doc = q_blk_doc if k_doc is q_doc else self._block_docs(k_doc)
-        if R == 1:
-            (qp,) = _pieces(0, 1, q.shape[1], self.layout)
-            (kp,) = _pieces(0, 1, k.shape[1], self.layout)
+        if R == 1:  # every rank holds the whole sequence, in order, on H/U heads
             out = self.local_attention(
-                q, k, v, q_offset=qp.offset, k_offset=kp.offset, head_offset=head_offset, q_doc=q_blk_doc,
-                k_doc=k_blk_doc,
+                q, k, v, q_offset=0, k_offset=0, head_offset=head_offset, q_doc=q_blk_doc, k_doc=k_blk_doc
             )
         else:
             k_docs = None

@@ -155,11 +155,10 @@ class RingShift:
         src = dist.get_global_rank(group, (rank - 1) % world)
         self._send = [t.contiguous() for t in tensors]
         self.received = [torch.empty_like(t) for t in self._send]
-        self._works = []
-        for t in self._send:
-            self._works.append(dist.isend(t, dst, group=group, tag=tag))
-        for t in self.received:
-            self._works.append(dist.irecv(t, src, group=group, tag=tag))
+        # one batch: NCCL runs the sends and receives as a group, so neither side waits on the other's order
+        ops = [dist.P2POp(dist.isend, t, dst, group, tag) for t in self._send]
+        ops += [dist.P2POp(dist.irecv, t, src, group, tag) for t in self.received]
+        self._works = dist.batch_isend_irecv(ops)
         if counter is not None:
             moved = sum(_nbytes(t) for t in self._send)
             counter.record("p2p", moved, moved)
