@@ -350,6 +350,7 @@ class DistributedAttention(torch.nn.Module):
             # GQA/MQA with fewer KV heads than the split needs: replicate each KV head so the all-to-all can
             # split them and every rank still holds the KV heads its query heads use (h -> h // (H/Hkv)).
             copies = U // math.gcd(Hkv, U)
+            logger.debug("replicating %d KV heads x%d for Ulysses degree %d", Hkv, copies, U)
             k = k.repeat_interleave(copies, dim=2)  # [B, s, Hkv*copies, D]
             v = v.repeat_interleave(copies, dim=2)
         q, k, v = self._to_heads(q), self._to_heads(k), self._to_heads(v)  # [B, s, H, D] -> [B, U*s, H/U, D]

@@ -6,7 +6,6 @@ output and the gradients of its local q, k, v with the matching shard of the ref
 spawn (spawning costs seconds); each failure names its case.
 """
 import functools
-import math
 
 import pytest
 import torch
