@@ -1,7 +1,7 @@
 """The "torch" backend: memory-efficient Evoformer attention in plain PyTorch, chunked over queries.
 
-Forward processes queries in chunks so that only one ``[Z, N, H, C, S]`` logits block (C queries) lives
-at a time, computes the softmax in fp32 (fp64 for fp64 inputs) and saves only O and the log-sum-exp.
+Forward processes one head and one chunk of C queries at a time, so that only one ``[Z, N, C, S]``
+logits block lives at a time, computes the softmax in fp32 (fp64 for fp64 inputs) and saves only O and the log-sum-exp.
 Backward recomputes each block's probabilities from the LSE, ``P = exp(S - LSE)``, and forms
 ``dS = P * (dP - rowsum(dO * O))`` (the FlashAttention-2 backward, Dao 2023, Algorithm 2, applied per
 query chunk as in Rabe & Staats 2021, "Self-attention does not need O(n^2) memory"). The pair-bias
@@ -9,8 +9,9 @@ gradient is ``dS`` summed over N with an ordinary (deterministic) reduction, one
 two backward passes give bitwise-equal results.
 
 The chunk size C is the largest that keeps one fp32 logits block within :data:`LOGITS_CHUNK_BYTES`
-(at least one query). Peak extra memory is about two such blocks in backward, plus fp32 copies of q/k/v/dO
-for fp16/bf16 inputs.
+(at least one query). Gradients are accumulated in place (``baddbmm_``) into strided per-head views of
+tensors already in the ``[Z, N, S, H, D]`` output layout, so beyond O, dQ, dK, dV the backward holds about two
+logits blocks (plus fp32 per-head copies and fp32 accumulators for fp16/bf16 inputs).
 
 Works on any device; canonical shapes and the backend contract are described in ``ds4sci.kernels.evoformer``.
 """
@@ -24,31 +25,36 @@ from torch import Tensor
 
 from .reference import ieee_fp32_matmul
 
-#: Upper bound on the bytes of one fp32 logits block ``[Z, N, H, C, S]``; backward holds about two.
-LOGITS_CHUNK_BYTES = 16 * 2**20
+#: Upper bound on the bytes of one fp32 logits block ``[Z, N, C, S]`` (one head); backward holds about two.
+LOGITS_CHUNK_BYTES = 4 * 2**20
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_size(z: int, n: int, h: int, s: int, dtype: torch.dtype) -> int:
-    """Queries per chunk so that a ``[Z, N, H, C, S]`` block of ``dtype`` fits in LOGITS_CHUNK_BYTES."""
-    bytes_per_query = z * n * h * s * torch.finfo(dtype).bits // 8
+def _chunk_size(z: int, n: int, s: int, dtype: torch.dtype) -> int:
+    """Queries per chunk so that a ``[Z, N, C, S]`` block of ``dtype`` fits in LOGITS_CHUNK_BYTES."""
+    bytes_per_query = z * n * s * torch.finfo(dtype).bits // 8
     return max(1, min(s, LOGITS_CHUNK_BYTES // bytes_per_query))
 
 
+def _head(t: Tensor, hh: int, dtype: torch.dtype) -> Tensor:
+    """Head ``hh`` of a ``[Z, N, S, H, D]`` tensor as ``[Z*N, S, D]`` in ``dtype`` (a strided view when possible)."""
+    z, n, s, _, d = t.shape
+    return t[:, :, :, hh].to(dtype).reshape(z * n, s, d)
+
+
 def _block_logits(
-    q_c: Tensor, k: Tensor, mask: Optional[Tensor], pair_c: Optional[Tensor], scale: float
+    q_c: Tensor, k_t: Tensor, mask: Optional[Tensor], pair_c: Optional[Tensor], z: int, scale: float
 ) -> Tensor:
-    """Logits of one query chunk: q_c ``[Z, N, C, H, D]``, k ``[Z, N, S, H, D]`` -> ``[Z, N, H, C, S]``."""
-    # [Z, N, H, C, D] @ [Z, N, H, D, S] -> [Z, N, H, C, S]
-    s = torch.matmul(q_c.permute(0, 1, 3, 2, 4), k.permute(0, 1, 3, 4, 2))
-    s.mul_(scale)
+    """Logits of one head and query chunk: q_c ``[Z*N, C, D]``, k_t ``[Z*N, D, S]`` -> ``[Z, N, C, S]``."""
+    s = torch.bmm(q_c, k_t)  # [Z*N, C, S]
+    s = s.view(z, -1, *s.shape[1:]).mul_(scale)  # [Z*N, C, S] -> [Z, N, C, S]
     if mask is not None:
-        s.add_(mask[:, :, None, None, :])  # [Z, N, 1, 1, S]
+        s.add_(mask[:, :, None, :])  # [Z, N, 1, S]
     if pair_c is not None:
-        s.add_(pair_c[:, None])  # [Z, 1, H, C, S]
+        s.add_(pair_c[:, None])  # [Z, 1, C, S]
     return s
 
 
@@ -57,30 +63,30 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optio
     z, n, s_len, h, d = q.shape
     cdt = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(d)
-    k_c, v_c = k.to(cdt), v.to(cdt)
     mask_c = None if mask is None else mask.to(cdt)
-    pair_c = None if pair is None else pair.to(cdt)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [Z, N, S, H, D]
     lse = torch.empty((z, n, h, s_len), dtype=cdt, device=q.device)  # [Z, N, H, S]
-    # [Z, N, S, H, D] -> [Z, N, H, S, D] (view) for the P @ V product
-    v_t = v_c.permute(0, 1, 3, 2, 4)
-    chunk = _chunk_size(z, n, h, s_len, cdt)
+    chunk = _chunk_size(z, n, s_len, cdt)
     with ieee_fp32_matmul(q.device):
-        for i0 in range(0, s_len, chunk):
-            i1 = min(i0 + chunk, s_len)
-            blk = _block_logits(
-                q[:, :, i0:i1].to(cdt), k_c, mask_c, None if pair_c is None else pair_c[:, :, i0:i1], scale
-            )  # [Z, N, H, C, S]
-            row_max = blk.amax(dim=-1, keepdim=True)  # [Z, N, H, C, 1]
-            # Fully -inf rows: shift by 0 so exp gives exact zeros, never NaN.
-            row_max.masked_fill_(torch.isinf(row_max), 0.0)
-            blk.sub_(row_max).exp_()
-            denom = blk.sum(dim=-1, keepdim=True)  # [Z, N, H, C, 1]
-            empty = denom == 0
-            # [Z, N, H, C, S] @ [Z, N, H, S, D] -> [Z, N, H, C, D]
-            o_blk = torch.matmul(blk, v_t).div_(denom.masked_fill(empty, 1.0))
-            o[:, :, i0:i1] = o_blk.permute(0, 1, 3, 2, 4)  # -> [Z, N, C, H, D]
-            lse[:, :, :, i0:i1] = (row_max + denom.log()).masked_fill_(empty, math.inf).squeeze(-1)
+        for hh in range(h):
+            q_h, v_h = _head(q, hh, cdt), _head(v, hh, cdt)  # [Z*N, S, D]
+            k_t = _head(k, hh, cdt).transpose(1, 2)  # [Z*N, D, S]
+            pair_h = None if pair is None else pair[:, hh].to(cdt)  # [Z, S, S]
+            for i0 in range(0, s_len, chunk):
+                i1 = min(i0 + chunk, s_len)
+                blk = _block_logits(
+                    q_h[:, i0:i1], k_t, mask_c, None if pair_h is None else pair_h[:, i0:i1], z, scale
+                )  # [Z, N, C, S]
+                row_max = blk.amax(dim=-1, keepdim=True)  # [Z, N, C, 1]
+                # Fully -inf rows: shift by 0 so exp gives exact zeros, never NaN.
+                row_max.masked_fill_(torch.isinf(row_max), 0.0)
+                blk.sub_(row_max).exp_()
+                denom = blk.sum(dim=-1, keepdim=True)  # [Z, N, C, 1]
+                empty = denom == 0
+                blk.div_(denom.masked_fill(empty, 1.0))
+                # [Z*N, C, S] @ [Z*N, S, D] -> [Z*N, C, D] -> [Z, N, C, D]
+                o[:, :, i0:i1, hh] = torch.bmm(blk.view(z * n, i1 - i0, s_len), v_h).view(z, n, i1 - i0, d)
+                lse[:, :, hh, i0:i1] = (row_max + denom.log()).masked_fill_(empty, math.inf).squeeze(-1)
     return o, lse
 
 
@@ -96,7 +102,7 @@ def backward(
     need_mask_grad: bool,
     need_pair_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """Backend contract ``backward``: recompute P per query chunk from the LSE.
+    """Backend contract ``backward``: recompute P per head and query chunk from the LSE.
 
     Returns dq, dk, dv in q's dtype; dmask ``[Z, N, S]`` per n (not reduced) and dpair ``[Z, H, S, S]``
     summed over N, both fp32 (fp64 for fp64 inputs), or None when not requested.
@@ -104,47 +110,40 @@ def backward(
     z, n, s_len, h, d = q.shape
     cdt = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(d)
-    k_c, v_c = k.to(cdt), v.to(cdt)
     mask_c = None if mask is None else mask.to(cdt)
-    pair_c = None if pair is None else pair.to(cdt)
-    # [Z, N, S, H, D] -> [Z, N, H, S, D] views of the key-side operands
-    k_t, v_t = k_c.permute(0, 1, 3, 2, 4), v_c.permute(0, 1, 3, 2, 4)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros((z, n, h, s_len, d), dtype=cdt, device=q.device)  # [Z, N, H, S, D]
-    dv = torch.zeros((z, n, h, s_len, d), dtype=cdt, device=q.device)  # [Z, N, H, S, D]
-    # [Z, N, H, S, D] -> [Z*N*H, S, D] views for in-place batched accumulation
-    dk3, dv3 = dk.view(-1, s_len, d), dv.view(-1, s_len, d)
+    # Gradients in the output layout [Z, N, S, H, D]; in the compute dtype (cast at the end for fp16/bf16).
+    dq, dk, dv = (torch.zeros(q.shape, dtype=cdt, device=q.device) for _ in range(3))
     dmask = torch.zeros((z, n, s_len), dtype=cdt, device=q.device) if need_mask_grad else None
     dpair = torch.empty((z, h, s_len, s_len), dtype=cdt, device=q.device) if need_pair_grad else None
-    chunk = _chunk_size(z, n, h, s_len, cdt)
+    chunk = _chunk_size(z, n, s_len, cdt)
     with ieee_fp32_matmul(q.device):
-        for i0 in range(0, s_len, chunk):
-            i1 = min(i0 + chunk, s_len)
-            q_blk = q[:, :, i0:i1].to(cdt).permute(0, 1, 3, 2, 4)  # [Z, N, H, C, D]
-            do_blk = do[:, :, i0:i1].to(cdt).permute(0, 1, 3, 2, 4)  # [Z, N, H, C, D]
-            o_blk = o[:, :, i0:i1].to(cdt).permute(0, 1, 3, 2, 4)  # [Z, N, H, C, D]
-            delta = (do_blk * o_blk).sum(dim=-1, keepdim=True)  # [Z, N, H, C, 1]
-            p = _block_logits(
-                q[:, :, i0:i1].to(cdt), k_c, mask_c, None if pair_c is None else pair_c[:, :, i0:i1], scale
-            )  # [Z, N, H, C, S]
-            # P = exp(S - LSE); LSE = +inf on fully -inf rows gives exact zeros.
-            p.sub_(lse[:, :, :, i0:i1, None]).exp_()
-            c = i1 - i0
-            # dV += P^T @ dO, accumulated in place: [Z*N*H, S, C] @ [Z*N*H, C, D] -> [Z*N*H, S, D]
-            dv3.baddbmm_(p.transpose(-1, -2).reshape(-1, s_len, c), do_blk.reshape(-1, c, d))
-            # dP = dO @ V^T: [Z, N, H, C, D] @ [Z, N, H, D, S] -> [Z, N, H, C, S]
-            ds = torch.matmul(do_blk, v_t.transpose(-1, -2))
-            ds.sub_(delta).mul_(p)  # dS = P * (dP - delta), the gradient of the biased logits
-            del p
-            if need_mask_grad:
-                dmask.add_(ds.sum(dim=(2, 3)))  # [Z, N, H, C, S] -> [Z, N, S]
-            if need_pair_grad:
-                dpair[:, :, i0:i1] = ds.sum(dim=1)  # [Z, N, H, C, S] -> [Z, H, C, S]
-            # dQ = dS @ K * scale: [Z, N, H, C, S] @ [Z, N, H, S, D] -> [Z, N, H, C, D]
-            dq[:, :, i0:i1] = torch.matmul(ds, k_t).mul_(scale).permute(0, 1, 3, 2, 4)  # -> [Z, N, C, H, D]
-            # dK += dS^T @ Q * scale, in place: [Z*N*H, S, C] @ [Z*N*H, C, D] -> [Z*N*H, S, D]
-            dk3.baddbmm_(ds.transpose(-1, -2).reshape(-1, s_len, c), q_blk.reshape(-1, c, d), alpha=scale)
-    # [Z, N, H, S, D] -> [Z, N, S, H, D]
-    dk_out = dk.permute(0, 1, 3, 2, 4).to(q.dtype).contiguous()
-    dv_out = dv.permute(0, 1, 3, 2, 4).to(q.dtype).contiguous()
-    return dq, dk_out, dv_out, dmask, dpair
+        for hh in range(h):
+            q_h, k_h, v_h, do_h = (_head(t, hh, cdt) for t in (q, k, v, do))  # [Z*N, S, D]
+            delta = (do_h * _head(o, hh, cdt)).sum(dim=-1).view(z, n, s_len, 1)  # rowsum(dO * O): [Z, N, S, 1]
+            dq_h, dk_h, dv_h = (t[:, :, :, hh].view(z * n, s_len, d) for t in (dq, dk, dv))  # strided views
+            pair_h = None if pair is None else pair[:, hh].to(cdt)  # [Z, S, S]
+            for i0 in range(0, s_len, chunk):
+                i1 = min(i0 + chunk, s_len)
+                c = i1 - i0
+                p = _block_logits(
+                    q_h[:, i0:i1], k_h.transpose(1, 2), mask_c, None if pair_h is None else pair_h[:, i0:i1], z, scale
+                )  # [Z, N, C, S]
+                # P = exp(S - LSE); LSE = +inf on fully -inf rows gives exact zeros.
+                p.sub_(lse[:, :, hh, i0:i1, None]).exp_()
+                p3 = p.view(z * n, c, s_len)
+                # dV += P^T @ dO: [Z*N, S, C] @ [Z*N, C, D] -> [Z*N, S, D]
+                dv_h.baddbmm_(p3.transpose(1, 2), do_h[:, i0:i1])
+                # dP = dO @ V^T: [Z*N, C, D] @ [Z*N, D, S] -> [Z*N, C, S] -> [Z, N, C, S]
+                ds = torch.bmm(do_h[:, i0:i1], v_h.transpose(1, 2)).view(z, n, c, s_len)
+                ds.sub_(delta[:, :, i0:i1]).mul_(p)  # dS = P * (dP - delta): gradient of the logits
+                del p, p3
+                if need_mask_grad:
+                    dmask.add_(ds.sum(dim=2))  # [Z, N, C, S] -> [Z, N, S]
+                if need_pair_grad:
+                    dpair[:, hh, i0:i1] = ds.sum(dim=1)  # [Z, N, C, S] -> [Z, C, S]
+                ds3 = ds.view(z * n, c, s_len)
+                # dQ = dS @ K * scale: [Z*N, C, S] @ [Z*N, S, D] -> [Z*N, C, D]
+                dq_h[:, i0:i1].baddbmm_(ds3, k_h, alpha=scale)
+                # dK += dS^T @ Q * scale: [Z*N, S, C] @ [Z*N, C, D] -> [Z*N, S, D]
+                dk_h.baddbmm_(ds3.transpose(1, 2), q_h[:, i0:i1], alpha=scale)
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dmask, dpair

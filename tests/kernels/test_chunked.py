@@ -16,17 +16,17 @@ def _inputs(z=2, n=3, s=7, h=2, d=8, dtype=torch.float64, seed=0):
     return q, k, v, mask, pair, do
 
 
-def _queries_per_chunk(monkeypatch, queries, z, n, h, s, dtype=torch.float32):
+def _queries_per_chunk(monkeypatch, queries, z, n, s, dtype=torch.float32):
     """Shrink the logits budget so a chunk holds ``queries`` query rows."""
-    monkeypatch.setattr(chunked, "LOGITS_CHUNK_BYTES", queries * z * n * h * s * torch.finfo(dtype).bits // 8)
+    monkeypatch.setattr(chunked, "LOGITS_CHUNK_BYTES", queries * z * n * s * torch.finfo(dtype).bits // 8)
 
 
 @pytest.mark.parametrize("queries", [1, 3, 7])  # 7 chunks, uneven chunks (3+3+1), one chunk
 @pytest.mark.parametrize("use_mask,use_pair", [(False, False), (True, False), (False, True), (True, True)])
 def test_matches_reference_fp64(monkeypatch, queries, use_mask, use_pair):
     q, k, v, mask, pair, do = _inputs()
-    _queries_per_chunk(monkeypatch, queries, 2, 3, 2, 7, torch.float64)
-    assert chunked._chunk_size(2, 3, 2, 7, torch.float64) == queries
+    _queries_per_chunk(monkeypatch, queries, 2, 3, 7, torch.float64)
+    assert chunked._chunk_size(2, 3, 7, torch.float64) == queries
     mask = mask[:, :1].expand(-1, 3, -1) if use_mask else None  # broadcast over N, stride 0
     pair = pair[:1].expand(2, -1, -1, -1) if use_pair else None  # broadcast over Z, stride 0
     o, lse = chunked.forward(q, k, v, mask, pair)
@@ -46,7 +46,7 @@ def test_matches_reference_fp64(monkeypatch, queries, use_mask, use_pair):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_error_within_3x_pytorch_same_dtype(monkeypatch, dtype):
     q, k, v, mask, pair, do = _inputs(s=17, d=24)
-    _queries_per_chunk(monkeypatch, 5, 2, 3, 2, 17)
+    _queries_per_chunk(monkeypatch, 5, 2, 3, 17)
     ref = reference.forward(q, k, v, mask, pair)[0], *reference.backward(do, q, k, v, None, None, mask, pair, True, True)
     low = [t.to(dtype) for t in (q, k, v, mask, pair, do)]
     o, lse = chunked.forward(*low[:5])
@@ -64,7 +64,7 @@ def test_error_within_3x_pytorch_same_dtype(monkeypatch, dtype):
 
 def test_fully_masked_rows(monkeypatch):
     q, k, v, mask, pair, do = _inputs()
-    _queries_per_chunk(monkeypatch, 2, 2, 3, 2, 7, torch.float64)
+    _queries_per_chunk(monkeypatch, 2, 2, 3, 7, torch.float64)
     mask[0, 2, :] = -math.inf
     pair[1, 1, 4, :] = -math.inf
     o, lse = chunked.forward(q, k, v, mask, pair)
@@ -94,7 +94,7 @@ def test_finite_minus_1e9_fully_masked_row_is_plain_attention(dtype):
 
 def test_backward_is_deterministic(monkeypatch):
     q, k, v, mask, pair, do = _inputs(dtype=torch.float32, s=9)
-    _queries_per_chunk(monkeypatch, 4, 2, 3, 2, 9)
+    _queries_per_chunk(monkeypatch, 4, 2, 3, 9)
     o, lse = chunked.forward(q, k, v, mask, pair)
     first = chunked.backward(do, q, k, v, o, lse, mask, pair, True, True)
     second = chunked.backward(do, q, k, v, o, lse, mask, pair, True, True)
@@ -103,8 +103,8 @@ def test_backward_is_deterministic(monkeypatch):
 
 
 def test_chunk_size_bounds_the_logits_block():
-    z, n, h, s = 1, 128, 8, 256
-    c = chunked._chunk_size(z, n, h, s, torch.float32)
-    assert z * n * h * c * s * 4 <= chunked.LOGITS_CHUNK_BYTES < z * n * h * (c + 1) * s * 4
-    assert chunked._chunk_size(4, 512, 8, 4096, torch.float32) == 1  # never below one query
-    assert chunked._chunk_size(1, 1, 1, 5, torch.float32) == 5  # never above S
+    z, n, s = 1, 128, 256
+    c = chunked._chunk_size(z, n, s, torch.float32)
+    assert z * n * c * s * 4 <= chunked.LOGITS_CHUNK_BYTES < z * n * (c + 1) * s * 4
+    assert chunked._chunk_size(4, 4096, 4096, torch.float32) == 1  # never below one query
+    assert chunked._chunk_size(1, 1, 5, torch.float32) == 5  # never above S

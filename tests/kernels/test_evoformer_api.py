@@ -85,7 +85,7 @@ def test_half_precision_matches_fp64_reference(dtype, shape):
 
 
 def test_torch_backend_multiple_chunks(monkeypatch):
-    monkeypatch.setattr(chunked, "LOGITS_CHUNK_BYTES", 3 * 2 * 3 * 4 * 33 * 4)  # 3 queries per chunk
+    monkeypatch.setattr(chunked, "LOGITS_CHUNK_BYTES", 3 * 2 * 3 * 33 * 4)  # 3 queries per chunk
     tensors, do = _leaves((2, 3, 33, 4, 8), (2, 3, 1, 1, 33), (2, 1, 4, 33, 33))
     _assert_within_3x_pytorch(tensors, do, "torch", torch.float32)
 
