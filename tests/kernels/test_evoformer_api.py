@@ -1,10 +1,14 @@
 """Public API of ds4sci.kernels.evoformer_attention: numerics vs an fp64 reference, bias handling, the DeepSpeed
 drop-in, validation errors, the custom op (opcheck, torch.compile) and the four Evoformer variants."""
+import argparse
 import importlib.util
+import json
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds4sci.kernels import Backend, DS4Sci_EvoformerAttention, chunked, evoformer_attention
 from ds4sci.kernels import evoformer as evo
@@ -340,3 +344,170 @@ def test_torch_compile_treats_op_as_one_node():
     eager.backward(do)
     for a, b in zip(got, [eager.detach()] + [t.grad for t in (q, k, v, mask, pair)]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_only_some_inputs_require_grad(backend):
+    tensors, do = _leaves((2, 3, 7, 2, 8), (2, 3, 1, 1, 7), (1, 1, 2, 7, 7))
+    q, k, v, mask, pair = (t.clone() for t in tensors)
+    pair.requires_grad_(True)
+    q.requires_grad_(True)
+    evoformer_attention(q, k, v, [mask, pair], backend=backend).backward(do)
+    assert mask.grad is None and k.grad is None
+    ref = _run(tensors, do, "reference", torch.float64)
+    torch.testing.assert_close(q.grad, ref[1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(pair.grad, ref[5], rtol=0, atol=1e-12)
+    with torch.no_grad():  # inference: no graph, same output
+        torch.testing.assert_close(evoformer_attention(q, k, v, [mask, pair], backend=backend), ref[0], rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The four Evoformer variants, against OpenFold's formulation (primitives.Attention without gating)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _openfold_attention(q_x, kv_x, w_q, w_k, w_v, biases):
+    """OpenFold's attention core: q_x, kv_x ``[*, Q, C]``, w ``[C, H, D]``, biases broadcast to ``[*, H, Q, K]``."""
+    d = w_q.shape[-1]
+    q = torch.einsum("...qc,chd->...qhd", q_x, w_q)  # [*, Q, H, D]
+    k = torch.einsum("...kc,chd->...khd", kv_x, w_k)  # [*, K, H, D]
+    v = torch.einsum("...kc,chd->...khd", kv_x, w_v)  # [*, K, H, D]
+    q = q.transpose(-2, -3) / math.sqrt(d)  # [*, H, Q, D]
+    k = k.transpose(-2, -3)  # [*, H, K, D]
+    v = v.transpose(-2, -3)  # [*, H, K, D]
+    a = torch.matmul(q, k.transpose(-1, -2))  # [*, H, Q, K]
+    for b in biases:
+        a = a + b
+    a = torch.softmax(a, dim=-1)
+    return torch.matmul(a, v).transpose(-2, -3)  # [*, H, Q, D] -> [*, Q, H, D]
+
+
+def _project(x, w):
+    return torch.einsum("...c,chd->...hd", x, w)  # [*, C] -> [*, H, D]
+
+
+def _variant(name, backend, p):
+    """Returns (ours, openfold) outputs of one variant from the parameters/activations in ``p``."""
+    m, z, msa_mask, pair_mask = p["m"], p["z"], p["msa_mask"], p["pair_mask"]
+    w_q, w_k, w_v, w_b = p["w_q"], p["w_k"], p["w_v"], p["w_b"]
+    inf = 1e9
+    if name == "msa_row":  # N = N_seq, S = N_res, mask + pair bias
+        mask_bias = (inf * (msa_mask - 1))[..., :, None, None, :]  # [B, N_seq, 1, 1, N_res]
+        pair_bias = torch.einsum("bijc,ch->bhij", z, w_b)[:, None]  # [B, 1, H, N_res, N_res]
+        want = _openfold_attention(m, m, w_q, w_k, w_v, [mask_bias, pair_bias])
+        got = evoformer_attention(_project(m, w_q), _project(m, w_k), _project(m, w_v), [mask_bias, pair_bias], backend=backend)
+        return got, want
+    if name == "msa_col":  # transposed MSA: N = N_res, S = N_seq, mask only
+        m_t = m.transpose(-2, -3)  # [B, N_res, N_seq, C_m]
+        mask_bias = (inf * (msa_mask.transpose(-1, -2) - 1))[..., :, None, None, :]  # [B, N_res, 1, 1, N_seq]
+        want = _openfold_attention(m_t, m_t, w_q, w_k, w_v, [mask_bias])
+        # project in the MSA layout, then hand over strided transposed views [B, N_res, N_seq, H, D]
+        q, k, v = (_project(m, w).transpose(1, 2) for w in (w_q, w_k, w_v))
+        return evoformer_attention(q, k, v, [mask_bias], backend=backend), want
+    z_in, mask_in = (z, pair_mask) if name == "tri_start" else (z.transpose(-2, -3), pair_mask.transpose(-1, -2))
+    # triangle start: N = I, S = J; triangle end: the same on the transposed pair representation
+    mask_bias = (inf * (mask_in - 1))[..., :, None, None, :]  # [B, I, 1, 1, J]
+    tri_bias = torch.einsum("bijc,ch->bhij", z_in, w_b)[:, None]  # [B, 1, H, I, J]
+    want = _openfold_attention(z_in, z_in, p["w_qz"], p["w_kz"], p["w_vz"], [mask_bias, tri_bias])
+    q, k, v = (_project(z, w) for w in (p["w_qz"], p["w_kz"], p["w_vz"]))  # [B, I, J, H, D]
+    if name == "tri_end":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # strided views [B, J, I, H, D]
+    got = evoformer_attention(q, k, v, [tri_bias, mask_bias], backend=backend)
+    if name == "tri_end":
+        got, want = got.transpose(1, 2), want.transpose(-3, -4)  # back to [B, I, J, H, D]
+    return got, want
+
+
+def _variant_params(dtype):
+    g = torch.Generator().manual_seed(3)
+    b, n_seq, n_res, c_m, c_z, h, d = 1, 3, 9, 6, 5, 2, 4
+    p = {
+        "m": torch.randn(b, n_seq, n_res, c_m, generator=g),
+        "z": torch.randn(b, n_res, n_res, c_z, generator=g),
+        "w_q": torch.randn(c_m, h, d, generator=g) / 2,
+        "w_k": torch.randn(c_m, h, d, generator=g) / 2,
+        "w_v": torch.randn(c_m, h, d, generator=g),
+        "w_qz": torch.randn(c_z, h, d, generator=g) / 2,
+        "w_kz": torch.randn(c_z, h, d, generator=g) / 2,
+        "w_vz": torch.randn(c_z, h, d, generator=g),
+        "w_b": torch.randn(c_z, h, generator=g),
+    }
+    p = {k: t.to(dtype).requires_grad_() for k, t in p.items()}
+    # padding masks (OpenFold: 1 = real, 0 = padding); every row keeps at least its first key
+    p["msa_mask"] = (torch.rand(b, n_seq, n_res, generator=g) > 0.25).to(dtype)
+    p["msa_mask"][..., 0, :] = 1
+    p["msa_mask"][..., 0] = 1
+    p["pair_mask"] = (torch.rand(b, n_res, n_res, generator=g) > 0.25).to(dtype)
+    p["pair_mask"][..., 0] = 1
+    p["pair_mask"][..., 0, :] = 1
+    return p
+
+
+@pytest.mark.parametrize("variant", ["msa_row", "msa_col", "tri_start", "tri_end"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_evoformer_variants_match_openfold_formulation(variant, backend):
+    p = _variant_params(torch.float64)
+    got, want = _variant(variant, backend, p)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    do = torch.randn(got.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    leaves = [t for t in p.values() if t.requires_grad]
+    g_got = torch.autograd.grad(got, leaves, do, allow_unused=True, retain_graph=True)
+    g_want = torch.autograd.grad(want, leaves, do, allow_unused=True)
+    for a, b in zip(g_got, g_want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Property-based shape fuzz
+# ----------------------------------------------------------------------------------------------------------
+
+@st.composite
+def _fuzz_case(draw):
+    lead = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    n, s, h = draw(st.integers(1, 3)), draw(st.integers(1, 24)), draw(st.integers(1, 3))
+    d = draw(st.sampled_from([1, 4, 8, 13, 32]))
+
+    def bias_lead():
+        dims = [draw(st.sampled_from([1, x])) for x in lead]
+        return dims[draw(st.integers(0, len(dims))):]  # maybe fewer leading dims (broadcast by rank)
+
+    mask = (*bias_lead(), draw(st.sampled_from([1, n])), 1, 1, s) if draw(st.booleans()) else None
+    pair = (*bias_lead(), 1, h, s, s) if draw(st.booleans()) else None
+    return (*lead, n, s, h, d), mask, pair, draw(st.sampled_from([torch.float32, torch.float64]))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(_fuzz_case())
+def test_shape_fuzz_torch_backend(case):
+    q_shape, mask_shape, pair_shape, dtype = case
+    tensors, do = _leaves(q_shape, mask_shape, pair_shape)
+    _assert_within_3x_pytorch(tensors, do, "torch", dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory benchmark smoke test
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_evoformer_memory_bench_quick(tmp_path):
+    from ds4sci.bench import evoformer_memory
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    evoformer_memory.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    assert evoformer_memory.run(args) == 0
+    report = json.loads((tmp_path / "evoformer_memory.json").read_text())
+    assert (tmp_path / "evoformer_memory.md").read_text().count("| torch |") == 1
+    assert report["config"]["n_res"] == 128 and report["config"]["device"] == "cpu"
+    ref, torch_path = report["backends"]["reference"], report["backends"]["torch"]
+    assert set(report["backends"]) == {"reference", "torch"}
+    for r in (ref, torch_path):
+        assert set(r) >= {"saved_bytes", "peak_bytes", "max_abs_diff", "peak_ratio_vs_reference", "meets_target"}
+        assert set(r["max_abs_diff"]) == {"o", "dq", "dk", "dv", "dpair"}
+        assert r["saved_bytes"] > 0
+    assert max(torch_path["max_abs_diff"].values()) < 1e-4
+    assert ref["peak_bytes"] > torch_path["peak_bytes"] and ref["saved_bytes"] > torch_path["saved_bytes"]
+    assert report["output_and_grad_bytes"] > 0 and report["target_peak_ratio"] == 13.0
