@@ -35,7 +35,7 @@ unambiguous it takes the remaining role, otherwise it is resolved by position as
 Backends (:class:`Backend`): ``"triton"`` (fused kernel, CUDA; CPU only under ``TRITON_INTERPRET=1``),
 ``"torch"`` (:mod:`ds4sci.kernels.chunked`: chunked over queries, recomputing backward, any device),
 ``"reference"`` (:mod:`ds4sci.kernels.reference`: plain PyTorch autograd, materialises the logits),
-``"auto"`` (triton for fp16/bf16/fp32 CUDA tensors, torch otherwise). The triton and torch backends run
+``"auto"`` (triton for fp16/bf16/fp32 CUDA tensors with D <= 128, torch otherwise). The triton and torch backends run
 through one ``torch.library`` custom op pair, ``ds4sci::evoformer_attention_fwd`` / ``_bwd``, so
 ``torch.compile`` sees a single opaque op with a registered fake and autograd formula.
 
@@ -64,6 +64,7 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_DIM = 256
+TRITON_MAX_HEAD_DIM = 128  # the fused kernel's supported head dims (ds4sci.kernels.triton_evoformer)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -231,11 +232,21 @@ def _resolve_backend(backend: Union[str, Backend], q: Tensor) -> Backend:
             f"evoformer_attention: unknown backend {backend!r}; choose one of {[b.value for b in Backend]}"
         ) from None
     if chosen is Backend.AUTO:
-        use_triton = q.is_cuda and q.dtype != torch.float64 and not _triton_import_error()
+        use_triton = (
+            q.is_cuda
+            and q.dtype != torch.float64
+            and q.shape[-1] <= TRITON_MAX_HEAD_DIM
+            and not _triton_import_error()
+        )
         chosen = Backend.TRITON if use_triton else Backend.TORCH
     elif chosen is Backend.TRITON:
         if q.dtype == torch.float64:
             raise TypeError("evoformer_attention: the triton backend supports float16, bfloat16 and float32, not float64")
+        if q.shape[-1] > TRITON_MAX_HEAD_DIM:
+            raise ValueError(
+                f"evoformer_attention: the triton backend supports head dims up to {TRITON_MAX_HEAD_DIM}, "
+                f"got D={q.shape[-1]}; use backend='torch'"
+            )
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 f"evoformer_attention: the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), "

@@ -216,6 +216,9 @@ def test_ambiguous_single_bias_resolved_by_position():
     other_mask = torch.randn(2, 3, 1, 1, 1, dtype=torch.float64)  # N = 3: only a mask
     mask, pair = evo._classify_biases([bias, other_mask], q)
     assert mask is other_mask and pair is bias
+    other_ambiguous = torch.randn(1, 1, 1, 1, 1, dtype=torch.float64)
+    mask, pair = evo._classify_biases([other_ambiguous, bias], q)
+    assert mask is other_ambiguous and pair is bias
     torch.testing.assert_close(evoformer_attention(q, q, q, [bias], backend="torch"), q)
 
 
@@ -291,6 +294,9 @@ def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
         evoformer_attention(Q, Q, Q, [], backend="triton")
     with pytest.raises(TypeError, match="float64"):
         evoformer_attention(Q.double(), Q.double(), Q.double(), [], backend=Backend.TRITON)
+    wide = torch.randn(1, 1, 3, 1, 136)
+    with pytest.raises(ValueError, match="up to 128, got D=136"):
+        evoformer_attention(wide, wide, wide, [], backend="triton")
 
 
 def test_auto_backend_is_torch_on_cpu():
