@@ -9,7 +9,12 @@ import argparse
 import importlib
 
 # name -> (module, one-line help)
-BENCHMARKS: dict[str, tuple[str, str]] = {}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "evoformer-memory": (
+        "ds4sci.bench.evoformer_memory",
+        "bytes saved for backward and peak memory of Evoformer attention per backend",
+    ),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
