@@ -1,0 +1,129 @@
+"""Position encodings: a learned absolute table that can hold only a rank's rows, rotary (RoPE) and ALiBi.
+
+Positions are always an input (global position ids), never ``arange`` inside a forward, so a sequence-parallel
+trainer can shard tokens, labels and positions together.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class LearnedPositionEmbedding(nn.Module):
+    """Learned absolute position table ``[max_positions, hidden]``, optionally restricted to some rows.
+
+    Sequence-partitioned form (Megatron-DeepSpeed's sequence-parallel position embedding, generalised to any
+    set of rows so the zigzag layout works): after :meth:`shard_` the module stores only the rows of the
+    global positions a rank holds (parameter, gradient and optimizer state all 1/P) and looks positions up by
+    their GLOBAL id. The full table is drawn first and then sliced, so a sharded module equals the matching
+    rows of the unsharded one for the same seed and consumes the RNG identically.
+
+    The sharded parameter carries ``ds4sci_sequence_sharded = True``: its rows differ per sequence-parallel
+    rank, so a trainer must neither broadcast it across SP ranks nor reduce its gradient over them.
+    """
+
+    def __init__(self, max_positions: int, hidden_size: int, init_std: float = 0.02):
+        super().__init__()
+        self.max_positions = max_positions
+        self.weight = nn.Parameter(torch.empty(max_positions, hidden_size))
+        nn.init.normal_(self.weight, std=init_std)
+        self.register_buffer("rows", torch.arange(max_positions), persistent=False)
+        self.register_buffer("_slot", torch.arange(max_positions), persistent=False)  # global position -> row or -1
+
+    @property
+    def sharded(self) -> bool:
+        return self.weight.shape[0] != self.max_positions
+
+    @torch.no_grad()
+    def shard_(self, rows: Tensor) -> "LearnedPositionEmbedding":
+        """Keep only the rows of global positions ``rows [R]`` (unique, in [0, max_positions))."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.weight.device).reshape(-1)
+        if rows.numel() == 0 or rows.min() < 0 or rows.max() >= self.max_positions:
+            raise ValueError(f"rows must be non-empty and within [0, {self.max_positions}), got {rows.tolist()[:8]}...")
+        if torch.unique(rows).numel() != rows.numel():
+            raise ValueError("rows must be unique")
+        src = self._slot[rows]  # where each requested row lives now
+        if bool((src < 0).any()):
+            raise ValueError("cannot re-shard to rows this shard does not hold; load the full table first")
+        slot = torch.full((self.max_positions,), -1, dtype=torch.long, device=rows.device)
+        slot[rows] = torch.arange(rows.numel(), device=rows.device)
+        kept = self.weight[src]
+        self.weight = nn.Parameter(kept.clone())
+        self.weight.ds4sci_sequence_sharded = True
+        self.rows, self._slot = rows, slot
+        return self
+
+    @torch.no_grad()
+    def load_full_table_(self, table: Tensor) -> None:
+        """Copy this module's rows out of a full table ``[max_positions, hidden]``."""
+        if table.shape != (self.max_positions, self.weight.shape[1]):
+            raise ValueError(f"full table must be {(self.max_positions, self.weight.shape[1])}, got {tuple(table.shape)}")
+        self.weight.copy_(table.to(self.weight)[self.rows])
+
+    @staticmethod
+    def assemble_full_table(shards: list[tuple[Tensor, Tensor]], max_positions: int) -> Tensor:
+        """Full table ``[max_positions, hidden]`` from ``(rows [R], weight [R, hidden])`` of every shard.
+
+        Raises if the shards do not cover every position exactly once.
+        """
+        hidden = shards[0][1].shape[1]
+        table = torch.empty(max_positions, hidden, dtype=shards[0][1].dtype)
+        seen = torch.zeros(max_positions, dtype=torch.long)
+        for rows, weight in shards:
+            rows = rows.cpu()
+            table[rows] = weight.detach().cpu()
+            seen[rows] += 1
+        if not bool((seen == 1).all()):
+            missing = torch.nonzero(seen != 1).reshape(-1)[:8].tolist()
+            raise ValueError(f"shards do not cover every position exactly once (e.g. positions {missing})")
+        return table
+
+    def forward(self, position_ids: Tensor) -> Tensor:
+        """``position_ids [B, T]`` (global) -> ``[B, T, hidden]``."""
+        if position_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
+        if position_ids.numel() and (position_ids.min() < 0 or position_ids.max() >= self.max_positions):
+            raise ValueError(
+                f"position ids must be in [0, {self.max_positions}), got range "
+                f"[{int(position_ids.min())}, {int(position_ids.max())}]"
+            )
+        slot = self._slot[position_ids]
+        if self.sharded and bool((slot < 0).any()):
+            missing = torch.unique(position_ids[slot < 0])[:8].tolist()
+            raise ValueError(f"positions {missing} are not held by this sequence shard (it holds {self.rows.numel()} rows)")
+        return self.weight[slot]
+
+
+def rotary_cos_sin(position_ids: Tensor, rotary_dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """GPT-NeoX rotary tables for global ``position_ids [B, T]``: cos, sin ``[B, T, 1, rotary_dim]``
+    (Su et al. 2021, RoFormer; half-split layout)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.float32) / rotary_dim))
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, rotary_dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first ``rotary_dim`` dims of ``x [B, T, H, D]``; the rest pass through."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi head slopes ``[H]`` (Press et al. 2022, "Train Short, Test Long"): a geometric sequence
+    2^(-8/n), 2^(-16/n), ... for the nearest power of two n <= H, the odd-indexed slopes of 2n filling the rest."""
+
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = geometric(n)
+    if n < num_heads:
+        slopes += geometric(2 * n)[0::2][: num_heads - n]
+    return torch.tensor(slopes, dtype=torch.float32)

@@ -1,0 +1,239 @@
+"""GenSLM model: every position-embedding kind, the attention core, GPT-NeoX equivalence, the
+sequence-partitioned position table and threshold-based masks."""
+import math
+
+import pytest
+import torch
+
+from ds4sci.models.genslm import (
+    AttentionCore,
+    GenSLM,
+    GenSLMConfig,
+    LearnedPositionEmbedding,
+    alibi_slopes,
+    from_gpt_neox_state_dict,
+    lm_loss,
+    make_attention_mask,
+    shift_labels,
+    threshold_for_memory,
+    to_gpt_neox_state_dict,
+    token_loss,
+)
+
+
+def _inputs(B=2, T=12, V=69, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return ids, torch.arange(T).expand(B, T).contiguous()
+
+
+@pytest.mark.parametrize("pe", ["learned", "rotary", "alibi"])
+def test_forward_backward_every_position_embedding(pe):
+    torch.manual_seed(0)
+    model = GenSLM(GenSLMConfig.preset("debug", position_embedding=pe))
+    ids, pos = _inputs()
+    logits = model(ids, pos)
+    assert logits.shape == (2, 12, 69)
+    loss = lm_loss(logits, ids)
+    assert math.isfinite(loss.item()) and abs(loss.item() - math.log(69)) < 0.5
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_causality_and_positions_are_inputs():
+    torch.manual_seed(0)
+    model = GenSLM(GenSLMConfig.preset("debug", position_embedding="learned")).double()
+    ids, pos = _inputs()
+    full = model(ids, pos)
+    prefix = model(ids[:, :7], pos[:, :7])
+    torch.testing.assert_close(full[:, :7], prefix, rtol=1e-10, atol=1e-10)
+    shifted = model(ids, pos + 5)  # a different position input changes the output
+    assert (shifted - full).abs().max() > 1e-3
+
+
+def _naive(q, k, v, q_offset, k_offset, head_offset, q_doc, k_doc, slopes):
+    B, Sq, H, D = q.shape
+    s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(D)
+    qp = torch.arange(q_offset, q_offset + Sq)[:, None]
+    kp = torch.arange(k_offset, k_offset + k.shape[1])[None, :]
+    if slopes is not None:
+        s = s - slopes[head_offset : head_offset + H][:, None, None] * (qp - kp)
+    allowed = (kp <= qp)[None, None]
+    if q_doc is not None:
+        allowed = allowed & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", p, v), lse
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("offsets", [(0, 0, 0), (6, 0, 2), (0, 6, 1), (3, 3, 0)])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_core_matches_naive_formula(alibi, docs, offsets, return_lse):
+    torch.manual_seed(1)
+    B, Sq, Sk, H, D, Htot = 2, 6, 6, 2, 8, 4
+    q_off, k_off, h_off = offsets
+    q, k, v = (torch.randn(B, n, H, D, dtype=torch.float64) for n in (Sq, Sk, Sk))
+    q_doc = k_doc = None
+    if docs:
+        q_doc = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
+        k_doc = torch.tensor([[0, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0]])
+    core = AttentionCore(Htot, alibi=alibi).double()
+    got = core(q, k, v, q_offset=q_off, k_offset=k_off, head_offset=h_off, q_doc=q_doc, k_doc=k_doc,
+               return_lse=return_lse)
+    want, want_lse = _naive(q, k, v, q_off, k_off, h_off, q_doc, k_doc, alibi_slopes(Htot).double() if alibi else None)
+    out = got[0] if return_lse else got
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    if return_lse:
+        torch.testing.assert_close(got[1], want_lse, rtol=1e-10, atol=1e-10)
+        assert got[1].requires_grad is False or got[1].grad_fn is not None
+
+
+def test_core_grads_flow_through_lse():
+    q, k, v = (torch.randn(1, 4, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    core = AttentionCore(2)
+    assert torch.autograd.gradcheck(lambda a, b, c: core(a, b, c, return_lse=True)[1].sum() + core(a, b, c).sum(), (q, k, v))
+
+
+def test_alibi_slopes_follow_the_paper():
+    torch.testing.assert_close(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
+    s6 = alibi_slopes(6)
+    torch.testing.assert_close(s6[:4], torch.tensor([2.0 ** (-2 * (i + 1)) for i in range(4)]))
+    torch.testing.assert_close(s6[4:], torch.tensor([2.0 ** -1, 2.0 ** -3]))
+
+
+def test_gpt_neox_logits_equivalence_and_export():
+    transformers = pytest.importorskip("transformers")
+    from ds4sci.models.genslm import config_from_gpt_neox
+
+    hf_cfg = transformers.GPTNeoXConfig(
+        vocab_size=69, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+        max_position_embeddings=128, rotary_pct=0.25, use_parallel_residual=True, hidden_act="gelu",
+        tie_word_embeddings=False, attention_dropout=0.0, hidden_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    hf = transformers.GPTNeoXForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # non-trivial values everywhere (biases and norms too)
+            p.add_(0.05 * torch.randn_like(p))
+    model = GenSLM(config_from_gpt_neox(hf_cfg)).eval()
+    model.load_state_dict(from_gpt_neox_state_dict(hf.state_dict()), strict=True)
+    ids, pos = _inputs(T=20)
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        got = model(ids, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    head_key = "lm_head.weight" if "lm_head.weight" in hf.state_dict() else "embed_out.weight"
+    exported = to_gpt_neox_state_dict(model, head_key=head_key)
+    hf_params = {k: v for k, v in hf.state_dict().items() if k in exported}
+    assert set(exported) == set(hf_params) == {k for k, _ in hf.named_parameters()}
+    for key, value in exported.items():
+        assert torch.equal(value, hf_params[key]), key
+
+
+def _zigzag_rows(S, P, r):
+    c = S // (2 * P)
+    return torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * P - 1 - r) * c, (2 * P - r) * c)])
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_sharded_position_table_equals_unsharded_rows(P, layout):
+    S, hidden = 32, 8
+    torch.manual_seed(3)
+    full = LearnedPositionEmbedding(S, hidden)
+    after_full = torch.rand(3)
+    shards = []
+    for r in range(P):
+        rows = torch.arange(r * S // P, (r + 1) * S // P) if layout == "contiguous" else _zigzag_rows(S, P, r)
+        torch.manual_seed(3)
+        shard = LearnedPositionEmbedding(S, hidden).shard_(rows)
+        torch.testing.assert_close(torch.rand(3), after_full)  # identical RNG consumption
+        assert shard.weight.shape == (S // P, hidden) and shard.weight.ds4sci_sequence_sharded
+        torch.testing.assert_close(shard.weight, full.weight[rows])
+        pos = rows[torch.randperm(rows.numel())].reshape(2, -1)
+        torch.testing.assert_close(shard(pos), full(pos))
+        other = torch.tensor([[int(torch.isin(torch.arange(S), rows, invert=True).nonzero()[0])]])
+        with pytest.raises(ValueError, match="not held by this sequence shard"):
+            shard(other)
+        shards.append((shard.rows, shard.weight))
+    torch.testing.assert_close(LearnedPositionEmbedding.assemble_full_table(shards, S), full.weight.detach())
+    with pytest.raises(ValueError, match="exactly once"):
+        LearnedPositionEmbedding.assemble_full_table(shards[:1], S)
+    fresh = LearnedPositionEmbedding(S, hidden).shard_(shards[0][0])
+    fresh.load_full_table_(full.weight.detach())
+    torch.testing.assert_close(fresh.weight, shards[0][1])
+
+
+def test_position_table_bad_inputs():
+    emb = LearnedPositionEmbedding(16, 4)
+    with pytest.raises(ValueError, match=r"\[0, 16\)"):
+        emb(torch.tensor([[3, 16]]))
+    with pytest.raises(TypeError, match="integer"):
+        emb(torch.tensor([[1.0]]))
+    with pytest.raises(ValueError, match="unique"):
+        emb.shard_(torch.tensor([1, 1]))
+
+
+@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("offsets", [(0, 0), (8, 0), (0, 4)])
+def test_mask_paths_identical_and_correct(docs, offsets):
+    q_len, k_len = 10, 12
+    q_doc = torch.randint(0, 3, (2, q_len)).sort(-1).values if docs else None
+    k_doc = torch.randint(0, 3, (2, k_len)).sort(-1).values if docs else None
+    kw = dict(q_offset=offsets[0], k_offset=offsets[1], q_doc=q_doc, k_doc=k_doc, chunk_rows=3)
+    on_device = make_attention_mask(q_len, k_len, threshold=None, **kw)
+    via_cpu = make_attention_mask(q_len, k_len, threshold=4, **kw)
+    assert on_device.dtype == torch.bool and torch.equal(on_device, via_cpu)
+    qp = torch.arange(offsets[0], offsets[0] + q_len)[:, None]
+    kp = torch.arange(offsets[1], offsets[1] + k_len)[None, :]
+    want = (kp <= qp)[None, None]
+    if docs:
+        want = want & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
+    assert torch.equal(on_device, want.expand_as(on_device))
+
+
+def test_pure_causal_needs_no_mask_and_threshold_rule():
+    assert make_attention_mask(64, 64) is None
+    assert make_attention_mask(8, 8, causal=False) is None
+    assert threshold_for_memory(40 * 2**30) == 16384  # DeepSpeed4Science's 16K on an A100-40GB
+    assert threshold_for_memory(80 * 2**30) == 23170
+
+
+def test_losses_and_label_shift():
+    logits = torch.randn(1, 4, 5)
+    labels = torch.tensor([[1, 2, -100, 4]])
+    torch.testing.assert_close(shift_labels(labels), torch.tensor([[2, -100, 4, -100]]))
+    want = torch.nn.functional.cross_entropy(logits[0, [0, 2]], torch.tensor([2, 4]))
+    torch.testing.assert_close(lm_loss(logits, labels), want)
+    torch.testing.assert_close(token_loss(logits, shift_labels(labels), "sum"), 2 * want)
+
+
+def test_presets_parameter_counts():
+    c = GenSLMConfig.preset("25M")
+    assert sum(p.numel() for p in GenSLM(c).parameters()) == c.num_parameters() == 25_290_752  # GenSLM's 25M
+    for name in ["debug", "250M", "2.5B", "25B"]:
+        cfg = GenSLMConfig.preset(name, position_embedding="learned")
+        with torch.device("meta"):  # shapes only, nothing allocated
+            model = GenSLM(cfg)
+        assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters(), name
+
+
+def test_config_and_model_errors():
+    with pytest.raises(ValueError, match="not divisible"):
+        GenSLMConfig(hidden_size=30, num_heads=4)
+    with pytest.raises(ValueError, match="position_embedding"):
+        GenSLMConfig(position_embedding="sinusoid")
+    with pytest.raises(ValueError, match="unknown preset"):
+        GenSLMConfig.preset("1T")
+    with pytest.raises(ValueError, match="unknown GenSLMConfig field"):
+        GenSLMConfig.from_dict({"hidden": 3})
+    model = GenSLM(GenSLMConfig.preset("debug"))
+    ids, pos = _inputs()
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        model(ids, pos[:, :3])
+    with pytest.raises(ValueError, match="token ids"):
+        model(ids + 100, pos)
