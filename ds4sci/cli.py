@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ds4sci.info", "show versions, devices and which attention backends are usable here"),
+    "train": ("ds4sci.train.cli_train", "train a GenSLM on FASTA data (DeepSpeed, ZeRO, sequence parallelism)"),
     "bench": ("ds4sci.bench", "run a benchmark and write its results (JSON + Markdown) to --out"),
 }
 

@@ -133,7 +133,8 @@ class GenSLM(nn.Module):
     ``forward(input_ids [B, T], position_ids [B, T], doc_ids=None [B, T], return_hidden=False)`` returns logits
     ``[B, T, V]`` (or the final normalised hidden states ``[B, T, hidden]`` with ``return_hidden``).
     ``position_ids`` are global positions (under sequence parallelism: those of the local shard), never built
-    inside. ``doc_ids`` restrict attention to the same document (packed windows).
+    inside. ``doc_ids`` restrict attention to the same document (packed windows). ``position_embeds [B, T, hidden]``
+    replaces the learned table's output after :meth:`pop_position_embedding`.
     """
 
     def __init__(self, config: GenSLMConfig):
@@ -164,8 +165,19 @@ class GenSLM(nn.Module):
             else:
                 nn.init.ones_(p)
 
+    def pop_position_embedding(self) -> LearnedPositionEmbedding:
+        """Detach the learned position table from the model and return it.
+
+        Afterwards ``forward`` takes ``position_embeds``: a sequence-parallel trainer keeps the sharded table out of
+        the DeepSpeed engine (which would broadcast and reduce it as if it were replicated) and adds its output.
+        """
+        if self.embed_pos is None:
+            raise ValueError(f"this model has no learned position table (position_embedding={self.config.position_embedding!r})")
+        table, self.embed_pos = self.embed_pos, None
+        return table
+
     def forward(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor | None = None,
-                return_hidden: bool = False) -> Tensor:
+                return_hidden: bool = False, position_embeds: Tensor | None = None) -> Tensor:
         if input_ids.ndim != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and position_ids must both be [B, T], got {tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
@@ -178,8 +190,10 @@ class GenSLM(nn.Module):
         if self.config.position_embedding != "learned" and position_ids.numel() and position_ids.min() < 0:
             raise ValueError(f"position ids must be >= 0, got {int(position_ids.min())}")
         x = self.embed_in(input_ids)  # [B, T, hidden]
-        if self.embed_pos is not None:
-            x = x + self.embed_pos(position_ids)
+        if self.config.position_embedding == "learned":
+            if (self.embed_pos is None) == (position_embeds is None):
+                raise ValueError("pass position_embeds exactly when the position table was popped from the model")
+            x = x + (self.embed_pos(position_ids) if position_embeds is None else position_embeds.to(x.dtype))
         x = self.emb_dropout(x)
         for block in self.layers:
             x = block(x, position_ids, doc_ids)

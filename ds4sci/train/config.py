@@ -1,0 +1,221 @@
+"""Training configuration: typed dataclasses loaded from YAML with ``--set key=value`` overrides.
+
+Every key is checked: an unknown key, a wrong type or an impossible value raises ``ValueError`` naming the dotted
+key and the value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+import yaml
+
+from ds4sci.models.genslm import GenSLMConfig
+
+
+@dataclass
+class DataConfig:
+    fasta: str = "examples/data/NC_007779.1_ecoli_K12_W3110.fasta.gz"
+    tokenizer: str = "nucleotide"  # "nucleotide" (one token per base) or "codon" (GenSLM's 69 ids)
+    dataset: str = "windows"  # "windows" (long genomes), "records" (one gene per sample), "packed"
+    seq_len: int = 256
+    stride: int = 0  # 0 -> seq_len (non-overlapping windows)
+    val_fraction: float = 0.05  # held-out region of a genome / fraction of records
+    reverse_complement: float = 0.0  # probability; nucleotide tokens only
+    iupac: str = "n"
+    max_train_tokens: int = 0  # 0 -> all; > 0 keeps only the first N training tokens (quick runs)
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "debug"
+    overrides: dict = field(default_factory=dict)  # any GenSLMConfig field, e.g. {position_embedding: learned}
+
+
+@dataclass
+class ParallelConfig:
+    ulysses: int = 1
+    ring: int = 1
+    layout: str = "auto"  # "contiguous", "zigzag", or "auto" (zigzag when ring > 1)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/train"
+    steps: int = 100
+    micro_batch_size: int = 4  # per data-parallel rank
+    grad_accum: int = 1
+    zero_stage: int = 0
+    dtype: str = "fp32"  # "fp32" or "bf16"
+    seed: int = 1234
+    log_every: int = 10
+    eval_every: int = 50  # 0 -> only at the end
+    eval_batches: int = 8
+    save_every: int = 0  # 0 -> only at the end
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def genslm_config(self, vocab_size: int, pad_token_id: int) -> GenSLMConfig:
+        over = {"vocab_size": vocab_size, "pad_token_id": pad_token_id, **self.model.overrides}
+        if over.get("position_embedding") == "learned":
+            # A learned table is as long as the context it is trained on; under sequence parallelism each rank holds
+            # the rows of the window positions its tokens have, so the two must agree.
+            over.setdefault("max_position_embeddings", self.data.seq_len)
+        cfg = GenSLMConfig.preset(self.model.preset, **over)
+        if cfg.max_position_embeddings < self.data.seq_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+        sp = self.parallel.ulysses * self.parallel.ring
+        if cfg.position_embedding == "learned" and sp > 1 and cfg.max_position_embeddings != self.data.seq_len:
+            raise ValueError(f"model.overrides.max_position_embeddings={cfg.max_position_embeddings}: a sequence-"
+                             f"partitioned learned table must have data.seq_len={self.data.seq_len} rows")
+        return cfg
+
+    @property
+    def layout(self) -> str:
+        return ("zigzag" if self.parallel.ring > 1 else "contiguous") if self.parallel.layout == "auto" else self.parallel.layout
+
+    def validate(self) -> "Config":
+        def check(ok: bool, key: str, value: Any, why: str):
+            if not ok:
+                raise ValueError(f"{key}={value!r}: {why}")
+
+        d, p, t, o = self.data, self.parallel, self.train, self.optim
+        check(d.tokenizer in ("nucleotide", "codon"), "data.tokenizer", d.tokenizer, "expected nucleotide or codon")
+        check(d.dataset in ("windows", "records", "packed"), "data.dataset", d.dataset, "expected windows, records or packed")
+        check(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2")
+        check(0 <= d.stride <= d.seq_len, "data.stride", d.stride, f"must be in [0, seq_len={d.seq_len}]")
+        check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
+        check(0 <= d.reverse_complement <= 1, "data.reverse_complement", d.reverse_complement, "must be in [0, 1]")
+        check(d.reverse_complement == 0 or d.tokenizer == "nucleotide", "data.reverse_complement",
+              d.reverse_complement, "reverse complement breaks the reading frame of codon tokens")
+        check(p.ulysses >= 1, "parallel.ulysses", p.ulysses, "must be >= 1")
+        check(p.ring >= 1, "parallel.ring", p.ring, "must be >= 1")
+        check(p.layout in ("auto", "contiguous", "zigzag"), "parallel.layout", p.layout, "expected auto, contiguous or zigzag")
+        check(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
+        check(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "must be >= 1")
+        check(t.grad_accum >= 1, "train.grad_accum", t.grad_accum, "must be >= 1")
+        check(t.zero_stage in (0, 1, 2, 3), "train.zero_stage", t.zero_stage, "expected 0, 1, 2 or 3")
+        check(t.dtype in ("fp32", "bf16"), "train.dtype", t.dtype, "expected fp32 or bf16")
+        check(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
+        check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+        check(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"must be in [0, lr={o.lr}]")
+        check(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0")
+        sp = p.ulysses * p.ring
+        check(not (t.zero_stage == 3 and sp > 1), "train.zero_stage", t.zero_stage,
+              "ZeRO-3 with sequence parallelism is not exact on DeepSpeed 0.19 (its reduction mixes SP-summed and "
+              "averaged buckets); use ZeRO 0/1/2 with ulysses/ring > 1")
+        multiple = sp * (2 if self.layout == "zigzag" else 1)
+        check(d.seq_len % multiple == 0, "data.seq_len", d.seq_len,
+              f"must be divisible by {multiple} (ulysses={p.ulysses} x ring={p.ring}, layout {self.layout})")
+        learned = self.model.overrides.get("position_embedding") == "learned"
+        check(not (learned and sp > 1 and d.dataset == "packed"), "data.dataset", d.dataset,
+              "a sequence-partitioned learned position table needs positions equal to window indices; "
+              "use windows/records or rotary/alibi positions with packing")
+        self.genslm_config(69, 3)  # preset and overrides valid
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    origin = getattr(typ, "__origin__", None)
+    if typ is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{key}={value!r}: expected an integer")
+        try:
+            return int(value) if float(value) == int(float(value)) else _fail(key, value, "an integer")
+        except (TypeError, ValueError):
+            _fail(key, value, "an integer")
+    elif typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            _fail(key, value, "a number")
+    elif typ is str:
+        return str(value)
+    elif typ is tuple or origin is tuple:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if isinstance(value, (list, tuple)):
+            return tuple(float(v) for v in value)
+    elif typ is dict or origin is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if isinstance(value, dict):
+            return value
+    _fail(key, value, getattr(typ, "__name__", str(typ)))
+
+
+def _fail(key: str, value: Any, what: str):
+    raise ValueError(f"{key}={value!r}: expected {what}")
+
+
+def _apply(obj: Any, data: dict, prefix: str) -> None:
+    hints = get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ValueError(f"unknown config key {dotted!r}; known: {sorted(prefix + n for n in names)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"{dotted} must be a mapping, got {value!r}")
+            _apply(current, value, dotted + ".")
+        else:
+            setattr(obj, key, _coerce(value, hints[key], dotted))
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+    """Config from a YAML file (or defaults) plus ``key=value`` overrides with dotted keys
+    (``train.steps=10``, ``model.overrides.position_embedding=learned``)."""
+    cfg = Config()
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+        _apply(cfg, data, "")
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) >= 3 and parts[0] == "model" and parts[1] == "overrides":
+            cfg.model.overrides[".".join(parts[2:])] = yaml.safe_load(raw)
+            continue
+        nested: dict = {}
+        node = nested
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+        _apply(cfg, nested, "")
+    return cfg.validate()

@@ -1,0 +1,390 @@
+"""Training GenSLM with DeepSpeed (ZeRO 0-3) and Ulysses / ring / Unified sequence parallelism.
+
+Sequence parallelism is applied from outside the model: every block's attention core is wrapped in
+``ds4sci.sequence.DistributedAttention`` and tokens, targets, positions (and document ids) are sharded together.
+Targets are shifted on the full window BEFORE sharding, so the label of a shard's last token (which lives on the
+next shard) is never lost.
+
+Loss normalisation: the loss is the mean over every real (non -100) target of the global batch (all data-parallel
+ranks, all sequence shards, all accumulation micro-batches). Each rank back-propagates
+``local_sum / global_count * K`` where ``K`` undoes the engine's gradient reduction over the sequence x data group
+(:func:`grad_reduction_factor`); the equivalence tests prove it per ZeRO stage against single-process training.
+ZeRO-3 together with sequence parallelism is refused: on DeepSpeed 0.19 its gradient reduction mixes SP-summing and
+averaging paths per bucket, so no loss normalisation makes it exact (measured; see README).
+
+The sequence-partitioned learned position table is kept OUT of the DeepSpeed engine: DeepSpeed treats every engine
+parameter as replicated over the sequence x data group (broadcast from rank 0 at start, gradients reduced over the
+group), which would overwrite and mix the per-rank rows. The trainer owns the table with its own AdamW (same
+hyper-parameters and schedule), sums its gradient over the data-parallel group only, and clips it with the same
+threshold against its own global norm (DISCREPANCY: clipping is per parameter group, engine vs table).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, collate, read_fasta, split_records, split_region
+from ds4sci.models.genslm import GenSLM, shift_labels, token_loss
+from ds4sci.sequence import DeepSpeedMPU, DistributedAttention, ParallelDims, build_groups, shard_sequence
+from ds4sci.train.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+def lr_lambda(cfg: Config):
+    """Linear warmup to ``lr`` then cosine decay to ``min_lr`` at ``train.steps`` (as a factor of ``lr``)."""
+    o, steps = cfg.optim, cfg.train.steps
+
+    def factor(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        progress = min(1.0, (step - o.warmup_steps) / max(1, steps - o.warmup_steps))
+        return (o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))) / o.lr
+
+    return factor
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on CUDA); a lone process gets a world of 1."""
+    import deepspeed
+
+    if dist.is_initialized():  # e.g. by a test harness: DeepSpeed still needs its communication backend
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count())))
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        return
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.utils.data.Dataset]:
+    """Tokenizer, training and validation datasets for ``cfg.data`` (deterministic split)."""
+    d = cfg.data
+    tok = Tokenizer.from_name(d.tokenizer)
+    records = list(read_fasta(d.fasta, iupac=d.iupac))
+    if not records:
+        raise ValueError(f"{d.fasta}: no sequence records")
+    arrays = [tok.encode(r.sequence) for r in records]
+    if len(arrays) == 1:
+        train, val = split_region(arrays[0], d.val_fraction)
+        train_arrays, val_arrays = [train], [val]
+    else:
+        t_idx, v_idx = split_records([r.id for r in records], d.val_fraction)
+        train_arrays, val_arrays = [arrays[i] for i in t_idx], [arrays[i] for i in v_idx]
+    if d.max_train_tokens:
+        kept, left = [], d.max_train_tokens
+        for a in train_arrays:
+            if left <= 0:
+                break
+            kept.append(a[:left])
+            left -= len(kept[-1])
+        train_arrays = kept
+    T = d.seq_len
+    if d.dataset == "windows":
+        train_ds = WindowDataset(train_arrays, tok, T, d.stride or T, reverse_complement=d.reverse_complement,
+                                 seed=cfg.train.seed)
+        val_ds = WindowDataset(val_arrays, tok, T, T)
+    elif d.dataset == "records":
+        train_ds, val_ds = RecordDataset(train_arrays, tok, T), RecordDataset(val_arrays, tok, T)
+    else:
+        train_ds, val_ds = PackedDataset(train_arrays, tok, T), PackedDataset(val_arrays, tok, T)
+    return tok, train_ds, val_ds
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    tokens: int
+    lr: float
+
+
+class Trainer:
+    """Builds groups, data, model, DeepSpeed engine; runs ``train()``.
+
+    Launch with ``torchrun --nproc-per-node N -m ds4sci.cli train CONFIG`` (N = dp x ulysses x ring) or in one process.
+    """
+
+    def __init__(self, cfg: Config):
+        import deepspeed
+
+        self.cfg = cfg
+        init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        p = cfg.parallel
+        sp = p.ulysses * p.ring
+        if self.world % sp:
+            raise ValueError(f"world size {self.world} is not divisible by ulysses={p.ulysses} x ring={p.ring}")
+        self.dims = ParallelDims(dp=self.world // sp, ulysses=p.ulysses, ring=p.ring, world_size=self.world)
+        self.groups = build_groups(self.dims)
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+
+        self.tokenizer, self.train_ds, self.val_ds = load_data(cfg)
+        self.model_config = cfg.genslm_config(self.tokenizer.vocab_size, self.tokenizer.pad_id)
+        torch.manual_seed(cfg.train.seed)
+        model = GenSLM(self.model_config)
+        self.attn = None
+        if sp > 1:
+            for block in model.layers:
+                block.attention.core = DistributedAttention(
+                    block.attention.core, self.groups.ulysses if p.ulysses > 1 else None,
+                    self.groups.ring if p.ring > 1 else None, layout=cfg.layout,
+                )
+            self.attn = model.layers[0].attention.core
+        self.shard_rank = self.attn.shard_rank if self.attn else 0
+        self.pos_table = None
+        if self.model_config.position_embedding == "learned":
+            self.pos_table = model.pop_position_embedding().to(self.device)
+            if sp > 1:
+                rows = shard_sequence(torch.arange(self.model_config.max_position_embeddings), 0,
+                                      self.shard_rank, sp, cfg.layout)
+                self.pos_table.shard_(rows.to(self.device))
+
+        o, t = cfg.optim, cfg.train
+        params = [q for q in model.parameters() if q.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        ds_config = {
+            "train_micro_batch_size_per_gpu": t.micro_batch_size,
+            "gradient_accumulation_steps": t.grad_accum,
+            "zero_optimization": {"stage": t.zero_stage},
+            "gradient_clipping": o.grad_clip,
+            "bf16": {"enabled": t.dtype == "bf16"},
+            "sequence_parallel_size": sp,
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model.to(self.device), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+            mpu=DeepSpeedMPU(self.groups), dist_init_required=False,
+        )
+        if self.pos_table is not None:
+            self.pos_opt = torch.optim.AdamW(self.pos_table.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                             weight_decay=o.weight_decay)
+            self.pos_sched = torch.optim.lr_scheduler.LambdaLR(self.pos_opt, lr_lambda(cfg))
+        self.step = 0
+        self.out = Path(t.out_dir)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(_yaml(cfg.to_dict()))
+
+    # ----------------------------------------------------------------------------------------------------- data
+    def _micro_batch(self, dataset, index: int, shuffle: bool) -> dict[str, torch.Tensor]:
+        """Global micro-batch ``index``: this data-parallel rank's samples, this sequence rank's shard."""
+        t = self.cfg.train
+        per_micro = t.micro_batch_size * self.dims.dp
+        n = len(dataset)
+        if n < per_micro:
+            raise ValueError(f"the dataset has {n} samples, fewer than one global micro-batch of {per_micro}")
+        per_epoch = n // per_micro
+        epoch, slot = divmod(index, per_epoch)
+        order = (np.random.default_rng((t.seed, epoch)).permutation(n) if shuffle else np.arange(n))
+        start = slot * per_micro + self.groups.dp_rank * t.micro_batch_size
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(epoch)
+        batch = collate([dataset[int(i)] for i in order[start : start + t.micro_batch_size]])
+        batch["targets"] = shift_labels(batch.pop("labels"))  # shift on the full window, before sharding
+        if self.cfg.data.dataset == "windows":
+            batch.pop("doc_ids")  # one document per window: causal attention needs no mask
+        sp = self.dims.ulysses * self.dims.ring
+        return {k: shard_sequence(v, 1, self.shard_rank, sp, self.cfg.layout).to(self.device) for k, v in batch.items()}
+
+    def _forward_sum(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        pos_embeds = self.pos_table(batch["position_ids"]) if self.pos_table is not None else None
+        logits = self.engine(batch["input_ids"], batch["position_ids"], batch.get("doc_ids"), position_embeds=pos_embeds)
+        tgt = batch["targets"]
+        return token_loss(logits, tgt, "sum"), (tgt != -100).sum()
+
+    def _all_sum(self, x: torch.Tensor, group=None) -> torch.Tensor:
+        x = x.detach().to(torch.float64).clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    # ---------------------------------------------------------------------------------------------------- train
+    def train_step(self) -> StepResult:
+        t = self.cfg.train
+        batches = [self._micro_batch(self.train_ds, self.step * t.grad_accum + a, shuffle=True) for a in range(t.grad_accum)]
+        count = self._all_sum(sum((b["targets"] != -100).sum() for b in batches))
+        if count.item() == 0:
+            raise ValueError(f"step {self.step}: the global batch has no real target token")
+        factor = grad_reduction_factor(self.dims.dp) * t.grad_accum  # engine.backward divides by GAS
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        lr = self.engine.get_lr()[0]  # the rate this step uses
+        for b in batches:
+            local_sum, _ = self._forward_sum(b)
+            self.engine.backward(local_sum / count.to(local_sum) * factor)
+            self.engine.step()
+            loss_sum += local_sum.detach().double()
+        if self.pos_table is not None:
+            self._pos_table_step(factor / t.grad_accum)
+        self.step += 1
+        return StepResult(self.step, (self._all_sum(loss_sum) / count).item(), int(count.item()), lr)
+
+    def _pos_table_step(self, reduction_factor: float) -> None:
+        w = self.pos_table.weight
+        grad = w.grad if w.grad is not None else torch.zeros_like(w)
+        dist.all_reduce(grad, group=self.groups.dp)  # rows differ per sequence rank: reduce over data ranks only
+        grad.div_(reduction_factor)
+        if self.cfg.optim.grad_clip > 0:  # global norm of the table: its rows are spread over the sequence group
+            norm = self._all_sum((grad.double() ** 2).sum(), self.groups.sp).sqrt().item()
+            if norm > self.cfg.optim.grad_clip:
+                grad.mul_(self.cfg.optim.grad_clip / (norm + 1e-6))
+        w.grad = grad
+        self.pos_opt.step()
+        self.pos_opt.zero_grad(set_to_none=True)
+        self.pos_sched.step()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss over real tokens of the first ``eval_batches`` validation micro-batches; bits per base."""
+        t = self.cfg.train
+        per_micro = t.micro_batch_size * self.dims.dp
+        n_batches = max(1, min(t.eval_batches, len(self.val_ds) // per_micro))
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.engine.eval()
+        for i in range(n_batches):
+            s, c = self._forward_sum(self._micro_batch(self.val_ds, i, shuffle=False))
+            total += s.double()
+            count += c.double()
+        self.engine.train()
+        loss = (self._all_sum(total) / self._all_sum(count)).item()
+        return {"val_loss": loss, "val_perplexity": math.exp(loss),
+                "val_bits_per_base": loss / math.log(2) / self.tokenizer.bases_per_token}
+
+    def train(self) -> list[dict]:
+        """Run to ``train.steps``; log, evaluate, checkpoint and export. Returns the metric records."""
+        from ds4sci.train.checkpoint import save_checkpoint
+        from ds4sci.train.export import export_consolidated
+
+        t = self.cfg.train
+        records: list[dict] = []
+        writer = bar = None
+        if self.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+            from tqdm.auto import tqdm
+
+            writer = SummaryWriter(str(self.out / "tensorboard"))
+            bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", disable=not t.progress)
+        metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8") if self.rank == 0 else None
+        start, tokens_seen = time.perf_counter(), 0
+
+        def log(record: dict) -> None:
+            records.append(record)
+            if self.rank == 0:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                for key, value in record.items():
+                    if key != "step":
+                        writer.add_scalar(key, value, record["step"])
+
+        while self.step < t.steps:
+            r = self.train_step()
+            tokens_seen += r.tokens
+            if r.step % t.log_every == 0 or r.step == t.steps:
+                log({"step": r.step, "loss": r.loss, "tokens": r.tokens, "lr": r.lr})
+            if (t.eval_every and r.step % t.eval_every == 0) or r.step == t.steps:
+                log({"step": r.step, **self.evaluate()})
+            if t.save_every and r.step % t.save_every == 0 and r.step != t.steps:
+                save_checkpoint(self)
+            if bar is not None:
+                rate = tokens_seen / (time.perf_counter() - start)
+                bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{rate:,.0f}")
+                bar.update(1)
+        save_checkpoint(self)
+        export_consolidated(self.full_state_dict(), self.model_config, self.tokenizer, self.out / "export", rank=self.rank)
+        if self.rank == 0:
+            bar.close()
+            writer.close()
+            metrics.close()
+            plot_metrics(self.out / "metrics.jsonl", self.out / "loss.png")
+        return records
+
+    # ------------------------------------------------------------------------------------------------ state
+    def gather_position_table(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """The full ``[max_positions, hidden]`` table (or optimizer state like it) from the sequence shards."""
+        tensor = self.pos_table.weight.detach() if tensor is None else tensor
+        sp = self.dims.ulysses * self.dims.ring
+        if sp == 1:
+            return tensor.detach().cpu().clone()
+        parts = [torch.empty_like(tensor) for _ in range(sp)]
+        rows = [torch.empty_like(self.pos_table.rows) for _ in range(sp)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.groups.sp)
+        dist.all_gather(rows, self.pos_table.rows, group=self.groups.sp)
+        return self.pos_table.assemble_full_table(list(zip(rows, parts)), self.pos_table.max_positions)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded GenSLM state dict (ZeRO-3 parameters gathered, position table assembled), on the CPU."""
+        import deepspeed
+
+        module = self.engine.module
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.train.zero_stage == 3):
+            state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+        if self.pos_table is not None:
+            state["embed_pos.weight"] = self.gather_position_table().float()
+        return state
+
+
+def grad_reduction_factor(dp: int) -> float:
+    """The factor ``K`` the local loss is multiplied by so that DeepSpeed's reduced gradient is that of the global
+    mean. Measured on gloo with DeepSpeed 0.19 (and proven per stage by tests/distributed/test_train_equivalence.py):
+    stages 0-2 average gradients over the data-parallel ranks and SUM them over the sequence-parallel ranks of the
+    sequence x data group, and ZeRO-3 without sequence parallelism averages over the data-parallel ranks, so
+    ``K = dp`` in every supported case."""
+    return float(dp)
+
+
+def plot_metrics(metrics_path: Path, png_path: Path) -> None:
+    """Loss curve (training loss and validation bits per base) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_bits_per_base"]) for r in rows if "val_bits_per_base" in r]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    if train:
+        ax[0].plot(*zip(*train), label="train loss (nats/token)")
+    ax[0].set_xlabel("step")
+    ax[0].set_ylabel("loss")
+    ax[0].legend()
+    if val:
+        ax[1].plot(*zip(*val), marker="o", label="validation")
+    ax[1].axhline(2.0, color="gray", linestyle="--", label="uniform (2 bits/base)")
+    ax[1].set_xlabel("step")
+    ax[1].set_ylabel("bits per base")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def _yaml(data: dict) -> str:
+    import yaml
+
+    def plain(x):
+        if isinstance(x, tuple):
+            return list(x)
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    return yaml.safe_dump(plain(data), sort_keys=False)
