@@ -122,22 +122,38 @@ class Config:
         check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
         check(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"must be in [0, lr={o.lr}]")
         check(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0")
+        check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0: only at the end)")
+        check(t.eval_batches >= 1, "train.eval_batches", t.eval_batches, "must be >= 1")
+        check(t.save_every >= 0, "train.save_every", t.save_every, "must be >= 0 (0: only at the end)")
+        check(d.max_train_tokens >= 0, "data.max_train_tokens", d.max_train_tokens, "must be >= 0 (0: all)")
+        check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+        check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+        check(o.eps > 0, "optim.eps", o.eps, "must be > 0")
+        check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", o.betas,
+              "expected two numbers in [0, 1)")
         sp = p.ulysses * p.ring
-        check(not (t.zero_stage == 3 and sp > 1), "train.zero_stage", t.zero_stage,
-              "ZeRO-3 with sequence parallelism is not exact on DeepSpeed 0.19 (its reduction mixes SP-summed and "
-              "averaged buckets); use ZeRO 0/1/2 with ulysses/ring > 1")
         multiple = sp * (2 if self.layout == "zigzag" else 1)
         check(d.seq_len % multiple == 0, "data.seq_len", d.seq_len,
               f"must be divisible by {multiple} (ulysses={p.ulysses} x ring={p.ring}, layout {self.layout})")
-        learned = self.model.overrides.get("position_embedding") == "learned"
-        check(not (learned and sp > 1 and d.dataset == "packed"), "data.dataset", d.dataset,
-              "a sequence-partitioned learned position table needs positions equal to window indices; "
+        try:
+            model = self.genslm_config(69, 3)  # preset and overrides valid (vocabulary filled in at run time)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"model (preset={self.model.preset!r}, overrides={self.model.overrides}): {err}") from None
+        check(model.num_heads % p.ulysses == 0, "parallel.ulysses", p.ulysses,
+              f"must divide the model's num_heads={model.num_heads} (Ulysses scatters heads)")
+        check(not (model.position_embedding == "learned" and sp > 1 and d.dataset == "packed"), "data.dataset",
+              d.dataset, "a sequence-partitioned learned position table needs positions equal to window indices; "
               "use windows/records or rotary/alibi positions with packing")
-        self.genslm_config(69, 3)  # preset and overrides valid
         return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML (what the trainer writes to ``out_dir/config.yaml``; loads back equal)."""
+        data = self.to_dict()
+        data["optim"]["betas"] = list(data["optim"]["betas"])
+        return yaml.safe_dump(data, sort_keys=False)
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:

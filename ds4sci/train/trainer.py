@@ -5,12 +5,10 @@ Sequence parallelism is applied from outside the model: every block's attention 
 Targets are shifted on the full window BEFORE sharding, so the label of a shard's last token (which lives on the
 next shard) is never lost.
 
-Loss normalisation: the loss is the mean over every real (non -100) target of the global batch (all data-parallel
-ranks, all sequence shards, all accumulation micro-batches). Each rank back-propagates
-``local_sum / global_count * K`` where ``K`` undoes the engine's gradient reduction over the sequence x data group
-(:func:`grad_reduction_factor`); the equivalence tests prove it per ZeRO stage against single-process training.
-ZeRO-3 together with sequence parallelism is refused: on DeepSpeed 0.19 its gradient reduction mixes SP-summing and
-averaging paths per bucket, so no loss normalisation makes it exact (measured; see README).
+Loss normalisation (:mod:`ds4sci.train.loss`): the loss is the mean over every real (non -100) target of the
+global batch (all data-parallel ranks, all sequence shards, all accumulation micro-batches), with the scale that
+undoes DeepSpeed's per-stage gradient reduction; the equivalence tests prove it per ZeRO stage against
+single-process training.
 
 The sequence-partitioned learned position table is kept OUT of the DeepSpeed engine: DeepSpeed treats every engine
 parameter as replicated over the sequence x data group (broadcast from rank 0 at start, gradients reduced over the
@@ -34,42 +32,12 @@ import torch.distributed as dist
 
 from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, collate, read_fasta, split_records, split_region
 from ds4sci.models.genslm import GenSLM, shift_labels, token_loss
-from ds4sci.sequence import DeepSpeedMPU, DistributedAttention, ParallelDims, build_groups, shard_sequence
+from ds4sci.sequence import DistributedAttention, ParallelDims, build_groups, shard_sequence
 from ds4sci.train.config import Config
+from ds4sci.train.engine import build_engine, init_distributed, make_optimizer
+from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 
 logger = logging.getLogger(__name__)
-
-
-def lr_lambda(cfg: Config):
-    """Linear warmup to ``lr`` then cosine decay to ``min_lr`` at ``train.steps`` (as a factor of ``lr``)."""
-    o, steps = cfg.optim, cfg.train.steps
-
-    def factor(step: int) -> float:
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        progress = min(1.0, (step - o.warmup_steps) / max(1, steps - o.warmup_steps))
-        return (o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))) / o.lr
-
-    return factor
-
-
-def init_distributed() -> None:
-    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on CUDA); a lone process gets a world of 1."""
-    import deepspeed
-
-    if dist.is_initialized():  # e.g. by a test harness: DeepSpeed still needs its communication backend
-        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count())))
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-        return
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
 def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.utils.data.Dataset]:
@@ -121,8 +89,6 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config):
-        import deepspeed
-
         self.cfg = cfg
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -155,33 +121,14 @@ class Trainer:
                                       self.shard_rank, sp, cfg.layout)
                 self.pos_table.shard_(rows.to(self.device))
 
-        o, t = cfg.optim, cfg.train
-        params = [q for q in model.parameters() if q.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-        ds_config = {
-            "train_micro_batch_size_per_gpu": t.micro_batch_size,
-            "gradient_accumulation_steps": t.grad_accum,
-            "zero_optimization": {"stage": t.zero_stage},
-            "gradient_clipping": o.grad_clip,
-            "bf16": {"enabled": t.dtype == "bf16"},
-            "sequence_parallel_size": sp,
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9,
-        }
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model.to(self.device), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
-            mpu=DeepSpeedMPU(self.groups), dist_init_required=False,
-        )
+        self.engine = build_engine(model, cfg, self.groups, self.device)
         if self.pos_table is not None:
-            self.pos_opt = torch.optim.AdamW(self.pos_table.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                             weight_decay=o.weight_decay)
-            self.pos_sched = torch.optim.lr_scheduler.LambdaLR(self.pos_opt, lr_lambda(cfg))
+            self.pos_opt, self.pos_sched = make_optimizer(self.pos_table.parameters(), cfg)
         self.step = 0
-        self.out = Path(t.out_dir)
+        self.out = Path(cfg.train.out_dir)
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(_yaml(cfg.to_dict()))
+            (self.out / "config.yaml").write_text(cfg.to_yaml())
 
     # ----------------------------------------------------------------------------------------------------- data
     def _micro_batch(self, dataset, index: int, shuffle: bool) -> dict[str, torch.Tensor]:
@@ -201,7 +148,7 @@ class Trainer:
         batch["targets"] = shift_labels(batch.pop("labels"))  # shift on the full window, before sharding
         if self.cfg.data.dataset == "windows":
             batch.pop("doc_ids")  # one document per window: causal attention needs no mask
-        sp = self.dims.ulysses * self.dims.ring
+        sp = self.dims.sp
         return {k: shard_sequence(v, 1, self.shard_rank, sp, self.cfg.layout).to(self.device) for k, v in batch.items()}
 
     def _forward_sum(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,15 +166,14 @@ class Trainer:
     def train_step(self) -> StepResult:
         t = self.cfg.train
         batches = [self._micro_batch(self.train_ds, self.step * t.grad_accum + a, shuffle=True) for a in range(t.grad_accum)]
-        count = self._all_sum(sum((b["targets"] != -100).sum() for b in batches))
-        if count.item() == 0:
-            raise ValueError(f"step {self.step}: the global batch has no real target token")
-        factor = grad_reduction_factor(self.dims.dp) * t.grad_accum  # engine.backward divides by GAS
+        count = global_target_count([b["targets"] for b in batches], self.groups.sdp)
+        # engine.backward divides by the accumulation steps: multiply them back in
+        factor = grad_reduction_factor(t.zero_stage, self.dims.dp, self.dims.sp) * t.grad_accum
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         lr = self.engine.get_lr()[0]  # the rate this step uses
         for b in batches:
             local_sum, _ = self._forward_sum(b)
-            self.engine.backward(local_sum / count.to(local_sum) * factor)
+            self.engine.backward(scaled_shard_loss(local_sum, count, factor))
             self.engine.step()
             loss_sum += local_sum.detach().double()
         if self.pos_table is not None:
@@ -319,7 +265,7 @@ class Trainer:
     def gather_position_table(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
         """The full ``[max_positions, hidden]`` table (or optimizer state like it) from the sequence shards."""
         tensor = self.pos_table.weight.detach() if tensor is None else tensor
-        sp = self.dims.ulysses * self.dims.ring
+        sp = self.dims.sp
         if sp == 1:
             return tensor.detach().cpu().clone()
         parts = [torch.empty_like(tensor) for _ in range(sp)]
@@ -339,15 +285,6 @@ class Trainer:
         if self.pos_table is not None:
             state["embed_pos.weight"] = self.gather_position_table().float()
         return state
-
-
-def grad_reduction_factor(dp: int) -> float:
-    """The factor ``K`` the local loss is multiplied by so that DeepSpeed's reduced gradient is that of the global
-    mean. Measured on gloo with DeepSpeed 0.19 (and proven per stage by tests/distributed/test_train_equivalence.py):
-    stages 0-2 average gradients over the data-parallel ranks and SUM them over the sequence-parallel ranks of the
-    sequence x data group, and ZeRO-3 without sequence parallelism averages over the data-parallel ranks, so
-    ``K = dp`` in every supported case."""
-    return float(dp)
 
 
 def plot_metrics(metrics_path: Path, png_path: Path) -> None:
@@ -376,15 +313,3 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
 
-
-def _yaml(data: dict) -> str:
-    import yaml
-
-    def plain(x):
-        if isinstance(x, tuple):
-            return list(x)
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        return x
-
-    return yaml.safe_dump(plain(data), sort_keys=False)

@@ -1,0 +1,109 @@
+"""Training config: YAML + dotted ``--set`` overrides, typed coercion, validation errors naming key and value."""
+import pytest
+from ds4sci.train.config import Config, load_config
+from ds4sci.train.engine import deepspeed_config, lr_lambda
+
+
+def test_defaults_are_valid_and_yaml_plus_overrides_apply(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  seq_len: 64\ntrain:\n  steps: 7\n  zero_stage: 2\nmodel:\n  overrides: {num_layers: 3}\n")
+    cfg = load_config(path, ["train.steps=9", "optim.betas=[0.8, 0.9]", "parallel.ulysses=2", "train.progress=false",
+                             "model.overrides.position_embedding=learned", "optim.lr=3e-3"])
+    assert cfg.data.seq_len == 64 and cfg.train.zero_stage == 2
+    assert cfg.train.steps == 9 and cfg.optim.betas == (0.8, 0.9) and cfg.optim.lr == 3e-3
+    assert cfg.parallel.ulysses == 2 and cfg.train.progress is False
+    assert cfg.model.overrides == {"num_layers": 3, "position_embedding": "learned"}
+    model = cfg.genslm_config(vocab_size=8, pad_token_id=3)
+    assert model.num_layers == 3 and model.position_embedding == "learned"
+    assert model.max_position_embeddings == 64  # a learned table has one row per window position
+    assert load_config().to_dict() == Config().to_dict()
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config(None, ["train.steps=3", "optim.betas=[0.9, 0.99]"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(cfg.to_yaml())
+    again = load_config(path)
+    assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.steps=abc", "train.steps"),
+        ("train.steps=1.5", "train.steps"),
+        ("train.steps=0", "train.steps"),
+        ("train.zero_stage=4", "train.zero_stage"),
+        ("train.dtype=fp16", "train.dtype"),
+        ("train.progress=maybe", "train.progress"),
+        ("optim.lr=-1", "optim.lr"),
+        ("optim.min_lr=1", "optim.min_lr"),
+        ("optim.betas=[0.9]", "optim.betas"),
+        ("optim.eps=0", "optim.eps"),
+        ("data.tokenizer=protein", "data.tokenizer"),
+        ("data.val_fraction=1.5", "data.val_fraction"),
+        ("data.seq_len=30", "data.seq_len"),  # not divisible by ulysses=4 below
+        ("parallel.ulysses=3", "parallel.ulysses"),  # does not divide the debug model's 4 heads
+        ("parallel.layout=spiral", "parallel.layout"),
+        ("model.overrides.no_such_field=1", "model"),
+        ("model.preset=huge", "model"),
+    ],
+)
+def test_errors_name_the_key_and_value(override, key):
+    base = ["data.seq_len=96"] + (["parallel.ulysses=4"] if key == "data.seq_len" else [])
+    with pytest.raises(ValueError) as err:
+        load_config(None, base + [override])
+    message = str(err.value)
+    assert key in message, message
+    assert override.split("=", 1)[1].strip("[]").split(",")[0] in message, message
+
+
+def test_unknown_keys_are_named_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown config key 'train.stepz'.*'train.steps'"):
+        load_config(None, ["train.stepz=3"])
+    with pytest.raises(ValueError, match="unknown config key 'nosuch'"):
+        load_config(None, ["nosuch.key=1"])
+
+
+def test_cross_field_rules():
+    with pytest.raises(ValueError, match="data.seq_len=52.*divisible by 8"):  # zigzag: 2 chunks per ring rank
+        load_config(None, ["data.seq_len=52", "parallel.ring=2", "parallel.ulysses=2"])
+    assert load_config(None, ["data.seq_len=52", "parallel.ulysses=2", "parallel.ring=2",
+                              "parallel.layout=contiguous"]).layout == "contiguous"
+    with pytest.raises(ValueError, match="reverse complement breaks the reading frame"):
+        load_config(None, ["data.tokenizer=codon", "data.reverse_complement=0.5"])
+    with pytest.raises(ValueError, match="data.dataset='packed'"):
+        load_config(None, ["data.dataset=packed", "parallel.ulysses=2", "model.overrides.position_embedding=learned"])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        load_config(None, ["parallel.ulysses=2", "model.overrides.position_embedding=learned",
+                           "model.overrides.max_position_embeddings=512"])
+    with pytest.raises(ValueError, match="key=value"):
+        load_config(None, ["train.steps"])
+    with pytest.raises(ValueError, match="must be a mapping"):
+        load_config(None, ["train=3"])
+
+
+def test_yaml_top_level_must_be_a_mapping(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="top level must be a mapping"):
+        load_config(path)
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    cfg = load_config(None, ["train.steps=20", "optim.warmup_steps=4", "optim.lr=1e-3", "optim.min_lr=1e-4"])
+    f = lr_lambda(cfg)
+    assert [f(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert f(4) == pytest.approx(1.0)
+    assert f(12) == pytest.approx((1e-4 + 0.5 * 9e-4) / 1e-3)  # half way through the decay
+    assert f(20) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(4, 30))
+
+
+def test_deepspeed_config_mirrors_the_training_config():
+    cfg = load_config(None, ["train.zero_stage=3", "train.grad_accum=4", "train.micro_batch_size=2",
+                             "train.dtype=bf16", "optim.grad_clip=0.5"])
+    ds = deepspeed_config(cfg, sp=2)
+    assert ds["zero_optimization"] == {"stage": 3, "reduce_scatter": True}
+    assert ds["gradient_accumulation_steps"] == 4 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == 0.5 and ds["sequence_parallel_size"] == 2
