@@ -15,6 +15,9 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ds4sci.info", "show versions, devices and which attention backends are usable here"),
     "train": ("ds4sci.train.cli_train", "train a GenSLM on FASTA data (DeepSpeed, ZeRO, sequence parallelism)"),
+    "evaluate": ("ds4sci.train.evaluate", "loss, perplexity and bits per base of an exported model on FASTA"),
+    "generate": ("ds4sci.train.generate", "sample sequences from an exported model and write FASTA"),
+    "embed": ("ds4sci.train.embed", "per-record mean embeddings of FASTA sequences (.npz)"),
     "bench": ("ds4sci.bench", "run a benchmark and write its results (JSON + Markdown) to --out"),
 }
 

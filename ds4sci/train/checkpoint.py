@@ -44,9 +44,15 @@ def load_checkpoint(trainer, path: str | Path) -> None:
         raise ValueError(f"{path}: DeepSpeed could not load this checkpoint")
     trainer.step = int(client["step"])
     if trainer.pos_table is not None:
-        full = torch.load(path / "position_table.pt", map_location="cpu")
+        table_file = path / "position_table.pt"
+        if not table_file.is_file():
+            raise FileNotFoundError(f"{table_file} is missing: this checkpoint has no learned position table")
+        full = torch.load(table_file, map_location="cpu")
         rows = trainer.pos_table.rows.cpu()
         w = trainer.pos_table.weight
+        expected = (trainer.pos_table.max_positions, w.shape[1])
+        if tuple(full["weight"].shape) != expected:
+            raise ValueError(f"{table_file}: position table {tuple(full['weight'].shape)}, this model needs {expected}")
         with torch.no_grad():
             w.copy_(full["weight"][rows])
         trainer.pos_opt.state[w] = {
@@ -55,3 +61,5 @@ def load_checkpoint(trainer, path: str | Path) -> None:
             "exp_avg_sq": full["exp_avg_sq"][rows].to(w).clone(),
         }
         trainer.pos_sched.load_state_dict(full["scheduler"])
+        for group, lr in zip(trainer.pos_opt.param_groups, trainer.pos_sched.get_last_lr()):
+            group["lr"] = lr  # a scheduler's state does not reach its optimizer before the next scheduler step

@@ -59,6 +59,46 @@ def _compare(got, want, label):
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3, label
 
 
+def _plain_torch_losses(rank, world, overrides):
+    """The reference without DeepSpeed: the GenSLM with its own (unpopped) position table, torch AdamW + the same
+    schedule, the mean loss over the real targets of each global batch drawn in the trainer's documented order."""
+    import numpy as np
+
+    from ds4sci.data import collate
+    from ds4sci.models.genslm import GenSLM, lm_loss
+    from ds4sci.train.config import load_config
+    from ds4sci.train.engine import make_optimizer
+    from ds4sci.train.trainer import load_data
+
+    cfg = load_config(None, overrides)
+    tokenizer, train_ds, _ = load_data(cfg)
+    torch.manual_seed(cfg.train.seed)
+    model = GenSLM(cfg.genslm_config(tokenizer.vocab_size, tokenizer.pad_id))
+    optimizer, scheduler = make_optimizer(model.parameters(), cfg)
+    micro, losses = cfg.train.micro_batch_size, []
+    order = np.random.default_rng((cfg.train.seed, 0)).permutation(len(train_ds))  # epoch 0
+    for step in range(cfg.train.steps):
+        batch = collate([train_ds[int(i)] for i in order[step * micro : (step + 1) * micro]])
+        loss = lm_loss(model(batch["input_ids"], batch["position_ids"]), batch["labels"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_single_process_trainer_equals_a_plain_pytorch_loop(tmp_path):
+    """Anchors the baseline of the tests below: the DeepSpeed engine with the position table kept outside it
+    trains exactly like plain PyTorch with the table inside the model (ZeRO 0 and 2, no clipping)."""
+    for zero in (0, 2):
+        overrides = _overrides(tmp_path / f"plain{zero}", zero, micro=4)
+        got = _baseline([overrides])[0]
+        want = run_workers(_plain_torch_losses, 1, overrides, env=ENV, timeout=300)[0]
+        _compare(got, want, f"trainer zero={zero} vs plain PyTorch")
+
+
 # Gradient clipping is active with this threshold (the debug model's gradient norm is ~1): the clipped cases check
 # the global-norm computations over the sequence x data group as well.
 CLIP = ["optim.grad_clip=0.05"]
