@@ -1,4 +1,4 @@
-"""Config validation, consolidated export, evaluate / generate / embed on a small in-process model."""
+"""Consolidated export, evaluate / generate / embed on a small in-process model."""
 import math
 
 import numpy as np
@@ -7,7 +7,6 @@ import torch
 
 from ds4sci.data import CodonTokenizer, NucleotideTokenizer, RecordDataset
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.train.config import load_config
 from ds4sci.train.embed import embed_sequence
 from ds4sci.train.evaluate import evaluate, windows
 from ds4sci.train.export import export_consolidated, load_consolidated
@@ -21,29 +20,6 @@ def tiny(tmp_path):
     cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=32, position_embedding="learned")
     model = GenSLM(cfg).eval()
     return model, cfg, tok
-
-
-def test_config_overrides_and_errors(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("train:\n  steps: 7\nmodel:\n  overrides: {position_embedding: learned}\n")
-    cfg = load_config(path, ["optim.lr=0.01", "parallel.ulysses=2", "optim.betas=[0.8, 0.9]"])
-    assert cfg.train.steps == 7 and cfg.optim.lr == 0.01 and cfg.optim.betas == (0.8, 0.9)
-    assert cfg.genslm_config(10, 3).max_position_embeddings == cfg.data.seq_len  # learned table = context
-    for bad, match in [
-        (["train.stepz=3"], "unknown config key 'train.stepz'"),
-        (["train.steps=abc"], "train.steps='abc': expected an integer"),
-        (["parallel.ulysses=3"], "data.seq_len=256: must be divisible by 3"),
-        (["parallel.ring=2", "data.seq_len=258"], "divisible by 4"),
-        (["train.zero_stage=3", "parallel.ulysses=2"], "ZeRO-3 with sequence parallelism"),
-        (["data.tokenizer=codon", "data.reverse_complement=0.5"], "reading frame"),
-        (["model.preset=huge"], "unknown preset"),
-        (["steps"], "key=value"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            load_config(None, bad)
-    path.write_text("- a list\n")
-    with pytest.raises(ValueError, match="top level must be a mapping"):
-        load_config(path)
 
 
 def test_export_round_trip_same_logits(tmp_path, tiny):
