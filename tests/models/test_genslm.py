@@ -203,6 +203,43 @@ def test_pure_causal_needs_no_mask_and_threshold_rule():
     assert threshold_for_memory(80 * 2**30) == 23170
 
 
+_MASK_PEAK = r"""
+import resource, sys, torch
+from ds4sci.models.genslm import make_attention_mask
+S = int(sys.argv[1])
+doc = (torch.arange(S) // 1000)[None]  # 1000-token documents
+make_attention_mask(2048, 2048, q_doc=doc[:, :2048], k_doc=doc[:, :2048])  # warm up threads and kernels (4 MiB)
+before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+if sys.argv[2] == "ours":
+    mask = make_attention_mask(S, S, q_doc=doc, k_doc=doc, chunk_rows=512)
+else:  # the usual construction: a float tril, then comparisons on full S x S tensors
+    mask = (torch.tril(torch.ones(S, S)) > 0) & (doc[0, :, None] == doc[0, None, :])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(max(0, peak - before))
+"""
+
+
+@pytest.mark.slow
+def test_mask_construction_peak_memory_is_near_one_mask():
+    """Peak RSS growth while building a 6144 x 6144 causal document mask (36 MiB of bool), in fresh processes."""
+    import os
+    import subprocess
+    import sys
+
+    S = 6144
+    mask_bytes = S * S
+
+    def grow(how):
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no thread stacks appearing mid-measurement
+        out = subprocess.run([sys.executable, "-c", _MASK_PEAK, str(S), how], capture_output=True, text=True, check=True,
+                             env=env)
+        return int(out.stdout.strip().splitlines()[-1])
+
+    ours, naive = grow("ours"), grow("naive")
+    assert ours <= 1.5 * mask_bytes, f"chunked construction grew RSS by {ours / mask_bytes:.2f} masks"
+    assert naive >= 4 * mask_bytes, f"the naive construction grew RSS by only {naive / mask_bytes:.2f} masks"
+
+
 def test_losses_and_label_shift():
     logits = torch.randn(1, 4, 5)
     labels = torch.tensor([[1, 2, -100, 4]])
