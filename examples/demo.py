@@ -51,7 +51,8 @@ def step(title: str) -> None:
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    print("$", " ".join(str(c) for c in cmd), flush=True)
+    shown = ("<inline script>" if "\n" in str(c) else str(c) for c in cmd)
+    print("$", " ".join(shown), flush=True)
     return subprocess.run(cmd, cwd=ROOT, check=True, **kw)
 
 
