@@ -1,1 +1,32 @@
-"""ds4sci.models.evoformer: Evoformer attention layers (OpenFold-compatible)."""
+"""ds4sci.models.evoformer: Evoformer attention layers (OpenFold-compatible).
+
+The four attention layers of AlphaFold2's Evoformer (supplement Algorithms 7, 8, 13, 14), running on
+``ds4sci.kernels.evoformer_attention`` (the logits are never stored; backend chosen with one
+:class:`~ds4sci.kernels.Backend`), with OpenFold's constructor arguments and parameter names so that an
+OpenFold3 (default) or OpenFold state dict of the same module loads with ``load_state_dict(strict=True)``::
+
+    from ds4sci.models.evoformer import MSARowAttentionWithPairBias
+    layer = MSARowAttentionWithPairBias(c_m=256, c_z=128, c_hidden=32, no_heads=8)
+    layer.load_state_dict(openfold3_layer.state_dict(), strict=True)
+    m = m + layer(m, z, mask=msa_mask)                  # [*, N_seq, N_res, C_m]
+    m = m + layer(m, z, mask=msa_mask, chunk_size=64)   # inference on very deep MSAs
+"""
+from ds4sci.models.evoformer.msa import MSAAttention, MSAColumnAttention, MSARowAttentionWithPairBias
+from ds4sci.models.evoformer.primitives import Convention, GatedAttention, LayerNorm
+from ds4sci.models.evoformer.triangular_attention import (
+    TriangleAttention,
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+)
+
+__all__ = [
+    "Convention",
+    "GatedAttention",
+    "LayerNorm",
+    "MSAAttention",
+    "MSAColumnAttention",
+    "MSARowAttentionWithPairBias",
+    "TriangleAttention",
+    "TriangleAttentionEndingNode",
+    "TriangleAttentionStartingNode",
+]
