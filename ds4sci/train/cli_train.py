@@ -7,8 +7,9 @@ import logging
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML config (see examples/configs/); defaults if omitted")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set train.steps=10 (repeatable)")
+    parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
+                        metavar="KEY=VALUE", help="override config keys, e.g. --set train.steps=10 optim.lr=1e-3 "
+                        "(repeatable)")
     parser.add_argument("--resume", help="checkpoint directory (.../checkpoints/stepN) to resume from")
 
 

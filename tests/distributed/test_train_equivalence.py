@@ -3,6 +3,7 @@ parallelism) under every ZeRO stage gives the same per-step losses and final par
 training on the same global batches, the sequence-partitioned position table included."""
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -144,3 +145,24 @@ def test_sp2_x_dp2_and_hybrid_ulysses_x_ring(tmp_path):
     _compare(got[1], want[1], "sp=2 x dp=2 zero=3")
     _compare(got[2], want[2], "ulysses=2 x ring=2 zero=2 alibi")
     _compare(got[3], want[3], "ulysses=2 x ring=2 zero=0 clipped")
+
+
+@pytest.mark.slow
+def test_bf16_with_sp_tracks_bf16_and_fp32_single_process(tmp_path):
+    """bf16 (DeepSpeed's bf16 mode, fp32 master weights) under Ulysses SP=2 and ZeRO-1/2: the losses follow the bf16
+    single-process run (here they agree to ~1e-9; 1e-3 leaves room for layout-dependent rounding) and the fp32 run
+    to a few percent; the parameters stay finite and close to the bf16 single-process ones."""
+    bf16 = ["train.dtype=bf16"]
+    got = run_workers(_train_cases, 2, [_overrides(tmp_path / f"sp{z}", z, ulysses=2, extra=bf16) for z in (1, 2)],
+                      env=ENV, timeout=400)[0]
+    want_bf16, want_fp32 = _baseline([_overrides(tmp_path / "b", 1, extra=bf16), _overrides(tmp_path / "f", 1)])
+    for (losses, state), z in zip(got, (1, 2)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_bf16[0]), rtol=1e-3, atol=0,
+                                   msg=f"bf16 ulysses=2 zero={z} vs bf16 single process")
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_fp32[0]), rtol=5e-2, atol=0,
+                                   msg=f"bf16 ulysses=2 zero={z} vs fp32 single process")
+        for key, value in state.items():
+            assert np.isfinite(value).all(), key
+            ref = want_bf16[1][key]
+            assert np.abs(value - ref).max() <= 0.05 * max(1.0, np.abs(ref).max()), key
+    assert abs(want_bf16[0][-1] - want_bf16[0][0]) > 1e-3
