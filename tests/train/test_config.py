@@ -107,3 +107,12 @@ def test_deepspeed_config_mirrors_the_training_config():
     assert ds["zero_optimization"] == {"stage": 3, "reduce_scatter": True}
     assert ds["gradient_accumulation_steps"] == 4 and ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == 0.5 and ds["sequence_parallel_size"] == 2
+
+
+def test_cli_set_takes_several_overrides_and_repeats():
+    from ds4sci.cli import build_parser
+
+    args = build_parser().parse_args(["train", "c.yaml", "--set", "train.steps=3", "optim.lr=0.1", "--set", "data.seq_len=8"])
+    assert args.config == "c.yaml" and args.overrides == ["train.steps=3", "optim.lr=0.1", "data.seq_len=8"]
+    cfg = load_config(None, args.overrides)
+    assert (cfg.train.steps, cfg.optim.lr, cfg.data.seq_len) == (3, 0.1, 8)
