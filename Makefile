@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ds4sci-installed
 # Extras installed for tests; the openfold3 extra joins once the OpenFold integration lands.
-EXTRAS ?= dev
+EXTRAS ?= dev,openfold
 
 .PHONY: install demo test clean
 

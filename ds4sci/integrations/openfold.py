@@ -1,0 +1,215 @@
+"""Route OpenFold's DeepSpeed Evoformer-attention path to ds4sci's kernels.
+
+OpenFold3 (``openfold3`` on PyPI) and OpenFold (aqlaboratory/openfold, the AlphaFold2 reproduction) both
+implement ``use_deepspeed_evo_attention=True`` in ``Attention.forward`` by calling a module-level function
+``_deepspeed_evo_attn(q, k, v, biases)`` (``openfold3.core.model.primitives.attention`` and
+``openfold.model.primitives``), with q, k, v ``[*, H, Q, C_hidden]`` (unscaled) and biases broadcasting to
+``[*, H, Q, K]``. That function refuses to run unless ``deepspeed.ops.deepspeed4science`` is importable,
+casts fp32 inputs to bf16, and calls DeepSpeed's CUTLASS kernel (JIT-built on first use).
+
+:func:`enable` replaces that module attribute with an :class:`EvoAttentionAdapter`, which calls
+``ds4sci.kernels.evoformer_attention`` in the caller's dtype (fp32 stays fp32) and needs neither DeepSpeed nor
+CUTLASS. ``Attention.forward`` itself is untouched, so OpenFold's own decisions stay in force: its fallback to
+the plain PyTorch path for short sequences (``q_x.shape[-2] <= 16``), the at-most-two-biases check, the
+unscaled queries on this path, the choice between LMA / cuEquivariance / DeepSpeed. :func:`disable` puts the
+original function objects back (the very same objects); :func:`enabled` is the context-manager form::
+
+    from ds4sci.integrations import openfold as ds4sci_openfold
+
+    ds4sci_openfold.enable()                # every use_deepspeed_evo_attention=True now runs ds4sci
+    with ds4sci_openfold.enabled(backend="torch"):
+        ...
+    ds4sci_openfold.disable()
+
+Patching is process-global (it edits the OpenFold modules); the record of what was replaced lives here.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import Any, Optional, Union
+
+from torch import Tensor
+
+from ds4sci.kernels import Backend, evoformer_attention
+
+logger = logging.getLogger(__name__)
+
+#: (package, module, attribute) of each OpenFold code base's DeepSpeed Evoformer-attention function.
+TARGETS: dict[str, tuple[str, str]] = {
+    "openfold3": ("openfold3.core.model.primitives.attention", "_deepspeed_evo_attn"),
+    "openfold": ("openfold.model.primitives", "_deepspeed_evo_attn"),
+}
+
+
+def _resolve_backend(backend: Union[str, Backend]) -> Backend:
+    try:
+        return Backend(backend)
+    except ValueError:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {[b.value for b in Backend]}") from None
+
+
+class EvoAttentionAdapter:
+    """Stands in for OpenFold's ``_deepspeed_evo_attn(q, k, v, biases)``: same inputs, same output.
+
+    q, k, v ``[*, H, Q, C_hidden]`` (queries not yet scaled; the kernel scales by ``1/sqrt(C_hidden)``),
+    ``biases`` at most two tensors broadcasting to ``[*, H, Q, K]``; returns ``[*, Q, H, C_hidden]`` in q's dtype
+    (what OpenFold's function returns, before ``Attention._wrap_up``).
+    """
+
+    def __init__(self, backend: Union[str, Backend] = Backend.AUTO, original: Any = None):
+        self.backend = _resolve_backend(backend)
+        self.original = original  # the function this adapter replaced, for reference only
+
+    def __repr__(self) -> str:
+        return f"EvoAttentionAdapter(backend={self.backend.value!r})"
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, biases: Sequence[Optional[Tensor]]) -> Tensor:
+        biases = [b for b in (biases or []) if b is not None]
+        if len(biases) > 2:
+            raise ValueError(f"Evoformer attention takes at most two biases, got {len(biases)}")
+        # [*, H, Q, C] -> [*, Q, H, C]: DeepSpeed4Science's [*, N, S, H, D] with the last batch dim as N
+        q, k, v = (t.transpose(-2, -3) for t in (q, k, v))
+        out_shape = q.shape
+        q, k, v, biases = _ds_layout(q, k, v, biases)
+        o = evoformer_attention(q, k, v, biases, backend=self.backend)  # [*, N, Q, H, C]
+        return o.reshape(out_shape)  # [*, Q, H, C]
+
+
+def _is_mask_like(bias: Tensor) -> bool:
+    """A bias constant over heads and queries (``[*, 1, 1, K]`` in the ``[*, H, Q, K]`` frame): a key mask."""
+    return bias.ndim < 3 or (bias.shape[-3] == 1 and bias.shape[-2] == 1)
+
+
+def _ds_layout(q: Tensor, k: Tensor, v: Tensor, biases: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """Views of q, k, v ``[*, Q, H, C]`` and of the biases (frame ``[*, H, Q, K]``) in the kernel's layout.
+
+    The bias frame ``[*', N, H, Q, K]`` IS the kernel's layout: a mask bias ``[*', N|1, 1, 1, K]`` and a pair bias
+    ``[*', 1, H, Q, K]``. Two cases need more than views of the inputs:
+
+    - a bias that varies over heads or queries AND over the last batch dim N (OpenFold's ``chunk_layer`` expands
+      the pair bias over the flattened batch, giving ``[chunk, H, Q, K]`` with q ``[chunk, Q, H, C]``): a unit N
+      axis is inserted so that every entry of the last batch dim becomes its own batch element;
+    - two biases of the same kind (never produced by OpenFold's layers): they are summed.
+
+    q, k, v get leading unit dims up to rank 5; biases broadcast over H, Q or K are expanded (stride 0).
+    """
+    h, s = q.shape[-2], q.shape[-3]
+    biases = [b.reshape((1,) * (q.ndim - b.ndim) + tuple(b.shape)) if b.ndim < q.ndim else b for b in biases]
+    if len(biases) == 2 and _is_mask_like(biases[0]) == _is_mask_like(biases[1]):
+        biases = [biases[0] + biases[1]]
+    if any(not _is_mask_like(b) and b.shape[-4] != 1 for b in biases):
+        q, k, v = (t.unsqueeze(-4) for t in (q, k, v))  # [*, Q, H, C] -> [*, 1, Q, H, C]
+        biases = [b.unsqueeze(-4) for b in biases]  # [*, H, Q, K] -> [*, 1, H, Q, K]
+    while q.ndim < 5:
+        q, k, v = (t.unsqueeze(0) for t in (q, k, v))
+    out = []
+    for b in biases:
+        b = b.reshape((1,) * (q.ndim - b.ndim) + tuple(b.shape))  # leading unit dims up to q's rank
+        if _is_mask_like(b):
+            out.append(b.expand(*b.shape[:-1], s))  # [*, N|1, 1, 1, K]
+        else:
+            out.append(b.expand(*b.shape[:-3], h, s, s))  # [*, 1, H, Q, K]
+    return q, k, v, out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# enable / disable
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Patch:
+    module: ModuleType
+    attr: str
+    original: Any
+
+
+# package name -> what enable() replaced there; empty when disabled
+_patches: dict[str, _Patch] = {}
+
+
+def _import_target(package: str) -> Optional[ModuleType]:
+    module_name, attr = TARGETS[package]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        if package == "openfold3":
+            logger.info("ds4sci.integrations.openfold: %s is not importable (%s)", module_name, err)
+        else:
+            logger.debug("ds4sci.integrations.openfold: %s is not importable (%s)", module_name, err)
+        return None
+    if not hasattr(module, attr):
+        logger.warning(
+            "ds4sci.integrations.openfold: %s has no %s (an unsupported %s version); left alone", module_name, attr, package
+        )
+        return None
+    return module
+
+
+def enable(backend: Union[str, Backend] = Backend.AUTO) -> list[str]:
+    """Route ``use_deepspeed_evo_attention=True`` of OpenFold3 and OpenFold (whichever import) to ds4sci.
+
+    Calling it again changes the backend; the functions recorded as original stay those found before the
+    first call. Returns the packages patched.
+
+    Raises:
+        ImportError: neither ``openfold3`` nor ``openfold`` could be patched.
+        ValueError: an unknown backend.
+    """
+    backend = _resolve_backend(backend)  # validated before anything is touched
+    patched = []
+    for package, (_, attr) in TARGETS.items():
+        module = _import_target(package)
+        if module is None:
+            continue
+        record = _patches.get(package)
+        original = record.original if record is not None else getattr(module, attr)
+        setattr(module, attr, EvoAttentionAdapter(backend, original=original))
+        _patches[package] = _Patch(module, attr, original)
+        patched.append(package)
+    if not patched:
+        raise ImportError(
+            "ds4sci.integrations.openfold.enable: neither openfold3 (pip install openfold3) nor openfold "
+            "(aqlaboratory/openfold) is importable"
+        )
+    logger.info("ds4sci.integrations.openfold: %s use ds4sci Evoformer attention (backend=%s)",
+                ", ".join(patched), backend.value)
+    return patched
+
+
+def disable() -> None:
+    """Put back exactly the functions :func:`enable` replaced; a no-op when not enabled."""
+    while _patches:
+        package, record = _patches.popitem()
+        setattr(record.module, record.attr, record.original)
+        logger.info("ds4sci.integrations.openfold: %s restored", package)
+
+
+def is_enabled() -> bool:
+    return bool(_patches)
+
+
+@contextlib.contextmanager
+def enabled(backend: Union[str, Backend] = Backend.AUTO) -> Iterator[list[str]]:
+    """Context manager form of :func:`enable`; on exit the state before entering is restored exactly
+    (the same function objects, whether or not ds4sci was already enabled)."""
+    saved_patches = dict(_patches)
+    saved_attrs = {package: getattr(p.module, p.attr) for package, p in saved_patches.items()}
+    try:
+        yield enable(backend)
+    finally:
+        for package, record in list(_patches.items()):
+            if package in saved_patches:
+                setattr(record.module, record.attr, saved_attrs[package])
+            else:
+                setattr(record.module, record.attr, record.original)
+        _patches.clear()
+        _patches.update(saved_patches)
+
+
+__all__ = ["EvoAttentionAdapter", "TARGETS", "disable", "enable", "enabled", "is_enabled"]
