@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evoformer attention kernels and long-context genome language models.",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    # The `deepspeed` launcher passes --local_rank=N before the command (it also sets LOCAL_RANK, which is what
+    # the trainer reads); accepted here so `deepspeed --module ds4sci.cli train ...` works.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
