@@ -39,7 +39,7 @@ from ds4sci.kernels import Backend, evoformer_attention
 
 logger = logging.getLogger(__name__)
 
-#: (package, module, attribute) of each OpenFold code base's DeepSpeed Evoformer-attention function.
+#: package -> (module, attribute) of each OpenFold code base's DeepSpeed Evoformer-attention function.
 TARGETS: dict[str, tuple[str, str]] = {
     "openfold3": ("openfold3.core.model.primitives.attention", "_deepspeed_evo_attn"),
     "openfold": ("openfold.model.primitives", "_deepspeed_evo_attn"),
@@ -102,7 +102,7 @@ def _ds_layout(q: Tensor, k: Tensor, v: Tensor, biases: list[Tensor]) -> tuple[T
     biases = [b.reshape((1,) * (q.ndim - b.ndim) + tuple(b.shape)) if b.ndim < q.ndim else b for b in biases]
     if len(biases) == 2 and _is_mask_like(biases[0]) == _is_mask_like(biases[1]):
         biases = [biases[0] + biases[1]]
-    if any(not _is_mask_like(b) and b.shape[-4] != 1 for b in biases):
+    if any(not _is_mask_like(b) and b.ndim >= 4 and b.shape[-4] != 1 for b in biases):
         q, k, v = (t.unsqueeze(-4) for t in (q, k, v))  # [*, Q, H, C] -> [*, 1, Q, H, C]
         biases = [b.unsqueeze(-4) for b in biases]  # [*, H, Q, K] -> [*, 1, H, Q, K]
     while q.ndim < 5:

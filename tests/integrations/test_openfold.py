@@ -11,6 +11,7 @@ import importlib.util
 import math
 import sys
 import types
+from pathlib import Path
 
 import openfold3.core.model.primitives.attention as of3_attention
 import pytest
@@ -290,6 +291,7 @@ ADAPTER_CASES = [
     ((2, 3, 2, 19, 4), [(2, 3, 1, 1, 19), (2, 1, 2, 19, 19)]),  # MSA row: mask + pair bias
     ((3, 2, 19, 4), [(3, 1, 1, 19), (1, 2, 19, 19)]),  # no batch dim: N only
     ((2, 19, 4), [(1, 1, 19)]),  # a single row, mask only
+    ((2, 19, 4), [(1, 1, 19), (2, 19, 19)]),  # a single row, mask and pair bias
     ((5, 2, 19, 4), [(5, 1, 1, 19), (5, 2, 19, 19)]),  # chunk_layer: pair bias expanded per row
     ((2, 2, 3, 2, 19, 4), [(2, 1, 3, 1, 1, 19), (2, 1, 1, 2, 19, 19)]),  # two batch dims, mask broadcast
     ((2, 3, 2, 19, 4), [(2, 1, 1, 1, 19), (1, 19, 19)]),  # mask broadcast over N, pair over batch and heads
@@ -407,3 +409,23 @@ def test_openfold_without_the_function_is_left_alone(monkeypatch, fake_openfold)
     monkeypatch.delattr(fake_openfold, "_deepspeed_evo_attn")
     assert ds4sci_openfold.enable() == ["openfold3"]
     assert not hasattr(fake_openfold, "_deepspeed_evo_attn")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The example
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_example_runs_and_ds4sci_saves_less(tmp_path):
+    """examples/openfold_attention.py at a tiny shape: both paths run in subprocesses, agree, files are written,
+    and ds4sci's step saves fewer bytes for backward (deterministic, unlike the peak RSS at this size)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "openfold_attention.py"
+    spec = importlib.util.spec_from_file_location("openfold_attention_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    report = example.main(["--n-res", "20", "--n-seq", "17", "--blocks", "1", "--backend", "torch",
+                           "--out", str(tmp_path)])
+    assert (tmp_path / "openfold_attention.json").is_file() and (tmp_path / "openfold_attention.md").is_file()
+    assert report["results"]["ds4sci"]["saved_bytes"] < report["results"]["default"]["saved_bytes"]
+    assert max(report["relative_diff"].values()) < 1e-4
