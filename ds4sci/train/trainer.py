@@ -77,6 +77,11 @@ def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.u
     return tok, train_ds, val_ds
 
 
+def _ignored(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sample`` with every target ignored: fills a last, partial evaluation micro-batch."""
+    return {**sample, "labels": torch.full_like(sample["labels"], -100)}
+
+
 @dataclass
 class StepResult:
     step: int
@@ -135,19 +140,29 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------------- data
     def _micro_batch(self, dataset, index: int, shuffle: bool) -> dict[str, torch.Tensor]:
-        """Global micro-batch ``index``: this data-parallel rank's samples, this sequence rank's shard."""
+        """Global micro-batch ``index``: this data-parallel rank's samples, this sequence rank's shard.
+
+        Training (``shuffle``) draws full micro-batches from a seeded permutation per epoch (the remainder of an
+        epoch is dropped). Evaluation reads the dataset in order and fills the last micro-batch with samples whose
+        targets are all ignored, so every validation sample counts once and nothing else does.
+        """
         t = self.cfg.train
         per_micro = t.micro_batch_size * self.dims.dp
         n = len(dataset)
-        if n < per_micro:
-            raise ValueError(f"the dataset has {n} samples, fewer than one global micro-batch of {per_micro}")
-        per_epoch = n // per_micro
-        epoch, slot = divmod(index, per_epoch)
-        order = (np.random.default_rng((t.seed, epoch)).permutation(n) if shuffle else np.arange(n))
-        start = slot * per_micro + self.groups.dp_rank * t.micro_batch_size
-        if hasattr(dataset, "set_epoch"):
-            dataset.set_epoch(epoch)
-        batch = collate([dataset[int(i)] for i in order[start : start + t.micro_batch_size]])
+        start = self.groups.dp_rank * t.micro_batch_size
+        if shuffle:
+            if n < per_micro:
+                raise ValueError(f"the training set has {n} samples, fewer than one global micro-batch of "
+                                 f"{per_micro} (train.micro_batch_size={t.micro_batch_size} x {self.dims.dp} data ranks)")
+            epoch, slot = divmod(index, n // per_micro)
+            if hasattr(dataset, "set_epoch"):
+                dataset.set_epoch(epoch)
+            order = np.random.default_rng((t.seed, epoch)).permutation(n)[slot * per_micro + start:]
+            samples = [dataset[int(i)] for i in order[: t.micro_batch_size]]
+        else:
+            first = index * per_micro + start
+            samples = [dataset[i] if i < n else _ignored(dataset[0]) for i in range(first, first + t.micro_batch_size)]
+        batch = collate(samples)
         batch["targets"] = shift_labels(batch.pop("labels"))  # shift on the full window, before sharding
         if self.cfg.data.dataset == "windows":
             batch.pop("doc_ids")  # one document per window: causal attention needs no mask
@@ -203,7 +218,7 @@ class Trainer:
         """Mean loss over real tokens of the first ``eval_batches`` validation micro-batches; bits per base."""
         t = self.cfg.train
         per_micro = t.micro_batch_size * self.dims.dp
-        n_batches = max(1, min(t.eval_batches, len(self.val_ds) // per_micro))
+        n_batches = min(t.eval_batches, math.ceil(len(self.val_ds) / per_micro))
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         self.engine.eval()
@@ -212,7 +227,10 @@ class Trainer:
             total += s.double()
             count += c.double()
         self.engine.train()
-        loss = (self._all_sum(total) / self._all_sum(count)).item()
+        count = self._all_sum(count)
+        if count == 0:
+            raise ValueError("the validation set has no real target token (data.val_fraction too small?)")
+        loss = (self._all_sum(total) / count).item()
         return {"val_loss": loss, "val_perplexity": math.exp(loss),
                 "val_bits_per_base": loss / math.log(2) / self.tokenizer.bases_per_token}
 

@@ -166,3 +166,34 @@ def test_bf16_with_sp_tracks_bf16_and_fp32_single_process(tmp_path):
             ref = want_bf16[1][key]
             assert np.abs(value - ref).max() <= 0.05 * max(1.0, np.abs(ref).max()), key
     assert abs(want_bf16[0][-1] - want_bf16[0][0]) > 1e-3
+
+
+def _validation_cases(rank, world, overrides):
+    """The trainer's validation loss under SP, and (rank 0) the plain single-model loss over the same samples."""
+    from ds4sci.models.genslm import GenSLM
+    from ds4sci.train.config import load_config
+    from ds4sci.train.evaluate import evaluate
+    from ds4sci.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    trainer.train_step()
+    got = trainer.evaluate()["val_loss"]
+    state = trainer.full_state_dict()
+    if rank != 0:
+        return got, None, len(trainer.val_ds)
+    model = GenSLM(trainer.model_config)
+    model.load_state_dict(state)
+    return got, evaluate(model.eval(), trainer.tokenizer, trainer.val_ds, batch_size=3)["loss"], len(trainer.val_ds)
+
+
+@pytest.mark.slow
+def test_validation_scores_every_sample_once_under_sp_and_dp(tmp_path):
+    """5 validation windows, global micro-batches of 4 (2 per data rank x 2 data ranks, SP=2 inside): the last
+    micro-batch is part padding, and the loss equals the single-model mean over exactly the 5 windows."""
+    overrides = _overrides(tmp_path / "val", 1, ulysses=2, micro=2,
+                           extra=["data.val_fraction=0.0000323", "train.eval_batches=8"])  # ~150 bases: 5 windows
+    results = run_workers(_validation_cases, 4, overrides, env=ENV, timeout=300)
+    got, want, n_val = results[0]
+    assert n_val == 5, n_val
+    assert all(r[0] == got for r in results)
+    assert got == pytest.approx(want, rel=1e-5)
