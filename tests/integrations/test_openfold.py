@@ -9,6 +9,7 @@ torch backend, and the triton backend under TRITON_INTERPRET=1 (set in conftest.
 """
 import importlib.util
 import math
+import os
 import sys
 import types
 from pathlib import Path
@@ -31,8 +32,11 @@ from ds4sci.models import evoformer
 # OpenFold3's default path enters torch.amp.autocast("cuda"), which warns on a machine without CUDA
 pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")
 
-HAS_TRITON_BACKEND = importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None
-TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="triton backend not present"))
+# The triton backend runs here on CPU tensors, i.e. under the interpreter (TRITON_INTERPRET=0 skips it).
+HAS_TRITON_BACKEND = (
+    importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+)
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="no triton backend or interpreter"))
 BACKENDS = ["torch", TRITON]
 C_M, C_Z, C_HIDDEN, HEADS = 8, 6, 4, 2
 SMALL = 3  # the dim that is not the attention length (MSA depth for row attention, residues for column)
