@@ -4,6 +4,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from ds4sci.kernels import evoformer as evo
 
 HAS_TRITON_BACKEND = importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None
 CPU_BACKENDS = ["torch", "reference"]
+# The fused kernel, on the CPU under TRITON_INTERPRET=1 (set in conftest.py): added to the numerics tests below.
+TRITON_BACKENDS = ["triton"] if HAS_TRITON_BACKEND and os.environ.get("TRITON_INTERPRET") == "1" else []
 
 
 def _leaves(shape_q, mask_shape=None, pair_shape=None, dtype=torch.float64, seed=0, mask_fill=None):
@@ -27,20 +30,22 @@ def _leaves(shape_q, mask_shape=None, pair_shape=None, dtype=torch.float64, seed
     return [q, k, v, mask, pair], do
 
 
-def _run(tensors, do, backend, dtype, biases_order=("mask", "pair")):
+def _run(tensors, do, backend, dtype, biases_order=("mask", "pair"), device="cpu"):
     """Forward + backward through the public API; returns [o, dq, dk, dv, dmask, dpair] (None where absent)."""
-    leaves = [None if t is None else t.detach().to(dtype).requires_grad_() for t in tensors]
+    leaves = [None if t is None else t.detach().to(device, dtype).requires_grad_() for t in tensors]
     q, k, v, mask, pair = leaves
     by_name = {"mask": mask, "pair": pair}
     o = evoformer_attention(q, k, v, [by_name[n] for n in biases_order], backend=backend)
     assert o.shape == q.shape and o.dtype == dtype
-    o.backward(do.to(dtype))
-    return [o.detach()] + [None if t is None else t.grad for t in leaves]
+    o.backward(do.to(device, dtype))
+    return [o.detach().cpu()] + [None if t is None else t.grad.cpu() for t in leaves]
 
 
-def _assert_within_3x_pytorch(tensors, do, backend, dtype):
+def _assert_within_3x_pytorch(tensors, do, backend, dtype, device="cpu"):
+    """Every output and gradient of ``backend`` in ``dtype`` is within 3x PyTorch's own ``dtype`` error (plus a
+    floor of a few ulps) of the fp64 reference."""
     ref = _run(tensors, do, "reference", torch.float64)
-    ours = _run(tensors, do, backend, dtype)
+    ours = _run(tensors, do, backend, dtype, device=device)
     pt = _run(tensors, do, "reference", dtype)
     for name, a, b, r in zip(("o", "dq", "dk", "dv", "dmask", "dpair"), ours, pt, ref):
         if r is None:
@@ -71,7 +76,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("backend", ["torch"] + TRITON_BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("use_mask,use_pair", [(False, False), (True, False), (False, True), (True, True)])
 def test_fp32_matches_fp64_reference_every_bias_combination(backend, shape, use_mask, use_pair):
@@ -80,12 +85,13 @@ def test_fp32_matches_fp64_reference_every_bias_combination(backend, shape, use_
     _assert_within_3x_pytorch(tensors, do, backend, torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["torch"] + TRITON_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(2, 3, 17, 4, 24), (1, 1, 33, 1, 64)], ids=lambda s: "x".join(map(str, s)))
-def test_half_precision_matches_fp64_reference(dtype, shape):
+def test_half_precision_matches_fp64_reference(backend, dtype, shape):
     b, n, s, h, d = shape
     tensors, do = _leaves(shape, (b, n, 1, 1, s), (b, 1, h, s, s))
-    _assert_within_3x_pytorch(tensors, do, "torch", dtype)
+    _assert_within_3x_pytorch(tensors, do, backend, dtype)
 
 
 def test_torch_backend_multiple_chunks(monkeypatch):
@@ -113,7 +119,7 @@ def test_fp64_matches_reference_tightly(backend):
         ((2, 2, 3, 7, 2, 8), (2, 1, 3, 1, 1, 7), (1, 2, 1, 2, 7, 7)),  # extra leading dim, partly broadcast
     ],
 )
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS + TRITON_BACKENDS)
 def test_broadcast_biases_and_leading_dims(q_shape, mask_shape, pair_shape, backend):
     tensors, do = _leaves(q_shape, mask_shape, pair_shape)
     got = _run(tensors, do, backend, torch.float32)
@@ -133,7 +139,7 @@ def test_broadcast_biases_and_leading_dims(q_shape, mask_shape, pair_shape, back
         torch.testing.assert_close(a.double(), r, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS + TRITON_BACKENDS)
 def test_bias_grads_cast_to_bias_dtype(backend):
     tensors, do = _leaves((2, 3, 7, 2, 8), (2, 3, 1, 1, 7), (1, 1, 2, 7, 7))
     q, k, v = (t.float() for t in tensors[:3])
@@ -145,7 +151,7 @@ def test_bias_grads_cast_to_bias_dtype(backend):
     assert mask.grad.shape == mask.shape and pair.grad.shape == pair.shape
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS + TRITON_BACKENDS)
 def test_minus_inf_fully_masked_rows_give_zeros_not_nan(backend):
     tensors, do = _leaves((2, 3, 7, 2, 8), (2, 3, 1, 1, 7), (2, 1, 2, 7, 7))
     tensors[3][1, 2] = -math.inf  # all keys of (b=1, n=2)
@@ -162,7 +168,7 @@ def test_minus_inf_fully_masked_rows_give_zeros_not_nan(backend):
         torch.testing.assert_close(a.double(), r, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS + TRITON_BACKENDS)
 def test_openfold_minus_1e9_mask(backend):
     # OpenFold's mask bias: 1e9 * (mask - 1); some keys padded, one sequence entirely padding.
     tensors, do = _leaves((2, 3, 9, 2, 8), None, (2, 1, 2, 9, 9))
@@ -179,7 +185,7 @@ def test_openfold_minus_1e9_mask(backend):
         torch.testing.assert_close(a.double()[rows], r[rows], rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("backend", ["torch"] + TRITON_BACKENDS)
 def test_backward_is_bitwise_deterministic(backend):
     tensors, do = _leaves((2, 3, 17, 4, 8), (2, 3, 1, 1, 17), (1, 1, 4, 17, 17))
     first = _run(tensors, do, backend, torch.float32)

@@ -1,0 +1,651 @@
+"""The "triton" backend: fused Evoformer attention in Triton, forward and recomputing backward.
+
+Algorithm. FlashAttention-2 (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+Partitioning", Algorithms 1 and 2), itself the tiled, online-softmax form of Rabe & Staats 2021 ("Self-attention
+does not need O(n^2) memory"), with the two Evoformer biases fused in. For one (z, n, h) and a tile of queries the
+forward kernel loops over key tiles and, in registers,
+
+    s = (q k^T / sqrt(D) + mask[z, n, j]) + pair[z, h, i, j]     (fp32; the order every backend uses)
+
+then updates a running row maximum, row sum and output accumulator in fp32 (``exp2`` with the ``log2 e`` factor
+folded in). The logits never reach memory; the mask-bias row ``[Z, N, S]`` and the pair-bias tile ``[Z, H, S, S]``
+are read through their strides (stride 0 on broadcast dims is never materialised; one pair tile serves every n).
+Only O (input dtype) and the natural-log log-sum-exp (fp32, ``[Z, N, H, S]``) are stored.
+
+Backward recomputes ``P = exp(S - LSE)`` tile by tile (FlashAttention-2, Algorithm 2) in four kernels:
+
+1. ``_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)`` in fp32.
+2. ``_bwd_dkdv_kernel``: one program per key tile, looping over query tiles: dK, dV and, when asked, the
+   mask-bias gradient of this head ``sum_i dS`` (per-head partials ``[Z, N, H, S]`` summed over H afterwards).
+3. ``_bwd_dq_kernel``: one program per query tile, looping over key tiles: dQ.
+4. ``_bwd_dpair_kernel`` (only when the pair bias needs a gradient): one program per (z, h, query tile, key tile),
+   looping over n inside the kernel and summing ``dS`` in fp32 registers, written once. This is how OpenFold3's
+   Triton kernel reduces the pair-bias gradient over N; DeepSpeed4Science's kernel uses fp32 atomics instead.
+
+No kernel uses atomics, so two backward passes are bitwise equal (dpair and dmask included).
+
+Masking conventions (shared with ``ds4sci.kernels.reference``): a query row whose keys are all ``-inf`` gives zeros
+and ``lse = +inf``, so the backward's ``exp(S - LSE)`` is exactly 0 there and every gradient stays finite.
+Finite masks (OpenFold's ``-1e9``) are plain additive biases.
+
+Tiles. ``BLOCK_D`` is the head dim rounded up to a power of two (at least 16, ``tl.dot``'s minimum); the columns
+past D are masked. There is no ``EVEN_D`` constexpr for the aligned case: compiled for sm_80 with D = BLOCK_D = 64,
+the masked and unmasked kernels issue the same 128-bit loads and stores (Triton specialises D on divisibility by 16,
+so the column mask is known constant over each vector) and differ by at most 2 registers, so the flag would only
+double the variants to compile. Query/key tiles, warps and pipeline stages come from :func:`_config` by dtype and
+``BLOCK_D``; every configuration it can return is compiled ahead of time for sm_80 and sm_90 by
+``ds4sci bench kernels-aot`` (shared memory, registers, spills), which the tests check. The tile choice does not
+query the GPU, so the same path runs under ``TRITON_INTERPRET=1``.
+
+Limitations:
+- fp16, bf16 and fp32 inputs (fp32 matmuls are IEEE, never TF32); head dims 1..128 (``TRITON_MAX_HEAD_DIM``).
+- The backward does more matmuls than a plain FlashAttention-2 backward: dQ is computed by its own kernel (no
+  atomics) and the pair-bias gradient by a fifth kernel that recomputes ``QK^T`` and ``dO V^T`` once more.
+- Within one (z, n, h) slice, tile offsets are 32-bit: ``BLOCK * stride`` must fit in int32; per-program base
+  offsets are 64-bit.
+- One flattened 1-D grid per kernel (tiles fastest), so ``Z * N * H`` has no 65535 grid-axis limit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 128
+#: ``BLOCK_D`` buckets: every head dim 1..128 rounds up to one of these.
+BLOCK_D_BUCKETS = (16, 32, 64, 128)
+
+_LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * log2 e)
+# Under TRITON_INTERPRET=1 the interpreter multiplies the raw uint16 bit patterns in a bf16 ``tl.dot``
+# (triton-lang/triton#11584, "not supported yet"), so there bf16 operands are widened to fp32 first. That is exact:
+# a product of two bf16 values is exact in fp32, and the GPU's bf16 MMA accumulates in fp32 too. Read at import,
+# when ``@triton.jit`` itself reads the variable; on the GPU path the branch is compiled out.
+_WIDEN_BF16_DOT = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tile configuration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch parameters of one kernel family."""
+
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the tile loop (GPU only; the interpreter ignores it)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_d: int  # head dim padded to a power of two >= 16
+    fwd: Tiles
+    bwd: Tiles  # shared by the preprocess, dK/dV, dQ and dpair kernels
+
+
+# (fp32?, BLOCK_D) -> (forward tiles, backward tiles), chosen with ``ds4sci bench kernels-aot`` so that every kernel
+# variant compiles for sm_80 and sm_90 within their shared memory (163 KB / 227 KB) and without spills (ptxas -v).
+# - fp16/bf16 run tl.dot on tensor cores. The backward keeps more fp32 [BLOCK_M, BLOCK_N] tiles live (S, P, dP, dS)
+#   plus dK/dV accumulators, so it takes 32 query rows from D = 32 on, and 8 warps at D = 128 (as the forward).
+# - fp32 is IEEE (no TF32), which Triton lowers to FMA loops holding whole operand rows in registers: registers grow
+#   with BLOCK * D, hence small tiles, and one pipeline stage in the backward (with two, ptxas spilled kilobytes).
+_TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles]] = {
+    (False, 16): (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
+    (False, 32): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
+    (False, 64): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
+    (False, 128): (Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 2)),
+    (True, 16): (Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1)),
+    (True, 32): (Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 1)),
+    (True, 64): (Tiles(32, 32, 4, 2), Tiles(16, 16, 4, 1)),
+    (True, 128): (Tiles(16, 16, 4, 2), Tiles(16, 16, 4, 1)),
+}
+
+
+def block_d_for(head_dim: int) -> int:
+    """``BLOCK_D`` for a head dim: the next power of two, at least 16 (``tl.dot`` needs K >= 16)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
+    """Tiles, warps and stages for ``dtype`` and ``head_dim`` (see ``_TABLE``); the only tile heuristic."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"triton_evoformer: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"triton_evoformer: head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    block_d = block_d_for(head_dim)
+    fwd, bwd = _TABLE[(dtype == torch.float32, block_d)]
+    return KernelConfig(block_d=block_d, fwd=fwd, bwd=bwd)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# @triton.jit helpers
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b):
+    # fp32 operands: IEEE fp32 products (no TF32). fp16/bf16 operands: the flag has no effect; fp32 accumulation.
+    if _WIDEN_BF16_DOT:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK: tl.constexpr, HAS_PAIR: tl.constexpr):
+    """Biased logits ``[BLOCK_M, BLOCK_N]`` in fp32: ``(q k^T * scale + mask) + pair``, -inf on keys >= S.
+
+    q ``[BLOCK_M, BLOCK_D]``, k ``[BLOCK_N, BLOCK_D]``, mask_row ``[BLOCK_N]`` and pair_tile ``[BLOCK_M, BLOCK_N]``
+    already loaded as fp32 (ignored when the matching flag is off).
+    """
+    s = _dot(q, tl.trans(k)) * sm_scale
+    if HAS_MASK:
+        s = s + mask_row[None, :]
+    if HAS_PAIR:
+        s = s + pair_tile
+    return tl.where(key_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _split_pid(pid, num_tiles, N, H):
+    """Flattened program id -> (tile, z, n, h, znh) with tiles fastest; znh = (z * N + n) * H + h."""
+    tile = pid % num_tiles
+    znh = pid // num_tiles
+    h = znh % H
+    n = (znh // H) % N
+    z = znh // (H * N)
+    return tile, z.to(tl.int64), n.to(tl.int64), h.to(tl.int64), znh.to(tl.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Mask, Pair, O, Lse,
+    stride_qz, stride_qn, stride_qs, stride_qh, stride_qd,
+    stride_kz, stride_kn, stride_ks, stride_kh, stride_kd,
+    stride_vz, stride_vn, stride_vs, stride_vh, stride_vd,
+    stride_oz, stride_on, stride_os, stride_oh, stride_od,
+    stride_mz, stride_mn, stride_ms,
+    stride_pz, stride_ph, stride_pi, stride_pj,
+    N, H, S, D, sm_scale,
+    HAS_MASK: tl.constexpr, HAS_PAIR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program: a tile of BLOCK_M queries of one (z, n, h); loops over key tiles with an online softmax."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
+    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
+    tile_m, z, n, h, znh = _split_pid(tl.program_id(0), tl.cdiv(S, BLOCK_M), N, H)
+    start_m = tile_m * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    query_ok = start_m + rows < S
+    qd_ok = query_ok[:, None] & d_ok[None, :]  # [BLOCK_M, BLOCK_D]
+
+    # q[z, n, start_m:, h, :] as a [BLOCK_M, BLOCK_D] tile, resident for the whole loop
+    q_base = z * stride_qz + n * stride_qn + h * stride_qh + start_m.to(tl.int64) * stride_qs
+    q = tl.load(Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=qd_ok, other=0.0)
+    # [BLOCK_N, BLOCK_D] tiles of k[z, n, :, h, :] and v at key tile 0, advanced by BLOCK_N rows per step
+    k_ptrs = K + (z * stride_kz + n * stride_kn + h * stride_kh) + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = V + (z * stride_vz + n * stride_vn + h * stride_vh) + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    mask_row = tl.zeros([BLOCK_N], tl.float32)
+    pair_tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if HAS_MASK:  # [BLOCK_N] of mask[z, n, :]
+        m_ptrs = Mask + (z * stride_mz + n * stride_mn) + cols * stride_ms
+    if HAS_PAIR:  # [BLOCK_M, BLOCK_N] of pair[z, h, start_m:, :]; the same tile serves every n
+        p_base = z * stride_pz + h * stride_ph + start_m.to(tl.int64) * stride_pi
+        p_ptrs = Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max (natural units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, S, BLOCK_N):
+        key_ok = start_n + cols < S
+        kd_ok = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
+        v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
+        if HAS_MASK:
+            mask_row = tl.load(m_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+        if HAS_PAIR:
+            pair_tile = tl.load(p_ptrs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+        s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with every key so far at -inf: shift by 0 so exp2 gives exact zeros, never NaN (-inf - -inf).
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new) * _LOG2E
+        alpha = tl.math.exp2(m_i * _LOG2E - m_shift)  # rescales the old sum and accumulator
+        p = tl.math.exp2(s * _LOG2E - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
+        if HAS_MASK:
+            m_ptrs += BLOCK_N * stride_ms
+        if HAS_PAIR:
+            p_ptrs += BLOCK_N * stride_pj
+
+    empty = l_i == 0.0  # every key -inf: output zeros, lse = +inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), m_i + tl.log(l_safe))
+    o_base = z * stride_oz + n * stride_on + h * stride_oh + start_m.to(tl.int64) * stride_os
+    o_ptrs = O + o_base + rows[:, None] * stride_os + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=qd_ok)
+    tl.store(Lse + znh * S + start_m + rows, lse, mask=query_ok)  # lse [Z, N, H, S], contiguous
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    O, DO, Delta,
+    stride_oz, stride_on, stride_os, stride_oh, stride_od,
+    stride_doz, stride_don, stride_dos, stride_doh, stride_dod,
+    N, H, S, D,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta[z, n, h, i] = sum_d dO * O in fp32 (the softmax-backward row term of FlashAttention-2)."""
+    tile_m, z, n, h, znh = _split_pid(tl.program_id(0), tl.cdiv(S, BLOCK_M), N, H)
+    start_m = tile_m * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    query_ok = start_m + rows < S
+    qd_ok = query_ok[:, None] & (offs_d < D)[None, :]
+    o_base = z * stride_oz + n * stride_on + h * stride_oh + start_m.to(tl.int64) * stride_os
+    do_base = z * stride_doz + n * stride_don + h * stride_doh + start_m.to(tl.int64) * stride_dos
+    o = tl.load(O + o_base + rows[:, None] * stride_os + offs_d[None, :] * stride_od, mask=qd_ok, other=0.0)
+    do = tl.load(DO + do_base + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=qd_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
+    tl.store(Delta + znh * S + start_m + rows, delta, mask=query_ok)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, Mask, Pair, DO, Lse, Delta, DK, DV, DMaskPart,
+    stride_qz, stride_qn, stride_qs, stride_qh, stride_qd,
+    stride_kz, stride_kn, stride_ks, stride_kh, stride_kd,
+    stride_vz, stride_vn, stride_vs, stride_vh, stride_vd,
+    stride_doz, stride_don, stride_dos, stride_doh, stride_dod,
+    stride_dkz, stride_dkn, stride_dks, stride_dkh, stride_dkd,
+    stride_dvz, stride_dvn, stride_dvs, stride_dvh, stride_dvd,
+    stride_mz, stride_mn, stride_ms,
+    stride_pz, stride_ph, stride_pi, stride_pj,
+    N, H, S, D, sm_scale,
+    HAS_MASK: tl.constexpr, HAS_PAIR: tl.constexpr, MASK_GRAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program: a tile of BLOCK_N keys of one (z, n, h); loops over query tiles, recomputing P from the LSE.
+
+    Writes dK, dV and, with MASK_GRAD, this head's share of the mask-bias gradient ``sum_i dS[i, j]`` into
+    ``DMaskPart [Z, N, H, S]`` (summed over H by the launcher: no atomics, deterministic).
+    """
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
+    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
+    tl.static_assert(HAS_MASK or not MASK_GRAD, "MASK_GRAD needs HAS_MASK")
+    tile_n, z, n, h, znh = _split_pid(tl.program_id(0), tl.cdiv(S, BLOCK_N), N, H)
+    start_n = tile_n * BLOCK_N
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    key_ok = start_n + cols < S
+    kd_ok = key_ok[:, None] & d_ok[None, :]  # [BLOCK_N, BLOCK_D]
+
+    # k[z, n, start_n:, h, :] and v as [BLOCK_N, BLOCK_D] tiles, resident for the whole loop
+    k_base = z * stride_kz + n * stride_kn + h * stride_kh + start_n.to(tl.int64) * stride_ks
+    v_base = z * stride_vz + n * stride_vn + h * stride_vh + start_n.to(tl.int64) * stride_vs
+    k = tl.load(K + k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kd_ok, other=0.0)
+    v = tl.load(V + v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kd_ok, other=0.0)
+    mask_row = tl.zeros([BLOCK_N], tl.float32)
+    pair_tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if HAS_MASK:  # [BLOCK_N] of mask[z, n, start_n:], fixed for this program
+        m_base = z * stride_mz + n * stride_mn + start_n.to(tl.int64) * stride_ms
+        mask_row = tl.load(Mask + m_base + cols * stride_ms, mask=key_ok, other=0.0).to(tl.float32)
+    if HAS_PAIR:  # [BLOCK_M, BLOCK_N] of pair[z, h, :, start_n:] at query tile 0, advanced by BLOCK_M rows per step
+        p_base = z * stride_pz + h * stride_ph + start_n.to(tl.int64) * stride_pj
+        p_ptrs = Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj
+    # [BLOCK_M, BLOCK_D] tiles of q[z, n, :, h, :] and dO at query tile 0; lse and delta rows [BLOCK_M]
+    q_ptrs = Q + (z * stride_qz + n * stride_qn + h * stride_qh) + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    do_ptrs = DO + (z * stride_doz + n * stride_don + h * stride_doh) + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
+    lse_ptrs = Lse + znh * S + rows
+    delta_ptrs = Delta + znh * S + rows
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dmask = tl.zeros([BLOCK_N], tl.float32)
+    for start_m in range(0, S, BLOCK_M):
+        query_ok = start_m + rows < S
+        qd_ok = query_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptrs, mask=qd_ok, other=0.0)
+        do = tl.load(do_ptrs, mask=qd_ok, other=0.0)
+        lse = tl.load(lse_ptrs, mask=query_ok, other=float("inf"))  # +inf: P = 0 on rows past S
+        delta = tl.load(delta_ptrs, mask=query_ok, other=0.0)
+        if HAS_PAIR:
+            pair_tile = tl.load(p_ptrs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+        s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(s * _LOG2E - lse[:, None] * _LOG2E)  # lse = +inf (fully masked row): exact 0
+        dv += _dot(tl.trans(p.to(do.dtype)), do)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
+        dp = _dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
+        ds = p * (dp - delta[:, None])  # gradient of the logits s
+        dk += _dot(tl.trans(ds.to(q.dtype)), q)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
+        if MASK_GRAD:
+            dmask += tl.sum(ds, 0)
+        q_ptrs += BLOCK_M * stride_qs
+        do_ptrs += BLOCK_M * stride_dos
+        lse_ptrs += BLOCK_M
+        delta_ptrs += BLOCK_M
+        if HAS_PAIR:
+            p_ptrs += BLOCK_M * stride_pi
+
+    dk_base = z * stride_dkz + n * stride_dkn + h * stride_dkh + start_n.to(tl.int64) * stride_dks
+    dv_base = z * stride_dvz + n * stride_dvn + h * stride_dvh + start_n.to(tl.int64) * stride_dvs
+    dk_ptrs = DK + dk_base + cols[:, None] * stride_dks + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + dv_base + cols[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kd_ok)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kd_ok)
+    if MASK_GRAD:
+        tl.store(DMaskPart + znh * S + start_n + cols, dmask, mask=key_ok)  # [Z, N, H, S], contiguous
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, Mask, Pair, DO, Lse, Delta, DQ,
+    stride_qz, stride_qn, stride_qs, stride_qh, stride_qd,
+    stride_kz, stride_kn, stride_ks, stride_kh, stride_kd,
+    stride_vz, stride_vn, stride_vs, stride_vh, stride_vd,
+    stride_doz, stride_don, stride_dos, stride_doh, stride_dod,
+    stride_dqz, stride_dqn, stride_dqs, stride_dqh, stride_dqd,
+    stride_mz, stride_mn, stride_ms,
+    stride_pz, stride_ph, stride_pi, stride_pj,
+    N, H, S, D, sm_scale,
+    HAS_MASK: tl.constexpr, HAS_PAIR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program: a tile of BLOCK_M queries of one (z, n, h); loops over key tiles: dQ = dS K / sqrt(D)."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
+    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
+    tile_m, z, n, h, znh = _split_pid(tl.program_id(0), tl.cdiv(S, BLOCK_M), N, H)
+    start_m = tile_m * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    query_ok = start_m + rows < S
+    qd_ok = query_ok[:, None] & d_ok[None, :]  # [BLOCK_M, BLOCK_D]
+
+    # q[z, n, start_m:, h, :] and dO as [BLOCK_M, BLOCK_D] tiles; lse and delta rows [BLOCK_M]
+    q_base = z * stride_qz + n * stride_qn + h * stride_qh + start_m.to(tl.int64) * stride_qs
+    do_base = z * stride_doz + n * stride_don + h * stride_doh + start_m.to(tl.int64) * stride_dos
+    q = tl.load(Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=qd_ok, other=0.0)
+    do = tl.load(DO + do_base + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=qd_ok, other=0.0)
+    lse = tl.load(Lse + znh * S + start_m + rows, mask=query_ok, other=float("inf"))
+    delta = tl.load(Delta + znh * S + start_m + rows, mask=query_ok, other=0.0)
+    # [BLOCK_N, BLOCK_D] tiles of k[z, n, :, h, :] and v at key tile 0, advanced by BLOCK_N rows per step
+    k_ptrs = K + (z * stride_kz + n * stride_kn + h * stride_kh) + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = V + (z * stride_vz + n * stride_vn + h * stride_vh) + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    mask_row = tl.zeros([BLOCK_N], tl.float32)
+    pair_tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if HAS_MASK:  # [BLOCK_N] of mask[z, n, :]
+        m_ptrs = Mask + (z * stride_mz + n * stride_mn) + cols * stride_ms
+    if HAS_PAIR:  # [BLOCK_M, BLOCK_N] of pair[z, h, start_m:, :]
+        p_base = z * stride_pz + h * stride_ph + start_m.to(tl.int64) * stride_pi
+        p_ptrs = Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, S, BLOCK_N):
+        key_ok = start_n + cols < S
+        kd_ok = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
+        v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
+        if HAS_MASK:
+            mask_row = tl.load(m_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+        if HAS_PAIR:
+            pair_tile = tl.load(p_ptrs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+        s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(s * _LOG2E - lse[:, None] * _LOG2E)
+        dp = _dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
+        k_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
+        if HAS_MASK:
+            m_ptrs += BLOCK_N * stride_ms
+        if HAS_PAIR:
+            p_ptrs += BLOCK_N * stride_pj
+
+    dq_base = z * stride_dqz + n * stride_dqn + h * stride_dqh + start_m.to(tl.int64) * stride_dqs
+    dq_ptrs = DQ + dq_base + rows[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_ok)
+
+
+@triton.jit
+def _bwd_dpair_kernel(
+    Q, K, V, Mask, Pair, DO, Lse, Delta, DPair,
+    stride_qz, stride_qn, stride_qs, stride_qh, stride_qd,
+    stride_kz, stride_kn, stride_ks, stride_kh, stride_kd,
+    stride_vz, stride_vn, stride_vs, stride_vh, stride_vd,
+    stride_doz, stride_don, stride_dos, stride_doh, stride_dod,
+    stride_mz, stride_mn, stride_ms,
+    stride_pz, stride_ph, stride_pi, stride_pj,
+    N, H, S, D, sm_scale,
+    HAS_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dpair[z, h, i, j] = sum_n dS[z, n, h, i, j]: one program per (z, h, query tile, key tile), looping over n
+    with the sum in fp32 registers and a single store (OpenFold3's scheme; no atomics, deterministic)."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
+    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(S, BLOCK_M)
+    num_n = tl.cdiv(S, BLOCK_N)
+    tile_n = pid % num_n  # key tiles fastest, then query tiles, then (z, h)
+    tile_m = (pid // num_n) % num_m
+    zh = pid // (num_n * num_m)
+    h = (zh % H).to(tl.int64)
+    z = (zh // H).to(tl.int64)
+    start_m = (tile_m * BLOCK_M).to(tl.int64)
+    start_n = (tile_n * BLOCK_N).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    query_ok = start_m + rows < S
+    key_ok = start_n + cols < S
+    qd_ok = query_ok[:, None] & d_ok[None, :]  # [BLOCK_M, BLOCK_D]
+    kd_ok = key_ok[:, None] & d_ok[None, :]  # [BLOCK_N, BLOCK_D]
+    ij_ok = query_ok[:, None] & key_ok[None, :]  # [BLOCK_M, BLOCK_N]
+
+    # pair[z, h, start_m:, start_n:] as a [BLOCK_M, BLOCK_N] tile, the same for every n: loaded once
+    p_base = z * stride_pz + h * stride_ph + start_m * stride_pi + start_n * stride_pj
+    pair_tile = tl.load(Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj, mask=ij_ok, other=0.0)
+    pair_tile = pair_tile.to(tl.float32)
+    # Tiles of q, dO [BLOCK_M, BLOCK_D] and k, v [BLOCK_N, BLOCK_D] at n = 0, advanced by one n per step
+    q_ptrs = Q + (z * stride_qz + h * stride_qh + start_m * stride_qs) + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    do_ptrs = DO + (z * stride_doz + h * stride_doh + start_m * stride_dos) + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
+    k_ptrs = K + (z * stride_kz + h * stride_kh + start_n * stride_ks) + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = V + (z * stride_vz + h * stride_vh + start_n * stride_vs) + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    # lse and delta [Z, N, H, S] (contiguous): rows of (z, n, h) start at ((z * N + n) * H + h) * S
+    lse_ptrs = Lse + (z * N * H + h) * S + start_m + rows
+    delta_ptrs = Delta + (z * N * H + h) * S + start_m + rows
+    mask_row = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_MASK:  # [BLOCK_N] of mask[z, n, start_n:] at n = 0
+        m_ptrs = Mask + (z * stride_mz + start_n * stride_ms) + cols * stride_ms
+
+    dpair = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, N):
+        q = tl.load(q_ptrs, mask=qd_ok, other=0.0)
+        do = tl.load(do_ptrs, mask=qd_ok, other=0.0)
+        k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
+        v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
+        lse = tl.load(lse_ptrs, mask=query_ok, other=float("inf"))
+        delta = tl.load(delta_ptrs, mask=query_ok, other=0.0)
+        if HAS_MASK:
+            mask_row = tl.load(m_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+        s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, True)  # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(s * _LOG2E - lse[:, None] * _LOG2E)
+        dp = _dot(do, tl.trans(v))
+        dpair += p * (dp - delta[:, None])  # dS of this n
+        q_ptrs += stride_qn
+        do_ptrs += stride_don
+        k_ptrs += stride_kn
+        v_ptrs += stride_vn
+        lse_ptrs += H * S
+        delta_ptrs += H * S
+        if HAS_MASK:
+            m_ptrs += stride_mn
+
+    # dpair [Z, H, S, S] fp32, contiguous
+    out_base = (z * H + h) * S * S + start_m * S + start_n
+    tl.store(DPair + out_base + rows[:, None] * S + cols[None, :], dpair, mask=ij_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers: validate, allocate, build grids
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> None:
+    if q.ndim != 5 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            f"triton_evoformer: q, k, v must be [Z, N, S, H, D] of one shape, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"triton_evoformer: q, k, v must share one of {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    z, n, s, h, d = q.shape
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"triton_evoformer: head dim must be in 1..{MAX_HEAD_DIM}, got D={d}")
+    if mask is not None and tuple(mask.shape) != (z, n, s):
+        raise ValueError(f"triton_evoformer: mask must be [Z, N, S] = {(z, n, s)}, got {tuple(mask.shape)}")
+    if pair is not None and tuple(pair.shape) != (z, h, s, s):
+        raise ValueError(f"triton_evoformer: pair must be [Z, H, S, S] = {(z, h, s, s)}, got {tuple(pair.shape)}")
+    for name, t in (("k", k), ("v", v), ("mask", mask), ("pair", pair)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"triton_evoformer: {name} is on {t.device} but q is on {q.device}")
+
+
+def _bias_strides(mask: Optional[Tensor], pair: Optional[Tensor]) -> tuple[int, ...]:
+    """Mask strides (z, n, s) then pair strides (z, h, i, j); zeros for an absent bias."""
+    return (*(mask.stride() if mask is not None else (0, 0, 0)), *(pair.stride() if pair is not None else (0, 0, 0, 0)))
+
+
+def fwd_launch(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor], o: Tensor, lse: Tensor):
+    """(grid, positional args, constexpr/launch kwargs) of the forward kernel; shared with the AOT compile gate."""
+    z, n, s, h, d = q.shape
+    cfg = _config(q.dtype, d)
+    t = cfg.fwd
+    args = (
+        q, k, v, mask, pair, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *_bias_strides(mask, pair),
+        n, h, s, d, 1.0 / math.sqrt(d),
+    )
+    meta = dict(
+        HAS_MASK=mask is not None, HAS_PAIR=pair is not None,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=cfg.block_d,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return (triton.cdiv(s, t.block_m) * z * n * h,), args, meta
+
+
+def bwd_launches(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, mask: Optional[Tensor], pair: Optional[Tensor],
+    delta: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, dmask_part: Optional[Tensor], dpair: Optional[Tensor],
+) -> list:
+    """[(kernel, grid, args, meta)] of the backward in launch order; shared with the AOT compile gate."""
+    z, n, s, h, d = q.shape
+    cfg = _config(q.dtype, d)
+    t = cfg.bwd
+    scale = 1.0 / math.sqrt(d)
+    dims = (n, h, s, d)
+    common = dict(BLOCK_D=cfg.block_d, num_warps=t.num_warps, num_stages=t.num_stages)
+    tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n)
+    bias_flags = dict(HAS_MASK=mask is not None, HAS_PAIR=pair is not None)
+    bias_strides = _bias_strides(mask, pair)
+    qkvdo_strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    num_m, num_n = triton.cdiv(s, t.block_m), triton.cdiv(s, t.block_n)
+    launches = [
+        (_bwd_preprocess_kernel, (num_m * z * n * h,), (o, do, delta, *o.stride(), *do.stride(), *dims),
+         dict(BLOCK_M=t.block_m, **common)),
+        (_bwd_dkdv_kernel, (num_n * z * n * h,),
+         (q, k, v, mask, pair, do, lse, delta, dk, dv, dmask_part, *qkvdo_strides, *dk.stride(), *dv.stride(),
+          *bias_strides, *dims, scale),
+         dict(**bias_flags, MASK_GRAD=dmask_part is not None, **tiles, **common)),
+        (_bwd_dq_kernel, (num_m * z * n * h,),
+         (q, k, v, mask, pair, do, lse, delta, dq, *qkvdo_strides, *dq.stride(), *bias_strides, *dims, scale),
+         dict(**bias_flags, **tiles, **common)),
+    ]
+    if dpair is not None:
+        launches.append(
+            (_bwd_dpair_kernel, (num_m * num_n * z * h,),
+             (q, k, v, mask, pair, do, lse, delta, dpair, *qkvdo_strides, *bias_strides, *dims, scale),
+             dict(HAS_MASK=mask is not None, **tiles, **common))
+        )
+    return launches
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backend contract (see ds4sci.kernels.evoformer)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Backend contract ``forward``: o ``[Z, N, S, H, D]`` in q's dtype and lse ``[Z, N, H, S]`` fp32.
+
+    q, k, v may be arbitrary strided views; mask ``[Z, N, S]`` and pair ``[Z, H, S, S]`` (any floating dtype,
+    stride 0 on broadcast dims) are read in place.
+    """
+    _check_inputs(q, k, v, mask, pair)
+    z, n, s, h, _ = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [Z, N, S, H, D]
+    lse = torch.empty((z, n, h, s), dtype=torch.float32, device=q.device)  # [Z, N, H, S]
+    grid, args, meta = fwd_launch(q, k, v, mask, pair, o, lse)
+    _fwd_kernel[grid](*args, **meta)
+    return o, lse
+
+
+def backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    mask: Optional[Tensor],
+    pair: Optional[Tensor],
+    need_mask_grad: bool,
+    need_pair_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Backend contract ``backward``: dq, dk, dv in q's dtype; dmask ``[Z, N, S]`` fp32 per n and dpair
+    ``[Z, H, S, S]`` fp32 summed over N, each None unless requested (and the bias present)."""
+    _check_inputs(q, k, v, mask, pair)
+    z, n, s, h, d = q.shape
+    if do.shape != q.shape or o.shape != q.shape:
+        raise ValueError(f"triton_evoformer: do and o must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}, {tuple(o.shape)}")
+    if lse.shape != (z, n, h, s) or lse.dtype != torch.float32:
+        raise ValueError(f"triton_evoformer: lse must be fp32 [Z, N, H, S] = {(z, n, h, s)}, got {lse.dtype} {tuple(lse.shape)}")
+    lse = lse.contiguous()  # the kernels index lse (and delta) as contiguous [Z, N, H, S]
+    need_mask_grad = need_mask_grad and mask is not None
+    need_pair_grad = need_pair_grad and pair is not None
+    delta = torch.empty_like(lse)  # [Z, N, H, S] fp32
+    dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))  # [Z, N, S, H, D]
+    dmask_part = torch.empty((z, n, h, s), dtype=torch.float32, device=q.device) if need_mask_grad else None
+    dpair = torch.empty((z, h, s, s), dtype=torch.float32, device=q.device) if need_pair_grad else None
+    for kernel, grid, args, meta in bwd_launches(do, q, k, v, o, lse, mask, pair, delta, dq, dk, dv, dmask_part, dpair):
+        kernel[grid](*args, **meta)
+    # [Z, N, H, S] per-head partials -> [Z, N, S]: a fixed-order reduction, deterministic
+    dmask = dmask_part.sum(dim=2) if need_mask_grad else None
+    return dq, dk, dv, dmask, dpair
