@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ds4sci-installed
-# Extras installed for tests; the openfold3 extra joins once the OpenFold integration lands.
+# Extras installed for tests: dev (pytest, hypothesis, transformers) and openfold (openfold3, ~1 minute).
 EXTRAS ?= dev,openfold
 
 .PHONY: install demo test clean

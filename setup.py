@@ -42,7 +42,8 @@ setup(
         "tensorboard>=2.14",
     ],
     extras_require={
-        "openfold": ["openfold3"],
+        # ds4sci.integrations.openfold replaces a private function of openfold3 0.5 (_deepspeed_evo_attn)
+        "openfold": ["openfold3>=0.5,<0.6"],
         "gpu": ["flash-attn"],
         "dev": ["pytest>=7.4", "pytest-timeout>=2.2", "hypothesis>=6.80", "transformers>=4.40"],
     },

@@ -221,12 +221,12 @@ print(max(0, peak - before))
 
 @pytest.mark.slow
 def test_mask_construction_peak_memory_is_near_one_mask():
-    """Peak RSS growth while building a 6144 x 6144 causal document mask (36 MiB of bool), in fresh processes."""
+    """Peak RSS growth while building an 8192 x 8192 causal document mask (64 MiB of bool), in fresh processes."""
     import os
     import subprocess
     import sys
 
-    S = 6144
+    S = 8192
     mask_bytes = S * S
 
     def grow(how):
