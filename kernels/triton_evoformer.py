@@ -82,6 +82,17 @@ class Tiles:
     block_n: int  # key rows per tile
     num_warps: int
     num_stages: int  # software-pipelining depth of the tile loop (GPU only; the interpreter ignores it)
+    # Register budget per thread handed to ptxas (None: ptxas's own heuristic). Left to itself, ptxas capped some
+    # flag variants at an occupancy step (64, 72, 96 or 128 registers) and spilled 4-200 bytes; with the whole budget
+    # none spills (ds4sci bench kernels-aot). The cost is occupancy where a kernel does use ~255 registers: 2 blocks
+    # of 4 warps, or 1 block of 8 warps, per SM.
+    maxnreg: Optional[int] = 255
+
+    def launch_options(self) -> dict:
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
 
 
 @dataclass(frozen=True)
@@ -96,16 +107,17 @@ class KernelConfig:
 # - fp16/bf16 run tl.dot on tensor cores. The backward keeps more fp32 [BLOCK_M, BLOCK_N] tiles live (S, P, dP, dS)
 #   plus dK/dV accumulators, so it takes 32 query rows from D = 32 on, and 8 warps at D = 128 (as the forward).
 # - fp32 is IEEE (no TF32), which Triton lowers to FMA loops holding whole operand rows in registers: registers grow
-#   with BLOCK * D, hence small tiles, and one pipeline stage in the backward (with two, ptxas spilled kilobytes).
+#   with BLOCK * D, hence small tiles, and one pipeline stage (the loop is FMA-bound; with two stages ptxas spilled,
+#   kilobytes in the backward, a few bytes in the forward with a pair bias).
 _TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles]] = {
     (False, 16): (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
     (False, 32): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
     (False, 64): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
     (False, 128): (Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 2)),
-    (True, 16): (Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1)),
-    (True, 32): (Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 1)),
-    (True, 64): (Tiles(32, 32, 4, 2), Tiles(16, 16, 4, 1)),
-    (True, 128): (Tiles(16, 16, 4, 2), Tiles(16, 16, 4, 1)),
+    (True, 16): (Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 1)),
+    (True, 32): (Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
+    (True, 64): (Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
+    (True, 128): (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),
 }
 
 
@@ -555,8 +567,7 @@ def fwd_launch(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Op
     )
     meta = dict(
         HAS_MASK=mask is not None, HAS_PAIR=pair is not None,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=cfg.block_d,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=cfg.block_d, **t.launch_options(),
     )
     return (triton.cdiv(s, t.block_m) * z * n * h,), args, meta
 
@@ -571,7 +582,7 @@ def bwd_launches(
     t = cfg.bwd
     scale = 1.0 / math.sqrt(d)
     dims = (n, h, s, d)
-    common = dict(BLOCK_D=cfg.block_d, num_warps=t.num_warps, num_stages=t.num_stages)
+    common = dict(BLOCK_D=cfg.block_d, **t.launch_options())
     tiles = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n)
     bias_flags = dict(HAS_MASK=mask is not None, HAS_PAIR=pair is not None)
     bias_strides = _bias_strides(mask, pair)

@@ -14,6 +14,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "ds4sci.bench.evoformer_memory",
         "bytes saved for backward and peak memory of Evoformer attention per backend",
     ),
+    "kernels-aot": (
+        "ds4sci.bench.kernels_aot",
+        "compile every Triton Evoformer kernel variant for sm_80/sm_90 without a GPU: shared memory, registers, spills",
+    ),
 }
 
 
