@@ -212,8 +212,10 @@ def _fwd_kernel(
     q_base = z * stride_qz + n * stride_qn + h * stride_qh + start_m.to(tl.int64) * stride_qs
     q = tl.load(Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=qd_ok, other=0.0)
     # [BLOCK_N, BLOCK_D] tiles of k[z, n, :, h, :] and v at key tile 0, advanced by BLOCK_N rows per step
-    k_ptrs = K + (z * stride_kz + n * stride_kn + h * stride_kh) + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_ptrs = V + (z * stride_vz + n * stride_vn + h * stride_vh) + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    k_base = z * stride_kz + n * stride_kn + h * stride_kh
+    k_ptrs = K + k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_base = z * stride_vz + n * stride_vn + h * stride_vh
+    v_ptrs = V + v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
     mask_row = tl.zeros([BLOCK_N], tl.float32)
     pair_tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if HAS_MASK:  # [BLOCK_N] of mask[z, n, :]
@@ -329,8 +331,10 @@ def _bwd_dkdv_kernel(
         p_base = z * stride_pz + h * stride_ph + start_n.to(tl.int64) * stride_pj
         p_ptrs = Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj
     # [BLOCK_M, BLOCK_D] tiles of q[z, n, :, h, :] and dO at query tile 0; lse and delta rows [BLOCK_M]
-    q_ptrs = Q + (z * stride_qz + n * stride_qn + h * stride_qh) + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    do_ptrs = DO + (z * stride_doz + n * stride_don + h * stride_doh) + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
+    q_base = z * stride_qz + n * stride_qn + h * stride_qh
+    q_ptrs = Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    do_base = z * stride_doz + n * stride_don + h * stride_doh
+    do_ptrs = DO + do_base + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
     lse_ptrs = Lse + znh * S + rows
     delta_ptrs = Delta + znh * S + rows
 
@@ -405,8 +409,10 @@ def _bwd_dq_kernel(
     lse = tl.load(Lse + znh * S + start_m + rows, mask=query_ok, other=float("inf"))
     delta = tl.load(Delta + znh * S + start_m + rows, mask=query_ok, other=0.0)
     # [BLOCK_N, BLOCK_D] tiles of k[z, n, :, h, :] and v at key tile 0, advanced by BLOCK_N rows per step
-    k_ptrs = K + (z * stride_kz + n * stride_kn + h * stride_kh) + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_ptrs = V + (z * stride_vz + n * stride_vn + h * stride_vh) + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    k_base = z * stride_kz + n * stride_kn + h * stride_kh
+    k_ptrs = K + k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_base = z * stride_vz + n * stride_vn + h * stride_vh
+    v_ptrs = V + v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
     mask_row = tl.zeros([BLOCK_N], tl.float32)
     pair_tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if HAS_MASK:  # [BLOCK_N] of mask[z, n, :]
@@ -484,10 +490,14 @@ def _bwd_dpair_kernel(
     pair_tile = tl.load(Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj, mask=ij_ok, other=0.0)
     pair_tile = pair_tile.to(tl.float32)
     # Tiles of q, dO [BLOCK_M, BLOCK_D] and k, v [BLOCK_N, BLOCK_D] at n = 0, advanced by one n per step
-    q_ptrs = Q + (z * stride_qz + h * stride_qh + start_m * stride_qs) + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    do_ptrs = DO + (z * stride_doz + h * stride_doh + start_m * stride_dos) + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
-    k_ptrs = K + (z * stride_kz + h * stride_kh + start_n * stride_ks) + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_ptrs = V + (z * stride_vz + h * stride_vh + start_n * stride_vs) + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    q_base = z * stride_qz + h * stride_qh + start_m * stride_qs
+    q_ptrs = Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    do_base = z * stride_doz + h * stride_doh + start_m * stride_dos
+    do_ptrs = DO + do_base + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
+    k_base = z * stride_kz + h * stride_kh + start_n * stride_ks
+    k_ptrs = K + k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_base = z * stride_vz + h * stride_vh + start_n * stride_vs
+    v_ptrs = V + v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
     # lse and delta [Z, N, H, S] (contiguous): rows of (z, n, h) start at ((z * N + n) * H + h) * S
     lse_ptrs = Lse + (z * N * H + h) * S + start_m + rows
     delta_ptrs = Delta + (z * N * H + h) * S + start_m + rows
@@ -546,7 +556,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair:
     if pair is not None and tuple(pair.shape) != (z, h, s, s):
         raise ValueError(f"triton_evoformer: pair must be [Z, H, S, S] = {(z, h, s, s)}, got {tuple(pair.shape)}")
     for name, t in (("k", k), ("v", v), ("mask", mask), ("pair", pair)):
-        if t is not None and t.device != q.device:
+        if t is not None and t.device != q.device:  # do and o are checked by backward
             raise ValueError(f"triton_evoformer: {name} is on {t.device} but q is on {q.device}")
 
 
@@ -645,9 +655,13 @@ def backward(
     _check_inputs(q, k, v, mask, pair)
     z, n, s, h, d = q.shape
     if do.shape != q.shape or o.shape != q.shape:
-        raise ValueError(f"triton_evoformer: do and o must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}, {tuple(o.shape)}")
+        raise ValueError(
+            f"triton_evoformer: do and o must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}, {tuple(o.shape)}"
+        )
     if lse.shape != (z, n, h, s) or lse.dtype != torch.float32:
-        raise ValueError(f"triton_evoformer: lse must be fp32 [Z, N, H, S] = {(z, n, h, s)}, got {lse.dtype} {tuple(lse.shape)}")
+        raise ValueError(
+            f"triton_evoformer: lse must be fp32 [Z, N, H, S] = {(z, n, h, s)}, got {lse.dtype} {tuple(lse.shape)}"
+        )
     lse = lse.contiguous()  # the kernels index lse (and delta) as contiguous [Z, N, H, S]
     need_mask_grad = need_mask_grad and mask is not None
     need_pair_grad = need_pair_grad and pair is not None

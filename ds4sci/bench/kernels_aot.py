@@ -74,7 +74,9 @@ class Variant:
         return "+".join(names) or "-"
 
 
-def shipped_variants(dtypes=DTYPES, block_ds: Optional[tuple[int, ...]] = None, worst_case_only: bool = False) -> list[Variant]:
+def shipped_variants(
+    dtypes=DTYPES, block_ds: Optional[tuple[int, ...]] = None, worst_case_only: bool = False
+) -> list[Variant]:
     """Every (kernel, dtype, BLOCK_D, flags) the launchers can request; ``worst_case_only`` keeps, per kernel and
     table entry, only the variant with every flag on: the most code and shared memory, a quick check but not a
     substitute for the full set (ptxas allocates registers per variant; a flag-off variant can spill alone)."""
@@ -277,7 +279,8 @@ def _markdown(report: dict) -> str:
     lines += ["", f"{len(report['results'])} compilations, {len(errors)} errors; all within limits and spill-free: "
               f"{'yes' if report['all_ok'] else 'NO'}."]
     for r in errors:
-        lines.append(f"- {r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}: {r['error'][:500]}")
+        where = f"{r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
+        lines.append(f"- {where}: {r['error'][:500]}")
     return "\n".join(lines) + "\n"
 
 
@@ -314,8 +317,9 @@ def run(args: argparse.Namespace) -> int:
     (out / "kernels_aot.md").write_text(_markdown(report))
     bad = [r for r in results if not r["ok"]]
     for r in bad:
+        why = r["error"] or f"smem {r['shared_bytes']} B, spills {r['spill_stores']}/{r['spill_loads']} B"
         logger.error("kernels-aot: %s %s BLOCK_D=%d %s on %s: %s", r["kernel"], r["dtype"], r["block_d"], r["flags"],
-                     r["target"], r["error"] or f"smem {r['shared_bytes']} B, spills {r['spill_stores']}/{r['spill_loads']} B")
+                     r["target"], why)
     logger.info("kernels-aot: %d compilations in %.0f s, %d not ok; wrote %s", len(results), report["wall_s"], len(bad),
                 out / "kernels_aot.json")
     return 0 if not bad else 1

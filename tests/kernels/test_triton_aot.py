@@ -53,7 +53,8 @@ def _launched(dtype, d, use_mask, use_pair, need_mask, need_pair):
 
 
 def test_gate_enumerates_every_launch():
-    shipped = {(v.kernel, v.has_mask, v.has_pair, v.mask_grad, v.block_d, v.dtype) for v in kernels_aot.shipped_variants()}
+    shipped = {(v.kernel, v.has_mask, v.has_pair, v.mask_grad, v.block_d, v.dtype)
+               for v in kernels_aot.shipped_variants()}
     seen = set()
     names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
     for dtype, d, *flags in itertools.product(names, (8, 16, 24, 32, 64, 128), *[(False, True)] * 4):
@@ -86,7 +87,8 @@ def test_every_table_entry_compiles_for_sm80_and_sm90_within_smem_and_spill_free
         assert r["error"] is None, f"{where}: {r['error']}"
         limit = SM80_SMEM if r["target"] == "sm_80" else SM90_SMEM
         assert 0 < r["shared_bytes"] <= limit, f"{where}: {r['shared_bytes']} B of shared memory"
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{where}: spills {r['spill_stores']}/{r['spill_loads']} B"
+        spills = (r["spill_stores"], r["spill_loads"])
+        assert spills == (0, 0), f"{where}: spills {spills} B"
         assert 0 < r["registers"] <= 255, where
         assert r["ok"], where
     assert {r["target"] for r in results} == {"sm_80", "sm_90a"}

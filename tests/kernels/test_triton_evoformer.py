@@ -111,7 +111,8 @@ def test_mixed_bias_dtypes_are_read_in_their_own_dtype():
         return [o.detach().cpu()] + [t.grad.cpu() for t in leaves]
 
     ours, pt = run("triton", DEVICE, True), run("reference", "cpu", True)
-    ref = _run([t.to(dt).double() for t, dt in zip(tensors, dtypes)], do, "reference", torch.float64)  # same bias values
+    same_values = [t.to(dt).double() for t, dt in zip(tensors, dtypes)]  # the rounded values the kernel sees
+    ref = _run(same_values, do, "reference", torch.float64)
     assert ours[4].dtype == torch.float32 and ours[5].dtype == torch.bfloat16
     for name, a, b, r in zip(("o", "dq", "dk", "dv", "dmask", "dpair"), ours, pt, ref):
         assert a.dtype == b.dtype, name
@@ -146,7 +147,8 @@ def test_fully_masked_rows_give_zeros_inf_lse_and_finite_grads(dtype):
     low = [t.cpu() for t in (q, k, v, do, mask, pair)]
     o_pt, lse_pt = reference.forward(*low[:3], low[4], low[5])
     pt = (o_pt, lse_pt, *reference.backward(low[3], *low[:3], o_pt, lse_pt, low[4], low[5], True, True))
-    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv", "dmask", "dpair"), (o, lse, dq, dk, dv, dmask, dpair), pt, want):
+    ours = (o, lse, dq, dk, dv, dmask, dpair)
+    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv", "dmask", "dpair"), ours, pt, want):
         a, b = a.double().cpu(), b.double()
         finite = torch.isfinite(r)
         assert torch.equal(torch.isfinite(a), finite), name
@@ -308,5 +310,6 @@ def test_config_table_covers_every_head_dim(dtype):
 def test_kernels_are_interpreted_under_triton_interpret():
     from triton.runtime.interpreter import InterpretedFunction
 
-    for kernel in (te._fwd_kernel, te._bwd_preprocess_kernel, te._bwd_dkdv_kernel, te._bwd_dq_kernel, te._bwd_dpair_kernel):
+    kernels = (te._fwd_kernel, te._bwd_preprocess_kernel, te._bwd_dkdv_kernel, te._bwd_dq_kernel, te._bwd_dpair_kernel)
+    for kernel in kernels:
         assert isinstance(kernel, InterpretedFunction)
