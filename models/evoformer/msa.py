@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-import torch
 from torch import Tensor, nn
 
 from ds4sci.kernels import Backend

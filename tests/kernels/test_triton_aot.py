@@ -4,19 +4,16 @@ The gate compiles with ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
 started without ``TRITON_INTERPRET`` (this test process runs the kernels under the interpreter) and reads Triton's
 shared-memory request and the ``ptxas -v`` registers and spills of Triton's own ptxas run.
 
-SUBSET: by default the slow test compiles every entry of the tile table (fp16, bf16, fp32 x BLOCK_D 16/32/64/128) and
-every kernel (forward, backward preprocess, dK/dV, dQ, dpair) for sm_80 and sm_90, but each kernel only in its
-variant with every flag on (HAS_MASK, HAS_PAIR, and MASK_GRAD for dK/dV): 120 of the 408 compilations, about 1 minute
-on 2 cores instead of 4. The flag-off variants are NOT implied by it: they compile less code, but ptxas
-allocates registers per variant (flag-off variants were seen to spill where the all-flags one did not). They are
-checked by the full gate, ``ds4sci bench kernels-aot`` without ``--worst-case-only``, which this test runs with
-``DS4SCI_AOT_FULL=1``. ``test_gate_enumerates_every_launch`` checks that the enumeration the gate compiles covers
+The slow test compiles every shipped variant: each entry of the tile table (fp16, bf16, fp32 x BLOCK_D 16/32/64/128)
+x each kernel (forward, backward preprocess, dK/dV, dQ, dpair) x each flag combination (HAS_MASK, HAS_PAIR,
+MASK_GRAD), for sm_80 and sm_90: 408 compilations, about 4 minutes on 2 cores. Flag-off variants are compiled too:
+ptxas allocates registers per variant, and flag-off variants were seen to spill where the all-flags one did not.
+``test_gate_enumerates_every_launch`` checks that the enumeration the gate compiles covers
 every launch the launchers can make.
 """
 import argparse
 import itertools
 import json
-import os
 
 import pytest
 import torch
@@ -72,15 +69,14 @@ def test_gate_enumerates_every_launch():
 
 @pytest.mark.slow
 def test_every_table_entry_compiles_for_sm80_and_sm90_within_smem_and_spill_free(tmp_path):
-    full = os.environ.get("DS4SCI_AOT_FULL") == "1"
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     kernels_aot.add_arguments(parser)
-    args = parser.parse_args(["--out", str(tmp_path), "--jobs", "2"] + ([] if full else ["--worst-case-only"]))
+    args = parser.parse_args(["--out", str(tmp_path), "--jobs", "2"])
     rc = kernels_aot.run(args)
     report = json.loads((tmp_path / "kernels_aot.json").read_text())
     results = report["results"]
-    expected = kernels_aot.shipped_variants(worst_case_only=not full)
+    expected = kernels_aot.shipped_variants(worst_case_only=False)
     assert len(results) == 2 * len(expected)
     for r in results:
         where = f"{r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"

@@ -227,7 +227,7 @@ def test_lse_merge_over_key_blocks_equals_full():
                          ids=["causal", "window", "docs"])
 def test_flex_attention_forward_matches_sdpa(case):
     torch.manual_seed(2)
-    B, S, H, D = 2, 16, 4, 8
+    B, H, D = 2, 4, 8
     q = torch.randn(B, 8, H, D)
     k, v = torch.randn(B, 12, 2, D), torch.randn(B, 12, 2, D)
     q_doc = k_doc = None

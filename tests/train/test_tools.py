@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ds4sci.data import CodonTokenizer, NucleotideTokenizer, RecordDataset
+from ds4sci.data import CodonTokenizer, NucleotideTokenizer
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.train.embed import embed_sequence
 from ds4sci.train.evaluate import evaluate, windows
