@@ -1,13 +1,5 @@
-"""Shared setup of the OpenFold integration tests.
-
-Triton kernels read TRITON_INTERPRET when they are defined, so it is set here, before any test module imports
-``ds4sci.kernels.triton_evoformer`` (the CPU has no GPU driver; the interpreter runs the same kernels).
-"""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+"""Shared setup of the OpenFold integration tests (TRITON_INTERPRET is set suite-wide in tests/conftest.py)."""
+import pytest
 
 
 @pytest.fixture(autouse=True)

@@ -5,11 +5,10 @@ Each OpenFold3 attention module runs twice with the same weights and inputs (wit
 path and on its ``use_deepspeed_evo_attention=True`` path with ds4sci enabled. Outputs and the gradients of the
 inputs and of every parameter must agree: in fp32 and bf16 each path's error against the default path run in fp64
 may be at most 3x the default path's own error in that dtype (plus a few ulps). The kernels run on the CPU: the
-torch backend, and the triton backend under TRITON_INTERPRET=1 (set in conftest.py).
+torch backend, and the triton backend under TRITON_INTERPRET=1 (set in tests/conftest.py).
 """
 import importlib.util
 import math
-import os
 import sys
 import types
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import openfold3.core.model.primitives.attention as of3_attention
 import pytest
 import torch
+from evoformer_checks import TRITON, assert_within_pytorch_error, randomize_
 from openfold3.core.model.layers.msa import MSAColumnAttention as OF3MSAColumnAttention
 from openfold3.core.model.layers.msa import MSARowAttentionWithPairBias as OF3MSARowAttentionWithPairBias
 from openfold3.core.model.layers.triangular_attention import TriangleAttention as OF3TriangleAttention
@@ -32,11 +32,6 @@ from ds4sci.models import evoformer
 # OpenFold3's default path enters torch.amp.autocast("cuda"), which warns on a machine without CUDA
 pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")
 
-# The triton backend runs here on CPU tensors, i.e. under the interpreter (TRITON_INTERPRET=0 skips it).
-HAS_TRITON_BACKEND = (
-    importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None and os.environ.get("TRITON_INTERPRET") == "1"
-)
-TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="no triton backend or interpreter"))
 BACKENDS = ["torch", TRITON]
 C_M, C_Z, C_HIDDEN, HEADS = 8, 6, 4, 2
 SMALL = 3  # the dim that is not the attention length (MSA depth for row attention, residues for column)
@@ -57,20 +52,6 @@ VARIANTS = {
 # ----------------------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------------------
-
-
-def randomize_(module, seed):
-    """Fresh random parameters (OpenFold's init zeroes linear_o, which would make every output 0)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, prm in module.named_parameters():
-            if prm.ndim == 2:
-                prm.copy_(torch.randn(prm.shape, generator=g) / math.sqrt(prm.shape[1]))
-            elif "layer_norm" in name and name.endswith("weight"):
-                prm.copy_(1 + 0.2 * torch.randn(prm.shape, generator=g))
-            else:
-                prm.copy_(0.2 * torch.randn(prm.shape, generator=g))
-    return module
 
 
 def make_inputs(variant, s, batch=(), seed=0):
@@ -105,20 +86,6 @@ def fwd_bwd(variant, module, inputs, dtype, **kw):
     grads = torch.autograd.grad(out, leaves + list(module.parameters()), dout, allow_unused=True)
     names = ["dx", "dz"][: len(leaves)] + [f"d:{n}" for n, _ in module.named_parameters()]
     return {"out": out.detach(), **dict(zip(names, grads))}
-
-
-def assert_within_pytorch_error(ours, ref64, ref_pt, dtype, factor=3.0):
-    """Every tensor: error vs fp64 <= factor * PyTorch's error in ``dtype`` + 10 ulps of its magnitude."""
-    assert ours.keys() == ref64.keys() == ref_pt.keys()
-    for name in ref64:
-        a, r, b = ours[name], ref64[name], ref_pt[name]
-        assert a is not None and a.shape == r.shape and a.dtype == dtype, name
-        assert torch.isfinite(a).all(), name
-        scale = max(1.0, r.abs().max().item())
-        err = (a.double() - r).abs().max().item()
-        err_pt = (b.double() - r).abs().max().item()
-        floor = 10 * torch.finfo(dtype).eps * scale
-        assert err <= factor * err_pt + floor, f"{name}: error {err:.3g} vs PyTorch {dtype} error {err_pt:.3g}"
 
 
 class CountingAttention:

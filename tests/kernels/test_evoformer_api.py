@@ -16,7 +16,7 @@ from ds4sci.kernels import evoformer as evo
 
 HAS_TRITON_BACKEND = importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None
 CPU_BACKENDS = ["torch", "reference"]
-# The fused kernel, on the CPU under TRITON_INTERPRET=1 (set in conftest.py): added to the numerics tests below.
+# The fused kernel, on the CPU under TRITON_INTERPRET=1 (set in tests/conftest.py): added to the numerics tests below.
 TRITON_BACKENDS = ["triton"] if HAS_TRITON_BACKEND and os.environ.get("TRITON_INTERPRET") == "1" else []
 
 

@@ -1,6 +1,6 @@
 """The "triton" backend (ds4sci.kernels.triton_evoformer): the fused Triton kernel against the fp64 reference.
 
-On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set in conftest.py): exact kernel
+On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set in tests/conftest.py): exact kernel
 semantics, slow, so shapes stay small (S <= 65, N <= 3, H <= 4, Z <= 2) and the cases below are a covering set, not a
 cartesian product. With ``TRITON_INTERPRET=0`` on a CUDA machine the same tests run on the GPU. The public-API
 numerics tests of test_evoformer_api.py (every bias combination in fp32 at six shapes, fp16/bf16, broadcasts, -inf

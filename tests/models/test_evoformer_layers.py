@@ -5,19 +5,15 @@ materialised), independent of the layers and of the kernels. Every layer is chec
 output and the gradients of the inputs and of every parameter, with masks, leading batch dims and unaligned
 lengths; fp32 (and bf16) errors may be at most 3x the error of the same formulation run by PyTorch in that dtype.
 """
-import os
+import math
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined (CPU interpreter)
+import pytest
+import torch
+import torch.nn.functional as F
+from evoformer_checks import HAS_TRITON_BACKEND, TRITON, assert_within_pytorch_error, randomize_
 
-import importlib.util  # noqa: E402
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from ds4sci.kernels import Backend  # noqa: E402
-from ds4sci.models.evoformer import (  # noqa: E402
+from ds4sci.kernels import Backend
+from ds4sci.models.evoformer import (
     Convention,
     MSAColumnAttention,
     MSARowAttentionWithPairBias,
@@ -27,14 +23,7 @@ from ds4sci.models.evoformer import (  # noqa: E402
 )
 
 # The triton backend runs here on CPU tensors, i.e. under the interpreter (TRITON_INTERPRET=0 skips it).
-HAS_TRITON_BACKEND = (
-    importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None and os.environ.get("TRITON_INTERPRET") == "1"
-)
-BACKENDS = [
-    "torch",
-    pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="no triton backend or interpreter")),
-    "reference",
-]
+BACKENDS = ["torch", TRITON, "reference"]
 C_M, C_Z, C_HIDDEN, HEADS, INF = 8, 6, 4, 2, 1e9
 N_SEQ, N_RES = 3, 7  # small and unaligned (7 is no multiple of any tile)
 VARIANTS = ["msa_row", "msa_col", "tri_start", "tri_end"]
@@ -124,20 +113,6 @@ def make_layer(variant, backend="torch", convention=Convention.OPENFOLD3):
     }[variant]()
 
 
-def randomize_(module, seed):
-    """Fresh random parameters (AF2's init zeroes the output projection, which would hide everything)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, prm in module.named_parameters():
-            if prm.ndim == 2:
-                prm.copy_(torch.randn(prm.shape, generator=g) / math.sqrt(prm.shape[1]))
-            elif name.endswith("layer_norm_m.weight") or name.endswith("layer_norm.weight") or "layer_norm_z.w" in name:
-                prm.copy_(1 + 0.2 * torch.randn(prm.shape, generator=g))
-            else:
-                prm.copy_(0.2 * torch.randn(prm.shape, generator=g))
-    return module
-
-
 def make_inputs(variant, batch=(), seed=0, masked=True, n_seq=N_SEQ, n_res=N_RES):
     """fp64 inputs: (x, z, mask) with z None for the layers without pair input; a quarter of the mask is 0 but
     every attention row keeps at least one key (fully masked rows are padding, see DESIGN.md)."""
@@ -199,23 +174,6 @@ def run_reference(variant, params, inputs, dtype, seed=1, **kw):
     return res
 
 
-def assert_within_pytorch_error(ours, ref64, ref_same_dtype, dtype, factor=3.0):
-    """Every tensor: error vs fp64 <= factor * PyTorch's same-dtype error + a few ulps of its magnitude."""
-    assert ours.keys() == ref64.keys()
-    for name in ref64:
-        a, r, b = ours[name], ref64[name], ref_same_dtype[name]
-        assert a is not None and a.shape == r.shape, name
-        assert torch.isfinite(a).all(), name
-        scale = max(1.0, r.abs().max().item())
-        err = (a.double() - r).abs().max().item()
-        if dtype == torch.float64:
-            assert err <= 1e-10 * scale, f"{name}: fp64 error {err:.3g}"
-            continue
-        err_pt = (b.double() - r).abs().max().item()
-        floor = 10 * torch.finfo(dtype).eps * scale
-        assert err <= factor * err_pt + floor, f"{name}: error {err:.3g} vs PyTorch {dtype} error {err_pt:.3g}"
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Numerics vs the reference
 # ----------------------------------------------------------------------------------------------------------
@@ -248,7 +206,7 @@ def test_matches_reference_fp64_unbatched(variant, backend):
 
 @pytest.mark.parametrize(
     "variant, backend",
-    [(v, "torch") for v in VARIANTS] + [pytest.param("msa_row", "triton", marks=BACKENDS[1].marks)],
+    [(v, "torch") for v in VARIANTS] + [pytest.param("msa_row", "triton", marks=TRITON.marks)],
 )
 def test_matches_reference_bf16(variant, backend):
     """bf16 (triton on one variant only: the interpreter is slow and the kernel tests cover its bf16 numerics)."""
