@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from ds4sci.bench import kernels_aot
-
-triton_evoformer = pytest.importorskip("ds4sci.kernels.triton_evoformer")
+from ds4sci.kernels import triton_evoformer
 
 SM80_SMEM, SM90_SMEM = 166912, 232448  # max dynamic shared memory per block: 163 KB (A100), 227 KB (H100)
 
