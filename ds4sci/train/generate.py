@@ -13,7 +13,7 @@ from Bio.Seq import Seq
 from Bio.SeqIO import write as write_fasta
 from Bio.SeqRecord import SeqRecord
 
-from ds4sci.data import CodonTokenizer
+from ds4sci.data import CodonTokenizer, normalize_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, tempera
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if stop_at_stop_codon and not isinstance(tokenizer, CodonTokenizer):
         raise ValueError("stop_at_stop_codon needs the codon tokenizer")
+    prompt = normalize_sequence(prompt, where="prompt")  # uppercased; a non-nucleotide character is an error
     ids = tokenizer.encode(prompt).tolist() if prompt else [tokenizer.cls_id]
     limit = model.config.max_position_embeddings
     if len(ids) + num_tokens > limit:

@@ -63,6 +63,9 @@ def test_generate_reproducible_greedy_and_fasta(tmp_path, tiny):
     assert sample(model, tok, "ACG", 10, top_k=1, seed=9) == greedy
     with pytest.raises(ValueError, match="exceeds the model's context"):
         sample(model, tok, "ACG", 100)
+    assert sample(model, tok, "acg", 10, seed=3) == a  # soft-masked prompt is uppercased
+    with pytest.raises(ValueError, match="prompt.*'Z'.*position 4"):
+        sample(model, tok, "ACGZ", 3)
     logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
     assert torch.isinf(filter_logits(logits, top_k=2)[:2]).all()
     # softmax = [0.03, 0.09, 0.24, 0.64]: the top token alone reaches 0.6; 0.7 needs the top two
