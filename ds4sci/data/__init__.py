@@ -1,7 +1,5 @@
 """ds4sci.data: FASTA reading (Biopython), nucleotide/codon tokenizers, datasets for causal genome LMs."""
 from ds4sci.data.datasets import (
-    IGNORE_INDEX,
-    PAD_DOC_ID,
     PackedDataset,
     RecordDataset,
     WindowDataset,
@@ -13,7 +11,7 @@ from ds4sci.data.fasta import FastaRecord, normalize_sequence, read_fasta
 from ds4sci.data.tokenizers import SPECIALS, STOP_CODONS, CodonTokenizer, NucleotideTokenizer, Tokenizer
 
 __all__ = [
-    "IGNORE_INDEX", "PAD_DOC_ID", "PackedDataset", "RecordDataset", "WindowDataset", "collate", "split_records",
+    "PackedDataset", "RecordDataset", "WindowDataset", "collate", "split_records",
     "split_region", "FastaRecord", "normalize_sequence", "read_fasta", "SPECIALS", "STOP_CODONS",
     "CodonTokenizer", "NucleotideTokenizer", "Tokenizer",
 ]

@@ -4,10 +4,10 @@ Every sample is a dict of int64 tensors of length ``T`` (the window):
 
 - ``input_ids [T]``: token ids, ``pad_id`` after the end of the data;
 - ``labels [T]``: the ids the model should reproduce, aligned with ``input_ids`` (GPT convention: the one-token
-  shift is done in the loss, ``logits[t]`` predicts ``labels[t + 1]``); ``-100`` (ignored) at padding and at the
+  shift is done in the loss, ``logits[t]`` predicts ``labels[t + 1]``); ``IGNORE_INDEX`` (-100) at padding and at the
   first token of every packed document after the first, so no prediction crosses a document boundary;
 - ``position_ids [T]``: positions inside the document (restart at 0 for each packed document);
-- ``doc_ids [T]``: document index inside the window, ``-1`` at padding (``ds4sci.sequence.PAD_DOC_ID``).
+- ``doc_ids [T]``: document index inside the window, ``PAD_DOC_ID`` (-1) at padding (both from ``ds4sci.models``).
 
 Train/validation splits are deterministic: a single genome is split by held-out region (the last
 ``val_fraction`` of the sequence, so no window spans both splits), a multi-record file by record.
@@ -23,11 +23,10 @@ import torch
 from torch.utils.data import Dataset
 
 from ds4sci.data.tokenizers import NucleotideTokenizer, Tokenizer
+from ds4sci.models.genslm import IGNORE_INDEX
+from ds4sci.models.local_attention import PAD_DOC_ID
 
 logger = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-PAD_DOC_ID = -1
 
 
 def _sample(tokens: list[np.ndarray], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -1,23 +1,25 @@
 """ds4sci.sequence: sequence parallelism (DeepSpeed-Ulysses, ring attention, Unified Ulysses x Ring).
 
-Process groups are built from one validated :class:`ParallelDims` and passed explicitly; nothing here keeps a
-global process group. Importing this package has no side effects (no process group, no environment edits).
+Where each concept lives:
+
+- :mod:`~ds4sci.sequence.groups`: :class:`ParallelDims` (every degree, the layout, every rank coordinate),
+  :func:`build_groups` (explicit process groups, no global singleton) and DeepSpeed's ``mpu`` adapter;
+- :mod:`~ds4sci.sequence.sharding`: :class:`Layout` (contiguous / zigzag arithmetic) and the sharding of
+  tokens, labels and positions;
+- :mod:`~ds4sci.sequence.comm`: the differentiable all-to-all, ring shifts, byte counting;
+- :mod:`~ds4sci.sequence.attention`: :class:`DistributedAttention` around any local attention
+  (:mod:`ds4sci.models.local_attention`);
+- :mod:`~ds4sci.sequence.parallelize`: :func:`parallelize`, applying all of it to a GenSLM from outside.
+
+Importing this package has no side effects (no process group, no environment edits).
 """
 from ds4sci.sequence.attention import DistributedAttention
 from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, all_to_all
 from ds4sci.sequence.groups import DeepSpeedMPU, ParallelDims, SequenceParallelGroups, build_groups
-from ds4sci.sequence.local_attention import (
-    attention_mask,
-    flash_attention,
-    flash_causal_mode,
-    flex_attention,
-    sdpa_attention,
-)
+from ds4sci.sequence.parallelize import parallelize
 from ds4sci.sequence.sharding import (
-    LAYOUTS,
-    PAD_DOC_ID,
+    Layout,
     gather_sequence,
-    layout_multiple,
     pad_to_multiple,
     shard_positions,
     shard_sequence,
@@ -34,15 +36,9 @@ __all__ = [
     "ParallelDims",
     "SequenceParallelGroups",
     "build_groups",
-    "attention_mask",
-    "flash_attention",
-    "flash_causal_mode",
-    "flex_attention",
-    "sdpa_attention",
-    "LAYOUTS",
-    "PAD_DOC_ID",
+    "parallelize",
+    "Layout",
     "gather_sequence",
-    "layout_multiple",
     "pad_to_multiple",
     "shard_positions",
     "shard_sequence",

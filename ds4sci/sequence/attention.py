@@ -12,8 +12,8 @@
   group on the head-sharded tensors, inverse all-to-all. The ring degree carries what the head count cannot.
 
 Sharding contract: rank ``(ring_rank, ulysses_rank)`` holds sequence shard
-``sp_rank = ring_rank * U + ulysses_rank`` of ``U * R`` (``shard_sequence(x, 1, attn.shard_rank,
-attn.shard_world, attn.layout)``), contiguous or zigzag. After the all-to-all a ring rank then holds a contiguous
+``sp_rank = ring_rank * U + ulysses_rank`` of ``U * R`` (``shard_sequence(x, 1, dims.sp_rank(rank), dims.sp,
+dims.layout)``), contiguous or zigzag (:class:`~ds4sci.sequence.Layout`). After the all-to-all a ring rank then holds a contiguous
 block (contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag); each piece is passed to the local attention with
 its own global offsets, so causal, window and document masks stay exact.
 """
@@ -28,33 +28,13 @@ import torch
 import torch.distributed as dist
 
 from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, all_to_all, group_rank, group_size
-from ds4sci.sequence.sharding import LAYOUTS
+from ds4sci.sequence.sharding import Layout, Piece
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedAttention"]
 
 _KV_TAG, _GRAD_TAG = 0, 1
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """A contiguous run of rows of the local (post all-to-all) block: local rows ``[start, start+length)`` hold
-    global sequence positions ``[offset, offset+length)``."""
-
-    start: int
-    length: int
-    offset: int
-
-
-def _pieces(ring_rank: int, ring: int, block_len: int, layout: str) -> list[_Piece]:
-    """Pieces of the block a ring rank holds after the Ulysses all-to-all (``block_len`` rows, S = ring*block_len)."""
-    if layout == "contiguous":
-        return [_Piece(0, block_len, ring_rank * block_len)]
-    half = block_len // 2
-    if ring == 1:  # chunks 0 and 1 of 2: the whole sequence, in order
-        return [_Piece(0, block_len, 0)]
-    return [_Piece(0, half, ring_rank * half), _Piece(half, half, (2 * ring - 1 - ring_rank) * half)]
 
 
 def _merge(acc_out, acc_lse, out, lse):
@@ -79,7 +59,7 @@ class _RingPlan:
     local_attention: Callable
     group: dist.ProcessGroup
     counter: CommCounter | None
-    layout: str
+    layout: Layout
     head_offset: int
     q_doc: torch.Tensor | None  # [B, Sq_blk] ids of the local queries
     k_docs: torch.Tensor | None  # [R, B, Sk_blk] ids of every ring rank's keys
@@ -94,11 +74,11 @@ class _RingPlan:
 
     def blocks(self, q_len: int, k_len: int, src: int):
         """(query piece, key piece) pairs between this rank's queries and ring rank ``src``'s keys."""
-        for qp in _pieces(self.rank, self.ring, q_len, self.layout):
-            for kp in _pieces(src, self.ring, k_len, self.layout):
+        for qp in self.layout.pieces(self.rank, self.ring, q_len):
+            for kp in self.layout.pieces(src, self.ring, k_len):
                 yield qp, kp
 
-    def attend(self, q, k, v, qp: _Piece, kp: _Piece, src: int):
+    def attend(self, q, k, v, qp: Piece, kp: Piece, src: int):
         q_doc = k_doc = None
         if self.q_doc is not None:
             q_doc = self.q_doc[:, qp.start : qp.start + qp.length]
@@ -190,18 +170,20 @@ class DistributedAttention(torch.nn.Module):
 
     Args:
         local_attention: a callable implementing the local attention protocol
-            (:mod:`ds4sci.sequence.local_attention`), e.g. ``functools.partial(sdpa_attention, causal=True)``
+            (:mod:`ds4sci.models.local_attention`), e.g. ``functools.partial(sdpa_attention, causal=True)``
             or a model's attention core.
-        sp_group: the Ulysses (all-to-all) group; ``None`` for ring attention alone.
-        ring_group: the ring group; ``None`` for Ulysses alone. With both, the groups must meet only in this
-            rank (as :func:`~ds4sci.sequence.build_groups` makes them); passing the whole SP group as
-            ``sp_group`` together with a ring group is rejected.
-        layout: ``"contiguous"`` or ``"zigzag"``, the layout the inputs were sharded with (see
-            :mod:`ds4sci.sequence.sharding`).
+        ulysses_group: the Ulysses (all-to-all) group; ``None`` or a group of one for ring attention alone.
+        ring_group: the ring group; ``None`` or a group of one for Ulysses alone. With both, the groups must meet
+            only in this rank (as :func:`~ds4sci.sequence.build_groups` makes them); passing the whole
+            sequence-parallel group as ``ulysses_group`` together with a ring group is rejected.
+        layout: the :class:`~ds4sci.sequence.Layout` (or its name) the inputs were sharded with.
         counter: optional :class:`~ds4sci.sequence.CommCounter` recording this layer's communication.
         check_shapes: all-gather the local shapes first (a few bytes, recorded as ``"all_gather"``) and raise a
             ``ValueError`` if the ranks disagree (unevenly sharded sequences), instead of a hang or a silently
             wrong result.
+
+    Sharding: rank ``(ring_rank, ulysses_rank)`` must hold sequence shard ``ring_rank * U + ulysses_rank`` of
+    ``U * R`` (:meth:`ParallelDims.sp_rank <ds4sci.sequence.ParallelDims.sp_rank>`).
 
     Heads: Ulysses needs ``H % U == 0`` (else ``ValueError`` naming heads, KV heads and degrees; a ring degree
     can carry the parallelism instead). GQA/MQA key/value heads are split over the Ulysses group when ``U``
@@ -212,48 +194,38 @@ class DistributedAttention(torch.nn.Module):
     def __init__(
         self,
         local_attention: Callable,
-        sp_group: dist.ProcessGroup | None,
+        ulysses_group: dist.ProcessGroup | None,
         ring_group: dist.ProcessGroup | None = None,
         *,
-        layout: str = "contiguous",
+        layout: str | Layout = Layout.CONTIGUOUS,
         counter: CommCounter | None = None,
         check_shapes: bool = True,
     ) -> None:
         super().__init__()
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
-        if group_size(sp_group) > 1 and group_size(ring_group) > 1:
-            shared = set(dist.get_process_group_ranks(sp_group)) & set(dist.get_process_group_ranks(ring_group))
+        self.layout = Layout.parse(layout)
+        if group_size(ulysses_group) > 1 and group_size(ring_group) > 1:
+            ulysses_ranks = dist.get_process_group_ranks(ulysses_group)
+            ring_ranks = dist.get_process_group_ranks(ring_group)
+            shared = set(ulysses_ranks) & set(ring_ranks)
             if shared != {dist.get_rank()}:
                 raise ValueError(
-                    f"sp_group (ranks {dist.get_process_group_ranks(sp_group)}) and ring_group (ranks "
-                    f"{dist.get_process_group_ranks(ring_group)}) share ranks {sorted(shared)}; pass the Ulysses "
-                    "group as sp_group (SequenceParallelGroups.ulysses), not the whole sequence-parallel group"
+                    f"ulysses_group (ranks {ulysses_ranks}) and ring_group (ranks {ring_ranks}) share ranks "
+                    f"{sorted(shared)}; pass SequenceParallelGroups.ulysses as ulysses_group, not the whole "
+                    "sequence-parallel group"
                 )
         self.local_attention = local_attention
-        self.sp_group = sp_group
+        self.ulysses_group = ulysses_group
         self.ring_group = ring_group
-        self.layout = layout
         self.counter = counter
         self.check_shapes = check_shapes
 
     @property
     def ulysses_size(self) -> int:
-        return group_size(self.sp_group)
+        return group_size(self.ulysses_group)
 
     @property
     def ring_size(self) -> int:
         return group_size(self.ring_group)
-
-    @property
-    def shard_world(self) -> int:
-        """Number of sequence shards (``U * R``)."""
-        return self.ulysses_size * self.ring_size
-
-    @property
-    def shard_rank(self) -> int:
-        """Index of the sequence shard this rank must hold: ``ring_rank * U + ulysses_rank``."""
-        return group_rank(self.ring_group) * self.ulysses_size + group_rank(self.sp_group)
 
     def _validate(self, q, k, v, q_doc, k_doc) -> None:
         U, R = self.ulysses_size, self.ring_size
@@ -270,7 +242,7 @@ class DistributedAttention(torch.nn.Module):
                 f"heads={H} (kv heads={Hkv}) cannot be split over the Ulysses degree {U} (ring degree {R}); use a "
                 f"Ulysses degree that divides {H} and let the ring degree carry the rest"
             )
-        if self.layout == "zigzag" and (q.shape[1] % 2 or k.shape[1] % 2):
+        if self.layout is Layout.ZIGZAG and (q.shape[1] % 2 or k.shape[1] % 2):
             raise ValueError(
                 f"zigzag shards hold two equal chunks; local lengths q {q.shape[1]}, k {k.shape[1]} are odd"
             )
@@ -283,7 +255,7 @@ class DistributedAttention(torch.nn.Module):
             )
         if self.check_shapes:
             mine = torch.tensor([*q.shape, *k.shape], dtype=torch.int64, device=q.device)  # [8]
-            for group in (self.sp_group, self.ring_group):
+            for group in (self.ulysses_group, self.ring_group):
                 shapes = all_gather_seq(mine[None], group, dim=0, counter=self.counter)  # [P, 8]
                 if not bool((shapes == mine).all()):
                     raise ValueError(
@@ -294,36 +266,18 @@ class DistributedAttention(torch.nn.Module):
     def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """Ulysses all-to-all and zigzag reorder: ``[B, s, H, D] -> [B, U*s, H/U, D]`` with the ring rank's
         pieces in sequence order."""
-        x = all_to_all(x, self.sp_group, scatter_dim=2, gather_dim=1, counter=self.counter)  # [B, U*s, H/U, D]
-        return self._reorder(x, inverse=False)
+        x = all_to_all(x, self.ulysses_group, scatter_dim=2, gather_dim=1, counter=self.counter)  # [B, U*s, H/U, D]
+        return self.layout.regroup(x, self.ulysses_size)
 
     def _from_heads(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`_to_heads`: ``[B, U*s, H/U, D] -> [B, s, H, D]``."""
-        x = self._reorder(x, inverse=True)
-        return all_to_all(x, self.sp_group, scatter_dim=1, gather_dim=2, counter=self.counter)  # [B, s, H, D]
-
-    def _reorder(self, x: torch.Tensor, inverse: bool) -> torch.Tensor:
-        """Zigzag: SP rank ``p`` holds chunks ``p`` and ``2P-1-p``, so the all-to-all concatenates the U shards of
-        ring rank r as ``[c_a, c_z, c_(a+1), c_(z-1), ...]`` (``a = r*U``, ``z = 2P-1-a``). Regroup them as
-        ``[c_a .. c_(a+U-1), c_(z-U+1) .. c_z]`` = ring chunks ``r`` and ``2R-1-r`` in sequence order (or back)."""
-        U = self.ulysses_size
-        if self.layout != "zigzag" or U == 1:
-            return x
-        B, L = x.shape[:2]
-        rest = x.shape[2:]
-        c = L // (2 * U)
-        if inverse:
-            early, late = x.reshape(B, 2, U, c, *rest).unbind(1)  # 2 x [B, U, c, ...]
-            x = torch.stack([early, late.flip(1)], dim=2)  # [B, U, 2, c, ...]
-        else:
-            x = x.reshape(B, U, 2, c, *rest)  # [B, U, 2, c, ...]: the early then the late chunk of each shard
-            x = torch.stack([x[:, :, 0], x[:, :, 1].flip(1)], dim=1)  # [B, 2, U, c, ...], late chunks ascending
-        return x.reshape(B, L, *rest)  # [B, U*s, ...]
+        x = self.layout.regroup(x, self.ulysses_size, inverse=True)
+        return all_to_all(x, self.ulysses_group, scatter_dim=1, gather_dim=2, counter=self.counter)  # [B, s, H, D]
 
     def _block_docs(self, doc: torch.Tensor) -> torch.Tensor:
         """Document ids of the post all-to-all block: ``[B, s] -> [B, U*s]`` (gathered, zigzag-reordered)."""
-        doc = all_gather_seq(doc, self.sp_group, dim=1, counter=self.counter)  # [B, U*s]
-        return self._reorder(doc, inverse=False)
+        doc = all_gather_seq(doc, self.ulysses_group, dim=1, counter=self.counter)  # [B, U*s]
+        return self.layout.regroup(doc, self.ulysses_size)
 
     def forward(
         self,
@@ -338,7 +292,7 @@ class DistributedAttention(torch.nn.Module):
 
         Args:
             q: ``[B, S/P, H, D]``, k and v: ``[B, S/P, Hkv, D]``, this rank's sequence shard
-                (``P = U * R``, shard index :attr:`shard_rank`, layout :attr:`layout`).
+                (``P = U * R``, shard ``ring_rank * U + ulysses_rank``, layout :attr:`layout`).
             q_doc, k_doc: optional ``[B, S/P]`` document ids of the same shards.
         Returns:
             ``[B, S/P, H, D]``: this rank's shard of the attention output.
@@ -354,7 +308,7 @@ class DistributedAttention(torch.nn.Module):
             k = k.repeat_interleave(copies, dim=2)  # [B, s, Hkv*copies, D]
             v = v.repeat_interleave(copies, dim=2)
         q, k, v = self._to_heads(q), self._to_heads(k), self._to_heads(v)  # [B, s, H, D] -> [B, U*s, H/U, D]
-        head_offset = group_rank(self.sp_group) * (H // U)
+        head_offset = group_rank(self.ulysses_group) * (H // U)
         q_blk_doc = k_blk_doc = None
         if q_doc is not None:
             q_blk_doc = self._block_docs(q_doc)  # [B, U*s]

@@ -1,7 +1,7 @@
 """Parallel degrees and the process groups of Unified sequence parallelism (Ulysses x Ring).
 
-One validated object, :class:`ParallelDims`, holds the data-parallel, Ulysses and ring degrees; its product is
-the world size. :func:`build_groups` turns it into explicit process groups (no global singleton: callers pass the
+One validated object, :class:`ParallelDims`, holds the data-parallel, Ulysses and ring degrees and the sequence
+layout, and derives every rank coordinate; its product is the world size. :func:`build_groups` turns it into explicit process groups (no global singleton: callers pass the
 returned :class:`SequenceParallelGroups` where it is needed), and :class:`DeepSpeedMPU` exposes them through the
 ``mpu`` interface that ``deepspeed.initialize(mpu=...)`` reads.
 
@@ -13,6 +13,7 @@ the most bandwidth-hungry collective, runs between neighbouring ranks (same node
     rank = dp_rank * sp + sp_rank,      sp_rank = ring_rank * ulysses + ulysses_rank
 
 The sequence is sharded over the SP group in ``sp_rank`` order (see :mod:`ds4sci.sequence.sharding`).
+``ring_rank`` and ``ulysses_rank`` are a rank's index in its ring and Ulysses groups.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ds4sci.sequence.sharding import Layout
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParallelDims", "SequenceParallelGroups", "build_groups", "DeepSpeedMPU"]
@@ -28,38 +31,59 @@ __all__ = ["ParallelDims", "SequenceParallelGroups", "build_groups", "DeepSpeedM
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Validated parallel degrees: ``dp * ulysses * ring == world_size``, each degree an int >= 1.
+    """Validated parallel degrees and the sequence layout; the one place a degree or a rank is derived.
 
     Args:
         dp: data-parallel degree (replicas of the model that see different batches).
         ulysses: Ulysses degree (all-to-all between sequence-sharded and head-sharded layouts).
         ring: ring-attention degree (key/value blocks passed around a ring; carries what the heads cannot).
-        world_size: number of processes.
+        layout: how the sequence is cut over the ``sp = ulysses * ring`` shards (:class:`Layout` or its name;
+            ``"auto"``: zigzag with a ring, contiguous without).
+
+    ``world_size = dp * ulysses * ring``; :meth:`for_world` infers ``dp`` from a world size.
     """
 
     dp: int
-    ulysses: int
-    ring: int
-    world_size: int
+    ulysses: int = 1
+    ring: int = 1
+    layout: Layout | str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "ulysses", "ring", "world_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"ParallelDims.{name} must be an int, got {value!r} ({type(value).__name__})")
-            if value < 1:
-                raise ValueError(f"ParallelDims.{name} must be >= 1, got {name}={value}")
-        product = self.dp * self.ulysses * self.ring
-        if product != self.world_size:
+        for name in ("dp", "ulysses", "ring"):
+            _check_degree(name, getattr(self, name))
+        object.__setattr__(self, "layout", Layout.parse(self.layout, self.ring))
+
+    @classmethod
+    def for_world(cls, world_size: int, *, ulysses: int = 1, ring: int = 1, layout: str | Layout = "auto") -> ParallelDims:
+        """The dims of ``world_size`` processes: ``dp = world_size / (ulysses * ring)``.
+
+        Raises:
+            ValueError: the world size is not a multiple of ``ulysses * ring`` (the message names both and how
+                to launch).
+        """
+        for name, value in (("world_size", world_size), ("ulysses", ulysses), ("ring", ring)):
+            _check_degree(name, value)
+        dp, rest = divmod(world_size, ulysses * ring)
+        if rest or dp == 0:
             raise ValueError(
-                f"ParallelDims: dp={self.dp} x ulysses={self.ulysses} x ring={self.ring} = {product}, "
-                f"but world_size={self.world_size}; the product of the degrees must equal the world size"
+                f"world size {world_size} is not a multiple of ulysses={ulysses} x ring={ring} = {ulysses * ring}; "
+                f"launch a multiple of {ulysses * ring} processes (torchrun --nproc-per-node N)"
             )
+        return cls(dp=dp, ulysses=ulysses, ring=ring, layout=layout)
 
     @property
     def sp(self) -> int:
-        """Sequence-parallel degree: ``ulysses * ring``."""
+        """Sequence-parallel degree (number of sequence shards): ``ulysses * ring``."""
         return self.ulysses * self.ring
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.sp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Sequence lengths must be a multiple of this to shard evenly (``sp``, or ``2*sp`` for zigzag)."""
+        return self.layout.multiple(self.sp)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """``(dp_rank, ring_rank, ulysses_rank)`` of a global rank."""
@@ -68,6 +92,19 @@ class ParallelDims:
         dp_rank, sp_rank = divmod(rank, self.sp)
         ring_rank, ulysses_rank = divmod(sp_rank, self.ulysses)
         return dp_rank, ring_rank, ulysses_rank
+
+    def sp_rank(self, rank: int) -> int:
+        """The sequence shard a global rank holds: ``ring_rank * ulysses + ulysses_rank``."""
+        _, ring_rank, ulysses_rank = self.coords(rank)
+        return ring_rank * self.ulysses + ulysses_rank
+
+    def check_heads(self, num_heads: int) -> None:
+        """Ulysses scatters heads: ``ulysses`` must divide ``num_heads`` (a ring degree carries the rest)."""
+        if num_heads % self.ulysses:
+            raise ValueError(
+                f"ulysses={self.ulysses} must divide the number of heads {num_heads} (Ulysses scatters heads); "
+                f"use a Ulysses degree that divides {num_heads} and let the ring degree carry the rest"
+            )
 
     def group_ranks(self) -> dict[str, list[list[int]]]:
         """Global ranks of every group of each kind (pure arithmetic, no processes needed).
@@ -90,13 +127,16 @@ class ParallelDims:
         return kinds
 
 
+def _check_degree(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ParallelDims.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"ParallelDims.{name} must be >= 1, got {name}={value}")
+
+
 @dataclass(frozen=True)
 class SequenceParallelGroups:
-    """The process groups this rank belongs to, as built by :func:`build_groups`.
-
-    ``sp_rank`` is the index of this rank's sequence shard (``ring_rank * ulysses + ulysses_rank``), the rank to
-    pass to :func:`ds4sci.sequence.shard_sequence` with ``world = dims.sp``.
-    """
+    """The process groups this rank belongs to, as built by :func:`build_groups`; ranks come from ``dims``."""
 
     dims: ParallelDims
     rank: int
@@ -109,15 +149,8 @@ class SequenceParallelGroups:
 
     @property
     def sp_rank(self) -> int:
-        return self.rank % self.dims.sp
-
-    @property
-    def ring_rank(self) -> int:
-        return self.dims.coords(self.rank)[1]
-
-    @property
-    def ulysses_rank(self) -> int:
-        return self.dims.coords(self.rank)[2]
+        """Index of the sequence shard this rank holds (pass it to :func:`~ds4sci.sequence.shard_sequence`)."""
+        return self.dims.sp_rank(self.rank)
 
     @property
     def dp_rank(self) -> int:

@@ -1,20 +1,24 @@
-"""Sequence sharding for sequence parallelism: tokens, labels and positions are sharded the same way.
+"""Sequence layouts and sharding: tokens, labels and positions are sharded the same way.
 
-Layouts over ``world`` shards of a sequence of length ``S``:
+:class:`Layout` owns the arithmetic of how a sequence of length ``S`` is cut over ``world`` shards:
 
-- ``"contiguous"``: shard ``r`` holds ``[r*S/W, (r+1)*S/W)``.
-- ``"zigzag"`` (load-balanced, for causal attention; Brandon et al. 2023 "Striped Attention" and the USP paper's
+- ``contiguous``: shard ``r`` holds ``[r*S/W, (r+1)*S/W)``.
+- ``zigzag`` (load-balanced, for causal attention; Brandon et al. 2023 "Striped Attention" and the USP paper's
   load-balanced ring): the sequence is cut into ``2W`` chunks and shard ``r`` holds chunks ``r`` and
   ``2W-1-r``, so every shard holds one early and one late chunk and does the same causal work.
 
-Under Unified SP use ``rank = sp_rank`` and ``world = ulysses * ring`` (see :mod:`ds4sci.sequence.groups`):
-after the Ulysses all-to-all a ring rank then holds a contiguous block (contiguous layout) or ring chunks
-``r`` and ``2R-1-r`` (zigzag layout), which is what :class:`~ds4sci.sequence.DistributedAttention` expects.
+Under Unified SP the shard index is ``sp_rank = ring_rank * ulysses + ulysses_rank`` of ``world = ulysses * ring``
+(:class:`~ds4sci.sequence.ParallelDims`). After the Ulysses all-to-all a ring rank holds a contiguous block
+(contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag): :meth:`Layout.regroup` puts the gathered rows in that
+order and :meth:`Layout.pieces` says which global positions each run of rows holds.
 
 Lengths that the layout does not divide raise ``ValueError``; :func:`pad_to_multiple` pads instead (mask the
-padding out, e.g. with document id :data:`PAD_DOC_ID`).
+padding out with document id :data:`ds4sci.models.local_attention.PAD_DOC_ID`).
 """
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,46 +26,94 @@ import torch.distributed as dist
 from ds4sci.sequence.comm import CommCounter, all_gather_seq, group_size
 
 __all__ = [
-    "LAYOUTS",
-    "PAD_DOC_ID",
+    "Layout",
+    "Piece",
     "shard_sequence",
     "unshard_sequence",
     "gather_sequence",
     "shard_positions",
     "pad_to_multiple",
-    "layout_multiple",
 ]
 
-LAYOUTS = ("contiguous", "zigzag")
 
-PAD_DOC_ID = -1
-"""Document id for padding positions: real document ids are >= 0, so no real query sees a padding key."""
+@dataclass(frozen=True)
+class Piece:
+    """A run of rows of a local block: local rows ``[start, start+length)`` hold global positions
+    ``[offset, offset+length)``."""
 
-
-def _check(layout: str, rank: int, world: int) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"rank={rank} is outside [0, world={world})")
+    start: int
+    length: int
+    offset: int
 
 
-def layout_multiple(world: int, layout: str) -> int:
-    """The sequence length must be a multiple of this: ``world`` (contiguous) or ``2*world`` (zigzag)."""
-    return world if layout == "contiguous" else 2 * world
+class Layout(str, enum.Enum):
+    """How a sequence is cut over sequence-parallel shards (see the module docstring)."""
+
+    CONTIGUOUS = "contiguous"
+    ZIGZAG = "zigzag"
+
+    @classmethod
+    def parse(cls, name: str | Layout, ring: int = 1) -> Layout:
+        """A layout from its name; ``"auto"`` is zigzag when there is a ring (``ring > 1``), else contiguous."""
+        if name == "auto":
+            return cls.ZIGZAG if ring > 1 else cls.CONTIGUOUS
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"layout={name!r} is not one of {['auto'] + [m.value for m in cls]}") from None
+
+    def multiple(self, world: int) -> int:
+        """The sequence length must be a multiple of this: ``world`` (contiguous) or ``2*world`` (zigzag)."""
+        return world if self is Layout.CONTIGUOUS else 2 * world
+
+    def chunks(self, rank: int, world: int) -> tuple[int, ...]:
+        """Indices of the :meth:`multiple` equal chunks that shard ``rank`` of ``world`` holds, in order."""
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank={rank} is outside [0, world={world})")
+        return (rank,) if self is Layout.CONTIGUOUS else (rank, 2 * world - 1 - rank)
+
+    def pieces(self, ring_rank: int, ring: int, block_len: int) -> list[Piece]:
+        """Runs of the ``block_len`` rows a ring rank holds after the Ulysses all-to-all (``S = ring*block_len``)."""
+        held = self.chunks(ring_rank, ring)
+        if ring == 1:  # the whole sequence, in order (zigzag: chunks 0 and 1 of 2)
+            return [Piece(0, block_len, 0)]
+        chunk = block_len // len(held)
+        return [Piece(i * chunk, chunk, c * chunk) for i, c in enumerate(held)]
+
+    def regroup(self, x: torch.Tensor, ulysses: int, inverse: bool = False) -> torch.Tensor:
+        """Order the rows the Ulysses all-to-all gathered (``[B, U*s, ...]``, dim 1) as the ring rank's chunks.
+
+        Zigzag: SP rank ``p`` holds chunks ``p`` and ``2P-1-p``, so the all-to-all concatenates the U shards of
+        ring rank r as ``[c_a, c_z, c_(a+1), c_(z-1), ...]`` (``a = r*U``, ``z = 2P-1-a``). Regroup them as
+        ``[c_a .. c_(a+U-1), c_(z-U+1) .. c_z]`` = ring chunks ``r`` and ``2R-1-r`` in sequence order (or back, with
+        ``inverse``). Contiguous shards are already in order.
+        """
+        if self is Layout.CONTIGUOUS or ulysses == 1:
+            return x
+        B, L = x.shape[:2]
+        rest = x.shape[2:]
+        c = L // (2 * ulysses)
+        if inverse:
+            early, late = x.reshape(B, 2, ulysses, c, *rest).unbind(1)  # 2 x [B, U, c, ...]
+            x = torch.stack([early, late.flip(1)], dim=2)  # [B, U, 2, c, ...]
+        else:
+            x = x.reshape(B, ulysses, 2, c, *rest)  # [B, U, 2, c, ...]: the early then the late chunk of each shard
+            x = torch.stack([x[:, :, 0], x[:, :, 1].flip(1)], dim=1)  # [B, 2, U, c, ...], late chunks ascending
+        return x.reshape(B, L, *rest)  # [B, U*s, ...]
 
 
-def _chunks(length: int, dim: int, shape: tuple, world: int, layout: str) -> int:
-    multiple = layout_multiple(world, layout)
-    if length % multiple != 0:
+def _split(x: torch.Tensor, dim: int, world: int, layout: Layout) -> tuple[torch.Tensor, ...]:
+    multiple = layout.multiple(world)
+    if x.size(dim) % multiple != 0:
         raise ValueError(
-            f"sequence length {length} (dim {dim} of shape {shape}) is not divisible by {multiple} "
-            f"({layout} layout over {world} shards); pad it with pad_to_multiple(x, dim, {multiple}) and mask "
+            f"sequence length {x.size(dim)} (dim {dim} of shape {tuple(x.shape)}) is not divisible by {multiple} "
+            f"({layout.value} layout over {world} shards); pad it with pad_to_multiple(x, dim, {multiple}) and mask "
             f"the padding"
         )
-    return multiple
+    return x.chunk(multiple, dim=dim)
 
 
-def shard_sequence(x: torch.Tensor, dim: int, rank: int, world: int, layout: str = "contiguous") -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, dim: int, rank: int, world: int, layout: str | Layout = Layout.CONTIGUOUS) -> torch.Tensor:
     """The shard of ``x`` that sequence rank ``rank`` of ``world`` holds along ``dim``.
 
     Example: q ``[B, S, H, D]`` with ``dim=1`` -> ``[B, S/W, H, D]``; positions ``[S]`` with ``dim=0`` -> ``[S/W]``.
@@ -70,45 +122,42 @@ def shard_sequence(x: torch.Tensor, dim: int, rank: int, world: int, layout: str
         ValueError: unknown layout, rank outside ``[0, world)``, or ``x.size(dim)`` not divisible by
             ``world`` (contiguous) / ``2*world`` (zigzag).
     """
-    _check(layout, rank, world)
-    n_chunks = _chunks(x.size(dim), dim, tuple(x.shape), world, layout)
-    chunks = x.chunk(n_chunks, dim=dim)
-    if layout == "contiguous":
-        return chunks[rank]
-    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim)
+    layout = Layout.parse(layout)
+    held = layout.chunks(rank, world)
+    chunks = _split(x, dim, world, layout)
+    return torch.cat([chunks[c] for c in held], dim=dim) if len(held) > 1 else chunks[held[0]]
 
 
-def unshard_sequence(shards: list[torch.Tensor], dim: int, layout: str = "contiguous") -> torch.Tensor:
+def unshard_sequence(shards: list[torch.Tensor], dim: int, layout: str | Layout = Layout.CONTIGUOUS) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the full sequence from all ``W`` shards given in rank order."""
-    world = len(shards)
-    _check(layout, 0, world)
-    if layout == "contiguous":
-        return torch.cat(shards, dim=dim)
-    # each shard = [chunk r, chunk 2W-1-r] -> chunks 0..W-1 are the first halves, W..2W-1 the reversed second halves
-    halves = [shard.chunk(2, dim=dim) for shard in shards]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
+    layout, world = Layout.parse(layout), len(shards)
+    pieces: dict[int, torch.Tensor] = {}
+    for rank, shard in enumerate(shards):
+        held = layout.chunks(rank, world)
+        pieces.update(zip(held, shard.chunk(len(held), dim=dim)))
+    return torch.cat([pieces[c] for c in range(layout.multiple(world))], dim=dim)
 
 
 def gather_sequence(
     x: torch.Tensor,
     dim: int,
     group: dist.ProcessGroup | None,
-    layout: str = "contiguous",
+    layout: str | Layout = Layout.CONTIGUOUS,
     counter: CommCounter | None = None,
 ) -> torch.Tensor:
     """All-gather the local shards of ``group`` (sequence ranks in group-rank order) into the full sequence.
 
     Not differentiable (for evaluation, logging and tests).
     """
-    world = group_size(group)
-    if world == 1:
+    if group_size(group) == 1:
         return x
     stacked = all_gather_seq(x.unsqueeze(0), group, dim=0, counter=counter)  # [W, *x.shape]
     return unshard_sequence(list(stacked.unbind(0)), dim=dim, layout=layout)
 
 
 def shard_positions(
-    seq_len: int, rank: int, world: int, layout: str = "contiguous", device: torch.device | str | None = None
+    seq_len: int, rank: int, world: int, layout: str | Layout = Layout.CONTIGUOUS,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Global positions (int64 ``[S/W]``) that sequence rank ``rank`` holds: feed them to position embeddings
     (learned, rotary, ALiBi) so they follow the tokens."""
@@ -118,7 +167,7 @@ def shard_positions(
 def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float | int = 0) -> torch.Tensor:
     """Pad ``x`` at the end of ``dim`` with ``value`` up to the next multiple of ``multiple``.
 
-    Padding changes attention unless it is masked: give padding tokens document id :data:`PAD_DOC_ID`
+    Padding changes attention unless it is masked: give padding tokens document id ``PAD_DOC_ID``
     (``pad_to_multiple(doc_ids, 1, m, PAD_DOC_ID)``) and drop padded rows from the loss.
     """
     if multiple < 1:

@@ -13,6 +13,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.sequence import ParallelDims
 
 
 @dataclass
@@ -38,7 +39,18 @@ class ModelConfig:
 class ParallelConfig:
     ulysses: int = 1
     ring: int = 1
-    layout: str = "auto"  # "contiguous", "zigzag", or "auto" (zigzag when ring > 1)
+    layout: str = "auto"  # "contiguous", "zigzag", or "auto" (zigzag when ring > 1: balances causal work)
+
+    def dims(self, world_size: int | None = None) -> ParallelDims:
+        """The validated :class:`ParallelDims` of ``world_size`` processes (``None``: one data-parallel replica,
+        to check the config before launch). Errors name the ``parallel.*`` key."""
+        try:
+            if world_size is None:
+                return ParallelDims(dp=1, ulysses=self.ulysses, ring=self.ring, layout=self.layout)
+            return ParallelDims.for_world(world_size, ulysses=self.ulysses, ring=self.ring, layout=self.layout)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"parallel.ulysses={self.ulysses!r}, parallel.ring={self.ring!r}, "
+                             f"parallel.layout={self.layout!r}: {err}") from None
 
 
 @dataclass
@@ -86,15 +98,11 @@ class Config:
         if cfg.max_position_embeddings < self.data.seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
-        sp = self.parallel.ulysses * self.parallel.ring
-        if cfg.position_embedding == "learned" and sp > 1 and cfg.max_position_embeddings != self.data.seq_len:
+        if (cfg.position_embedding == "learned" and self.parallel.dims().sp > 1
+                and cfg.max_position_embeddings != self.data.seq_len):
             raise ValueError(f"model.overrides.max_position_embeddings={cfg.max_position_embeddings}: a sequence-"
                              f"partitioned learned table must have data.seq_len={self.data.seq_len} rows")
         return cfg
-
-    @property
-    def layout(self) -> str:
-        return ("zigzag" if self.parallel.ring > 1 else "contiguous") if self.parallel.layout == "auto" else self.parallel.layout
 
     def validate(self) -> "Config":
         def check(ok: bool, key: str, value: Any, why: str):
@@ -110,9 +118,7 @@ class Config:
         check(0 <= d.reverse_complement <= 1, "data.reverse_complement", d.reverse_complement, "must be in [0, 1]")
         check(d.reverse_complement == 0 or d.tokenizer == "nucleotide", "data.reverse_complement",
               d.reverse_complement, "reverse complement breaks the reading frame of codon tokens")
-        check(p.ulysses >= 1, "parallel.ulysses", p.ulysses, "must be >= 1")
-        check(p.ring >= 1, "parallel.ring", p.ring, "must be >= 1")
-        check(p.layout in ("auto", "contiguous", "zigzag"), "parallel.layout", p.layout, "expected auto, contiguous or zigzag")
+        dims = p.dims()
         check(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
         check(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "must be >= 1")
         check(t.grad_accum >= 1, "train.grad_accum", t.grad_accum, "must be >= 1")
@@ -131,17 +137,18 @@ class Config:
         check(o.eps > 0, "optim.eps", o.eps, "must be > 0")
         check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", o.betas,
               "expected two numbers in [0, 1)")
-        sp = p.ulysses * p.ring
-        multiple = sp * (2 if self.layout == "zigzag" else 1)
-        check(d.seq_len % multiple == 0, "data.seq_len", d.seq_len,
-              f"must be divisible by {multiple} (ulysses={p.ulysses} x ring={p.ring}, layout {self.layout})")
+        check(d.seq_len % dims.sequence_multiple == 0, "data.seq_len", d.seq_len,
+              f"must be divisible by {dims.sequence_multiple} (ulysses={p.ulysses} x ring={p.ring}, "
+              f"layout {dims.layout.value})")
         try:
             model = self.genslm_config(69, 3)  # preset and overrides valid (vocabulary filled in at run time)
         except (TypeError, ValueError) as err:
             raise ValueError(f"model (preset={self.model.preset!r}, overrides={self.model.overrides}): {err}") from None
-        check(model.num_heads % p.ulysses == 0, "parallel.ulysses", p.ulysses,
-              f"must divide the model's num_heads={model.num_heads} (Ulysses scatters heads)")
-        check(not (model.position_embedding == "learned" and sp > 1 and d.dataset == "packed"), "data.dataset",
+        try:
+            dims.check_heads(model.num_heads)
+        except ValueError as err:
+            raise ValueError(f"parallel.ulysses={p.ulysses!r}: {err}") from None
+        check(not (model.position_embedding == "learned" and dims.sp > 1 and d.dataset == "packed"), "data.dataset",
               d.dataset, "a sequence-partitioned learned position table needs positions equal to window indices; "
               "use windows/records or rotary/alibi positions with packing")
         return self

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ds4sci.data import RecordDataset, collate, read_fasta
-from ds4sci.models.genslm import shift_labels, token_loss
+from ds4sci.models.genslm import IGNORE_INDEX, shift_labels, token_loss
 
 
 def windows(model_config, tokenizer, fasta: str, seq_len: int | None = None) -> RecordDataset:
@@ -37,7 +37,7 @@ def evaluate(model, tokenizer, dataset, batch_size: int = 8) -> dict[str, float]
         logits = model(batch["input_ids"], batch["position_ids"])
         targets = shift_labels(batch["labels"])
         total += token_loss(logits, targets, "sum").item()
-        count += int((targets != -100).sum())
+        count += int((targets != IGNORE_INDEX).sum())
     if count == 0:
         raise ValueError("no real target token to evaluate")
     loss = total / count

@@ -1,6 +1,6 @@
 """Sequence-parallel-aware loss normalisation for DeepSpeed.
 
-The training loss is the mean cross entropy over every real (non ``-100``) target of the GLOBAL batch: all
+The training loss is the mean cross entropy over every real (non ``IGNORE_INDEX``, -100) target of the GLOBAL batch: all
 data-parallel ranks, all sequence shards, all gradient-accumulation micro-batches. Padding never counts.
 
 Each rank computes the SUM of its shard's token losses; targets are shifted on the full window BEFORE sharding

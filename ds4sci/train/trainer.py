@@ -1,20 +1,18 @@
 """Training GenSLM with DeepSpeed (ZeRO 0-3) and Ulysses / ring / Unified sequence parallelism.
 
-Sequence parallelism is applied from outside the model: every block's attention core is wrapped in
-``ds4sci.sequence.DistributedAttention`` and tokens, targets, positions (and document ids) are sharded together.
+Sequence parallelism is applied from outside the model (:func:`ds4sci.sequence.parallelize`): every block's
+attention core is wrapped in ``ds4sci.sequence.DistributedAttention`` and tokens, targets, positions (and document
+ids) are sharded together with the same :class:`~ds4sci.sequence.ParallelDims`.
 Targets are shifted on the full window BEFORE sharding, so the label of a shard's last token (which lives on the
 next shard) is never lost.
 
-Loss normalisation (:mod:`ds4sci.train.loss`): the loss is the mean over every real (non -100) target of the
+Loss normalisation (:mod:`ds4sci.train.loss`): the loss is the mean over every real (non ``IGNORE_INDEX``) target of the
 global batch (all data-parallel ranks, all sequence shards, all accumulation micro-batches), with the scale that
 undoes DeepSpeed's per-stage gradient reduction; the equivalence tests prove it per ZeRO stage against
 single-process training.
 
-The sequence-partitioned learned position table is kept OUT of the DeepSpeed engine: DeepSpeed treats every engine
-parameter as replicated over the sequence x data group (broadcast from rank 0 at start, gradients reduced over the
-group), which would overwrite and mix the per-rank rows. The trainer owns the table with its own AdamW (same
-hyper-parameters and schedule), sums its gradient over the data-parallel group only, and clips it with the same
-threshold against its own global norm (DISCREPANCY: clipping is per parameter group, engine vs table).
+The sequence-partitioned learned position table is kept OUT of the DeepSpeed engine and owned by
+:class:`ds4sci.train.position_table.PositionTable` (why: see there).
 """
 from __future__ import annotations
 
@@ -31,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, collate, read_fasta, split_records, split_region
-from ds4sci.models.genslm import GenSLM, shift_labels, token_loss
-from ds4sci.sequence import DistributedAttention, ParallelDims, build_groups, shard_sequence
+from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, shift_labels, token_loss
+from ds4sci.sequence import build_groups, parallelize, shard_sequence
 from ds4sci.train.config import Config
-from ds4sci.train.engine import build_engine, init_distributed, make_optimizer
+from ds4sci.train.engine import build_engine, init_distributed
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
+from ds4sci.train.position_table import PositionTable
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.u
 
 def _ignored(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``sample`` with every target ignored: fills a last, partial evaluation micro-batch."""
-    return {**sample, "labels": torch.full_like(sample["labels"], -100)}
+    return {**sample, "labels": torch.full_like(sample["labels"], IGNORE_INDEX)}
 
 
 @dataclass
@@ -99,12 +98,8 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         init_distributed()
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        p = cfg.parallel
-        sp = p.ulysses * p.ring
-        if self.world % sp:
-            raise ValueError(f"world size {self.world} is not divisible by ulysses={p.ulysses} x ring={p.ring}")
-        self.dims = ParallelDims(dp=self.world // sp, ulysses=p.ulysses, ring=p.ring, world_size=self.world)
+        self.rank = dist.get_rank()
+        self.dims = cfg.parallel.dims(dist.get_world_size())
         self.groups = build_groups(self.dims)
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -112,26 +107,9 @@ class Trainer:
         self.model_config = cfg.genslm_config(self.tokenizer.vocab_size, self.tokenizer.pad_id)
         torch.manual_seed(cfg.train.seed)
         model = GenSLM(self.model_config)
-        self.attn = None
-        if sp > 1:
-            for block in model.layers:
-                block.attention.core = DistributedAttention(
-                    block.attention.core, self.groups.ulysses if p.ulysses > 1 else None,
-                    self.groups.ring if p.ring > 1 else None, layout=cfg.layout,
-                )
-            self.attn = model.layers[0].attention.core
-        self.shard_rank = self.attn.shard_rank if self.attn else 0
-        self.pos_table = None
-        if self.model_config.position_embedding == "learned":
-            self.pos_table = model.pop_position_embedding().to(self.device)
-            if sp > 1:
-                rows = shard_sequence(torch.arange(self.model_config.max_position_embeddings), 0,
-                                      self.shard_rank, sp, cfg.layout)
-                self.pos_table.shard_(rows.to(self.device))
-
+        table = parallelize(model, self.groups)
         self.engine = build_engine(model, cfg, self.groups, self.device)
-        if self.pos_table is not None:
-            self.pos_opt, self.pos_sched = make_optimizer(self.pos_table.parameters(), cfg)
+        self.pos_table = PositionTable(table, self.groups, cfg, self.device) if table is not None else None
         self.step = 0
         self.out = Path(cfg.train.out_dir)
         if self.rank == 0:
@@ -166,14 +144,14 @@ class Trainer:
         batch["targets"] = shift_labels(batch.pop("labels"))  # shift on the full window, before sharding
         if self.cfg.data.dataset == "windows":
             batch.pop("doc_ids")  # one document per window: causal attention needs no mask
-        sp = self.dims.sp
-        return {k: shard_sequence(v, 1, self.shard_rank, sp, self.cfg.layout).to(self.device) for k, v in batch.items()}
+        d = self.dims
+        return {k: shard_sequence(v, 1, self.groups.sp_rank, d.sp, d.layout).to(self.device) for k, v in batch.items()}
 
     def _forward_sum(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         pos_embeds = self.pos_table(batch["position_ids"]) if self.pos_table is not None else None
         logits = self.engine(batch["input_ids"], batch["position_ids"], batch.get("doc_ids"), position_embeds=pos_embeds)
         tgt = batch["targets"]
-        return token_loss(logits, tgt, "sum"), (tgt != -100).sum()
+        return token_loss(logits, tgt, "sum"), (tgt != IGNORE_INDEX).sum()
 
     def _all_sum(self, x: torch.Tensor, group=None) -> torch.Tensor:
         x = x.detach().to(torch.float64).clone()
@@ -195,23 +173,9 @@ class Trainer:
             self.engine.step()
             loss_sum += local_sum.detach().double()
         if self.pos_table is not None:
-            self._pos_table_step(factor / t.grad_accum)
+            self.pos_table.step(factor / t.grad_accum)
         self.step += 1
         return StepResult(self.step, (self._all_sum(loss_sum) / count).item(), int(count.item()), lr)
-
-    def _pos_table_step(self, reduction_factor: float) -> None:
-        w = self.pos_table.weight
-        grad = w.grad if w.grad is not None else torch.zeros_like(w)
-        dist.all_reduce(grad, group=self.groups.dp)  # rows differ per sequence rank: reduce over data ranks only
-        grad.div_(reduction_factor)
-        if self.cfg.optim.grad_clip > 0:  # global norm of the table: its rows are spread over the sequence group
-            norm = self._all_sum((grad.double() ** 2).sum(), self.groups.sp).sqrt().item()
-            if norm > self.cfg.optim.grad_clip:
-                grad.mul_(self.cfg.optim.grad_clip / (norm + 1e-6))
-        w.grad = grad
-        self.pos_opt.step()
-        self.pos_opt.zero_grad(set_to_none=True)
-        self.pos_sched.step()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -283,18 +247,6 @@ class Trainer:
         return records
 
     # ------------------------------------------------------------------------------------------------ state
-    def gather_position_table(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
-        """The full ``[max_positions, hidden]`` table (or optimizer state like it) from the sequence shards."""
-        tensor = self.pos_table.weight.detach() if tensor is None else tensor
-        sp = self.dims.sp
-        if sp == 1:
-            return tensor.detach().cpu().clone()
-        parts = [torch.empty_like(tensor) for _ in range(sp)]
-        rows = [torch.empty_like(self.pos_table.rows) for _ in range(sp)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.groups.sp)
-        dist.all_gather(rows, self.pos_table.rows, group=self.groups.sp)
-        return self.pos_table.assemble_full_table(list(zip(rows, parts)), self.pos_table.max_positions)
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded GenSLM state dict (ZeRO-3 parameters gathered, position table assembled), on the CPU."""
         import deepspeed
@@ -304,7 +256,7 @@ class Trainer:
         with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.train.zero_stage == 3):
             state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
         if self.pos_table is not None:
-            state["embed_pos.weight"] = self.gather_position_table().float()
+            state["embed_pos.weight"] = self.pos_table.gather().float()
         return state
 
 

@@ -4,34 +4,33 @@ Black et al. 2022, GPT-NeoX-20B), written for one device.
 Parameter names mirror Hugging Face's ``GPTNeoXForCausalLM`` (without the ``gpt_neox.`` prefix), so GenSLM's
 released checkpoints convert by renaming (:mod:`ds4sci.models.genslm.neox`).
 
-Sequence parallelism is applied from outside: every block's ``attention.core`` is an :class:`AttentionCore`
-implementing the local attention protocol (global ``q_offset``/``k_offset``/``head_offset``, document ids,
-optional log-sum-exp) and can be swapped for ``ds4sci.sequence.DistributedAttention(core, group)``. Positions are an
-input, so the trainer shards tokens, labels and positions together.
+Sequence parallelism is applied from outside (``ds4sci.sequence.parallelize``): every block's ``attention.core``
+is an :class:`AttentionCore` implementing the local attention protocol (:mod:`ds4sci.models.local_attention`) and
+is swapped for ``ds4sci.sequence.DistributedAttention(core, ...)``. Positions are an input, so the trainer shards
+tokens, labels and positions together.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ds4sci.models.genslm.config import GenSLMConfig
-from ds4sci.models.genslm.masks import make_attention_mask
 from ds4sci.models.genslm.position import LearnedPositionEmbedding, alibi_slopes, apply_rotary, rotary_cos_sin
+from ds4sci.models.local_attention import sdpa_attention
 
 IGNORE_INDEX = -100
+"""Target id that the loss skips (padding, document starts, a shard's missing next token); PyTorch's default."""
 
 
 class AttentionCore(nn.Module):
-    """Causal scaled-dot-product attention with optional ALiBi and document masking (the local attention protocol).
+    """GenSLM's local attention: :func:`ds4sci.models.local_attention.sdpa_attention` bound to causal masking and,
+    for ALiBi models, the slopes of all ``num_heads`` global heads (indexed by the protocol's ``head_offset``).
 
-    ``forward(q, k, v, *, q_offset=0, k_offset=0, head_offset=0, q_doc=None, k_doc=None, return_lse=False)``
-    with q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` (Hkv divides H) returns ``[B, Sq, H, D]`` (and the
-    log-sum-exp ``[B, H, Sq]`` in at least fp32 with ``return_lse``; rows that see no key give lse = -inf and 0).
-    Offsets are the global indices of the first query/key row; ``head_offset`` the global index of local head 0
-    (ALiBi slopes). Pure causal attention without ALiBi runs SDPA's causal kernel with no mask tensor.
+    ``forward(q, k, v, *, q_offset=0, k_offset=0, head_offset=0, q_doc=None, k_doc=None, return_lse=False)`` is the
+    local attention protocol (see :mod:`ds4sci.models.local_attention`): q ``[B, Sq, H, D]``, k and v
+    ``[B, Sk, Hkv, D]`` -> ``[B, Sq, H, D]`` (and lse ``[B, H, Sq]``), so sequence parallelism swaps it for
+    ``ds4sci.sequence.DistributedAttention(core, ...)`` without touching the model.
     """
 
     def __init__(self, num_heads: int, alibi: bool = False):
@@ -40,41 +39,8 @@ class AttentionCore(nn.Module):
         self.alibi = alibi
         self.register_buffer("slopes", alibi_slopes(num_heads) if alibi else torch.empty(0), persistent=False)
 
-    def forward(self, q, k, v, *, q_offset=0, k_offset=0, head_offset=0, q_doc=None, k_doc=None, return_lse=False):
-        B, Sq, H, D = q.shape  # batch, query rows, local heads, head dim
-        Sk, Hkv = k.shape[1], k.shape[2]
-        if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or H % Hkv:
-            raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not [B,Sq,H,D]/[B,Sk,Hkv,D]")
-        if Hkv != H:  # GQA/MQA: each KV head serves H/Hkv query heads
-            k, v = (t.repeat_interleave(H // Hkv, dim=2) for t in (k, v))
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        mask = make_attention_mask(Sq, Sk, q_offset=q_offset, k_offset=k_offset, causal=True,
-                                   q_doc=q_doc, k_doc=k_doc, device=q.device)
-        if not return_lse and not self.alibi:
-            if mask is None:
-                out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q_offset == k_offset and Sq == Sk)
-            else:
-                out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
-                out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # rows that see no key
-            return out.transpose(1, 2)
-        # Explicit path (log-sum-exp for ring merging, ALiBi bias): softmax in at least fp32.
-        acc = torch.promote_types(q.dtype, torch.float32)
-        scores = torch.matmul(qh.to(acc), kh.to(acc).transpose(-1, -2)) / math.sqrt(D)  # [B, H, Sq, Sk]
-        if self.alibi:
-            slopes = self.slopes[head_offset : head_offset + H]
-            if slopes.numel() != H:
-                raise ValueError(f"head_offset={head_offset} + {H} local heads exceeds {self.num_heads} ALiBi heads")
-            q_pos = torch.arange(q_offset, q_offset + Sq, device=q.device)
-            k_pos = torch.arange(k_offset, k_offset + Sk, device=q.device)
-            distance = (q_pos[:, None] - k_pos[None, :]).to(acc)  # [Sq, Sk]
-            scores = scores - slopes.to(acc)[:, None, None] * distance
-        if mask is None:  # aligned pure causal attention: the plain lower triangle
-            mask = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [B, H, Sq]
-        probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-        out = torch.matmul(probs, vh.to(acc)).to(q.dtype).transpose(1, 2)
-        return (out, lse) if return_lse else out
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, **protocol) -> Tensor | tuple[Tensor, Tensor]:
+        return sdpa_attention(q, k, v, causal=True, alibi_slopes=self.slopes if self.alibi else None, **protocol)
 
 
 class Attention(nn.Module):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from ds4sci.models.genslm import IGNORE_INDEX
 from ds4sci.data import (
-    IGNORE_INDEX,
     CodonTokenizer,
     NucleotideTokenizer,
     PackedDataset,

@@ -12,20 +12,20 @@ import torch
 import torch.distributed as dist
 
 from _spawn import run_workers
+from ds4sci.models.local_attention import PAD_DOC_ID, flex_attention, sdpa_attention
 from ds4sci.sequence import (
-    PAD_DOC_ID,
     CommCounter,
     DeepSpeedMPU,
     DistributedAttention,
     ParallelDims,
     all_to_all,
+    Layout,
     build_groups,
-    flex_attention,
     gather_sequence,
     pad_to_multiple,
-    sdpa_attention,
     shard_sequence,
 )
+from ds4sci.sequence.comm import group_rank, group_size
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -49,8 +49,10 @@ def check_attention(label, local, ulysses, ring, *, layout="contiguous", B=2, S=
     q, k, v, g, doc = _inputs(seed, B, S, H, Hkv, D, dtype, docs)
     attn = DistributedAttention(local, ulysses, ring, layout=layout, counter=counter)
 
+    index, count = _shard_index(ulysses, ring)
+
     def shard(x):
-        return None if x is None else shard_sequence(x, 1, attn.shard_rank, attn.shard_world, layout)
+        return None if x is None else shard_sequence(x, 1, index, count, layout)
 
     ql, kl, vl = (shard(t).clone().requires_grad_(grads) for t in (q, k, v))
     out = attn(ql, kl, vl, q_doc=shard(doc), k_doc=shard(doc))
@@ -173,6 +175,11 @@ def _worker_two(rank, world):
     return True
 
 
+def _shard_index(ulysses, ring):
+    """(shard this rank holds, number of shards): ``ring_rank * U + ulysses_rank`` of ``U * R``."""
+    return group_rank(ring) * group_size(ulysses) + group_rank(ulysses), group_size(ulysses) * group_size(ring)
+
+
 def check_padded(rank, ulysses, ring, S, layout):
     """A length the shards do not divide: pad with PAD_DOC_ID documents; real rows equal the unpadded result."""
     attn = DistributedAttention(SDPA, ulysses, ring, layout=layout)
@@ -181,10 +188,11 @@ def check_padded(rank, ulysses, ring, S, layout):
         t.requires_grad_()
     ref = sdpa_attention(q, k, v, q_doc=doc, k_doc=doc)
     ref_grads = torch.autograd.grad((ref * g).sum(), (q, k, v))
-    multiple = attn.shard_world * (2 if layout == "zigzag" else 1)
+    index, count = _shard_index(ulysses, ring)
+    multiple = Layout(layout).multiple(count)
 
     def shard(x, value=0):
-        return shard_sequence(pad_to_multiple(x, 1, multiple, value), 1, attn.shard_rank, attn.shard_world, layout)
+        return shard_sequence(pad_to_multiple(x, 1, multiple, value), 1, index, count, layout)
 
     real = shard(torch.arange(S)[None].expand(2, S), -1)[0] >= 0  # [S_local] rows that are not padding
     ql, kl, vl = (shard(t.detach()).requires_grad_() for t in (q, k, v))
@@ -208,13 +216,13 @@ def _worker_four(rank, world):
     W = dist.group.WORLD
 
     # groups: dp=1 x ulysses=2 x ring=2, and dp=2 x ulysses=2 x ring=1
-    usp = build_groups(ParallelDims(dp=1, ulysses=2, ring=2, world_size=4))
+    usp = build_groups(ParallelDims(dp=1, ulysses=2, ring=2))
     ranks = dist.get_process_group_ranks
     assert ranks(usp.ulysses) == [rank // 2 * 2, rank // 2 * 2 + 1]
     assert ranks(usp.ring) == [rank % 2, rank % 2 + 2]
     assert ranks(usp.sp) == [0, 1, 2, 3] and ranks(usp.sdp) == [0, 1, 2, 3] and ranks(usp.dp) == [rank]
     assert usp.sp_rank == rank
-    dpg = build_groups(ParallelDims(dp=2, ulysses=2, ring=1, world_size=4))
+    dpg = build_groups(ParallelDims(dp=2, ulysses=2, ring=1))
     mpu = DeepSpeedMPU(dpg)
     assert ranks(mpu.get_sequence_parallel_group()) == [rank // 2 * 2, rank // 2 * 2 + 1]
     assert (mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()) == (2, rank % 2)
@@ -226,7 +234,7 @@ def _worker_four(rank, world):
     assert (mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()) == (1, 0)
     assert ranks(mpu.get_model_parallel_group()) == [rank]
     _expect_value_error("groups mismatch", "world_size=8",
-                        lambda: build_groups(ParallelDims(dp=2, ulysses=2, ring=2, world_size=8)))
+                        lambda: build_groups(ParallelDims(dp=2, ulysses=2, ring=2)))
 
     # Ulysses, P = 4
     check_attention("U4 causal", CAUSAL, W, None)
@@ -258,7 +266,7 @@ def _worker_four(rank, world):
     x = torch.randn(1, 4, 2, 8)
     _expect_value_error("U4 heads=2", "heads=2 (kv heads=2) cannot be split over the Ulysses degree 4 (ring degree 1)",
                         lambda: DistributedAttention(CAUSAL, W)(x, x, x))
-    _expect_value_error("sp group as ulysses group", "pass the Ulysses group",
+    _expect_value_error("sp group as ulysses group", "pass SequenceParallelGroups.ulysses as ulysses_group",
                         lambda: DistributedAttention(CAUSAL, usp.sp, usp.ring))
     check_padded(rank, U, R, S=13, layout="zigzag")
 

@@ -1,5 +1,5 @@
 """GenSLM model: every position-embedding kind, the attention core, GPT-NeoX equivalence, the
-sequence-partitioned position table and threshold-based masks."""
+sequence-partitioned position table."""
 import math
 
 import pytest
@@ -13,9 +13,7 @@ from ds4sci.models.genslm import (
     alibi_slopes,
     from_gpt_neox_state_dict,
     lm_loss,
-    make_attention_mask,
     shift_labels,
-    threshold_for_memory,
     to_gpt_neox_state_dict,
     token_loss,
 )
@@ -176,72 +174,6 @@ def test_position_table_bad_inputs():
         emb(torch.tensor([[1.0]]))
     with pytest.raises(ValueError, match="unique"):
         emb.shard_(torch.tensor([1, 1]))
-
-
-@pytest.mark.parametrize("docs", [False, True])
-@pytest.mark.parametrize("offsets", [(0, 0), (8, 0), (0, 4)])
-def test_mask_paths_identical_and_correct(docs, offsets):
-    q_len, k_len = 10, 12
-    q_doc = torch.randint(0, 3, (2, q_len)).sort(-1).values if docs else None
-    k_doc = torch.randint(0, 3, (2, k_len)).sort(-1).values if docs else None
-    kw = dict(q_offset=offsets[0], k_offset=offsets[1], q_doc=q_doc, k_doc=k_doc, chunk_rows=3)
-    on_device = make_attention_mask(q_len, k_len, threshold=None, **kw)
-    via_cpu = make_attention_mask(q_len, k_len, threshold=4, **kw)
-    assert on_device.dtype == torch.bool and torch.equal(on_device, via_cpu)
-    qp = torch.arange(offsets[0], offsets[0] + q_len)[:, None]
-    kp = torch.arange(offsets[1], offsets[1] + k_len)[None, :]
-    want = (kp <= qp)[None, None]
-    if docs:
-        want = want & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
-    assert torch.equal(on_device, want.expand_as(on_device))
-
-
-def test_pure_causal_needs_no_mask_and_threshold_rule():
-    assert make_attention_mask(64, 64) is None
-    assert make_attention_mask(8, 8, causal=False) is None
-    assert threshold_for_memory(40 * 2**30) == 16384  # DeepSpeed4Science's 16K on an A100-40GB
-    assert threshold_for_memory(80 * 2**30) == 23170
-
-
-_MASK_PEAK = r"""
-import sys, torch
-from ds4sci.models.genslm import make_attention_mask
-
-def status_kib(key):  # VmRSS (now) or VmHWM (peak since the last reset), Linux
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":"))
-
-S = int(sys.argv[1])
-doc = (torch.arange(S) // 1000)[None]  # 1000-token documents
-make_attention_mask(2048, 2048, q_doc=doc[:, :2048], k_doc=doc[:, :2048])  # warm up kernels (4 MiB)
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak to the current RSS: imports and warm-up leave it
-before = status_kib("VmRSS")
-if sys.argv[2] == "ours":
-    mask = make_attention_mask(S, S, q_doc=doc, k_doc=doc, chunk_rows=512)
-else:  # the usual construction: a float tril, then comparisons on full S x S tensors
-    mask = (torch.tril(torch.ones(S, S)) > 0) & (doc[0, :, None] == doc[0, None, :])
-print(max(0, status_kib("VmHWM") - before) * 1024)
-"""
-
-
-@pytest.mark.slow
-def test_mask_construction_peak_memory_is_near_one_mask():
-    """Peak RSS growth while building an 8192 x 8192 causal document mask (64 MiB of bool), in fresh processes."""
-    import os
-    import subprocess
-    import sys
-
-    S = 8192
-    mask_bytes = S * S
-
-    def grow(how):
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no thread stacks appearing mid-measurement
-        out = subprocess.run([sys.executable, "-c", _MASK_PEAK, str(S), how], capture_output=True, text=True, check=True,
-                             env=env)
-        return int(out.stdout.strip().splitlines()[-1])
-
-    ours, naive = grow("ours"), grow("naive")
-    assert ours <= 2 * mask_bytes, f"chunked construction grew RSS by {ours / mask_bytes:.2f} masks"
-    assert naive >= 4 * mask_bytes, f"the naive construction grew RSS by only {naive / mask_bytes:.2f} masks"
 
 
 def test_losses_and_label_shift():

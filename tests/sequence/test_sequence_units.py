@@ -5,17 +5,14 @@ import math
 import pytest
 import torch
 
+from ds4sci.models.local_attention import PAD_DOC_ID, sdpa_attention
 from ds4sci.sequence import (
-    PAD_DOC_ID,
     CommCounter,
     DistributedAttention,
+    Layout,
     ParallelDims,
     all_to_all,
-    attention_mask,
-    flash_causal_mode,
-    flex_attention,
     pad_to_multiple,
-    sdpa_attention,
     shard_positions,
     shard_sequence,
     unshard_sequence,
@@ -25,35 +22,47 @@ from ds4sci.sequence.attention import _merge
 
 # ---------------------------------------------------------------- ParallelDims
 def test_parallel_dims_valid():
-    dims = ParallelDims(dp=2, ulysses=2, ring=3, world_size=12)
-    assert dims.sp == 6
+    dims = ParallelDims(dp=2, ulysses=2, ring=3)
+    assert (dims.sp, dims.world_size, dims.layout) == (6, 12, Layout.ZIGZAG)  # "auto" with a ring
     assert dims.coords(0) == (0, 0, 0)
     assert dims.coords(7) == (1, 0, 1)  # 7 = 1*6 + 0*2 + 1
     assert dims.coords(11) == (1, 2, 1)
+    assert [dims.sp_rank(r) for r in (0, 5, 7, 11)] == [0, 5, 1, 5]  # ring_rank * ulysses + ulysses_rank
+    assert ParallelDims.for_world(12, ulysses=2, ring=3) == dims
+    zigzag = ParallelDims.for_world(8, ulysses=2, ring=2, layout="auto")
+    assert (zigzag.dp, zigzag.layout, zigzag.sequence_multiple) == (2, Layout.ZIGZAG, 8)
+    assert ParallelDims(dp=1, ulysses=2, layout="auto").layout is Layout.CONTIGUOUS  # no ring: nothing to balance
 
 
-def test_parallel_dims_product_mismatch_names_numbers():
-    with pytest.raises(ValueError, match=r"dp=2 x ulysses=2 x ring=2 = 8, but world_size=10"):
-        ParallelDims(dp=2, ulysses=2, ring=2, world_size=10)
+def test_parallel_dims_world_mismatch_names_numbers():
+    # Invalid: ulysses=2 x ring=2 = 4 does not divide 10 processes
+    with pytest.raises(ValueError, match=r"world size 10 is not a multiple of ulysses=2 x ring=2 = 4"):
+        ParallelDims.for_world(10, ulysses=2, ring=2)
+    with pytest.raises(ValueError, match="ulysses=4 must divide the number of heads 6"):
+        ParallelDims(dp=1, ulysses=4).check_heads(6)
 
 
-@pytest.mark.parametrize("field", ["dp", "ulysses", "ring", "world_size"])
+@pytest.mark.parametrize("field", ["dp", "ulysses", "ring"])
 def test_parallel_dims_rejects_non_positive(field):
-    kwargs = dict(dp=1, ulysses=1, ring=1, world_size=1)
+    kwargs = dict(dp=1, ulysses=1, ring=1)
     kwargs[field] = 0
     with pytest.raises(ValueError, match=f"{field}=0"):
         ParallelDims(**kwargs)
+    with pytest.raises(ValueError, match="world_size=0"):
+        ParallelDims.for_world(0)
 
 
-def test_parallel_dims_rejects_non_int():
+def test_parallel_dims_rejects_non_int_and_unknown_layout():
     with pytest.raises(TypeError, match="ulysses"):
-        ParallelDims(dp=1, ulysses=2.0, ring=1, world_size=2)
+        ParallelDims(dp=1, ulysses=2.0, ring=1)
     with pytest.raises(TypeError, match="ring"):
-        ParallelDims(dp=1, ulysses=1, ring=True, world_size=1)
+        ParallelDims(dp=1, ulysses=1, ring=True)
+    with pytest.raises(ValueError, match="layout='striped'"):
+        ParallelDims(dp=1, layout="striped")
 
 
 def test_group_ranks_layout():
-    groups = ParallelDims(dp=2, ulysses=2, ring=2, world_size=8).group_ranks()
+    groups = ParallelDims(dp=2, ulysses=2, ring=2).group_ranks()
     assert groups["sp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # contiguous, as DeepSpeed's parallel_state_sp
     assert groups["ulysses"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups["ring"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -105,108 +114,6 @@ def test_pad_to_multiple():
     assert pad_to_multiple(doc, 1, 5) is doc
 
 
-# ---------------------------------------------------------------- local attention
-def naive_attention(q, k, v, visible):
-    """Independent oracle: fp64 loops-free softmax with a [B, H, Sq, Sk] boolean visibility."""
-    B, Sq, H, D = q.shape
-    rep = H // k.shape[2]
-    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)))
-    logits = qd @ kd.transpose(-1, -2) / math.sqrt(D)
-    logits = logits.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(logits, -1)
-    probs = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)
-    return (probs @ vd).transpose(1, 2), lse
-
-
-def global_visible(Sq, Sk, qo, ko, B, H, causal=False, window=None, q_doc=None, k_doc=None, mask=None, ho=0):
-    vis = torch.ones(B, H, Sq, Sk, dtype=torch.bool)
-    for a in range(Sq):
-        for b in range(Sk):
-            i, j = qo + a, ko + b
-            ok = True
-            if causal and j > i:
-                ok = False
-            if window is not None and abs(i - j) >= window:
-                ok = False
-            if not ok:
-                vis[:, :, a, b] = False
-    if q_doc is not None:
-        vis &= (q_doc[:, None, :, None] == k_doc[:, None, None, :])
-    if mask is not None:
-        m = mask[..., qo:qo + Sq, ko:ko + Sk]
-        vis &= m[:, ho:ho + H] if m.dim() == 4 and m.shape[1] > 1 else m
-    return vis
-
-
-CASES = [
-    dict(causal=False),
-    dict(causal=True),
-    dict(causal=True, window=3),
-    dict(causal=False, window=4),
-    dict(causal=True, docs=True),
-    dict(causal=False, mask=True),
-]
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-@pytest.mark.parametrize("offsets", [(0, 0), (8, 3), (5, 9)])
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_sdpa_attention_matches_oracle(case, offsets, kv_heads):
-    torch.manual_seed(0)
-    B, Sq, Sk, H, D, S = 2, 7, 6, 4, 8, 20
-    qo, ko = offsets
-    q = torch.randn(B, Sq, H, D, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(B, Sk, kv_heads, D, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(B, Sk, kv_heads, D, dtype=torch.float64, requires_grad=True)
-    kw = dict(causal=case.get("causal", False), window=case.get("window"))
-    q_doc = k_doc = mask = None
-    if case.get("docs"):
-        doc = torch.randint(0, 2, (B, S)).cumsum(1)
-        q_doc, k_doc = doc[:, qo:qo + Sq], doc[:, ko:ko + Sk]
-    if case.get("mask"):
-        mask = torch.rand(1, 8, S, S) > 0.4
-    vis = global_visible(Sq, Sk, qo, ko, B, H, q_doc=q_doc, k_doc=k_doc, mask=mask, ho=2, **kw)
-    ref_out, ref_lse = naive_attention(q, k, v, vis)
-    common = dict(q_offset=qo, k_offset=ko, head_offset=2, q_doc=q_doc, k_doc=k_doc, mask=mask, **kw)
-    out_fast = sdpa_attention(q, k, v, **common)
-    out, lse = sdpa_attention(q, k, v, return_lse=True, **common)
-    torch.testing.assert_close(out_fast, ref_out, rtol=0, atol=1e-12)
-    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
-    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
-    assert lse.dtype == torch.float64
-    if not vis.any():
-        return
-    g = torch.randn_like(ref_out)
-    ref_grads = torch.autograd.grad((ref_out * g).sum(), (q, k, v))
-    for o in (out_fast, out):
-        grads = torch.autograd.grad((o * g).sum(), (q, k, v), retain_graph=True)
-        for a, b in zip(grads, ref_grads):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
-            assert torch.isfinite(a).all()
-
-
-def test_sdpa_attention_empty_rows_and_blocks():
-    q = torch.randn(1, 4, 2, 8)
-    k = torch.randn(1, 4, 2, 8)
-    out, lse = sdpa_attention(q, k, k, q_offset=0, k_offset=4, causal=True, return_lse=True)
-    assert (out == 0).all() and torch.isneginf(lse).all() and lse.dtype == torch.float32
-    # queries 0..3 against keys 2..5: rows 0 and 1 see nothing
-    out, lse = sdpa_attention(q, k, k, q_offset=0, k_offset=2, causal=True, return_lse=True)
-    assert (out[:, :2] == 0).all() and torch.isneginf(lse[..., :2]).all() and torch.isfinite(lse[..., 2:]).all()
-    torch.testing.assert_close(sdpa_attention(q, k, k, q_offset=0, k_offset=2, causal=True), out)
-
-
-def test_attention_mask_errors():
-    with pytest.raises(ValueError, match="window=0"):
-        attention_mask(4, 4, window=0)
-    with pytest.raises(ValueError, match="does not cover"):
-        attention_mask(4, 4, q_offset=6, mask=torch.ones(8, 8, dtype=torch.bool))
-    with pytest.raises(ValueError, match="must be bool"):
-        attention_mask(4, 4, mask=torch.ones(8, 8))
-    with pytest.raises(ValueError, match="multiple of key/value heads 3"):
-        sdpa_attention(torch.randn(1, 4, 4, 8), torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8))
-
-
 def test_lse_merge_over_key_blocks_equals_full():
     """Online-softmax merging of key blocks (ring attention's forward) reproduces attention over all keys."""
     torch.manual_seed(1)
@@ -223,52 +130,6 @@ def test_lse_merge_over_key_blocks_equals_full():
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-13)
 
 
-@pytest.mark.parametrize("case", [dict(causal=True), dict(causal=True, window=5), dict(docs=True)],
-                         ids=["causal", "window", "docs"])
-def test_flex_attention_forward_matches_sdpa(case):
-    torch.manual_seed(2)
-    B, H, D = 2, 4, 8
-    q = torch.randn(B, 8, H, D)
-    k, v = torch.randn(B, 12, 2, D), torch.randn(B, 12, 2, D)
-    q_doc = k_doc = None
-    if case.get("docs"):
-        doc = torch.randint(0, 2, (B, 20)).cumsum(1)
-        q_doc, k_doc = doc[:, 8:16], doc[:, 2:14]
-    kw = dict(q_offset=8, k_offset=2, q_doc=q_doc, k_doc=k_doc, causal=case.get("causal", False),
-              window=case.get("window"), return_lse=True)
-    out, lse = flex_attention(q, k, v, block_size=8, **kw)
-    ref, ref_lse = sdpa_attention(q, k, v, **kw)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(finite, torch.isfinite(lse))
-    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
-
-
-def test_flex_attention_backward_on_cpu_is_unsupported():
-    q = torch.randn(1, 8, 2, 8, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="backward on CPU"):
-        flex_attention(q, q.detach(), q.detach(), causal=True, block_size=8)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs a GPU (CPU raises)")
-def test_flex_attention_gradients_match_sdpa_on_gpu():
-    torch.manual_seed(3)
-    q, k, v = (torch.randn(1, 64, 2, 16, device="cuda", requires_grad=True) for _ in range(3))
-    g = torch.randn(1, 64, 2, 16, device="cuda")
-    grads = torch.autograd.grad((flex_attention(q, k, v, causal=True, window=9) * g).sum(), (q, k, v))
-    ref = torch.autograd.grad((sdpa_attention(q, k, v, causal=True, window=9) * g).sum(), (q, k, v))
-    for a, b in zip(grads, ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-
-
-def test_flash_causal_mode():
-    assert flash_causal_mode(0, 4, 4, 4) == "empty"
-    assert flash_causal_mode(8, 4, 0, 8) == "full"
-    assert flash_causal_mode(4, 4, 4, 4) == "causal"
-    assert flash_causal_mode(4, 4, 0, 8) == "causal"
-    assert flash_causal_mode(0, 8, 0, 4) == "unsupported"
-
-
 # ---------------------------------------------------------------- world size 1
 def test_world_size_one_passes_through():
     counter = CommCounter()
@@ -278,7 +139,6 @@ def test_world_size_one_passes_through():
     out = attn(x, x, x)
     torch.testing.assert_close(out, sdpa_attention(x, x, x, causal=True))
     assert counter.total_sent() == 0 and not counter.calls
-    assert (attn.shard_rank, attn.shard_world) == (0, 1)
 
 
 def test_heads_error_names_everything():

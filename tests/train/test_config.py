@@ -69,7 +69,7 @@ def test_cross_field_rules():
     with pytest.raises(ValueError, match="data.seq_len=52.*divisible by 8"):  # zigzag: 2 chunks per ring rank
         load_config(None, ["data.seq_len=52", "parallel.ring=2", "parallel.ulysses=2"])
     assert load_config(None, ["data.seq_len=52", "parallel.ulysses=2", "parallel.ring=2",
-                              "parallel.layout=contiguous"]).layout == "contiguous"
+                              "parallel.layout=contiguous"]).parallel.dims().layout == "contiguous"
     with pytest.raises(ValueError, match="reverse complement breaks the reading frame"):
         load_config(None, ["data.tokenizer=codon", "data.reverse_complement=0.5"])
     with pytest.raises(ValueError, match="data.dataset='packed'"):

@@ -1,42 +1,82 @@
-"""Local attentions implementing the ds4sci local attention protocol.
+"""Local attention: the one single-device implementation of the ds4sci local attention protocol.
 
-A local attention is a callable::
+Everything that attends within one device goes through here: GenSLM's attention core binds it (causal, ALiBi
+slopes), and :class:`ds4sci.sequence.DistributedAttention` wraps it for Ulysses, ring and Unified sequence
+parallelism. A local attention is a callable::
 
     local_attention(q, k, v, *, q_offset=0, k_offset=0, head_offset=0, q_doc=None, k_doc=None, return_lse=False)
 
 - q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` (``Hkv`` divides ``H``: GQA/MQA, query head ``h`` uses key/value
   head ``h // (H/Hkv)``), each one contiguous block of the sequence.
-- ``q_offset`` / ``k_offset``: global sequence index of the first query / key row; masks are evaluated on global
-  indices (causal: query ``i`` sees key ``j`` iff ``j <= i``).
-- ``head_offset``: global index of local head 0 (for per-head masks or biases).
+- ``q_offset`` / ``k_offset``: global sequence index of the first query / key row; masks and position biases are
+  evaluated on global indices (causal: query ``i`` sees key ``j`` iff ``j <= i``).
+- ``head_offset``: global index of local head 0 (per-head masks, ALiBi slopes).
 - ``q_doc`` / ``k_doc``: optional int ``[B, Sq]`` / ``[B, Sk]`` document ids (packed sequences): a query sees a
-  key only if both carry the same id.
+  key only if both carry the same id; padding carries :data:`PAD_DOC_ID`.
 - returns out ``[B, Sq, H, D]``, or with ``return_lse=True`` ``(out, lse)``, lse ``[B, H, Sq]`` the natural
-  log-sum-exp of the scaled logits, in ``promote_types(dtype, float32)`` (float32, or float64 for float64
-  inputs, so that merging blocks keeps float64 exact). Rows that see no key: ``lse = -inf`` and ``out = 0``.
-  Ring attention backpropagates through the lse, so it must carry autograd history when q, k, v do.
+  log-sum-exp of the scaled (and biased) logits, in ``promote_types(dtype, float32)`` (float32, or float64 for
+  float64 inputs, so that merging blocks keeps float64 exact). Rows that see no key: ``lse = -inf``, ``out = 0``.
+  Ring attention backpropagates through the lse, so it carries autograd history when q, k, v do.
 
-Options beyond the protocol (``causal``, ``window``, ``mask``, ``scale``) are keyword arguments; bind them with
-``functools.partial(sdpa_attention, causal=True)``.
+Options beyond the protocol (``causal``, ``window``, ``mask``, ``alibi_slopes``, ``scale``) are keyword arguments;
+bind them with ``functools.partial(sdpa_attention, causal=True)``.
 
-- :func:`sdpa_attention`: PyTorch ``scaled_dot_product_attention``; with ``return_lse`` an explicit softmax in
-  ``promote_types(dtype, float32)`` (the readable oracle; SDPA's fused CPU op returns a log-sum-exp without a
-  gradient).
+- :func:`sdpa_attention`: PyTorch ``scaled_dot_product_attention``; with ``return_lse`` or ALiBi an explicit
+  softmax in ``promote_types(dtype, float32)`` (the readable oracle; SDPA's fused CPU op returns a log-sum-exp
+  without a gradient). Aligned pure causal attention builds no mask (SDPA's causal kernel).
 - :func:`flex_attention`: FlexAttention with a block mask (causal, sliding window, documents). Its backward is
   not implemented on the CPU (PyTorch raises ``NotImplementedError``); use it for GPU training or CPU inference.
 - :func:`flash_attention`: flash-attn's ``flash_attn_func`` when importable (GPU, fp16/bf16).
+
+Threshold-based mask generation (:func:`attention_mask`): DeepSpeed4Science's GenSLM work builds attention masks
+on the accelerator up to a sequence-length threshold (16K on an A100-40GB) and on the CPU above it, then moves
+them. ds4sci's rule (its own; upstream Megatron-DeepSpeed has none): a boolean ``S x S`` mask may use at most
+1/160 of the device's memory, ``threshold = floor(sqrt(total_device_bytes / 160))``, exactly 16,384 for 40 GiB; on
+the CPU there is no threshold. Masks are written row-chunk by row-chunk into one preallocated boolean tensor, so
+peak memory stays near one mask (``torch.tril(torch.ones(S, S))`` needs a float ``S x S`` and a copy: 5x that).
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-__all__ = ["attention_mask", "sdpa_attention", "flex_attention", "flash_attention", "flash_causal_mode"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PAD_DOC_ID",
+    "threshold_for_memory",
+    "mask_threshold",
+    "attention_mask",
+    "sdpa_attention",
+    "flex_attention",
+    "flash_attention",
+    "flash_causal_mode",
+]
+
+PAD_DOC_ID = -1
+"""Document id of padding positions: real document ids are >= 0, so no real query sees a padding key."""
+
+MASK_MEMORY_FRACTION = 160  # a mask may use 1/160 of device memory: 16K on a 40 GiB A100
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc, k_doc) -> None:
+def threshold_for_memory(total_bytes: int) -> int:
+    """The rule: the longest S whose boolean S x S mask fits in 1/160 of ``total_bytes``."""
+    return math.isqrt(total_bytes // MASK_MEMORY_FRACTION)
+
+
+def mask_threshold(device: torch.device | str) -> int | None:
+    """Longest key length whose mask is built on ``device`` (None: no limit, e.g. on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return threshold_for_memory(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, q_doc: Tensor | None, k_doc: Tensor | None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"expected q [B, Sq, H, D], k and v [B, Sk, Hkv, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
@@ -46,12 +86,19 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc, k_doc) 
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
+    _check_docs(q_doc, k_doc, q.shape[1], k.shape[1], q.shape[0])
+
+
+def _check_docs(q_doc: Tensor | None, k_doc: Tensor | None, q_len: int, k_len: int, batch: int | None = None) -> None:
     if (q_doc is None) != (k_doc is None):
         raise ValueError("pass both q_doc and k_doc, or neither")
-    if q_doc is not None and (tuple(q_doc.shape) != tuple(q.shape[:2]) or tuple(k_doc.shape) != tuple(k.shape[:2])):
+    if q_doc is None:
+        return
+    batch = q_doc.shape[0] if batch is None else batch
+    if tuple(q_doc.shape) != (batch, q_len) or tuple(k_doc.shape) != (batch, k_len):
         raise ValueError(
-            f"q_doc {tuple(q_doc.shape)} / k_doc {tuple(k_doc.shape)} must be [B, Sq] = {tuple(q.shape[:2])} / "
-            f"[B, Sk] = {tuple(k.shape[:2])}"
+            f"q_doc {tuple(q_doc.shape)} / k_doc {tuple(k_doc.shape)} must be [B, Sq] = {(batch, q_len)} / "
+            f"[B, Sk] = {(batch, k_len)}"
         )
 
 
@@ -63,39 +110,34 @@ def attention_mask(
     k_offset: int = 0,
     head_offset: int = 0,
     num_heads: int = 1,
-    q_doc: torch.Tensor | None = None,
-    k_doc: torch.Tensor | None = None,
+    q_doc: Tensor | None = None,
+    k_doc: Tensor | None = None,
     causal: bool = False,
     window: int | None = None,
-    mask: torch.Tensor | None = None,
-    device: torch.device | str | None = None,
-) -> torch.Tensor | None:
+    mask: Tensor | None = None,
+    device: torch.device | str = "cpu",
+    threshold: int | None | str = "auto",
+    chunk_rows: int = 1024,
+) -> Tensor | None:
     """Boolean visibility (True = attend) of a block, evaluated on global indices; ``None`` if all visible.
 
     Query ``i = q_offset + a`` sees key ``j = k_offset + b`` iff all of: ``j <= i`` (causal); ``i - j < window``
     (and ``j - i < window`` without causal: a symmetric band); same document id; ``mask[..., i, j]``.
 
     Args:
+        q_doc, k_doc: document ids ``[B, q_len]`` / ``[B, k_len]``.
         mask: explicit global mask ``[S, S]`` or ``[B|1, H_total|1, S, S]`` on global indices; the block and
             heads ``head_offset .. head_offset+num_heads-1`` are sliced from it.
+        device: where the mask is used. It is built there when ``k_len <= threshold`` and on the CPU (then moved)
+            above it; ``threshold="auto"`` uses :func:`mask_threshold`, ``None`` means no limit.
+        chunk_rows: query rows written per step (bounds the temporaries to ``chunk_rows x k_len``).
     Returns:
-        ``[B|1, H|1, q_len, k_len]`` bool, or ``None``.
+        ``[B|1, H|1, q_len, k_len]`` bool on ``device``, or ``None``.
     """
     if window is not None and window < 1:
         raise ValueError(f"window={window} must be >= 1")
-    out: torch.Tensor | None = None
-    if causal or window is not None:
-        qi = torch.arange(q_offset, q_offset + q_len, device=device)[:, None]  # [Sq, 1] global query index
-        kj = torch.arange(k_offset, k_offset + k_len, device=device)[None, :]  # [1, Sk] global key index
-        band = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-        if causal:
-            band &= kj <= qi
-        if window is not None:
-            band &= (qi - kj < window) & (kj - qi < window)
-        out = band[None, None]  # [1, 1, Sq, Sk]
-    if q_doc is not None:
-        same = q_doc[:, None, :, None] == k_doc[:, None, None, :]  # [B, 1, Sq, Sk]
-        out = same if out is None else out & same
+    _check_docs(q_doc, k_doc, q_len, k_len)
+    block = None
     if mask is not None:
         if mask.dtype != torch.bool or mask.dim() not in (2, 4):
             raise ValueError(f"mask must be bool [S, S] or [B|1, H|1, S, S]; got {mask.dtype} {tuple(mask.shape)}")
@@ -104,18 +146,44 @@ def attention_mask(
                 f"mask {tuple(mask.shape)} does not cover queries [{q_offset}, {q_offset + q_len}) and keys "
                 f"[{k_offset}, {k_offset + k_len})"
             )
-        block = mask[..., q_offset : q_offset + q_len, k_offset : k_offset + k_len].to(device)
+        block = mask[..., q_offset : q_offset + q_len, k_offset : k_offset + k_len]
         if block.dim() == 2:
             block = block[None, None]  # [1, 1, Sq, Sk]
         elif block.shape[1] != 1:
             if block.shape[1] < head_offset + num_heads:
                 raise ValueError(f"mask {tuple(mask.shape)} has no heads [{head_offset}, {head_offset + num_heads})")
             block = block[:, head_offset : head_offset + num_heads]  # [B|1, H, Sq, Sk]
-        out = block if out is None else out & block
-    return out
+    if not causal and window is None and q_doc is None and block is None:
+        return None
+    device = torch.device(device)
+    threshold = mask_threshold(device) if threshold == "auto" else threshold
+    build_on = device if threshold is None or k_len <= threshold else torch.device("cpu")
+    if build_on != device:
+        logger.debug("building a %dx%d mask on the CPU (threshold %s), then moving it to %s", q_len, k_len,
+                     threshold, device)
+    batch = max(q_doc.shape[0] if q_doc is not None else 1, block.shape[0] if block is not None else 1)
+    heads = block.shape[1] if block is not None else 1
+    out = torch.empty(batch, heads, q_len, k_len, dtype=torch.bool, device=build_on)
+    kj = torch.arange(k_offset, k_offset + k_len, device=build_on)[None, :]  # [1, Sk] global key index
+    if q_doc is not None:
+        q_doc, k_doc = q_doc.to(build_on), k_doc.to(build_on)
+    for r0 in range(0, q_len, chunk_rows):
+        r1 = min(q_len, r0 + chunk_rows)
+        rows = out[:, :, r0:r1]  # [B|1, H|1, rows, Sk]
+        rows.fill_(True)
+        qi = torch.arange(q_offset + r0, q_offset + r1, device=build_on)[:, None]  # [rows, 1] global query index
+        if causal:
+            rows &= kj <= qi
+        if window is not None:
+            rows &= (qi - kj < window) & (kj - qi < window)
+        if q_doc is not None:
+            rows &= (q_doc[:, r0:r1, None] == k_doc[:, None, :])[:, None]  # [B, 1, rows, Sk]
+        if block is not None:
+            rows &= block[:, :, r0:r1].to(build_on)
+    return out.to(device)
 
 
-def _empty_result(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
+def _empty_result(q: Tensor, v: Tensor, return_lse: bool):
     B, Sq, H, _ = q.shape
     out = q.new_zeros(B, Sq, H, v.shape[-1])
     if not return_lse:
@@ -125,39 +193,54 @@ def _empty_result(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
 
 
 def sdpa_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     *,
     q_offset: int = 0,
     k_offset: int = 0,
     head_offset: int = 0,
-    q_doc: torch.Tensor | None = None,
-    k_doc: torch.Tensor | None = None,
+    q_doc: Tensor | None = None,
+    k_doc: Tensor | None = None,
     return_lse: bool = False,
     causal: bool = False,
     window: int | None = None,
-    mask: torch.Tensor | None = None,
+    mask: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
     scale: float | None = None,
 ):
-    """Softmax attention ``softmax(q k^T * scale + mask) v`` (Vaswani et al. 2017) on one block.
+    """Softmax attention ``softmax(q k^T * scale - slope * |i - j| + mask) v`` (Vaswani et al. 2017) on one block.
 
     q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` -> out ``[B, Sq, H, D]`` (and lse ``[B, H, Sq]``); see the
     module docstring for the protocol and :func:`attention_mask` for ``causal``, ``window`` and ``mask``.
-    ``scale`` defaults to ``1/sqrt(D)``. A block no query of which sees any key returns zeros without computing
-    (ring attention relies on this to skip the blocks causal masking empties).
+
+    Args:
+        alibi_slopes: ``[H_total]`` ALiBi slopes of every global head (Press et al. 2022, "Train Short, Test
+            Long"); local head ``h`` uses ``alibi_slopes[head_offset + h]`` and the bias ``-slope * |i - j|`` on
+            global indices, so sequence-parallel blocks see the same bias as one device.
+        scale: defaults to ``1/sqrt(D)``.
+
+    A block no query of which sees any key returns zeros without computing (ring attention relies on this to skip
+    the blocks causal masking empties).
     """
     _check_qkv(q, k, v, q_doc, k_doc)
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if alibi_slopes is not None and alibi_slopes.numel() < head_offset + H:
+        raise ValueError(f"head_offset={head_offset} + {H} local heads exceeds the {alibi_slopes.numel()} ALiBi slopes")
     if causal and k_offset > q_offset + Sq - 1:  # every key is in every query's future
         return _empty_result(q, v, return_lse)
-    visible = attention_mask(
-        Sq, Sk, q_offset=q_offset, k_offset=k_offset, head_offset=head_offset, num_heads=H, q_doc=q_doc,
-        k_doc=k_doc, causal=causal, window=window, mask=mask, device=q.device,
-    )
-    row_any = None
+    explicit = return_lse or alibi_slopes is not None
+    # Aligned pure causal attention without the lse: SDPA's causal kernel, no mask tensor at all.
+    causal_kernel = (causal and not explicit and window is None and q_doc is None and mask is None
+                     and q_offset == k_offset and Sq == Sk)
+    visible = row_any = None
+    if not causal_kernel:
+        visible = attention_mask(
+            Sq, Sk, q_offset=q_offset, k_offset=k_offset, head_offset=head_offset, num_heads=H, q_doc=q_doc,
+            k_doc=k_doc, causal=causal, window=window, mask=mask, device=q.device,
+        )
     if visible is not None:
         if not visible.any():
             return _empty_result(q, v, return_lse)
@@ -165,14 +248,10 @@ def sdpa_attention(
         # Rows that see no key attend to everything (finite, NaN-free gradients), then are zeroed.
         visible = visible | ~row_any
 
-    if not return_lse:
-        # The aligned causal block (every row sees its diagonal) takes SDPA's is_causal kernel.
-        causal_kernel = causal and visible is not None and window is None and q_doc is None and mask is None
-        causal_kernel = causal_kernel and q_offset == k_offset and Sq == Sk
+    if not explicit:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H|Hkv, S, D]
-            attn_mask=None if causal_kernel else visible, is_causal=causal_kernel, scale=scale,
-            enable_gqa=Hkv != H,
+            attn_mask=visible, is_causal=causal_kernel, scale=scale, enable_gqa=Hkv != H,
         )  # [B, H, Sq, D]
         if row_any is not None:
             out = out.masked_fill(~row_any, 0.0)
@@ -183,6 +262,11 @@ def sdpa_attention(
     kf = k.to(ct).repeat_interleave(H // Hkv, dim=2).transpose(1, 2)  # [B, H, Sk, D]
     vf = v.to(ct).repeat_interleave(H // Hkv, dim=2).transpose(1, 2)  # [B, H, Sk, D]
     logits = (qf @ kf.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
+    if alibi_slopes is not None:
+        qi = torch.arange(q_offset, q_offset + Sq, device=q.device)[:, None]  # [Sq, 1] global query index
+        kj = torch.arange(k_offset, k_offset + Sk, device=q.device)[None, :]  # [1, Sk] global key index
+        slopes = alibi_slopes[head_offset : head_offset + H].to(device=q.device, dtype=ct)  # [H]
+        logits = logits - slopes[:, None, None] * (qi - kj).abs().to(ct)  # [B, H, Sq, Sk]
     if visible is not None:
         logits = logits.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(logits, dim=-1)  # [B, H, Sq]
@@ -190,7 +274,8 @@ def sdpa_attention(
     if row_any is not None:
         out = out.masked_fill(~row_any, 0.0)
         lse = lse.masked_fill(~row_any.squeeze(-1), -math.inf)
-    return out.transpose(1, 2).to(q.dtype), lse  # [B, Sq, H, D], [B, H, Sq]
+    out = out.transpose(1, 2).to(q.dtype)  # [B, Sq, H, D]
+    return (out, lse) if return_lse else out
 
 
 def flex_attention(
