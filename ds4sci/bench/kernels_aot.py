@@ -13,18 +13,34 @@ runs ptxas with ``-v`` and prints its log under ``TRITON_DUMP_PTXAS_LOG=1``, whi
 itself uses for each target (the wheel's ``ptxas`` for sm_80, its ``ptxas-blackwell`` for sm_90a, with Triton's
 ``--regAllocOptLevel=2``), i.e. what a launch on that GPU would load.
 
-The signature, constexprs and divisibility attributes come from the kernel launchers themselves
-(``fwd_launch`` / ``bwd_launches``) applied to small CPU tensors of a representative shape, passed through Triton's
-own argument specialisation (``native_specialize_impl``, what ``JITFunction.run`` calls), so the gate compiles what a
-launch on contiguous inputs of that shape would compile: S = 256 (a multiple of 16, like the residue crops), D equal
-to ``BLOCK_D``, 16-byte aligned pointers, unit head-dim strides.
+Two sets of launches are compiled (``--set``):
+
+- ``shipped``: every (dtype, ``BLOCK_D``, kernel, flags) the tile table and the launchers can produce, each for one
+  representative launch on contiguous inputs (Z = 1, N = 2, S = 256, H = 8, D = ``BLOCK_D``, biases in q's dtype):
+  the shared-memory and spill gate of the tile table.
+- ``callers``: the launches OpenFold and OpenFold3 make (:data:`CALLERS`). Triton specialises every integer argument
+  on ``== 1`` (a compile-time constant) and on divisibility by 16, every pointer on its dtype and 16-byte alignment,
+  so D = 8 or 24, S not a multiple of 16, N = 1, the pair bias as OpenFold's permuted view of ``z [*, S, S, H]``
+  (non-unit last stride) and an fp32 mask bias beside bf16 q are each different compiled code from the
+  representative launch. Launches that specialise identically are compiled once.
+
+Launch arguments are never listed here. For each call, small CPU tensors with the caller's shapes, strides and dtypes
+go through the public path (``evoformer_attention``, or OpenFold's adapter for OpenFold's calls) forward and backward
+with every Triton launch recorded instead of run (:func:`record_launches`); the recorded (kernel, arguments, keywords)
+then pass through Triton's own argument specialisation (``native_specialize_impl``, what ``JITFunction.run`` calls).
+So the signatures follow whatever the launchers pass (new arguments, a max and a sum saved instead of a log-sum-exp).
+
+Every compiled kernel's PTX is also checked for the exponent property of issue #12 (:func:`unsafe_exponents`): each
+``ex2.approx`` must take a scaled difference ``(s - m) * log2 e``, never a fused multiply-add ``fma(s, log2 e, -b)``
+whose addend is a separately scaled maximum (the GPU contracts ``s*LOG2E - m*LOG2E`` into that form, and for
+m near -1e9 the rounding error of ``m*LOG2E``, up to 64, becomes the exponent; the interpreter never shows it).
 
 Compilation runs in worker processes started with ``TRITON_INTERPRET`` removed from their environment (under the
 interpreter ``@triton.jit`` returns interpreted functions, which cannot be compiled), so this also works from a
 process, such as the test suite, that runs the kernels under the interpreter.
 
 Writes ``kernels_aot.json`` and ``kernels_aot.md`` to ``--out``; returns non-zero when a variant fails to compile,
-exceeds the target's shared memory or spills.
+exceeds the target's shared memory, spills or computes an exponent from a fused multiply-add.
 """
 from __future__ import annotations
 
@@ -33,7 +49,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import io
-import json
 import logging
 import multiprocessing
 import os
@@ -57,9 +72,65 @@ KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dpair")
 REPRESENTATIVE = {"Z": 1, "N": 2, "S": 256, "H": 8}
 
 
+_TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One attention call as a caller makes it: shapes, dtypes and the layout of each tensor (Z = 1).
+
+    ``pair``: ``"contiguous"`` ``[Z, 1, H, S, S]``; ``"start"`` / ``"end"``: OpenFold's pair or triangle bias, a
+    contiguous ``linear(z) [Z, S, S, H]`` permuted to ``[Z, 1, H, S, S]`` (``permute_final_dims`` (2, 0, 1) or, for
+    the transposed bias, (2, 1, 0)), so the head dim has stride 1 and the key dim stride H or S*H.
+    ``openfold``: q, k, v as OpenFold's ``Attention._prep_qkv`` makes them (``linear(x) [*, Q, H*C]`` viewed as
+    ``[*, H, Q, C]``), passed through OpenFold's adapter (``ds4sci.integrations.openfold``); otherwise
+    DeepSpeed4Science's layout ``[Z, N, S, H, D]`` contiguous, through ``evoformer_attention``.
+    """
+
+    name: str
+    dtype: str
+    n: int
+    s: int
+    h: int
+    d: int
+    mask: Optional[str] = None  # mask-bias dtype; None: no mask bias
+    pair: Optional[str] = None  # pair-bias layout (see above); None: no pair bias
+    pair_dtype: Optional[str] = None  # default: q's dtype
+    mask_grad: bool = False
+    pair_grad: bool = False
+    openfold: bool = False
+
+
+#: The launches OpenFold (AlphaFold2 configs) and OpenFold3 (``of3_all_atom`` model config) make through
+#: ``use_deepspeed_evo_attention``. Sizes are small (only the compiled code matters) but keep what Triton specialises
+#: on in real runs: divisibility of S, N and every stride by 16, ``== 1``, dtypes. Under autocast the mask bias
+#: (``1e9 * (mask - 1)`` from the fp32 feature mask) stays fp32 while q, k, v and the pair bias are bf16.
+CALLERS: tuple[Call, ...] = (
+    Call("msa-row", "bf16", n=4, s=64, h=8, d=32, mask="fp32", pair="start", pair_grad=True, openfold=True),
+    Call("msa-row S odd", "bf16", n=4, s=37, h=8, d=32, mask="fp32", pair="start", pair_grad=True, openfold=True),
+    Call("msa-row N=1", "bf16", n=1, s=48, h=8, d=32, mask="fp32", pair="start", pair_grad=True, openfold=True),
+    Call("msa-row fp32", "fp32", n=4, s=37, h=8, d=32, mask="fp32", pair="start", pair_grad=True, openfold=True),
+    Call("extra-msa-row D=8", "bf16", n=16, s=64, h=8, d=8, mask="fp32", pair="start", pair_grad=True, openfold=True),
+    Call("extra-msa-row D=8 S odd", "fp16", n=16, s=37, h=8, d=8, mask="fp32", pair="start", pair_grad=True,
+         openfold=True),
+    Call("msa-column", "bf16", n=37, s=33, h=8, d=32, mask="fp32", openfold=True),
+    Call("triangle-start", "bf16", n=48, s=48, h=4, d=32, mask="fp32", pair="start", pair_grad=True, openfold=True),
+    Call("triangle-end", "bf16", n=48, s=48, h=4, d=32, mask="fp32", pair="end", pair_grad=True, openfold=True),
+    Call("triangle D=64 fp32", "fp32", n=40, s=40, h=4, d=64, mask="fp32", pair="start", pair_grad=True,
+         openfold=True),
+    Call("template-triangle D=16", "bf16", n=37, s=37, h=4, d=16, mask="fp32", pair="start", pair_grad=True,
+         openfold=True),
+    Call("pair-bias N=1 D=24", "bf16", n=1, s=37, h=16, d=24, mask="fp32", pair="start", pair_grad=True,
+         openfold=True),
+    Call("ds4sci layout fp16 biases with grads", "fp16", n=2, s=37, h=8, d=24, mask="fp16", pair="contiguous",
+         mask_grad=True, pair_grad=True),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One compiled specialisation: a kernel, a table entry (dtype, BLOCK_D) and its bias flags."""
+    """One compiled specialisation: a kernel, a table entry (dtype, BLOCK_D) and its bias flags, launched by ``call``
+    (None: the representative launch of ``shipped`` variants)."""
 
     kernel: str
     dtype: str
@@ -67,11 +138,26 @@ class Variant:
     has_mask: bool
     has_pair: bool
     mask_grad: bool = False
+    call: Optional[Call] = None
 
     @property
     def flags(self) -> str:
         names = [n for n, on in (("mask", self.has_mask), ("pair", self.has_pair), ("mask_grad", self.mask_grad)) if on]
         return "+".join(names) or "-"
+
+    @property
+    def case(self) -> str:
+        return self.call.name if self.call is not None else "representative"
+
+    def as_call(self) -> Call:
+        """The call that launches this variant: ``call``, or the representative launch with these flags."""
+        if self.call is not None:
+            return self.call
+        z, n, s, h = (REPRESENTATIVE[k] for k in ("Z", "N", "S", "H"))
+        assert z == 1
+        return Call("representative", self.dtype, n=n, s=s, h=h, d=self.block_d,
+                    mask=self.dtype if self.has_mask else None, pair="contiguous" if self.has_pair else None,
+                    mask_grad=self.mask_grad, pair_grad=self.kernel == "bwd_dpair")
 
 
 def shipped_variants(
@@ -101,34 +187,121 @@ def shipped_variants(
     return out
 
 
-def _launch(variant: Variant):
-    """(jit kernel, positional args, constexpr and launch kwargs) from the real launchers on CPU tensors."""
+# ----------------------------------------------------------------------------------------------------------
+# Launches, recorded from the public path
+# ----------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list]:
+    """Record every Triton kernel launch as (kernel, positional args, keyword args) instead of running it.
+
+    Patches ``run`` of Triton's JIT and interpreted functions (``kernel[grid](...)`` calls it) for the duration; the
+    outputs the launches would have written stay uninitialised.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launches: list = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        del grid, warmup
+        launches.append((self, args, kwargs))
+
+    saved = [(cls, cls.__dict__["run"]) for cls in (JITFunction, InterpretedFunction)]
+    for cls, _ in saved:
+        cls.run = run
+    try:
+        yield launches
+    finally:
+        for cls, original in saved:
+            cls.run = original
+
+
+@contextlib.contextmanager
+def _triton_backend_on_cpu() -> Iterator[None]:
+    """Let the public function take the triton backend on CPU tensors (it asks for ``TRITON_INTERPRET=1``).
+
+    The kernels were defined when the backend was imported (before this), so they stay what they were (JIT functions
+    in the compile workers); with :func:`record_launches` active nothing runs.
+    """
+    from ds4sci.kernels import triton_evoformer  # noqa: F401  (defines the kernels before the variable is set)
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def call_launches(call: Call) -> list[tuple]:
+    """[(kernel, args, kwargs)] of every Triton launch of ``call``'s forward and backward, in launch order."""
     import torch
 
-    from ds4sci.kernels import triton_evoformer as te
+    from ds4sci.kernels import evoformer_attention
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[variant.dtype]
-    z, n, s, h = (REPRESENTATIVE[k] for k in ("Z", "N", "S", "H"))
-    d = variant.block_d
-    q, k, v, o, do = (torch.empty(z, n, s, h, d, dtype=dtype) for _ in range(5))  # [Z, N, S, H, D]
-    mask = torch.empty(z, n, s, dtype=dtype) if variant.has_mask else None  # [Z, N, S]
-    pair = torch.empty(z, h, s, s, dtype=dtype) if variant.has_pair else None  # [Z, H, S, S]
-    lse, delta = (torch.empty(z, n, h, s) for _ in range(2))  # [Z, N, H, S] fp32
-    if variant.kernel == "fwd":
-        _, args, meta = te.fwd_launch(q, k, v, mask, pair, o, lse)
-        return te._fwd_kernel, args, meta
-    dmask_part = torch.empty(z, n, h, s) if variant.mask_grad else None
-    dpair = torch.empty(z, h, s, s) if variant.kernel == "bwd_dpair" else None
-    launches = te.bwd_launches(do, q, k, v, o, lse, mask, pair, delta, *(torch.empty_like(q) for _ in range(3)),
-                               dmask_part, dpair)
-    name = "_" + variant.kernel + "_kernel"
-    (kernel, _, args, meta), = [launch for launch in launches if launch[0].__name__ == name]
+    dtype = getattr(torch, _TORCH_DTYPES[call.dtype])
+    z, n, s, h, d = 1, call.n, call.s, call.h, call.d
+
+    def leaf(*shape, dtype=dtype, grad=True):
+        return torch.empty(shape, dtype=dtype, requires_grad=grad)
+
+    if call.openfold:  # linear(x) [Z, N, S, H*C] -> [Z, N, S, H, C] -> [Z, N, H, S, C] (OpenFold's _prep_qkv)
+        q, k, v = (leaf(z, n, s, h * d).view(z, n, s, h, d).transpose(-2, -3) for _ in range(3))
+    else:
+        q, k, v = (leaf(z, n, s, h, d) for _ in range(3))
+    biases = []
+    if call.mask is not None:  # [Z, N, 1, 1, S]
+        biases.append(leaf(z, n, s, dtype=getattr(torch, _TORCH_DTYPES[call.mask]), grad=call.mask_grad)[:, :, None, None, :])
+    if call.pair is not None:
+        pair_dtype = getattr(torch, _TORCH_DTYPES[call.pair_dtype or call.dtype])
+        if call.pair == "contiguous":
+            pair = leaf(z, 1, h, s, s, dtype=pair_dtype, grad=call.pair_grad)
+        else:  # linear(z) [Z, S, S, H] -> [Z, H, S, S] -> [Z, 1, H, S, S]
+            order = {"start": (0, 3, 1, 2), "end": (0, 3, 2, 1)}[call.pair]
+            pair = leaf(z, s, s, h, dtype=pair_dtype, grad=call.pair_grad).permute(order).unsqueeze(1)
+        biases.append(pair)
+    with record_launches() as launches, _triton_backend_on_cpu():
+        if call.openfold:
+            from ds4sci.integrations.openfold import EvoAttentionAdapter
+
+            o = EvoAttentionAdapter("triton")(q, k, v, biases)
+        else:
+            o = evoformer_attention(q, k, v, biases, backend="triton")
+        o.backward(torch.zeros_like(o))
+    return [(kernel, args, kwargs) for kernel, args, kwargs in launches]
+
+
+def kernel_name(kernel) -> str:
+    """``"fwd"``, ``"bwd_dq"``, ... from ``_fwd_kernel``, ``_bwd_dq_kernel``, ..."""
+    return kernel.__name__.removeprefix("_").removesuffix("_kernel")
+
+
+def launch_flags(name: str, meta: dict) -> tuple[bool, bool, bool]:
+    """(HAS_MASK, HAS_PAIR, MASK_GRAD) of a launch; the dpair kernel always has a pair bias."""
+    return meta.get("HAS_MASK", False), meta.get("HAS_PAIR", name == "bwd_dpair"), meta.get("MASK_GRAD", False)
+
+
+def _launch(variant: Variant):
+    """(jit kernel, positional args, constexpr and launch kwargs) of ``variant``, recorded from its call."""
+    found = [(kernel, args, meta) for kernel, args, meta in call_launches(variant.as_call())
+             if kernel_name(kernel) == variant.kernel]
+    if len(found) != 1:
+        raise RuntimeError(f"{variant.case}: {len(found)} launches of the {variant.kernel} kernel, expected 1")
+    kernel, args, meta = found[0]
+    flags = launch_flags(variant.kernel, meta)
+    if flags != (variant.has_mask, variant.has_pair, variant.mask_grad):
+        raise RuntimeError(f"{variant.case}: {variant.kernel} launched with (mask, pair, mask_grad) = {flags}, "
+                           f"expected {variant.flags}")
     return kernel, args, meta
 
 
-def _ast_source(kernel, args, meta, backend):
-    """ASTSource with the signature/constexprs/attrs Triton's JIT would derive from these arguments."""
-    import triton
+def _specialisation(kernel, args, meta, backend) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) Triton's JIT derives from these arguments."""
     from triton.runtime.jit import native_specialize_impl
 
     names = kernel.arg_names
@@ -148,7 +321,235 @@ def _ast_source(kernel, args, meta, backend):
             attrs[(names.index(name),)] = backend.parse_attr(desc)
     for name in constexprs:
         signature[name] = "constexpr"
+    return signature, constexprs, attrs, options
+
+
+def meta_names(kernel) -> set[str]:
+    """The kernel's own ``tl.constexpr`` parameters (flags and tiles), as opposed to arguments Triton specialised."""
+    return {p.name for p in kernel.params if p.is_constexpr} if hasattr(kernel, "params") else set()
+
+
+def describe_specialisation(kernel, signature: dict, constexprs: dict, attrs: dict) -> str:
+    """What Triton specialised this launch on, beyond the flags: unit and non-multiple-of-16 integer arguments,
+    pointer dtypes and unaligned pointers (e.g. ``==1: N, stride_ph; not %16: S, D, stride_pj; Mask *fp32``)."""
+    names = kernel.arg_names
+    unit = [n for n, v in constexprs.items() if not isinstance(v, bool) and v == 1 and n not in meta_names(kernel)]
+    ints = [n for n, ty in signature.items() if ty in ("i32", "i64") and (names.index(n),) not in attrs]
+    ptrs = [f"{n} {ty}" for n, ty in signature.items() if ty.startswith("*")]
+    unaligned = [n for n, ty in signature.items() if ty.startswith("*") and (names.index(n),) not in attrs]
+    parts = [f"==1: {', '.join(unit)}" if unit else "", f"not %16: {', '.join(ints)}" if ints else "",
+             f"unaligned: {', '.join(unaligned)}" if unaligned else "", ", ".join(ptrs)]
+    return "; ".join(part for part in parts if part)
+
+
+def specialisation_key(variant: Variant, kernel, args, meta, backend) -> str:
+    """Two launches with one key compile to the same code."""
+    signature, constexprs, attrs, options = _specialisation(kernel, args, meta, backend)
+    return repr((variant.kernel, sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items()),
+                 sorted(options.items())))
+
+
+def caller_variants(calls=CALLERS) -> list[Variant]:
+    """One Variant per distinct specialisation the calls launch (the first call that launches it names it)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    backend = triton.compiler.make_backend(GPUTarget("cuda", 80, 32))  # specialisation does not depend on the target
+    out, seen = [], set()
+    for call in calls:
+        for kernel, args, meta in call_launches(call):
+            name = kernel_name(kernel)
+            variant = Variant(name, call.dtype, meta["BLOCK_D"], *launch_flags(name, meta), call=call)
+            key = specialisation_key(variant, kernel, args, meta, backend)
+            if key not in seen:
+                seen.add(key)
+                out.append(variant)
+    return out
+
+
+def _ast_source(kernel, args, meta, backend):
+    """ASTSource with the signature/constexprs/attrs Triton's JIT would derive from these arguments, and the
+    compile options."""
+    import triton
+
+    signature, constexprs, attrs, options = _specialisation(kernel, args, meta, backend)
     return triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), options
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PTX check: what feeds each ex2.approx (issue #12)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxInstruction:
+    line: int  # 1-based line of the PTX text
+    opcode: str  # e.g. "fma.rn.f32"
+    operands: tuple[str, ...]  # destination first; a vector "{%r1, %r2}" stays one operand
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.opcode} {', '.join(self.operands)}"
+
+
+_PTX_REGISTER = re.compile(r"%[A-Za-z_$][\w$]*")
+#: opcodes whose first operand is not a register they define
+_PTX_NO_DEST = ("st.", "red.", "bra", "bar.", "ret", "exit", "call", "cp.async", "prefetch", "fence", "membar",
+                "trap", "wgmma.fence", "wgmma.commit", "wgmma.wait")
+#: copies and conversions: a value's origin is their source operand
+_PTX_TRANSPARENT = ("mov.", "cvt.")
+
+
+def parse_ptx(ptx: str) -> list[PtxInstruction]:
+    """The instructions of a PTX text (directives, labels, braces and comments skipped; predicates dropped)."""
+    out = []
+    for number, raw in enumerate(ptx.splitlines(), start=1):
+        line = raw.split("//", 1)[0].strip()
+        while line.startswith("$") and ":" in line:  # a label before an instruction
+            line = line.split(":", 1)[1].strip()
+        if not line or line.startswith((".", "{", "}", "(", ")")) or not line.endswith(";"):
+            continue
+        line = line[:-1].strip()
+        if line.startswith("@"):  # @%p1 / @!%p1 predicate
+            line = line.split(None, 1)[1] if " " in line else ""
+        opcode, _, rest = line.partition(" ")
+        if not opcode or not opcode[0].isalpha():
+            continue
+        operands, depth, current = [], 0, ""
+        for ch in rest:  # split on top-level commas (vectors "{a, b}" and addresses "[a + 4]" stay whole)
+            depth += (ch in "{[") - (ch in "}]")
+            if ch == "," and depth == 0:
+                operands.append(current.strip())
+                current = ""
+            else:
+                current += ch
+        if current.strip():
+            operands.append(current.strip())
+        out.append(PtxInstruction(number, opcode, tuple(operands)))
+    return out
+
+
+def _is_zero_immediate(operand: str) -> bool:
+    return operand in ("0f00000000", "0f80000000", "0d0000000000000000", "0d8000000000000000", "0", "0.0")
+
+
+def _is_register(operand: str) -> bool:
+    return bool(_PTX_REGISTER.fullmatch(operand))
+
+
+class _PtxValues:
+    """Definitions of PTX registers, to trace where a value comes from (a register may be defined several times:
+    loop-carried values are moved into the same register at the loop's end)."""
+
+    def __init__(self, instructions: list[PtxInstruction]):
+        self.defs: dict[str, list[PtxInstruction]] = {}
+        for inst in instructions:
+            if not inst.operands or inst.opcode.startswith(_PTX_NO_DEST):
+                continue
+            for reg in _PTX_REGISTER.findall(inst.operands[0]) if inst.operands[0].startswith("{") else \
+                    [inst.operands[0]] if _is_register(inst.operands[0]) else []:
+                self.defs.setdefault(reg, []).append(inst)
+
+    def origins(self, operand: str, _seen: Optional[set] = None) -> list:
+        """The instructions (or immediates, as strings) a value comes from, looking through moves, conversions and
+        selects (both selected values). Registers without a definition (kernel parameters) come back as names."""
+        if not _is_register(operand):
+            return [operand]
+        seen = set() if _seen is None else _seen
+        if operand in seen:
+            return []
+        seen.add(operand)
+        out: list = []
+        for inst in self.defs.get(operand, []) or [operand]:
+            if isinstance(inst, str):
+                out.append(inst)
+            elif inst.opcode.startswith(_PTX_TRANSPARENT) and len(inst.operands) == 2:
+                out += self.origins(inst.operands[1], seen)
+            elif inst.opcode.startswith("selp.") and len(inst.operands) == 4:
+                out += self.origins(inst.operands[1], seen) + self.origins(inst.operands[2], seen)
+            else:
+                out.append(inst)
+        return out
+
+    def is_difference(self, operand: str) -> bool:
+        """Whether every origin of the value is a subtraction of two registers (``x - y``, or ``x + neg(y)``)."""
+        origins = self.origins(operand)
+        return bool(origins) and all(self._difference(o) for o in origins)
+
+    def _difference(self, origin) -> bool:
+        if not isinstance(origin, PtxInstruction) or len(origin.operands) != 3:
+            return False
+        a, b = origin.operands[1:]
+        if origin.opcode.startswith("sub.f"):
+            return _is_register(a) and _is_register(b)
+        if origin.opcode.startswith("add.f"):
+            return any(isinstance(o, PtxInstruction) and o.opcode.startswith("neg.f")
+                       for x in (a, b) for o in self.origins(x))
+        return False
+
+    def from_fma(self, operand: str) -> bool:
+        return any(isinstance(o, PtxInstruction) and o.opcode.startswith("fma.") for o in self.origins(operand))
+
+    def describe(self, operand: str, depth: int = 4) -> str:
+        """A value as a short expression, e.g. ``neg(selp(0f00000000, mul(max(...), 0f3FB8AA3B)))``."""
+        if not _is_register(operand) or depth == 0:
+            return operand if _is_register(operand) or depth else "..."
+        insts = self.defs.get(operand, [])
+        if len(insts) != 1:
+            return operand
+        inst = insts[0]
+        op = inst.opcode.split(".")[0]
+        return f"{op}({', '.join(self.describe(x, depth - 1) for x in inst.operands[1:])})"
+
+
+def unsafe_exponents(ptx: str) -> tuple[int, list[str]]:
+    """(number of ``ex2`` instructions, one message per ``ex2`` whose argument is not a scaled difference).
+
+    The rule (issue #12): after moves, conversions and selects, every ``ex2`` argument must be
+
+    - a product ``mul(x, c)`` (or ``fma(x, c, 0)``) with a factor that is a difference of two registers
+      (``(s - m) * log2 e``: exact where s == m, whatever the compiler fuses), or
+    - a difference of two registers neither of which comes from an ``fma`` (already scaled separately), or
+    - an immediate.
+
+    Anything else is flagged, in particular ``fma(s, log2 e, b)`` with a register addend: ``s*LOG2E - m*LOG2E``
+    contracted by the compiler into one fused multiply-add whose addend ``b = -round(m*LOG2E)`` carries the rounding
+    error of the scaled maximum into the exponent.
+    """
+    instructions = parse_ptx(ptx)
+    values = _PtxValues(instructions)
+    exps = [inst for inst in instructions if inst.opcode.startswith("ex2.")]
+    problems = []
+    for ex2 in exps:
+        for origin in values.origins(ex2.operands[1]):
+            why = _exponent_problem(values, origin)
+            if why:
+                problems.append(f"{ex2}: argument {why}")
+    return len(exps), problems
+
+
+def _exponent_problem(values: _PtxValues, origin) -> str:
+    """Why an ex2 argument's origin is unsafe, or "" if it is a scaled difference."""
+    if not isinstance(origin, PtxInstruction):
+        return "" if not _is_register(origin) else f"is the parameter {origin}, not a scaled difference"
+    op, operands = origin.opcode, origin.operands
+    if op.startswith("fma.") and len(operands) == 4:
+        a, b, c = operands[1:]
+        if not _is_zero_immediate(c):
+            return (f"comes from a fused multiply-add ({origin}) with addend {c} = {values.describe(c)}: "
+                    f"the scale is applied before the subtraction")
+        if values.is_difference(a) or values.is_difference(b):
+            return ""
+        return f"comes from {origin}, a product of no difference"
+    if op.startswith("mul.f") and len(operands) == 3:
+        if values.is_difference(operands[1]) or values.is_difference(operands[2]):
+            return ""
+        return f"comes from {origin}, a product of no difference (x - max)"
+    if values._difference(origin):
+        fused = [x for x in operands[1:] if values.from_fma(x)]
+        if not fused:
+            return ""
+        return f"comes from {origin}, a difference with an operand from a fused multiply-add ({', '.join(fused)})"
+    return f"comes from {origin}, not a scaled difference"
 
 
 _PTXAS_LOG_RE = {
@@ -184,31 +585,39 @@ def ptxas_versions() -> dict[str, str]:
 
 
 def compile_variant(variant: Variant, capability: int) -> dict:
-    """Compile one variant for one target; a record of its tiles and resource usage (or its error)."""
+    """Compile one variant for one target; a record of its tiles, resource usage and exponents (or its error)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     gpu_name, smem_limit = TARGETS[capability]
-    record = dataclasses.asdict(variant) | {"flags": variant.flags, "target": gpu_name, "smem_limit": smem_limit}
+    record = {key: value for key, value in dataclasses.asdict(variant).items() if key != "call"}
+    record |= {"case": variant.case, "call": dataclasses.asdict(variant.call) if variant.call else None,
+               "flags": variant.flags, "target": gpu_name, "smem_limit": smem_limit}
     start = time.perf_counter()
     try:
         kernel, args, meta = _launch(variant)
         record |= {key: meta[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages", "maxnreg")
                    if key in meta}
         target = GPUTarget("cuda", capability, 32)
-        src, options = _ast_source(kernel, args, meta, triton.compiler.make_backend(target))
+        backend = triton.compiler.make_backend(target)
+        signature, constexprs, attrs, _ = _specialisation(kernel, args, meta, backend)
+        record["specialisation"] = describe_specialisation(kernel, signature, constexprs, attrs)
+        src, options = _ast_source(kernel, args, meta, backend)
         with contextlib.redirect_stdout(io.StringIO()) as log:  # Triton prints ptxas's -v log here
             compiled = triton.compile(src, target=target, options=options)
         record["shared_bytes"] = int(compiled.metadata.shared)
         record |= _ptxas_usage(log.getvalue())
+        record["ex2"], record["unsafe_ex2"] = unsafe_exponents(compiled.asm["ptx"])
         record["error"] = None
     except Exception as err:  # recorded and reported; the gate fails on any error
         record["error"] = f"{type(err).__name__}: {err}"
     record["compile_s"] = round(time.perf_counter() - start, 2)
-    record["ok"] = (
+    record["resources_ok"] = (
         record["error"] is None and record["shared_bytes"] <= smem_limit
         and record["spill_stores"] == 0 and record["spill_loads"] == 0
     )
+    record["exponents_ok"] = record["error"] is None and not record["unsafe_ex2"]
+    record["ok"] = record["resources_ok"] and record["exponents_ok"]
     return record
 
 
@@ -241,56 +650,89 @@ def compile_all(variants: list[Variant], capabilities=(80, 90), jobs: int = 1) -
 
 def _markdown(report: dict) -> str:
     rep = report["representative"]
+    names = [name for name, _ in TARGETS.values()]
     lines = [
         "# Triton Evoformer kernels compiled ahead of time",
         "",
         f"Triton {report['triton_version']}; registers and spills from the `ptxas -v` log of Triton's own compile "
         f"({'; '.join(f'{k}: {v}' for k, v in report['ptxas'].items())}); "
-        f"representative launch Z={rep['Z']}, N={rep['N']}, S={rep['S']}, H={rep['H']}, D=BLOCK_D. Shared memory is "
-        f"Triton's dynamic request (limits: {', '.join(f'{n} {lim} B' for n, lim in TARGETS.values())}).",
+        f"`representative`: launch Z={rep['Z']}, N={rep['N']}, S={rep['S']}, H={rep['H']}, D=BLOCK_D, contiguous, "
+        "biases in q's dtype; other cases: OpenFold's and OpenFold3's calls, each distinct specialisation once. "
+        f"Shared memory is Triton's dynamic request (limits: {', '.join(f'{n} {lim} B' for n, lim in TARGETS.values())}). "
+        "`unsafe ex2`: exponents (of all `ex2` in the PTX) computed from a fused multiply-add of a scaled maximum "
+        "(issue #12).",
         "",
-        "| kernel | dtype | BLOCK_D | flags | BLOCK_MxN | warps | stages | maxnreg | "
-        + " | ".join(f"{name} regs | {name} spill B | {name} smem B" for name, _ in TARGETS.values())
+        "| case | kernel | dtype | BLOCK_D | flags | specialisation | BLOCK_MxN | warps | stages | maxnreg | "
+        + " | ".join(f"{name} regs | {name} spill B | {name} smem B | {name} unsafe ex2" for name in names)
         + " | ok |",
-        "| --- " * (9 + 3 * len(TARGETS)) + "|",
+        "| --- " * (11 + 4 * len(names)) + "|",
     ]
     by_variant: dict[tuple, dict[str, dict]] = {}
     for r in report["results"]:
-        key = (r["kernel"], r["dtype"], r["block_d"], r["flags"])
+        key = (r["case"], r["kernel"], r["dtype"], r["block_d"], r["flags"])
         by_variant.setdefault(key, {})[r["target"]] = r
-    for (kernel, dtype, block_d, flags), per_target in by_variant.items():
+    for (case, kernel, dtype, block_d, flags), per_target in by_variant.items():
         first = next(iter(per_target.values()))
         cells = []
-        for name, _ in TARGETS.values():
+        for name in names:
             r = per_target.get(name)
             if r is None:
-                cells += ["", "", ""]
+                cells += ["", "", "", ""]
             elif r["error"]:
-                cells += ["error", "", ""]
+                cells += ["error", "", "", ""]
             else:
-                cells += [str(r["registers"]), str(r["spill_stores"] + r["spill_loads"]), str(r["shared_bytes"])]
+                cells += [str(r["registers"]), str(r["spill_stores"] + r["spill_loads"]), str(r["shared_bytes"]),
+                          f"{len(r['unsafe_ex2'])}/{r['ex2']}"]
         ok = all(r["ok"] for r in per_target.values())
         lines.append(
-            f"| {kernel} | {dtype} | {block_d} | {flags} | {first.get('BLOCK_M', '-')}x{first.get('BLOCK_N', '-')} | "
+            f"| {case} | {kernel} | {dtype} | {block_d} | {flags} | {first.get('specialisation', '')} | "
+            f"{first.get('BLOCK_M', '-')}x{first.get('BLOCK_N', '-')} | "
             f"{first.get('num_warps', '')} | {first.get('num_stages', '')} | {first.get('maxnreg') or '-'} | "
             + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |"
         )
-    errors = [r for r in report["results"] if r["error"]]
-    lines += ["", f"{len(report['results'])} compilations, {len(errors)} errors; all within limits and spill-free: "
-              f"{'yes' if report['all_ok'] else 'NO'}."]
+    results = report["results"]
+    errors = [r for r in results if r["error"]]
+    unsafe = [r for r in results if r["error"] is None and r["unsafe_ex2"]]
+    lines += ["", f"{len(results)} compilations ({report['wall_s']} s), {len(errors)} errors; within limits and "
+              f"spill-free: {'yes' if all(r['resources_ok'] for r in results) else 'NO'}; exponents from scaled "
+              f"differences only: {'yes' if not unsafe else f'NO ({len(unsafe)} compilations)'}."]
     for r in errors:
-        where = f"{r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
-        lines.append(f"- {where}: {r['error'][:500]}")
+        lines.append(f"- {_where(r)}: {r['error'][:500]}")
+    for r in unsafe[:5]:
+        lines.append(f"- {_where(r)}: {len(r['unsafe_ex2'])} of {r['ex2']} ex2, e.g. {r['unsafe_ex2'][0]}")
     return "\n".join(lines) + "\n"
 
 
+def _where(r: dict) -> str:
+    return f"{r['case']}: {r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
+
+
+SETS = ("shipped", "callers", "all")
+
+
+def variants_for(which: str, dtypes=DTYPES, block_ds=None, worst_case_only: bool = False) -> list[Variant]:
+    """The variants of ``--set``: ``shipped`` (the tile table), ``callers`` (:data:`CALLERS`) or ``all``."""
+    out = []
+    if which in ("shipped", "all"):
+        out += shipped_variants(dtypes, block_ds, worst_case_only)
+    if which in ("callers", "all"):
+        out += caller_variants()
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="(default: all)")
-    parser.add_argument("--block-d", nargs="+", type=int, default=None, help="BLOCK_D buckets (default: all)")
+    parser.add_argument("--set", dest="variant_set", choices=SETS, default="all",
+                        help="shipped: every tile-table variant at a representative launch; callers: the "
+                             "specialisations OpenFold/OpenFold3 launch; all: both (default: %(default)s)")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES),
+                        help="shipped set: dtypes (default: all)")
+    parser.add_argument("--block-d", nargs="+", type=int, default=None,
+                        help="shipped set: BLOCK_D buckets (default: all)")
     parser.add_argument("--targets", nargs="+", type=int, choices=sorted(TARGETS), default=sorted(TARGETS),
                         help="compute capabilities (default: %(default)s)")
     parser.add_argument("--worst-case-only", action="store_true",
-                        help="per kernel and table entry only the variant with every flag on (quick, not complete)")
+                        help="shipped set: per kernel and table entry only the variant with every flag on (quick, "
+                             "not complete)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="compile processes (default: %(default)s)")
 
@@ -298,7 +740,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import triton
 
-    variants = shipped_variants(tuple(args.dtypes), tuple(args.block_d) if args.block_d else None, args.worst_case_only)
+    from ds4sci.bench.report import write_report
+
+    variants = variants_for(args.variant_set, tuple(args.dtypes), tuple(args.block_d) if args.block_d else None,
+                            args.worst_case_only)
     start = time.perf_counter()
     results = compile_all(variants, tuple(args.targets), args.jobs)
     report = {
@@ -306,20 +751,23 @@ def run(args: argparse.Namespace) -> int:
         "ptxas": ptxas_versions(),
         "targets": {name: {"capability": cc, "smem_limit": lim} for cc, (name, lim) in TARGETS.items()},
         "representative": REPRESENTATIVE,
+        "set": args.variant_set,
+        "callers": [dataclasses.asdict(call) for call in CALLERS] if args.variant_set != "shipped" else [],
         "worst_case_only": bool(args.worst_case_only),
         "wall_s": round(time.perf_counter() - start, 1),
         "all_ok": all(r["ok"] for r in results),
         "results": results,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels_aot.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "kernels_aot.md").write_text(_markdown(report))
+    path = write_report(args.out, "kernels_aot", report, _markdown(report))
     bad = [r for r in results if not r["ok"]]
     for r in bad:
-        why = r["error"] or f"smem {r['shared_bytes']} B, spills {r['spill_stores']}/{r['spill_loads']} B"
-        logger.error("kernels-aot: %s %s BLOCK_D=%d %s on %s: %s", r["kernel"], r["dtype"], r["block_d"], r["flags"],
-                     r["target"], why)
+        if r["error"]:
+            why = r["error"]
+        elif not r["resources_ok"]:
+            why = f"smem {r['shared_bytes']} B, spills {r['spill_stores']}/{r['spill_loads']} B"
+        else:
+            why = f"{len(r['unsafe_ex2'])} of {r['ex2']} exponents from a fused multiply-add, e.g. {r['unsafe_ex2'][0]}"
+        logger.error("kernels-aot: %s: %s", _where(r), why)
     logger.info("kernels-aot: %d compilations in %.0f s, %d not ok; wrote %s", len(results), report["wall_s"], len(bad),
-                out / "kernels_aot.json")
+                path)
     return 0 if not bad else 1

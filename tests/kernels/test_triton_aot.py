@@ -1,50 +1,77 @@
 """Ahead-of-time compile gate of the Triton Evoformer kernels (``ds4sci bench kernels-aot``), no GPU needed.
 
 The gate compiles with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 80 | 90, 32))`` in worker processes
-started without ``TRITON_INTERPRET`` (this test process runs the kernels under the interpreter) and reads Triton's
-shared-memory request and the ``ptxas -v`` registers and spills of Triton's own ptxas run.
+started without ``TRITON_INTERPRET`` (this test process runs the kernels under the interpreter), reads Triton's
+shared-memory request and the ``ptxas -v`` registers and spills of Triton's own ptxas run, and checks in the PTX that
+every ``ex2`` takes a scaled difference ``(s - m) * log2 e`` (issue #12).
 
-The slow test compiles every shipped variant: each entry of the tile table (fp16, bf16, fp32 x BLOCK_D 16/32/64/128)
-x each kernel (forward, backward preprocess, dK/dV, dQ, dpair) x each flag combination (HAS_MASK, HAS_PAIR,
-MASK_GRAD), for sm_80 and sm_90: 408 compilations, about 4 minutes on 2 cores. Flag-off variants are compiled too:
-ptxas allocates registers per variant, and flag-off variants were seen to spill where the all-flags one did not.
-``test_gate_enumerates_every_launch`` checks that the enumeration the gate compiles covers
-every launch the launchers can make.
+Launch arguments come from the public path itself: ``call_launches`` runs a forward and backward on CPU tensors with
+every Triton launch recorded instead of run, so these tests follow the launchers' argument lists.
+
+- ``test_gate_enumerates_every_launch``: the ``shipped`` set covers every launch the public path makes for every
+  dtype, head dim and bias/gradient combination, and nothing else.
+- ``test_callers_*``: OpenFold's and OpenFold3's launches (D = 8/16/24/32/64, S odd and a multiple of 16, N = 1,
+  permuted pair bias, fp32 mask with bf16/fp16 q) specialise differently from the shipped representative launch, and
+  the gate compiles each distinct specialisation (62 kernels, 124 compilations, about 4 minutes on 2 shared cores).
+- The PTX checker is tested on hand-written PTX of both forms and on PTX that Triton compiles from the two forms
+  of one line (``exp2(s*LOG2E - m*LOG2E)`` is flagged, ``exp2((s - m)*LOG2E)`` is not).
+- The slow shipped test compiles every shipped variant: each entry of the tile table (fp16, bf16, fp32 x BLOCK_D
+  16/32/64/128) x each kernel (forward, backward preprocess, dK/dV, dQ, dpair) x each flag combination (HAS_MASK,
+  HAS_PAIR, MASK_GRAD), for sm_80 and sm_90: 408 compilations, about 4 minutes on 2 cores. Flag-off variants are
+  compiled too: ptxas allocates registers per variant, and flag-off variants were seen to spill where the all-flags
+  one did not.
 """
 import argparse
 import itertools
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from ds4sci.bench import kernels_aot
-from ds4sci.kernels import triton_evoformer
+from ds4sci.bench.kernels_aot import Call, Variant
+from ds4sci.kernels import evoformer_attention
 
 SM80_SMEM, SM90_SMEM = 166912, 232448  # max dynamic shared memory per block: 163 KB (A100), 227 KB (H100)
+NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+# Issue #12: the fix (scaled difference feeding exp2) is another change to kernels/triton_evoformer.py. Until it lands
+# the exponent checks of the real kernels fail (the current kernels compute exp2(s*LOG2E - m*LOG2E), which the GPU
+# compiler contracts into fma(s, LOG2E, -round(m*LOG2E))); strict, so they fail once the fix lands and this mark stays.
+PENDING_EXPONENT_FIX = pytest.mark.xfail(
+    strict=True,
+    reason="issue #12: the kernels still compute exp2(s*LOG2E - m*LOG2E), contracted to fma(s, LOG2E, -m*LOG2E)",
+)
 
 
 def test_targets_and_limits():
     assert kernels_aot.TARGETS == {80: ("sm_80", SM80_SMEM), 90: ("sm_90a", SM90_SMEM)}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# What the gate compiles
+# ---------------------------------------------------------------------------------------------------------------
+
+
 def _launched(dtype, d, use_mask, use_pair, need_mask, need_pair):
-    """(kernel name, Variant flags) of every kernel the launchers start for one call, from their own arguments."""
-    te = triton_evoformer
+    """(kernel name, mask, pair, mask_grad, BLOCK_D) of every kernel one public call launches, forward and backward."""
     z, n, s, h = 1, 2, 32, 2
-    q = torch.empty(z, n, s, h, d, dtype=dtype)
-    mask = torch.empty(z, n, s, dtype=dtype) if use_mask else None
-    pair = torch.empty(z, h, s, s, dtype=dtype) if use_pair else None
-    lse = torch.empty(z, n, h, s)
-    need_mask, need_pair = need_mask and use_mask, need_pair and use_pair
-    _, _, meta = te.fwd_launch(q, q, q, mask, pair, q, lse)
-    out = [("fwd", meta["HAS_MASK"], meta["HAS_PAIR"], False, meta["BLOCK_D"])]
-    launches = te.bwd_launches(q, q, q, q, q, lse, mask, pair, lse, q, q, q, lse if need_mask else None,
-                               torch.empty(z, h, s, s) if need_pair else None)
-    for kernel, _, _, meta in launches:
-        name = kernel.__name__.removeprefix("_").removesuffix("_kernel")
-        flags = (meta.get("HAS_MASK", False), meta.get("HAS_PAIR", name == "bwd_dpair"), meta.get("MASK_GRAD", False))
-        out.append((name, *flags, meta["BLOCK_D"]))
+    q, k, v = (torch.randn(z, n, s, h, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    biases = []
+    if use_mask:
+        biases.append(torch.randn(z, n, 1, 1, s, dtype=dtype, requires_grad=need_mask))
+    if use_pair:
+        biases.append(torch.randn(z, 1, h, s, s, dtype=dtype, requires_grad=need_pair))
+    with kernels_aot.record_launches() as launches:
+        evoformer_attention(q, k, v, biases, backend="triton").sum().backward()
+    out = []
+    for kernel, _, meta in launches:
+        name = kernels_aot.kernel_name(kernel)
+        out.append((name, *kernels_aot.launch_flags(name, meta), meta["BLOCK_D"]))
+    assert out[0][0] == "fwd" and len(out) >= 4
     return out
 
 
@@ -52,11 +79,10 @@ def test_gate_enumerates_every_launch():
     shipped = {(v.kernel, v.has_mask, v.has_pair, v.mask_grad, v.block_d, v.dtype)
                for v in kernels_aot.shipped_variants()}
     seen = set()
-    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-    for dtype, d, *flags in itertools.product(names, (8, 16, 24, 32, 64, 128), *[(False, True)] * 4):
+    for dtype, d, *flags in itertools.product(NAMES, (8, 16, 24, 32, 64, 128), *[(False, True)] * 4):
         for launch in _launched(dtype, d, *flags):
-            assert (*launch, names[dtype]) in shipped, launch
-            seen.add((*launch, names[dtype]))
+            assert (*launch, NAMES[dtype]) in shipped, launch
+            seen.add((*launch, NAMES[dtype]))
     assert seen == shipped  # and nothing the launchers never start
     assert len(shipped) == 3 * 4 * (4 + 1 + 6 + 4 + 2)
     worst = kernels_aot.shipped_variants(worst_case_only=True)
@@ -66,27 +92,297 @@ def test_gate_enumerates_every_launch():
         assert (v.has_mask, v.has_pair, v.mask_grad) == (on, on, v.kernel == "bwd_dkdv"), v
 
 
+def test_record_launches_runs_nothing_and_restores_triton():
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    runs = (JITFunction.run, InterpretedFunction.run)
+    q = torch.randn(1, 1, 20, 1, 8)
+    with kernels_aot.record_launches() as launches:
+        o = evoformer_attention(q, q, q, None, backend="triton")
+    assert len(launches) == 1 and kernels_aot.kernel_name(launches[0][0]) == "fwd"
+    assert launches[0][1][0] is not None and launches[0][2]["HAS_MASK"] is False
+    assert (JITFunction.run, InterpretedFunction.run) == runs
+    assert o.shape == q.shape
+
+
+def test_callers_cover_openfold_launches():
+    calls = kernels_aot.CALLERS
+    assert {c.d for c in calls} >= {8, 24, 32, 64}
+    assert any(c.s % 2 for c in calls) and any(c.s % 16 == 0 for c in calls)
+    assert any(c.n == 1 for c in calls) and any(c.n > 1 for c in calls)
+    assert {c.pair for c in calls} >= {"start", "end", None}
+    assert {(c.dtype, c.mask) for c in calls} >= {("bf16", "fp32"), ("fp16", "fp32")}
+    assert any(c.openfold for c in calls) and not all(c.openfold for c in calls)
+
+
+def test_caller_shapes_specialise_unlike_the_representative_launch():
+    """What OpenFold launches is compiled code the shipped set never produces; the callers set compiles it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    backend = triton.compiler.make_backend(GPUTarget("cuda", 80, 32))
+
+    def key(variant):
+        return kernels_aot.specialisation_key(variant, *kernels_aot._launch(variant), backend)
+
+    shipped = {key(v) for v in kernels_aot.shipped_variants(("bf16", "fp16", "fp32"))}
+    callers = kernels_aot.caller_variants()
+    keys = [key(v) for v in callers]
+    assert len(set(keys)) == len(keys)  # each distinct specialisation once
+    assert {v.case for v in callers} == {c.name for c in kernels_aot.CALLERS}
+    for call in kernels_aot.CALLERS:  # every caller's forward is new code
+        (fwd,) = [v for v in callers if v.call == call and v.kernel == "fwd"] or [None]
+        assert fwd is not None and key(fwd) not in shipped, call.name
+
+    def spec(case, kernel="fwd"):
+        (v,) = [v for v in callers if v.case == case and v.kernel == kernel]
+        k, args, meta = kernels_aot._launch(v)
+        return kernels_aot.describe_specialisation(k, *kernels_aot._specialisation(k, args, meta, backend)[:3])
+
+    assert "==1: " in spec("msa-row N=1") and ", N" in spec("msa-row N=1").split(";")[0]
+    assert "Mask *fp32" in spec("msa-row") and "Q *bf16" in spec("msa-row")
+    assert "stride_pj" in spec("msa-row").split("not %16: ")[1]  # permuted pair bias: key stride H = 8
+    assert "stride_ph" in spec("msa-row").split(";")[0]  # ... and unit head stride
+    assert " S" in spec("msa-row S odd").split("not %16: ")[1]
+    assert " D" in spec("extra-msa-row D=8").split("not %16: ")[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The PTX check (issue #12)
+# ---------------------------------------------------------------------------------------------------------------
+
+LOG2E = "0f3FB8AA3B"
+# s*LOG2E - m*LOG2E as the GPU compiler emits it: m scaled first, then one fma with the scaled max as addend
+FUSED = f"""
+	mul.f32 	%r10, %r2, {LOG2E};
+	selp.f32 	%r11, 0f00000000, %r10, %p1;
+	neg.f32 	%r12, %r11;
+	fma.rn.f32 	%r13, %r1, {LOG2E}, %r12;
+	ex2.approx.ftz.f32 	%r14, %r13;
+"""
+# (s - m) * LOG2E: the max subtracted first
+DIFFERENCE = f"""
+$L__BB0_2:
+	selp.f32 	%r11, 0f00000000, %r2, %p1;
+	sub.f32 	%r12, %r1, %r11;
+	mul.f32 	%r13, %r12, {LOG2E};
+	mov.b32 	%r15, %r13;
+	@%p2 ex2.approx.ftz.f32 	%r14, %r15;  // predicated
+"""
+
+
+def test_ptx_checker_flags_a_fused_scaled_max():
+    count, problems = kernels_aot.unsafe_exponents(FUSED)
+    assert count == 1 and len(problems) == 1
+    assert "fused multiply-add" in problems[0] and "%r12" in problems[0] and "mul(" in problems[0]
+
+
+def test_ptx_checker_accepts_a_scaled_difference():
+    assert kernels_aot.unsafe_exponents(DIFFERENCE) == (1, [])
+    fma_zero = DIFFERENCE.replace(f"mul.f32 	%r13, %r12, {LOG2E}", f"fma.rn.f32 	%r13, {LOG2E}, %r12, 0f00000000")
+    assert kernels_aot.unsafe_exponents(fma_zero) == (1, [])
+    add_neg = DIFFERENCE.replace("sub.f32 	%r12, %r1, %r11", "neg.f32 %r16, %r11;\n\tadd.f32 	%r12, %r1, %r16")
+    assert kernels_aot.unsafe_exponents(add_neg) == (1, [])
+    scaled_apart = f"mul.f32 %r3, %r1, {LOG2E};\nmul.f32 %r4, %r2, {LOG2E};\nsub.f32 %r5, %r3, %r4;\nex2.approx.f32 %r6, %r5;"
+    assert kernels_aot.unsafe_exponents(scaled_apart) == (1, [])
+    assert kernels_aot.unsafe_exponents("ex2.approx.f32 %r6, 0f3F800000;") == (1, [])
+    assert kernels_aot.unsafe_exponents("add.f32 %r1, %r2, %r3;") == (0, [])
+
+
+@pytest.mark.parametrize("ptx", [
+    f"mul.f32 %r3, %r1, {LOG2E};\nex2.approx.f32 %r4, %r3;",  # a product of no difference
+    f"fma.rn.f32 %r3, %r1, {LOG2E}, %r2;\nsub.f32 %r5, %r3, %r4;\nex2.approx.f32 %r6, %r5;",  # difference of an fma
+    "add.f32 %r3, %r1, %r2;\nex2.approx.f32 %r4, %r3;",  # a sum
+    "ex2.approx.f32 %r4, %r3;",  # a parameter
+    # loop-carried register: one definition safe, the other fused
+    DIFFERENCE + f"\n\tfma.rn.f32 	%r15, %r1, {LOG2E}, %r12;",
+], ids=["mul-no-difference", "difference-of-fma", "sum", "parameter", "loop-carried"])
+def test_ptx_checker_flags_other_exponent_arguments(ptx):
+    count, problems = kernels_aot.unsafe_exponents(ptx)
+    assert count == 1 and len(problems) == 1, problems
+
+
+def test_parse_ptx_operands():
+    (st, mma) = kernels_aot.parse_ptx(
+        "\t@%p28 st.global.v4.b32 [ %rd35 + 0 ], { %r59, %r60 };\n"
+        "$L__tmp1:\n\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%r1, %r2}, {%r3}, {%r4}, {%r5, %r6}; // x\n"
+        ".reg .b32 %r<10>;\n"
+    )
+    assert st.opcode == "st.global.v4.b32" and st.operands == ("[ %rd35 + 0 ]", "{ %r59, %r60 }")
+    assert mma.operands[0] == "{%r1, %r2}" and len(mma.operands) == 4 and mma.line == 3
+
+
+_TWO_FORMS = '''
+import json, sys, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from ds4sci.bench.kernels_aot import unsafe_exponents
+
+L = tl.constexpr(1.4426950408889634)
+
+@triton.jit
+def fused(S, M, O):  # the current kernels' form
+    i = tl.arange(0, 128)
+    s = tl.load(S + i)
+    m = tl.load(M + i)
+    tl.store(O + i, tl.math.exp2(s * L - m * L))
+
+@triton.jit
+def difference(S, M, O):  # issue #12's form
+    i = tl.arange(0, 128)
+    s = tl.load(S + i)
+    m = tl.load(M + i)
+    tl.store(O + i, tl.math.exp2((s - m) * L))
+
+out = {}
+for cc in (80, 90):
+    for fn in (fused, difference):
+        sig = {"S": "*fp32", "M": "*fp32", "O": "*fp32"}
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={}, attrs={})
+        ptx = triton.compile(src, target=GPUTarget("cuda", cc, 32)).asm["ptx"]
+        out[f"{fn.__name__}_{cc}"] = unsafe_exponents(ptx)
+print(json.dumps(out))
+'''
+
+
 @pytest.mark.slow
-def test_every_table_entry_compiles_for_sm80_and_sm90_within_smem_and_spill_free(tmp_path):
+def test_ptx_checker_on_triton_output_of_both_forms(tmp_path):
+    """Triton's own PTX for one line in each form: the fused form is flagged, the difference form passes."""
+    script = tmp_path / "two_forms.py"
+    script.write_text(textwrap.dedent(_TWO_FORMS))
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for cc in (80, 90):
+        count, problems = result[f"fused_{cc}"]
+        assert count > 0 and len(problems) == count, (cc, problems)
+        assert all("fused multiply-add" in p for p in problems)
+        count, problems = result[f"difference_{cc}"]
+        assert count > 0 and problems == [], (cc, problems)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiling the real kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _gate(tmp_path, *argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     kernels_aot.add_arguments(parser)
-    args = parser.parse_args(["--out", str(tmp_path), "--jobs", "2"])
-    rc = kernels_aot.run(args)
+    rc = kernels_aot.run(parser.parse_args(["--out", str(tmp_path), "--jobs", "2", *argv]))
     report = json.loads((tmp_path / "kernels_aot.json").read_text())
-    results = report["results"]
-    expected = kernels_aot.shipped_variants(worst_case_only=False)
-    assert len(results) == 2 * len(expected)
+    return rc, report, (tmp_path / "kernels_aot.md").read_text()
+
+
+def _where(r):
+    return f"{r['case']}: {r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
+
+
+def _assert_compiled_within_smem(results):
     for r in results:
-        where = f"{r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
+        where = _where(r)
         assert r["error"] is None, f"{where}: {r['error']}"
         limit = SM80_SMEM if r["target"] == "sm_80" else SM90_SMEM
         assert 0 < r["shared_bytes"] <= limit, f"{where}: {r['shared_bytes']} B of shared memory"
-        spills = (r["spill_stores"], r["spill_loads"])
-        assert spills == (0, 0), f"{where}: spills {spills} B"
         assert 0 < r["registers"] <= 255, where
-        assert r["ok"], where
     assert {r["target"] for r in results} == {"sm_80", "sm_90a"}
+
+
+def _assert_spill_free(results):
+    spilling = [f"{_where(r)}: {r['spill_stores']}/{r['spill_loads']} B" for r in results
+                if (r["spill_stores"], r["spill_loads"]) != (0, 0)]
+    assert not spilling, f"{len(spilling)} compilations spill:\n" + "\n".join(spilling)
+    assert all(r["resources_ok"] for r in results)
+
+
+def _assert_resources(results):
+    _assert_compiled_within_smem(results)
+    _assert_spill_free(results)
+
+
+def _assert_exponents(results):
+    for r in results:
+        assert r["error"] is None, f"{_where(r)}: {r['error']}"
+        if r["kernel"] != "bwd_preprocess":
+            assert r["ex2"] > 0, _where(r)
+        assert r["unsafe_ex2"] == [], f"{_where(r)}: {len(r['unsafe_ex2'])} of {r['ex2']}: {r['unsafe_ex2'][0]}"
+        assert r["exponents_ok"], _where(r)
+
+
+@pytest.fixture(scope="module")
+def forward_backward_compiled():
+    """Forward, dK/dV, dQ and dpair with every bias for sm_80 and sm_90a (bf16, D = 32): 8 compilations."""
+    variants = [v for v in kernels_aot.shipped_variants(("bf16",), (32,), worst_case_only=True)
+                if v.kernel != "bwd_preprocess"]
+    assert [v.kernel for v in variants] == ["fwd", "bwd_dkdv", "bwd_dq", "bwd_dpair"]
+    return kernels_aot.compile_all(variants, (80, 90), jobs=2)
+
+
+@pytest.mark.slow
+def test_forward_and_backward_compile_for_sm80_and_sm90(forward_backward_compiled):
+    _assert_resources(forward_backward_compiled)
+    assert all(r["ex2"] > 0 for r in forward_backward_compiled)
+
+
+@pytest.mark.slow
+@PENDING_EXPONENT_FIX
+def test_forward_and_backward_exponents_are_scaled_differences(forward_backward_compiled):
+    _assert_exponents(forward_backward_compiled)
+
+
+@pytest.fixture(scope="module")
+def callers_gate(tmp_path_factory):
+    return _gate(tmp_path_factory.mktemp("callers"), "--set", "callers")
+
+
+@pytest.mark.slow
+def test_callers_compile_within_smem(callers_gate):
+    rc, report, table = callers_gate
+    results = report["results"]
+    assert len(results) == 2 * len(kernels_aot.caller_variants())
+    assert {r["case"] for r in results} == {c.name for c in kernels_aot.CALLERS}
+    assert report["set"] == "callers" and len(report["callers"]) == len(kernels_aot.CALLERS)
+    _assert_compiled_within_smem(results)
+    assert "msa-row N=1" in table and "not %16" in table
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue #12: OpenFold's specialisations spill where the representative launch "
+                   "does not (found by this gate: e.g. bwd_dq bf16 D=32 with the permuted pair bias on sm_90a, 88/72 B; "
+                   "fwd fp16 D=24 S odd, 156/156 B); the tile table was tuned on the representative launch only")
+def test_callers_are_spill_free(callers_gate):
+    _assert_spill_free(callers_gate[1]["results"])
+
+
+@pytest.mark.slow
+@PENDING_EXPONENT_FIX
+def test_callers_exponents_are_scaled_differences(callers_gate):
+    _assert_exponents(callers_gate[1]["results"])
+
+
+@pytest.fixture(scope="module")
+def shipped_gate(tmp_path_factory):
+    return _gate(tmp_path_factory.mktemp("shipped"), "--set", "shipped")
+
+
+@pytest.mark.slow
+def test_every_table_entry_compiles_for_sm80_and_sm90_within_smem_and_spill_free(shipped_gate):
+    rc, report, table = shipped_gate
+    results = report["results"]
+    expected = kernels_aot.shipped_variants(worst_case_only=False)
+    assert len(results) == 2 * len(expected)
+    assert {r["case"] for r in results} == {"representative"}
+    _assert_resources(results)
+    assert table.count("| representative |") == len(expected) and "error" not in table
+
+
+@pytest.mark.slow
+@PENDING_EXPONENT_FIX
+def test_every_table_entry_computes_exponents_from_differences(shipped_gate):
+    rc, report, table = shipped_gate
+    _assert_exponents(report["results"])
     assert rc == 0 and report["all_ok"]
-    table = (tmp_path / "kernels_aot.md").read_text()
-    assert table.count("| yes |") == len(expected) and "| NO |" not in table
+    assert table.count("| yes |") == len(report["results"]) // 2 and "| NO |" not in table
