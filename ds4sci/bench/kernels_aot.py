@@ -256,7 +256,8 @@ def call_launches(call: Call) -> list[tuple]:
         q, k, v = (leaf(z, n, s, h, d) for _ in range(3))
     biases = []
     if call.mask is not None:  # [Z, N, 1, 1, S]
-        biases.append(leaf(z, n, s, dtype=getattr(torch, _TORCH_DTYPES[call.mask]), grad=call.mask_grad)[:, :, None, None, :])
+        mask_dtype = getattr(torch, _TORCH_DTYPES[call.mask])
+        biases.append(leaf(z, n, s, dtype=mask_dtype, grad=call.mask_grad)[:, :, None, None, :])
     if call.pair is not None:
         pair_dtype = getattr(torch, _TORCH_DTYPES[call.pair_dtype or call.dtype])
         if call.pair == "contiguous":
@@ -658,7 +659,8 @@ def _markdown(report: dict) -> str:
         f"({'; '.join(f'{k}: {v}' for k, v in report['ptxas'].items())}); "
         f"`representative`: launch Z={rep['Z']}, N={rep['N']}, S={rep['S']}, H={rep['H']}, D=BLOCK_D, contiguous, "
         "biases in q's dtype; other cases: OpenFold's and OpenFold3's calls, each distinct specialisation once. "
-        f"Shared memory is Triton's dynamic request (limits: {', '.join(f'{n} {lim} B' for n, lim in TARGETS.values())}). "
+        "Shared memory is Triton's dynamic request (limits: "
+        f"{', '.join(f'{n} {lim} B' for n, lim in TARGETS.values())}). "
         "`unsafe ex2`: exponents (of all `ex2` in the PTX) computed from a fused multiply-add of a scaled maximum "
         "(issue #12).",
         "",

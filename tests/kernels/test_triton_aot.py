@@ -184,7 +184,8 @@ def test_ptx_checker_accepts_a_scaled_difference():
     assert kernels_aot.unsafe_exponents(fma_zero) == (1, [])
     add_neg = DIFFERENCE.replace("sub.f32 	%r12, %r1, %r11", "neg.f32 %r16, %r11;\n\tadd.f32 	%r12, %r1, %r16")
     assert kernels_aot.unsafe_exponents(add_neg) == (1, [])
-    scaled_apart = f"mul.f32 %r3, %r1, {LOG2E};\nmul.f32 %r4, %r2, {LOG2E};\nsub.f32 %r5, %r3, %r4;\nex2.approx.f32 %r6, %r5;"
+    scaled_apart = (f"mul.f32 %r3, %r1, {LOG2E};\nmul.f32 %r4, %r2, {LOG2E};\n"
+                    "sub.f32 %r5, %r3, %r4;\nex2.approx.f32 %r6, %r5;")
     assert kernels_aot.unsafe_exponents(scaled_apart) == (1, [])
     assert kernels_aot.unsafe_exponents("ex2.approx.f32 %r6, 0f3F800000;") == (1, [])
     assert kernels_aot.unsafe_exponents("add.f32 %r1, %r2, %r3;") == (0, [])
@@ -350,9 +351,9 @@ def test_callers_compile_within_smem(callers_gate):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue #12: OpenFold's specialisations spill where the representative launch "
-                   "does not (found by this gate: e.g. bwd_dq bf16 D=32 with the permuted pair bias on sm_90a, 88/72 B; "
-                   "fwd fp16 D=24 S odd, 156/156 B); the tile table was tuned on the representative launch only")
+@pytest.mark.xfail(strict=True, reason="issue #12: OpenFold's specialisations spill where the representative "
+                   "launch does not (found by this gate: e.g. bwd_dq bf16 D=32 with the permuted pair bias on sm_90a, "
+                   "88/72 B; fwd fp16 D=24 S odd, 156/156 B); the tile table was tuned on the representative launch")
 def test_callers_are_spill_free(callers_gate):
     _assert_spill_free(callers_gate[1]["results"])
 
