@@ -1,7 +1,8 @@
 """``ds4sci bench NAME``: benchmarks that write their results to files (JSON plus a readable table).
 
 Each benchmark is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; results go under
-``--out`` (default ``runs/bench``). Speed and memory targets are shown here, never by timed tests.
+``--out`` (default ``runs/bench``). Speed and memory targets are shown here, never by timed tests. The memory
+benchmarks measure through :mod:`ds4sci.bench.memory`; :mod:`ds4sci.bench.report` writes the files.
 """
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "evoformer-memory": (
         "ds4sci.bench.evoformer_memory",
         "bytes saved for backward and peak memory of Evoformer attention per backend",
+    ),
+    "openfold-stack": (
+        "ds4sci.bench.openfold_stack",
+        "peak memory and bytes saved for backward of an OpenFold3 EvoformerStack training step, with and without "
+        "ds4sci",
     ),
     "kernels-aot": (
         "ds4sci.bench.kernels_aot",

@@ -7,8 +7,9 @@ backends:
 - bytes saved for backward: unique storages packed by autograd, counted with
   ``torch.autograd.graph.saved_tensors_hooks`` during the forward (q, k, v included);
 - peak memory of one forward+backward above the memory held before it (inputs and the output gradient
-  already allocated): on CUDA ``torch.cuda.max_memory_allocated``, on the CPU the peak RSS
-  (``ru_maxrss``) of a fresh subprocess per backend, so one backend's allocations never hide another's;
+  already allocated): on CUDA ``torch.cuda.max_memory_allocated``, on the CPU the peak RSS (``VmHWM - VmRSS``)
+  of a fresh subprocess per backend, so one backend's allocations never hide another's (both measured by
+  :mod:`ds4sci.bench.memory`);
 - the max abs difference of the output and of every gradient (q, k, v, pair bias) against the reference.
 
 Writes ``evoformer_memory.json`` and ``evoformer_memory.md`` to ``--out``. DeepSpeed4Science reports 13x lower
@@ -17,14 +18,12 @@ peak memory for OpenFold training with its fused kernel; the JSON records the ra
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
+from ds4sci.bench import memory
+from ds4sci.bench.report import MIB, markdown_table, write_report
 from ds4sci.kernels import evoformer_attention
 
 logger = logging.getLogger(__name__)
@@ -77,85 +76,50 @@ def _fwd_bwd(t: dict[str, torch.Tensor], backend: str) -> torch.Tensor:
 def _saved_bytes_and_results(cfg: dict, backend: str) -> tuple[int, dict[str, torch.Tensor]]:
     """Bytes of the unique storages autograd saves in the forward, and the output and gradients."""
     t = _inputs(cfg)
-    storages: dict[int, int] = {}
-
-    def pack(x: torch.Tensor) -> torch.Tensor:
-        storage = x.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    with memory.saved_for_backward() as saved:
         o = evoformer_attention(t["q"], t["k"], t["v"], [t["mask"], t["pair"]], backend=backend)
     o.backward(t["do"])
     results = {"o": o.detach()} | {f"d{name}": t[name].grad for name in _GRADS}
-    return sum(storages.values()), results
+    return saved.bytes, results
 
 
-def _peak_cuda(cfg: dict, backend: str) -> int:
-    t = _inputs(cfg)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    _fwd_bwd(t, backend)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
-
-
-def _proc_status_bytes(field: str) -> int:
-    """A memory field (VmRSS, VmHWM) of /proc/self/status, in bytes (Linux)."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
-def _worker(cfg: dict, backend: str) -> None:
-    """Subprocess body: peak RSS above the RSS before one forward+backward (bytes), printed as JSON.
-
-    Reads VmHWM from /proc/self/status after resetting it through /proc/self/clear_refs; ``ru_maxrss`` is not
-    usable here because it survives fork+exec and so carries the parent's peak.
-    """
+def peak_bytes(cfg: dict, backend: str) -> int:
+    """Peak memory of one forward+backward of ``backend`` above the memory held before it (bytes), in this
+    process: after a warm-up at a tiny shape, so lazily loaded kernels and libraries are not counted. On the CPU
+    :func:`run` calls it in a fresh subprocess per backend."""
     torch.set_num_threads(cfg["threads"])
-    # Warm up at a tiny shape so lazily loaded kernels and libraries are not counted.
     _fwd_bwd(_inputs(cfg | {"batch": 1, "n_seq": 1, "n_res": 4, "heads": 1, "head_dim": 4}), backend)
     t = _inputs(cfg)
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")  # reset the peak-RSS high-water mark (VmHWM) to the current RSS
-    before = _proc_status_bytes("VmRSS")
-    _fwd_bwd(t, backend)
-    print(json.dumps({"peak_bytes": _proc_status_bytes("VmHWM") - before}))
+    with memory.PeakMemory(cfg["device"]) as peak:
+        _fwd_bwd(t, backend)
+    return peak.bytes
 
 
-def _peak_cpu(cfg: dict, backend: str) -> int:
-    code = f"import json; from ds4sci.bench.evoformer_memory import _worker; _worker(json.loads({json.dumps(json.dumps(cfg))}), {backend!r})"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"evoformer-memory worker for backend {backend!r} failed:\n{proc.stderr}")
-    return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
+def _peak(cfg: dict, backend: str) -> int:
+    if torch.device(cfg["device"]).type == "cuda":
+        return peak_bytes(cfg, backend)
+    return int(memory.run_in_subprocess(f"{__name__}:peak_bytes", cfg, backend))
 
 
 def _markdown(report: dict) -> str:
     cfg = report["config"]
+    rows = [
+        (name, f"{r['saved_bytes'] / MIB:.1f}", f"{r['peak_bytes'] / MIB:.1f}",
+         f"{r['peak_ratio_vs_reference']:.1f}x lower", f"{max(r['max_abs_diff'].values()):.2e}")
+        for name, r in report["backends"].items()
+    ]
     lines = [
         "# Evoformer attention memory (MSA row attention, forward + backward)",
         "",
         f"B={cfg['batch']}, N_seq={cfg['n_seq']}, N_res={cfg['n_res']}, H={cfg['heads']}, D={cfg['head_dim']}, "
-        f"{cfg['dtype']} on {cfg['device']}; peak measured by {report['peak_method']}.",
+        f"{cfg['dtype']} on {cfg['device']}; peak measured by {report['peak_method']}. "
+        f"{memory.describe_allocator(report['allocator'])}",
         "",
-        "| backend | saved for backward (MiB) | peak fwd+bwd (MiB) | peak vs reference | max abs diff vs reference |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for name, r in report["backends"].items():
-        diff = max(r["max_abs_diff"].values())
-        lines.append(
-            f"| {name} | {r['saved_bytes'] / 2**20:.1f} | {r['peak_bytes'] / 2**20:.1f} | "
-            f"{r['peak_ratio_vs_reference']:.1f}x lower | {diff:.2e} |"
-        )
-    lines += [
+        *markdown_table(("backend", "saved for backward (MiB)", "peak fwd+bwd (MiB)", "peak vs reference",
+                         "max abs diff vs reference"), rows),
         "",
         f"Target: >= {report['target_peak_ratio']:.0f}x lower peak than the reference (DeepSpeed4Science, OpenFold "
-        f"training). O and the gradients alone take {report['output_and_grad_bytes'] / 2**20:.1f} MiB, so no backend "
+        f"training). O and the gradients alone take {report['output_and_grad_bytes'] / MIB:.1f} MiB, so no backend "
         f"can be more than {report['best_possible_peak_ratio']:.1f}x lower at this shape; the ratio grows with "
         "N_res / D.",
     ]
@@ -174,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     backends = ["reference", "torch"] + (["triton"] if on_cuda else [])
     report: dict = {
         "config": cfg,
-        "peak_method": "torch.cuda.max_memory_allocated" if on_cuda else "peak RSS delta, fresh subprocess",
+        "peak_method": memory.peak_method(cfg["device"]),
+        "allocator": memory.allocator_settings(),
         "target_peak_ratio": TARGET_PEAK_RATIO,
         "backends": {},
     }
@@ -184,9 +149,9 @@ def run(args: argparse.Namespace) -> int:
         if ref_results is None:
             ref_results = results
         diffs = {k: (results[k].double() - ref_results[k].double()).abs().max().item() for k in results}
-        peak = _peak_cuda(cfg, backend) if on_cuda else _peak_cpu(cfg, backend)
+        peak = _peak(cfg, backend)
         report["backends"][backend] = {"saved_bytes": saved, "peak_bytes": peak, "max_abs_diff": diffs}
-        logger.info("evoformer-memory %s: saved %.1f MiB, peak %.1f MiB", backend, saved / 2**20, peak / 2**20)
+        logger.info("evoformer-memory %s: saved %.1f MiB, peak %.1f MiB", backend, saved / MIB, peak / MIB)
     ref = report["backends"]["reference"]
     # What any backend must hold at the end of forward+backward: O, dQ, dK, dV and the pair-bias gradient.
     b, n, s, h, d = _shape(cfg)
@@ -197,9 +162,6 @@ def run(args: argparse.Namespace) -> int:
         r["peak_ratio_vs_reference"] = ref["peak_bytes"] / max(r["peak_bytes"], 1)
         r["saved_ratio_vs_reference"] = ref["saved_bytes"] / max(r["saved_bytes"], 1)
         r["meets_target"] = r["peak_ratio_vs_reference"] >= TARGET_PEAK_RATIO
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "evoformer_memory.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "evoformer_memory.md").write_text(_markdown(report))
-    logger.info("evoformer-memory: wrote %s", out / "evoformer_memory.json")
+    path = write_report(args.out, "evoformer_memory", report, _markdown(report))
+    logger.info("evoformer-memory: wrote %s", path)
     return 0

@@ -8,11 +8,15 @@ may be at most 3x the default path's own error in that dtype (plus a few ulps). 
 torch backend, and the triton backend under TRITON_INTERPRET=1 (set in tests/conftest.py).
 """
 import importlib.util
+import json
 import math
 import sys
 import types
 from pathlib import Path
 
+# imported at collection: importing it adds a warnings filter ('once' for every Warning), which, added inside a test,
+# would go in front of this module's filterwarnings mark and let OpenFold3's CUDA-autocast warning through
+import openfold3.core.model.latent.evoformer  # noqa: F401  (the EvoformerStack of the example and the bench)
 import openfold3.core.model.primitives.attention as of3_attention
 import pytest
 import torch
@@ -383,20 +387,58 @@ def test_openfold_without_the_function_is_left_alone(monkeypatch, fake_openfold)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The example
+# The example and `ds4sci bench openfold-stack`
 # ----------------------------------------------------------------------------------------------------------
 
+TINY_STACK = ["--n-res", "20", "--n-seq", "17", "--backend", "torch"]  # above OpenFold's 16-residue fallback
 
-@pytest.mark.slow
-def test_example_runs_and_ds4sci_saves_less(tmp_path):
-    """examples/openfold_attention.py at a tiny shape: both paths run in subprocesses, agree, files are written,
-    and ds4sci's step saves fewer bytes for backward (deterministic, unlike the peak RSS at this size)."""
+
+def test_example_ds4sci_step_agrees():
+    """examples/openfold_attention.py at a tiny shape: one EvoformerStack training step with ds4sci enabled agrees
+    with OpenFold3's default path, and the patch is gone afterwards."""
     path = Path(__file__).resolve().parents[2] / "examples" / "openfold_attention.py"
     spec = importlib.util.spec_from_file_location("openfold_attention_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    report = example.main(["--n-res", "20", "--n-seq", "17", "--blocks", "1", "--backend", "torch",
-                           "--out", str(tmp_path)])
-    assert (tmp_path / "openfold_attention.json").is_file() and (tmp_path / "openfold_attention.md").is_file()
-    assert report["results"]["ds4sci"]["saved_bytes"] < report["results"]["default"]["saved_bytes"]
-    assert max(report["relative_diff"].values()) < 1e-4
+    diff = example.main(TINY_STACK)
+    assert set(diff) == {"m", "z", "param_grads"}
+    assert 0 < max(diff.values()) < 1e-4  # 0 would mean both steps took the same path
+    assert not isinstance(of3_attention._deepspeed_evo_attn, EvoAttentionAdapter)
+
+
+@pytest.mark.slow
+def test_openfold_stack_bench_ds4sci_saves_less(tmp_path):
+    """`ds4sci bench openfold-stack` at a tiny shape: both paths run in subprocesses and agree, the files are
+    written, and ds4sci's step saves fewer bytes for backward (deterministic, unlike the peak RSS at this size)."""
+    from ds4sci import cli
+
+    assert cli.main(["bench", "openfold-stack", *TINY_STACK, "--blocks", "1", "--device", "cpu",
+                     "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "openfold_stack.json").read_text())
+    markdown = (tmp_path / "openfold_stack.md").read_text()
+    assert markdown.count("| default |") == 1 and markdown.count("| ds4sci |") == 1 and "Allocator:" in markdown
+    assert report["command"].startswith("ds4sci bench openfold-stack --n-seq 17 --n-res 20 --blocks 1 ")
+    assert report["config"]["backend"] == "torch" and report["config"]["n_res"] == 20
+    assert "VmHWM" in report["peak_method"] and isinstance(report["allocator"], dict)
+    default, ds4sci = report["results"]["default"], report["results"]["ds4sci"]
+    for r in (default, ds4sci):
+        assert set(r) == {"peak_bytes", "saved_bytes", "seconds"}
+        assert r["peak_bytes"] > 0 and r["saved_bytes"] > 0 and r["seconds"] > 0
+    assert ds4sci["saved_bytes"] < default["saved_bytes"]
+    assert report["saved_ratio"] == default["saved_bytes"] / ds4sci["saved_bytes"] > 1
+    assert set(report["relative_diff"]) == {"m", "z", "param_grads"}
+    assert 0 < max(report["relative_diff"].values()) < 1e-4
+
+
+def test_openfold_stack_bench_without_openfold3(monkeypatch, tmp_path, caplog):
+    """Without OpenFold3 the subcommand logs one error naming the extra and exits with 1, before writing anything."""
+    from ds4sci import cli
+
+    monkeypatch.setitem(sys.modules, "openfold3.core.model.latent.evoformer", None)  # makes the import fail
+    out = tmp_path / "out"
+    with caplog.at_level("ERROR"):
+        assert cli.main(["bench", "openfold-stack", "--out", str(out)]) == 1
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    assert "needs OpenFold3" in errors[0].getMessage() and "ds4sci[openfold]" in errors[0].getMessage()
+    assert not out.exists()

@@ -1,0 +1,165 @@
+"""Memory-measurement harness shared by the ``ds4sci bench`` memory benchmarks.
+
+- :func:`saved_for_backward`: the bytes autograd saves for backward during a block of code, counted as the unique
+  storages packed through ``torch.autograd.graph.saved_tensors_hooks`` (inputs such as q, k, v included when
+  autograd saves them; a storage shared by several saved tensors counts once);
+- :class:`PeakMemory`: the peak memory of a block of code above the memory held when it starts. On CUDA
+  ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``; on the CPU the peak resident set of this
+  process, ``VmHWM - VmRSS`` from ``/proc/self/status`` after resetting the high-water mark VmHWM to the current RSS
+  through ``/proc/self/clear_refs`` (Linux). ``ru_maxrss`` is not used: it survives fork+exec, so a child would
+  report its parent's peak;
+- :func:`run_in_subprocess`: one measurement in a fresh interpreter (``python -m ds4sci.bench.memory
+  module:function ARGS_JSON RESULT_JSON``), so one configuration's allocations, and the memory the allocator keeps
+  after them, never hide another's;
+- :func:`allocator_settings`: the allocator variables of the environment (glibc ``MALLOC_*_``, ``GLIBC_TUNABLES``,
+  ``PYTORCH_CUDA_ALLOC_CONF``). The harness sets none of them; reports record what was in force, since they change
+  how much freed memory stays resident.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: how a subprocess runs a measurement: ``python -m`` of this module
+HARNESS_MODULE = "ds4sci.bench.memory"
+_ALLOCATOR_VARIABLES = ("GLIBC_TUNABLES", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+class SavedBytes:
+    """Unique storages autograd packed for backward, by data pointer; :attr:`bytes` is their total size."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The pack hook: records the tensor's storage and hands the tensor back unchanged."""
+        storage = tensor.untyped_storage()
+        self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes of the storages recorded so far."""
+        return sum(self.storages.values())
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def saved_for_backward() -> Iterator[SavedBytes]:
+    """Count what autograd saves for backward inside the ``with`` block::
+
+        with saved_for_backward() as saved:
+            loss = model(x).sum()
+        loss.backward()
+        saved.bytes
+    """
+    saved = SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
+        yield saved
+
+
+def proc_status_bytes(field: str) -> int:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes (Linux)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's resident high-water mark (VmHWM) to its current RSS (Linux)."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+
+
+def peak_method(device: str | torch.device) -> str:
+    """How :class:`PeakMemory` measures on ``device``, for reports."""
+    if torch.device(device).type == "cuda":
+        return "torch.cuda.max_memory_allocated"
+    return "peak RSS (VmHWM - VmRSS) of a fresh subprocess per run"
+
+
+class PeakMemory:
+    """Peak memory of the ``with`` block above what is held when it starts, in :attr:`bytes`::
+
+        with PeakMemory(device) as peak:
+            step()
+        peak.bytes
+
+    On the CPU this is the process's peak RSS, so it is meaningful in a process that runs one measurement
+    (:func:`run_in_subprocess`), after a warm-up that loads lazily imported libraries.
+    """
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.before = 0
+        self.bytes = 0
+
+    def __enter__(self) -> PeakMemory:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak_rss()
+            self.before = proc_status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated() - self.before
+        else:
+            self.bytes = proc_status_bytes("VmHWM") - self.before
+
+
+def allocator_settings() -> dict[str, str]:
+    """The allocator variables set in this environment (children inherit them); empty means the defaults."""
+    return {name: value for name, value in sorted(os.environ.items())
+            if name in _ALLOCATOR_VARIABLES or (name.startswith("MALLOC_") and name.endswith("_"))}
+
+
+def describe_allocator(settings: dict[str, str]) -> str:
+    """One line for a report about :func:`allocator_settings`."""
+    if not settings:
+        return ("Allocator: defaults (no MALLOC_*_ / GLIBC_TUNABLES / PYTORCH_CUDA_ALLOC_CONF set; "
+                "glibc's mmap threshold starts at 128 KiB and adapts).")
+    return "Allocator: " + ", ".join(f"{name}={value}" for name, value in settings.items()) + "."
+
+
+def run_in_subprocess(target: str, *args: Any, env: dict[str, str] | None = None) -> Any:
+    """Call ``target`` (``"package.module:function"``) with JSON-serialisable ``args`` in a fresh interpreter and
+    return its (JSON-serialisable) result. ``env`` adds to this process's environment. Raises ``RuntimeError`` with
+    the end of the child's stderr if it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        command = [sys.executable, "-m", HARNESS_MODULE, target, json.dumps(list(args)), str(result)]
+        proc = subprocess.run(command, capture_output=True, text=True, check=False, env=os.environ | (env or {}))
+        if proc.returncode != 0:
+            raise RuntimeError(f"{target}{tuple(args)!r} failed in its subprocess:\n{proc.stderr[-4000:]}")
+        return json.loads(result.read_text())
+
+
+def _main(argv: list[str]) -> None:
+    target, args_json, result_path = argv
+    module_name, function_name = target.split(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    Path(result_path).write_text(json.dumps(function(*json.loads(args_json))))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
