@@ -1,8 +1,13 @@
 """The "torch" backend: memory-efficient Evoformer attention in plain PyTorch, chunked over queries.
 
 Forward processes one head and one chunk of C queries at a time, so that only one ``[Z, N, C, S]``
-logits block lives at a time, computes the softmax in fp32 (fp64 for fp64 inputs) and saves only O and the log-sum-exp.
-Backward recomputes each block's probabilities from the LSE, ``P = exp(S - LSE)``, and forms
+logits block lives at a time, computes the softmax in fp32 (fp64 for fp64 inputs) and saves only O and the softmax
+statistics ``stats [Z, N, H, S, 2]``: the row max m and the row sum l, kept apart (the log-sum-exp ``m + log l``
+loses ``log l`` to rounding when |m| is huge, as on a row fully masked with OpenFold's -1e9, where every logit rounds
+to the mask value and the softmax is uniform: recomputed from the sum it would be 1 instead of 1/S). The max is
+subtracted before exponentiating, ``exp(s - m)``, which is exact for ``s == m`` at any magnitude (a mask of
+``finfo(float32).min`` included). Backward recomputes each block's probabilities as ``P = exp(S - m) / l`` and
+forms
 ``dS = P * (dP - rowsum(dO * O))`` (the FlashAttention-2 backward, Dao 2023, Algorithm 2, applied per
 query chunk as in Rabe & Staats 2021, "Self-attention does not need O(n^2) memory"). The pair-bias
 gradient is ``dS`` summed over N with an ordinary (deterministic) reduction, one query chunk at a time, so
@@ -59,13 +64,14 @@ def _block_logits(
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Backend contract ``forward``: o ``[Z, N, S, H, D]`` in q's dtype, lse ``[Z, N, H, S]`` (fp32; fp64 for fp64)."""
+    """Backend contract ``forward``: o ``[Z, N, S, H, D]`` in q's dtype, stats ``[Z, N, H, S, 2]`` (row max, row sum;
+    fp32, fp64 for fp64; ``(+inf, +inf)`` on fully ``-inf`` rows)."""
     z, n, s_len, h, d = q.shape
     cdt = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(d)
     mask_c = None if mask is None else mask.to(cdt)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [Z, N, S, H, D]
-    lse = torch.empty((z, n, h, s_len), dtype=cdt, device=q.device)  # [Z, N, H, S]
+    stats = torch.empty((z, n, h, s_len, 2), dtype=cdt, device=q.device)  # [Z, N, H, S, (max, sum)]
     chunk = _chunk_size(z, n, s_len, cdt)
     with ieee_fp32_matmul(q.device):
         for hh in range(h):
@@ -86,8 +92,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optio
                 blk.div_(denom.masked_fill(empty, 1.0))
                 # [Z*N, C, S] @ [Z*N, S, D] -> [Z*N, C, D] -> [Z, N, C, D]
                 o[:, :, i0:i1, hh] = torch.bmm(blk.view(z * n, i1 - i0, s_len), v_h).view(z, n, i1 - i0, d)
-                lse[:, :, hh, i0:i1] = (row_max + denom.log()).masked_fill_(empty, math.inf).squeeze(-1)
-    return o, lse
+                stats[:, :, hh, i0:i1, 0] = row_max.masked_fill_(empty, math.inf).squeeze(-1)
+                stats[:, :, hh, i0:i1, 1] = denom.masked_fill_(empty, math.inf).squeeze(-1)
+    return o, stats
 
 
 def backward(
@@ -96,13 +103,13 @@ def backward(
     k: Tensor,
     v: Tensor,
     o: Tensor,
-    lse: Tensor,
+    stats: Tensor,
     mask: Optional[Tensor],
     pair: Optional[Tensor],
     need_mask_grad: bool,
     need_pair_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """Backend contract ``backward``: recompute P per head and query chunk from the LSE.
+    """Backend contract ``backward``: recompute P per head and query chunk from :func:`forward`'s stats.
 
     Returns dq, dk, dv in q's dtype; dmask ``[Z, N, S]`` per n (not reduced) and dpair ``[Z, H, S, S]``
     summed over N, both fp32 (fp64 for fp64 inputs), or None when not requested.
@@ -128,8 +135,8 @@ def backward(
                 p = _block_logits(
                     q_h[:, i0:i1], k_h.transpose(1, 2), mask_c, None if pair_h is None else pair_h[:, i0:i1], z, scale
                 )  # [Z, N, C, S]
-                # P = exp(S - LSE); LSE = +inf on fully -inf rows gives exact zeros.
-                p.sub_(lse[:, :, hh, i0:i1, None]).exp_()
+                # P = exp(S - m) / l: the max first (exact for S == m); (+inf, +inf) on fully -inf rows: zeros.
+                p.sub_(stats[:, :, hh, i0:i1, 0, None]).exp_().div_(stats[:, :, hh, i0:i1, 1, None])
                 p3 = p.view(z * n, c, s_len)
                 # dV += P^T @ dO: [Z*N, S, C] @ [Z*N, C, D] -> [Z*N, S, D]
                 dv_h.baddbmm_(p3.transpose(1, 2), do_h[:, i0:i1])

@@ -42,8 +42,11 @@ through one ``torch.library`` custom op pair, ``ds4sci::evoformer_attention_fwd`
 Backend contract (canonical shapes, Z = flattened batch): every backend module exposes
 ``forward(q, k, v, mask, pair) -> (o, lse)`` and ``backward(do, q, k, v, o, lse, mask, pair, need_mask_grad,
 need_pair_grad) -> (dq, dk, dv, dmask, dpair)`` with q, k, v, o, do ``[Z, N, S, H, D]``, mask ``[Z, N, S]`` or
-None, pair ``[Z, H, S, S]`` or None (stride 0 on broadcast dims), lse ``[Z, N, H, S]`` fp32, dmask ``[Z, N, S]``
-per n, dpair ``[Z, H, S, S]`` summed over N. Bias gradients are reduced over their broadcast dims here, in
+None, pair ``[Z, H, S, S]`` or None (stride 0 on broadcast dims), dmask ``[Z, N, S]`` per n, dpair ``[Z, H, S, S]``
+summed over N, and the softmax statistics saved for backward (named ``lse`` in the signatures) ``[Z, N, H, S, 2]``
+fp32 (fp64 for fp64 inputs): the row max m of the biased logits and the row sum ``l = sum_j exp(s_j - m)``, kept
+apart (the log-sum-exp ``m + log l`` in fp32 loses ``log l`` when |m| is huge, e.g. rows fully masked with -1e9);
+``(+inf, +inf)`` on rows whose keys are all ``-inf``. Bias gradients are reduced over their broadcast dims here, in
 fp32, then cast to the bias dtype.
 """
 from __future__ import annotations
@@ -296,7 +299,8 @@ def _canonical(
 def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor], backend: str
 ) -> tuple[Tensor, Tensor]:
-    """o ``[*batch, N, S, H, D]`` and lse ``[Z, N, H, S]``; biases already padded to q's rank."""
+    """o ``[*batch, N, S, H, D]`` and the softmax statistics ``[Z, N, H, S, 2]`` (row max, row sum; see the
+    backend contract); biases already padded to q's rank."""
     qc, kc, vc, mc, pc = _canonical(q, k, v, mask, pair)
     o, lse = _backend_module(backend).forward(qc, kc, vc, mc, pc)
     return o.reshape(q.shape).contiguous(), lse.contiguous()
@@ -307,7 +311,7 @@ def _(q, k, v, mask, pair, backend):
     *batch, n, s, h, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
-        (math.prod(batch), n, h, s), dtype=lse_dtype
+        (math.prod(batch), n, h, s, 2), dtype=lse_dtype
     )
 
 

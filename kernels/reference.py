@@ -11,8 +11,8 @@ given (fp64 in, fp64 arithmetic out), so tests can measure PyTorch's own same-dt
 fp64 run. The full logits tensor ``[Z, N, H, S, S]`` is materialised: this path is for correctness, not
 memory.
 
-A query row whose keys are all masked with ``-inf`` is defined as zeros (never NaN); its log-sum-exp is
-stored as ``+inf`` so that ``exp(s - lse) = 0`` in any backward that recomputes probabilities.
+A query row whose keys are all masked with ``-inf`` is defined as zeros (never NaN); its softmax statistics are
+stored as ``(+inf, +inf)`` so that ``exp(s - m) / l = 0`` in any backward that recomputes probabilities.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def logits(q: Tensor, k: Tensor, mask: Optional[Tensor], pair: Optional[Tensor])
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Attention output and log-sum-exp; differentiable with plain autograd.
+    """Attention output and softmax statistics; differentiable with plain autograd.
 
     Args:
         q, k, v: ``[Z, N, S, H, D]``, same dtype and device.
@@ -65,8 +65,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optio
         pair: ``[Z, H, S, S]`` (query x key) additive bias, or None.
 
     Returns:
-        o ``[Z, N, S, H, D]`` in q's dtype and lse ``[Z, N, H, S]`` (natural log; float32 for
-        fp16/bf16/fp32 inputs, float64 for fp64 inputs; ``+inf`` on fully ``-inf``-masked rows).
+        o ``[Z, N, S, H, D]`` in q's dtype and stats ``[Z, N, H, S, 2]``: the row max m of the biased logits and
+        the row sum ``l = sum_j exp(s_j - m)``, kept apart (the log-sum-exp ``m + log l`` in fp32 loses ``log l``
+        when |m| is huge); float32 for fp16/bf16/fp32 inputs, float64 for fp64
+        inputs; ``(+inf, +inf)`` on fully ``-inf``-masked rows.
     """
     with ieee_fp32_matmul(q.device):
         s = logits(q, k, mask, pair)  # [Z, N, H, S, S]
@@ -80,9 +82,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optio
         p = e / torch.where(empty, torch.ones_like(denom), denom)
         # [Z, N, H, Sq, Sk] x [Z, N, Sk, H, D] -> [Z, N, Sq, H, D]
         o = torch.einsum("znhij,znjhd->znihd", p, v)
-        lse = torch.where(empty, torch.full_like(denom, math.inf), row_max + torch.log(denom)).squeeze(-1)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return o, lse.detach().to(lse_dtype)
+        inf = torch.full_like(denom, math.inf)
+        stats = torch.cat([torch.where(empty, inf, row_max), torch.where(empty, inf, denom)], dim=-1)
+    stats_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return o, stats.detach().to(stats_dtype)  # [Z, N, H, S, 2]
 
 
 def backward(
@@ -91,7 +94,7 @@ def backward(
     k: Tensor,
     v: Tensor,
     o: Tensor,
-    lse: Tensor,
+    stats: Tensor,
     mask: Optional[Tensor],
     pair: Optional[Tensor],
     need_mask_grad: bool,
@@ -99,11 +102,11 @@ def backward(
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Gradients by recomputing :func:`forward` under autograd (the backend contract's ``backward``).
 
-    ``o`` and ``lse`` are accepted for the contract and not used. Returns dq, dk, dv in q's dtype,
+    ``o`` and ``stats`` are accepted for the contract and not used. Returns dq, dk, dv in q's dtype,
     dmask ``[Z, N, S]`` (per n, not reduced over broadcast dims) and dpair ``[Z, H, S, S]`` (summed over
     N), both float32 (float64 for fp64 inputs), or None when not requested.
     """
-    del o, lse
+    del o, stats
     grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.enable_grad():
         q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))

@@ -7,12 +7,26 @@ forward kernel loops over key tiles and, in registers,
 
     s = (q k^T / sqrt(D) + mask[z, n, j]) + pair[z, h, i, j]     (fp32; the order every backend uses)
 
-then updates a running row maximum, row sum and output accumulator in fp32 (``exp2`` with the ``log2 e`` factor
-folded in). The logits never reach memory; the mask-bias row ``[Z, N, S]`` and the pair-bias tile ``[Z, H, S, S]``
-are read through their strides (stride 0 on broadcast dims is never materialised; one pair tile serves every n).
-Only O (input dtype) and the natural-log log-sum-exp (fp32, ``[Z, N, H, S]``) are stored.
+then updates a running row maximum m, row sum l and output accumulator in fp32 (the online softmax of Milakov &
+Gimelshein 2018, "Online normalizer calculation for softmax"). The logits never reach memory; the mask-bias row
+``[Z, N, S]`` and the pair-bias tile ``[Z, H, S, S]`` are read through their strides (stride 0 on broadcast dims is
+never materialised; one pair tile serves every n). Only O (input dtype) and the softmax statistics
+``stats [Z, N, H, S, 2]`` (fp32: the row max m and the row sum l, kept apart) are stored.
 
-Backward recomputes ``P = exp(S - LSE)`` tile by tile (FlashAttention-2, Algorithm 2) in four kernels:
+Softmax arithmetic (exact whatever the GPU compiler fuses). Every exponent is ``exp2((s - m) * log2 e)``: the max
+is subtracted in the unscaled domain, then one scaling. The compiler contracts ``a*c - b`` into a fused
+multiply-add with one rounding, so the textbook ``exp2(s*log2e - m*log2e)`` becomes ``exp2(fma(s, log2e,
+-round(m*log2e)))`` on a GPU, whose exponent for a row at m ~ -1e9 (OpenFold's finite mask) is the rounding error of
+``m*log2e``, up to 64: l and the accumulator grow by ~2^18 per key tile and overflow (the interpreter, rounding each
+operation, never shows it). ``s - m`` is exact for ``s == m`` and no large operand reaches ``exp2``. Before the
+first finite logit of a row the max is -inf and 0 is subtracted instead (``-inf - -inf`` would be NaN); with a mask
+of ``finfo(float32).min`` the logits stay finite (no ``s * log2e`` overflow to -inf). The max and the sum are
+stored apart because the log-sum-exp ``m + log l`` in fp32 loses ``log l`` when |m| is huge (1e9: spacing 64): a
+fully masked row with a finite mask (uniform attention over the row, the logits all rounding to the mask value)
+would be recomputed as ``P = 1`` instead of ``1/S``. The backward forms ``P = exp2((s - m) * log2 e) * (1 / l)``
+(no addend inside the exponent either).
+
+Backward recomputes ``P`` from (m, l) tile by tile (FlashAttention-2, Algorithm 2) in four kernels:
 
 1. ``_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)`` in fp32.
 2. ``_bwd_dkdv_kernel``: one program per key tile, looping over query tiles: dK, dV and, when asked, the
@@ -25,8 +39,8 @@ Backward recomputes ``P = exp(S - LSE)`` tile by tile (FlashAttention-2, Algorit
 No kernel uses atomics, so two backward passes are bitwise equal (dpair and dmask included).
 
 Masking conventions (shared with ``ds4sci.kernels.reference``): a query row whose keys are all ``-inf`` gives zeros
-and ``lse = +inf``, so the backward's ``exp(S - LSE)`` is exactly 0 there and every gradient stays finite.
-Finite masks (OpenFold's ``-1e9``) are plain additive biases.
+and stats ``(+inf, +inf)``, so the backward's recomputed P is exactly 0 there and every gradient stays finite.
+Finite masks (OpenFold's ``-1e9``, down to ``finfo(float32).min``) are plain additive biases.
 
 Tiles. ``BLOCK_D`` is the head dim rounded up to a power of two (at least 16, ``tl.dot``'s minimum); the columns
 past D are masked. There is no ``EVEN_D`` constexpr for the aligned case: compiled for sm_80 with D = BLOCK_D = 64,
@@ -168,6 +182,22 @@ def _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK: tl.constexpr,
 
 
 @triton.jit
+def _load_stats(stats_ptrs, ok):
+    """Row max m and ``1 / l`` ``[BLOCK_M]`` from stats rows ``(m, l)`` (fp32); rows past S get m = +inf (P = 0)."""
+    row_max = tl.load(stats_ptrs, mask=ok, other=float("inf"))
+    inv_sum = 1.0 / tl.load(stats_ptrs + 1, mask=ok, other=1.0)  # l = +inf (fully -inf row): 0
+    return row_max, inv_sum
+
+
+@triton.jit
+def _probs(s, row_max, inv_sum):
+    """P = exp(s - m) / l as ``exp2((s - m) * log2 e) * (1 / l)``: the max is subtracted before any scaling and the
+    exponent has no addend, so no fused multiply-add of the (possibly huge) max feeds ``exp2``. m = l = +inf (fully
+    -inf row) gives exact zeros."""
+    return tl.math.exp2((s - row_max[:, None]) * _LOG2E) * inv_sum[:, None]
+
+
+@triton.jit
 def _split_pid(pid, num_tiles, N, H):
     """Flattened program id -> (tile, z, n, h, znh) with tiles fastest; znh = (z * N + n) * H + h."""
     tile = pid % num_tiles
@@ -185,7 +215,7 @@ def _split_pid(pid, num_tiles, N, H):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Mask, Pair, O, Lse,
+    Q, K, V, Mask, Pair, O, Stats,
     stride_qz, stride_qn, stride_qs, stride_qh, stride_qd,
     stride_kz, stride_kn, stride_ks, stride_kh, stride_kd,
     stride_vz, stride_vn, stride_vs, stride_vh, stride_vd,
@@ -238,10 +268,11 @@ def _fwd_kernel(
             pair_tile = tl.load(p_ptrs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows with every key so far at -inf: shift by 0 so exp2 gives exact zeros, never NaN (-inf - -inf).
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new) * _LOG2E
-        alpha = tl.math.exp2(m_i * _LOG2E - m_shift)  # rescales the old sum and accumulator
-        p = tl.math.exp2(s * _LOG2E - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
+        # Rows with every key so far at -inf subtract 0, so exp2 gives exact zeros, never NaN (-inf - -inf).
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # Subtract, then scale: exact for s == m whatever the compiler fuses (module docstring).
+        alpha = tl.math.exp2((m_i - m_sub) * _LOG2E)  # rescales the old sum and accumulator
+        p = tl.math.exp2((s - m_sub[:, None]) * _LOG2E)  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
         m_i = m_new
@@ -252,14 +283,16 @@ def _fwd_kernel(
         if HAS_PAIR:
             p_ptrs += BLOCK_N * stride_pj
 
-    empty = l_i == 0.0  # every key -inf: output zeros, lse = +inf
-    l_safe = tl.where(empty, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    lse = tl.where(empty, float("inf"), m_i + tl.log(l_safe))
+    empty = l_i == 0.0  # every key -inf: output zeros, stats (+inf, +inf)
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    row_max = tl.where(empty, float("inf"), m_i)
+    row_sum = tl.where(empty, float("inf"), l_i)  # kept apart from m: m + log l would round log l away
     o_base = z * stride_oz + n * stride_on + h * stride_oh + start_m.to(tl.int64) * stride_os
     o_ptrs = O + o_base + rows[:, None] * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=qd_ok)
-    tl.store(Lse + znh * S + start_m + rows, lse, mask=query_ok)  # lse [Z, N, H, S], contiguous
+    stats_ptrs = Stats + (znh * S + start_m + rows) * 2  # stats [Z, N, H, S, 2], contiguous
+    tl.store(stats_ptrs, row_max, mask=query_ok)
+    tl.store(stats_ptrs + 1, row_sum, mask=query_ok)
 
 
 @triton.jit
@@ -287,7 +320,7 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Mask, Pair, DO, Lse, Delta, DK, DV, DMaskPart,
+    Q, K, V, Mask, Pair, DO, Stats, Delta, DK, DV, DMaskPart,
     stride_qz, stride_qn, stride_qs, stride_qh, stride_qd,
     stride_kz, stride_kn, stride_ks, stride_kh, stride_kd,
     stride_vz, stride_vn, stride_vs, stride_vh, stride_vd,
@@ -300,7 +333,7 @@ def _bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr, HAS_PAIR: tl.constexpr, MASK_GRAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program: a tile of BLOCK_N keys of one (z, n, h); loops over query tiles, recomputing P from the LSE.
+    """One program: a tile of BLOCK_N keys of one (z, n, h); loops over query tiles, recomputing P from the stats.
 
     Writes dK, dV and, with MASK_GRAD, this head's share of the mask-bias gradient ``sum_i dS[i, j]`` into
     ``DMaskPart [Z, N, H, S]`` (summed over H by the launcher: no atomics, deterministic).
@@ -330,12 +363,12 @@ def _bwd_dkdv_kernel(
     if HAS_PAIR:  # [BLOCK_M, BLOCK_N] of pair[z, h, :, start_n:] at query tile 0, advanced by BLOCK_M rows per step
         p_base = z * stride_pz + h * stride_ph + start_n.to(tl.int64) * stride_pj
         p_ptrs = Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj
-    # [BLOCK_M, BLOCK_D] tiles of q[z, n, :, h, :] and dO at query tile 0; lse and delta rows [BLOCK_M]
+    # [BLOCK_M, BLOCK_D] tiles of q[z, n, :, h, :] and dO at query tile 0; stats and delta rows [BLOCK_M]
     q_base = z * stride_qz + n * stride_qn + h * stride_qh
     q_ptrs = Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
     do_base = z * stride_doz + n * stride_don + h * stride_doh
     do_ptrs = DO + do_base + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
-    lse_ptrs = Lse + znh * S + rows
+    stats_ptrs = Stats + (znh * S + rows) * 2
     delta_ptrs = Delta + znh * S + rows
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -346,12 +379,12 @@ def _bwd_dkdv_kernel(
         qd_ok = query_ok[:, None] & d_ok[None, :]
         q = tl.load(q_ptrs, mask=qd_ok, other=0.0)
         do = tl.load(do_ptrs, mask=qd_ok, other=0.0)
-        lse = tl.load(lse_ptrs, mask=query_ok, other=float("inf"))  # +inf: P = 0 on rows past S
+        row_max, inv_sum = _load_stats(stats_ptrs, query_ok)  # m = +inf: P = 0 on rows past S
         delta = tl.load(delta_ptrs, mask=query_ok, other=0.0)
         if HAS_PAIR:
             pair_tile = tl.load(p_ptrs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
-        p = tl.math.exp2(s * _LOG2E - lse[:, None] * _LOG2E)  # lse = +inf (fully masked row): exact 0
+        p = _probs(s, row_max, inv_sum)  # exact 0 on fully -inf rows
         dv += _dot(tl.trans(p.to(do.dtype)), do)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
         dp = _dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         ds = p * (dp - delta[:, None])  # gradient of the logits s
@@ -360,7 +393,7 @@ def _bwd_dkdv_kernel(
             dmask += tl.sum(ds, 0)
         q_ptrs += BLOCK_M * stride_qs
         do_ptrs += BLOCK_M * stride_dos
-        lse_ptrs += BLOCK_M
+        stats_ptrs += 2 * BLOCK_M
         delta_ptrs += BLOCK_M
         if HAS_PAIR:
             p_ptrs += BLOCK_M * stride_pi
@@ -377,7 +410,7 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Mask, Pair, DO, Lse, Delta, DQ,
+    Q, K, V, Mask, Pair, DO, Stats, Delta, DQ,
     stride_qz, stride_qn, stride_qs, stride_qh, stride_qd,
     stride_kz, stride_kn, stride_ks, stride_kh, stride_kd,
     stride_vz, stride_vn, stride_vs, stride_vh, stride_vd,
@@ -401,12 +434,12 @@ def _bwd_dq_kernel(
     query_ok = start_m + rows < S
     qd_ok = query_ok[:, None] & d_ok[None, :]  # [BLOCK_M, BLOCK_D]
 
-    # q[z, n, start_m:, h, :] and dO as [BLOCK_M, BLOCK_D] tiles; lse and delta rows [BLOCK_M]
+    # q[z, n, start_m:, h, :] and dO as [BLOCK_M, BLOCK_D] tiles; stats and delta rows [BLOCK_M]
     q_base = z * stride_qz + n * stride_qn + h * stride_qh + start_m.to(tl.int64) * stride_qs
     do_base = z * stride_doz + n * stride_don + h * stride_doh + start_m.to(tl.int64) * stride_dos
     q = tl.load(Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=qd_ok, other=0.0)
     do = tl.load(DO + do_base + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=qd_ok, other=0.0)
-    lse = tl.load(Lse + znh * S + start_m + rows, mask=query_ok, other=float("inf"))
+    row_max, inv_sum = _load_stats(Stats + (znh * S + start_m + rows) * 2, query_ok)
     delta = tl.load(Delta + znh * S + start_m + rows, mask=query_ok, other=0.0)
     # [BLOCK_N, BLOCK_D] tiles of k[z, n, :, h, :] and v at key tile 0, advanced by BLOCK_N rows per step
     k_base = z * stride_kz + n * stride_kn + h * stride_kh
@@ -432,7 +465,7 @@ def _bwd_dq_kernel(
         if HAS_PAIR:
             pair_tile = tl.load(p_ptrs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
-        p = tl.math.exp2(s * _LOG2E - lse[:, None] * _LOG2E)
+        p = _probs(s, row_max, inv_sum)
         dp = _dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
@@ -450,7 +483,7 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dpair_kernel(
-    Q, K, V, Mask, Pair, DO, Lse, Delta, DPair,
+    Q, K, V, Mask, Pair, DO, Stats, Delta, DPair,
     stride_qz, stride_qn, stride_qs, stride_qh, stride_qd,
     stride_kz, stride_kn, stride_ks, stride_kh, stride_kd,
     stride_vz, stride_vn, stride_vs, stride_vh, stride_vd,
@@ -498,8 +531,8 @@ def _bwd_dpair_kernel(
     k_ptrs = K + k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
     v_base = z * stride_vz + h * stride_vh + start_n * stride_vs
     v_ptrs = V + v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
-    # lse and delta [Z, N, H, S] (contiguous): rows of (z, n, h) start at ((z * N + n) * H + h) * S
-    lse_ptrs = Lse + (z * N * H + h) * S + start_m + rows
+    # delta [Z, N, H, S] and stats [Z, N, H, S, 2] (contiguous): rows of (z, n, h) start at ((z * N + n) * H + h) * S
+    stats_ptrs = Stats + ((z * N * H + h) * S + start_m + rows) * 2
     delta_ptrs = Delta + (z * N * H + h) * S + start_m + rows
     mask_row = tl.zeros([BLOCK_N], tl.float32)
     if HAS_MASK:  # [BLOCK_N] of mask[z, n, start_n:] at n = 0
@@ -511,19 +544,19 @@ def _bwd_dpair_kernel(
         do = tl.load(do_ptrs, mask=qd_ok, other=0.0)
         k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
         v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
-        lse = tl.load(lse_ptrs, mask=query_ok, other=float("inf"))
+        row_max, inv_sum = _load_stats(stats_ptrs, query_ok)
         delta = tl.load(delta_ptrs, mask=query_ok, other=0.0)
         if HAS_MASK:
             mask_row = tl.load(m_ptrs, mask=key_ok, other=0.0).to(tl.float32)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, True)  # [BLOCK_M, BLOCK_N]
-        p = tl.math.exp2(s * _LOG2E - lse[:, None] * _LOG2E)
+        p = _probs(s, row_max, inv_sum)
         dp = _dot(do, tl.trans(v))
         dpair += p * (dp - delta[:, None])  # dS of this n
         q_ptrs += stride_qn
         do_ptrs += stride_don
         k_ptrs += stride_kn
         v_ptrs += stride_vn
-        lse_ptrs += H * S
+        stats_ptrs += 2 * H * S
         delta_ptrs += H * S
         if HAS_MASK:
             m_ptrs += stride_mn
@@ -565,13 +598,15 @@ def _bias_strides(mask: Optional[Tensor], pair: Optional[Tensor]) -> tuple[int, 
     return (*(mask.stride() if mask is not None else (0, 0, 0)), *(pair.stride() if pair is not None else (0, 0, 0, 0)))
 
 
-def fwd_launch(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor], o: Tensor, lse: Tensor):
+def fwd_launch(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor], o: Tensor, stats: Tensor
+):
     """(grid, positional args, constexpr/launch kwargs) of the forward kernel; shared with the AOT compile gate."""
     z, n, s, h, d = q.shape
     cfg = _config(q.dtype, d)
     t = cfg.fwd
     args = (
-        q, k, v, mask, pair, o, lse,
+        q, k, v, mask, pair, o, stats,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *_bias_strides(mask, pair),
         n, h, s, d, 1.0 / math.sqrt(d),
     )
@@ -583,7 +618,7 @@ def fwd_launch(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Op
 
 
 def bwd_launches(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, mask: Optional[Tensor], pair: Optional[Tensor],
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, mask: Optional[Tensor], pair: Optional[Tensor],
     delta: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, dmask_part: Optional[Tensor], dpair: Optional[Tensor],
 ) -> list:
     """[(kernel, grid, args, meta)] of the backward in launch order; shared with the AOT compile gate."""
@@ -602,17 +637,17 @@ def bwd_launches(
         (_bwd_preprocess_kernel, (num_m * z * n * h,), (o, do, delta, *o.stride(), *do.stride(), *dims),
          dict(BLOCK_M=t.block_m, **common)),
         (_bwd_dkdv_kernel, (num_n * z * n * h,),
-         (q, k, v, mask, pair, do, lse, delta, dk, dv, dmask_part, *qkvdo_strides, *dk.stride(), *dv.stride(),
+         (q, k, v, mask, pair, do, stats, delta, dk, dv, dmask_part, *qkvdo_strides, *dk.stride(), *dv.stride(),
           *bias_strides, *dims, scale),
          dict(**bias_flags, MASK_GRAD=dmask_part is not None, **tiles, **common)),
         (_bwd_dq_kernel, (num_m * z * n * h,),
-         (q, k, v, mask, pair, do, lse, delta, dq, *qkvdo_strides, *dq.stride(), *bias_strides, *dims, scale),
+         (q, k, v, mask, pair, do, stats, delta, dq, *qkvdo_strides, *dq.stride(), *bias_strides, *dims, scale),
          dict(**bias_flags, **tiles, **common)),
     ]
     if dpair is not None:
         launches.append(
             (_bwd_dpair_kernel, (num_m * num_n * z * h,),
-             (q, k, v, mask, pair, do, lse, delta, dpair, *qkvdo_strides, *bias_strides, *dims, scale),
+             (q, k, v, mask, pair, do, stats, delta, dpair, *qkvdo_strides, *bias_strides, *dims, scale),
              dict(HAS_MASK=mask is not None, **tiles, **common))
         )
     return launches
@@ -624,7 +659,8 @@ def bwd_launches(
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Backend contract ``forward``: o ``[Z, N, S, H, D]`` in q's dtype and lse ``[Z, N, H, S]`` fp32.
+    """Backend contract ``forward``: o ``[Z, N, S, H, D]`` in q's dtype and stats ``[Z, N, H, S, 2]`` fp32 (row max
+    m of the biased logits and row sum ``l = sum_j exp(s_j - m)``; ``(+inf, +inf)`` on fully ``-inf`` rows).
 
     q, k, v may be arbitrary strided views; mask ``[Z, N, S]`` and pair ``[Z, H, S, S]`` (any floating dtype,
     stride 0 on broadcast dims) are read in place.
@@ -632,10 +668,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optio
     _check_inputs(q, k, v, mask, pair)
     z, n, s, h, _ = q.shape
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [Z, N, S, H, D]
-    lse = torch.empty((z, n, h, s), dtype=torch.float32, device=q.device)  # [Z, N, H, S]
-    grid, args, meta = fwd_launch(q, k, v, mask, pair, o, lse)
+    stats = torch.empty((z, n, h, s, 2), dtype=torch.float32, device=q.device)  # [Z, N, H, S, (max, sum)]
+    grid, args, meta = fwd_launch(q, k, v, mask, pair, o, stats)
     _fwd_kernel[grid](*args, **meta)
-    return o, lse
+    return o, stats
 
 
 def backward(
@@ -644,32 +680,34 @@ def backward(
     k: Tensor,
     v: Tensor,
     o: Tensor,
-    lse: Tensor,
+    stats: Tensor,
     mask: Optional[Tensor],
     pair: Optional[Tensor],
     need_mask_grad: bool,
     need_pair_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Backend contract ``backward``: dq, dk, dv in q's dtype; dmask ``[Z, N, S]`` fp32 per n and dpair
-    ``[Z, H, S, S]`` fp32 summed over N, each None unless requested (and the bias present)."""
+    ``[Z, H, S, S]`` fp32 summed over N, each None unless requested (and the bias present). stats is
+    :func:`forward`'s fp32 ``[Z, N, H, S, 2]``."""
     _check_inputs(q, k, v, mask, pair)
     z, n, s, h, d = q.shape
     if do.shape != q.shape or o.shape != q.shape:
         raise ValueError(
             f"triton_evoformer: do and o must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}, {tuple(o.shape)}"
         )
-    if lse.shape != (z, n, h, s) or lse.dtype != torch.float32:
+    if stats.shape != (z, n, h, s, 2) or stats.dtype != torch.float32:
         raise ValueError(
-            f"triton_evoformer: lse must be fp32 [Z, N, H, S] = {(z, n, h, s)}, got {lse.dtype} {tuple(lse.shape)}"
+            f"triton_evoformer: stats must be fp32 [Z, N, H, S, 2] = {(z, n, h, s, 2)}, got {stats.dtype} "
+            f"{tuple(stats.shape)}"
         )
-    lse = lse.contiguous()  # the kernels index lse (and delta) as contiguous [Z, N, H, S]
+    stats = stats.contiguous()  # the kernels index stats [Z, N, H, S, 2] and delta [Z, N, H, S] as contiguous
     need_mask_grad = need_mask_grad and mask is not None
     need_pair_grad = need_pair_grad and pair is not None
-    delta = torch.empty_like(lse)  # [Z, N, H, S] fp32
+    delta = torch.empty((z, n, h, s), dtype=torch.float32, device=q.device)  # [Z, N, H, S] fp32
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))  # [Z, N, S, H, D]
     dmask_part = torch.empty((z, n, h, s), dtype=torch.float32, device=q.device) if need_mask_grad else None
     dpair = torch.empty((z, h, s, s), dtype=torch.float32, device=q.device) if need_pair_grad else None
-    for kernel, grid, args, meta in bwd_launches(do, q, k, v, o, lse, mask, pair, delta, dq, dk, dv, dmask_part, dpair):
+    for kernel, grid, args, meta in bwd_launches(do, q, k, v, o, stats, mask, pair, delta, dq, dk, dv, dmask_part, dpair):
         kernel[grid](*args, **meta)
     # [Z, N, H, S] per-head partials -> [Z, N, S]: a fixed-order reduction, deterministic
     dmask = dmask_part.sum(dim=2) if need_mask_grad else None

@@ -41,11 +41,11 @@ def test_reference_matches_loop_definition(use_mask, use_pair):
     q, k, v, mask, pair = _inputs()
     mask = mask if use_mask else None
     pair = pair if use_pair else None
-    o, lse = reference.forward(q, k, v, mask, pair)
+    o, stats = reference.forward(q, k, v, mask, pair)  # stats [Z, N, H, S, (row max, row sum)]
     o_loop, lse_loop = _loop_attention(q, k, v, mask, pair)
     torch.testing.assert_close(o, o_loop, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lse, lse_loop, rtol=1e-12, atol=1e-12)
-    assert lse.dtype == torch.float64
+    torch.testing.assert_close(stats[..., 0] + stats[..., 1].log(), lse_loop, rtol=1e-12, atol=1e-12)
+    assert stats.dtype == torch.float64 and stats.shape == (*lse_loop.shape, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
