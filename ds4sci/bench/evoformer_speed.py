@@ -23,7 +23,8 @@ recorded: the peak CUDA memory of one forward+backward above what the inputs hol
 implementation's output from the ``ds4sci-torch`` output (a fast kernel that computes something else shows here).
 
 Needs a CUDA GPU and compiled kernels: without CUDA (or with ``TRITON_INTERPRET=1``) it prints one line saying so and
-returns 1. Writes ``evoformer_speed.json`` and ``evoformer_speed.md`` to ``--out``.
+returns 1. Writes ``evoformer_speed.json`` and ``evoformer_speed.md`` to ``--out``; returns 1 when a ds4sci
+implementation fails (another package's failure, such as DeepSpeed's JIT build, is recorded in the report).
 """
 from __future__ import annotations
 
@@ -264,5 +265,6 @@ def run(args: argparse.Namespace) -> int:
     }
     path = write_report(args.out, "evoformer_speed", report, _markdown(report))
     logger.info("evoformer-speed: wrote %s", path)
-    failed = [r for r in results if "error" in r]
+    # ds4sci's own failures fail the command; another package's kernel failing (say DeepSpeed's JIT build) is reported
+    failed = [r for r in results if "error" in r and r["impl"].startswith("ds4sci")]
     return 1 if failed else 0
