@@ -1,5 +1,11 @@
 """Evoformer attention: public API, input validation, backend dispatch and the ``torch.library`` custom op.
 
+Where things live: this module parses backend names (:func:`parse_backend`, the one parser, exported from
+``ds4sci.kernels``), validates every call once (:func:`_check_qkv`, :func:`_classify_biases`,
+:func:`_choose_backend`) and dispatches; the head-dim limits are constants in :mod:`ds4sci.kernels.limits`; the
+backend modules (:mod:`~ds4sci.kernels.chunked`, :mod:`~ds4sci.kernels.reference`,
+:mod:`~ds4sci.kernels.triton_evoformer`) compute on already validated canonical inputs and do not re-check them.
+
 ``evoformer_attention(q, k, v, biases)`` computes, with scale ``1/sqrt(D)``::
 
     o[..., n, i, h, :] = sum_j softmax_j(q[..., n, i, h, :] . k[..., n, j, h, :] / sqrt(D)
@@ -35,9 +41,11 @@ unambiguous it takes the remaining role, otherwise it is resolved by position as
 Backends (:class:`Backend`): ``"triton"`` (fused kernel, CUDA; CPU only under ``TRITON_INTERPRET=1``),
 ``"torch"`` (:mod:`ds4sci.kernels.chunked`: chunked over queries, recomputing backward, any device),
 ``"reference"`` (:mod:`ds4sci.kernels.reference`: plain PyTorch autograd, materialises the logits),
-``"auto"`` (triton for fp16/bf16/fp32 CUDA tensors with D <= 128, torch otherwise). The triton and torch backends run
-through one ``torch.library`` custom op pair, ``ds4sci::evoformer_attention_fwd`` / ``_bwd``, so
-``torch.compile`` sees a single opaque op with a registered fake and autograd formula.
+``"auto"`` (triton for fp16/bf16/fp32 CUDA tensors with D <= ``TRITON_MAX_HEAD_DIM`` = 128 when Triton imports,
+torch otherwise). The triton module is imported on first use (:func:`_triton_backend`), so ``import ds4sci.kernels``
+imports neither it nor Triton. The triton and torch backends run through one ``torch.library`` custom op pair,
+``ds4sci::evoformer_attention_fwd`` / ``_bwd``, so ``torch.compile`` sees a single opaque op with a registered fake
+and autograd formula; the op's ``backend`` string is mapped to its module by :func:`_backend_module`.
 
 Backend contract (canonical shapes, Z = flattened batch): every backend module exposes
 ``forward(q, k, v, mask, pair) -> (o, lse)`` and ``backward(do, q, k, v, o, lse, mask, pair, need_mask_grad,
@@ -53,7 +61,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import importlib
 import logging
 import math
 import os
@@ -64,10 +71,11 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from . import chunked, reference
+from .limits import MAX_HEAD_DIM, TRITON_MAX_HEAD_DIM
+
 logger = logging.getLogger(__name__)
 
-MAX_HEAD_DIM = 256
-TRITON_MAX_HEAD_DIM = 128  # the fused kernel's supported head dims (ds4sci.kernels.triton_evoformer)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -80,24 +88,46 @@ class Backend(str, enum.Enum):
     REFERENCE = "reference"
 
 
-_BACKEND_MODULES = {
-    Backend.TRITON: "ds4sci.kernels.triton_evoformer",
-    Backend.TORCH: "ds4sci.kernels.chunked",
-    Backend.REFERENCE: "ds4sci.kernels.reference",
-}
+def parse_backend(backend: Union[str, Backend]) -> Backend:
+    """``backend`` (a :class:`Backend` or its value) as a :class:`Backend`; the one place names are parsed.
+
+    Raises:
+        ValueError: naming the unknown value and listing the choices.
+    """
+    try:
+        return Backend(backend)
+    except ValueError:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {[b.value for b in Backend]}") from None
 
 
-def _backend_module(name: str) -> ModuleType:
-    # Imported lazily: the triton backend pulls in Triton, which the other backends do not need.
-    return importlib.import_module(_BACKEND_MODULES[Backend(name)])
+def _triton_backend() -> ModuleType:
+    """The triton backend module, imported on first use: it pulls in Triton, which the other backends do not need."""
+    from . import triton_evoformer
+
+    return triton_evoformer
 
 
-@torch.compiler.assume_constant_result  # run eagerly, not traced (imports, logging)
+def _backend_module(backend: str) -> ModuleType:
+    """The module behind the custom op's ``backend`` argument (a :class:`Backend` value other than ``"auto"``)."""
+    if backend == Backend.TRITON.value:
+        return _triton_backend()
+    if backend == Backend.TORCH.value:
+        return chunked
+    if backend == Backend.REFERENCE.value:
+        return reference
+    raise ValueError(f"evoformer_attention: the custom op needs a concrete backend, got {backend!r}")
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_import_error() -> str:
-    """Empty if the triton backend imports, else the import error (logged once as a warning)."""
+    """Empty if the triton backend imports, else the import error (logged once as a warning).
+
+    Not marked ``torch.compiler.assume_constant_result``: that decorator imports ``torch._dynamo`` (and with it
+    Triton, about 1.8 s) when this module is imported, and Dynamo ignores the mark on an ``lru_cache`` wrapper
+    anyway (torch 2.13 traces the wrapped function, with a warning; ``fullgraph=True`` compiles either way).
+    """
     try:
-        _backend_module(Backend.TRITON)
+        _triton_backend()
     except ImportError as err:
         logger.warning("evoformer_attention: the triton backend is unavailable (%s); auto uses the torch backend", err)
         return str(err)
@@ -227,13 +257,9 @@ def _classify_biases(biases: Optional[Sequence[Optional[Tensor]]], q: Tensor) ->
     return mask, pair
 
 
-def _resolve_backend(backend: Union[str, Backend], q: Tensor) -> Backend:
-    try:
-        chosen = Backend(backend)
-    except ValueError:
-        raise ValueError(
-            f"evoformer_attention: unknown backend {backend!r}; choose one of {[b.value for b in Backend]}"
-        ) from None
+def _choose_backend(backend: Union[str, Backend], q: Tensor) -> Backend:
+    """Parse ``backend``, pick triton or torch for ``"auto"``, and check that q suits the triton backend."""
+    chosen = parse_backend(backend)
     if chosen is Backend.AUTO:
         use_triton = (
             q.is_cuda
@@ -395,12 +421,10 @@ def _attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor], backend: Union[str, Backend]
 ) -> Tensor:
     """Shared tail of the public functions: biases already classified (and checked by the caller)."""
-    chosen = _resolve_backend(backend, q)
+    chosen = _choose_backend(backend, q)
     mask, pair = _pad_rank(mask, q.ndim), _pad_rank(pair, q.ndim)
     if chosen is Backend.REFERENCE:
         # The oracle stays plain autograd (bias gradients reduced by autograd in the bias dtype).
-        from . import reference
-
         qc, kc, vc, mc, pc = _canonical(q, k, v, mask, pair)
         o, _ = reference.forward(qc, kc, vc, mc, pc)
         return o.reshape(q.shape)
@@ -421,7 +445,8 @@ def evoformer_attention(
     Args:
         q, k, v: ``[*, N, S, H, D]`` (DeepSpeed4Science's layout; any number of leading batch dims, flattened
             internally), same shape, dtype (fp16, bf16, fp32; fp64 on the torch and reference backends) and
-            device; arbitrary strides. The logits are scaled by ``1/sqrt(D)``, D in 1..256.
+            device; arbitrary strides. The logits are scaled by ``1/sqrt(D)``, D in 1..256 (``MAX_HEAD_DIM``;
+            1..128 on the triton backend).
         biases: a list/tuple of at most two tensors (``None`` entries and ``None`` itself allowed): a mask bias
             broadcastable as ``[*, N, 1, 1, S]`` and a pair bias ``[*, 1, H, S, S]`` (leading dims may be 1 to
             broadcast). Roles are assigned by shape; see the module docstring for the ambiguous case. Any

@@ -52,12 +52,17 @@ double the variants to compile. Query/key tiles, warps and pipeline stages come 
 query the GPU, so the same path runs under ``TRITON_INTERPRET=1``.
 
 Limitations:
-- fp16, bf16 and fp32 inputs (fp32 matmuls are IEEE, never TF32); head dims 1..128 (``TRITON_MAX_HEAD_DIM``).
+- fp16, bf16 and fp32 inputs (fp32 matmuls are IEEE, never TF32); head dims 1..128 (``TRITON_MAX_HEAD_DIM`` in
+  :mod:`ds4sci.kernels.limits`).
 - The backward does more matmuls than a plain FlashAttention-2 backward: dQ is computed by its own kernel (no
   atomics) and the pair-bias gradient by a fifth kernel that recomputes ``QK^T`` and ``dO V^T`` once more.
 - Within one (z, n, h) slice, tile offsets are 32-bit: ``BLOCK * stride`` must fit in int32; per-program base
   offsets are 64-bit.
 - One flattened 1-D grid per kernel (tiles fastest), so ``Z * N * H`` has no 65535 grid-axis limit.
+
+Validation. :func:`forward` and :func:`backward` trust the backend contract of :mod:`ds4sci.kernels.evoformer`
+(canonical shapes, one dtype and device), which its public functions validate once per call; this module checks
+only the domain of its tile table (dtype and head dim, in :func:`_config`), which every launch goes through.
 """
 from __future__ import annotations
 
@@ -70,9 +75,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .limits import TRITON_MAX_HEAD_DIM
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 128
-#: ``BLOCK_D`` buckets: every head dim 1..128 rounds up to one of these.
+#: ``BLOCK_D`` buckets: every head dim 1..TRITON_MAX_HEAD_DIM rounds up to one of these.
 BLOCK_D_BUCKETS = (16, 32, 64, 128)
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * log2 e)
@@ -133,6 +139,7 @@ _TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles]] = {
     (True, 64): (Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
     (True, 128): (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),
 }
+assert BLOCK_D_BUCKETS[-1] == TRITON_MAX_HEAD_DIM and {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)
 
 
 def block_d_for(head_dim: int) -> int:
@@ -144,8 +151,8 @@ def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     """Tiles, warps and stages for ``dtype`` and ``head_dim`` (see ``_TABLE``); the only tile heuristic."""
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"triton_evoformer: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"triton_evoformer: head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    if not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
+        raise ValueError(f"triton_evoformer: head dim must be in 1..{TRITON_MAX_HEAD_DIM}, got D={head_dim}")
     block_d = block_d_for(head_dim)
     fwd, bwd = _TABLE[(dtype == torch.float32, block_d)]
     return KernelConfig(block_d=block_d, fwd=fwd, bwd=bwd)
@@ -567,30 +574,8 @@ def _bwd_dpair_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launchers: validate, allocate, build grids
+# Launchers: tile configuration, grids and arguments
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> None:
-    if q.ndim != 5 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(
-            f"triton_evoformer: q, k, v must be [Z, N, S, H, D] of one shape, got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"triton_evoformer: q, k, v must share one of {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    z, n, s, h, d = q.shape
-    if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"triton_evoformer: head dim must be in 1..{MAX_HEAD_DIM}, got D={d}")
-    if mask is not None and tuple(mask.shape) != (z, n, s):
-        raise ValueError(f"triton_evoformer: mask must be [Z, N, S] = {(z, n, s)}, got {tuple(mask.shape)}")
-    if pair is not None and tuple(pair.shape) != (z, h, s, s):
-        raise ValueError(f"triton_evoformer: pair must be [Z, H, S, S] = {(z, h, s, s)}, got {tuple(pair.shape)}")
-    for name, t in (("k", k), ("v", v), ("mask", mask), ("pair", pair)):
-        if t is not None and t.device != q.device:  # do and o are checked by backward
-            raise ValueError(f"triton_evoformer: {name} is on {t.device} but q is on {q.device}")
 
 
 def _bias_strides(mask: Optional[Tensor], pair: Optional[Tensor]) -> tuple[int, ...]:
@@ -663,9 +648,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optio
     m of the biased logits and row sum ``l = sum_j exp(s_j - m)``; ``(+inf, +inf)`` on fully ``-inf`` rows).
 
     q, k, v may be arbitrary strided views; mask ``[Z, N, S]`` and pair ``[Z, H, S, S]`` (any floating dtype,
-    stride 0 on broadcast dims) are read in place.
+    stride 0 on broadcast dims) are read in place. Inputs are not re-validated (see the module docstring).
     """
-    _check_inputs(q, k, v, mask, pair)
     z, n, s, h, _ = q.shape
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [Z, N, S, H, D]
     stats = torch.empty((z, n, h, s, 2), dtype=torch.float32, device=q.device)  # [Z, N, H, S, (max, sum)]
@@ -687,19 +671,9 @@ def backward(
     need_pair_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Backend contract ``backward``: dq, dk, dv in q's dtype; dmask ``[Z, N, S]`` fp32 per n and dpair
-    ``[Z, H, S, S]`` fp32 summed over N, each None unless requested (and the bias present). stats is
-    :func:`forward`'s fp32 ``[Z, N, H, S, 2]``."""
-    _check_inputs(q, k, v, mask, pair)
-    z, n, s, h, d = q.shape
-    if do.shape != q.shape or o.shape != q.shape:
-        raise ValueError(
-            f"triton_evoformer: do and o must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}, {tuple(o.shape)}"
-        )
-    if stats.shape != (z, n, h, s, 2) or stats.dtype != torch.float32:
-        raise ValueError(
-            f"triton_evoformer: stats must be fp32 [Z, N, H, S, 2] = {(z, n, h, s, 2)}, got {stats.dtype} "
-            f"{tuple(stats.shape)}"
-        )
+    ``[Z, H, S, S]`` fp32 summed over N, each None unless requested (and the bias present). do and o have q's
+    shape, stats is :func:`forward`'s fp32 ``[Z, N, H, S, 2]`` (not re-validated; see the module docstring)."""
+    z, n, s, h, _ = q.shape
     stats = stats.contiguous()  # the kernels index stats [Z, N, H, S, 2] and delta [Z, N, H, S] as contiguous
     need_mask_grad = need_mask_grad and mask is not None
     need_pair_grad = need_pair_grad and pair is not None

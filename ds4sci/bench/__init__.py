@@ -20,6 +20,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "peak memory and bytes saved for backward of an OpenFold3 EvoformerStack training step, with and without "
         "ds4sci",
     ),
+    "evoformer-speed": (
+        "ds4sci.bench.evoformer_speed",
+        "forward and backward times of Evoformer attention on a CUDA GPU: ds4sci triton/torch, OpenFold3's Triton "
+        "kernel and DeepSpeed's kernel where installed",
+    ),
     "kernels-aot": (
         "ds4sci.bench.kernels_aot",
         "compile every Triton Evoformer kernel variant for sm_80/sm_90 without a GPU: shared memory, registers, spills",

@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 
 from torch import Tensor
 
-from ds4sci.kernels import Backend, evoformer_attention
+from ds4sci.kernels import Backend, evoformer_attention, parse_backend
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,6 @@ TARGETS: dict[str, tuple[str, str]] = {
     "openfold3": ("openfold3.core.model.primitives.attention", "_deepspeed_evo_attn"),
     "openfold": ("openfold.model.primitives", "_deepspeed_evo_attn"),
 }
-
-
-def _resolve_backend(backend: Union[str, Backend]) -> Backend:
-    try:
-        return Backend(backend)
-    except ValueError:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {[b.value for b in Backend]}") from None
 
 
 class EvoAttentionAdapter:
@@ -62,7 +55,7 @@ class EvoAttentionAdapter:
     """
 
     def __init__(self, backend: Union[str, Backend] = Backend.AUTO, original: Any = None):
-        self.backend = _resolve_backend(backend)
+        self.backend = parse_backend(backend)
         self.original = original  # the function this adapter replaced, for reference only
 
     def __repr__(self) -> str:
@@ -161,7 +154,7 @@ def enable(backend: Union[str, Backend] = Backend.AUTO) -> list[str]:
         ImportError: neither ``openfold3`` nor ``openfold`` could be patched.
         ValueError: an unknown backend.
     """
-    backend = _resolve_backend(backend)  # validated before anything is touched
+    backend = parse_backend(backend)  # validated before anything is touched
     patched = []
     for package, (_, attr) in TARGETS.items():
         module = _import_target(package)

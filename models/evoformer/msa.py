@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from torch import Tensor, nn
 
-from ds4sci.kernels import Backend
+from ds4sci.kernels import Backend, parse_backend
 from ds4sci.models.evoformer.primitives import (
     Convention,
     GatedAttention,
@@ -21,7 +21,6 @@ from ds4sci.models.evoformer.primitives import (
     check_chunk_size,
     init_linear,
     mask_bias,
-    resolve_backend,
 )
 
 
@@ -53,7 +52,7 @@ class MSAAttention(nn.Module):
         self.pair_bias = pair_bias
         self.c_z = c_z
         self.inf = inf
-        self.backend = resolve_backend(backend)
+        self.backend = parse_backend(backend)
         self.layer_norm_m = LayerNorm(c_in)
         if pair_bias:
             self.layer_norm_z = LayerNorm(c_z)
@@ -178,7 +177,7 @@ class MSAColumnAttention(nn.Module):
 
     @backend.setter
     def backend(self, value: Union[str, Backend]) -> None:
-        self._msa_att.backend = resolve_backend(value)
+        self._msa_att.backend = parse_backend(value)
 
     def forward(self, m: Tensor, mask: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tensor:
         """Algorithm 8: ``o_si = g_si * sum_t softmax_t(q_si . k_ti / sqrt(c)) v_ti`` per head.

@@ -35,14 +35,6 @@ class Convention(str, enum.Enum):
     OPENFOLD = "openfold"
 
 
-def resolve_backend(backend: Union[str, Backend]) -> Backend:
-    """``Backend(backend)`` with an error that lists the choices."""
-    try:
-        return Backend(backend)
-    except ValueError:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {[b.value for b in Backend]}") from None
-
-
 def resolve_convention(convention: Union[str, Convention]) -> Convention:
     try:
         return Convention(convention)

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from torch import Tensor, nn
 
-from ds4sci.kernels import Backend
+from ds4sci.kernels import Backend, parse_backend
 from ds4sci.models.evoformer.primitives import (
     Convention,
     GatedAttention,
@@ -21,7 +21,6 @@ from ds4sci.models.evoformer.primitives import (
     check_chunk_size,
     init_linear,
     mask_bias,
-    resolve_backend,
     resolve_convention,
 )
 
@@ -53,7 +52,7 @@ class TriangleAttention(nn.Module):
         self.no_heads = no_heads
         self.starting = starting
         self.inf = inf
-        self.backend = resolve_backend(backend)
+        self.backend = parse_backend(backend)
         self.layer_norm = LayerNorm(c_in)
         # the triangle-bias projection is "linear_z" in OpenFold3 and "linear" in OpenFold
         self._bias_name = "linear" if convention is Convention.OPENFOLD else "linear_z"

@@ -5,13 +5,15 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4sci.kernels import Backend, DS4Sci_EvoformerAttention, chunked, evoformer_attention
+from ds4sci.kernels import Backend, DS4Sci_EvoformerAttention, chunked, evoformer_attention, parse_backend, reference
 from ds4sci.kernels import evoformer as evo
 
 HAS_TRITON_BACKEND = importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None
@@ -306,8 +308,28 @@ def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
 
 
 def test_auto_backend_is_torch_on_cpu():
-    assert evo._resolve_backend("auto", Q) is Backend.TORCH
-    assert evo._resolve_backend(Backend.REFERENCE, Q) is Backend.REFERENCE
+    assert evo._choose_backend("auto", Q) is Backend.TORCH
+    assert evo._choose_backend(Backend.REFERENCE, Q) is Backend.REFERENCE
+
+
+def test_parse_backend_is_the_one_parser():
+    assert all(parse_backend(b.value) is b and parse_backend(b) is b for b in Backend)
+    choices = r"\['auto', 'triton', 'torch', 'reference'\]"
+    with pytest.raises(ValueError, match=rf"unknown backend 'cuda'; choose one of {choices}"):
+        parse_backend("cuda")
+    # the custom op's backend string maps to the modules by explicit code; "auto" never reaches it
+    assert evo._backend_module("torch") is chunked and evo._backend_module("reference") is reference
+    with pytest.raises(ValueError, match="concrete backend, got 'auto'"):
+        evo._backend_module("auto")
+
+
+def test_import_does_not_import_triton():
+    # The triton backend (and Triton itself) load on first use; importing the package stays light.
+    code = (
+        "import sys, ds4sci.kernels; "
+        "sys.exit(int(any(m == 'triton' or m.startswith(('triton.', 'ds4sci.kernels.triton')) for m in sys.modules)))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0
 
 
 # ----------------------------------------------------------------------------------------------------------
