@@ -19,8 +19,14 @@ parallelism. A local attention is a callable::
   Ring attention backpropagates through the lse, so it carries autograd history when q, k, v do.
 
 Options beyond the protocol (``causal``, ``window``, ``mask``, ``alibi_slopes``, ``scale``) are keyword arguments;
-bind them with ``functools.partial(sdpa_attention, causal=True)``.
+bind them with ``functools.partial(memory_efficient_attention, causal=True)``.
 
+- :func:`memory_efficient_attention`: the default (GenSLM's core binds it). One entry point, no ``S x S`` tensor on
+  any path: flash-attn where it can express the call, the Triton kernel
+  (``ds4sci.kernels.triton_local_attention``) on CUDA otherwise, :func:`chunked_attention` elsewhere
+  (:func:`select_backend` states the rule; ``backend=`` forces one of :data:`ATTENTION_BACKENDS`).
+- :func:`chunked_attention`: FlashAttention-2's online softmax over (query chunk x key chunk) blocks in PyTorch,
+  with a recomputing backward (also through the lse); every option, O(S * chunk) memory, any device.
 - :func:`sdpa_attention`: PyTorch ``scaled_dot_product_attention``; with ``return_lse`` or ALiBi an explicit
   softmax in ``promote_types(dtype, float32)`` (the readable oracle; SDPA's fused CPU op returns a log-sum-exp
   without a gradient). Aligned pure causal attention builds no mask (SDPA's causal kernel).
@@ -34,11 +40,14 @@ them. ds4sci's rule (its own; upstream Megatron-DeepSpeed has none): a boolean `
 1/160 of the device's memory, ``threshold = floor(sqrt(total_device_bytes / 160))``, exactly 16,384 for 40 GiB; on
 the CPU there is no threshold. Masks are written row-chunk by row-chunk into one preallocated boolean tensor, so
 peak memory stays near one mask (``torch.tril(torch.ones(S, S))`` needs a float ``S x S`` and a copy: 5x that).
+Only :func:`sdpa_attention` builds ``S x S`` masks; :func:`chunked_attention` builds one ``chunk x chunk`` block at a
+time on the tensors' device, and only for blocks a mask term cuts through.
 """
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +64,10 @@ __all__ = [
     "flex_attention",
     "flash_attention",
     "flash_causal_mode",
+    "chunked_attention",
+    "ATTENTION_BACKENDS",
+    "select_backend",
+    "memory_efficient_attention",
 ]
 
 PAD_DOC_ID = -1
@@ -399,3 +412,400 @@ def flash_attention(
         return result
     out, lse = result[0], result[1]  # [B, Sq, H, D], [B, H, Sq] float32
     return out, lse.to(torch.promote_types(q.dtype, torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------ chunked attention
+@dataclass(frozen=True)
+class _Block:
+    """One (query chunk x key chunk) block that some query of which may see: local row/column ranges and the
+    mask terms that actually cut through it (a term that keeps every pair of the block is dropped)."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    causal: bool
+    window: bool
+    docs: bool
+
+
+@dataclass(frozen=True)
+class _ChunkSpec:
+    q_offset: int
+    k_offset: int
+    head_offset: int
+    causal: bool
+    window: int | None
+    scale: float
+    blocks: tuple[tuple[_Block, ...], ...]  # per query chunk, its blocks in key order
+
+
+def _chunk_ranges(doc: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """Per batch row and chunk of ``doc [B, S]``: (min id, max id), each ``[B, n_chunks]``."""
+    B, S = doc.shape
+    pad = -S % chunk
+    lo = F.pad(doc, (0, pad), value=torch.iinfo(doc.dtype).max).view(B, -1, chunk).amin(-1)  # [B, n]
+    hi = F.pad(doc, (0, pad), value=torch.iinfo(doc.dtype).min).view(B, -1, chunk).amax(-1)  # [B, n]
+    return lo, hi
+
+
+def _plan_blocks(Sq: int, Sk: int, chunk: int, q_offset: int, k_offset: int, causal: bool, window: int | None,
+                 q_doc: Tensor | None, k_doc: Tensor | None) -> tuple[tuple[_Block, ...], ...]:
+    """The blocks of a ``Sq x Sk`` attention that are not entirely invisible, and the mask terms each needs.
+
+    Skipped: causal blocks whose first key is after their last query; window blocks whose nearest pair is
+    ``window`` or more apart; document blocks whose query and key id ranges ``[min, max]`` do not meet (any ids;
+    tight for the non-decreasing ids of packed sequences, where only the chunks holding padding widen).
+    """
+    docs_apart = docs_same = None
+    if q_doc is not None:
+        qlo, qhi = _chunk_ranges(q_doc, chunk)  # [B, nq]
+        klo, khi = _chunk_ranges(k_doc, chunk)  # [B, nk]
+        apart = (qhi[:, :, None] < klo[:, None, :]) | (khi[:, None, :] < qlo[:, :, None])  # [B, nq, nk]
+        same = (qlo == qhi)[:, :, None] & (klo == khi)[:, None, :] & (qlo[:, :, None] == klo[:, None, :])
+        docs_apart, docs_same = apart.all(0).tolist(), same.all(0).tolist()  # one host transfer each
+    plan = []
+    for a, r0 in enumerate(range(0, Sq, chunk)):
+        r1 = min(Sq, r0 + chunk)
+        i0, i1 = q_offset + r0, q_offset + r1 - 1  # first and last global query of the chunk
+        row = []
+        for b, c0 in enumerate(range(0, Sk, chunk)):
+            c1 = min(Sk, c0 + chunk)
+            j0, j1 = k_offset + c0, k_offset + c1 - 1  # first and last global key
+            if causal and j0 > i1:
+                break  # this key chunk and every later one lie after every query
+            if window is not None and max(i0 - j1, j0 - i1) >= window:
+                continue  # the nearest pair is out of the band
+            if docs_apart is not None and docs_apart[a][b]:
+                continue
+            row.append(_Block(
+                r0, r1, c0, c1,
+                causal=causal and j1 > i0,
+                window=window is not None and max(i1 - j0, j1 - i0) >= window,
+                docs=docs_same is not None and not docs_same[a][b],
+            ))
+        plan.append(tuple(row))
+    return tuple(plan)
+
+
+def _block_logits(qb: Tensor, k: Tensor, blk: _Block, spec: _ChunkSpec, q_doc, k_doc, mask, slopes, ct, H):
+    """Scaled, biased and masked logits of one block, and its key block.
+
+    qb ``[B, Hkv, G*cq, D]`` (rows ordered group-major) -> s ``[B, Hkv, G, cq, ck]`` in ``ct``, kb ``[B, Hkv, ck, D]``.
+    """
+    B, Hkv = qb.shape[0], qb.shape[1]
+    G, cq, ck = H // Hkv, blk.r1 - blk.r0, blk.c1 - blk.c0
+    kb = k[:, blk.c0 : blk.c1].to(ct).transpose(1, 2)  # [B, ck, Hkv, D] -> [B, Hkv, ck, D]
+    s = (qb @ kb.transpose(-1, -2)).mul_(spec.scale).view(B, Hkv, G, cq, ck)  # [B, Hkv, G, cq, ck]
+    i0, j0 = spec.q_offset + blk.r0, spec.k_offset + blk.c0  # global index of the block's first query, key
+    if slopes is not None:
+        qi = torch.arange(i0, i0 + cq, device=qb.device)[:, None]  # [cq, 1] global query index
+        kj = torch.arange(j0, j0 + ck, device=qb.device)[None, :]  # [1, ck] global key index
+        s.sub_(slopes[:, :, None, None] * (qi - kj).abs().to(ct))  # slopes [Hkv, G] -> bias [Hkv, G, cq, ck]
+    visible = None
+    if blk.causal or blk.window or blk.docs or mask is not None:
+        visible = attention_mask(
+            cq, ck, q_offset=i0, k_offset=j0, head_offset=spec.head_offset, num_heads=H,
+            q_doc=q_doc[:, blk.r0 : blk.r1] if blk.docs else None,
+            k_doc=k_doc[:, blk.c0 : blk.c1] if blk.docs else None,
+            causal=blk.causal, window=spec.window if blk.window else None, mask=mask, device=qb.device,
+            threshold=None, chunk_rows=cq,
+        )  # [B|1, H|1, cq, ck], chunk-sized: built where it is used
+    if visible is not None:
+        if visible.shape[1] == 1:
+            visible = visible.unsqueeze(2)  # [B|1, 1, 1, cq, ck]
+        else:
+            visible = visible.view(visible.shape[0], Hkv, G, cq, ck)  # head h = kv_head * G + g
+        s.masked_fill_(~visible, -math.inf)
+    return s, kb
+
+
+def _group_rows(x: Tensor, Hkv: int, ct) -> Tensor:
+    """``[B, c, H, D]`` -> ``[B, Hkv, G*c, D]`` in ``ct``: query head ``h = kv_head * G + g``, rows group-major."""
+    B, c, H, D = x.shape
+    x = x.to(ct).view(B, c, Hkv, H // Hkv, D)  # [B, c, Hkv, G, D]
+    return x.permute(0, 2, 3, 1, 4).reshape(B, Hkv, -1, D)  # [B, Hkv, G*c, D]
+
+
+def _ungroup_rows(x: Tensor, c: int) -> Tensor:
+    """Inverse of :func:`_group_rows` (without the cast): ``[B, Hkv, G*c, D]`` -> ``[B, c, H, D]``."""
+    B, Hkv, _, D = x.shape
+    return x.view(B, Hkv, -1, c, D).permute(0, 3, 1, 2, 4).reshape(B, c, -1, D)
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """Online-softmax attention over (query chunk x key chunk) blocks with a recomputing backward.
+
+    Forward (FlashAttention-2, Dao 2023, Algorithm 1; online softmax of Milakov & Gimelshein 2018): per query
+    chunk a running max ``m``, sum ``l`` and unnormalised output; per key block ``p = exp(s - m_safe)`` with
+    the max subtracted from the finished logits (``m_safe = 0`` while a row has seen no key, so never
+    ``-inf - -inf``). Backward (FlashAttention-2, Algorithm 2): recompute ``P = exp(s - lse)`` block by block;
+    ``dS = P * (dP - delta + dlse)`` with ``delta = rowsum(dO * O)`` and ``dlse`` the gradient of the returned lse.
+    Saved: q, k, v, out (in the compute dtype, so ``delta`` carries no extra rounding), lse, document ids, mask.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_doc, k_doc, mask, slopes, spec: _ChunkSpec):
+        ct = torch.promote_types(q.dtype, torch.float32)
+        B, Sq, H, D = q.shape
+        Hkv = k.shape[2]
+        G = H // Hkv
+        out = torch.zeros(B, Sq, H, v.shape[-1], dtype=ct, device=q.device)  # [B, Sq, H, D]
+        lse = torch.full((B, H, Sq), -math.inf, dtype=ct, device=q.device)  # [B, H, Sq]
+        for blocks in spec.blocks:
+            if not blocks:
+                continue  # the chunk's queries see no key: out 0, lse -inf
+            r0, r1 = blocks[0].r0, blocks[0].r1
+            cq = r1 - r0
+            qb = _group_rows(q[:, r0:r1], Hkv, ct)  # [B, Hkv, G*cq, D]
+            m = torch.full((B, Hkv, G, cq), -math.inf, dtype=ct, device=q.device)  # running row max
+            m_safe = torch.zeros_like(m)  # m where finite, 0 for rows that have seen no key yet
+            l = torch.zeros_like(m)  # running sum of exp(s - m_safe)
+            acc = torch.zeros(B, Hkv, G * cq, v.shape[-1], dtype=ct, device=q.device)  # unnormalised output
+            for blk in blocks:
+                s, _ = _block_logits(qb, k, blk, spec, q_doc, k_doc, mask, slopes, ct, H)  # [B, Hkv, G, cq, ck]
+                m_new = torch.maximum(m, s.amax(-1))  # [B, Hkv, G, cq]
+                m_new_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+                p = torch.exp(s - m_new_safe[..., None])  # masked logits -> exp(-inf) = 0
+                alpha = torch.exp(m - m_new_safe)  # rescales the old sums; 0 while a row has seen no key
+                l = l * alpha + p.sum(-1)
+                vb = v[:, blk.c0 : blk.c1].to(ct).transpose(1, 2)  # [B, Hkv, ck, D]
+                acc = acc * alpha.reshape(B, Hkv, G * cq, 1) + p.view(B, Hkv, G * cq, -1) @ vb
+                m, m_safe = m_new, m_new_safe
+            seen = l > 0  # l >= 1 for a row that saw a key (its max contributes exp(0))
+            l_safe = torch.where(seen, l, torch.ones_like(l))
+            acc = acc / l_safe.reshape(B, Hkv, G * cq, 1)  # rows that saw nothing stay 0
+            out[:, r0:r1] = _ungroup_rows(acc, cq)  # [B, cq, H, D]
+            lse[:, :, r0:r1] = torch.where(seen, m_safe + torch.log(l_safe), m).reshape(B, H, cq)  # -inf unseen
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse, q_doc, k_doc, mask, slopes)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, q_doc, k_doc, mask, slopes = ctx.saved_tensors
+        spec: _ChunkSpec = ctx.spec
+        ct = out.dtype
+        B, Sq, H, D = q.shape
+        Hkv = k.shape[2]
+        G = H // Hkv
+        dq = torch.zeros(B, Sq, H, D, dtype=ct, device=q.device)
+        dk = torch.zeros(B, Hkv, k.shape[1], D, dtype=ct, device=q.device)  # [B, Hkv, Sk, D]
+        dv = torch.zeros(B, Hkv, v.shape[1], v.shape[-1], dtype=ct, device=q.device)
+        if grad_out is None and grad_lse is None:
+            return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype), *([None] * 5)
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(ct)  # [B, Sq, H, D]
+        # delta - dlse per row: dS = P * (dP - (delta - dlse))
+        corr = (grad_out * out).sum(-1).transpose(1, 2)  # [B, H, Sq]
+        if grad_lse is not None:
+            corr = corr - torch.where(torch.isneginf(lse), torch.zeros_like(grad_lse), grad_lse.to(ct))
+        lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # unseen rows: P = exp(-inf) = 0
+        for blocks in spec.blocks:
+            if not blocks:
+                continue
+            r0, r1 = blocks[0].r0, blocks[0].r1
+            cq = r1 - r0
+            qb = _group_rows(q[:, r0:r1], Hkv, ct)  # [B, Hkv, G*cq, D]
+            dob = _group_rows(grad_out[:, r0:r1], Hkv, ct)  # [B, Hkv, G*cq, D]
+            lse_b = lse_safe[:, :, r0:r1].reshape(B, Hkv, G, cq, 1)
+            corr_b = corr[:, :, r0:r1].reshape(B, Hkv, G, cq, 1)
+            dqb = torch.zeros_like(qb)
+            for blk in blocks:
+                s, kb = _block_logits(qb, k, blk, spec, q_doc, k_doc, mask, slopes, ct, H)  # [B, Hkv, G, cq, ck]
+                p = torch.exp(s - lse_b)  # [B, Hkv, G, cq, ck]
+                vb = v[:, blk.c0 : blk.c1].to(ct).transpose(1, 2)  # [B, Hkv, ck, D]
+                p_rows = p.view(B, Hkv, G * cq, -1)  # [B, Hkv, G*cq, ck]
+                dv[:, :, blk.c0 : blk.c1] += p_rows.transpose(-1, -2) @ dob  # sums the G query heads of a kv head
+                dp = (dob @ vb.transpose(-1, -2)).view_as(p)  # [B, Hkv, G, cq, ck]
+                ds = (p * (dp - corr_b)).view(B, Hkv, G * cq, -1).mul_(spec.scale)  # d loss / d (q k^T)
+                dqb += ds @ kb
+                dk[:, :, blk.c0 : blk.c1] += ds.transpose(-1, -2) @ qb
+            dq[:, r0:r1] = _ungroup_rows(dqb, cq)
+        return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype), *([None] * 5)
+
+
+DEFAULT_CHUNK_SIZE = 256  # rows and keys per block: B*H*256*256 fp32 logits (16 MiB at B*H = 64) per temporary
+
+
+def chunked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    head_offset: int = 0,
+    q_doc: Tensor | None = None,
+    k_doc: Tensor | None = None,
+    return_lse: bool = False,
+    causal: bool = False,
+    window: int | None = None,
+    mask: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
+    """Memory-efficient attention in PyTorch: :func:`sdpa_attention`'s semantics without any ``Sq x Sk`` tensor.
+
+    q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` -> out ``[B, Sq, H, D]`` (and lse ``[B, H, Sq]`` in
+    ``promote_types(dtype, float32)``, differentiable); the module docstring gives the protocol, and the options
+    ``causal``, ``window``, ``mask``, ``alibi_slopes``, ``scale`` mean what they mean for :func:`sdpa_attention`.
+
+    The softmax is computed online over blocks of ``chunk_size`` queries x ``chunk_size`` keys (Rabe & Staats
+    2021, "Self-attention does not need O(n^2) memory"; FlashAttention-2, Dao 2023, for the loop and the
+    backward; online softmax, Milakov & Gimelshein 2018), all softmax arithmetic in
+    ``promote_types(dtype, float32)``. Backward recomputes each block from the saved lse, so the memory beyond
+    the inputs is O(S * chunk_size): the outputs, the lse, the q/k/v gradients and one block's temporaries
+    ``[B, H, chunk_size, chunk_size]``. GQA runs on ``[B, Hkv, G*chunk, D]`` query blocks against each key
+    block; K and V are never repeated.
+
+    Blocks no query of which can see any key are skipped (causal: keys after every query; window: out of the
+    band; documents: the chunk's id ranges do not meet), and mask terms that keep a whole block are not built.
+    An explicit ``mask`` (bool ``[S, S]`` or ``[B|1, H_total|1, S, S]`` on global indices) is sliced per block.
+    Rows that see no key return ``out = 0``, ``lse = -inf`` and zero gradients. When every block is skipped the
+    result is zeros without autograd history, like :func:`sdpa_attention` for a block no query sees (ring
+    attention skips those). ALiBi slopes get no gradient.
+    """
+    _check_qkv(q, k, v, q_doc, k_doc)
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be >= 1")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
+    B, Sq, H, D = q.shape
+    Hkv = k.shape[2]
+    slopes = None
+    if alibi_slopes is not None:
+        if alibi_slopes.numel() < head_offset + H:
+            raise ValueError(
+                f"head_offset={head_offset} + {H} local heads exceeds the {alibi_slopes.numel()} ALiBi slopes"
+            )
+        ct = torch.promote_types(q.dtype, torch.float32)
+        slopes = alibi_slopes[head_offset : head_offset + H].detach().to(q.device, ct).view(Hkv, H // Hkv)
+    blocks = _plan_blocks(q.shape[1], k.shape[1], chunk_size, q_offset, k_offset, causal, window, q_doc, k_doc)
+    if not any(blocks):
+        return _empty_result(q, v, return_lse)
+    spec = _ChunkSpec(q_offset, k_offset, head_offset, causal, window,
+                      1.0 / math.sqrt(D) if scale is None else scale, blocks)
+    out, lse = _ChunkedAttention.apply(q, k, v, q_doc, k_doc, mask, slopes, spec)
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+ATTENTION_BACKENDS = ("auto", "chunked", "triton", "flash")
+FLASH_MAX_HEAD_DIM = 256  # flash-attn 2 supports head dims up to 256
+
+
+def _flash_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _on_cuda(q: Tensor) -> bool:
+    return q.is_cuda
+
+
+_WARNED_NO_TRITON = False
+
+
+def _warn_no_triton(err: ImportError) -> None:
+    global _WARNED_NO_TRITON
+    if not _WARNED_NO_TRITON:
+        logger.warning("ds4sci.kernels.triton_local_attention unavailable (%s); using chunked_attention", err)
+        _WARNED_NO_TRITON = True
+
+
+def _triton_attention():
+    from ds4sci.kernels.triton_local_attention import triton_attention
+
+    return triton_attention
+
+
+def select_backend(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offset: int = 0,
+                   q_doc: Tensor | None = None, return_lse: bool = False, causal: bool = False,
+                   window: int | None = None, mask: Tensor | None = None, alibi_slopes: Tensor | None = None,
+                   backend: str = "auto") -> str:
+    """The backend :func:`memory_efficient_attention` runs: ``"flash"``, ``"triton"`` or ``"chunked"``.
+
+    ``"auto"``: flash-attn when it is importable, q is on CUDA in fp16/bf16 with ``D <= 256``, and flash can
+    express the call (no document ids, window, explicit mask or ALiBi; no gradient through the lse; a causal
+    block empty, fully visible or bottom-right aligned: :func:`flash_causal_mode`); otherwise the Triton kernel
+    on CUDA; otherwise :func:`chunked_attention`.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {ATTENTION_BACKENDS}")
+    if backend != "auto":
+        return backend
+    if not _on_cuda(q):
+        return "chunked"
+    needs_lse_grad = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    flash_ok = (
+        q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= FLASH_MAX_HEAD_DIM
+        and q_doc is None and window is None and mask is None and alibi_slopes is None and not needs_lse_grad
+        and (not causal or flash_causal_mode(q_offset, q.shape[1], k_offset, k.shape[1]) != "unsupported")
+    )
+    if flash_ok and _flash_available():
+        return "flash"
+    return "triton"
+
+
+def memory_efficient_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    head_offset: int = 0,
+    q_doc: Tensor | None = None,
+    k_doc: Tensor | None = None,
+    return_lse: bool = False,
+    causal: bool = False,
+    window: int | None = None,
+    mask: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    backend: str = "auto",
+):
+    """The default local attention: the protocol and options of :func:`sdpa_attention` without O(S^2) memory.
+
+    q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` -> out ``[B, Sq, H, D]`` (and lse ``[B, H, Sq]``).
+    ``backend`` is one of :data:`ATTENTION_BACKENDS` (``ValueError`` otherwise); ``"auto"`` picks with
+    :func:`select_backend`:
+
+    - ``"flash"``: :func:`flash_attention` (flash-attn 2, Dao 2023), for what it can express.
+    - ``"triton"``: ``ds4sci.kernels.triton_local_attention.triton_attention`` (FlashAttention-2 in Triton), the
+      CUDA default otherwise. If that module cannot be imported, ``"auto"`` falls back to the chunked path
+      (logged once); ``backend="triton"`` raises the ``ImportError``.
+    - ``"chunked"``: :func:`chunked_attention` (``chunk_size`` applies to it alone), everywhere else.
+
+    None of them materialises an ``Sq x Sk`` tensor: the O(S^2) :func:`sdpa_attention` is never chosen here.
+    """
+    name = select_backend(q, k, v, q_offset=q_offset, k_offset=k_offset, q_doc=q_doc, return_lse=return_lse,
+                          causal=causal, window=window, mask=mask, alibi_slopes=alibi_slopes, backend=backend)
+    protocol = dict(q_offset=q_offset, k_offset=k_offset, head_offset=head_offset, q_doc=q_doc, k_doc=k_doc,
+                    return_lse=return_lse)
+    if name == "flash":
+        unsupported = [opt for opt, val in (("window", window), ("mask", mask), ("alibi_slopes", alibi_slopes))
+                       if val is not None]
+        if unsupported:
+            raise NotImplementedError(f"backend='flash' does not take {unsupported}; use 'chunked' or 'triton'")
+        return flash_attention(q, k, v, causal=causal, scale=scale, **protocol)
+    if name == "triton":
+        try:
+            triton_attention = _triton_attention()
+        except ImportError as err:
+            if backend == "triton":
+                raise
+            _warn_no_triton(err)
+        else:
+            return triton_attention(q, k, v, causal=causal, window=window, mask=mask, alibi_slopes=alibi_slopes,
+                                    scale=scale, **protocol)
+    return chunked_attention(q, k, v, causal=causal, window=window, mask=mask, alibi_slopes=alibi_slopes,
+                             scale=scale, chunk_size=chunk_size, **protocol)
+

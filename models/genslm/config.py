@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ds4sci.models import local_attention
+
 POSITION_EMBEDDINGS = ("learned", "rotary", "alibi")
+# memory_efficient_attention's backends, plus "sdpa": sdpa_attention, the O(S^2) oracle, for checking the others
+ATTENTION_BACKENDS = (*local_attention.ATTENTION_BACKENDS, "sdpa")
 
 
 @dataclass
@@ -26,6 +30,9 @@ class GenSLMConfig:
     position_embedding: str = "rotary"
     rotary_pct: float = 0.25  # GPT-NeoX rotates 25% of each head's dims
     rotary_base: float = 10000.0
+    # "auto": flash-attn or the Triton kernel on GPUs, the chunked PyTorch path elsewhere (never an S x S tensor);
+    # "sdpa" is the readable O(S^2) reference.
+    attention_backend: str = "auto"
     layer_norm_eps: float = 1e-5
     dropout: float = 0.0
     pad_token_id: int = 3  # [PAD] in both ds4sci tokenizers and GenSLM's vocabulary
@@ -34,6 +41,8 @@ class GenSLMConfig:
     def __post_init__(self):
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -15,17 +15,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds4sci.models.genslm.config import GenSLMConfig
+from ds4sci.models.genslm.config import ATTENTION_BACKENDS, GenSLMConfig
 from ds4sci.models.genslm.position import LearnedPositionEmbedding, alibi_slopes, apply_rotary, rotary_cos_sin
-from ds4sci.models.local_attention import sdpa_attention
+from ds4sci.models.local_attention import memory_efficient_attention, sdpa_attention
 
 IGNORE_INDEX = -100
 """Target id that the loss skips (padding, document starts, a shard's missing next token); PyTorch's default."""
 
 
 class AttentionCore(nn.Module):
-    """GenSLM's local attention: :func:`ds4sci.models.local_attention.sdpa_attention` bound to causal masking and,
-    for ALiBi models, the slopes of all ``num_heads`` global heads (indexed by the protocol's ``head_offset``).
+    """GenSLM's local attention: causal masking and, for ALiBi models, the slopes of all ``num_heads`` global heads
+    (indexed by the protocol's ``head_offset``), bound to
+    :func:`~ds4sci.models.local_attention.memory_efficient_attention` (no ``S x S`` tensor on any path).
+
+    ``backend``: ``"auto"`` (flash-attn, the Triton kernel or the chunked PyTorch path, see
+    :func:`~ds4sci.models.local_attention.select_backend`), ``"chunked"``, ``"triton"``, ``"flash"``, or
+    ``"sdpa"``: :func:`~ds4sci.models.local_attention.sdpa_attention`, the readable O(S^2) oracle.
 
     ``forward(q, k, v, *, q_offset=0, k_offset=0, head_offset=0, q_doc=None, k_doc=None, return_lse=False)`` is the
     local attention protocol (see :mod:`ds4sci.models.local_attention`): q ``[B, Sq, H, D]``, k and v
@@ -33,14 +38,23 @@ class AttentionCore(nn.Module):
     ``ds4sci.sequence.DistributedAttention(core, ...)`` without touching the model.
     """
 
-    def __init__(self, num_heads: int, alibi: bool = False):
+    def __init__(self, num_heads: int, alibi: bool = False, backend: str = "auto"):
         super().__init__()
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend={backend!r} is not one of {ATTENTION_BACKENDS}")
         self.num_heads = num_heads
         self.alibi = alibi
+        self.backend = backend
         self.register_buffer("slopes", alibi_slopes(num_heads) if alibi else torch.empty(0), persistent=False)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, **protocol) -> Tensor | tuple[Tensor, Tensor]:
-        return sdpa_attention(q, k, v, causal=True, alibi_slopes=self.slopes if self.alibi else None, **protocol)
+        slopes = self.slopes if self.alibi else None
+        if self.backend == "sdpa":
+            return sdpa_attention(q, k, v, causal=True, alibi_slopes=slopes, **protocol)
+        return memory_efficient_attention(q, k, v, causal=True, alibi_slopes=slopes, backend=self.backend, **protocol)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, alibi={self.alibi}, backend={self.backend!r}"
 
 
 class Attention(nn.Module):
@@ -54,7 +68,8 @@ class Attention(nn.Module):
         self.rotary_base = config.rotary_base
         self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.core = AttentionCore(config.num_heads, alibi=config.position_embedding == "alibi")
+        self.core = AttentionCore(config.num_heads, alibi=config.position_embedding == "alibi",
+                                  backend=config.attention_backend)
 
     def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
         B, T, _ = x.shape  # batch, local tokens, hidden
