@@ -1,11 +1,12 @@
-"""Suite-wide setup: Triton's CPU interpreter for every test that runs the triton backend.
+"""Suite-wide setup: Triton's CPU interpreter for every test that runs a Triton kernel.
 
 ``@triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is *defined*, so it is set here, before any test module
-imports ``ds4sci.kernels.triton_evoformer``. ``setdefault``: on a GPU machine, ``TRITON_INTERPRET=0 pytest`` runs the
-same tests on the GPU instead (see ``DEVICE`` in tests/kernels/test_triton_evoformer.py). If the kernel module was
-already imported with the variable unset (a plugin imported it first), it is reloaded so that its kernels are
-interpreted functions. The ahead-of-time compile gate needs real JIT functions and compiles in worker processes
-started without the variable (``ds4sci.bench.kernels_aot``).
+imports the kernel modules (``ds4sci.kernels.triton_evoformer``, ``ds4sci.kernels.triton_local_attention``).
+``setdefault``: on a GPU machine, ``TRITON_INTERPRET=0 pytest`` runs the same tests on the GPU instead (see ``DEVICE``
+in tests/kernels/test_triton_evoformer.py). If a kernel module was already imported with the variable unset (a plugin
+imported it first), it is reloaded so that its kernels are interpreted functions (the Evoformer module first: the
+local-attention module imports its tile dataclass). The ahead-of-time compile gate needs real JIT functions and
+compiles in worker processes started without the variable (``ds4sci.bench.kernels_aot``).
 """
 import importlib
 import os
@@ -13,9 +14,14 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-_KERNELS = "ds4sci.kernels.triton_evoformer"
-if os.environ["TRITON_INTERPRET"] == "1" and _KERNELS in sys.modules:
+# module -> one of its kernels, to tell a JIT function from an interpreted one
+_KERNEL_MODULES = {
+    "ds4sci.kernels.triton_evoformer": "_fwd_kernel",
+    "ds4sci.kernels.triton_local_attention": "_fwd_kernel",
+}
+if os.environ["TRITON_INTERPRET"] == "1":
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(sys.modules[_KERNELS]._fwd_kernel, InterpretedFunction):
-        importlib.reload(sys.modules[_KERNELS])
+    for _module, _kernel in _KERNEL_MODULES.items():
+        if _module in sys.modules and not isinstance(getattr(sys.modules[_module], _kernel), InterpretedFunction):
+            importlib.reload(sys.modules[_module])
