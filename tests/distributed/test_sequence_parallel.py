@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from _spawn import run_workers
-from ds4sci.models.local_attention import PAD_DOC_ID, flex_attention, sdpa_attention
+from ds4sci.models.genslm import AttentionCore
+from ds4sci.models.local_attention import PAD_DOC_ID, flex_attention, memory_efficient_attention, sdpa_attention
 from ds4sci.sequence import (
     CommCounter,
     DeepSpeedMPU,
@@ -76,6 +77,9 @@ def check_attention(label, local, ulysses, ring, *, layout="contiguous", B=2, S=
 
 SDPA = functools.partial(sdpa_attention)
 CAUSAL = functools.partial(sdpa_attention, causal=True)
+# The default local attention (chunked on the CPU), with ALiBi on global heads and several chunks per ring block.
+ALIBI = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+CHUNKED = functools.partial(memory_efficient_attention, causal=True, alibi_slopes=ALIBI, chunk_size=3)
 
 
 def _random_mask(S, H, seed):
@@ -134,6 +138,10 @@ def _worker_two(rank, world):
     check_attention("R2 window+docs zigzag", functools.partial(sdpa_attention, causal=True, window=3), None, W,
                     layout="zigzag", docs=True, S=24)
     check_attention("R2 explicit mask", functools.partial(sdpa_attention, mask=_random_mask(16, 4, 2)), None, W)
+    # the default path: chunked attention with ALiBi and packed documents, and GenSLM's own core
+    check_attention("U2 chunked alibi docs GQA", CHUNKED, W, None, docs=True, Hkv=2)
+    check_attention("R2 chunked alibi docs zigzag", CHUNKED, None, W, layout="zigzag", docs=True)
+    check_attention("R2 GenSLM alibi core docs", AttentionCore(4, alibi=True).double(), None, W, docs=True)
     # FlexAttention through the ring (forward: no backward on the CPU)
     check_attention("R2 flex causal zigzag docs", functools.partial(flex_attention, causal=True, block_size=8),
                     None, W, layout="zigzag", docs=True, dtype=torch.float32, grads=False)
@@ -180,13 +188,13 @@ def _shard_index(ulysses, ring):
     return group_rank(ring) * group_size(ulysses) + group_rank(ulysses), group_size(ulysses) * group_size(ring)
 
 
-def check_padded(rank, ulysses, ring, S, layout):
+def check_padded(rank, ulysses, ring, S, layout, local=SDPA):
     """A length the shards do not divide: pad with PAD_DOC_ID documents; real rows equal the unpadded result."""
-    attn = DistributedAttention(SDPA, ulysses, ring, layout=layout)
+    attn = DistributedAttention(local, ulysses, ring, layout=layout)
     q, k, v, g, doc = _inputs(5, 2, S, 4, 4, 8, torch.float64, docs=True)
     for t in (q, k, v):
         t.requires_grad_()
-    ref = sdpa_attention(q, k, v, q_doc=doc, k_doc=doc)
+    ref = local(q, k, v, q_doc=doc, k_doc=doc)
     ref_grads = torch.autograd.grad((ref * g).sum(), (q, k, v))
     index, count = _shard_index(ulysses, ring)
     multiple = Layout(layout).multiple(count)
@@ -268,7 +276,9 @@ def _worker_four(rank, world):
                         lambda: DistributedAttention(CAUSAL, W)(x, x, x))
     _expect_value_error("sp group as ulysses group", "pass SequenceParallelGroups.ulysses as ulysses_group",
                         lambda: DistributedAttention(CAUSAL, usp.sp, usp.ring))
-    check_padded(rank, U, R, S=13, layout="zigzag")
+    check_padded(rank, U, R, S=13, layout="zigzag", local=CHUNKED)
+    check_attention("USP2x2 chunked alibi docs+window zigzag GQA",
+                    functools.partial(CHUNKED, window=6), U, R, layout="zigzag", docs=True, Hkv=2)
 
     # Ulysses volume per rank: 4 tensors of B*S*H*D/P elements, (P-1)/P leaving; the tensors are the same size
     # when S and P grow together (S=16 at P=2 on the dp=2 groups, S=32 at P=4).

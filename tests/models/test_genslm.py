@@ -70,7 +70,8 @@ def _naive(q, k, v, q_offset, k_offset, head_offset, q_doc, k_doc, slopes):
 @pytest.mark.parametrize("docs", [False, True])
 @pytest.mark.parametrize("offsets", [(0, 0, 0), (6, 0, 2), (0, 6, 1), (3, 3, 0)])
 @pytest.mark.parametrize("return_lse", [False, True])
-def test_core_matches_naive_formula(alibi, docs, offsets, return_lse):
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_core_matches_naive_formula(alibi, docs, offsets, return_lse, backend):
     torch.manual_seed(1)
     B, Sq, Sk, H, D, Htot = 2, 6, 6, 2, 8, 4
     q_off, k_off, h_off = offsets
@@ -79,7 +80,7 @@ def test_core_matches_naive_formula(alibi, docs, offsets, return_lse):
     if docs:
         q_doc = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
         k_doc = torch.tensor([[0, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0]])
-    core = AttentionCore(Htot, alibi=alibi).double()
+    core = AttentionCore(Htot, alibi=alibi, backend=backend).double()
     got = core(q, k, v, q_offset=q_off, k_offset=k_off, head_offset=h_off, q_doc=q_doc, k_doc=k_doc,
                return_lse=return_lse)
     want, want_lse = _naive(q, k, v, q_off, k_off, h_off, q_doc, k_doc, alibi_slopes(Htot).double() if alibi else None)
@@ -94,6 +95,36 @@ def test_core_grads_flow_through_lse():
     q, k, v = (torch.randn(1, 4, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     core = AttentionCore(2)
     assert torch.autograd.gradcheck(lambda a, b, c: core(a, b, c, return_lse=True)[1].sum() + core(a, b, c).sum(), (q, k, v))
+
+
+def test_model_attention_saves_nothing_s_by_s():
+    """The default core (memory_efficient_attention) keeps no [B, H, T, T] tensor for backward in an ALiBi model
+    with packed documents; the "sdpa" oracle core does, and both give the same logits and gradients."""
+    torch.manual_seed(0)
+    cfg = GenSLMConfig.preset("debug", position_embedding="alibi", num_layers=1)
+    B, T = 2, 128
+    ids, pos = _inputs(B=B, T=T)
+    doc = (torch.arange(T) // 50).expand(B, T)
+    results = {}
+    for backend in ("auto", "sdpa"):
+        torch.manual_seed(0)
+        model = GenSLM(GenSLMConfig(**{**cfg.to_dict(), "attention_backend": backend})).double()
+        assert model.layers[0].attention.core.backend == backend
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = model(ids, pos, doc)
+        grads = torch.autograd.grad(lm_loss(logits, ids), list(model.parameters()))
+        results[backend] = (max(sizes), logits, grads)
+    old_logits = B * cfg.num_heads * T * T
+    assert results["sdpa"][0] >= old_logits and results["auto"][0] < old_logits, {k: v[0] for k, v in results.items()}
+    torch.testing.assert_close(results["auto"][1], results["sdpa"][1], rtol=1e-10, atol=1e-10)
+    for a, b in zip(results["auto"][2], results["sdpa"][2]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
 def test_alibi_slopes_follow_the_paper():
@@ -200,6 +231,10 @@ def test_config_and_model_errors():
         GenSLMConfig(hidden_size=30, num_heads=4)
     with pytest.raises(ValueError, match="position_embedding"):
         GenSLMConfig(position_embedding="sinusoid")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        GenSLMConfig(attention_backend="math")
+    with pytest.raises(ValueError, match="attention backend='math'"):
+        AttentionCore(4, backend="math")
     with pytest.raises(ValueError, match="unknown preset"):
         GenSLMConfig.preset("1T")
     with pytest.raises(ValueError, match="unknown GenSLMConfig field"):

@@ -1,6 +1,7 @@
 """The one local attention (ds4sci.models.local_attention): every mask option, ALiBi, offsets and GQA against an
 independent fp64 oracle, rows and blocks that see no key, the threshold-based mask construction and its memory."""
 import math
+import types
 
 import pytest
 import torch
@@ -266,3 +267,36 @@ def test_mask_construction_peak_memory_is_near_one_mask():
     assert naive >= 4 * mask_bytes, f"the naive construction grew RSS by only {naive / mask_bytes:.2f} masks"
 
 
+
+
+def test_threshold_rule_builds_where_it_says(monkeypatch):
+    """Each branch of the rule, on a device that is not the CPU ("meta", with a faked threshold): a key length at
+    or below the threshold is built on the device; above it, on the CPU and then moved to the device."""
+    import ds4sci.models.local_attention as la
+
+    built_on = []
+    real_empty = torch.empty
+
+    def spy_empty(*shape, **kw):
+        if kw.get("dtype") is torch.bool:
+            built_on.append(torch.device(kw["device"]).type)
+        return real_empty(*shape, **kw)
+
+    monkeypatch.setattr(torch, "empty", spy_empty)
+    doc = torch.zeros(1, 8, dtype=torch.long)
+    for threshold, where in ((8, "meta"), (None, "meta"), (7, "cpu")):
+        built_on.clear()
+        mask = attention_mask(8, 8, causal=True, q_doc=doc, k_doc=doc, device="meta", threshold=threshold)
+        assert built_on == [where], (threshold, built_on)
+        assert mask.device.type == "meta" and mask.shape == (1, 1, 8, 8)
+    # threshold="auto" asks mask_threshold about the device
+    for limit, where in ((16, "meta"), (4, "cpu")):
+        monkeypatch.setattr(la, "mask_threshold", lambda device, limit=limit: limit)
+        built_on.clear()
+        assert attention_mask(8, 8, causal=True, device="meta").device.type == "meta"
+        assert built_on == [where], (limit, built_on)
+    # on CUDA the threshold comes from the device's memory: 16K for 40 GiB
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=40 * 2**30))
+    assert la.mask_threshold("cuda:0") == 16384
+    assert la.mask_threshold("cpu") is None

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ds4sci.models.local_attention import PAD_DOC_ID, sdpa_attention
+from ds4sci.models.local_attention import PAD_DOC_ID, chunked_attention, sdpa_attention
 from ds4sci.sequence import (
     CommCounter,
     DistributedAttention,
@@ -114,20 +114,38 @@ def test_pad_to_multiple():
     assert pad_to_multiple(doc, 1, 5) is doc
 
 
-def test_lse_merge_over_key_blocks_equals_full():
-    """Online-softmax merging of key blocks (ring attention's forward) reproduces attention over all keys."""
+LOCALS = {
+    "sdpa": functools.partial(sdpa_attention, causal=True),
+    # the default local attention, with ALiBi and several chunks per block
+    "chunked alibi": functools.partial(chunked_attention, causal=True, chunk_size=3,
+                                       alibi_slopes=torch.tensor([0.5, 0.25], dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("name", list(LOCALS))
+def test_lse_merge_over_key_blocks_equals_full(name):
+    """Online-softmax merging of key blocks (ring attention's forward) reproduces attention over all keys, and
+    backpropagating through the merge (through every block's lse, as ring attention's backward does) gives the
+    full attention's gradients."""
+    local = LOCALS[name]
     torch.manual_seed(1)
     B, S, H, D = 1, 12, 2, 4
-    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
-    ref, ref_lse = sdpa_attention(q, k, v, causal=True, return_lse=True)
+    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    doc = torch.tensor([[0] * 5 + [1] * 4 + [PAD_DOC_ID] * 3])
+    ref, ref_lse = local(q, k, v, q_doc=doc, k_doc=doc, return_lse=True)
     out = torch.zeros_like(q)
     lse = torch.full((B, H, S), -math.inf, dtype=torch.float64)
     for start in (8, 0, 4):  # any order
-        o, l = sdpa_attention(q, k[:, start:start + 4], v[:, start:start + 4], k_offset=start, causal=True,
-                              return_lse=True)
+        o, l = local(q, k[:, start:start + 4], v[:, start:start + 4], k_offset=start, q_doc=doc,
+                     k_doc=doc[:, start:start + 4], return_lse=True)
         out, lse = _merge(out, lse, o, l)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-13)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-13)
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    got = torch.autograd.grad((out * g).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------- world size 1
