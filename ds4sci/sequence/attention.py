@@ -170,8 +170,10 @@ class DistributedAttention(torch.nn.Module):
 
     Args:
         local_attention: a callable implementing the local attention protocol
-            (:mod:`ds4sci.models.local_attention`), e.g. ``functools.partial(sdpa_attention, causal=True)``
-            or a model's attention core.
+            (:mod:`ds4sci.models.local_attention`), e.g. ``functools.partial(memory_efficient_attention,
+            causal=True)`` or a model's attention core (GenSLM's binds ``memory_efficient_attention``). Ring
+            attention needs one whose lse carries autograd history (``chunked_attention``, the Triton kernel,
+            ``sdpa_attention``; flash-attn's does not, so ``"auto"`` does not route ring training to it).
         ulysses_group: the Ulysses (all-to-all) group; ``None`` or a group of one for ring attention alone.
         ring_group: the ring group; ``None`` or a group of one for Ulysses alone. With both, the groups must meet
             only in this rank (as :func:`~ds4sci.sequence.build_groups` makes them); passing the whole
