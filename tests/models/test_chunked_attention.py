@@ -121,10 +121,14 @@ def test_low_precision_error_within_pytorchs_own(dtype, block, causal, alibi, do
     ref = _run(sdpa_attention, tensors, torch.float64, **opts)
     theirs = _run(sdpa_attention, tensors, dtype, **opts)
     ours = _run(chunked_attention, tensors, dtype, chunk_size=4, **opts)
+    _assert_within_pytorchs_error(ours, theirs, ref, TOLERANCE_EPS[dtype])
+
+
+def _assert_within_pytorchs_error(ours, theirs, ref, eps):
     _assert_finite_where(ours, ref)
     for name, a, b, r in zip(NAMES, ours, theirs, ref):
         seen = torch.isfinite(r)
-        err, bound = (a - r)[seen].abs().max(), 2 * (b - r)[seen].abs().max() + TOLERANCE_EPS[dtype]
+        err, bound = (a - r)[seen].abs().max(), 2 * (b - r)[seen].abs().max() + eps
         assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g} (PyTorch's own: {(b - r)[seen].abs().max():.3g})"
 
 
@@ -146,15 +150,28 @@ def test_rows_that_see_no_key():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_huge_logits_do_not_overflow():
-    """Logits far from zero (|s| ~ 1e4): the running max is subtracted before exp, no inf/NaN."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_huge_logits_do_not_overflow(dtype):
+    """Logits far from zero: |s| ~ 1e4 mixed, and rows whose every logit is about -1000 and whose first key
+    chunks are invisible to them (documents): the running max is subtracted before exp, never inf or NaN."""
+    eps = TOLERANCE_EPS.get(dtype, 1e-9)  # float64: logits ~1e4 leave ~1e-12 relative
     tensors, protocol = _inputs((0, 0, 12, 12), 4, docs=True, seed=3)
-    tensors = (tensors[0] * 300, *tensors[1:])
-    ref = _run(sdpa_attention, tensors, torch.float64, causal=True, **protocol)
-    ours = _run(chunked_attention, tensors, torch.float64, causal=True, chunk_size=3, **protocol)
-    _assert_finite_where(ours, ref)
-    for a, b in zip(ours, ref):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    big = (tensors[0] * 300, *tensors[1:])
+    ref = _run(sdpa_attention, big, torch.float64, causal=True, **protocol)
+    theirs = _run(sdpa_attention, big, dtype, causal=True, **protocol)
+    ours = _run(chunked_attention, big, dtype, causal=True, chunk_size=3, **protocol)
+    _assert_within_pytorchs_error(ours, theirs, ref, eps)
+    u = torch.ones(D, dtype=torch.float64) * (1000 * D**0.5 / D) ** 0.5  # q.k * scale = -1000 for q = u, k = -u
+    q, k, v, g, gl = tensors
+    q = u.expand_as(q) + 0.01 * q
+    k = -u.expand_as(k) + 0.01 * k
+    doc = torch.tensor([[1] * 12, [0] * 6 + [1] * 6])  # row 1: keys 0..5 are another document
+    kw = dict(q_doc=doc, k_doc=torch.tensor([[0] * 6 + [1] * 6] * 2))
+    ref = _run(sdpa_attention, (q, k, v, g, gl), torch.float64, **kw)
+    theirs = _run(sdpa_attention, (q, k, v, g, gl), dtype, **kw)
+    ours = _run(chunked_attention, (q, k, v, g, gl), dtype, chunk_size=3, **kw)
+    assert ref[1][torch.isfinite(ref[1])].max() < -900
+    _assert_within_pytorchs_error(ours, theirs, ref, eps)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 7, 64])
