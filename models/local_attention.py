@@ -734,7 +734,9 @@ def select_backend(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offs
     ``"auto"``: flash-attn when it is importable, q is on CUDA in fp16/bf16 with ``D <= 256``, and flash can
     express the call (no document ids, window, explicit mask or ALiBi; no gradient through the lse; a causal
     block empty, fully visible or bottom-right aligned: :func:`flash_causal_mode`); otherwise the Triton kernel
-    on CUDA; otherwise :func:`chunked_attention`.
+    on CUDA when it can run the call (q, k, v of one dtype among fp16/bf16/fp32, ``D <=``
+    ``ds4sci.kernels.limits.TRITON_MAX_HEAD_DIM``, no explicit ``mask``: the kernel takes none); otherwise
+    :func:`chunked_attention` (float64, larger heads, explicit masks, every non-CUDA device).
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {ATTENTION_BACKENDS}")
@@ -750,7 +752,13 @@ def select_backend(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offs
     )
     if flash_ok and _flash_available():
         return "flash"
-    return "triton"
+    from ds4sci.kernels.limits import TRITON_MAX_HEAD_DIM  # plain constants: no Triton import
+
+    triton_ok = (
+        q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.dtype == k.dtype == v.dtype
+        and q.shape[-1] <= TRITON_MAX_HEAD_DIM and mask is None
+    )
+    return "triton" if triton_ok else "chunked"
 
 
 def memory_efficient_attention(
@@ -780,8 +788,9 @@ def memory_efficient_attention(
 
     - ``"flash"``: :func:`flash_attention` (flash-attn 2, Dao 2023), for what it can express.
     - ``"triton"``: ``ds4sci.kernels.triton_local_attention.triton_attention`` (FlashAttention-2 in Triton), the
-      CUDA default otherwise. If that module cannot be imported, ``"auto"`` falls back to the chunked path
-      (logged once); ``backend="triton"`` raises the ``ImportError``.
+      CUDA default otherwise. It takes no explicit ``mask`` (``NotImplementedError`` when forced; ``"auto"``
+      sends masked calls to the chunked path). If that module cannot be imported, ``"auto"`` falls back to the
+      chunked path (logged once); ``backend="triton"`` raises the ``ImportError``.
     - ``"chunked"``: :func:`chunked_attention` (``chunk_size`` applies to it alone), everywhere else.
 
     None of them materialises an ``Sq x Sk`` tensor: the O(S^2) :func:`sdpa_attention` is never chosen here.
@@ -797,6 +806,8 @@ def memory_efficient_attention(
             raise NotImplementedError(f"backend='flash' does not take {unsupported}; use 'chunked' or 'triton'")
         return flash_attention(q, k, v, causal=causal, scale=scale, **protocol)
     if name == "triton":
+        if mask is not None:
+            raise NotImplementedError("backend='triton' takes no explicit mask; use 'chunked' (or 'auto')")
         try:
             triton_attention = _triton_attention()
         except ImportError as err:
@@ -804,8 +815,8 @@ def memory_efficient_attention(
                 raise
             _warn_no_triton(err)
         else:
-            return triton_attention(q, k, v, causal=causal, window=window, mask=mask, alibi_slopes=alibi_slopes,
-                                    scale=scale, **protocol)
+            return triton_attention(q, k, v, causal=causal, window=window, alibi_slopes=alibi_slopes, scale=scale,
+                                    **protocol)
     return chunked_attention(q, k, v, causal=causal, window=window, mask=mask, alibi_slopes=alibi_slopes,
                              scale=scale, chunk_size=chunk_size, **protocol)
 

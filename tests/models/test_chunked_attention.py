@@ -5,6 +5,7 @@ precision, rows that see no key, many unaligned chunks, explicit masks, nothing 
 and the backend dispatch."""
 import itertools
 import logging
+import os
 import sys
 import types
 
@@ -288,12 +289,19 @@ def test_cuda_auto_routing(fake_cuda):
         "documents": dict(q_doc=doc),
         "window": dict(window=4),
         "ALiBi": dict(alibi_slopes=SLOPES),
-        "explicit mask": dict(mask=torch.ones(8, 8, dtype=torch.bool)),
         "causal block not bottom-right aligned": dict(k_offset=4),
-        "head dim 512": dict(),
     }.items():
-        q = half.float() if why == "fp32" else torch.randn(1, 8, 4, 512).half() if why == "head dim 512" else half
-        assert select_backend(q, kv, kv, causal=True, **kw) == "triton", why
+        q, k = (half.float(), kv.float()) if why == "fp32" else (half, kv)
+        assert select_backend(q, k, k, causal=True, **kw) == "triton", why
+    # what the Triton kernel cannot run goes to the chunked path
+    big = torch.randn(1, 8, 4, 256, dtype=torch.bfloat16)
+    assert select_backend(big, big, big, causal=True, alibi_slopes=SLOPES) == "chunked"  # D > 128
+    assert select_backend(half.double(), kv.double(), kv.double(), causal=True) == "chunked"  # float64
+    assert select_backend(half.float(), kv, kv, causal=True) == "chunked"  # mixed dtypes
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    assert select_backend(half, kv, kv, causal=True, mask=mask) == "chunked"
+    with pytest.raises(NotImplementedError, match="backend='triton' takes no explicit mask"):
+        memory_efficient_attention(half, kv, kv, mask=mask, backend="triton")
     grad_q = half.clone().requires_grad_()
     assert select_backend(grad_q, kv, kv, causal=True, return_lse=True) == "triton"  # ring training: lse grad
     with torch.no_grad():
@@ -308,7 +316,7 @@ def test_cuda_auto_routing(fake_cuda):
     assert out == "triton"
     call = fake_cuda["triton"][-1]
     assert call["alibi_slopes"] is SLOPES and call["q_doc"] is doc and call["window"] == 3
-    assert (call["head_offset"], call["return_lse"], call["causal"], call["mask"]) == (2, True, True, None)
+    assert (call["head_offset"], call["return_lse"], call["causal"]) == (2, True, True) and "mask" not in call
     with pytest.raises(NotImplementedError, match=r"backend='flash' does not take \['window'\]"):
         memory_efficient_attention(half, kv, kv, window=3, backend="flash")
 
@@ -316,10 +324,28 @@ def test_cuda_auto_routing(fake_cuda):
 def test_missing_triton_module_falls_back_to_chunked(fake_cuda, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "ds4sci.kernels.triton_local_attention", None)  # import raises ImportError
     monkeypatch.setattr(la, "_WARNED_NO_TRITON", False)
-    q = torch.randn(1, 8, 2, 8, dtype=torch.float64)
+    q = torch.randn(1, 8, 2, 8)
     with caplog.at_level(logging.WARNING, logger=la.__name__):
         out = memory_efficient_attention(q, q, q, causal=True, alibi_slopes=SLOPES)
     assert "using chunked_attention" in caplog.text
-    torch.testing.assert_close(out, sdpa_attention(q, q, q, causal=True, alibi_slopes=SLOPES), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, sdpa_attention(q, q, q, causal=True, alibi_slopes=SLOPES), rtol=1e-5, atol=1e-6)
     with pytest.raises(ImportError):
         memory_efficient_attention(q, q, q, causal=True, backend="triton")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton kernel needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_triton_backend_speaks_the_same_protocol():
+    """backend="triton" reaches ds4sci.kernels.triton_local_attention with every protocol argument: a ring-style
+    block with ALiBi, GQA and padded documents, out and lse and their gradients, against chunked_attention."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensors, protocol = _inputs((13, 5, 12, 10), 2, docs=True, seed=6)
+    tensors = tuple(t.to(device) for t in tensors)
+    protocol = {k: v.to(device) if torch.is_tensor(v) else v for k, v in protocol.items()}
+    opts = dict(causal=True, window=9, alibi_slopes=SLOPES.to(device), **protocol)
+    ours = _run(chunked_attention, tensors, torch.float32, chunk_size=4, **opts)
+    kernel = _run(memory_efficient_attention, tensors, torch.float32, backend="triton", **opts)
+    _assert_finite_where(kernel, ours)
+    for name, a, b in zip(NAMES, kernel, ours):
+        seen = torch.isfinite(b)
+        torch.testing.assert_close(a[seen], b[seen], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
