@@ -32,9 +32,12 @@ Backward recomputes ``P`` from (m, l) tile by tile (FlashAttention-2, Algorithm 
 2. ``_bwd_dkdv_kernel``: one program per key tile, looping over query tiles: dK, dV and, when asked, the
    mask-bias gradient of this head ``sum_i dS`` (per-head partials ``[Z, N, H, S]`` summed over H afterwards).
 3. ``_bwd_dq_kernel``: one program per query tile, looping over key tiles: dQ.
-4. ``_bwd_dpair_kernel`` (only when the pair bias needs a gradient): one program per (z, h, query tile, key tile),
-   looping over n inside the kernel and summing ``dS`` in fp32 registers, written once. This is how OpenFold3's
-   Triton kernel reduces the pair-bias gradient over N; DeepSpeed4Science's kernel uses fp32 atomics instead.
+4. ``_bwd_dpair_kernel`` (only when the pair bias needs a gradient): one program per (z, h, chunk of N, query tile,
+   key tile), looping over the chunk's n and summing ``dS`` in fp32 registers, written once; the chunks' partial
+   sums are then added over the chunk dimension. N is split (:func:`dpair_chunk`) only as far as needed to fill a
+   GPU: at extra-MSA shapes (N = 5120, S = 384, H = 8) the unsplit grid is 288 programs, each 5120 steps long, under
+   one wave on an H100. OpenFold3's Triton kernel loops over all of N per program; DeepSpeed4Science's kernel
+   uses fp32 atomics instead.
 
 No kernel uses atomics, so two backward passes are bitwise equal (dpair and dmask included).
 
@@ -76,18 +79,11 @@ import triton.language as tl
 from torch import Tensor
 
 from .limits import TRITON_MAX_HEAD_DIM
+from .triton_common import LOG2E, cast, dot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: ``BLOCK_D`` buckets: every head dim 1..TRITON_MAX_HEAD_DIM rounds up to one of these.
 BLOCK_D_BUCKETS = (16, 32, 64, 128)
-
-_LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * log2 e)
-# Under TRITON_INTERPRET=1 the interpreter multiplies the raw uint16 bit patterns in a bf16 ``tl.dot``
-# (triton-lang/triton#11584, "not supported yet"), so there bf16 operands are widened to fp32 first. That is exact:
-# a product of two bf16 values is exact in fp32, and the GPU's bf16 MMA accumulates in fp32 too. Read at import,
-# when ``@triton.jit`` itself reads the variable; on the GPU path the branch is compiled out.
-_WIDEN_BF16_DOT = tl.constexpr(bool(triton.knobs.runtime.interpret))
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Tile configuration
@@ -123,17 +119,24 @@ class KernelConfig:
 
 
 # (fp32?, BLOCK_D) -> (forward tiles, backward tiles), chosen with ``ds4sci bench kernels-aot`` so that every kernel
-# variant compiles for sm_80 and sm_90 within their shared memory (163 KB / 227 KB) and without spills (ptxas -v).
+# variant compiles for sm_80 and sm_90 within their shared memory (163 KB / 227 KB) and without spills (ptxas -v),
+# both in the representative launch and in the launches OpenFold and OpenFold3 make (``--set callers``).
 # - fp16/bf16 run tl.dot on tensor cores. The backward keeps more fp32 [BLOCK_M, BLOCK_N] tiles live (S, P, dP, dS)
-#   plus dK/dV accumulators, so it takes 32 query rows from D = 32 on, and 8 warps at D = 128 (as the forward).
+#   plus dK/dV accumulators, so it takes 32 query rows from D = 32 on, and 8 warps at D = 128 (as the forward),
+#   with one pipeline stage there (two spilled 20-32 bytes in the pair-bias gradient kernel on sm_90a).
+# - BLOCK_D = 32 covers OpenFold's c = 32 heads and D = 24, whose q/k/v rows and permuted pair bias (key stride H)
+#   cannot be loaded as vectors: one scalar load and address per element. There the forward takes 8 warps and the
+#   backward 32 x 32 tiles; with 4 warps / 32 x 64 tiles ptxas spilled up to 260 bytes in those launches.
+#   Tile pointers are a scalar base advanced per step plus loop-invariant 32-bit offsets, not 64-bit pointer
+#   tiles: that alone took the spilling caller kernels from 24 to 16, the worst from 260 to 48 bytes.
 # - fp32 is IEEE (no TF32), which Triton lowers to FMA loops holding whole operand rows in registers: registers grow
 #   with BLOCK * D, hence small tiles, and one pipeline stage (the loop is FMA-bound; with two stages ptxas spilled,
 #   kilobytes in the backward, a few bytes in the forward with a pair bias).
 _TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles]] = {
     (False, 16): (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
-    (False, 32): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
+    (False, 32): (Tiles(64, 64, 8, 2), Tiles(32, 32, 4, 2)),
     (False, 64): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
-    (False, 128): (Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 2)),
+    (False, 128): (Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 1)),
     (True, 16): (Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 1)),
     (True, 32): (Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
     (True, 64): (Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
@@ -164,23 +167,13 @@ def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
 
 
 @triton.jit
-def _dot(a, b):
-    # fp32 operands: IEEE fp32 products (no TF32). fp16/bf16 operands: the flag has no effect; fp32 accumulation.
-    if _WIDEN_BF16_DOT:
-        if a.dtype == tl.bfloat16:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
 def _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK: tl.constexpr, HAS_PAIR: tl.constexpr):
     """Biased logits ``[BLOCK_M, BLOCK_N]`` in fp32: ``(q k^T * scale + mask) + pair``, -inf on keys >= S.
 
     q ``[BLOCK_M, BLOCK_D]``, k ``[BLOCK_N, BLOCK_D]``, mask_row ``[BLOCK_N]`` and pair_tile ``[BLOCK_M, BLOCK_N]``
     already loaded as fp32 (ignored when the matching flag is off).
     """
-    s = _dot(q, tl.trans(k)) * sm_scale
+    s = dot(q, tl.trans(k)) * sm_scale
     if HAS_MASK:
         s = s + mask_row[None, :]
     if HAS_PAIR:
@@ -201,7 +194,7 @@ def _probs(s, row_max, inv_sum):
     """P = exp(s - m) / l as ``exp2((s - m) * log2 e) * (1 / l)``: the max is subtracted before any scaling and the
     exponent has no addend, so no fused multiply-add of the (possibly huge) max feeds ``exp2``. m = l = +inf (fully
     -inf row) gives exact zeros."""
-    return tl.math.exp2((s - row_max[:, None]) * _LOG2E) * inv_sum[:, None]
+    return tl.math.exp2((s - row_max[:, None]) * LOG2E) * inv_sum[:, None]
 
 
 @triton.jit
@@ -249,17 +242,17 @@ def _fwd_kernel(
     q_base = z * stride_qz + n * stride_qn + h * stride_qh + start_m.to(tl.int64) * stride_qs
     q = tl.load(Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=qd_ok, other=0.0)
     # [BLOCK_N, BLOCK_D] tiles of k[z, n, :, h, :] and v at key tile 0, advanced by BLOCK_N rows per step
-    k_base = z * stride_kz + n * stride_kn + h * stride_kh
-    k_ptrs = K + k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_base = z * stride_vz + n * stride_vn + h * stride_vh
-    v_ptrs = V + v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    k_ptr = K + (z * stride_kz + n * stride_kn + h * stride_kh)
+    k_offs = cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptr = V + (z * stride_vz + n * stride_vn + h * stride_vh)
+    v_offs = cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
     mask_row = tl.zeros([BLOCK_N], tl.float32)
     pair_tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if HAS_MASK:  # [BLOCK_N] of mask[z, n, :]
-        m_ptrs = Mask + (z * stride_mz + n * stride_mn) + cols * stride_ms
+        m_ptr = Mask + (z * stride_mz + n * stride_mn)
     if HAS_PAIR:  # [BLOCK_M, BLOCK_N] of pair[z, h, start_m:, :]; the same tile serves every n
-        p_base = z * stride_pz + h * stride_ph + start_m.to(tl.int64) * stride_pi
-        p_ptrs = Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj
+        p_ptr = Pair + (z * stride_pz + h * stride_ph + start_m.to(tl.int64) * stride_pi)
+        p_offs = rows[:, None] * stride_pi + cols[None, :] * stride_pj
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max (natural units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp(s - m_i)
@@ -267,28 +260,28 @@ def _fwd_kernel(
     for start_n in range(0, S, BLOCK_N):
         key_ok = start_n + cols < S
         kd_ok = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
-        v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
+        k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
+        v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
         if HAS_MASK:
-            mask_row = tl.load(m_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+            mask_row = tl.load(m_ptr + cols * stride_ms, mask=key_ok, other=0.0).to(tl.float32)
         if HAS_PAIR:
-            pair_tile = tl.load(p_ptrs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+            pair_tile = tl.load(p_ptr + p_offs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with every key so far at -inf subtract 0, so exp2 gives exact zeros, never NaN (-inf - -inf).
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         # Subtract, then scale: exact for s == m whatever the compiler fuses (module docstring).
-        alpha = tl.math.exp2((m_i - m_sub) * _LOG2E)  # rescales the old sum and accumulator
-        p = tl.math.exp2((s - m_sub[:, None]) * _LOG2E)  # [BLOCK_M, BLOCK_N]
+        alpha = tl.math.exp2((m_i - m_sub) * LOG2E)  # rescales the old sum and accumulator
+        p = tl.math.exp2((s - m_sub[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
         m_i = m_new
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
+        k_ptr += BLOCK_N * stride_ks
+        v_ptr += BLOCK_N * stride_vs
         if HAS_MASK:
-            m_ptrs += BLOCK_N * stride_ms
+            m_ptr += BLOCK_N * stride_ms
         if HAS_PAIR:
-            p_ptrs += BLOCK_N * stride_pj
+            p_ptr += BLOCK_N * stride_pj
 
     empty = l_i == 0.0  # every key -inf: output zeros, stats (+inf, +inf)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -296,7 +289,7 @@ def _fwd_kernel(
     row_sum = tl.where(empty, float("inf"), l_i)  # kept apart from m: m + log l would round log l away
     o_base = z * stride_oz + n * stride_on + h * stride_oh + start_m.to(tl.int64) * stride_os
     o_ptrs = O + o_base + rows[:, None] * stride_os + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=qd_ok)
+    tl.store(o_ptrs, cast(o, O.dtype.element_ty), mask=qd_ok)
     stats_ptrs = Stats + (znh * S + start_m + rows) * 2  # stats [Z, N, H, S, 2], contiguous
     tl.store(stats_ptrs, row_max, mask=query_ok)
     tl.store(stats_ptrs + 1, row_sum, mask=query_ok)
@@ -368,15 +361,15 @@ def _bwd_dkdv_kernel(
         m_base = z * stride_mz + n * stride_mn + start_n.to(tl.int64) * stride_ms
         mask_row = tl.load(Mask + m_base + cols * stride_ms, mask=key_ok, other=0.0).to(tl.float32)
     if HAS_PAIR:  # [BLOCK_M, BLOCK_N] of pair[z, h, :, start_n:] at query tile 0, advanced by BLOCK_M rows per step
-        p_base = z * stride_pz + h * stride_ph + start_n.to(tl.int64) * stride_pj
-        p_ptrs = Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj
+        p_ptr = Pair + (z * stride_pz + h * stride_ph + start_n.to(tl.int64) * stride_pj)
+        p_offs = rows[:, None] * stride_pi + cols[None, :] * stride_pj
     # [BLOCK_M, BLOCK_D] tiles of q[z, n, :, h, :] and dO at query tile 0; stats and delta rows [BLOCK_M]
-    q_base = z * stride_qz + n * stride_qn + h * stride_qh
-    q_ptrs = Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    do_base = z * stride_doz + n * stride_don + h * stride_doh
-    do_ptrs = DO + do_base + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
-    stats_ptrs = Stats + (znh * S + rows) * 2
-    delta_ptrs = Delta + znh * S + rows
+    q_ptr = Q + (z * stride_qz + n * stride_qn + h * stride_qh)
+    q_offs = rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    do_ptr = DO + (z * stride_doz + n * stride_don + h * stride_doh)
+    do_offs = rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
+    stats_ptr = Stats + znh * S * 2
+    delta_ptr = Delta + znh * S
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -384,33 +377,33 @@ def _bwd_dkdv_kernel(
     for start_m in range(0, S, BLOCK_M):
         query_ok = start_m + rows < S
         qd_ok = query_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptrs, mask=qd_ok, other=0.0)
-        do = tl.load(do_ptrs, mask=qd_ok, other=0.0)
-        row_max, inv_sum = _load_stats(stats_ptrs, query_ok)  # m = +inf: P = 0 on rows past S
-        delta = tl.load(delta_ptrs, mask=query_ok, other=0.0)
+        q = tl.load(q_ptr + q_offs, mask=qd_ok, other=0.0)
+        do = tl.load(do_ptr + do_offs, mask=qd_ok, other=0.0)
+        row_max, inv_sum = _load_stats(stats_ptr + rows * 2, query_ok)  # m = +inf: P = 0 on rows past S
+        delta = tl.load(delta_ptr + rows, mask=query_ok, other=0.0)
         if HAS_PAIR:
-            pair_tile = tl.load(p_ptrs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+            pair_tile = tl.load(p_ptr + p_offs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
         p = _probs(s, row_max, inv_sum)  # exact 0 on fully -inf rows
-        dv += _dot(tl.trans(p.to(do.dtype)), do)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
-        dp = _dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
+        dv += dot(tl.trans(cast(p, do.dtype)), do)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
+        dp = dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         ds = p * (dp - delta[:, None])  # gradient of the logits s
-        dk += _dot(tl.trans(ds.to(q.dtype)), q)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
+        dk += dot(tl.trans(cast(ds, q.dtype)), q)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
         if MASK_GRAD:
             dmask += tl.sum(ds, 0)
-        q_ptrs += BLOCK_M * stride_qs
-        do_ptrs += BLOCK_M * stride_dos
-        stats_ptrs += 2 * BLOCK_M
-        delta_ptrs += BLOCK_M
+        q_ptr += BLOCK_M * stride_qs
+        do_ptr += BLOCK_M * stride_dos
+        stats_ptr += 2 * BLOCK_M
+        delta_ptr += BLOCK_M
         if HAS_PAIR:
-            p_ptrs += BLOCK_M * stride_pi
+            p_ptr += BLOCK_M * stride_pi
 
     dk_base = z * stride_dkz + n * stride_dkn + h * stride_dkh + start_n.to(tl.int64) * stride_dks
     dv_base = z * stride_dvz + n * stride_dvn + h * stride_dvh + start_n.to(tl.int64) * stride_dvs
     dk_ptrs = DK + dk_base + cols[:, None] * stride_dks + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + dv_base + cols[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
-    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kd_ok)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kd_ok)
+    tl.store(dk_ptrs, cast(dk * sm_scale, DK.dtype.element_ty), mask=kd_ok)
+    tl.store(dv_ptrs, cast(dv, DV.dtype.element_ty), mask=kd_ok)
     if MASK_GRAD:
         tl.store(DMaskPart + znh * S + start_n + cols, dmask, mask=key_ok)  # [Z, N, H, S], contiguous
 
@@ -449,43 +442,43 @@ def _bwd_dq_kernel(
     row_max, inv_sum = _load_stats(Stats + (znh * S + start_m + rows) * 2, query_ok)
     delta = tl.load(Delta + znh * S + start_m + rows, mask=query_ok, other=0.0)
     # [BLOCK_N, BLOCK_D] tiles of k[z, n, :, h, :] and v at key tile 0, advanced by BLOCK_N rows per step
-    k_base = z * stride_kz + n * stride_kn + h * stride_kh
-    k_ptrs = K + k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_base = z * stride_vz + n * stride_vn + h * stride_vh
-    v_ptrs = V + v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    k_ptr = K + (z * stride_kz + n * stride_kn + h * stride_kh)
+    k_offs = cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptr = V + (z * stride_vz + n * stride_vn + h * stride_vh)
+    v_offs = cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
     mask_row = tl.zeros([BLOCK_N], tl.float32)
     pair_tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if HAS_MASK:  # [BLOCK_N] of mask[z, n, :]
-        m_ptrs = Mask + (z * stride_mz + n * stride_mn) + cols * stride_ms
+        m_ptr = Mask + (z * stride_mz + n * stride_mn)
     if HAS_PAIR:  # [BLOCK_M, BLOCK_N] of pair[z, h, start_m:, :]
-        p_base = z * stride_pz + h * stride_ph + start_m.to(tl.int64) * stride_pi
-        p_ptrs = Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj
+        p_ptr = Pair + (z * stride_pz + h * stride_ph + start_m.to(tl.int64) * stride_pi)
+        p_offs = rows[:, None] * stride_pi + cols[None, :] * stride_pj
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, S, BLOCK_N):
         key_ok = start_n + cols < S
         kd_ok = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
-        v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
+        k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
+        v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
         if HAS_MASK:
-            mask_row = tl.load(m_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+            mask_row = tl.load(m_ptr + cols * stride_ms, mask=key_ok, other=0.0).to(tl.float32)
         if HAS_PAIR:
-            pair_tile = tl.load(p_ptrs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+            pair_tile = tl.load(p_ptr + p_offs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
         p = _probs(s, row_max, inv_sum)
-        dp = _dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
+        dp = dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
+        dq += dot(cast(ds, k.dtype), k)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
+        k_ptr += BLOCK_N * stride_ks
+        v_ptr += BLOCK_N * stride_vs
         if HAS_MASK:
-            m_ptrs += BLOCK_N * stride_ms
+            m_ptr += BLOCK_N * stride_ms
         if HAS_PAIR:
-            p_ptrs += BLOCK_N * stride_pj
+            p_ptr += BLOCK_N * stride_pj
 
     dq_base = z * stride_dqz + n * stride_dqn + h * stride_dqh + start_m.to(tl.int64) * stride_dqs
     dq_ptrs = DQ + dq_base + rows[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_ok)
+    tl.store(dq_ptrs, cast(dq * sm_scale, DQ.dtype.element_ty), mask=qd_ok)
 
 
 @triton.jit
@@ -497,22 +490,30 @@ def _bwd_dpair_kernel(
     stride_doz, stride_don, stride_dos, stride_doh, stride_dod,
     stride_mz, stride_mn, stride_ms,
     stride_pz, stride_ph, stride_pi, stride_pj,
-    N, H, S, D, sm_scale,
+    N, H, S, D, sm_scale, n_chunk,
     HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dpair[z, h, i, j] = sum_n dS[z, n, h, i, j]: one program per (z, h, query tile, key tile), looping over n
-    with the sum in fp32 registers and a single store (OpenFold3's scheme; no atomics, deterministic)."""
+    """Partial pair-bias gradients ``DPair[z, h, c, i, j] = sum_{n in chunk c} dS[z, n, h, i, j]``.
+
+    One program per (z, h, chunk c of ``n_chunk`` consecutive n, query tile, key tile), looping over its n with the
+    sum in fp32 registers and a single store (no atomics; the launcher sums the chunks in a fixed order)."""
     tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
     tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
     pid = tl.program_id(0)
     num_m = tl.cdiv(S, BLOCK_M)
     num_n = tl.cdiv(S, BLOCK_N)
-    tile_n = pid % num_n  # key tiles fastest, then query tiles, then (z, h)
+    num_c = tl.cdiv(N, n_chunk)
+    tile_n = pid % num_n  # key tiles fastest, then query tiles, then chunks, then (z, h)
     tile_m = (pid // num_n) % num_m
-    zh = pid // (num_n * num_m)
-    h = (zh % H).to(tl.int64)
-    z = (zh // H).to(tl.int64)
+    zhc = pid // (num_n * num_m)  # (z * H + h) * num_c + c
+    c = zhc % num_c
+    h = ((zhc // num_c) % H).to(tl.int64)
+    z = (zhc // (num_c * H)).to(tl.int64)
+    n_start = c * n_chunk
+    steps = tl.minimum(n_chunk, N - n_start)
+    n_start = n_start.to(tl.int64)
+    zhc = zhc.to(tl.int64)
     start_m = (tile_m * BLOCK_M).to(tl.int64)
     start_n = (tile_n * BLOCK_N).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
@@ -529,47 +530,49 @@ def _bwd_dpair_kernel(
     p_base = z * stride_pz + h * stride_ph + start_m * stride_pi + start_n * stride_pj
     pair_tile = tl.load(Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj, mask=ij_ok, other=0.0)
     pair_tile = pair_tile.to(tl.float32)
-    # Tiles of q, dO [BLOCK_M, BLOCK_D] and k, v [BLOCK_N, BLOCK_D] at n = 0, advanced by one n per step
-    q_base = z * stride_qz + h * stride_qh + start_m * stride_qs
-    q_ptrs = Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    do_base = z * stride_doz + h * stride_doh + start_m * stride_dos
-    do_ptrs = DO + do_base + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
-    k_base = z * stride_kz + h * stride_kh + start_n * stride_ks
-    k_ptrs = K + k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_base = z * stride_vz + h * stride_vh + start_n * stride_vs
-    v_ptrs = V + v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    # Tiles of q, dO [BLOCK_M, BLOCK_D] and k, v [BLOCK_N, BLOCK_D] at n = n_start, advanced by one n per step:
+    # scalar base pointers plus loop-invariant 32-bit offsets
+    q_ptr = Q + (z * stride_qz + n_start * stride_qn + h * stride_qh + start_m * stride_qs)
+    q_offs = rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    do_ptr = DO + (z * stride_doz + n_start * stride_don + h * stride_doh + start_m * stride_dos)
+    do_offs = rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
+    k_ptr = K + (z * stride_kz + n_start * stride_kn + h * stride_kh + start_n * stride_ks)
+    k_offs = cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptr = V + (z * stride_vz + n_start * stride_vn + h * stride_vh + start_n * stride_vs)
+    v_offs = cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
     # delta [Z, N, H, S] and stats [Z, N, H, S, 2] (contiguous): rows of (z, n, h) start at ((z * N + n) * H + h) * S
-    stats_ptrs = Stats + ((z * N * H + h) * S + start_m + rows) * 2
-    delta_ptrs = Delta + (z * N * H + h) * S + start_m + rows
+    row0 = ((z * N + n_start) * H + h) * S + start_m
+    stats_ptr = Stats + row0 * 2
+    delta_ptr = Delta + row0
     mask_row = tl.zeros([BLOCK_N], tl.float32)
-    if HAS_MASK:  # [BLOCK_N] of mask[z, n, start_n:] at n = 0
-        m_ptrs = Mask + (z * stride_mz + start_n * stride_ms) + cols * stride_ms
+    if HAS_MASK:  # [BLOCK_N] of mask[z, n, start_n:] at n = n_start
+        m_ptr = Mask + (z * stride_mz + n_start * stride_mn + start_n * stride_ms)
 
     dpair = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for _ in range(0, N):
-        q = tl.load(q_ptrs, mask=qd_ok, other=0.0)
-        do = tl.load(do_ptrs, mask=qd_ok, other=0.0)
-        k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
-        v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
-        row_max, inv_sum = _load_stats(stats_ptrs, query_ok)
-        delta = tl.load(delta_ptrs, mask=query_ok, other=0.0)
+    for _ in range(0, steps):
+        q = tl.load(q_ptr + q_offs, mask=qd_ok, other=0.0)
+        do = tl.load(do_ptr + do_offs, mask=qd_ok, other=0.0)
+        k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
+        v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
+        row_max, inv_sum = _load_stats(stats_ptr + rows * 2, query_ok)
+        delta = tl.load(delta_ptr + rows, mask=query_ok, other=0.0)
         if HAS_MASK:
-            mask_row = tl.load(m_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+            mask_row = tl.load(m_ptr + cols * stride_ms, mask=key_ok, other=0.0).to(tl.float32)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, True)  # [BLOCK_M, BLOCK_N]
         p = _probs(s, row_max, inv_sum)
-        dp = _dot(do, tl.trans(v))
+        dp = dot(do, tl.trans(v))
         dpair += p * (dp - delta[:, None])  # dS of this n
-        q_ptrs += stride_qn
-        do_ptrs += stride_don
-        k_ptrs += stride_kn
-        v_ptrs += stride_vn
-        stats_ptrs += 2 * H * S
-        delta_ptrs += H * S
+        q_ptr += stride_qn
+        do_ptr += stride_don
+        k_ptr += stride_kn
+        v_ptr += stride_vn
+        stats_ptr += 2 * H * S
+        delta_ptr += H * S
         if HAS_MASK:
-            m_ptrs += stride_mn
+            m_ptr += stride_mn
 
-    # dpair [Z, H, S, S] fp32, contiguous
-    out_base = (z * H + h) * S * S + start_m * S + start_n
+    # DPair [Z, H, C, S, S] fp32, contiguous
+    out_base = zhc * S * S + start_m * S + start_n
     tl.store(DPair + out_base + rows[:, None] * S + cols[None, :], dpair, mask=ij_ok)
 
 
@@ -581,6 +584,29 @@ def _bwd_dpair_kernel(
 def _bias_strides(mask: Optional[Tensor], pair: Optional[Tensor]) -> tuple[int, ...]:
     """Mask strides (z, n, s) then pair strides (z, h, i, j); zeros for an absent bias."""
     return (*(mask.stride() if mask is not None else (0, 0, 0)), *(pair.stride() if pair is not None else (0, 0, 0, 0)))
+
+
+#: The pair-bias gradient kernel splits N into chunks until its grid has about this many programs: about 4 waves of
+#: 2 programs per SM on an H100 (132 SMs). Extra-MSA attention (Z = 1, H = 8, S = 384, tiles 64 x 64) has 288
+#: (z, h, tile) programs, under one wave, each looping over N = 5120 rows; 4 chunks of 1280 give 1152 programs.
+DPAIR_TARGET_PROGRAMS = 1024
+#: ... but a chunk keeps at least this many n, so that loading the pair tile and storing the partial sum stay small
+#: next to the chunk's work.
+DPAIR_MIN_CHUNK = 16
+
+
+def dpair_chunk(z: int, n: int, h: int, s: int, tiles: Tiles) -> int:
+    """Rows of N per pair-bias gradient program (a function of the shape only: same split, same bits, every run).
+
+    The chunks' fp32 partial sums ``[Z, H, C, S, S]`` (C = ceil(N / chunk)) are an extra buffer only when C > 1,
+    which happens only when the unsplit grid ``Z * H * (S / BLOCK_M) * (S / BLOCK_N)`` is below
+    :data:`DPAIR_TARGET_PROGRAMS`; then C <= ceil(target / grid), so the buffer holds fewer than
+    ``2 * DPAIR_TARGET_PROGRAMS`` tiles of ``BLOCK_M x BLOCK_N`` fp32: at most 32 MiB (64 x 64 tiles), 18 MiB at
+    extra-MSA shapes.
+    """
+    programs = z * h * triton.cdiv(s, tiles.block_m) * triton.cdiv(s, tiles.block_n)
+    chunks = max(1, min(triton.cdiv(DPAIR_TARGET_PROGRAMS, programs), n // DPAIR_MIN_CHUNK))
+    return triton.cdiv(n, chunks)
 
 
 def fwd_launch(
@@ -604,9 +630,12 @@ def fwd_launch(
 
 def bwd_launches(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, mask: Optional[Tensor], pair: Optional[Tensor],
-    delta: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, dmask_part: Optional[Tensor], dpair: Optional[Tensor],
+    delta: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, dmask_part: Optional[Tensor], dpair_part: Optional[Tensor],
 ) -> list:
-    """[(kernel, grid, args, meta)] of the backward in launch order; shared with the AOT compile gate."""
+    """[(kernel, grid, args, meta)] of the backward in launch order; shared with the AOT compile gate.
+
+    ``dpair_part``: the pair-bias gradient kernel's output, fp32 ``[Z, H, C, S, S]`` with ``C`` chunks of
+    :func:`dpair_chunk` rows of N (None: no pair-bias gradient)."""
     z, n, s, h, d = q.shape
     cfg = _config(q.dtype, d)
     t = cfg.bwd
@@ -629,10 +658,13 @@ def bwd_launches(
          (q, k, v, mask, pair, do, stats, delta, dq, *qkvdo_strides, *dq.stride(), *bias_strides, *dims, scale),
          dict(**bias_flags, **tiles, **common)),
     ]
-    if dpair is not None:
+    if dpair_part is not None:
+        n_chunk = dpair_chunk(z, n, h, s, t)
+        chunks = triton.cdiv(n, n_chunk)
+        assert dpair_part.shape == (z, h, chunks, s, s) and dpair_part.is_contiguous(), dpair_part.shape
         launches.append(
-            (_bwd_dpair_kernel, (num_m * num_n * z * h,),
-             (q, k, v, mask, pair, do, stats, delta, dpair, *qkvdo_strides, *bias_strides, *dims, scale),
+            (_bwd_dpair_kernel, (num_m * num_n * chunks * z * h,),
+             (q, k, v, mask, pair, do, stats, delta, dpair_part, *qkvdo_strides, *bias_strides, *dims, scale, n_chunk),
              dict(HAS_MASK=mask is not None, **tiles, **common))
         )
     return launches
@@ -680,9 +712,15 @@ def backward(
     delta = torch.empty((z, n, h, s), dtype=torch.float32, device=q.device)  # [Z, N, H, S] fp32
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))  # [Z, N, S, H, D]
     dmask_part = torch.empty((z, n, h, s), dtype=torch.float32, device=q.device) if need_mask_grad else None
-    dpair = torch.empty((z, h, s, s), dtype=torch.float32, device=q.device) if need_pair_grad else None
-    for kernel, grid, args, meta in bwd_launches(do, q, k, v, o, stats, mask, pair, delta, dq, dk, dv, dmask_part, dpair):
+    dpair_part = None
+    if need_pair_grad:  # [Z, H, C, S, S] fp32: one partial sum per chunk of N
+        chunks = triton.cdiv(n, dpair_chunk(z, n, h, s, _config(q.dtype, q.shape[-1]).bwd))
+        dpair_part = torch.empty((z, h, chunks, s, s), dtype=torch.float32, device=q.device)
+    launches = bwd_launches(do, q, k, v, o, stats, mask, pair, delta, dq, dk, dv, dmask_part, dpair_part)
+    for kernel, grid, args, meta in launches:
         kernel[grid](*args, **meta)
-    # [Z, N, H, S] per-head partials -> [Z, N, S]: a fixed-order reduction, deterministic
+    # Per-head mask partials [Z, N, H, S] -> [Z, N, S] and per-chunk pair partials [Z, H, C, S, S] -> [Z, H, S, S]:
+    # reductions over a fixed dimension with no atomics, the same bits on every run
     dmask = dmask_part.sum(dim=2) if need_mask_grad else None
+    dpair = (dpair_part.sum(dim=2) if dpair_part.shape[2] > 1 else dpair_part[:, :, 0]) if need_pair_grad else None
     return dq, dk, dv, dmask, dpair

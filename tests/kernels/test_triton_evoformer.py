@@ -34,6 +34,8 @@ pytestmark = [
 ]
 
 if HAS_TRITON_BACKEND:
+    import triton
+
     from ds4sci.kernels import triton_evoformer as te
 
 HALF = [torch.float16, torch.bfloat16]
@@ -230,6 +232,34 @@ def test_bias_grads_only_when_asked_and_other_grads_unchanged(need_mask, need_pa
 def test_backward_is_bitwise_deterministic_including_bias_grads():
     args = _contract_inputs(z=2, n=3, s=33, h=2, d=16, dtype=torch.bfloat16, seed=9)
     _assert_bitwise_equal(_fwd_bwd(*args), _fwd_bwd(*args))
+
+
+def test_dpair_chunks_fill_the_grid_at_extra_msa_shapes_with_bounded_memory():
+    # Extra-MSA row attention (OpenFold: N = 5120 sequences, S = 384 crop, H = 8, c = 8 -> BLOCK_D 16), bf16
+    tiles = te._config(torch.bfloat16, 8).bwd
+    programs = 8 * triton.cdiv(384, tiles.block_m) * triton.cdiv(384, tiles.block_n)
+    chunk = te.dpair_chunk(1, 5120, 8, 384, tiles)
+    chunks = triton.cdiv(5120, chunk)
+    assert programs < te.DPAIR_TARGET_PROGRAMS <= programs * chunks  # unsplit under target, split reaches it
+    assert chunks * 8 * 384 * 384 * 4 <= 2 * te.DPAIR_TARGET_PROGRAMS * tiles.block_m * tiles.block_n * 4
+    # a grid that is full already, or a small N, is not split (no extra buffer)
+    assert te.dpair_chunk(1, 5120, 8, 4096, tiles) == 5120
+    assert te.dpair_chunk(1, te.DPAIR_MIN_CHUNK * 2 - 1, 1, 16, tiles) == te.DPAIR_MIN_CHUNK * 2 - 1
+    assert te.dpair_chunk(1, 7, 1, 16, tiles) == 7
+
+
+def test_dpair_split_over_n_chunks_matches_the_reference_and_is_deterministic():
+    # N = 50 rows at a tiny S: the grid is one (z, h, tile) program per head, so N is cut into ragged chunks
+    # (17, 17, 16; DPAIR_MIN_CHUNK = 16 rows at least), each summed by its own program, then added over the chunks.
+    args = _contract_inputs(z=1, n=50, s=9, h=1, d=8, dtype=torch.float32, seed=4)
+    chunk = te.dpair_chunk(1, 50, 1, 9, te._config(torch.float32, 8).bwd)
+    assert chunk == 17
+    got = _fwd_bwd(*args)
+    assert torch.equal(got[6], _fwd_bwd(*args)[6])
+    cast = [t.double() for t in args]
+    o_ref, stats_ref = reference.forward(*cast[:3], cast[4], cast[5])
+    want = reference.backward(cast[3], *cast[:3], o_ref, stats_ref, cast[4], cast[5], True, True)[4]
+    torch.testing.assert_close(got[6].double().cpu(), want, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
