@@ -76,7 +76,7 @@ Limitations:
   unmasked path for tiles wholly inside the band.
 - Document skipping is per tile and a runtime branch inside the tile loop; a program whose tiles are mostly skipped
   still walks over them.
-- Global indices (offsets plus lengths) must fit in int32; ALiBi distances are exact in fp32 up to 2^24. Within one
+- Global distances ``|i - j|`` must fit in int32; ALiBi distances are exact in fp32 up to 2^24. Within one
   (b, h) slice tile offsets are 32-bit (``BLOCK * stride`` must fit in int32); per-program bases are 64-bit.
 - No gradient for the ALiBi slopes (they are fixed in ALiBi) or the document ids.
 """
@@ -91,6 +91,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .limits import TRITON_MAX_HEAD_DIM
 from .triton_evoformer import Tiles, block_d_for
@@ -108,6 +109,9 @@ _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * log2 e)
 # as ds4sci.kernels.triton_evoformer; read at import, when ``@triton.jit`` itself reads the variable.
 _WIDEN_BF16_DOT = tl.constexpr(bool(triton.knobs.runtime.interpret))
 _INT32_MAX = 2**31 - 1
+# Integer arguments that change from block to block of one sequence (ring attention steps, offsets) are neither
+# specialised on == 1 nor on divisibility by 16: Triton would otherwise compile a kernel per class of each of them.
+_PER_BLOCK = ("diag_lo", "diag_hi", "shift")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -119,24 +123,30 @@ _INT32_MAX = 2**31 - 1
 class KernelConfig:
     block_d: int  # head dim padded to a power of two >= 16
     fwd: Tiles
-    bwd: Tiles  # shared by the dQ and dK/dV kernels
+    dq: Tiles  # the dQ kernel: q, dO resident, loops over key tiles
+    dkdv: Tiles  # the dK/dV kernel: k, v resident, loops over query tiles
 
 
-# (fp32?, BLOCK_D) -> (forward tiles, backward tiles), every entry compiled by ``ds4sci bench kernels-aot --set local``
-# for sm_80 and sm_90 within shared memory and without spills.
+# (fp32?, BLOCK_D) -> (forward, dQ, dK/dV tiles), every entry compiled by ``ds4sci bench kernels-aot --set local`` for
+# sm_80 and sm_90 within shared memory and without spills (flags all off and all on; ``--set local-full``: every flag
+# combination).
 # - fp16/bf16 run tl.dot on tensor cores. The backward keeps four fp32 [BLOCK_M, BLOCK_N] tiles live (s, p, dp, ds)
-#   besides the K, V, dK, dV tiles, hence fewer query rows than the forward from D = 32 on.
-# - fp32 is IEEE (no TF32): Triton lowers it to FMA loops that hold whole operand rows in registers, so registers grow
-#   with BLOCK * D: small tiles and one pipeline stage (the loop is FMA-bound).
-_TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles]] = {
-    (False, 16): (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
-    (False, 32): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
-    (False, 64): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
-    (False, 128): (Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 2)),
-    (True, 16): (Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 1)),
-    (True, 32): (Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
-    (True, 64): (Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
-    (True, 128): (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),
+#   besides its resident tiles, hence fewer query rows than the forward from D = 32 on. At D = 64 the dK/dV kernel
+#   with 64 resident keys spilled on sm_80 (1 KB with documents: their branch in the tile loop stops software
+#   pipelining), so both backward kernels take 32 x 32 tiles there.
+# - fp32 is IEEE (no TF32): Triton lowers it to FMA loops in which a thread holds whole K-rows of an operand, so
+#   registers grow with BLOCK * D: small tiles, one pipeline stage (the loop is FMA-bound). At D = 128 the dQ kernel
+#   holds two loop-invariant operand rows (q and dO, 128 floats each): with one stage and 4 or 8 warps it spilled,
+#   with two stages it does not; the dK/dV kernel spilled with two stages and 4 warps, not with one stage and 8 warps.
+_TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles, Tiles]] = {
+    (False, 16): (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
+    (False, 32): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2), Tiles(32, 64, 4, 2)),
+    (False, 64): (Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2)),
+    (False, 128): (Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 2), Tiles(32, 64, 8, 2)),
+    (True, 16): (Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
+    (True, 32): (Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
+    (True, 64): (Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),
+    (True, 128): (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 2), Tiles(16, 16, 8, 1)),
 }
 assert BLOCK_D_BUCKETS[-1] == TRITON_MAX_HEAD_DIM and {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)
 
@@ -148,8 +158,7 @@ def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     if not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
         raise ValueError(f"triton_attention: head dim must be in 1..{TRITON_MAX_HEAD_DIM}, got D={head_dim}")
     block_d = block_d_for(head_dim)
-    fwd, bwd = _TABLE[(dtype == torch.float32, block_d)]
-    return KernelConfig(block_d=block_d, fwd=fwd, bwd=bwd)
+    return KernelConfig(block_d, *_TABLE[(dtype == torch.float32, block_d)])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -223,7 +232,7 @@ def _load_lse(lse_ptrs, ok):
 # ----------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_BLOCK, do_not_specialize_on_alignment=_PER_BLOCK)
 def _fwd_kernel(
     Q, K, V, O, LSE, QDoc, KDoc, KTileDoc, Slopes,
     stride_qb, stride_qs, stride_qh, stride_qd,
@@ -266,11 +275,12 @@ def _fwd_kernel(
         q_doc_lo, q_doc_hi = _doc_range(q_doc, query_ok)
 
     n_lo, n_hi = _key_range(start_m, Sq, Sk, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
-    # [BLOCK_N, BLOCK_D] tiles of k[b, :, hk, :] and v at key tile n_lo, advanced by BLOCK_N rows per step
-    k_ptrs = (K + b * stride_kb + hk * stride_kh + n_lo.to(tl.int64) * stride_ks
-              + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd)
-    v_ptrs = (V + b * stride_vb + hk * stride_vh + n_lo.to(tl.int64) * stride_vs
-              + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd)
+    # [BLOCK_N, BLOCK_D] tiles of k[b, :, hk, :] and v at key tile n_lo: a scalar pointer advanced by BLOCK_N rows
+    # per step plus loop-invariant 32-bit offsets (a tensor of 64-bit pointers would cost twice the registers)
+    k_ptr = K + (b * stride_kb + hk * stride_kh + n_lo.to(tl.int64) * stride_ks)
+    v_ptr = V + (b * stride_vb + hk * stride_vh + n_lo.to(tl.int64) * stride_vs)
+    k_offs = offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_offs = offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max (natural units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp(s - m_i)
@@ -283,8 +293,8 @@ def _fwd_kernel(
         if visit:
             cols = start_n + offs_n
             kd_ok = (cols < Sk)[:, None] & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
-            v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
+            k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
+            v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
             if HAS_DOCS:
                 k_doc = tl.load(KDoc + b * Sk + cols, mask=cols < Sk, other=-1)
             s = _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
@@ -298,8 +308,8 @@ def _fwd_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
             m_i = m_new
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
+        k_ptr += BLOCK_N * stride_ks
+        v_ptr += BLOCK_N * stride_vs
 
     empty = l_i == 0.0  # no visible key: out 0, lse -inf
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -310,7 +320,7 @@ def _fwd_kernel(
     tl.store(LSE + (b * H + h) * Sq + rows, lse, mask=query_ok)  # lse [B, H, Sq], contiguous
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_BLOCK, do_not_specialize_on_alignment=_PER_BLOCK)
 def _bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DLSE, Delta, DQ, QDoc, KDoc, KTileDoc, Slopes,
     stride_qb, stride_qs, stride_qh, stride_qd,
@@ -364,10 +374,10 @@ def _bwd_dq_kernel(
         q_doc_lo, q_doc_hi = _doc_range(q_doc, query_ok)
 
     n_lo, n_hi = _key_range(start_m, Sq, Sk, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
-    k_ptrs = (K + b * stride_kb + hk * stride_kh + n_lo.to(tl.int64) * stride_ks
-              + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd)
-    v_ptrs = (V + b * stride_vb + hk * stride_vh + n_lo.to(tl.int64) * stride_vs
-              + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd)
+    k_ptr = K + (b * stride_kb + hk * stride_kh + n_lo.to(tl.int64) * stride_ks)
+    v_ptr = V + (b * stride_vb + hk * stride_vh + n_lo.to(tl.int64) * stride_vs)
+    k_offs = offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_offs = offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(n_lo, n_hi, BLOCK_N):
@@ -378,8 +388,8 @@ def _bwd_dq_kernel(
         if visit:
             cols = start_n + offs_n
             kd_ok = (cols < Sk)[:, None] & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
-            v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
+            k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
+            v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
             if HAS_DOCS:
                 k_doc = tl.load(KDoc + b * Sk + cols, mask=cols < Sk, other=-1)
             s = _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
@@ -388,15 +398,15 @@ def _bwd_dq_kernel(
             dp = _dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
             ds = p * (dp - delta[:, None])  # gradient of the logits s
             dq += _dot(ds.to(k.dtype), k)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
+        k_ptr += BLOCK_N * stride_ks
+        v_ptr += BLOCK_N * stride_vs
 
     dq_base = b * stride_dqb + h.to(tl.int64) * stride_dqh + start_m.to(tl.int64) * stride_dqs
     tl.store(DQ + dq_base + tile * stride_dqs + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=qd_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_BLOCK, do_not_specialize_on_alignment=_PER_BLOCK)
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, QDoc, KDoc, QTileDoc, Slopes,
     stride_qb, stride_qs, stride_qh, stride_qd,
@@ -442,7 +452,7 @@ def _bwd_dkdv_kernel(
 
     # Query tiles that can meet the band (the mirror image of _key_range: a - c in [diag_lo, diag_hi])
     m_lo, m_hi = _key_range(start_n, Sk, Sq, -diag_hi, -diag_lo, BLOCK_N, BLOCK_M)
-    q_tile = offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    q_tile = offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd  # 32-bit offsets of a [BLOCK_M, BLOCK_D] tile
     do_tile = offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -453,9 +463,9 @@ def _bwd_dkdv_kernel(
         if HAS_ALIBI:
             slope = tl.load(Slopes + h).to(tl.float32)
         # [BLOCK_M, BLOCK_D] tiles of q[b, :, h, :] and dO at query tile m_lo; lse and delta rows [BLOCK_M]
-        q_ptrs = Q + b * stride_qb + h.to(tl.int64) * stride_qh + m_lo.to(tl.int64) * stride_qs + q_tile
-        do_ptrs = DO + b * stride_dob + h.to(tl.int64) * stride_doh + m_lo.to(tl.int64) * stride_dos + do_tile
-        row_ptrs = (b * H + h) * Sq + m_lo + offs_m  # rows of [B, H, Sq] (contiguous)
+        q_ptr = Q + (b * stride_qb + h.to(tl.int64) * stride_qh + m_lo.to(tl.int64) * stride_qs)
+        do_ptr = DO + (b * stride_dob + h.to(tl.int64) * stride_doh + m_lo.to(tl.int64) * stride_dos)
+        row = (b * H + h) * Sq + m_lo  # first row of [B, H, Sq] (contiguous)
         for start_m in range(m_lo, m_hi, BLOCK_M):
             visit = True
             if HAS_DOCS:  # skip a query tile whose document range cannot meet this key tile's
@@ -465,10 +475,10 @@ def _bwd_dkdv_kernel(
                 rows = start_m + offs_m
                 query_ok = rows < Sq
                 qd_ok = query_ok[:, None] & d_ok[None, :]
-                q = tl.load(q_ptrs, mask=qd_ok, other=0.0)
-                do = tl.load(do_ptrs, mask=qd_ok, other=0.0)
-                lse = _load_lse(LSE + row_ptrs, query_ok)  # +inf past Sq: P = 0 there
-                delta = tl.load(Delta + row_ptrs, mask=query_ok, other=0.0)
+                q = tl.load(q_ptr + q_tile, mask=qd_ok, other=0.0)
+                do = tl.load(do_ptr + do_tile, mask=qd_ok, other=0.0)
+                lse = _load_lse(LSE + row + offs_m, query_ok)  # +inf past Sq: P = 0 there
+                delta = tl.load(Delta + row + offs_m, mask=query_ok, other=0.0)
                 if HAS_DOCS:
                     q_doc = tl.load(QDoc + b * Sq + rows, mask=query_ok, other=-1)
                 s = _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
@@ -478,9 +488,9 @@ def _bwd_dkdv_kernel(
                 dp = _dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
                 ds = p * (dp - delta[:, None])
                 dk += _dot(tl.trans(ds.to(q.dtype)), q)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
-            q_ptrs += BLOCK_M * stride_qs
-            do_ptrs += BLOCK_M * stride_dos
-            row_ptrs += BLOCK_M
+            q_ptr += BLOCK_M * stride_qs
+            do_ptr += BLOCK_M * stride_dos
+            row += BLOCK_M
 
     dk_base = b * stride_dkb + hk.to(tl.int64) * stride_dkh + start_n.to(tl.int64) * stride_dks
     dv_base = b * stride_dvb + hk.to(tl.int64) * stride_dvh + start_n.to(tl.int64) * stride_dvs
@@ -572,19 +582,21 @@ def bwd_launches(
     batch, q_len, heads, d = q.shape
     k_len, kv_heads = k.shape[1], k.shape[2]
     cfg = _config(q.dtype, d)
-    t = cfg.bwd
     docs = vis.q_doc is not None
-    k_tiles = _tile_doc_ranges(vis.k_doc, t.block_n) if docs else None
-    q_tiles = _tile_doc_ranges(vis.q_doc, t.block_m) if docs else None
     dims = (heads, heads // kv_heads, q_len, k_len, d, vis.diag_lo, vis.diag_hi, vis.shift, scale)
-    meta = dict(**_flag_args(vis), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=cfg.block_d, **t.launch_options())
+
+    def meta(t: Tiles) -> dict:
+        return dict(**_flag_args(vis), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=cfg.block_d, **t.launch_options())
+
+    k_tiles = _tile_doc_ranges(vis.k_doc, cfg.dq.block_n) if docs else None  # key tiles the dQ kernel loops over
+    q_tiles = _tile_doc_ranges(vis.q_doc, cfg.dkdv.block_m) if docs else None  # query tiles of the dK/dV loop
     return [
-        (_bwd_dq_kernel, (triton.cdiv(q_len, t.block_m) * batch * heads,),
+        (_bwd_dq_kernel, (triton.cdiv(q_len, cfg.dq.block_m) * batch * heads,),
          (q, k, v, o, do, lse, dlse, delta, dq, vis.q_doc, vis.k_doc, k_tiles, vis.slopes,
-          *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *dims), meta),
-        (_bwd_dkdv_kernel, (triton.cdiv(k_len, t.block_n) * batch * kv_heads,),
+          *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *dims), meta(cfg.dq)),
+        (_bwd_dkdv_kernel, (triton.cdiv(k_len, cfg.dkdv.block_n) * batch * kv_heads,),
          (q, k, v, do, lse, delta, dk, dv, vis.q_doc, vis.k_doc, q_tiles, vis.slopes,
-          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dims), meta),
+          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dims), meta(cfg.dkdv)),
     ]
 
 
@@ -629,6 +641,7 @@ class _TritonAttention(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
         if do is None and dlse is None:
@@ -717,8 +730,8 @@ def triton_attention(
     diag_lo, diag_hi = _band(q_len, k_len, q_offset, k_offset, causal, window)
     if q_len == 0 or k_len == 0:
         diag_lo, diag_hi = 1, 0  # nothing to attend: empty
-    if max(abs(q_offset), abs(k_offset)) + max(q_len, k_len) > _INT32_MAX:
-        raise ValueError(f"triton_attention: global indices beyond int32 (q_offset={q_offset}, k_offset={k_offset})")
+    if abs(q_offset - k_offset) + q_len + k_len > _INT32_MAX:  # global i - j, computed in int32 (ALiBi)
+        raise ValueError(f"triton_attention: global distances beyond int32 (q_offset={q_offset}, k_offset={k_offset})")
     slopes = None
     if alibi_slopes is not None:  # [H] fp32: the local heads' slopes
         slopes = alibi_slopes.reshape(-1)[head_offset : head_offset + heads].to(q.device, torch.float32).contiguous()

@@ -1,12 +1,12 @@
 """Suite-wide setup: Triton's CPU interpreter for every test that runs a Triton kernel.
 
 ``@triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is *defined*, so it is set here, before any test module
-imports the kernel modules (``ds4sci.kernels.triton_evoformer``, ``ds4sci.kernels.triton_local_attention``).
-``setdefault``: on a GPU machine, ``TRITON_INTERPRET=0 pytest`` runs the same tests on the GPU instead (see ``DEVICE``
-in tests/kernels/test_triton_evoformer.py). If a kernel module was already imported with the variable unset (a plugin
-imported it first), it is reloaded so that its kernels are interpreted functions (the Evoformer module first: the
-local-attention module imports its tile dataclass). The ahead-of-time compile gate needs real JIT functions and
-compiles in worker processes started without the variable (``ds4sci.bench.kernels_aot``).
+imports the kernel modules (``ds4sci.kernels.triton_evoformer``, ``ds4sci.kernels.triton_local_attention`` and the
+helpers they share). ``setdefault``: on a GPU machine, ``TRITON_INTERPRET=0 pytest`` runs the same tests on the GPU
+instead (see ``DEVICE`` in tests/kernels/test_triton_evoformer.py). If a kernel module was already imported with the
+variable unset (a plugin imported it first), it is reloaded so that its kernels are interpreted functions, and so is
+every module after it in :data:`_KERNEL_MODULES` (they import from it). The ahead-of-time compile gate needs real JIT
+functions and compiles in worker processes started without the variable (``ds4sci.bench.kernels_aot``).
 """
 import importlib
 import os
@@ -14,14 +14,19 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# module -> one of its kernels, to tell a JIT function from an interpreted one
+# Modules defining @triton.jit functions, each before the modules that import from it -> one of its jit functions
 _KERNEL_MODULES = {
+    "ds4sci.kernels.triton_common": "dot",
     "ds4sci.kernels.triton_evoformer": "_fwd_kernel",
     "ds4sci.kernels.triton_local_attention": "_fwd_kernel",
 }
 if os.environ["TRITON_INTERPRET"] == "1":
     from triton.runtime.interpreter import InterpretedFunction
 
-    for _module, _kernel in _KERNEL_MODULES.items():
-        if _module in sys.modules and not isinstance(getattr(sys.modules[_module], _kernel), InterpretedFunction):
+    _stale = False
+    for _module, _function in _KERNEL_MODULES.items():
+        if _module not in sys.modules:
+            continue
+        _stale = _stale or not isinstance(getattr(sys.modules[_module], _function, None), InterpretedFunction)
+        if _stale:
             importlib.reload(sys.modules[_module])

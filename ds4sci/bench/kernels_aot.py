@@ -1,4 +1,5 @@
-"""``ds4sci bench kernels-aot``: compile every shipped Triton Evoformer kernel for sm_80 and sm_90, without a GPU.
+"""``ds4sci bench kernels-aot``: compile the shipped Triton kernels (Evoformer, local attention) for sm_80 and sm_90,
+without a GPU.
 
 For every configuration the tile table of :mod:`ds4sci.kernels.triton_evoformer` can return (each dtype x
 ``BLOCK_D`` bucket) and every kernel variant the launchers can request (forward and the four backward kernels, each
@@ -13,7 +14,7 @@ runs ptxas with ``-v`` and prints its log under ``TRITON_DUMP_PTXAS_LOG=1``, whi
 itself uses for each target (the wheel's ``ptxas`` for sm_80, its ``ptxas-blackwell`` for sm_90a, with Triton's
 ``--regAllocOptLevel=2``), i.e. what a launch on that GPU would load.
 
-Two sets of launches are compiled (``--set``):
+The sets of launches (``--set``; ``all``: shipped, callers and local):
 
 - ``shipped``: every (dtype, ``BLOCK_D``, kernel, flags) the tile table and the launchers can produce, each for one
   representative launch on contiguous inputs (Z = 1, N = 2, S = 256, H = 8, D = ``BLOCK_D``, biases in q's dtype):
@@ -23,11 +24,20 @@ Two sets of launches are compiled (``--set``):
   so D = 8 or 24, S not a multiple of 16, N = 1, the pair bias as OpenFold's permuted view of ``z [*, S, S, H]``
   (non-unit last stride) and an fp32 mask bias beside bf16 q are each different compiled code from the
   representative launch. Launches that specialise identically are compiled once.
+- ``local``: the local-attention kernels of :mod:`ds4sci.kernels.triton_local_attention` (forward, dQ, dK/dV) for
+  every entry of its tile table (bf16 and fp32 x ``BLOCK_D`` 16/32/64/128; fp16 shares bf16's tiles and compiled to
+  the same registers and shared memory in all 96 of its variants), each with its ``HAS_DOCS`` / ``HAS_ALIBI`` flags
+  all off and all on (flag-off variants were seen to spill alone: their loops are software-pipelined, the document
+  branch stops that), at one representative causal GQA launch (B = 1, S = 256, H = 8, Hkv = 2, D = ``BLOCK_D``):
+  96 compilations. ``local-full``: every dtype and flag combination (288 compilations). The kernels do not
+  specialise the integers that change from ring block to ring block (offsets, band), so one launch stands for all.
 
 Launch arguments are never listed here. For each call, small CPU tensors with the caller's shapes, strides and dtypes
-go through the public path (``evoformer_attention``, or OpenFold's adapter for OpenFold's calls) forward and backward
+go through the public path (``evoformer_attention``, OpenFold's adapter for OpenFold's calls, ``triton_attention``
+for the local-attention kernels) forward and backward
 with every Triton launch recorded instead of run (:func:`record_launches`); the recorded (kernel, arguments, keywords)
-then pass through Triton's own argument specialisation (``native_specialize_impl``, what ``JITFunction.run`` calls).
+then pass through Triton's own argument specialisation (``native_specialize_impl``, what ``JITFunction.run`` calls,
+honouring each parameter's ``do_not_specialize``).
 So the signatures follow whatever the launchers pass (new arguments, a max and a sum saved instead of a log-sum-exp).
 
 Every compiled kernel's PTX is also checked for the exponent property of issue #12 (:func:`unsafe_exponents`): each
@@ -49,6 +59,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import io
+import itertools
 import logging
 import multiprocessing
 import os
@@ -149,6 +160,10 @@ class Variant:
     def case(self) -> str:
         return self.call.name if self.call is not None else "representative"
 
+    def launch(self):
+        """(jit kernel, positional args, constexpr and launch kwargs), recorded from the call that launches it."""
+        return _launch(self)
+
     def as_call(self) -> Call:
         """The call that launches this variant: ``call``, or the representative launch with these flags."""
         if self.call is not None:
@@ -225,7 +240,7 @@ def _triton_backend_on_cpu() -> Iterator[None]:
     The kernels were defined when the backend was imported (before this), so they stay what they were (JIT functions
     in the compile workers); with :func:`record_launches` active nothing runs.
     """
-    from ds4sci.kernels import triton_evoformer  # noqa: F401  (defines the kernels before the variable is set)
+    from ds4sci.kernels import triton_evoformer, triton_local_attention  # noqa: F401  (defines the kernels first)
 
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -312,9 +327,11 @@ def _specialisation(kernel, args, meta, backend) -> tuple[dict, dict, dict, dict
     if len(runtime_names) != len(args):
         raise ValueError(f"{kernel.__name__}: {len(args)} arguments for parameters {runtime_names}")
     signature, attrs = {}, {}
+    fixed, unaligned = _not_specialised(kernel)
     for name, arg in zip(runtime_names, args):
-        # (type, specialisation): e.g. ("*fp16", "D") for a 16-byte aligned pointer, ("constexpr", 1), ("i32", "")
-        ty, desc = native_specialize_impl(backend, arg, False, True, True)
+        # (type, specialisation): e.g. ("*fp16", "D") for a 16-byte aligned pointer, ("constexpr", 1), ("i32", "");
+        # arguments the kernel marks ``do_not_specialize`` (``_on_alignment``) are not, as in JITFunction.run
+        ty, desc = native_specialize_impl(backend, arg, False, name not in fixed, name not in unaligned)
         signature[name] = ty
         if ty == "constexpr":
             constexprs[name] = arg
@@ -323,6 +340,20 @@ def _specialisation(kernel, args, meta, backend) -> tuple[dict, dict, dict, dict
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs, attrs, options
+
+
+def _not_specialised(kernel) -> tuple[set[str], set[str]]:
+    """Names of the parameters the kernel marks ``do_not_specialize`` and ``do_not_specialize_on_alignment``, from a
+    JIT function (its params) or an interpreted one (the keywords ``@triton.jit`` was given: names or indices)."""
+    if hasattr(kernel, "params"):
+        return ({p.name for p in kernel.params if p.do_not_specialize},
+                {p.name for p in kernel.params if p.do_not_specialize_on_alignment})
+    keywords = getattr(kernel, "kwargs", {})
+
+    def names(key):
+        return {kernel.arg_names[x] if isinstance(x, int) else x for x in keywords.get(key) or ()}
+
+    return names("do_not_specialize"), names("do_not_specialize_on_alignment")
 
 
 def meta_names(kernel) -> set[str]:
@@ -366,6 +397,118 @@ def caller_variants(calls=CALLERS) -> list[Variant]:
                 seen.add(key)
                 out.append(variant)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The local attention kernels (ds4sci.kernels.triton_local_attention)
+# ----------------------------------------------------------------------------------------------------------
+
+LOCAL_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
+#: representative local-attention launch (B, S, H, Hkv): GQA groups of 4, so the dK/dV kernel's group loop is a real
+#: loop (H == Hkv specialises the group size 1 into a constant); D is each BLOCK_D bucket
+LOCAL_REPRESENTATIVE = {"B": 1, "S": 256, "H": 8, "Hkv": 2}
+#: (HAS_DOCS, HAS_ALIBI) compiled per (dtype, BLOCK_D, kernel) by ``--set local``: every flag off and every flag on.
+#: ``--set local-full`` compiles all four combinations.
+LOCAL_FLAG_ENDS = ((False, False), (True, True))
+#: dtypes of ``--set local``: one per kind of table entry (fp16 shares bf16's tiles and code but for the MMA operand
+#: type and conversions; ``--set local-full`` compiles it too)
+LOCAL_DTYPES = ("bf16", "fp32")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalCall:
+    """One local attention call (``triton_attention``): q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]``, contiguous,
+    causal at aligned offsets unless told otherwise; ``docs``: packed document ids, ``alibi``: one slope per head."""
+
+    name: str
+    dtype: str
+    b: int
+    sq: int
+    sk: int
+    h: int
+    hkv: int
+    d: int
+    causal: bool = True
+    window: Optional[int] = None
+    docs: bool = False
+    alibi: bool = False
+    q_offset: int = 0
+    k_offset: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalVariant:
+    """One compiled local-attention specialisation: a kernel, a table entry (dtype, BLOCK_D) and its flags, launched
+    by ``call`` (None: the representative launch)."""
+
+    kernel: str
+    dtype: str
+    block_d: int
+    has_docs: bool
+    has_alibi: bool
+    call: Optional[LocalCall] = None
+
+    @property
+    def flags(self) -> str:
+        return "+".join(n for n, on in (("docs", self.has_docs), ("alibi", self.has_alibi)) if on) or "-"
+
+    @property
+    def case(self) -> str:
+        return self.call.name if self.call is not None else "local representative"
+
+    def as_call(self) -> LocalCall:
+        if self.call is not None:
+            return self.call
+        r = LOCAL_REPRESENTATIVE
+        return LocalCall("local representative", self.dtype, b=r["B"], sq=r["S"], sk=r["S"], h=r["H"], hkv=r["Hkv"],
+                         d=self.block_d, docs=self.has_docs, alibi=self.has_alibi)
+
+    def launch(self):
+        """(jit kernel, positional args, constexpr and launch kwargs), recorded from the public path."""
+        found = [(kernel, args, meta) for kernel, args, meta in local_call_launches(self.as_call())
+                 if kernel_name(kernel) == self.kernel]
+        if len(found) != 1:
+            raise RuntimeError(f"{self.case}: {len(found)} launches of the {self.kernel} kernel, expected 1")
+        kernel, args, meta = found[0]
+        flags = (meta["HAS_DOCS"], meta["HAS_ALIBI"])
+        if flags != (self.has_docs, self.has_alibi):
+            raise RuntimeError(f"{self.case}: {self.kernel} launched with (docs, alibi) = {flags}, expected {self.flags}")
+        return kernel, args, meta
+
+
+def local_call_launches(call: LocalCall) -> list[tuple]:
+    """[(kernel, args, kwargs)] of every Triton launch of ``call``'s forward and backward (through ``triton_attention``,
+    with a gradient into out and lse), in launch order."""
+    import torch
+
+    from ds4sci.kernels.triton_local_attention import triton_attention
+
+    dtype = getattr(torch, _TORCH_DTYPES[call.dtype])
+    q = torch.empty(call.b, call.sq, call.h, call.d, dtype=dtype, requires_grad=True)
+    k, v = (torch.empty(call.b, call.sk, call.hkv, call.d, dtype=dtype, requires_grad=True) for _ in range(2))
+    kw = dict(causal=call.causal, window=call.window, q_offset=call.q_offset, k_offset=call.k_offset)
+    if call.docs:  # packed documents of 100 tokens over global positions
+        kw["q_doc"] = (torch.arange(call.q_offset, call.q_offset + call.sq) // 100).expand(call.b, -1)
+        kw["k_doc"] = (torch.arange(call.k_offset, call.k_offset + call.sk) // 100).expand(call.b, -1)
+    if call.alibi:
+        kw["alibi_slopes"] = torch.ones(call.h)
+    with record_launches() as launches, _triton_backend_on_cpu():
+        out, lse = triton_attention(q, k, v, return_lse=True, **kw)
+        torch.autograd.backward((out, lse), (torch.zeros_like(out), torch.zeros_like(lse)))
+    return launches
+
+
+def local_variants(dtypes=LOCAL_DTYPES, block_ds: Optional[tuple[int, ...]] = None, flag_sets=LOCAL_FLAG_ENDS,
+                   worst_case_only: bool = False) -> list[LocalVariant]:
+    """(kernel, dtype, BLOCK_D, flags) of the local-attention kernels for each table entry; ``flag_sets`` the
+    (HAS_DOCS, HAS_ALIBI) pairs (every pair the launchers can produce: ``itertools.product((False, True), repeat=2)``);
+    ``worst_case_only`` keeps every flag on."""
+    from ds4sci.kernels.triton_local_attention import BLOCK_D_BUCKETS
+
+    flag_sets = ((True, True),) if worst_case_only else tuple(flag_sets)
+    return [LocalVariant(kernel, dtype, block_d, docs, alibi)
+            for dtype in dtypes for block_d in block_ds or BLOCK_D_BUCKETS
+            for kernel in LOCAL_KERNELS for docs, alibi in flag_sets]
 
 
 def _ast_source(kernel, args, meta, backend):
@@ -596,7 +739,7 @@ def compile_variant(variant: Variant, capability: int) -> dict:
                "flags": variant.flags, "target": gpu_name, "smem_limit": smem_limit}
     start = time.perf_counter()
     try:
-        kernel, args, meta = _launch(variant)
+        kernel, args, meta = variant.launch()
         record |= {key: meta[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages", "maxnreg")
                    if key in meta}
         target = GPUTarget("cuda", capability, 32)
@@ -651,14 +794,17 @@ def compile_all(variants: list[Variant], capabilities=(80, 90), jobs: int = 1) -
 
 def _markdown(report: dict) -> str:
     rep = report["representative"]
+    local = report.get("local_representative", LOCAL_REPRESENTATIVE)
     names = [name for name, _ in TARGETS.values()]
     lines = [
-        "# Triton Evoformer kernels compiled ahead of time",
+        "# Triton kernels compiled ahead of time (Evoformer, local attention)",
         "",
         f"Triton {report['triton_version']}; registers and spills from the `ptxas -v` log of Triton's own compile "
         f"({'; '.join(f'{k}: {v}' for k, v in report['ptxas'].items())}); "
-        f"`representative`: launch Z={rep['Z']}, N={rep['N']}, S={rep['S']}, H={rep['H']}, D=BLOCK_D, contiguous, "
-        "biases in q's dtype; other cases: OpenFold's and OpenFold3's calls, each distinct specialisation once. "
+        f"`representative`: Evoformer launch Z={rep['Z']}, N={rep['N']}, S={rep['S']}, H={rep['H']}, D=BLOCK_D, "
+        "contiguous, biases in q's dtype; `local representative`: causal local attention B={B}, S={S}, H={H}, "
+        "Hkv={Hkv}, D=BLOCK_D, contiguous; other cases: OpenFold's and OpenFold3's calls, each distinct "
+        "specialisation once. ".format(**local) +
         "Shared memory is Triton's dynamic request (limits: "
         f"{', '.join(f'{n} {lim} B' for n, lim in TARGETS.values())}). "
         "`unsafe ex2`: exponents (of all `ex2` in the PTX) computed from a fused multiply-add of a scaled maximum "
@@ -709,27 +855,38 @@ def _where(r: dict) -> str:
     return f"{r['case']}: {r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
 
 
-SETS = ("shipped", "callers", "all")
+SETS = ("shipped", "callers", "local", "local-full", "all")
 
 
-def variants_for(which: str, dtypes=DTYPES, block_ds=None, worst_case_only: bool = False) -> list[Variant]:
-    """The variants of ``--set``: ``shipped`` (the tile table), ``callers`` (:data:`CALLERS`) or ``all``."""
-    out = []
+def variants_for(which: str, dtypes=None, block_ds=None, worst_case_only: bool = False) -> list:
+    """The variants of ``--set``: ``shipped`` (the Evoformer tile table), ``callers`` (:data:`CALLERS`), ``local``
+    (the local-attention tile table for :data:`LOCAL_DTYPES`, every flag off and every flag on), ``local-full``
+    (every dtype and flag combination) or ``all`` (shipped, callers and local). ``dtypes`` (None: each set's own)
+    and ``block_ds`` (None: every bucket) narrow the table sets."""
+    out: list = []
     if which in ("shipped", "all"):
-        out += shipped_variants(dtypes, block_ds, worst_case_only)
+        out += shipped_variants(dtypes or DTYPES, block_ds, worst_case_only)
     if which in ("callers", "all"):
         out += caller_variants()
+    if which in ("local", "all"):
+        out += local_variants(dtypes or LOCAL_DTYPES, block_ds, worst_case_only=worst_case_only)
+    if which == "local-full":
+        out += local_variants(dtypes or DTYPES, block_ds, itertools.product((False, True), repeat=2),
+                              worst_case_only)
     return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="variant_set", choices=SETS, default="all",
-                        help="shipped: every tile-table variant at a representative launch; callers: the "
-                             "specialisations OpenFold/OpenFold3 launch; all: both (default: %(default)s)")
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES),
-                        help="shipped set: dtypes (default: all)")
+                        help="shipped: every Evoformer tile-table variant at a representative launch; callers: the "
+                             "specialisations OpenFold/OpenFold3 launch; local: the local-attention kernels for every "
+                             "tile-table entry, flags all off and all on; local-full: every flag combination; all: "
+                             "shipped, callers and local (default: %(default)s)")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None,
+                        help="shipped and local sets: dtypes (default: all for shipped and local-full, "
+                             f"{' '.join(LOCAL_DTYPES)} for local)")
     parser.add_argument("--block-d", nargs="+", type=int, default=None,
-                        help="shipped set: BLOCK_D buckets (default: all)")
+                        help="shipped and local sets: BLOCK_D buckets (default: all)")
     parser.add_argument("--targets", nargs="+", type=int, choices=sorted(TARGETS), default=sorted(TARGETS),
                         help="compute capabilities (default: %(default)s)")
     parser.add_argument("--worst-case-only", action="store_true",
@@ -744,8 +901,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ds4sci.bench.report import write_report
 
-    variants = variants_for(args.variant_set, tuple(args.dtypes), tuple(args.block_d) if args.block_d else None,
-                            args.worst_case_only)
+    variants = variants_for(args.variant_set, tuple(args.dtypes) if args.dtypes else None,
+                            tuple(args.block_d) if args.block_d else None, args.worst_case_only)
     start = time.perf_counter()
     results = compile_all(variants, tuple(args.targets), args.jobs)
     report = {
@@ -753,6 +910,7 @@ def run(args: argparse.Namespace) -> int:
         "ptxas": ptxas_versions(),
         "targets": {name: {"capability": cc, "smem_limit": lim} for cc, (name, lim) in TARGETS.items()},
         "representative": REPRESENTATIVE,
+        "local_representative": LOCAL_REPRESENTATIVE,
         "set": args.variant_set,
         "callers": [dataclasses.asdict(call) for call in CALLERS] if args.variant_set != "shipped" else [],
         "worst_case_only": bool(args.worst_case_only),

@@ -132,11 +132,11 @@ def _check(inputs, dtype, **kw):
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Every table entry with 16-row tiles (forward 16x16, backward 16x32 / 32x16 by dtype): several tiles per row
-    and column at S <= 80, and BLOCK_M != BLOCK_N in the backward."""
+    """Every table entry with 16-row tiles (forward 16x16, dQ 16x32 and dK/dV 32x16, or the reverse for fp32):
+    several tiles per row and column at S <= 80, and BLOCK_M != BLOCK_N in the backward."""
     for (fp32, block_d), _ in list(tla._TABLE.items()):
-        bwd = Tiles(32, 16, 4, 1) if fp32 else Tiles(16, 32, 4, 2)
-        monkeypatch.setitem(tla._TABLE, (fp32, block_d), (Tiles(16, 16, 4, 1), bwd))
+        wide, tall = Tiles(16, 32, 4, 1), Tiles(32, 16, 4, 1)
+        monkeypatch.setitem(tla._TABLE, (fp32, block_d), (Tiles(16, 16, 4, 1), *((tall, wide) if fp32 else (wide, tall))))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,140 @@
+"""Ahead-of-time compile gate of the Triton local-attention kernels (``ds4sci bench kernels-aot --set local``), no GPU.
+
+The gate (ds4sci.bench.kernels_aot) compiles with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 80 | 90,
+32))`` in worker processes started without ``TRITON_INTERPRET``, reads Triton's shared-memory request and the
+``ptxas -v`` registers and spills of Triton's own ptxas run, and checks in the PTX that every ``ex2`` takes a scaled
+difference ``(s - m) * log2 e`` (issue #12). Launch arguments are recorded from ``triton_attention`` itself (forward
+and backward on CPU tensors, every launch recorded instead of run).
+
+- ``test_gate_enumerates_every_launch``: ``--set local-full`` holds exactly the (kernel, dtype, BLOCK_D, HAS_DOCS,
+  HAS_ALIBI) launches ``triton_attention`` makes, over dtypes, head dims and arguments; ``--set local`` is its flags
+  all-off and all-on part for bf16 and fp32 (fp16 shares bf16's tiles).
+- ``test_block_dependent_integers_are_not_specialised``: offsets and the causal/window band change from ring step to
+  ring step; they are ``do_not_specialize``, so every block of a sequence reuses one compiled kernel.
+- The slow test compiles ``--set local`` (2 dtypes x 4 BLOCK_D x 3 kernels x 2 flag sets, for sm_80 and sm_90a: 96
+  compilations, 1-3 minutes on 2 cores) and checks shared memory, spills and exponents. ``--set local-full`` (every
+  flag combination and fp16: 288 compilations) is run by hand (``ds4sci bench kernels-aot --set local-full``).
+"""
+import argparse
+import itertools
+import json
+
+import pytest
+import torch
+
+from ds4sci.bench import kernels_aot
+from ds4sci.bench.kernels_aot import LocalCall, LocalVariant
+from ds4sci.kernels.triton_local_attention import triton_attention
+
+SM80_SMEM, SM90_SMEM = 166912, 232448  # max dynamic shared memory per block: 163 KB (A100), 227 KB (H100)
+NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _launched(dtype, d, docs, alibi, **kw):
+    """(kernel, dtype, BLOCK_D, HAS_DOCS, HAS_ALIBI) of every launch of one forward + backward."""
+    q = torch.randn(1, 20, 4, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, 24, 2, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    if docs:
+        kw["q_doc"], kw["k_doc"] = torch.zeros(1, 20, dtype=torch.int64), torch.zeros(1, 24, dtype=torch.int64)
+    if alibi:
+        kw["alibi_slopes"] = torch.ones(4)
+    with kernels_aot.record_launches() as launches:
+        out, lse = triton_attention(q, k, v, return_lse=True, **kw)
+        (out.sum() + lse.sum()).backward()
+    return [(kernels_aot.kernel_name(kern), NAMES[dtype], meta["BLOCK_D"], meta["HAS_DOCS"], meta["HAS_ALIBI"])
+            for kern, _, meta in launches]
+
+
+def test_gate_enumerates_every_launch():
+    full = {(v.kernel, v.dtype, v.block_d, v.has_docs, v.has_alibi) for v in kernels_aot.variants_for("local-full")}
+    seen = set()
+    for dtype, d, docs, alibi in itertools.product(NAMES, (8, 16, 24, 32, 64, 100, 128), (False, True), (False, True)):
+        for kw in (dict(), dict(causal=True, window=5, q_offset=30, k_offset=7)):
+            launches = _launched(dtype, d, docs, alibi, **kw)
+            assert [name for name, *_ in launches] == list(kernels_aot.LOCAL_KERNELS)
+            assert set(launches) <= full, launches
+            seen |= set(launches)
+    assert seen == full  # and nothing the launchers never start
+    assert len(full) == 3 * 4 * 3 * 4
+    local = kernels_aot.variants_for("local")
+    assert {(v.dtype, v.has_docs, v.has_alibi) for v in local} == {
+        (dt, on, on) for dt in kernels_aot.LOCAL_DTYPES for on in (False, True)}
+    assert {(v.kernel, v.dtype, v.block_d, v.has_docs, v.has_alibi) for v in local} <= full
+    assert len(local) == 2 * 4 * 3 * 2
+    assert all(v.case == "local representative" for v in local)
+
+
+def test_representative_launch_records_the_flags():
+    v = LocalVariant("bwd_dkdv", "bf16", 64, True, False)
+    kernel, args, meta = v.launch()
+    assert kernels_aot.kernel_name(kernel) == "bwd_dkdv" and meta["HAS_DOCS"] and not meta["HAS_ALIBI"]
+    assert (meta["BLOCK_D"], meta["BLOCK_M"], meta["BLOCK_N"]) == (64, 32, 32)
+    call = v.as_call()
+    assert (call.b, call.sq, call.h, call.hkv, call.d, call.causal) == (1, 256, 8, 2, 64, True)
+    with pytest.raises(RuntimeError, match="expected docs"):
+        LocalVariant("fwd", "bf16", 64, True, False, call=LocalCall("no docs", "bf16", 1, 32, 32, 2, 2, 64)).launch()
+
+
+def test_block_dependent_integers_are_not_specialised():
+    """Ring blocks at different offsets, causal or windowed (band and shift 0, 1, 16, 17, ...), compile to one
+    specialisation; the lengths and strides are still specialised (as Triton does for every launch)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    backend = triton.compiler.make_backend(GPUTarget("cuda", 80, 32))
+    keys = set()
+    blocks = [(0, 0, True, None), (1, 0, True, None), (16, 0, True, None), (17, 3, True, None), (256, 0, True, None),
+              (0, 256, False, None), (0, 0, False, 16), (40, 7, True, 1), (0, 0, False, None)]
+    for q_offset, k_offset, causal, window in blocks:
+        call = LocalCall("ring", "bf16", 1, 256, 256, 8, 2, 64, causal=causal, window=window, q_offset=q_offset,
+                         k_offset=k_offset)
+        variant = LocalVariant("fwd", "bf16", 64, False, False, call=call)
+        kernel, args, meta = variant.launch()
+        keys.add(kernels_aot.specialisation_key(variant, kernel, args, meta, backend))
+        signature, constexprs, attrs, _ = kernels_aot._specialisation(kernel, args, meta, backend)
+        for name in ("diag_lo", "diag_hi", "shift"):
+            assert signature[name] == "i32" and name not in constexprs
+            assert (kernel.arg_names.index(name),) not in attrs
+    assert len(keys) == 1
+    short = LocalCall("short", "bf16", 1, 37, 37, 8, 2, 64)
+    variant = LocalVariant("fwd", "bf16", 64, False, False, call=short)
+    assert kernels_aot.specialisation_key(variant, *variant.launch(), backend) not in keys  # S = 37: not % 16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiling the kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _where(r):
+    return f"{r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
+
+
+@pytest.fixture(scope="module")
+def local_gate(tmp_path_factory):
+    out = tmp_path_factory.mktemp("local")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    kernels_aot.add_arguments(parser)
+    rc = kernels_aot.run(parser.parse_args(["--out", str(out), "--jobs", "2", "--set", "local"]))
+    return rc, json.loads((out / "kernels_aot.json").read_text()), (out / "kernels_aot.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # the module fixture compiles 96 kernels: 1-3 min on 2 cores, more under load
+def test_local_kernels_compile_for_sm80_and_sm90_within_smem_spill_free_and_with_safe_exponents(local_gate):
+    rc, report, table = local_gate
+    results = report["results"]
+    assert len(results) == 2 * len(kernels_aot.variants_for("local")) == 96
+    assert {r["target"] for r in results} == {"sm_80", "sm_90a"}
+    for r in results:
+        where = _where(r)
+        assert r["error"] is None, f"{where}: {r['error']}"
+        limit = SM80_SMEM if r["target"] == "sm_80" else SM90_SMEM
+        assert 0 < r["shared_bytes"] <= limit, f"{where}: {r['shared_bytes']} B of shared memory"
+        assert 0 < r["registers"] <= 255, where
+        assert (r["spill_stores"], r["spill_loads"]) == (0, 0), f"{where}: spills {r['spill_stores']}/{r['spill_loads']}"
+        assert r["ex2"] > 0, where
+        assert r["unsafe_ex2"] == [], f"{where}: {len(r['unsafe_ex2'])} of {r['ex2']}: {r['unsafe_ex2'][0]}"
+    assert rc == 0 and report["all_ok"]
+    assert table.count("| local representative |") == len(results) // 2 and "| NO |" not in table
