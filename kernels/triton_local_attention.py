@@ -94,6 +94,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .limits import TRITON_MAX_HEAD_DIM
+from .triton_common import LOG2E, cast, dot
 from .triton_evoformer import Tiles, block_d_for
 
 __all__ = ["triton_attention", "SUPPORTED_DTYPES", "BLOCK_D_BUCKETS"]
@@ -102,12 +103,6 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: ``BLOCK_D`` buckets: every head dim 1..TRITON_MAX_HEAD_DIM rounds up to one of these (:func:`block_d_for`).
 BLOCK_D_BUCKETS = (16, 32, 64, 128)
 
-_LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * log2 e)
-# Under TRITON_INTERPRET=1 the interpreter multiplies the raw uint16 bit patterns of bf16 ``tl.dot`` operands
-# (triton-lang/triton#11584), so there bf16 operands are widened to fp32 first: exact (a product of two bf16 values is
-# exact in fp32, and the GPU's bf16 MMA accumulates in fp32 too). Compiled out on the GPU path. The same workaround
-# as ds4sci.kernels.triton_evoformer; read at import, when ``@triton.jit`` itself reads the variable.
-_WIDEN_BF16_DOT = tl.constexpr(bool(triton.knobs.runtime.interpret))
 _INT32_MAX = 2**31 - 1
 # Integer arguments that change from block to block of one sequence (ring attention steps, offsets) are neither
 # specialised on == 1 nor on divisibility by 16: Triton would otherwise compile a kernel per class of each of them.
@@ -167,16 +162,6 @@ def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
 
 
 @triton.jit
-def _dot(a, b):
-    # fp32 operands: IEEE fp32 products (no TF32). fp16/bf16 operands: the flag has no effect; fp32 accumulation.
-    if _WIDEN_BF16_DOT:
-        if a.dtype == tl.bfloat16:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
 def _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
             HAS_DOCS: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Logits ``[BLOCK_M, BLOCK_N]`` in fp32: ``q k^T * scale - slope * |i - j|``, -inf where invisible.
@@ -185,7 +170,7 @@ def _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_do
     ``cols [BLOCK_N]``; global ``i - j = (rows - cols) + shift``. Visible: inside the band ``diag_lo <= rows - cols
     <= diag_hi``, key row < Sk and, with documents, equal ids (``q_doc [BLOCK_M]``, ``k_doc [BLOCK_N]``).
     """
-    s = _dot(q, tl.trans(k)) * sm_scale
+    s = dot(q, tl.trans(k)) * sm_scale
     diff = rows[:, None] - cols[None, :]  # [BLOCK_M, BLOCK_N] local a - c
     if HAS_ALIBI:
         s = s - slope * tl.abs(diff + shift).to(tl.float32)
@@ -303,10 +288,10 @@ def _fwd_kernel(
             # Rows with every key so far invisible subtract 0, so exp2 gives exact zeros, never NaN (-inf - -inf).
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
             # Subtract, then scale: exact for s == m whatever the compiler fuses (module docstring).
-            alpha = tl.math.exp2((m_i - m_sub) * _LOG2E)  # rescales the old sum and accumulator
-            p = tl.math.exp2((s - m_sub[:, None]) * _LOG2E)  # [BLOCK_M, BLOCK_N]
+            alpha = tl.math.exp2((m_i - m_sub) * LOG2E)  # rescales the old sum and accumulator
+            p = tl.math.exp2((s - m_sub[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_N]
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
+            acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
             m_i = m_new
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
@@ -316,7 +301,7 @@ def _fwd_kernel(
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     o_base = b * stride_ob + h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_os
     o_tile = tl.arange(0, BLOCK_M)[:, None] * stride_os + offs_d[None, :] * stride_od
-    tl.store(O + o_base + o_tile, o.to(O.dtype.element_ty), mask=qd_ok)
+    tl.store(O + o_base + o_tile, cast(o, O.dtype.element_ty), mask=qd_ok)
     tl.store(LSE + (b * H + h) * Sq + rows, lse, mask=query_ok)  # lse [B, H, Sq], contiguous
 
 
@@ -394,16 +379,16 @@ def _bwd_dq_kernel(
                 k_doc = tl.load(KDoc + b * Sk + cols, mask=cols < Sk, other=-1)
             s = _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
                         HAS_DOCS, HAS_ALIBI)
-            p = tl.math.exp2((s - lse[:, None]) * _LOG2E)  # subtract, then scale (no addend in the exponent)
-            dp = _dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
+            p = tl.math.exp2((s - lse[:, None]) * LOG2E)  # subtract, then scale (no addend in the exponent)
+            dp = dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
             ds = p * (dp - delta[:, None])  # gradient of the logits s
-            dq += _dot(ds.to(k.dtype), k)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
+            dq += dot(cast(ds, k.dtype), k)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
 
     dq_base = b * stride_dqb + h.to(tl.int64) * stride_dqh + start_m.to(tl.int64) * stride_dqs
-    tl.store(DQ + dq_base + tile * stride_dqs + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=qd_ok)
+    dq_ptrs = DQ + dq_base + tile * stride_dqs + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, cast(dq * sm_scale, DQ.dtype.element_ty), mask=qd_ok)
 
 
 @triton.jit(do_not_specialize=_PER_BLOCK, do_not_specialize_on_alignment=_PER_BLOCK)
@@ -483,20 +468,21 @@ def _bwd_dkdv_kernel(
                     q_doc = tl.load(QDoc + b * Sq + rows, mask=query_ok, other=-1)
                 s = _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
                             HAS_DOCS, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
-                p = tl.math.exp2((s - lse[:, None]) * _LOG2E)
-                dv += _dot(tl.trans(p.to(do.dtype)), do)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
-                dp = _dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
+                p = tl.math.exp2((s - lse[:, None]) * LOG2E)
+                dv += dot(tl.trans(cast(p, do.dtype)), do)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
+                dp = dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
                 ds = p * (dp - delta[:, None])
-                dk += _dot(tl.trans(ds.to(q.dtype)), q)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
+                dk += dot(tl.trans(cast(ds, q.dtype)), q)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
             q_ptr += BLOCK_M * stride_qs
             do_ptr += BLOCK_M * stride_dos
             row += BLOCK_M
 
     dk_base = b * stride_dkb + hk.to(tl.int64) * stride_dkh + start_n.to(tl.int64) * stride_dks
     dv_base = b * stride_dvb + hk.to(tl.int64) * stride_dvh + start_n.to(tl.int64) * stride_dvs
-    tl.store(DK + dk_base + tile * stride_dks + offs_d[None, :] * stride_dkd, (dk * sm_scale).to(DK.dtype.element_ty),
-             mask=kd_ok)
-    tl.store(DV + dv_base + tile * stride_dvs + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kd_ok)
+    dk_ptrs = DK + dk_base + tile * stride_dks + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + dv_base + tile * stride_dvs + offs_d[None, :] * stride_dvd
+    tl.store(dk_ptrs, cast(dk * sm_scale, DK.dtype.element_ty), mask=kd_ok)
+    tl.store(dv_ptrs, cast(dv, DV.dtype.element_ty), mask=kd_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -472,7 +472,8 @@ class LocalVariant:
         kernel, args, meta = found[0]
         flags = (meta["HAS_DOCS"], meta["HAS_ALIBI"])
         if flags != (self.has_docs, self.has_alibi):
-            raise RuntimeError(f"{self.case}: {self.kernel} launched with (docs, alibi) = {flags}, expected {self.flags}")
+            raise RuntimeError(f"{self.case}: {self.kernel} launched with (docs, alibi) = {flags}, "
+                               f"expected {self.flags}")
         return kernel, args, meta
 
 

@@ -133,7 +133,8 @@ def test_local_kernels_compile_for_sm80_and_sm90_within_smem_spill_free_and_with
         limit = SM80_SMEM if r["target"] == "sm_80" else SM90_SMEM
         assert 0 < r["shared_bytes"] <= limit, f"{where}: {r['shared_bytes']} B of shared memory"
         assert 0 < r["registers"] <= 255, where
-        assert (r["spill_stores"], r["spill_loads"]) == (0, 0), f"{where}: spills {r['spill_stores']}/{r['spill_loads']}"
+        spills = (r["spill_stores"], r["spill_loads"])
+        assert spills == (0, 0), f"{where}: spill stores/loads {spills} B"
         assert r["ex2"] > 0, where
         assert r["unsafe_ex2"] == [], f"{where}: {len(r['unsafe_ex2'])} of {r['ex2']}: {r['unsafe_ex2'][0]}"
     assert rc == 0 and report["all_ok"]
