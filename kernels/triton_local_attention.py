@@ -60,11 +60,17 @@ No kernel uses atomics: two backward passes are bitwise equal. Rows that see no 
 in the backward, P = 0 (lse is read as +inf there), so every gradient is finite and those rows contribute zero.
 
 Compiled variants. Two constexpr flags change what a kernel loads: ``HAS_DOCS`` (document ids and tile ranges) and
-``HAS_ALIBI`` (one slope per head); the band, the offsets, the GQA group size and the scale are runtime values. Tiles
-come from :data:`_TABLE` by (fp32?, BLOCK_D), ``BLOCK_D`` being the head dim rounded up to a power of two, at least
-16 (``tl.dot``'s minimum; columns past D are masked). So each table entry has 3 kernels x 4 flag combinations; the
-launchers (:func:`fwd_launch`, :func:`bwd_launches`) are shared with the compile gate ``ds4sci bench kernels-aot
---set local``, which compiles the representative variants for sm_80 and sm_90 (shared memory, spills, exponents).
+``HAS_ALIBI`` (one slope per head); the band, the offsets, the GQA group size and the scale are runtime values, and
+the integers that change from ring block to ring block (``diag_lo``, ``diag_hi``, ``shift``) are marked
+``do_not_specialize`` so that every block of a sequence reuses one compiled kernel. Tiles come from :data:`_TABLE` by
+(fp32?, BLOCK_D), one set per kernel (forward, dQ, dK/dV), ``BLOCK_D`` being the head dim rounded up to a power of
+two, at least 16 (``tl.dot``'s minimum; columns past D are masked). So each table entry has 3 kernels x 4 flag
+combinations. The launchers (:func:`fwd_launch`, :func:`bwd_launches`) are shared with the compile gate
+``ds4sci bench kernels-aot``: ``--set local`` compiles every table entry (bf16, fp32) and kernel with the flags all
+off and all on for sm_80 and sm_90a (96 compilations; tests/kernels/test_triton_local_attention_aot.py), ``--set
+local-full`` every dtype and flag combination (288): within shared memory, without spills, and no exponent taken
+from a fused multiply-add. Every narrowing cast goes through :func:`ds4sci.kernels.triton_common.cast`, so bf16
+rounds to nearest even under the interpreter as on the GPU.
 
 Limitations:
 - It has only run under Triton's CPU interpreter (``TRITON_INTERPRET=1``) here; on a GPU it has been compiled ahead
@@ -74,8 +80,9 @@ Limitations:
   :func:`~ds4sci.models.local_attention.sdpa_attention`).
 - Every visited tile applies the full visibility predicate (band, key bound, documents): there is no separate
   unmasked path for tiles wholly inside the band.
-- Document skipping is per tile and a runtime branch inside the tile loop; a program whose tiles are mostly skipped
-  still walks over them.
+- Document skipping is per tile and a runtime branch inside the tile loop: a program whose tiles are mostly skipped
+  still walks over them, and the branch keeps Triton from software-pipelining that loop (the document variants
+  request no multi-buffered shared memory: e.g. 8 KB instead of 18 KB for the bf16 D = 64 dQ kernel).
 - Global distances ``|i - j|`` must fit in int32; ALiBi distances are exact in fp32 up to 2^24. Within one
   (b, h) slice tile offsets are 32-bit (``BLOCK * stride`` must fit in int32); per-program bases are 64-bit.
 - No gradient for the ALiBi slopes (they are fixed in ALiBi) or the document ids.
