@@ -289,11 +289,11 @@ def test_block_in_the_past_is_dense_attention():
 def test_empty_block_launches_nothing(case):
     """A block no query of which sees any key: out 0, lse -inf, zero gradients (with autograd history), and no kernel
     launch in the forward or the backward."""
-    q, k, v, do, dlse = _qkv(1, 20, 16, 2, 1, 16, seed=8)
-    q, k, v = (x.float().requires_grad_() for x in (q, k, v))
+    q, k, v, do, dlse = (x.to(DEVICE, torch.float32) for x in _qkv(1, 20, 16, 2, 1, 16, seed=8))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     with record_launches() as launches:
         out, lse = triton_attention(q, k, v, return_lse=True, **case)
-        torch.autograd.backward((out, lse), (do.float(), dlse.float()))
+        torch.autograd.backward((out, lse), (do, dlse))
     assert launches == []
     assert torch.all(out == 0) and torch.all(lse == -math.inf) and lse.dtype == torch.float32
     for x in (q, k, v):
@@ -350,8 +350,8 @@ def test_strided_inputs_and_determinism():
 
 def test_launches_pick_the_table_and_flags():
     """Forward then dQ then dK/dV; HAS_DOCS / HAS_ALIBI follow the arguments; causal and window change no flag."""
-    q = torch.randn(1, 20, 2, 24)
-    k = torch.randn(1, 20, 1, 24)
+    q = torch.randn(1, 20, 2, 24, device=DEVICE)
+    k = torch.randn(1, 20, 1, 24, device=DEVICE)
 
     def launched(**kw):
         leaves = [x.clone().requires_grad_() for x in (q, k, k)]
@@ -362,7 +362,7 @@ def test_launches_pick_the_table_and_flags():
     names = ["fwd", "bwd_dq", "bwd_dkdv"]
     assert launched() == [(n, False, False, 32) for n in names]
     assert launched(causal=True, window=3) == [(n, False, False, 32) for n in names]
-    docs = torch.zeros(1, 20, dtype=torch.int64)
+    docs = torch.zeros(1, 20, dtype=torch.int64, device=DEVICE)
     assert launched(q_doc=docs, k_doc=docs, alibi_slopes=SLOPES) == [(n, True, True, 32) for n in names]
     assert tla._config(torch.bfloat16, 128).block_d == 128 and tla._config(torch.float32, 1).block_d == 16
 
@@ -383,8 +383,8 @@ def test_invalid_arguments(kwargs, error):
     kwargs = dict(kwargs)
     q_shape, k_shape = kwargs.pop("q", (1, 8, 4, 16)), kwargs.pop("k", (1, 8, 2, 16))
     dtype = kwargs.pop("dtype", torch.float32)
-    q = torch.randn(q_shape, dtype=dtype)
-    k = torch.randn(k_shape, dtype=dtype)
+    q = torch.randn(q_shape, dtype=dtype, device=DEVICE)
+    k = torch.randn(k_shape, dtype=dtype, device=DEVICE)
     with pytest.raises(error):
         triton_attention(q, k, k, **kwargs)
 
