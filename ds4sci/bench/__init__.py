@@ -25,6 +25,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "forward and backward times of Evoformer attention on a CUDA GPU: ds4sci triton/torch, OpenFold3's Triton "
         "kernel and DeepSpeed's kernel where installed",
     ),
+    "genslm-attention-memory": (
+        "ds4sci.bench.genslm_attention_memory",
+        "peak memory, bytes saved for backward and time of one GenSLM attention layer forward+backward vs sequence "
+        "length (causal, ALiBi, packed documents), before (sdpa) and after (memory_efficient_attention)",
+    ),
     "kernels-aot": (
         "ds4sci.bench.kernels_aot",
         "compile every Triton Evoformer kernel variant for sm_80/sm_90 without a GPU: shared memory, registers, spills",
