@@ -32,7 +32,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "kernels-aot": (
         "ds4sci.bench.kernels_aot",
-        "compile every Triton Evoformer kernel variant for sm_80/sm_90 without a GPU: shared memory, registers, spills",
+        "compile every Triton kernel variant (Evoformer, OpenFold's launches, local attention) for sm_80/sm_90 "
+        "without a GPU: shared memory, registers, spills, exponents built from fused multiply-adds",
     ),
 }
 
