@@ -11,6 +11,41 @@ import importlib
 import logging
 import sys
 
+
+class CommandError(Exception):
+    """A user's mistake a command finds after parsing (e.g. ``--seq-len`` beyond the model's context):
+    :func:`main` prints the message as one line and exits with status 2, like an argparse error."""
+
+
+def _number(kind, text: str, ok, requirement: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {requirement}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {requirement}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1."""
+    return _number(int, text, lambda v: v >= 1, "a positive integer")
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0."""
+    return _number(int, text, lambda v: v >= 0, "an integer >= 0")
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse ``type=``: a finite number >= 0."""
+    return _number(float, text, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+
+
+def probability(text: str) -> float:
+    """argparse ``type=``: a number in (0, 1]."""
+    return _number(float, text, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ds4sci.info", "show versions, devices and which attention backends are usable here"),
@@ -27,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ds4sci",
         description="Evoformer attention kernels and long-context genome language models.",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                        help="logging level (default: %(default)s; DEBUG also shows the traceback of an error)")
     # The `deepspeed` launcher passes --local_rank=N before the command (it also sets LOCAL_RANK, which is what
     # the trainer reads); accepted here so `deepspeed --module ds4sci.cli train ...` works.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
@@ -41,9 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A user's mistake (a bad option, a missing file, an export or FASTA the command cannot
+    use) is one ``ds4sci COMMAND: error: ...`` line on stderr and exit status 2; ``--log-level DEBUG`` re-raises it
+    with its traceback."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return int(args._run(args) or 0)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args._run(args) or 0)
+    except (CommandError, ValueError, OSError) as err:
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        print(f"ds4sci {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from Bio.Seq import Seq
 from Bio.SeqIO import write as write_fasta
 from Bio.SeqRecord import SeqRecord
 
+from ds4sci.cli import nonnegative_float, nonnegative_int, positive_int, probability
 from ds4sci.data import CodonTokenizer, normalize_sequence
 
 logger = logging.getLogger(__name__)
@@ -34,24 +35,51 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
+def read_prompt(tokenizer, prompt: str) -> tuple[str, list[int]]:
+    """The prompt as the model reads it: ``(text, ids)``; ``text`` is what the output starts with.
+
+    Training data's rule applies (:mod:`ds4sci.data.fasta`, ``data.iupac="n"``, which exports do not record):
+    uppercased, ``U`` read as ``T``, the IUPAC ambiguity codes ``R Y S W K M B D H V`` read as ``N``, any other
+    character an error. A codon model reads whole codons, so a prompt whose length is not a multiple of 3 is an
+    error (it is neither cut nor completed), and a codon holding ``N`` is ``[UNK]`` to the model, as in training;
+    ``text`` keeps those bases, so nothing of the prompt disappears from the output. An empty prompt starts from
+    ``[CLS]``.
+    """
+    text = normalize_sequence(prompt, where="prompt")  # a non-nucleotide character is an error
+    if text != prompt.upper().replace("U", "T"):
+        logger.warning("prompt: ambiguous IUPAC code(s) read as N, as in training data")
+    if not text:
+        return "", [tokenizer.cls_id]
+    if isinstance(tokenizer, CodonTokenizer) and len(text) % 3:
+        raise ValueError(f"prompt length {len(text)} is not a multiple of 3: this model reads codons "
+                         f"(trailing {text[len(text) - len(text) % 3:]!r}); give whole codons")
+    ids = tokenizer.encode(text).tolist()
+    unknown = sum(i == tokenizer.unk_id for i in ids)
+    if unknown:
+        logger.warning("prompt: %d token(s) with N are [UNK] to the model, as in training data", unknown)
+    return text, ids
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, temperature: float = 1.0, top_k: int = 0,
            top_p: float = 1.0, seed: int = 0, stop_at_stop_codon: bool = False) -> str:
-    """Generate ``num_tokens`` tokens after ``prompt``; returns the nucleotide string (prompt included)."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    """Generate ``num_tokens`` tokens after ``prompt``; returns the prompt (as :func:`read_prompt` reads it) followed
+    by the generated bases."""
+    if num_tokens < 0 or temperature < 0:
+        raise ValueError(f"need num_tokens >= 0 and temperature >= 0, got num_tokens={num_tokens}, "
+                         f"temperature={temperature}")
     if stop_at_stop_codon and not isinstance(tokenizer, CodonTokenizer):
         raise ValueError("stop_at_stop_codon needs the codon tokenizer")
-    prompt = normalize_sequence(prompt, where="prompt")  # uppercased; a non-nucleotide character is an error
-    ids = tokenizer.encode(prompt).tolist() if prompt else [tokenizer.cls_id]
+    text, ids = read_prompt(tokenizer, prompt)
+    n_prompt = len(ids)
     limit = model.config.max_position_embeddings
-    if len(ids) + num_tokens > limit:
-        raise ValueError(f"prompt ({len(ids)} tokens) + num_tokens={num_tokens} exceeds the model's context of {limit}")
+    if n_prompt + num_tokens > limit:
+        raise ValueError(f"prompt ({n_prompt} tokens) + num_tokens={num_tokens} exceeds the model's context of {limit}")
     gen = torch.Generator().manual_seed(seed)
     banned = torch.tensor(sorted(tokenizer.special_ids))
     for _ in range(num_tokens):
-        x = torch.tensor([ids])
-        logits = model(x, torch.arange(len(ids))[None])[0, -1].float()
+        x = torch.tensor([ids])  # [1, L]
+        logits = model(x, torch.arange(len(ids))[None])[0, -1].float()  # [V]
         logits[banned] = float("-inf")  # generate sequence tokens only
         if temperature == 0:
             nxt = int(logits.argmax())
@@ -61,17 +89,23 @@ def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, tempera
         ids.append(nxt)
         if stop_at_stop_codon and nxt in tokenizer.stop_ids:
             break
-    return tokenizer.decode(ids)
+    return text + tokenizer.decode(ids[n_prompt:])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("export", help="export directory written by ds4sci train (OUT_DIR/export)")
-    parser.add_argument("--prompt", default="", help="nucleotide prompt (default: start from [CLS])")
-    parser.add_argument("--num-tokens", type=int, default=100)
-    parser.add_argument("--num-sequences", type=int, default=1)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--prompt", default="",
+                        help="nucleotide prompt (default: start from [CLS]); read as training data is (uppercased, U as "
+                        "T, IUPAC codes R Y S W K M B D H V as N). Codon models: the length must be a multiple of 3 "
+                        "(otherwise an error; it is never cut or completed), and a codon with N is [UNK] to the "
+                        "model. The output starts with the prompt as read")
+    parser.add_argument("--num-tokens", type=positive_int, default=100,
+                        help="tokens to generate (bases, or codons for a codon model); prompt + these must fit the "
+                        "model's context (default: %(default)s)")
+    parser.add_argument("--num-sequences", type=positive_int, default=1)
+    parser.add_argument("--temperature", type=nonnegative_float, default=1.0, help="0 = greedy (default: %(default)s)")
+    parser.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = no top-k filter (default: %(default)s)")
+    parser.add_argument("--top-p", type=probability, default=1.0, help="in (0, 1]; 1 = no nucleus filter")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop-at-stop-codon", action="store_true", help="codon models: stop at TAA/TAG/TGA")
     parser.add_argument("--out", default="-", help="FASTA output file (default: stdout)")

@@ -1,0 +1,115 @@
+"""The researcher's command line (issue #18): codon prompts, numeric option checks, one error line per mistake."""
+import pytest
+import torch
+
+from ds4sci.cli import main
+from ds4sci.data import CodonTokenizer, NucleotideTokenizer, read_fasta
+from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.train.export import export_consolidated
+from ds4sci.train.generate import read_prompt
+
+CONTEXT = 32
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """A tiny codon export and a tiny nucleotide export (context of 32 tokens) and a FASTA file."""
+    root = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    out = {}
+    for name, tok in (("codon", CodonTokenizer()), ("nucleotide", NucleotideTokenizer())):
+        cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=CONTEXT,
+                                  position_embedding="learned")
+        out[name] = str(export_consolidated(GenSLM(cfg).state_dict(), cfg, tok, root / name))
+    out["fasta"] = str(root / "x.fa")
+    (root / "x.fa").write_text(">a\n" + "ACGT" * 12 + "\n")
+    return out
+
+
+def one_error(capsys, needles, out=""):
+    """stderr is one ``ds4sci ...: error: ...`` line (plus argparse's usage) holding every needle; no traceback;
+    stdout is ``out``."""
+    captured = capsys.readouterr()
+    assert captured.out == out
+    err = captured.err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("prompt, needles", [("ATGAAACG", ["length 8", "multiple of 3", "'CG'"]),
+                                             ("AT", ["length 2", "multiple of 3", "'AT'"])])
+def test_codon_prompt_not_whole_codons_is_one_error(exports, capsys, prompt, needles):
+    assert main(["generate", exports["codon"], "--prompt", prompt, "--num-tokens", "2"]) == 2
+    one_error(capsys, needles)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        read_prompt(CodonTokenizer(), prompt)
+
+
+def test_codon_prompt_with_n_keeps_every_base(exports, capsys):
+    tok = CodonTokenizer()
+    text, ids = read_prompt(tok, "ATGNNNAAA")
+    assert text == "ATGNNNAAA" and ids == [tok.token_to_id["ATG"], tok.unk_id, tok.token_to_id["AAA"]]
+    assert main(["generate", exports["codon"], "--prompt", "ATGNNNAAA", "--num-tokens", "3"]) == 0
+    seq = capsys.readouterr().out.splitlines()[1]
+    assert seq.startswith("ATGNNNAAA") and len(seq) == 9 + 3 * 3
+
+
+@pytest.mark.parametrize("kind", ["codon", "nucleotide"])
+def test_prompt_follows_the_training_data_rule(tmp_path, kind):
+    # training: read_fasta (data.iupac="n": lowercase up, U -> T, R Y S W K M B D H V -> N), then tokenizer.encode
+    raw = "atgRYuNNacgtTAG"[: 15 if kind == "codon" else 14]
+    tok = CodonTokenizer() if kind == "codon" else NucleotideTokenizer()
+    (tmp_path / "p.fa").write_text(">p\n" + raw + "\n")
+    trained = next(read_fasta(tmp_path / "p.fa")).sequence
+    text, ids = read_prompt(tok, raw)
+    assert text == trained and ids == tok.encode(trained).tolist()
+    assert text.startswith("ATGNNTNN")
+
+
+def test_generated_output_starts_with_the_prompt(exports, capsys):
+    for name, prompt in (("codon", "ATGAAA"), ("nucleotide", "acgun")):
+        assert main(["generate", exports[name], "--prompt", prompt, "--num-tokens", "4", "--temperature", "0"]) == 0
+        assert capsys.readouterr().out.splitlines()[1].startswith(prompt.upper().replace("U", "T"))
+
+
+@pytest.mark.parametrize("command, option, value, needle", [
+    ("generate", "--num-tokens", "-5", "positive integer"),
+    ("generate", "--num-tokens", "0", "positive integer"),
+    ("generate", "--num-tokens", "x", "positive integer"),
+    ("generate", "--num-sequences", "0", "positive integer"),
+    ("generate", "--temperature", "-1", ">= 0"),
+    ("generate", "--temperature", "nan", ">= 0"),
+    ("generate", "--top-k", "-1", ">= 0"),
+    ("generate", "--top-p", "0", "(0, 1]"),
+    ("generate", "--top-p", "1.5", "(0, 1]"),
+    ("evaluate", "--seq-len", "0", "positive integer"),
+    ("evaluate", "--seq-len", "-3", "positive integer"),
+    ("evaluate", "--batch-size", "0", "positive integer"),
+])
+def test_numeric_options_are_checked(exports, capsys, command, option, value, needle):
+    extra = ["--fasta", exports["fasta"]] if command == "evaluate" else []
+    with pytest.raises(SystemExit) as exc:
+        main([command, exports["nucleotide"], *extra, option, value])
+    assert exc.value.code == 2
+    one_error(capsys, [option, needle, value])
+
+
+def test_seq_len_beyond_context_names_both_numbers(exports, capsys):
+    assert main(["evaluate", exports["nucleotide"], "--fasta", exports["fasta"], "--seq-len", "100000"]) == 2
+    one_error(capsys, ["--seq-len 100000", f"context of {CONTEXT}"])
+    assert main(["evaluate", exports["nucleotide"], "--fasta", exports["fasta"], "--seq-len", str(CONTEXT),
+                 "--batch-size", "1"]) == 0
+    assert "bits_per_base" in capsys.readouterr().out
+
+
+def test_num_tokens_beyond_context_is_one_error(exports, capsys):
+    assert main(["generate", exports["codon"], "--prompt", "ATG", "--num-tokens", str(CONTEXT)]) == 2
+    one_error(capsys, [f"num_tokens={CONTEXT}", f"context of {CONTEXT}"])
+
+
+def test_missing_export_is_one_error(tmp_path, capsys):
+    assert main(["evaluate", str(tmp_path / "nope"), "--fasta", str(tmp_path / "x.fa")]) == 2
+    one_error(capsys, ["not a ds4sci export"])
