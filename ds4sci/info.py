@@ -1,4 +1,9 @@
-"""``ds4sci info``: versions, devices and usable attention backends."""
+"""``ds4sci info``: versions, devices and, per component, each attention backend and whether it is usable here.
+
+Components: ``evoformer_attention`` (:mod:`ds4sci.kernels.evoformer`, ``backend=``) and ``genslm_local_attention``
+(GenSLM's ``attention_backend``, :mod:`ds4sci.models.local_attention`). Backend names come from those modules, so a
+backend added there is listed here (with "not described by ds4sci info" until :func:`backends` learns about it).
+"""
 from __future__ import annotations
 
 import argparse
@@ -36,16 +41,82 @@ def collect() -> dict:
     }
 
 
+def _triton_status(module: str, cuda: bool) -> tuple[bool, str]:
+    """(usable, why) for a Triton kernel module of ds4sci.kernels: it must import, and it runs on CUDA devices or,
+    slowly, on the CPU under ``TRITON_INTERPRET=1``."""
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # ImportError, or a Triton build that fails while importing
+        return False, f"does not import ({type(err).__name__}: {err})"
+    if cuda:
+        return True, "usable (CUDA)"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "usable on the CPU through TRITON_INTERPRET=1 (the interpreter: slow, for tests)"
+    return False, "no CUDA device (runs on the CPU under TRITON_INTERPRET=1 only)"
+
+
+def _flash_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def backends(cuda: bool | None = None) -> dict[str, dict[str, dict]]:
+    """``{component: {backend: {"usable": bool, "why": str}}}`` for this environment (``cuda`` overrides detection)."""
+    import torch
+
+    from ds4sci.kernels.evoformer import Backend
+    from ds4sci.models.genslm.config import ATTENTION_BACKENDS
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    evo_triton = _triton_status("ds4sci.kernels.triton_evoformer", cuda)
+    local_triton = _triton_status("ds4sci.kernels.triton_local_attention", cuda)
+    if not _flash_installed():
+        flash = (False, "not installed (pip install flash-attn)")
+    elif not cuda:
+        flash = (False, "no CUDA device")
+    else:
+        flash = (True, "usable (CUDA, fp16/bf16, head dim <= 256, no documents/window/mask/ALiBi)")
+    known = {
+        "evoformer_attention": {
+            "auto": (True, f"picks {'triton' if evo_triton[0] and cuda else 'torch'} here (triton for CUDA tensors "
+                           "in fp16/bf16/fp32 when it imports, torch otherwise)"),
+            "triton": evo_triton,
+            "torch": (True, "usable (chunked PyTorch, any device)"),
+            "reference": (True, "usable (plain PyTorch autograd; materialises the S x S logits)"),
+        },
+        "genslm_local_attention": {
+            "auto": (True, "picks " + ("flash where it can express the call, else triton, else chunked" if cuda
+                                       else "chunked here (no CUDA device)")),
+            "flash": flash,
+            "triton": local_triton,
+            "chunked": (True, "usable (PyTorch online softmax, any device, every option)"),
+            "sdpa": (True, "usable (PyTorch SDPA, the O(S^2) reference)"),
+        },
+    }
+    names = {"evoformer_attention": [b.value for b in Backend], "genslm_local_attention": list(ATTENTION_BACKENDS)}
+    return {
+        component: {name: dict(zip(("usable", "why"), known[component].get(name, (False, "not described by ds4sci info"))))
+                    for name in names[component]}
+        for component in names
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     info = collect()
+    table = backends(info["cuda_available"])
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(json.dumps(info | {"backends": table}, indent=2))
     else:
         width = max(map(len, info))
         for key, value in info.items():
             print(f"{key:<{width}}  {value}")
+        for component, rows in table.items():
+            print(f"\n{component} backends:")
+            name_width = max(map(len, rows))
+            for name, row in rows.items():
+                print(f"  {name:<{name_width}}  {'yes' if row['usable'] else 'no ':<3}  {row['why']}")
     return 0

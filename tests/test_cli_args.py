@@ -113,3 +113,44 @@ def test_num_tokens_beyond_context_is_one_error(exports, capsys):
 def test_missing_export_is_one_error(tmp_path, capsys):
     assert main(["evaluate", str(tmp_path / "nope"), "--fasta", str(tmp_path / "x.fa")]) == 2
     one_error(capsys, ["not a ds4sci export"])
+
+
+def test_info_lists_every_backend_of_each_component(monkeypatch, capsys):
+    import json
+
+    from ds4sci import info
+    from ds4sci.kernels.evoformer import Backend
+    from ds4sci.models.genslm.config import ATTENTION_BACKENDS
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(info, "_flash_installed", lambda: False)
+    table = info.backends(cuda=False)
+    assert list(table["evoformer_attention"]) == [b.value for b in Backend]
+    assert list(table["genslm_local_attention"]) == list(ATTENTION_BACKENDS)
+    for rows in table.values():
+        for name, row in rows.items():
+            assert row["why"] and "not described" not in row["why"], name
+    evo, local = table["evoformer_attention"], table["genslm_local_attention"]
+    for row in evo["triton"], local["triton"]:
+        assert not row["usable"] and "no CUDA device" in row["why"] and "TRITON_INTERPRET=1" in row["why"]
+    assert not local["flash"]["usable"] and "not installed" in local["flash"]["why"]
+    assert all(r["usable"] for r in (evo["torch"], evo["reference"], local["chunked"], local["sdpa"]))
+    assert "torch" in evo["auto"]["why"] and "chunked" in local["auto"]["why"]
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    table = info.backends(cuda=False)
+    assert table["evoformer_attention"]["triton"]["usable"] and table["genslm_local_attention"]["triton"]["usable"]
+    monkeypatch.setattr(info, "_flash_installed", lambda: True)
+    assert not info.backends(cuda=False)["genslm_local_attention"]["flash"]["usable"]
+    table = info.backends(cuda=True)
+    assert table["genslm_local_attention"]["flash"]["usable"] and table["evoformer_attention"]["triton"]["usable"]
+    assert info._triton_status("ds4sci.kernels.no_such_kernel", True) == (
+        False, "does not import (ModuleNotFoundError: No module named 'ds4sci.kernels.no_such_kernel')")
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "evoformer_attention backends:" in out and "genslm_local_attention backends:" in out
+    assert any(line.split()[:2] == ["chunked", "yes"] for line in out.splitlines())
+    assert main(["info", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["backends"]) == {"evoformer_attention", "genslm_local_attention"}
