@@ -57,7 +57,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_in(argv: list[str]) -> str | None:
+    """The command named in ``argv`` (its first positional argument), or None."""
+    takes_value = {"--log-level", "--local_rank", "--local-rank"}
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in takes_value:
+            skip = True
+        elif not token.startswith("-"):
+            return token if token in COMMANDS else None
+    return None
+
+
+def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``ds4sci`` parser. Only the command modules named in ``commands`` (all when None) are imported to add
+    their options; the others are listed by name and help, so ``ds4sci --help`` imports no torch."""
     parser = argparse.ArgumentParser(
         prog="ds4sci",
         description="Evoformer attention kernels and long-context genome language models.",
@@ -70,10 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        if commands is None or name in commands:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 
@@ -81,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. A user's mistake (a bad option, a missing file, an export or FASTA the command cannot
     use) is one ``ds4sci COMMAND: error: ...`` line on stderr and exit status 2; ``--log-level DEBUG`` re-raises it
     with its traceback."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser([command_in(argv)]).parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args._run(args) or 0)

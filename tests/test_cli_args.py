@@ -154,3 +154,27 @@ def test_info_lists_every_backend_of_each_component(monkeypatch, capsys):
     assert any(line.split()[:2] == ["chunked", "yes"] for line in out.splitlines())
     assert main(["info", "--json"]) == 0
     assert set(json.loads(capsys.readouterr().out)["backends"]) == {"evoformer_attention", "genslm_local_attention"}
+
+
+def test_help_imports_no_heavy_module():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom ds4sci.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0\nheavy = sorted(m for m in ('torch', 'deepspeed', 'triton', 'numpy') if m in sys.modules)\n"
+            "print(heavy)\nsys.exit(bool(heavy))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "generate" in proc.stdout and "evaluate" in proc.stdout
+
+
+def test_command_in_skips_top_level_option_values():
+    from ds4sci.cli import build_parser, command_in
+
+    assert command_in(["--log-level", "info", "generate", "x"]) == "generate"
+    assert command_in(["--log-level=debug", "info"]) == "info"
+    assert command_in(["--local_rank", "0", "train", "c.yaml"]) == "train"
+    assert command_in(["--help"]) is None and command_in(["nonsense"]) is None
+    args = build_parser([command_in(["--log-level", "info", "evaluate", "ex", "--fasta", "f"])]).parse_args(
+        ["--log-level", "info", "evaluate", "ex", "--fasta", "f"])
+    assert args.command == "evaluate" and args.log_level == "INFO" and args.batch_size == 8
