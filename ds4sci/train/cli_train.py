@@ -1,4 +1,4 @@
-"""``ds4sci train CONFIG.yaml [--set key=value ...] [--resume CHECKPOINT]``."""
+"""``ds4sci train [CONFIG.yaml] [--set key=value ...] [--print-config] [--resume CHECKPOINT]``."""
 from __future__ import annotations
 
 import argparse
@@ -6,10 +6,16 @@ import logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("Every key, its default and its meaning: ds4sci train --print-config. Relative paths in a "
+                     "config file are taken from that file's folder; those given with --set from the working "
+                     "directory.")
     parser.add_argument("config", nargs="?", help="YAML config (see examples/configs/); defaults if omitted")
-    parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
-                        metavar="KEY=VALUE", help="override config keys, e.g. --set train.steps=10 optim.lr=1e-3 "
-                        "(repeatable)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config key, e.g. --set train.steps=10 (repeat for more; "
+                        "model.overrides.FIELD sets a GenSLMConfig field)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (file, --set, defaults) with each key's description as "
+                        "YAML and exit")
     parser.add_argument("--resume", help="checkpoint directory (.../checkpoints/stepN) to resume from")
 
 
@@ -19,6 +25,9 @@ def run(args: argparse.Namespace) -> int:
     from ds4sci.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
     trainer = Trainer(cfg)
     if trainer.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)

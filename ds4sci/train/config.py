@@ -6,6 +6,8 @@ key and the value.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
@@ -16,30 +18,45 @@ from ds4sci.models.genslm import GenSLMConfig
 from ds4sci.sequence import ParallelDims
 
 
+def _field(*, help: str, path: bool = False, **kw):
+    """A config field; ``help`` is its one-line description (``ds4sci train --print-config`` shows it), ``path``
+    marks a path resolved against the config file's folder."""
+    return field(metadata={"help": help, "path": path}, **kw)
+
+
 @dataclass
 class DataConfig:
-    fasta: str = "examples/data/NC_007779.1_ecoli_K12_W3110.fasta.gz"
-    tokenizer: str = "nucleotide"  # "nucleotide" (one token per base) or "codon" (GenSLM's 69 ids)
-    dataset: str = "windows"  # "windows" (long genomes), "records" (one gene per sample), "packed"
-    seq_len: int = 256
-    stride: int = 0  # 0 -> seq_len (non-overlapping windows)
-    val_fraction: float = 0.05  # held-out region of a genome / fraction of records
-    reverse_complement: float = 0.0  # probability; nucleotide tokens only
-    iupac: str = "n"
-    max_train_tokens: int = 0  # 0 -> all; > 0 keeps only the first N training tokens (quick runs)
+    fasta: str = _field(default="examples/data/NC_007779.1_ecoli_K12_W3110.fasta.gz",
+                    help="FASTA file (.gz ok); relative: from the config file's folder (--set, defaults: working dir)",
+                    path=True)
+    tokenizer: str = _field(default="nucleotide",
+                    help='"nucleotide" (one token per base) or "codon" (GenSLM\'s 69 ids)')
+    dataset: str = _field(default="windows",
+                    help='"windows" (long genomes), "records" (one gene per sample) or "packed" (document-masked genes)')
+    seq_len: int = _field(default=256, help='tokens per training sequence (divisible by the sequence-parallel degree)')
+    stride: int = _field(default=0, help='window stride in tokens; 0 -> seq_len (non-overlapping windows)')
+    val_fraction: float = _field(default=0.05,
+                    help='held-out end of a genome / fraction of records for validation, in (0, 1)')
+    reverse_complement: float = _field(default=0.0,
+                    help='probability of reverse-complementing a sample; nucleotide tokens only')
+    iupac: str = _field(default="n",
+                    help='what ambiguous IUPAC bases become when reading FASTA (see ds4sci.data.fasta)')
+    max_train_tokens: int = _field(default=0, help='0 -> all; > 0 keeps only the first N training tokens (quick runs)')
 
 
 @dataclass
 class ModelConfig:
-    preset: str = "debug"
-    overrides: dict = field(default_factory=dict)  # any GenSLMConfig field, e.g. {position_embedding: learned}
+    preset: str = _field(default="debug", help='GenSLM shape: "debug", "25M", "250M", "2.5B" or "25B"')
+    overrides: dict = _field(default_factory=dict,
+                    help='any GenSLMConfig field, e.g. {position_embedding: learned, num_layers: 4}')
 
 
 @dataclass
 class ParallelConfig:
-    ulysses: int = 1
-    ring: int = 1
-    layout: str = "auto"  # "contiguous", "zigzag", or "auto" (zigzag when ring > 1: balances causal work)
+    ulysses: int = _field(default=1, help='Ulysses (all-to-all) sequence-parallel degree; must divide the heads')
+    ring: int = _field(default=1, help='ring-attention sequence-parallel degree')
+    layout: str = _field(default="auto",
+                    help='"contiguous", "zigzag" or "auto" (zigzag when ring > 1: balances causal work)')
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         """The validated :class:`ParallelDims` of ``world_size`` processes (``None``: one data-parallel replica,
@@ -55,40 +72,48 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.01
-    betas: tuple = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables
+    lr: float = _field(default=1e-3, help='peak AdamW learning rate (after warmup)')
+    min_lr: float = _field(default=1e-4, help='learning rate at the end of the cosine decay, in [0, lr]')
+    warmup_steps: int = _field(default=10, help='linear warmup steps')
+    weight_decay: float = _field(default=0.01, help='AdamW weight decay')
+    betas: tuple = _field(default=(0.9, 0.95), help='AdamW betas, two numbers in [0, 1)')
+    eps: float = _field(default=1e-8, help='AdamW epsilon, > 0')
+    grad_clip: float = _field(default=1.0, help='gradient-norm clip; 0 disables')
 
 
 @dataclass
 class TrainConfig:
-    out_dir: str = "runs/train"
-    steps: int = 100
-    micro_batch_size: int = 4  # per data-parallel rank
-    grad_accum: int = 1
-    zero_stage: int = 0
-    dtype: str = "fp32"  # "fp32" or "bf16"
-    seed: int = 1234
-    log_every: int = 10
-    eval_every: int = 50  # 0 -> only at the end
-    eval_batches: int = 8
-    save_every: int = 0  # 0 -> only at the end
-    progress: bool = True
+    out_dir: str = _field(default="runs/train",
+                    help='run folder (metrics, checkpoints, export); relative: like data.fasta', path=True)
+    steps: int = _field(default=100, help='optimizer steps')
+    micro_batch_size: int = _field(default=4, help='sequences per data-parallel rank per micro-step')
+    grad_accum: int = _field(default=1, help='micro-steps accumulated per optimizer step')
+    zero_stage: int = _field(default=0, help='DeepSpeed ZeRO stage: 0, 1, 2 or 3')
+    dtype: str = _field(default="fp32", help='"fp32" or "bf16"')
+    seed: int = _field(default=1234, help='random seed (model init, data order)')
+    log_every: int = _field(default=10, help='log training metrics every N steps')
+    eval_every: int = _field(default=50, help='validate every N steps; 0 -> only at the end')
+    eval_batches: int = _field(default=8, help='validation batches per evaluation')
+    save_every: int = _field(default=0, help='checkpoint every N steps; 0 -> only at the end')
+    progress: bool = _field(default=True, help='show a progress bar')
 
 
 @dataclass
 class Config:
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = _field(default_factory=DataConfig, help='training data and tokenization')
+    model: ModelConfig = _field(default_factory=ModelConfig, help='GenSLM model shape')
+    parallel: ParallelConfig = _field(default_factory=ParallelConfig,
+                    help='sequence parallelism (data parallelism takes the remaining processes)')
+    optim: OptimConfig = _field(default_factory=OptimConfig, help='AdamW with linear warmup and cosine decay')
+    train: TrainConfig = _field(default_factory=TrainConfig,
+                    help='run length, batch, precision, logging and checkpoints')
 
     def genslm_config(self, vocab_size: int, pad_token_id: int) -> GenSLMConfig:
+        names = [f.name for f in dataclasses.fields(GenSLMConfig)]
+        for key in self.model.overrides:
+            if key not in names:
+                raise ValueError(f"unknown model.overrides key {key!r}{_suggest(key, names)}; GenSLMConfig fields: "
+                                 f"{names}")
         over = {"vocab_size": vocab_size, "pad_token_id": pad_token_id, **self.model.overrides}
         if over.get("position_embedding") == "learned":
             # A learned table is as long as the context it is trained on; under sequence parallelism each rank holds
@@ -156,11 +181,40 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def to_yaml(self) -> str:
-        """The resolved config as YAML (what the trainer writes to ``out_dir/config.yaml``; loads back equal)."""
+    def to_yaml(self, comments: bool = True) -> str:
+        """The resolved config as YAML (what ``ds4sci train --print-config`` prints and the trainer writes to
+        ``out_dir/config.yaml``; loads back equal). ``comments``: each key's description as a YAML comment."""
         data = self.to_dict()
         data["optim"]["betas"] = list(data["optim"]["betas"])
-        return yaml.safe_dump(data, sort_keys=False)
+        if not comments:
+            return yaml.safe_dump(data, sort_keys=False)
+        lines = []
+        for section in dataclasses.fields(self):
+            lines.append(f"{section.name}:  # {section.metadata['help']}")
+            for f in dataclasses.fields(getattr(self, section.name)):
+                value = data[section.name][f.name]
+                text = yaml.safe_dump({f.name: value}, default_flow_style=False, sort_keys=False, width=1 << 30)
+                text = text.rstrip("\n")
+                if "\n" in text:  # a nested mapping or list: one line in flow style (JSON is YAML)
+                    text = f"{f.name}: {json.dumps(value)}"
+                lines.append(f"  {text}  # {f.metadata['help']}")
+        return "\n".join(lines) + "\n"
+
+
+def known_keys() -> list[str]:
+    """Every dotted config key (``data.fasta``, ..., ``train.progress``)."""
+    hints = get_type_hints(Config)
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(Config) for f in dataclasses.fields(hints[s.name])]
+
+
+def _suggest(key: str, candidates: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the nearest of ``candidates`` to ``key``, or ``""``."""
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if not close:  # a section left out or misplaced: match the last part against the leaf names
+        leaf = key.rsplit(".", 1)[-1]
+        close = [c for c in candidates if c.rsplit(".", 1)[-1] in
+                 difflib.get_close_matches(leaf, [c.rsplit(".", 1)[-1] for c in candidates], n=1, cutoff=0.8)][:1]
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:
@@ -201,32 +255,55 @@ def _fail(key: str, value: Any, what: str):
     raise ValueError(f"{key}={value!r}: expected {what}")
 
 
-def _apply(obj: Any, data: dict, prefix: str) -> None:
+def _apply(obj: Any, data: dict, prefix: str, base_dir: str | None = None) -> None:
+    """Set ``data``'s keys on ``obj``; a path-valued key's relative value is joined to ``base_dir`` when given."""
     hints = get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
+    fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
-        if key not in names:
-            raise ValueError(f"unknown config key {dotted!r}; known: {sorted(prefix + n for n in names)}")
+        if key not in fields:
+            everything = known_keys() + [f.name for f in dataclasses.fields(Config)]
+            raise ValueError(f"unknown config key {dotted!r}{_suggest(dotted, everything)}; known: "
+                             f"{sorted(prefix + n for n in fields)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ValueError(f"{dotted} must be a mapping, got {value!r}")
-            _apply(current, value, dotted + ".")
+            _apply(current, value, dotted + ".", base_dir)
         else:
-            setattr(obj, key, _coerce(value, hints[key], dotted))
+            value = _coerce(value, hints[key], dotted)
+            if fields[key].metadata.get("path") and base_dir is not None:
+                value = _resolve(value, base_dir)
+            setattr(obj, key, value)
+
+
+def _resolve(path: str, base_dir: str) -> str:
+    """``path`` as an absolute, normalized path (a relative one is taken from ``base_dir``; ``~`` expanded)."""
+    path = os.path.expanduser(path)
+    return os.path.normpath(os.path.join(os.path.abspath(base_dir), path))
+
+
+def _resolve_all(cfg: Config, base_dir: str) -> None:
+    for section in dataclasses.fields(cfg):
+        part = getattr(cfg, section.name)
+        for f in dataclasses.fields(part):
+            if f.metadata.get("path"):
+                setattr(part, f.name, _resolve(getattr(part, f.name), base_dir))
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
     """Config from a YAML file (or defaults) plus ``key=value`` overrides with dotted keys
-    (``train.steps=10``, ``model.overrides.position_embedding=learned``)."""
+    (``train.steps=10``, ``model.overrides.position_embedding=learned``).
+
+    Path-valued keys (``data.fasta``, ``train.out_dir``) come back absolute: a relative path in the YAML file is
+    taken from that file's folder; one given in ``overrides`` or left at its default, from the working directory."""
     cfg = Config()
     if path is not None:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-        _apply(cfg, data, "")
+        _apply(cfg, data, "", base_dir=os.path.dirname(os.path.abspath(path)))
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"--set expects key=value, got {item!r}")
@@ -241,4 +318,5 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             node = node.setdefault(part, {})
         node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
         _apply(cfg, nested, "")
+    _resolve_all(cfg, os.getcwd())
     return cfg.validate()

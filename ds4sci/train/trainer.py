@@ -44,8 +44,8 @@ def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.u
     d = cfg.data
     tok = Tokenizer.from_name(d.tokenizer)
     if not Path(d.fasta).is_file():
-        raise FileNotFoundError(f"data.fasta={d.fasta!r}: no such file (a relative path is read from the working "
-                                f"directory, {os.getcwd()})")
+        raise FileNotFoundError(f"data.fasta={d.fasta!r}: no such file (a relative path in a config file is read "
+                                f"from its folder; one given with --set, from the working directory)")
     records = list(read_fasta(d.fasta, iupac=d.iupac))
     if not records:
         raise ValueError(f"{d.fasta}: no sequence records")

@@ -28,7 +28,8 @@ def _train(launcher, out):
     else:
         cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29532", "--module", "ds4sci.cli", "train",
                str(ROOT / "examples" / "configs" / "codon_cds_sp2.yaml")]
-    subprocess.run(cmd + ["--set", *run], cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=400)
+    sets = [arg for item in run for arg in ("--set", item)]  # one KEY=VALUE per --set
+    subprocess.run(cmd + sets, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=400)
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])

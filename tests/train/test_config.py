@@ -1,4 +1,6 @@
 """Training config: YAML + dotted ``--set`` overrides, typed coercion, validation errors naming key and value."""
+import os
+
 import pytest
 from ds4sci.train.config import Config, load_config
 from ds4sci.train.engine import deepspeed_config, lr_lambda
@@ -16,7 +18,9 @@ def test_defaults_are_valid_and_yaml_plus_overrides_apply(tmp_path):
     model = cfg.genslm_config(vocab_size=8, pad_token_id=3)
     assert model.num_layers == 3 and model.position_embedding == "learned"
     assert model.max_position_embeddings == 64  # a learned table has one row per window position
-    assert load_config().to_dict() == Config().to_dict()
+    default = Config()
+    default.data.fasta, default.train.out_dir = map(os.path.abspath, (default.data.fasta, default.train.out_dir))
+    assert load_config().to_dict() == default.to_dict()  # defaults, with paths from the working directory
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
@@ -109,10 +113,81 @@ def test_deepspeed_config_mirrors_the_training_config():
     assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == 0.5 and ds["sequence_parallel_size"] == 2
 
 
-def test_cli_set_takes_several_overrides_and_repeats():
+def test_cli_set_repeats_in_any_order_with_the_config_path():
     from ds4sci.cli import build_parser
 
-    args = build_parser().parse_args(["train", "c.yaml", "--set", "train.steps=3", "optim.lr=0.1", "--set", "data.seq_len=8"])
+    args = build_parser().parse_args(["train", "--set", "train.steps=3", "c.yaml", "--set", "optim.lr=0.1",
+                                      "--set", "data.seq_len=8"])
     assert args.config == "c.yaml" and args.overrides == ["train.steps=3", "optim.lr=0.1", "data.seq_len=8"]
     cfg = load_config(None, args.overrides)
     assert (cfg.train.steps, cfg.optim.lr, cfg.data.seq_len) == (3, 0.1, 8)
+
+
+def test_every_config_key_has_a_description():
+    import dataclasses
+
+    for section in dataclasses.fields(Config):
+        assert section.metadata.get("help"), section.name
+        for f in dataclasses.fields(getattr(Config(), section.name)):
+            assert f.metadata.get("help"), f"{section.name}.{f.name} has no description"
+
+
+def test_unknown_keys_suggest_the_nearest(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown config key 'train.stepz' \(did you mean 'train.steps'\?\)"):
+        load_config(None, ["train.stepz=3"])
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  fastq: x.fa\n")
+    with pytest.raises(ValueError, match=r"'data.fastq' \(did you mean 'data.fasta'\?\)"):
+        load_config(path)
+    with pytest.raises(ValueError, match=r"'num_layer' \(did you mean 'num_layers'\?\)"):
+        load_config(None, ["model.overrides.num_layer=3"])
+
+
+def test_paths_in_a_config_file_are_relative_to_its_folder(tmp_path, monkeypatch):
+    sub = tmp_path / "configs"
+    sub.mkdir()
+    (tmp_path / "x.fasta").write_text(">a\nACGT\n")
+    path = sub / "c.yaml"
+    path.write_text("data:\n  fasta: ../x.fasta\ntrain:\n  out_dir: ../runs/r\n")
+    elsewhere = tmp_path / "a" / "b"  # any working directory (one where ../x.fasta is another file)
+    elsewhere.mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(path)
+    assert cfg.data.fasta == str(tmp_path / "x.fasta") and cfg.train.out_dir == str(tmp_path / "runs" / "r")
+    absolute = tmp_path / "abs.fa"
+    path.write_text(f"data:\n  fasta: {absolute}\n")
+    assert load_config(path).data.fasta == str(absolute)
+    # --set paths (and defaults) are read from the working directory
+    cfg = load_config(path, ["data.fasta=y.fa"])
+    assert cfg.data.fasta == str(elsewhere / "y.fa")
+    assert cfg.train.out_dir == str(elsewhere / "runs" / "train")
+
+
+def test_example_configs_point_at_the_bundled_files(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    for name, out in [("demo_ecoli_sp2.yaml", "demo"), ("codon_cds_sp2.yaml", "codon")]:
+        cfg = load_config(root / "examples" / "configs" / name)
+        assert Path(cfg.data.fasta).is_file() and Path(cfg.data.fasta).parent == root / "examples" / "data"
+        assert cfg.train.out_dir == str(root / "runs" / out)
+
+
+def test_cli_print_config_round_trips_and_set_goes_before_the_path(tmp_path, capsys):
+    import yaml
+    from ds4sci.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  seq_len: 64\n")
+    assert main(["train", "--set", "train.steps=2", str(path), "--set", "optim.lr=0.01", "--print-config"]) == 0
+    text = capsys.readouterr().out
+    printed = yaml.safe_load(text)
+    assert printed["train"]["steps"] == 2 and printed["data"]["seq_len"] == 64 and printed["optim"]["lr"] == 0.01
+    assert printed["train"]["zero_stage"] == 0 and printed["optim"]["betas"] == [0.9, 0.95]  # defaults filled in
+    assert "# optimizer steps" in text  # descriptions as comments
+    again = tmp_path / "printed.yaml"
+    again.write_text(text)
+    assert load_config(again).to_dict() == load_config(path, ["train.steps=2", "optim.lr=0.01"]).to_dict()
+    assert main(["train", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["steps"] == Config().train.steps
