@@ -649,14 +649,9 @@ class _TritonAttention(torch.autograd.Function):
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, q_doc, k_doc, window, alibi_slopes, head_offset) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"triton_attention: expected q [B, Sq, H, D], k and v [B, Sk, Hkv, D]; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"triton_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"triton_attention: query heads {q.shape[2]} are not a multiple of key/value heads "
-                         f"{k.shape[2]}")
+    from ds4sci.models.local_attention import _check_qkv  # the protocol's checks (shapes, GQA, document ids)
+
+    _check_qkv(q, k, v, q_doc, k_doc)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"triton_attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     _config(q.dtype, q.shape[3])  # dtype and head dim within the tile table
@@ -666,15 +661,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor, q_doc, k_doc, window, alibi_slopes, 
         raise ValueError(f"triton_attention: needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got {q.device}")
     if window is not None and window < 1:
         raise ValueError(f"triton_attention: window={window} must be >= 1")
-    if (q_doc is None) != (k_doc is None):
-        raise ValueError("triton_attention: pass both q_doc and k_doc, or neither")
-    if q_doc is not None:
-        want_q, want_k = (q.shape[0], q.shape[1]), (k.shape[0], k.shape[1])
-        if tuple(q_doc.shape) != want_q or tuple(k_doc.shape) != want_k:
-            raise ValueError(f"triton_attention: q_doc {tuple(q_doc.shape)} / k_doc {tuple(k_doc.shape)} must be "
-                             f"[B, Sq] = {want_q} / [B, Sk] = {want_k}")
-        if q_doc.is_floating_point() or k_doc.is_floating_point():
-            raise TypeError(f"triton_attention: document ids must be integers, got {q_doc.dtype} / {k_doc.dtype}")
     if alibi_slopes is not None and alibi_slopes.numel() < head_offset + q.shape[2]:
         raise ValueError(f"triton_attention: head_offset={head_offset} + {q.shape[2]} local heads exceeds the "
                          f"{alibi_slopes.numel()} ALiBi slopes")

@@ -97,7 +97,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, q_doc: Tensor | None, k_doc: Ten
         )
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
-    if q.shape[2] % k.shape[2] != 0:
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
     _check_docs(q_doc, k_doc, q.shape[1], k.shape[1], q.shape[0])
 
@@ -113,6 +113,8 @@ def _check_docs(q_doc: Tensor | None, k_doc: Tensor | None, q_len: int, k_len: i
             f"q_doc {tuple(q_doc.shape)} / k_doc {tuple(k_doc.shape)} must be [B, Sq] = {(batch, q_len)} / "
             f"[B, Sk] = {(batch, k_len)}"
         )
+    if q_doc.is_floating_point() or k_doc.is_floating_point():
+        raise TypeError(f"document ids must be integers, got q_doc {q_doc.dtype} / k_doc {k_doc.dtype}")
 
 
 def attention_mask(

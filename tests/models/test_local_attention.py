@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ds4sci.models.local_attention import (
+    chunked_attention,
     attention_mask,
     flash_causal_mode,
     flex_attention,
@@ -300,3 +301,14 @@ def test_threshold_rule_builds_where_it_says(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=40 * 2**30))
     assert la.mask_threshold("cuda:0") == 16384
     assert la.mask_threshold("cpu") is None
+
+
+@pytest.mark.parametrize("fn", [sdpa_attention, chunked_attention], ids=["sdpa", "chunked"])
+def test_protocol_checks_zero_kv_heads_and_float_document_ids(fn):
+    # One protocol check (_check_qkv) serves every local attention, the Triton kernel included.
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="key/value heads 0"):
+        fn(q, q[:, :, :0], q[:, :, :0])
+    docs = torch.zeros(1, 4)
+    with pytest.raises(TypeError, match="document ids must be integers"):
+        fn(q, q, q, q_doc=docs, k_doc=docs)
