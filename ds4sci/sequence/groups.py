@@ -1,24 +1,28 @@
-"""Parallel degrees and the process groups of Unified sequence parallelism (Ulysses x Ring).
+"""Parallel degrees and process groups: tensor (Megatron), Ulysses, ring, data and pipeline parallelism.
 
-One validated object, :class:`ParallelDims`, holds the data-parallel, Ulysses and ring degrees and the sequence
-layout, and derives every rank coordinate; its product is the world size. :func:`build_groups` turns it into explicit process groups (no global singleton: callers pass the
-returned :class:`SequenceParallelGroups` where it is needed), and :class:`DeepSpeedMPU` exposes them through the
-``mpu`` interface that ``deepspeed.initialize(mpu=...)`` reads.
+One validated object, :class:`ParallelDims`, holds the five degrees and the sequence layout, and derives every rank
+coordinate; their product is the world size. :func:`build_groups` turns it into explicit process groups (no global
+singleton: callers pass the returned :class:`SequenceParallelGroups` where it is needed), and :class:`DeepSpeedMPU`
+exposes them through the ``mpu`` interface that ``deepspeed.initialize(mpu=...)`` reads.
 
-Rank layout (innermost first), chosen so that sequence-parallel (SP) groups are contiguous blocks of ranks
-``[i*sp, (i+1)*sp)`` as DeepSpeed's ``parallel_state_sp`` helper makes them, and so that the Ulysses all-to-all,
-the most bandwidth-hungry collective, runs between neighbouring ranks (same node), as the USP paper
-(Fang & Zhao 2024, "USP: A Unified Sequence Parallelism Approach for Long Context Generative AI") recommends::
+Rank layout, innermost first, in the order of the USP paper (Fang & Zhao 2024, "USP: A Unified Sequence
+Parallelism Approach for Long Context Generative AI", section 5): TP < Ulysses < Ring < DP < PP, so the
+chattiest groups (tensor parallelism's per-layer collectives, then the Ulysses all-to-all) span neighbouring
+ranks, i.e. the GPUs of one node::
 
-    rank = dp_rank * sp + sp_rank,      sp_rank = ring_rank * ulysses + ulysses_rank
+    rank = (((pp_rank * dp + dp_rank) * ring + ring_rank) * ulysses + ulysses_rank) * tp + tp_rank
+    sp_rank = ring_rank * ulysses + ulysses_rank
 
-The sequence is sharded over the SP group in ``sp_rank`` order (see :mod:`ds4sci.sequence.sharding`).
-``ring_rank`` and ``ulysses_rank`` are a rank's index in its ring and Ulysses groups.
+The sequence is sharded over the SP (Ulysses x ring) group in ``sp_rank`` order (see
+:mod:`ds4sci.sequence.sharding`); with ``tp = 1`` the SP groups are the contiguous blocks ``[i*sp, (i+1)*sp)``
+that DeepSpeed's ``parallel_state_sp`` helper makes.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -26,7 +30,20 @@ from ds4sci.sequence.sharding import Layout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ParallelDims", "SequenceParallelGroups", "build_groups", "DeepSpeedMPU"]
+__all__ = ["ParallelDims", "Coords", "SequenceParallelGroups", "build_groups", "DeepSpeedMPU"]
+
+_AXES = ("pp", "dp", "ring", "ulysses", "tp")
+"""Mesh axes, outermost first (the rank layout above)."""
+
+
+class Coords(NamedTuple):
+    """A rank's index along each mesh axis."""
+
+    pp: int
+    dp: int
+    ring: int
+    ulysses: int
+    tp: int
 
 
 @dataclass(frozen=True)
@@ -39,37 +56,44 @@ class ParallelDims:
         ring: ring-attention degree (key/value blocks passed around a ring; carries what the heads cannot).
         layout: how the sequence is cut over the ``sp = ulysses * ring`` shards (:class:`Layout` or its name;
             ``"auto"``: zigzag with a ring, contiguous without).
+        tp: tensor-parallel degree (Megatron-LM: heads and MLP columns split, sequence-parallel norms).
+        pp: pipeline-parallel degree (consecutive layers on consecutive stages).
 
-    ``world_size = dp * ulysses * ring``; :meth:`for_world` infers ``dp`` from a world size.
+    ``world_size = tp * ulysses * ring * dp * pp``; :meth:`for_world` infers ``dp`` from a world size.
     """
 
     dp: int
     ulysses: int = 1
     ring: int = 1
     layout: Layout | str = "auto"
+    tp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "ulysses", "ring"):
+        for name in _AXES:
             _check_degree(name, getattr(self, name))
         object.__setattr__(self, "layout", Layout.parse(self.layout, self.ring))
 
     @classmethod
-    def for_world(cls, world_size: int, *, ulysses: int = 1, ring: int = 1, layout: str | Layout = "auto") -> ParallelDims:
-        """The dims of ``world_size`` processes: ``dp = world_size / (ulysses * ring)``.
+    def for_world(cls, world_size: int, *, ulysses: int = 1, ring: int = 1, layout: str | Layout = "auto",
+                  tp: int = 1, pp: int = 1) -> ParallelDims:
+        """The dims of ``world_size`` processes: ``dp = world_size / (tp * ulysses * ring * pp)``.
 
         Raises:
-            ValueError: the world size is not a multiple of ``ulysses * ring`` (the message names both and how
-                to launch).
+            ValueError: the world size is not a multiple of the other degrees' product (the message names each
+                degree and how to launch).
         """
-        for name, value in (("world_size", world_size), ("ulysses", ulysses), ("ring", ring)):
+        for name, value in (("world_size", world_size), ("tp", tp), ("ulysses", ulysses), ("ring", ring),
+                            ("pp", pp)):
             _check_degree(name, value)
-        dp, rest = divmod(world_size, ulysses * ring)
+        model = tp * ulysses * ring * pp
+        dp, rest = divmod(world_size, model)
         if rest or dp == 0:
             raise ValueError(
-                f"world size {world_size} is not a multiple of ulysses={ulysses} x ring={ring} = {ulysses * ring}; "
-                f"launch a multiple of {ulysses * ring} processes (torchrun --nproc-per-node N)"
+                f"world size {world_size} is not a multiple of tp={tp} x ulysses={ulysses} x ring={ring} x pp={pp} "
+                f"= {model}; launch a multiple of {model} processes (torchrun --nproc-per-node N)"
             )
-        return cls(dp=dp, ulysses=ulysses, ring=ring, layout=layout)
+        return cls(dp=dp, ulysses=ulysses, ring=ring, layout=layout, tp=tp, pp=pp)
 
     @property
     def sp(self) -> int:
@@ -78,53 +102,84 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.sp
+        return self.tp * self.sp * self.dp * self.pp
 
     @property
     def sequence_multiple(self) -> int:
-        """Sequence lengths must be a multiple of this to shard evenly (``sp``, or ``2*sp`` for zigzag)."""
-        return self.layout.multiple(self.sp)
+        """Sequence lengths must be a multiple of this to shard evenly: ``sp`` (or ``2*sp`` for zigzag) sequence
+        shards, each cut again into ``tp`` pieces by tensor parallelism's sequence-parallel regions."""
+        return self.layout.multiple(self.sp) * self.tp
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(dp_rank, ring_rank, ulysses_rank)`` of a global rank."""
+    def _sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, axis) for axis in _AXES)
+
+    def coords(self, rank: int) -> Coords:
+        """The :class:`Coords` ``(pp, dp, ring, ulysses, tp)`` of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside [0, world_size={self.world_size})")
-        dp_rank, sp_rank = divmod(rank, self.sp)
-        ring_rank, ulysses_rank = divmod(sp_rank, self.ulysses)
-        return dp_rank, ring_rank, ulysses_rank
+        index = []
+        for size in reversed(self._sizes()):
+            rank, i = divmod(rank, size)
+            index.append(i)
+        return Coords(*reversed(index))
+
+    def rank_of(self, coords: Coords) -> int:
+        """The global rank at ``coords`` (inverse of :meth:`coords`)."""
+        rank = 0
+        for i, size in zip(coords, self._sizes()):
+            rank = rank * size + i
+        return rank
 
     def sp_rank(self, rank: int) -> int:
         """The sequence shard a global rank holds: ``ring_rank * ulysses + ulysses_rank``."""
-        _, ring_rank, ulysses_rank = self.coords(rank)
-        return ring_rank * self.ulysses + ulysses_rank
+        c = self.coords(rank)
+        return c.ring * self.ulysses + c.ulysses
 
     def check_heads(self, num_heads: int) -> None:
-        """Ulysses scatters heads: ``ulysses`` must divide ``num_heads`` (a ring degree carries the rest)."""
-        if num_heads % self.ulysses:
+        """Tensor parallelism, then Ulysses, scatter heads: ``tp * ulysses`` must divide ``num_heads`` (a ring
+        degree carries the rest)."""
+        if num_heads % (self.tp * self.ulysses):
             raise ValueError(
-                f"ulysses={self.ulysses} must divide the number of heads {num_heads} (Ulysses scatters heads); "
-                f"use a Ulysses degree that divides {num_heads} and let the ring degree carry the rest"
+                f"tp={self.tp} x ulysses={self.ulysses} = {self.tp * self.ulysses} must divide the number of heads "
+                f"{num_heads} (both scatter heads); use degrees whose product divides {num_heads} and let the ring "
+                f"degree carry the rest"
             )
+
+    def check_model(self, *, num_heads: int, num_layers: int, intermediate_size: int) -> None:
+        """Every degree can split the model: heads (:meth:`check_heads`), MLP columns by ``tp``, layers by ``pp``.
+
+        Raises:
+            ValueError: naming the degree and the model size it cannot split.
+        """
+        self.check_heads(num_heads)
+        if intermediate_size % self.tp:
+            raise ValueError(f"tp={self.tp} must divide the MLP width intermediate_size={intermediate_size}")
+        if num_layers < self.pp:
+            raise ValueError(f"pp={self.pp} pipeline stages need at least {self.pp} layers, the model has {num_layers}")
 
     def group_ranks(self) -> dict[str, list[list[int]]]:
         """Global ranks of every group of each kind (pure arithmetic, no processes needed).
 
-        Kinds: ``sp`` (Ulysses x ring, contiguous blocks), ``ulysses``, ``ring``, ``dp`` (same SP rank across
-        replicas), ``sdp`` (sequence x data: all ranks, the group ZeRO partitions over), ``mp`` (model
-        parallel: one rank each, for DeepSpeed's ``mpu`` interface).
+        Kinds: ``tp``, ``ulysses``, ``ring``, ``sp`` (Ulysses x ring), ``dp`` (same position in every other
+        axis across replicas), ``sdp`` (sequence x data: the group ZeRO partitions over, one per tensor and
+        pipeline rank), ``pp`` (the stages of one pipeline). Within a group, ranks are ordered by their index along
+        the group's axes.
         """
-        sp, u, r = self.sp, self.ulysses, self.ring
-        kinds: dict[str, list[list[int]]] = {
-            "sp": [list(range(i * sp, (i + 1) * sp)) for i in range(self.dp)],
-            "ulysses": [
-                [i * sp + ring_rank * u + j for j in range(u)] for i in range(self.dp) for ring_rank in range(r)
-            ],
-            "ring": [[i * sp + k * u + j for k in range(r)] for i in range(self.dp) for j in range(u)],
-            "dp": [[i * sp + s for i in range(self.dp)] for s in range(sp)],
-            "sdp": [list(range(self.world_size))],
-            "mp": [[rank] for rank in range(self.world_size)],
-        }
-        return kinds
+        spans = {"tp": ("tp",), "ulysses": ("ulysses",), "ring": ("ring",), "sp": ("ring", "ulysses"),
+                 "dp": ("dp",), "sdp": ("dp", "ring", "ulysses"), "pp": ("pp",)}
+        return {kind: self._groups_along(axes) for kind, axes in spans.items()}
+
+    def _groups_along(self, axes: tuple[str, ...]) -> list[list[int]]:
+        fixed = [a for a in _AXES if a not in axes]
+        groups = []
+        for outer in itertools.product(*(range(getattr(self, a)) for a in fixed)):
+            base = dict(zip(fixed, outer))
+            ranks = []
+            for inner in itertools.product(*(range(getattr(self, a)) for a in axes)):
+                index = {**base, **dict(zip(axes, inner))}
+                ranks.append(self.rank_of(Coords(**index)))
+            groups.append(ranks)
+        return sorted(groups)
 
 
 def _check_degree(name: str, value: int) -> None:
@@ -140,12 +195,17 @@ class SequenceParallelGroups:
 
     dims: ParallelDims
     rank: int
+    tp: dist.ProcessGroup
     ulysses: dist.ProcessGroup
     ring: dist.ProcessGroup
     sp: dist.ProcessGroup
     dp: dist.ProcessGroup
     sdp: dist.ProcessGroup
-    mp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+
+    @property
+    def coords(self) -> Coords:
+        return self.dims.coords(self.rank)
 
     @property
     def sp_rank(self) -> int:
@@ -154,7 +214,16 @@ class SequenceParallelGroups:
 
     @property
     def dp_rank(self) -> int:
-        return self.dims.coords(self.rank)[0]
+        return self.coords.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def sdp_rank(self) -> int:
+        """This rank's index in its sequence x data group: ``dp_rank * sp + sp_rank``."""
+        return self.dp_rank * self.dims.sp + self.sp_rank
 
 
 def build_groups(dims: ParallelDims, backend: str | None = None) -> SequenceParallelGroups:
@@ -186,8 +255,8 @@ class DeepSpeedMPU:
     """The ``mpu`` object ``deepspeed.initialize(mpu=...)`` reads, backed by explicit groups.
 
     DeepSpeed's engine broadcasts parameters, reduces gradients and partitions ZeRO state over the
-    sequence-data-parallel group when the mpu exposes the ``get_sequence_*`` methods; model (tensor) parallelism
-    is not used here, so its world size is 1.
+    sequence-data-parallel group when the mpu exposes the ``get_sequence_*`` methods; its model-parallel group is
+    the tensor-parallel group (parameters differ across it; gradient norms are summed over it).
     """
 
     def __init__(self, groups: SequenceParallelGroups) -> None:
@@ -208,10 +277,10 @@ class DeepSpeedMPU:
         return self.groups.sdp
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.groups.dims.world_size
+        return self.groups.dims.sp * self.groups.dims.dp
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return self.groups.rank
+        return self.groups.sdp_rank
 
     # data parallel
     def get_data_parallel_group(self) -> dist.ProcessGroup:
@@ -226,12 +295,16 @@ class DeepSpeedMPU:
     def get_data_parallel_group_ranks(self) -> list[int]:
         return dist.get_process_group_ranks(self.groups.dp)
 
-    # model (tensor) parallel: not used, one rank each
+    # model (tensor) parallel
     def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.mp
+        return self.groups.tp
 
     def get_model_parallel_world_size(self) -> int:
-        return 1
+        return self.groups.dims.tp
 
     def get_model_parallel_rank(self) -> int:
-        return 0
+        return self.groups.tp_rank
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank

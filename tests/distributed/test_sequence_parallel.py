@@ -241,6 +241,13 @@ def _worker_four(rank, world):
     assert (mpu.get_sequence_data_parallel_world_size(), mpu.get_sequence_data_parallel_rank()) == (4, rank)
     assert (mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()) == (1, 0)
     assert ranks(mpu.get_model_parallel_group()) == [rank]
+    tpg = build_groups(ParallelDims(dp=1, ulysses=2, tp=2))  # tensor pairs innermost, ZeRO per tensor rank
+    mpu = DeepSpeedMPU(tpg)
+    assert ranks(mpu.get_model_parallel_group()) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert (mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()) == (2, rank % 2)
+    assert ranks(mpu.get_sequence_data_parallel_group()) == [rank % 2, rank % 2 + 2]
+    assert (mpu.get_sequence_data_parallel_world_size(), mpu.get_sequence_data_parallel_rank()) == (2, rank // 2)
+    assert ranks(tpg.ulysses) == ranks(tpg.sp) == [rank % 2, rank % 2 + 2] and tpg.sp_rank == rank // 2
     _expect_value_error("groups mismatch", "world_size=8",
                         lambda: build_groups(ParallelDims(dp=2, ulysses=2, ring=2)))
 
