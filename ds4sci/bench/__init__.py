@@ -30,6 +30,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "peak memory, bytes saved for backward and time of one GenSLM attention layer forward+backward vs sequence "
         "length (causal, ALiBi, packed documents), before (sdpa) and after (memory_efficient_attention)",
     ),
+    "comm-volume": (
+        "ds4sci.bench.comm_volume",
+        "bytes sent per rank per GenSLM layer under Ulysses, ring and hybrid sequence parallelism as the sequence "
+        "grows with the degree, beside the closed forms and Megatron-LM sequence parallelism's",
+    ),
     "kernels-aot": (
         "ds4sci.bench.kernels_aot",
         "compile every Triton kernel variant (Evoformer, OpenFold's launches, local attention) for sm_80/sm_90 "

@@ -1,0 +1,196 @@
+"""``ds4sci bench comm-volume``: bytes each rank sends per GenSLM layer under sequence parallelism (issue #15).
+
+For each scheme and degree ``P``, ``P`` gloo processes (:func:`ds4sci.spawn.run_workers`) run one training step
+(forward + backward) of a GenSLM whose attention cores are made sequence-parallel by
+:func:`ds4sci.sequence.parallelize`, with the sequence growing with ``P`` (``N = tokens_per_rank * P``). A
+:class:`~ds4sci.sequence.CommCounter` records the bytes every collective call sends; the figure per layer is the
+difference between a 2-layer and a 1-layer model, so embedding and head traffic (none today) cannot leak in.
+
+Schemes: ``ulysses`` (Jacobs et al. 2023, all-to-all of q, k, v and the output), ``ring`` (Liu et al. 2023,
+key/value blocks around a ring, zigzag layout), ``hybrid`` (USP, Fang & Zhao 2024: Ulysses ``P/2`` x ring 2).
+Beside the measurements stand the closed forms, in elements of one ``N x hidden`` activation (fwd + bwd):
+
+- Ulysses: ``8 (P-1)/P * N h / P`` (four all-to-alls each way, each keeping ``1/P`` of a ``N/P x h`` shard);
+  constant when ``N`` grows with ``P``, the paper's claim.
+- ring (this implementation): ``[2(R-1) + 2(R-1) + 2R] * N h / R``: keys and values travel ``R-1`` hops forward
+  and again backward, their gradients ``R`` hops back to their owner; it grows with ``N``.
+- Megatron-LM sequence parallelism (Korthikanti et al. 2022), formula only: four all-gathers and four
+  reduce-scatters of ``N x h`` per layer (forward + backward), ``8 (P-1)/P * N h`` per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from ds4sci.bench.report import MIB, markdown_table, write_report
+
+logger = logging.getLogger(__name__)
+
+SCHEMES = ("ulysses", "ring", "hybrid")
+
+
+def _degrees(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    bad = [v for v in values if v < 2 or v & (v - 1)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"degrees must be powers of two >= 2, got {bad}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
+    parser.add_argument("--degrees", type=_degrees, default=(2, 4, 8), metavar="P,P,...",
+                        help="sequence-parallel degrees, powers of two (default: 2,4,8)")
+    parser.add_argument("--tokens-per-rank", type=int, default=256,
+                        help="sequence length per rank: N = this x P (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size h (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=8,
+                        help="attention heads; Ulysses needs P | heads (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="P = 2, 4 at 64 tokens per rank (a smoke test)")
+
+
+def _dims_kwargs(scheme: str, P: int) -> dict | None:
+    if scheme == "ulysses":
+        return {"ulysses": P}
+    if scheme == "ring":
+        return {"ring": P, "layout": "zigzag"}
+    return {"ulysses": P // 2, "ring": 2, "layout": "zigzag"} if P >= 4 else None  # P = 2 is plain Ulysses
+
+
+def _worker(rank: int, world: int, dims_kwargs: dict, tokens: int, hidden: int, heads: int) -> dict[int, dict]:
+    """Bytes this rank sent, per collective kind, in one forward + backward of a 1- and a 2-layer model."""
+    import torch
+
+    from ds4sci.models.genslm import GenSLM, GenSLMConfig
+    from ds4sci.sequence import CommCounter, ParallelDims, build_groups, parallelize, shard_sequence
+
+    dims = ParallelDims(dp=1, **dims_kwargs)
+    groups = build_groups(dims)
+    sent = {}
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        config = GenSLMConfig(vocab_size=8, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                              max_position_embeddings=tokens, position_embedding="rotary")
+        model = GenSLM(config)
+        counter = CommCounter()
+        parallelize(model, groups, counter=counter)
+        ids = torch.randint(0, 8, (1, tokens), generator=torch.Generator().manual_seed(1))
+        pos = torch.arange(tokens)[None]
+        ids, pos = (shard_sequence(t, 1, groups.sp_rank, dims.sp, dims.layout) for t in (ids, pos))
+        model(ids, pos).float().square().mean().backward()
+        sent[layers] = dict(counter.bytes_sent)
+    return sent
+
+
+def closed_forms(scheme: str, P: int, N: int, h: int, elem: int) -> float:
+    """Bytes one rank sends per layer (forward + backward) by the formulas of the module docstring."""
+    if scheme == "ulysses":
+        return 8 * (P - 1) / P * N * h / P * elem
+    if scheme == "ring":
+        return (6 * P - 4) * N * h / P * elem
+    if scheme == "hybrid":
+        U, R = P // 2, 2
+        ring_part = (6 * R - 4) * N * h / P * elem  # blocks of N/R tokens on h/U channels
+        return 8 * (U - 1) / U * N * h / P * elem + ring_part
+    if scheme == "megatron-sp":
+        return 8 * (P - 1) / P * N * h * elem
+    raise ValueError(f"unknown scheme {scheme!r}")
+
+
+def measure(scheme: str, P: int, tokens_per_rank: int, hidden: int, heads: int) -> dict:
+    """One scheme at degree ``P``: measured bytes per layer per rank (max over ranks) and the closed form."""
+    from ds4sci.spawn import run_workers
+
+    N = tokens_per_rank * P
+    start = time.perf_counter()
+    per_rank = run_workers(_worker, P, _dims_kwargs(scheme, P), N, hidden, heads, timeout=600)
+    per_layer = [{k: d[2].get(k, 0) - d[1].get(k, 0) for k in set(d[1]) | set(d[2])} for d in per_rank]
+    totals = [sum(kinds.values()) for kinds in per_layer]
+    return {"scheme": scheme, "P": P, "N": N, "hidden": hidden, "heads": heads,
+            "bytes_per_layer_max": max(totals), "bytes_per_layer_min": min(totals),
+            "by_kind": per_layer[0], "predicted": closed_forms(scheme, P, N, hidden, 4),
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def markdown(report: dict) -> str:
+    c = report["config"]
+    lines = [f"# comm-volume: bytes sent per rank per layer (forward + backward), fp32, hidden {c['hidden']}, "
+             f"{c['heads']} heads, N = {c['tokens_per_rank']} x P", "",
+             f"Command: `{report['command']}`", ""]
+    rows = []
+    for r in report["runs"]:
+        nh = r["N"] * r["hidden"] * 4
+        rows.append([r["scheme"], r["P"], r["N"], f"{r['bytes_per_layer_max'] / MIB:.3f}",
+                     f"{r['bytes_per_layer_max'] / nh:.3f}", f"{r['predicted'] / nh:.3f}",
+                     ", ".join(f"{k} {v / MIB:.3f}" for k, v in sorted(r["by_kind"].items()))])
+    for P in sorted({r["P"] for r in report["runs"]}):
+        N = c["tokens_per_rank"] * P
+        b = closed_forms("megatron-sp", P, N, c["hidden"], 4)
+        rows.append(["megatron-sp (formula, not run)", P, N, f"{b / MIB:.3f}", "", f"{b / (N * c['hidden'] * 4):.3f}",
+                     "all-gather + reduce-scatter"])
+    lines += markdown_table(["scheme", "P", "N", "MiB sent / rank / layer", "measured / (N h)",
+                             "closed form / (N h)", "by collective (MiB)"], rows)
+    lines += ["", "Ulysses stays flat as N and P grow together; ring and Megatron-LM SP grow with N. The small "
+              "all_gather is DistributedAttention's check that every rank holds the same local shapes (8 integers "
+              "per group per layer); the closed forms leave it out."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = report["config"]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for scheme in SCHEMES:
+        runs = [r for r in report["runs"] if r["scheme"] == scheme]
+        if runs:
+            ax.plot([r["P"] for r in runs], [r["bytes_per_layer_max"] / MIB for r in runs], marker="o",
+                    label=f"{scheme} (measured)")
+    Ps = sorted({r["P"] for r in report["runs"]})
+    ax.plot(Ps, [closed_forms("megatron-sp", P, c["tokens_per_rank"] * P, c["hidden"], 4) / MIB for P in Ps],
+            linestyle="--", color="gray", label="Megatron-LM SP (formula)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"sequence-parallel degree P (N = {c['tokens_per_rank']} x P tokens)")
+    ax.set_ylabel("MiB sent per rank per layer (fwd + bwd)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    degrees, tokens = ((2, 4), 64) if args.quick else (args.degrees, args.tokens_per_rank)
+    for value, name in ((tokens, "--tokens-per-rank"), (args.hidden, "--hidden"), (args.heads, "--heads")):
+        if value < 1:
+            raise ValueError(f"{name}={value}: must be >= 1")
+    if args.hidden % args.heads:
+        raise ValueError(f"--hidden={args.hidden} is not divisible by --heads={args.heads}")
+    for P in degrees:
+        if args.heads % P:
+            raise ValueError(f"--heads={args.heads}: Ulysses degree P={P} must divide the heads")
+        if tokens % 2:  # the zigzag layout cuts each rank's share in two
+            raise ValueError(f"--tokens-per-rank={tokens}: must be even (zigzag ring layout)")
+    command = "ds4sci bench comm-volume " + (
+        "--quick" if args.quick else
+        f"--degrees {','.join(map(str, degrees))} --tokens-per-rank {tokens} --hidden {args.hidden} "
+        f"--heads {args.heads}")
+    report = {"command": command, "config": {"degrees": list(degrees), "tokens_per_rank": tokens,
+                                             "hidden": args.hidden, "heads": args.heads}, "runs": []}
+    from tqdm import tqdm
+
+    jobs = [(s, P) for P in degrees for s in SCHEMES if _dims_kwargs(s, P) is not None]
+    for scheme, P in tqdm(jobs, desc="comm-volume", unit="run"):
+        report["runs"].append(measure(scheme, P, tokens, args.hidden, args.heads))
+    path = write_report(args.out, "comm_volume", report, markdown(report))
+    plot(report, path.with_suffix(".png"))
+    print(f"comm-volume: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    return 0

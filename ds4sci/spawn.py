@@ -1,0 +1,126 @@
+"""Run a function on a local gloo process group of N spawned processes: ``run_workers(fn, world_size, *args)``.
+
+What the multi-process tests and the communication benchmarks use instead of ``torchrun``: each worker process
+initializes ``torch.distributed`` (gloo, TCP on a free localhost port), calls ``fn(rank, world_size, *args)`` and
+destroys the group. ``fn`` must be importable (a module-level function) and its arguments and return value
+picklable. The first worker exception is re-raised in the calling process with every failing worker's traceback;
+a run that exceeds ``timeout`` seconds is killed and reported.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["run_workers", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, env, threads, results) -> None:
+    try:
+        os.environ.update(env)
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the test process
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+    threads: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes on one gloo process group.
+
+    Args:
+        fn: module-level function (spawned processes import it by name).
+        world_size: number of processes.
+        timeout: seconds for the whole run; on expiry the workers are killed and ``TimeoutError`` raised.
+        env: environment variables set in each worker before ``fn`` runs (e.g. ``{"DS_ACCELERATOR": "cpu"}``).
+        threads: ``torch.set_num_threads`` in each worker (1 keeps several workers from oversubscribing cores).
+    Returns:
+        ``fn``'s return values, indexed by rank.
+    Raises:
+        RuntimeError: a worker raised (message: each failing rank's traceback) or died without reporting.
+        TimeoutError: the run exceeded ``timeout``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, dict(env or {}), threads, results),
+                    daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"run_workers({fn.__name__}, world_size={world_size}) exceeded {timeout:.0f} s; ranks done: "
+                    f"{sorted(values)}, failed: {sorted(failures)}"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in values and r not in failures]
+                for r in dead:
+                    failures[r] = f"worker exited with code {procs[r].exitcode} without reporting"
+                if failures:
+                    break
+                continue
+            if ok:
+                values[rank] = payload
+            else:
+                failures[rank] = payload
+                # the other ranks may be blocked in a collective with the failed one: give them a moment to
+                # fail too (their tracebacks help), then stop waiting
+                grace = time.monotonic() + 3.0
+                while len(values) + len(failures) < world_size and time.monotonic() < grace:
+                    try:
+                        rank, ok, payload = results.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    (values if ok else failures)[rank] = payload
+                break
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    if failures:
+        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        raise RuntimeError(f"run_workers({fn.__name__}, world_size={world_size}): worker(s) failed\n{report}")
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,48 @@
+"""``ds4sci bench comm-volume`` (issue #15): the bytes counted at the collectives match the closed forms, and
+the command writes its three files."""
+import json
+
+import pytest
+
+from ds4sci import cli
+from ds4sci.bench import comm_volume
+
+
+@pytest.mark.distributed
+def test_measured_bytes_match_the_closed_forms(tmp_path):
+    out = tmp_path / "bench"
+    assert cli.main(["bench", "comm-volume", "--degrees", "2", "--tokens-per-rank", "16", "--hidden", "16",
+                     "--heads", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "comm_volume.json").read_text())
+    assert {r["scheme"] for r in report["runs"]} == {"ulysses", "ring"}  # hybrid needs P >= 4
+    for r in report["runs"]:
+        data = sum(v for k, v in r["by_kind"].items() if k != "all_gather")  # all_gather: the shape check
+        assert data == pytest.approx(r["predicted"], rel=1e-9), r
+        assert r["by_kind"].get("all_gather", 0) <= 8 * 8 * 2 * 2  # 8 int64 per group, fwd only, 2 groups
+        assert r["bytes_per_layer_min"] == r["bytes_per_layer_max"]  # symmetric schemes
+    assert (out / "comm_volume.png").stat().st_size > 0
+    assert "| ulysses | 2 | 32 |" in (out / "comm_volume.md").read_text()
+
+
+def test_closed_forms_ulysses_flat_ring_and_megatron_grow():
+    per_rank = {s: [comm_volume.closed_forms(s, P, 1024 * P, 64, 4) for P in (2, 4, 8, 16)]
+                for s in ("ulysses", "ring", "megatron-sp")}
+    u = per_rank["ulysses"]
+    assert max(u) / min(u) < 1.9 and u[-1] / u[-2] < 1.08  # bounded by 8 N0 h, approached from below
+    assert all(b > a * 1.8 for a, b in zip(per_rank["ring"], per_rank["ring"][1:]))
+    assert all(b > a * 1.8 for a, b in zip(per_rank["megatron-sp"], per_rank["megatron-sp"][1:]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--degrees", "3"], "powers of two"),
+    (["--heads", "3", "--hidden", "12", "--degrees", "2"], "--heads=3: Ulysses degree P=2 must divide the heads"),
+    (["--tokens-per-rank", "5"], "must be even"),
+])
+def test_bad_arguments_one_line(argv, message, capsys):
+    try:
+        code = cli.main(["bench", "comm-volume", *argv, "--out", "/nonexistent/never"])
+    except SystemExit as exit_:  # argparse's own checks
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
