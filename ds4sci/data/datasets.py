@@ -9,14 +9,18 @@ Every sample is a dict of int64 tensors of length ``T`` (the window):
 - ``position_ids [T]``: positions inside the document (restart at 0 for each packed document);
 - ``doc_ids [T]``: document index inside the window, ``PAD_DOC_ID`` (-1) at padding (both from ``ds4sci.models``).
 
-Train/validation splits are deterministic: a single genome is split by held-out region (the last
-``val_fraction`` of the sequence, so no window spans both splits), a multi-record file by record.
+Datasets index :class:`Spans` (documents as ranges of one flat, usually memory-mapped, token array); a list of
+arrays is accepted too. Train/validation splits are deterministic (:func:`split_spans`): a single genome is split by
+held-out region (the last ``val_fraction`` of the sequence, so no window spans both splits), several records by a
+hash of each record's id.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -73,111 +77,233 @@ class _Augment:
         return self.tokenizer.reverse_complement(ids) if rng.random() < self.p else ids
 
 
-class WindowDataset(Dataset):
-    """Fixed-length windows with a stride over the token arrays of long sequences (genomes).
+@dataclass(frozen=True)
+class Spans:
+    """Documents as ranges of one flat token array: document ``r`` is ``tokens[bounds[r, 0]:bounds[r, 1]]``.
 
-    Windows never cross a record boundary; a record's last window is padded. ``reverse_complement`` is the
-    probability of flipping a window to its reverse complement (nucleotide tokens only), drawn from
-    ``(seed, epoch, index)`` so runs are reproducible; call :meth:`set_epoch` to draw anew.
+    What every dataset indexes. ``tokens`` is usually a read-only ``np.memmap`` of a token cache
+    (:mod:`ds4sci.data.corpus`), so a rank's memory is O(documents) for ``bounds``, never O(tokens), and no Python
+    object exists per document. Splits and ``max_train_tokens`` only select or trim rows of ``bounds``.
     """
 
-    def __init__(self, token_arrays: Sequence[np.ndarray], tokenizer: Tokenizer, seq_len: int,
+    tokens: np.ndarray  # [N] integer token ids (uint8 in a cache)
+    bounds: np.ndarray  # [R, 2] int64 (start, end), end exclusive
+
+    def __post_init__(self):
+        b = np.asarray(self.bounds, dtype=np.int64).reshape(-1, 2)
+        object.__setattr__(self, "bounds", b)
+
+    @staticmethod
+    def from_arrays(arrays: Sequence[np.ndarray]) -> "Spans":
+        """One document per array (the arrays are concatenated: for small in-memory data and tests)."""
+        arrays = [np.asarray(a).reshape(-1) for a in arrays]
+        ends = np.cumsum([len(a) for a in arrays], dtype=np.int64)
+        tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        return Spans(tokens, np.stack([ends - [len(a) for a in arrays], ends], axis=1) if arrays else np.zeros((0, 2)))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``[R]`` int64 tokens per document."""
+        return self.bounds[:, 1] - self.bounds[:, 0]
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def __getitem__(self, r: int) -> np.ndarray:
+        start, end = self.bounds[r]
+        return self.tokens[start:end]
+
+    def select(self, rows) -> "Spans":
+        return Spans(self.tokens, self.bounds[rows])
+
+    def head(self, n_tokens: int) -> "Spans":
+        """The first ``n_tokens`` tokens in document order (the document holding the limit is cut there)."""
+        before = np.cumsum(self.lengths) - self.lengths  # tokens before each document
+        keep = before < n_tokens
+        bounds = self.bounds[keep].copy()
+        bounds[:, 1] = np.minimum(bounds[:, 1], bounds[:, 0] + (n_tokens - before[keep]))
+        return Spans(self.tokens, bounds)
+
+
+def as_spans(source: "Spans | Sequence[np.ndarray]") -> Spans:
+    return source if isinstance(source, Spans) else Spans.from_arrays(source)
+
+
+class WindowDataset(Dataset):
+    """Fixed-length windows with a stride over long documents (genomes).
+
+    Windows never cross a document boundary; a document's last window is padded. ``reverse_complement`` is the
+    probability of flipping a window to its reverse complement (nucleotide tokens only), drawn from
+    ``(seed, epoch, index)`` so runs are reproducible; call :meth:`set_epoch` to draw anew. Window ``i`` is found
+    from per-document window counts (``searchsorted``), so the index is O(documents), not O(windows).
+    """
+
+    def __init__(self, source: Spans | Sequence[np.ndarray], tokenizer: Tokenizer, seq_len: int,
                  stride: int | None = None, *, reverse_complement: float = 0.0, seed: int = 0):
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
         stride = seq_len if stride is None else stride
         if not 1 <= stride <= seq_len:
             raise ValueError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
-        self.arrays, self.tokenizer, self.seq_len = list(token_arrays), tokenizer, seq_len
+        spans = as_spans(source)
+        self.spans = spans.select(spans.lengths >= 2)
+        self.tokenizer, self.seq_len, self.stride = tokenizer, seq_len, stride
         self.augment = _Augment(tokenizer, reverse_complement, seed)
-        self.index: list[tuple[int, int]] = []  # (array, start)
-        for a, arr in enumerate(self.arrays):
-            n = len(arr)
-            if n < 2:
-                continue
-            starts = list(range(0, max(n - seq_len, 0) + 1, stride))
-            if starts[-1] + seq_len < n:  # the tail the stride would skip
-                starts.append(n - seq_len)
-            self.index.extend((a, s) for s in starts)
-        if not self.index:
+        n = self.spans.lengths
+        last = np.maximum(n - seq_len, 0)  # the last start a full window (or the whole short document) can have
+        base = last // stride + 1  # starts 0, stride, ... <= last
+        counts = base + ((base - 1) * stride + seq_len < n)  # + the tail window the stride would skip, at n - T
+        self._last, self._ends = last, np.cumsum(counts)  # [R] each
+        if not len(self):
             raise ValueError("no window: every sequence is shorter than 2 tokens")
 
     def set_epoch(self, epoch: int) -> None:
         self.augment.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.index)
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def window(self, i: int) -> tuple[int, int]:
+        """``(document, start token inside it)`` of window ``i``."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} out of range [0, {len(self)})")
+        r = int(np.searchsorted(self._ends, i, side="right"))
+        k = i - (int(self._ends[r - 1]) if r else 0)
+        return r, min(k * self.stride, int(self._last[r]))
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        a, s = self.index[i]
-        ids = self.augment(self.arrays[a][s : s + self.seq_len], i)
+        r, s = self.window(i)
+        ids = self.augment(self.spans[r][s : s + self.seq_len], i)
         return _sample([ids], self.seq_len, self.tokenizer.pad_id)
 
 
 class RecordDataset(Dataset):
     """One record per sample (e.g. genes in codon mode), truncated to ``seq_len`` and padded."""
 
-    def __init__(self, token_arrays: Sequence[np.ndarray], tokenizer: Tokenizer, seq_len: int):
-        self.arrays = [a for a in token_arrays if len(a)]
-        if not self.arrays:
+    def __init__(self, source: Spans | Sequence[np.ndarray], tokenizer: Tokenizer, seq_len: int):
+        spans = as_spans(source)
+        self.spans = spans.select(spans.lengths > 0)
+        if not len(self.spans):
             raise ValueError("RecordDataset got no non-empty record")
-        truncated = sum(len(a) > seq_len for a in self.arrays)
+        truncated = int((self.spans.lengths > seq_len).sum())
         if truncated:
-            logger.info("%d of %d records truncated to %d tokens", truncated, len(self.arrays), seq_len)
+            logger.info("%d of %d records truncated to %d tokens", truncated, len(self.spans), seq_len)
         self.tokenizer, self.seq_len = tokenizer, seq_len
 
     def __len__(self) -> int:
-        return len(self.arrays)
+        return len(self.spans)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return _sample([self.arrays[i][: self.seq_len]], self.seq_len, self.tokenizer.pad_id)
+        return _sample([self.spans[i][: self.seq_len]], self.seq_len, self.tokenizer.pad_id)
 
 
 class PackedDataset(Dataset):
-    """Several records packed into each window (first fit in file order), with per-document ids and positions.
+    """Several records packed into each window (next fit in file order), with per-document ids and positions.
 
-    Records longer than ``seq_len`` are cut into ``seq_len`` pieces, each its own document.
+    Records longer than ``seq_len`` are cut into ``seq_len`` pieces, each its own document. The index is two
+    int64 arrays (piece starts and lengths, first piece of each window): O(pieces) memory, no Python list.
     """
 
-    def __init__(self, token_arrays: Sequence[np.ndarray], tokenizer: Tokenizer, seq_len: int):
-        pieces = [a[s : s + seq_len] for a in token_arrays for s in range(0, len(a), seq_len)]
-        self.windows: list[list[np.ndarray]] = []
-        fill = seq_len
-        for p in pieces:
-            if fill + len(p) > seq_len:
-                self.windows.append([])
-                fill = 0
-            self.windows[-1].append(p)
-            fill += len(p)
-        if not self.windows:
+    def __init__(self, source: Spans | Sequence[np.ndarray], tokenizer: Tokenizer, seq_len: int):
+        spans = as_spans(source)
+        spans = spans.select(spans.lengths > 0)
+        n = spans.lengths
+        per_doc = -(-n // seq_len)  # pieces per document
+        first = np.repeat(np.cumsum(per_doc) - per_doc, per_doc)  # [P] index of the document's first piece
+        k = np.arange(int(per_doc.sum()), dtype=np.int64) - first  # piece number inside its document
+        doc = np.repeat(np.arange(len(n)), per_doc)
+        self._start = spans.bounds[doc, 0] + k * seq_len  # [P] offsets into spans.tokens
+        self._len = np.minimum(seq_len, n[doc] - k * seq_len)  # [P]
+        heads, fill = array("q"), seq_len
+        for c in range(0, len(self._len), 1 << 20):  # next fit, in chunks so no list of P Python ints is built
+            for j, length in enumerate(self._len[c : c + (1 << 20)].tolist(), c):
+                if fill + length > seq_len:
+                    heads.append(j)
+                    fill = 0
+                fill += length
+        if not heads:
             raise ValueError("PackedDataset got no non-empty record")
-        self.tokenizer, self.seq_len = tokenizer, seq_len
+        self._heads = np.append(np.frombuffer(heads, dtype=np.int64), len(self._len))  # [W + 1]
+        self.tokens, self.tokenizer, self.seq_len = spans.tokens, tokenizer, seq_len
 
     def __len__(self) -> int:
-        return len(self.windows)
+        return len(self._heads) - 1
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return _sample(self.windows[i], self.seq_len, self.tokenizer.pad_id)
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} out of range [0, {len(self)})")
+        pieces = range(int(self._heads[i]), int(self._heads[i + 1]))
+        docs = [self.tokens[self._start[j] : self._start[j] + self._len[j]] for j in pieces]
+        return _sample(docs, self.seq_len, self.tokenizer.pad_id)
+
+
+def _region_cut(length, val_fraction: float):
+    """Where the held-out end of a document of ``length`` tokens starts (at least one token held out)."""
+    return length - np.maximum(1, np.round(np.asarray(length) * val_fraction).astype(np.int64))
+
+
+def _check_fraction(val_fraction: float) -> None:
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
 
 
 def split_region(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """Hold out the last ``val_fraction`` of one long token array: ``(train, val)``, disjoint."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    cut = len(tokens) - max(1, int(round(len(tokens) * val_fraction)))
+    _check_fraction(val_fraction)
+    cut = int(_region_cut(len(tokens), val_fraction))
     return tokens[:cut], tokens[cut:]
+
+
+def record_hash(record_id: str) -> int:
+    """The 64-bit hash of a record id that decides its side of a record split (first 8 bytes of SHA-256)."""
+    return int.from_bytes(hashlib.sha256(record_id.encode()).digest()[:8], "big")
+
+
+def val_mask(id_hashes: np.ndarray, val_fraction: float) -> np.ndarray:
+    """``[R]`` bool: the records whose id hash (:func:`record_hash`) falls in the validation fraction."""
+    _check_fraction(val_fraction)
+    return np.asarray(id_hashes, dtype=np.uint64).astype(np.float64) / 2.0**64 < val_fraction
 
 
 def split_records(ids: Sequence[str], val_fraction: float) -> tuple[list[int], list[int]]:
     """Split records by a hash of their id (stable across runs and file orders): ``(train_idx, val_idx)``."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    train, val = [], []
-    for i, rid in enumerate(ids):
-        h = int.from_bytes(hashlib.sha256(rid.encode()).digest()[:8], "big") / 2**64
-        (val if h < val_fraction else train).append(i)
+    mask = val_mask(np.array([record_hash(r) for r in ids], dtype=np.uint64), val_fraction)
+    train, val = np.flatnonzero(~mask).tolist(), np.flatnonzero(mask).tolist()
     if not train or not val:
         raise ValueError(f"{len(ids)} record(s) cannot be split with val_fraction={val_fraction}: one side is empty")
+    return train, val
+
+
+SPLITS = ("auto", "region", "records")
+
+
+def split_spans(spans: Spans, id_hashes: np.ndarray, val_fraction: float, policy: str = "auto") -> tuple[Spans, Spans]:
+    """Train/validation split of a corpus: ``(train, val)``, deterministic, disjoint.
+
+    - ``"region"``: the last ``val_fraction`` of EVERY document is held out (as :func:`split_region`), so no
+      window spans both sides;
+    - ``"records"``: whole documents, by the hash of their id (as :func:`split_records`): a document's side
+      depends on its id only, so adding files never moves an existing document, and documents sharing an id (the
+      same record in two files) land on the same side;
+    - ``"auto"``: ``"region"`` for a corpus of one document (a single genome: the behaviour of ds4sci <= 0.1),
+      ``"records"`` otherwise.
+    """
+    if policy not in SPLITS:
+        raise ValueError(f"split policy must be one of {SPLITS}, got {policy!r}")
+    _check_fraction(val_fraction)
+    if policy == "auto":
+        policy = "region" if len(spans) == 1 else "records"
+    if policy == "region":
+        cut = spans.bounds[:, 0] + _region_cut(spans.lengths, val_fraction)
+        train = Spans(spans.tokens, np.stack([spans.bounds[:, 0], cut], axis=1))
+        val = Spans(spans.tokens, np.stack([cut, spans.bounds[:, 1]], axis=1))
+        train, val = train.select(train.lengths > 0), val.select(val.lengths > 0)
+    else:
+        mask = val_mask(id_hashes, val_fraction)
+        train, val = spans.select(~mask), spans.select(mask)
+    if not len(train) or not len(val):
+        raise ValueError(f"{len(spans)} record(s) cannot be split by {policy} with val_fraction={val_fraction}: "
+                         f"one side is empty (use more records, a larger val_fraction, or split: region)")
     return train, val
 
 

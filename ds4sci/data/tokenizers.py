@@ -35,6 +35,10 @@ for _i, _b in enumerate(b"ACGT"):
     _BASE_INDEX[ord(chr(_b).lower())] = _i
 
 
+def _ascii(seq: str | bytes) -> bytes:
+    return seq if isinstance(seq, (bytes, bytearray, memoryview)) else seq.encode("ascii")
+
+
 class Tokenizer:
     """Common interface: ``encode``/``decode``, special ids, ``save``/``load`` (JSON)."""
 
@@ -54,8 +58,8 @@ class Tokenizer:
     def special_ids(self) -> frozenset[int]:
         return frozenset(self.token_to_id[s] for s in SPECIALS)
 
-    def encode(self, seq: str) -> np.ndarray:
-        """``seq`` (str) -> token ids ``[L]`` (int64)."""
+    def encode(self, seq: str | bytes) -> np.ndarray:
+        """``seq`` (str, or ASCII bytes) -> token ids ``[L]`` (int64)."""
         raise NotImplementedError
 
     def decode(self, ids, *, skip_special: bool = True) -> str:
@@ -68,6 +72,10 @@ class Tokenizer:
                 continue
             out.append(self.vocab[i])
         return "".join(out)
+
+    def signature(self) -> dict:
+        """Everything that decides the ids ``encode`` returns (what a token cache is keyed by)."""
+        return {"kind": self.kind, "vocab": self.vocab}
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -107,8 +115,8 @@ class NucleotideTokenizer(Tokenizer):
         for base, other in comp.items():
             self._complement[self.token_to_id[base]] = self.token_to_id[other]
 
-    def encode(self, seq: str) -> np.ndarray:
-        return self._table[np.frombuffer(seq.encode("ascii"), dtype=np.uint8)]
+    def encode(self, seq: str | bytes) -> np.ndarray:
+        return self._table[np.frombuffer(_ascii(seq), dtype=np.uint8)]
 
     def reverse_complement(self, ids: np.ndarray) -> np.ndarray:
         """Token ids of the reverse complement (specials map to themselves)."""
@@ -133,11 +141,15 @@ class CodonTokenizer(Tokenizer):
             self._table[16 * b[0] + 4 * b[1] + b[2]] = self.token_to_id[codon]
         self.stop_ids = frozenset(self.token_to_id[c] for c in STOP_CODONS)
 
-    def encode(self, seq: str) -> np.ndarray:
+    def signature(self) -> dict:
+        return {**super().signature(), "partial": self.partial}
+
+    def encode(self, seq: str | bytes) -> np.ndarray:
+        seq = _ascii(seq)
         rest = len(seq) % 3
         if rest and self.partial == "error":
-            raise ValueError(f"sequence length {len(seq)} is not a multiple of 3 (trailing {seq[-rest:]!r})")
-        idx = _BASE_INDEX[np.frombuffer(seq[: len(seq) - rest].encode("ascii"), dtype=np.uint8)].reshape(-1, 3)
+            raise ValueError(f"sequence length {len(seq)} is not a multiple of 3 (trailing {seq[-rest:].decode()!r})")
+        idx = _BASE_INDEX[np.frombuffer(seq[: len(seq) - rest], dtype=np.uint8)].reshape(-1, 3)
         code = idx[:, 0] * 16 + idx[:, 1] * 4 + idx[:, 2]  # [L/3]
         code[(idx == 4).any(axis=1)] = 64
         return self._table[code]

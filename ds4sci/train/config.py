@@ -26,8 +26,9 @@ def _field(*, help: str, path: bool = False, **kw):
 
 @dataclass
 class DataConfig:
-    fasta: str = _field(default="examples/data/NC_007779.1_ecoli_K12_W3110.fasta.gz",
-                    help="FASTA file (.gz ok); relative: from the config file's folder (--set, defaults: working dir)",
+    fasta: str | list = _field(default="examples/data/NC_007779.1_ecoli_K12_W3110.fasta.gz",
+                    help="FASTA file, directory or glob pattern (.fa .fna .fasta .ffn, .gz ok), or a list of them; "
+                         "relative: from the config file's folder (--set, defaults: working dir)",
                     path=True)
     tokenizer: str = _field(default="nucleotide",
                     help='"nucleotide" (one token per base) or "codon" (GenSLM\'s 69 ids)')
@@ -37,6 +38,12 @@ class DataConfig:
     stride: int = _field(default=0, help='window stride in tokens; 0 -> seq_len (non-overlapping windows)')
     val_fraction: float = _field(default=0.05,
                     help='held-out end of a genome / fraction of records for validation, in (0, 1)')
+    split: str = _field(default="auto",
+                    help='"region" (hold out the end of every record), "records" (whole records, by a hash of the '
+                         'id: stable when files are added) or "auto" (region for one record, else records)')
+    cache_dir: str = _field(default="",
+                    help='token cache folder (shared by runs and ranks: every rank must see it); "" -> '
+                         'train.out_dir/token_cache; relative: like data.fasta', path=True)
     reverse_complement: float = _field(default=0.0,
                     help='probability of reverse-complementing a sample; nucleotide tokens only')
     iupac: str = _field(default="n",
@@ -238,6 +245,12 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
             _fail(key, value, "a number")
     elif typ is str:
         return str(value)
+    elif typ == (str | list):  # data.fasta: one path or pattern, or a non-empty list of them
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+            return list(value)
+        _fail(key, value, "a path or a non-empty list of paths")
     elif typ is tuple or origin is tuple:
         if isinstance(value, str):
             value = yaml.safe_load(value)
@@ -278,7 +291,12 @@ def _apply(obj: Any, data: dict, prefix: str, base_dir: str | None = None) -> No
 
 
 def _resolve(path: str, base_dir: str) -> str:
-    """``path`` as an absolute, normalized path (a relative one is taken from ``base_dir``; ``~`` expanded)."""
+    """``path`` as an absolute, normalized path (a relative one is taken from ``base_dir``; ``~`` expanded); a list
+    of paths (``data.fasta``), each."""
+    if isinstance(path, list):
+        return [_resolve(p, base_dir) for p in path]
+    if not path:  # "": an unset optional path (data.cache_dir) stays unset
+        return path
     path = os.path.expanduser(path)
     return os.path.normpath(os.path.join(os.path.abspath(base_dir), path))
 

@@ -40,40 +40,21 @@ logger = logging.getLogger(__name__)
 
 
 def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.utils.data.Dataset]:
-    """Tokenizer, training and validation datasets for ``cfg.data`` (deterministic split)."""
+    """Tokenizer, training and validation datasets for ``cfg.data``, read from the token cache of ``data.fasta``
+    (built on first use by rank 0; :mod:`ds4sci.data.corpus`). Every rank must call it."""
+    from ds4sci.data.corpus import load_datasets, open_corpus
+
     d = cfg.data
     tok = Tokenizer.from_name(d.tokenizer)
-    if not Path(d.fasta).is_file():
-        raise FileNotFoundError(f"data.fasta={d.fasta!r}: no such file (a relative path in a config file is read "
-                                f"from its folder; one given with --set, from the working directory)")
-    records = list(read_fasta(d.fasta, iupac=d.iupac))
-    if not records:
-        raise ValueError(f"{d.fasta}: no sequence records")
-    arrays = [tok.encode(r.sequence) for r in records]
-    if len(arrays) == 1:
-        train, val = split_region(arrays[0], d.val_fraction)
-        train_arrays, val_arrays = [train], [val]
-    else:
-        t_idx, v_idx = split_records([r.id for r in records], d.val_fraction)
-        train_arrays, val_arrays = [arrays[i] for i in t_idx], [arrays[i] for i in v_idx]
-    if d.max_train_tokens:
-        kept, left = [], d.max_train_tokens
-        for a in train_arrays:
-            if left <= 0:
-                break
-            kept.append(a[:left])
-            left -= len(kept[-1])
-        train_arrays = kept
-    T = d.seq_len
-    if d.dataset == "windows":
-        train_ds = WindowDataset(train_arrays, tok, T, d.stride or T, reverse_complement=d.reverse_complement,
-                                 seed=cfg.train.seed)
-        val_ds = WindowDataset(val_arrays, tok, T, T)
-    elif d.dataset == "records":
-        train_ds, val_ds = RecordDataset(train_arrays, tok, T), RecordDataset(val_arrays, tok, T)
-    else:
-        train_ds, val_ds = PackedDataset(train_arrays, tok, T), PackedDataset(val_arrays, tok, T)
-    return tok, train_ds, val_ds
+    cache_dir = d.cache_dir or os.path.join(cfg.train.out_dir, "token_cache")
+    try:
+        corpus = open_corpus(d.fasta, tok, cache_dir=cache_dir, iupac=d.iupac, progress=cfg.train.progress)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"data.fasta: {err} (a relative path in a config file is read from its folder; one "
+                                f"given with --set, from the working directory)") from None
+    return tok, *load_datasets(corpus, tok, dataset=d.dataset, seq_len=d.seq_len, stride=d.stride,
+                               val_fraction=d.val_fraction, split=d.split, max_train_tokens=d.max_train_tokens,
+                               reverse_complement=d.reverse_complement, seed=cfg.train.seed)
 
 
 def _ignored(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -45,7 +45,7 @@ def test_iupac_policies(tmp_path):
     path = _write(tmp_path, ">r\nACRYGU\n")
     assert next(read_fasta(path)).sequence == "ACNNGT"
     assert next(read_fasta(path, iupac="keep")).sequence == "ACRYGT"
-    with pytest.raises(ValueError, match=r"'R' at position 3"):
+    with pytest.raises(ValueError, match=r"ambiguous IUPAC code 'R' at line 2, column 3"):
         next(read_fasta(path, iupac="error"))
     with pytest.raises(ValueError, match="iupac must be"):
         next(read_fasta(path, iupac="bogus"))
@@ -57,17 +57,18 @@ def test_bad_character_names_file_record_position(tmp_path):
         list(read_fasta(path))
     msg = str(err.value)
     assert str(path) in msg and "'bad_one'" in msg and "'-'" in msg and "position 5" in msg
+    assert "line 5, column 2" in msg and "header line 3" in msg
 
 
 def test_empty_record_skipped_and_not_fasta_rejected(tmp_path, caplog):
     path = _write(tmp_path, ">empty\n>full\nAC\n")
     assert [r.id for r in read_fasta(path)] == ["full"]
     assert "empty" in caplog.text
-    with pytest.raises(ValueError, match="not a valid FASTA"):
+    with pytest.raises(ValueError, match="line 1 does not start with '>'.*not a FASTA file"):
         list(read_fasta(_write(tmp_path, "hello world\n", name="y.txt")))
     binary = tmp_path / "z.bin"
     binary.write_bytes(b">r\nAC\xff\xfe\n")
-    with pytest.raises(ValueError, match="not a text FASTA"):
+    with pytest.raises(ValueError, match="invalid nucleotide character byte 0xff at line 2, column 3"):
         list(read_fasta(binary))
 
 
@@ -127,7 +128,7 @@ def test_window_dataset_covers_genome_with_stride_and_pads_tail():
     tok = NucleotideTokenizer()
     arr = np.arange(25) % 4 + 5
     ds = WindowDataset([arr], tok, seq_len=8, stride=6)
-    starts = [s for _, s in ds.index]
+    starts = [ds.window(i)[1] for i in range(len(ds))]
     assert starts == [0, 6, 12, 17]  # the tail window ends exactly at the end
     s = ds[3]
     assert s["input_ids"].tolist() == arr[17:25].tolist() and (s["labels"] == s["input_ids"]).all()
