@@ -9,6 +9,8 @@ Where each concept lives:
 - :mod:`~ds4sci.sequence.comm`: the differentiable all-to-all, ring shifts, byte counting;
 - :mod:`~ds4sci.sequence.attention`: :class:`DistributedAttention` around any local attention
   (:mod:`ds4sci.models.local_attention`);
+- :mod:`~ds4sci.sequence.tensor_parallel`: Megatron tensor parallelism with sequence-parallel norms and a
+  vocabulary-parallel embedding, output and loss (:func:`token_loss_for`), and TP state-dict consolidation;
 - :mod:`~ds4sci.sequence.parallelize`: :func:`parallelize`, applying all of it to a GenSLM from outside.
 
 Importing this package has no side effects (no process group, no environment edits).
@@ -17,6 +19,15 @@ from ds4sci.sequence.attention import DistributedAttention
 from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, all_to_all
 from ds4sci.sequence.groups import Coords, DeepSpeedMPU, ParallelDims, SequenceParallelGroups, build_groups
 from ds4sci.sequence.parallelize import parallelize
+from ds4sci.sequence.tensor_parallel import (
+    gather_tensor_parallel,
+    gather_vocab,
+    load_full_state_dict,
+    shard_tensor_parallel,
+    tensor_parallel_plan,
+    token_loss_for,
+    vocab_parallel_token_loss,
+)
 from ds4sci.sequence.sharding import (
     Layout,
     gather_sequence,
@@ -44,4 +55,11 @@ __all__ = [
     "shard_positions",
     "shard_sequence",
     "unshard_sequence",
+    "gather_tensor_parallel",
+    "gather_vocab",
+    "load_full_state_dict",
+    "shard_tensor_parallel",
+    "tensor_parallel_plan",
+    "token_loss_for",
+    "vocab_parallel_token_loss",
 ]

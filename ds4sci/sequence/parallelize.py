@@ -1,10 +1,12 @@
-"""Apply sequence parallelism to a single-device GenSLM from outside (torchtitan's ``parallelize`` step).
+"""Apply tensor and sequence parallelism to a single-device GenSLM from outside (torchtitan's ``parallelize`` step).
 
 The model in :mod:`ds4sci.models.genslm` knows nothing of process groups. :func:`parallelize` is the one place
-that changes it for sequence parallelism: it wraps every block's attention core in
-:class:`~ds4sci.sequence.DistributedAttention` over the Ulysses and ring groups, and takes out the learned
-position table and keeps only the rows of the positions this rank's sequence shard holds. The caller (the
-trainer) shards tokens, targets, positions and document ids with the same ``dims``.
+that changes it: tensor parallelism first (:func:`~ds4sci.sequence.tensor_parallel.apply_tensor_parallel`: Megatron
+column/row-parallel layers with sequence-parallel norms, vocabulary-parallel embedding and output), then every
+block's attention core is wrapped in :class:`~ds4sci.sequence.DistributedAttention` over the Ulysses and ring groups,
+and the learned position table is taken out and keeps only the rows of the positions this rank's sequence shard
+holds. The caller (the trainer) shards tokens, targets, positions and document ids over SP with the same ``dims``
+and, under TP, uses :func:`~ds4sci.sequence.tensor_parallel.token_loss_for` as the loss.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from ds4sci.sequence.attention import DistributedAttention
 from ds4sci.sequence.comm import CommCounter
 from ds4sci.sequence.groups import SequenceParallelGroups
 from ds4sci.sequence.sharding import shard_positions
+from ds4sci.sequence.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["parallelize"]
 
@@ -20,8 +23,11 @@ __all__ = ["parallelize"]
 def parallelize(
     model: GenSLM, groups: SequenceParallelGroups, *, counter: CommCounter | None = None
 ) -> LearnedPositionEmbedding | None:
-    """Make ``model`` sequence-parallel over ``groups`` in place; return its learned position table, if any.
+    """Make ``model`` tensor- and sequence-parallel over ``groups`` in place; return its learned position table, if any.
 
+    - ``groups.dims.tp > 1``: :func:`~ds4sci.sequence.tensor_parallel.apply_tensor_parallel` (the model's logits become
+      vocabulary-sharded ``[B, T, V_pad/tp]``; parameter names are unchanged, split ones carry
+      ``tensor_model_parallel = True``). Every rank must have built the full model with the same seed.
     - ``groups.dims.sp > 1``: each ``block.attention.core`` becomes
       ``DistributedAttention(core, groups.ulysses, groups.ring, layout=groups.dims.layout)``.
     - A learned position table (``position_embedding="learned"``) is popped from the model
@@ -30,11 +36,18 @@ def parallelize(
       position embedding, generalised to the zigzag layout). It is returned so the caller can keep it out of
       an engine that treats every parameter as replicated over the sequence x data group.
 
+    ``counter`` records every TP and SP collective of the model.
+
+    Raises:
+        ValueError: a degree cannot split the model (heads, MLP width, layers), naming the degree and the size.
+
     Returns:
         The (sharded) :class:`LearnedPositionEmbedding`, or ``None`` for rotary and ALiBi models.
     """
     dims = groups.dims
-    dims.check_heads(model.config.num_heads)
+    cfg = model.config
+    dims.check_model(num_heads=cfg.num_heads, num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size)
+    apply_tensor_parallel(model, groups, counter=counter)
     if dims.sp > 1:
         for block in model.layers:
             block.attention.core = DistributedAttention(

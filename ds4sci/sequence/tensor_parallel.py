@@ -1,0 +1,635 @@
+"""Tensor parallelism for GenSLM: Megatron-LM layers with Megatron sequence parallelism, composed with Ulysses x Ring.
+
+Algorithms:
+
+- Megatron-LM tensor parallelism (Shoeybi et al. 2019, arXiv:1909.08053): the fused QKV projection and the MLP's
+  first projection are column-parallel (TP rank ``t`` holds heads ``[t*H/tp, (t+1)*H/tp)``: in GPT-NeoX's per-head
+  ``[q | k | v]`` layout that is one contiguous block of QKV rows), the attention output ``dense`` and the MLP's
+  second projection are row-parallel (each rank produces a partial sum of the full hidden vector).
+- Megatron sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, "Reducing Activation Recomputation in
+  Large Transformer Models"): outside the matmuls the residual stream is sharded on the sequence dim over the TP
+  group, so LayerNorms, dropout and the residual hold ``1/tp`` of the activations. An all-gather on the sequence dim
+  enters the column-parallel matmuls (its backward: a reduce-scatter), a reduce-scatter on the sequence dim leaves the
+  row-parallel ones (its backward: an all-gather); no all-reduce. GPT-NeoX's parallel residual
+  ``x + attn(ln1(x)) + mlp(ln2(x))`` lets the attention and MLP partial sums share ONE reduce-scatter (two, stacked
+  into one collective, while dropout is active, since dropout applies to each branch after the reduction).
+- Composition with Unified SP (Fang & Zhao 2024, USP, arXiv:2405.07719, section 5; rank order TP < Ulysses < Ring):
+  TP ranks of one SP rank hold the same sequence shard. Heads are split TP first, then Ulysses inside
+  :class:`~ds4sci.sequence.DistributedAttention`; the ALiBi head offset is ``tp_rank * H/tp + ulysses_rank *
+  H/(tp*U)`` (:class:`TensorParallelCore` adds the first term). Rotary tables and document ids use the full local SP
+  shard, which is what the attention sees after the all-gather.
+- Vocabulary parallelism (Megatron-LM): the input embedding and the output projection are split on the vocabulary,
+  padded to a multiple of ``tp`` (GenSLM's codon vocabulary has 69 words); padded logits are ``-inf`` so they
+  never win and carry no probability. :func:`vocab_parallel_token_loss` is the cross entropy over vocabulary
+  shards (fp32; max, sum of exponentials and target logit reduced over TP; the full logits are never gathered).
+
+Where the sequence is split over TP: the embedding is all-reduced to the full SP shard (the learned position rows
+the trainer adds are those of the whole SP shard, as without TP), then :class:`SequenceRegionSplit` (in place of
+``emb_dropout``) keeps this TP rank's contiguous ``1/tp`` piece and applies dropout there. The final LayerNorm
+gathers the full SP shard again, so ``GenSLM.forward`` returns hidden states ``[B, T, hidden]`` and logits
+``[B, T, V_pad/tp]`` (vocabulary-sharded) for the same ``T`` tokens as without TP. So the trainer's batch sharding
+(``shard_sequence`` over SP) and position embeddings are unchanged; only the loss changes (:func:`token_loss_for`).
+
+Parameters keep the single-device names (``layers.0.attention.query_key_value.weight``, ...), so a consolidated
+state dict (:func:`gather_tensor_parallel`) is the single-device model's. Parameters split over TP carry
+``tensor_model_parallel = True`` (what DeepSpeed 0.19.8's ``deepspeed.runtime.utils.is_model_parallel_parameter``
+reads: gradient norms in ``clip_grad_norm_`` and ZeRO 1/2/3 count such a parameter on every TP rank and the others
+on TP rank 0 only, then sum over the model-parallel group, i.e. :class:`~ds4sci.sequence.DeepSpeedMPU`'s TP group)
+and ``ds4sci_tp_dim`` / ``ds4sci_tp_size`` (split dim, unpadded full size). Replicated parameters used on sequence
+shards (LayerNorms, row-parallel biases) get their gradient summed over TP in backward (:func:`sync_grad`), so every
+TP rank holds the same full gradient.
+
+Why not DeepSpeed AutoTP (checked in deepspeed 0.19.8):
+
+- No sequence-parallel regions: ``module_inject/layers.py``'s ``LinearAllreduce`` all-reduces the full row-parallel
+  output (``RowParallel.forward``) and ``LinearLayer``'s input is replicated with an all-reduce in backward
+  (``ColumnParallel``); nothing reduce-scatters or all-gathers on the sequence dim, so LayerNorm and dropout
+  activations stay replicated over TP (Korthikanti et al.'s memory saving is lost).
+- Its own groups: ``DeepSpeedEngine._configure_tensor_parallel_states`` sets ``engine.mpu = deepspeed.utils.groups``
+  and ``groups._init_tp_mesh_device`` builds a 2-D (data_parallel x tensor_parallel) mesh with
+  ``data_parallel = world / tp``: there is no sequence axis, so the ``mpu`` carrying our Ulysses/ring/sequence-data
+  groups is replaced.
+- Our attention core: ALiBi slopes are indexed by a global head offset (the local attention protocol's
+  ``head_offset``); AutoTP slices weights by module name and knows nothing of the core, so TP ranks would apply the
+  slopes of heads ``0..H/tp-1``. (The fused QKV alone would be fine: ``query_key_value`` is in
+  ``fusedqkv_utils.require_tp_fused_qkvw``'s list and an unknown block falls back to the ``bloomtype`` split, one
+  contiguous block of rows, which is right for GPT-NeoX's per-head layout.)
+
+DISCREPANCY (Megatron-LM): the column-parallel matmuls save the gathered input for backward (Megatron saves the
+sequence-sharded input and all-gathers it again in backward); simpler, at the cost of ``[B, T, hidden]`` per
+gathered input.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, token_loss
+from ds4sci.models.genslm.position import apply_rotary, rotary_cos_sin
+from ds4sci.sequence.comm import CommCounter, group_rank, group_size
+from ds4sci.sequence.groups import SequenceParallelGroups
+
+__all__ = [
+    "TPShard",
+    "all_gather_sequence_region",
+    "reduce_scatter_sequence_region",
+    "split_sequence_region",
+    "reduce_from_tensor_region",
+    "sync_grad",
+    "TensorParallelCore",
+    "VocabParallelEmbedding",
+    "VocabParallelOutput",
+    "SequenceRegionSplit",
+    "SequenceParallelLayerNorm",
+    "TensorParallelAttention",
+    "TensorParallelMLP",
+    "TensorParallelBlock",
+    "apply_tensor_parallel",
+    "vocab_parallel_token_loss",
+    "token_loss_for",
+    "gather_vocab",
+    "tensor_parallel_plan",
+    "gather_tensor_parallel",
+    "shard_tensor_parallel",
+    "load_full_state_dict",
+]
+
+
+# ------------------------------------------------------------------------------------------------- communication
+def _nbytes(x: Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _record(counter: CommCounter | None, kind: str, nbytes: int) -> None:
+    if counter is not None:
+        counter.record(kind, nbytes, nbytes)
+
+
+def _all_gather(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCounter | None) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in group-rank order."""
+    world = dist.get_world_size(group)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    _record(counter, "all_gather", _nbytes(x) * (world - 1))
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCounter | None) -> Tensor:
+    """Sum ``x`` over the group and keep this rank's ``1/P`` piece along ``dim``.
+
+    NCCL runs ``reduce_scatter_tensor``; gloo has no reduce-scatter, so there it is an all-to-all of the pieces
+    followed by a local sum (the same bytes leave each rank: ``(P-1)/P`` of ``x``).
+    """
+    world = dist.get_world_size(group)
+    if x.size(dim) % world:
+        raise ValueError(f"reduce-scatter: dim {dim} of shape {tuple(x.shape)} is not divisible by the TP degree {world}")
+    send = torch.stack(x.chunk(world, dim=dim)).contiguous()  # [P, ..., X/P, ...]: piece j goes to rank j
+    if dist.get_backend(group) == "nccl":
+        out = torch.empty_like(send[0])
+        dist.reduce_scatter_tensor(out, send.reshape(-1), group=group)
+    else:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's partial sum of my piece
+        out = recv.sum(0)
+    _record(counter, "reduce_scatter", _nbytes(send[0]) * (world - 1))
+    return out
+
+
+def _all_reduce(x: Tensor, group: dist.ProcessGroup, counter: CommCounter | None, op=dist.ReduceOp.SUM) -> Tensor:
+    x = x.clone().contiguous()
+    dist.all_reduce(x, op=op, group=group)
+    world = dist.get_world_size(group)
+    _record(counter, "all_reduce", 2 * _nbytes(x) * (world - 1) // world)  # a ring all-reduce's bytes per rank
+    return x
+
+
+def _piece(x: Tensor, dim: int, rank: int, world: int) -> Tensor:
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Sequence region -> full SP shard: all-gather forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, counter):
+        ctx.group, ctx.dim, ctx.counter = group, dim, counter
+        return _all_gather(x, group, dim, counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.counter), None, None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Partial sums of the full SP shard -> summed sequence region: reduce-scatter forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, counter):
+        ctx.group, ctx.dim, ctx.counter = group, dim, counter
+        return _reduce_scatter(x, group, dim, counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim, ctx.counter), None, None, None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """Replicated full SP shard -> this rank's sequence region: slice forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, counter):
+        ctx.group, ctx.dim, ctx.counter = group, dim, counter
+        return _piece(x, dim, dist.get_rank(group), dist.get_world_size(group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim, ctx.counter), None, None, None
+
+
+class _ReduceFromTensor(torch.autograd.Function):
+    """Partial results of a vocabulary shard -> replicated sum: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, counter):
+        return _all_reduce(x, group, counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _SyncGrad(torch.autograd.Function):
+    """A replicated parameter used on sequence shards: identity forward, gradient all-reduced over TP in backward."""
+
+    @staticmethod
+    def forward(ctx, p, group, counter):
+        ctx.group, ctx.counter = group, counter
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group, ctx.counter), None, None
+
+
+def all_gather_sequence_region(x: Tensor, group, dim: int = 1, counter: CommCounter | None = None) -> Tensor:
+    """``[B, T/tp, ...] -> [B, T, ...]`` (differentiable; backward reduce-scatters, i.e. SUMS the gradients of the
+    TP ranks, which are partial when the gathered tensor feeds column-parallel matmuls)."""
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, group, dim, counter)
+
+
+def reduce_scatter_sequence_region(x: Tensor, group, dim: int = 1, counter: CommCounter | None = None) -> Tensor:
+    """Partial sums ``[B, T, ...]`` -> this rank's summed piece ``[B, T/tp, ...]`` (backward: all-gather)."""
+    return x if group_size(group) == 1 else _ReduceScatterSequence.apply(x, group, dim, counter)
+
+
+def split_sequence_region(x: Tensor, group, dim: int = 1, counter: CommCounter | None = None) -> Tensor:
+    """Replicated ``[B, T, ...]`` -> this rank's contiguous piece ``[B, T/tp, ...]`` (backward: all-gather)."""
+    return x if group_size(group) == 1 else _SplitSequence.apply(x, group, dim, counter)
+
+
+def reduce_from_tensor_region(x: Tensor, group, counter: CommCounter | None = None) -> Tensor:
+    """Sum partial results over TP (all-reduce); backward passes the (replicated) gradient through."""
+    return x if group_size(group) == 1 else _ReduceFromTensor.apply(x, group, counter)
+
+
+def sync_grad(p: Tensor, group, counter: CommCounter | None = None) -> Tensor:
+    """``p`` unchanged; its gradient is summed over the TP group (LayerNorm weights on sequence shards)."""
+    return p if group_size(group) == 1 else _SyncGrad.apply(p, group, counter)
+
+
+# ------------------------------------------------------------------------------------------------------ sharding
+@dataclass(frozen=True)
+class TPShard:
+    """How a parameter is split over TP: along ``dim``, ``size`` rows in the single-device model, padded to
+    ``padded`` (a multiple of tp; only the vocabulary is ever padded)."""
+
+    dim: int
+    size: int
+    padded: int
+
+
+@dataclass(frozen=True)
+class _TP:
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    counter: CommCounter | None
+
+
+def _shard_param(p: Tensor, dim: int, tp: _TP, padded: int | None = None) -> nn.Parameter:
+    """This TP rank's piece of a full parameter (zero padded to ``padded`` along ``dim`` first), marked for
+    DeepSpeed and for :func:`gather_tensor_parallel`."""
+    size = p.shape[dim]
+    padded = size if padded is None else padded
+    full = p.detach()
+    if padded > size:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded - size
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    shard = nn.Parameter(_piece(full, dim, tp.rank, tp.size).clone(), requires_grad=p.requires_grad)
+    _mark(shard, TPShard(dim, size, padded))
+    return shard
+
+
+def _mark(p: nn.Parameter, shard: TPShard) -> None:
+    p.tensor_model_parallel = True  # deepspeed.runtime.utils.is_model_parallel_parameter
+    p.ds4sci_tp_dim = shard.dim
+    p.ds4sci_tp_size = shard.size
+    p.ds4sci_tp_padded = shard.padded
+
+
+def _padded_vocab(vocab_size: int, tp: int) -> int:
+    return math.ceil(vocab_size / tp) * tp
+
+
+# ------------------------------------------------------------------------------------------------------- modules
+class TensorParallelCore(nn.Module):
+    """A local attention (the protocol of :mod:`ds4sci.models.local_attention`) on the heads of one TP rank: adds
+    ``offset = tp_rank * H/tp`` to the protocol's ``head_offset`` (ALiBi slopes, per-head masks are indexed by
+    global head). Wrapped by :class:`~ds4sci.sequence.DistributedAttention`, which adds the Ulysses offset."""
+
+    def __init__(self, core: Callable, offset: int):
+        super().__init__()
+        self.core = core
+        self.offset = offset
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, head_offset: int = 0, **protocol):
+        return self.core(q, k, v, head_offset=head_offset + self.offset, **protocol)
+
+    def extra_repr(self) -> str:
+        return f"offset={self.offset}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding split on the vocabulary (padded to a multiple of tp): rows ``[t*V_pad/tp, (t+1)*V_pad/tp)`` on TP
+    rank ``t``; each rank looks up the ids it holds (zeros elsewhere) and the lookups are all-reduced, so the output
+    ``[B, T, hidden]`` is the full, replicated embedding of the SP shard."""
+
+    def __init__(self, embedding: nn.Embedding, tp: _TP):
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = embedding.num_embeddings
+        padded = _padded_vocab(self.num_embeddings, tp.size)
+        self.weight = _shard_param(embedding.weight, 0, tp, padded)
+        self.start = tp.rank * self.weight.shape[0]
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        local = input_ids - self.start
+        held = (local >= 0) & (local < self.weight.shape[0])  # [B, T]
+        out = F.embedding(torch.where(held, local, torch.zeros_like(local)), self.weight)  # [B, T, hidden]
+        out = out.masked_fill(~held.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_region(out, self.tp.group, self.tp.counter)
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, rows=[{self.start}, {self.start + self.weight.shape[0]})"
+
+
+class VocabParallelOutput(nn.Module):
+    """Output projection split on the vocabulary: replicated hidden ``[B, T, hidden]`` (from an all-gather, whose
+    backward sums the ranks' partial input gradients) -> this rank's logits ``[B, T, V_pad/tp]``; padded columns are
+    ``-inf``."""
+
+    def __init__(self, linear: nn.Linear, tp: _TP, vocab_size: int):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("VocabParallelOutput: GenSLM's embed_out has no bias; got one")
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.weight = _shard_param(linear.weight, 0, tp, _padded_vocab(vocab_size, tp.size))
+        rows = self.weight.shape[0]
+        self.start = tp.rank * rows
+        padding = torch.arange(self.start, self.start + rows) >= vocab_size
+        self.register_buffer("padding", padding.to(self.weight.device), persistent=False)  # [V_pad/tp]
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = F.linear(x, self.weight)  # [B, T, V_pad/tp]
+        if bool(self.padding.any()):
+            logits = logits.masked_fill(self.padding, -math.inf)
+        return logits
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, columns=[{self.start}, {self.start + self.weight.shape[0]})"
+
+
+class SequenceRegionSplit(nn.Module):
+    """Takes the place of ``GenSLM.emb_dropout``: keeps this TP rank's contiguous piece ``[B, T/tp, hidden]`` of the
+    (replicated) embedded SP shard, then applies the dropout there."""
+
+    def __init__(self, dropout: nn.Module, tp: _TP):
+        super().__init__()
+        self.dropout = dropout
+        self.tp = tp
+
+    def forward(self, x: Tensor) -> Tensor:
+        T = x.shape[1]
+        if T % self.tp.size:
+            raise ValueError(
+                f"the local sequence shard has {T} tokens, not divisible by tp={self.tp.size} (tensor parallelism's "
+                f"sequence regions); pad the global sequence to a multiple of ParallelDims.sequence_multiple"
+            )
+        return self.dropout(split_sequence_region(x, self.tp.group, 1, self.tp.counter))
+
+
+class SequenceParallelLayerNorm(nn.Module):
+    """LayerNorm on a sequence region with replicated ``weight`` and ``bias`` whose gradients are summed over TP;
+    ``gather=True`` all-gathers the full SP shard after it (GenSLM's final norm)."""
+
+    def __init__(self, norm: nn.LayerNorm, tp: _TP, gather: bool = False):
+        super().__init__()
+        self.weight, self.bias = norm.weight, norm.bias
+        self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
+        self.tp = tp
+        self.gather = gather
+
+    def forward(self, x: Tensor) -> Tensor:
+        g, c = self.tp.group, self.tp.counter
+        weight = None if self.weight is None else sync_grad(self.weight, g, c)
+        bias = None if self.bias is None else sync_grad(self.bias, g, c)
+        y = F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+        return all_gather_sequence_region(y, g, 1, c) if self.gather else y
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.normalized_shape)}, eps={self.eps}, gather={self.gather}"
+
+
+class TensorParallelAttention(nn.Module):
+    """GenSLM attention on the heads of one TP rank: column-parallel ``query_key_value``, row-parallel ``dense``
+    whose bias the block adds after the reduce-scatter. ``forward`` returns the partial sum ``[B, T, hidden]``."""
+
+    def __init__(self, attention: nn.Module, tp: _TP):
+        super().__init__()
+        H = attention.num_heads
+        self.num_heads, self.head_dim = H // tp.size, attention.head_dim  # local heads
+        self.rotary_dim, self.rotary_base = attention.rotary_dim, attention.rotary_base
+        qkv, dense = attention.query_key_value, attention.dense
+        qkv.weight = _shard_param(qkv.weight, 0, tp)  # [3*hidden/tp, hidden]: heads [t*H/tp, (t+1)*H/tp)
+        qkv.bias = _shard_param(qkv.bias, 0, tp)
+        qkv.out_features = qkv.weight.shape[0]
+        dense.weight = _shard_param(dense.weight, 1, tp)  # [hidden, hidden/tp]
+        dense.in_features = dense.weight.shape[1]
+        self.query_key_value, self.dense = qkv, dense
+        self.core = TensorParallelCore(attention.core, tp.rank * self.num_heads)
+
+    def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
+        B, T, _ = x.shape  # batch, tokens of the SP shard, hidden
+        qkv = self.query_key_value(x).view(B, T, self.num_heads, 3 * self.head_dim)  # [B, T, H/tp, 3*D]
+        q, k, v = qkv.split(self.head_dim, dim=-1)  # each [B, T, H/tp, D]
+        if self.rotary_dim:
+            cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q, k, v, q_doc=doc_ids, k_doc=doc_ids)  # [B, T, H/tp, D]
+        return F.linear(out.reshape(B, T, -1), self.dense.weight)  # [B, T, hidden], partial over TP
+
+
+class TensorParallelMLP(nn.Module):
+    """GenSLM MLP on ``intermediate/tp`` columns; ``forward`` returns the partial sum without ``dense_4h_to_h``'s bias."""
+
+    def __init__(self, mlp: nn.Module, tp: _TP):
+        super().__init__()
+        up, down = mlp.dense_h_to_4h, mlp.dense_4h_to_h
+        up.weight, up.bias = _shard_param(up.weight, 0, tp), _shard_param(up.bias, 0, tp)  # [I/tp, hidden]
+        up.out_features = up.weight.shape[0]
+        down.weight = _shard_param(down.weight, 1, tp)  # [hidden, I/tp]
+        down.in_features = down.weight.shape[1]
+        self.dense_h_to_4h, self.dense_4h_to_h = up, down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(F.gelu(self.dense_h_to_4h(x)), self.dense_4h_to_h.weight)  # [B, T, hidden], partial
+
+
+class TensorParallelBlock(nn.Module):
+    """GenSLM block ``x + attn(ln1(x)) + mlp(ln2(x))`` on a sequence region ``x [B, T/tp, hidden]``.
+
+    LayerNorms on the region -> one all-gather of both normalised tensors -> column/row-parallel attention and MLP on
+    the full SP shard -> one reduce-scatter of their summed partials -> biases (gradients summed over TP) and the
+    residual on the region.
+    """
+
+    def __init__(self, block: nn.Module, tp: _TP):
+        super().__init__()
+        self.tp = tp
+        self.input_layernorm = SequenceParallelLayerNorm(block.input_layernorm, tp)
+        self.post_attention_layernorm = SequenceParallelLayerNorm(block.post_attention_layernorm, tp)
+        self.attention = TensorParallelAttention(block.attention, tp)
+        self.mlp = TensorParallelMLP(block.mlp, tp)
+        self.dropout = block.dropout
+
+    def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
+        g, c = self.tp.group, self.tp.counter
+        normed = torch.stack([self.input_layernorm(x), self.post_attention_layernorm(x)])  # [2, B, T/tp, hidden]
+        attn_in, mlp_in = all_gather_sequence_region(normed, g, 2, c).unbind(0)  # 2 x [B, T, hidden]
+        attn = self.attention(attn_in, position_ids, doc_ids)  # [B, T, hidden], partial over TP
+        mlp = self.mlp(mlp_in)
+        attn_bias = sync_grad(self.attention.dense.bias, g, c)
+        mlp_bias = sync_grad(self.mlp.dense_4h_to_h.bias, g, c)
+        if self.dropout.training and self.dropout.p > 0:  # dropout acts on each summed branch: reduce both
+            attn, mlp = reduce_scatter_sequence_region(torch.stack([attn, mlp]), g, 2, c).unbind(0)  # [B, T/tp, h]
+            return x + self.dropout(attn + attn_bias) + self.dropout(mlp + mlp_bias)
+        out = reduce_scatter_sequence_region(attn + mlp, g, 1, c)  # [B, T/tp, hidden]
+        return x + (out + (attn_bias + mlp_bias))
+
+
+def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, counter: CommCounter | None = None) -> None:
+    """Split ``model`` over ``groups.tp`` in place (module swaps; parameter names unchanged); no-op for ``tp = 1``.
+
+    Every rank must build the full model with the same seed first (each keeps its pieces). Afterwards
+    ``model(input_ids, position_ids, ...)`` takes the SP shard as before and returns vocabulary-sharded logits
+    ``[B, T, V_pad/tp]``: use :func:`token_loss_for` (``groups``) as the loss.
+
+    Raises:
+        ValueError: a degree cannot split the model (:meth:`ParallelDims.check_model`).
+    """
+    dims = groups.dims
+    if dims.tp == 1:
+        return
+    cfg = model.config
+    dims.check_model(num_heads=cfg.num_heads, num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size)
+    if isinstance(model.embed_in, VocabParallelEmbedding):
+        raise ValueError("apply_tensor_parallel: the model is already tensor-parallel")
+    tp = _TP(groups.tp, groups.tp_rank, dims.tp, counter)
+    model.embed_in = VocabParallelEmbedding(model.embed_in, tp)
+    model.emb_dropout = SequenceRegionSplit(model.emb_dropout, tp)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = TensorParallelBlock(block, tp)
+    model.final_layer_norm = SequenceParallelLayerNorm(model.final_layer_norm, tp, gather=True)
+    model.embed_out = VocabParallelOutput(model.embed_out, tp, cfg.vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------------------- loss
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy of vocabulary-sharded logits ``[N, V/tp]`` (fp32), without gathering them."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, counter):
+        rows = logits.shape[-1]
+        start = dist.get_rank(group) * rows
+        x = logits.float()
+        m = _all_reduce(x.max(-1).values, group, counter, op=dist.ReduceOp.MAX)  # [N], finite: real columns exist
+        exp = torch.exp(x - m.unsqueeze(-1))  # [N, V/tp]
+        valid = targets != IGNORE_INDEX
+        local = targets - start
+        mine = valid & (local >= 0) & (local < rows)  # [N]: this rank holds the target column
+        local = torch.where(mine, local, torch.zeros_like(local))
+        target_logit = torch.where(mine, x.gather(-1, local.unsqueeze(-1)).squeeze(-1) - m, torch.zeros_like(m))
+        sums = _all_reduce(torch.stack([exp.sum(-1), target_logit]), group, counter)  # [2, N]
+        loss = torch.where(valid, torch.log(sums[0]) - sums[1], torch.zeros_like(m))  # [N]
+        exp /= sums[0].unsqueeze(-1)  # softmax over the full vocabulary, this rank's columns
+        ctx.save_for_backward(exp, local, mine, valid)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine, valid = ctx.saved_tensors
+        grad_logits = softmax  # reused in place, as Megatron-LM does: one backward per forward
+        rows = mine.nonzero().squeeze(1)
+        grad_logits[rows, local[rows]] -= 1.0  # softmax - one_hot(target)
+        grad_logits *= torch.where(valid, grad.float(), torch.zeros_like(grad, dtype=torch.float32)).unsqueeze(-1)
+        return grad_logits.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_token_loss(logits: Tensor, targets: Tensor, reduction: str = "mean", *,
+                              group: dist.ProcessGroup | None, counter: CommCounter | None = None) -> Tensor:
+    """:func:`~ds4sci.models.genslm.token_loss` for vocabulary-sharded logits ``[B, T, V_pad/tp]`` (TP rank ``t``
+    holds columns ``[t*V_pad/tp, (t+1)*V_pad/tp)``) against aligned ``targets [B, T]`` (-100 ignored): fp32, sum or
+    mean over the non-ignored targets, the same value on every TP rank. Collective over ``group``."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on [B, T]")
+    world = group_size(group)
+    if world == 1:
+        return token_loss(logits, targets, reduction)
+    vocab = logits.shape[-1] * world
+    valid = targets != IGNORE_INDEX
+    if bool(((targets[valid] < 0) | (targets[valid] >= vocab)).any()):
+        raise ValueError(f"targets must be in [0, {vocab}) or {IGNORE_INDEX}")
+    per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), group,
+                                                 counter)
+    total = per_token.sum()
+    return total if reduction == "sum" else total / valid.sum()
+
+
+def token_loss_for(groups: SequenceParallelGroups, counter: CommCounter | None = None) -> Callable[..., Tensor]:
+    """The loss the trainer calls on the model's logits: ``token_loss`` for ``tp = 1``, else
+    :func:`vocab_parallel_token_loss` bound to the TP group; signature ``(logits, targets, reduction="mean")``."""
+    if groups.dims.tp == 1:
+        return token_loss
+    return functools.partial(vocab_parallel_token_loss, group=groups.tp, counter=counter)
+
+
+@torch.no_grad()
+def gather_vocab(logits: Tensor, group: dist.ProcessGroup | None, vocab_size: int) -> Tensor:
+    """Full logits ``[B, T, vocab_size]`` from the vocabulary shards (not differentiable; generation, evaluation,
+    tests). Collective over ``group``."""
+    if group_size(group) > 1:
+        logits = _all_gather(logits, group, -1, None)
+    return logits[..., :vocab_size]
+
+
+# ------------------------------------------------------------------------------------------------ state dicts
+def tensor_parallel_plan(model: nn.Module) -> dict[str, TPShard]:
+    """``{parameter name: TPShard}`` of the parameters :func:`apply_tensor_parallel` split (read from the
+    ``ds4sci_tp_*`` attributes; the names are those of ``model.state_dict()``)."""
+    return {name: TPShard(p.ds4sci_tp_dim, p.ds4sci_tp_size, p.ds4sci_tp_padded)
+            for name, p in model.named_parameters() if hasattr(p, "ds4sci_tp_dim")}
+
+
+def gather_tensor_parallel(state: nn.Module | Mapping[str, Tensor], groups: SequenceParallelGroups,
+                           plan: Mapping[str, TPShard] | None = None) -> dict[str, Tensor]:
+    """The single-device state dict from this TP rank's (collective over ``groups.tp``; every rank gets it).
+
+    ``state``: a tensor-parallel model (its ``state_dict()`` and plan are used), or a state dict with the same keys
+    (e.g. gradients, Adam moments or ZeRO-3 gathered weights) together with ``plan`` (:func:`tensor_parallel_plan`
+    of the model). Split entries are all-gathered along their dim and cut back to the unpadded size; the others
+    are returned as they are.
+    """
+    if isinstance(state, nn.Module):
+        plan = tensor_parallel_plan(state) if plan is None else plan
+        state = state.state_dict()
+    if plan is None:
+        raise ValueError("gather_tensor_parallel: pass the plan (tensor_parallel_plan(model)) with a state dict")
+    group = groups.tp
+    full = {}
+    for name, value in state.items():
+        shard = plan.get(name)
+        if shard is None or group_size(group) == 1:
+            full[name] = value
+            continue
+        gathered = _all_gather(value.detach(), group, shard.dim, None)
+        full[name] = gathered.narrow(shard.dim, 0, shard.size).clone()
+    return full
+
+
+def shard_tensor_parallel(full: Mapping[str, Tensor], plan: Mapping[str, TPShard], rank: int, world: int) -> dict[str, Tensor]:
+    """Inverse of :func:`gather_tensor_parallel`: TP rank ``rank``'s state dict from the single-device one (local,
+    no communication)."""
+    out = {}
+    for name, value in full.items():
+        shard = plan.get(name)
+        if shard is None:
+            out[name] = value
+            continue
+        if value.shape[shard.dim] != shard.size:
+            raise ValueError(f"{name}: full size {value.shape[shard.dim]} along dim {shard.dim}, expected {shard.size}")
+        if shard.padded > shard.size:
+            pad_shape = list(value.shape)
+            pad_shape[shard.dim] = shard.padded - shard.size
+            value = torch.cat([value, value.new_zeros(pad_shape)], dim=shard.dim)
+        out[name] = _piece(value, shard.dim, rank, world).clone()
+    return out
+
+
+def load_full_state_dict(model: nn.Module, full: Mapping[str, Tensor], groups: SequenceParallelGroups,
+                         strict: bool = True):
+    """Load a single-device state dict into a tensor-parallel model (each rank keeps its pieces; local)."""
+    local = shard_tensor_parallel(full, tensor_parallel_plan(model), group_rank(groups.tp), groups.dims.tp)
+    return model.load_state_dict(local, strict=strict)

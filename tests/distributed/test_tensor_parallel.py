@@ -1,0 +1,195 @@
+"""Tensor parallelism (Megatron-LM with sequence-parallel regions) composed with Ulysses and ring, on gloo.
+
+Recipe: every rank builds the single-device GenSLM and a second copy with the same seed, runs the reference on the
+full batch (fp32), applies :func:`ds4sci.sequence.parallelize` to the copy, feeds it this rank's SP shard and compares
+the loss (summed over SP), the log-softmax of the logits (gathered over the vocabulary and the sequence) and EVERY
+parameter gradient (consolidated over TP, summed over SP as the engine would) with the reference. Cases of one
+world size share one spawn; each failure names its case.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from _spawn import run_workers
+from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, GenSLMConfig, shift_labels, token_loss
+from ds4sci.sequence import (
+    CommCounter,
+    ParallelDims,
+    build_groups,
+    gather_sequence,
+    gather_tensor_parallel,
+    gather_vocab,
+    load_full_state_dict,
+    parallelize,
+    shard_sequence,
+    shard_tensor_parallel,
+    tensor_parallel_plan,
+    token_loss_for,
+)
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _config(**overrides) -> GenSLMConfig:
+    base = dict(vocab_size=69, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=40,
+                max_position_embeddings=64, position_embedding="rotary", rotary_pct=0.5)
+    base.update(overrides)
+    return GenSLMConfig(**base)
+
+
+def _model(cfg: GenSLMConfig, seed: int) -> GenSLM:
+    torch.manual_seed(seed)
+    return GenSLM(cfg)
+
+
+def _batch(cfg: GenSLMConfig, B: int, S: int, seed: int, docs: bool):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+    pos = torch.arange(S).expand(B, S).contiguous()
+    targets = shift_labels(ids)
+    targets[torch.rand(B, S, generator=gen) < 0.2] = IGNORE_INDEX  # some ignored targets
+    doc = (torch.rand(B, S, generator=gen) < 0.2).long().cumsum(1) if docs else None
+    return ids, pos, targets, doc
+
+
+def check_model(label, groups, cfg, *, S, B=2, docs=False, seed=0):
+    """One forward and backward of the parallel model against the single-device one."""
+    dims = groups.dims
+    ids, pos, targets, doc = _batch(cfg, B, S, seed + 1, docs)
+    ref = _model(cfg, seed)
+    ref_logits = ref(ids, pos, doc)
+    ref_loss = token_loss(ref_logits, targets, "sum")
+    ref_loss.backward()
+
+    model = _model(cfg, seed)
+    table = parallelize(model, groups)
+    assert set(model.state_dict()) | ({"embed_pos.weight"} if table else set()) == set(ref.state_dict()), label
+
+    def shard(x):
+        return None if x is None else shard_sequence(x, 1, groups.sp_rank, dims.sp, dims.layout)
+
+    pe = table(shard(pos)) if table is not None else None
+    logits = model(shard(ids), shard(pos), shard(doc), position_embeds=pe)
+    assert logits.shape == (B, S // dims.sp, -(-cfg.vocab_size // dims.tp)), (label, tuple(logits.shape))
+    loss = token_loss_for(groups)(logits, shard(targets), "sum")
+    loss.backward()
+
+    def close(actual, expected, what):
+        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"[{label}] rank {dist.get_rank()} {what}: {m}")
+
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=groups.sp)
+    close(total, ref_loss.detach(), "loss (summed over SP)")
+    full_logits = gather_sequence(gather_vocab(logits.detach(), groups.tp, cfg.vocab_size), 1, groups.sp, dims.layout)
+    close(F.log_softmax(full_logits, -1), F.log_softmax(ref_logits.detach(), -1), "log-softmax")
+
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert all(g is not None for g in grads.values()), (label, [n for n, g in grads.items() if g is None])
+    full = gather_tensor_parallel(grads, groups, tensor_parallel_plan(model))
+    ref_grads = dict(ref.named_parameters())
+    for name, g in full.items():
+        g = g.clone()
+        dist.all_reduce(g, group=groups.sp)  # each SP rank's gradient covers its tokens: the engine sums them
+        close(g, ref_grads[name].grad, f"grad {name}")
+    if table is not None:
+        close(table.weight.grad, ref.embed_pos.weight.grad[table.rows], "grad embed_pos.weight (this SP shard's rows)")
+    return model
+
+
+def _expect_value_error(label, match, fn):
+    try:
+        fn()
+    except ValueError as err:
+        assert match in str(err), f"[{label}] error message {str(err)!r} lacks {match!r}"
+        return
+    raise AssertionError(f"[{label}] no ValueError")
+
+
+# ---------------------------------------------------------------------------- world size 2: TP2
+def _worker_tp2(rank, world):
+    groups = build_groups(ParallelDims(dp=1, tp=2))
+    check_model("TP2 rotary docs", groups, _config(), S=12, docs=True)
+    check_model("TP2 alibi", groups, _config(position_embedding="alibi"), S=10, seed=1)
+    check_model("TP2 learned B=1", groups, _config(position_embedding="learned"), S=8, B=1, seed=2)
+    # the two-branch reduce-scatter of active dropout (p so small that dropout is the identity in fp32)
+    check_model("TP2 dropout path", groups, _config(dropout=1e-12), S=6, seed=3)
+
+    # communication: forward = 1 all-reduce (embedding), L reduce-scatters, L + 1 all-gathers; nothing else
+    cfg = _config(num_layers=3)
+    counter = CommCounter()
+    model = _model(cfg, 0)
+    parallelize(model, groups, counter=counter)
+    B, S, h = 2, 8, cfg.hidden_size
+    ids, pos, _, _ = _batch(cfg, B, S, 0, False)
+    logits = model(ids, pos)
+    assert dict(counter.calls) == {"all_reduce": 1, "reduce_scatter": 3, "all_gather": 4}, counter
+    assert counter.bytes_sent["reduce_scatter"] == 3 * B * S * h * 4 // 2, counter  # half of [B, S, h] leaves
+    counter.reset()
+    logits.sum().backward()  # backward: the dual collectives (the embedding split's is an all-gather), plus
+    # gradient all-reduces of 4 LayerNorm and 2 bias parameters per block and of the final LayerNorm's 2
+    assert counter.calls["reduce_scatter"] == 4 and counter.calls["all_gather"] == 4, counter
+    assert counter.calls["all_reduce"] == 3 * 6 + 2, counter
+
+    # consolidation round trip: the TP model's pieces are the single-device model's; full -> TP -> full
+    ref = _model(cfg, 5)
+    gathered = gather_tensor_parallel(_parallel(cfg, 5, groups), groups)
+    assert gathered.keys() == ref.state_dict().keys()
+    assert all(torch.equal(a, ref.state_dict()[k]) for k, a in gathered.items())
+    full = {k: torch.randn_like(v) for k, v in ref.state_dict().items()}
+    load_full_state_dict(model, full, groups)
+    back = gather_tensor_parallel(model, groups)
+    assert back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in full)
+    plan = tensor_parallel_plan(model)
+    assert plan["embed_in.weight"].padded == 70 and plan["embed_in.weight"].size == 69
+    assert {p.ds4sci_tp_dim for n, p in model.named_parameters() if n.endswith("dense.weight")} == {1}
+    shards = [shard_tensor_parallel(full, plan, r, 2) for r in range(2)]
+    assert torch.equal(shards[1]["embed_out.weight"][-1], torch.zeros(h))  # the padded vocabulary row
+    marked = {n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+    assert marked == set(plan) and "layers.0.input_layernorm.weight" not in marked
+    assert "layers.0.attention.dense.bias" not in marked and "layers.0.attention.dense.weight" in marked
+
+    # errors name the bad value
+    _expect_value_error("heads", "must divide the number of heads 3",
+                        lambda: parallelize(_model(_config(hidden_size=24, num_heads=3), 0), groups))
+    _expect_value_error("mlp", "intermediate_size=41", lambda: parallelize(_model(_config(intermediate_size=41), 0), groups))
+    model = _parallel(_config(), 0, groups)
+    ids, pos, _, _ = _batch(_config(), 1, 9, 0, False)
+    _expect_value_error("sequence", "has 9 tokens, not divisible by tp=2", lambda: model(ids, pos))
+    return True
+
+
+def _parallel(cfg, seed, groups):
+    model = _model(cfg, seed)
+    parallelize(model, groups)
+    return model
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_world_2():
+    assert run_workers(_worker_tp2, 2) == [True, True]
+
+
+# ---------------------------------------------------------------------------- world size 4
+def _worker_four(rank, world):
+    # TP2 x Ulysses2: heads split over TP then Ulysses (ALiBi offsets of both)
+    g = build_groups(ParallelDims(dp=1, tp=2, ulysses=2))
+    check_model("TP2xU2 alibi docs", g, _config(position_embedding="alibi"), S=16, docs=True)
+    check_model("TP2xU2 rotary", g, _config(num_heads=8, hidden_size=64, intermediate_size=24), S=8, seed=1)
+    # TP2 x Ring2, zigzag (the learned table is sharded over its max_positions: the trainer's window length)
+    g = build_groups(ParallelDims(dp=1, tp=2, ring=2, layout="zigzag"))
+    check_model("TP2xR2 zigzag learned docs", g, _config(position_embedding="learned", max_position_embeddings=16), S=16, docs=True, seed=2)
+    check_model("TP2xR2 zigzag alibi", g, _config(position_embedding="alibi"), S=8, seed=3)
+    # TP4: vocabulary 69 -> 72 (15 real columns on TP rank 3); vocabulary 5 -> 8 (TP rank 3 holds only padding)
+    g = build_groups(ParallelDims(dp=1, tp=4))
+    check_model("TP4 rotary docs vocab 69", g, _config(), S=8, docs=True, seed=4)
+    check_model("TP4 alibi vocab 5", g, _config(vocab_size=5, pad_token_id=3, position_embedding="alibi"), S=4, seed=5)
+    _expect_value_error("TP4 heads", "tp=4 x ulysses=1 = 4 must divide the number of heads 6",
+                        lambda: parallelize(_model(_config(hidden_size=24, num_heads=6), 0), g))
+    return True
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_world_4():
+    assert run_workers(_worker_four, 4) == [True] * 4
