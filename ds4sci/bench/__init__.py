@@ -35,6 +35,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bytes sent per rank per GenSLM layer under Ulysses, ring and hybrid sequence parallelism as the sequence "
         "grows with the degree, beside the closed forms and Megatron-LM sequence parallelism's",
     ),
+    "seq-scaling": (
+        "ds4sci.bench.seq_scaling",
+        "peak memory per rank of one GenSLM training step vs sequence length under Ulysses, ring and hybrid "
+        "sequence parallelism at P = 1, 2, 4, and the longest sequence within a per-rank budget",
+    ),
     "kernels-aot": (
         "ds4sci.bench.kernels_aot",
         "compile every Triton kernel variant (Evoformer, OpenFold's launches, local attention) for sm_80/sm_90 "
