@@ -40,6 +40,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "peak memory per rank of one GenSLM training step vs sequence length under Ulysses, ring and hybrid "
         "sequence parallelism at P = 1, 2, 4, and the longest sequence within a per-rank budget",
     ),
+    "memory-breakdown": (
+        "ds4sci.bench.memory_breakdown",
+        "bytes per rank of the learned position table (partitioned or not) and of the attention mask per policy, "
+        "measured here and evaluated at the DeepSpeed4Science paper's sequence lengths",
+    ),
     "kernels-aot": (
         "ds4sci.bench.kernels_aot",
         "compile every Triton kernel variant (Evoformer, OpenFold's launches, local attention) for sm_80/sm_90 "
