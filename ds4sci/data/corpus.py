@@ -289,7 +289,9 @@ def _warn_duplicates(corpus: Corpus) -> None:
     order = np.argsort(h, kind="stable")
     same = np.flatnonzero(h[order][1:] == h[order][:-1])  # [D] positions in sorted order of repeated ids
     if same.size:
-        a, b = sorted((int(order[same[0]]), int(order[same[0] + 1])))
+        later = order[same + 1]  # stable sort: the later record of each repeated pair
+        j = int(np.argmin(later))  # name the first repeat in corpus order, with its earlier twin
+        a, b = int(order[same[j]]), int(later[j])
         logger.warning("%d record(s) repeat an earlier record id, e.g. %s and %s; all are kept, and records sharing an "
                        "id fall on the same side of a record split", same.size, corpus.where(a), corpus.where(b))
 

@@ -1,0 +1,273 @@
+"""Corpora of many FASTA files: sources, the token cache, splits, data-parallel sampling and resume (issue #16)."""
+import gzip
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ds4sci.data import NucleotideTokenizer, CodonTokenizer, Spans, WindowDataset, open_corpus, resolve_sources
+from ds4sci.data import corpus as corpus_mod
+from ds4sci.data.corpus import load_datasets
+from ds4sci.data.datasets import record_hash, split_records, split_region, val_mask
+from ds4sci.spawn import run_workers
+
+NUC = NucleotideTokenizer()
+
+
+def _fa(path: Path, records, gz=False):
+    text = "".join(f">{rid}\n{seq}\n" for rid, seq in records).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(text) if gz else text)
+    return path
+
+
+def _genes(prefix, n, length=30, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(f"{prefix}{i}", "".join(rng.choice(list("ACGT"), length))) for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------------- sources
+def test_sources_files_lists_directories_globs(tmp_path):
+    a = _fa(tmp_path / "d" / "a.fa", _genes("a", 2))
+    b = _fa(tmp_path / "d" / "sub" / "b.fna.gz", _genes("b", 2), gz=True)
+    c = _fa(tmp_path / "d" / "c.ffn", _genes("c", 1))
+    (tmp_path / "d" / "notes.txt").write_text("not fasta")
+    e = _fa(tmp_path / "e.fasta", _genes("e", 1))
+    assert resolve_sources(str(a)) == [str(a)]
+    assert resolve_sources(str(tmp_path / "d")) == [str(a), str(c), str(b)]  # sorted by path, recursive, no .txt
+    assert resolve_sources(str(tmp_path / "d" / "**" / "*.gz")) == [str(b)]
+    # list order kept, each file once
+    assert resolve_sources([str(e), str(tmp_path / "d" / "*.f*"), str(a)]) == [str(e), str(a), str(c)]
+    with pytest.raises(FileNotFoundError, match=r"pattern '.*/x\*\.fa' matches no file"):
+        resolve_sources([str(a), str(tmp_path / "x*.fa")])
+    with pytest.raises(FileNotFoundError, match=r"'.*/missing\.fa': no such file"):
+        resolve_sources(str(tmp_path / "missing.fa"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"directory '.*/empty' holds no FASTA file"):
+        resolve_sources(str(tmp_path / "empty"))
+
+
+def test_config_fasta_list_is_relative_to_the_config_folder(tmp_path, monkeypatch):
+    from ds4sci.train.config import load_config
+
+    (tmp_path / "cfg").mkdir()
+    path = tmp_path / "cfg" / "c.yaml"
+    path.write_text("data:\n  fasta: [../g/*.fa, ../one.fa.gz]\n")
+    monkeypatch.chdir(tmp_path / "cfg")  # not where the paths are meant to start... from anywhere:
+    monkeypatch.chdir("/")
+    cfg = load_config(path)
+    assert cfg.data.fasta == [str(tmp_path / "g" / "*.fa"), str(tmp_path / "one.fa.gz")]
+    assert cfg.data.cache_dir == "" and cfg.data.split == "auto"
+    assert load_config(None, ["data.fasta=[a.fa, b.fa]"]).data.fasta == ["/a.fa", "/b.fa"]
+    with pytest.raises(ValueError, match=r"data.fasta=\[\]: expected a path or a non-empty list"):
+        load_config(None, ["data.fasta=[]"])
+    with pytest.raises(ValueError, match=r"data.fasta=\[1, 2\]: expected a path"):
+        load_config(None, ["data.fasta=[1, 2]"])
+
+
+# ---------------------------------------------------------------------------------------------------------- cache
+def _builds(monkeypatch):
+    calls = []
+    real = corpus_mod.build_cache
+    monkeypatch.setattr(corpus_mod, "build_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_cache_is_built_once_then_mapped(tmp_path, monkeypatch):
+    recs = _genes("g", 5, 40)
+    src = _fa(tmp_path / "a.fa", recs)
+    builds = _builds(monkeypatch)
+    c1 = open_corpus(src, NUC, cache_dir=tmp_path / "cache")
+    c2 = open_corpus(src, NUC, cache_dir=tmp_path / "cache")
+    assert builds == [1] and c1.root == c2.root
+    assert isinstance(c2.tokens, np.memmap) and c2.tokens.dtype == np.uint8 and not c2.tokens.flags.writeable
+    for r, (rid, seq) in enumerate(recs):
+        assert np.array_equal(c2.spans[r], NUC.encode(seq)) and c2.record_id(r) == rid
+    assert c2.meta["sources"][0]["path"] == str(src) and c2.meta["n_records"] == 5
+    assert sorted(os.listdir(tmp_path / "cache")) == [c1.root.name]  # no temporary directory left
+
+
+def test_changed_source_or_tokenization_is_never_served_from_a_stale_cache(tmp_path, monkeypatch):
+    src = _fa(tmp_path / "a.fa", [("r", "ACGTACGTAC")])
+    cache = tmp_path / "cache"
+    builds = _builds(monkeypatch)
+    first = open_corpus(src, NUC, cache_dir=cache)
+    _fa(src, [("r", "TTTTACGTAC")])  # same size, same name, new content
+    os.utime(src, ns=(os.stat(first.meta["sources"][0]["path"]).st_atime_ns, 0))  # even with an old mtime
+    again = open_corpus(src, NUC, cache_dir=cache)
+    assert builds == [1, 1] and again.root != first.root
+    assert NUC.decode(again.spans[0]) == "TTTTACGTAC"
+    codon = open_corpus(src, CodonTokenizer(), cache_dir=cache)
+    keep = open_corpus(_fa(tmp_path / "b.fa", [("r", "ACRTAC")]), NUC, cache_dir=cache, iupac="keep")
+    n = open_corpus(tmp_path / "b.fa", NUC, cache_dir=cache, iupac="n")
+    assert len({first.root, again.root, codon.root, keep.root, n.root}) == 5 and len(builds) == 5
+    assert NUC.decode(keep.spans[0], skip_special=False) == "AC[UNK]TAC" and NUC.decode(n.spans[0]) == "ACNTAC"
+
+
+def test_a_cache_that_disagrees_with_its_metadata_is_rebuilt(tmp_path, monkeypatch, caplog):
+    src = _fa(tmp_path / "a.fa", _genes("g", 3))
+    builds = _builds(monkeypatch)
+    root = open_corpus(src, NUC, cache_dir=tmp_path / "c").root
+    with open(root / "tokens.bin", "r+b") as f:  # a cache cut short (disk full, copied half)
+        f.truncate(10)
+    with caplog.at_level(logging.WARNING):
+        again = open_corpus(src, NUC, cache_dir=tmp_path / "c")
+    assert builds == [1, 1] and "does not match its meta.json" in caplog.text and len(again.tokens) == 90
+
+
+def test_a_failed_or_killed_build_leaves_no_cache(tmp_path, monkeypatch):
+    good = _fa(tmp_path / "a.fa", _genes("g", 3))
+    bad = _fa(tmp_path / "b.fa", [("x", "ACGT"), ("y", "AC-T")])
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match="b.fa: record 'y'"):
+        open_corpus([good, bad], NUC, cache_dir=cache)
+    assert os.listdir(cache) == []
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # stands for SIGINT/SIGTERM in the middle of tokenizing
+    monkeypatch.setattr(NucleotideTokenizer, "encode", killed)
+    with pytest.raises(KeyboardInterrupt):
+        open_corpus(good, NUC, cache_dir=cache)
+    assert os.listdir(cache) == []
+    monkeypatch.undo()
+    # a SIGKILLed builder cannot clean up: its temporary directory is never read, and the next build removes it
+    dead = cache / f".{'0' * 32}.tmp.{__import__('socket').gethostname()}.999999999"
+    dead.mkdir()
+    key_dir = open_corpus(good, NUC, cache_dir=cache).root
+    stale = cache / f".{key_dir.name}.tmp.{__import__('socket').gethostname()}.999999999"
+    stale.mkdir()
+    (key_dir / "meta.json").unlink()  # force a rebuild of this key
+    open_corpus(good, NUC, cache_dir=cache)
+    assert not stale.exists() and (key_dir / "meta.json").exists()
+
+
+def test_datasets_index_the_memmap_with_bounded_memory(tmp_path):
+    rng = np.random.default_rng(0)
+    genome = "".join(rng.choice(list("ACGT"), 200_000))
+    corpus = open_corpus(_fa(tmp_path / "g.fa", [("g", genome)]), NUC, cache_dir=tmp_path / "c")
+    train, val = load_datasets(corpus, NUC, dataset="windows", seq_len=8, stride=1, val_fraction=0.1)
+    assert len(train) == 180_000 - 8 + 1 and train.spans.tokens is corpus.tokens
+    # the index is per document, not per window (was a list of 180k (array, start) tuples)
+    assert train._ends.nbytes + train._last.nbytes + train.spans.bounds.nbytes <= 64
+    assert NUC.decode(train[12345]["input_ids"]) == genome[12345:12353]
+    assert NUC.decode(val[0]["input_ids"]) == genome[180_000:180_008]
+    tr, va = load_datasets(corpus, NUC, dataset="records", seq_len=64, val_fraction=0.1)
+    assert len(tr) == 1 and NUC.decode(tr[0]["input_ids"]) == genome[:64]
+    tr, va = load_datasets(corpus, NUC, dataset="packed", seq_len=64, val_fraction=0.1)
+    assert len(tr) == 180_000 // 64 + 1 and tr._heads.nbytes < 8 * 3000  # O(pieces) int64, no Python list
+    assert NUC.decode(tr[1]["input_ids"]) == genome[64:128] and NUC.decode(va[0]["input_ids"]) == genome[180_000:180_064]
+
+
+# ---------------------------------------------------------------------------------------------------------- split
+def test_single_genome_keeps_the_held_out_end(tmp_path):
+    seq = "".join(np.random.default_rng(1).choice(list("ACGT"), 1000))
+    corpus = open_corpus(_fa(tmp_path / "g.fa", [("g", seq)]), NUC, cache_dir=tmp_path / "c")
+    train, val = corpus.split(0.05)
+    old_train, old_val = split_region(NUC.encode(seq), 0.05)
+    assert np.array_equal(train[0], old_train) and np.array_equal(val[0], old_val) and len(train) == len(val) == 1
+
+
+def test_record_split_is_the_id_hash_and_stable_when_files_are_added(tmp_path):
+    ids = [f"rec{i}" for i in range(300)]
+    h = np.array([record_hash(r) for r in ids], dtype=np.uint64)
+    old = [int.from_bytes(__import__("hashlib").sha256(r.encode()).digest()[:8], "big") / 2**64 < 0.2 for r in ids]
+    assert val_mask(h, 0.2).tolist() == old and split_records(ids, 0.2)[1] == np.flatnonzero(old).tolist()
+
+    a = _fa(tmp_path / "a.fa", _genes("a", 60))
+    b = _fa(tmp_path / "b.fa", _genes("b", 60, seed=1))
+
+    def val_ids(sources):
+        c = open_corpus(sources, NUC, cache_dir=tmp_path / "c")
+        _, val = c.split(0.2)
+        starts = {int(s): r for r, s in enumerate(c.offsets[:-1])}
+        return {c.record_id(starts[int(s)]) for s in val.bounds[:, 0]}
+
+    before = val_ids([a])
+    after = val_ids([b, a])  # a file added, and in front
+    assert before and before == {r for r in after if r.startswith("a")} and after - before
+    c = open_corpus([a, b], NUC, cache_dir=tmp_path / "c")
+    train, val = c.split(0.2, "region")  # every record's end held out
+    assert len(train) == len(val) == 120 and (val.lengths == 6).all() and (train.lengths == 24).all()
+    with pytest.raises(ValueError, match="split policy must be one of"):
+        c.split(0.2, "random")
+
+
+def test_duplicate_ids_are_kept_named_and_never_straddle_the_split(tmp_path, caplog):
+    genes = _genes("g", 40)
+    a = _fa(tmp_path / "a.fa", genes)
+    b = _fa(tmp_path / "b.fa", genes[:10] + _genes("h", 30, seed=2))  # g0..g9 again
+    with caplog.at_level(logging.WARNING):
+        c = open_corpus([a, b], NUC, cache_dir=tmp_path / "c")
+    assert c.meta["n_records"] == 80
+    assert "10 record(s) repeat an earlier record id" in caplog.text
+    assert f"{a}: record 'g0' (line 1)" in caplog.text and f"{b}: record 'g0' (line 1)" in caplog.text
+    mask = val_mask(c.id_hash, 0.3)
+    assert mask[:10].tolist() == mask[40:50].tolist()  # each duplicate on its original's side
+
+
+# --------------------------------------------------------------------------------------------- data-parallel ranks
+def _micro_batches(ds, dp, micro, indices, seed=7):
+    """Run the trainer's own sampler (Trainer._micro_batch) for each data-parallel rank, without a Trainer."""
+    from ds4sci.sequence import ParallelDims
+    from ds4sci.train.trainer import Trainer
+
+    out = []
+    for rank in range(dp):
+        fake = SimpleNamespace(
+            cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro, seed=seed),
+                                data=SimpleNamespace(dataset="windows")),
+            dims=ParallelDims(dp=dp), groups=SimpleNamespace(dp_rank=rank, sp_rank=0), device="cpu")
+        out.append([Trainer._micro_batch(fake, ds, i, shuffle=True)["input_ids"] for i in indices])
+    return out
+
+
+def test_data_parallel_ranks_read_disjoint_windows_and_resume_continues_the_order(tmp_path):
+    n = 48  # windows of 4 tokens over a memory-mapped array whose values are their positions: window i starts with 4i
+    mm = np.memmap(tmp_path / "t.bin", dtype=np.int64, mode="w+", shape=(4 * n,))
+    mm[:] = np.arange(4 * n)
+    ds = WindowDataset(Spans(np.memmap(tmp_path / "t.bin", dtype=np.int64, mode="r"), [[0, 96], [96, 4 * n]]), NUC, 4)
+    assert len(ds) == n
+    per_epoch = n // (2 * 3)  # global micro-batches per epoch: dp=2 ranks x 3 samples
+    ranks = _micro_batches(ds, dp=2, micro=3, indices=range(per_epoch))
+    taken = [[int(w[0]) // 4 for b in r for w in b] for r in ranks]
+    assert len(set(taken[0])) == len(taken[0]) == n // 2 and not set(taken[0]) & set(taken[1])  # disjoint, whole epoch
+    # resume: the micro-batch at index k depends on k only, so a fresh sampler restarted at step 5 continues exactly
+    straight = _micro_batches(ds, dp=2, micro=3, indices=range(12))
+    resumed = _micro_batches(ds, dp=2, micro=3, indices=range(5, 12))
+    for r in range(2):
+        assert all((a == b).all() for a, b in zip(straight[r][5:], resumed[r], strict=True))
+    assert not all((a == b).all() for a, b in zip(straight[0][:4], straight[0][8:12]))  # the next epoch is reshuffled
+
+
+# ---------------------------------------------------------------------------------------------------- distributed
+def _ranks_open(rank, world, cases):
+    from ds4sci.data import corpus as cm
+
+    results = []
+    real = cm.iter_raw_records
+    for fasta, cache in cases:
+        reads = []
+        cm.iter_raw_records = lambda *a, **k: reads.append(rank) or real(*a, **k)
+        try:
+            c = cm.open_corpus(fasta, NucleotideTokenizer(), cache_dir=cache)
+            result = (str(c.root), int(c.meta["n_tokens"]))
+        except (OSError, ValueError) as err:
+            result = (type(err).__name__, str(err))
+        results.append((result, len(reads)))
+    return results
+
+
+@pytest.mark.distributed
+def test_rank_zero_builds_other_ranks_map_and_errors_reach_every_rank(tmp_path):
+    good = _fa(tmp_path / "a.fa", _genes("g", 4))
+    bad = _fa(tmp_path / "b.fa", [("x", "AC*T")])
+    ranks = run_workers(_ranks_open, 2, [(str(good), str(tmp_path / "c")), (str(bad), str(tmp_path / "c2"))],
+                        timeout=120)
+    (ok0, bad0), (ok1, bad1) = ranks
+    assert ok0[0] == ok1[0] and ok0[0][1] == 120
+    assert ok0[1] == 1 and ok1[1] == 0  # only rank 0 read FASTA
+    assert [bad0[0][0], bad1[0][0]] == ["ValueError", "ValueError"]  # rank 0's error on every rank, no hang
+    assert "record 'x'" in bad1[0][1] and bad1[1] == 0
