@@ -60,21 +60,66 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    ulysses: int = _field(default=1, help='Ulysses (all-to-all) sequence-parallel degree; must divide the heads')
+    ulysses: int = _field(default=1, help='Ulysses (all-to-all) sequence-parallel degree; tp x ulysses must divide the heads')
     ring: int = _field(default=1, help='ring-attention sequence-parallel degree')
+    tp: int = _field(default=1, help='tensor-parallel degree (Megatron-style; not wired into training yet: must be 1)')
+    pp: int = _field(default=1, help='pipeline-parallel degree (not supported yet: must be 1)')
+    dp: int = _field(default=0,
+                    help='data-parallel degree; 0 -> what the world size leaves (world / (tp x ulysses x ring x pp)), '
+                         '> 0 -> must be exactly that')
     layout: str = _field(default="auto",
                     help='"contiguous", "zigzag" or "auto" (zigzag when ring > 1: balances causal work)')
 
+    def _degrees(self) -> str:
+        return (f"parallel.tp={self.tp!r}, parallel.ulysses={self.ulysses!r}, parallel.ring={self.ring!r}, "
+                f"parallel.pp={self.pp!r}, parallel.dp={self.dp!r}, parallel.layout={self.layout!r}")
+
     def dims(self, world_size: int | None = None) -> ParallelDims:
-        """The validated :class:`ParallelDims` of ``world_size`` processes (``None``: one data-parallel replica,
-        to check the config before launch). Errors name the ``parallel.*`` key."""
+        """The validated :class:`ParallelDims` of ``world_size`` processes (``None``: before launch, with
+        ``dp`` as configured, 1 when it is 0). Errors name the ``parallel.*`` keys."""
         try:
+            if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 0:
+                raise ValueError(f"dp must be an integer >= 0 (0: what the world size leaves), got {self.dp!r}")
+            degrees = dict(ulysses=self.ulysses, ring=self.ring, layout=self.layout, tp=self.tp, pp=self.pp)
             if world_size is None:
-                return ParallelDims(dp=1, ulysses=self.ulysses, ring=self.ring, layout=self.layout)
-            return ParallelDims.for_world(world_size, ulysses=self.ulysses, ring=self.ring, layout=self.layout)
+                return ParallelDims(dp=self.dp or 1, **degrees)
+            dims = ParallelDims.for_world(world_size, **degrees)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"parallel.ulysses={self.ulysses!r}, parallel.ring={self.ring!r}, "
-                             f"parallel.layout={self.layout!r}: {err}") from None
+            raise ValueError(f"{self._degrees()}: {err}") from None
+        if self.dp and dims.dp != self.dp:
+            raise ValueError(f"parallel.dp={self.dp}: the world size {world_size} with tp={self.tp} x ulysses="
+                             f"{self.ulysses} x ring={self.ring} x pp={self.pp} leaves dp={dims.dp}; launch "
+                             f"{self.dp * self.tp * self.ulysses * self.ring * self.pp} processes or set parallel.dp=0")
+        return dims
+
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+"""Where ZeRO-Offload / ZeRO-Infinity put optimizer state or parameters (DeepSpeed's ``OffloadDeviceEnum``)."""
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = _field(default=0, help='DeepSpeed ZeRO stage: 0, 1, 2 or 3 (over the sequence x data group)')
+    offload_optimizer: str = _field(default="none",
+                    help='ZeRO-Offload of optimizer state and step: "none", "cpu" or "nvme" (needs stage >= 1)')
+    offload_param: str = _field(default="none",
+                    help='ZeRO-Infinity parameter offload: "none", "cpu" or "nvme" (needs stage 3)')
+    nvme_path: str = _field(default="", help='folder on an NVMe drive for "nvme" offload (DeepSpeed\'s async I/O op); '
+                    'relative: like data.fasta; "" -> unset', path=True)
+    pin_memory: bool = _field(default=True,
+                    help='offload to page-locked CPU memory (fast GPU<->CPU copies; no effect without a GPU)')
+
+
+ACTIVATION_CHECKPOINTING_MODES = ("none", "full", "selective")
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    mode: str = _field(default="none",
+                    help='"none", "full" (every GenSLM block recomputed in backward) or "selective" (only the '
+                         'attention core; Korthikanti et al. 2022)')
+    cpu: bool = _field(default=False,
+                    help="keep the checkpointed inputs in CPU memory until backward (DeepSpeed's checkpoint_in_cpu)")
 
 
 @dataclass
@@ -95,7 +140,6 @@ class TrainConfig:
     steps: int = _field(default=100, help='optimizer steps')
     micro_batch_size: int = _field(default=4, help='sequences per data-parallel rank per micro-step')
     grad_accum: int = _field(default=1, help='micro-steps accumulated per optimizer step')
-    zero_stage: int = _field(default=0, help='DeepSpeed ZeRO stage: 0, 1, 2 or 3')
     dtype: str = _field(default="fp32", help='"fp32" or "bf16"')
     seed: int = _field(default=1234, help='random seed (model init, data order)')
     log_every: int = _field(default=10, help='log training metrics every N steps')
@@ -110,7 +154,12 @@ class Config:
     data: DataConfig = _field(default_factory=DataConfig, help='training data and tokenization')
     model: ModelConfig = _field(default_factory=ModelConfig, help='GenSLM model shape')
     parallel: ParallelConfig = _field(default_factory=ParallelConfig,
-                    help='sequence parallelism (data parallelism takes the remaining processes)')
+                    help='parallel degrees (data parallelism takes the remaining processes unless dp is set)')
+    zero: ZeroConfig = _field(default_factory=ZeroConfig,
+                    help='DeepSpeed ZeRO stage and ZeRO-Offload / ZeRO-Infinity (optimizer state, parameters)')
+    activation_checkpointing: ActivationCheckpointingConfig = _field(
+                    default_factory=ActivationCheckpointingConfig,
+                    help="recompute activations in backward (deepspeed.checkpointing), optionally kept on the CPU")
     optim: OptimConfig = _field(default_factory=OptimConfig, help='AdamW with linear warmup and cosine decay')
     train: TrainConfig = _field(default_factory=TrainConfig,
                     help='run length, batch, precision, logging and checkpoints')
@@ -151,10 +200,14 @@ class Config:
         check(d.reverse_complement == 0 or d.tokenizer == "nucleotide", "data.reverse_complement",
               d.reverse_complement, "reverse complement breaks the reading frame of codon tokens")
         dims = p.dims()
+        # Degrees the trainer cannot run yet (issue #14): each refusal is this one line; lift it when training
+        # supports the degree.
+        check(p.tp == 1, "parallel.tp", p.tp, "tensor parallelism is not wired into training yet; use parallel.tp=1")
+        check(p.pp == 1, "parallel.pp", p.pp, "pipeline parallelism is not supported yet; use parallel.pp=1")
+        self._validate_zero_and_checkpointing(check)
         check(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
         check(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "must be >= 1")
         check(t.grad_accum >= 1, "train.grad_accum", t.grad_accum, "must be >= 1")
-        check(t.zero_stage in (0, 1, 2, 3), "train.zero_stage", t.zero_stage, "expected 0, 1, 2 or 3")
         check(t.dtype in ("fp32", "bf16"), "train.dtype", t.dtype, "expected fp32 or bf16")
         check(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
         check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
@@ -170,20 +223,48 @@ class Config:
         check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", o.betas,
               "expected two numbers in [0, 1)")
         check(d.seq_len % dims.sequence_multiple == 0, "data.seq_len", d.seq_len,
-              f"must be divisible by {dims.sequence_multiple} (ulysses={p.ulysses} x ring={p.ring}, "
+              f"must be divisible by {dims.sequence_multiple} (tp={p.tp} x ulysses={p.ulysses} x ring={p.ring}, "
               f"layout {dims.layout.value})")
         try:
             model = self.genslm_config(69, 3)  # preset and overrides valid (vocabulary filled in at run time)
         except (TypeError, ValueError) as err:
             raise ValueError(f"model (preset={self.model.preset!r}, overrides={self.model.overrides}): {err}") from None
         try:
-            dims.check_heads(model.num_heads)
+            dims.check_model(num_heads=model.num_heads, num_layers=model.num_layers,
+                             intermediate_size=model.intermediate_size)
         except ValueError as err:
-            raise ValueError(f"parallel.ulysses={p.ulysses!r}: {err}") from None
+            raise ValueError(f"parallel.tp={p.tp!r}, parallel.ulysses={p.ulysses!r}, parallel.pp={p.pp!r}: {err}") from None
         check(not (model.position_embedding == "learned" and dims.sp > 1 and d.dataset == "packed"), "data.dataset",
               d.dataset, "a sequence-partitioned learned position table needs positions equal to window indices; "
               "use windows/records or rotary/alibi positions with packing")
         return self
+
+    def _validate_zero_and_checkpointing(self, check) -> None:
+        """The ``zero.*`` and ``activation_checkpointing.*`` rules DeepSpeed 0.19.8 imposes (see
+        :mod:`ds4sci.train.engine` for what was checked), so a combination it cannot run fails here, not at step 1."""
+        z, ac, p = self.zero, self.activation_checkpointing, self.parallel
+        check(z.stage in (0, 1, 2, 3), "zero.stage", z.stage, "expected 0, 1, 2 or 3")
+        for key in ("offload_optimizer", "offload_param"):
+            check(getattr(z, key) in OFFLOAD_DEVICES, f"zero.{key}", getattr(z, key), "expected none, cpu or nvme")
+        check(z.offload_optimizer == "none" or z.stage >= 1, "zero.offload_optimizer", z.offload_optimizer,
+              f"offloading the optimizer needs ZeRO: zero.stage >= 1 (got zero.stage={z.stage})")
+        check(z.offload_param == "none" or z.stage == 3, "zero.offload_param", z.offload_param,
+              f"offloading parameters needs zero.stage=3, which partitions them (got zero.stage={z.stage})")
+        check(z.offload_optimizer != "nvme" or z.stage == 3, "zero.offload_optimizer", z.offload_optimizer,
+              f"NVMe optimizer offload needs zero.stage=3 (ZeRO-Infinity); at zero.stage={z.stage} DeepSpeed would "
+              f"silently keep the state in CPU memory: use zero.offload_optimizer=cpu")
+        nvme = [f"zero.{k}" for k in ("offload_optimizer", "offload_param") if getattr(z, k) == "nvme"]
+        check(not nvme or bool(z.nvme_path), "zero.nvme_path", z.nvme_path,
+              f"{' and '.join(nvme)}=nvme: NVMe offload needs zero.nvme_path, a folder on the NVMe drive")
+        check(nvme or not z.nvme_path, "zero.nvme_path", z.nvme_path,
+              "is set but nothing is offloaded to nvme (zero.offload_optimizer / zero.offload_param)")
+        # DeepSpeed's pipeline engine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism".
+        check(p.pp == 1 or z.stage <= 1, "zero.stage", z.stage,
+              f"DeepSpeed's pipeline engine (parallel.pp={p.pp}) supports ZeRO stage 0 or 1 only")
+        check(ac.mode in ACTIVATION_CHECKPOINTING_MODES, "activation_checkpointing.mode", ac.mode,
+              "expected none, full or selective")
+        check(not ac.cpu or ac.mode != "none", "activation_checkpointing.cpu", ac.cpu,
+              "keeps checkpoints on the CPU, but activation_checkpointing.mode=none checkpoints nothing")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -285,7 +366,7 @@ def _apply(obj: Any, data: dict, prefix: str, base_dir: str | None = None) -> No
             _apply(current, value, dotted + ".", base_dir)
         else:
             value = _coerce(value, hints[key], dotted)
-            if fields[key].metadata.get("path") and base_dir is not None:
+            if fields[key].metadata.get("path") and base_dir is not None and value:  # "": unset, not "here"
                 value = _resolve(value, base_dir)
             setattr(obj, key, value)
 
@@ -305,7 +386,7 @@ def _resolve_all(cfg: Config, base_dir: str) -> None:
     for section in dataclasses.fields(cfg):
         part = getattr(cfg, section.name)
         for f in dataclasses.fields(part):
-            if f.metadata.get("path"):
+            if f.metadata.get("path") and getattr(part, f.name):  # "": an unset optional path stays unset
                 setattr(part, f.name, _resolve(getattr(part, f.name), base_dir))
 
 

@@ -1,5 +1,29 @@
 """DeepSpeed set-up: process-group initialisation, the engine config, AdamW with warmup + cosine decay, and the
-engine over the sequence x data group (ZeRO 0-3, fp32 or bf16)."""
+engine over the sequence x data group (ZeRO 0-3, ZeRO-Offload / ZeRO-Infinity, fp32 or bf16).
+
+Offload (``zero.offload_optimizer`` / ``zero.offload_param``) goes through DeepSpeed's own config,
+``zero_optimization.offload_optimizer`` / ``offload_param`` ``{device, pin_memory, nvme_path}``. Facts checked
+here with DeepSpeed 0.19.8 on the CPU (gloo, ``DS_ACCELERATOR=cpu``):
+
+- The engine is handed torch AdamW. With offload on, DeepSpeed refuses a client optimizer that is not its
+  ``DeepSpeedCPUAdam`` (a C++ op) unless ``zero_force_ds_cpu_optimizer`` is false; with it false, DeepSpeed keeps
+  the fp32 master weights and optimizer state on the CPU and runs torch AdamW's step there. The results are exact:
+  ZeRO-2 + optimizer offload and ZeRO-3 + optimizer + parameter offload match single-process training to fp32
+  rounding, gradient clipping on, under Ulysses SP (``tests/distributed/test_train_offload_checkpointing.py``).
+  DeepSpeed warns that a client optimizer under offload "in most cases will yield poor performance": its
+  DeepSpeedCPUAdam (SIMD C++; ``CPUAdamBuilder`` reports itself compatible here, not built or timed) is the
+  faster choice for large models, at the cost of results that are no longer torch AdamW's.
+- Offloading does not change how gradients are reduced over the sequence x data group, so the loss scale of
+  :func:`ds4sci.train.loss.grad_reduction_factor` holds unchanged.
+- ``offload_optimizer`` is accepted at stages 1-3, ``offload_param`` only at stage 3. At stages 1/2, DeepSpeed
+  treats ``device: nvme`` for the optimizer exactly like ``cpu`` (``stage_1_and_2.py``: any device but none sets
+  ``cpu_offload``), so the config refuses nvme below stage 3 rather than silently ignore it.
+- NVMe (ZeRO-Infinity) needs DeepSpeed's ``async_io`` op, which needs libaio (``apt install libaio-dev``); here it
+  is not compatible (no libaio headers), so :func:`check_offload_support` refuses nvme before the engine is
+  built with that reason instead of DeepSpeed's build failure inside ``deepspeed.initialize``.
+- ``pin_memory`` is DeepSpeed's (default true): page-locked host buffers for fast GPU<->CPU copies; the CPU
+  accelerator ignores it.
+"""
 from __future__ import annotations
 
 import logging
@@ -61,13 +85,20 @@ def make_optimizer(params, cfg: Config) -> tuple[torch.optim.Optimizer, torch.op
 
 def deepspeed_config(cfg: Config, sp: int) -> dict:
     """The DeepSpeed config dict of a training config (``sp``: sequence-parallel degree)."""
-    t = cfg.train
-    zero: dict = {"stage": t.zero_stage}
-    if t.zero_stage == 3:
+    t, z = cfg.train, cfg.zero
+    zero: dict = {"stage": z.stage}
+    if z.stage == 3:
         # Pinned: with reduce_scatter off, ZeRO-3 sums small gradient buckets over the sequence ranks but averages
         # large ones, which no loss scale can undo (see ds4sci.train.loss.grad_reduction_factor).
         zero["reduce_scatter"] = True
-    return {
+    offload = False
+    for key in ("offload_optimizer", "offload_param"):
+        device = getattr(z, key)
+        if device != "none":
+            zero[key] = {"device": device, "pin_memory": z.pin_memory,
+                         **({"nvme_path": z.nvme_path} if device == "nvme" else {})}
+            offload = True
+    ds = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum,
         "zero_optimization": zero,
@@ -77,6 +108,31 @@ def deepspeed_config(cfg: Config, sp: int) -> dict:
         "zero_allow_untested_optimizer": True,  # torch AdamW: tested here by the equivalence tests
         "steps_per_print": 10**9,  # the trainer logs
     }
+    if offload:
+        # The engine is handed torch AdamW (make_optimizer); DeepSpeed refuses a client optimizer under offload
+        # unless told otherwise. It then runs torch AdamW on the CPU copies: exact, slower than DeepSpeedCPUAdam.
+        ds["zero_force_ds_cpu_optimizer"] = False
+    return ds
+
+
+def check_offload_support(cfg: Config) -> None:
+    """Refuse an offload this machine cannot run, before DeepSpeed tries: NVMe offload needs DeepSpeed's
+    ``async_io`` op (libaio) and an existing ``zero.nvme_path`` folder.
+
+    Raises:
+        RuntimeError: naming the ``zero.*`` key and what is missing.
+    """
+    z = cfg.zero
+    nvme = [f"zero.{k}=nvme" for k in ("offload_optimizer", "offload_param") if getattr(z, k) == "nvme"]
+    if not nvme:
+        return
+    if not os.path.isdir(z.nvme_path):
+        raise RuntimeError(f"{', '.join(nvme)}: zero.nvme_path={z.nvme_path!r} is not an existing folder")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise RuntimeError(f"{', '.join(nvme)}: NVMe offload needs DeepSpeed's async_io op, which cannot be built "
+                           f"here (it needs libaio: apt install libaio-dev); use cpu offload instead")
 
 
 def build_engine(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, device: torch.device):
@@ -90,9 +146,10 @@ def build_engine(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, 
     sharded = [n for n, p in model.named_parameters() if getattr(p, "ds4sci_sequence_sharded", False)]
     if sharded:
         raise ValueError(f"sequence-sharded parameters {sharded} cannot go into the DeepSpeed engine")
+    check_offload_support(cfg)
     ds_config = deepspeed_config(cfg, groups.dims.sp)
     model = model.to(device)
-    if cfg.train.zero_stage == 3:
+    if cfg.zero.stage == 3:
         # DeepSpeed 0.19 converts a plain module for ZeRO-3 over mpu.get_data_parallel_group(), the data ranks
         # WITHOUT the sequence ranks, so gradients are never reduced over the sequence shards (measured: every
         # rank kept its local gradient). Converting here, over the sequence x data group, gives the partitioning

@@ -16,11 +16,12 @@ import torch.distributed as dist
 from ds4sci.models.genslm import IGNORE_INDEX
 
 
-def grad_reduction_factor(zero_stage: int, dp: int, sp: int) -> float:
+def grad_reduction_factor(stage: int, dp: int, sp: int) -> float:
     """``K``: the factor that makes DeepSpeed's reduced gradient of ``local_sum / global_count * K`` equal to the
     gradient of the global mean loss.
 
-    The reduction over the sequence x data group (``dp * sp`` ranks) depends on the ZeRO stage. Measured with
+    The reduction over the sequence x data group (``dp * sp`` ranks) depends on the ZeRO ``stage``
+    (``zero.stage``); offloading (``zero.offload_*``) does not change it. Measured with
     DeepSpeed 0.19.8 on gloo (per-parameter gradient ratios against one process) and proven per stage by
     ``tests/distributed/test_train_equivalence.py``:
 
@@ -31,11 +32,11 @@ def grad_reduction_factor(zero_stage: int, dp: int, sp: int) -> float:
       ``reduce_bucket_size`` elements are summed over the sequence ranks but larger ones averaged, so no single
       ``K`` is right; the trainer never turns it off.)
     """
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     if dp < 1 or sp < 1:
         raise ValueError(f"dp and sp must be >= 1, got dp={dp}, sp={sp}")
-    return float(dp * sp) if zero_stage == 3 else float(dp)
+    return float(dp * sp) if stage == 3 else float(dp)
 
 
 def global_target_count(targets: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:

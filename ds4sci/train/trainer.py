@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, collate, read_fasta, split_records, split_region
 from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, shift_labels, token_loss
-from ds4sci.sequence import build_groups, parallelize, shard_sequence
+from ds4sci.sequence import DeepSpeedMPU, build_groups, parallelize, shard_sequence
+from ds4sci.train.checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import Config
 from ds4sci.train.engine import build_engine, init_distributed
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
@@ -89,6 +90,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         model = GenSLM(self.model_config)
         table = parallelize(model, self.groups)
+        apply_activation_checkpointing(model, cfg.activation_checkpointing, DeepSpeedMPU(self.groups))
         self.engine = build_engine(model, cfg, self.groups, self.device)
         self.pos_table = PositionTable(table, self.groups, cfg, self.device) if table is not None else None
         self.step = 0
@@ -145,7 +147,7 @@ class Trainer:
         batches = [self._micro_batch(self.train_ds, self.step * t.grad_accum + a, shuffle=True) for a in range(t.grad_accum)]
         count = global_target_count([b["targets"] for b in batches], self.groups.sdp)
         # engine.backward divides by the accumulation steps: multiply them back in
-        factor = grad_reduction_factor(t.zero_stage, self.dims.dp, self.dims.sp) * t.grad_accum
+        factor = grad_reduction_factor(self.cfg.zero.stage, self.dims.dp, self.dims.sp) * t.grad_accum
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         lr = self.engine.get_lr()[0]  # the rate this step uses
         for b in batches:
@@ -234,7 +236,7 @@ class Trainer:
 
         module = self.engine.module
         params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.train.zero_stage == 3):
+        with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.zero.stage == 3):
             state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
         if self.pos_table is not None:
             state["embed_pos.weight"] = self.pos_table.gather().float()

@@ -116,6 +116,12 @@ class GenSLM(nn.Module):
     ``position_ids`` are global positions (under sequence parallelism: those of the local shard), never built
     inside. ``doc_ids`` restrict attention to the same document (packed windows). ``position_embeds [B, T, hidden]``
     replaces the learned table's output after :meth:`pop_position_embedding`.
+
+    Activation checkpointing hook (Hugging Face's ``gradient_checkpointing`` pattern): :attr:`checkpoint_fn`, None
+    by default, is set from outside (``ds4sci.train.checkpointing``) to a function called as
+    ``checkpoint_fn(block, x, position_ids, doc_ids)`` in place of ``block(x, position_ids, doc_ids)`` while training,
+    e.g. ``deepspeed.checkpointing.checkpoint``, which recomputes the block in backward. A hook rather than a
+    wrapper module so that parameter names (checkpoints, exports) do not change; the model imports no engine.
     """
 
     def __init__(self, config: GenSLMConfig):
@@ -131,6 +137,7 @@ class GenSLM(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.checkpoint_fn = None  # see the class docstring
         self._init_weights()
 
     @torch.no_grad()
@@ -177,7 +184,10 @@ class GenSLM(nn.Module):
             x = x + (self.embed_pos(position_ids) if position_embeds is None else position_embeds.to(x.dtype))
         x = self.emb_dropout(x)
         for block in self.layers:
-            x = block(x, position_ids, doc_ids)
+            if self.checkpoint_fn is not None and self.training:
+                x = self.checkpoint_fn(block, x, position_ids, doc_ids)  # recomputed in backward
+            else:
+                x = block(x, position_ids, doc_ids)
         x = self.final_layer_norm(x)
         return x if return_hidden else self.embed_out(x)
 

@@ -20,7 +20,7 @@ def _overrides(out_dir, zero, ulysses=1, ring=1, micro=2, pe="learned", steps=3,
     return [
         f"data.fasta={GENOME}", "data.seq_len=32", "data.max_train_tokens=3000", "data.val_fraction=0.001",
         f"model.overrides.position_embedding={pe}", f"parallel.ulysses={ulysses}", f"parallel.ring={ring}",
-        f"train.zero_stage={zero}", f"train.micro_batch_size={micro}", f"train.steps={steps}",
+        f"zero.stage={zero}", f"train.micro_batch_size={micro}", f"train.steps={steps}",
         "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.progress=false",
         f"train.out_dir={out_dir}", "optim.warmup_steps=1", "optim.lr=0.05", "optim.grad_clip=0",
         # A large eps makes AdamW's step ~ lr * g / eps, linear in the gradient: a gradient off by a factor P (the

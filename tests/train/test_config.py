@@ -8,10 +8,10 @@ from ds4sci.train.engine import deepspeed_config, lr_lambda
 
 def test_defaults_are_valid_and_yaml_plus_overrides_apply(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("data:\n  seq_len: 64\ntrain:\n  steps: 7\n  zero_stage: 2\nmodel:\n  overrides: {num_layers: 3}\n")
+    path.write_text("data:\n  seq_len: 64\ntrain:\n  steps: 7\nzero:\n  stage: 2\nmodel:\n  overrides: {num_layers: 3}\n")
     cfg = load_config(path, ["train.steps=9", "optim.betas=[0.8, 0.9]", "parallel.ulysses=2", "train.progress=false",
                              "model.overrides.position_embedding=learned", "optim.lr=3e-3"])
-    assert cfg.data.seq_len == 64 and cfg.train.zero_stage == 2
+    assert cfg.data.seq_len == 64 and cfg.zero.stage == 2
     assert cfg.train.steps == 9 and cfg.optim.betas == (0.8, 0.9) and cfg.optim.lr == 3e-3
     assert cfg.parallel.ulysses == 2 and cfg.train.progress is False
     assert cfg.model.overrides == {"num_layers": 3, "position_embedding": "learned"}
@@ -37,7 +37,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         ("train.steps=abc", "train.steps"),
         ("train.steps=1.5", "train.steps"),
         ("train.steps=0", "train.steps"),
-        ("train.zero_stage=4", "train.zero_stage"),
+        ("zero.stage=4", "zero.stage"),
         ("train.dtype=fp16", "train.dtype"),
         ("train.progress=maybe", "train.progress"),
         ("optim.lr=-1", "optim.lr"),
@@ -105,7 +105,7 @@ def test_lr_schedule_warmup_then_cosine_to_min():
 
 
 def test_deepspeed_config_mirrors_the_training_config():
-    cfg = load_config(None, ["train.zero_stage=3", "train.grad_accum=4", "train.micro_batch_size=2",
+    cfg = load_config(None, ["zero.stage=3", "train.grad_accum=4", "train.micro_batch_size=2",
                              "train.dtype=bf16", "optim.grad_clip=0.5"])
     ds = deepspeed_config(cfg, sp=2)
     assert ds["zero_optimization"] == {"stage": 3, "reduce_scatter": True}
@@ -184,7 +184,7 @@ def test_cli_print_config_round_trips_and_set_goes_before_the_path(tmp_path, cap
     text = capsys.readouterr().out
     printed = yaml.safe_load(text)
     assert printed["train"]["steps"] == 2 and printed["data"]["seq_len"] == 64 and printed["optim"]["lr"] == 0.01
-    assert printed["train"]["zero_stage"] == 0 and printed["optim"]["betas"] == [0.9, 0.95]  # defaults filled in
+    assert printed["zero"]["stage"] == 0 and printed["optim"]["betas"] == [0.9, 0.95]  # defaults filled in
     assert "# optimizer steps" in text  # descriptions as comments
     again = tmp_path / "printed.yaml"
     again.write_text(text)

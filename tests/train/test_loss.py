@@ -11,7 +11,7 @@ def test_grad_reduction_factor_per_stage():
     # stages 0-2: SUM over sequence ranks, MEAN over data ranks; stage 3: MEAN over all (measured, DeepSpeed 0.19)
     assert [grad_reduction_factor(z, dp=3, sp=2) for z in (0, 1, 2, 3)] == [3.0, 3.0, 3.0, 6.0]
     assert grad_reduction_factor(3, dp=1, sp=4) == 4.0 and grad_reduction_factor(1, dp=1, sp=4) == 1.0
-    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3, got 4"):
+    with pytest.raises(ValueError, match="ZeRO stage must be 0, 1, 2 or 3, got 4"):
         grad_reduction_factor(4, 1, 1)
     with pytest.raises(ValueError, match="sp=0"):
         grad_reduction_factor(1, 1, 0)
@@ -35,9 +35,9 @@ def test_shift_before_sharding_keeps_every_target(layout, world):
     assert not torch.allclose(naive, full)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dp, sp", [(1, 2), (2, 2), (3, 1)])
-def test_scaled_shard_loss_under_the_stage_reduction_gives_the_global_mean_gradient(zero_stage, dp, sp):
+def test_scaled_shard_loss_under_the_stage_reduction_gives_the_global_mean_gradient(stage, dp, sp):
     """A model of DeepSpeed's reduction (the equivalence tests check the real engine): ranks of a dp x sp grid each
     hold a sequence shard of their data rank's samples; the reduced gradient must be that of the global mean."""
     torch.manual_seed(1)
@@ -49,14 +49,14 @@ def test_scaled_shard_loss_under_the_stage_reduction_gives_the_global_mean_gradi
     (ref,) = torch.autograd.grad(token_loss(x.reshape(dp * B, T, H) @ w, targets.reshape(dp * B, T)), w)
 
     count = torch.tensor(float((targets != IGNORE_INDEX).sum()), dtype=torch.float64)
-    factor = grad_reduction_factor(zero_stage, dp, sp)
+    factor = grad_reduction_factor(stage, dp, sp)
     grads = torch.zeros(dp, sp, H, V, dtype=torch.float64)
     for d in range(dp):
         for s in range(sp):
             logits = shard_sequence(x[d], 1, s, sp) @ w
             local_sum = token_loss(logits, shard_sequence(targets[d], 1, s, sp), "sum")
             (grads[d, s],) = torch.autograd.grad(scaled_shard_loss(local_sum, count, factor), w)
-    reduced = grads.mean(dim=(0, 1)) if zero_stage == 3 else grads.sum(dim=1).mean(dim=0)
+    reduced = grads.mean(dim=(0, 1)) if stage == 3 else grads.sum(dim=1).mean(dim=0)
     torch.testing.assert_close(reduced, ref)
 
 

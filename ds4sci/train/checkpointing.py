@@ -1,0 +1,120 @@
+"""Activation checkpointing for GenSLM through DeepSpeed's own API (``deepspeed.checkpointing``), applied from
+outside the model (``activation_checkpointing:`` in the training config).
+
+Modes:
+
+- ``"full"``: every block is recomputed in backward; only each block's input ``[B, T/P, hidden]`` is kept. Set
+  through the model's :attr:`~ds4sci.models.genslm.GenSLM.checkpoint_fn` hook (wrapping the blocks would rename
+  their parameters).
+- ``"selective"``: only the attention core (``softmax(QK^T) V``: the part whose activations grow fastest and cost
+  least to recompute) is recomputed; the projections and the MLP keep their activations (Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models", section 4.2). Each ``block.attention.core``
+  is wrapped in :class:`CheckpointedCore`, a module without parameters or persistent buffers, so parameter and
+  state-dict names do not change.
+
+Applied AFTER :func:`ds4sci.sequence.parallelize`, so under sequence parallelism the checkpointed core is the whole
+:class:`~ds4sci.sequence.DistributedAttention`: backward reruns its forward communication (Ulysses: the q, k, v and
+output all-to-alls; ring: the key/value rotations), as Megatron-LM's selective recompute does with context
+parallelism. Checkpointing only the local attention inside it would save that traffic, but ring attention's
+backward already recomputes its local blocks with ``torch.autograd.grad``, which DeepSpeed's (reentrant)
+checkpoint refuses ("Checkpointing is not compatible with .grad()").
+Note that the memory-efficient local attention backends (``chunked``, ``triton``, ``flash``) already save only
+q, k, v, the output and the log-sum-exp; selective checkpointing then saves the output and the log-sum-exp (and
+the SP layout changes); with ``attention_backend="sdpa"`` it saves the ``S x S`` mask and probabilities.
+
+DeepSpeed 0.19.8 facts (``deepspeed/runtime/activation_checkpointing/checkpointing.py``, checked here on the CPU):
+
+- ``deepspeed.checkpointing.configure`` sets module-level state (DeepSpeed's API has no object): the trainer calls
+  :func:`apply_activation_checkpointing` once per model, which re-configures every option explicitly.
+- ``checkpoint_in_cpu`` (``activation_checkpointing.cpu``) is documented to "only work with
+  partition_activations", and on the CPU it must: without partitioning, DeepSpeed moves each checkpointed input
+  with ``.to("cpu")``, which on a tensor already on the CPU returns the same tensor, then empties that tensor's
+  storage to free the device copy, so the "CPU copy" is emptied too and the recomputation fails on shape ``()``
+  tensors (``get_cpu_activations_for_backward``; measured here). With ``partition_activations`` the input is
+  sliced and CLONED before the move, so the copy survives. :func:`apply_activation_checkpointing` therefore turns
+  ``partition_activations`` on exactly when ``cpu`` is on. Partitioning splits each checkpointed input over the
+  tensor-parallel group (DeepSpeed's model-parallel group, ``DeepSpeedMPU``) and all-gathers it in backward:
+  at ``parallel.tp = 1`` the one partition is the whole tensor, so it is a clone and nothing else. With
+  ``tp > 1`` it assumes the input is replicated over the tensor group, which Megatron-style sequence-parallel
+  regions break: revisit when tensor parallelism is wired into training. On a CPU-only machine the CPU copy is
+  exact and tested, and saves nothing.
+- With ``partition_activations`` DeepSpeed miscounts non-tensor arguments (a ``None`` becomes two entries:
+  "run() takes 5 positional arguments but 7 were given"), so :func:`checkpoint` passes only the non-``None``
+  arguments through DeepSpeed and binds the others in a closure.
+- The forward's CPU and accelerator RNG states are restored for the recomputation (dropout masks are redrawn
+  identically), and the recomputation runs ZeRO-3's parameter gathering hooks again.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds4sci.models.genslm import GenSLM
+from ds4sci.train.config import ActivationCheckpointingConfig
+
+__all__ = ["CheckpointedCore", "apply_activation_checkpointing", "checkpoint"]
+
+
+def checkpoint(function, *args):
+    """``deepspeed.checkpointing.checkpoint(function, *args)``, with ``None`` arguments kept out of DeepSpeed
+    (bound in a closure; see the module docstring). ``function``'s activations are recomputed in backward."""
+    import deepspeed
+
+    keep = [i for i, a in enumerate(args) if a is not None]
+
+    def run(*given):
+        full = [None] * len(args)
+        for i, a in zip(keep, given):
+            full[i] = a
+        return function(*full)
+
+    return deepspeed.checkpointing.checkpoint(run, *(args[i] for i in keep))
+
+
+class CheckpointedCore(nn.Module):
+    """An attention core whose forward is recomputed in backward (``deepspeed.checkpointing.checkpoint``).
+
+    ``forward(q, k, v, *, q_doc=None, k_doc=None)``, the call :class:`~ds4sci.models.genslm.model.Attention` makes
+    (on an ``AttentionCore`` or a ``DistributedAttention``). Holds ``core`` as a submodule: GenSLM's cores have no
+    parameters and only non-persistent buffers, so no state-dict key changes (checked at wrap time).
+    """
+
+    def __init__(self, core: nn.Module):
+        super().__init__()
+        names = [n for n, _ in core.named_parameters()] + list(core.state_dict())
+        if names:
+            raise ValueError(f"selective checkpointing wraps parameterless attention cores; {type(core).__name__} "
+                             f"has parameters or persistent buffers {names}, whose names the wrapper would change")
+        self.core = core
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_doc: torch.Tensor | None = None,
+                k_doc: torch.Tensor | None = None) -> torch.Tensor:
+        same = k_doc is q_doc  # DistributedAttention gathers shared document ids once: keep them one object
+
+        def run(q, k, v, q_doc, k_doc):
+            return self.core(q, k, v, q_doc=q_doc, k_doc=q_doc if same else k_doc)
+
+        return checkpoint(run, q, k, v, q_doc, None if same else k_doc)
+
+
+def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingConfig, mpu=None) -> None:
+    """Turn on ``cfg.mode`` activation checkpointing in ``model`` (in place; no-op for ``"none"``).
+
+    Call after :func:`ds4sci.sequence.parallelize` and before the DeepSpeed engine is built; torch.distributed
+    must be initialised (DeepSpeed's ``configure`` logs on rank 0). ``mpu``: the
+    :class:`~ds4sci.sequence.DeepSpeedMPU` (its tensor-parallel group is DeepSpeed's model-parallel group).
+    """
+    if cfg.mode == "none":
+        return
+    if cfg.mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpointing.mode={cfg.mode!r}: expected none, full or selective")
+    import deepspeed
+
+    # partition_activations with cpu: DeepSpeed's CPU copy needs it (see the module docstring)
+    deepspeed.checkpointing.configure(mpu, partition_activations=cfg.cpu, contiguous_checkpointing=False,
+                                      checkpoint_in_cpu=cfg.cpu, synchronize=False, profile=False)
+    if cfg.mode == "full":
+        model.checkpoint_fn = checkpoint
+    else:
+        for block in model.layers:
+            block.attention.core = CheckpointedCore(block.attention.core)
