@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _spawn import run_workers
+from ds4sci.spawn import run_workers
 from ds4sci.models.genslm import AttentionCore
 from ds4sci.models.local_attention import PAD_DOC_ID, flex_attention, memory_efficient_attention, sdpa_attention
 from ds4sci.sequence import (

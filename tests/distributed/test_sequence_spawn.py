@@ -4,7 +4,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from _spawn import run_workers
+from ds4sci.spawn import run_workers
 
 
 def _rank_info(rank, world, offset):

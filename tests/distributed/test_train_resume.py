@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _spawn import run_workers
+from ds4sci.spawn import run_workers
 from test_train_equivalence import ENV, _overrides
 
 pytestmark = pytest.mark.distributed
