@@ -191,3 +191,113 @@ def test_cli_print_config_round_trips_and_set_goes_before_the_path(tmp_path, cap
     assert load_config(again).to_dict() == load_config(path, ["train.steps=2", "optim.lr=0.01"]).to_dict()
     assert main(["train", "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["train"]["steps"] == Config().train.steps
+
+
+NEW_KEYS = {  # every key of the zero / activation_checkpointing sections and the new parallel degrees
+    "zero.stage": 3, "zero.offload_optimizer": "cpu", "zero.offload_param": "cpu", "zero.pin_memory": False,
+    "activation_checkpointing.mode": "selective", "activation_checkpointing.cpu": True,
+    "parallel.tp": 1, "parallel.pp": 1, "parallel.dp": 2,
+}
+
+
+def test_zero_checkpointing_and_degree_keys_round_trip_through_yaml_set_and_print_config(tmp_path, capsys):
+    import yaml
+    from ds4sci.cli import main
+
+    sections: dict = {}
+    for key, value in NEW_KEYS.items():
+        section, leaf = key.split(".")
+        sections.setdefault(section, {})[leaf] = value
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    from_yaml = load_config(path)
+    from_set = load_config(None, [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in NEW_KEYS.items()])
+    for cfg in (from_yaml, from_set):
+        for key, value in NEW_KEYS.items():
+            section, leaf = key.split(".")
+            assert getattr(getattr(cfg, section), leaf) == value, key
+    assert from_yaml.to_dict() == from_set.to_dict()
+    assert main(["train", str(path), "--print-config"]) == 0
+    text = capsys.readouterr().out
+    printed = yaml.safe_load(text)
+    for key, value in NEW_KEYS.items():
+        section, leaf = key.split(".")
+        assert printed[section][leaf] == value, key
+    assert "ZeRO-Offload" in text and "Korthikanti" in text  # descriptions as comments
+    again = tmp_path / "printed.yaml"
+    again.write_text(text)
+    assert load_config(again).to_dict() == from_yaml.to_dict()
+    assert load_config(path, ["zero.nvme_path=nv", "zero.offload_param=nvme"]).zero.nvme_path == os.path.abspath("nv")
+    assert load_config().zero.nvme_path == ""  # an unset path stays unset (not resolved to the working directory)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["zero.offload_optimizer=cpu"], ["zero.offload_optimizer='cpu'", "zero.stage >= 1", "zero.stage=0"]),
+        (["zero.stage=2", "zero.offload_param=cpu"], ["zero.offload_param='cpu'", "zero.stage=3", "zero.stage=2"]),
+        (["zero.stage=3", "zero.offload_param=nvme"], ["zero.nvme_path=''", "zero.offload_param=nvme"]),
+        (["zero.stage=3", "zero.offload_optimizer=nvme"], ["zero.nvme_path=''", "zero.offload_optimizer=nvme"]),
+        (["zero.stage=2", "zero.offload_optimizer=nvme", "zero.nvme_path=/nv"],
+         ["zero.offload_optimizer='nvme'", "zero.stage=3", "silently"]),
+        (["zero.nvme_path=/nv"], ["zero.nvme_path='/nv'", "nothing is offloaded"]),
+        (["zero.stage=1", "zero.offload_optimizer=gpu"], ["zero.offload_optimizer='gpu'", "none, cpu or nvme"]),
+        (["zero.stage=5"], ["zero.stage=5"]),
+        (["activation_checkpointing.mode=some"], ["activation_checkpointing.mode='some'"]),
+        (["activation_checkpointing.cpu=true"], ["activation_checkpointing.cpu=True", "mode=none"]),
+        (["parallel.tp=2"], ["parallel.tp=2", "tensor parallelism is not wired into training yet"]),
+        (["parallel.pp=2"], ["parallel.pp=2", "pipeline parallelism is not supported yet"]),
+        (["parallel.dp=-1"], ["parallel.dp=-1"]),
+    ],
+)
+def test_invalid_zero_checkpointing_and_degree_combinations_name_keys_and_values(overrides, named):
+    with pytest.raises(ValueError) as err:
+        load_config(None, overrides)
+    for text in named:
+        assert text in str(err.value), str(err.value)
+
+
+def test_dp_must_match_what_the_world_size_leaves():
+    from ds4sci.train.config import ParallelConfig
+
+    assert ParallelConfig(ulysses=2, dp=2).dims(4).dp == 2 and ParallelConfig(ulysses=2).dims(6).dp == 3
+    with pytest.raises(ValueError) as err:
+        ParallelConfig(ulysses=2, dp=2).dims(6)
+    for text in ("parallel.dp=2", "world size 6", "tp=1 x ulysses=2 x ring=1 x pp=1", "leaves dp=3"):
+        assert text in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match="parallel.tp=2.*world size 3 is not a multiple of tp=2"):
+        ParallelConfig(tp=2).dims(3)
+
+
+def test_model_split_and_sequence_multiple_name_every_degree():
+    with pytest.raises(ValueError, match=r"data.seq_len=30: must be divisible by 4 \(tp=1 x ulysses=2 x ring=2"):
+        load_config(None, ["data.seq_len=30", "parallel.ulysses=2", "parallel.ring=2", "parallel.layout=contiguous"])
+    with pytest.raises(ValueError, match=r"parallel.tp=1, parallel.ulysses=3.*must divide the number of heads 4"):
+        load_config(None, ["data.seq_len=96", "parallel.ulysses=3"])
+
+
+def test_deepspeed_config_carries_offload():
+    cfg = load_config(None, ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_param=cpu",
+                             "zero.pin_memory=false"])
+    ds = deepspeed_config(cfg, sp=1)
+    assert ds["zero_optimization"] == {"stage": 3, "reduce_scatter": True,
+                                       "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                                       "offload_param": {"device": "cpu", "pin_memory": False}}
+    assert ds["zero_force_ds_cpu_optimizer"] is False  # torch AdamW stays the optimizer
+    assert "zero_force_ds_cpu_optimizer" not in deepspeed_config(load_config(None, ["zero.stage=2"]), sp=1)
+
+
+def test_nvme_offload_is_refused_before_the_engine_when_it_cannot_run(tmp_path):
+    from ds4sci.train.engine import check_offload_support
+
+    check_offload_support(load_config(None, ["zero.stage=3", "zero.offload_param=cpu"]))  # nothing to check
+    missing = load_config(None, ["zero.stage=3", "zero.offload_param=nvme", f"zero.nvme_path={tmp_path / 'no'}"])
+    with pytest.raises(RuntimeError, match="zero.offload_param=nvme: zero.nvme_path=.*not an existing folder"):
+        check_offload_support(missing)
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        pytest.skip("DeepSpeed's async_io op can be built here: nvme offload is allowed")
+    cfg = load_config(None, ["zero.stage=3", "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}"])
+    with pytest.raises(RuntimeError, match="zero.offload_optimizer=nvme: NVMe offload needs DeepSpeed's async_io op"):
+        check_offload_support(cfg)
