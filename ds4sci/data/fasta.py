@@ -49,8 +49,9 @@ _CLASS[np.frombuffer(_KEEP, dtype=np.uint8)] = 1
 _CLASS[np.frombuffer(_AMBIGUOUS, dtype=np.uint8)] = 2
 _VALID = _KEEP + _AMBIGUOUS + b"U"
 _VALID_ANY_CASE = _VALID + _VALID.lower()
-_UPPER = bytes.maketrans(_VALID.lower() + b"U", _VALID + b"T")  # also U -> T
-_TO_N = bytes.maketrans(_VALID.lower() + b"U" + _AMBIGUOUS, _VALID + b"T" + b"N" * len(_AMBIGUOUS))
+# One-pass translation tables (each byte is mapped once, so 'u' must go straight to 'T', 'r' straight to 'N').
+_UPPER = bytes.maketrans(b"ACGTNUacgtnu" + _AMBIGUOUS + _AMBIGUOUS.lower(), b"ACGTNTACGTNT" + _AMBIGUOUS * 2)
+_TO_N = bytes.maketrans(b"ACGTNUacgtnu" + _AMBIGUOUS + _AMBIGUOUS.lower(), b"ACGTNTACGTNT" + b"N" * 2 * len(_AMBIGUOUS))
 
 _OTHER_COMPRESSION = {b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"PK\x03\x04": "zip", b"\x28\xb5\x2f\xfd": "zstd"}
 
@@ -149,7 +150,9 @@ class _Reader:
 
     def _first_line_error(self, lineno: int, line: bytes) -> ValueError:
         text = line[:40].decode("utf-8", "replace")
-        if line.startswith(b"@"):
+        if line.translate(None, bytes(range(32, 127)) + b"\t"):  # control or non-ASCII bytes
+            why = f"line {lineno}: binary data ({text!r}): not a text FASTA file"
+        elif line.startswith(b"@"):
             why = f"looks like FASTQ (line {lineno} starts with '@'); convert it to FASTA (e.g. seqtk seq -A)"
         elif line.startswith((b"LOCUS", b"ID   ")):
             why = f"looks like GenBank/EMBL (line {lineno}: {text!r}); convert it to FASTA"
