@@ -19,6 +19,14 @@ from ds4sci.sequence.attention import DistributedAttention
 from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, all_to_all
 from ds4sci.sequence.groups import Coords, DeepSpeedMPU, ParallelDims, SequenceParallelGroups, build_groups
 from ds4sci.sequence.parallelize import parallelize
+from ds4sci.sequence.sharding import (
+    Layout,
+    gather_sequence,
+    pad_to_multiple,
+    shard_positions,
+    shard_sequence,
+    unshard_sequence,
+)
 from ds4sci.sequence.tensor_parallel import (
     gather_tensor_parallel,
     gather_vocab,
@@ -27,14 +35,6 @@ from ds4sci.sequence.tensor_parallel import (
     tensor_parallel_plan,
     token_loss_for,
     vocab_parallel_token_loss,
-)
-from ds4sci.sequence.sharding import (
-    Layout,
-    gather_sequence,
-    pad_to_multiple,
-    shard_positions,
-    shard_sequence,
-    unshard_sequence,
 )
 
 __all__ = [

@@ -35,9 +35,12 @@ state dict (:func:`gather_tensor_parallel`) is the single-device model's. Parame
 ``tensor_model_parallel = True`` (what DeepSpeed 0.19.8's ``deepspeed.runtime.utils.is_model_parallel_parameter``
 reads: gradient norms in ``clip_grad_norm_`` and ZeRO 1/2/3 count such a parameter on every TP rank and the others
 on TP rank 0 only, then sum over the model-parallel group, i.e. :class:`~ds4sci.sequence.DeepSpeedMPU`'s TP group)
-and ``ds4sci_tp_dim`` / ``ds4sci_tp_size`` (split dim, unpadded full size). Replicated parameters used on sequence
-shards (LayerNorms, row-parallel biases) get their gradient summed over TP in backward (:func:`sync_grad`), so every
-TP rank holds the same full gradient.
+and ``ds4sci_tp_dim`` / ``ds4sci_tp_size`` / ``ds4sci_tp_padded`` (split dim, unpadded and padded full size).
+Replicated LayerNorm parameters, used on sequence shards, get their gradient summed over TP in backward
+(:func:`sync_grad`); each row-parallel bias is added as ``bias/tp`` to every partial sum before the reduce-scatter,
+with its full gradient passed through (every TP rank sees the same output gradient), so every TP rank holds the
+same full gradient of every replicated parameter. Each parameter is used inside its own module's forward, as
+ZeRO-3's parameter gathering expects.
 
 Why not DeepSpeed AutoTP (checked in deepspeed 0.19.8):
 
@@ -88,6 +91,7 @@ __all__ = [
     "VocabParallelOutput",
     "SequenceRegionSplit",
     "SequenceParallelLayerNorm",
+    "RowParallelLinear",
     "TensorParallelAttention",
     "TensorParallelMLP",
     "TensorParallelBlock",
@@ -400,22 +404,60 @@ class SequenceParallelLayerNorm(nn.Module):
         return f"{tuple(self.normalized_shape)}, eps={self.eps}, gather={self.gather}"
 
 
+class _ShareBias(torch.autograd.Function):
+    """A replicated bias added to each of ``tp`` partial sums: ``b / tp`` forward, gradient passed through whole.
+
+    The partials are summed by a reduce-scatter whose backward all-gathers, so every TP rank receives the same full
+    output gradient ``G``; the bias gradient of the summed output, ``sum_tokens G``, is then what each rank computes
+    locally: exact, identical on every rank, and no all-reduce.
+    """
+
+    @staticmethod
+    def forward(ctx, bias, tp):
+        return bias / tp
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class RowParallelLinear(nn.Module):
+    """Row-parallel linear layer: ``weight [out, in/tp]`` (input columns of this TP rank) and the replicated ``bias``;
+    ``forward`` returns this rank's partial sum ``x @ weight.T + bias/tp`` (the caller reduce-scatters the partials).
+
+    The bias is used inside this module's own forward (ZeRO-3 gathers a module's parameters around its forward).
+    """
+
+    def __init__(self, linear: nn.Linear, tp: _TP):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.tp = tp
+        self.weight = _shard_param(linear.weight, 1, tp)
+        self.bias = linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = None if self.bias is None else _ShareBias.apply(self.bias, self.tp.size)
+        return F.linear(x, self.weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}/{self.tp.size}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 class TensorParallelAttention(nn.Module):
     """GenSLM attention on the heads of one TP rank: column-parallel ``query_key_value``, row-parallel ``dense``
-    whose bias the block adds after the reduce-scatter. ``forward`` returns the partial sum ``[B, T, hidden]``."""
+    (:class:`RowParallelLinear`). ``forward`` returns this rank's partial sum ``[B, T, hidden]``."""
 
     def __init__(self, attention: nn.Module, tp: _TP):
         super().__init__()
         H = attention.num_heads
         self.num_heads, self.head_dim = H // tp.size, attention.head_dim  # local heads
         self.rotary_dim, self.rotary_base = attention.rotary_dim, attention.rotary_base
-        qkv, dense = attention.query_key_value, attention.dense
+        qkv = attention.query_key_value
         qkv.weight = _shard_param(qkv.weight, 0, tp)  # [3*hidden/tp, hidden]: heads [t*H/tp, (t+1)*H/tp)
         qkv.bias = _shard_param(qkv.bias, 0, tp)
         qkv.out_features = qkv.weight.shape[0]
-        dense.weight = _shard_param(dense.weight, 1, tp)  # [hidden, hidden/tp]
-        dense.in_features = dense.weight.shape[1]
-        self.query_key_value, self.dense = qkv, dense
+        self.query_key_value = qkv
+        self.dense = RowParallelLinear(attention.dense, tp)  # [hidden, hidden/tp]
         self.core = TensorParallelCore(attention.core, tp.rank * self.num_heads)
 
     def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
@@ -426,31 +468,30 @@ class TensorParallelAttention(nn.Module):
             cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core(q, k, v, q_doc=doc_ids, k_doc=doc_ids)  # [B, T, H/tp, D]
-        return F.linear(out.reshape(B, T, -1), self.dense.weight)  # [B, T, hidden], partial over TP
+        return self.dense(out.reshape(B, T, -1))  # [B, T, hidden], partial over TP
 
 
 class TensorParallelMLP(nn.Module):
-    """GenSLM MLP on ``intermediate/tp`` columns; ``forward`` returns the partial sum without ``dense_4h_to_h``'s bias."""
+    """GenSLM MLP on ``intermediate/tp`` columns; ``forward`` returns this rank's partial sum ``[B, T, hidden]``."""
 
     def __init__(self, mlp: nn.Module, tp: _TP):
         super().__init__()
-        up, down = mlp.dense_h_to_4h, mlp.dense_4h_to_h
+        up = mlp.dense_h_to_4h
         up.weight, up.bias = _shard_param(up.weight, 0, tp), _shard_param(up.bias, 0, tp)  # [I/tp, hidden]
         up.out_features = up.weight.shape[0]
-        down.weight = _shard_param(down.weight, 1, tp)  # [hidden, I/tp]
-        down.in_features = down.weight.shape[1]
-        self.dense_h_to_4h, self.dense_4h_to_h = up, down
+        self.dense_h_to_4h = up
+        self.dense_4h_to_h = RowParallelLinear(mlp.dense_4h_to_h, tp)  # [hidden, I/tp]
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(F.gelu(self.dense_h_to_4h(x)), self.dense_4h_to_h.weight)  # [B, T, hidden], partial
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))  # [B, T, hidden], partial over TP
 
 
 class TensorParallelBlock(nn.Module):
     """GenSLM block ``x + attn(ln1(x)) + mlp(ln2(x))`` on a sequence region ``x [B, T/tp, hidden]``.
 
     LayerNorms on the region -> one all-gather of both normalised tensors -> column/row-parallel attention and MLP on
-    the full SP shard -> one reduce-scatter of their summed partials -> biases (gradients summed over TP) and the
-    residual on the region.
+    the full SP shard -> one reduce-scatter of their summed partials (row-parallel biases included) -> the residual
+    on the region.
     """
 
     def __init__(self, block: nn.Module, tp: _TP):
@@ -466,15 +507,12 @@ class TensorParallelBlock(nn.Module):
         g, c = self.tp.group, self.tp.counter
         normed = torch.stack([self.input_layernorm(x), self.post_attention_layernorm(x)])  # [2, B, T/tp, hidden]
         attn_in, mlp_in = all_gather_sequence_region(normed, g, 2, c).unbind(0)  # 2 x [B, T, hidden]
-        attn = self.attention(attn_in, position_ids, doc_ids)  # [B, T, hidden], partial over TP
+        attn = self.attention(attn_in, position_ids, doc_ids)  # [B, T, hidden], partial over TP (bias included)
         mlp = self.mlp(mlp_in)
-        attn_bias = sync_grad(self.attention.dense.bias, g, c)
-        mlp_bias = sync_grad(self.mlp.dense_4h_to_h.bias, g, c)
         if self.dropout.training and self.dropout.p > 0:  # dropout acts on each summed branch: reduce both
             attn, mlp = reduce_scatter_sequence_region(torch.stack([attn, mlp]), g, 2, c).unbind(0)  # [B, T/tp, h]
-            return x + self.dropout(attn + attn_bias) + self.dropout(mlp + mlp_bias)
-        out = reduce_scatter_sequence_region(attn + mlp, g, 1, c)  # [B, T/tp, hidden]
-        return x + (out + (attn_bias + mlp_bias))
+            return x + self.dropout(attn) + self.dropout(mlp)
+        return x + reduce_scatter_sequence_region(attn + mlp, g, 1, c)  # [B, T/tp, hidden]
 
 
 def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, counter: CommCounter | None = None) -> None:
