@@ -168,7 +168,8 @@ def test_example_configs_point_at_the_bundled_files(monkeypatch, tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)
-    for name, out in [("demo_ecoli_sp2.yaml", "demo"), ("codon_cds_sp2.yaml", "codon")]:
+    for name, out in [("demo_ecoli_sp2.yaml", "demo"), ("codon_cds_sp2.yaml", "codon"),
+                      ("ecoli_sp2_offload_ac.yaml", "offload_ac")]:
         cfg = load_config(root / "examples" / "configs" / name)
         assert Path(cfg.data.fasta).is_file() and Path(cfg.data.fasta).parent == root / "examples" / "data"
         assert cfg.train.out_dir == str(root / "runs" / out)
