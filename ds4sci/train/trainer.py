@@ -11,6 +11,10 @@ global batch (all data-parallel ranks, all sequence shards, all accumulation mic
 undoes DeepSpeed's per-stage gradient reduction; the equivalence tests prove it per ZeRO stage against
 single-process training.
 
+Memory switches: ZeRO-Offload / ZeRO-Infinity (``zero.offload_*``) go into the DeepSpeed config
+(:mod:`ds4sci.train.engine`); activation checkpointing (``activation_checkpointing.*``) is applied to the model
+after sequence parallelism (:mod:`ds4sci.train.checkpointing`). Neither changes the loss scale.
+
 The sequence-partitioned learned position table is kept OUT of the DeepSpeed engine and owned by
 :class:`ds4sci.train.position_table.PositionTable` (why: see there).
 """
