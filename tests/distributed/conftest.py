@@ -1,4 +1,4 @@
-"""tests/distributed: multi-process tests on gloo, spawned with ``_spawn.run_workers``.
+"""tests/distributed: multi-process tests on gloo, spawned with :func:`ds4sci.spawn.run_workers`.
 
 Worker functions live at module level in the test files: spawned processes import them by name, so this
 directory must be importable (added to ``sys.path`` here, whatever pytest's import mode).

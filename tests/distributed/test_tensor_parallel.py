@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _spawn import run_workers
+from ds4sci.spawn import run_workers
 from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, GenSLMConfig, shift_labels, token_loss
 from ds4sci.sequence import (
     CommCounter,

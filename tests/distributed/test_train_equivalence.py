@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from _spawn import run_workers
+from ds4sci.spawn import run_workers
 
 pytestmark = pytest.mark.distributed
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _spawn import run_workers
+from ds4sci.spawn import run_workers
 from test_train_equivalence import CLIP, ENV, _baseline, _compare, _overrides
 
 pytestmark = pytest.mark.distributed

@@ -45,6 +45,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         ("optim.betas=[0.9]", "optim.betas"),
         ("optim.eps=0", "optim.eps"),
         ("data.tokenizer=protein", "data.tokenizer"),
+        ("data.split=random", "data.split"),
         ("data.val_fraction=1.5", "data.val_fraction"),
         ("data.seq_len=30", "data.seq_len"),  # not divisible by ulysses=4 below
         ("parallel.ulysses=3", "parallel.ulysses"),  # does not divide the debug model's 4 heads
