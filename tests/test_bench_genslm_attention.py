@@ -120,8 +120,8 @@ def test_a_run_over_the_limit_fails_to_allocate_instead_of_exhausting_memory():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--seq-lens", "4K,abc"], "argument --seq-lens: '4K,abc': sequence lengths are positive integers"),
-    (["--seq-lens", "0"], "argument --seq-lens: '0': sequence lengths are positive integers"),
+    (["--seq-lens", "4K,abc"], "argument --seq-lens: '4K,abc': expected positive integers separated by commas"),
+    (["--seq-lens", "0"], "argument --seq-lens: '0': expected positive integers separated by commas"),
     (["--modes", "causal,sliding"], "argument --modes: unknown mode 'sliding'; choose from causal,alibi,documents"),
     (["--paths", "middle"], "argument --paths: unknown path 'middle'"),
 ])

@@ -24,7 +24,7 @@ import logging
 import time
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +32,7 @@ SCHEMES = ("ulysses", "ring", "hybrid")
 
 
 def _degrees(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    values = parse_int_list(text)
     bad = [v for v in values if v < 2 or v & (v - 1)]
     if bad:
         raise argparse.ArgumentTypeError(f"degrees must be powers of two >= 2, got {bad}")

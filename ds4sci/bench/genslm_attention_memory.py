@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, markdown_table, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +80,6 @@ _WARMUP_SEQ_LEN = 512
 # ----------------------------------------------------------------------------------------------------------
 
 
-def parse_seq_lens(text: str) -> tuple[int, ...]:
-    """``"4K,8192,16k"`` -> ``(4096, 8192, 16384)``: distinct positive lengths, sorted; ``K`` means 1024."""
-    lengths = []
-    for item in text.split(","):
-        item = item.strip()
-        scale = 1024 if item[-1:] in ("k", "K") else 1
-        digits = item[:-1] if scale != 1 else item
-        if not digits.isdigit() or int(digits) * scale < 1:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: sequence lengths are positive integers separated by commas, e.g. 4K,8K or 4096,8192")
-        lengths.append(int(digits) * scale)
-    return tuple(sorted(set(lengths)))
-
-
 def _choice_list(choices: tuple[str, ...], what: str):
     def parse(text: str) -> tuple[str, ...]:
         items = tuple(dict.fromkeys(item.strip() for item in text.split(",")))
@@ -108,7 +94,7 @@ def _choice_list(choices: tuple[str, ...], what: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
-    parser.add_argument("--seq-lens", type=parse_seq_lens, default=DEFAULT_SEQ_LENS, metavar="S,S,...",
+    parser.add_argument("--seq-lens", type=parse_int_list, default=DEFAULT_SEQ_LENS, metavar="S,S,...",
                         help="sequence lengths, comma-separated, K = 1024 (default: 4K,8K,16K,32K,64K)")
     parser.add_argument("--modes", type=_choice_list(MODES, "mode"), default=MODES, metavar="MODE,...",
                         help=f"any of {','.join(MODES)} (default: all)")

@@ -25,24 +25,14 @@ import argparse
 
 import torch
 
-from ds4sci.bench.report import markdown_table, write_report
+from ds4sci.bench.report import markdown_table, parse_int_list, write_report
 
 GIB = 2.0**30
 PAPER_SEQ_LENS = (50_000, 100_000, 200_000, 500_000)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seq-lens", type=_ints, default=(512, 1024, 2048), metavar="S,S,...",
+    parser.add_argument("--seq-lens", type=parse_int_list, default=(512, 1024, 2048), metavar="S,S,...",
                         help="sequence lengths measured here (default: 512,1024,2048)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size measured here (default: %(default)s)")
     parser.add_argument("--degree", type=int, default=4, help="sequence-parallel degree P (default: %(default)s)")

@@ -1,11 +1,27 @@
 """Report files shared by the benchmarks: ``NAME.json`` (the figures) and ``NAME.md`` (a readable table)."""
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 MIB = 2.0**20
+
+
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """``"4K,8192,16k"`` -> ``(4096, 8192, 16384)``: distinct positive integers, sorted; ``K`` means 1024 (the
+    ``type=`` of the benchmarks' list options)."""
+    values = []
+    for item in text.split(","):
+        item = item.strip()
+        scale = 1024 if item[-1:] in ("k", "K") else 1
+        digits = item[:-1] if scale != 1 else item
+        if not digits.isdigit() or int(digits) * scale < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected positive integers separated by commas, e.g. 4K,8K or 4096,8192")
+        values.append(int(digits) * scale)
+    return tuple(sorted(set(values)))
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:

@@ -17,7 +17,7 @@ import argparse
 import logging
 import time
 
-from ds4sci.bench.report import MIB, markdown_table, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -25,22 +25,11 @@ SCHEMES = ("ulysses", "ring", "hybrid")
 _WARMUP_TOKENS = 64
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v.upper().replace("K", "")) * (1024 if v.upper().endswith("K") else 1)
-                       for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers (K = 1024), got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
-    parser.add_argument("--seq-lens", type=_ints, default=(2048, 4096, 8192, 16384), metavar="S,S,...",
+    parser.add_argument("--seq-lens", type=parse_int_list, default=(2048, 4096, 8192, 16384), metavar="S,S,...",
                         help="sequence lengths, K = 1024 (default: 2K,4K,8K,16K)")
-    parser.add_argument("--degrees", type=_ints, default=(1, 2, 4), metavar="P,P,...",
+    parser.add_argument("--degrees", type=parse_int_list, default=(1, 2, 4), metavar="P,P,...",
                         help="sequence-parallel degrees; 1 is the single-process baseline (default: 1,2,4)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default: %(default)s)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
