@@ -22,7 +22,6 @@ every Triton launch recorded instead of run, so these tests follow the launchers
   compiled too: ptxas allocates registers per variant, and flag-off variants were seen to spill where the all-flags
   one did not.
 """
-import argparse
 import itertools
 import json
 import subprocess
@@ -36,7 +35,15 @@ from ds4sci.bench import kernels_aot
 from ds4sci.bench.kernels_aot import Call, Variant
 from ds4sci.kernels import evoformer_attention
 
-SM80_SMEM, SM90_SMEM = 166912, 232448  # max dynamic shared memory per block: 163 KB (A100), 227 KB (H100)
+from aot_checks import (  # tests/ is on sys.path (its conftest.py)
+    SM80_SMEM,
+    SM90_SMEM,
+    assert_compiled_within_smem,
+    assert_exponents,
+    assert_resources,
+    assert_spill_free,
+    gate,
+)
 NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 def test_targets_and_limits():
@@ -261,50 +268,6 @@ def test_ptx_checker_on_triton_output_of_both_forms(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _gate(tmp_path, *argv):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out")
-    kernels_aot.add_arguments(parser)
-    rc = kernels_aot.run(parser.parse_args(["--out", str(tmp_path), "--jobs", "2", *argv]))
-    report = json.loads((tmp_path / "kernels_aot.json").read_text())
-    return rc, report, (tmp_path / "kernels_aot.md").read_text()
-
-
-def _where(r):
-    return f"{r['case']}: {r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
-
-
-def _assert_compiled_within_smem(results):
-    for r in results:
-        where = _where(r)
-        assert r["error"] is None, f"{where}: {r['error']}"
-        limit = SM80_SMEM if r["target"] == "sm_80" else SM90_SMEM
-        assert 0 < r["shared_bytes"] <= limit, f"{where}: {r['shared_bytes']} B of shared memory"
-        assert 0 < r["registers"] <= 255, where
-    assert {r["target"] for r in results} == {"sm_80", "sm_90a"}
-
-
-def _assert_spill_free(results):
-    spilling = [f"{_where(r)}: {r['spill_stores']}/{r['spill_loads']} B" for r in results
-                if (r["spill_stores"], r["spill_loads"]) != (0, 0)]
-    assert not spilling, f"{len(spilling)} compilations spill:\n" + "\n".join(spilling)
-    assert all(r["resources_ok"] for r in results)
-
-
-def _assert_resources(results):
-    _assert_compiled_within_smem(results)
-    _assert_spill_free(results)
-
-
-def _assert_exponents(results):
-    for r in results:
-        assert r["error"] is None, f"{_where(r)}: {r['error']}"
-        if r["kernel"] != "bwd_preprocess":
-            assert r["ex2"] > 0, _where(r)
-        assert r["unsafe_ex2"] == [], f"{_where(r)}: {len(r['unsafe_ex2'])} of {r['ex2']}: {r['unsafe_ex2'][0]}"
-        assert r["exponents_ok"], _where(r)
-
-
 # Compiling a gate's variants takes minutes on 2 cores (the 408 shipped ones about 4-10 min, depending on load): more
 # than the suite's 600 s per-test limit allows for one test that sets the shared fixture up.
 _COMPILE_TIMEOUT = 1800
@@ -322,19 +285,19 @@ def forward_backward_compiled():
 @pytest.mark.slow
 @pytest.mark.timeout(_COMPILE_TIMEOUT)
 def test_forward_and_backward_compile_for_sm80_and_sm90(forward_backward_compiled):
-    _assert_resources(forward_backward_compiled)
+    assert_resources(forward_backward_compiled)
     assert all(r["ex2"] > 0 for r in forward_backward_compiled)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(_COMPILE_TIMEOUT)
 def test_forward_and_backward_exponents_are_scaled_differences(forward_backward_compiled):
-    _assert_exponents(forward_backward_compiled)
+    assert_exponents(forward_backward_compiled)
 
 
 @pytest.fixture(scope="module")
 def callers_gate(tmp_path_factory):
-    return _gate(tmp_path_factory.mktemp("callers"), "--set", "callers")
+    return gate(tmp_path_factory.mktemp("callers"), "--set", "callers")
 
 
 @pytest.mark.slow
@@ -345,7 +308,7 @@ def test_callers_compile_within_smem(callers_gate):
     assert len(results) == 2 * len(kernels_aot.caller_variants())
     assert {r["case"] for r in results} == {c.name for c in kernels_aot.CALLERS}
     assert report["set"] == "callers" and len(report["callers"]) == len(kernels_aot.CALLERS)
-    _assert_compiled_within_smem(results)
+    assert_compiled_within_smem(results)
     assert "msa-row N=1" in table and "not %16" in table
 
 
@@ -354,18 +317,18 @@ def test_callers_compile_within_smem(callers_gate):
 def test_callers_are_spill_free(callers_gate):
     # Found by this gate before the tile table covered callers: 24 of 124 compilations spilled (bwd_dq bf16 D=32
     # with the permuted pair bias on sm_90a, 120/88 B; fwd fp16 D=24 on sm_80, 260/232 B).
-    _assert_spill_free(callers_gate[1]["results"])
+    assert_spill_free(callers_gate[1]["results"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(_COMPILE_TIMEOUT)
 def test_callers_exponents_are_scaled_differences(callers_gate):
-    _assert_exponents(callers_gate[1]["results"])
+    assert_exponents(callers_gate[1]["results"])
 
 
 @pytest.fixture(scope="module")
 def shipped_gate(tmp_path_factory):
-    return _gate(tmp_path_factory.mktemp("shipped"), "--set", "shipped")
+    return gate(tmp_path_factory.mktemp("shipped"), "--set", "shipped")
 
 
 @pytest.mark.slow
@@ -376,7 +339,7 @@ def test_every_table_entry_compiles_for_sm80_and_sm90_within_smem_and_spill_free
     expected = kernels_aot.shipped_variants(worst_case_only=False)
     assert len(results) == 2 * len(expected)
     assert {r["case"] for r in results} == {"representative"}
-    _assert_resources(results)
+    assert_resources(results)
     assert table.count("| representative |") == len(expected) and "| error |" not in table
 
 
@@ -384,6 +347,6 @@ def test_every_table_entry_compiles_for_sm80_and_sm90_within_smem_and_spill_free
 @pytest.mark.timeout(_COMPILE_TIMEOUT)
 def test_every_table_entry_computes_exponents_from_differences(shipped_gate):
     rc, report, table = shipped_gate
-    _assert_exponents(report["results"])
+    assert_exponents(report["results"])
     assert rc == 0 and report["all_ok"]
     assert table.count("| yes |") == len(report["results"]) // 2 and "| NO |" not in table

@@ -15,18 +15,17 @@ and backward on CPU tensors, every launch recorded instead of run).
   compilations, 1-3 minutes on 2 cores) and checks shared memory, spills and exponents. ``--set local-full`` (every
   flag combination and fp16: 288 compilations) is run by hand (``ds4sci bench kernels-aot --set local-full``).
 """
-import argparse
 import itertools
-import json
 
 import pytest
 import torch
+
+from aot_checks import assert_exponents, assert_resources, gate  # tests/ is on sys.path (its conftest.py)
 
 from ds4sci.bench import kernels_aot
 from ds4sci.bench.kernels_aot import LocalCall, LocalVariant
 from ds4sci.kernels.triton_local_attention import triton_attention
 
-SM80_SMEM, SM90_SMEM = 166912, 232448  # max dynamic shared memory per block: 163 KB (A100), 227 KB (H100)
 NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -106,18 +105,9 @@ def test_block_dependent_integers_are_not_specialised():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _where(r):
-    return f"{r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
-
-
 @pytest.fixture(scope="module")
 def local_gate(tmp_path_factory):
-    out = tmp_path_factory.mktemp("local")
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out")
-    kernels_aot.add_arguments(parser)
-    rc = kernels_aot.run(parser.parse_args(["--out", str(out), "--jobs", "2", "--set", "local"]))
-    return rc, json.loads((out / "kernels_aot.json").read_text()), (out / "kernels_aot.md").read_text()
+    return gate(tmp_path_factory.mktemp("local"), "--set", "local")
 
 
 @pytest.mark.slow
@@ -126,16 +116,7 @@ def test_local_kernels_compile_for_sm80_and_sm90_within_smem_spill_free_and_with
     rc, report, table = local_gate
     results = report["results"]
     assert len(results) == 2 * len(kernels_aot.variants_for("local")) == 96
-    assert {r["target"] for r in results} == {"sm_80", "sm_90a"}
-    for r in results:
-        where = _where(r)
-        assert r["error"] is None, f"{where}: {r['error']}"
-        limit = SM80_SMEM if r["target"] == "sm_80" else SM90_SMEM
-        assert 0 < r["shared_bytes"] <= limit, f"{where}: {r['shared_bytes']} B of shared memory"
-        assert 0 < r["registers"] <= 255, where
-        spills = (r["spill_stores"], r["spill_loads"])
-        assert spills == (0, 0), f"{where}: spill stores/loads {spills} B"
-        assert r["ex2"] > 0, where
-        assert r["unsafe_ex2"] == [], f"{where}: {len(r['unsafe_ex2'])} of {r['ex2']}: {r['unsafe_ex2'][0]}"
+    assert_resources(results)  # compiled, within shared memory and 255 registers, no spills, both targets
+    assert_exponents(results)  # every kernel has ex2, none fed by a fused multiply-add
     assert rc == 0 and report["all_ok"]
     assert table.count("| local representative |") == len(results) // 2 and "| NO |" not in table

@@ -1,0 +1,52 @@
+"""Checks of ``ds4sci bench kernels-aot`` results shared by the Evoformer and local-attention AOT tests."""
+import argparse
+import json
+
+from ds4sci.bench import kernels_aot
+
+SM80_SMEM, SM90_SMEM = 166912, 232448  # max dynamic shared memory per block: 163 KB (A100), 227 KB (H100)
+
+
+def gate(tmp_path, *argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    kernels_aot.add_arguments(parser)
+    rc = kernels_aot.run(parser.parse_args(["--out", str(tmp_path), "--jobs", "2", *argv]))
+    report = json.loads((tmp_path / "kernels_aot.json").read_text())
+    return rc, report, (tmp_path / "kernels_aot.md").read_text()
+
+
+def where(r):
+    """The compilation a failure message names."""
+    return f"{r['case']}: {r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
+
+
+def assert_compiled_within_smem(results):
+    for r in results:
+        at = where(r)
+        assert r["error"] is None, f"{at}: {r['error']}"
+        limit = SM80_SMEM if r["target"] == "sm_80" else SM90_SMEM
+        assert 0 < r["shared_bytes"] <= limit, f"{at}: {r['shared_bytes']} B of shared memory"
+        assert 0 < r["registers"] <= 255, at
+    assert {r["target"] for r in results} == {"sm_80", "sm_90a"}
+
+
+def assert_spill_free(results):
+    spilling = [f"{where(r)}: {r['spill_stores']}/{r['spill_loads']} B" for r in results
+                if (r["spill_stores"], r["spill_loads"]) != (0, 0)]
+    assert not spilling, f"{len(spilling)} compilations spill:\n" + "\n".join(spilling)
+    assert all(r["resources_ok"] for r in results)
+
+
+def assert_resources(results):
+    assert_compiled_within_smem(results)
+    assert_spill_free(results)
+
+
+def assert_exponents(results):
+    for r in results:
+        assert r["error"] is None, f"{where(r)}: {r['error']}"
+        if r["kernel"] != "bwd_preprocess":
+            assert r["ex2"] > 0, where(r)
+        assert r["unsafe_ex2"] == [], f"{where(r)}: {len(r['unsafe_ex2'])} of {r['ex2']}: {r['unsafe_ex2'][0]}"
+        assert r["exponents_ok"], where(r)
