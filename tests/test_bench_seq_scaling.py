@@ -37,6 +37,7 @@ def test_one_real_measurement_per_rank():
 
 @pytest.mark.parametrize("argv, message", [
     (["--seq-lens", "1004", "--degrees", "1,4"], "--seq-lens [1004]: must be multiples of 8 for ring at P=4"),
+    (["--layers", "0"], "--layers=0: must be > 0"),
     (["--heads", "6", "--hidden", "12", "--degrees", "4"], "--heads=6: the ulysses Ulysses degree 4 at P=4"),
 ])
 def test_bad_arguments_one_line(argv, message, capsys):

@@ -173,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         seq_lens, degrees = args.seq_lens, args.degrees
         shape = {"hidden": args.hidden, "heads": args.heads, "layers": args.layers}
+    for name, value in (("--hidden", shape["hidden"]), ("--heads", shape["heads"]), ("--layers", shape["layers"]),
+                        ("--budget-mib", args.budget_mib)):
+        if value <= 0:
+            raise ValueError(f"{name}={value:g}: must be > 0")
     if shape["hidden"] % shape["heads"]:
         raise ValueError(f"--hidden={shape['hidden']} is not divisible by --heads={shape['heads']}")
     for P in degrees:

@@ -588,8 +588,10 @@ def vocab_parallel_token_loss(logits: Tensor, targets: Tensor, reduction: str = 
         return token_loss(logits, targets, reduction)
     vocab = logits.shape[-1] * world
     valid = targets != IGNORE_INDEX
-    if bool(((targets[valid] < 0) | (targets[valid] >= vocab)).any()):
-        raise ValueError(f"targets must be in [0, {vocab}) or {IGNORE_INDEX}")
+    real = targets[valid]
+    if bool(((real < 0) | (real >= vocab)).any()):
+        raise ValueError(f"targets must be in [0, {vocab}) or {IGNORE_INDEX}, got range "
+                         f"[{int(real.min())}, {int(real.max())}]")
     per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), group,
                                                  counter)
     total = per_token.sum()

@@ -157,6 +157,9 @@ def _worker_tp2(rank, world):
     model = _parallel(_config(), 0, groups)
     ids, pos, _, _ = _batch(_config(), 1, 9, 0, False)
     _expect_value_error("sequence", "has 9 tokens, not divisible by tp=2", lambda: model(ids, pos))
+    logits = torch.zeros(1, 4, 3)  # a vocabulary of 6 over two ranks
+    _expect_value_error("targets", "targets must be in [0, 6) or -100, got range [0, 7]",
+                        lambda: token_loss_for(groups)(logits, torch.tensor([[0, 7, IGNORE_INDEX, 2]])))
     return True
 
 
