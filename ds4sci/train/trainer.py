@@ -20,6 +20,7 @@ The sequence-partitioned learned position table is kept OUT of the DeepSpeed eng
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -60,6 +61,15 @@ def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.u
     return tok, *load_datasets(corpus, tok, dataset=d.dataset, seq_len=d.seq_len, stride=d.stride,
                                val_fraction=d.val_fraction, split=d.split, max_train_tokens=d.max_train_tokens,
                                reverse_complement=d.reverse_complement, seed=cfg.train.seed)
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The training sample order of ``epoch``: a seeded permutation of ``n`` samples, computed once per epoch (not
+    once per micro-batch: at 40M windows a permutation takes about 0.5 s)."""
+    order = np.random.default_rng((seed, epoch)).permutation(n)
+    order.flags.writeable = False
+    return order
 
 
 def _ignored(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -122,7 +132,7 @@ class Trainer:
             epoch, slot = divmod(index, n // per_micro)
             if hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(epoch)
-            order = np.random.default_rng((t.seed, epoch)).permutation(n)[slot * per_micro + start:]
+            order = _epoch_order(t.seed, epoch, n)[slot * per_micro + start:]
             samples = [dataset[int(i)] for i in order[: t.micro_batch_size]]
         else:
             first = index * per_micro + start
