@@ -33,11 +33,14 @@ DeepSpeed 0.19.8 facts (``deepspeed/runtime/activation_checkpointing/checkpointi
   tensors (``get_cpu_activations_for_backward``; measured here). With ``partition_activations`` the input is
   sliced and CLONED before the move, so the copy survives. :func:`apply_activation_checkpointing` therefore turns
   ``partition_activations`` on exactly when ``cpu`` is on. Partitioning splits each checkpointed input over the
-  tensor-parallel group (DeepSpeed's model-parallel group, ``DeepSpeedMPU``) and all-gathers it in backward:
-  at ``parallel.tp = 1`` the one partition is the whole tensor, so it is a clone and nothing else. With
-  ``tp > 1`` it assumes the input is replicated over the tensor group, which Megatron-style sequence-parallel
-  regions break: revisit when tensor parallelism is wired into training. On a CPU-only machine the CPU copy is
-  exact and tested, and saves nothing.
+  ``mpu``'s tensor-parallel group and all-gathers it in backward, which assumes the input is REPLICATED over
+  that group (Megatron-LM without sequence parallelism). Under :mod:`ds4sci.sequence.tensor_parallel` no
+  checkpointed input is: a block's input is this TP rank's sequence region ``[B, T/(sp*tp), hidden]`` and an
+  attention core's q, k, v hold this rank's heads, so gathering pieces of different tensors would rebuild a wrong
+  input. DeepSpeed is therefore configured with :data:`_UNPARTITIONED`, a tensor-parallel group of one: the one
+  partition is the whole input, a clone and nothing else, at every ``parallel.tp`` (nothing replicated is left
+  to split: sequence-parallel regions already divide the activations by ``tp``). On a CPU-only machine the CPU
+  copy is exact and tested, and saves nothing.
 - With ``partition_activations`` DeepSpeed miscounts non-tensor arguments (a ``None`` becomes two entries:
   "run() takes 5 positional arguments but 7 were given"), so :func:`checkpoint` passes only the non-``None``
   arguments through DeepSpeed and binds the others in a closure.
@@ -97,12 +100,28 @@ class CheckpointedCore(nn.Module):
         return checkpoint(run, q, k, v, q_doc, None if same else k_doc)
 
 
-def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingConfig, mpu=None) -> None:
+class _TensorGroupOfOne:
+    """The ``mpu`` DeepSpeed's activation checkpointing reads: a tensor-parallel group of one, so checkpointed
+    inputs are never split over TP ranks (they differ across them; see the module docstring)."""
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_tensor_model_parallel_group(self) -> None:
+        return None
+
+
+_UNPARTITIONED = _TensorGroupOfOne()
+
+
+def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingConfig) -> None:
     """Turn on ``cfg.mode`` activation checkpointing in ``model`` (in place; no-op for ``"none"``).
 
-    Call after :func:`ds4sci.sequence.parallelize` and before the DeepSpeed engine is built; torch.distributed
-    must be initialised (DeepSpeed's ``configure`` logs on rank 0). ``mpu``: the
-    :class:`~ds4sci.sequence.DeepSpeedMPU` (its tensor-parallel group is DeepSpeed's model-parallel group).
+    Call after :func:`ds4sci.sequence.parallelize` (any tensor, Ulysses and ring degrees) and before the DeepSpeed
+    engine is built; torch.distributed must be initialised (DeepSpeed's ``configure`` logs on rank 0).
     """
     if cfg.mode == "none":
         return
@@ -111,7 +130,7 @@ def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingCo
     import deepspeed
 
     # partition_activations with cpu: DeepSpeed's CPU copy needs it (see the module docstring)
-    deepspeed.checkpointing.configure(mpu, partition_activations=cfg.cpu, contiguous_checkpointing=False,
+    deepspeed.checkpointing.configure(_UNPARTITIONED, partition_activations=cfg.cpu, contiguous_checkpointing=False,
                                       checkpoint_in_cpu=cfg.cpu, synchronize=False, profile=False)
     if cfg.mode == "full":
         model.checkpoint_fn = checkpoint

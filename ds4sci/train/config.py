@@ -62,7 +62,8 @@ class ModelConfig:
 class ParallelConfig:
     ulysses: int = _field(default=1, help='Ulysses (all-to-all) sequence-parallel degree; tp x ulysses must divide the heads')
     ring: int = _field(default=1, help='ring-attention sequence-parallel degree')
-    tp: int = _field(default=1, help='tensor-parallel degree (Megatron-style; not wired into training yet: must be 1)')
+    tp: int = _field(default=1, help='tensor-parallel degree (Megatron-LM with sequence-parallel regions): splits heads, '
+                    'MLP width and vocabulary; tp x ulysses must divide the heads, tp the MLP width')
     pp: int = _field(default=1, help='pipeline-parallel degree (not supported yet: must be 1)')
     dp: int = _field(default=0,
                     help='data-parallel degree; 0 -> what the world size leaves (world / (tp x ulysses x ring x pp)), '
@@ -203,7 +204,6 @@ class Config:
         dims = p.dims()
         # Degrees the trainer cannot run yet (issue #14): each refusal is this one line; lift it when training
         # supports the degree.
-        check(p.tp == 1, "parallel.tp", p.tp, "tensor parallelism is not wired into training yet; use parallel.tp=1")
         check(p.pp == 1, "parallel.pp", p.pp, "pipeline parallelism is not supported yet; use parallel.pp=1")
         self._validate_zero_and_checkpointing(check)
         check(t.steps >= 1, "train.steps", t.steps, "must be >= 1")

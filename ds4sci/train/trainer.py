@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 
 from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, collate, read_fasta, split_records, split_region
-from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, shift_labels, token_loss
-from ds4sci.sequence import DeepSpeedMPU, build_groups, parallelize, shard_sequence
+from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, shift_labels
+from ds4sci.sequence import (build_groups, gather_tensor_parallel, parallelize, shard_sequence, tensor_parallel_plan,
+                             token_loss_for)
 from ds4sci.train.checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import Config
 from ds4sci.train.engine import build_engine, init_distributed
@@ -104,7 +105,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         model = GenSLM(self.model_config)
         table = parallelize(model, self.groups)
-        apply_activation_checkpointing(model, cfg.activation_checkpointing, DeepSpeedMPU(self.groups))
+        self.tp_plan = tensor_parallel_plan(model)  # the TP-split parameters: gathered for the export
+        self.loss_fn = token_loss_for(self.groups)  # vocabulary-parallel cross entropy when tp > 1
+        apply_activation_checkpointing(model, cfg.activation_checkpointing)
         self.engine = build_engine(model, cfg, self.groups, self.device)
         self.pos_table = PositionTable(table, self.groups, cfg, self.device) if table is not None else None
         self.step = 0
@@ -148,11 +151,13 @@ class Trainer:
         pos_embeds = self.pos_table(batch["position_ids"]) if self.pos_table is not None else None
         logits = self.engine(batch["input_ids"], batch["position_ids"], batch.get("doc_ids"), position_embeds=pos_embeds)
         tgt = batch["targets"]
-        return token_loss(logits, tgt, "sum"), (tgt != IGNORE_INDEX).sum()
+        return self.loss_fn(logits, tgt, "sum"), (tgt != IGNORE_INDEX).sum()
 
-    def _all_sum(self, x: torch.Tensor, group=None) -> torch.Tensor:
+    def _all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the sequence x data group: every token of the global batch once (the TP ranks of a
+        sequence shard hold the same tokens and the same loss)."""
         x = x.detach().to(torch.float64).clone()
-        dist.all_reduce(x, group=group)
+        dist.all_reduce(x, group=self.groups.sdp)
         return x
 
     # ---------------------------------------------------------------------------------------------------- train
@@ -245,13 +250,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded GenSLM state dict (ZeRO-3 parameters gathered, position table assembled), on the CPU."""
+        """The single-device GenSLM state dict, on the CPU: ZeRO-3 parameters gathered, tensor-parallel pieces
+        gathered (vocabulary padding removed), position table assembled; the same keys and shapes whatever the
+        layout (collective: every rank calls it)."""
         import deepspeed
 
         module = self.engine.module
         params = list(module.parameters())
+        state = {}
         with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.zero.stage == 3):
-            state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+            for k, v in module.state_dict().items():  # one full tensor at a time on the device (NCCL gathers there)
+                full = gather_tensor_parallel({k: v.detach()}, self.groups, self.tp_plan)[k]
+                state[k] = full.float().cpu().clone()
         if self.pos_table is not None:
             state["embed_pos.weight"] = self.pos_table.gather().float()
         return state
