@@ -50,6 +50,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "compile every Triton kernel variant (Evoformer, OpenFold's launches, local attention) for sm_80/sm_90 "
         "without a GPU: shared memory, registers, spills, exponents built from fused multiply-adds",
     ),
+    "throughput": (
+        "ds4sci.bench.throughput",
+        "training tokens/s of ds4sci's GenSLM vs Hugging Face's GPTNeoXForCausalLM with the same configuration and "
+        "weights, alternating in one process: the ratio's median and spread over rounds",
+    ),
 }
 
 

@@ -1,0 +1,269 @@
+"""``ds4sci bench throughput``: training tokens/s of ds4sci's GenSLM against Hugging Face's ``GPTNeoXForCausalLM``.
+
+Both models compute the same function. One GPT-NeoX configuration (rotary positions on ``rotary_pct`` of each head,
+parallel residual, GELU, untied head: the GPT-NeoX form GenSLM converts, :mod:`ds4sci.models.genslm.neox`) builds
+Hugging Face's model, and through :func:`~ds4sci.models.genslm.config_from_gpt_neox` ds4sci's GenSLM (Zvyagin et al.
+2022; Black et al. 2022, GPT-NeoX-20B). GenSLM's initial weights are copied into Hugging Face's model with
+:func:`~ds4sci.models.genslm.to_gpt_neox_state_dict`, and before anything is timed the logits of both on the benchmark
+batch must agree (:func:`check_same_function`), so a converter bug cannot pass for a speed-up.
+
+Timing, in one process: each round times ``--steps`` training steps (forward, next-token cross entropy
+:func:`~ds4sci.models.genslm.lm_loss` on both, backward, ``torch.optim.AdamW`` step) of one model, then of the
+other, the order swapped every round so that drift (other processes, thermal, allocator) falls on both; each model
+first runs ``--warmup`` untimed steps. tokens/s = batch x sequence length x steps / seconds; the ratio
+ds4sci / Hugging Face is taken per round and reported as its median, quartiles and min/max over the rounds.
+
+Writes ``throughput.json``, ``throughput.md`` and ``throughput.png`` (tokens/s per round and the ratio's spread) to
+``--out``. Needs transformers (``pip install 'ds4sci[dev]'``); without it the command says so and exits with 1.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import statistics
+import time
+
+import torch
+
+from ds4sci.bench.report import markdown_table, write_report
+from ds4sci.models.genslm import GenSLM, config_from_gpt_neox, lm_loss, to_gpt_neox_state_dict
+from ds4sci.models.genslm.config import ATTENTION_BACKENDS
+
+logger = logging.getLogger(__name__)
+
+MODELS = ("ds4sci", "hf")
+#: guard of :func:`check_same_function`: max |logits_ds4sci - logits_hf| <= LOGIT_RTOL * max(1, max |logits_hf|)
+LOGIT_RTOL = 1e-4
+#: option -> (default, help); every one must be >= 1. Defaults: GenSLM's 25M shape (hidden 512, 8 layers, 8 heads)
+_INT_OPTIONS = {
+    "hidden": (512, "hidden size"),
+    "layers": (8, "transformer layers"),
+    "heads": (8, "attention heads"),
+    "seq_len": (512, "tokens per sequence"),
+    "batch": (2, "sequences per step"),
+    "rounds": (5, "timed rounds (each times both models)"),
+    "steps": (2, "timed training steps per model per round"),
+    "warmup": (1, "untimed training steps per model before the first round"),
+    "threads": (1, "torch threads (1 keeps other processes on a shared machine from skewing the ratio)"),
+}
+_QUICK = {"hidden": 64, "layers": 2, "heads": 4, "seq_len": 64, "batch": 2, "rounds": 3, "steps": 1, "warmup": 1}
+_VOCAB = 69  # GenSLM's codon vocabulary
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
+    for name, (default, help_text) in _INT_OPTIONS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                            help=f"{help_text} (default: %(default)s)")
+    parser.add_argument("--rotary-pct", type=float, default=0.25,
+                        help="fraction of each head's dims rotated (GPT-NeoX's default: %(default)s)")
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                        help="ds4sci GenSLM attention backend (default: %(default)s)")
+    parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
+                        help="Hugging Face attn_implementation (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in _QUICK.items()))
+
+
+def config_from_args(args: argparse.Namespace) -> dict:
+    """The run configuration: the options (``--quick`` overriding the shape), checked; ``ValueError`` names a bad
+    value."""
+    cfg = {name: getattr(args, name) for name in _INT_OPTIONS}
+    cfg |= {"rotary_pct": args.rotary_pct, "attention_backend": args.attention_backend,
+            "hf_attention": args.hf_attention, "seed": args.seed}
+    if args.quick:
+        cfg |= _QUICK
+    for name in _INT_OPTIONS:
+        if cfg[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={cfg[name]}: must be >= 1")
+    if cfg["hidden"] % cfg["heads"]:
+        raise ValueError(f"--hidden={cfg['hidden']} is not divisible by --heads={cfg['heads']}")
+    if not 0 <= cfg["rotary_pct"] <= 1:
+        raise ValueError(f"--rotary-pct={cfg['rotary_pct']}: must be in [0, 1]")
+    return cfg
+
+
+def command_line(cfg: dict, out: str) -> str:
+    """The ``ds4sci bench throughput`` command that reproduces ``cfg``, every option spelled out."""
+    options = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in cfg.items())
+    return f"ds4sci bench throughput {options} --out {out}"
+
+
+def transformers_missing() -> str | None:
+    """Why ``transformers.GPTNeoXForCausalLM`` cannot be imported here, or None when it can."""
+    try:
+        from transformers import GPTNeoXForCausalLM  # noqa: F401
+    except ImportError as err:
+        return f"ds4sci bench throughput needs transformers ({err}); install it with pip install 'ds4sci[dev]'"
+    return None
+
+
+def build_models(cfg: dict) -> tuple[GenSLM, torch.nn.Module]:
+    """ds4sci's GenSLM and Hugging Face's ``GPTNeoXForCausalLM`` from one GPT-NeoX configuration, GenSLM's initial
+    weights copied into Hugging Face's model; both in training mode, fp32, on the CPU."""
+    import transformers
+
+    hf_config = transformers.GPTNeoXConfig(
+        vocab_size=_VOCAB, hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"], intermediate_size=4 * cfg["hidden"],
+        max_position_embeddings=cfg["seq_len"], rotary_pct=cfg["rotary_pct"], use_parallel_residual=True,
+        hidden_act="gelu", tie_word_embeddings=False, attention_dropout=0.0, hidden_dropout=0.0,
+        attn_implementation=cfg["hf_attention"],
+    )
+    torch.manual_seed(cfg["seed"])
+    ours = GenSLM(dataclasses.replace(config_from_gpt_neox(hf_config), attention_backend=cfg["attention_backend"]))
+    hf = transformers.GPTNeoXForCausalLM(hf_config)
+    head_key = "lm_head.weight" if "lm_head.weight" in hf.state_dict() else "embed_out.weight"  # transformers >= 5
+    missing, unexpected = hf.load_state_dict(to_gpt_neox_state_dict(ours, head_key=head_key), strict=False)
+    missing = [k for k in missing if k in dict(hf.named_parameters())]  # buffers (rotary inv_freq) are not weights
+    if missing or unexpected:
+        raise RuntimeError(f"GenSLM -> GPT-NeoX weights do not line up: missing {missing}, unexpected {unexpected}")
+    return ours.train(), hf.train()
+
+
+def make_batch(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codon tokens ``[B, S]`` and their positions ``[B, S]`` (0..S-1 in every row)."""
+    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    ids = torch.randint(0, _VOCAB, (cfg["batch"], cfg["seq_len"]), generator=g)
+    return ids, torch.arange(cfg["seq_len"]).expand_as(ids)
+
+
+def _logits(name: str, model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return model(ids, pos) if name == "ds4sci" else model(input_ids=ids, position_ids=pos).logits
+
+
+def check_same_function(ours: GenSLM, hf: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor) -> float:
+    """max |logits_ds4sci - logits_hf| on ``ids``; ``RuntimeError`` when it exceeds ``LOGIT_RTOL`` x max(1, max
+    |logits_hf|), i.e. when the two models do not compute the same function and their speeds say nothing."""
+    with torch.no_grad():
+        got, want = _logits("ds4sci", ours, ids, pos), _logits("hf", hf, ids, pos)
+    diff, scale = (got - want).abs().max().item(), max(1.0, want.abs().max().item())
+    if not diff <= LOGIT_RTOL * scale:
+        raise RuntimeError(f"ds4sci's GenSLM and Hugging Face's GPTNeoXForCausalLM disagree after the weight copy: "
+                           f"max |logits difference| = {diff:.3e} > {LOGIT_RTOL:g} x {scale:.3g}; not timing "
+                           "models that compute different functions")
+    return diff
+
+
+def _trainer(name: str, model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor):
+    """A function running one training step of ``model``: forward, next-token loss, backward, AdamW step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        lm_loss(_logits(name, model, ids, pos), ids).backward()
+        opt.step()
+
+    return train_step
+
+
+def measure(cfg: dict) -> dict:
+    """Build both models, check they agree, time them alternately: the report's ``check`` and ``rounds``."""
+    torch.set_num_threads(cfg["threads"])
+    ours, hf = build_models(cfg)
+    ids, pos = make_batch(cfg)
+    diff = check_same_function(ours, hf, ids, pos)
+    steps = {"ds4sci": _trainer("ds4sci", ours, ids, pos), "hf": _trainer("hf", hf, ids, pos)}
+    for train_step in steps.values():
+        for _ in range(cfg["warmup"]):
+            train_step()
+    tokens = cfg["batch"] * cfg["seq_len"] * cfg["steps"]
+    rounds = []
+    for r in range(cfg["rounds"]):
+        tps = {}
+        for name in (MODELS if r % 2 == 0 else MODELS[::-1]):
+            start = time.perf_counter()
+            for _ in range(cfg["steps"]):
+                steps[name]()
+            tps[name] = tokens / (time.perf_counter() - start)
+        rounds.append(tps | {"ratio": tps["ds4sci"] / tps["hf"]})
+        logger.info("throughput round %d: ds4sci %.0f tokens/s, hf %.0f tokens/s, ratio %.3f", r, tps["ds4sci"],
+                    tps["hf"], rounds[-1]["ratio"])
+    return {"check": {"max_abs_logit_diff": diff, "logit_rtol": LOGIT_RTOL}, "rounds": rounds}
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Medians of tokens/s per model, and the median, quartiles and min/max of the per-round ratio."""
+    ratios = [r["ratio"] for r in rounds]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {f"{name}_tokens_per_s_median": statistics.median(r[name] for r in rounds) for name in MODELS} | {
+        "ratio_median": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+        "ratio_min": min(ratios), "ratio_max": max(ratios),
+    }
+
+
+def markdown(report: dict) -> str:
+    """The Markdown summary of a throughput report."""
+    c, s = report["config"], report["summary"]
+    rows = [(i, f"{r['ds4sci']:.0f}", f"{r['hf']:.0f}", f"{r['ratio']:.3f}") for i, r in enumerate(report["rounds"])]
+    rows.append(("median", f"{s['ds4sci_tokens_per_s_median']:.0f}", f"{s['hf_tokens_per_s_median']:.0f}",
+                 f"{s['ratio_median']:.3f}"))
+    lines = [
+        "# Training throughput: ds4sci GenSLM vs Hugging Face GPTNeoXForCausalLM",
+        "",
+        f"GPT-NeoX shape: hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, rotary_pct "
+        f"{c['rotary_pct']}, vocabulary {_VOCAB}; batch {c['batch']} x {c['seq_len']} tokens, fp32 on the CPU, "
+        f"{c['threads']} torch thread(s). ds4sci attention backend {c['attention_backend']!r}, Hugging Face "
+        f"attn_implementation {c['hf_attention']!r}; torch {report['versions']['torch']}, transformers "
+        f"{report['versions']['transformers']}. One step = forward + next-token cross entropy + backward + AdamW. "
+        f"{c['rounds']} rounds of {c['steps']} timed step(s) per model, alternating (order swapped each round), "
+        f"after {c['warmup']} warm-up step(s) each. Same function checked first: max |logits difference| "
+        f"{report['check']['max_abs_logit_diff']:.1e}.",
+        "",
+        *markdown_table(("round", "ds4sci tokens/s", "Hugging Face tokens/s", "ratio ds4sci / HF"), rows),
+        "",
+        f"Ratio ds4sci / Hugging Face: median **{s['ratio_median']:.3f}**, quartiles {s['ratio_q1']:.3f} - "
+        f"{s['ratio_q3']:.3f}, min/max {s['ratio_min']:.3f} - {s['ratio_max']:.3f} over {len(report['rounds'])} rounds.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path) -> None:
+    """Left: tokens/s of each model per round; right: the per-round ratio as a box plot with its points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = report["rounds"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    for name, label in (("ds4sci", "ds4sci GenSLM"), ("hf", "HF GPTNeoXForCausalLM")):
+        left.plot(range(len(rounds)), [r[name] for r in rounds], marker="o", label=label)
+    left.set_xticks(range(len(rounds)))
+    left.set_xlabel("round")
+    left.set_ylabel("training tokens/s")
+    left.set_ylim(bottom=0)
+    left.legend()
+    ratios = [r["ratio"] for r in rounds]
+    right.boxplot(ratios)
+    right.scatter([1] * len(ratios), ratios, color="black", s=12, zorder=3)
+    right.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    right.set_xticks([1], ["ds4sci / HF"])
+    right.set_ylabel("tokens/s ratio")
+    c = report["config"]
+    fig.suptitle(f"hidden {c['hidden']}, {c['layers']} layers, batch {c['batch']} x {c['seq_len']}, "
+                 f"{c['threads']} thread(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``ds4sci bench throughput``: exit status 1, with one error line, when transformers is not importable."""
+    cfg = config_from_args(args)
+    missing = transformers_missing()
+    if missing:
+        logger.error(missing)
+        return 1
+    import transformers
+
+    report = {"command": command_line(cfg, args.out), "config": cfg,
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}} | measure(cfg)
+    report["summary"] = summarize(report["rounds"])
+    path = write_report(args.out, "throughput", report, markdown(report))
+    plot(report, path.with_suffix(".png"))
+    print(markdown(report))
+    logger.info("throughput: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    return 0

@@ -1,0 +1,63 @@
+"""``ds4sci bench throughput``: the files of a --quick run, the same-function guard, the summary, bad options."""
+import json
+
+import pytest
+import torch
+
+from ds4sci import cli
+from ds4sci.bench import throughput
+
+pytest.importorskip("transformers")  # the dev extra installs it
+
+
+def test_quick_run_writes_the_report(tmp_path):
+    assert cli.main(["bench", "throughput", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    c = report["config"]
+    assert (c["hidden"], c["layers"], c["seq_len"], c["rounds"], c["threads"]) == (64, 2, 64, 3, 1)
+    assert report["command"].startswith("ds4sci bench throughput --hidden 64 --layers 2 --heads 4 --seq-len 64 ")
+    assert 0 <= report["check"]["max_abs_logit_diff"] < 1e-5  # the two models compute the same function
+    assert len(report["rounds"]) == 3
+    for r in report["rounds"]:
+        assert r["ds4sci"] > 0 and r["hf"] > 0 and r["ratio"] == pytest.approx(r["ds4sci"] / r["hf"])
+    s = report["summary"]
+    assert s["ratio_min"] <= s["ratio_q1"] <= s["ratio_median"] <= s["ratio_q3"] <= s["ratio_max"]
+    markdown = (tmp_path / "throughput.md").read_text()
+    assert markdown.count("| median |") == 1 and f"median **{s['ratio_median']:.3f}**" in markdown
+    assert (tmp_path / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_guard_refuses_models_that_differ():
+    cfg = throughput.config_from_args(_args("--quick"))
+    ours, hf = throughput.build_models(cfg)
+    ids, pos = throughput.make_batch(cfg)
+    assert throughput.check_same_function(ours, hf, ids, pos) < 1e-5
+    with torch.no_grad():  # one weight of one layer off by a little
+        hf.gpt_neox.layers[1].mlp.dense_4h_to_h.weight[3, 5] += 0.05
+    with pytest.raises(RuntimeError, match=r"disagree after the weight copy: max \|logits difference\| = "):
+        throughput.check_same_function(ours, hf, ids, pos)
+
+
+def test_summary_statistics():
+    rounds = [{"ds4sci": d, "hf": 1.0, "ratio": d} for d in (1.0, 4.0, 2.0, 3.0, 5.0)]
+    s = throughput.summarize(rounds)
+    assert (s["ratio_min"], s["ratio_q1"], s["ratio_median"], s["ratio_q3"], s["ratio_max"]) == (1, 2, 3, 4, 5)
+    assert s["ds4sci_tokens_per_s_median"] == 3 and s["hf_tokens_per_s_median"] == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds", "0"], "--rounds=0: must be >= 1"),
+    (["--hidden", "60", "--heads", "8"], "--hidden=60 is not divisible by --heads=8"),
+])
+def test_bad_options_give_one_line(argv, message, tmp_path, capsys):
+    assert cli.main(["bench", "throughput", *argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"ds4sci bench: error: {message}" and not (tmp_path / "out").exists()
+
+
+def _args(*argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    return parser.parse_args(argv)
