@@ -53,7 +53,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("ds4sci.train.evaluate", "loss, perplexity and bits per base of an exported model on FASTA"),
     "generate": ("ds4sci.train.generate", "sample sequences from an exported model and write FASTA"),
     "embed": ("ds4sci.train.embed", "per-record mean embeddings of FASTA sequences (.npz)"),
+    "score": ("ds4sci.train.score", "per-record log-likelihood and bits per base of FASTA sequences (TSV)"),
     "bench": ("ds4sci.bench", "run a benchmark and write its results (JSON + Markdown) to --out"),
+    "plan": ("ds4sci.plan", "predict per-GPU memory and communication of parallel layouts; list those that fit"),
 }
 
 

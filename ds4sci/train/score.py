@@ -1,0 +1,108 @@
+"""``ds4sci score EXPORT_DIR --fasta FILE --out scores.tsv``: the log-likelihood of every record.
+
+The per-sequence score genome language models are used for in variant-effect prediction and ranking (the
+sequence likelihood of Meier et al. 2021 and Evo 2's ``score_sequences``): a record's total next-token
+log-likelihood ``sum_t log p(x_t | x_<t)`` in nats, and its mean in bits per base. A record is read through the
+windows ``ds4sci evaluate`` uses (:mod:`ds4sci.train.evaluate`: consecutive windows of ``seq_len`` tokens, a window's
+first token is context only), so a file's token-weighted mean of ``-log_likelihood / tokens`` is ``evaluate``'s loss.
+
+``reverse_complement`` (nucleotide models) scores both strands and averages their log-likelihoods, as Evo 2 does for
+strand-symmetric scores. A codon model refuses it: the reverse complement of a coding sequence is not a coding
+sequence in frame (its codons are other codons read backwards), so its likelihood under a model trained on genes in
+frame says nothing about the gene.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import sys
+from collections.abc import Iterable
+
+import numpy as np
+
+from ds4sci.cli import positive_int
+from ds4sci.data import RecordDataset, read_fasta
+from ds4sci.train.evaluate import check_seq_len, record_windows, window_length, window_losses
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ("id", "length", "tokens", "log_likelihood", "bits_per_base")
+
+
+def score_records(model, tokenizer, records: Iterable, seq_len: int | None = None, reverse_complement: bool = False,
+                  *, batch_size: int = 8, progress: bool | None = False) -> list[dict]:
+    """One row per record: ``id``, ``length`` (bases), ``tokens`` (targets scored: the record's tokens minus one per
+    window, as ``evaluate`` counts them), ``log_likelihood`` (total, nats; the mean of both strands with
+    ``reverse_complement``) and ``bits_per_base`` (``-log_likelihood / tokens / ln 2 / bases per token``; NaN when
+    nothing is scored).
+
+    ``records``: objects with ``id`` and ``sequence`` (:func:`ds4sci.data.read_fasta`); ``seq_len``: window length
+    (default: the model's context); windows of every record are batched together, ``batch_size`` per forward.
+    ``progress``: a progress bar over the windows (None: only on a terminal).
+    """
+    from tqdm.auto import tqdm
+
+    if reverse_complement and not hasattr(tokenizer, "reverse_complement"):
+        raise ValueError(f"reverse complement needs a nucleotide model; this one reads {tokenizer.kind} tokens, and "
+                         f"the reverse complement of a coding sequence is not in frame")
+    seq_len = window_length(model.config, seq_len)
+    strands = 2 if reverse_complement else 1
+    rows, chunks, owner = [], [], []  # owner[w]: strands * record + strand of window w
+    for rec in records:
+        ids = tokenizer.encode(rec.sequence)
+        for strand, strand_ids in enumerate([ids, tokenizer.reverse_complement(ids)] if reverse_complement else [ids]):
+            pieces = record_windows(strand_ids, seq_len)
+            chunks += pieces
+            owner += [strands * len(rows) + strand] * len(pieces)
+        rows.append({"id": rec.id, "length": len(rec.sequence)})
+    if not chunks:
+        raise ValueError("no tokens to score")
+    disable = None if progress is None else not progress  # None: tqdm shows the bar on a terminal only
+    with tqdm(total=len(chunks), desc="score", unit="window", disable=disable) as bar:
+        sums, counts = window_losses(model, RecordDataset(chunks, tokenizer, seq_len), batch_size, bar)
+    n = strands * len(rows)
+    loss = np.bincount(owner, weights=sums, minlength=n).reshape(-1, strands)  # [R, strands] nats
+    scored = np.bincount(owner, weights=counts, minlength=n).reshape(-1, strands)[:, 0]  # [R] (both strands alike)
+    for row, record_loss, tokens in zip(rows, loss.mean(1), scored):
+        row.update(tokens=int(tokens), log_likelihood=0.0 - float(record_loss),
+                   bits_per_base=float(record_loss) / tokens / math.log(2) / tokenizer.bases_per_token if tokens
+                   else math.nan)
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("export", help="export directory written by ds4sci train (OUT_DIR/export)")
+    parser.add_argument("--fasta", required=True, help="FASTA file whose records are scored")
+    parser.add_argument("--out", required=True, help="output TSV with a header line: " + ", ".join(COLUMNS) +
+                        " ('-': stdout)")
+    parser.add_argument("--reverse-complement", action="store_true",
+                        help="nucleotide models: average the log-likelihoods of both strands")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="window length in tokens, at most the model's context (default: the model's context)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not "
+                        "a terminal)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds4sci.train.export import load_consolidated
+
+    model, config, tokenizer = load_consolidated(args.export)
+    check_seq_len(args.seq_len, config)
+    rows = score_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, args.reverse_complement,
+                         batch_size=args.batch_size, progress=False if args.no_progress else None)
+    out = sys.stdout if args.out == "-" else open(args.out, "w", newline="", encoding="utf-8")
+    try:
+        writer = csv.writer(out, delimiter="\t", lineterminator="\n")
+        writer.writerow(COLUMNS)
+        for r in rows:
+            writer.writerow([r["id"], r["length"], r["tokens"], f"{r['log_likelihood']:.6f}",
+                             f"{r['bits_per_base']:.6f}"])
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if args.out != "-":
+        logger.info("wrote the scores of %d record(s) to %s", len(rows), args.out)
+    return 0

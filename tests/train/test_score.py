@@ -1,0 +1,99 @@
+"""``ds4sci score``: per-record log-likelihoods through evaluate's windows (issue #18 item 6)."""
+import csv
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from Bio.Seq import Seq
+
+from ds4sci.cli import main
+from ds4sci.data import CodonTokenizer, NucleotideTokenizer, read_fasta
+from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.train.export import export_consolidated, load_consolidated
+from ds4sci.train.score import score_records
+
+CONTEXT = 32
+BIN = Path(sys.executable).parent
+# 70 bases -> windows of 16: 16 16 16 16 6; 9 -> one window; 1 base -> nothing to score; lowercase, N as in training
+FASTA = ">long variant 1\n" + "ACGTTGCAAGGCTTAC" * 4 + "ACGTTG\n>short\nacgTNacgt\n>one\nA\n"
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("score")
+    torch.manual_seed(0)
+    out = {"fasta": str(root / "x.fa")}
+    (root / "x.fa").write_text(FASTA)
+    for name, tok in (("codon", CodonTokenizer()), ("nucleotide", NucleotideTokenizer())):
+        cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=CONTEXT,
+                                  position_embedding="learned")
+        out[name] = str(export_consolidated(GenSLM(cfg).state_dict(), cfg, tok, root / name))
+    return out
+
+
+def _read_tsv(text: str) -> list[dict]:
+    return list(csv.DictReader(io.StringIO(text), delimiter="\t"))
+
+
+def test_score_cli_token_weighted_mean_is_evaluate_loss(exports, tmp_path):
+    tsv = tmp_path / "scores.tsv"
+    common = ["--fasta", exports["fasta"], "--seq-len", "16", "--batch-size", "3"]
+    subprocess.run([str(BIN / "ds4sci"), "score", exports["nucleotide"], *common, "--out", str(tsv)], check=True,
+                   capture_output=True)
+    evaluated = subprocess.run([str(BIN / "ds4sci"), "evaluate", exports["nucleotide"], *common, "--json"],
+                               check=True, capture_output=True, text=True)
+    result = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    text = tsv.read_text()
+    assert text.splitlines()[0] == "id\tlength\ttokens\tlog_likelihood\tbits_per_base"
+    rows = _read_tsv(text)
+    assert [(r["id"], int(r["length"]), int(r["tokens"])) for r in rows] == [
+        ("long", 70, 15 * 4 + 5), ("short", 9, 8), ("one", 1, 0)]
+    assert sum(int(r["tokens"]) for r in rows) == result["tokens"]
+    nats = -sum(float(r["log_likelihood"]) for r in rows)
+    assert nats / result["tokens"] == pytest.approx(result["loss"], rel=1e-6)
+    for r in rows[:2]:
+        bits = -float(r["log_likelihood"]) / int(r["tokens"]) / math.log(2)
+        assert float(r["bits_per_base"]) == pytest.approx(bits, rel=1e-5)
+    assert rows[2]["log_likelihood"] == "0.000000" and rows[2]["bits_per_base"] == "nan"
+
+
+def _by_hand(model, tok, sequence: str, seq_len: int) -> float:
+    """Total log-likelihood of ``sequence``: every window of ``seq_len`` tokens scored on its own."""
+    ids = torch.from_numpy(tok.encode(sequence))
+    total = 0.0
+    for s in range(0, len(ids), seq_len):
+        w = ids[s : s + seq_len][None]
+        logits = model(w, torch.arange(w.shape[1])[None])
+        total -= torch.nn.functional.cross_entropy(logits[0, :-1], w[0, 1:], reduction="sum").item()
+    return total
+
+
+def test_score_records_by_hand_and_reverse_complement(exports):
+    model, _, tok = load_consolidated(exports["nucleotide"])
+    records = list(read_fasta(exports["fasta"]))
+    rows = score_records(model, tok, records, 16, batch_size=2)
+    with torch.no_grad():
+        forward = [_by_hand(model, tok, r.sequence, 16) for r in records]
+        backward = [_by_hand(model, tok, str(Seq(r.sequence).reverse_complement()), 16) for r in records]
+    assert [r["log_likelihood"] for r in rows] == pytest.approx(forward, rel=1e-5)
+    both = score_records(model, tok, records, 16, reverse_complement=True, batch_size=5)
+    assert [r["log_likelihood"] for r in both] == pytest.approx([(f + b) / 2 for f, b in zip(forward, backward)],
+                                                                rel=1e-5)
+    assert [r["tokens"] for r in both] == [r["tokens"] for r in rows]
+    assert forward[0] != pytest.approx(backward[0], rel=1e-3)  # the strands do score differently
+
+
+def test_score_stdout_and_one_line_errors(exports, capsys):
+    assert main(["score", exports["codon"], "--fasta", exports["fasta"], "--out", "-", "--no-progress"]) == 0
+    rows = _read_tsv(capsys.readouterr().out)
+    assert [(r["id"], r["tokens"]) for r in rows] == [("long", str(23 - 1)), ("short", "2"), ("one", "0")]
+    assert main(["score", exports["codon"], "--fasta", exports["fasta"], "--out", "-", "--reverse-complement"]) == 2
+    err = capsys.readouterr()
+    assert err.out == "" and err.err.count("error:") == 1 and "nucleotide model" in err.err and "codon" in err.err
+    assert main(["score", exports["nucleotide"], "--fasta", exports["fasta"], "--out", "-", "--seq-len", "33"]) == 2
+    assert "--seq-len 33 exceeds the model's context of 32" in capsys.readouterr().err
