@@ -1,0 +1,530 @@
+"""``ds4sci plan``: which parallel layouts train a GenSLM at a given sequence length on a given cluster, how much
+memory each GPU needs, how many bytes each GPU sends, and which layout should be fastest (issue #15).
+
+Everything here is arithmetic on the model's shapes (no tensors, no processes); torch is imported only through
+the model config and the reused closed forms. All byte counts are per GPU, for the most loaded rank (the first
+pipeline stage), with ``B`` sequences of ``S`` tokens per micro-step, ``h`` hidden, ``f`` MLP width, ``H`` heads,
+``L`` layers, ``V`` vocabulary, ``e`` bytes per activation element (4 fp32, 2 bf16) and a layout
+``tp x ulysses x ring x pp x dp`` (``sp = ulysses * ring``, ZeRO over ``sdp = sp * dp`` ranks).
+
+Memory model (bytes per GPU):
+
+- model states (ZeRO, Rajbhandari et al. 2020): ``phi = ceil(L/pp) * phi_layer / tp + (2 V h + 2 h) / tp``
+  parameters per rank (layer norms and row-parallel biases are counted as split by ``tp``: < 0.1 %), each with
+  ``p`` bytes of parameter, ``g`` of gradient and ``k`` of optimizer state: fp32 ``4 + 4 + 8`` (AdamW's two
+  moments), bf16 ``2 + 2 + 12`` (fp32 master copy and moments). Stage 0 keeps all three; stage 1 divides the
+  optimizer state by ``sdp``, stage 2 also the gradients, stage 3 also the parameters (plus two layers of gathered
+  parameters in flight, ``2 p phi_layer / tp``). Offload ``optimizer`` (ZeRO-Offload, stage >= 1) takes the
+  optimizer state off the GPU, ``all`` (ZeRO-Infinity, stage 3) the parameters too.
+- activations saved for backward per layer per local token, counted from what GenSLM's block
+  (:mod:`ds4sci.models.genslm.model`, GPT-NeoX parallel residual) saves; the adaptation of Korthikanti et al. 2022
+  ("Reducing Activation Recomputation in Large Transformer Models", ``sbh(34 + 5as/h)``) to this block, checked
+  exactly against ``torch.autograd.graph.saved_tensors_hooks`` on the CPU (tests/test_plan.py):
+  ``none``: ``(c h + 2 f + 2 r) e + (4 + H) 4`` with ``c = 9`` (rotary: block input, both layer-norm outputs,
+  fused qkv, rotated q and k, attention output; ``7`` without rotary, where q and k are views of qkv), ``c = 8``
+  under Ulysses (the head-sharded q, k, v and output replace the rotated copies and the qkv buffer), ``2 f`` the
+  MLP's two activations, ``r`` the rotary dims (cos and sin), ``4`` fp32 layer-norm statistics and ``H`` the fp32
+  log-sum-exp; ``selective`` (the attention core, all of ``DistributedAttention``, recomputed):
+  ``(c h + 2 f + 2 r) e + 16`` with the single-device ``c``; ``full``: ``h e`` (the block input) per layer plus
+  one layer of ``none`` being recomputed. A rank holds ``T = B S / (sp tp)`` local tokens (tensor parallelism's
+  sequence-parallel regions divide them by ``tp``) for ``ceil(L/pp) * min(pp, m)`` layers (1F1B keeps ``min(pp, m)``
+  micro-batches in flight on the first stage, ``m`` micro-steps), plus outside the layers ``8`` (token ids)
+  ``+ 2 h e + 8`` (final layer norm) ``+ 8 V / tp`` (fp32 logits and their log-softmax) per token.
+- attention workspace (one layer at a time): ``chunked``: three fp32 ``256 x 256`` blocks per local head;
+  ``triton`` / ``flash`` / ``auto``: fp32 log-sum-exp and its backward's row sums, ``8 B H_loc S_q``; ``sdpa`` (the
+  O(S^2) oracle): fp32 scores and probabilities plus two boolean masks, ``(8 B H_loc + 2) S_q S_k``; with
+  ``H_loc = H / (tp ulysses)`` heads over ``S_q = S_k = S / ring`` tokens.
+- learned position table: :func:`ds4sci.bench.memory_breakdown.table_bytes_formula` (fp32 parameter, gradient
+  and AdamW moments) of ``S / sp`` rows (partitioned, ds4sci's default) or ``S`` rows (replicated).
+- attention mask: none for causal attention (evaluated inside the kernel); with another ``--mask`` policy,
+  :func:`ds4sci.bench.memory_breakdown.mask_bytes_formula` at the local attention length ``S / ring``.
+
+A layout fits when the total is at most ``--gpu-mem-gib - --reserve-gib`` (CUDA context, communication buffers,
+fragmentation).
+
+Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.bench.comm_volume.closed_forms` per
+layer, forward + backward, times ``L / pp`` layers and ``m`` micro-steps): tensor parallelism as Megatron-LM
+sequence parallelism on ``S / sp`` tokens; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp`` channels; the
+ring's key/value passes on ``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the forward's
+collectives (``full``: tensor and sequence parallel traffic x 1.5; ``selective``: sequence parallel x 1.5);
+pipeline: ``2 T h e`` per micro-step (activations forward, gradients back); data parallelism over ``sdp``: ring
+all-reduce ``2 (sdp-1)/sdp * phi g`` per step (stages 0-2: reduce-scatter + all-gather moves the same), stage 3
+adds the forward and backward parameter all-gathers, ``+ 2 (sdp-1)/sdp * phi p``; offload: PCIe traffic
+``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the parameters fetched for forward and backward).
+
+Cost model (stated, simple, no overlap): ``step time = compute / (1 - bubble) + sum over groups of bytes /
+bandwidth``. ``compute = FLOPs / (world * peak * efficiency)``, ``FLOPs = 6 N_tok phi_model + 6 B m dp L h S^2``
+(causal attention) per step, plus one forward (a third) for ``full`` checkpointing and the attention's forward
+for ``selective``; ``bubble = (pp - 1) / (m + pp - 1)``. A group's bandwidth is ``--intra-gbps`` when it lies
+inside one node, ``--inter-gbps`` otherwise; with the rank order of :mod:`ds4sci.sequence.groups` (TP < Ulysses <
+Ring < DP < PP, innermost first) a group of degree ``d`` whose inner degrees multiply to ``i`` lies inside a node
+when ``i * d`` divides ``--gpus-per-node``. Offload traffic runs at ``--pcie-gbps``. Layouts are ranked by
+tokens per second (``B m dp S / step time``), fastest first.
+
+Paper figures (DeepSpeed4Science, Song et al. 2023, arXiv:2310.04610, GenSLM section and Figure 9;
+https://github.com/microsoft/DeepSpeed/blob/master/blogs/deepspeed4science/japanese/README.md, the official
+translation of https://www.microsoft.com/en-us/research/blog/announcing-the-deepspeed4science-initiative-enabling-large-scale-scientific-discovery-through-sophisticated-ai-system-technologies/):
+on NVIDIA DGX nodes of 8 A100-40GB GPUs, the new Megatron-DeepSpeed trains GenSLM 25B on 512K-token sequences on
+64 GPUs, where Argonne's original setup reached 42K; up to 12x (25B) and 14x (33B) longer sequences than the old
+Megatron-DeepSpeed and 9.8x / 9.1x longer than NVIDIA's Megatron-LM.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+from dataclasses import asdict, dataclass
+
+from ds4sci.cli import CommandError, nonnegative_float, positive_int
+
+GIB = 2.0**30
+OFFLOADS = ("none", "optimizer", "all")
+CHECKPOINTING = ("none", "selective", "full")
+MASKS = ("none", "fp32-additive", "bool-device", "bool-cpu-then-device")
+STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
+"""bytes per parameter of (parameter, gradient, optimizer state) by training dtype (ZeRO paper's 2 + 2 + K)."""
+CHUNK = 256  # ds4sci.models.local_attention.DEFAULT_CHUNK_SIZE (not imported: that module imports torch)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs and links. Defaults: NVIDIA DGX A100 (8 GPUs, NVLink within a node, 8 x 200 Gb/s HDR InfiniBand)."""
+
+    gpus_per_node: int = 8
+    nodes: int = 1
+    gpu_mem_gib: float = 40.0
+    reserve_gib: float = 1.0
+    peak_tflops: float = 312.0  # A100 dense bf16
+    efficiency: float = 0.4
+    intra_gbps: float = 150.0  # GB/s per GPU within a node
+    inter_gbps: float = 25.0  # GB/s per GPU across nodes (one 200 Gb/s NIC per GPU)
+    pcie_gbps: float = 25.0  # GB/s per GPU to host memory
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: the model shape and the per-step work (``micro_batch`` sequences per micro-step, ``grad_accum``
+    micro-steps per optimizer step)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    vocab: int
+    rotary_dim: int  # 0 unless position_embedding == "rotary"
+    learned_table: bool
+    backend: str
+    seq_len: int
+    micro_batch: int = 1
+    grad_accum: int = 1
+    dtype: str = "bf16"
+    position_table: str = "partitioned"
+    mask: str = "none"
+
+    @classmethod
+    def from_config(cls, model, seq_len: int, **kw) -> Workload:
+        """From a :class:`~ds4sci.models.genslm.GenSLMConfig`."""
+        return cls(hidden=model.hidden_size, layers=model.num_layers, heads=model.num_heads,
+                   intermediate=model.intermediate_size, vocab=model.vocab_size,
+                   rotary_dim=model.rotary_dim if model.position_embedding == "rotary" else 0,
+                   learned_table=model.position_embedding == "learned", backend=model.attention_backend,
+                   seq_len=seq_len, **kw)
+
+    def with_seq_len(self, seq_len: int) -> Workload:
+        return Workload(**{**asdict(self), "seq_len": seq_len})
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one block: two layer norms, fused qkv, output projection, MLP (GenSLMConfig.num_parameters)."""
+        h, f = self.hidden, self.intermediate
+        return 4 * h + 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h
+
+    @property
+    def model_params(self) -> int:
+        """Parameters outside the position table: embedding, blocks, final layer norm, output head."""
+        return 2 * self.vocab * self.hidden + 2 * self.hidden + self.layers * self.layer_params
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees (world = tp x ulysses x ring x pp x dp), ZeRO stage, offload and activation checkpointing."""
+
+    tp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero_stage: int = 0
+    offload: str = "none"
+    checkpointing: str = "none"
+
+    @property
+    def sp(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def sdp(self) -> int:
+        return self.sp * self.dp
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.sp * self.pp * self.dp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """S must be a multiple of this (:attr:`ds4sci.sequence.ParallelDims.sequence_multiple`: zigzag with a ring)."""
+        return self.sp * (2 if self.ring > 1 else 1) * self.tp
+
+    def name(self) -> str:
+        return (f"tp{self.tp} u{self.ulysses} r{self.ring} pp{self.pp} dp{self.dp} z{self.zero_stage} "
+                f"off:{self.offload} ckpt:{self.checkpointing}")
+
+
+def layer_activation_bytes(w: Workload, lay: Layout, mode: str) -> float:
+    """Bytes one layer saves for backward per local token under checkpointing ``mode`` (module docstring)."""
+    e = STATE_BYTES[w.dtype][0]
+    h, f = w.hidden, w.intermediate
+    single = 9 if w.rotary_dim else 7
+    if mode == "full":
+        return h * e
+    if mode == "selective":
+        return (single * h + 2 * f + 2 * w.rotary_dim * lay.tp) * e + 4 * 4
+    c = 8 if lay.ulysses > 1 else single
+    # rotary cos/sin cover the S/sp positions of the attention region, i.e. tp local tokens each
+    return (c * h + 2 * f + 2 * w.rotary_dim * lay.tp) * e + (4 + w.heads) * 4
+
+
+def memory(w: Workload, lay: Layout) -> dict[str, float]:
+    """Bytes per GPU by term (module docstring): params, grads, optimizer, activations, attention, position_table,
+    mask, and their total."""
+    p, g, k = STATE_BYTES[w.dtype]
+    e = p
+    phi = math.ceil(w.layers / lay.pp) * w.layer_params / lay.tp + (2 * w.vocab * w.hidden + 2 * w.hidden) / lay.tp
+    N = lay.sdp
+    params = 0.0 if lay.offload == "all" else phi * p / (N if lay.zero_stage == 3 else 1)
+    if lay.zero_stage == 3:
+        params += 2 * p * w.layer_params / lay.tp
+    grads = phi * g / (N if lay.zero_stage >= 2 else 1)
+    optimizer = 0.0 if lay.offload != "none" else phi * k / (N if lay.zero_stage >= 1 else 1)
+    S, B = w.seq_len, w.micro_batch
+    T = B * S / (lay.sp * lay.tp)  # local tokens
+    held = math.ceil(w.layers / lay.pp) * min(lay.pp, w.grad_accum)
+    per_token = held * layer_activation_bytes(w, lay, lay.checkpointing)
+    if lay.checkpointing == "full":
+        per_token += layer_activation_bytes(w, lay, "none")  # the layer being recomputed
+    per_token += 8 + 2 * w.hidden * e + 8 + 8 * w.vocab / lay.tp
+    activations = T * per_token
+    heads_local = w.heads / (lay.tp * lay.ulysses)
+    s_attn = S / lay.ring
+    if w.backend == "sdpa":
+        attention = (8 * B * heads_local + 2) * s_attn * s_attn
+    elif w.backend == "chunked":
+        attention = 3 * 4 * B * heads_local * CHUNK * CHUNK
+    else:
+        attention = 8 * B * heads_local * s_attn
+    from ds4sci.bench.memory_breakdown import mask_bytes_formula, table_bytes_formula
+
+    table = 0.0
+    if w.learned_table:
+        table = table_bytes_formula(S // lay.sp if w.position_table == "partitioned" else S, w.hidden)
+    mask = 0.0 if w.mask == "none" else B * mask_bytes_formula(w.mask, S // lay.ring)["device"]
+    terms = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
+             "attention": attention, "position_table": table, "mask": mask}
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def comm(w: Workload, lay: Layout) -> dict[str, float]:
+    """Bytes each GPU sends per optimizer step, by group (module docstring): tp, ulysses, ring, pp, dp, pcie."""
+    from ds4sci.bench.comm_volume import closed_forms
+
+    p, g, _ = STATE_BYTES[w.dtype]
+    e, h, S, B, m = p, w.hidden, w.seq_len, w.micro_batch, w.grad_accum
+    layers = math.ceil(w.layers / lay.pp) * B * m
+    sp_redo = 1.5 if lay.checkpointing != "none" else 1.0
+    tp_redo = 1.5 if lay.checkpointing == "full" else 1.0
+    out = {"tp": 0.0, "ulysses": 0.0, "ring": 0.0, "pp": 0.0, "dp": 0.0, "pcie": 0.0}
+    if lay.tp > 1:
+        out["tp"] = tp_redo * layers * closed_forms("megatron-sp", lay.tp, S / lay.sp, h, e)
+    if lay.ulysses > 1:
+        out["ulysses"] = sp_redo * layers * closed_forms("ulysses", lay.ulysses, S / lay.ring, h / lay.tp, e)
+    if lay.ring > 1:
+        out["ring"] = sp_redo * layers * closed_forms("ring", lay.ring, S, h / (lay.tp * lay.ulysses), e)
+    if lay.pp > 1:
+        out["pp"] = 2 * B * m * S / (lay.sp * lay.tp) * h * e
+    phi = math.ceil(w.layers / lay.pp) * w.layer_params / lay.tp + (2 * w.vocab * w.hidden + 2 * w.hidden) / lay.tp
+    N = lay.sdp
+    if N > 1:
+        out["dp"] = 2 * (N - 1) / N * phi * g + (2 * (N - 1) / N * phi * p if lay.zero_stage == 3 else 0.0)
+    if lay.offload != "none":
+        out["pcie"] = phi * (g + p) / N + (2 * phi * p / N if lay.offload == "all" else 0.0)
+    return out
+
+
+def _inner(lay: Layout, group: str) -> int:
+    """Product of the degrees inside ``group`` in the rank order TP < Ulysses < Ring < DP < PP."""
+    order = ("tp", "ulysses", "ring", "dp", "pp")
+    return math.prod(getattr(lay, a) for a in order[: order.index(group)])
+
+
+def step_time(w: Workload, lay: Layout, cluster: Cluster) -> dict[str, float]:
+    """Estimated seconds per optimizer step (module docstring's cost model): compute, bubble, comm, total."""
+    S, B, m = w.seq_len, w.micro_batch, w.grad_accum
+    tokens = B * S * m * lay.dp
+    attn = 6 * B * m * lay.dp * w.layers * w.hidden * S * S  # causal: half of 12 L h S^2 per sequence
+    flops = 6 * tokens * w.model_params + attn
+    if lay.checkpointing == "full":
+        flops += (6 * tokens * w.model_params + attn) / 3
+    elif lay.checkpointing == "selective":
+        flops += attn / 3
+    bubble = (lay.pp - 1) / (m + lay.pp - 1)
+    compute = flops / (cluster.world * cluster.peak_tflops * 1e12 * cluster.efficiency) / (1 - bubble)
+    seconds = 0.0
+    for group, sent in comm(w, lay).items():
+        if not sent:
+            continue
+        if group == "pcie":
+            bw = cluster.pcie_gbps
+        else:
+            degree = lay.sdp if group == "dp" else getattr(lay, group)
+            inner = lay.tp if group == "dp" else _inner(lay, group)  # ZeRO's sdp group spans Ulysses x Ring x DP
+            bw = cluster.intra_gbps if cluster.gpus_per_node % (inner * degree) == 0 else cluster.inter_gbps
+        seconds += sent / (bw * 1e9)
+    total = compute + seconds
+    return {"compute_s": compute, "bubble": bubble, "comm_s": seconds, "total_s": total,
+            "tokens_per_s": tokens / total}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = True) -> list[Layout]:
+    """Every layout of all ``cluster.world`` GPUs that splits the model (and ``w.seq_len`` if ``split_seq``) evenly and respects
+    ``fixed`` (``{"tp": 2, "zero_stage": 3, ...}``): ``tp * ulysses`` divides the heads (both scatter heads), ``tp``
+    the MLP width and the GPUs of a node, ``pp <= layers``, ZeRO 2/3 only without pipeline parallelism (DeepSpeed's
+    pipeline engine), optimizer offload with ZeRO >= 1 and parameter offload with ZeRO 3."""
+    world = cluster.world
+    out = []
+    for tp, u, r, pp in itertools.product(*(fixed.get(a) and [fixed[a]] or _divisors(world)
+                                            for a in ("tp", "ulysses", "ring", "pp"))):
+        dp, rest = divmod(world, tp * u * r * pp)
+        if rest or dp == 0 or fixed.get("dp", dp) != dp:
+            continue
+        if w.heads % (tp * u) or w.intermediate % tp or cluster.gpus_per_node % tp or pp > w.layers:
+            continue
+        for z, off, ck in itertools.product([fixed["zero_stage"]] if "zero_stage" in fixed else range(4),
+                                            [fixed["offload"]] if "offload" in fixed else OFFLOADS,
+                                            [fixed["checkpointing"]] if "checkpointing" in fixed else CHECKPOINTING):
+            if (pp > 1 and z > 1) or (off == "optimizer" and z < 1) or (off == "all" and z != 3):
+                continue
+            lay = Layout(tp, u, r, pp, dp, z, off, ck)
+            if not split_seq or w.seq_len % lay.sequence_multiple == 0:
+                out.append(lay)
+    return out
+
+
+def budget_bytes(cluster: Cluster) -> float:
+    return (cluster.gpu_mem_gib - cluster.reserve_gib) * GIB
+
+
+def plan(w: Workload, cluster: Cluster, fixed: dict) -> list[dict]:
+    """The fitting layouts at ``w.seq_len``, fastest first: dicts of layout, memory terms, comm bytes, step time."""
+    budget = budget_bytes(cluster)
+    rows = []
+    for lay in layouts(w, cluster, fixed):
+        mem = memory(w, lay)
+        if mem["total"] <= budget:
+            rows.append({"layout": asdict(lay), "memory": mem, "comm": comm(w, lay),
+                         "time": step_time(w, lay, cluster)})
+    rows.sort(key=lambda r: -r["time"]["tokens_per_s"])
+    return rows
+
+
+def max_seq_len(w: Workload, cluster: Cluster, fixed: dict, limit: int = 1 << 34) -> int:
+    """The longest S (up to ``limit``) at which some layout fits: per layout, the largest multiple of its
+    :attr:`Layout.sequence_multiple` within the budget (memory grows with S), then the maximum; 0 if none."""
+    budget = budget_bytes(cluster)
+    best = 0
+    for lay in layouts(w, cluster, fixed, split_seq=False):
+        q = lay.sequence_multiple
+        if memory(w.with_seq_len(q), lay)["total"] > budget:
+            continue
+        lo, hi = 1, 2  # multiples of q: lo fits, hi is the first tried that may not
+        while hi * q <= limit and memory(w.with_seq_len(hi * q), lay)["total"] <= budget:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if memory(w.with_seq_len(mid * q), lay)["total"] <= budget:
+                lo = mid
+            else:
+                hi = mid
+        best = max(best, min(lo * q, limit))
+    return best
+
+
+# ------------------------------------------------------------------------------------------------------------ command
+_FIXERS = ("tp", "ulysses", "ring", "pp", "dp")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Predict per-GPU memory and communication of every parallel layout (TP, Ulysses, Ring, PP, "
+                          "DP, ZeRO stage, offload, activation checkpointing) of a GenSLM at a sequence length on a "
+                          "cluster, and list those that fit, fastest first.")
+    parser.epilog = ("Cost model: step time = FLOPs / (GPUs x peak x efficiency) / (1 - pipeline bubble) + sum of "
+                     "bytes sent per group / that group's bandwidth (intra-node when the group lies inside a node in "
+                     "the rank order TP < Ulysses < Ring < DP < PP, inter-node otherwise; offload over PCIe), no "
+                     "overlap; FLOPs = 6 x tokens x params + 6 B L h S^2 (causal attention) + recomputation; bubble = "
+                     "(pp-1)/(m+pp-1). Memory and byte formulas: the docstring of ds4sci.plan.")
+    model = parser.add_argument_group("model (--preset, or a training config's model and data.seq_len)")
+    model.add_argument("--preset", help='GenSLM shape: "debug", "25M", "250M", "2.5B" or "25B"')
+    model.add_argument("--config", help="training config YAML; its model.* and data.seq_len are used (the layout "
+                       "keys are searched, fix them with the options below)")
+    model.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key as in ds4sci train, e.g. --set model.overrides.num_layers=84")
+    model.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the config's data.seq_len)")
+    model.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-step (default: 1)")
+    model.add_argument("--grad-accum", type=positive_int, default=1,
+                       help="micro-steps per optimizer step, m of the pipeline bubble (default: 1)")
+    model.add_argument("--dtype", choices=tuple(STATE_BYTES), default="bf16", help="training dtype (default: bf16)")
+    model.add_argument("--position-table", choices=("partitioned", "replicated"), default="partitioned",
+                       help="learned position table: S/sp rows per rank (ds4sci) or S (default: partitioned)")
+    model.add_argument("--mask", choices=MASKS, default="none",
+                       help="attention mask policy; none: causal masking inside the kernel (default: none)")
+    cluster = parser.add_argument_group("cluster (defaults: NVIDIA DGX A100)")
+    cluster.add_argument("--gpus-per-node", type=positive_int, default=8, help="(default: 8)")
+    cluster.add_argument("--nodes", type=positive_int, default=1, help="(default: 1)")
+    cluster.add_argument("--gpu-mem-gib", type=nonnegative_float, default=40.0, help="GiB per GPU (default: 40)")
+    cluster.add_argument("--reserve-gib", type=nonnegative_float, default=1.0,
+                         help="GiB per GPU kept free for the CUDA context and communication buffers (default: 1)")
+    cluster.add_argument("--peak-tflops", type=nonnegative_float, default=312.0, help="per GPU (default: 312)")
+    cluster.add_argument("--efficiency", type=nonnegative_float, default=0.4,
+                         help="fraction of peak the matmuls reach (default: 0.4)")
+    cluster.add_argument("--intra-gbps", type=nonnegative_float, default=150.0,
+                         help="GB/s per GPU inside a node (default: 150)")
+    cluster.add_argument("--inter-gbps", type=nonnegative_float, default=25.0,
+                         help="GB/s per GPU between nodes (default: 25)")
+    cluster.add_argument("--pcie-gbps", type=nonnegative_float, default=25.0,
+                         help="GB/s per GPU to host memory, for offload (default: 25)")
+    fixed = parser.add_argument_group("fixed choices (searched when left out)")
+    for name in _FIXERS:
+        fixed.add_argument(f"--{name}", type=positive_int, help=f"{name} degree")
+    fixed.add_argument("--zero-stage", type=int, choices=range(4), help="ZeRO stage")
+    fixed.add_argument("--offload", choices=OFFLOADS, help="none, optimizer (ZeRO-Offload) or all (ZeRO-Infinity)")
+    fixed.add_argument("--checkpointing", choices=CHECKPOINTING, help="activation checkpointing mode")
+    parser.add_argument("--max-seq", action="store_true", help="find the longest sequence some layout fits")
+    parser.add_argument("--top", type=positive_int, default=10, help="layouts to list (default: 10)")
+    parser.add_argument("--out", help="also write plan.json and plan.md to this folder")
+
+
+def _workload(args: argparse.Namespace) -> tuple[Workload, dict]:
+    from ds4sci.data.tokenizers import CodonTokenizer, NucleotideTokenizer
+    from ds4sci.models.genslm import GenSLMConfig
+    from ds4sci.train.config import load_config
+
+    if args.preset and args.config:
+        raise CommandError(f"--preset={args.preset} and --config={args.config}: give one (or set model.preset)")
+    overrides = ([f"model.preset={args.preset}"] if args.preset else []) + list(args.overrides)
+    cfg = load_config(args.config, overrides)
+    vocab = (CodonTokenizer() if cfg.data.tokenizer == "codon" else NucleotideTokenizer()).vocab_size
+    model = GenSLMConfig.preset(cfg.model.preset, **{"vocab_size": vocab, **cfg.model.overrides})
+    seq_len = args.seq_len or cfg.data.seq_len
+    w = Workload.from_config(model, seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+                             dtype=args.dtype, position_table=args.position_table, mask=args.mask)
+    return w, {"preset": cfg.model.preset, "overrides": cfg.model.overrides, "parameters": model.num_parameters()
+               - (model.max_position_embeddings * model.hidden_size if w.learned_table else 0)}
+
+
+def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
+    """One line naming the fixed value no layout can honour."""
+    given = {a: fixed[a] for a in _FIXERS if a in fixed}
+    product = math.prod(given.values())
+    if cluster.world % product:
+        raise CommandError(f"{' x '.join(f'--{a}={v}' for a, v in given.items())} = {product} does not divide the "
+                           f"{cluster.world} GPUs (--nodes={cluster.nodes} x --gpus-per-node={cluster.gpus_per_node})")
+    tp, u = fixed.get("tp", 1), fixed.get("ulysses", 1)
+    if w.heads % (tp * u):
+        raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's {w.heads} heads")
+    if cluster.gpus_per_node % tp or w.intermediate % tp:
+        raise CommandError(f"--tp={tp} must divide --gpus-per-node={cluster.gpus_per_node} and the MLP width "
+                           f"{w.intermediate}")
+    if fixed.get("pp", 1) > w.layers:
+        raise CommandError(f"--pp={fixed['pp']}: the model has only {w.layers} layers")
+    z = fixed.get("zero_stage")
+    if z is not None and z > 1 and fixed.get("pp", 1) > 1:
+        raise CommandError(f"--zero-stage={z}: DeepSpeed's pipeline engine (--pp={fixed['pp']}) supports stage 0 or 1")
+    off = fixed.get("offload")
+    if z is not None and ((off == "optimizer" and z < 1) or (off == "all" and z != 3)):
+        raise CommandError(f"--offload={off} needs --zero-stage {'>= 1' if off == 'optimizer' else '3'}, got {z}")
+    if cluster.gpu_mem_gib <= cluster.reserve_gib:
+        raise CommandError(f"--gpu-mem-gib={cluster.gpu_mem_gib:g} must exceed --reserve-gib={cluster.reserve_gib:g}")
+
+
+def _leanest(w: Workload, cluster: Cluster, fixed: dict) -> str:
+    lays = layouts(w, cluster, fixed)
+    lay = min(lays, key=lambda l: memory(w, l)["total"])
+    return f"the leanest layout, {lay.name()}, needs {memory(w, lay)['total'] / GIB:.1f} GiB per GPU"
+
+
+def markdown_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """Header and rows of the layout table (GiB per GPU, GiB sent per GPU per step, seconds per step)."""
+    header = ["#", "tp", "ulysses", "ring", "pp", "dp", "zero", "offload", "ckpt", "params", "grads", "optim",
+              "activ", "attn", "pos table", "mask", "total GiB", "sent GiB/step", "step s", "tokens/s", "rel. time"]
+    best = rows[0]["time"]["tokens_per_s"] if rows else 1.0
+    out = []
+    for i, r in enumerate(rows, 1):
+        lay, mem = r["layout"], r["memory"]
+        out.append([i, lay["tp"], lay["ulysses"], lay["ring"], lay["pp"], lay["dp"], lay["zero_stage"], lay["offload"],
+                    lay["checkpointing"]]
+                   + [f"{mem[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "activations", "attention",
+                                                      "position_table", "mask", "total")]
+                   + [f"{sum(r['comm'].values()) / GIB:.2f}", f"{r['time']['total_s']:.3g}",
+                      f"{r['time']['tokens_per_s']:.4g}", f"{best / r['time']['tokens_per_s']:.2f}"])
+    return header, out
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds4sci.bench.report import markdown_table, write_report
+
+    w, model_info = _workload(args)
+    cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_mem_gib, args.reserve_gib, args.peak_tflops,
+                      args.efficiency, args.intra_gbps, args.inter_gbps, args.pcie_gbps)
+    fixed = {a: getattr(args, a) for a in (*_FIXERS, "zero_stage", "offload", "checkpointing")
+             if getattr(args, a) is not None}
+    _check_fixed(w, cluster, fixed)
+    result = {"model": model_info, "cluster": asdict(cluster), "fixed": fixed}
+    if args.max_seq:
+        S = max_seq_len(w, cluster, fixed)
+        if S == 0:
+            raise CommandError(f"no layout fits even the shortest sequence in --gpu-mem-gib={cluster.gpu_mem_gib:g}: "
+                               f"{_leanest(w.with_seq_len(min(l.sequence_multiple for l in layouts(w, cluster, fixed, False))), cluster, fixed)}")
+        w = w.with_seq_len(S)
+        result["max_seq_len"] = S
+    if not layouts(w, cluster, fixed):
+        q = min(l.sequence_multiple for l in layouts(w, cluster, fixed, split_seq=False))
+        raise CommandError(f"--seq-len={w.seq_len}: no layout of {cluster.world} GPUs splits it evenly (a multiple of "
+                           f"sp x tp, twice that with a ring, is needed; {q} at least)")
+    rows = plan(w, cluster, fixed)
+    if not rows:
+        raise CommandError(f"no layout fits --seq-len={w.seq_len} in --gpu-mem-gib={cluster.gpu_mem_gib:g} "
+                           f"(--reserve-gib={cluster.reserve_gib:g}): {_leanest(w, cluster, fixed)}")
+    result.update(workload=asdict(w), fitting=len(rows), layouts=rows[: args.top])
+    title = (f"# plan: GenSLM {model_info['preset']} ({model_info['parameters'] / 1e9:.3g}B parameters"
+             + (f", overrides {model_info['overrides']}" if model_info["overrides"] else "") + f"), S = {w.seq_len}, "
+             f"{cluster.nodes} x {cluster.gpus_per_node} GPUs of {cluster.gpu_mem_gib:g} GiB, {w.dtype}")
+    lines = [title, ""]
+    if args.max_seq:
+        lines += [f"Longest sequence that fits: {w.seq_len} tokens.", ""]
+    lines += [f"{len(rows)} layouts fit; the {min(args.top, len(rows))} fastest (GiB per GPU; rel. time: time per "
+              f"token over the fastest's):", ""]
+    lines += markdown_table(*markdown_rows(rows[: args.top]))
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        path = write_report(args.out, "plan", result, text)
+        print(f"plan: wrote {path} and {path.with_suffix('.md')}")
+    return 0
