@@ -32,7 +32,10 @@ setup(
         # A range the CPU wheel torch==2.13.0 satisfies; the Makefile installs that wheel first.
         "torch>=2.4,<2.15",
         "triton>=3.2",
-        "deepspeed>=0.16",
+        # The range the equivalence tests pass with: the loss scale undoes how DeepSpeed reduces gradients per ZeRO
+        # stage (ds4sci.train.loss.grad_reduction_factor), a behaviour of the release, checked at start-up
+        # (ds4sci.train.sanity); widen it only after tests/distributed/test_train_equivalence.py passes.
+        "deepspeed>=0.19.8,<0.20",
         "biopython>=1.80",
         "numpy>=1.24",
         "pyyaml>=6.0",

@@ -26,9 +26,12 @@ here with DeepSpeed 0.19.8 on the CPU (gloo, ``DS_ACCELERATOR=cpu``):
 """
 from __future__ import annotations
 
+import datetime
+import functools
 import logging
 import math
 import os
+import re
 import socket
 
 import torch
@@ -37,15 +40,22 @@ from torch import nn
 
 from ds4sci.sequence import DeepSpeedMPU, SequenceParallelGroups
 from ds4sci.train.config import Config
+from ds4sci.train.sanity import check_gradient_reduction
 
 logger = logging.getLogger(__name__)
 
 
-def init_distributed() -> None:
+def init_distributed(timeout_s: float = 1800.0) -> None:
     """Initialise torch.distributed through DeepSpeed (nccl on CUDA, gloo on the CPU).
 
     Under ``torchrun`` / the deepspeed launcher the environment names the rank and world; a lone process gets a
-    world of one on a free localhost port. A process group created before (e.g. by a test harness) is kept.
+    world of one on a free localhost port. A process group created before (e.g. by a test harness) is kept, with
+    its own timeout.
+
+    ``timeout_s`` (``train.timeout_s``) bounds every collective of the default group: on gloo a rank whose peer
+    died fails at once ("Connection reset by peer"), one whose peer hangs after ``timeout_s`` ("Timed out waiting
+    ...ms"); on nccl, the watchdog aborts the process after ``timeout_s``. The groups built on top need the same
+    bound passed to them (:func:`ds4sci.sequence.build_groups`): ``new_group`` does not inherit it.
     """
     import deepspeed
 
@@ -59,7 +69,39 @@ def init_distributed() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               timeout=datetime.timedelta(seconds=timeout_s))
+
+
+_LOST_PEER = re.compile(r"timed out|connection (reset|closed)|broken pipe", re.IGNORECASE)
+
+
+def collective_error(err: RuntimeError, where: str, timeout_s: float) -> OSError | None:
+    """The one-line error for a collective that failed because another rank died (gloo: "Connection reset by
+    peer", at once) or hangs (gloo: "Timed out waiting ...", after ``train.timeout_s``); ``None`` for any other
+    error. ``TimeoutError`` / ``ConnectionError`` are ``OSError``\ s: ``ds4sci train`` prints them as one line and
+    exits with status 2."""
+    if not (isinstance(err, dist.DistError) or _LOST_PEER.search(str(err))):
+        return None
+    cause = str(err).splitlines()[0]
+    if "timed out" in cause.lower():
+        return TimeoutError(f"{where}: another rank did not join a collective within train.timeout_s={timeout_s:g} s "
+                            f"(it hangs or died); every rank stops ({cause})")
+    return ConnectionError(f"{where}: another rank left a collective (it died?); every rank stops instead of waiting "
+                           f"(a hang is bounded by train.timeout_s={timeout_s:g} s) ({cause})")
+
+
+def set_deterministic() -> None:
+    """``train.deterministic``: the same job on the same machine gives bitwise-identical losses and parameters.
+
+    Seeds are always set (``train.seed``; the data order has its own seeded generator). This adds what is needed
+    beyond them (PyTorch's "Reproducibility" notes): deterministic kernels or an error for an op that has none,
+    no cuDNN autotuning (it may pick a different algorithm per run), and cuBLAS's fixed workspace (read when cuBLAS
+    starts: set before the first CUDA matmul). On the CPU with gloo, runs are bitwise reproducible without it.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def lr_lambda(cfg: Config):
@@ -136,19 +178,28 @@ def check_offload_support(cfg: Config) -> None:
 
 
 def build_engine(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, device: torch.device):
-    """``deepspeed.initialize`` over the sequence x data group of ``groups`` (via the mpu adapter).
+    """``deepspeed.initialize`` over the sequence x data group of ``groups`` (via the mpu adapter), after checking
+    on a one-element probe built the same way that DeepSpeed reduces gradients as the loss scale assumes
+    (:func:`ds4sci.train.sanity.check_gradient_reduction`; before the model's engine, so that a mismatch fails fast
+    and the model's engine is built as if the probe had not been).
 
     Every parameter of ``model`` must be replicated across that group (DeepSpeed broadcasts them from its first
     rank and reduces/partitions over it): keep sequence-sharded parameters out of ``model``.
     """
-    import deepspeed
-
     sharded = [n for n, p in model.named_parameters() if getattr(p, "ds4sci_sequence_sharded", False)]
     if sharded:
         raise ValueError(f"sequence-sharded parameters {sharded} cannot go into the DeepSpeed engine")
     check_offload_support(cfg)
+    initialize = functools.partial(_initialize, cfg=cfg, groups=groups)
+    check_gradient_reduction(initialize, cfg, groups, device)
+    return initialize(model.to(device))
+
+
+def _initialize(model: nn.Module, cfg: Config, groups: SequenceParallelGroups):
+    """The engine of ``model`` (already on its device) with ``cfg``'s DeepSpeed config and optimizer."""
+    import deepspeed
+
     ds_config = deepspeed_config(cfg, groups.dims.sp)
-    model = model.to(device)
     if cfg.zero.stage == 3:
         # DeepSpeed 0.19 converts a plain module for ZeRO-3 over mpu.get_data_parallel_group(), the data ranks
         # WITHOUT the sequence ranks, so gradients are never reduced over the sequence shards (measured: every

@@ -1,16 +1,79 @@
-"""SP-aware loss: global-mean normalisation per ZeRO stage, targets shifted before sharding."""
+"""SP-aware loss: global-mean normalisation per ZeRO stage against DeepSpeed's measured gradient reduction, the
+start-up check of that reduction, targets shifted before sharding."""
+import re
+
 import pytest
 import torch
 
 from ds4sci.models.genslm import IGNORE_INDEX, lm_loss, shift_labels, token_loss
 from ds4sci.sequence import shard_sequence
+from ds4sci.spawn import run_workers
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 
 
-def test_grad_reduction_factor_per_stage():
-    # stages 0-2: SUM over sequence ranks, MEAN over data ranks; stage 3: MEAN over all (measured, DeepSpeed 0.19)
-    assert [grad_reduction_factor(z, dp=3, sp=2) for z in (0, 1, 2, 3)] == [3.0, 3.0, 3.0, 6.0]
-    assert grad_reduction_factor(3, dp=1, sp=4) == 4.0 and grad_reduction_factor(1, dp=1, sp=4) == 1.0
+STAGES = (0, 1, 2, 3)
+DEGREES = ((1, 2), (2, 1))  # (dp, sp) of a world of 2: sum-vs-mean over the sequence ranks and over the data ranks
+
+
+def _measure_deepspeed(rank, world):
+    """DeepSpeed's own gradient reduction on this group of 2, per ZeRO stage, as SP=2 and as DP=2 (and with 2
+    accumulation steps at stage 2): ``{(stage, dp, sp, grad_accum): division}``, and the start-up check's error when
+    the loss scale is wrong (ZeRO-3 under SP=2 scaled by the factor of stages 0-2, ``dp = 1``)."""
+    import functools
+
+    from ds4sci.sequence import build_groups
+    from ds4sci.train import sanity
+    from ds4sci.train.config import load_config
+    from ds4sci.train.engine import _initialize, init_distributed
+
+    init_distributed()
+    cpu, measured = torch.device("cpu"), {}
+    for dp, sp in DEGREES:
+        for stage in STAGES:
+            for accum in (1, 2) if stage == 2 else (1,):
+                cfg = load_config(None, [f"parallel.ulysses={sp}", f"zero.stage={stage}", f"train.grad_accum={accum}"])
+                groups = build_groups(cfg.parallel.dims(world))
+                initialize = functools.partial(_initialize, cfg=cfg, groups=groups)
+                measured[stage, dp, sp, accum] = float(sanity.measure_division(initialize, groups, accum, cpu))
+    cfg = load_config(None, ["parallel.ulysses=2", "zero.stage=3"])
+    groups = build_groups(cfg.parallel.dims(world))
+    right = sanity.grad_reduction_factor
+    sanity.grad_reduction_factor = lambda *args, **kwargs: 1.0
+    try:
+        sanity.check_gradient_reduction(functools.partial(_initialize, cfg=cfg, groups=groups), cfg, groups, cpu)
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    finally:
+        sanity.grad_reduction_factor = right
+    return measured, error
+
+
+@pytest.fixture(scope="module")
+def deepspeed_division():
+    """``{(stage, dp, sp, grad_accum): what DeepSpeed divides the group's summed gradient by}``, measured."""
+    (measured, error), (measured_1, error_1) = run_workers(_measure_deepspeed, 2, env={"DS_ACCELERATOR": "cpu"},
+                                                           timeout=300)
+    assert measured == measured_1  # every rank saw the same reduced gradient
+    return measured, (error, error_1)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_grad_reduction_factor_is_what_deepspeed_measures(deepspeed_division):
+    """The factor the loss is scaled by equals the division DeepSpeed applies (and engine.backward's division by the
+    accumulation steps), measured on a 2-process group: not a restatement of the constants."""
+    measured, errors = deepspeed_division
+    for (stage, dp, sp, accum), division in measured.items():
+        assert division == pytest.approx(grad_reduction_factor(stage, dp, sp) * accum, rel=1e-6), (stage, dp, sp, accum)
+    # the start-up check refuses a wrong factor on every rank, naming DeepSpeed's version and both numbers
+    for error in errors:
+        assert error is not None and re.search(r"^DeepSpeed \d+\.\d+\.\d+ reduces gradients differently", error), error
+        assert "zero.stage=3, dp=1, sp=2" in error and "divides the summed gradient by 2 " in error, error
+        assert "grad_reduction_factor x grad_accum = 1." in error, error
+
+
+def test_grad_reduction_factor_refuses_bad_arguments():
     with pytest.raises(ValueError, match="ZeRO stage must be 0, 1, 2 or 3, got 4"):
         grad_reduction_factor(4, 1, 1)
     with pytest.raises(ValueError, match="sp=0"):
@@ -35,11 +98,14 @@ def test_shift_before_sharding_keeps_every_target(layout, world):
     assert not torch.allclose(naive, full)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("dp, sp", [(1, 2), (2, 2), (3, 1)])
-def test_scaled_shard_loss_under_the_stage_reduction_gives_the_global_mean_gradient(stage, dp, sp):
-    """A model of DeepSpeed's reduction (the equivalence tests check the real engine): ranks of a dp x sp grid each
-    hold a sequence shard of their data rank's samples; the reduced gradient must be that of the global mean."""
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("dp, sp", DEGREES)
+def test_scaled_shard_loss_under_deepspeeds_reduction_gives_the_global_mean_gradient(deepspeed_division, stage, dp, sp):
+    """Ranks of a dp x sp grid each hold a sequence shard of their data rank's samples and back-propagate
+    scaled_shard_loss; the group's summed gradient divided by what DeepSpeed MEASURABLY divides it by (not a model
+    of DeepSpeed) must be the gradient of the global mean loss."""
     torch.manual_seed(1)
     B, T, H, V = 2, 8, 4, 5  # per-rank batch, window, hidden, vocabulary
     w = torch.randn(H, V, dtype=torch.float64, requires_grad=True)
@@ -48,7 +114,7 @@ def test_scaled_shard_loss_under_the_stage_reduction_gives_the_global_mean_gradi
     targets[0, 0, 5:] = IGNORE_INDEX  # ranks hold different numbers of real targets
     (ref,) = torch.autograd.grad(token_loss(x.reshape(dp * B, T, H) @ w, targets.reshape(dp * B, T)), w)
 
-    count = torch.tensor(float((targets != IGNORE_INDEX).sum()), dtype=torch.float64)
+    count = global_target_count([targets])  # what the group's all-reduce of the per-rank counts gives
     factor = grad_reduction_factor(stage, dp, sp)
     grads = torch.zeros(dp, sp, H, V, dtype=torch.float64)
     for d in range(dp):
@@ -56,8 +122,8 @@ def test_scaled_shard_loss_under_the_stage_reduction_gives_the_global_mean_gradi
             logits = shard_sequence(x[d], 1, s, sp) @ w
             local_sum = token_loss(logits, shard_sequence(targets[d], 1, s, sp), "sum")
             (grads[d, s],) = torch.autograd.grad(scaled_shard_loss(local_sum, count, factor), w)
-    reduced = grads.mean(dim=(0, 1)) if stage == 3 else grads.sum(dim=1).mean(dim=0)
-    torch.testing.assert_close(reduced, ref)
+    measured, _ = deepspeed_division
+    torch.testing.assert_close(grads.sum(dim=(0, 1)) / measured[stage, dp, sp, 1], ref)
 
 
 def test_global_target_count_and_empty_batches():
