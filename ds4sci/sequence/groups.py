@@ -19,6 +19,7 @@ that DeepSpeed's ``parallel_state_sp`` helper makes.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 import logging
 from dataclasses import dataclass
@@ -226,11 +227,14 @@ class SequenceParallelGroups:
         return self.dp_rank * self.dims.sp + self.sp_rank
 
 
-def build_groups(dims: ParallelDims, backend: str | None = None) -> SequenceParallelGroups:
+def build_groups(dims: ParallelDims, backend: str | None = None, timeout: datetime.timedelta | None = None
+                 ) -> SequenceParallelGroups:
     """Create the process groups of ``dims`` on the initialized default process group.
 
     Collective: every rank must call it, with the same ``dims``. Each kind's groups are created in the order of
-    :meth:`ParallelDims.group_ranks`, as ``torch.distributed.new_group`` requires.
+    :meth:`ParallelDims.group_ranks`, as ``torch.distributed.new_group`` requires. ``timeout``: how long their
+    collectives wait for a peer (``None``: torch's default, 30 min on gloo; ``new_group`` does not inherit the
+    default group's).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -244,7 +248,7 @@ def build_groups(dims: ParallelDims, backend: str | None = None) -> SequencePara
     mine: dict[str, dist.ProcessGroup] = {}
     for kind, rank_lists in dims.group_ranks().items():
         for ranks in rank_lists:
-            group = dist.new_group(ranks, backend=backend)
+            group = dist.new_group(ranks, backend=backend, timeout=timeout)
             if rank in ranks:
                 mine[kind] = group
     logger.debug("rank %d: built groups for %s", rank, dims)
