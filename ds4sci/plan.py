@@ -30,6 +30,9 @@ Memory model (bytes per GPU):
   sequence-parallel regions divide them by ``tp``) for ``ceil(L/pp) * min(pp, m)`` layers (1F1B keeps ``min(pp, m)``
   micro-batches in flight on the first stage, ``m`` micro-steps), plus outside the layers ``8`` (token ids)
   ``+ 2 h e + 8`` (final layer norm) ``+ 8 V / tp`` (fp32 logits and their log-softmax) per token.
+- backward working set: one layer's activation gradients, as large as what one layer saves without checkpointing,
+  ``T`` times the ``none`` figure; with a ring also the key/value block in use, the one arriving and the travelling
+  key/value gradients, ``6 (h / ulysses) e`` per local token.
 - attention workspace (one layer at a time): ``chunked``: three fp32 ``256 x 256`` blocks per local head;
   ``triton`` / ``flash`` / ``auto``: fp32 log-sum-exp and its backward's row sums, ``8 B H_loc S_q``; ``sdpa`` (the
   O(S^2) oracle): fp32 scores and probabilities plus two boolean masks, ``(8 B H_loc + 2) S_q S_k``; with
@@ -73,7 +76,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ds4sci.cli import CommandError, nonnegative_float, positive_int
 
@@ -135,7 +138,7 @@ class Workload:
                    seq_len=seq_len, **kw)
 
     def with_seq_len(self, seq_len: int) -> Workload:
-        return Workload(**{**asdict(self), "seq_len": seq_len})
+        return replace(self, seq_len=seq_len)
 
     @property
     def layer_params(self) -> int:
@@ -199,8 +202,8 @@ def layer_activation_bytes(w: Workload, lay: Layout, mode: str) -> float:
 
 
 def memory(w: Workload, lay: Layout) -> dict[str, float]:
-    """Bytes per GPU by term (module docstring): params, grads, optimizer, activations, attention, position_table,
-    mask, and their total."""
+    """Bytes per GPU by term (module docstring): params, grads, optimizer, activations, workspace, attention,
+    position_table, mask, and their total."""
     p, g, k = STATE_BYTES[w.dtype]
     e = p
     phi = math.ceil(w.layers / lay.pp) * w.layer_params / lay.tp + (2 * w.vocab * w.hidden + 2 * w.hidden) / lay.tp
@@ -218,6 +221,9 @@ def memory(w: Workload, lay: Layout) -> dict[str, float]:
         per_token += layer_activation_bytes(w, lay, "none")  # the layer being recomputed
     per_token += 8 + 2 * w.hidden * e + 8 + 8 * w.vocab / lay.tp
     activations = T * per_token
+    # backward's working set: one layer's activation gradients, the size of what that layer saves without
+    # checkpointing; the ring adds the key/value block in use, the one arriving and the travelling key/value gradients
+    workspace = T * (layer_activation_bytes(w, lay, "none") + (6 * w.hidden / lay.ulysses * e if lay.ring > 1 else 0))
     heads_local = w.heads / (lay.tp * lay.ulysses)
     s_attn = S / lay.ring
     if w.backend == "sdpa":
@@ -233,7 +239,7 @@ def memory(w: Workload, lay: Layout) -> dict[str, float]:
         table = table_bytes_formula(S // lay.sp if w.position_table == "partitioned" else S, w.hidden)
     mask = 0.0 if w.mask == "none" else B * mask_bytes_formula(w.mask, S // lay.ring)["device"]
     terms = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
-             "attention": attention, "position_table": table, "mask": mask}
+             "workspace": workspace, "attention": attention, "position_table": table, "mask": mask}
     terms["total"] = sum(terms.values())
     return terms
 
@@ -473,14 +479,14 @@ def _leanest(w: Workload, cluster: Cluster, fixed: dict) -> str:
 def markdown_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
     """Header and rows of the layout table (GiB per GPU, GiB sent per GPU per step, seconds per step)."""
     header = ["#", "tp", "ulysses", "ring", "pp", "dp", "zero", "offload", "ckpt", "params", "grads", "optim",
-              "activ", "attn", "pos table", "mask", "total GiB", "sent GiB/step", "step s", "tokens/s", "rel. time"]
+              "activ", "bwd ws", "attn", "pos table", "mask", "total GiB", "sent GiB/step", "step s", "tokens/s", "rel. time"]
     best = rows[0]["time"]["tokens_per_s"] if rows else 1.0
     out = []
     for i, r in enumerate(rows, 1):
         lay, mem = r["layout"], r["memory"]
         out.append([i, lay["tp"], lay["ulysses"], lay["ring"], lay["pp"], lay["dp"], lay["zero_stage"], lay["offload"],
                     lay["checkpointing"]]
-                   + [f"{mem[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "activations", "attention",
+                   + [f"{mem[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "activations", "workspace", "attention",
                                                       "position_table", "mask", "total")]
                    + [f"{sum(r['comm'].values()) / GIB:.2f}", f"{r['time']['total_s']:.3g}",
                       f"{r['time']['tokens_per_s']:.4g}", f"{best / r['time']['tokens_per_s']:.2f}"])
