@@ -5,3 +5,19 @@ Kept free of heavy imports (no deepspeed, no torch.distributed) so that ``ds4sci
 """
 
 __version__ = "0.1.0"
+
+
+def load_model(path, device="cpu"):
+    """``(model, config, tokenizer)`` from a ds4sci export (``OUT_DIR/export``), a Hugging Face
+    ``GPTNeoXForCausalLM`` directory or a GenSLM / Lightning checkpoint file that keeps its config
+    (:mod:`ds4sci.train.init_from`); loading runs no pickled code.
+
+    ``model`` is a :class:`ds4sci.models.genslm.GenSLM` in eval mode on ``device``:
+    ``model(input_ids [B, T] int64, position_ids [B, T] int64)`` returns next-token logits ``[B, T, vocab]``
+    (``return_hidden=True``: the final hidden states ``[B, T, hidden]``). ``config`` is its
+    :class:`~ds4sci.models.genslm.GenSLMConfig`; ``tokenizer.encode(str) -> ids [T]`` and ``decode`` are the
+    ids the model was trained on (``"codon"``: GenSLM's 69-word vocabulary, or ``"nucleotide"``).
+    """
+    from ds4sci.train.init_from import load_model as _load_model
+
+    return _load_model(path, device)

@@ -53,9 +53,14 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    preset: str = _field(default="debug", help='GenSLM shape: "debug", "25M", "250M", "2.5B" or "25B"')
+    preset: str = _field(default="debug", help='GenSLM shape: "debug", "25M", "250M", "2.5B" or "25B" (unused with '
+                    'model.init_from: its config gives the shape)')
     overrides: dict = _field(default_factory=dict,
                     help='any GenSLMConfig field, e.g. {position_embedding: learned, num_layers: 4}')
+    init_from: str = _field(default="",
+                    help='fine-tune: start from the weights of a ds4sci export, a Hugging Face GPT-NeoX directory or '
+                         'a .pt/.ckpt/.bin checkpoint (GenSLM\'s Lightning ones too); its config replaces model.preset, '
+                         'model.overrides apply on top; "" -> a fresh model; relative: like data.fasta', path=True)
 
 
 @dataclass
@@ -165,18 +170,22 @@ class Config:
     train: TrainConfig = _field(default_factory=TrainConfig,
                     help='run length, batch, precision, logging and checkpoints')
 
-    def genslm_config(self, vocab_size: int, pad_token_id: int) -> GenSLMConfig:
+    def genslm_config(self, vocab_size: int, pad_token_id: int, base: GenSLMConfig | None = None) -> GenSLMConfig:
+        """The run's model: ``base`` (the config of ``model.init_from``'s weights) or else ``model.preset``, with the
+        vocabulary and ``model.overrides`` on top, checked against ``data`` and ``parallel``."""
         names = [f.name for f in dataclasses.fields(GenSLMConfig)]
         for key in self.model.overrides:
             if key not in names:
                 raise ValueError(f"unknown model.overrides key {key!r}{_suggest(key, names)}; GenSLMConfig fields: "
                                  f"{names}")
         over = {"vocab_size": vocab_size, "pad_token_id": pad_token_id, **self.model.overrides}
-        if over.get("position_embedding") == "learned":
+        if base is not None:
+            over = {**base.to_dict(), **over}
+        elif over.get("position_embedding") == "learned":
             # A learned table is as long as the context it is trained on; under sequence parallelism each rank holds
             # the rows of the window positions its tokens have, so the two must agree.
             over.setdefault("max_position_embeddings", self.data.seq_len)
-        cfg = GenSLMConfig.preset(self.model.preset, **over)
+        cfg = GenSLMConfig.from_dict(over) if base is not None else GenSLMConfig.preset(self.model.preset, **over)
         if cfg.max_position_embeddings < self.data.seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
@@ -184,6 +193,10 @@ class Config:
                 and cfg.max_position_embeddings != self.data.seq_len):
             raise ValueError(f"model.overrides.max_position_embeddings={cfg.max_position_embeddings}: a sequence-"
                              f"partitioned learned table must have data.seq_len={self.data.seq_len} rows")
+        if cfg.position_embedding == "learned" and self.parallel.dims().sp > 1 and self.data.dataset == "packed":
+            raise ValueError(f"data.dataset={self.data.dataset!r}: a sequence-partitioned learned position table needs "
+                             f"positions equal to window indices; use windows/records or rotary/alibi positions with "
+                             f"packing")
         return cfg
 
     def validate(self) -> "Config":
@@ -226,6 +239,16 @@ class Config:
         check(d.seq_len % dims.sequence_multiple == 0, "data.seq_len", d.seq_len,
               f"must be divisible by {dims.sequence_multiple} (tp={p.tp} x ulysses={p.ulysses} x ring={p.ring}, "
               f"layout {dims.layout.value})")
+        if self.model.init_from:  # its config gives the model: checked when the trainer reads it (genslm_config)
+            check(os.path.exists(self.model.init_from), "model.init_from", self.model.init_from,
+                  "no such file or directory")
+        else:
+            self._validate_model(dims)
+        return self
+
+    def _validate_model(self, dims) -> None:
+        """``model.preset`` and ``model.overrides`` make a model this run can split."""
+        p = self.parallel
         try:
             model = self.genslm_config(69, 3)  # preset and overrides valid (vocabulary filled in at run time)
         except (TypeError, ValueError) as err:
@@ -235,10 +258,6 @@ class Config:
                              intermediate_size=model.intermediate_size)
         except ValueError as err:
             raise ValueError(f"parallel.tp={p.tp!r}, parallel.ulysses={p.ulysses!r}, parallel.pp={p.pp!r}: {err}") from None
-        check(not (model.position_embedding == "learned" and dims.sp > 1 and d.dataset == "packed"), "data.dataset",
-              d.dataset, "a sequence-partitioned learned position table needs positions equal to window indices; "
-              "use windows/records or rotary/alibi positions with packing")
-        return self
 
     def _validate_zero_and_checkpointing(self, check) -> None:
         """The ``zero.*`` and ``activation_checkpointing.*`` rules DeepSpeed 0.19.8 imposes (see

@@ -24,8 +24,8 @@ def export_consolidated(state_dict: dict[str, torch.Tensor], config: GenSLMConfi
     return out
 
 
-def load_consolidated(path: str | Path, device: str | torch.device = "cpu") -> tuple[GenSLM, GenSLMConfig, Tokenizer]:
-    """``(model in eval mode, config, tokenizer)`` from an export directory."""
+def read_consolidated(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig, Tokenizer]:
+    """``(state dict, config, tokenizer)`` of an export directory, checked against each other; no model built."""
     path = Path(path)
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         if not (path / name).is_file():
@@ -38,6 +38,13 @@ def load_consolidated(path: str | Path, device: str | torch.device = "cpu") -> t
     tokenizer = Tokenizer.load(path / "tokenizer.json")
     if tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} ids but the model {config.vocab_size}")
+    return load_file(str(path / "model.safetensors")), config, tokenizer
+
+
+def load_consolidated(path: str | Path, device: str | torch.device = "cpu") -> tuple[GenSLM, GenSLMConfig, Tokenizer]:
+    """``(model in eval mode, config, tokenizer)`` from an export directory (:func:`ds4sci.load_model` also reads
+    Hugging Face GPT-NeoX directories and GenSLM checkpoints)."""
+    state_dict, config, tokenizer = read_consolidated(path)
     model = GenSLM(config)
-    model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+    model.load_state_dict(state_dict, strict=True)
     return model.to(device).eval(), config, tokenizer

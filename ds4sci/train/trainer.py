@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 
 from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, collate, read_fasta, split_records, split_region
-from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, shift_labels
+from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
 from ds4sci.sequence import (build_groups, gather_tensor_parallel, parallelize, shard_sequence, tensor_parallel_plan,
                              token_loss_for)
 from ds4sci.train.checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import Config
 from ds4sci.train.engine import build_engine, init_distributed
+from ds4sci.train.init_from import initial_model
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 from ds4sci.train.position_table import PositionTable
 
@@ -101,9 +102,8 @@ class Trainer:
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
         self.tokenizer, self.train_ds, self.val_ds = load_data(cfg)
-        self.model_config = cfg.genslm_config(self.tokenizer.vocab_size, self.tokenizer.pad_id)
-        torch.manual_seed(cfg.train.seed)
-        model = GenSLM(self.model_config)
+        model = initial_model(cfg, self.tokenizer)  # model.init_from's weights land before any parallelism
+        self.model_config = model.config
         table = parallelize(model, self.groups)
         self.tp_plan = tensor_parallel_plan(model)  # the TP-split parameters: gathered for the export
         self.loss_fn = token_loss_for(self.groups)  # vocabulary-parallel cross entropy when tp > 1
