@@ -153,6 +153,15 @@ class TrainConfig:
     eval_batches: int = _field(default=8, help='validation batches per evaluation')
     save_every: int = _field(default=0, help='checkpoint every N steps; 0 -> only at the end')
     progress: bool = _field(default=True, help='show a progress bar')
+    timeout_s: float = _field(default=1800.0,
+                    help='seconds a collective (all-reduce, all-to-all, barrier) waits for the other ranks before the '
+                         'run stops with an error: a rank that died or hangs cannot stall the others for longer')
+    nonfinite: str = _field(default="stop",
+                    help='a step whose loss is NaN or infinite: "stop" (error naming the step) or "skip" (no '
+                         'parameter or optimizer-state update; the step counter and learning-rate schedule advance)')
+    deterministic: bool = _field(default=False,
+                    help='bitwise-reproducible runs on the same machine: torch.use_deterministic_algorithms (errors '
+                         'on an op without a deterministic version), cuDNN autotuning off, CUBLAS_WORKSPACE_CONFIG')
 
 
 @dataclass
@@ -230,6 +239,11 @@ class Config:
         check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0: only at the end)")
         check(t.eval_batches >= 1, "train.eval_batches", t.eval_batches, "must be >= 1")
         check(t.save_every >= 0, "train.save_every", t.save_every, "must be >= 0 (0: only at the end)")
+        check(t.timeout_s > 0, "train.timeout_s", t.timeout_s, "must be > 0 seconds")
+        check(t.nonfinite in ("stop", "skip"), "train.nonfinite", t.nonfinite, "expected stop or skip")
+        check(t.nonfinite == "stop" or p.pp == 1, "train.nonfinite", t.nonfinite,
+              f"skip needs parallel.pp=1 (DeepSpeed's pipeline engine steps inside train_batch, before the loss is "
+              f"known; got parallel.pp={p.pp})")
         check(d.max_train_tokens >= 0, "data.max_train_tokens", d.max_train_tokens, "must be >= 0 (0: all)")
         check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
         check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")

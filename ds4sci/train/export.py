@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ds4sci.data import Tokenizer
@@ -38,7 +39,11 @@ def read_consolidated(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLM
     tokenizer = Tokenizer.load(path / "tokenizer.json")
     if tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} ids but the model {config.vocab_size}")
-    return load_file(str(path / "model.safetensors")), config, tokenizer
+    try:
+        state_dict = load_file(str(path / "model.safetensors"))
+    except SafetensorError as err:
+        raise ValueError(f"{path / 'model.safetensors'}: cannot be read, truncated or corrupt ({err})") from None
+    return state_dict, config, tokenizer
 
 
 def load_consolidated(path: str | Path, device: str | torch.device = "cpu") -> tuple[GenSLM, GenSLMConfig, Tokenizer]:
@@ -46,5 +51,13 @@ def load_consolidated(path: str | Path, device: str | torch.device = "cpu") -> t
     Hugging Face GPT-NeoX directories and GenSLM checkpoints)."""
     state_dict, config, tokenizer = read_consolidated(path)
     model = GenSLM(config)
+    expected = model.state_dict()
+    differ = [f"{k}: file {tuple(v.shape)}, config.json {tuple(expected[k].shape)}" for k, v in state_dict.items()
+              if k in expected and v.shape != expected[k].shape]
+    differ += [f"{k}: in the file, not in the model of config.json" for k in sorted(state_dict.keys() - expected.keys())]
+    differ += [f"{k}: in the model of config.json, not in the file" for k in sorted(expected.keys() - state_dict.keys())]
+    if differ:
+        raise ValueError(f"{Path(path) / 'model.safetensors'} does not match {Path(path) / 'config.json'}: "
+                         f"{'; '.join(differ[:4])}{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}")
     model.load_state_dict(state_dict, strict=True)
     return model.to(device).eval(), config, tokenizer
