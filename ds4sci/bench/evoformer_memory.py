@@ -12,13 +12,35 @@ backends:
   :mod:`ds4sci.bench.memory`);
 - the max abs difference of the output and of every gradient (q, k, v, pair bias) against the reference.
 
-Writes ``evoformer_memory.json`` and ``evoformer_memory.md`` to ``--out``. DeepSpeed4Science reports 13x lower
+When OpenFold3 is importable, its own attention paths (``openfold3.core.model.primitives.attention``, 0.5) run
+the same inputs in its layout ``[B, N_seq, H, N_res, D]`` with queries pre-scaled, as ``Attention.forward`` does:
+
+- ``openfold3-default``: ``_attention``, the plain path (logits ``[B, N_seq, H, N_res, N_res]`` saved for
+  backward);
+- ``openfold3-chunked``: ``attention_chunked_trainable`` over ``--openfold-chunk`` MSA rows at a time with
+  ``checkpoint=True`` (each chunk recomputed in backward), the training-time chunking of its MSA row attention
+  (``MSARowAttentionWithPairBias._chunked_msa_attn``);
+- ``openfold3-lma``: ``_lma``, its low-memory attention (Rabe & Staats 2021, ``use_lma=True``) with
+  ``--lma-chunk`` queries per block and OpenFold3's default key block (``DEFAULT_LMA_KV_CHUNK_SIZE`` = 4096, all
+  keys at these shapes). Autograd still saves every block's probabilities, so LMA saves memory in inference only.
+  With more than one key block OpenFold3 0.5's ``_lma`` has wrong gradients for q and k (output right): it
+  subtracts the block maximum without detaching it inside ``exp`` but rescales the blocks by the detached copy,
+  so gradient flows through the maximum; one key block keeps the function invariant to that shift.
+
+Otherwise, or with ``--no-openfold`` (each path is a subprocess that imports OpenFold3), the report says why they
+are missing.
+
+Writes ``evoformer_memory.json``, ``evoformer_memory.md`` and ``evoformer_memory.png`` (saved and peak bytes per
+path) to ``--out``. DeepSpeed4Science reports 13x lower
 peak memory for OpenFold training with its fused kernel; the JSON records the ratios against that target.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -31,6 +53,7 @@ logger = logging.getLogger(__name__)
 TARGET_PEAK_RATIO = 13.0  # DeepSpeed4Science's headline for OpenFold training
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _GRADS = ("q", "k", "v", "pair")
+OPENFOLD_PATHS = ("openfold3-default", "openfold3-chunked", "openfold3-lma")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--openfold-chunk", type=int, default=4,
+                        help="MSA rows per chunk of OpenFold3's chunked path (default: %(default)s)")
+    parser.add_argument("--lma-chunk", type=int, default=64,
+                        help="queries per block of OpenFold3's LMA path (default: %(default)s)")
+    parser.add_argument("--no-openfold", action="store_true", help="leave out OpenFold3's paths")
     parser.add_argument("--quick", action="store_true",
                         help="smoke-test shapes (N_seq=16, N_res=128, H=4, D=16), runs in seconds")
 
@@ -67,18 +95,58 @@ def _inputs(cfg: dict) -> dict[str, torch.Tensor]:
     return t
 
 
-def _fwd_bwd(t: dict[str, torch.Tensor], backend: str) -> torch.Tensor:
-    o = evoformer_attention(t["q"], t["k"], t["v"], [t["mask"], t["pair"]], backend=backend)
+def openfold3_missing() -> str | None:
+    """Why OpenFold3's attention functions cannot be imported here, or None when they can."""
+    try:
+        import openfold3.core.model.primitives.attention  # noqa: F401
+    except ImportError as err:
+        return f"OpenFold3 is not importable ({err}); pip install 'ds4sci[openfold]' adds its paths"
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_openfold() -> Iterator[None]:
+    """OpenFold3's ``_attention`` enters ``torch.amp.autocast("cuda")``, which warns on a machine without CUDA (also
+    when a checkpointed chunk is recomputed in backward)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="CUDA is not available", category=UserWarning)
+        warnings.filterwarnings("ignore", message=".*use_reentrant", category=UserWarning)
+        yield
+
+
+def _attend(t: dict[str, torch.Tensor], path: str, cfg: dict) -> torch.Tensor:
+    """O ``[B, N_seq, N_res, H, D]`` of ``path``: a ds4sci backend or one of :data:`OPENFOLD_PATHS`."""
+    biases = [t["mask"], t["pair"]]
+    if path not in OPENFOLD_PATHS:
+        return evoformer_attention(t["q"], t["k"], t["v"], biases, backend=path)
+    from openfold3.core.model.primitives import attention as of3
+
+    # OpenFold3's layout [B, N_seq, H, N_res, D], queries scaled by 1/sqrt(D) as in Attention._prep_qkv
+    q, k, v = (x.transpose(-2, -3) for x in (t["q"] * t["q"].shape[-1] ** -0.5, t["k"], t["v"]))
+    if path == "openfold3-chunked":  # chunks along N_seq (dim -4); returns [B, N_seq, N_res, H, D]
+        return of3.attention_chunked_trainable(q, k, v, biases, chunk_size=cfg["openfold_chunk"], chunk_dim=-4,
+                                               checkpoint=True)
+    if path == "openfold3-lma":  # as Attention.forward: biases expanded to [..., N_res, N_res]
+        full = [b.expand(*b.shape[:-2], q.shape[-2], k.shape[-2]) for b in biases]
+        o = of3._lma(q, k, v, full, cfg["lma_chunk"], of3.DEFAULT_LMA_KV_CHUNK_SIZE)  # [B, N_seq, H, N_res, D]
+        return o.transpose(-2, -3)
+    return of3._attention(q, k, v, biases).transpose(-2, -3)  # [B, N_seq, H, N_res, D] -> [B, N_seq, N_res, H, D]
+
+
+def _fwd_bwd(t: dict[str, torch.Tensor], path: str, cfg: dict) -> torch.Tensor:
+    o = _attend(t, path, cfg)
     o.backward(t["do"])
     return o
 
 
-def _saved_bytes_and_results(cfg: dict, backend: str) -> tuple[int, dict[str, torch.Tensor]]:
-    """Bytes of the unique storages autograd saves in the forward, and the output and gradients."""
+def saved_bytes_and_results(cfg: dict, backend: str) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes of the unique storages autograd saves in the forward of ``backend`` (a ds4sci backend or one of
+    :data:`OPENFOLD_PATHS`) at ``cfg``'s shape, and the output ``o`` and gradients ``dq, dk, dv, dpair``."""
     t = _inputs(cfg)
-    with memory.saved_for_backward() as saved:
-        o = evoformer_attention(t["q"], t["k"], t["v"], [t["mask"], t["pair"]], backend=backend)
-    o.backward(t["do"])
+    with _quiet_openfold():
+        with memory.saved_for_backward() as saved:
+            o = _attend(t, backend, cfg)
+        o.backward(t["do"])
     results = {"o": o.detach()} | {f"d{name}": t[name].grad for name in _GRADS}
     return saved.bytes, results
 
@@ -88,10 +156,11 @@ def peak_bytes(cfg: dict, backend: str) -> int:
     process: after a warm-up at a tiny shape, so lazily loaded kernels and libraries are not counted. On the CPU
     :func:`run` calls it in a fresh subprocess per backend."""
     torch.set_num_threads(cfg["threads"])
-    _fwd_bwd(_inputs(cfg | {"batch": 1, "n_seq": 1, "n_res": 4, "heads": 1, "head_dim": 4}), backend)
-    t = _inputs(cfg)
-    with memory.PeakMemory(cfg["device"]) as peak:
-        _fwd_bwd(t, backend)
+    with _quiet_openfold():
+        _fwd_bwd(_inputs(cfg | {"batch": 1, "n_seq": 1, "n_res": 4, "heads": 1, "head_dim": 4}), backend, cfg)
+        t = _inputs(cfg)
+        with memory.PeakMemory(cfg["device"]) as peak:
+            _fwd_bwd(t, backend, cfg)
     return peak.bytes
 
 
@@ -106,7 +175,7 @@ def _markdown(report: dict) -> str:
     rows = [
         (name, f"{r['saved_bytes'] / MIB:.1f}", f"{r['peak_bytes'] / MIB:.1f}",
          f"{r['peak_ratio_vs_reference']:.1f}x lower", f"{max(r['max_abs_diff'].values()):.2e}")
-        for name, r in report["backends"].items()
+        for name, r in (report["backends"] | report["openfold3"]).items()
     ]
     lines = [
         "# Evoformer attention memory (MSA row attention, forward + backward)",
@@ -115,42 +184,78 @@ def _markdown(report: dict) -> str:
         f"{cfg['dtype']} on {cfg['device']}; peak measured by {report['peak_method']}. "
         f"{memory.describe_allocator(report['allocator'])}",
         "",
-        *markdown_table(("backend", "saved for backward (MiB)", "peak fwd+bwd (MiB)", "peak vs reference",
+        *markdown_table(("path", "saved for backward (MiB)", "peak fwd+bwd (MiB)", "peak vs reference",
                          "max abs diff vs reference"), rows),
         "",
         f"Target: >= {report['target_peak_ratio']:.0f}x lower peak than the reference (DeepSpeed4Science, OpenFold "
         f"training). O and the gradients alone take {report['output_and_grad_bytes'] / MIB:.1f} MiB, so no backend "
         f"can be more than {report['best_possible_peak_ratio']:.1f}x lower at this shape; the ratio grows with "
         "N_res / D.",
+        "",
+        f"OpenFold3's paths: {report['openfold3_paths']}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path) -> None:
+    """Bars of the bytes saved for backward and of the peak of forward+backward per path (MiB)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["backends"] | report["openfold3"]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
+    ax.bar([i - 0.2 for i in x], [r["saved_bytes"] / MIB for r in rows.values()], 0.4, label="saved for backward")
+    ax.bar([i + 0.2 for i in x], [r["peak_bytes"] / MIB for r in rows.values()], 0.4, label="peak fwd+bwd")
+    ax.set_xticks(list(x), list(rows), rotation=15)
+    ax.set_ylabel("MiB")
+    c = report["config"]
+    ax.set_title(f"Evoformer MSA row attention, N_seq={c['n_seq']}, N_res={c['n_res']}, H={c['heads']}, "
+                 f"D={c['head_dim']}, {c['dtype']} on {c['device']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = {
         "batch": args.batch, "n_seq": args.n_seq, "n_res": args.n_res, "heads": args.heads,
         "head_dim": args.head_dim, "dtype": args.dtype, "device": args.device, "seed": args.seed,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "openfold_chunk": args.openfold_chunk, "lma_chunk": args.lma_chunk,
     }
     if args.quick:
         cfg.update(n_seq=16, n_res=128, heads=4, head_dim=16)
     on_cuda = torch.device(cfg["device"]).type == "cuda"
+    for name in ("batch", "n_seq", "n_res", "heads", "head_dim", "openfold_chunk", "lma_chunk"):
+        if cfg[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={cfg[name]}: must be >= 1")
     backends = ["reference", "torch"] + (["triton"] if on_cuda else [])
+    missing = "left out (--no-openfold)" if args.no_openfold else openfold3_missing()
     report: dict = {
         "config": cfg,
         "peak_method": memory.peak_method(cfg["device"]),
         "allocator": memory.allocator_settings(),
         "target_peak_ratio": TARGET_PEAK_RATIO,
         "backends": {},
+        "openfold3": {},
+        "openfold3_paths": missing or (
+            "default = _attention; chunked = attention_chunked_trainable over N_seq, "
+            f"{cfg['openfold_chunk']} rows per chunk, checkpoint=True; LMA = _lma, {cfg['lma_chunk']} queries x "
+            "DEFAULT_LMA_KV_CHUNK_SIZE keys per block (openfold3.core.model.primitives.attention). LMA still saves "
+            "every block's probabilities for backward: it saves memory in inference only."),
     }
     ref_results = None
-    for backend in backends:
-        saved, results = _saved_bytes_and_results(cfg, backend)
+    for backend in backends + ([] if missing else list(OPENFOLD_PATHS)):
+        saved, results = saved_bytes_and_results(cfg, backend)
         if ref_results is None:
             ref_results = results
         diffs = {k: (results[k].double() - ref_results[k].double()).abs().max().item() for k in results}
         peak = _peak(cfg, backend)
-        report["backends"][backend] = {"saved_bytes": saved, "peak_bytes": peak, "max_abs_diff": diffs}
+        section = report["openfold3" if backend in OPENFOLD_PATHS else "backends"]
+        section[backend] = {"saved_bytes": saved, "peak_bytes": peak, "max_abs_diff": diffs}
         logger.info("evoformer-memory %s: saved %.1f MiB, peak %.1f MiB", backend, saved / MIB, peak / MIB)
     ref = report["backends"]["reference"]
     # What any backend must hold at the end of forward+backward: O, dQ, dK, dV and the pair-bias gradient.
@@ -158,10 +263,11 @@ def run(args: argparse.Namespace) -> int:
     elem = torch.finfo(_DTYPES[cfg["dtype"]]).bits // 8
     report["output_and_grad_bytes"] = (4 * b * n * s * h * d + b * h * s * s) * elem
     report["best_possible_peak_ratio"] = ref["peak_bytes"] / report["output_and_grad_bytes"]
-    for r in report["backends"].values():
+    for r in (report["backends"] | report["openfold3"]).values():
         r["peak_ratio_vs_reference"] = ref["peak_bytes"] / max(r["peak_bytes"], 1)
         r["saved_ratio_vs_reference"] = ref["saved_bytes"] / max(r["saved_bytes"], 1)
         r["meets_target"] = r["peak_ratio_vs_reference"] >= TARGET_PEAK_RATIO
     path = write_report(args.out, "evoformer_memory", report, _markdown(report))
-    logger.info("evoformer-memory: wrote %s", path)
+    plot(report, path.with_suffix(".png"))
+    logger.info("evoformer-memory: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
     return 0

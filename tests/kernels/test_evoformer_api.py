@@ -531,9 +531,11 @@ def test_evoformer_memory_bench_quick(tmp_path):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     evoformer_memory.add_arguments(parser)
-    args = parser.parse_args(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    # OpenFold3's paths: tests/test_bench_evoformer_memory.py (each would be a subprocess importing OpenFold3)
+    args = parser.parse_args(["--quick", "--no-openfold", "--device", "cpu", "--out", str(tmp_path)])
     assert evoformer_memory.run(args) == 0
     report = json.loads((tmp_path / "evoformer_memory.json").read_text())
+    assert report["openfold3"] == {} and (tmp_path / "evoformer_memory.png").exists()
     assert (tmp_path / "evoformer_memory.md").read_text().count("| torch |") == 1
     assert report["config"]["n_res"] == 128 and report["config"]["device"] == "cpu"
     ref, torch_path = report["backends"]["reference"], report["backends"]["torch"]

@@ -1,0 +1,61 @@
+"""``ds4sci bench evoformer-memory`` with OpenFold3's own attention paths (default, chunked, LMA) beside the reference.
+
+The CLI smoke test of the ds4sci backends alone (peaks measured in subprocesses) is in
+tests/kernels/test_evoformer_api.py; here the peaks are measured in this process (monkeypatched), since every
+OpenFold3 subprocess would import OpenFold3 again.
+"""
+import argparse
+import json
+
+import pytest
+import torch
+
+from ds4sci.bench import evoformer_memory
+
+pytest.importorskip("openfold3.core.model.primitives.attention")
+# OpenFold3's default path enters torch.amp.autocast("cuda"), which warns on a machine without CUDA
+pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")
+
+# 3 MSA rows per chunk of 7 (uneven), LMA blocks of 8 queries over 24 residues
+SMALL = {"batch": 1, "n_seq": 7, "n_res": 24, "heads": 2, "head_dim": 8, "dtype": "fp32", "device": "cpu",
+         "seed": 0, "threads": 1, "openfold_chunk": 3, "lma_chunk": 8}
+
+
+@pytest.mark.parametrize("path", evoformer_memory.OPENFOLD_PATHS)
+def test_openfold_paths_match_the_reference(path):
+    _, want = evoformer_memory.saved_bytes_and_results(SMALL, "reference")
+    _, got = evoformer_memory.saved_bytes_and_results(SMALL, path)
+    assert set(got) == {"o", "dq", "dk", "dv", "dpair"}
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"{path}: {name}")
+
+
+def test_openfold_chunked_path_saves_less_than_its_default_path():
+    default, _ = evoformer_memory.saved_bytes_and_results(SMALL, "openfold3-default")
+    chunked, _ = evoformer_memory.saved_bytes_and_results(SMALL, "openfold3-chunked")
+    # default keeps the softmax [B, N_seq, H, N_res, N_res] (4 B each); checkpointed chunks keep their inputs only
+    assert default >= 7 * 2 * 24 * 24 * 4 and chunked < default
+
+
+def test_run_reports_openfold_paths(monkeypatch, tmp_path):
+    monkeypatch.setattr(evoformer_memory, "_peak", evoformer_memory.peak_bytes)  # in this process
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    evoformer_memory.add_arguments(parser)
+    argv = ["--n-seq", "4", "--n-res", "32", "--heads", "2", "--head-dim", "8", "--lma-chunk", "8"]
+    assert evoformer_memory.run(parser.parse_args([*argv, "--device", "cpu", "--out", str(tmp_path)])) == 0
+    report = json.loads((tmp_path / "evoformer_memory.json").read_text())
+    assert set(report["backends"]) == {"reference", "torch"}
+    assert list(report["openfold3"]) == list(evoformer_memory.OPENFOLD_PATHS)
+    assert "attention_chunked_trainable" in report["openfold3_paths"]
+    for r in report["openfold3"].values():
+        assert r["saved_bytes"] > 0 and r["peak_bytes"] >= 0 and "peak_ratio_vs_reference" in r
+        assert max(r["max_abs_diff"].values()) < 1e-4
+    markdown = (tmp_path / "evoformer_memory.md").read_text()
+    assert all(markdown.count(f"| {path} |") == 1 for path in evoformer_memory.OPENFOLD_PATHS)
+    assert (tmp_path / "evoformer_memory.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_without_openfold3_the_reason_is_reported(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "openfold3.core.model.primitives.attention", None)
+    assert "ds4sci[openfold]" in evoformer_memory.openfold3_missing()
