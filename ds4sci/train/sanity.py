@@ -68,13 +68,16 @@ def measure_division(initialize: Callable[[nn.Module], object], groups: Sequence
 
 def check_gradient_reduction(initialize: Callable[[nn.Module], object], cfg: Config, groups: SequenceParallelGroups,
                              device: torch.device) -> None:
-    """Refuse to train when DeepSpeed's measured gradient reduction is not the one the loss scale undoes.
+    """Refuse to train when DeepSpeed's measured gradient reduction is not the one the loss scale undoes (a
+    collective over the whole world; skipped when the sequence x data group is one rank).
 
     Raises:
         RuntimeError: naming DeepSpeed's version, the ZeRO stage, the degrees, and the measured vs expected factor.
     """
     import deepspeed
 
+    if dist.get_world_size(groups.sdp) == 1:
+        return  # nothing is reduced: K = 1 at every stage (engine.backward's division by grad_accum is tested)
     d, accum = groups.dims, cfg.train.grad_accum
     expected = grad_reduction_factor(cfg.zero.stage, d.dp, d.sp) * accum
     # every rank's measurement, so that all ranks fail together (a rank that passed would hang in the next collective)
