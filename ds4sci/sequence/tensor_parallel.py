@@ -481,9 +481,11 @@ class TensorParallelMLP(nn.Module):
         up.out_features = up.weight.shape[0]
         self.dense_h_to_4h = up
         self.dense_4h_to_h = RowParallelLinear(mlp.dense_4h_to_h, tp)  # [hidden, I/tp]
+        self.approximate = mlp.approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))  # [B, T, hidden], partial over TP
+        up = F.gelu(self.dense_h_to_4h(x), approximate=self.approximate)  # [B, T, I/tp]
+        return self.dense_4h_to_h(up)  # [B, T, hidden], partial over TP
 
 
 class TensorParallelBlock(nn.Module):

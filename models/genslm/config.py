@@ -10,6 +10,9 @@ from ds4sci.models import local_attention
 POSITION_EMBEDDINGS = ("learned", "rotary", "alibi")
 # memory_efficient_attention's backends, plus "sdpa": sdpa_attention, the O(S^2) oracle, for checking the others
 ATTENTION_BACKENDS = (*local_attention.ATTENTION_BACKENDS, "sdpa")
+# "gelu": exact (erf) GELU, GPT-NeoX's default; "gelu_tanh": its tanh approximation (Hendrycks & Gimpel 2016), which
+# GenSLM's released models use (Hugging Face hidden_act "gelu_fast")
+ACTIVATIONS = ("gelu", "gelu_tanh")
 
 
 @dataclass
@@ -34,6 +37,7 @@ class GenSLMConfig:
     # "sdpa" is the readable O(S^2) reference.
     attention_backend: str = "auto"
     layer_norm_eps: float = 1e-5
+    activation: str = "gelu"  # the MLP's: see ACTIVATIONS
     dropout: float = 0.0
     pad_token_id: int = 3  # [PAD] in both ds4sci tokenizers and GenSLM's vocabulary
     init_std: float = 0.02
@@ -41,6 +45,8 @@ class GenSLMConfig:
     def __post_init__(self):
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):

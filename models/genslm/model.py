@@ -87,9 +87,10 @@ class MLP(nn.Module):
         super().__init__()
         self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
         self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"  # F.gelu's name for it
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate=self.approximate))
 
 
 class Block(nn.Module):

@@ -12,16 +12,19 @@ from ds4sci.models.genslm.config import GenSLMConfig
 from ds4sci.models.genslm.model import GenSLM
 
 _BUFFER_SUFFIXES = (".attention.rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
+# transformers' hidden_act names -> GenSLMConfig.activation; gelu_fast / gelu_new / gelu_pytorch_tanh are the same
+# tanh approximation (GenSLM's released models use gelu_fast)
+_ACTIVATIONS = {"gelu": "gelu", "gelu_fast": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def config_from_gpt_neox(hf_config) -> GenSLMConfig:
-    """GenSLMConfig from a ``transformers.GPTNeoXConfig`` (parallel residual, untied head, GELU required)."""
+    """GenSLMConfig from a ``transformers.GPTNeoXConfig`` (parallel residual, untied head, a GELU required)."""
     if not getattr(hf_config, "use_parallel_residual", True):
         raise ValueError("only GPT-NeoX models with use_parallel_residual=True are supported")
     if getattr(hf_config, "tie_word_embeddings", False):
         raise ValueError("only GPT-NeoX models with untied input/output embeddings are supported")
-    if hf_config.hidden_act != "gelu":
-        raise ValueError(f"only hidden_act='gelu' is supported, got {hf_config.hidden_act!r}")
+    if hf_config.hidden_act not in _ACTIVATIONS:
+        raise ValueError(f"hidden_act must be one of {sorted(_ACTIVATIONS)}, got {hf_config.hidden_act!r}")
     # transformers < 5 keeps rotary_pct / rotary_emb_base; 5.x moved them into rope_parameters.
     rope = getattr(hf_config, "rope_parameters", None) or {}
     rotary_pct = getattr(hf_config, "rotary_pct", None) or rope.get("partial_rotary_factor", 1.0)
@@ -39,6 +42,7 @@ def config_from_gpt_neox(hf_config) -> GenSLMConfig:
         rotary_pct=float(rotary_pct),
         rotary_base=float(rotary_base),
         layer_norm_eps=hf_config.layer_norm_eps,
+        activation=_ACTIVATIONS[hf_config.hidden_act],
     )
 
 
