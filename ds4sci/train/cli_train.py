@@ -1,4 +1,7 @@
-"""``ds4sci train [CONFIG.yaml] [--set key=value ...] [--print-config] [--resume CHECKPOINT]``."""
+"""``ds4sci train [CONFIG.yaml] [--set key=value ...] [--print-config] [--resume [CHECKPOINT] | --overwrite]``.
+
+A run never mixes with another in ``train.out_dir``: a folder that holds a run is refused unless ``--resume``
+continues it or ``--overwrite`` replaces it (:mod:`ds4sci.train.run_dir` has the rules)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +11,7 @@ import logging
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("Every key, its default and its meaning: ds4sci train --print-config. Relative paths in a "
                      "config file are taken from that file's folder; those given with --set from the working "
-                     "directory.")
+                     "directory. train.out_dir must be empty or missing unless --resume or --overwrite is given.")
     parser.add_argument("config", nargs="?", help="YAML config (see examples/configs/); defaults if omitted")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key, e.g. --set train.steps=10 (repeat for more; "
@@ -16,11 +19,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (file, --set, defaults) with each key's description as "
                         "YAML and exit")
-    parser.add_argument("--resume", help="checkpoint directory (.../checkpoints/stepN) to resume from")
+    existing = parser.add_mutually_exclusive_group()
+    existing.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
+                          help="continue the run in train.out_dir from its newest complete checkpoint, or from "
+                          "CHECKPOINT (.../checkpoints/stepN: the newest of train.out_dir's run, or any when "
+                          "train.out_dir is empty); metrics.jsonl continues from the checkpoint's step. Only "
+                          "train.steps, cadences, progress, folders and parallel layout may change")
+    existing.add_argument("--overwrite", action="store_true",
+                          help="replace the run in train.out_dir: delete it (all but token_cache/) first; a folder "
+                          "that holds no ds4sci run (config.yaml) is never deleted")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds4sci.train.checkpoint import load_checkpoint
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 
@@ -28,11 +38,9 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
     if trainer.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    if args.resume:
-        load_checkpoint(trainer, args.resume)
     records = trainer.train()
     if trainer.rank == 0:
         last = [r for r in records if "val_bits_per_base" in r]

@@ -37,12 +37,14 @@ from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, 
 from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
 from ds4sci.sequence import (build_groups, gather_tensor_parallel, parallelize, shard_sequence, tensor_parallel_plan,
                              token_loss_for)
+from ds4sci.train.checkpoint import load_checkpoint
 from ds4sci.train.checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import Config
 from ds4sci.train.engine import build_engine, init_distributed
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 from ds4sci.train.position_table import PositionTable
+from ds4sci.train.run_dir import keep_metrics_until, open_run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -93,17 +95,22 @@ class Trainer:
     Launch with ``torchrun --nproc-per-node N -m ds4sci.cli train CONFIG`` (N = dp x ulysses x ring) or in one process.
     """
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, *, resume: str | None = None, overwrite: bool = False):
+        """``resume``: None (a new run), ``""`` (continue the run in ``train.out_dir``) or a checkpoint folder;
+        ``overwrite``: replace the run in ``train.out_dir`` (:mod:`ds4sci.train.run_dir` has the rules)."""
         self.cfg = cfg
         init_distributed()
         self.rank = dist.get_rank()
         self.dims = cfg.parallel.dims(dist.get_world_size())
         self.groups = build_groups(self.dims)
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        self.out = Path(cfg.train.out_dir)
+        resume_from = open_run_dir(cfg, resume, overwrite, self.device)  # before anything is written there
 
         self.tokenizer, self.train_ds, self.val_ds = load_data(cfg)
         model = initial_model(cfg, self.tokenizer)  # model.init_from's weights land before any parallelism
         self.model_config = model.config
+        self.num_parameters = sum(p.numel() for p in model.parameters())
         table = parallelize(model, self.groups)
         self.tp_plan = tensor_parallel_plan(model)  # the TP-split parameters: gathered for the export
         self.loss_fn = token_loss_for(self.groups)  # vocabulary-parallel cross entropy when tp > 1
@@ -111,10 +118,13 @@ class Trainer:
         self.engine = build_engine(model, cfg, self.groups, self.device)
         self.pos_table = PositionTable(table, self.groups, cfg, self.device) if table is not None else None
         self.step = 0
-        self.out = Path(cfg.train.out_dir)
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(cfg.to_yaml())
+        self.resumed_from = load_checkpoint(self, resume_from) if resume_from is not None else None
+        if self.resumed_from is not None and self.step >= cfg.train.steps:
+            raise ValueError(f"--resume: {self.resumed_from} is at step {self.step}, train.steps={cfg.train.steps}: "
+                             f"nothing left to train (raise train.steps)")
 
     # ----------------------------------------------------------------------------------------------------- data
     def _micro_batch(self, dataset, index: int, shuffle: bool) -> dict[str, torch.Tensor]:
@@ -202,6 +212,8 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Run to ``train.steps``; log, evaluate, checkpoint and export. Returns the metric records."""
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
         from ds4sci.train.checkpoint import save_checkpoint
         from ds4sci.train.export import export_consolidated
 
@@ -212,7 +224,10 @@ class Trainer:
             from torch.utils.tensorboard import SummaryWriter
             from tqdm.auto import tqdm
 
-            writer = SummaryWriter(str(self.out / "tensorboard"))
+            logger.info("%s", self.summary())
+            keep_metrics_until(self.out / "metrics.jsonl", self.step)  # a resumed run continues the curve
+            # purge_step: TensorBoard hides what a stopped run logged after the checkpoint this run resumes from
+            writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1 if self.step else None)
             bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", disable=not t.progress)
         metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8") if self.rank == 0 else None
         start, tokens_seen = time.perf_counter(), 0
@@ -225,20 +240,27 @@ class Trainer:
                 for key, value in record.items():
                     if key != "step":
                         writer.add_scalar(key, value, record["step"])
+                if "val_loss" in record:  # every validation, as it happens
+                    logger.info("step %d/%d: validation loss %.4f nats/token, %.4f bits/base", record["step"], t.steps,
+                                record["val_loss"], record["val_bits_per_base"])
+                elif not t.progress:  # no progress bar: one line per logged step instead
+                    logger.info("step %d/%d: loss %.4f, lr %.3g, %.0f tokens/s", record["step"], t.steps,
+                                record["loss"], record["lr"], tokens_seen / (time.perf_counter() - start))
 
-        while self.step < t.steps:
-            r = self.train_step()
-            tokens_seen += r.tokens
-            if r.step % t.log_every == 0 or r.step == t.steps:
-                log({"step": r.step, "loss": r.loss, "tokens": r.tokens, "lr": r.lr})
-            if (t.eval_every and r.step % t.eval_every == 0) or r.step == t.steps:
-                log({"step": r.step, **self.evaluate()})
-            if t.save_every and r.step % t.save_every == 0 and r.step != t.steps:
-                save_checkpoint(self)
-            if bar is not None:
-                rate = tokens_seen / (time.perf_counter() - start)
-                bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{rate:,.0f}")
-                bar.update(1)
+        with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+            while self.step < t.steps:
+                r = self.train_step()
+                tokens_seen += r.tokens
+                if r.step % t.log_every == 0 or r.step == t.steps:
+                    log({"step": r.step, "loss": r.loss, "tokens": r.tokens, "lr": r.lr})
+                if (t.eval_every and r.step % t.eval_every == 0) or r.step == t.steps:
+                    log({"step": r.step, **self.evaluate()})
+                if t.save_every and r.step % t.save_every == 0 and r.step != t.steps:
+                    save_checkpoint(self)
+                if bar is not None:
+                    rate = tokens_seen / (time.perf_counter() - start)
+                    bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{rate:,.0f}")
+                    bar.update(1)
         save_checkpoint(self)
         export_consolidated(self.full_state_dict(), self.model_config, self.tokenizer, self.out / "export", rank=self.rank)
         if self.rank == 0:
@@ -247,6 +269,30 @@ class Trainer:
             metrics.close()
             plot_metrics(self.out / "metrics.jsonl", self.out / "loss.png")
         return records
+
+    def summary(self) -> str:
+        """The start-up block ``train()`` logs: run folder, model, data, layout, precision, batch."""
+        c, d, t, z, dims = self.model_config, self.cfg.data, self.cfg.train, self.cfg.zero, self.dims
+        offload = [f"{k} offloaded to {v}" for k, v in (("optimizer", z.offload_optimizer), ("parameters",
+                   z.offload_param)) if v != "none"]
+        per_step = t.micro_batch_size * dims.dp * t.grad_accum
+        resumed = f" (resumed from {self.resumed_from} at step {self.step})" if self.resumed_from else ""
+        rows = [
+            ("run folder", f"{self.out}{resumed}"),
+            ("model", f"GenSLM {self.cfg.model.preset}: {self.num_parameters:,} parameters, {c.num_layers} layers, "
+                      f"hidden {c.hidden_size}, {c.num_heads} heads, {c.position_embedding} position embedding, "
+                      f"context {c.max_position_embeddings}"),
+            ("data", f"{d.tokenizer} tokens, {d.dataset} of {d.seq_len}: train {_split_tokens(self.train_ds):,} tokens "
+                     f"({len(self.train_ds):,} samples), validation {_split_tokens(self.val_ds):,} tokens "
+                     f"({len(self.val_ds):,} samples)"),
+            ("layout", f"dp {dims.dp} x tp {dims.tp} x ulysses {dims.ulysses} x ring {dims.ring} x pp {dims.pp} "
+                       f"({dims.layout.value} sequence layout), {dist.get_world_size()} process(es) on "
+                       f"{self.device.type}"),
+            ("precision", ", ".join([f"{t.dtype}, ZeRO stage {z.stage}", *offload])),
+            ("batch", f"{t.micro_batch_size} x {dims.dp} data ranks x {t.grad_accum} accumulation = {per_step} "
+                      f"sequences ({per_step * d.seq_len:,} tokens) per step; steps {self.step + 1}..{t.steps}"),
+        ]
+        return "\n".join(["ds4sci train"] + [f"  {name:<11} {text}" for name, text in rows])
 
     # ------------------------------------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -265,6 +311,12 @@ class Trainer:
         if self.pos_table is not None:
             state["embed_pos.weight"] = self.pos_table.gather().float()
         return state
+
+
+def _split_tokens(dataset) -> int:
+    """Tokens of the split a dataset reads (its documents' lengths: overlapping windows count each token once)."""
+    spans = getattr(dataset, "spans", None)  # WindowDataset, RecordDataset
+    return int(spans.lengths.sum() if spans is not None else dataset._len.sum())  # PackedDataset: its pieces
 
 
 def plot_metrics(metrics_path: Path, png_path: Path) -> None:

@@ -40,14 +40,13 @@ def _read_tsv(text: str) -> list[dict]:
     return list(csv.DictReader(io.StringIO(text), delimiter="\t"))
 
 
-def test_score_cli_token_weighted_mean_is_evaluate_loss(exports, tmp_path):
+def test_score_cli_token_weighted_mean_is_evaluate_loss(exports, tmp_path, capsys):
     tsv = tmp_path / "scores.tsv"
     common = ["--fasta", exports["fasta"], "--seq-len", "16", "--batch-size", "3"]
     subprocess.run([str(BIN / "ds4sci"), "score", exports["nucleotide"], *common, "--out", str(tsv)], check=True,
                    capture_output=True)
-    evaluated = subprocess.run([str(BIN / "ds4sci"), "evaluate", exports["nucleotide"], *common, "--json"],
-                               check=True, capture_output=True, text=True)
-    result = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert main(["evaluate", exports["nucleotide"], *common, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     text = tsv.read_text()
     assert text.splitlines()[0] == "id\tlength\ttokens\tlog_likelihood\tbits_per_base"
     rows = _read_tsv(text)

@@ -1,0 +1,150 @@
+"""Run folders that never mix (issue #18): what ``ds4sci train`` may do with ``train.out_dir``.
+
+* A new run needs an empty or missing ``out_dir``. A folder that already holds a run (``config.yaml``, written by
+  every run) is refused with one line naming it and the two ways on: ``--resume`` continues it, ``--overwrite``
+  replaces it. ``token_cache/`` (the default ``data.cache_dir``) is a cache keyed by its data and tokenizer, not part
+  of a run: a folder holding only it counts as empty, and ``--overwrite`` keeps it.
+* ``--overwrite`` deletes everything else in ``out_dir``, only when ``out_dir`` holds a run: a non-empty folder
+  without ``config.yaml`` is no ds4sci run, and is never deleted (nor written into).
+* ``--resume`` continues the run in ``out_dir`` from its newest complete checkpoint; ``--resume CHECKPOINT`` from that
+  checkpoint folder, which must be the newest of ``out_dir``'s run when ``out_dir`` holds one (an earlier one would
+  leave later checkpoints of a dropped future beside the new ones; branch off into a new ``out_dir`` instead), or may
+  come from another run when ``out_dir`` is empty. The config must be the one the checkpoint's run was trained with,
+  except the keys of :data:`MAY_CHANGE` (each other difference is named). The trainer then drops the metrics the
+  stopped run logged after its checkpoint, so ``metrics.jsonl`` and ``loss.png`` continue the curve.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ds4sci.train.config import Config, load_config
+
+logger = logging.getLogger(__name__)
+
+RUN_MARK = "config.yaml"
+CACHE = "token_cache"
+# Keys a resumed run may change: its length, cadences and console, where things are written, and how the same
+# computation is laid out (parallel degrees, with the same samples per global micro-batch, and recomputation).
+MAY_CHANGE = ("train.steps", "train.log_every", "train.eval_every", "train.save_every", "train.progress",
+              "train.out_dir", "data.cache_dir", "train.micro_batch_size", "parallel.*", "activation_checkpointing.*")
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in MAY_CHANGE)
+
+
+def _flat(cfg: Config) -> dict:
+    return {f"{section}.{key}": value for section, part in dataclasses.asdict(cfg).items()
+            for key, value in part.items()}
+
+
+def _names(entries: list[str]) -> str:
+    return ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+
+
+def check_resumed_config(saved_file: Path, cfg: Config, world_size: int) -> None:
+    """``cfg`` against the config a checkpoint's run was trained with (``saved_file``): only :data:`MAY_CHANGE` keys
+    may differ, and the samples per global micro-batch (``micro_batch_size x dp``) must stay, so the data order does.
+
+    Raises:
+        ValueError: naming every other key that differs, old and new value.
+    """
+    saved = load_config(saved_file)
+    old, new = _flat(saved), _flat(cfg)
+    differ = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in old.keys() | new.keys()
+              if old.get(k) != new.get(k) and not _may_change(k)]
+    before, now = (c.train.micro_batch_size * c.parallel.dims(world_size).dp for c in (saved, cfg))
+    if before != now:
+        differ.append(f"samples per global micro-batch (train.micro_batch_size x dp): {before} -> {now}")
+    if differ:
+        raise ValueError(f"--resume: the config differs from the one the run was trained with ({saved_file}): "
+                         f"{'; '.join(sorted(differ))}. Only {', '.join(MAY_CHANGE)} may change on resume")
+
+
+def prepare_run_dir(cfg: Config, resume: str | None = None, overwrite: bool = False,
+                    world_size: int = 1) -> Path | None:
+    """Check (and with ``overwrite`` empty) ``train.out_dir`` by the rules of this module, before anything is written
+    there. ``resume``: None (a new run), ``""`` (continue ``out_dir``'s run) or a checkpoint folder.
+
+    Returns:
+        the checkpoint folder to resume from, or None for a new run.
+
+    Raises:
+        ValueError / FileNotFoundError: the folder cannot be used so (one line naming it and the way on).
+    """
+    from ds4sci.train.checkpoint import find_checkpoint
+
+    if overwrite and resume is not None:
+        raise ValueError("--overwrite and --resume exclude each other: replace the run, or continue it")
+    out = Path(cfg.train.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"train.out_dir {out} is a file, not a folder")
+    entries = sorted(p.name for p in out.iterdir() if p.name != CACHE) if out.is_dir() else []
+    holds_run = (out / RUN_MARK).is_file()
+    if entries and not holds_run:
+        raise ValueError(f"train.out_dir {out} is not empty and holds no ds4sci run (no {RUN_MARK}; it holds "
+                         f"{_names(entries)}): choose another train.out_dir (ds4sci deletes only its own runs)")
+    if overwrite:
+        for name in entries:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        if entries:
+            logger.warning("--overwrite: deleted the run in %s (%s)", out, _names(entries))
+        return None
+    if resume is None:
+        if entries:
+            raise ValueError(f"train.out_dir {out} already holds a run ({_names(entries)}): continue it with "
+                             f"--resume, or replace it with --overwrite (or choose another train.out_dir)")
+        return None
+    if resume == "":
+        if not holds_run:
+            raise ValueError(f"--resume: train.out_dir {out} holds no run to continue (start one without --resume)")
+        try:
+            checkpoint = find_checkpoint(out)
+        except FileNotFoundError:
+            raise ValueError(f"--resume: the run in train.out_dir {out} has no complete checkpoint (it stopped "
+                             f"before its first save): start it again with --overwrite") from None
+    else:
+        if Path(resume).is_file():
+            raise ValueError(f"--resume {resume} is a file: give a checkpoint folder (.../checkpoints/stepN), or "
+                             f"nothing to continue train.out_dir (put the config first: ds4sci train CONFIG --resume)")
+        checkpoint = find_checkpoint(resume)
+        if holds_run and checkpoint.resolve() != (newest := find_checkpoint(out)).resolve():
+            raise ValueError(f"--resume {checkpoint}: train.out_dir {out} is a run whose newest checkpoint is "
+                             f"{newest}; continuing it from another one would mix two histories. To branch off "
+                             f"{checkpoint}, write into a new folder: --set train.out_dir=NEW --resume {checkpoint}")
+    saved = checkpoint.parent.parent / RUN_MARK  # the config of the run the checkpoint belongs to
+    if saved.is_file():
+        check_resumed_config(saved, cfg, world_size)
+    return checkpoint
+
+
+def open_run_dir(cfg: Config, resume: str | None, overwrite: bool, device) -> Path | None:
+    """:func:`prepare_run_dir` on rank 0, its result or error on every rank (collective: every rank calls it)."""
+    box: list = [None, None]  # [checkpoint, error message]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = prepare_run_dir(cfg, resume, overwrite, dist.get_world_size())
+        except (OSError, ValueError) as err:
+            box[1] = str(err)
+    dist.broadcast_object_list(box, src=0, device=device)
+    if box[1] is not None:
+        raise ValueError(box[1])
+    return box[0]
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop the records of ``metrics.jsonl`` after ``step``: what a stopped run logged after the checkpoint the
+    resumed run continues from (a new run has no such file)."""
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(f"{line}\n" for line in rows))
