@@ -21,7 +21,8 @@ For each it measures, with :mod:`ds4sci.bench.memory`,
 At the default shape (N_seq=32, N_res=128, 2 blocks, 8 MSA heads, 4 pair heads) the logits dominate: a triangle
 attention's softmax alone is N_res * H * N_res^2 * 4 B = 32 MiB, against 1 MiB for the pair representation.
 
-Writes ``openfold_stack.json`` and ``openfold_stack.md`` to ``--out``. Needs OpenFold3 (``pip install
+Writes ``openfold_stack.json``, ``openfold_stack.md`` and ``openfold_stack.png`` (peak, saved bytes and time per
+path) to ``--out``; ``--quick`` is a smoke test at N_seq=17, N_res=20, one block. Needs OpenFold3 (``pip install
 'ds4sci[openfold]'``); without it the command says so and exits with status 1.
 """
 from __future__ import annotations
@@ -56,6 +57,7 @@ _INT_OPTIONS = {
     "seed": (0, "seed of the weights and inputs"),
 }
 _OPENFOLD_STACK = "openfold3.core.model.latent.evoformer"
+_QUICK = {"n_seq": 17, "n_res": 20, "blocks": 1}  # above OpenFold's 16-residue fallback to its default path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ds4sci kernel backend (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="(default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in _QUICK.items()))
 
 
 def default_config(**overrides) -> dict:
@@ -266,16 +270,46 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict, path) -> None:
+    """Bars per path: peak memory and bytes saved for backward (MiB, left), step time (s, right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = report["results"]
+    fig, (mem, secs) = plt.subplots(1, 2, figsize=(9, 4), gridspec_kw={"width_ratios": [2, 1]})
+    x = range(len(MODES))
+    mem.bar([i - 0.2 for i in x], [r[m]["peak_bytes"] / MIB for m in MODES], 0.4, label="peak of the step")
+    mem.bar([i + 0.2 for i in x], [r[m]["saved_bytes"] / MIB for m in MODES], 0.4, label="saved for backward")
+    mem.set_xticks(list(x), MODES)
+    mem.set_ylabel("MiB")
+    mem.legend()
+    secs.bar(list(x), [r[m]["seconds"] for m in MODES], 0.5, color="gray")
+    secs.set_xticks(list(x), MODES)
+    secs.set_ylabel("step time (s)")
+    c = report["config"]
+    fig.suptitle(f"OpenFold3 EvoformerStack training step: N_seq={c['n_seq']}, N_res={c['n_res']}, {c['blocks']} "
+                 f"blocks, {c['dtype']} on {c['device']}, ds4sci backend {c['backend']!r}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace) -> int:
     """``ds4sci bench openfold-stack``: exit status 1, with one error line, when OpenFold3 is not importable."""
+    cfg = default_config(**{name: getattr(args, name) for name in default_config()}) | (_QUICK if args.quick else {})
+    for name in _INT_OPTIONS:
+        if name != "seed" and cfg[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={cfg[name]}: must be >= 1")
     missing = openfold3_missing()
     if missing:
         logger.error(missing)
         return 1
-    cfg = default_config(**{name: getattr(args, name) for name in default_config()})
     report = {"config": cfg, "command": command_line(cfg, args.out)} | compare(cfg)
     text = markdown(report)
     path = write_report(args.out, "openfold_stack", report, text)
+    plot(report, path.with_suffix(".png"))
     print(text)
-    logger.info("openfold-stack: wrote %s and %s", path, path.with_suffix(".md"))
+    logger.info("openfold-stack: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
     return 0

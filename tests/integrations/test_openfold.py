@@ -412,9 +412,10 @@ def test_openfold_stack_bench_ds4sci_saves_less(tmp_path):
     written, and ds4sci's step saves fewer bytes for backward (deterministic, unlike the peak RSS at this size)."""
     from ds4sci import cli
 
-    assert cli.main(["bench", "openfold-stack", *TINY_STACK, "--blocks", "1", "--device", "cpu",
+    assert cli.main(["bench", "openfold-stack", "--quick", "--backend", "torch", "--device", "cpu",
                      "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "openfold_stack.json").read_text())
+    assert (tmp_path / "openfold_stack.png").read_bytes()[:4] == b"\x89PNG"
     markdown = (tmp_path / "openfold_stack.md").read_text()
     assert markdown.count("| default |") == 1 and markdown.count("| ds4sci |") == 1 and "Allocator:" in markdown
     assert report["command"].startswith("ds4sci bench openfold-stack --n-seq 17 --n-res 20 --blocks 1 ")
@@ -442,3 +443,10 @@ def test_openfold_stack_bench_without_openfold3(monkeypatch, tmp_path, caplog):
     assert len(errors) == 1 and errors[0].exc_info is None
     assert "needs OpenFold3" in errors[0].getMessage() and "ds4sci[openfold]" in errors[0].getMessage()
     assert not out.exists()
+
+
+def test_openfold_stack_bench_refuses_a_non_positive_shape(tmp_path, capsys):
+    from ds4sci import cli
+
+    assert cli.main(["bench", "openfold-stack", "--n-res", "0", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == "ds4sci bench: error: --n-res=0: must be >= 1"
