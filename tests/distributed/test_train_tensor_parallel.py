@@ -1,18 +1,19 @@
 """Training with tensor parallelism (Megatron-LM with sequence-parallel regions, ``parallel.tp``) equals
 single-process training: per-step losses and every parameter after three steps (fp32, ~1e-5) for TP2 under ZeRO
-0-3, TP2 x Ulysses2 and TP2 x Ring2 (zigzag), gradient clipping active throughout (the global norm counts the
-TP-split parameters once per TP rank and the replicated ones once), with activation checkpointing (full,
-selective, on the CPU), and the consolidated export a TP run writes equals the single-process run's.
+0-3, TP2 x Ulysses2 and TP2 x Ring2 (zigzag), with activation checkpointing (full, selective, on the CPU), and the
+consolidated export (and validation loss) of an end-to-end ``Trainer.train()`` under TP2 x Ulysses2 equals the
+single-process run's.
+
+Gradient clipping is active in some cases (the global norm must count the TP-split parameters once per TP rank and
+the replicated ones once) and off in others: an active clip rescales every gradient to the threshold, which would
+hide a gradient off by one common factor (a wrong loss scale); unclipped cases catch that.
 
 The helpers (config overrides, the per-case worker, the comparison) are those of ``test_train_equivalence``.
 """
-from pathlib import Path
-
 import pytest
-import torch
 
 from ds4sci.spawn import run_workers
-from test_train_equivalence import CLIP, ENV, _baseline, _compare, _overrides, _train_cases
+from test_train_equivalence import CLIP, ENV, _compare, _overrides, _train_cases
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -20,36 +21,87 @@ TP2 = ["parallel.tp=2"]
 FULL, SELECTIVE, CPU = (["activation_checkpointing.mode=full"], ["activation_checkpointing.mode=selective"],
                         ["activation_checkpointing.cpu=true"])
 
+# Single-process references, by name: (ZeRO stage, position embedding, clipped). A tensor-parallel case is compared
+# with the reference of its name (activation checkpointing and layouts do not change the reference).
+REFERENCES = {
+    "z0 rotary clip": (0, "rotary", True),
+    "z1 learned": (1, "learned", False),
+    "z2 rotary clip": (2, "rotary", True),
+    "z3 alibi": (3, "alibi", False),
+    "z3 learned": (3, "learned", False),
+    "z1 rotary clip": (1, "rotary", True),  # the end-to-end case
+}
+END_TO_END = "z1 rotary clip"
 
-def _train_and_export(rank, world, overrides):
-    """``Trainer.train()`` end to end (evaluation, checkpoint, export); rank 0 returns the logged training losses,
-    the final validation loss and the exported ``model.safetensors``."""
+
+def _case(out_dir, name, ulysses=1, ring=1, extra=()):
+    """The overrides of a case of reference ``name``; every case reads one token cache (built once: ~8 s each)."""
+    zero, pe, clip = REFERENCES[name]
+    cache = f"data.cache_dir={out_dir.parent / 'token_cache'}"
+    return _overrides(out_dir, zero, ulysses=ulysses, ring=ring, pe=pe, extra=[cache, *(CLIP if clip else []), *extra])
+
+
+def _cases(rank, world, cases):
+    """``(overrides, end_to_end)`` cases: three ``train_step`` calls and ``full_state_dict`` (the equivalence
+    tests' worker), or ``Trainer.train()`` end to end (evaluation, checkpoint, export), whose rank 0 returns the
+    logged losses and the exported ``model.safetensors``, plus the final validation loss."""
     from safetensors.torch import load_file
 
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 
-    records = Trainer(load_config(None, overrides)).train()
-    if rank != 0:
-        return None
-    losses = [r["loss"] for r in records if "loss" in r]
-    val = [r["val_loss"] for r in records if "val_loss" in r]
-    state = load_file(str(Path(overrides[-1].split("=", 1)[1]) / "export" / "model.safetensors"))
-    return losses, val, {k: v.numpy() for k, v in state.items()}
+    results = []
+    for overrides, end_to_end in cases:
+        if not end_to_end:
+            results.append((*_train_cases(rank, world, [overrides])[0], None))
+            continue
+        cfg = load_config(None, overrides)
+        records = Trainer(cfg).train()
+        state = load_file(f"{cfg.train.out_dir}/export/model.safetensors") if rank == 0 else {}
+        results.append(([r["loss"] for r in records if "loss" in r], {k: v.numpy() for k, v in state.items()},
+                        [r["val_loss"] for r in records if "val_loss" in r]))
+    return results
 
 
-def test_tp2_every_stage_and_activation_checkpointing(tmp_path):
-    stages = [0, 1, 2, 3]
-    cases = [_overrides(tmp_path / f"tp{z}", z, extra=TP2 + CLIP) for z in stages] + [
-        _overrides(tmp_path / "full", 2, pe="rotary", extra=TP2 + CLIP + FULL),
-        _overrides(tmp_path / "sel", 3, pe="alibi", extra=TP2 + CLIP + SELECTIVE + CPU),
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One folder for every run of this module (their token cache included)."""
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def references(runs):
+    cases = [(_case(runs / f"ref{i}", name), name == END_TO_END) for i, name in enumerate(REFERENCES)]
+    return dict(zip(REFERENCES, run_workers(_cases, 1, cases, env=ENV, timeout=400)[0]))
+
+
+def _check(got, want, label):
+    (losses, state, val), (ref_losses, ref_state, ref_val) = got, want
+    _compare((losses, state), (ref_losses, ref_state), label)
+    if ref_val is not None:
+        assert val == pytest.approx(ref_val, rel=1e-5), (label, val, ref_val)
+
+
+def test_tp2_every_zero_stage_and_activation_checkpointing(runs, references):
+    cases = [
+        ("z0 rotary clip", "tp=2 zero=0 clipped", []),
+        ("z1 learned", "tp=2 zero=1, full checkpointing", FULL),
+        ("z2 rotary clip", "tp=2 zero=2 clipped, selective checkpointing on the CPU", SELECTIVE + CPU),
+        ("z3 alibi", "tp=2 zero=3, full checkpointing on the CPU", FULL + CPU),
     ]
-    got = run_workers(_train_cases, 2, cases, env=ENV, timeout=400)[0]
-    want = _baseline([_overrides(tmp_path / f"b{z}", z, extra=CLIP) for z in stages] + [
-        _overrides(tmp_path / "bfull", 2, pe="rotary", extra=CLIP),
-        _overrides(tmp_path / "bsel", 3, pe="alibi", extra=CLIP),
-    ])
-    for z, g, w in zip(stages, got, want):
-        _compare(g, w, f"tp=2 zero={z} clipped")
-    _compare(got[4], want[4], "tp=2 zero=2 rotary, full checkpointing")
-    _compare(got[5], want[5], "tp=2 zero=3 alibi, selective checkpointing on the CPU")
+    got = run_workers(_cases, 2, [(_case(runs / f"tp{i}", name, extra=TP2 + x), False)
+                                  for i, (name, _, x) in enumerate(cases)], env=ENV, timeout=400)[0]
+    for (name, label, _), result in zip(cases, got):
+        _check(result, references[name], label)
+
+
+def test_tp2_with_ulysses_and_ring_and_the_export(runs, references):
+    cases = [
+        ("z3 learned", "tp=2 x ulysses=2 zero=3", dict(ulysses=2), False),
+        ("z1 learned", "tp=2 x ring=2 zigzag zero=1", dict(ring=2), False),  # zigzag rows of the table
+        (END_TO_END, "tp=2 x ulysses=2 zero=1 clipped, Trainer.train() export", dict(ulysses=2), True),
+    ]
+    got = run_workers(_cases, 4, [(_case(runs / f"sp{i}", name, **deg, extra=TP2), e2e)
+                                  for i, (name, _, deg, e2e) in enumerate(cases)], env=ENV, timeout=400)[0]
+    for (name, label, _, _), result in zip(cases, got):
+        _check(result, references[name], label)
