@@ -69,7 +69,7 @@ class ParallelConfig:
     ring: int = _field(default=1, help='ring-attention sequence-parallel degree')
     tp: int = _field(default=1, help='tensor-parallel degree (Megatron-LM with sequence-parallel regions): splits heads, '
                     'MLP width and vocabulary; tp x ulysses must divide the heads, tp the MLP width')
-    pp: int = _field(default=1, help='pipeline-parallel degree (not supported yet: must be 1)')
+    pp: int = _field(default=1, help="pipeline-parallel degree (DeepSpeed's pipeline engine, 1F1B; ZeRO stage 0 or 1)")
     dp: int = _field(default=0,
                     help='data-parallel degree; 0 -> what the world size leaves (world / (tp x ulysses x ring x pp)), '
                          '> 0 -> must be exactly that')
@@ -224,9 +224,6 @@ class Config:
         check(d.reverse_complement == 0 or d.tokenizer == "nucleotide", "data.reverse_complement",
               d.reverse_complement, "reverse complement breaks the reading frame of codon tokens")
         dims = p.dims()
-        # Degrees the trainer cannot run yet (issue #14): each refusal is this one line; lift it when training
-        # supports the degree.
-        check(p.pp == 1, "parallel.pp", p.pp, "pipeline parallelism is not supported yet; use parallel.pp=1")
         self._validate_zero_and_checkpointing(check)
         check(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
         check(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "must be >= 1")

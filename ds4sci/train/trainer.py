@@ -43,6 +43,8 @@ from ds4sci.train.config import Config
 from ds4sci.train.engine import build_engine, init_distributed
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
+from ds4sci.train.pipeline import (build_pipeline_engine, pipeline_eval_sum, pipeline_reduction_factor,
+                                   pipeline_state_dict, pipeline_train_batch)
 from ds4sci.train.position_table import PositionTable
 from ds4sci.train.run_dir import keep_metrics_until, open_run_dir
 
@@ -115,8 +117,11 @@ class Trainer:
         self.tp_plan = tensor_parallel_plan(model)  # the TP-split parameters: gathered for the export
         self.loss_fn = token_loss_for(self.groups)  # vocabulary-parallel cross entropy when tp > 1
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
-        self.engine = build_engine(model, cfg, self.groups, self.device)
         self.pos_table = PositionTable(table, self.groups, cfg, self.device) if table is not None else None
+        if self.dims.pp > 1:  # DeepSpeed's pipeline engine; the first stage looks the position table up
+            self.engine = build_pipeline_engine(model, self.pos_table, cfg, self.groups, self.device)
+        else:
+            self.engine = build_engine(model, cfg, self.groups, self.device)
         self.step = 0
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -176,18 +181,25 @@ class Trainer:
         batches = [self._micro_batch(self.train_ds, self.step * t.grad_accum + a, shuffle=True) for a in range(t.grad_accum)]
         count = global_target_count([b["targets"] for b in batches], self.groups.sdp)
         # engine.backward divides by the accumulation steps: multiply them back in
-        factor = grad_reduction_factor(self.cfg.zero.stage, self.dims.dp, self.dims.sp) * t.grad_accum
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        pipe = self.dims.pp > 1
+        reduction = (pipeline_reduction_factor(self.dims) if pipe
+                     else grad_reduction_factor(self.cfg.zero.stage, self.dims.dp, self.dims.sp))
+        factor = reduction * t.grad_accum
         lr = self.engine.get_lr()[0]  # the rate this step uses
-        for b in batches:
-            local_sum, _ = self._forward_sum(b)
-            self.engine.backward(scaled_shard_loss(local_sum, count, factor))
-            self.engine.step()
-            loss_sum += local_sum.detach().double()
+        if pipe:
+            total = pipeline_train_batch(self.engine, self.groups, batches, count, factor)
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            for b in batches:
+                local_sum, _ = self._forward_sum(b)
+                self.engine.backward(scaled_shard_loss(local_sum, count, factor))
+                self.engine.step()
+                loss_sum += local_sum.detach().double()
+            total = self._all_sum(loss_sum)
         if self.pos_table is not None:
-            self.pos_table.step(factor / t.grad_accum)
+            self.pos_table.step(reduction)
         self.step += 1
-        return StepResult(self.step, (self._all_sum(loss_sum) / count).item(), int(count.item()), lr)
+        return StepResult(self.step, (total / count).item(), int(count.item()), lr)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -195,18 +207,20 @@ class Trainer:
         t = self.cfg.train
         per_micro = t.micro_batch_size * self.dims.dp
         n_batches = min(t.eval_batches, math.ceil(len(self.val_ds) / per_micro))
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.engine.eval()
-        for i in range(n_batches):
-            s, c = self._forward_sum(self._micro_batch(self.val_ds, i, shuffle=False))
-            total += s.double()
-            count += c.double()
-        self.engine.train()
-        count = self._all_sum(count)
+        batches = [self._micro_batch(self.val_ds, i, shuffle=False) for i in range(n_batches)]
+        count = global_target_count([b["targets"] for b in batches], self.groups.sdp)
         if count == 0:
             raise ValueError("the validation set has no real target token (data.val_fraction too small?)")
-        loss = (self._all_sum(total) / count).item()
+        if self.dims.pp > 1:
+            total = pipeline_eval_sum(self.engine, self.groups, batches)
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            self.engine.eval()
+            for b in batches:
+                total += self._forward_sum(b)[0].double()
+            self.engine.train()
+            total = self._all_sum(total)
+        loss = (total / count).item()
         return {"val_loss": loss, "val_perplexity": math.exp(loss),
                 "val_bits_per_base": loss / math.log(2) / self.tokenizer.bases_per_token}
 
@@ -301,6 +315,9 @@ class Trainer:
         layout (collective: every rank calls it)."""
         import deepspeed
 
+        table = {"embed_pos.weight": self.pos_table.gather().float()} if self.pos_table is not None else {}
+        if self.dims.pp > 1:
+            return pipeline_state_dict(self.engine, self.groups, self.tp_plan, self.model_config.num_layers, table)
         module = self.engine.module
         params = list(module.parameters())
         state = {}
@@ -308,9 +325,7 @@ class Trainer:
             for k, v in module.state_dict().items():  # one full tensor at a time on the device (NCCL gathers there)
                 full = gather_tensor_parallel({k: v.detach()}, self.groups, self.tp_plan)[k]
                 state[k] = full.float().cpu().clone()
-        if self.pos_table is not None:
-            state["embed_pos.weight"] = self.pos_table.gather().float()
-        return state
+        return {**state, **table}
 
 
 def _split_tokens(dataset) -> int:

@@ -1,0 +1,257 @@
+"""Pipeline parallelism for GenSLM through DeepSpeed's pipeline engine (``PipelineModule``; 1F1B schedule,
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM").
+
+A (tensor- and sequence-)parallelized :class:`~ds4sci.models.genslm.GenSLM` becomes a chain of pipe layers, each
+taking and returning a tuple of tensors (what the engine passes between stages with p2p send/recv)::
+
+    EmbeddingStage  (input_ids, position_ids[, doc_ids]) -> (x, position_ids[, doc_ids])    first stage
+    BlockStage x L  (x, position_ids[, doc_ids])          -> (x, position_ids[, doc_ids])
+    HeadStage       (x, position_ids[, doc_ids])          -> logits [B, T, V (/tp)]          last stage
+
+``doc_ids`` is left out of the tuple when the batch has none (the engine passes only tensors); positions and
+document ids are integer tensors, which the engine sends forward and never expects a gradient for. Blocks are
+balanced over the stages (:func:`build_pipeline_engine`).
+
+Rank layout: :func:`pipeline_topology` is DeepSpeed's ``PipeModelDataParallelTopology`` with axes
+``pipe, data, model`` = ``pp, dp x sp, tp``, which numbers ranks exactly as
+:class:`~ds4sci.sequence.ParallelDims` does (TP < Ulysses < Ring < DP < PP): the engine's "data" group is our
+sequence x data group (where gradients are reduced and ZeRO-1 partitions), its "model" axis our TP group.
+
+Facts checked with DeepSpeed 0.19.8 on the CPU (gloo; ``tests/distributed/test_train_pipeline.py``):
+
+- Gradient reduction: the engine averages gradients over its data group (``dp * sp`` ranks) at ZeRO 0 and 1, so
+  the loss scale is :func:`pipeline_reduction_factor` ``= dp * sp`` (not the ``dp`` of the non-pipeline engine,
+  whose mpu tells it about the sequence ranks).
+- Gradient clipping at ZeRO 0 (``deepspeed.runtime.utils.clip_grad_norm_``) counts a parameter only on the
+  rank whose *pipe x model* index is 0 unless it is marked model-parallel, so the norm would be stage 0's alone;
+  :func:`build_pipeline_engine` marks the parameters of every TP-rank-0 process ``model_parallel`` so each
+  parameter counts exactly once in the global norm (ZeRO-1 counts by TP rank and needs no mark).
+- ``pipeline.pipe_partitioned`` / ``grad_partitioned`` (DeepSpeed's default under a model axis) split stage
+  outputs over the TP group assuming they are replicated there; ours are sequence-sharded over TP, so both are off.
+- ZeRO-2/3 are refused by the engine ("incompatible with pipeline parallelism"); the config refuses them first.
+
+The learned position table stays out of the engine as without pipelining
+(:class:`~ds4sci.train.position_table.PositionTable`); the embedding stage looks it up, so its gradient exists on
+the first stage only.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ds4sci.models.genslm import GenSLM
+from ds4sci.sequence import ParallelDims, SequenceParallelGroups
+from ds4sci.sequence.tensor_parallel import gather_tensor_parallel, token_loss_for
+from ds4sci.train.config import Config
+from ds4sci.train.engine import deepspeed_config, make_optimizer
+from ds4sci.train.loss import scaled_shard_loss
+
+__all__ = ["pipeline_topology", "pipeline_reduction_factor", "pipeline_layers", "genslm_name", "PipelineLoss",
+           "build_pipeline_engine", "pipeline_train_batch", "pipeline_eval_sum", "pipeline_state_dict"]
+
+
+def pipeline_topology(dims: ParallelDims):
+    """DeepSpeed's process topology for ``dims``: axes ``pipe, data, model`` of sizes ``pp, dp * sp, tp``.
+
+    Row-major over those axes, a rank is ``(pp_rank * dp * sp + sdp_rank) * tp + tp_rank``, which is
+    :meth:`ParallelDims.rank_of` since ``sdp_rank = (dp_rank * ring + ring_rank) * ulysses + ulysses_rank``.
+    """
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    return PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp * dims.sp)
+
+
+def pipeline_reduction_factor(dims: ParallelDims) -> float:
+    """``K`` of :mod:`ds4sci.train.loss` for the pipeline engine (ZeRO 0 or 1): it averages gradients over its data
+    group, the ``dp * sp`` sequence x data ranks (measured per parameter against one process)."""
+    return float(dims.dp * dims.sp)
+
+
+def _unpack(inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+    x, position_ids, *doc = inputs
+    return x, position_ids, doc[0] if doc else None
+
+
+class EmbeddingStage(nn.Module):
+    """``(input_ids [B, T], position_ids [B, T][, doc_ids [B, T]]) -> (x [B, T(/tp), hidden], position_ids[, doc_ids])``:
+    GenSLM's token embedding, the learned position table when there is one, and the embedding dropout (under TP,
+    the split into the sequence-parallel region). Submodule names are GenSLM's (``embed_in``, ``embed_pos``)."""
+
+    def __init__(self, model: GenSLM, position_table: Callable[[Tensor], Tensor] | None):
+        super().__init__()
+        self.embed_in = model.embed_in
+        self.embed_pos = model.embed_pos  # the table when it was not popped (then ``position_table`` is None)
+        self.emb_dropout = model.emb_dropout
+        self.position_table = position_table  # kept out of the engine: not a module (PositionTable)
+
+    def forward(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        input_ids, position_ids, *doc = inputs
+        x = self.embed_in(input_ids)  # [B, T, hidden]
+        for table in (self.embed_pos, self.position_table):
+            if table is not None:
+                x = x + table(position_ids).to(x.dtype)
+        return (self.emb_dropout(x), position_ids, *doc)
+
+
+class BlockStage(nn.Module):
+    """One GenSLM block on the tuple; ``checkpoint_fn`` is the model's activation-checkpointing hook (or None)."""
+
+    def __init__(self, block: nn.Module, checkpoint_fn: Callable | None):
+        super().__init__()
+        self.block = block
+        self.checkpoint_fn = checkpoint_fn
+
+    def forward(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        x, position_ids, doc_ids = _unpack(inputs)  # x [B, T, hidden]
+        if self.checkpoint_fn is not None and self.training:
+            x = self.checkpoint_fn(self.block, x, position_ids, doc_ids)
+        else:
+            x = self.block(x, position_ids, doc_ids)
+        return (x, *inputs[1:])
+
+
+class HeadStage(nn.Module):
+    """``(x [B, T(/tp), hidden], ...) -> logits [B, T, V (/tp)]``: GenSLM's final norm and output layer."""
+
+    def __init__(self, model: GenSLM):
+        super().__init__()
+        self.final_layer_norm = model.final_layer_norm
+        self.embed_out = model.embed_out
+
+    def forward(self, inputs: tuple[Tensor, ...]) -> Tensor:
+        return self.embed_out(self.final_layer_norm(inputs[0]))
+
+
+def pipeline_layers(model: GenSLM, position_table: Callable[[Tensor], Tensor] | None = None) -> list[nn.Module]:
+    """``[EmbeddingStage, BlockStage x num_layers, HeadStage]`` sharing ``model``'s modules (no copies)."""
+    return [EmbeddingStage(model, position_table),
+            *(BlockStage(block, model.checkpoint_fn) for block in model.layers),
+            HeadStage(model)]
+
+
+_PIPE_NAME = re.compile(r"(\d+)\.(.*)")
+
+
+def genslm_name(pipe_name: str, num_layers: int) -> str:
+    """The GenSLM state-dict name of a ``PipelineModule`` parameter name: layer ``0`` is the embedding stage,
+    ``1..num_layers`` the blocks (``i.block.*`` -> ``layers.{i-1}.*``), ``num_layers + 1`` the head."""
+    match = _PIPE_NAME.fullmatch(pipe_name)
+    if match is None:
+        raise ValueError(f"{pipe_name!r} is not a pipeline layer's parameter name")
+    index, rest = int(match[1]), match[2]
+    if 1 <= index <= num_layers:
+        if not rest.startswith("block."):
+            raise ValueError(f"{pipe_name!r}: a block stage's names start with 'block.'")
+        return f"layers.{index - 1}.{rest[len('block.'):]}"
+    if index in (0, num_layers + 1):
+        return rest
+    raise ValueError(f"{pipe_name!r}: layer index {index} is outside [0, {num_layers + 1}]")
+
+
+class PipelineLoss:
+    """The last stage's ``loss_fn(logits, targets)``: the shard's token-loss sum, scaled like the trainer's loss
+    (:func:`~ds4sci.train.loss.scaled_shard_loss`) while ``count`` is set (training), unscaled while it is None
+    (evaluation). ``total`` accumulates the unscaled sums (float64) for logging."""
+
+    def __init__(self, groups: SequenceParallelGroups):
+        self.token_loss = token_loss_for(groups)
+        self.count: Tensor | None = None
+        self.factor = 1.0
+        self.total = torch.zeros((), dtype=torch.float64)
+
+    def start(self, count: Tensor | None, factor: float = 1.0) -> None:
+        """Begin a batch: ``count`` real targets in the global batch (None: evaluate), loss ``factor``."""
+        self.count, self.factor = count, factor
+        self.total = torch.zeros((), dtype=torch.float64, device=count.device if count is not None else "cpu")
+
+    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+        local = self.token_loss(logits, targets, "sum")
+        self.total = self.total.to(local.device) + local.detach().double()
+        return local if self.count is None else scaled_shard_loss(local, self.count, self.factor)
+
+
+def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: SequenceParallelGroups,
+                          device: torch.device):
+    """``deepspeed.initialize`` on a ``PipelineModule`` of the (parallelized) ``model``; returns the engine.
+
+    Every rank passes the full model (built with the same seed); each stage keeps its layers. Blocks are balanced
+    over ``groups.dims.pp`` stages (``partition_method="type:BlockStage"``), the embedding on the first, the head on
+    the last. ``position_table``: the learned table kept out of the engine (or None). ``engine.module.loss_fn`` is
+    the :class:`PipelineLoss`.
+    """
+    import deepspeed
+    from deepspeed.runtime.pipe import PipelineModule
+
+    dims = groups.dims
+    pipe = PipelineModule(pipeline_layers(model, position_table), topology=pipeline_topology(dims),
+                          loss_fn=PipelineLoss(groups), partition_method="type:BlockStage")
+    pipe.to(device)
+    if groups.tp_rank == 0:
+        for p in pipe.parameters():
+            p.model_parallel = True  # counted once in clip_grad_norm_'s global norm (see the module docstring)
+    ds_config = deepspeed_config(cfg, dims.sp)
+    ds_config.pop("sequence_parallel_size")  # the engine sees the sequence ranks as data ranks (topology)
+    ds_config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
+    optimizer, scheduler = make_optimizer([p for p in pipe.parameters() if p.requires_grad], cfg)
+    engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+                                           dist_init_required=False)
+    return engine
+
+
+def pipe_batches(batches: list[dict[str, Tensor]]):
+    """The engine's data iterator over the trainer's micro-batches: ``((input_ids, position_ids[, doc_ids]),
+    targets)`` each."""
+    return iter([((b["input_ids"], b["position_ids"], *([b["doc_ids"]] if "doc_ids" in b else [])), b["targets"])
+                 for b in batches])
+
+
+def _from_last_stage(x: Tensor, groups: SequenceParallelGroups) -> Tensor:
+    """The last stage's ``x`` summed over its sequence x data group, on every rank (float64)."""
+    x = x.detach().to(torch.float64).clone()
+    dist.all_reduce(x, group=groups.sdp)
+    if groups.coords.pp != groups.dims.pp - 1:
+        x.zero_()
+    dist.all_reduce(x, group=groups.pp)
+    return x
+
+
+def pipeline_train_batch(engine, groups: SequenceParallelGroups, batches: list[dict[str, Tensor]], count: Tensor,
+                         factor: float) -> Tensor:
+    """One optimizer step over the micro-batches ``batches`` (1F1B); each shard's loss sum is back-propagated as
+    ``sum / count * factor``. Returns the global batch's loss sum (float64 scalar, every rank)."""
+    loss = engine.module.loss_fn
+    loss.start(count, factor)
+    engine.train_batch(pipe_batches(batches))
+    return _from_last_stage(loss.total.to(count.device), groups)
+
+
+def pipeline_eval_sum(engine, groups: SequenceParallelGroups, batches: list[dict[str, Tensor]]) -> Tensor:
+    """The loss sum over every real target of ``batches`` (all sequence x data ranks; float64, every rank)."""
+    loss = engine.module.loss_fn
+    loss.start(None)
+    engine.eval_batch(pipe_batches(batches), num_micro_batches=len(batches), reduce_output=None, bcast_loss=False)
+    return _from_last_stage(loss.total.to(batches[0]["targets"].device), groups)
+
+
+def pipeline_state_dict(engine, groups: SequenceParallelGroups, tp_plan: dict, num_layers: int,
+                        extra: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The single-device GenSLM state dict (fp32, CPU) from every stage, on every rank (collective).
+
+    Each stage renames its parameters (:func:`genslm_name`) and gathers TP pieces (``tp_plan``: GenSLM names, from
+    :func:`~ds4sci.sequence.tensor_parallel.tensor_parallel_plan` of the model); the stages' dicts are then
+    all-gathered. ``extra`` (the assembled position table) is taken from the first stage.
+    """
+    local = {}
+    for name, value in engine.module.state_dict().items():  # one full tensor at a time on the device
+        key = genslm_name(name, num_layers)
+        local[key] = gather_tensor_parallel({key: value.detach()}, groups, tp_plan)[key].float().cpu().clone()
+    if groups.coords.pp == 0:
+        local.update(extra)
+    sender = groups.coords.tp == 0 and groups.sdp_rank == 0  # one per stage
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local if sender else {})
+    return {k: v for part in parts for k, v in part.items()}

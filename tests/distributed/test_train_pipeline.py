@@ -1,0 +1,99 @@
+"""Pipeline parallelism (``parallel.pp``: DeepSpeed's pipeline engine, 1F1B) trains exactly like one process:
+per-step losses and every parameter after three steps (fp32, ~1e-5) for PP2 (end to end through
+``Trainer.train()``: validation loss, pipeline checkpoint, consolidated export), PP2 x Ulysses2 with the
+sequence-sharded learned position table, and TP2 x PP2 with gradient accumulation. Every case clips gradients
+(the global norm must span the stages: DeepSpeed's ZeRO-0 clipping alone counts only the first stage's).
+
+Also, without processes: DeepSpeed's topology numbers ranks as ``ParallelDims`` does, parameter names map back to
+GenSLM's, and a ZeRO stage the pipeline engine refuses is refused at config time.
+
+The helpers (config overrides, the per-case worker, the comparison) are those of ``test_train_equivalence`` and
+``test_train_tensor_parallel``.
+"""
+import itertools
+
+import pytest
+
+from ds4sci.spawn import run_workers
+from test_train_equivalence import CLIP, ENV, _overrides
+from test_train_tensor_parallel import _cases, _check
+
+PP2 = ["parallel.pp=2"]
+
+# Single-process references, by name: (ZeRO stage, position embedding); every one clipped, micro-batches of 2.
+REFERENCES = {"z1 rotary": (1, "rotary"), "z0 learned": (0, "learned"), "z1 alibi": (1, "alibi")}
+END_TO_END = "z1 rotary"
+
+
+def _case(out_dir, name, ulysses=1, micro=2, extra=()):
+    zero, pe = REFERENCES[name]
+    cache = [f"data.cache_dir={out_dir.parent / 'token_cache'}"]  # one token cache for every run
+    return _overrides(out_dir, zero, ulysses=ulysses, micro=micro, pe=pe, extra=[*cache, *CLIP, *extra])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def references(runs):
+    cases = [(_case(runs / f"ref{i}", name), name == END_TO_END) for i, name in enumerate(REFERENCES)]
+    return dict(zip(REFERENCES, run_workers(_cases, 1, cases, env=ENV, timeout=400)[0]))
+
+
+def test_topology_numbers_ranks_like_parallel_dims():
+    """The pipeline engine builds its groups from DeepSpeed's topology: rank by rank and group by group it must
+    be ParallelDims' layout (pipe = pp, data = sequence x data, model = tp)."""
+    from ds4sci.sequence import ParallelDims
+    from ds4sci.train.pipeline import pipeline_topology
+
+    for tp, ulysses, ring, dp, pp in itertools.product((1, 2), (1, 2), (1, 2), (1, 3), (2, 3)):
+        dims = ParallelDims(dp=dp, ulysses=ulysses, ring=ring, tp=tp, pp=pp)
+        topo = pipeline_topology(dims)
+        for rank in range(dims.world_size):
+            c, t = dims.coords(rank), topo.get_coord(rank)
+            assert (t.pipe, t.data, t.model) == (c.pp, c.dp * dims.sp + dims.sp_rank(rank), c.tp), (dims, rank)
+        groups = dims.group_ranks()
+        for axis, kind in (("pipe", "pp"), ("data", "sdp"), ("model", "tp")):
+            assert sorted(topo.get_axis_comm_lists(axis)) == groups[kind], (dims, axis)
+
+
+def test_parameter_names_map_to_genslm():
+    from ds4sci.train.pipeline import genslm_name
+
+    assert genslm_name("0.embed_in.weight", 4) == "embed_in.weight"
+    assert genslm_name("3.block.attention.dense.bias", 4) == "layers.2.attention.dense.bias"
+    assert genslm_name("5.embed_out.weight", 4) == "embed_out.weight"
+    for bad in ("6.embed_out.weight", "2.attention.dense.bias", "embed_in.weight"):
+        with pytest.raises(ValueError, match="pipeline layer|block|outside"):
+            genslm_name(bad, 4)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_config_refuses_zero_2_and_3_with_pipeline(stage):
+    from ds4sci.train.config import load_config
+
+    with pytest.raises(ValueError, match=rf"zero.stage={stage}: DeepSpeed's pipeline engine \(parallel.pp=2\) "
+                                         r"supports ZeRO stage 0 or 1 only"):
+        load_config(None, [f"zero.stage={stage}", "parallel.pp=2", "model.overrides.num_layers=2"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp2_end_to_end(runs, references):
+    got = run_workers(_cases, 2, [(_case(runs / "pp", END_TO_END, extra=PP2), True)], env=ENV, timeout=400)[0]
+    _check(got[0], references[END_TO_END], "pp=2 zero=1 clipped, Trainer.train() export")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp2_with_ulysses_and_tensor_parallelism(runs, references):
+    cases = [
+        ("z0 learned", "pp=2 x ulysses=2 zero=0 learned", _case(runs / "ppu", "z0 learned", ulysses=2, extra=PP2)),
+        ("z1 alibi", "tp=2 x pp=2 zero=1 grad_accum=2",
+         _case(runs / "tppp", "z1 alibi", micro=1, extra=[*PP2, "parallel.tp=2", "train.grad_accum=2"])),
+    ]
+    got = run_workers(_cases, 4, [(overrides, False) for _, _, overrides in cases], env=ENV, timeout=400)[0]
+    for (name, label, _), result in zip(cases, got):
+        _check(result, references[name], label)
