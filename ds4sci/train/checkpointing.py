@@ -12,7 +12,10 @@ Modes:
   is wrapped in :class:`CheckpointedCore`, a module without parameters or persistent buffers, so parameter and
   state-dict names do not change.
 
-Applied AFTER :func:`ds4sci.sequence.parallelize`, so under sequence parallelism the checkpointed core is the whole
+Applied AFTER :func:`ds4sci.sequence.parallelize`. Under tensor parallelism a full-mode block is a
+:class:`~ds4sci.sequence.tensor_parallel.TensorParallelBlock`, whose recomputation reruns its sequence-region
+all-gather and reduce-scatter over the TP group (every TP rank recomputes, in the same order); the selective core
+holds this TP rank's heads. Under sequence parallelism the checkpointed core is the whole
 :class:`~ds4sci.sequence.DistributedAttention`: backward reruns its forward communication (Ulysses: the q, k, v and
 output all-to-alls; ring: the key/value rotations), as Megatron-LM's selective recompute does with context
 parallelism. Checkpointing only the local attention inside it would save that traffic, but ring attention's

@@ -1,8 +1,11 @@
-"""Training GenSLM with DeepSpeed (ZeRO 0-3) and Ulysses / ring / Unified sequence parallelism.
+"""Training GenSLM with DeepSpeed (ZeRO 0-3), Ulysses / ring / Unified sequence parallelism and tensor parallelism.
 
 Sequence parallelism is applied from outside the model (:func:`ds4sci.sequence.parallelize`): every block's
 attention core is wrapped in ``ds4sci.sequence.DistributedAttention`` and tokens, targets, positions (and document
-ids) are sharded together with the same :class:`~ds4sci.sequence.ParallelDims`.
+ids) are sharded together with the same :class:`~ds4sci.sequence.ParallelDims`. Tensor parallelism (``parallel.tp``,
+applied by the same call) leaves the batch sharding unchanged: the TP ranks of a sequence shard read the same
+tokens, the loss is the vocabulary-parallel cross entropy (:func:`~ds4sci.sequence.token_loss_for`), sums are taken
+over the sequence x data group only, and :meth:`Trainer.full_state_dict` gathers the single-device model.
 Targets are shifted on the full window BEFORE sharding, so the label of a shard's last token (which lives on the
 next shard) is never lost.
 
@@ -94,7 +97,7 @@ class StepResult:
 class Trainer:
     """Builds groups, data, model, DeepSpeed engine; runs ``train()``.
 
-    Launch with ``torchrun --nproc-per-node N -m ds4sci.cli train CONFIG`` (N = dp x ulysses x ring) or in one process.
+    Launch with ``torchrun --nproc-per-node N -m ds4sci.cli train CONFIG`` (N = dp x tp x ulysses x ring x pp) or in one process.
     """
 
     def __init__(self, cfg: Config, *, resume: str | None = None, overwrite: bool = False):
