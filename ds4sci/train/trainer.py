@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, collate, read_fasta, split_records, split_region
 from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
-from ds4sci.sequence import (build_groups, gather_tensor_parallel, parallelize, shard_sequence, tensor_parallel_plan,
-                             token_loss_for)
+from ds4sci.sequence import (DistributedAttention, build_groups, gather_tensor_parallel, parallelize, shard_sequence,
+                             tensor_parallel_plan, token_loss_for)
 from ds4sci.train.checkpoint import load_checkpoint
 from ds4sci.train.checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import Config
@@ -119,6 +119,9 @@ class Trainer:
         table = parallelize(model, self.groups)
         self.tp_plan = tensor_parallel_plan(model)  # the TP-split parameters: gathered for the export
         self.loss_fn = token_loss_for(self.groups)  # vocabulary-parallel cross entropy when tp > 1
+        # DistributedAttention all-gathers the shard shapes (a host sync) per layer per forward to catch uneven shards;
+        # every batch of the trainer has one shape, so the first forward checks them and the others skip the check
+        self._unchecked_shapes = [m for m in model.modules() if isinstance(m, DistributedAttention)]
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
         self.pos_table = PositionTable(table, self.groups, cfg, self.device) if table is not None else None
         if self.dims.pp > 1:  # DeepSpeed's pipeline engine; the first stage looks the position table up
@@ -168,6 +171,9 @@ class Trainer:
     def _forward_sum(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         pos_embeds = self.pos_table(batch["position_ids"]) if self.pos_table is not None else None
         logits = self.engine(batch["input_ids"], batch["position_ids"], batch.get("doc_ids"), position_embeds=pos_embeds)
+        for attention in self._unchecked_shapes:  # checked by this first forward
+            attention.check_shapes = False
+        self._unchecked_shapes = []
         tgt = batch["targets"]
         return self.loss_fn(logits, tgt, "sum"), (tgt != IGNORE_INDEX).sum()
 

@@ -45,9 +45,11 @@ def _case(out_dir, name, ulysses=1, ring=1, extra=()):
 def _cases(rank, world, cases):
     """``(overrides, end_to_end)`` cases: three ``train_step`` calls and ``full_state_dict`` (the equivalence
     tests' worker), or ``Trainer.train()`` end to end (evaluation, checkpoint, export), whose rank 0 returns the
-    logged losses and the exported ``model.safetensors``, plus the final validation loss."""
+    logged losses and the exported ``model.safetensors``, plus the final validation loss. The end-to-end run also
+    checks that only the first forward all-gathered the shard shapes (``DistributedAttention.check_shapes``)."""
     from safetensors.torch import load_file
 
+    from ds4sci.sequence import DistributedAttention
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 
@@ -57,7 +59,11 @@ def _cases(rank, world, cases):
             results.append((*_train_cases(rank, world, [overrides])[0], None))
             continue
         cfg = load_config(None, overrides)
-        records = Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        records = trainer.train()
+        attentions = [m for m in trainer.engine.module.modules() if isinstance(m, DistributedAttention)]
+        assert len(attentions) == (trainer.model_config.num_layers if trainer.dims.sp > 1 else 0)
+        assert not any(m.check_shapes for m in attentions), "shape checks left on after the first forward"
         state = load_file(f"{cfg.train.out_dir}/export/model.safetensors") if rank == 0 else {}
         results.append(([r["loss"] for r in records if "loss" in r], {k: v.numpy() for k, v in state.items()},
                         [r["val_loss"] for r in records if "val_loss" in r]))
