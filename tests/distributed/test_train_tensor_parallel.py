@@ -1,6 +1,7 @@
 """Training with tensor parallelism (Megatron-LM with sequence-parallel regions, ``parallel.tp``) equals
 single-process training: per-step losses and every parameter after three steps (fp32, ~1e-5) for TP2 under ZeRO
-0-3, TP2 x Ulysses2 and TP2 x Ring2 (zigzag), with activation checkpointing (full, selective, on the CPU), and the
+0-3 (ZeRO-Offload of the optimizer at stage 2, of optimizer and parameters at stage 3), TP2 x Ulysses2 and TP2 x
+Ring2 (zigzag), with activation checkpointing (full, selective, on the CPU), and the
 consolidated export (and validation loss) of an end-to-end ``Trainer.train()`` under TP2 x Ulysses2 equals the
 single-process run's.
 
@@ -20,6 +21,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TP2 = ["parallel.tp=2"]
 FULL, SELECTIVE, CPU = (["activation_checkpointing.mode=full"], ["activation_checkpointing.mode=selective"],
                         ["activation_checkpointing.cpu=true"])
+OFFLOAD_OPTIMIZER, OFFLOAD_PARAM = ["zero.offload_optimizer=cpu"], ["zero.offload_param=cpu"]
 
 # Single-process references, by name: (ZeRO stage, position embedding, clipped, tokenizer). A tensor-parallel case is
 # compared with the reference of its name (activation checkpointing and layouts do not change the reference).
@@ -27,7 +29,7 @@ REFERENCES = {
     "z0 rotary clip": (0, "rotary", True, "nucleotide"),
     "z1 learned": (1, "learned", False, "nucleotide"),
     "z2 rotary clip": (2, "rotary", True, "nucleotide"),
-    "z3 alibi": (3, "alibi", False, "nucleotide"),
+    "z3 alibi clip": (3, "alibi", True, "nucleotide"),
     "z3 learned": (3, "learned", False, "nucleotide"),
     # the end-to-end case: 69 codon ids, padded to 70 over TP2, so the export must cut the padding row off
     "z1 rotary clip codon": (1, "rotary", True, "codon"),
@@ -93,8 +95,11 @@ def test_tp2_every_zero_stage_and_activation_checkpointing(runs, references):
     cases = [
         ("z0 rotary clip", "tp=2 zero=0 clipped", []),
         ("z1 learned", "tp=2 zero=1, full checkpointing", FULL),
-        ("z2 rotary clip", "tp=2 zero=2 clipped, selective checkpointing on the CPU", SELECTIVE + CPU),
-        ("z3 alibi", "tp=2 zero=3, full checkpointing on the CPU", FULL + CPU),
+        ("z2 rotary clip", "tp=2 zero=2 clipped, optimizer offload, selective checkpointing on the CPU",
+         OFFLOAD_OPTIMIZER + SELECTIVE + CPU),
+        # ZeRO-3 offload computes the gradient norm in its own function (complete_grad_norm_calculation_for_cpu_offload)
+        ("z3 alibi clip", "tp=2 zero=3 clipped, optimizer and parameter offload, full checkpointing on the CPU",
+         OFFLOAD_OPTIMIZER + OFFLOAD_PARAM + FULL + CPU),
     ]
     got = run_workers(_cases, 2, [(_case(runs / f"tp{i}", name, extra=TP2 + x), False)
                                   for i, (name, _, x) in enumerate(cases)], env=ENV, timeout=400)[0]
