@@ -23,7 +23,7 @@ the same inputs in its layout ``[B, N_seq, H, N_res, D]`` with queries pre-scale
 - ``openfold3-lma``: ``_lma``, its low-memory attention (Rabe & Staats 2021, ``use_lma=True``) with
   ``--lma-chunk`` queries per block and OpenFold3's default key block (``DEFAULT_LMA_KV_CHUNK_SIZE`` = 4096, all
   keys at these shapes). Autograd still saves every block's probabilities, so LMA saves memory in inference only.
-  With more than one key block OpenFold3 0.5's ``_lma`` has wrong gradients for q and k (output right): it
+  With more than one key block OpenFold3 0.5's ``_lma`` has wrong gradients for q, k and the biases (output right): it
   subtracts the block maximum without detaching it inside ``exp`` but rescales the blocks by the detached copy,
   so gradient flows through the maximum; one key block keeps the function invariant to that shift.
 
@@ -31,8 +31,8 @@ Otherwise, or with ``--no-openfold`` (each path is a subprocess that imports Ope
 are missing.
 
 Writes ``evoformer_memory.json``, ``evoformer_memory.md`` and ``evoformer_memory.png`` (saved and peak bytes per
-path) to ``--out``. DeepSpeed4Science reports 13x lower
-peak memory for OpenFold training with its fused kernel; the JSON records the ratios against that target.
+path) to ``--out``. DeepSpeed4Science reports 13x lower peak memory for OpenFold training with its fused kernel;
+the JSON records the ratios against that target.
 """
 from __future__ import annotations
 

@@ -42,8 +42,8 @@ _INT_OPTIONS = {
     "heads": (8, "attention heads"),
     "seq_len": (512, "tokens per sequence"),
     "batch": (2, "sequences per step"),
-    "rounds": (5, "timed rounds (each times both models)"),
-    "steps": (2, "timed training steps per model per round"),
+    "rounds": (9, "timed rounds (each times both models)"),
+    "steps": (1, "timed training steps per model per round (1 pairs the two models' steps most closely)"),
     "warmup": (1, "untimed training steps per model before the first round"),
     "threads": (1, "torch threads (1 keeps other processes on a shared machine from skewing the ratio)"),
 }
