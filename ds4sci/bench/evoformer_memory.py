@@ -45,7 +45,7 @@ from collections.abc import Iterator
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, markdown_table, write_report
+from ds4sci.bench.report import MIB, check_positive, markdown_table, write_report
 from ds4sci.kernels import evoformer_attention
 
 logger = logging.getLogger(__name__)
@@ -229,9 +229,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         cfg.update(n_seq=16, n_res=128, heads=4, head_dim=16)
     on_cuda = torch.device(cfg["device"]).type == "cuda"
-    for name in ("batch", "n_seq", "n_res", "heads", "head_dim", "openfold_chunk", "lma_chunk"):
-        if cfg[name] < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={cfg[name]}: must be >= 1")
+    check_positive(cfg, ("batch", "n_seq", "n_res", "heads", "head_dim", "openfold_chunk", "lma_chunk"))
     backends = ["reference", "torch"] + (["triton"] if on_cuda else [])
     missing = "left out (--no-openfold)" if args.no_openfold else openfold3_missing()
     report: dict = {

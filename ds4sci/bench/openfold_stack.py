@@ -36,7 +36,7 @@ import time
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, markdown_table, write_report
+from ds4sci.bench.report import MIB, add_int_options, check_positive, command_line, markdown_table, option, write_report
 from ds4sci.kernels import Backend
 
 logger = logging.getLogger(__name__)
@@ -62,16 +62,14 @@ _QUICK = {"n_seq": 17, "n_res": 20, "blocks": 1}  # above OpenFold's 16-residue 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
-    for name, (default, help_text) in _INT_OPTIONS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
-                            help=f"{help_text} (default: %(default)s)")
+    add_int_options(parser, _INT_OPTIONS)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="(default: %(default)s)")
     parser.add_argument("--backend", choices=[b.value for b in Backend], default="auto",
                         help="ds4sci kernel backend (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="(default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in _QUICK.items()))
+                        help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in _QUICK.items()))
 
 
 def default_config(**overrides) -> dict:
@@ -82,12 +80,6 @@ def default_config(**overrides) -> dict:
     if unknown:
         raise TypeError(f"unknown openfold-stack options {sorted(unknown)}")
     return cfg | overrides
-
-
-def command_line(cfg: dict, out: str) -> str:
-    """The ``ds4sci bench openfold-stack`` command that reproduces ``cfg``, every option spelled out."""
-    options = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in cfg.items())
-    return f"ds4sci bench openfold-stack {options} --out {out}"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -299,14 +291,12 @@ def plot(report: dict, path) -> None:
 def run(args: argparse.Namespace) -> int:
     """``ds4sci bench openfold-stack``: exit status 1, with one error line, when OpenFold3 is not importable."""
     cfg = default_config(**{name: getattr(args, name) for name in default_config()}) | (_QUICK if args.quick else {})
-    for name in _INT_OPTIONS:
-        if name != "seed" and cfg[name] < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={cfg[name]}: must be >= 1")
+    check_positive(cfg, (name for name in _INT_OPTIONS if name != "seed"))
     missing = openfold3_missing()
     if missing:
         logger.error(missing)
         return 1
-    report = {"config": cfg, "command": command_line(cfg, args.out)} | compare(cfg)
+    report = {"config": cfg, "command": command_line("openfold-stack", cfg, args.out)} | compare(cfg)
     text = markdown(report)
     path = write_report(args.out, "openfold_stack", report, text)
     plot(report, path.with_suffix(".png"))

@@ -24,6 +24,30 @@ def parse_int_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
+def option(name: str) -> str:
+    """The command-line spelling of a configuration key: ``"n_res"`` -> ``"--n-res"``."""
+    return "--" + name.replace("_", "-")
+
+
+def add_int_options(parser: argparse.ArgumentParser, options: dict[str, tuple[int, str]]) -> None:
+    """One ``type=int`` option per ``name -> (default, help)`` of ``options``, spelled by :func:`option`."""
+    for name, (default, help_text) in options.items():
+        parser.add_argument(option(name), type=int, default=default, help=f"{help_text} (default: %(default)s)")
+
+
+def check_positive(cfg: dict, names: Iterable[str]) -> None:
+    """``ValueError`` naming the first option of ``names`` whose value in ``cfg`` is below 1."""
+    for name in names:
+        if cfg[name] < 1:
+            raise ValueError(f"{option(name)}={cfg[name]}: must be >= 1")
+
+
+def command_line(benchmark: str, cfg: dict, out: str) -> str:
+    """The ``ds4sci bench BENCHMARK`` command that reproduces ``cfg``, every key spelled out as an option."""
+    options = " ".join(f"{option(name)} {value}" for name, value in cfg.items())
+    return f"ds4sci bench {benchmark} {options} --out {out}"
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
     """Lines of a Markdown table: the header, its separator and one line per row (cells formatted with ``str``)."""
     lines = ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ds4sci.bench.report import markdown_table, write_report
+from ds4sci.bench.report import add_int_options, check_positive, command_line, markdown_table, option, write_report
 from ds4sci.models.genslm import GenSLM, config_from_gpt_neox, lm_loss, to_gpt_neox_state_dict
 from ds4sci.models.genslm.config import ATTENTION_BACKENDS
 
@@ -53,9 +53,7 @@ _VOCAB = 69  # GenSLM's codon vocabulary
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
-    for name, (default, help_text) in _INT_OPTIONS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
-                            help=f"{help_text} (default: %(default)s)")
+    add_int_options(parser, _INT_OPTIONS)
     parser.add_argument("--rotary-pct", type=float, default=0.25,
                         help="fraction of each head's dims rotated (GPT-NeoX's default: %(default)s)")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
@@ -64,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hugging Face attn_implementation (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in _QUICK.items()))
+                        help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in _QUICK.items()))
 
 
 def config_from_args(args: argparse.Namespace) -> dict:
@@ -75,20 +73,12 @@ def config_from_args(args: argparse.Namespace) -> dict:
             "hf_attention": args.hf_attention, "seed": args.seed}
     if args.quick:
         cfg |= _QUICK
-    for name in _INT_OPTIONS:
-        if cfg[name] < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={cfg[name]}: must be >= 1")
+    check_positive(cfg, _INT_OPTIONS)
     if cfg["hidden"] % cfg["heads"]:
         raise ValueError(f"--hidden={cfg['hidden']} is not divisible by --heads={cfg['heads']}")
     if not 0 <= cfg["rotary_pct"] <= 1:
         raise ValueError(f"--rotary-pct={cfg['rotary_pct']}: must be in [0, 1]")
     return cfg
-
-
-def command_line(cfg: dict, out: str) -> str:
-    """The ``ds4sci bench throughput`` command that reproduces ``cfg``, every option spelled out."""
-    options = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in cfg.items())
-    return f"ds4sci bench throughput {options} --out {out}"
 
 
 def transformers_missing() -> str | None:
@@ -215,7 +205,8 @@ def markdown(report: dict) -> str:
         *markdown_table(("round", "ds4sci tokens/s", "Hugging Face tokens/s", "ratio ds4sci / HF"), rows),
         "",
         f"Ratio ds4sci / Hugging Face: median **{s['ratio_median']:.3f}**, quartiles {s['ratio_q1']:.3f} - "
-        f"{s['ratio_q3']:.3f}, min/max {s['ratio_min']:.3f} - {s['ratio_max']:.3f} over {len(report['rounds'])} rounds.",
+        f"{s['ratio_q3']:.3f}, min/max {s['ratio_min']:.3f} - {s['ratio_max']:.3f} over {len(report['rounds'])} "
+        "rounds.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -259,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     import transformers
 
-    report = {"command": command_line(cfg, args.out), "config": cfg,
+    report = {"command": command_line("throughput", cfg, args.out), "config": cfg,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}} | measure(cfg)
     report["summary"] = summarize(report["rounds"])
     path = write_report(args.out, "throughput", report, markdown(report))
