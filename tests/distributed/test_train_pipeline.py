@@ -1,8 +1,10 @@
 """Pipeline parallelism (``parallel.pp``: DeepSpeed's pipeline engine, 1F1B) trains exactly like one process:
 per-step losses and every parameter after three steps (fp32, ~1e-5) for PP2 (end to end through
 ``Trainer.train()``: validation loss, pipeline checkpoint, consolidated export), PP2 x Ulysses2 with the
-sequence-sharded learned position table, and TP2 x PP2 with gradient accumulation. Every case clips gradients
-(the global norm must span the stages: DeepSpeed's ZeRO-0 clipping alone counts only the first stage's).
+sequence-sharded learned position table, and TP2 x PP2 with gradient accumulation (the last two with activation
+checkpointing, selective and full). Clipped cases check the global
+gradient norm across stages (DeepSpeed's ZeRO-0 clipping alone counts only the first stage's); the unclipped
+PP2 x Ulysses2 case checks the loss scale (an active clip would hide a gradient off by a common factor).
 
 Also, without processes: DeepSpeed's topology numbers ranks as ``ParallelDims`` does, parameter names map back to
 GenSLM's, and a ZeRO stage the pipeline engine refuses is refused at config time.
@@ -16,24 +18,21 @@ import pytest
 
 from ds4sci.spawn import run_workers
 from test_train_equivalence import CLIP, ENV, _overrides
-from test_train_tensor_parallel import _cases, _check
+from test_train_tensor_parallel import _cases, _check, runs  # noqa: F401 (runs: the module's run folder fixture)
 
 PP2 = ["parallel.pp=2"]
 
-# Single-process references, by name: (ZeRO stage, position embedding); every one clipped, micro-batches of 2.
-REFERENCES = {"z1 rotary": (1, "rotary"), "z0 learned": (0, "learned"), "z1 alibi": (1, "alibi")}
-END_TO_END = "z1 rotary"
+# Single-process references, by name: (ZeRO stage, position embedding, clipped); micro-batches of 2.
+REFERENCES = {"z1 rotary clip": (1, "rotary", True), "z1 learned": (1, "learned", False),
+              "z0 alibi clip": (0, "alibi", True)}
+END_TO_END = "z1 rotary clip"
 
 
 def _case(out_dir, name, ulysses=1, micro=2, extra=()):
-    zero, pe = REFERENCES[name]
+    zero, pe, clip = REFERENCES[name]
     cache = [f"data.cache_dir={out_dir.parent / 'token_cache'}"]  # one token cache for every run
-    return _overrides(out_dir, zero, ulysses=ulysses, micro=micro, pe=pe, extra=[*cache, *CLIP, *extra])
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return tmp_path_factory.mktemp("runs")
+    return _overrides(out_dir, zero, ulysses=ulysses, micro=micro, pe=pe,
+                      extra=[*cache, *(CLIP if clip else []), *extra])
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +89,11 @@ def test_pp2_end_to_end(runs, references):
 @pytest.mark.slow
 def test_pp2_with_ulysses_and_tensor_parallelism(runs, references):
     cases = [
-        ("z0 learned", "pp=2 x ulysses=2 zero=0 learned", _case(runs / "ppu", "z0 learned", ulysses=2, extra=PP2)),
-        ("z1 alibi", "tp=2 x pp=2 zero=1 grad_accum=2",
-         _case(runs / "tppp", "z1 alibi", micro=1, extra=[*PP2, "parallel.tp=2", "train.grad_accum=2"])),
+        ("z1 learned", "pp=2 x ulysses=2 zero=1 learned, selective checkpointing",
+         _case(runs / "ppu", "z1 learned", ulysses=2, extra=[*PP2, "activation_checkpointing.mode=selective"])),
+        ("z0 alibi clip", "tp=2 x pp=2 zero=0 grad_accum=2 clipped, full checkpointing",
+         _case(runs / "tppp", "z0 alibi clip", micro=1,
+               extra=[*PP2, "parallel.tp=2", "train.grad_accum=2", "activation_checkpointing.mode=full"])),
     ]
     got = run_workers(_cases, 4, [(overrides, False) for _, _, overrides in cases], env=ENV, timeout=400)[0]
     for (name, label, _), result in zip(cases, got):
