@@ -32,12 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds4sci.train.config import load_config
-    from ds4sci.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    from ds4sci.train.trainer import Trainer  # after --print-config: DeepSpeed's import prints to stdout
+
     trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
     if trainer.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)

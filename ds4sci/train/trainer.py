@@ -23,6 +23,8 @@ The sequence-partitioned learned position table is kept OUT of the DeepSpeed eng
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
 import json
 import logging
@@ -43,7 +45,7 @@ from ds4sci.sequence import (DistributedAttention, build_groups, gather_tensor_p
 from ds4sci.train.checkpoint import load_checkpoint
 from ds4sci.train.checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import Config
-from ds4sci.train.engine import build_engine, init_distributed
+from ds4sci.train.engine import build_engine, collective_error, init_distributed, set_deterministic
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 from ds4sci.train.pipeline import (build_pipeline_engine, pipeline_eval_sum, pipeline_reduction_factor,
@@ -86,6 +88,38 @@ def _ignored(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**sample, "labels": torch.full_like(sample["labels"], IGNORE_INDEX)}
 
 
+def _bounded_collectives(method):
+    """``Trainer`` method decorator: a collective that failed because another rank died or hangs becomes the
+    one-line error of :func:`ds4sci.train.engine.collective_error`."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as err:
+            error = collective_error(err, f"step {self.step + 1}", self.cfg.train.timeout_s)
+            if error is None:
+                raise
+            raise error from err
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _no_update(optimizers: list[torch.optim.Optimizer]):
+    """Inside, ``step()`` of each of ``optimizers`` does nothing (an instance attribute shadows the method), so a
+    DeepSpeed step at the accumulation boundary zeroes the gradients and advances the counters and the schedule
+    while the parameters and the AdamW state (moments, step count) stay as they were: every ZeRO stage, offload
+    included, updates through the client optimizer's ``step()``."""
+    for optimizer in optimizers:
+        optimizer.step = lambda closure=None: None
+    try:
+        yield
+    finally:
+        for optimizer in optimizers:
+            del optimizer.step
+
+
 @dataclass
 class StepResult:
     step: int
@@ -104,10 +138,12 @@ class Trainer:
         """``resume``: None (a new run), ``""`` (continue the run in ``train.out_dir``) or a checkpoint folder;
         ``overwrite``: replace the run in ``train.out_dir`` (:mod:`ds4sci.train.run_dir` has the rules)."""
         self.cfg = cfg
-        init_distributed()
+        if cfg.train.deterministic:
+            set_deterministic()
+        init_distributed(cfg.train.timeout_s)
         self.rank = dist.get_rank()
         self.dims = cfg.parallel.dims(dist.get_world_size())
-        self.groups = build_groups(self.dims)
+        self.groups = build_groups(self.dims, timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         self.out = Path(cfg.train.out_dir)
         resume_from = open_run_dir(cfg, resume, overwrite, self.device)  # before anything is written there
@@ -185,6 +221,7 @@ class Trainer:
         return x
 
     # ---------------------------------------------------------------------------------------------------- train
+    @_bounded_collectives
     def train_step(self) -> StepResult:
         t = self.cfg.train
         batches = [self._micro_batch(self.train_ds, self.step * t.grad_accum + a, shuffle=True) for a in range(t.grad_accum)]
@@ -199,16 +236,40 @@ class Trainer:
             total = pipeline_train_batch(self.engine, self.groups, batches, count, factor)
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for b in batches:
+            for i, b in enumerate(batches):
                 local_sum, _ = self._forward_sum(b)
                 self.engine.backward(scaled_shard_loss(local_sum, count, factor))
-                self.engine.step()
                 loss_sum += local_sum.detach().double()
+                if i < len(batches) - 1:
+                    self.engine.step()  # a micro-step: the update waits for the accumulation boundary
             total = self._all_sum(loss_sum)
+        loss = (total / count).item()  # the same global value on every rank: they all decide alike below
+        finite = math.isfinite(loss)
+        if not finite:
+            self._nonfinite(loss, applied=pipe)
+        if not pipe:
+            skipped = self.engine.skipped_steps
+            with _no_update([] if finite else [self.engine.basic_optimizer]):
+                self.engine.step()
+            if self.engine.skipped_steps > skipped:  # DeepSpeed's own check (ZeRO 1-2) skipped it, schedule too:
+                self.engine.lr_scheduler.step()      # keep the schedule with the step counter, as at stage 0
         if self.pos_table is not None:
-            self.pos_table.step(reduction)
+            with _no_update([] if finite else [self.pos_table.optimizer]):
+                self.pos_table.step(reduction)
         self.step += 1
-        return StepResult(self.step, (total / count).item(), int(count.item()), lr)
+        return StepResult(self.step, loss, int(count.item()), lr)
+
+    def _nonfinite(self, loss: float, applied: bool) -> None:
+        """A NaN / infinite step loss under ``train.nonfinite``: ``stop`` raises, ``skip`` logs (the update is
+        then skipped by the caller)."""
+        step = self.step + 1
+        if self.cfg.train.nonfinite == "stop":
+            state = ("this step's update was applied (parallel.pp > 1 steps before the loss is known)" if applied else
+                     "no update was applied")
+            raise ValueError(f"step {step}: the loss is {loss} (train.nonfinite=stop; {state}; "
+                             f"train.nonfinite=skip skips such steps)")
+        if self.rank == 0:
+            logger.warning("step %d: the loss is %s: no update (train.nonfinite=skip)", step, loss)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -250,7 +250,7 @@ def test_zero_checkpointing_and_degree_keys_round_trip_through_yaml_set_and_prin
         (["parallel.tp=3", "data.seq_len=96"], ["parallel.tp=3", "tp=3 x ulysses=1 = 3 must divide the number of heads 4"]),
         (["parallel.tp=2", "model.overrides.intermediate_size=63"],
          ["parallel.tp=2", "tp=2 must divide the MLP width intermediate_size=63"]),
-        (["parallel.pp=2"], ["parallel.pp=2", "pipeline parallelism is not supported yet"]),
+        (["parallel.pp=3"], ["parallel.pp=3", "pp=3 pipeline stages need at least 3 layers, the model has 2"]),
         (["parallel.dp=-1"], ["parallel.dp=-1"]),
     ],
 )

@@ -1,0 +1,326 @@
+"""Faults (issue #16): atomic checkpoints (a process killed while saving leaves the previous one loadable, and the
+resumed run continues the uninterrupted loss curve), checkpoint errors naming the file or field, safe loading,
+collective timeouts, non-finite losses (stop / skip), and the deterministic switch."""
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4sci.spawn import run_workers
+from test_train_equivalence import ENV, GENOME, _overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------------- checkpoint records
+def _fake_checkpoint(folder: Path, step: int, model: dict, stage: int = 0, complete: bool = True) -> Path:
+    path = folder / f"step{step}"
+    path.mkdir(parents=True)
+    (path / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
+    if complete:
+        meta = {"step": step, "model": model, "zero.stage": stage, "zero partitions": 2,
+                "files": {"mp_rank_00_model_states.pt": 10}}
+        (path / "checkpoint.json").write_text(json.dumps(meta))
+    return path
+
+
+def test_checkpoint_records_name_what_is_wrong(tmp_path):
+    from ds4sci.train.checkpoint import check_checkpoint, find_checkpoint
+
+    model = {"num_layers": 2, "hidden_size": 32}
+    this_run = {"model": model, "zero.stage": 1, "zero partitions": 2}
+    root = tmp_path / "run" / "checkpoints"
+    _fake_checkpoint(root, 2, model, stage=1)
+    newest = _fake_checkpoint(root, 10, model, stage=1)  # 10 > 4: steps compare as numbers, not strings
+    (root / ".tmp-step12").mkdir()  # a save killed midway
+    _fake_checkpoint(root, 11, model, stage=1, complete=False)
+    assert find_checkpoint(tmp_path / "run") == newest == find_checkpoint(root)
+    assert check_checkpoint(newest, this_run)["step"] == 10
+
+    with pytest.raises(ValueError, match=r"step11 is incomplete \(no checkpoint.json"):
+        check_checkpoint(find_checkpoint(root / "step11"), this_run)
+    with pytest.raises(ValueError, match=r"\.tmp-step12 is incomplete"):
+        check_checkpoint(find_checkpoint(root / ".tmp-step12"), this_run)
+    with pytest.raises(ValueError, match=r"model\.num_layers: checkpoint 2, this run 4$"):
+        check_checkpoint(newest, {**this_run, "model": {**model, "num_layers": 4}})
+    with pytest.raises(ValueError, match=r"zero\.stage: checkpoint 1, this run 2"):
+        check_checkpoint(newest, {**this_run, "zero.stage": 2})
+    with pytest.raises(ValueError, match=r"zero partitions: checkpoint 2, this run 4"):
+        check_checkpoint(newest, {**this_run, "zero partitions": 4})
+    file = newest / "mp_rank_00_model_states.pt"
+    file.write_bytes(b"x" * 4)
+    with pytest.raises(ValueError, match=r"step10/mp_rank_00_model_states.pt is truncated or changed: 4 bytes, the save wrote 10"):
+        check_checkpoint(newest, this_run)
+    file.unlink()
+    with pytest.raises(ValueError, match=r"step10/mp_rank_00_model_states.pt is missing"):
+        check_checkpoint(newest, this_run)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        find_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        find_checkpoint(tmp_path / "nowhere")
+
+
+def test_safe_load_refuses_pickled_code_and_names_a_truncated_file(tmp_path):
+    from ds4sci.train.checkpoint import safe_load
+
+    good = tmp_path / "table.pt"
+    torch.save({"weight": torch.ones(3), "scheduler": {"last_epoch": 2}}, good)
+    assert safe_load(good)["scheduler"]["last_epoch"] == 2
+    evil = tmp_path / "evil.pt"
+    torch.save({"callback": Path("x")}, evil)  # any class outside the allowlist
+    with pytest.raises(ValueError, match=r"evil.pt: torch.load\(weights_only=True\) refuses it \(it holds pathlib"):
+        safe_load(evil)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[:40])
+    with pytest.raises(ValueError, match=r"cut.pt: cannot be read, truncated or corrupt"):
+        safe_load(cut)
+
+
+# ------------------------------------------------------------------------------------------ kill during a save
+def _killed_while_saving(rank, world, out):
+    """Train 4 steps saving every 2; the save of step 4 dies (SIGKILL) halfway through its first file."""
+    from ds4sci.train.config import load_config
+    from ds4sci.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, _overrides(out, 1, steps=4, extra=["train.save_every=2"])))
+    engine = trainer.engine.checkpoint_engine
+    save = engine.save
+
+    def dying_save(state_dict, path):
+        if ".tmp-step4" not in path:
+            return save(state_dict, path)
+        save(state_dict, path)
+        data = Path(path).read_bytes()
+        Path(path).write_bytes(data[: len(data) // 2])  # the kill lands while this file is being written
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    engine.save = dying_save
+    trainer.train()
+
+
+def _resume_after_kill(rank, world, out, straight_out):
+    from ds4sci.train.checkpoint import load_checkpoint
+    from ds4sci.train.config import load_config
+    from ds4sci.train.trainer import Trainer
+
+    def trainer(folder, *extra, resume=None):
+        cfg = load_config(None, _overrides(folder, 1, steps=4, extra=["train.save_every=2", *extra]))
+        return Trainer(cfg, resume=resume)
+
+    flags = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        flags.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    torch.load = spy
+    try:
+        resumed = trainer(out, resume="")  # the run folder: its newest complete checkpoint
+    finally:
+        torch.load = real_load
+    loaded = resumed.resumed_from
+    with pytest.raises(ValueError, match=r"\.tmp-step4 is incomplete"):
+        load_checkpoint(resumed, Path(out) / "checkpoints" / ".tmp-step4")
+    resumed_losses = [resumed.train_step().loss for _ in range(2)]
+    resumed_state = {k: v.numpy() for k, v in resumed.full_state_dict().items()}
+
+    straight = trainer(straight_out)
+    straight_losses = [straight.train_step().loss for _ in range(4)]
+    straight_state = {k: v.numpy() for k, v in straight.full_state_dict().items()}
+
+    other = trainer(Path(out).parent / "other", "model.overrides.num_layers=3")
+    with pytest.raises(ValueError, match=r"another configuration: model\.num_layers: checkpoint 2, this run 3"):
+        load_checkpoint(other, out)
+    return loaded.name, flags, resumed_losses, resumed_state, straight_losses, straight_state
+
+
+@pytest.mark.distributed
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_the_resume_continues_the_curve(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match=r"exited with code -9"):
+        run_workers(_killed_while_saving, 1, str(out), env=ENV, timeout=300)
+    root = out / "checkpoints"
+    assert (root / "step2" / "checkpoint.json").is_file() and not (root / "step4").exists()
+    assert (root / ".tmp-step4").is_dir() and not (root / ".tmp-step4" / "checkpoint.json").exists()
+    assert (root / "latest").read_text() == "step2"
+
+    loaded, flags, losses, state, straight_losses, straight_state = run_workers(
+        _resume_after_kill, 1, str(out), str(tmp_path / "straight"), env=ENV, timeout=300)[0]
+    assert loaded == "step2"
+    assert flags and all(flag is True for flag in flags), flags  # DeepSpeed's files and the table: safe loads only
+    assert losses == straight_losses[2:]  # bitwise: fp32 on the CPU, same layout
+    assert straight_losses[3] != straight_losses[1]
+    for key, value in straight_state.items():
+        torch.testing.assert_close(torch.from_numpy(state[key]), torch.from_numpy(value), rtol=0, atol=0,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+
+
+# ------------------------------------------------------------------------------- non-finite loss, determinism
+def _snapshot(trainer):
+    """Parameters and every AdamW state tensor (the engine's and the position table's) of this rank, copied."""
+    optimizers = [trainer.engine.basic_optimizer, trainer.pos_table.optimizer]
+    return ({k: v.clone() for k, v in trainer.full_state_dict().items()},
+            [copy.deepcopy(o.state_dict()["state"]) for o in optimizers])
+
+
+def _assert_same(a, b, label):
+    (params_a, opt_a), (params_b, opt_b) = a, b
+    for key in params_a:
+        assert torch.equal(params_a[key], params_b[key]), f"{label}: {key}"
+    assert opt_a and len(opt_a) == len(opt_b)
+    for state_a, state_b in zip(opt_a, opt_b):
+        assert state_a.keys() == state_b.keys() and state_a, label
+        for i in state_a:
+            for name in state_a[i]:
+                assert torch.equal(state_a[i][name], state_b[i][name]), f"{label}: optimizer state {i}.{name}"
+
+
+def _nonfinite_and_deterministic(rank, world, out):
+    """SP=2: a NaN injected into rank 1's loss at step 2 (every rank must agree to skip or stop), under ZeRO 0 and
+    2; then the same deterministic job twice."""
+    from ds4sci.train.config import load_config
+    from ds4sci.train.trainer import Trainer
+
+    def trainer(name, zero, *extra):
+        return Trainer(load_config(None, _overrides(Path(out) / name, zero, ulysses=2, steps=4,
+                                                    extra=["optim.grad_clip=0.05", *extra])))
+
+    def poison(t):
+        forward = t._forward_sum
+
+        def nan_on_rank_1(batch):
+            loss, count = forward(batch)
+            return (loss * float("nan") if rank == 1 and t.step in (1, 3) else loss), count
+
+        t._forward_sum = nan_on_rank_1
+
+    results = {}
+    for zero in (0, 2):
+        t = trainer(f"skip{zero}", zero, "train.nonfinite=skip")
+        poison(t)
+        first = t.train_step().loss
+        before = _snapshot(t)
+        lr_before = t.engine.get_lr()[0]
+        second = t.train_step()
+        _assert_same(before, _snapshot(t), f"zero {zero}: the skipped step changed the state")
+        assert t.engine.lr_scheduler.last_epoch == 2 and t.pos_table.scheduler.last_epoch == 2  # the schedule moved on
+        assert t.engine.get_lr()[0] != lr_before
+        third = t.train_step().loss
+        results[zero] = (first, second.step, second.loss, third)
+        t.cfg.train.nonfinite = "stop"  # the default
+        before = _snapshot(t)
+        with pytest.raises(ValueError, match=r"^step 4: the loss is nan \(train.nonfinite=stop; no update was applied"):
+            t.train_step()
+        _assert_same(before, _snapshot(t), f"zero {zero}: stop changed the state")
+
+    runs = []
+    for name in ("det_a", "det_b"):
+        t = trainer(name, 1, "train.deterministic=true")
+        assert torch.are_deterministic_algorithms_enabled()
+        losses = [t.train_step().loss for _ in range(3)]
+        runs.append((losses, {k: v.numpy() for k, v in t.full_state_dict().items()}))
+    return results, runs
+
+
+@pytest.mark.distributed
+def test_nonfinite_loss_stops_or_skips_on_every_rank_and_deterministic_runs_repeat_bitwise(tmp_path):
+    for results, runs in run_workers(_nonfinite_and_deterministic, 2, str(tmp_path), env=ENV, timeout=300):
+        for zero, (first, step, second, third) in results.items():
+            assert step == 2 and second != second, zero  # reported as NaN, every rank
+            assert abs(first) < 1e9 and abs(third) < 1e9 and third != first, zero  # training went on
+        (losses_a, state_a), (losses_b, state_b) = runs
+        assert losses_a == losses_b and losses_a[0] != losses_a[2]
+        for key in state_a:
+            assert (state_a[key] == state_b[key]).all(), key
+
+
+# --------------------------------------------------------------------------------------- collective timeouts
+_FAULTY_RANK_1 = """
+import os, sys, time
+from ds4sci.cli import main
+from ds4sci.train.trainer import Trainer
+
+step = Trainer.train_step
+
+def faulty(self):
+    if self.rank == 1 and self.step == 1:
+        print(f"FAULT {time.time()}", flush=True)
+        if sys.argv[1] == "dies":
+            os._exit(1)
+        time.sleep(300)
+    return step(self)
+
+Trainer.train_step = faulty
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path):
+    """`ds4sci train` on 2 gloo ranks (DP=2); rank 1 dies / hangs at step 2: rank 0 exits with one line naming
+    train.timeout_s, at once / after the timeout (not the 30 min default that new_group would otherwise keep)."""
+    from ds4sci.data import Tokenizer
+    from ds4sci.data.corpus import open_corpus
+    from ds4sci.spawn import free_port
+
+    timeout_s = 8  # bounds every collective, start-up's included: the token cache is built here, before
+    open_corpus(GENOME, Tokenizer.from_name("nucleotide"), cache_dir=str(tmp_path / "cache"), progress=False)
+    runs = {}
+    for mode in ("dies", "hangs"):
+        sets = _overrides(tmp_path / mode, 0, steps=3,
+                          extra=[f"train.timeout_s={timeout_s}", f"data.cache_dir={tmp_path / 'cache'}"])
+        argv = ["train", *[a for s in sets for a in ("--set", s)]]
+        port = str(free_port())
+        runs[mode] = [subprocess.Popen(
+            [sys.executable, "-c", _FAULTY_RANK_1, mode, *argv], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1", "RANK": str(r),
+                                         "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                         "MASTER_PORT": port})
+            for r in range(2)]
+    for mode, (rank0, rank1) in runs.items():
+        try:
+            _, err = rank0.communicate(timeout=240)
+            ended = time.time()
+        finally:
+            rank1.kill()
+        fault = float(rank1.communicate()[0].split("FAULT ")[1].split()[0])
+        last = err.strip().splitlines()[-1]
+        assert rank0.returncode == 2, err[-3000:]
+        assert last.startswith("ds4sci train: error: step 2: ") and f"train.timeout_s={timeout_s} s" in last, last
+        if mode == "dies":
+            assert "another rank left a collective" in last and ended - fault < timeout_s, last
+        else:
+            assert "did not join a collective within" in last and timeout_s - 1 < ended - fault < timeout_s + 60, last
+
+
+# ---------------------------------------------------------------------------------------------------- exports
+def test_export_loading_names_the_missing_truncated_or_mismatched_file(tmp_path):
+    from ds4sci.data import Tokenizer
+    from ds4sci.models.genslm import GenSLM, GenSLMConfig
+    from ds4sci.train.export import export_consolidated, load_consolidated
+
+    tok = Tokenizer.from_name("nucleotide")
+    config = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, pad_token_id=tok.pad_id)
+    export = export_consolidated(GenSLM(config).state_dict(), config, tok, tmp_path / "export")
+    assert load_consolidated(export)[1] == config
+    meta = json.loads((export / "config.json").read_text())
+    meta["model"]["num_layers"] = config.num_layers + 1
+    (export / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"model.safetensors does not match .*config.json: layers\.{config.num_layers}\."):
+        load_consolidated(export)
+    weights = export / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"model.safetensors: cannot be read, truncated or corrupt"):
+        load_consolidated(export)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
+        load_consolidated(export)
