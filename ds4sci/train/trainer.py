@@ -204,12 +204,17 @@ class Trainer:
         d = self.dims
         return {k: shard_sequence(v, 1, self.groups.sp_rank, d.sp, d.layout).to(self.device) for k, v in batch.items()}
 
+    def _shapes_checked(self) -> None:
+        """After the first forward: every trainer batch has the same shape, so DistributedAttention stops checking
+        shard shapes (an all-gather and a host sync per layer)."""
+        for attention in self._unchecked_shapes:
+            attention.check_shapes = False
+        self._unchecked_shapes = []
+
     def _forward_sum(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         pos_embeds = self.pos_table(batch["position_ids"]) if self.pos_table is not None else None
         logits = self.engine(batch["input_ids"], batch["position_ids"], batch.get("doc_ids"), position_embeds=pos_embeds)
-        for attention in self._unchecked_shapes:  # checked by this first forward
-            attention.check_shapes = False
-        self._unchecked_shapes = []
+        self._shapes_checked()
         tgt = batch["targets"]
         return self.loss_fn(logits, tgt, "sum"), (tgt != IGNORE_INDEX).sum()
 
@@ -234,6 +239,7 @@ class Trainer:
         lr = self.engine.get_lr()[0]  # the rate this step uses
         if pipe:
             total = pipeline_train_batch(self.engine, self.groups, batches, count, factor)
+            self._shapes_checked()
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for i, b in enumerate(batches):
