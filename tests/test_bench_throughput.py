@@ -11,10 +11,12 @@ pytest.importorskip("transformers")  # the dev extra installs it
 
 
 def test_quick_run_writes_the_report(tmp_path):
-    assert cli.main(["bench", "throughput", "--quick", "--out", str(tmp_path)]) == 0
+    threads = torch.get_num_threads()
+    assert cli.main(["bench", "throughput", "--quick", "--threads", str(threads + 1), "--out", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == threads  # restored after the run
     report = json.loads((tmp_path / "throughput.json").read_text())
     c = report["config"]
-    assert (c["hidden"], c["layers"], c["seq_len"], c["rounds"], c["threads"]) == (64, 2, 64, 3, 1)
+    assert (c["hidden"], c["layers"], c["seq_len"], c["rounds"], c["threads"]) == (64, 2, 64, 3, threads + 1)
     assert report["command"].startswith("ds4sci bench throughput --hidden 64 --layers 2 --heads 4 --seq-len 64 ")
     assert 0 <= report["check"]["max_abs_logit_diff"] < 1e-5  # the two models compute the same function
     assert len(report["rounds"]) == 3

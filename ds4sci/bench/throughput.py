@@ -150,8 +150,17 @@ def _trainer(name: str, model: torch.nn.Module, ids: torch.Tensor, pos: torch.Te
 
 
 def measure(cfg: dict) -> dict:
-    """Build both models, check they agree, time them alternately: the report's ``check`` and ``rounds``."""
+    """Build both models, check they agree, time them alternately: the report's ``check`` and ``rounds``. Runs
+    with ``cfg["threads"]`` torch threads, then restores the caller's number."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(cfg["threads"])
+    try:
+        return _measure(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(cfg: dict) -> dict:
     ours, hf = build_models(cfg)
     ids, pos = make_batch(cfg)
     diff = check_same_function(ours, hf, ids, pos)
