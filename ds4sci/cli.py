@@ -46,6 +46,12 @@ def probability(text: str) -> float:
     """argparse ``type=``: a number in (0, 1]."""
     return _number(float, text, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """The positional ``export`` argument of the commands that load a trained model (:func:`ds4sci.load_model`)."""
+    parser.add_argument("export", metavar="MODEL",
+                        help="a ds4sci export (OUT_DIR/export of ds4sci train), a Hugging Face GPT-NeoX directory or "
+                        "a GenSLM / PyTorch checkpoint file (.pt, .ckpt, .bin, .safetensors) that keeps its config")
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ds4sci.info", "show versions, devices and which attention backends are usable here"),

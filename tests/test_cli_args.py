@@ -112,7 +112,7 @@ def test_num_tokens_beyond_context_is_one_error(exports, capsys):
 
 def test_missing_export_is_one_error(tmp_path, capsys):
     assert main(["evaluate", str(tmp_path / "nope"), "--fasta", str(tmp_path / "x.fa")]) == 2
-    one_error(capsys, ["not a ds4sci export"])
+    one_error(capsys, ["nope", "no such file or directory"])
 
 
 def test_info_lists_every_backend_of_each_component(monkeypatch, capsys):

@@ -11,6 +11,7 @@ import logging
 import numpy as np
 import torch
 
+from ds4sci.cli import add_model_argument
 from ds4sci.data import read_fasta
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def embed_sequence(model, tokenizer, sequence: str) -> np.ndarray:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("export", help="export directory written by ds4sci train (OUT_DIR/export)")
+    add_model_argument(parser)
     parser.add_argument("--fasta", required=True)
     parser.add_argument("--out", required=True, help="output .npz with arrays ids [R] and embeddings [R, hidden]")
 
@@ -40,9 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from ds4sci.train.export import load_consolidated
+    from ds4sci.train.init_from import load_model
 
-    model, _, tokenizer = load_consolidated(args.export)
+    model, _, tokenizer = load_model(args.export)
     ids, vectors = [], []
     for rec in tqdm(read_fasta(args.fasta), desc="embed", unit="record"):
         ids.append(rec.id)

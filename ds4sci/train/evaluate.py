@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from ds4sci.cli import CommandError, positive_int
+from ds4sci.cli import CommandError, add_model_argument, positive_int
 from ds4sci.data import RecordDataset, collate, read_fasta
 from ds4sci.models.genslm import IGNORE_INDEX, shift_labels, token_loss
 
@@ -84,7 +84,7 @@ def check_seq_len(seq_len: int | None, model_config) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("export", help="export directory written by ds4sci train (OUT_DIR/export)")
+    add_model_argument(parser)
     parser.add_argument("--fasta", required=True, help="FASTA file to score")
     parser.add_argument("--seq-len", type=positive_int, default=None,
                         help="window length in tokens, at most the model's context (default: the model's context)")
@@ -93,9 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds4sci.train.export import load_consolidated
+    from ds4sci.train.init_from import load_model
 
-    model, config, tokenizer = load_consolidated(args.export)
+    model, config, tokenizer = load_model(args.export)
     check_seq_len(args.seq_len, config)
     result = evaluate(model, tokenizer, windows(config, tokenizer, args.fasta, args.seq_len), args.batch_size)
     if args.json:

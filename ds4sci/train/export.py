@@ -1,5 +1,6 @@
 """Consolidated model export: one directory with ``model.safetensors`` (the full GenSLM state dict, position table
-unsharded), ``config.json`` (GenSLMConfig + tokenizer name) and ``tokenizer.json``."""
+unsharded), ``config.json`` (GenSLMConfig + tokenizer name) and ``tokenizer.json``. Read back with :func:`ds4sci.load_model`
+(:mod:`ds4sci.train.init_from`), which also reads Hugging Face GPT-NeoX directories and GenSLM checkpoints."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ds4sci.data import Tokenizer
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLMConfig
 
 
 def export_consolidated(state_dict: dict[str, torch.Tensor], config: GenSLMConfig, tokenizer: Tokenizer,
@@ -44,20 +45,3 @@ def read_consolidated(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLM
     except SafetensorError as err:
         raise ValueError(f"{path / 'model.safetensors'}: cannot be read, truncated or corrupt ({err})") from None
     return state_dict, config, tokenizer
-
-
-def load_consolidated(path: str | Path, device: str | torch.device = "cpu") -> tuple[GenSLM, GenSLMConfig, Tokenizer]:
-    """``(model in eval mode, config, tokenizer)`` from an export directory (:func:`ds4sci.load_model` also reads
-    Hugging Face GPT-NeoX directories and GenSLM checkpoints)."""
-    state_dict, config, tokenizer = read_consolidated(path)
-    model = GenSLM(config)
-    expected = model.state_dict()
-    differ = [f"{k}: file {tuple(v.shape)}, config.json {tuple(expected[k].shape)}" for k, v in state_dict.items()
-              if k in expected and v.shape != expected[k].shape]
-    differ += [f"{k}: in the file, not in the model of config.json" for k in sorted(state_dict.keys() - expected.keys())]
-    differ += [f"{k}: in the model of config.json, not in the file" for k in sorted(expected.keys() - state_dict.keys())]
-    if differ:
-        raise ValueError(f"{Path(path) / 'model.safetensors'} does not match {Path(path) / 'config.json'}: "
-                         f"{'; '.join(differ[:4])}{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}")
-    model.load_state_dict(state_dict, strict=True)
-    return model.to(device).eval(), config, tokenizer

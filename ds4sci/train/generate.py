@@ -13,7 +13,7 @@ from Bio.Seq import Seq
 from Bio.SeqIO import write as write_fasta
 from Bio.SeqRecord import SeqRecord
 
-from ds4sci.cli import nonnegative_float, nonnegative_int, positive_int, probability
+from ds4sci.cli import add_model_argument, nonnegative_float, nonnegative_int, positive_int, probability
 from ds4sci.data import CodonTokenizer, normalize_sequence
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, tempera
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("export", help="export directory written by ds4sci train (OUT_DIR/export)")
+    add_model_argument(parser)
     parser.add_argument("--prompt", default="",
                         help="nucleotide prompt (default: start from [CLS]); read as training data is (uppercased, U as "
                         "T, IUPAC codes R Y S W K M B D H V as N). Codon models: the length must be a multiple of 3 "
@@ -114,9 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from ds4sci.train.export import load_consolidated
+    from ds4sci.train.init_from import load_model
 
-    model, _, tokenizer = load_consolidated(args.export)
+    model, _, tokenizer = load_model(args.export)
     records = []
     for i in range(args.num_sequences):
         seq = sample(model, tokenizer, args.prompt, args.num_tokens, temperature=args.temperature, top_k=args.top_k,

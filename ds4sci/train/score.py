@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ds4sci.cli import positive_int
+from ds4sci.cli import add_model_argument, positive_int
 from ds4sci.data import RecordDataset, read_fasta
 from ds4sci.train.evaluate import check_seq_len, record_windows, window_length, window_losses
 
@@ -73,7 +73,7 @@ def score_records(model, tokenizer, records: Iterable, seq_len: int | None = Non
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("export", help="export directory written by ds4sci train (OUT_DIR/export)")
+    add_model_argument(parser)
     parser.add_argument("--fasta", required=True, help="FASTA file whose records are scored")
     parser.add_argument("--out", required=True, help="output TSV with a header line: " + ", ".join(COLUMNS) +
                         " ('-': stdout)")
@@ -87,9 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds4sci.train.export import load_consolidated
+    from ds4sci.train.init_from import load_model
 
-    model, config, tokenizer = load_consolidated(args.export)
+    model, config, tokenizer = load_model(args.export)
     check_seq_len(args.seq_len, config)
     rows = score_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, args.reverse_complement,
                          batch_size=args.batch_size, progress=False if args.no_progress else None)

@@ -14,7 +14,8 @@ from Bio.Seq import Seq
 from ds4sci.cli import main
 from ds4sci.data import CodonTokenizer, NucleotideTokenizer, read_fasta
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.train.export import export_consolidated, load_consolidated
+from ds4sci.train.export import export_consolidated
+from ds4sci.train.init_from import load_model
 from ds4sci.train.score import score_records
 
 CONTEXT = 32
@@ -73,7 +74,7 @@ def _by_hand(model, tok, sequence: str, seq_len: int) -> float:
 
 
 def test_score_records_by_hand_and_reverse_complement(exports):
-    model, _, tok = load_consolidated(exports["nucleotide"])
+    model, _, tok = load_model(exports["nucleotide"])
     records = list(read_fasta(exports["fasta"]))
     rows = score_records(model, tok, records, 16, batch_size=2)
     with torch.no_grad():

@@ -9,7 +9,8 @@ from ds4sci.data import CodonTokenizer, NucleotideTokenizer
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.train.embed import embed_sequence
 from ds4sci.train.evaluate import evaluate, windows
-from ds4sci.train.export import export_consolidated, load_consolidated
+from ds4sci.train.export import export_consolidated
+from ds4sci.train.init_from import load_model
 from ds4sci.train.generate import filter_logits, sample
 
 
@@ -25,14 +26,14 @@ def tiny(tmp_path):
 def test_export_round_trip_same_logits(tmp_path, tiny):
     model, cfg, tok = tiny
     export_consolidated(model.state_dict(), cfg, tok, tmp_path / "ex")
-    again, cfg2, tok2 = load_consolidated(tmp_path / "ex")
+    again, cfg2, tok2 = load_model(tmp_path / "ex")
     ids = torch.randint(5, 9, (2, 16))
     pos = torch.arange(16).expand(2, 16)
     torch.testing.assert_close(again(ids, pos), model(ids, pos), rtol=0, atol=0)
     assert cfg2 == cfg and tok2.vocab == tok.vocab
     (tmp_path / "ex" / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError, match="tokenizer.json is missing"):
-        load_consolidated(tmp_path / "ex")
+        load_model(tmp_path / "ex")
 
 
 def test_evaluate_counts_real_tokens_only(tmp_path, tiny):
