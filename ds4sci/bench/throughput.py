@@ -10,8 +10,11 @@ batch must agree (:func:`check_same_function`), so a converter bug cannot pass f
 Timing, in one process: each round times ``--steps`` training steps (forward, next-token cross entropy
 :func:`~ds4sci.models.genslm.lm_loss` on both, backward, ``torch.optim.AdamW`` step) of one model, then of the
 other, the order swapped every round so that drift (other processes, thermal, allocator) falls on both; each model
-first runs ``--warmup`` untimed steps. tokens/s = batch x sequence length x steps / seconds; the ratio
-ds4sci / Hugging Face is taken per round and reported as its median, quartiles and min/max over the rounds.
+first runs ``--warmup`` untimed steps. tokens/s = batch x sequence length x steps / seconds, on two clocks:
+``wall`` (``time.perf_counter``, the throughput) and ``cpu`` (``time.process_time``: the CPU seconds this process
+used, so time other processes take from a shared machine does not count; with one thread, the compute time). The
+ratio ds4sci / Hugging Face is taken per round and clock and reported as its median, quartiles and min/max over the
+rounds.
 
 Writes ``throughput.json``, ``throughput.md`` and ``throughput.png`` (tokens/s per round and the ratio's spread) to
 ``--out``. Needs transformers (``pip install 'ds4sci[dev]'``); without it the command says so and exits with 1.
@@ -33,6 +36,7 @@ from ds4sci.models.genslm.config import ATTENTION_BACKENDS
 logger = logging.getLogger(__name__)
 
 MODELS = ("ds4sci", "hf")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 #: guard of :func:`check_same_function`: max |logits_ds4sci - logits_hf| <= LOGIT_RTOL * max(1, max |logits_hf|)
 LOGIT_RTOL = 1e-4
 #: option -> (default, help); every one must be >= 1. Defaults: GenSLM's 25M shape (hidden 512, 8 layers, 8 heads)
@@ -171,20 +175,22 @@ def _measure(cfg: dict) -> dict:
     tokens = cfg["batch"] * cfg["seq_len"] * cfg["steps"]
     rounds = []
     for r in range(cfg["rounds"]):
-        tps = {}
+        tps: dict[str, dict[str, float]] = {clock: {} for clock in CLOCKS}
         for name in (MODELS if r % 2 == 0 else MODELS[::-1]):
-            start = time.perf_counter()
+            start = {clock: now() for clock, now in CLOCKS.items()}
             for _ in range(cfg["steps"]):
                 steps[name]()
-            tps[name] = tokens / (time.perf_counter() - start)
-        rounds.append(tps | {"ratio": tps["ds4sci"] / tps["hf"]})
-        logger.info("throughput round %d: ds4sci %.0f tokens/s, hf %.0f tokens/s, ratio %.3f", r, tps["ds4sci"],
-                    tps["hf"], rounds[-1]["ratio"])
+            for clock, now in CLOCKS.items():
+                tps[clock][name] = tokens / (now() - start[clock])
+        rounds.append({clock: t | {"ratio": t["ds4sci"] / t["hf"]} for clock, t in tps.items()})
+        logger.info("throughput round %d: ds4sci %.0f tokens/s, hf %.0f tokens/s, ratio %.3f (CPU time: %.3f)", r,
+                    tps["wall"]["ds4sci"], tps["wall"]["hf"], rounds[-1]["wall"]["ratio"], rounds[-1]["cpu"]["ratio"])
     return {"check": {"max_abs_logit_diff": diff, "logit_rtol": LOGIT_RTOL}, "rounds": rounds}
 
 
 def summarize(rounds: list[dict]) -> dict:
-    """Medians of tokens/s per model, and the median, quartiles and min/max of the per-round ratio."""
+    """Medians of tokens/s per model, and the median, quartiles and min/max of the per-round ratio, over
+    ``rounds`` of one clock (``{"ds4sci": tokens/s, "hf": tokens/s, "ratio": ...}`` each)."""
     ratios = [r["ratio"] for r in rounds]
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
     return {f"{name}_tokens_per_s_median": statistics.median(r[name] for r in rounds) for name in MODELS} | {
@@ -196,9 +202,15 @@ def summarize(rounds: list[dict]) -> dict:
 def markdown(report: dict) -> str:
     """The Markdown summary of a throughput report."""
     c, s = report["config"], report["summary"]
-    rows = [(i, f"{r['ds4sci']:.0f}", f"{r['hf']:.0f}", f"{r['ratio']:.3f}") for i, r in enumerate(report["rounds"])]
-    rows.append(("median", f"{s['ds4sci_tokens_per_s_median']:.0f}", f"{s['hf_tokens_per_s_median']:.0f}",
-                 f"{s['ratio_median']:.3f}"))
+
+    def cells(r: dict) -> list[str]:
+        return [f"{r[clock][key]:.0f}" for clock in CLOCKS for key in MODELS] + [
+            f"{r[clock]['ratio']:.3f}" for clock in CLOCKS]
+
+    rows = [[i, *cells(r)] for i, r in enumerate(report["rounds"])]
+    rows.append(["median", *cells({clock: {"ds4sci": s[clock]["ds4sci_tokens_per_s_median"],
+                                           "hf": s[clock]["hf_tokens_per_s_median"],
+                                           "ratio": s[clock]["ratio_median"]} for clock in CLOCKS})])
     lines = [
         "# Training throughput: ds4sci GenSLM vs Hugging Face GPTNeoXForCausalLM",
         "",
@@ -211,17 +223,20 @@ def markdown(report: dict) -> str:
         f"after {c['warmup']} warm-up step(s) each. Same function checked first: max |logits difference| "
         f"{report['check']['max_abs_logit_diff']:.1e}.",
         "",
-        *markdown_table(("round", "ds4sci tokens/s", "Hugging Face tokens/s", "ratio ds4sci / HF"), rows),
+        *markdown_table(("round", "ds4sci tokens/s", "HF tokens/s", "ds4sci tokens/CPU-s", "HF tokens/CPU-s",
+                         "ratio ds4sci / HF (wall)", "ratio (CPU time)"), rows),
         "",
-        f"Ratio ds4sci / Hugging Face: median **{s['ratio_median']:.3f}**, quartiles {s['ratio_q1']:.3f} - "
-        f"{s['ratio_q3']:.3f}, min/max {s['ratio_min']:.3f} - {s['ratio_max']:.3f} over {len(report['rounds'])} "
-        "rounds.",
+        *(f"Ratio ds4sci / Hugging Face, {label}: median **{s[clock]['ratio_median']:.3f}**, quartiles "
+          f"{s[clock]['ratio_q1']:.3f} - {s[clock]['ratio_q3']:.3f}, min/max {s[clock]['ratio_min']:.3f} - "
+          f"{s[clock]['ratio_max']:.3f} over {len(report['rounds'])} rounds."
+          for clock, label in (("wall", "wall clock"), ("cpu", "CPU time of this process"))),
     ]
     return "\n".join(lines) + "\n"
 
 
 def plot(report: dict, path) -> None:
-    """Left: tokens/s of each model per round; right: the per-round ratio as a box plot with its points."""
+    """Left: tokens/s (wall clock) of each model per round; right: the per-round ratios on both clocks as box
+    plots with their points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -230,18 +245,19 @@ def plot(report: dict, path) -> None:
     rounds = report["rounds"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     for name, label in (("ds4sci", "ds4sci GenSLM"), ("hf", "HF GPTNeoXForCausalLM")):
-        left.plot(range(len(rounds)), [r[name] for r in rounds], marker="o", label=label)
+        left.plot(range(len(rounds)), [r["wall"][name] for r in rounds], marker="o", label=label)
     left.set_xticks(range(len(rounds)))
     left.set_xlabel("round")
     left.set_ylabel("training tokens/s")
     left.set_ylim(bottom=0)
     left.legend()
-    ratios = [r["ratio"] for r in rounds]
+    ratios = [[r[clock]["ratio"] for r in rounds] for clock in CLOCKS]
     right.boxplot(ratios)
-    right.scatter([1] * len(ratios), ratios, color="black", s=12, zorder=3)
+    for i, values in enumerate(ratios, start=1):
+        right.scatter([i] * len(values), values, color="black", s=12, zorder=3)
     right.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
-    right.set_xticks([1], ["ds4sci / HF"])
-    right.set_ylabel("tokens/s ratio")
+    right.set_xticks([1, 2], ["wall clock", "CPU time"])
+    right.set_ylabel("tokens/s ratio ds4sci / HF")
     c = report["config"]
     fig.suptitle(f"hidden {c['hidden']}, {c['layers']} layers, batch {c['batch']} x {c['seq_len']}, "
                  f"{c['threads']} thread(s)")
@@ -261,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
 
     report = {"command": command_line("throughput", cfg, args.out), "config": cfg,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}} | measure(cfg)
-    report["summary"] = summarize(report["rounds"])
+    report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in CLOCKS}
     path = write_report(args.out, "throughput", report, markdown(report))
     plot(report, path.with_suffix(".png"))
     print(markdown(report))
