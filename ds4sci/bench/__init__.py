@@ -55,6 +55,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "training tokens/s of ds4sci's GenSLM vs Hugging Face's GPTNeoXForCausalLM with the same configuration and "
         "weights, alternating in one process: the ratio's median and spread over rounds",
     ),
+    "layouts": (
+        "ds4sci.bench.layouts",
+        "per-rank parameter, gradient, optimizer-state and activation bytes and bytes sent per group of real "
+        "training steps for each parallel layout and ZeRO stage, beside ds4sci.plan's prediction of each term",
+    ),
 }
 
 
