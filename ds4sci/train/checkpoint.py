@@ -1,27 +1,60 @@
-"""Checkpoints for exact resume: DeepSpeed's engine checkpoint plus the learned position table's full state
-(:meth:`ds4sci.train.position_table.PositionTable.state_dict`), so a run resumes at another sequence-parallel degree.
+"""Checkpoints for exact resume, at the layout that saved them or any other: DeepSpeed's engine checkpoint, a
+layout-free copy of the training state ("portable") and the learned position table's full state
+(:meth:`ds4sci.train.position_table.PositionTable.state_dict`).
 
 Layout of ``train.out_dir/checkpoints``::
 
     step4/                 a complete checkpoint: DeepSpeed's files (mp_rank_*_model_states.pt, under ZeRO
-                           zero_pp_rank_*_optim_states.pt), position_table.pt, and checkpoint.json, written last
+                           zero_pp_rank_*_optim_states.pt, under PP layer_*-model_states.pt), portable/rank*.safetensors,
+                           position_table.pt, and checkpoint.json, written last
     latest                 the newest complete tag (DeepSpeed's pointer; its tools, e.g. zero_to_fp32.py, read it)
     .tmp-step6/            a save in progress, or one a killed process left behind (never loaded; removed by the
                            next save)
 
 A save is atomic: every rank writes into ``.tmp-stepN`` (DeepSpeed with ``save_latest=False``); after a barrier
-rank 0 flushes the files to disk, writes ``checkpoint.json`` (step, model config, ZeRO stage, ranks, each file's
-size), renames the folder to ``stepN`` and replaces ``latest`` (write a temporary file, then ``os.replace``).
-A process killed at any moment leaves every earlier checkpoint and ``latest`` as they were. Checkpoints live on a
-file system every rank sees (DeepSpeed's requirement as well).
+rank 0 flushes the files to disk, writes ``checkpoint.json`` (step, model config, ZeRO stage, partitions, layout,
+the portable record, each file's size), renames the folder to ``stepN`` and replaces ``latest`` (write a temporary
+file, then ``os.replace``). A process killed at any moment leaves every earlier checkpoint and ``latest`` as they
+were. Checkpoints live on a file system every rank sees (DeepSpeed's requirement as well).
+
+Resuming at another layout (``parallel.*`` and ``zero.stage`` may change on resume). What DeepSpeed 0.19.8's engine
+checkpoint can do, checked here: its files are per TP rank (``mp_rank_XX``), per pipeline layer, and under ZeRO 1-3
+per partition of the sequence x data group (``zero_pp_rank_N``, flat fp32 partitions and AdamW moments); it loads
+into the same TP and PP degrees, ZeRO stage and, under ZeRO, partition count (at stage 0 the sequence and data
+degrees may change; under ZeRO ``dp x sp`` may be regrouped, e.g. SP1 x DP2 -> SP2 x DP1,
+``tests/distributed/test_resume_combinations.py``). DeepSpeed's answer to the rest is the universal checkpoint
+(``deepspeed/checkpoint/ds_to_universal.py``, then ``checkpoint.load_universal``): an offline conversion that
+expects Megatron-style files and per-parameter TP patterns (``UNIVERSAL_CHECKPOINT_INFO``: which parameters are
+split, on which dim, vocabulary padding), and knows nothing of our pipeline names or the position table kept out of
+the engine. Instead each save also writes the state layout-free, by GenSLM parameter name:
+
+- ``portable/rank{R}.safetensors``: ``param/NAME`` (the fp32 master), ``exp_avg/NAME``, ``exp_avg_sq/NAME`` (AdamW's
+  moments; none before the first update), each whole: assembled over ZeRO (``deepspeed.utils.safe_get_full_fp32_param``
+  / ``safe_get_full_optimizer_state``; at ZeRO-0 fp32 the parameter and the client AdamW's state), over TP
+  (:func:`~ds4sci.sequence.tensor_parallel.gather_tensor_parallel`, vocabulary padding cut off) and named across
+  pipeline stages (:func:`~ds4sci.train.pipeline.genslm_name`). Every rank of a stage assembles each tensor and one
+  of them keeps it (round robin), so a rank holds and writes ~1/world of the state, never the whole.
+- ``checkpoint.json["portable"]``: AdamW's step count, the schedule's state, the engine's step counters.
+
+Loading uses DeepSpeed's engine checkpoint when it can (the fast path: the same TP and PP degrees, ZeRO stage and,
+under ZeRO, partition count) and the portable state otherwise: AdamW's state is created (torch AdamW creates it
+lazily; ZeRO-1/2 link it to their per-parameter views after the first step), then every engine parameter's model
+copy, fp32 master and moments are set from the whole tensors cut to this rank's TP piece
+(:func:`~ds4sci.sequence.tensor_parallel.shard_tensor_parallel`; ``safe_set_full_fp32_param`` /
+``safe_set_full_optimizer_state`` keep this rank's ZeRO partition), then the schedule and the counters. Exact: the
+resumed run's losses and parameters are those of an uninterrupted single process to fp32 rounding
+(``tests/distributed/test_resume_layouts.py``). The cost: every save writes the fp32 master and both moments once
+more (12 bytes per parameter beside the engine checkpoint's ~16 under ZeRO); the portable files are read only
+when the layout changes. A checkpoint without portable state (written before it existed) resumes only at its own
+layout, and loading it elsewhere is refused naming both layouts.
 
 Loading checks before DeepSpeed reads anything: the folder is complete (``checkpoint.json``), no file is missing
-or shorter than the save wrote, and the model config, ZeRO stage and partition count match this run (each
-difference named: ``model.num_layers: checkpoint 4, this run 2``). Every file is read with
-``torch.load(weights_only=True)`` (tensors and plain containers; no pickled code runs): DeepSpeed 0.19.8's own
-loader passes ``weights_only=False``, so the engine is handed :class:`SafeCheckpointEngine` for the load, which
-allows, by name, the three DeepSpeed classes its ZeRO optimizer files hold (loss scaler, ZeRO stage enum,
-fragment address) and nothing else.
+or shorter than the save wrote, and the model config matches this run (each difference named:
+``model.num_layers: checkpoint 4, this run 2``). Every file is read with ``torch.load(weights_only=True)`` or
+safetensors (tensors and plain containers; no pickled code runs): DeepSpeed 0.19.8's own loader passes
+``weights_only=False``, so the engine is handed :class:`SafeCheckpointEngine` for the load, which allows, by name,
+the three DeepSpeed classes its ZeRO optimizer files hold (loss scaler, ZeRO stage enum, fragment address) and
+nothing else.
 """
 from __future__ import annotations
 
@@ -38,7 +71,14 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+                             safe_set_full_optimizer_state)
 from deepspeed.utils.tensor_fragment import fragment_address
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ds4sci.sequence.tensor_parallel import gather_tensor_parallel, shard_tensor_parallel
+from ds4sci.train.pipeline import genslm_name
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +86,8 @@ __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "check_check
 
 META = "checkpoint.json"
 TABLE = "position_table.pt"
+PORTABLE = "portable"  # the layout-free state: one safetensors file per rank that owns some of it
+_ADAM = ("exp_avg", "exp_avg_sq")  # torch AdamW's moments, beside the fp32 master ("param")
 _STEP_DIR = re.compile(r"step(\d+)")
 _DEEPSPEED_SAFE_GLOBALS = [LossScaler, ZeroStageEnum, fragment_address]
 
@@ -77,13 +119,84 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
 
 
 def _fingerprint(trainer) -> dict:
-    """What a checkpoint must share with the run that loads it (compared by :func:`check_checkpoint`)."""
+    """What a checkpoint records of the run that saved it (compared by :func:`check_checkpoint`)."""
+    d = trainer.dims
     return json.loads(json.dumps({"model": trainer.model_config.to_dict(), "zero.stage": trainer.cfg.zero.stage,
-                                  "zero partitions": dist.get_world_size(trainer.groups.sdp)}))  # as stored
+                                  "zero partitions": dist.get_world_size(trainer.groups.sdp),
+                                  "layout": {"tp": d.tp, "pp": d.pp, "dp": d.dp, "ulysses": d.ulysses,
+                                             "ring": d.ring}}))  # as stored
+
+
+def _describe(record: dict) -> str:
+    """``tp 2 x pp 1 x dp 1 x ulysses 1 x ring 1, ZeRO-1`` (the layout of a :func:`_fingerprint`)."""
+    layout = " x ".join(f"{k} {v}" for k, v in record["layout"].items()) if "layout" in record else "layout unrecorded"
+    return f"{layout}, ZeRO-{record['zero.stage']}"
+
+
+def _engine_differences(meta: dict, expected: dict) -> list[str]:
+    """What keeps DeepSpeed from loading the engine checkpoint of ``meta`` into the run of ``expected``: another
+    ZeRO stage, TP or PP degree (other per-rank files), or, under ZeRO, another partition count (sequence x data
+    ranks). Empty: the engine checkpoint loads as it is."""
+    saved, now = meta.get("layout"), expected.get("layout")
+    differ = [f"parallel.{k}: checkpoint {saved[k]}, this run {now[k]}" for k in ("tp", "pp")
+              if saved and now and saved[k] != now[k]]
+    differ += [f"zero.stage: checkpoint {meta['zero.stage']}, this run {expected['zero.stage']}"] * (
+        meta["zero.stage"] != expected["zero.stage"])
+    if meta["zero.stage"] == expected["zero.stage"] > 0 and meta["zero partitions"] != expected["zero partitions"]:
+        differ.append(f"zero partitions: checkpoint {meta['zero partitions']}, this run {expected['zero partitions']}")
+    return differ
+
+
+def _engine_params(trainer) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(GenSLM name, parameter)`` of this rank's engine (its pipeline stage's parameters under PP)."""
+    named = trainer.engine.module.named_parameters()
+    if trainer.dims.pp > 1:
+        return [(genslm_name(name, trainer.model_config.num_layers), p) for name, p in named]
+    return list(named)
+
+
+def _adam_step(optimizer: torch.optim.Optimizer) -> int:
+    """AdamW's step count (0 before the first update; the same for every parameter: they all step together)."""
+    return int(next(iter(optimizer.state.values()), {}).get("step", 0))
+
+
+def _full(trainer, name: str, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+    """The fp32 master (``key`` "param") or the AdamW state ``key`` of engine parameter ``p`` (GenSLM ``name``),
+    whole over ZeRO (collective over the ZeRO group) and over TP (collective over the TP group); fp32, CPU."""
+    value = safe_get_full_fp32_param(p) if key == "param" else safe_get_full_optimizer_state(p, key)
+    if value is None:  # ZeRO-0 in fp32: the engine's parameter is the master, the client AdamW holds its moments
+        value = p if key == "param" else trainer.engine.basic_optimizer.state[p][key]
+    full = gather_tensor_parallel({name: value.detach().float()}, trainer.groups, trainer.tp_plan)[name]
+    return full.cpu().contiguous()
+
+
+def _save_portable(trainer, folder: Path) -> dict:
+    """Write the layout-free state into ``folder/portable`` (collective) and return its record for ``checkpoint.json``.
+
+    Each tensor (``param/NAME``, ``exp_avg/NAME``, ``exp_avg_sq/NAME`` by GenSLM name, TP- and ZeRO-whole) is
+    assembled on every rank of its pipeline stage and kept by one of them, round robin, so each rank holds and
+    writes about ``1 / world`` of the state (``rank{R}.safetensors``)."""
+    engine, groups, dims = trainer.engine, trainer.groups, trainer.dims
+    step = _adam_step(engine.basic_optimizer)
+    keys = ("param", *_ADAM) if step else ("param",)  # no moments before the first update
+    stage_ranks = dims.tp * dist.get_world_size(groups.sdp)
+    me = groups.sdp_rank * dims.tp + groups.tp_rank
+    mine = {}
+    for i, (name, p) in enumerate(_engine_params(trainer)):
+        for key in keys:
+            full = _full(trainer, name, p, key)
+            if i % stage_ranks == me:
+                mine[f"{key}/{name}"] = full
+    if mine:
+        (folder / PORTABLE).mkdir(exist_ok=True)
+        save_file(mine, folder / PORTABLE / f"rank{trainer.rank:05d}.safetensors")
+    return {"adam_step": step, "scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps}
 
 
 def save_checkpoint(trainer) -> Path:
-    """Save under ``out_dir/checkpoints/step{N}``, atomically (collective: every rank calls it)."""
+    """Save under ``out_dir/checkpoints/step{N}``, atomically (collective: every rank calls it): the engine
+    checkpoint, the portable state and the position table."""
     root = trainer.out / "checkpoints"
     tag = f"step{trainer.step}"
     tmp = root / f".tmp-{tag}"
@@ -91,18 +204,17 @@ def save_checkpoint(trainer) -> Path:
         shutil.rmtree(tmp)  # left by a save that was killed
     dist.barrier()
     trainer.engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": trainer.step}, save_latest=False)
+    portable = _save_portable(trainer, tmp)
     if trainer.pos_table is not None:
         full = trainer.pos_table.state_dict()
         if trainer.rank == 0:
             torch.save(full, tmp / TABLE)
     dist.barrier()
     if trainer.rank == 0:
-        _commit(root, tmp, tag, {"step": trainer.step, **_fingerprint(trainer)})
+        _commit(root, tmp, tag, {"step": trainer.step, **_fingerprint(trainer), PORTABLE: portable})
         logger.info("saved checkpoint %s", root / tag)
     dist.barrier()
     return root / tag
-
-
 def _commit(root: Path, tmp: Path, tag: str, meta: dict) -> None:
     """Rank 0: make the written ``tmp`` folder the checkpoint ``tag`` (see the module docstring)."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -183,28 +295,93 @@ def check_checkpoint(path: Path, expected: dict) -> dict:
               for k, v in meta["model"].items() if expected["model"].get(k) != v]
     differ += [f"model.{k}: checkpoint (none), this run {v!r}" for k, v in expected["model"].items()
                if k not in meta["model"]]
-    stage = meta["zero.stage"]
-    keys = ["zero.stage"] + (["zero partitions"] if stage > 0 and expected["zero.stage"] == stage else [])
-    differ += [f"{k}: checkpoint {meta[k]}, this run {expected[k]}" for k in keys if meta[k] != expected[k]]
     if differ:
         raise ValueError(f"{path} was saved by another configuration: {'; '.join(differ)}")
+    layout = _engine_differences(meta, expected)
+    if layout and PORTABLE not in meta:
+        raise ValueError(f"{path} was saved at {_describe(meta)}, this run is {_describe(expected)}: "
+                         f"{'; '.join(layout)}; it holds no portable state (saved by an older ds4sci), so it resumes "
+                         f"only at its own layout")
     return meta
+
+
+def _prime_adam(engine, step: int) -> None:
+    """Create the client AdamW's state (zero moments, ``step``) for every parameter it updates, as its steps would
+    (torch AdamW creates state lazily) and link it to DeepSpeed's per-parameter views (ZeRO-1/2 and bf16 link them
+    after the first step: ``_lazy_init_hp_params_optimizer_state``), so the set calls of :func:`_load_portable`
+    have somewhere to write."""
+    optimizer = engine.basic_optimizer
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+    wrapper = engine.optimizer
+    if hasattr(wrapper, "_lazy_init_hp_params_optimizer_state"):
+        wrapper._hp_optimizer_states_linked = False
+        wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def _load_portable(trainer, path: Path, record: dict) -> None:
+    """Set this rank's engine parameters, their fp32 masters and AdamW states from ``path/portable`` (any layout:
+    each tensor is read whole by GenSLM name and cut to this rank's TP piece; DeepSpeed's set calls keep this
+    rank's ZeRO partition), then the schedule and the engine's step counters."""
+    import deepspeed
+
+    engine, groups, stage3 = trainer.engine, trainer.groups, trainer.cfg.zero.stage == 3
+    files = {}
+    for file in sorted((path / PORTABLE).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            files.update((key, file) for key in f.keys())
+
+    def read(key: str, name: str) -> torch.Tensor:
+        if f"{key}/{name}" not in files:
+            raise ValueError(f"{path / PORTABLE}: no {key}/{name} (this model's parameter {name})")
+        with safe_open(files[f"{key}/{name}"], "pt") as f:
+            full = f.get_tensor(f"{key}/{name}")
+        return shard_tensor_parallel({name: full}, trainer.tp_plan, groups.tp_rank, trainer.dims.tp)[name]
+
+    if record["adam_step"]:
+        _prime_adam(engine, record["adam_step"])
+    for name, p in _engine_params(trainer):
+        value = read("param", name)
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=stage3), torch.no_grad():
+            p.copy_(value.to(p))  # the model's (low-precision) copy; under ZeRO-3 re-partitioned on leaving
+        safe_set_full_fp32_param(p, value.to(p.device))
+        for key in _ADAM if record["adam_step"] else ():
+            moment = read(key, name).to(p.device)
+            if hasattr(p, "_hp_mapping") or hasattr(p, "_z3_optimizer"):
+                safe_set_full_optimizer_state(p, moment, key)
+            else:  # ZeRO-0 in fp32: the client AdamW's own state
+                engine.basic_optimizer.state[p][key].copy_(moment)
+    engine.lr_scheduler.load_state_dict(record["scheduler"])
+    for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+        group["lr"] = lr  # a scheduler's state does not reach its optimizer before the next scheduler step
+    engine.global_steps, engine.global_samples = record["global_steps"], record["global_samples"]
+    engine.skipped_steps = record["skipped_steps"]
 
 
 def load_checkpoint(trainer, path: str | Path) -> Path:
     """Resume from a checkpoint (a ``stepN`` folder, or the newest complete one of a run or ``checkpoints``
-    folder; see :func:`find_checkpoint`). Under ZeRO the number of partitions (sequence x data ranks) must match;
-    at stage 0 the sequence-parallel and data-parallel degrees may differ. Returns the folder loaded."""
+    folder; see :func:`find_checkpoint`), at the layout that saved it or any other (module docstring). Returns the
+    folder loaded."""
     path = find_checkpoint(path)
-    meta = check_checkpoint(path, _fingerprint(trainer))
+    expected = _fingerprint(trainer)
+    meta = check_checkpoint(path, expected)
     engine = trainer.engine
-    engine.checkpoint_engine = SafeCheckpointEngine(engine._config)
-    _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
-    if client is None:
-        raise ValueError(f"{path}: DeepSpeed could not load this checkpoint")
-    trainer.step = int(client["step"])
-    if trainer.step != meta["step"]:
-        raise ValueError(f"{path}: the engine state is of step {trainer.step}, {META} says {meta['step']}")
+    differ = _engine_differences(meta, expected)
+    if differ:
+        logger.info("%s was saved at %s, this run is %s (%s): loading its portable state", path, _describe(meta),
+                    _describe(expected), "; ".join(differ))
+        _load_portable(trainer, path, meta[PORTABLE])
+        trainer.step = meta["step"]
+    else:
+        engine.checkpoint_engine = SafeCheckpointEngine(engine._config)
+        _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
+        if client is None:
+            raise ValueError(f"{path}: DeepSpeed could not load this checkpoint")
+        trainer.step = int(client["step"])
+        if trainer.step != meta["step"]:
+            raise ValueError(f"{path}: the engine state is of step {trainer.step}, {META} says {meta['step']}")
     if trainer.pos_table is not None:
         table_file = path / TABLE
         if not table_file.is_file():
