@@ -1,5 +1,6 @@
-"""``ds4sci bench comm-volume`` (issue #15): the bytes counted at the collectives match the closed forms, and
-the command writes its three files."""
+"""``ds4sci bench comm-volume`` (issue #15): the bytes counted at the collectives match the closed forms (Ulysses,
+ring, and Megatron-LM sequence parallelism measured on ds4sci's tensor-parallel layers), and the command writes its
+three files."""
 import json
 
 import pytest
@@ -14,14 +15,22 @@ def test_measured_bytes_match_the_closed_forms(tmp_path):
     assert cli.main(["bench", "comm-volume", "--degrees", "2", "--tokens-per-rank", "16", "--hidden", "16",
                      "--heads", "2", "--out", str(out)]) == 0
     report = json.loads((out / "comm_volume.json").read_text())
-    assert {r["scheme"] for r in report["runs"]} == {"ulysses", "ring"}  # hybrid needs P >= 4
-    for r in report["runs"]:
+    runs = {r["scheme"]: r for r in report["runs"]}
+    assert set(runs) == {"ulysses", "ring", "megatron-sp", "tp-sp"}  # hybrid needs P >= 4
+    for r in (runs["ulysses"], runs["ring"]):
         data = sum(v for k, v in r["by_kind"].items() if k != "all_gather")  # all_gather: the shape check
         assert data == pytest.approx(r["predicted"], rel=1e-9), r
         assert r["by_kind"].get("all_gather", 0) <= 8 * 8 * 2 * 2  # 8 int64 per group, fwd only, 2 groups
-        assert r["bytes_per_layer_min"] == r["bytes_per_layer_max"]  # symmetric schemes
+    for r in (runs["megatron-sp"], runs["tp-sp"]):  # ds4sci's tensor-parallel layers, sequence-parallel regions
+        data = r["by_kind"]["all_gather"] + r["by_kind"]["reduce_scatter"]
+        assert data == pytest.approx(r["predicted"], rel=1e-9), r
+        assert r["by_kind"]["all_reduce"] == 2 * (2 - 1) // 2 * 4 * 16 * 4  # LayerNorm gradients: 4 h fp32 values
+    assert runs["megatron-sp"]["predicted"] == comm_volume.closed_forms("megatron-sp", 2, 32, 16, 4)
+    assert all(r["bytes_per_layer_min"] == r["bytes_per_layer_max"] for r in runs.values())  # symmetric schemes
     assert (out / "comm_volume.png").stat().st_size > 0
-    assert "| ulysses | 2 | 32 |" in (out / "comm_volume.md").read_text()
+    text = (out / "comm_volume.md").read_text()
+    assert "| ulysses | 2 | 32 |" in text and "| megatron-sp | 2 | 32 |" in text
+    assert "| megatron-sp (formula) | 2 | 32 |" in text
 
 
 def test_closed_forms_ulysses_flat_ring_and_megatron_grow():
@@ -35,7 +44,7 @@ def test_closed_forms_ulysses_flat_ring_and_megatron_grow():
 
 @pytest.mark.parametrize("argv, message", [
     (["--degrees", "3"], "powers of two"),
-    (["--heads", "3", "--hidden", "12", "--degrees", "2"], "--heads=3: Ulysses degree P=2 must divide the heads"),
+    (["--heads", "3", "--hidden", "12", "--degrees", "2"], "--heads=3: the Ulysses and TP degree P=2 must divide the heads"),
     (["--tokens-per-rank", "5"], "must be even"),
 ])
 def test_bad_arguments_one_line(argv, message, capsys):

@@ -1,10 +1,11 @@
-"""``ds4sci bench comm-volume``: bytes each rank sends per GenSLM layer under sequence parallelism (issue #15).
+"""``ds4sci bench comm-volume``: bytes each rank sends per GenSLM layer under sequence and tensor parallelism
+(issue #15).
 
-For each scheme and degree ``P``, ``P`` gloo processes (:func:`ds4sci.spawn.run_workers`) run one training step
-(forward + backward) of a GenSLM whose attention cores are made sequence-parallel by
+For each degree ``P``, ``P`` gloo processes (:func:`ds4sci.spawn.run_workers`) run, scheme after scheme, one
+training step (forward + backward) of a GenSLM made sequence- or tensor-parallel by
 :func:`ds4sci.sequence.parallelize`, with the sequence growing with ``P`` (``N = tokens_per_rank * P``). A
 :class:`~ds4sci.sequence.CommCounter` records the bytes every collective call sends; the figure per layer is the
-difference between a 2-layer and a 1-layer model, so embedding and head traffic (none today) cannot leak in.
+difference between a 2-layer and a 1-layer model, so embedding, head and loss traffic cannot leak in.
 
 Schemes: ``ulysses`` (Jacobs et al. 2023, all-to-all of q, k, v and the output), ``ring`` (Liu et al. 2023,
 key/value blocks around a ring, zigzag layout), ``hybrid`` (USP, Fang & Zhao 2024: Ulysses ``P/2`` x ring 2).
@@ -14,21 +15,28 @@ Beside the measurements stand the closed forms, in elements of one ``N x hidden`
   constant when ``N`` grows with ``P``, the paper's claim.
 - ring (this implementation): ``[2(R-1) + 2(R-1) + 2R] * N h / R``: keys and values travel ``R-1`` hops forward
   and again backward, their gradients ``R`` hops back to their owner; it grows with ``N``.
-- Megatron-LM sequence parallelism (Korthikanti et al. 2022), formula only: four all-gathers and four
-  reduce-scatters of ``N x h`` per layer (forward + backward), ``8 (P-1)/P * N h`` per rank.
+- Megatron-LM sequence parallelism (Korthikanti et al. 2022): four all-gathers and four reduce-scatters of
+  ``N x h`` per layer (forward + backward), ``8 (P-1)/P * N h`` per rank. Measured as ``megatron-sp`` on ds4sci's
+  tensor-parallel layers (:mod:`ds4sci.sequence.tensor_parallel`, TP degree ``P`` with sequence-parallel regions,
+  dropout on: the attention and MLP partial sums are reduce-scattered separately, as in Megatron-LM); the
+  formula row stays beside it, labelled formula.
+- ``tp-sp`` (the same layers without dropout, ds4sci's training default): GPT-NeoX's parallel residual lets the
+  attention and MLP partial sums share one reduce-scatter (and its backward all-gather), ``6 (P-1)/P * N h``.
+  The TP layers' small all-reduce, the LayerNorm weight and bias gradients summed over TP (``4 h`` elements per
+  layer, ``2 (P-1)/P`` of them sent), is left out of both closed forms.
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import time
 from pathlib import Path
 
 from ds4sci.bench.report import MIB, markdown_table, parse_int_list, write_report
 
 logger = logging.getLogger(__name__)
 
-SCHEMES = ("ulysses", "ring", "hybrid")
+SCHEMES = ("ulysses", "ring", "hybrid", "megatron-sp", "tp-sp")
+TP_SCHEMES = ("megatron-sp", "tp-sp")
 
 
 def _degrees(text: str) -> tuple[int, ...]:
@@ -56,23 +64,31 @@ def _dims_kwargs(scheme: str, P: int) -> dict | None:
         return {"ulysses": P}
     if scheme == "ring":
         return {"ring": P, "layout": "zigzag"}
+    if scheme in TP_SCHEMES:
+        return {"tp": P}
     return {"ulysses": P // 2, "ring": 2, "layout": "zigzag"} if P >= 4 else None  # P = 2 is plain Ulysses
 
 
-def _worker(rank: int, world: int, dims_kwargs: dict, tokens: int, hidden: int, heads: int) -> dict[int, dict]:
-    """Bytes this rank sent, per collective kind, in one forward + backward of a 1- and a 2-layer model."""
+def _worker(rank: int, world: int, schemes: list[str], tokens: int, hidden: int, heads: int) -> list[dict[int, dict]]:
+    """Per scheme: bytes this rank sent, per collective kind, in one forward + backward of a 1- and a 2-layer model
+    (``megatron-sp`` with dropout 0.1, so that each branch is reduce-scattered on its own)."""
+    return [_scheme_bytes(s, world, tokens, hidden, heads) for s in schemes]
+
+
+def _scheme_bytes(scheme: str, P: int, tokens: int, hidden: int, heads: int) -> dict[int, dict]:
     import torch
 
     from ds4sci.models.genslm import GenSLM, GenSLMConfig
     from ds4sci.sequence import CommCounter, ParallelDims, build_groups, parallelize, shard_sequence
 
-    dims = ParallelDims(dp=1, **dims_kwargs)
+    dims = ParallelDims(dp=1, **_dims_kwargs(scheme, P))
     groups = build_groups(dims)
+    dropout = 0.1 if scheme == "megatron-sp" else 0.0
     sent = {}
     for layers in (1, 2):
         torch.manual_seed(0)
         config = GenSLMConfig(vocab_size=8, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                              max_position_embeddings=tokens, position_embedding="rotary")
+                              max_position_embeddings=tokens, position_embedding="rotary", dropout=dropout)
         model = GenSLM(config)
         counter = CommCounter()
         parallelize(model, groups, counter=counter)
@@ -96,22 +112,27 @@ def closed_forms(scheme: str, P: int, N: int, h: int, elem: int) -> float:
         return 8 * (U - 1) / U * N * h / P * elem + ring_part
     if scheme == "megatron-sp":
         return 8 * (P - 1) / P * N * h * elem
+    if scheme == "tp-sp":
+        return 6 * (P - 1) / P * N * h * elem
     raise ValueError(f"unknown scheme {scheme!r}")
 
 
-def measure(scheme: str, P: int, tokens_per_rank: int, hidden: int, heads: int) -> dict:
-    """One scheme at degree ``P``: measured bytes per layer per rank (max over ranks) and the closed form."""
+def measure(schemes: list[str], P: int, tokens_per_rank: int, hidden: int, heads: int) -> list[dict]:
+    """``schemes`` at degree ``P`` in one group of ``P`` processes: per scheme, measured bytes per layer per rank
+    (max and min over ranks, by collective kind on rank 0) and the closed form."""
     from ds4sci.spawn import run_workers
 
     N = tokens_per_rank * P
-    start = time.perf_counter()
-    per_rank = run_workers(_worker, P, _dims_kwargs(scheme, P), N, hidden, heads, timeout=600)
-    per_layer = [{k: d[2].get(k, 0) - d[1].get(k, 0) for k in set(d[1]) | set(d[2])} for d in per_rank]
-    totals = [sum(kinds.values()) for kinds in per_layer]
-    return {"scheme": scheme, "P": P, "N": N, "hidden": hidden, "heads": heads,
-            "bytes_per_layer_max": max(totals), "bytes_per_layer_min": min(totals),
-            "by_kind": per_layer[0], "predicted": closed_forms(scheme, P, N, hidden, 4),
-            "seconds": round(time.perf_counter() - start, 1)}
+    per_rank = run_workers(_worker, P, schemes, N, hidden, heads, timeout=600)
+    runs = []
+    for i, scheme in enumerate(schemes):
+        per_layer = [{k: d[2].get(k, 0) - d[1].get(k, 0) for k in set(d[1]) | set(d[2])} for d in
+                     (r[i] for r in per_rank)]
+        totals = [sum(kinds.values()) for kinds in per_layer]
+        runs.append({"scheme": scheme, "P": P, "N": N, "hidden": hidden, "heads": heads,
+                     "bytes_per_layer_max": max(totals), "bytes_per_layer_min": min(totals),
+                     "by_kind": per_layer[0], "predicted": closed_forms(scheme, P, N, hidden, 4)})
+    return runs
 
 
 def markdown(report: dict) -> str:
@@ -128,13 +149,17 @@ def markdown(report: dict) -> str:
     for P in sorted({r["P"] for r in report["runs"]}):
         N = c["tokens_per_rank"] * P
         b = closed_forms("megatron-sp", P, N, c["hidden"], 4)
-        rows.append(["megatron-sp (formula, not run)", P, N, f"{b / MIB:.3f}", "", f"{b / (N * c['hidden'] * 4):.3f}",
+        rows.append(["megatron-sp (formula)", P, N, f"{b / MIB:.3f}", "", f"{b / (N * c['hidden'] * 4):.3f}",
                      "all-gather + reduce-scatter"])
     lines += markdown_table(["scheme", "P", "N", "MiB sent / rank / layer", "measured / (N h)",
                              "closed form / (N h)", "by collective (MiB)"], rows)
-    lines += ["", "Ulysses stays flat as N and P grow together; ring and Megatron-LM SP grow with N. The small "
-              "all_gather is DistributedAttention's check that every rank holds the same local shapes (8 integers "
-              "per group per layer); the closed forms leave it out."]
+    lines += ["", "Ulysses stays flat as N and P grow together; ring and Megatron-LM SP grow with N. megatron-sp: "
+              "ds4sci's tensor-parallel layers with sequence-parallel regions (TP degree P, dropout 0.1); tp-sp: the "
+              "same without dropout (one shared reduce-scatter). On gloo a reduce-scatter runs as an all-to-all "
+              "plus a local sum, the same bytes. The small all_gather of the SP schemes is DistributedAttention's "
+              "check that every rank holds the same local shapes (8 integers per group per layer); the small "
+              "all_reduce of the TP schemes sums the LayerNorm gradients over TP (4 h values per layer); the closed "
+              "forms leave both out."]
     return "\n".join(lines) + "\n"
 
 
@@ -153,7 +178,7 @@ def plot(report: dict, path: Path) -> None:
                     label=f"{scheme} (measured)")
     Ps = sorted({r["P"] for r in report["runs"]})
     ax.plot(Ps, [closed_forms("megatron-sp", P, c["tokens_per_rank"] * P, c["hidden"], 4) / MIB for P in Ps],
-            linestyle="--", color="gray", label="Megatron-LM SP (formula)")
+            linestyle="--", color="gray", label="megatron-sp (formula)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(f"sequence-parallel degree P (N = {c['tokens_per_rank']} x P tokens)")
@@ -173,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--hidden={args.hidden} is not divisible by --heads={args.heads}")
     for P in degrees:
         if args.heads % P:
-            raise ValueError(f"--heads={args.heads}: Ulysses degree P={P} must divide the heads")
+            raise ValueError(f"--heads={args.heads}: the Ulysses and TP degree P={P} must divide the heads")
         if tokens % 2:  # the zigzag layout cuts each rank's share in two
             raise ValueError(f"--tokens-per-rank={tokens}: must be even (zigzag ring layout)")
     command = "ds4sci bench comm-volume " + (
@@ -184,9 +209,9 @@ def run(args: argparse.Namespace) -> int:
                                              "hidden": args.hidden, "heads": args.heads}, "runs": []}
     from tqdm import tqdm
 
-    jobs = [(s, P) for P in degrees for s in SCHEMES if _dims_kwargs(s, P) is not None]
-    for scheme, P in tqdm(jobs, desc="comm-volume", unit="run"):
-        report["runs"].append(measure(scheme, P, tokens, args.hidden, args.heads))
+    for P in tqdm(degrees, desc="comm-volume", unit="degree"):
+        schemes = [s for s in SCHEMES if _dims_kwargs(s, P) is not None]
+        report["runs"] += measure(schemes, P, tokens, args.hidden, args.heads)
     path = write_report(args.out, "comm_volume", report, markdown(report))
     plot(report, path.with_suffix(".png"))
     print(f"comm-volume: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
