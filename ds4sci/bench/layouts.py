@@ -66,19 +66,6 @@ def parse_layout(text: str, world: int) -> dict[str, int]:
     return degrees
 
 
-def _layouts(world: int):
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
-        try:
-            for name in names:
-                parse_layout(name, world)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        return names
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
     parser.add_argument("--layouts", default=DEFAULT_LAYOUTS, metavar="L,L,...",
@@ -93,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4, help="layers (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="world 2: dp2, tp2, ulysses2 at ZeRO 0 and 1, S = 64, hidden 32, 2 layers (a smoke test)")
+                        help="world 2: dp2 at ZeRO 0 and 1, tp2 at ZeRO 0; S = 64, hidden 32, 2 layers (a smoke test)")
 
 
 # ------------------------------------------------------------------------------------------------ measurement
@@ -256,14 +243,19 @@ def _distinct_bytes(tensors) -> int:
 
 
 def _model_states(engine, at_step: dict) -> dict[str, int]:
-    """params and optimizer bytes now; grads as recorded when the optimizer stepped (``at_step``)."""
+    """params and optimizer bytes now (the optimizer's split into AdamW's ``moments`` and DeepSpeed's fp32
+    ``master`` copies), grads as recorded when the optimizer stepped (``at_step``), and ``tp_split``: the bytes of
+    the parameters split over TP (``tensor_model_parallel``), by name, before any ZeRO-3 partitioning."""
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
     model_ptrs = {p.untyped_storage().data_ptr() for p in params if p.numel()}
     opt = engine.basic_optimizer
     masters = [q for g in opt.param_groups for q in g["params"] if q.untyped_storage().data_ptr() not in model_ptrs]
-    state = [t for s in opt.state.values() for t in _tensors(s)]
-    return {"params": _distinct_bytes(params), "grads": at_step["grads"],
-            "optimizer": _distinct_bytes(state) + _distinct_bytes(masters)}
+    moments = _distinct_bytes([t for s in opt.state.values() for t in _tensors(s)])
+    master = _distinct_bytes(masters)
+    split = {n: getattr(p, "ds_numel", p.numel()) * p.element_size() for n, p in engine.module.named_parameters()
+             if getattr(p, "tensor_model_parallel", False)}
+    return {"params": _distinct_bytes(params), "grads": at_step["grads"], "optimizer": moments + master,
+            "moments": moments, "master": master, "tp_split": split}
 
 
 def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict]:
@@ -421,10 +413,13 @@ def plot(report: dict, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
-        world, names, stages = 2, ("dp2", "tp2", "ulysses2"), (0, 1)
+        world, names, stages = 2, ("dp2", "tp2"), (0, 1)
+        pairs = [("dp2", 0), ("dp2", 1), ("tp2", 0)]
         common = {"seq_len": 64, "hidden": 32, "heads": 4, "layers": 2}
     else:
-        world, names, stages = args.world, args.layouts, args.zero_stages
+        world, stages = args.world, args.zero_stages
+        names = tuple(dict.fromkeys(t.strip() for t in args.layouts.split(",") if t.strip()))
+        pairs = [(name, z) for name in names for z in stages]
         common = {"seq_len": args.seq_len, "hidden": args.hidden, "heads": args.heads, "layers": args.layers}
     for name, value in (("--world", world), ("--threads", args.threads), *((f"--{k.replace('_', '-')}", v)
                                                                            for k, v in common.items())):
@@ -433,9 +428,7 @@ def run(args: argparse.Namespace) -> int:
     bad = [z for z in stages if z > 3]
     if bad:
         raise ValueError(f"--zero-stages: {bad} not in 0-3")
-    if isinstance(names, str):
-        names = _layouts(world)(names)
-    cases = []
+    degrees_of = {}
     for name in names:
         degrees = parse_layout(name, world)
         tp_u = degrees["tp"] * degrees["ulysses"]
@@ -447,7 +440,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"layout {name}: --seq-len={common['seq_len']} must be a multiple of {multiple}")
         if degrees["pp"] > common["layers"]:
             raise ValueError(f"layout {name}: pp={degrees['pp']} exceeds --layers={common['layers']}")
-        cases += [{"layout": name, "degrees": degrees, "zero": z} for z in stages if degrees["pp"] == 1 or z <= 1]
+        degrees_of[name] = degrees
+    # DeepSpeed's pipeline engine takes ZeRO 0 and 1 only
+    cases = [{"layout": name, "degrees": degrees_of[name], "zero": z} for name, z in pairs
+             if degrees_of[name]["pp"] == 1 or z <= 1]
     command = "ds4sci bench layouts " + ("--quick" if args.quick else (
         f"--layouts {','.join(names)} --world {world} --zero-stages {','.join(map(str, stages))} "
         f"--seq-len {common['seq_len']} --hidden {common['hidden']} --heads {common['heads']} "

@@ -1,0 +1,88 @@
+"""``ds4sci bench layouts`` (issue #14): per-rank model states, activations and bytes sent of real Trainer steps.
+
+One ``--quick`` run (world 2: dp2 at ZeRO 0 and 1, tp2 at ZeRO 0) is checked for its files and fields and against
+properties that must hold whatever the planner says: ZeRO-1 partitions AdamW's moments over the two data ranks,
+TP2 holds half of every split parameter, ZeRO-0 data parallelism all-reduces exactly the gradients, and the
+saved-for-backward peak of the sequence-replicated dp2 step is the planner's activation term to within 1 %.
+"""
+import json
+
+import pytest
+
+from ds4sci import cli
+from ds4sci.bench import layouts
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert cli.main(["bench", "layouts", "--quick", "--out", str(out)]) == 0
+    return out, json.loads((out / "layouts.json").read_text())
+
+
+@pytest.mark.distributed
+def test_quick_writes_the_three_files(quick):
+    out, report = quick
+    assert [(r["layout"], r["zero"]) for r in report["runs"]] == [("dp2", 0), ("dp2", 1), ("tp2", 0)]
+    for r in report["runs"]:
+        assert set(r["measured"]) == set(r["predicted"]) == set(layouts.MEMORY_TERMS)
+        assert set(r["measured_sent"]) == set(r["predicted_sent"]) == set(layouts.COMM_TERMS)
+        assert len(r["ranks"]) == 2 and all(v > 0 for v in r["measured"].values())
+    text = (out / "layouts.md").read_text()
+    assert "| dp2 | 1 |" in text and "ds4sci bench layouts --quick" in text
+    assert (out / "layouts.png").stat().st_size > 0
+
+
+@pytest.mark.distributed
+def test_zero1_partitions_the_adam_moments_and_tp2_halves_the_split_parameters(quick):
+    _, report = quick
+    z0, z1, tp2 = report["runs"]
+    for a, b in zip(z0["ranks"], z1["ranks"]):
+        assert b["moments"] == pytest.approx(a["moments"] / 2, rel=1e-3)  # DeepSpeed pads partitions a little
+        assert a["master"] == 0 and b["master"] == pytest.approx(a["params"] / 2, rel=1e-3)  # fp32 partition copy
+        assert b["params"] == a["params"]  # ZeRO-1 keeps every parameter
+    from ds4sci.data import NucleotideTokenizer
+    from ds4sci.models.genslm import GenSLM, GenSLMConfig
+
+    c = report["config"]
+    full = GenSLM(GenSLMConfig.preset("debug", vocab_size=NucleotideTokenizer().vocab_size, hidden_size=c["hidden"],
+                                      num_heads=c["heads"], num_layers=c["layers"], max_position_embeddings=c["seq_len"]))
+    sizes = {n: p.numel() * 4 for n, p in full.named_parameters()}
+    for rank in tp2["ranks"]:
+        split = rank["tp_split"]
+        assert any(".query_key_value." in n for n in split) and any("embed_out" in n for n in split)
+        assert all(2 * b == sizes[n] for n, b in split.items()), split
+
+
+@pytest.mark.distributed
+def test_dp_all_reduces_the_gradients_and_activations_match_the_planner(quick):
+    _, report = quick
+    z0 = report["runs"][0]
+    for rank in z0["ranks"]:
+        grads = rank["sent"]["sdp"]["all_reduce"]
+        # a ring all-reduce of every gradient (P = 2: the gradient bytes once) plus the trainer's fp64 loss sums
+        assert 0 <= grads - rank["grads"] <= 64, (grads, rank["grads"])
+    assert z0["measured"]["activations"] == pytest.approx(z0["predicted"]["activations"], rel=0.01)
+
+
+@pytest.mark.parametrize("text, world, message", [
+    ("tp2xfoo2", 4, "expected degrees like tp2xulysses2"),
+    ("tp2xtp2", 4, "each once"),
+    ("tp3", 4, "multiply to 3, not --world=4"),
+])
+def test_parse_layout_names_the_bad_layout(text, world, message):
+    with pytest.raises(ValueError, match=message):
+        layouts.parse_layout(text, world)
+
+
+def test_parse_layout_fills_data_parallelism():
+    assert layouts.parse_layout("tp2xpp2", 8) == {"tp": 2, "ulysses": 1, "ring": 1, "pp": 2, "dp": 2}
+    assert layouts.parse_layout("dp4", 4)["dp"] == 4
+
+
+def test_bad_option_one_line(capsys):
+    code = cli.main(["bench", "layouts", "--layouts", "ulysses8", "--world", "8", "--heads", "4",
+                     "--out", "/nonexistent/never"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "tp x ulysses = 8 must divide --heads=4" in err and "Traceback" not in err
