@@ -310,12 +310,13 @@ def _prime_adam(engine, step: int) -> None:
     (torch AdamW creates state lazily) and link it to DeepSpeed's per-parameter views (ZeRO-1/2 and bf16 link them
     after the first step: ``_lazy_init_hp_params_optimizer_state``), so the set calls of :func:`_load_portable`
     have somewhere to write."""
-    optimizer = engine.basic_optimizer
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            optimizer.state[p] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
-    wrapper = engine.optimizer
+    optimizer, wrapper = engine.basic_optimizer, engine.optimizer
+    # ZeRO-3 puts each flat fp32 partition into its AdamW's param group only while stepping it
+    params = getattr(wrapper, "fp32_partitioned_groups_flat", None) or [p for g in optimizer.param_groups
+                                                                         for p in g["params"]]
+    for p in params:
+        optimizer.state[p] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p),
+                              "exp_avg_sq": torch.zeros_like(p)}
     if hasattr(wrapper, "_lazy_init_hp_params_optimizer_state"):
         wrapper._hp_optimizer_states_linked = False
         wrapper._lazy_init_hp_params_optimizer_state()

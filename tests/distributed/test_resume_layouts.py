@@ -2,8 +2,8 @@
 checkpoint's portable state (:mod:`ds4sci.train.checkpoint`) and trains exactly like one uninterrupted process.
 
 One process trains 4 steps uninterrupted (the reference), saving after step 2. Two processes then resume from it
-at TP=2 (1 -> TP2), and train 2 steps at one layout, save and resume at another: TP2 ZeRO-1 -> SP2 ZeRO-1 and
-PP2 ZeRO-1 -> DP2 ZeRO-2 (pipeline, ZeRO stage and partition count all change). Each resumed run's steps 3-4 have
+at TP=2 under ZeRO-3, and train 2 steps at one layout, save and resume at another: TP2 ZeRO-3 -> SP2 ZeRO-0 and
+PP2 ZeRO-0 -> DP2 ZeRO-2 (TP, pipeline, ZeRO stage and partition count all change). Each resumed run's steps 3-4 have
 the reference's losses and parameters (fp32 rounding). The helpers are those of ``test_train_equivalence``.
 """
 import json
@@ -19,10 +19,10 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 4
 # (name, saved by: (ZeRO stage, overrides) or None for the reference's checkpoint, resumed at: the same)
-CASES = [
-    ("1 -> tp2", None, (1, ["parallel.tp=2"])),
-    ("tp2 -> sp2", (1, ["parallel.tp=2"]), (1, ["parallel.ulysses=2"])),
-    ("pp2 -> dp2 zero2", (1, ["parallel.pp=2"]), (2, ["train.micro_batch_size=1"])),  # 2 samples per step still
+CASES = [  # between them every ZeRO stage's way of reading and of setting the state (0: the client AdamW's own)
+    ("1 zero1 -> tp2 zero3", None, (3, ["parallel.tp=2"])),
+    ("tp2 zero3 -> sp2 zero0", (3, ["parallel.tp=2"]), (0, ["parallel.ulysses=2"])),
+    ("pp2 zero0 -> dp2 zero2", (0, ["parallel.pp=2"]), (2, ["train.micro_batch_size=1"])),  # 2 samples per step still
 ]
 
 
@@ -84,3 +84,23 @@ def test_resume_at_another_layout_trains_like_one_process(tmp_path):
         for key, value in want.items():
             torch.testing.assert_close(torch.from_numpy(got[key]), torch.from_numpy(value), rtol=1e-5, atol=1e-6,
                                        msg=lambda m, k=key: f"{name}: {k}: {m}")
+
+
+def test_a_checkpoint_without_portable_state_resumes_only_at_its_own_layout(tmp_path):
+    from ds4sci.train.checkpoint import check_checkpoint
+
+    model = {"num_layers": 2}
+    saved = {"model": model, "zero.stage": 1, "zero partitions": 1,
+             "layout": {"tp": 2, "pp": 1, "dp": 1, "ulysses": 1, "ring": 1}}
+    path = tmp_path / "step2"
+    path.mkdir()
+    (path / "checkpoint.json").write_text(json.dumps({"step": 2, **saved, "files": {}}))
+    assert check_checkpoint(path, saved)["step"] == 2  # its own layout: DeepSpeed's engine checkpoint loads
+    this_run = {**saved, "zero partitions": 2, "layout": {**saved["layout"], "tp": 1, "ulysses": 2}}
+    with pytest.raises(ValueError, match=r"step2 was saved at tp 2 x pp 1 x dp 1 x ulysses 1 x ring 1, ZeRO-1, this "
+                                         r"run is tp 1 x pp 1 x dp 1 x ulysses 2 x ring 1, ZeRO-1: parallel.tp: "
+                                         r"checkpoint 2, this run 1; zero partitions: checkpoint 1, this run 2; it "
+                                         r"holds no portable state"):
+        check_checkpoint(path, this_run)
+    (path / "checkpoint.json").write_text(json.dumps({"step": 2, **saved, "portable": {}, "files": {}}))
+    assert check_checkpoint(path, this_run)["step"] == 2  # with one: accepted, load_checkpoint takes that path
