@@ -8,8 +8,9 @@ engine for ``pp > 1``), on a synthetic nucleotide FASTA, fp32, one sequence of `
 per step, rotary positions, no activation checkpointing. Step 1 runs unmeasured (DeepSpeed and AdamW allocate their
 state lazily); step 2 is measured on every rank:
 
-- ``params``: bytes of the model's parameter storage this rank holds (ZeRO-3: its partitions ``ds_tensor``; the
-  gathered copies exist only around a module's forward and backward);
+- ``params``: bytes of the model's parameter storage this rank holds after the step (ZeRO-3: its partitions
+  ``ds_tensor`` plus the parameters DeepSpeed keeps gathered, those under ``stage3_param_persistence_threshold``
+  elements; the other gathered copies exist only around a module's forward and backward and are not counted);
 - ``grads``: bytes of the gradient tensors alive when DeepSpeed calls the optimizer's ``step``: the ``.grad`` of the
   model's parameters and of the optimizer's (DeepSpeed's fp32 partitions at ZeRO >= 1), distinct storages once;
 - ``optimizer``: AdamW's state tensors (two moments and the step count per parameter tensor) plus the fp32 master
@@ -25,8 +26,10 @@ state lazily); step 2 is measured on every rank:
   an all-reduce ``2 (P-1)/P`` of its tensor (a ring's), a send its tensor; a broadcast ``P-1`` copies from the root.
 
 The prediction is :func:`ds4sci.plan.memory` (``params``, ``grads``, ``optimizer``, ``activations``) and
-:func:`ds4sci.plan.comm` (``tp``, ``ulysses``, ``ring``, ``pp``, ``dp`` = everything sent over the sequence x data
-group) for the same model and layout, fp32; the report gives measured / predicted per term for the most loaded rank.
+:func:`ds4sci.plan.comm` (``tp``, ``ulysses``, ``ring``, ``pp``, ``dp``) for the same model and layout, fp32; the
+report gives measured / predicted per term for the most loaded rank. Measured ``dp`` is everything sent over the
+sequence x data group (ds4sci's, or the pipeline engine's own over the same ranks), ``pp`` the pipeline's sends
+(DeepSpeed sends on the default group), ``other`` what fits no term (a few bytes of pipeline bookkeeping).
 """
 from __future__ import annotations
 
@@ -157,10 +160,11 @@ def _flatten(x):
 
 def _group_labels(groups):
     """A function ProcessGroup -> label: the name of ds4sci's group (``tp``, ``ulysses``, ``ring``, ``sp``, ``dp``,
-    ``sdp``, ``pp``) or, for a group built elsewhere (DeepSpeed's pipeline groups), the axes its ranks span."""
+    ``sdp``, ``pp``), ``world`` for the default group, or for a group built elsewhere (DeepSpeed's pipeline engine
+    builds its own data-parallel groups) ``group(AXES)``, the axes its ranks span (``group()``: one rank)."""
     import torch.distributed as dist
 
-    known = {}
+    known = {id(dist.group.WORLD): "world"}
     for name in ("tp", "ulysses", "ring", "sp", "dp", "sdp", "pp"):
         known.setdefault(id(getattr(groups, name)), name)
     dims = groups.dims
@@ -169,8 +173,7 @@ def _group_labels(groups):
         if id(pg) in known:
             return known[id(pg)]
         coords = [dims.coords(r) for r in dist.get_process_group_ranks(pg)]
-        axes = [a for a in coords[0]._fields if len({getattr(c, a) for c in coords}) > 1]
-        return "+".join(axes) or "self"
+        return f"group({'+'.join(a for a in coords[0]._fields if len({getattr(c, a) for c in coords}) > 1)})"
 
     return label
 
@@ -246,7 +249,10 @@ def _model_states(engine, at_step: dict) -> dict[str, int]:
     """params and optimizer bytes now (the optimizer's split into AdamW's ``moments`` and DeepSpeed's fp32
     ``master`` copies), grads as recorded when the optimizer stepped (``at_step``), and ``tp_split``: the bytes of
     the parameters split over TP (``tensor_model_parallel``), by name, before any ZeRO-3 partitioning."""
-    params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    # ZeRO-3: each rank's partition ds_tensor, plus the full data of parameters kept gathered (DeepSpeed persists
+    # parameters below stage3_param_persistence_threshold elements); others hold an empty tensor between uses
+    params = [p for p in engine.module.parameters()] + [p.ds_tensor for p in engine.module.parameters()
+                                                         if hasattr(p, "ds_tensor")]
     model_ptrs = {p.untyped_storage().data_ptr() for p in params if p.numel()}
     opt = engine.basic_optimizer
     masters = [q for g in opt.param_groups for q in g["params"] if q.untyped_storage().data_ptr() not in model_ptrs]
@@ -320,14 +326,26 @@ def predicted(common: dict, degrees: dict, zero: int) -> tuple[dict, dict]:
     return plan.memory(w, lay), plan.comm(w, lay)
 
 
+def _term(label: str, kind: str) -> str:
+    """The planner's term of bytes sent by ``kind`` on group ``label`` (:func:`_group_labels`)."""
+    if label in ("tp", "ulysses", "ring", "pp"):
+        return label
+    if label in ("sdp", "sp", "dp"):  # ZeRO's gradient and parameter traffic, the trainer's loss sums
+        return "dp"
+    if kind == "p2p":  # DeepSpeed's pipeline sends activations and gradients on the default group
+        return "pp"
+    axes = set(label[len("group("):-1].split("+")) if label.startswith("group(") else set()
+    if axes and axes <= {"dp", "ring", "ulysses"}:  # the pipeline engine's own data-parallel group
+        return "dp"
+    return "other"
+
+
 def comm_terms(sent: dict[str, dict[str, int]]) -> dict[str, int]:
-    """Measured bytes sent by the planner's groups: ``dp`` is everything sent over the sequence x data group (and
-    ds4sci's ``dp`` and ``sp`` groups: the trainer's sums), ``pp`` over groups spanning pipeline stages only."""
-    out = dict.fromkeys(COMM_TERMS, 0)
+    """Measured bytes sent, by the planner's terms (:data:`COMM_TERMS`) plus ``other`` (what fits none)."""
+    out = dict.fromkeys((*COMM_TERMS, "other"), 0)
     for label, kinds in sent.items():
-        key = {"sdp": "dp", "sp": "dp", "dp": "dp"}.get(label, label)
-        key = "pp" if key.split("+") == ["pp"] else key
-        out[key] = out.get(key, 0) + sum(kinds.values())
+        for kind, nbytes in kinds.items():
+            out[_term(label, kind)] += nbytes
     return out
 
 
@@ -350,7 +368,7 @@ def run_cases(cases: list[dict], common: dict, world: int, threads: int) -> list
         mem, com = predicted(common, case["degrees"], case["zero"])
         measured = {k: max(r[k] for r in ranks) for k in MEMORY_TERMS}
         sent = [comm_terms(r["sent"]) for r in ranks]
-        measured_comm = {k: max(s[k] for s in sent) for k in COMM_TERMS}
+        measured_comm = {k: max(s[k] for s in sent) for k in (*COMM_TERMS, "other")}
         rows.append({**case, "measured": measured, "measured_sent": measured_comm,
                      "predicted": {k: mem[k] for k in MEMORY_TERMS},
                      "predicted_sent": {k: com[k] for k in COMM_TERMS},
@@ -380,10 +398,14 @@ def markdown(report: dict) -> str:
     rows = []
     for r in report["runs"]:
         m, p = r["measured_sent"], r["predicted_sent"]
-        rows.append([r["layout"], r["zero"]] + [f"{m[k] / MIB:.3f} ({_ratio(m[k], p[k])})" for k in COMM_TERMS])
-    lines += markdown_table(["layout", "ZeRO", *COMM_TERMS], rows)
+        rows.append([r["layout"], r["zero"]] + [f"{m[k] / MIB:.3f} ({_ratio(m[k], p[k])})" for k in COMM_TERMS]
+                    + [f"{m['other']:,} B"])
+    lines += markdown_table(["layout", "ZeRO", *COMM_TERMS, "other"], rows)
     lines += ["", "How each term is measured: the docstring of ds4sci.bench.layouts. `-`: both zero; `inf`: measured "
-              "where the planner predicts nothing."]
+              "where the planner predicts nothing. params are counted after the step: ZeRO-3's gathered copies in "
+              "flight during forward and backward (the planner's two layers) are not. dp: everything sent over the "
+              "sequence x data group (ZeRO's reductions and gathers, the trainer's loss sums); pp: the pipeline's "
+              "sends; other: small collectives on other groups (the pipeline engine's bookkeeping)."]
     return "\n".join(lines) + "\n"
 
 
