@@ -83,9 +83,20 @@ def test_parse_layout_fills_data_parallelism():
     assert layouts.parse_layout("dp4", 4)["dp"] == 4
 
 
-def test_bad_option_one_line(capsys):
-    code = cli.main(["bench", "layouts", "--layouts", "ulysses8", "--world", "8", "--heads", "4",
-                     "--out", "/nonexistent/never"])
+@pytest.mark.parametrize("argv, message", [
+    (["--layouts", "ulysses8", "--world", "8", "--heads", "4"], "tp x ulysses = 8 must divide --heads=4"),
+    (["--layouts", "dp3xtp2"], "multiply to 6, not --world=4"),
+    (["--zero-stages", "0,4"], "'0,4': expected ZeRO stages 0-3"),
+])
+def test_bad_option_one_line(argv, message, capsys):
+    try:
+        code = cli.main(["bench", "layouts", *argv, "--out", "/nonexistent/never"])
+    except SystemExit as exit_:  # argparse's own checks
+        code = exit_.code
     assert code == 2
     err = capsys.readouterr().err
-    assert "tp x ulysses = 8 must divide --heads=4" in err and "Traceback" not in err
+    assert message in err and "Traceback" not in err
+
+
+def test_zero_stages_parse():
+    assert layouts._stages("3,0,1,0") == (0, 1, 3)
