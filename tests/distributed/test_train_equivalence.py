@@ -105,9 +105,6 @@ def test_single_process_trainer_equals_a_plain_pytorch_loop(tmp_path):
 CLIP = ["optim.grad_clip=0.05"]
 
 
-CONTIGUOUS = ["parallel.layout=contiguous"]
-
-
 def _packed(tmp_path) -> list[str]:
     """Overrides for packed records with document masks: 80 random genes of 4-12 bases, so that every 32-token window
     packs several documents (any two fit in one), and a fifth of them for validation."""
@@ -120,8 +117,8 @@ def _packed(tmp_path) -> list[str]:
 
 @pytest.mark.slow
 def test_world_2_sp_every_stage_ring_and_dp(tmp_path):
-    """ZeRO 0-3 under Ulysses, ring (zigzag and contiguous), data parallelism, accumulation, rotary under SP with
-    ZeRO-3 and clipping, packed records with document masks under Ulysses and ring."""
+    """ZeRO 0-3 under Ulysses, ring (zigzag; contiguous), data parallelism, accumulation, rotary under SP with ZeRO-3
+    and clipping; packed records with document masks under Ulysses (rotary) and under the contiguous ring (ALiBi)."""
     stages = [0, 1, 2, 3]
     packed = _packed(tmp_path)
     cases = [_overrides(tmp_path / f"sp{z}", z, ulysses=2) for z in stages] + [
@@ -129,9 +126,8 @@ def test_world_2_sp_every_stage_ring_and_dp(tmp_path):
         _overrides(tmp_path / "dp3", 3, micro=1, pe="rotary"),  # ZeRO-3 over two data-parallel ranks
         _overrides(tmp_path / "ga", 2, ulysses=2, micro=1, extra=["train.grad_accum=2", *CLIP]),
         _overrides(tmp_path / "rope3", 3, ulysses=2, pe="rotary", extra=CLIP),
-        _overrides(tmp_path / "ringc", 2, ring=2, extra=CONTIGUOUS),  # the table's rows: one chunk per rank
         _overrides(tmp_path / "packu", 1, ulysses=2, pe="rotary", extra=packed),
-        _overrides(tmp_path / "packr", 0, ring=2, pe="alibi", extra=packed),
+        _overrides(tmp_path / "packr", 0, ring=2, pe="alibi", extra=[*packed, "parallel.layout=contiguous"]),
     ]
     got = run_workers(_train_cases, 2, cases, env=ENV, timeout=400)[0]
     want = _baseline([_overrides(tmp_path / f"b{z}", z) for z in stages] + [
@@ -139,7 +135,6 @@ def test_world_2_sp_every_stage_ring_and_dp(tmp_path):
         _overrides(tmp_path / "bdp3", 3, micro=2, pe="rotary"),
         _overrides(tmp_path / "bga", 2, micro=2, extra=CLIP),
         _overrides(tmp_path / "brope3", 3, pe="rotary", extra=CLIP),
-        _overrides(tmp_path / "bringc", 2),
         _overrides(tmp_path / "bpacku", 1, pe="rotary", extra=packed),
         _overrides(tmp_path / "bpackr", 0, pe="alibi", extra=packed),
     ])
@@ -149,9 +144,8 @@ def test_world_2_sp_every_stage_ring_and_dp(tmp_path):
     _compare(got[5], want[5], "dp=2 zero=3 rotary")
     _compare(got[6], want[6], "ulysses=2 zero=2 grad_accum=2 clipped")
     _compare(got[7], want[7], "ulysses=2 zero=3 rotary clipped")
-    _compare(got[8], want[8], "ring=2 contiguous zero=2")
-    _compare(got[9], want[9], "ulysses=2 zero=1 rotary, packed records with document masks")
-    _compare(got[10], want[10], "ring=2 zigzag zero=0 alibi, packed records with document masks")
+    _compare(got[8], want[8], "ulysses=2 zero=1 rotary, packed records with document masks")
+    _compare(got[9], want[9], "ring=2 contiguous zero=0 alibi, packed records with document masks")
 
 
 @pytest.mark.slow
