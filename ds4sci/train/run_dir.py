@@ -33,7 +33,7 @@ CACHE = "token_cache"
 # computation is laid out (parallel degrees, with the same samples per global micro-batch, and recomputation).
 MAY_CHANGE = ("train.steps", "train.log_every", "train.eval_every", "train.save_every", "train.progress",
               "train.out_dir", "data.cache_dir", "train.micro_batch_size", "train.timeout_s", "train.nonfinite",
-              "train.deterministic", "parallel.*", "activation_checkpointing.*")
+              "train.deterministic", "parallel.*", "zero.*", "activation_checkpointing.*")
 
 
 def _may_change(key: str) -> bool:

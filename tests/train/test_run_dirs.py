@@ -107,7 +107,7 @@ def test_run_folder_rules(tmp_path):
     with pytest.raises(ValueError, match="is a file.*ds4sci train CONFIG --resume"):
         prepare_run_dir(cfg, resume=str(out / "config.yaml"))
     changed = load_config(None, [f"train.out_dir={out}", f"data.fasta={CDS}", "optim.lr=0.5", "train.steps=500",
-                                 "train.micro_batch_size=8", "parallel.ulysses=1"])
+                                 "train.micro_batch_size=8", "parallel.ulysses=1", "zero.stage=1"])
     with pytest.raises(ValueError, match=r"optim.lr: 0.001 -> 0.5; samples per global micro-batch .*: 4 -> 8\. Only"):
         prepare_run_dir(changed, resume="")
     # branching: another run's checkpoint into an empty folder; the config is checked against that run's
