@@ -9,12 +9,16 @@ pipeline stage), with ``B`` sequences of ``S`` tokens per micro-step, ``h`` hidd
 
 Memory model (bytes per GPU):
 
-- model states (ZeRO, Rajbhandari et al. 2020): ``phi = ceil(L/pp) * phi_layer / tp + (2 V h + 2 h) / tp``
-  parameters per rank (layer norms and row-parallel biases are counted as split by ``tp``: < 0.1 %), each with
-  ``p`` bytes of parameter, ``g`` of gradient and ``k`` of optimizer state: fp32 ``4 + 4 + 8`` (AdamW's two
-  moments), bf16 ``2 + 2 + 12`` (fp32 master copy and moments). Stage 0 keeps all three; stage 1 divides the
-  optimizer state by ``sdp``, stage 2 also the gradients, stage 3 also the parameters (plus two layers of gathered
-  parameters in flight, ``2 p phi_layer / tp``). Offload ``optimizer`` (ZeRO-Offload, stage >= 1) takes the
+- model states (ZeRO, Rajbhandari et al. 2020): ``phi = ceil(L/pp) * ((phi_layer - 6 h) / tp + 6 h) + 2 V_tp h
+  / tp + 2 h`` parameters per rank (the block's two layer norms and two row-parallel biases, ``6 h``, and the final
+  layer norm are replicated over TP; the vocabulary is padded to ``V_tp``, a multiple of ``tp``), each with ``p``
+  bytes of parameter, ``g`` of gradient and ``k`` of optimizer state: fp32 ``4 + 4 + 8`` (AdamW's two moments),
+  bf16 ``2 + 2 + 12`` (fp32 master copy and moments). Stage 0 keeps all three; stages 1 and 2 divide the gradients
+  the optimizer is handed and the optimizer state by ``sdp`` and keep an fp32 master copy of the partition even when
+  training in fp32 (``k = 12``); stage 3 also divides the parameters (plus two layers of gathered parameters in
+  flight, ``2 p phi_layer / tp``) and needs no separate fp32 copy in fp32 (``k = 8``) (measured with ``ds4sci bench
+  layouts``, DeepSpeed 0.19.8: at stage 1 DeepSpeed hands the optimizer the ``1/sdp`` gradient partition, as at
+  stage 2). Offload ``optimizer`` (ZeRO-Offload, stage >= 1) takes the
   optimizer state off the GPU, ``all`` (ZeRO-Infinity, stage 3) the parameters too.
 - activations saved for backward per layer per local token, counted from what GenSLM's block
   (:mod:`ds4sci.models.genslm.model`, GPT-NeoX parallel residual) saves; the adaptation of Korthikanti et al. 2022
@@ -25,11 +29,13 @@ Memory model (bytes per GPU):
   under Ulysses (the head-sharded q, k, v and output replace the rotated copies and the qkv buffer), ``2 f`` the
   MLP's two activations, ``r`` the rotary dims (cos and sin), ``4`` fp32 layer-norm statistics and ``H`` the fp32
   log-sum-exp; ``selective`` (the attention core, all of ``DistributedAttention``, recomputed):
-  ``(c h + 2 f + 2 r) e + 16`` with the single-device ``c``; ``full``: ``h e`` (the block input) per layer plus
+  ``(c h + 2 f + 2 r) e + 16`` with the single-device ``c``; under TP both layer-norm outputs are saved as the
+  column-parallel matmuls' inputs gathered over the TP group's sequence regions, ``2 (tp - 1) h e`` more (measured
+  with ``ds4sci bench layouts``, DeepSpeed 0.19.8), and the rotary tables cover ``tp`` local tokens (``2 r tp``); ``full``: ``h e`` (the block input) per layer plus
   one layer of ``none`` being recomputed. A rank holds ``T = B S / (sp tp)`` local tokens (tensor parallelism's
   sequence-parallel regions divide them by ``tp``) for ``ceil(L/pp) * min(pp, m)`` layers (1F1B keeps ``min(pp, m)``
   micro-batches in flight on the first stage, ``m`` micro-steps), plus outside the layers ``8`` (token ids)
-  ``+ 2 h e + 8`` (final layer norm) ``+ 8 V / tp`` (fp32 logits and their log-softmax) per token.
+  ``+ (1 + tp) h e + 8`` (final layer norm: its input and, gathered over TP, its output) ``+ 8 V / tp`` (fp32 logits and their log-softmax) per token.
 - backward working set: one layer's activation gradients, as large as what one layer saves without checkpointing,
   ``T`` times the ``none`` figure; with a ring also the key/value block in use, the one arriving and the travelling
   key/value gradients, ``6 (h / ulysses) e`` per local token.
@@ -46,13 +52,22 @@ A layout fits when the total is at most ``--gpu-mem-gib - --reserve-gib`` (CUDA 
 fragmentation).
 
 Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.bench.comm_volume.closed_forms` per
-layer, forward + backward, times ``L / pp`` layers and ``m`` micro-steps): tensor parallelism as Megatron-LM
-sequence parallelism on ``S / sp`` tokens; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp`` channels; the
+layer, forward + backward, times ``L / pp`` layers and ``m`` micro-steps): tensor parallelism with sequence-parallel
+regions on ``N = S / sp`` tokens, ``6 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``: GPT-NeoX's parallel
+residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``8 (tp-1)/tp N h e`` with
+dropout (``megatron-sp``), plus the all-reduce of the layer norms' gradients, ``2 (tp-1)/tp 4 h e`` per layer; outside
+the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the vocabulary-parallel embedding's
+all-reduce and the all-gather in the backward of its split to sequence regions) and the last stage ``(tp-1)/tp (2 N h
+e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather and its backward's reduce-scatter, the all-reduce of its
+gradients and of the vocabulary-parallel cross entropy's fp32 maxima and sums); with ``pp = 1`` one rank sends both; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp`` channels; the
 ring's key/value passes on ``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the forward's
 collectives (``full``: tensor and sequence parallel traffic x 1.5; ``selective``: sequence parallel x 1.5);
-pipeline: ``2 T h e`` per micro-step (activations forward, gradients back); data parallelism over ``sdp``: ring
-all-reduce ``2 (sdp-1)/sdp * phi g`` per step (stages 0-2: reduce-scatter + all-gather moves the same), stage 3
-adds the forward and backward parameter all-gathers, ``+ 2 (sdp-1)/sdp * phi p``; offload: PCIe traffic
+pipeline: ``T h e`` per micro-step with ``pp = 2`` (the first stage sends activations forward, the last gradients
+back), ``2 T h e`` with ``pp > 2`` (a middle stage sends both); data parallelism over ``sdp``: ring all-reduce ``2
+(sdp-1)/sdp * phi g`` per step, stages 1 and 2 then all-gather the updated parameter partitions, ``+ (sdp-1)/sdp *
+phi p`` (DeepSpeed 0.19.8 all-reduces the gradients rather than reduce-scattering them), stage 3 adds the forward
+and backward parameter all-gathers, ``+ 2 (sdp-1)/sdp * phi p`` (pipeline, data-parallel and tensor-parallel
+traffic measured with ``ds4sci bench layouts``, DeepSpeed 0.19.8); offload: PCIe traffic
 ``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the parameters fetched for forward and backward).
 
 Cost model (stated, simple, no overlap): ``step time = compute / (1 - bubble) + sum over groups of bytes /
@@ -127,6 +142,7 @@ class Workload:
     dtype: str = "bf16"
     position_table: str = "partitioned"
     mask: str = "none"
+    dropout: float = 0.0
 
     @classmethod
     def from_config(cls, model, seq_len: int, **kw) -> Workload:
@@ -135,7 +151,7 @@ class Workload:
                    intermediate=model.intermediate_size, vocab=model.vocab_size,
                    rotary_dim=model.rotary_dim if model.position_embedding == "rotary" else 0,
                    learned_table=model.position_embedding == "learned", backend=model.attention_backend,
-                   seq_len=seq_len, **kw)
+                   seq_len=seq_len, dropout=model.dropout, **kw)
 
     def with_seq_len(self, seq_len: int) -> Workload:
         return replace(self, seq_len=seq_len)
@@ -194,11 +210,21 @@ def layer_activation_bytes(w: Workload, lay: Layout, mode: str) -> float:
     single = 9 if w.rotary_dim else 7
     if mode == "full":
         return h * e
+    # the column-parallel matmuls save their inputs gathered over the tp ranks' sequence regions: both layer-norm
+    # outputs count tp h per local token; rotary cos/sin cover the S/sp positions of the attention region
+    gathered = 2 * (lay.tp - 1) * h + 2 * w.rotary_dim * lay.tp
     if mode == "selective":
-        return (single * h + 2 * f + 2 * w.rotary_dim * lay.tp) * e + 4 * 4
+        return (single * h + 2 * f + gathered) * e + 4 * 4
     c = 8 if lay.ulysses > 1 else single
-    # rotary cos/sin cover the S/sp positions of the attention region, i.e. tp local tokens each
-    return (c * h + 2 * f + 2 * w.rotary_dim * lay.tp) * e + (4 + w.heads) * 4
+    return (c * h + 2 * f + gathered) * e + (4 + w.heads) * 4
+
+
+def rank_params(w: Workload, lay: Layout) -> float:
+    """``phi``: parameters on the most loaded rank before ZeRO partitioning (module docstring)."""
+    h = w.hidden
+    vocab = math.ceil(w.vocab / lay.tp) * lay.tp
+    return (math.ceil(w.layers / lay.pp) * ((w.layer_params - 6 * h) / lay.tp + 6 * h)
+            + 2 * vocab * h / lay.tp + 2 * h)
 
 
 def memory(w: Workload, lay: Layout) -> dict[str, float]:
@@ -206,12 +232,14 @@ def memory(w: Workload, lay: Layout) -> dict[str, float]:
     position_table, mask, and their total."""
     p, g, k = STATE_BYTES[w.dtype]
     e = p
-    phi = math.ceil(w.layers / lay.pp) * w.layer_params / lay.tp + (2 * w.vocab * w.hidden + 2 * w.hidden) / lay.tp
+    phi = rank_params(w, lay)
     N = lay.sdp
+    if lay.zero_stage in (1, 2):
+        k = 12  # DeepSpeed's fp32 master copy of the partition and AdamW's two moments, also when training in fp32
     params = 0.0 if lay.offload == "all" else phi * p / (N if lay.zero_stage == 3 else 1)
     if lay.zero_stage == 3:
         params += 2 * p * w.layer_params / lay.tp
-    grads = phi * g / (N if lay.zero_stage >= 2 else 1)
+    grads = phi * g / (N if lay.zero_stage >= 1 else 1)
     optimizer = 0.0 if lay.offload != "none" else phi * k / (N if lay.zero_stage >= 1 else 1)
     S, B = w.seq_len, w.micro_batch
     T = B * S / (lay.sp * lay.tp)  # local tokens
@@ -219,7 +247,7 @@ def memory(w: Workload, lay: Layout) -> dict[str, float]:
     per_token = held * layer_activation_bytes(w, lay, lay.checkpointing)
     if lay.checkpointing == "full":
         per_token += layer_activation_bytes(w, lay, "none")  # the layer being recomputed
-    per_token += 8 + 2 * w.hidden * e + 8 + 8 * w.vocab / lay.tp
+    per_token += 8 + (1 + lay.tp) * w.hidden * e + 8 + 8 * w.vocab / lay.tp
     activations = T * per_token
     # backward's working set: one layer's activation gradients, the size of what that layer saves without
     # checkpointing; the ring adds the key/value block in use, the one arriving and the travelling key/value gradients
@@ -255,17 +283,23 @@ def comm(w: Workload, lay: Layout) -> dict[str, float]:
     tp_redo = 1.5 if lay.checkpointing == "full" else 1.0
     out = {"tp": 0.0, "ulysses": 0.0, "ring": 0.0, "pp": 0.0, "dp": 0.0, "pcie": 0.0}
     if lay.tp > 1:
-        out["tp"] = tp_redo * layers * closed_forms("megatron-sp", lay.tp, S / lay.sp, h, e)
+        P, N = lay.tp, S / lay.sp
+        scheme = "megatron-sp" if w.dropout > 0 else "tp-sp"
+        per_layer = tp_redo * closed_forms(scheme, P, N, h, e) + 2 * (P - 1) / P * 4 * h * e
+        first = 3 * (P - 1) / P * N * h * e
+        last = (P - 1) / P * (2 * N * h * e + 2 * (2 * h * e + 12 * N))
+        out["tp"] = layers * per_layer + B * m * (first + last if lay.pp == 1 else max(first, last))
     if lay.ulysses > 1:
         out["ulysses"] = sp_redo * layers * closed_forms("ulysses", lay.ulysses, S / lay.ring, h / lay.tp, e)
     if lay.ring > 1:
         out["ring"] = sp_redo * layers * closed_forms("ring", lay.ring, S, h / (lay.tp * lay.ulysses), e)
     if lay.pp > 1:
-        out["pp"] = 2 * B * m * S / (lay.sp * lay.tp) * h * e
-    phi = math.ceil(w.layers / lay.pp) * w.layer_params / lay.tp + (2 * w.vocab * w.hidden + 2 * w.hidden) / lay.tp
+        out["pp"] = (2 if lay.pp > 2 else 1) * B * m * S / (lay.sp * lay.tp) * h * e
+    phi = rank_params(w, lay)
     N = lay.sdp
     if N > 1:
-        out["dp"] = 2 * (N - 1) / N * phi * g + (2 * (N - 1) / N * phi * p if lay.zero_stage == 3 else 0.0)
+        gathers = {0: 0, 1: 1, 2: 1, 3: 2}[lay.zero_stage]  # parameter all-gathers per step
+        out["dp"] = 2 * (N - 1) / N * phi * g + gathers * (N - 1) / N * phi * p
     if lay.offload != "none":
         out["pcie"] = phi * (g + p) / N + (2 * phi * p / N if lay.offload == "all" else 0.0)
     return out
