@@ -169,11 +169,17 @@ def test_example_configs_point_at_the_bundled_files(monkeypatch, tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)
-    for name, out in [("demo_ecoli_sp2.yaml", "demo"), ("codon_cds_sp2.yaml", "codon"),
-                      ("ecoli_sp2_offload_ac.yaml", "offload_ac")]:
-        cfg = load_config(root / "examples" / "configs" / name)
+    shipped = sorted((root / "examples" / "configs").glob("*.yaml"))
+    assert {p.name for p in shipped} >= {"demo_ecoli_sp2.yaml", "codon_cds_sp2.yaml", "ecoli_sp2_offload_ac.yaml",
+                                         "ecoli_tp2_u2.yaml", "ecoli_pp2_u2.yaml", "ecoli_usp_u2_r2.yaml"}
+    for path in shipped:
+        cfg = load_config(path)
         assert Path(cfg.data.fasta).is_file() and Path(cfg.data.fasta).parent == root / "examples" / "data"
-        assert cfg.train.out_dir == str(root / "runs" / out)
+        assert Path(cfg.train.out_dir).parent == root / "runs", path.name
+        p = cfg.parallel  # the world its "Launch:" line names validates (degrees split the model)
+        world = p.tp * p.ulysses * p.ring * p.pp * max(p.dp, 1)
+        assert f"--nproc-per-node {world} " in path.read_text() or world == 1, path.name
+        assert cfg.parallel.dims(world).world_size == world
 
 
 def test_cli_print_config_round_trips_and_set_goes_before_the_path(tmp_path, capsys):
