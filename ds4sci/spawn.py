@@ -1,7 +1,8 @@
 """Run a function on a local gloo process group of N spawned processes: ``run_workers(fn, world_size, *args)``.
 
 What the multi-process tests and the communication benchmarks use instead of ``torchrun``: each worker process
-initializes ``torch.distributed`` (gloo, TCP on a free localhost port), calls ``fn(rank, world_size, *args)`` and
+initializes ``torch.distributed`` (gloo, on a TCP store that the calling process opened on a port the system
+picked, so no other process can take the port between choosing and listening), calls ``fn(rank, world_size, *args)`` and
 destroys the group. ``fn`` must be importable (a module-level function) and its arguments and return value
 picklable. The first worker exception is re-raised in the calling process with every failing worker's traceback;
 a run that exceeds ``timeout`` seconds is killed and reported.
@@ -11,19 +12,26 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["run_workers", "free_port"]
+__all__ = ["run_workers", "open_store"]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def open_store(timeout: float = 180.0):
+    """A ``torch.distributed.TCPStore`` server on 127.0.0.1, listening on a port the system picked (``.port``).
+
+    The caller keeps it open while its workers run; they connect as clients (``is_master=False``), directly or
+    through ``env://`` with ``TORCHELASTIC_USE_AGENT_STORE=True`` and ``MASTER_PORT=store.port``, as torchrun's
+    workers do.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
 
 
 def _worker(fn, rank, world_size, port, args, env, threads, results) -> None:
@@ -33,9 +41,8 @@ def _worker(fn, rank, world_size, port, args, env, threads, results) -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -69,9 +76,9 @@ def run_workers(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = open_store(timeout)
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, dict(env or {}), threads, results),
+        ctx.Process(target=_worker, args=(fn, rank, world_size, store.port, args, dict(env or {}), threads, results),
                     daemon=True)
         for rank in range(world_size)
     ]

@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import re
-import socket
 
 import torch
 import torch.distributed as dist
@@ -49,8 +48,8 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     """Initialise torch.distributed through DeepSpeed (nccl on CUDA, gloo on the CPU).
 
     Under ``torchrun`` / the deepspeed launcher the environment names the rank and world; a lone process gets a
-    world of one on a free localhost port. A process group created before (e.g. by a test harness) is kept, with
-    its own timeout.
+    world of one whose store listens on a port the system picks (``MASTER_PORT=0``). A process group created
+    before (e.g. by a test harness) is kept, with its own timeout.
 
     ``timeout_s`` (``train.timeout_s``) bounds every collective of the default group: on gloo a rank whose peer
     died fails at once ("Connection reset by peer"), one whose peer hangs after ``timeout_s`` ("Timed out waiting
@@ -63,12 +62,11 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count())))
         deepspeed.init_distributed(dist_backend=dist.get_backend())
         return
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+    # Port 0: the lone process's store binds whatever port is free, with no window for another process to take a
+    # port probed beforehand (a probed port was once taken by another test before the store could listen on it).
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "0")):
         os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -270,21 +270,21 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
     train.timeout_s, at once / after the timeout (not the 30 min default that new_group would otherwise keep)."""
     from ds4sci.data import Tokenizer
     from ds4sci.data.corpus import open_corpus
-    from ds4sci.spawn import free_port
+    from ds4sci.spawn import open_store
 
     timeout_s = 8  # bounds every collective, start-up's included: the token cache is built here, before
     open_corpus(GENOME, Tokenizer.from_name("nucleotide"), cache_dir=str(tmp_path / "cache"), progress=False)
-    runs = {}
+    runs, stores = {}, {}
     for mode in ("dies", "hangs"):
         sets = _overrides(tmp_path / mode, 0, steps=3,
                           extra=[f"train.timeout_s={timeout_s}", f"data.cache_dir={tmp_path / 'cache'}"])
         argv = ["train", *[a for s in sets for a in ("--set", s)]]
-        port = str(free_port())
+        store = stores[mode] = open_store()  # torchrun's way: every rank a client of a store already listening
         runs[mode] = [subprocess.Popen(
             [sys.executable, "-c", _FAULTY_RANK_1, mode, *argv], cwd=ROOT, text=True, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1", "RANK": str(r),
                                          "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                         "MASTER_PORT": port})
+                                         "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
             for r in range(2)]
     for mode, (rank0, rank1) in runs.items():
         try:
