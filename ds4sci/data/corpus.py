@@ -332,6 +332,10 @@ def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iu
     """The token cache of ``fasta`` (see :func:`resolve_sources`), built on first use (see the module docstring).
 
     Under ``torch.distributed`` every rank must call this: rank 0 builds, the others wait and map its result.
+
+    Raises:
+        ValueError / OSError: bad input (named by rank 0 and raised on every rank), or a rank that cannot map rank 0's
+            cache (``data.cache_dir`` not shared) or was given another tokenizer or iupac policy.
     """
     dist = _distributed()
     if dist is None:
@@ -355,10 +359,10 @@ def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iu
     try:
         corpus = Corpus.open(value)
     except (OSError, ValueError) as err:
-        raise RuntimeError(f"rank {dist.get_rank()}: cannot map the token cache rank 0 built at {value} ({err}); "
+        raise ValueError(f"rank {dist.get_rank()}: cannot map the token cache rank 0 built at {value} ({err}); "
                            f"data.cache_dir must be on a file system every rank sees") from None
     if corpus.meta["tokenizer"] != tokenizer.signature() or corpus.meta["iupac"] != iupac:
-        raise RuntimeError(f"rank {dist.get_rank()}: the token cache at {value} was built with another tokenizer "
+        raise ValueError(f"rank {dist.get_rank()}: the token cache at {value} was built with another tokenizer "
                            f"or iupac policy than this rank's (ranks disagree on the data config)")
     return corpus
 

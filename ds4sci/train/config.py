@@ -351,6 +351,8 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         except (TypeError, ValueError):
             _fail(key, value, "an integer")
     elif typ is float:
+        if isinstance(value, bool):  # float(True) would be 1.0
+            _fail(key, value, "a number")
         try:
             return float(value)
         except (TypeError, ValueError):
@@ -365,12 +367,12 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         _fail(key, value, "a path or a non-empty list of paths")
     elif typ is tuple or origin is tuple:
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = _parse_yaml(value, key)
         if isinstance(value, (list, tuple)):
             return tuple(float(v) for v in value)
     elif typ is dict or origin is dict:
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = _parse_yaml(value, key)
         if isinstance(value, dict):
             return value
     _fail(key, value, getattr(typ, "__name__", str(typ)))
@@ -378,6 +380,18 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
 
 def _fail(key: str, value: Any, what: str):
     raise ValueError(f"{key}={value!r}: expected {what}")
+
+
+def _parse_yaml(text, where: str) -> Any:
+    """``yaml.safe_load`` of a config file's stream or a ``--set`` value; a syntax error becomes one ValueError naming
+    ``where`` (the file or the key) and yaml's line and column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{where}: not valid YAML{at}: {problem}") from None
 
 
 def _apply(obj: Any, data: dict, prefix: str, base_dir: str | None = None) -> None:
@@ -430,7 +444,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     cfg = Config()
     if path is not None:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = _parse_yaml(f, str(path)) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
         _apply(cfg, data, "", base_dir=os.path.dirname(os.path.abspath(path)))
@@ -440,13 +454,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         if len(parts) >= 3 and parts[0] == "model" and parts[1] == "overrides":
-            cfg.model.overrides[".".join(parts[2:])] = yaml.safe_load(raw)
+            cfg.model.overrides[".".join(parts[2:])] = _parse_yaml(raw, f"--set {key.strip()}")
             continue
         nested: dict = {}
         node = nested
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+        node[parts[-1]] = _parse_yaml(raw, f"--set {key.strip()}") if raw.strip() else raw
         _apply(cfg, nested, "")
     _resolve_all(cfg, os.getcwd())
     return cfg.validate()

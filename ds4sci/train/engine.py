@@ -160,18 +160,19 @@ def check_offload_support(cfg: Config) -> None:
     ``async_io`` op (libaio) and an existing ``zero.nvme_path`` folder.
 
     Raises:
-        RuntimeError: naming the ``zero.*`` key and what is missing.
+        ValueError: naming the ``zero.*`` key and what is missing (a config this machine cannot run: one line from
+            the command line).
     """
     z = cfg.zero
     nvme = [f"zero.{k}=nvme" for k in ("offload_optimizer", "offload_param") if getattr(z, k) == "nvme"]
     if not nvme:
         return
     if not os.path.isdir(z.nvme_path):
-        raise RuntimeError(f"{', '.join(nvme)}: zero.nvme_path={z.nvme_path!r} is not an existing folder")
+        raise ValueError(f"{', '.join(nvme)}: zero.nvme_path={z.nvme_path!r} is not an existing folder")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
-        raise RuntimeError(f"{', '.join(nvme)}: NVMe offload needs DeepSpeed's async_io op, which cannot be built "
+        raise ValueError(f"{', '.join(nvme)}: NVMe offload needs DeepSpeed's async_io op, which cannot be built "
                            f"here (it needs libaio: apt install libaio-dev); use cpu offload instead")
 
 

@@ -302,12 +302,31 @@ def test_nvme_offload_is_refused_before_the_engine_when_it_cannot_run(tmp_path):
 
     check_offload_support(load_config(None, ["zero.stage=3", "zero.offload_param=cpu"]))  # nothing to check
     missing = load_config(None, ["zero.stage=3", "zero.offload_param=nvme", f"zero.nvme_path={tmp_path / 'no'}"])
-    with pytest.raises(RuntimeError, match="zero.offload_param=nvme: zero.nvme_path=.*not an existing folder"):
+    with pytest.raises(ValueError, match="zero.offload_param=nvme: zero.nvme_path=.*not an existing folder"):
         check_offload_support(missing)
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if AsyncIOBuilder().is_compatible(verbose=False):
         pytest.skip("DeepSpeed's async_io op can be built here: nvme offload is allowed")
     cfg = load_config(None, ["zero.stage=3", "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}"])
-    with pytest.raises(RuntimeError, match="zero.offload_optimizer=nvme: NVMe offload needs DeepSpeed's async_io op"):
+    with pytest.raises(ValueError, match="zero.offload_optimizer=nvme: NVMe offload needs DeepSpeed's async_io op"):
         check_offload_support(cfg)
+
+
+@pytest.mark.parametrize("text, sets, needle", [
+    ("data: {seq_len: [1\n", [], "c.yaml: not valid YAML (line 2, column 1)"),
+    ("", ["train.steps=[1"], "--set train.steps: not valid YAML"),
+    ("", ["model.overrides.hidden_size={"], "--set model.overrides.hidden_size: not valid YAML"),
+    ("", ["optim.lr=true"], "optim.lr=True: expected a number"),
+    ("", ["optim.betas=[0.9, 0.9"], "--set optim.betas: not valid YAML"),
+])
+def test_cli_config_mistakes_are_one_line(tmp_path, capsys, text, sets, needle):
+    """A config file or --set value that is not YAML, or a bool for a number: one error line, exit 2, no traceback."""
+    from ds4sci.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    argv = ["train", str(path)] + [arg for item in sets for arg in ("--set", item)] + ["--print-config"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
