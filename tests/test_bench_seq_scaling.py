@@ -29,10 +29,22 @@ def test_fit_and_longest_within_budget():
 
 
 @pytest.mark.distributed
-def test_one_real_measurement_per_rank():
-    run = seq_scaling.measure("ring", 2, 512, {"hidden": 32, "heads": 4, "layers": 1})
-    assert run["P"] == 2 and len(run["peak_bytes"]) == 2 and all(p >= 0 for p in run["peak_bytes"])
-    assert run["peak_bytes_max"] == max(run["peak_bytes"])
+def test_quick_run_measures_every_rank_and_writes_the_three_files(tmp_path):
+    """The CI smoke run: real gloo measurements (one peak per rank), then JSON, Markdown and PNG."""
+    import json
+
+    assert cli.main(["bench", "seq-scaling", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "seq_scaling.json").read_text())
+    runs = {(r["scheme"], r["P"], r["seq_len"]): r for r in report["runs"]}
+    assert set(runs) == {(scheme, P, S) for scheme, P in (("baseline", 1), ("ulysses", 2), ("ring", 2))
+                         for S in (256, 512)}
+    for (_, P, _), run in runs.items():
+        assert len(run["peak_bytes"]) == P and all(p >= 0 for p in run["peak_bytes"])
+        assert run["peak_bytes_max"] == max(run["peak_bytes"])
+    assert {(s["scheme"], s["P"]) for s in report["summary"]} == {("baseline", 1), ("ulysses", 2), ("ring", 2)}
+    text = (tmp_path / "seq_scaling.md").read_text()
+    assert "`ds4sci bench seq-scaling --quick --budget-mib 256`" in text and "| ulysses | 2 |" in text
+    assert (tmp_path / "seq_scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("argv, message", [
