@@ -202,6 +202,25 @@ def test_tensor_parallel_world_4():
     assert run_workers(_worker_four, 4) == [True] * 4
 
 
+# ---------------------------------------------------------------------------- world size 8: TP2 x Ulysses2 x Ring2
+def _worker_eight(rank, world):
+    # all three axes at once: heads split over TP then Ulysses (ALiBi offset tp_rank*H/2 + ulysses_rank*H/4), the
+    # Ulysses all-to-all regroups zigzag chunks into ring chunks, the ring passes K/V blocks; S is a multiple of
+    # tp * 2 * sp = 16, every rank's logits are [B, S/sp, V/tp] with sp = ulysses * ring = 4
+    g = build_groups(ParallelDims(dp=1, tp=2, ulysses=2, ring=2, layout="zigzag"))
+    assert (g.dims.sp, g.dims.tp, g.dims.sequence_multiple) == (4, 2, 16), g.dims
+    check_model("TP2xU2xR2 zigzag rotary docs", g, _config(num_heads=8, hidden_size=64, intermediate_size=24),
+                S=16, docs=True, seed=6)
+    check_model("TP2xU2xR2 zigzag alibi", g, _config(num_heads=8, position_embedding="alibi"), S=32, B=1, seed=7)
+    return True
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_parallel_world_8_ulysses_ring():
+    assert run_workers(_worker_eight, 8, timeout=240) == [True] * 8
+
+
 # ---------------------------------------------------------------------------- DeepSpeed engine, TP2 x DP2
 def _worker_engine(rank, world, stage):
     """One SGD step (lr 1) with active gradient clipping through deepspeed.initialize(mpu=DeepSpeedMPU) equals the
