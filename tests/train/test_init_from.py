@@ -208,3 +208,56 @@ def test_refusals_name_the_cause(trained, tmp_path, capsys):
     assert main(["train", "--set", f"model.init_from={tmp_path / 'nope'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"ds4sci train: error: model.init_from='{tmp_path / 'nope'}': no such file or directory", err
+
+
+def test_fine_tune_from_a_hugging_face_directory_through_the_cli(tmp_path):
+    """A run from a ``save_pretrained`` GPT-NeoX directory starts from its weights: each logged loss is the
+    transformers model's own loss on that step's batch (a micro-batch holds the whole, tiny training set, so the
+    trainer's sample order does not matter), far below a fresh model's, and at a negligible learning rate the export holds the same weights."""
+    from ds4sci.data import collate
+    from ds4sci.models.genslm import from_gpt_neox_state_dict, shift_labels, token_loss
+    from ds4sci.train.trainer import load_data
+
+    out, hf_dir = tmp_path / "ft", tmp_path / "hf"
+    sets = [f"data.fasta={CDS}", "data.tokenizer=codon", "data.split=region", f"data.seq_len={SEQ}",
+            f"data.max_train_tokens={8 * SEQ}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=2",
+            "train.log_every=1", "train.eval_batches=1", "train.progress=false",
+            f"train.out_dir={out}", "optim.lr=1e-9", "optim.min_lr=0", "optim.warmup_steps=0", "optim.weight_decay=0"]
+    _, train_ds, _ = load_data(load_config(None, sets))  # the run reads the same token cache
+    n = len(train_ds)  # 512 tokens of genes, each one's last window padded
+    assert 8 <= n <= 16, n
+    sets.append(f"train.micro_batch_size={n}")
+    batch = collate([train_ds[i] for i in range(n)])
+    ids, pos, targets = batch["input_ids"], batch["position_ids"], shift_labels(batch["labels"])
+
+    def hf_loss(hf):
+        return token_loss(hf(input_ids=ids, position_ids=pos).logits, targets)
+
+    hf, fresh = _hf_model(seed=1), _hf_model(seed=2)
+    opt = torch.optim.Adam(hf.parameters(), lr=1e-2)
+    for _ in range(15):  # weights a fresh model could not have: a loss far below a fresh one's
+        hf_loss(hf).backward()
+        opt.step()
+        opt.zero_grad()
+    hf.eval().save_pretrained(hf_dir)
+    with torch.no_grad():
+        want, fresh_loss = hf_loss(hf).item(), hf_loss(fresh).item()
+        model, _, _ = ds4sci.load_model(hf_dir)
+        assert token_loss(model(ids, pos), targets).item() == pytest.approx(want, rel=1e-5)
+    assert fresh_loss - want > 0.5, (want, fresh_loss)
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "ds4sci.cli", "train",
+                          *[a for s in [*sets, f"model.init_from={hf_dir}"] for a in ("--set", s)]],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r]
+    assert [s for s, _ in losses] == [1, 2], losses
+    for step, loss in losses:  # step 2 sees the same windows, through weights moved by ~1e-9
+        assert loss == pytest.approx(want, rel=1e-5), (step, loss, want)
+    before = from_gpt_neox_state_dict(hf.state_dict())
+    after = load_file(str(out / "export" / "model.safetensors"))
+    assert set(after) == set(before)
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-6, msg=name)
