@@ -213,7 +213,8 @@ def test_refusals_name_the_cause(trained, tmp_path, capsys):
 def test_fine_tune_from_a_hugging_face_directory_through_the_cli(tmp_path):
     """A run from a ``save_pretrained`` GPT-NeoX directory starts from its weights: each logged loss is the
     transformers model's own loss on that step's batch (a micro-batch holds the whole, tiny training set, so the
-    trainer's sample order does not matter), far below a fresh model's, and at a negligible learning rate the export holds the same weights."""
+    trainer's sample order does not matter), far below a fresh model's, and at a negligible learning rate the export
+    holds the same weights."""
     from ds4sci.data import collate
     from ds4sci.models.genslm import from_gpt_neox_state_dict, shift_labels, token_loss
     from ds4sci.train.trainer import load_data
