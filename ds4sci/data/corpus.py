@@ -11,7 +11,7 @@ Cache (:func:`open_corpus`): ``<cache_dir>/<key>/`` holds
 - ``offsets.bin``: int64 ``[R + 1]``, record ``r`` is ``tokens[offsets[r]:offsets[r + 1]]``;
 - ``id_hash.bin``: uint64 ``[R]``, :func:`ds4sci.data.datasets.record_hash` of each id (the record split);
 - ``record_file.bin`` / ``record_line.bin``: uint32 / int64 ``[R]``, the source file index and header line of each
-  record (for messages); ``ids.txt``: one record id per line;
+  record (for messages, and ``split: files``); ``ids.txt``: one record id per line;
 - ``meta.json``: format version, key, tokenizer signature, IUPAC policy, sources (path, size, SHA-256), counts.
 
 ``key`` is the SHA-256 of the format version, every source file's size and content SHA-256 (in order), the
@@ -30,13 +30,17 @@ process group's timeout.
 Records: a record with no sequence, or one shorter than one token (fewer than 3 bases for codons), is skipped with a
 warning naming file, record and line. Duplicate ids are kept (each record is a sample) with one warning that names
 the first duplicate's two places; a record split sends every record sharing an id to the same side, so a record
-repeated in two files never leaks from training into validation.
+repeated in two files never leaks from training into validation. A file split (``split: files``) sends every record
+of a source file to the side of the file's basename hash (:func:`ds4sci.data.datasets.file_hash`); the names are
+those of the sources as resolved now (the key holds contents only, so ``meta.json``'s paths are the first
+builder's), and which records came from which file is ``record_file.bin``.
 
 Memory while building is one record plus O(records) numbers (offsets, hashes), never the corpus.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import hashlib
 import json
@@ -133,6 +137,7 @@ class Corpus:
     tokens: np.ndarray  # [N] token ids
     offsets: np.ndarray  # [R + 1] int64
     id_hash: np.ndarray  # [R] uint64
+    paths: tuple[str, ...] = ()  # the source files as resolved by open_corpus; () -> meta.json's (the builder's)
 
     @property
     def spans(self) -> Spans:
@@ -140,7 +145,11 @@ class Corpus:
 
     def split(self, val_fraction: float, policy: str = "auto") -> tuple[Spans, Spans]:
         """``(train, val)`` spans: see :func:`ds4sci.data.datasets.split_spans`."""
-        return split_spans(self.spans, self.id_hash, val_fraction, policy)
+        if policy != "files":
+            return split_spans(self.spans, self.id_hash, val_fraction, policy)
+        record_file = np.memmap(self.root / "record_file.bin", dtype=np.uint32, mode="r")
+        paths = self.paths or tuple(s["path"] for s in self.meta["sources"])
+        return split_spans(self.spans, self.id_hash, val_fraction, policy, record_file=record_file, files=paths)
 
     def record_id(self, r: int) -> str:
         with open(self.root / "ids.txt", encoding="utf-8") as f:
@@ -296,8 +305,9 @@ def _warn_duplicates(corpus: Corpus) -> None:
                        "id fall on the same side of a record split", same.size, corpus.where(a), corpus.where(b))
 
 
-def _prepare(fasta, tokenizer: Tokenizer, iupac: str, cache_dir: str | os.PathLike, progress: bool) -> Path:
-    """Rank-0 work: resolve, hash, then open a matching cache or build one; returns its directory."""
+def _prepare(fasta, tokenizer: Tokenizer, iupac: str, cache_dir: str | os.PathLike,
+             progress: bool) -> tuple[Path, list[str]]:
+    """Rank-0 work: resolve, hash, then open a matching cache or build one; returns its directory and the sources."""
     if iupac not in IUPAC_POLICIES:
         raise ValueError(f"iupac must be one of {IUPAC_POLICIES}, got {iupac!r}")
     files = resolve_sources(fasta)
@@ -308,12 +318,12 @@ def _prepare(fasta, tokenizer: Tokenizer, iupac: str, cache_dir: str | os.PathLi
         try:
             Corpus.open(root, key)
             logger.info("token cache %s: reused", root)
-            return root
+            return root, files
         except (OSError, ValueError) as err:
             logger.warning("token cache %s does not match its meta.json (%s); rebuilding", root, err)
             shutil.rmtree(root, ignore_errors=True)
     logger.info("token cache %s: building from %d file(s)", root, len(files))
-    return build_cache(files, sources, tokenizer, iupac, cache_dir, key, progress=progress)
+    return build_cache(files, sources, tokenizer, iupac, cache_dir, key, progress=progress), files
 
 
 def _distributed():
@@ -339,11 +349,13 @@ def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iu
     """
     dist = _distributed()
     if dist is None:
-        return Corpus.open(_prepare(fasta, tokenizer, iupac, cache_dir, progress))
+        root, files = _prepare(fasta, tokenizer, iupac, cache_dir, progress)
+        return dataclasses.replace(Corpus.open(root), paths=tuple(files))
     result: list = [None]
     if dist.get_rank() == 0:
         try:
-            result = [("ok", str(_prepare(fasta, tokenizer, iupac, cache_dir, progress)))]
+            root, files = _prepare(fasta, tokenizer, iupac, cache_dir, progress)
+            result = [("ok", (str(root), files))]
         except (OSError, ValueError) as err:  # every rank raises the same user error, none hangs
             result = [(type(err).__name__, str(err))]
         except BaseException as err:
@@ -356,8 +368,9 @@ def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iu
         exc = {"FileNotFoundError": FileNotFoundError, "IsADirectoryError": IsADirectoryError,
                "ValueError": ValueError}.get(status, RuntimeError)
         raise exc(value)
+    value, files = value
     try:
-        corpus = Corpus.open(value)
+        corpus = dataclasses.replace(Corpus.open(value), paths=tuple(files))
     except (OSError, ValueError) as err:
         raise ValueError(f"rank {dist.get_rank()}: cannot map the token cache rank 0 built at {value} ({err}); "
                            f"data.cache_dir must be on a file system every rank sees") from None

@@ -12,12 +12,13 @@ Every sample is a dict of int64 tensors of length ``T`` (the window):
 Datasets index :class:`Spans` (documents as ranges of one flat, usually memory-mapped, token array); a list of
 arrays is accepted too. Train/validation splits are deterministic (:func:`split_spans`): a single genome is split by
 held-out region (the last ``val_fraction`` of the sequence, so no window spans both splits), several records by a
-hash of each record's id.
+hash of each record's id, or (``split: files``) whole source files by a hash of each file's basename.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -274,10 +275,24 @@ def split_records(ids: Sequence[str], val_fraction: float) -> tuple[list[int], l
     return train, val
 
 
-SPLITS = ("auto", "region", "records")
+def file_hash(path: str | os.PathLike) -> int:
+    """The 64-bit hash that decides a source file's side of a file split: :func:`record_hash` of its BASENAME.
+
+    The basename, not the absolute path, so the split does not change when the corpus folder is moved, copied or
+    mounted elsewhere (or the cache is built on another machine), and not the path relative to the common root of
+    the sources either, since that root (and so every file's name) changes when a file outside it is added. Files
+    sharing a basename in different folders (``s1/contigs.fa``, ``s2/contigs.fa``) therefore fall on the same side:
+    still disjoint, only coarser; rename them to split them apart.
+    """
+    return record_hash(os.path.basename(os.fspath(path)))
 
 
-def split_spans(spans: Spans, id_hashes: np.ndarray, val_fraction: float, policy: str = "auto") -> tuple[Spans, Spans]:
+SPLITS = ("auto", "region", "records", "files")
+
+
+def split_spans(spans: Spans, id_hashes: np.ndarray, val_fraction: float, policy: str = "auto", *,
+                record_file: np.ndarray | None = None,
+                files: Sequence[str | os.PathLike] | None = None) -> tuple[Spans, Spans]:
     """Train/validation split of a corpus: ``(train, val)``, deterministic, disjoint.
 
     - ``"region"``: the last ``val_fraction`` of EVERY document is held out (as :func:`split_region`), so no
@@ -285,6 +300,10 @@ def split_spans(spans: Spans, id_hashes: np.ndarray, val_fraction: float, policy
     - ``"records"``: whole documents, by the hash of their id (as :func:`split_records`): a document's side
       depends on its id only, so adding files never moves an existing document, and documents sharing an id (the
       same record in two files) land on the same side;
+    - ``"files"``: whole source files, by :func:`file_hash` (the hash of the file's basename, so the split is
+      independent of where the corpus folder lies): every record of a file is on its file's side, and adding files
+      never moves an existing file. Needs ``record_file`` (``[R]``, each document's index into ``files``) and
+      ``files`` (the source paths);
     - ``"auto"``: ``"region"`` for a corpus of one document (a single genome: the behaviour of ds4sci <= 0.1),
       ``"records"`` otherwise.
     """
@@ -298,6 +317,18 @@ def split_spans(spans: Spans, id_hashes: np.ndarray, val_fraction: float, policy
         train = Spans(spans.tokens, np.stack([spans.bounds[:, 0], cut], axis=1))
         val = Spans(spans.tokens, np.stack([cut, spans.bounds[:, 1]], axis=1))
         train, val = train.select(train.lengths > 0), val.select(val.lengths > 0)
+    elif policy == "files":
+        if record_file is None or files is None:
+            raise ValueError("split 'files' needs each record's source file (record_file) and the source paths (files)")
+        record_file = np.asarray(record_file, dtype=np.int64)
+        mask = val_mask(np.array([file_hash(f) for f in files], dtype=np.uint64), val_fraction)[record_file]
+        train, val = spans.select(~mask), spans.select(mask)
+        if not len(train) or not len(val):
+            used = np.unique(record_file)
+            names = len({os.path.basename(os.fspath(files[f])) for f in used.tolist()})
+            shared = f" ({names} distinct basename(s): files sharing one share a side)" if names < len(used) else ""
+            raise ValueError(f"{len(used)} file(s){shared} cannot be split by files with val_fraction={val_fraction}: "
+                             f"one side is empty (use more files, a larger val_fraction, or split: records)")
     else:
         mask = val_mask(id_hashes, val_fraction)
         train, val = spans.select(~mask), spans.select(mask)

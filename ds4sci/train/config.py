@@ -40,7 +40,9 @@ class DataConfig:
                     help='held-out end of a genome / fraction of records for validation, in (0, 1)')
     split: str = _field(default="auto",
                     help='"region" (hold out the end of every record), "records" (whole records, by a hash of the '
-                         'id: stable when files are added) or "auto" (region for one record, else records)')
+                         'id: stable when files are added), "files" (whole source files, by a hash of the file\'s '
+                         'basename, not its path: stable when files are added or the corpus folder moves; files '
+                         'sharing a basename share a side) or "auto" (region for one record, else records)')
     cache_dir: str = _field(default="",
                     help='token cache folder (shared by runs and ranks: every rank must see it); "" -> '
                          'train.out_dir/token_cache; relative: like data.fasta', path=True)
@@ -216,7 +218,8 @@ class Config:
         d, p, t, o = self.data, self.parallel, self.train, self.optim
         check(d.tokenizer in ("nucleotide", "codon"), "data.tokenizer", d.tokenizer, "expected nucleotide or codon")
         check(d.dataset in ("windows", "records", "packed"), "data.dataset", d.dataset, "expected windows, records or packed")
-        check(d.split in ("auto", "region", "records"), "data.split", d.split, "expected auto, region or records")
+        check(d.split in ("auto", "region", "records", "files"), "data.split", d.split,
+              "expected auto, region, records or files")
         check(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2")
         check(0 <= d.stride <= d.seq_len, "data.stride", d.stride, f"must be in [0, seq_len={d.seq_len}]")
         check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")

@@ -208,6 +208,81 @@ def test_duplicate_ids_are_kept_named_and_never_straddle_the_split(tmp_path, cap
     assert mask[:10].tolist() == mask[40:50].tolist()  # each duplicate on its original's side
 
 
+def _val_files(corpus, val_fraction=0.3):
+    """The source files each side of a file split draws from, by basename: ``(train, val)``; checks no file straddles."""
+    train, val = corpus.split(val_fraction, "files")
+    first = {int(s): r for r, s in enumerate(corpus.offsets[:-1])}
+    record_file = np.memmap(corpus.root / "record_file.bin", dtype=np.uint32, mode="r")
+    names = [os.path.basename(p) for p in corpus.paths]
+    sides = [{names[record_file[first[int(s)]]] for s in spans.bounds[:, 0]} for spans in (train, val)]
+    assert not sides[0] & sides[1] and len(train) + len(val) == corpus.meta["n_records"]
+    return sides
+
+
+def _file_corpus(root: Path, n_files: int, per_file: int = 3):
+    return [_fa(root / f"sub{i % 2}" / f"f{i:02d}.fa", _genes(f"f{i}_", per_file, seed=i)) for i in range(n_files)]
+
+
+def test_file_split_keeps_every_record_of_a_file_on_one_side_and_is_stable_when_files_are_added(tmp_path):
+    files = _file_corpus(tmp_path / "corpus", 12)
+    corpus = open_corpus(tmp_path / "corpus", NUC, cache_dir=tmp_path / "c")
+    train, val = _val_files(corpus)
+    assert train and val and len(train | val) == 12  # every file whole on one side (checked in _val_files)
+    # not the record split: sides follow files, not ids
+    assert corpus.split(0.3, "files")[1].bounds.tolist() != corpus.split(0.3, "records")[1].bounds.tolist()
+    _fa(tmp_path / "elsewhere" / "new.fa", _genes("n", 3, seed=99))  # outside the corpus folder: a new common root
+    extra = _file_corpus(tmp_path / "corpus2", 20)[12:]
+    grown = open_corpus([str(tmp_path / "elsewhere"), *map(str, extra), *map(str, files)], NUC,
+                        cache_dir=tmp_path / "c")
+    train2, val2 = _val_files(grown)
+    assert train <= train2 and val <= val2 and len(train2 | val2) == 21  # old files kept their side
+
+
+def test_file_split_is_independent_of_where_the_corpus_folder_lies(tmp_path):
+    _file_corpus(tmp_path / "a" / "corpus", 12)
+    sides = _val_files(open_corpus(tmp_path / "a" / "corpus", NUC, cache_dir=tmp_path / "c"))
+    __import__("shutil").copytree(tmp_path / "a" / "corpus", tmp_path / "b" / "deeper" / "moved")
+    for cache in ("c", "c2"):  # the same cache (reused: keyed by content) and a fresh build
+        moved = open_corpus(tmp_path / "b" / "deeper" / "moved", NUC, cache_dir=tmp_path / cache)
+        assert moved.paths[0].startswith(str(tmp_path / "b")) and _val_files(moved) == sides
+
+
+def test_file_split_with_an_empty_side_names_the_policy_files_and_fraction(tmp_path):
+    one = open_corpus(_fa(tmp_path / "one.fa", _genes("g", 50)), NUC, cache_dir=tmp_path / "c")
+    assert len(one.split(0.3, "records")[1])  # 50 records would split by id, but one file cannot
+    with pytest.raises(ValueError, match=r"^1 file\(s\) cannot be split by files with val_fraction=0.3: one side is "
+                                         r"empty \(use more files"):
+        one.split(0.3, "files")
+    same = [_fa(tmp_path / f"s{i}" / "contigs.fa", _genes(f"s{i}_", 2, seed=i)) for i in range(4)]
+    c = open_corpus(same, NUC, cache_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match=r"^4 file\(s\) \(1 distinct basename\(s\): files sharing one share a side\) "
+                                         r"cannot be split by files with val_fraction=0.3"):
+        c.split(0.3, "files")
+
+
+def test_file_split_is_a_config_choice(tmp_path):
+    from ds4sci.train.config import load_config
+
+    assert load_config(None, ["data.split=files"]).data.split == "files"
+    with pytest.raises(ValueError, match="expected auto, region, records or files"):
+        load_config(None, ["data.split=file"])
+    _file_corpus(tmp_path / "corpus", 12)
+    corpus = open_corpus(tmp_path / "corpus", NUC, cache_dir=tmp_path / "c")
+    train, val = load_datasets(corpus, NUC, dataset="records", seq_len=64, val_fraction=0.3, split="files")
+    assert len(train) + len(val) == 36 and len(val) == 3 * len(_val_files(corpus)[1])
+
+
+def test_cache_build_shows_a_progress_bar_only_when_asked(tmp_path, capfd):
+    src = _fa(tmp_path / "a.fa", _genes("g", 5, 40))
+    open_corpus(src, NUC, cache_dir=tmp_path / "quiet", progress=False)
+    assert capfd.readouterr().err == ""
+    open_corpus(src, NUC, cache_dir=tmp_path / "loud", progress=True)
+    err = capfd.readouterr().err
+    assert "tokenizing 1 FASTA file(s)" in err and "100%" in err
+    open_corpus(src, NUC, cache_dir=tmp_path / "loud", progress=True)  # reused: nothing to tokenize, no bar
+    assert capfd.readouterr().err == ""
+
+
 # --------------------------------------------------------------------------------------------- data-parallel ranks
 def _micro_batches(ds, dp, micro, indices, seed=7):
     """Run the trainer's own sampler (Trainer._micro_batch) for each data-parallel rank, without a Trainer."""
