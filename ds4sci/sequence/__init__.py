@@ -18,7 +18,7 @@ Importing this package has no side effects (no process group, no environment edi
 from ds4sci.sequence.attention import DistributedAttention
 from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, all_to_all
 from ds4sci.sequence.groups import Coords, DeepSpeedMPU, ParallelDims, SequenceParallelGroups, build_groups
-from ds4sci.sequence.parallelize import parallelize
+from ds4sci.sequence.parallelize import materialize_, parallelize
 from ds4sci.sequence.sharding import (
     Layout,
     gather_sequence,
@@ -48,6 +48,7 @@ __all__ = [
     "ParallelDims",
     "SequenceParallelGroups",
     "build_groups",
+    "materialize_",
     "parallelize",
     "Layout",
     "gather_sequence",

@@ -10,14 +10,17 @@ and, under TP, uses :func:`~ds4sci.sequence.tensor_parallel.token_loss_for` as t
 """
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from ds4sci.models.genslm import GenSLM, LearnedPositionEmbedding
 from ds4sci.sequence.attention import DistributedAttention
 from ds4sci.sequence.comm import CommCounter
 from ds4sci.sequence.groups import SequenceParallelGroups
 from ds4sci.sequence.sharding import shard_positions
-from ds4sci.sequence.tensor_parallel import apply_tensor_parallel
+from ds4sci.sequence.tensor_parallel import apply_tensor_parallel, shard_tensor_parallel, tensor_parallel_plan
 
-__all__ = ["parallelize"]
+__all__ = ["parallelize", "materialize_"]
 
 
 def parallelize(
@@ -57,6 +60,57 @@ def parallelize(
         return None
     table = model.pop_position_embedding()
     if dims.sp > 1:
-        rows = shard_positions(table.max_positions, groups.sp_rank, dims.sp, dims.layout, device=table.weight.device)
+        rows = shard_positions(table.max_positions, groups.sp_rank, dims.sp, dims.layout, device=table.rows.device)
         table.shard_(rows)
     return table
+
+
+@torch.no_grad()
+def materialize_(model: GenSLM, table: LearnedPositionEmbedding | None, groups: SequenceParallelGroups,
+                 keep: nn.Module | None = None) -> int:
+    """Draw the meta parameters of a ``GenSLM(config, device="meta")`` after :func:`parallelize`: each becomes a CPU
+    parameter holding exactly this rank's piece of :meth:`GenSLM.initial_value` (its tensor-parallel shard, with the
+    vocabulary padding zeroed; the position table's rows of this sequence shard), so the result equals building the
+    whole model with the same seed and then parallelizing it, while a rank never holds more than one full parameter
+    beyond its own pieces. ``keep``: draw only the parameters of this module (a pipeline stage; the others stay on
+    the meta device, costing nothing). Attributes set on a parameter (tensor-parallel marks) carry over.
+
+    Returns:
+        The number of elements drawn.
+    """
+    plan = tensor_parallel_plan(model)
+    named = dict(model.named_parameters())
+    if table is not None:
+        named["embed_pos.weight"] = table.weight
+    wanted = None if keep is None else {id(p) for p in keep.parameters()}
+    new: dict[int, nn.Parameter] = {}
+    for name, p in named.items():
+        if not p.is_meta or (wanted is not None and id(p) not in wanted):
+            continue
+        shape = list(p.shape)  # this rank's piece -> the single-device parameter's shape
+        if name in plan:
+            shape[plan[name].dim] = plan[name].size
+        if name == "embed_pos.weight":
+            shape[0] = table.max_positions
+        value = model.initial_value(name, shape)
+        if name in plan:
+            value = shard_tensor_parallel({name: value}, plan, groups.tp_rank, groups.dims.tp)[name]
+        if name == "embed_pos.weight":
+            value = value[table.rows.cpu()].contiguous()  # [R, hidden]: this SP shard's rows
+        param = nn.Parameter(value, requires_grad=p.requires_grad)
+        param.__dict__.update(p.__dict__)
+        new[id(p)] = param
+    for root in (model, table):
+        for module in root.modules() if root is not None else ():
+            for attr, p in module._parameters.items():
+                if p is not None and id(p) in new:
+                    module._parameters[attr] = new[id(p)]
+    if keep is not None:
+        for module in keep.modules():
+            for attr, p in module._parameters.items():
+                if p is not None and id(p) in new:
+                    module._parameters[attr] = new[id(p)]
+        left = [name for name, p in keep.named_parameters() if p.is_meta]
+        if left:
+            raise RuntimeError(f"materialize_: {left[:4]} of the kept module are not parameters of the model")
+    return sum(p.numel() for p in new.values())

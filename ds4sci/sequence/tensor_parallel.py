@@ -351,7 +351,8 @@ class VocabParallelOutput(nn.Module):
         rows = self.weight.shape[0]
         self.start = tp.rank * rows
         padding = torch.arange(self.start, self.start + rows) >= vocab_size
-        self.register_buffer("padding", padding.to(self.weight.device), persistent=False)  # [V_pad/tp]
+        device = "cpu" if self.weight.is_meta else self.weight.device  # a meta model's buffers stay real
+        self.register_buffer("padding", padding.to(device), persistent=False)  # [V_pad/tp]
 
     def forward(self, x: Tensor) -> Tensor:
         logits = F.linear(x, self.weight)  # [B, T, V_pad/tp]

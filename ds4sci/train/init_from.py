@@ -112,11 +112,14 @@ def check_tokenizer(kind: str | None, tokenizer: Tokenizer, source: str) -> None
                          f"set data.tokenizer={kind}")
 
 
-def initial_model(cfg: Config, tokenizer: Tokenizer) -> GenSLM:
+def initial_model(cfg: Config, tokenizer: Tokenizer, device: torch.device | str | None = None) -> GenSLM:
     """The single-device GenSLM a run starts from, initialised with ``train.seed``: fresh, shaped by
     ``model.preset``, or, with ``model.init_from``, holding its weights and shaped by its config (``model.preset``
     unused; for a checkpoint that keeps no config, the preset). ``model.overrides`` apply on top either way and
-    ``cfg.genslm_config`` checks the result against the run."""
+    ``cfg.genslm_config`` checks the result against the run.
+
+    ``device="meta"`` (fresh models only; the trainer's path): parameters without storage, drawn after
+    parallelization by :func:`ds4sci.sequence.materialize_`, so no rank ever holds the whole model."""
     state = base = None
     source = f"model.init_from={cfg.model.init_from}"
     if cfg.model.init_from:
@@ -127,7 +130,7 @@ def initial_model(cfg: Config, tokenizer: Tokenizer) -> GenSLM:
         check_tokenizer(kind, tokenizer, source)
     config = cfg.genslm_config(tokenizer.vocab_size, tokenizer.pad_id, base=base)
     torch.manual_seed(cfg.train.seed)
-    model = GenSLM(config)
+    model = GenSLM(config, device=None if state is not None else device)  # loaded weights need real storage
     if state is not None:
         load_into(model, state, source)
     return model

@@ -175,20 +175,28 @@ class PipelineLoss:
 
 
 def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: SequenceParallelGroups,
-                          device: torch.device):
+                          device: torch.device, materialize: Callable[[nn.Module], object] | None = None):
     """``deepspeed.initialize`` on a ``PipelineModule`` of the (parallelized) ``model``; returns the engine.
 
-    Every rank passes the full model (built with the same seed); each stage keeps its layers. Blocks are balanced
-    over ``groups.dims.pp`` stages (``partition_method="type:BlockStage"``), the embedding on the first, the head on
-    the last. ``position_table``: the learned table kept out of the engine (or None). ``engine.module.loss_fn`` is
-    the :class:`PipelineLoss`.
+    Every rank passes the whole model (built with the same seed, or on the meta device); each stage keeps its
+    layers. Blocks are balanced over ``groups.dims.pp`` stages (``partition_method="type:BlockStage"``), the embedding
+    on the first, the head on the last. ``materialize(stage)``: called on the stage's own module as soon as it holds
+    its layers, before anything touches their parameters (draws a meta model's pieces for this stage only; see
+    :func:`ds4sci.sequence.materialize_`). ``position_table``: the learned table kept out of the engine (or None).
+    ``engine.module.loss_fn`` is the :class:`PipelineLoss`.
     """
     import deepspeed
     from deepspeed.runtime.pipe import PipelineModule
 
+    class StagePipeline(PipelineModule):
+        def _build(self):  # DeepSpeed registers this stage's layers here, then moves the module to its device
+            super()._build()
+            if materialize is not None:
+                materialize(self)
+
     dims = groups.dims
-    pipe = PipelineModule(pipeline_layers(model, position_table), topology=pipeline_topology(dims),
-                          loss_fn=PipelineLoss(groups), partition_method="type:BlockStage")
+    pipe = StagePipeline(pipeline_layers(model, position_table), topology=pipeline_topology(dims),
+                         loss_fn=PipelineLoss(groups), partition_method="type:BlockStage")
     pipe.to(device)
     if groups.tp_rank == 0:
         for p in pipe.parameters():

@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, collate, read_fasta, split_records, split_region
 from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
-from ds4sci.sequence import (DistributedAttention, build_groups, gather_tensor_parallel, parallelize, shard_sequence,
-                             tensor_parallel_plan, token_loss_for)
+from ds4sci.sequence import (DistributedAttention, build_groups, gather_tensor_parallel, materialize_, parallelize,
+                             shard_sequence, tensor_parallel_plan, token_loss_for)
 from ds4sci.train.checkpoint import load_checkpoint
 from ds4sci.train.checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import Config
@@ -149,10 +149,17 @@ class Trainer:
         resume_from = open_run_dir(cfg, resume, overwrite, self.device)  # before anything is written there
 
         self.tokenizer, self.train_ds, self.val_ds = load_data(cfg)
-        model = initial_model(cfg, self.tokenizer)  # model.init_from's weights land before any parallelism
+        # model.init_from's weights land before any parallelism; a fresh model is built on the meta device and each
+        # rank draws only its own pieces (its TP shards, its pipeline stage), so no rank holds the whole model
+        model = initial_model(cfg, self.tokenizer, device="meta")
         self.model_config = model.config
         self.num_parameters = sum(p.numel() for p in model.parameters())
         table = parallelize(model, self.groups)
+        # the whole (TP-sharded) model, or under pp > 1 the position table here and each stage's layers in the engine
+        if self.dims.pp == 1:
+            materialize_(model, table, self.groups)
+        elif table is not None:
+            materialize_(model, table, self.groups, keep=table)
         self.tp_plan = tensor_parallel_plan(model)  # the TP-split parameters: gathered for the export
         self.loss_fn = token_loss_for(self.groups)  # vocabulary-parallel cross entropy when tp > 1
         # DistributedAttention all-gathers the shard shapes (a host sync) per layer per forward to catch uneven shards;
@@ -161,7 +168,8 @@ class Trainer:
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
         self.pos_table = PositionTable(table, self.groups, cfg, self.device) if table is not None else None
         if self.dims.pp > 1:  # DeepSpeed's pipeline engine; the first stage looks the position table up
-            self.engine = build_pipeline_engine(model, self.pos_table, cfg, self.groups, self.device)
+            self.engine = build_pipeline_engine(model, self.pos_table, cfg, self.groups, self.device,
+                                                materialize=lambda stage: materialize_(model, None, self.groups, stage))
         else:
             self.engine = build_engine(model, cfg, self.groups, self.device)
         self.step = 0

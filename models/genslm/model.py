@@ -11,6 +11,8 @@ tokens, labels and positions together.
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -61,13 +63,13 @@ class Attention(nn.Module):
     """Multi-head self-attention with fused QKV (GPT-NeoX layout: per head ``[q | k | v]``) and rotary on a
     fraction of head dims."""
 
-    def __init__(self, config: GenSLMConfig):
+    def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
         super().__init__()
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.rotary_dim = config.rotary_dim if config.position_embedding == "rotary" else 0
         self.rotary_base = config.rotary_base
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size, device=device)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, device=device)
         self.core = AttentionCore(config.num_heads, alibi=config.position_embedding == "alibi",
                                   backend=config.attention_backend)
 
@@ -83,10 +85,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GenSLMConfig):
+    def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size, device=device)
+        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size, device=device)
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"  # F.gelu's name for it
 
     def forward(self, x: Tensor) -> Tensor:
@@ -96,12 +98,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """GPT-NeoX block with parallel residual: ``x + attn(ln1(x)) + mlp(ln2(x))``."""
 
-    def __init__(self, config: GenSLMConfig):
+    def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.attention = Attention(config)
-        self.mlp = MLP(config)
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=device)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=device)
+        self.attention = Attention(config, device)
+        self.mlp = MLP(config, device)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
@@ -125,34 +127,44 @@ class GenSLM(nn.Module):
     wrapper module so that parameter names (checkpoints, exports) do not change; the model imports no engine.
     """
 
-    def __init__(self, config: GenSLMConfig):
+    def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
         super().__init__()
         self.config = config
-        self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_pos = (
-            LearnedPositionEmbedding(config.max_position_embeddings, config.hidden_size, config.init_std)
-            if config.position_embedding == "learned"
-            else None
-        )
-        self.emb_dropout = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # One draw of the global RNG seeds every parameter (see initial_value); building consumes nothing else, so
+        # a model built on the meta device and materialized piece by piece equals one built whole, and the RNG
+        # stream after construction (dropout) is the same either way.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        with torch.random.fork_rng(devices=[]):
+            self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size, device=device)
+            self.embed_pos = (
+                LearnedPositionEmbedding(config.max_position_embeddings, config.hidden_size, config.init_std,
+                                         device=device)
+                if config.position_embedding == "learned"
+                else None
+            )
+            self.emb_dropout = nn.Dropout(config.dropout)
+            self.layers = nn.ModuleList(Block(config, device) for _ in range(config.num_layers))
+            self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=device)
+            self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
         self.checkpoint_fn = None  # see the class docstring
         self._init_weights()
 
+    def initial_value(self, name: str, shape: torch.Size | tuple[int, ...]) -> Tensor:
+        """The initial value of parameter ``name`` (its full single-device ``shape``), fp32 on the CPU: a function of
+        ``init_seed`` and the name alone, so any rank can draw exactly the pieces it keeps (tensor-parallel shards,
+        its pipeline stage's layers) without building the rest. Matrices ``N(0, init_std^2)`` (GPT-NeoX), biases 0,
+        LayerNorm weights 1."""
+        if len(shape) >= 2:
+            digest = hashlib.sha256(f"{self.init_seed}:{name}".encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            return torch.empty(shape).normal_(0.0, self.config.init_std, generator=gen)
+        return torch.zeros(shape) if name.endswith("bias") else torch.ones(shape)
+
     @torch.no_grad()
     def _init_weights(self) -> None:
-        std = self.config.init_std
         for name, p in self.named_parameters():
-            if name.startswith("embed_pos"):
-                continue  # drawn in LearnedPositionEmbedding.__init__
-            if p.ndim >= 2:
-                nn.init.normal_(p, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.ones_(p)
+            if not p.is_meta:  # meta parameters are drawn when materialized (ds4sci.sequence.materialize_)
+                p.copy_(self.initial_value(name, p.shape))
 
     def pop_position_embedding(self) -> LearnedPositionEmbedding:
         """Detach the learned position table from the model and return it.

@@ -24,10 +24,11 @@ class LearnedPositionEmbedding(nn.Module):
     rank, so a trainer must neither broadcast it across SP ranks nor reduce its gradient over them.
     """
 
-    def __init__(self, max_positions: int, hidden_size: int, init_std: float = 0.02):
+    def __init__(self, max_positions: int, hidden_size: int, init_std: float = 0.02,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.max_positions = max_positions
-        self.weight = nn.Parameter(torch.empty(max_positions, hidden_size))
+        self.weight = nn.Parameter(torch.empty(max_positions, hidden_size, device=device))
         nn.init.normal_(self.weight, std=init_std)
         self.register_buffer("rows", torch.arange(max_positions), persistent=False)
         self.register_buffer("_slot", torch.arange(max_positions), persistent=False)  # global position -> row or -1
@@ -39,7 +40,7 @@ class LearnedPositionEmbedding(nn.Module):
     @torch.no_grad()
     def shard_(self, rows: Tensor) -> "LearnedPositionEmbedding":
         """Keep only the rows of global positions ``rows [R]`` (unique, in [0, max_positions))."""
-        rows = torch.as_tensor(rows, dtype=torch.long, device=self.weight.device).reshape(-1)
+        rows = torch.as_tensor(rows, dtype=torch.long).to(self._slot.device).reshape(-1)  # buffers stay real on meta
         if rows.numel() == 0 or rows.min() < 0 or rows.max() >= self.max_positions:
             raise ValueError(f"rows must be non-empty and within [0, {self.max_positions}), got {rows.tolist()[:8]}...")
         if torch.unique(rows).numel() != rows.numel():
@@ -49,7 +50,7 @@ class LearnedPositionEmbedding(nn.Module):
             raise ValueError("cannot re-shard to rows this shard does not hold; load the full table first")
         slot = torch.full((self.max_positions,), -1, dtype=torch.long, device=rows.device)
         slot[rows] = torch.arange(rows.numel(), device=rows.device)
-        kept = self.weight[src]
+        kept = self.weight.new_empty(rows.numel(), self.weight.shape[1]) if self.weight.is_meta else self.weight[src]
         self.weight = nn.Parameter(kept.clone())
         self.weight.ds4sci_sequence_sharded = True
         self.rows, self._slot = rows, slot

@@ -21,6 +21,7 @@ from ds4sci.sequence import (
     gather_tensor_parallel,
     gather_vocab,
     load_full_state_dict,
+    materialize_,
     parallelize,
     shard_sequence,
     shard_tensor_parallel,
@@ -100,6 +101,30 @@ def check_model(label, groups, cfg, *, S, B=2, docs=False, seed=0):
     if table is not None:
         close(table.weight.grad, ref.embed_pos.weight.grad[table.rows], "grad embed_pos.weight (this SP shard's rows)")
     return model
+
+
+def check_materialize(label, groups, cfg, seed=0):
+    """A model built on the meta device, parallelized and materialized (the trainer's path: no rank ever holds the
+    whole model) equals the whole model built and parallelized: every piece bitwise, the parameter marks, the
+    position table's rows, and the global RNG stream after construction (dropout)."""
+    ref = _model(cfg, seed)
+    after_ref = torch.rand(4)
+    ref_table = parallelize(ref, groups)
+    torch.manual_seed(seed)
+    meta = GenSLM(cfg, device="meta")
+    assert torch.equal(torch.rand(4), after_ref), label
+    assert all(p.is_meta for p in meta.parameters()), label
+    table = parallelize(meta, groups)
+    drawn = materialize_(meta, table, groups)
+    ref_params = dict(ref.named_parameters())
+    assert drawn == sum(p.numel() for p in ref_params.values()) + (ref_table.weight.numel() if ref_table else 0), label
+    for name, p in meta.named_parameters():
+        expected = ref_params[name]
+        assert torch.equal(p, expected) and p.requires_grad, (label, name)
+        assert vars(p).keys() == vars(expected).keys(), (label, name, vars(p).keys(), vars(expected).keys())
+    if ref_table is not None:
+        assert torch.equal(table.weight, ref_table.weight) and torch.equal(table.rows, ref_table.rows), label
+        assert table.weight.ds4sci_sequence_sharded == ref_table.weight.ds4sci_sequence_sharded, label
 
 
 def _expect_value_error(label, match, fn):
@@ -192,8 +217,11 @@ def _worker_four(rank, world):
     g = build_groups(ParallelDims(dp=1, tp=4))
     check_model("TP4 rotary docs vocab 69", g, _config(), S=8, docs=True, seed=4)
     check_model("TP4 alibi vocab 5", g, _config(vocab_size=5, pad_token_id=3, position_embedding="alibi"), S=4, seed=5)
+    check_materialize("TP4 meta vocab 69", g, _config(), seed=6)
     _expect_value_error("TP4 heads", "tp=4 x ulysses=1 = 4 must divide the number of heads 6",
                         lambda: parallelize(_model(_config(hidden_size=24, num_heads=6), 0), g))
+    g = build_groups(ParallelDims(dp=1, tp=2, ring=2, layout="zigzag"))
+    check_materialize("TP2xR2 meta learned", g, _config(position_embedding="learned", max_position_embeddings=16), 7)
     return True
 
 

@@ -38,6 +38,12 @@ def _train_cases(rank, world, cases):
     results = []
     for overrides in cases:
         trainer = Trainer(load_config(None, overrides))
+        if trainer.dims.pp > 1:  # the model was built on the meta device: a stage draws only its own layers
+            pipe = trainer.engine.module
+            local = {id(p) for p in pipe.parameters()}
+            others = [p for layer in pipe._layer_specs if isinstance(layer, torch.nn.Module)
+                      for p in layer.parameters() if id(p) not in local]
+            assert others and all(p.is_meta for p in others) and not any(p.is_meta for p in pipe.parameters())
         losses = [trainer.train_step().loss for _ in range(trainer.cfg.train.steps)]
         state = {k: v.numpy() for k, v in trainer.full_state_dict().items()}  # plain arrays cross processes
         results.append((losses, state if rank == 0 else None))
