@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+from typing import Callable
 import logging
 import math
 import os
@@ -176,7 +177,8 @@ def check_offload_support(cfg: Config) -> None:
                            f"here (it needs libaio: apt install libaio-dev); use cpu offload instead")
 
 
-def build_engine(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, device: torch.device):
+def build_engine(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, device: torch.device,
+                 materialize: Callable[[nn.Module], object] | None = None):
     """``deepspeed.initialize`` over the sequence x data group of ``groups`` (via the mpu adapter), after checking
     on a one-element probe built the same way that DeepSpeed reduces gradients as the loss scale assumes
     (:func:`ds4sci.train.sanity.check_gradient_reduction`; before the model's engine, so that a mismatch fails fast
@@ -184,18 +186,24 @@ def build_engine(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, 
 
     Every parameter of ``model`` must be replicated across that group (DeepSpeed broadcasts them from its first
     rank and reduces/partitions over it): keep sequence-sharded parameters out of ``model``.
+
+    ``materialize(part)``: draws the meta parameters of a submodule (:func:`ds4sci.sequence.materialize_`). Under
+    ZeRO-3 it is called block by block (``model.layers``), each block partitioned before the next is drawn, then on
+    the rest, so a rank holds at most one block whole beside its partitions; otherwise once on the whole model.
     """
     sharded = [n for n, p in model.named_parameters() if getattr(p, "ds4sci_sequence_sharded", False)]
     if sharded:
         raise ValueError(f"sequence-sharded parameters {sharded} cannot go into the DeepSpeed engine")
     check_offload_support(cfg)
-    initialize = functools.partial(_initialize, cfg=cfg, groups=groups)
+    initialize = functools.partial(_initialize, cfg=cfg, groups=groups, device=device)
     check_gradient_reduction(initialize, cfg, groups, device)
-    return initialize(model.to(device))
+    return initialize(model, materialize=materialize)
 
 
-def _initialize(model: nn.Module, cfg: Config, groups: SequenceParallelGroups):
-    """The engine of ``model`` (already on its device) with ``cfg``'s DeepSpeed config and optimizer."""
+def _initialize(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, device: torch.device,
+                materialize: Callable[[nn.Module], object] | None = None):
+    """The engine of ``model`` on ``device`` with ``cfg``'s DeepSpeed config and optimizer (``materialize``: see
+    :func:`build_engine`)."""
     import deepspeed
 
     ds_config = deepspeed_config(cfg, groups.dims.sp)
@@ -203,8 +211,20 @@ def _initialize(model: nn.Module, cfg: Config, groups: SequenceParallelGroups):
         # DeepSpeed 0.19 converts a plain module for ZeRO-3 over mpu.get_data_parallel_group(), the data ranks
         # WITHOUT the sequence ranks, so gradients are never reduced over the sequence shards (measured: every
         # rank kept its local gradient). Converting here, over the sequence x data group, gives the partitioning
-        # the engine's ZeRO-3 optimizer assumes.
-        deepspeed.zero.Init(module=model, data_parallel_group=groups.sdp, config_dict_or_path=ds_config)
+        # the engine's ZeRO-3 optimizer assumes. Part by part: zero.Init moves each parameter to the device,
+        # broadcasts it from the group's first rank and keeps this rank's partition; converted ones are skipped.
+        for part in [*getattr(model, "layers", ()), model]:
+            if materialize is not None:
+                materialize(part)
+            deepspeed.zero.Init(module=part, data_parallel_group=groups.sdp, config_dict_or_path=ds_config)
+        for module in model.modules():  # buffers (ALiBi slopes, position slots) follow the parameters
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+    else:
+        if materialize is not None:
+            materialize(model)
+        model.to(device)
     optimizer, scheduler = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
                                            mpu=DeepSpeedMPU(groups), dist_init_required=False)

@@ -52,7 +52,7 @@ def measure_division(initialize: Callable[[nn.Module], object], groups: Sequence
     """
     from deepspeed.utils import safe_get_full_grad
 
-    engine = initialize(_Probe().to(device))
+    engine = initialize(_Probe())
     W, r = dist.get_world_size(groups.sdp), dist.get_rank(groups.sdp)
     c = torch.tensor(float(r + 1), device=device)
     for micro in range(grad_accum):

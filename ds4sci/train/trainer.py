@@ -155,11 +155,10 @@ class Trainer:
         self.model_config = model.config
         self.num_parameters = sum(p.numel() for p in model.parameters())
         table = parallelize(model, self.groups)
-        # the whole (TP-sharded) model, or under pp > 1 the position table here and each stage's layers in the engine
-        if self.dims.pp == 1:
-            materialize_(model, table, self.groups)
-        elif table is not None:
+        if table is not None:  # the position table stays out of the engine
             materialize_(model, table, self.groups, keep=table)
+        # the engine draws the rest as it builds: the model (block by block under ZeRO-3), or this pipeline stage
+        materialize = functools.partial(materialize_, model, None, self.groups)
         self.tp_plan = tensor_parallel_plan(model)  # the TP-split parameters: gathered for the export
         self.loss_fn = token_loss_for(self.groups)  # vocabulary-parallel cross entropy when tp > 1
         # DistributedAttention all-gathers the shard shapes (a host sync) per layer per forward to catch uneven shards;
@@ -168,10 +167,9 @@ class Trainer:
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
         self.pos_table = PositionTable(table, self.groups, cfg, self.device) if table is not None else None
         if self.dims.pp > 1:  # DeepSpeed's pipeline engine; the first stage looks the position table up
-            self.engine = build_pipeline_engine(model, self.pos_table, cfg, self.groups, self.device,
-                                                materialize=lambda stage: materialize_(model, None, self.groups, stage))
+            self.engine = build_pipeline_engine(model, self.pos_table, cfg, self.groups, self.device, materialize)
         else:
-            self.engine = build_engine(model, cfg, self.groups, self.device)
+            self.engine = build_engine(model, cfg, self.groups, self.device, materialize)
         self.step = 0
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)

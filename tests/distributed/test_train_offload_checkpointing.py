@@ -109,3 +109,41 @@ def test_full_checkpointing_redraws_the_same_dropout_masks(tmp_path):
     plain, full, full_cpu = run_workers(_dropout_runs, 1, str(tmp_path), env=ENV, timeout=300)[0]
     _compare(full, plain, "full checkpointing with dropout")
     _compare(full_cpu, plain, "full checkpointing on cpu with dropout")
+
+
+def _zero3_construction(rank, world, overrides):
+    """Build a ZeRO-3 Trainer with a spy on ``materialize_``: after each part is drawn, count the elements held
+    whole (drawn, not yet partitioned by ZeRO-3) across the model."""
+    from ds4sci.train import trainer as trainer_module
+    from ds4sci.train.config import load_config
+
+    drawn, whole = [], []
+    real = trainer_module.materialize_
+
+    def spy(model, table, groups, keep=None):
+        n = real(model, table, groups, keep)
+        drawn.append(n)
+        whole.append(sum(p.numel() for p in model.parameters() if not p.is_meta and not hasattr(p, "ds_id")))
+        return n
+
+    trainer_module.materialize_ = spy
+    try:
+        trainer = trainer_module.Trainer(load_config(None, overrides))
+    finally:
+        trainer_module.materialize_ = real
+    model = trainer.engine.module
+    block = sum(p.ds_numel for p in model.layers[0].parameters())
+    rest = sum(p.ds_numel for p in model.parameters()) - block * len(model.layers)
+    partitioned = all(p.ds_tensor.numel() < p.ds_numel for p in model.parameters() if p.ds_numel >= world)
+    return drawn, whole, block, rest, len(model.layers), partitioned, trainer.train_step().loss
+
+
+def test_zero3_builds_one_block_at_a_time(tmp_path):
+    """ZeRO-3 (Ulysses 2, rotary): the engine draws the meta-built model block by block, each partitioned before
+    the next is drawn, so a rank never holds more than one block (or the embeddings and head) whole."""
+    overrides = _overrides(tmp_path / "z3", 3, ulysses=2, pe="rotary", steps=1)
+    got = run_workers(_zero3_construction, 2, overrides, env=ENV, timeout=300)
+    for drawn, whole, block, rest, layers, partitioned, loss in got:
+        assert drawn == [block] * layers + [rest], (drawn, block, rest)
+        assert max(whole) <= max(block, rest) and whole[-1] == rest, (whole, block, rest)
+        assert partitioned and torch.isfinite(torch.tensor(loss))

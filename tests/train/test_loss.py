@@ -33,14 +33,15 @@ def _measure_deepspeed(rank, world):
             for accum in (1, 2) if stage == 2 else (1,):
                 cfg = load_config(None, [f"parallel.ulysses={sp}", f"zero.stage={stage}", f"train.grad_accum={accum}"])
                 groups = build_groups(cfg.parallel.dims(world))
-                initialize = functools.partial(_initialize, cfg=cfg, groups=groups)
+                initialize = functools.partial(_initialize, cfg=cfg, groups=groups, device=cpu)
                 measured[stage, dp, sp, accum] = float(sanity.measure_division(initialize, groups, accum, cpu))
     cfg = load_config(None, ["parallel.ulysses=2", "zero.stage=3"])
     groups = build_groups(cfg.parallel.dims(world))
     right = sanity.grad_reduction_factor
     sanity.grad_reduction_factor = lambda *args, **kwargs: 1.0
     try:
-        sanity.check_gradient_reduction(functools.partial(_initialize, cfg=cfg, groups=groups), cfg, groups, cpu)
+        initialize = functools.partial(_initialize, cfg=cfg, groups=groups, device=cpu)
+        sanity.check_gradient_reduction(initialize, cfg, groups, cpu)
         error = None
     except RuntimeError as err:
         error = str(err)
