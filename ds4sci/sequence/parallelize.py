@@ -92,11 +92,10 @@ def materialize_(model: GenSLM, table: LearnedPositionEmbedding | None, groups: 
             shape[plan[name].dim] = plan[name].size
         if name == "embed_pos.weight":
             shape[0] = table.max_positions
-        value = model.initial_value(name, shape)
+        # the position table: only this SP shard's rows [R, hidden] are drawn
+        value = model.initial_value(name, shape, rows=table.rows if name == "embed_pos.weight" else None)
         if name in plan:
             value = shard_tensor_parallel({name: value}, plan, groups.tp_rank, groups.dims.tp)[name]
-        if name == "embed_pos.weight":
-            value = value[table.rows.cpu()].contiguous()  # [R, hidden]: this SP shard's rows
         param = nn.Parameter(value, requires_grad=p.requires_grad)
         param.__dict__.update(p.__dict__)
         new[id(p)] = param

@@ -149,16 +149,30 @@ class GenSLM(nn.Module):
         self.checkpoint_fn = None  # see the class docstring
         self._init_weights()
 
-    def initial_value(self, name: str, shape: torch.Size | tuple[int, ...]) -> Tensor:
+    INIT_ROWS = 4096  # matrices are drawn in blocks of this many rows, each from its own generator
+
+    def initial_value(self, name: str, shape: torch.Size | tuple[int, ...], rows: Tensor | None = None) -> Tensor:
         """The initial value of parameter ``name`` (its full single-device ``shape``), fp32 on the CPU: a function of
         ``init_seed`` and the name alone, so any rank can draw exactly the pieces it keeps (tensor-parallel shards,
-        its pipeline stage's layers) without building the rest. Matrices ``N(0, init_std^2)`` (GPT-NeoX), biases 0,
-        LayerNorm weights 1."""
-        if len(shape) >= 2:
-            digest = hashlib.sha256(f"{self.init_seed}:{name}".encode()).digest()
+        its pipeline stage's layers) without building the rest. Matrices ``N(0, init_std^2)`` (GPT-NeoX), drawn in
+        blocks of :attr:`INIT_ROWS` rows seeded by (seed, name, block); biases 0, LayerNorm weights 1.
+
+        ``rows [R]``: only these rows (of a matrix), drawing only the blocks that hold them: a sequence shard of a
+        learned table of a million positions draws its own rows, not the whole table."""
+        if len(shape) < 2:
+            return torch.zeros(shape) if name.endswith("bias") else torch.ones(shape)
+        rows = torch.arange(shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
+        out = torch.empty(rows.numel(), *shape[1:])
+        blocks = torch.div(rows, self.INIT_ROWS, rounding_mode="floor")
+        for b in torch.unique(blocks).tolist():
+            digest = hashlib.sha256(f"{self.init_seed}:{name}:{b}".encode()).digest()
             gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-            return torch.empty(shape).normal_(0.0, self.config.init_std, generator=gen)
-        return torch.zeros(shape) if name.endswith("bias") else torch.ones(shape)
+            start = b * self.INIT_ROWS
+            block = torch.empty(min(self.INIT_ROWS, shape[0] - start), *shape[1:])
+            block.normal_(0.0, self.config.init_std, generator=gen)  # [block rows, ...]
+            mine = blocks == b
+            out[mine] = block[rows[mine] - start]
+        return out
 
     @torch.no_grad()
     def _init_weights(self) -> None:

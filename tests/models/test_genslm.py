@@ -245,3 +245,24 @@ def test_config_and_model_errors():
         model(ids, pos[:, :3])
     with pytest.raises(ValueError, match="token ids"):
         model(ids + 100, pos)
+
+
+def test_initial_values_are_per_name_and_rows_can_be_drawn_alone():
+    """GenSLM.initial_value: the model's parameters are exactly it (one RNG draw seeds them all), a meta-built model
+    consumes the RNG the same way, and any rows of a matrix drawn alone (crossing row blocks) equal the full draw's."""
+    cfg = GenSLMConfig(vocab_size=11, hidden_size=8, num_layers=1, num_heads=2, intermediate_size=12,
+                       max_position_embeddings=10, position_embedding="learned")
+    torch.manual_seed(3)
+    model = GenSLM(cfg)
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    meta = GenSLM(cfg, device="meta")
+    assert torch.equal(torch.rand(3), after) and meta.init_seed == model.init_seed
+    for name, p in model.named_parameters():
+        assert torch.equal(p, model.initial_value(name, p.shape)), name
+    model.INIT_ROWS = 4  # blocks of 4 rows: [0..3] [4..7] [8, 9]
+    full = model.initial_value("embed_pos.weight", (10, 8))
+    rows = torch.tensor([9, 0, 4, 3, 8])
+    assert torch.equal(model.initial_value("embed_pos.weight", (10, 8), rows=rows), full[rows])
+    assert not torch.equal(full[:4], full[4:8]) and not torch.equal(full, model.initial_value("embed_in.weight", (10, 8)))
+    assert abs(float(full.std()) - cfg.init_std) < 0.01
