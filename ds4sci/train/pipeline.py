@@ -246,12 +246,13 @@ def pipeline_eval_sum(engine, groups: SequenceParallelGroups, batches: list[dict
 
 
 def pipeline_state_dict(engine, groups: SequenceParallelGroups, tp_plan: dict, num_layers: int,
-                        extra: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The single-device GenSLM state dict (fp32, CPU) from every stage, on every rank (collective).
+                        extra: dict[str, Tensor], dst: int | None = None) -> dict[str, Tensor]:
+    """The single-device GenSLM state dict (fp32, CPU) from every stage, on every rank, or only on rank ``dst``
+    (the others return ``{}``) (collective).
 
     Each stage renames its parameters (:func:`genslm_name`) and gathers TP pieces (``tp_plan``: GenSLM names, from
     :func:`~ds4sci.sequence.tensor_parallel.tensor_parallel_plan` of the model); the stages' dicts are then
-    all-gathered. ``extra`` (the assembled position table) is taken from the first stage.
+    all-gathered (gathered to ``dst``). ``extra`` (the assembled position table) is taken from the first stage.
     """
     local = {}
     for name, value in engine.module.state_dict().items():  # one full tensor at a time on the device
@@ -260,6 +261,9 @@ def pipeline_state_dict(engine, groups: SequenceParallelGroups, tp_plan: dict, n
     if groups.coords.pp == 0:
         local.update(extra)
     sender = groups.coords.tp == 0 and groups.sdp_rank == 0  # one per stage
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local if sender else {})
-    return {k: v for part in parts for k, v in part.items()}
+    parts: list | None = [None] * dist.get_world_size() if dst is None or dist.get_rank() == dst else None
+    if dst is None:
+        dist.all_gather_object(parts, local if sender else {})
+    else:
+        dist.gather_object(local if sender else {}, parts, dst=dst)
+    return {k: v for part in parts or () for k, v in part.items()}

@@ -358,7 +358,8 @@ class Trainer:
                     bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{rate:,.0f}")
                     bar.update(1)
         save_checkpoint(self)
-        export_consolidated(self.full_state_dict(), self.model_config, self.tokenizer, self.out / "export", rank=self.rank)
+        export_consolidated(self.full_state_dict(dst=0), self.model_config, self.tokenizer, self.out / "export",
+                            rank=self.rank)
         if self.rank == 0:
             bar.close()
             writer.close()
@@ -391,22 +392,28 @@ class Trainer:
         return "\n".join(["ds4sci train"] + [f"  {name:<11} {text}" for name, text in rows])
 
     # ------------------------------------------------------------------------------------------------ state
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, dst: int | None = None) -> dict[str, torch.Tensor]:
         """The single-device GenSLM state dict, on the CPU: ZeRO-3 parameters gathered, tensor-parallel pieces
         gathered (vocabulary padding removed), position table assembled; the same keys and shapes whatever the
-        layout (collective: every rank calls it)."""
+        layout (collective: every rank calls it).
+
+        One parameter is whole on the device at a time (ZeRO-3 gathers each alone). ``dst``: only that rank keeps
+        the result on the CPU (the others return ``{}``), as the export does; ``None``: every rank keeps it."""
         import deepspeed
 
+        keep = dst is None or self.rank == dst
         table = {"embed_pos.weight": self.pos_table.gather().float()} if self.pos_table is not None else {}
-        if self.dims.pp > 1:
-            return pipeline_state_dict(self.engine, self.groups, self.tp_plan, self.model_config.num_layers, table)
-        module = self.engine.module
-        params = list(module.parameters())
+        if self.dims.pp > 1:  # the first stage sends the table with its parameters
+            return pipeline_state_dict(self.engine, self.groups, self.tp_plan, self.model_config.num_layers, table,
+                                       dst=dst)
+        table = table if keep else {}
         state = {}
-        with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.zero.stage == 3):
-            for k, v in module.state_dict().items():  # one full tensor at a time on the device (NCCL gathers there)
+        zero3 = self.cfg.zero.stage == 3
+        for k, v in self.engine.module.state_dict(keep_vars=True).items():
+            with deepspeed.zero.GatheredParameters([v], enabled=zero3):  # this parameter whole, on the device
                 full = gather_tensor_parallel({k: v.detach()}, self.groups, self.tp_plan)[k]
-                state[k] = full.float().cpu().clone()
+                if keep:
+                    state[k] = full.float().cpu().clone()
         return {**state, **table}
 
 

@@ -45,7 +45,8 @@ def _train_cases(rank, world, cases):
                       for p in layer.parameters() if id(p) not in local]
             assert others and all(p.is_meta for p in others) and not any(p.is_meta for p in pipe.parameters())
         losses = [trainer.train_step().loss for _ in range(trainer.cfg.train.steps)]
-        state = {k: v.numpy() for k, v in trainer.full_state_dict().items()}  # plain arrays cross processes
+        state = {k: v.numpy() for k, v in trainer.full_state_dict(dst=0).items()}  # plain arrays cross processes
+        assert rank == 0 or state == {}, "full_state_dict(dst=0) kept tensors off rank 0"
         results.append((losses, state if rank == 0 else None))
     return results
 
