@@ -89,6 +89,13 @@ def load_into(model: GenSLM, state_dict: dict[str, torch.Tensor], source: str) -
         ValueError: naming ``source`` and the missing / unexpected keys, or the first tensor whose shape differs
         (both shapes; for the embeddings, both vocabulary sizes).
     """
+    check_weights(model, state_dict, source)
+    model.load_state_dict(state_dict, strict=True)
+
+
+def check_weights(model: GenSLM, state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """``state_dict`` has exactly ``model``'s keys and shapes (``model`` may be on the meta device); the errors of
+    :func:`load_into`."""
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
     if missing or unexpected:
@@ -102,7 +109,6 @@ def load_into(model: GenSLM, state_dict: dict[str, torch.Tensor], source: str) -
                      if name in ("embed_in.weight", "embed_out.weight") else "")
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(got.shape)} in the source but "
                              f"{tuple(want.shape)} in the model{vocab}")
-    model.load_state_dict(state_dict, strict=True)
 
 
 def check_tokenizer(kind: str | None, tokenizer: Tokenizer, source: str) -> None:
@@ -118,8 +124,10 @@ def initial_model(cfg: Config, tokenizer: Tokenizer, device: torch.device | str 
     unused; for a checkpoint that keeps no config, the preset). ``model.overrides`` apply on top either way and
     ``cfg.genslm_config`` checks the result against the run.
 
-    ``device="meta"`` (fresh models only; the trainer's path): parameters without storage, drawn after
-    parallelization by :func:`ds4sci.sequence.materialize_`, so no rank ever holds the whole model."""
+    ``device="meta"`` (the trainer's path): parameters without storage, drawn after parallelization by
+    :func:`ds4sci.sequence.materialize_`, so no rank ever holds the whole model; with ``model.init_from`` the
+    source's weights (memory-mapped where the format allows) are checked against the model and kept as
+    :attr:`GenSLM.init_source`, from which each rank copies only its pieces."""
     state = base = None
     source = f"model.init_from={cfg.model.init_from}"
     if cfg.model.init_from:
@@ -130,9 +138,13 @@ def initial_model(cfg: Config, tokenizer: Tokenizer, device: torch.device | str 
         check_tokenizer(kind, tokenizer, source)
     config = cfg.genslm_config(tokenizer.vocab_size, tokenizer.pad_id, base=base)
     torch.manual_seed(cfg.train.seed)
-    model = GenSLM(config, device=None if state is not None else device)  # loaded weights need real storage
+    model = GenSLM(config, device=device)
     if state is not None:
-        load_into(model, state, source)
+        if model.embed_in.weight.is_meta:
+            check_weights(model, state, source)
+            model.init_source = state
+        else:
+            load_into(model, state, source)
     return model
 
 
@@ -202,7 +214,12 @@ def _torch_load(file: Path):
     """``torch.load(weights_only=True)``: a pickle that needs any other class is refused, never run."""
     try:
         with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            return torch.load(file, map_location="cpu", weights_only=True)
+            try:  # memory-mapped: a rank reads only the pages of the pieces it keeps
+                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:
+                if "mmap" not in str(err):  # only the legacy (non-zip) format cannot be mapped
+                    raise
+                return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         culprit = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         if culprit is None:

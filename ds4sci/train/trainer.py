@@ -149,8 +149,8 @@ class Trainer:
         resume_from = open_run_dir(cfg, resume, overwrite, self.device)  # before anything is written there
 
         self.tokenizer, self.train_ds, self.val_ds = load_data(cfg)
-        # model.init_from's weights land before any parallelism; a fresh model is built on the meta device and each
-        # rank draws only its own pieces (its TP shards, its pipeline stage), so no rank holds the whole model
+        # built on the meta device: each rank draws (or, with model.init_from, copies from the memory-mapped source)
+        # only its own pieces (its TP shards, its table rows, its pipeline stage), so no rank holds the whole model
         model = initial_model(cfg, self.tokenizer, device="meta")
         self.model_config = model.config
         self.num_parameters = sum(p.numel() for p in model.parameters())
@@ -170,6 +170,7 @@ class Trainer:
             self.engine = build_pipeline_engine(model, self.pos_table, cfg, self.groups, self.device, materialize)
         else:
             self.engine = build_engine(model, cfg, self.groups, self.device, materialize)
+        model.init_source = None  # every piece is drawn or copied now: release the fine-tuning source
         self.step = 0
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)

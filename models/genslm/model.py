@@ -12,6 +12,7 @@ tokens, labels and positions together.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +148,9 @@ class GenSLM(nn.Module):
             self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=device)
             self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
         self.checkpoint_fn = None  # see the class docstring
+        # Weights to start from (fine-tuning), by parameter name, any float dtype, possibly memory-mapped: when set,
+        # initial_value reads them instead of drawing (set it on a meta-built model before materializing).
+        self.init_source: Mapping[str, Tensor] | None = None
         self._init_weights()
 
     INIT_ROWS = 4096  # matrices are drawn in blocks of this many rows, each from its own generator
@@ -158,7 +162,15 @@ class GenSLM(nn.Module):
         blocks of :attr:`INIT_ROWS` rows seeded by (seed, name, block); biases 0, LayerNorm weights 1.
 
         ``rows [R]``: only these rows (of a matrix), drawing only the blocks that hold them: a sequence shard of a
-        learned table of a million positions draws its own rows, not the whole table."""
+        learned table of a million positions draws its own rows, not the whole table.
+
+        With :attr:`init_source` set, the value is that tensor's (its ``rows``), as fp32."""
+        if self.init_source is not None:
+            value = self.init_source[name]
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"init_source[{name!r}] has shape {tuple(value.shape)}, the model {tuple(shape)}")
+            rows = None if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
+            return (value if rows is None else value[rows]).to(torch.float32, copy=True)
         if len(shape) < 2:
             return torch.zeros(shape) if name.endswith("bias") else torch.ones(shape)
         rows = torch.arange(shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()

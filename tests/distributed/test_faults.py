@@ -165,27 +165,39 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_the_resume_cont
 
 # ------------------------------------------------------------------------------- non-finite loss, determinism
 def _snapshot(trainer):
-    """Parameters and every AdamW state tensor (the engine's and the position table's) of this rank, copied."""
+    """Module parameters (gathered under ZeRO-3), and for each optimizer (the engine's client AdamW and the position
+    table's) every tensor it steps on with its state, copied. The optimizer's ``state`` is keyed by the tensors it
+    updates: the fp32 master weights (ZeRO-1/2: this rank's flat partition; ZeRO-3: the partitioned fp32 groups;
+    bf16: the fp32 copies), read directly since ZeRO-3 empties the param_groups between steps."""
     optimizers = [trainer.engine.basic_optimizer, trainer.pos_table.optimizer]
     return ({k: v.clone() for k, v in trainer.full_state_dict().items()},
-            [copy.deepcopy(o.state_dict()["state"]) for o in optimizers])
+            [[(p.detach().clone(), {n: copy.deepcopy(v) for n, v in s.items()}) for p, s in o.state.items()]
+             for o in optimizers])
 
 
 def _assert_same(a, b, label):
     (params_a, opt_a), (params_b, opt_b) = a, b
+    assert params_a.keys() == params_b.keys() and params_a, label
     for key in params_a:
         assert torch.equal(params_a[key], params_b[key]), f"{label}: {key}"
-    assert opt_a and len(opt_a) == len(opt_b)
-    for state_a, state_b in zip(opt_a, opt_b):
-        assert state_a.keys() == state_b.keys() and state_a, label
-        for i in state_a:
-            for name in state_a[i]:
-                assert torch.equal(state_a[i][name], state_b[i][name]), f"{label}: optimizer state {i}.{name}"
+    assert len(opt_a) == len(opt_b) == 2
+    for o, (state_a, state_b) in enumerate(zip(opt_a, opt_b)):
+        assert state_a and len(state_a) == len(state_b), label
+        for i, ((master_a, moments_a), (master_b, moments_b)) in enumerate(zip(state_a, state_b)):
+            assert torch.equal(master_a, master_b), f"{label}: optimizer {o} master tensor {i}"
+            assert moments_a.keys() == moments_b.keys() and {"exp_avg", "exp_avg_sq"} <= moments_a.keys(), label
+            for name in moments_a:
+                assert torch.equal(moments_a[name], moments_b[name]), f"{label}: optimizer {o} state {i}.{name}"
+
+
+def _adam_steps(snapshot):
+    return {int(moments["step"]) for state in snapshot[1] for _, moments in state}
 
 
 def _nonfinite_and_deterministic(rank, world, out):
-    """SP=2: a NaN injected into rank 1's loss at step 2 (every rank must agree to skip or stop), under ZeRO 0 and
-    2; then the same deterministic job twice."""
+    """SP=2: a NaN injected into rank 1's loss at step 2 (every rank must agree to skip or stop), under ZeRO 0-3 in
+    fp32 and ZeRO-1 in bf16 (DeepSpeed's BF16_Optimizer, fp32 master weights); then the same deterministic job
+    twice."""
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 
@@ -203,23 +215,27 @@ def _nonfinite_and_deterministic(rank, world, out):
         t._forward_sum = nan_on_rank_1
 
     results = {}
-    for zero in (0, 2):
-        t = trainer(f"skip{zero}", zero, "train.nonfinite=skip")
+    for zero, dtype in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")):
+        case = f"zero {zero} {dtype}"
+        t = trainer(f"skip{zero}{dtype}", zero, "train.nonfinite=skip", f"train.dtype={dtype}")
         poison(t)
         first = t.train_step().loss
         before = _snapshot(t)
+        assert _adam_steps(before) == {1}, case
         lr_before = t.engine.get_lr()[0]
         second = t.train_step()
-        _assert_same(before, _snapshot(t), f"zero {zero}: the skipped step changed the state")
+        _assert_same(before, _snapshot(t), f"{case}: the skipped step changed the state")
         assert t.engine.lr_scheduler.last_epoch == 2 and t.pos_table.scheduler.last_epoch == 2  # the schedule moved on
         assert t.engine.get_lr()[0] != lr_before
         third = t.train_step().loss
-        results[zero] = (first, second.step, second.loss, third)
+        after = _snapshot(t)
+        assert _adam_steps(after) == {2}, case  # the good step after the skipped one updated, counted once
+        assert not any(torch.equal(a, b) for (a, _), (b, _) in zip(before[1][0], after[1][0])), case
+        results[case] = (first, second.step, second.loss, third)
         t.cfg.train.nonfinite = "stop"  # the default
-        before = _snapshot(t)
         with pytest.raises(ValueError, match=r"^step 4: the loss is nan \(train.nonfinite=stop; no update was applied"):
             t.train_step()
-        _assert_same(before, _snapshot(t), f"zero {zero}: stop changed the state")
+        _assert_same(after, _snapshot(t), f"{case}: stop changed the state")
 
     runs = []
     for name in ("det_a", "det_b"):

@@ -125,6 +125,18 @@ def check_materialize(label, groups, cfg, seed=0):
     if ref_table is not None:
         assert torch.equal(table.weight, ref_table.weight) and torch.equal(table.rows, ref_table.rows), label
         assert table.weight.ds4sci_sequence_sharded == ref_table.weight.ds4sci_sequence_sharded, label
+    # fine-tuning: the pieces are copied from init_source (another model's weights, in bf16) instead of drawn
+    source = _model(cfg, seed + 100)
+    state = {k: v.to(torch.bfloat16) for k, v in source.state_dict().items()}
+    source.load_state_dict(state)  # the values the bf16 source holds
+    source_table = parallelize(source, groups)
+    meta = GenSLM(cfg, device="meta")
+    meta.init_source = state
+    table = parallelize(meta, groups)
+    materialize_(meta, table, groups)
+    source_params = dict(source.named_parameters())
+    assert all(torch.equal(p, source_params[n]) for n, p in meta.named_parameters()), label
+    assert source_table is None or torch.equal(table.weight, source_table.weight), label
 
 
 def _expect_value_error(label, match, fn):

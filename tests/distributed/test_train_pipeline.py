@@ -1,10 +1,10 @@
 """Pipeline parallelism (``parallel.pp``: DeepSpeed's pipeline engine, 1F1B) trains exactly like one process:
 per-step losses and every parameter after three steps (fp32, ~1e-5) for PP2 (end to end through
 ``Trainer.train()``: validation loss, pipeline checkpoint, consolidated export), PP2 x Ulysses2 with the
-sequence-sharded learned position table, and TP2 x PP2 with gradient accumulation (the last two with activation
-checkpointing, selective and full). Clipped cases check the global
+sequence-sharded learned position table, TP2 x PP2 with gradient accumulation (these two with activation
+checkpointing, selective and full), and PP2 x Ring2 (zigzag) with the learned table. Clipped cases check the global
 gradient norm across stages (DeepSpeed's ZeRO-0 clipping alone counts only the first stage's); the unclipped
-PP2 x Ulysses2 case checks the loss scale (an active clip would hide a gradient off by a common factor).
+PP2 x Ulysses2 and PP2 x Ring2 cases check the loss scale (an active clip would hide a gradient off by a common factor).
 
 Also, without processes: DeepSpeed's topology numbers ranks as ``ParallelDims`` does, parameter names map back to
 GenSLM's, and a ZeRO stage the pipeline engine refuses is refused at config time.
@@ -28,10 +28,10 @@ REFERENCES = {"z1 rotary clip": (1, "rotary", True), "z1 learned": (1, "learned"
 END_TO_END = "z1 rotary clip"
 
 
-def _case(out_dir, name, ulysses=1, micro=2, extra=()):
+def _case(out_dir, name, ulysses=1, ring=1, micro=2, extra=()):
     zero, pe, clip = REFERENCES[name]
     cache = [f"data.cache_dir={out_dir.parent / 'token_cache'}"]  # one token cache for every run
-    return _overrides(out_dir, zero, ulysses=ulysses, micro=micro, pe=pe,
+    return _overrides(out_dir, zero, ulysses=ulysses, ring=ring, micro=micro, pe=pe,
                       extra=[*cache, *(CLIP if clip else []), *extra])
 
 
@@ -94,6 +94,9 @@ def test_pp2_with_ulysses_and_tensor_parallelism(runs, references):
         ("z0 alibi clip", "tp=2 x pp=2 zero=0 grad_accum=2 clipped, full checkpointing",
          _case(runs / "tppp", "z0 alibi clip", micro=1,
                extra=[*PP2, "parallel.tp=2", "train.grad_accum=2", "activation_checkpointing.mode=full"])),
+        # zigzag rows of the learned table on the first stage; unclipped: K = dp * sp must count the ring ranks
+        ("z1 learned", "pp=2 x ring=2 zigzag zero=1 learned",
+         _case(runs / "ppr", "z1 learned", ring=2, extra=PP2)),
     ]
     got = run_workers(_cases, 4, [(overrides, False) for _, _, overrides in cases], env=ENV, timeout=400)[0]
     for (name, label, _), result in zip(cases, got):
