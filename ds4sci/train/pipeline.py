@@ -68,7 +68,7 @@ def pipeline_topology(dims: ParallelDims):
 def pipeline_reduction_factor(dims: ParallelDims) -> float:
     """``K`` of :mod:`ds4sci.train.loss` for the pipeline engine (ZeRO 0 or 1): it averages gradients over its data
     group, the ``dp * sp`` sequence x data ranks (measured per parameter against one process)."""
-    return float(dims.dp * dims.ulysses)
+    return float(dims.dp * dims.sp)
 
 
 def _unpack(inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
