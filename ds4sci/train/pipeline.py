@@ -29,6 +29,9 @@ Facts checked with DeepSpeed 0.19.8 on the CPU (gloo; ``tests/distributed/test_t
 - ``pipeline.pipe_partitioned`` / ``grad_partitioned`` (DeepSpeed's default under a model axis) split stage
   outputs over the TP group assuming they are replicated there; ours are sequence-sharded over TP, so both are off.
 - ZeRO-2/3 are refused by the engine ("incompatible with pipeline parallelism"); the config refuses them first.
+- ZeRO-Offload of the optimizer at ZeRO-1 (``zero.offload_optimizer=cpu``: DeepSpeed's ZeRO-1 optimizer with
+  ``cpu_offload``) reduces gradients like ZeRO-1 (same loss scale) and trains exactly like one process (PP2 x DP2;
+  PP2 alone with clipping measured too).
 
 The learned position table stays out of the engine as without pipelining
 (:class:`~ds4sci.train.position_table.PositionTable`); the embedding stage looks it up, so its gradient exists on
