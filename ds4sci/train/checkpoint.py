@@ -1,12 +1,12 @@
 """Checkpoints for exact resume, at the layout that saved them or any other: DeepSpeed's engine checkpoint, a
-layout-free copy of the training state ("portable") and the learned position table's full state
-(:meth:`ds4sci.train.position_table.PositionTable.state_dict`).
+layout-free copy of the training state ("portable") and the learned position table's state, one file per
+sequence shard (:meth:`ds4sci.train.position_table.PositionTable.shard_state`).
 
 Layout of ``train.out_dir/checkpoints``::
 
     step4/                 a complete checkpoint: DeepSpeed's files (mp_rank_*_model_states.pt, under ZeRO
                            zero_pp_rank_*_optim_states.pt, under PP layer_*-model_states.pt), portable/rank*.safetensors,
-                           position_table.pt, and checkpoint.json, written last
+                           position_table/sp*.pt, and checkpoint.json, written last
     latest                 the newest complete tag (DeepSpeed's pointer; its tools, e.g. zero_to_fp32.py, read it)
     .tmp-step6/            a save in progress, or one a killed process left behind (never loaded; removed by the
                            next save)
@@ -85,7 +85,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "check_checkpoint", "SafeCheckpointEngine"]
 
 META = "checkpoint.json"
-TABLE = "position_table.pt"
+TABLE = "position_table"  # the learned table: one file per sequence shard, sp{R}.pt (its rows, moments, positions)
 PORTABLE = "portable"  # the layout-free state: one safetensors file per rank that owns some of it
 _ADAM = ("exp_avg", "exp_avg_sq")  # torch AdamW's moments, beside the fp32 master ("param")
 _STEP_DIR = re.compile(r"step(\d+)")
@@ -205,10 +205,10 @@ def save_checkpoint(trainer) -> Path:
     dist.barrier()
     trainer.engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": trainer.step}, save_latest=False)
     portable = _save_portable(trainer, tmp)
-    if trainer.pos_table is not None:
-        full = trainer.pos_table.state_dict()
-        if trainer.rank == 0:
-            torch.save(full, tmp / TABLE)
+    groups = trainer.groups
+    if trainer.pos_table is not None and groups.dp_rank == 0 and groups.tp_rank == 0 and groups.coords.pp == 0:
+        (tmp / TABLE).mkdir(exist_ok=True)  # one writer per sequence shard: its own rows, never the whole table
+        torch.save(trainer.pos_table.shard_state(), tmp / TABLE / f"sp{groups.sp_rank:05d}.pt")
     dist.barrier()
     if trainer.rank == 0:
         _commit(root, tmp, tag, {"step": trainer.step, **_fingerprint(trainer), PORTABLE: portable})
@@ -384,9 +384,9 @@ def load_checkpoint(trainer, path: str | Path) -> Path:
         if trainer.step != meta["step"]:
             raise ValueError(f"{path}: the engine state is of step {trainer.step}, {META} says {meta['step']}")
     if trainer.pos_table is not None:
-        table_file = path / TABLE
-        if not table_file.is_file():
-            raise FileNotFoundError(f"{table_file} is missing: this checkpoint has no learned position table")
-        trainer.pos_table.load_state_dict(safe_load(table_file), str(table_file))
+        files = sorted((path / TABLE).glob("sp*.pt"))
+        if not files:
+            raise FileNotFoundError(f"{path / TABLE} is missing: this checkpoint has no learned position table")
+        trainer.pos_table.load_shards((safe_load(file), str(file)) for file in files)
     logger.info("resumed from %s (step %d)", path, trainer.step)
     return path

@@ -6,9 +6,12 @@ holds per rank. So the table stays out of the engine (:func:`ds4sci.sequence.par
 and :class:`PositionTable` does for it what the engine does for the rest: its own AdamW with the same
 hyper-parameters and schedule, the gradient summed over the data-parallel group only and clipped against its own
 global norm (DISCREPANCY: clipping is per parameter group, engine vs table), the full table gathered from the
-sequence shards, and checkpoint state saved FULL so a run resumes at another sequence-parallel degree.
+sequence shards for an export, and checkpoint state saved per sequence shard with the global positions of its rows,
+so a run resumes at another sequence-parallel degree or layout without any rank holding the whole table.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -62,49 +65,76 @@ class PositionTable:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def gather(self, tensor: Tensor | None = None) -> Tensor:
+    def gather(self, tensor: Tensor | None = None, dst: int | None = None) -> Tensor | None:
         """The full ``[max_positions, hidden]`` table (or optimizer state shaped like it) on the CPU, assembled
-        from every sequence shard (collective over the SP group)."""
+        from every sequence shard (collective over the SP group): on every rank, or (``dst``, a global rank) only
+        there; the other ranks return None and only ``dst``'s SP group communicates."""
         tensor = self.module.weight.detach() if tensor is None else tensor
-        sp = self.groups.dims.sp
+        sp, group = self.groups.dims.sp, self.groups.sp
+        if dst is not None and (sp == 1 or dst not in dist.get_process_group_ranks(group)):
+            return tensor.detach().cpu().clone() if dist.get_rank() == dst else None
         if sp == 1:
             return tensor.detach().cpu().clone()
-        parts = [torch.empty_like(tensor) for _ in range(sp)]
-        rows = [torch.empty_like(self.module.rows) for _ in range(sp)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.groups.sp)
-        dist.all_gather(rows, self.module.rows, group=self.groups.sp)
+        if dst is None:
+            parts = [torch.empty_like(tensor) for _ in range(sp)]
+            rows = [torch.empty_like(self.module.rows) for _ in range(sp)]
+            dist.all_gather(parts, tensor.contiguous(), group=group)
+            dist.all_gather(rows, self.module.rows, group=group)
+        else:
+            here = dist.get_rank() == dst
+            parts = [torch.empty_like(tensor) for _ in range(sp)] if here else None
+            rows = [torch.empty_like(self.module.rows) for _ in range(sp)] if here else None
+            dist.gather(tensor.contiguous(), parts, dst=dst, group=group)
+            dist.gather(self.module.rows, rows, dst=dst, group=group)
+            if not here:
+                return None
         return LearnedPositionEmbedding.assemble_full_table(list(zip(rows, parts)), self.module.max_positions)
 
-    def state_dict(self) -> dict:
-        """Full (unsharded) weight and AdamW moments, the Adam step and the schedule (collective)."""
-        state = self.optimizer.state.get(self.module.weight, {})
-        zeros = torch.zeros_like(self.module.weight)
+    def shard_state(self) -> dict:
+        """This rank's rows of the weight and AdamW moments (fp32, CPU) with their global positions (``rows``), the
+        table's size, the Adam step and the schedule: what a checkpoint keeps per sequence shard (no collective)."""
+        w = self.module.weight
+        state = self.optimizer.state.get(w, {})
+        zeros = torch.zeros_like(w)
         return {
-            "weight": self.gather(),
-            "exp_avg": self.gather(state.get("exp_avg", zeros)),
-            "exp_avg_sq": self.gather(state.get("exp_avg_sq", zeros)),
+            "rows": self.module.rows.cpu(),
+            "max_positions": torch.tensor(self.module.max_positions),
+            "weight": w.detach().float().cpu(),
+            "exp_avg": state.get("exp_avg", zeros).float().cpu(),
+            "exp_avg_sq": state.get("exp_avg_sq", zeros).float().cpu(),
             "adam_step": state.get("step", torch.tensor(0.0)),
             "scheduler": self.scheduler.state_dict(),
         }
 
-    def load_state_dict(self, full: dict, source: str) -> None:
-        """Take this rank's rows of a :meth:`state_dict` saved at any sequence-parallel degree.
+    def load_shards(self, shards: Iterable[tuple[dict, str]]) -> None:
+        """Take this rank's rows from the :meth:`shard_state` of every sequence shard of a checkpoint saved at any
+        sequence-parallel degree or layout; ``shards`` yields ``(state, source)`` pairs, read one at a time.
 
         Raises:
-            ValueError: the saved table's shape is not this model's (``source`` names the file).
+            ValueError: a shard's table is not this model's, or a position of this rank is in no shard or in
+                several (``source`` names the file).
         """
         w = self.module.weight
-        expected = (self.module.max_positions, w.shape[1])
-        if tuple(full["weight"].shape) != expected:
-            raise ValueError(f"{source}: position table {tuple(full['weight'].shape)}, this model needs {expected}")
-        rows = self.module.rows.cpu()
+        slot = self.module._slot.cpu()  # global position -> row of this rank, or -1
+        weight, exp_avg, exp_avg_sq = (torch.zeros(w.shape) for _ in range(3))
+        found = torch.zeros(w.shape[0], dtype=torch.long)
+        shard, source = None, "the checkpoint"
+        for shard, source in shards:
+            if int(shard["max_positions"]) != self.module.max_positions or shard["weight"].shape[1] != w.shape[1]:
+                raise ValueError(f"{source}: position table of {int(shard['max_positions'])} x "
+                                 f"{shard['weight'].shape[1]}, this model needs {self.module.max_positions} x {w.shape[1]}")
+            local = slot[shard["rows"]]
+            keep = local >= 0
+            for dst, key in ((weight, "weight"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
+                dst[local[keep]] = shard[key][keep]
+            found[local[keep]] += 1
+        if shard is None or not bool((found == 1).all()):
+            missing = self.module.rows.cpu()[found != 1][:8].tolist()
+            raise ValueError(f"{source}: positions {missing} of this rank are in no saved table shard, or in several")
         with torch.no_grad():
-            w.copy_(full["weight"][rows])
-        self.optimizer.state[w] = {
-            "step": full["adam_step"].clone(),
-            "exp_avg": full["exp_avg"][rows].to(w).clone(),
-            "exp_avg_sq": full["exp_avg_sq"][rows].to(w).clone(),
-        }
-        self.scheduler.load_state_dict(full["scheduler"])
+            w.copy_(weight.to(w))
+        self.optimizer.state[w] = {"step": shard["adam_step"].clone(), "exp_avg": exp_avg.to(w),
+                                   "exp_avg_sq": exp_avg_sq.to(w)}
+        self.scheduler.load_state_dict(shard["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr  # a scheduler's state does not reach its optimizer before the next scheduler step

@@ -264,7 +264,7 @@ class Trainer:
             skipped = self.engine.skipped_steps
             with _no_update([] if finite else [self.engine.basic_optimizer]):
                 self.engine.step()
-            if self.engine.skipped_steps > skipped:  # DeepSpeed's own check (ZeRO 1-2) skipped it, schedule too:
+            if self.engine.skipped_steps > skipped:  # DeepSpeed's own check (ZeRO 1-3, bf16) skipped it, schedule too:
                 self.engine.lr_scheduler.step()      # keep the schedule with the step counter, as at stage 0
         if self.pos_table is not None:
             with _no_update([] if finite else [self.pos_table.optimizer]):
@@ -403,11 +403,12 @@ class Trainer:
         import deepspeed
 
         keep = dst is None or self.rank == dst
-        table = {"embed_pos.weight": self.pos_table.gather().float()} if self.pos_table is not None else {}
         if self.dims.pp > 1:  # the first stage sends the table with its parameters
+            table = {"embed_pos.weight": self.pos_table.gather().float()} if self.pos_table is not None else {}
             return pipeline_state_dict(self.engine, self.groups, self.tp_plan, self.model_config.num_layers, table,
                                        dst=dst)
-        table = table if keep else {}
+        table = self.pos_table.gather(dst=dst) if self.pos_table is not None else None
+        table = {"embed_pos.weight": table.float()} if table is not None else {}
         state = {}
         zero3 = self.cfg.zero.stage == 3
         for k, v in self.engine.module.state_dict(keep_vars=True).items():
