@@ -121,6 +121,9 @@ class GenSLM(nn.Module):
     inside. ``doc_ids`` restrict attention to the same document (packed windows). ``position_embeds [B, T, hidden]``
     replaces the learned table's output after :meth:`pop_position_embedding`.
 
+    ``device="meta"`` builds the parameters without storage; a trainer parallelizes the model and then draws only the
+    pieces a rank keeps from :meth:`initial_value` (``ds4sci.sequence.materialize_``), equal to building it whole.
+
     Activation checkpointing hook (Hugging Face's ``gradient_checkpointing`` pattern): :attr:`checkpoint_fn`, None
     by default, is set from outside (``ds4sci.train.checkpointing``) to a function called as
     ``checkpoint_fn(block, x, position_ids, doc_ids)`` in place of ``block(x, position_ids, doc_ids)`` while training,
