@@ -21,7 +21,9 @@ Facts checked with DeepSpeed 0.19.8 on the CPU (gloo; ``tests/distributed/test_t
 
 - Gradient reduction: the engine averages gradients over its data group (``dp * sp`` ranks) at ZeRO 0 and 1, so
   the loss scale is :func:`pipeline_reduction_factor` ``= dp * sp`` (not the ``dp`` of the non-pipeline engine,
-  whose mpu tells it about the sequence ranks).
+  whose mpu tells it about the sequence ranks). :func:`build_pipeline_engine` measures it at start-up on a probe
+  pipeline (:func:`check_pipeline_gradient_reduction`), as the non-pipeline engine does
+  (:func:`ds4sci.train.sanity.check_gradient_reduction`).
 - Gradient clipping at ZeRO 0 (``deepspeed.runtime.utils.clip_grad_norm_``) counts a parameter only on the
   rank whose *pipe x model* index is 0 unless it is marked model-parallel, so the norm would be stage 0's alone;
   :func:`build_pipeline_engine` marks the parameters of every TP-rank-0 process ``model_parallel`` so each
@@ -56,9 +58,11 @@ from ds4sci.sequence.tensor_parallel import gather_tensor_parallel, token_loss_f
 from ds4sci.train.config import Config
 from ds4sci.train.engine import deepspeed_config, make_optimizer
 from ds4sci.train.loss import scaled_shard_loss
+from ds4sci.train.sanity import refuse_mismatch
 
 __all__ = ["pipeline_topology", "pipeline_reduction_factor", "pipeline_layers", "genslm_name", "PipelineLoss",
-           "build_pipeline_engine", "pipeline_train_batch", "pipeline_eval_sum", "pipeline_state_dict"]
+           "build_pipeline_engine", "measure_pipeline_division", "check_pipeline_gradient_reduction",
+           "pipeline_train_batch", "pipeline_eval_sum", "pipeline_state_dict"]
 
 
 def pipeline_topology(dims: ParallelDims):
@@ -190,9 +194,9 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
     on the first, the head on the last. ``materialize(stage)``: called on the stage's own module as soon as it holds
     its layers, before anything touches their parameters (draws a meta model's pieces for this stage only; see
     :func:`ds4sci.sequence.materialize_`). ``position_table``: the learned table kept out of the engine (or None).
-    ``engine.module.loss_fn`` is the :class:`PipelineLoss`.
+    ``engine.module.loss_fn`` is the :class:`PipelineLoss`. First, the engine's gradient reduction is checked on a
+    probe pipeline (:func:`check_pipeline_gradient_reduction`).
     """
-    import deepspeed
     from deepspeed.runtime.pipe import PipelineModule
 
     class StagePipeline(PipelineModule):
@@ -202,12 +206,20 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
                 materialize(self)
 
     dims = groups.dims
+    check_pipeline_gradient_reduction(cfg, groups, device)  # before the model's engine: fails fast
     pipe = StagePipeline(pipeline_layers(model, position_table), topology=pipeline_topology(dims),
                          loss_fn=PipelineLoss(groups), partition_method="type:BlockStage")
     pipe.to(device)
     if groups.tp_rank == 0:
         for p in pipe.parameters():
             p.model_parallel = True  # counted once in clip_grad_norm_'s global norm (see the module docstring)
+    return _initialize(pipe, cfg, dims)
+
+
+def _initialize(pipe, cfg: Config, dims: ParallelDims):
+    """``deepspeed.initialize`` of the ``PipelineModule`` ``pipe`` with ``cfg``'s DeepSpeed config and optimizer."""
+    import deepspeed
+
     ds_config = deepspeed_config(cfg, dims.sp)
     ds_config.pop("sequence_parallel_size")  # the engine sees the sequence ranks as data ranks (topology)
     ds_config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
@@ -215,6 +227,75 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
     engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
                                            dist_init_required=False)
     return engine
+
+
+class _ProbeStage(nn.Module):
+    """``x -> x * w`` with one weight ``w = 1``: in a chain of these, every stage's gradient is the first stage's
+    input ``c`` (the loss is the last output's sum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to(self.weight.dtype) * self.weight
+
+
+def _probe_loss(outputs: Tensor, labels: Tensor) -> Tensor:
+    return outputs.sum()
+
+
+def measure_pipeline_division(cfg: Config, groups: SequenceParallelGroups, device: torch.device) -> Tensor:
+    """What the pipeline engine divides the summed gradient of its data group (the ``dp * sp`` sequence x data
+    ranks) by, as seen on this rank's stage, times the accumulation steps (float64 scalar): the pipeline's
+    :func:`ds4sci.train.sanity.measure_division`.
+
+    A probe ``PipelineModule`` of one :class:`_ProbeStage` per stage, with the model's topology and DeepSpeed config
+    (ZeRO stage, offload, bf16, accumulation steps), runs ``engine.train_batch`` (1F1B, the engine's own gradient
+    reduction): rank ``r`` of the data group (``W`` ranks) feeds ``c_r = r + 1`` (exact in bf16) to each of the
+    ``grad_accum`` micro-batches; the reduced gradient ``G`` is read (``safe_get_full_grad``) where the optimizer
+    would step, which is skipped, and the probe engine is destroyed. Returns ``grad_accum * sum(c) / G``:
+    ``pipeline_reduction_factor * grad_accum`` when DeepSpeed behaves as the loss scale assumes."""
+    from deepspeed.runtime.pipe import PipelineModule
+    from deepspeed.utils import safe_get_full_grad
+
+    dims, accum = groups.dims, cfg.train.grad_accum
+    pipe = PipelineModule([_ProbeStage() for _ in range(dims.pp)], topology=pipeline_topology(dims),
+                          loss_fn=_probe_loss, partition_method="uniform")
+    engine = _initialize(pipe.to(device), cfg, dims)
+    (weight,) = engine.module.parameters()  # this stage's
+    reduced = []
+
+    def read_instead_of_step(lr_kwargs=None):  # PipelineEngine._exec_optimizer_step calls it after the reduction
+        grad = safe_get_full_grad(weight)  # ZeRO-1: collective over the stage's data group
+        reduced.append(float(grad.float().sum()) if grad is not None else 0.0)
+        engine.global_steps += 1  # as the step would (at 0, train_batch prints its "steps: 0" line)
+
+    engine._take_model_step = read_instead_of_step
+    W, r = dist.get_world_size(groups.sdp), dist.get_rank(groups.sdp)
+    c = torch.tensor([float(r + 1)], device=device)
+    engine.train_batch(iter([(c, c)] * accum))
+    engine.destroy()
+    total = accum * W * (W + 1) / 2
+    return torch.tensor(total / reduced[0] if reduced and reduced[0] else float("inf"), dtype=torch.float64)
+
+
+def check_pipeline_gradient_reduction(cfg: Config, groups: SequenceParallelGroups, device: torch.device) -> None:
+    """Refuse to train when the pipeline engine's measured gradient reduction
+    (:func:`measure_pipeline_division`) is not :func:`pipeline_reduction_factor` x ``train.grad_accum`` (a
+    collective over the whole world; skipped when the sequence x data group is one rank).
+
+    Raises:
+        RuntimeError: naming DeepSpeed's version, the ZeRO stage, the degrees, and the measured vs expected factor.
+    """
+    if dist.get_world_size(groups.sdp) == 1:
+        return  # nothing is reduced (the engine's division by the accumulation steps is tested)
+    d, accum = groups.dims, cfg.train.grad_accum
+    refuse_mismatch(measure_pipeline_division(cfg, groups, device), pipeline_reduction_factor(d) * accum, device,
+                    settings=f"pipeline engine, parallel.pp={d.pp}, zero.stage={cfg.zero.stage}, dp={d.dp}, "
+                             f"sp={d.sp}, train.grad_accum={accum}",
+                    factor="pipeline_reduction_factor x grad_accum",
+                    fix="ds4sci.train.pipeline.pipeline_reduction_factor")
 
 
 def pipe_batches(batches: list[dict[str, Tensor]]):

@@ -74,21 +74,32 @@ def check_gradient_reduction(initialize: Callable[[nn.Module], object], cfg: Con
     Raises:
         RuntimeError: naming DeepSpeed's version, the ZeRO stage, the degrees, and the measured vs expected factor.
     """
-    import deepspeed
-
     if dist.get_world_size(groups.sdp) == 1:
         return  # nothing is reduced: K = 1 at every stage (engine.backward's division by grad_accum is tested)
     d, accum = groups.dims, cfg.train.grad_accum
     expected = grad_reduction_factor(cfg.zero.stage, d.dp, d.sp) * accum
-    # every rank's measurement, so that all ranks fail together (a rank that passed would hang in the next collective)
-    measured = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(measured, measure_division(initialize, groups, accum, device).to(device))
-    measured = sorted({float(m) for m in measured})
-    if any(abs(m - expected) > 1e-2 * expected for m in measured):  # bf16 is exact here; a wrong one is >= 2x off
+    refuse_mismatch(measure_division(initialize, groups, accum, device), expected, device,
+                    settings=f"zero.stage={cfg.zero.stage}, dp={d.dp}, sp={d.sp}, train.grad_accum={accum}",
+                    factor="grad_reduction_factor x grad_accum", fix="ds4sci.train.loss.grad_reduction_factor")
+
+
+def refuse_mismatch(measured: torch.Tensor, expected: float, device: torch.device, settings: str, factor: str,
+                    fix: str) -> None:
+    """Raise on every rank when any rank's ``measured`` division (a float64 scalar) is not ``expected`` (collective
+    over the whole world: all ranks fail together, a rank that passed would hang in the next collective).
+
+    Raises:
+        RuntimeError: naming DeepSpeed's version, ``settings``, the measured divisions and ``factor = expected``, and
+            what to ``fix``.
+    """
+    import deepspeed
+
+    gathered = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, measured.to(device))
+    values = sorted({float(m) for m in gathered})
+    if any(abs(m - expected) > 1e-2 * expected for m in values):  # bf16 is exact here; a wrong one is >= 2x off
         raise RuntimeError(
             f"DeepSpeed {deepspeed.__version__} reduces gradients differently from what ds4sci's loss scale assumes "
-            f"(zero.stage={cfg.zero.stage}, dp={d.dp}, sp={d.sp}, train.grad_accum={accum}): it divides the summed "
-            f"gradient by {' / '.join(f'{m:g}' for m in measured)} (over the ranks), the loss is scaled by "
-            f"grad_reduction_factor x grad_accum = {expected:g}. "
-            f"Training would mis-scale every gradient; use a tested DeepSpeed version (see setup.py) or update "
-            f"ds4sci.train.loss.grad_reduction_factor")
+            f"({settings}): it divides the summed gradient by {' / '.join(f'{m:g}' for m in values)} (over the "
+            f"ranks), the loss is scaled by {factor} = {expected:g}. "
+            f"Training would mis-scale every gradient; use a tested DeepSpeed version (see setup.py) or update {fix}")

@@ -8,6 +8,9 @@ the optimizer (``zero.offload_optimizer=cpu``). Clipped cases check the global g
 check the loss scale (an active clip would hide a gradient off by a common factor). bf16 under PP2 x Ulysses2 (ZeRO 0
 and 1) follows the fp32 single-process run: every parameter's update to 5% of its size.
 
+The pipeline engine's gradient reduction, measured on the start-up check's probe pipeline, is the loss scale's
+``pipeline_reduction_factor`` (ZeRO 0-1, accumulation, offload, bf16), and the check refuses a wrong factor.
+
 Also, without processes: DeepSpeed's topology numbers ranks as ``ParallelDims`` does, parameter names map back to
 GenSLM's, and a ZeRO stage the pipeline engine refuses is refused at config time.
 
@@ -15,6 +18,7 @@ The helpers (config overrides, the per-case worker, the comparison) are those of
 ``test_train_tensor_parallel``.
 """
 import itertools
+import re
 
 import pytest
 
@@ -109,6 +113,55 @@ def test_pp2_with_ulysses_and_tensor_parallelism(runs, references):
     got = run_workers(_cases, 4, [(overrides, False) for _, _, overrides in cases], env=ENV, timeout=400)[0]
     for (name, label, _), result in zip(cases, got):
         _check(result, references[name], label)
+
+
+# (settings, expected division): pipeline_reduction_factor (dp * sp) x grad_accum, on 4 ranks with pp=2
+PROBES = [(["parallel.ulysses=2", "zero.stage=0"], 2.0),
+          (["parallel.ring=2", "zero.stage=1", "train.grad_accum=2"], 4.0),
+          (["parallel.dp=2", "zero.stage=1", "zero.offload_optimizer=cpu"], 2.0),
+          (["parallel.ulysses=2", "zero.stage=0", "train.dtype=bf16"], 2.0)]
+
+
+def _pipeline_divisions(rank, world):
+    """``measure_pipeline_division`` per setting of ``PROBES``, and the error of ``build_pipeline_engine`` (its
+    start-up check, before it reads the model) when ``pipeline_reduction_factor`` is wrong (1 under Ulysses 2)."""
+    import torch
+
+    from ds4sci.sequence import build_groups
+    from ds4sci.train import pipeline
+    from ds4sci.train.config import load_config
+    from ds4sci.train.engine import init_distributed
+
+    init_distributed()
+    cpu, measured = torch.device("cpu"), []
+    for settings, _ in PROBES:
+        cfg = load_config(None, [*PP2, "model.overrides.num_layers=2", *settings])
+        measured.append(float(pipeline.measure_pipeline_division(cfg, build_groups(cfg.parallel.dims(world)), cpu)))
+    cfg = load_config(None, [*PP2, "model.overrides.num_layers=2", "parallel.ulysses=2", "zero.stage=1"])
+    right, pipeline.pipeline_reduction_factor = pipeline.pipeline_reduction_factor, lambda dims: 1.0
+    try:
+        pipeline.build_pipeline_engine(None, None, cfg, build_groups(cfg.parallel.dims(world)), cpu)
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    finally:
+        pipeline.pipeline_reduction_factor = right
+    return measured, error
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_gradient_reduction_is_what_deepspeed_measures():
+    """The pipeline engine's measured gradient division is ``pipeline_reduction_factor`` x ``grad_accum`` (on every
+    rank of both stages), and the start-up check refuses a wrong factor on every rank, naming DeepSpeed's version and
+    both numbers (tests/train/test_loss.py does the same for the non-pipeline engine)."""
+    results = run_workers(_pipeline_divisions, 4, env=ENV, timeout=300)
+    for measured, error in results:
+        assert measured == [want for _, want in PROBES], measured
+        assert error is not None and re.search(r"^DeepSpeed \d+\.\d+\.\d+ reduces gradients differently", error), error
+        assert "(pipeline engine, parallel.pp=2, zero.stage=1, dp=1, sp=2, train.grad_accum=1)" in error, error
+        assert "divides the summed gradient by 2 " in error, error
+        assert "pipeline_reduction_factor x grad_accum = 1." in error, error
 
 
 def _pipeline_master_updates(rank, world, cases):
