@@ -1,5 +1,8 @@
-"""Consolidated model export: one directory with ``model.safetensors`` (the full GenSLM state dict, position table
-unsharded), ``config.json`` (GenSLMConfig + tokenizer name) and ``tokenizer.json``. Read back with :func:`ds4sci.load_model`
+"""Consolidated model export: one directory with the full GenSLM state dict (position table unsharded) in
+``model.safetensors`` or, past :data:`MAX_SHARD_BYTES`, in ``model-0000i-of-0000n.safetensors`` shards with a
+``model.safetensors.index.json`` weight map (Hugging Face's convention), ``config.json`` (GenSLMConfig + tokenizer
+name) and ``tokenizer.json``. :class:`ExportWriter` takes the tensors one at a time and writes each shard as it
+fills, so the writer never holds more than one shard. Read back with :func:`ds4sci.load_model`
 (:mod:`ds4sci.train.init_from`), which also reads Hugging Face GPT-NeoX directories and GenSLM checkpoints."""
 from __future__ import annotations
 
@@ -14,22 +17,74 @@ from ds4sci.data import Tokenizer
 from ds4sci.models.genslm import GenSLMConfig
 
 
+MAX_SHARD_BYTES = 4 * 1024**3  # per safetensors file of an export
+INDEX = "model.safetensors.index.json"
+
+
+class ExportWriter:
+    """Writes an export directory from tensors given one at a time (:meth:`add`), then :meth:`close`: the tensors go
+    into shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own), each written when full;
+    one shard is ``model.safetensors``, several are ``model-0000i-of-0000n.safetensors`` plus :data:`INDEX`."""
+
+    def __init__(self, out_dir: str | Path, config: GenSLMConfig, tokenizer: Tokenizer,
+                 max_shard_bytes: int | None = None):
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        for old in (*self.out.glob("model*.safetensors"), self.out / INDEX):  # a previous export's files
+            old.unlink(missing_ok=True)
+        self.config, self.tokenizer = config, tokenizer
+        self.max_shard_bytes = MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []  # the names in each written shard
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.detach().cpu().contiguous()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        save_file(self.pending, str(self.out / f"shard-{len(self.shards):05d}.tmp"))
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> Path:
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, name in enumerate(names):
+            (self.out / f"shard-{i:05d}.tmp").replace(self.out / name)
+        if n > 1:
+            weight_map = {key: name for name, keys in zip(names, self.shards) for key in keys}
+            (self.out / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total},
+                                                      "weight_map": weight_map}, indent=1))
+        meta = {"model": self.config.to_dict(), "tokenizer": self.tokenizer.kind}
+        (self.out / "config.json").write_text(json.dumps(meta, indent=1))
+        self.tokenizer.save(self.out / "tokenizer.json")
+        return self.out
+
+
 def export_consolidated(state_dict: dict[str, torch.Tensor], config: GenSLMConfig, tokenizer: Tokenizer,
-                        out_dir: str | Path, rank: int = 0) -> Path:
-    """Write the export (only on ``rank`` 0; other ranks return the path)."""
-    out = Path(out_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(out / "model.safetensors"))
-        (out / "config.json").write_text(json.dumps({"model": config.to_dict(), "tokenizer": tokenizer.kind}, indent=1))
-        tokenizer.save(out / "tokenizer.json")
-    return out
+                        out_dir: str | Path, rank: int = 0, max_shard_bytes: int | None = None) -> Path:
+    """Write the export of ``state_dict`` (only on ``rank`` 0; other ranks return the path)."""
+    if rank != 0:
+        return Path(out_dir)
+    writer = ExportWriter(out_dir, config, tokenizer, max_shard_bytes)
+    for name, tensor in state_dict.items():
+        writer.add(name, tensor)
+    return writer.close()
 
 
 def read_consolidated(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig, Tokenizer]:
     """``(state dict, config, tokenizer)`` of an export directory, checked against each other; no model built."""
     path = Path(path)
-    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+    sharded = (path / INDEX).is_file() and not (path / "model.safetensors").is_file()
+    for name in (INDEX if sharded else "model.safetensors", "config.json", "tokenizer.json"):
         if not (path / name).is_file():
             raise FileNotFoundError(f"{path} is not a ds4sci export: {name} is missing")
     try:
@@ -40,8 +95,19 @@ def read_consolidated(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLM
     tokenizer = Tokenizer.load(path / "tokenizer.json")
     if tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} ids but the model {config.vocab_size}")
-    try:
-        state_dict = load_file(str(path / "model.safetensors"))
-    except SafetensorError as err:
-        raise ValueError(f"{path / 'model.safetensors'}: cannot be read, truncated or corrupt ({err})") from None
+    files = ["model.safetensors"]
+    if sharded:
+        try:
+            files = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{path / INDEX}: not a safetensors index ({err})") from None
+    missing = [file for file in files if not (path / file).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path / missing[0]} is missing (named by {INDEX})")
+    state_dict = {}
+    for file in files:  # memory-mapped: a reader touches only the pages it uses
+        try:
+            state_dict.update(load_file(str(path / file)))
+        except SafetensorError as err:
+            raise ValueError(f"{path / file}: cannot be read, truncated or corrupt ({err})") from None
     return state_dict, config, tokenizer

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,7 +313,6 @@ class Trainer:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         from ds4sci.train.checkpoint import save_checkpoint
-        from ds4sci.train.export import export_consolidated
 
         t = self.cfg.train
         records: list[dict] = []
@@ -359,8 +359,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{rate:,.0f}")
                     bar.update(1)
         save_checkpoint(self)
-        export_consolidated(self.full_state_dict(dst=0), self.model_config, self.tokenizer, self.out / "export",
-                            rank=self.rank)
+        self.export()
         if self.rank == 0:
             bar.close()
             writer.close()
@@ -393,30 +392,44 @@ class Trainer:
         return "\n".join(["ds4sci train"] + [f"  {name:<11} {text}" for name, text in rows])
 
     # ------------------------------------------------------------------------------------------------ state
-    def full_state_dict(self, dst: int | None = None) -> dict[str, torch.Tensor]:
-        """The single-device GenSLM state dict, on the CPU: ZeRO-3 parameters gathered, tensor-parallel pieces
-        gathered (vocabulary padding removed), position table assembled; the same keys and shapes whatever the
-        layout (collective: every rank calls it).
-
-        One parameter is whole on the device at a time (ZeRO-3 gathers each alone). ``dst``: only that rank keeps
-        the result on the CPU (the others return ``{}``), as the export does; ``None``: every rank keeps it."""
+    def full_state_items(self, dst: int | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The single-device GenSLM state, one ``(name, tensor)`` at a time, on the CPU in fp32: ZeRO-3 parameters
+        gathered one at a time, tensor-parallel pieces gathered (vocabulary padding removed), the position table
+        assembled; the same names and shapes whatever the layout. On every rank, or (``dst``) only there: the other
+        ranks get ``None`` tensors. Collective per tensor: every rank must consume it to the end. Under pp > 1 the
+        stages' tensors are gathered at once first (rank ``dst`` then holds the whole model)."""
         import deepspeed
 
         keep = dst is None or self.rank == dst
         if self.dims.pp > 1:  # the first stage sends the table with its parameters
             table = {"embed_pos.weight": self.pos_table.gather().float()} if self.pos_table is not None else {}
-            return pipeline_state_dict(self.engine, self.groups, self.tp_plan, self.model_config.num_layers, table,
-                                       dst=dst)
-        table = self.pos_table.gather(dst=dst) if self.pos_table is not None else None
-        table = {"embed_pos.weight": table.float()} if table is not None else {}
-        state = {}
+            yield from pipeline_state_dict(self.engine, self.groups, self.tp_plan, self.model_config.num_layers,
+                                           table, dst=dst).items()
+            return
         zero3 = self.cfg.zero.stage == 3
         for k, v in self.engine.module.state_dict(keep_vars=True).items():
             with deepspeed.zero.GatheredParameters([v], enabled=zero3):  # this parameter whole, on the device
                 full = gather_tensor_parallel({k: v.detach()}, self.groups, self.tp_plan)[k]
-                if keep:
-                    state[k] = full.float().cpu().clone()
-        return {**state, **table}
+                value = full.float().cpu().clone() if keep else None
+            yield k, value
+        if self.pos_table is not None:
+            table = self.pos_table.gather(dst=dst)
+            yield "embed_pos.weight", table.float() if table is not None else None
+
+    def full_state_dict(self, dst: int | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`full_state_items` as a dict (collective); ``{}`` on ranks other than ``dst``."""
+        return {k: v for k, v in self.full_state_items(dst) if v is not None}
+
+    def export(self) -> Path:
+        """Write the consolidated export to ``train.out_dir/export`` (collective): rank 0 receives the tensors one
+        at a time and writes each safetensors shard as it fills (:class:`ds4sci.train.export.ExportWriter`)."""
+        from ds4sci.train.export import ExportWriter
+
+        writer = ExportWriter(self.out / "export", self.model_config, self.tokenizer) if self.rank == 0 else None
+        for name, tensor in self.full_state_items(dst=0):
+            if writer is not None:
+                writer.add(name, tensor)
+        return writer.close() if writer is not None else self.out / "export"
 
 
 def _split_tokens(dataset) -> int:

@@ -1,0 +1,56 @@
+"""The export writer streams tensors into safetensors shards (Hugging Face's index convention past a size) and the
+readers (read_consolidated, ds4sci.load_model) take either form."""
+import json
+
+import pytest
+import torch
+
+from ds4sci.data import Tokenizer
+from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.train.export import INDEX, ExportWriter, export_consolidated, read_consolidated
+from ds4sci.train.init_from import load_model
+
+TOK = Tokenizer.from_name("nucleotide")
+CFG = GenSLMConfig.preset("debug", vocab_size=TOK.vocab_size, pad_token_id=TOK.pad_id)
+
+
+def _state():
+    torch.manual_seed(0)
+    return GenSLM(CFG).state_dict()
+
+
+def test_sharded_export_reads_back_like_one_file(tmp_path):
+    state = _state()
+    largest = max(v.numel() * 4 for v in state.values())
+    writer = ExportWriter(tmp_path / "sharded", CFG, TOK, max_shard_bytes=largest)
+    for name, tensor in state.items():
+        writer.add(name, tensor)
+        assert writer.pending_bytes <= largest  # never more than one shard held
+    out = writer.close()
+    files = sorted(p.name for p in out.glob("model*.safetensors"))
+    index = json.loads((out / INDEX).read_text())
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert set(index["weight_map"]) == set(state) and sorted(set(index["weight_map"].values())) == files
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in state.values())
+    back, config, tok = read_consolidated(out)
+    assert config == CFG and tok.kind == "nucleotide" and back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    single = export_consolidated(state, CFG, TOK, tmp_path / "single")
+    assert [p.name for p in single.glob("model*")] == ["model.safetensors"] and not (single / INDEX).exists()
+    ids = torch.randint(0, TOK.vocab_size, (1, 12))
+    pos = torch.arange(12)[None]
+    assert torch.equal(load_model(out)[0](ids, pos), load_model(single)[0](ids, pos))
+    # a new export into the sharded folder replaces it whole: no stale shard or index is left to be read
+    export_consolidated(state, CFG, TOK, out)
+    assert [p.name for p in out.glob("model*")] == ["model.safetensors"] and not (out / INDEX).exists()
+
+
+def test_a_missing_or_truncated_shard_is_named(tmp_path):
+    out = export_consolidated(_state(), CFG, TOK, tmp_path / "ex", max_shard_bytes=1)  # one tensor per shard
+    shards = sorted(out.glob("model-*.safetensors"))
+    shards[1].write_bytes(shards[1].read_bytes()[:50])
+    with pytest.raises(ValueError, match=rf"{shards[1].name}: cannot be read, truncated or corrupt"):
+        read_consolidated(out)
+    shards[2].unlink()
+    with pytest.raises(FileNotFoundError, match=rf"{shards[2].name} is missing \(named by {INDEX}\)"):
+        read_consolidated(out)
