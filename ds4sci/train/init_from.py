@@ -2,7 +2,8 @@
 
 Three sources, told apart by their files:
 
-- a ds4sci export: ``model.safetensors``, ``config.json`` and ``tokenizer.json`` (:mod:`ds4sci.train.export`);
+- a ds4sci export: ``model.safetensors`` (or its shards with an index), ``config.json`` and ``tokenizer.json``
+  (:mod:`ds4sci.train.export`);
 - a Hugging Face ``GPTNeoXForCausalLM`` directory as ``save_pretrained`` writes it: ``config.json`` with
   ``"model_type": "gpt_neox"`` and ``model.safetensors`` or ``pytorch_model.bin`` (or their sharded form with a
   ``*.index.json``);
