@@ -46,7 +46,7 @@ the first stage only.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ from ds4sci.train.sanity import refuse_mismatch
 
 __all__ = ["pipeline_topology", "pipeline_reduction_factor", "pipeline_layers", "genslm_name", "PipelineLoss",
            "build_pipeline_engine", "measure_pipeline_division", "check_pipeline_gradient_reduction",
-           "pipeline_train_batch", "pipeline_eval_sum", "pipeline_state_dict"]
+           "pipeline_train_batch", "pipeline_eval_sum", "pipeline_state_items"]
 
 
 def pipeline_topology(dims: ParallelDims):
@@ -333,25 +333,50 @@ def pipeline_eval_sum(engine, groups: SequenceParallelGroups, batches: list[dict
     return _from_last_stage(loss.total.to(batches[0]["targets"].device), groups)
 
 
-def pipeline_state_dict(engine, groups: SequenceParallelGroups, tp_plan: dict, num_layers: int,
-                        extra: dict[str, Tensor], dst: int | None = None) -> dict[str, Tensor]:
-    """The single-device GenSLM state dict (fp32, CPU) from every stage, on every rank, or only on rank ``dst``
-    (the others return ``{}``) (collective).
+def pipeline_state_items(engine, groups: SequenceParallelGroups, tp_plan: dict, num_layers: int,
+                         extra: dict[str, Tensor], dst: int | None = None) -> Iterator[tuple[str, Tensor]]:
+    """The single-device GenSLM state (fp32, CPU) of every stage, as ``(name, tensor)`` pairs (collective: every rank
+    consumes it to the end).
 
     Each stage renames its parameters (:func:`genslm_name`) and gathers TP pieces (``tp_plan``: GenSLM names, from
-    :func:`~ds4sci.sequence.tensor_parallel.tensor_parallel_plan` of the model); the stages' dicts are then
-    all-gathered (gathered to ``dst``). ``extra`` (the assembled position table) is taken from the first stage.
+    :func:`~ds4sci.sequence.tensor_parallel.tensor_parallel_plan` of the model), one tensor at a time; ``extra`` (the
+    assembled position table) comes with the first stage. ``dst=None``: the stages' dicts are all-gathered and every
+    rank gets every tensor. ``dst`` (the first stage's sender: its TP rank 0 and sequence x data rank 0): stage by
+    stage, each stage's sender sends its tensors to ``dst`` one at a time, and only ``dst`` yields them, so it holds
+    one tensor at a time.
     """
-    local = {}
-    for name, value in engine.module.state_dict().items():  # one full tensor at a time on the device
-        key = genslm_name(name, num_layers)
-        local[key] = gather_tensor_parallel({key: value.detach()}, groups, tp_plan)[key].float().cpu().clone()
-    if groups.coords.pp == 0:
-        local.update(extra)
+    def local():
+        for name, value in engine.module.state_dict().items():  # one full tensor at a time on the device
+            key = genslm_name(name, num_layers)
+            yield key, gather_tensor_parallel({key: value.detach()}, groups, tp_plan)[key].float().cpu().clone()
+        if groups.coords.pp == 0:
+            yield from extra.items()
+
     sender = groups.coords.tp == 0 and groups.sdp_rank == 0  # one per stage
-    parts: list | None = [None] * dist.get_world_size() if dst is None or dist.get_rank() == dst else None
     if dst is None:
-        dist.all_gather_object(parts, local if sender else {})
-    else:
-        dist.gather_object(local if sender else {}, parts, dst=dst)
-    return {k: v for part in parts or () for k, v in part.items()}
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, dict(local()) if sender else {})
+        yield from ((k, v) for part in parts for k, v in part.items())
+        return
+    stages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, (groups.coords.pp, sender))
+    senders = {stage: rank for rank, (stage, is_sender) in enumerate(stages) if is_sender}
+    if senders[0] != dst:
+        raise ValueError(f"pipeline_state_items: dst={dst} must be the first stage's sender, rank {senders[0]}")
+    me = dist.get_rank()
+    for stage in range(groups.dims.pp):
+        if me == dst and stage > 0:  # receive the stage's tensors until its end marker
+            while True:
+                item = [None]
+                dist.recv_object_list(item, src=senders[stage])
+                if item[0] is None:
+                    break
+                yield item[0]
+        elif groups.coords.pp == stage:
+            for key, tensor in local():  # every rank of the stage takes part in the TP gathers
+                if me == dst:
+                    yield key, tensor
+                elif sender:
+                    dist.send_object_list([(key, tensor)], dst=dst)
+            if sender and me != dst:
+                dist.send_object_list([None], dst=dst)

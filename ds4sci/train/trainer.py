@@ -50,7 +50,7 @@ from ds4sci.train.engine import build_engine, collective_error, init_distributed
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 from ds4sci.train.pipeline import (build_pipeline_engine, pipeline_eval_sum, pipeline_reduction_factor,
-                                   pipeline_state_dict, pipeline_train_batch)
+                                   pipeline_state_items, pipeline_train_batch)
 from ds4sci.train.position_table import PositionTable
 from ds4sci.train.run_dir import keep_metrics_until, open_run_dir
 
@@ -396,15 +396,17 @@ class Trainer:
         """The single-device GenSLM state, one ``(name, tensor)`` at a time, on the CPU in fp32: ZeRO-3 parameters
         gathered one at a time, tensor-parallel pieces gathered (vocabulary padding removed), the position table
         assembled; the same names and shapes whatever the layout. On every rank, or (``dst``) only there: the other
-        ranks get ``None`` tensors. Collective per tensor: every rank must consume it to the end. Under pp > 1 the
-        stages' tensors are gathered at once first (rank ``dst`` then holds the whole model)."""
+        ranks get ``None`` tensors, or under pp > 1 nothing. Collective per tensor: every rank must consume it to the
+        end (:func:`ds4sci.train.pipeline.pipeline_state_items` under pp > 1: stage by stage, point to point)."""
         import deepspeed
 
         keep = dst is None or self.rank == dst
-        if self.dims.pp > 1:  # the first stage sends the table with its parameters
-            table = {"embed_pos.weight": self.pos_table.gather().float()} if self.pos_table is not None else {}
-            yield from pipeline_state_dict(self.engine, self.groups, self.tp_plan, self.model_config.num_layers,
-                                           table, dst=dst).items()
+        if self.dims.pp > 1:  # the first stage's sender (dst) sends the table with its parameters
+            table = self.pos_table.gather(dst=dst) if self.pos_table is not None else None
+            table = {"embed_pos.weight": table.float()} if table is not None else {}
+            for k, v in pipeline_state_items(self.engine, self.groups, self.tp_plan, self.model_config.num_layers,
+                                             table, dst=dst):
+                yield k, v
             return
         zero3 = self.cfg.zero.stage == 3
         for k, v in self.engine.module.state_dict(keep_vars=True).items():
