@@ -30,7 +30,8 @@ def parallelize(
 
     - ``groups.dims.tp > 1``: :func:`~ds4sci.sequence.tensor_parallel.apply_tensor_parallel` (the model's logits become
       vocabulary-sharded ``[B, T, V_pad/tp]``; parameter names are unchanged, split ones carry
-      ``tensor_model_parallel = True``). Every rank must have built the full model with the same seed.
+      ``tensor_model_parallel = True``). Every rank must have built the model with the same seed, whole or on the
+      meta device (then :func:`materialize_` draws this rank's pieces).
     - ``groups.dims.sp > 1``: each ``block.attention.core`` becomes
       ``DistributedAttention(core, groups.ulysses, groups.ring, layout=groups.dims.layout)``.
     - A learned position table (``position_embedding="learned"``) is popped from the model

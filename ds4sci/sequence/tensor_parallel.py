@@ -521,7 +521,8 @@ class TensorParallelBlock(nn.Module):
 def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, counter: CommCounter | None = None) -> None:
     """Split ``model`` over ``groups.tp`` in place (module swaps; parameter names unchanged); no-op for ``tp = 1``.
 
-    Every rank must build the full model with the same seed first (each keeps its pieces). Afterwards
+    Every rank must build the model with the same seed first, whole or on the meta device (each keeps its pieces;
+    :func:`ds4sci.sequence.materialize_` then draws a meta model's). Afterwards
     ``model(input_ids, position_ids, ...)`` takes the SP shard as before and returns vocabulary-sharded logits
     ``[B, T, V_pad/tp]``: use :func:`token_loss_for` (``groups``) as the loss.
 
