@@ -2,8 +2,9 @@
 checkpoint's portable state (:mod:`ds4sci.train.checkpoint`) and trains exactly like one uninterrupted process.
 
 One process trains 4 steps uninterrupted (the reference), saving after step 2. Two processes then resume from it
-at TP=2 under ZeRO-3, and train 2 steps at one layout, save and resume at another: TP2 ZeRO-3 -> SP2 ZeRO-0 and
-PP2 ZeRO-0 -> DP2 ZeRO-2 (TP, pipeline, ZeRO stage and partition count all change). Each resumed run's steps 3-4 have
+at TP=2 under ZeRO-3, and train 2 steps at one layout, save and resume at another: TP2 ZeRO-3 -> SP2 ZeRO-0,
+PP2 ZeRO-0 -> DP2 ZeRO-2 and Ring2 zigzag ZeRO-1 with optimizer offload -> Ulysses2 ZeRO-3 (TP, pipeline, sequence
+layout, ZeRO stage, offload and partition count all change). Each resumed run's steps 3-4 have
 the reference's losses and parameters (fp32 rounding). The helpers are those of ``test_train_equivalence``.
 """
 import json
@@ -23,6 +24,10 @@ CASES = [  # between them every ZeRO stage's way of reading and of setting the s
     ("1 zero1 -> tp2 zero3", None, (3, ["parallel.tp=2"])),
     ("tp2 zero3 -> sp2 zero0", (3, ["parallel.tp=2"]), (0, ["parallel.ulysses=2"])),
     ("pp2 zero0 -> dp2 zero2", (0, ["parallel.pp=2"]), (2, ["train.micro_batch_size=1"])),  # 2 samples per step still
+    # ring zigzag with optimizer offload (masters and moments read from the CPU optimizer), the learned table's
+    # shards re-split from the zigzag rows to Ulysses' contiguous ones
+    ("ring2 zigzag zero1 offload -> ulysses2 zero3",
+     (1, ["parallel.ring=2", "parallel.layout=zigzag", "zero.offload_optimizer=cpu"]), (3, ["parallel.ulysses=2"])),
 ]
 
 
