@@ -373,10 +373,10 @@ def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iu
         corpus = dataclasses.replace(Corpus.open(value), paths=tuple(files))
     except (OSError, ValueError) as err:
         raise ValueError(f"rank {dist.get_rank()}: cannot map the token cache rank 0 built at {value} ({err}); "
-                           f"data.cache_dir must be on a file system every rank sees") from None
+                         f"data.cache_dir must be on a file system every rank sees") from None
     if corpus.meta["tokenizer"] != tokenizer.signature() or corpus.meta["iupac"] != iupac:
         raise ValueError(f"rank {dist.get_rank()}: the token cache at {value} was built with another tokenizer "
-                           f"or iupac policy than this rank's (ranks disagree on the data config)")
+                         f"or iupac policy than this rank's (ranks disagree on the data config)")
     return corpus
 
 

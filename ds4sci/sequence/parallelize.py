@@ -100,16 +100,12 @@ def materialize_(model: GenSLM, table: LearnedPositionEmbedding | None, groups: 
         param = nn.Parameter(value, requires_grad=p.requires_grad)
         param.__dict__.update(p.__dict__)
         new[id(p)] = param
-    for root in (model, table):
+    for root in (model, table, keep):  # keep (a pipeline stage) may wrap the model's modules in its own
         for module in root.modules() if root is not None else ():
             for attr, p in module._parameters.items():
                 if p is not None and id(p) in new:
                     module._parameters[attr] = new[id(p)]
     if keep is not None:
-        for module in keep.modules():
-            for attr, p in module._parameters.items():
-                if p is not None and id(p) in new:
-                    module._parameters[attr] = new[id(p)]
         left = [name for name, p in keep.named_parameters() if p.is_meta]
         if left:
             raise RuntimeError(f"materialize_: {left[:4]} of the kept module are not parameters of the model")

@@ -14,6 +14,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from ds4sci.data.datasets import SPLITS
 from ds4sci.models.genslm import GenSLMConfig
 from ds4sci.sequence import ParallelDims
 
@@ -218,8 +219,7 @@ class Config:
         d, p, t, o = self.data, self.parallel, self.train, self.optim
         check(d.tokenizer in ("nucleotide", "codon"), "data.tokenizer", d.tokenizer, "expected nucleotide or codon")
         check(d.dataset in ("windows", "records", "packed"), "data.dataset", d.dataset, "expected windows, records or packed")
-        check(d.split in ("auto", "region", "records", "files"), "data.split", d.split,
-              "expected auto, region, records or files")
+        check(d.split in SPLITS, "data.split", d.split, f"expected {', '.join(SPLITS[:-1])} or {SPLITS[-1]}")
         check(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2")
         check(0 <= d.stride <= d.seq_len, "data.stride", d.stride, f"must be in [0, seq_len={d.seq_len}]")
         check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import datetime
 import functools
-from typing import Callable
 import logging
 import math
 import os
 import re
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -174,7 +174,7 @@ def check_offload_support(cfg: Config) -> None:
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
         raise ValueError(f"{', '.join(nvme)}: NVMe offload needs DeepSpeed's async_io op, which cannot be built "
-                           f"here (it needs libaio: apt install libaio-dev); use cpu offload instead")
+                         f"here (it needs libaio: apt install libaio-dev); use cpu offload instead")
 
 
 def build_engine(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, device: torch.device,

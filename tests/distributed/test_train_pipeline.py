@@ -20,12 +20,11 @@ The helpers (config overrides, the per-case worker, the comparison) are those of
 import itertools
 import re
 
-import pytest
-
-from ds4sci.spawn import run_workers
 import numpy as np
+import pytest
 import torch
 
+from ds4sci.spawn import run_workers
 from test_train_equivalence import CLIP, ENV, _overrides
 from test_train_tensor_parallel import _cases, _check, runs  # noqa: F401 (runs: the module's run folder fixture)
 
@@ -125,8 +124,6 @@ PROBES = [(["parallel.ulysses=2", "zero.stage=0"], 2.0),
 def _pipeline_divisions(rank, world):
     """``measure_pipeline_division`` per setting of ``PROBES``, and the error of ``build_pipeline_engine`` (its
     start-up check, before it reads the model) when ``pipeline_reduction_factor`` is wrong (1 under Ulysses 2)."""
-    import torch
-
     from ds4sci.sequence import build_groups
     from ds4sci.train import pipeline
     from ds4sci.train.config import load_config
