@@ -36,10 +36,13 @@ class ExportWriter:
         self.max_shard_bytes = MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
-        self.shards: list[list[str]] = []  # the names in each written shard
+        self.shards: list[set[str]] = []  # the names in each written shard
         self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Add ``tensor`` under ``name`` (each name once)."""
+        if name in self.pending or any(name in shard for shard in self.shards):
+            raise ValueError(f"{self.out}: tensor {name!r} was already added to this export")
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
@@ -49,7 +52,7 @@ class ExportWriter:
 
     def _flush(self) -> None:
         save_file(self.pending, str(self.out / f"shard-{len(self.shards):05d}.tmp"))
-        self.shards.append(list(self.pending))
+        self.shards.append(set(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
     def close(self) -> Path:

@@ -40,6 +40,8 @@ def test_sharded_export_reads_back_like_one_file(tmp_path):
     ids = torch.randint(0, TOK.vocab_size, (1, 12))
     pos = torch.arange(12)[None]
     assert torch.equal(load_model(out)[0](ids, pos), load_model(single)[0](ids, pos))
+    with pytest.raises(ValueError, match="tensor 'embed_in.weight' was already added to this export"):
+        writer.add("embed_in.weight", state["embed_in.weight"])
     # a new export into the sharded folder replaces it whole: no stale shard or index is left to be read
     export_consolidated(state, CFG, TOK, out)
     assert [p.name for p in out.glob("model*")] == ["model.safetensors"] and not (out / INDEX).exists()
