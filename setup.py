@@ -8,6 +8,7 @@ from setuptools import setup
 PACKAGES = {
     "ds4sci": "ds4sci",
     "ds4sci.sequence": "ds4sci/sequence",
+    "ds4sci.parallel": "ds4sci/parallel",
     "ds4sci.data": "ds4sci/data",
     "ds4sci.train": "ds4sci/train",
     "ds4sci.integrations": "ds4sci/integrations",

@@ -3,7 +3,7 @@
 
 For each degree ``P``, ``P`` gloo processes (:func:`ds4sci.spawn.run_workers`) run, scheme after scheme, one
 training step (forward + backward) of a GenSLM made sequence- or tensor-parallel by
-:func:`ds4sci.sequence.parallelize`, with the sequence growing with ``P`` (``N = tokens_per_rank * P``). A
+:func:`ds4sci.parallel.parallelize.parallelize`, with the sequence growing with ``P`` (``N = tokens_per_rank * P``). A
 :class:`~ds4sci.sequence.CommCounter` records the bytes every collective call sends; the figure per layer is the
 difference between a 2-layer and a 1-layer model, so embedding, head and loss traffic cannot leak in.
 
@@ -17,7 +17,7 @@ Beside the measurements stand the closed forms, in elements of one ``N x hidden`
   and again backward, their gradients ``R`` hops back to their owner; it grows with ``N``.
 - Megatron-LM sequence parallelism (Korthikanti et al. 2022): four all-gathers and four reduce-scatters of
   ``N x h`` per layer (forward + backward), ``8 (P-1)/P * N h`` per rank. Measured as ``megatron-sp`` on ds4sci's
-  tensor-parallel layers (:mod:`ds4sci.sequence.tensor_parallel`, TP degree ``P`` with sequence-parallel regions,
+  tensor-parallel layers (:mod:`ds4sci.parallel.tensor_parallel`, TP degree ``P`` with sequence-parallel regions,
   dropout on: the attention and MLP partial sums are reduce-scattered separately, as in Megatron-LM); the
   formula row stays beside it, labelled formula.
 - ``tp-sp`` (the same layers without dropout, ds4sci's training default): GPT-NeoX's parallel residual lets the
@@ -79,7 +79,10 @@ def _scheme_bytes(scheme: str, P: int, tokens: int, hidden: int, heads: int) -> 
     import torch
 
     from ds4sci.models.genslm import GenSLM, GenSLMConfig
-    from ds4sci.sequence import CommCounter, ParallelDims, build_groups, parallelize, shard_sequence
+    from ds4sci.parallel import ParallelDims
+    from ds4sci.parallel.groups import build_groups
+    from ds4sci.parallel.parallelize import parallelize
+    from ds4sci.sequence import CommCounter, shard_sequence
 
     dims = ParallelDims(dp=1, **_dims_kwargs(scheme, P))
     groups = build_groups(dims)

@@ -2,9 +2,9 @@
 
 For each scheme (Ulysses, ring, hybrid Ulysses x ring), degree ``P`` and sequence length ``S``, ``P`` gloo processes
 (:func:`ds4sci.spawn.run_workers`) each run one forward + backward of a GenSLM made sequence-parallel by
-:func:`ds4sci.sequence.parallelize` on their ``S/P`` tokens, after a warm-up step at a tiny length; each measures
-the step's peak with :class:`ds4sci.bench.memory.PeakMemory` (CPU: peak RSS above the RSS at the start of the step,
-so parameters and the warm-up's libraries are not counted). The figure is the maximum over ranks.
+:func:`~ds4sci.parallel.parallelize.parallelize` on their ``S/P`` tokens, after a warm-up step at a tiny length; each
+measures the step's peak with :class:`ds4sci.bench.memory.PeakMemory` (CPU: peak RSS above the RSS at the start of the
+step, so parameters and the warm-up's libraries are not counted). The figure is the maximum over ranks.
 
 The Ulysses paper's claim (Jacobs et al. 2023) is a sequence ``P`` times longer at the same per-rank memory: the
 activation memory of a rank should depend on ``S/P`` only. The report fits ``peak = a + b * S/P`` per scheme and
@@ -56,7 +56,10 @@ def _worker(rank: int, world: int, dims_kwargs: dict, seq_len: int, shape: dict)
 
     from ds4sci.bench.memory import PeakMemory
     from ds4sci.models.genslm import GenSLM, GenSLMConfig
-    from ds4sci.sequence import ParallelDims, build_groups, parallelize, shard_sequence
+    from ds4sci.parallel import ParallelDims
+    from ds4sci.parallel.groups import build_groups
+    from ds4sci.parallel.parallelize import parallelize
+    from ds4sci.sequence import shard_sequence
 
     dims = ParallelDims(dp=1, **dims_kwargs)
     groups = build_groups(dims)

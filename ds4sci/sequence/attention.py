@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, all_to_all, group_rank, group_size
-from ds4sci.sequence.sharding import Layout, Piece
+from ds4sci.parallel.dims import Layout, Piece
+from ds4sci.sequence.sharding import regroup
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class DistributedAttention(torch.nn.Module):
             ``sdpa_attention``; flash-attn's does not, so ``"auto"`` does not route ring training to it).
         ulysses_group: the Ulysses (all-to-all) group; ``None`` or a group of one for ring attention alone.
         ring_group: the ring group; ``None`` or a group of one for Ulysses alone. With both, the groups must meet
-            only in this rank (as :func:`~ds4sci.sequence.build_groups` makes them); passing the whole
+            only in this rank (as :func:`~ds4sci.parallel.groups.build_groups` makes them); passing the whole
             sequence-parallel group as ``ulysses_group`` together with a ring group is rejected.
         layout: the :class:`~ds4sci.sequence.Layout` (or its name) the inputs were sharded with.
         counter: optional :class:`~ds4sci.sequence.CommCounter` recording this layer's communication.
@@ -185,7 +186,7 @@ class DistributedAttention(torch.nn.Module):
             wrong result.
 
     Sharding: rank ``(ring_rank, ulysses_rank)`` must hold sequence shard ``ring_rank * U + ulysses_rank`` of
-    ``U * R`` (:meth:`ParallelDims.sp_rank <ds4sci.sequence.ParallelDims.sp_rank>`).
+    ``U * R`` (:meth:`ParallelDims.sp_rank <ds4sci.parallel.ParallelDims.sp_rank>`).
 
     Heads: Ulysses needs ``H % U == 0`` (else ``ValueError`` naming heads, KV heads and degrees; a ring degree
     can carry the parallelism instead). GQA/MQA key/value heads are split over the Ulysses group when ``U``
@@ -269,17 +270,17 @@ class DistributedAttention(torch.nn.Module):
         """Ulysses all-to-all and zigzag reorder: ``[B, s, H, D] -> [B, U*s, H/U, D]`` with the ring rank's
         pieces in sequence order."""
         x = all_to_all(x, self.ulysses_group, scatter_dim=2, gather_dim=1, counter=self.counter)  # [B, U*s, H/U, D]
-        return self.layout.regroup(x, self.ulysses_size)
+        return regroup(x, self.layout, self.ulysses_size)
 
     def _from_heads(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`_to_heads`: ``[B, U*s, H/U, D] -> [B, s, H, D]``."""
-        x = self.layout.regroup(x, self.ulysses_size, inverse=True)
+        x = regroup(x, self.layout, self.ulysses_size, inverse=True)
         return all_to_all(x, self.ulysses_group, scatter_dim=1, gather_dim=2, counter=self.counter)  # [B, s, H, D]
 
     def _block_docs(self, doc: torch.Tensor) -> torch.Tensor:
         """Document ids of the post all-to-all block: ``[B, s] -> [B, U*s]`` (gathered, zigzag-reordered)."""
         doc = all_gather_seq(doc, self.ulysses_group, dim=1, counter=self.counter)  # [B, U*s]
-        return self.layout.regroup(doc, self.ulysses_size)
+        return regroup(doc, self.layout, self.ulysses_size)
 
     def forward(
         self,

@@ -1,33 +1,26 @@
-"""Sequence layouts and sharding: tokens, labels and positions are sharded the same way.
+"""Sequence sharding: tokens, labels and positions are cut the same way, by a sequence :class:`Layout`.
 
-:class:`Layout` owns the arithmetic of how a sequence of length ``S`` is cut over ``world`` shards:
-
-- ``contiguous``: shard ``r`` holds ``[r*S/W, (r+1)*S/W)``.
-- ``zigzag`` (load-balanced, for causal attention; Brandon et al. 2023 "Striped Attention" and the USP paper's
-  load-balanced ring): the sequence is cut into ``2W`` chunks and shard ``r`` holds chunks ``r`` and
-  ``2W-1-r``, so every shard holds one early and one late chunk and does the same causal work.
-
+:class:`Layout` (contiguous / zigzag) and its chunk arithmetic live with the parallel degrees in
+:mod:`ds4sci.parallel.dims` (they are torch-free there, for the planner); this module applies a layout to tensors.
 Under Unified SP the shard index is ``sp_rank = ring_rank * ulysses + ulysses_rank`` of ``world = ulysses * ring``
-(:class:`~ds4sci.sequence.ParallelDims`). After the Ulysses all-to-all a ring rank holds a contiguous block
-(contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag): :meth:`Layout.regroup` puts the gathered rows in that
-order and :meth:`Layout.pieces` says which global positions each run of rows holds.
+(:class:`~ds4sci.parallel.dims.ParallelDims`). After the Ulysses all-to-all a ring rank holds a contiguous block
+(contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag): :func:`regroup` puts the gathered rows in that order and
+:meth:`Layout.pieces` says which global positions each run of rows holds.
 
 Lengths that the layout does not divide raise ``ValueError``; :func:`pad_to_multiple` pads instead (mask the
 padding out with document id :data:`ds4sci.models.local_attention.PAD_DOC_ID`).
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
+from ds4sci.parallel.dims import Layout
 from ds4sci.sequence.comm import CommCounter, all_gather_seq, group_size
 
 __all__ = [
     "Layout",
-    "Piece",
+    "regroup",
     "shard_sequence",
     "unshard_sequence",
     "gather_sequence",
@@ -36,70 +29,26 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A run of rows of a local block: local rows ``[start, start+length)`` hold global positions
-    ``[offset, offset+length)``."""
+def regroup(x: torch.Tensor, layout: Layout, ulysses: int, inverse: bool = False) -> torch.Tensor:
+    """Order the rows the Ulysses all-to-all gathered (``[B, U*s, ...]``, dim 1) as the ring rank's chunks.
 
-    start: int
-    length: int
-    offset: int
-
-
-class Layout(str, enum.Enum):
-    """How a sequence is cut over sequence-parallel shards (see the module docstring)."""
-
-    CONTIGUOUS = "contiguous"
-    ZIGZAG = "zigzag"
-
-    @classmethod
-    def parse(cls, name: str | Layout, ring: int = 1) -> Layout:
-        """A layout from its name; ``"auto"`` is zigzag when there is a ring (``ring > 1``), else contiguous."""
-        if name == "auto":
-            return cls.ZIGZAG if ring > 1 else cls.CONTIGUOUS
-        try:
-            return cls(name)
-        except ValueError:
-            raise ValueError(f"layout={name!r} is not one of {['auto'] + [m.value for m in cls]}") from None
-
-    def multiple(self, world: int) -> int:
-        """The sequence length must be a multiple of this: ``world`` (contiguous) or ``2*world`` (zigzag)."""
-        return world if self is Layout.CONTIGUOUS else 2 * world
-
-    def chunks(self, rank: int, world: int) -> tuple[int, ...]:
-        """Indices of the :meth:`multiple` equal chunks that shard ``rank`` of ``world`` holds, in order."""
-        if world < 1 or not 0 <= rank < world:
-            raise ValueError(f"rank={rank} is outside [0, world={world})")
-        return (rank,) if self is Layout.CONTIGUOUS else (rank, 2 * world - 1 - rank)
-
-    def pieces(self, ring_rank: int, ring: int, block_len: int) -> list[Piece]:
-        """Runs of the ``block_len`` rows a ring rank holds after the Ulysses all-to-all (``S = ring*block_len``)."""
-        held = self.chunks(ring_rank, ring)
-        if ring == 1:  # the whole sequence, in order (zigzag: chunks 0 and 1 of 2)
-            return [Piece(0, block_len, 0)]
-        chunk = block_len // len(held)
-        return [Piece(i * chunk, chunk, c * chunk) for i, c in enumerate(held)]
-
-    def regroup(self, x: torch.Tensor, ulysses: int, inverse: bool = False) -> torch.Tensor:
-        """Order the rows the Ulysses all-to-all gathered (``[B, U*s, ...]``, dim 1) as the ring rank's chunks.
-
-        Zigzag: SP rank ``p`` holds chunks ``p`` and ``2P-1-p``, so the all-to-all concatenates the U shards of
-        ring rank r as ``[c_a, c_z, c_(a+1), c_(z-1), ...]`` (``a = r*U``, ``z = 2P-1-a``). Regroup them as
-        ``[c_a .. c_(a+U-1), c_(z-U+1) .. c_z]`` = ring chunks ``r`` and ``2R-1-r`` in sequence order (or back, with
-        ``inverse``). Contiguous shards are already in order.
-        """
-        if self is Layout.CONTIGUOUS or ulysses == 1:
-            return x
-        B, L = x.shape[:2]
-        rest = x.shape[2:]
-        c = L // (2 * ulysses)
-        if inverse:
-            early, late = x.reshape(B, 2, ulysses, c, *rest).unbind(1)  # 2 x [B, U, c, ...]
-            x = torch.stack([early, late.flip(1)], dim=2)  # [B, U, 2, c, ...]
-        else:
-            x = x.reshape(B, ulysses, 2, c, *rest)  # [B, U, 2, c, ...]: the early then the late chunk of each shard
-            x = torch.stack([x[:, :, 0], x[:, :, 1].flip(1)], dim=1)  # [B, 2, U, c, ...], late chunks ascending
-        return x.reshape(B, L, *rest)  # [B, U*s, ...]
+    Zigzag: SP rank ``p`` holds chunks ``p`` and ``2P-1-p``, so the all-to-all concatenates the U shards of
+    ring rank r as ``[c_a, c_z, c_(a+1), c_(z-1), ...]`` (``a = r*U``, ``z = 2P-1-a``). Regroup them as
+    ``[c_a .. c_(a+U-1), c_(z-U+1) .. c_z]`` = ring chunks ``r`` and ``2R-1-r`` in sequence order (or back, with
+    ``inverse``). Contiguous shards are already in order.
+    """
+    if layout is Layout.CONTIGUOUS or ulysses == 1:
+        return x
+    B, L = x.shape[:2]
+    rest = x.shape[2:]
+    c = L // (2 * ulysses)
+    if inverse:
+        early, late = x.reshape(B, 2, ulysses, c, *rest).unbind(1)  # 2 x [B, U, c, ...]
+        x = torch.stack([early, late.flip(1)], dim=2)  # [B, U, 2, c, ...]
+    else:
+        x = x.reshape(B, ulysses, 2, c, *rest)  # [B, U, 2, c, ...]: the early then the late chunk of each shard
+        x = torch.stack([x[:, :, 0], x[:, :, 1].flip(1)], dim=1)  # [B, 2, U, c, ...], late chunks ascending
+    return x.reshape(B, L, *rest)  # [B, U*s, ...]
 
 
 def _split(x: torch.Tensor, dim: int, world: int, layout: Layout) -> tuple[torch.Tensor, ...]:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds4sci.sequence import DeepSpeedMPU, SequenceParallelGroups
+from ds4sci.parallel.groups import DeepSpeedMPU, SequenceParallelGroups
 from ds4sci.train.config import Config
 from ds4sci.train.sanity import check_gradient_reduction
 
@@ -55,7 +55,7 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     ``timeout_s`` (``train.timeout_s``) bounds every collective of the default group: on gloo a rank whose peer
     died fails at once ("Connection reset by peer"), one whose peer hangs after ``timeout_s`` ("Timed out waiting
     ...ms"); on nccl, the watchdog aborts the process after ``timeout_s``. The groups built on top need the same
-    bound passed to them (:func:`ds4sci.sequence.build_groups`): ``new_group`` does not inherit it.
+    bound passed to them (:func:`ds4sci.parallel.groups.build_groups`): ``new_group`` does not inherit it.
     """
     import deepspeed
 
@@ -187,9 +187,9 @@ def build_engine(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, 
     Every parameter of ``model`` must be replicated across that group (DeepSpeed broadcasts them from its first
     rank and reduces/partitions over it): keep sequence-sharded parameters out of ``model``.
 
-    ``materialize(part)``: draws the meta parameters of a submodule (:func:`ds4sci.sequence.materialize_`). Under
-    ZeRO-3 it is called block by block (``model.layers``), each block partitioned before the next is drawn, then on
-    the rest, so a rank holds at most one block whole beside its partitions; otherwise once on the whole model.
+    ``materialize(part)``: draws the meta parameters of a submodule (:func:`ds4sci.parallel.parallelize.materialize_`).
+    Under ZeRO-3 it is called block by block (``model.layers``), each block partitioned before the next is drawn, then
+    on the rest, so a rank holds at most one block whole beside its partitions; otherwise once on the whole model.
     """
     sharded = [n for n, p in model.named_parameters() if getattr(p, "ds4sci_sequence_sharded", False)]
     if sharded:

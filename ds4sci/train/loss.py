@@ -8,14 +8,14 @@ Each rank computes the SUM of its shard's token losses; targets are shifted on t
 next shard, is never lost. A rank then back-propagates ``local_sum / global_count * K`` where ``K`` undoes the
 gradient reduction DeepSpeed applies over the sequence x data group (:func:`grad_reduction_factor`).
 
-Tensor parallelism (``parallel.tp``, :mod:`ds4sci.sequence.tensor_parallel`) changes neither the count nor ``K``
+Tensor parallelism (``parallel.tp``, :mod:`ds4sci.parallel.tensor_parallel`) changes neither the count nor ``K``
 (DeepSpeed 0.19.8, read in its source and proven by ``tests/distributed/test_train_tensor_parallel.py`` against
 single-process training, ZeRO 0-3, clipped and unclipped):
 
 - The TP ranks of a sequence shard hold the same tokens and compute the same (vocabulary-parallel) loss, so the
   global count and the logged sums run over the sequence x data group ``groups.sdp``, never over the TP ranks.
 - The engine reduces and partitions over the mpu's ``get_sequence_data_parallel_group()`` (``engine.py``:
-  ``seq_data_parallel_group``), which :class:`~ds4sci.sequence.DeepSpeedMPU` makes the ``sdp`` group of this TP
+  ``seq_data_parallel_group``), which :class:`~ds4sci.parallel.groups.DeepSpeedMPU` makes the ``sdp`` group of this TP
   rank: TP ranks never mix gradients, so the per-stage reduction, and ``K``, are the ones without TP.
 - A TP-split parameter's gradient is complete on its rank. A replicated one (LayerNorms, row-parallel biases) is
   used on sequence regions, so each TP rank's autograd gradient would be partial; the model makes it whole before

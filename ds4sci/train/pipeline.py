@@ -14,7 +14,7 @@ balanced over the stages (:func:`build_pipeline_engine`).
 
 Rank layout: :func:`pipeline_topology` is DeepSpeed's ``PipeModelDataParallelTopology`` with axes
 ``pipe, data, model`` = ``pp, dp x sp, tp``, which numbers ranks exactly as
-:class:`~ds4sci.sequence.ParallelDims` does (TP < Ulysses < Ring < DP < PP): the engine's "data" group is our
+:class:`~ds4sci.parallel.ParallelDims` does (TP < Ulysses < Ring < DP < PP): the engine's "data" group is our
 sequence x data group (where gradients are reduced and ZeRO-1 partitions), its "model" axis our TP group.
 
 Facts checked with DeepSpeed 0.19.8 on the CPU (gloo; ``tests/distributed/test_train_pipeline.py``):
@@ -53,8 +53,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ds4sci.models.genslm import GenSLM
-from ds4sci.sequence import ParallelDims, SequenceParallelGroups
-from ds4sci.sequence.tensor_parallel import gather_tensor_parallel, token_loss_for
+from ds4sci.parallel import ParallelDims
+from ds4sci.parallel.groups import SequenceParallelGroups
+from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, token_loss_for
 from ds4sci.train.config import Config
 from ds4sci.train.engine import deepspeed_config, make_optimizer
 from ds4sci.train.loss import scaled_shard_loss
@@ -193,7 +194,8 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
     layers. Blocks are balanced over ``groups.dims.pp`` stages (``partition_method="type:BlockStage"``), the embedding
     on the first, the head on the last. ``materialize(stage)``: called on the stage's own module as soon as it holds
     its layers, before anything touches their parameters (draws a meta model's pieces for this stage only; see
-    :func:`ds4sci.sequence.materialize_`). ``position_table``: the learned table kept out of the engine (or None).
+    :func:`ds4sci.parallel.parallelize.materialize_`). ``position_table``: the learned table kept out of the engine
+    (or None).
     ``engine.module.loss_fn`` is the :class:`PipelineLoss`. First, the engine's gradient reduction is checked on a
     probe pipeline (:func:`check_pipeline_gradient_reduction`).
     """
@@ -339,7 +341,7 @@ def pipeline_state_items(engine, groups: SequenceParallelGroups, tp_plan: dict, 
     consumes it to the end).
 
     Each stage renames its parameters (:func:`genslm_name`) and gathers TP pieces (``tp_plan``: GenSLM names, from
-    :func:`~ds4sci.sequence.tensor_parallel.tensor_parallel_plan` of the model), one tensor at a time; ``extra`` (the
+    :func:`~ds4sci.parallel.tensor_parallel.tensor_parallel_plan` of the model), one tensor at a time; ``extra`` (the
     assembled position table) comes with the first stage. ``dst=None``: the stages' dicts are all-gathered and every
     rank gets every tensor. ``dst`` (the first stage's sender: its TP rank 0 and sequence x data rank 0): stage by
     stage, each stage's sender sends its tensors to ``dst`` one at a time, and only ``dst`` yields them, so it holds

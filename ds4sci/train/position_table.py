@@ -2,8 +2,8 @@
 
 DeepSpeed treats every engine parameter as replicated over the sequence x data group (broadcast from its first
 rank at start, gradients reduced over the group), which would overwrite and mix the rows a sequence-sharded table
-holds per rank. So the table stays out of the engine (:func:`ds4sci.sequence.parallelize` pops it from the model)
-and :class:`PositionTable` does for it what the engine does for the rest: its own AdamW with the same
+holds per rank. So the table stays out of the engine (:func:`~ds4sci.parallel.parallelize.parallelize` pops it from
+the model) and :class:`PositionTable` does for it what the engine does for the rest: its own AdamW with the same
 hyper-parameters and schedule, the gradient summed over the data-parallel group only and clipped against its own
 global norm (DISCREPANCY: clipping is per parameter group, engine vs table), the full table gathered from the
 sequence shards for an export, and checkpoint state saved per sequence shard with the global positions of its rows,
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds4sci.models.genslm import LearnedPositionEmbedding
-from ds4sci.sequence import SequenceParallelGroups
+from ds4sci.parallel.groups import SequenceParallelGroups
 from ds4sci.train.config import Config
 from ds4sci.train.engine import make_optimizer
 

@@ -1,13 +1,12 @@
 """Training GenSLM with DeepSpeed (ZeRO 0-3), Ulysses / ring / Unified sequence parallelism and tensor parallelism.
 
-Sequence parallelism is applied from outside the model (:func:`ds4sci.sequence.parallelize`): every block's
-attention core is wrapped in ``ds4sci.sequence.DistributedAttention`` and tokens, targets, positions (and document
-ids) are sharded together with the same :class:`~ds4sci.sequence.ParallelDims`. Tensor parallelism (``parallel.tp``,
-applied by the same call) leaves the batch sharding unchanged: the TP ranks of a sequence shard read the same
-tokens, the loss is the vocabulary-parallel cross entropy (:func:`~ds4sci.sequence.token_loss_for`), sums are taken
-over the sequence x data group only, and :meth:`Trainer.full_state_dict` gathers the single-device model.
-Targets are shifted on the full window BEFORE sharding, so the label of a shard's last token (which lives on the
-next shard) is never lost.
+Sequence parallelism is applied from outside the model (:func:`~ds4sci.parallel.parallelize.parallelize`): every block's
+attention core is wrapped in ``ds4sci.sequence.DistributedAttention`` and tokens, targets, positions (and document ids)
+are sharded together with the same :class:`~ds4sci.parallel.ParallelDims`. Tensor parallelism (``parallel.tp``, applied
+by the same call) leaves the batch sharding unchanged: the TP ranks of a sequence shard read the same tokens, the loss
+is the vocabulary-parallel cross entropy (:func:`~ds4sci.parallel.tensor_parallel.token_loss_for`), sums are taken over
+the sequence x data group only, and :meth:`Trainer.full_state_dict` gathers the single-device model. Targets are shifted
+on the full window BEFORE sharding, so the label of a shard's last token (which lives on the next shard) is never lost.
 
 Loss normalisation (:mod:`ds4sci.train.loss`): the loss is the mean over every real (non ``IGNORE_INDEX``) target of the
 global batch (all data-parallel ranks, all sequence shards, all accumulation micro-batches), with the scale that
@@ -41,8 +40,10 @@ import torch.distributed as dist
 
 from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, collate, read_fasta, split_records, split_region
 from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
-from ds4sci.sequence import (DistributedAttention, build_groups, gather_tensor_parallel, materialize_, parallelize,
-                             shard_sequence, tensor_parallel_plan, token_loss_for)
+from ds4sci.parallel.groups import build_groups
+from ds4sci.parallel.parallelize import materialize_, parallelize
+from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, tensor_parallel_plan, token_loss_for
+from ds4sci.sequence import DistributedAttention, shard_sequence
 from ds4sci.train.checkpoint import load_checkpoint
 from ds4sci.train.checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import Config

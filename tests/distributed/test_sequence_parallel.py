@@ -14,14 +14,13 @@ import torch.distributed as dist
 from ds4sci.spawn import run_workers
 from ds4sci.models.genslm import AttentionCore
 from ds4sci.models.local_attention import PAD_DOC_ID, flex_attention, memory_efficient_attention, sdpa_attention
+from ds4sci.parallel import ParallelDims
+from ds4sci.parallel.groups import DeepSpeedMPU, build_groups
 from ds4sci.sequence import (
     CommCounter,
-    DeepSpeedMPU,
     DistributedAttention,
-    ParallelDims,
     all_to_all,
     Layout,
-    build_groups,
     gather_sequence,
     pad_to_multiple,
     shard_sequence,

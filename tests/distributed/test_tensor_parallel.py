@@ -1,9 +1,9 @@
 """Tensor parallelism (Megatron-LM with sequence-parallel regions) composed with Ulysses and ring, on gloo.
 
-Recipe: every rank builds the single-device GenSLM and a second copy with the same seed, runs the reference on the
-full batch (fp32), applies :func:`ds4sci.sequence.parallelize` to the copy, feeds it this rank's SP shard and compares
-the loss (summed over SP), the log-softmax of the logits (gathered over the vocabulary and the sequence) and EVERY
-parameter gradient (consolidated over TP, summed over SP as the engine would) with the reference. Cases of one
+Recipe: every rank builds the single-device GenSLM and a second copy with the same seed, runs the reference on the full
+batch (fp32), applies :func:`~ds4sci.parallel.parallelize.parallelize` to the copy, feeds it this rank's SP shard and
+compares the loss (summed over SP), the log-softmax of the logits (gathered over the vocabulary and the sequence) and
+EVERY parameter gradient (consolidated over TP, summed over SP as the engine would) with the reference. Cases of one
 world size share one spawn; each failure names its case.
 """
 import pytest
@@ -13,21 +13,18 @@ import torch.nn.functional as F
 
 from ds4sci.spawn import run_workers
 from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, GenSLMConfig, shift_labels, token_loss
-from ds4sci.sequence import (
-    CommCounter,
-    ParallelDims,
-    build_groups,
-    gather_sequence,
+from ds4sci.parallel import ParallelDims
+from ds4sci.parallel.groups import build_groups
+from ds4sci.parallel.parallelize import materialize_, parallelize
+from ds4sci.parallel.tensor_parallel import (
     gather_tensor_parallel,
     gather_vocab,
     load_full_state_dict,
-    materialize_,
-    parallelize,
-    shard_sequence,
     shard_tensor_parallel,
     tensor_parallel_plan,
     token_loss_for,
 )
+from ds4sci.sequence import CommCounter, gather_sequence, shard_sequence
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -271,7 +268,7 @@ def _worker_engine(rank, world, stage):
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     import deepspeed
 
-    from ds4sci.sequence import DeepSpeedMPU
+    from ds4sci.parallel.groups import DeepSpeedMPU
     from ds4sci.train.loss import grad_reduction_factor
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -30,17 +30,16 @@ gathers the full SP shard again, so ``GenSLM.forward`` returns hidden states ``[
 ``[B, T, V_pad/tp]`` (vocabulary-sharded) for the same ``T`` tokens as without TP. So the trainer's batch sharding
 (``shard_sequence`` over SP) and position embeddings are unchanged; only the loss changes (:func:`token_loss_for`).
 
-Parameters keep the single-device names (``layers.0.attention.query_key_value.weight``, ...), so a consolidated
-state dict (:func:`gather_tensor_parallel`) is the single-device model's. Parameters split over TP carry
-``tensor_model_parallel = True`` (what DeepSpeed 0.19.8's ``deepspeed.runtime.utils.is_model_parallel_parameter``
-reads: gradient norms in ``clip_grad_norm_`` and ZeRO 1/2/3 count such a parameter on every TP rank and the others
-on TP rank 0 only, then sum over the model-parallel group, i.e. :class:`~ds4sci.sequence.DeepSpeedMPU`'s TP group)
-and ``ds4sci_tp_dim`` / ``ds4sci_tp_size`` / ``ds4sci_tp_padded`` (split dim, unpadded and padded full size).
-Replicated LayerNorm parameters, used on sequence shards, get their gradient summed over TP in backward
-(:func:`sync_grad`); each row-parallel bias is added as ``bias/tp`` to every partial sum before the reduce-scatter,
-with its full gradient passed through (every TP rank sees the same output gradient), so every TP rank holds the
-same full gradient of every replicated parameter. Each parameter is used inside its own module's forward, as
-ZeRO-3's parameter gathering expects.
+Parameters keep the single-device names (``layers.0.attention.query_key_value.weight``, ...), so a consolidated state
+dict (:func:`gather_tensor_parallel`) is the single-device model's. Parameters split over TP carry
+``tensor_model_parallel = True`` (what DeepSpeed 0.19.8's ``deepspeed.runtime.utils.is_model_parallel_parameter`` reads:
+gradient norms in ``clip_grad_norm_`` and ZeRO 1/2/3 count such a parameter on every TP rank and the others on TP rank 0
+only, then sum over the model-parallel group, i.e. the TP group of :class:`~ds4sci.parallel.groups.DeepSpeedMPU`) and
+``ds4sci_tp_dim`` / ``ds4sci_tp_size`` / ``ds4sci_tp_padded`` (split dim, unpadded and padded full size). Replicated
+LayerNorm parameters, used on sequence shards, get their gradient summed over TP in backward (:func:`sync_grad`); each
+row-parallel bias is added as ``bias/tp`` to every partial sum before the reduce-scatter, with its full gradient passed
+through (every TP rank sees the same output gradient), so every TP rank holds the same full gradient of every replicated
+parameter. Each parameter is used inside its own module's forward, as ZeRO-3's parameter gathering expects.
 
 Why not DeepSpeed AutoTP (checked in deepspeed 0.19.8):
 
@@ -76,8 +75,8 @@ from torch import Tensor, nn
 
 from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, token_loss
 from ds4sci.models.genslm.position import apply_rotary, rotary_cos_sin
+from ds4sci.parallel.groups import SequenceParallelGroups
 from ds4sci.sequence.comm import CommCounter, group_rank, group_size
-from ds4sci.sequence.groups import SequenceParallelGroups
 
 __all__ = [
     "TPShard",
@@ -522,7 +521,7 @@ def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, coun
     """Split ``model`` over ``groups.tp`` in place (module swaps; parameter names unchanged); no-op for ``tp = 1``.
 
     Every rank must build the model with the same seed first, whole or on the meta device (each keeps its pieces;
-    :func:`ds4sci.sequence.materialize_` then draws a meta model's). Afterwards
+    :func:`ds4sci.parallel.parallelize.materialize_` then draws a meta model's). Afterwards
     ``model(input_ids, position_ids, ...)`` takes the SP shard as before and returns vocabulary-sharded logits
     ``[B, T, V_pad/tp]``: use :func:`token_loss_for` (``groups``) as the loss.
 

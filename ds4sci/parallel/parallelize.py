@@ -1,12 +1,12 @@
 """Apply tensor and sequence parallelism to a single-device GenSLM from outside (torchtitan's ``parallelize`` step).
 
 The model in :mod:`ds4sci.models.genslm` knows nothing of process groups. :func:`parallelize` is the one place
-that changes it: tensor parallelism first (:func:`~ds4sci.sequence.tensor_parallel.apply_tensor_parallel`: Megatron
+that changes it: tensor parallelism first (:func:`~ds4sci.parallel.tensor_parallel.apply_tensor_parallel`: Megatron
 column/row-parallel layers with sequence-parallel norms, vocabulary-parallel embedding and output), then every
 block's attention core is wrapped in :class:`~ds4sci.sequence.DistributedAttention` over the Ulysses and ring groups,
 and the learned position table is taken out and keeps only the rows of the positions this rank's sequence shard
 holds. The caller (the trainer) shards tokens, targets, positions and document ids over SP with the same ``dims``
-and, under TP, uses :func:`~ds4sci.sequence.tensor_parallel.token_loss_for` as the loss.
+and, under TP, uses :func:`~ds4sci.parallel.tensor_parallel.token_loss_for` as the loss.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from ds4sci.models.genslm import GenSLM, LearnedPositionEmbedding
+from ds4sci.parallel.groups import SequenceParallelGroups
+from ds4sci.parallel.tensor_parallel import apply_tensor_parallel, shard_tensor_parallel, tensor_parallel_plan
 from ds4sci.sequence.attention import DistributedAttention
 from ds4sci.sequence.comm import CommCounter
-from ds4sci.sequence.groups import SequenceParallelGroups
 from ds4sci.sequence.sharding import shard_positions
-from ds4sci.sequence.tensor_parallel import apply_tensor_parallel, shard_tensor_parallel, tensor_parallel_plan
 
 __all__ = ["parallelize", "materialize_"]
 
@@ -28,7 +28,7 @@ def parallelize(
 ) -> LearnedPositionEmbedding | None:
     """Make ``model`` tensor- and sequence-parallel over ``groups`` in place; return its learned position table, if any.
 
-    - ``groups.dims.tp > 1``: :func:`~ds4sci.sequence.tensor_parallel.apply_tensor_parallel` (the model's logits become
+    - ``groups.dims.tp > 1``: :func:`~ds4sci.parallel.tensor_parallel.apply_tensor_parallel` (the model's logits become
       vocabulary-sharded ``[B, T, V_pad/tp]``; parameter names are unchanged, split ones carry
       ``tensor_model_parallel = True``). Every rank must have built the model with the same seed, whole or on the
       meta device (then :func:`materialize_` draws this rank's pieces).

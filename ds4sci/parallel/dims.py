@@ -1,9 +1,9 @@
-"""Parallel degrees and process groups: tensor (Megatron), Ulysses, ring, data and pipeline parallelism.
+"""Parallel degrees, the sequence layout and every rank coordinate, as arithmetic (no torch, no processes).
 
-One validated object, :class:`ParallelDims`, holds the five degrees and the sequence layout, and derives every rank
-coordinate; their product is the world size. :func:`build_groups` turns it into explicit process groups (no global
-singleton: callers pass the returned :class:`SequenceParallelGroups` where it is needed), and :class:`DeepSpeedMPU`
-exposes them through the ``mpu`` interface that ``deepspeed.initialize(mpu=...)`` reads.
+One validated object, :class:`ParallelDims`, holds the five degrees (tensor, Ulysses, ring, data, pipeline) and the
+sequence :class:`Layout`, and derives every rank coordinate; their product is the world size. The process groups
+(:mod:`ds4sci.parallel.groups`), the sequence-parallel layers (:mod:`ds4sci.sequence`) and the planner
+(:mod:`ds4sci.plan`) all read it, so this module imports nothing heavier than the standard library.
 
 Rank layout, innermost first, in the order of the USP paper (Fang & Zhao 2024, "USP: A Unified Sequence
 Parallelism Approach for Long Context Generative AI", section 5): TP < Ulysses < Ring < DP < PP, so the
@@ -13,28 +13,73 @@ ranks, i.e. the GPUs of one node::
     rank = (((pp_rank * dp + dp_rank) * ring + ring_rank) * ulysses + ulysses_rank) * tp + tp_rank
     sp_rank = ring_rank * ulysses + ulysses_rank
 
-The sequence is sharded over the SP (Ulysses x ring) group in ``sp_rank`` order (see
-:mod:`ds4sci.sequence.sharding`); with ``tp = 1`` the SP groups are the contiguous blocks ``[i*sp, (i+1)*sp)``
-that DeepSpeed's ``parallel_state_sp`` helper makes.
+The sequence is sharded over the SP (Ulysses x ring) group in ``sp_rank`` order by a :class:`Layout`:
+
+- ``contiguous``: shard ``r`` of ``W`` holds ``[r*S/W, (r+1)*S/W)``.
+- ``zigzag`` (load-balanced, for causal attention; Brandon et al. 2023 "Striped Attention" and the USP paper's
+  load-balanced ring): the sequence is cut into ``2W`` chunks and shard ``r`` holds chunks ``r`` and
+  ``2W-1-r``, so every shard holds one early and one late chunk and does the same causal work.
+
+With ``tp = 1`` the SP groups are the contiguous blocks ``[i*sp, (i+1)*sp)`` that DeepSpeed's ``parallel_state_sp``
+helper makes. :mod:`ds4sci.sequence.sharding` applies a layout to tensors.
 """
 from __future__ import annotations
 
-import datetime
+import enum
 import itertools
-import logging
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import torch.distributed as dist
-
-from ds4sci.sequence.sharding import Layout
-
-logger = logging.getLogger(__name__)
-
-__all__ = ["ParallelDims", "Coords", "SequenceParallelGroups", "build_groups", "DeepSpeedMPU"]
+__all__ = ["Layout", "Piece", "Coords", "ParallelDims"]
 
 _AXES = ("pp", "dp", "ring", "ulysses", "tp")
 """Mesh axes, outermost first (the rank layout above)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of rows of a local block: local rows ``[start, start+length)`` hold global positions
+    ``[offset, offset+length)``."""
+
+    start: int
+    length: int
+    offset: int
+
+
+class Layout(str, enum.Enum):
+    """How a sequence is cut over sequence-parallel shards (see the module docstring)."""
+
+    CONTIGUOUS = "contiguous"
+    ZIGZAG = "zigzag"
+
+    @classmethod
+    def parse(cls, name: str | Layout, ring: int = 1) -> Layout:
+        """A layout from its name; ``"auto"`` is zigzag when there is a ring (``ring > 1``), else contiguous."""
+        if name == "auto":
+            return cls.ZIGZAG if ring > 1 else cls.CONTIGUOUS
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"layout={name!r} is not one of {['auto'] + [m.value for m in cls]}") from None
+
+    def multiple(self, world: int) -> int:
+        """The sequence length must be a multiple of this: ``world`` (contiguous) or ``2*world`` (zigzag)."""
+        return world if self is Layout.CONTIGUOUS else 2 * world
+
+    def chunks(self, rank: int, world: int) -> tuple[int, ...]:
+        """Indices of the :meth:`multiple` equal chunks that shard ``rank`` of ``world`` holds, in order."""
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank={rank} is outside [0, world={world})")
+        return (rank,) if self is Layout.CONTIGUOUS else (rank, 2 * world - 1 - rank)
+
+    def pieces(self, ring_rank: int, ring: int, block_len: int) -> list[Piece]:
+        """Runs of the ``block_len`` rows a ring rank holds after the Ulysses all-to-all (``S = ring*block_len``)."""
+        held = self.chunks(ring_rank, ring)
+        if ring == 1:  # the whole sequence, in order (zigzag: chunks 0 and 1 of 2)
+            return [Piece(0, block_len, 0)]
+        chunk = block_len // len(held)
+        return [Piece(i * chunk, chunk, c * chunk) for i, c in enumerate(held)]
 
 
 class Coords(NamedTuple):
@@ -102,6 +147,11 @@ class ParallelDims:
         return self.ulysses * self.ring
 
     @property
+    def sdp(self) -> int:
+        """Sequence x data degree, the ranks ZeRO partitions over: ``sp * dp``."""
+        return self.sp * self.dp
+
+    @property
     def world_size(self) -> int:
         return self.tp * self.sp * self.dp * self.pp
 
@@ -113,6 +163,15 @@ class ParallelDims:
 
     def _sizes(self) -> tuple[int, ...]:
         return tuple(getattr(self, axis) for axis in _AXES)
+
+    def stride(self, axis: str) -> int:
+        """Rank distance between neighbours along ``axis``: the product of the degrees inside it in the rank order
+        (``tp``: 1, ``ulysses``: ``tp``, ..., ``pp``: ``tp * ulysses * ring * dp``). A group of ``d`` ranks along
+        ``axis`` (or along it and the axes outside it, as the sequence x data group from ``ulysses`` to ``dp``) lies
+        within an aligned block of ``stride(axis) * d`` consecutive ranks."""
+        if axis not in _AXES:
+            raise ValueError(f"axis={axis!r} is not one of {_AXES}")
+        return math.prod(self._sizes()[_AXES.index(axis) + 1:])
 
     def coords(self, rank: int) -> Coords:
         """The :class:`Coords` ``(pp, dp, ring, ulysses, tp)`` of a global rank."""
@@ -188,127 +247,3 @@ def _check_degree(name: str, value: int) -> None:
         raise TypeError(f"ParallelDims.{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"ParallelDims.{name} must be >= 1, got {name}={value}")
-
-
-@dataclass(frozen=True)
-class SequenceParallelGroups:
-    """The process groups this rank belongs to, as built by :func:`build_groups`; ranks come from ``dims``."""
-
-    dims: ParallelDims
-    rank: int
-    tp: dist.ProcessGroup
-    ulysses: dist.ProcessGroup
-    ring: dist.ProcessGroup
-    sp: dist.ProcessGroup
-    dp: dist.ProcessGroup
-    sdp: dist.ProcessGroup
-    pp: dist.ProcessGroup
-
-    @property
-    def coords(self) -> Coords:
-        return self.dims.coords(self.rank)
-
-    @property
-    def sp_rank(self) -> int:
-        """Index of the sequence shard this rank holds (pass it to :func:`~ds4sci.sequence.shard_sequence`)."""
-        return self.dims.sp_rank(self.rank)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.coords.dp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.coords.tp
-
-    @property
-    def sdp_rank(self) -> int:
-        """This rank's index in its sequence x data group: ``dp_rank * sp + sp_rank``."""
-        return self.dp_rank * self.dims.sp + self.sp_rank
-
-
-def build_groups(dims: ParallelDims, backend: str | None = None, timeout: datetime.timedelta | None = None
-                 ) -> SequenceParallelGroups:
-    """Create the process groups of ``dims`` on the initialized default process group.
-
-    Collective: every rank must call it, with the same ``dims``. Each kind's groups are created in the order of
-    :meth:`ParallelDims.group_ranks`, as ``torch.distributed.new_group`` requires. ``timeout``: how long their
-    collectives wait for a peer (``None``: torch's default, 30 min on gloo; ``new_group`` does not inherit the
-    default group's).
-
-    Raises:
-        RuntimeError: torch.distributed is not initialized.
-        ValueError: ``dims.world_size`` differs from the default group's world size.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError("build_groups: torch.distributed is not initialized (call init_process_group first)")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world != dims.world_size:
-        raise ValueError(f"build_groups: dims.world_size={dims.world_size} but the process group has {world} ranks")
-    mine: dict[str, dist.ProcessGroup] = {}
-    for kind, rank_lists in dims.group_ranks().items():
-        for ranks in rank_lists:
-            group = dist.new_group(ranks, backend=backend, timeout=timeout)
-            if rank in ranks:
-                mine[kind] = group
-    logger.debug("rank %d: built groups for %s", rank, dims)
-    return SequenceParallelGroups(dims=dims, rank=rank, **mine)
-
-
-class DeepSpeedMPU:
-    """The ``mpu`` object ``deepspeed.initialize(mpu=...)`` reads, backed by explicit groups.
-
-    DeepSpeed's engine broadcasts parameters, reduces gradients and partitions ZeRO state over the
-    sequence-data-parallel group when the mpu exposes the ``get_sequence_*`` methods; its model-parallel group is
-    the tensor-parallel group (parameters differ across it; gradient norms are summed over it).
-    """
-
-    def __init__(self, groups: SequenceParallelGroups) -> None:
-        self.groups = groups
-
-    # sequence parallel (Ulysses x ring)
-    def get_sequence_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.sp
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return self.groups.dims.sp
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self.groups.sp_rank
-
-    # sequence x data parallel (the group ZeRO works over)
-    def get_sequence_data_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.sdp
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self.groups.dims.sp * self.groups.dims.dp
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self.groups.sdp_rank
-
-    # data parallel
-    def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.dp
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.groups.dims.dp
-
-    def get_data_parallel_rank(self) -> int:
-        return self.groups.dp_rank
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return dist.get_process_group_ranks(self.groups.dp)
-
-    # model (tensor) parallel
-    def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.tp
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.groups.dims.tp
-
-    def get_model_parallel_rank(self) -> int:
-        return self.groups.tp_rank
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
