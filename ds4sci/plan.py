@@ -1,25 +1,29 @@
 """``ds4sci plan``: which parallel layouts train a GenSLM at a given sequence length on a given cluster, how much
-memory each GPU needs, how many bytes each GPU sends, and which layout should be fastest (issue #15).
+memory each GPU needs, how many bytes each GPU sends, and which layout should be fastest.
 
-Everything here is arithmetic on the model's shapes (no tensors, no processes); torch is imported only through
-the model config and the reused closed forms. All byte counts are per GPU, for the most loaded rank (the first
+Everything here is arithmetic (no tensors, no processes, no torch) on definitions shared with the code it models,
+never on copies: the shapes and parameter counts come from the model's :class:`~ds4sci.models.genslm.GenSLMConfig`
+(``block_parameters``, ``num_parameters``), the degrees, the sequence multiple and the rank order from
+:class:`~ds4sci.parallel.dims.ParallelDims`, the per-layer communication and the table and mask bytes from
+:mod:`ds4sci.costs`, closed forms that ``ds4sci bench`` measures. A layout is a :class:`Strategy`: the dims plus
+the ZeRO stage, offload and checkpointing. All byte counts are per GPU, for the most loaded rank (the first
 pipeline stage), with ``B`` sequences of ``S`` tokens per micro-step, ``h`` hidden, ``f`` MLP width, ``H`` heads,
 ``L`` layers, ``V`` vocabulary, ``e`` bytes per activation element (4 fp32, 2 bf16) and a layout
 ``tp x ulysses x ring x pp x dp`` (``sp = ulysses * ring``, ZeRO over ``sdp = sp * dp`` ranks).
 
 Memory model (bytes per GPU):
 
-- model states (ZeRO, Rajbhandari et al. 2020): ``phi = ceil(L/pp) * ((phi_layer - 6 h) / tp + 6 h) + 2 V_tp h
-  / tp + 2 h`` parameters per rank (the block's two layer norms and two row-parallel biases, ``6 h``, and the final
-  layer norm are replicated over TP; the vocabulary is padded to ``V_tp``, a multiple of ``tp``), each with ``p``
-  bytes of parameter, ``g`` of gradient and ``k`` of optimizer state: fp32 ``4 + 4 + 8`` (AdamW's two moments),
-  bf16 ``2 + 2 + 12`` (fp32 master copy and moments). Stage 0 keeps all three; stages 1 and 2 divide the gradients
-  the optimizer is handed and the optimizer state by ``sdp`` and keep an fp32 master copy of the partition even when
-  training in fp32 (``k = 12``); stage 3 also divides the parameters (plus two layers of gathered parameters in
-  flight, ``2 p phi_layer / tp``) and needs no separate fp32 copy in fp32 (``k = 8``) (measured with ``ds4sci bench
-  layouts``, DeepSpeed 0.19.8: at stage 1 DeepSpeed hands the optimizer the ``1/sdp`` gradient partition, as at
-  stage 2). Offload ``optimizer`` (ZeRO-Offload, stage >= 1) takes the
-  optimizer state off the GPU, ``all`` (ZeRO-Infinity, stage 3) the parameters too.
+- model states (ZeRO, Rajbhandari et al. 2020):
+  ``phi = ceil(L/pp) * ((phi_layer - 6 h) / tp + 6 h) + 2 V_tp h / tp + 2 h`` parameters per rank (``phi_layer``: one
+  block's; the block's two layer norms and two row-parallel biases, ``6 h``, and the final layer norm are replicated
+  over TP; the vocabulary is padded to ``V_tp``, a multiple of ``tp``), each with ``p`` bytes of parameter, ``g`` of
+  gradient and ``k`` of optimizer state: fp32 ``4 + 4 + 8`` (AdamW's two moments), bf16 ``2 + 2 + 12`` (fp32 master copy
+  and moments). Stage 0 keeps all three; stages 1 and 2 divide the gradients the optimizer is handed and the optimizer
+  state by ``sdp`` and keep an fp32 master copy of the partition even when training in fp32 (``k = 12``); stage 3 also
+  divides the parameters (plus two layers of gathered parameters in flight, ``2 p phi_layer / tp``) and needs no
+  separate fp32 copy in fp32 (``k = 8``) (measured with ``ds4sci bench layouts``, DeepSpeed 0.19.8: at stage 1 DeepSpeed
+  hands the optimizer the ``1/sdp`` gradient partition, as at stage 2). Offload ``optimizer`` (ZeRO-Offload, stage >= 1)
+  takes the optimizer state off the GPU, ``all`` (ZeRO-Infinity, stage 3) the parameters too.
 - activations saved for backward per layer per local token, counted from what GenSLM's block
   (:mod:`ds4sci.models.genslm.model`, GPT-NeoX parallel residual) saves; the adaptation of Korthikanti et al. 2022
   ("Reducing Activation Recomputation in Large Transformer Models", ``sbh(34 + 5as/h)``) to this block, checked
@@ -43,15 +47,15 @@ Memory model (bytes per GPU):
   ``triton`` / ``flash`` / ``auto``: fp32 log-sum-exp and its backward's row sums, ``8 B H_loc S_q``; ``sdpa`` (the
   O(S^2) oracle): fp32 scores and probabilities plus two boolean masks, ``(8 B H_loc + 2) S_q S_k``; with
   ``H_loc = H / (tp ulysses)`` heads over ``S_q = S_k = S / ring`` tokens.
-- learned position table: :func:`ds4sci.bench.memory_breakdown.table_bytes_formula` (fp32 parameter, gradient
-  and AdamW moments) of ``S / sp`` rows (partitioned, ds4sci's default) or ``S`` rows (replicated).
+- learned position table: :func:`ds4sci.costs.position_table_bytes` (fp32 parameter, gradient and AdamW
+  moments) of ``S / sp`` rows (partitioned, ds4sci's default) or ``S`` rows (replicated).
 - attention mask: none for causal attention (evaluated inside the kernel); with another ``--mask`` policy,
-  :func:`ds4sci.bench.memory_breakdown.mask_bytes_formula` at the local attention length ``S / ring``.
+  :func:`ds4sci.costs.mask_bytes` at the local attention length ``S / ring``.
 
 A layout fits when the total is at most ``--gpu-mem-gib - --reserve-gib`` (CUDA context, communication buffers,
 fragmentation).
 
-Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.bench.comm_volume.closed_forms` per
+Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.costs.layer_comm_bytes` per
 layer, forward + backward, times ``L / pp`` layers and ``m`` micro-steps): tensor parallelism with sequence-parallel
 regions on ``N = S / sp`` tokens, ``6 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``: GPT-NeoX's parallel
 residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``8 (tp-1)/tp N h e`` with
@@ -70,14 +74,15 @@ and backward parameter all-gathers, ``+ 2 (sdp-1)/sdp * phi p`` (pipeline, data-
 traffic measured with ``ds4sci bench layouts``, DeepSpeed 0.19.8); offload: PCIe traffic
 ``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the parameters fetched for forward and backward).
 
-Cost model (stated, simple, no overlap): ``step time = compute / (1 - bubble) + sum over groups of bytes /
-bandwidth``. ``compute = FLOPs / (world * peak * efficiency)``, ``FLOPs = 6 N_tok phi_model + 6 B m dp L h S^2``
-(causal attention) per step, plus one forward (a third) for ``full`` checkpointing and the attention's forward
-for ``selective``; ``bubble = (pp - 1) / (m + pp - 1)``. A group's bandwidth is ``--intra-gbps`` when it lies
-inside one node, ``--inter-gbps`` otherwise; with the rank order of :mod:`ds4sci.sequence.groups` (TP < Ulysses <
-Ring < DP < PP, innermost first) a group of degree ``d`` whose inner degrees multiply to ``i`` lies inside a node
-when ``i * d`` divides ``--gpus-per-node``. Offload traffic runs at ``--pcie-gbps``. Layouts are ranked by
-tokens per second (``B m dp S / step time``), fastest first.
+Cost model (stated, simple, no overlap): ``step time = compute / (1 - bubble) + sum over groups of bytes / bandwidth``.
+``compute = FLOPs / (world * peak * efficiency)``, ``FLOPs = 6 N_tok phi_model + 6 B m dp L h S^2`` (causal attention)
+per step, plus one forward (a third) for ``full`` checkpointing and the attention's forward for ``selective``;
+``bubble = (pp - 1) / (m + pp - 1)``. A group's bandwidth is ``--intra-gbps`` when it lies inside one node,
+``--inter-gbps`` otherwise; in the rank order of :class:`~ds4sci.parallel.dims.ParallelDims` (TP < Ulysses < Ring < DP <
+PP, innermost first) a group of degree ``d`` along an axis of stride ``i`` (the product of the inner degrees,
+:meth:`~ds4sci.parallel.dims.ParallelDims.stride`) lies inside a node when ``i * d`` divides ``--gpus-per-node``.
+Offload traffic runs at ``--pcie-gbps``. Layouts are ranked by tokens per second (``B m dp S / step time``), fastest
+first.
 
 Paper figures (DeepSpeed4Science, Song et al. 2023, arXiv:2310.04610, GenSLM section and Figure 9;
 https://github.com/microsoft/DeepSpeed/blob/master/blogs/deepspeed4science/japanese/README.md, the official
@@ -92,8 +97,15 @@ import argparse
 import itertools
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 from ds4sci.cli import CommandError, nonnegative_float, positive_int
+from ds4sci.costs import layer_comm_bytes, mask_bytes, position_table_bytes
+from ds4sci.parallel.dims import ParallelDims
+from ds4sci.report import markdown_table, write_report
+
+if TYPE_CHECKING:  # the planner only calls the config's methods; importing ds4sci.models would import torch here
+    from ds4sci.models.genslm import GenSLMConfig
 
 GIB = 2.0**30
 OFFLOADS = ("none", "optimizer", "all")
@@ -125,214 +137,195 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained: the model shape and the per-step work (``micro_batch`` sequences per micro-step, ``grad_accum``
-    micro-steps per optimizer step)."""
+    """What is trained: the model (its shapes, positions, attention backend and dropout, all read from its config)
+    and the per-step work (``micro_batch`` sequences of ``seq_len`` tokens per micro-step, ``grad_accum`` micro-steps
+    per optimizer step)."""
 
-    hidden: int
-    layers: int
-    heads: int
-    intermediate: int
-    vocab: int
-    rotary_dim: int  # 0 unless position_embedding == "rotary"
-    learned_table: bool
-    backend: str
+    model: GenSLMConfig
     seq_len: int
     micro_batch: int = 1
     grad_accum: int = 1
     dtype: str = "bf16"
     position_table: str = "partitioned"
     mask: str = "none"
-    dropout: float = 0.0
-
-    @classmethod
-    def from_config(cls, model, seq_len: int, **kw) -> Workload:
-        """From a :class:`~ds4sci.models.genslm.GenSLMConfig`."""
-        return cls(hidden=model.hidden_size, layers=model.num_layers, heads=model.num_heads,
-                   intermediate=model.intermediate_size, vocab=model.vocab_size,
-                   rotary_dim=model.rotary_dim if model.position_embedding == "rotary" else 0,
-                   learned_table=model.position_embedding == "learned", backend=model.attention_backend,
-                   seq_len=seq_len, dropout=model.dropout, **kw)
 
     def with_seq_len(self, seq_len: int) -> Workload:
         return replace(self, seq_len=seq_len)
 
     @property
-    def layer_params(self) -> int:
-        """Parameters of one block: two layer norms, fused qkv, output projection, MLP (GenSLMConfig.num_parameters)."""
-        h, f = self.hidden, self.intermediate
-        return 4 * h + 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h
+    def rotary_dim(self) -> int:
+        """Rotated dims per head; 0 unless ``position_embedding == "rotary"``."""
+        return self.model.rotary_dim if self.model.position_embedding == "rotary" else 0
+
+    @property
+    def learned_table(self) -> bool:
+        return self.model.position_embedding == "learned"
 
     @property
     def model_params(self) -> int:
         """Parameters outside the position table: embedding, blocks, final layer norm, output head."""
-        return 2 * self.vocab * self.hidden + 2 * self.hidden + self.layers * self.layer_params
+        return self.model.num_parameters() - self.model.position_table_parameters()
+
+    def to_dict(self) -> dict:
+        """The shape and the work as ``plan.json`` records them."""
+        m = self.model
+        return {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads,
+                "intermediate": m.intermediate_size, "vocab": m.vocab_size, "rotary_dim": self.rotary_dim,
+                "learned_table": self.learned_table, "backend": m.attention_backend, "seq_len": self.seq_len,
+                "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "dtype": self.dtype,
+                "position_table": self.position_table, "mask": self.mask, "dropout": m.dropout}
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Parallel degrees (world = tp x ulysses x ring x pp x dp), ZeRO stage, offload and activation checkpointing."""
+class Strategy:
+    """How a workload is spread over the GPUs and what it keeps in GPU memory: the parallel degrees
+    (:class:`~ds4sci.parallel.dims.ParallelDims`, with the trainer's default sequence layout, zigzag with a ring),
+    the ZeRO stage, offload and activation checkpointing."""
 
-    tp: int = 1
-    ulysses: int = 1
-    ring: int = 1
-    pp: int = 1
-    dp: int = 1
+    dims: ParallelDims = ParallelDims(dp=1)
     zero_stage: int = 0
     offload: str = "none"
     checkpointing: str = "none"
 
-    @property
-    def sp(self) -> int:
-        return self.ulysses * self.ring
-
-    @property
-    def sdp(self) -> int:
-        return self.sp * self.dp
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.sp * self.pp * self.dp
-
-    @property
-    def sequence_multiple(self) -> int:
-        """S must be a multiple of this (:attr:`ds4sci.sequence.ParallelDims.sequence_multiple`: zigzag with a ring)."""
-        return self.sp * (2 if self.ring > 1 else 1) * self.tp
+    def to_dict(self) -> dict:
+        """Degrees and memory switches as ``plan.json`` records them (one flat row)."""
+        d = self.dims
+        return {"tp": d.tp, "ulysses": d.ulysses, "ring": d.ring, "pp": d.pp, "dp": d.dp,
+                "zero_stage": self.zero_stage, "offload": self.offload, "checkpointing": self.checkpointing}
 
     def name(self) -> str:
-        return (f"tp{self.tp} u{self.ulysses} r{self.ring} pp{self.pp} dp{self.dp} z{self.zero_stage} "
+        d = self.dims
+        return (f"tp{d.tp} u{d.ulysses} r{d.ring} pp{d.pp} dp{d.dp} z{self.zero_stage} "
                 f"off:{self.offload} ckpt:{self.checkpointing}")
 
 
-def layer_activation_bytes(w: Workload, lay: Layout, mode: str) -> float:
+def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
     """Bytes one layer saves for backward per local token under checkpointing ``mode`` (module docstring)."""
+    d = strategy.dims
     e = STATE_BYTES[w.dtype][0]
-    h, f = w.hidden, w.intermediate
+    h, f = w.model.hidden_size, w.model.intermediate_size
     single = 9 if w.rotary_dim else 7
     if mode == "full":
         return h * e
     # the column-parallel matmuls save their inputs gathered over the tp ranks' sequence regions: both layer-norm
     # outputs count tp h per local token; rotary cos/sin cover the S/sp positions of the attention region
-    gathered = 2 * (lay.tp - 1) * h + 2 * w.rotary_dim * lay.tp
+    gathered = 2 * (d.tp - 1) * h + 2 * w.rotary_dim * d.tp
     if mode == "selective":
         return (single * h + 2 * f + gathered) * e + 4 * 4
-    c = 8 if lay.ulysses > 1 else single
-    return (c * h + 2 * f + gathered) * e + (4 + w.heads) * 4
+    c = 8 if d.ulysses > 1 else single
+    return (c * h + 2 * f + gathered) * e + (4 + w.model.num_heads) * 4
 
 
-def rank_params(w: Workload, lay: Layout) -> float:
+def rank_params(w: Workload, strategy: Strategy) -> float:
     """``phi``: parameters on the most loaded rank before ZeRO partitioning (module docstring)."""
-    h = w.hidden
-    vocab = math.ceil(w.vocab / lay.tp) * lay.tp
-    return (math.ceil(w.layers / lay.pp) * ((w.layer_params - 6 * h) / lay.tp + 6 * h)
-            + 2 * vocab * h / lay.tp + 2 * h)
+    d = strategy.dims
+    h = w.model.hidden_size
+    vocab = math.ceil(w.model.vocab_size / d.tp) * d.tp
+    return (math.ceil(w.model.num_layers / d.pp) * ((w.model.block_parameters() - 6 * h) / d.tp + 6 * h)
+            + 2 * vocab * h / d.tp + 2 * h)
 
 
-def memory(w: Workload, lay: Layout) -> dict[str, float]:
+def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     """Bytes per GPU by term (module docstring): params, grads, optimizer, activations, workspace, attention,
     position_table, mask, and their total."""
+    d, zero = strategy.dims, strategy.zero_stage
+    h = w.model.hidden_size
     p, g, k = STATE_BYTES[w.dtype]
     e = p
-    phi = rank_params(w, lay)
-    N = lay.sdp
-    if lay.zero_stage in (1, 2):
+    phi = rank_params(w, strategy)
+    N = d.sdp
+    if zero in (1, 2):
         k = 12  # DeepSpeed's fp32 master copy of the partition and AdamW's two moments, also when training in fp32
-    params = 0.0 if lay.offload == "all" else phi * p / (N if lay.zero_stage == 3 else 1)
-    if lay.zero_stage == 3:
-        params += 2 * p * w.layer_params / lay.tp
-    grads = phi * g / (N if lay.zero_stage >= 1 else 1)
-    optimizer = 0.0 if lay.offload != "none" else phi * k / (N if lay.zero_stage >= 1 else 1)
+    params = 0.0 if strategy.offload == "all" else phi * p / (N if zero == 3 else 1)
+    if zero == 3:
+        params += 2 * p * w.model.block_parameters() / d.tp
+    grads = phi * g / (N if zero >= 1 else 1)
+    optimizer = 0.0 if strategy.offload != "none" else phi * k / (N if zero >= 1 else 1)
     S, B = w.seq_len, w.micro_batch
-    T = B * S / (lay.sp * lay.tp)  # local tokens
-    held = math.ceil(w.layers / lay.pp) * min(lay.pp, w.grad_accum)
-    per_token = held * layer_activation_bytes(w, lay, lay.checkpointing)
-    if lay.checkpointing == "full":
-        per_token += layer_activation_bytes(w, lay, "none")  # the layer being recomputed
-    per_token += 8 + (1 + lay.tp) * w.hidden * e + 8 + 8 * w.vocab / lay.tp
+    T = B * S / (d.sp * d.tp)  # local tokens
+    held = math.ceil(w.model.num_layers / d.pp) * min(d.pp, w.grad_accum)
+    per_token = held * layer_activation_bytes(w, strategy, strategy.checkpointing)
+    if strategy.checkpointing == "full":
+        per_token += layer_activation_bytes(w, strategy, "none")  # the layer being recomputed
+    per_token += 8 + (1 + d.tp) * h * e + 8 + 8 * w.model.vocab_size / d.tp
     activations = T * per_token
     # backward's working set: one layer's activation gradients, the size of what that layer saves without
     # checkpointing; the ring adds the key/value block in use, the one arriving and the travelling key/value gradients
-    workspace = T * (layer_activation_bytes(w, lay, "none") + (6 * w.hidden / lay.ulysses * e if lay.ring > 1 else 0))
-    heads_local = w.heads / (lay.tp * lay.ulysses)
-    s_attn = S / lay.ring
-    if w.backend == "sdpa":
+    workspace = T * (layer_activation_bytes(w, strategy, "none") + (6 * h / d.ulysses * e if d.ring > 1 else 0))
+    heads_local = w.model.num_heads / (d.tp * d.ulysses)
+    s_attn = S / d.ring
+    backend = w.model.attention_backend
+    if backend == "sdpa":
         attention = (8 * B * heads_local + 2) * s_attn * s_attn
-    elif w.backend == "chunked":
+    elif backend == "chunked":
         attention = 3 * 4 * B * heads_local * CHUNK * CHUNK
     else:
         attention = 8 * B * heads_local * s_attn
-    from ds4sci.bench.memory_breakdown import mask_bytes_formula, table_bytes_formula
-
     table = 0.0
     if w.learned_table:
-        table = table_bytes_formula(S // lay.sp if w.position_table == "partitioned" else S, w.hidden)
-    mask = 0.0 if w.mask == "none" else B * mask_bytes_formula(w.mask, S // lay.ring)["device"]
+        table = position_table_bytes(S // d.sp if w.position_table == "partitioned" else S, h)
+    mask = 0.0 if w.mask == "none" else B * mask_bytes(w.mask, S // d.ring)["device"]
     terms = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
              "workspace": workspace, "attention": attention, "position_table": table, "mask": mask}
     terms["total"] = sum(terms.values())
     return terms
 
 
-def comm(w: Workload, lay: Layout) -> dict[str, float]:
+def comm(w: Workload, strategy: Strategy) -> dict[str, float]:
     """Bytes each GPU sends per optimizer step, by group (module docstring): tp, ulysses, ring, pp, dp, pcie."""
-    from ds4sci.bench.comm_volume import closed_forms
-
+    d = strategy.dims
     p, g, _ = STATE_BYTES[w.dtype]
-    e, h, S, B, m = p, w.hidden, w.seq_len, w.micro_batch, w.grad_accum
-    layers = math.ceil(w.layers / lay.pp) * B * m
-    sp_redo = 1.5 if lay.checkpointing != "none" else 1.0
-    tp_redo = 1.5 if lay.checkpointing == "full" else 1.0
+    e, h, S, B, m = p, w.model.hidden_size, w.seq_len, w.micro_batch, w.grad_accum
+    layers = math.ceil(w.model.num_layers / d.pp) * B * m
+    sp_redo = 1.5 if strategy.checkpointing != "none" else 1.0
+    tp_redo = 1.5 if strategy.checkpointing == "full" else 1.0
     out = {"tp": 0.0, "ulysses": 0.0, "ring": 0.0, "pp": 0.0, "dp": 0.0, "pcie": 0.0}
-    if lay.tp > 1:
-        P, N = lay.tp, S / lay.sp
-        scheme = "megatron-sp" if w.dropout > 0 else "tp-sp"
-        per_layer = tp_redo * closed_forms(scheme, P, N, h, e) + 2 * (P - 1) / P * 4 * h * e
+    if d.tp > 1:
+        P, N = d.tp, S / d.sp
+        scheme = "megatron-sp" if w.model.dropout > 0 else "tp-sp"
+        per_layer = tp_redo * layer_comm_bytes(scheme, P, N, h, e) + 2 * (P - 1) / P * 4 * h * e
         first = 3 * (P - 1) / P * N * h * e
         last = (P - 1) / P * (2 * N * h * e + 2 * (2 * h * e + 12 * N))
-        out["tp"] = layers * per_layer + B * m * (first + last if lay.pp == 1 else max(first, last))
-    if lay.ulysses > 1:
-        out["ulysses"] = sp_redo * layers * closed_forms("ulysses", lay.ulysses, S / lay.ring, h / lay.tp, e)
-    if lay.ring > 1:
-        out["ring"] = sp_redo * layers * closed_forms("ring", lay.ring, S, h / (lay.tp * lay.ulysses), e)
-    if lay.pp > 1:
-        out["pp"] = (2 if lay.pp > 2 else 1) * B * m * S / (lay.sp * lay.tp) * h * e
-    phi = rank_params(w, lay)
-    N = lay.sdp
+        out["tp"] = layers * per_layer + B * m * (first + last if d.pp == 1 else max(first, last))
+    if d.ulysses > 1:
+        out["ulysses"] = sp_redo * layers * layer_comm_bytes("ulysses", d.ulysses, S / d.ring, h / d.tp, e)
+    if d.ring > 1:
+        out["ring"] = sp_redo * layers * layer_comm_bytes("ring", d.ring, S, h / (d.tp * d.ulysses), e)
+    if d.pp > 1:
+        out["pp"] = (2 if d.pp > 2 else 1) * B * m * S / (d.sp * d.tp) * h * e
+    phi = rank_params(w, strategy)
+    N = d.sdp
     if N > 1:
-        gathers = {0: 0, 1: 1, 2: 1, 3: 2}[lay.zero_stage]  # parameter all-gathers per step
+        gathers = {0: 0, 1: 1, 2: 1, 3: 2}[strategy.zero_stage]  # parameter all-gathers per step
         out["dp"] = 2 * (N - 1) / N * phi * g + gathers * (N - 1) / N * phi * p
-    if lay.offload != "none":
-        out["pcie"] = phi * (g + p) / N + (2 * phi * p / N if lay.offload == "all" else 0.0)
+    if strategy.offload != "none":
+        out["pcie"] = phi * (g + p) / N + (2 * phi * p / N if strategy.offload == "all" else 0.0)
     return out
 
 
-def _inner(lay: Layout, group: str) -> int:
-    """Product of the degrees inside ``group`` in the rank order TP < Ulysses < Ring < DP < PP."""
-    order = ("tp", "ulysses", "ring", "dp", "pp")
-    return math.prod(getattr(lay, a) for a in order[: order.index(group)])
-
-
-def step_time(w: Workload, lay: Layout, cluster: Cluster) -> dict[str, float]:
+def step_time(w: Workload, strategy: Strategy, cluster: Cluster) -> dict[str, float]:
     """Estimated seconds per optimizer step (module docstring's cost model): compute, bubble, comm, total."""
+    d = strategy.dims
     S, B, m = w.seq_len, w.micro_batch, w.grad_accum
-    tokens = B * S * m * lay.dp
-    attn = 6 * B * m * lay.dp * w.layers * w.hidden * S * S  # causal: half of 12 L h S^2 per sequence
+    tokens = B * S * m * d.dp
+    attn = 6 * B * m * d.dp * w.model.num_layers * w.model.hidden_size * S * S  # causal: half of 12 L h S^2 a sequence
     flops = 6 * tokens * w.model_params + attn
-    if lay.checkpointing == "full":
+    if strategy.checkpointing == "full":
         flops += (6 * tokens * w.model_params + attn) / 3
-    elif lay.checkpointing == "selective":
+    elif strategy.checkpointing == "selective":
         flops += attn / 3
-    bubble = (lay.pp - 1) / (m + lay.pp - 1)
+    bubble = (d.pp - 1) / (m + d.pp - 1)
     compute = flops / (cluster.world * cluster.peak_tflops * 1e12 * cluster.efficiency) / (1 - bubble)
     seconds = 0.0
-    for group, sent in comm(w, lay).items():
+    for group, sent in comm(w, strategy).items():
         if not sent:
             continue
         if group == "pcie":
             bw = cluster.pcie_gbps
         else:
-            degree = lay.sdp if group == "dp" else getattr(lay, group)
-            inner = lay.tp if group == "dp" else _inner(lay, group)  # ZeRO's sdp group spans Ulysses x Ring x DP
-            bw = cluster.intra_gbps if cluster.gpus_per_node % (inner * degree) == 0 else cluster.inter_gbps
+            # ZeRO's sdp group spans Ulysses x Ring x DP, from the Ulysses axis outwards
+            degree, stride = (d.sdp, d.stride("ulysses")) if group == "dp" else (getattr(d, group), d.stride(group))
+            bw = cluster.intra_gbps if cluster.gpus_per_node % (stride * degree) == 0 else cluster.inter_gbps
         seconds += sent / (bw * 1e9)
     total = compute + seconds
     return {"compute_s": compute, "bubble": bubble, "comm_s": seconds, "total_s": total,
@@ -343,28 +336,31 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = True) -> list[Layout]:
-    """Every layout of all ``cluster.world`` GPUs that splits the model (and ``w.seq_len`` if ``split_seq``) evenly and respects
-    ``fixed`` (``{"tp": 2, "zero_stage": 3, ...}``): ``tp * ulysses`` divides the heads (both scatter heads), ``tp``
-    the MLP width and the GPUs of a node, ``pp <= layers``, ZeRO 2/3 only without pipeline parallelism (DeepSpeed's
+def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = True) -> list[Strategy]:
+    """Every strategy on all ``cluster.world`` GPUs that splits the model (and ``w.seq_len`` if ``split_seq``) evenly
+    and respects ``fixed`` (``{"tp": 2, "zero_stage": 3, ...}``): degrees the model admits
+    (:meth:`~ds4sci.parallel.dims.ParallelDims.check_model`: ``tp * ulysses`` divides the heads, ``tp`` the MLP width,
+    ``pp <= layers``), ``tp`` dividing the GPUs of a node, ZeRO 2/3 only without pipeline parallelism (DeepSpeed's
     pipeline engine), optimizer offload with ZeRO >= 1 and parameter offload with ZeRO 3."""
-    world = cluster.world
+    world, m = cluster.world, w.model
     out = []
     for tp, u, r, pp in itertools.product(*(fixed.get(a) and [fixed[a]] or _divisors(world)
                                             for a in ("tp", "ulysses", "ring", "pp"))):
-        dp, rest = divmod(world, tp * u * r * pp)
-        if rest or dp == 0 or fixed.get("dp", dp) != dp:
+        try:
+            dims = ParallelDims.for_world(world, ulysses=u, ring=r, tp=tp, pp=pp)
+            dims.check_model(num_heads=m.num_heads, num_layers=m.num_layers, intermediate_size=m.intermediate_size)
+        except ValueError:  # these degrees do not split the GPUs or the model
             continue
-        if w.heads % (tp * u) or w.intermediate % tp or cluster.gpus_per_node % tp or pp > w.layers:
+        if fixed.get("dp", dims.dp) != dims.dp or cluster.gpus_per_node % tp:
+            continue
+        if split_seq and w.seq_len % dims.sequence_multiple:
             continue
         for z, off, ck in itertools.product([fixed["zero_stage"]] if "zero_stage" in fixed else range(4),
                                             [fixed["offload"]] if "offload" in fixed else OFFLOADS,
                                             [fixed["checkpointing"]] if "checkpointing" in fixed else CHECKPOINTING):
             if (pp > 1 and z > 1) or (off == "optimizer" and z < 1) or (off == "all" and z != 3):
                 continue
-            lay = Layout(tp, u, r, pp, dp, z, off, ck)
-            if not split_seq or w.seq_len % lay.sequence_multiple == 0:
-                out.append(lay)
+            out.append(Strategy(dims, z, off, ck))
     return out
 
 
@@ -376,30 +372,31 @@ def plan(w: Workload, cluster: Cluster, fixed: dict) -> list[dict]:
     """The fitting layouts at ``w.seq_len``, fastest first: dicts of layout, memory terms, comm bytes, step time."""
     budget = budget_bytes(cluster)
     rows = []
-    for lay in layouts(w, cluster, fixed):
-        mem = memory(w, lay)
+    for strategy in strategies(w, cluster, fixed):
+        mem = memory(w, strategy)
         if mem["total"] <= budget:
-            rows.append({"layout": asdict(lay), "memory": mem, "comm": comm(w, lay),
-                         "time": step_time(w, lay, cluster)})
+            rows.append({"layout": strategy.to_dict(), "memory": mem, "comm": comm(w, strategy),
+                         "time": step_time(w, strategy, cluster)})
     rows.sort(key=lambda r: -r["time"]["tokens_per_s"])
     return rows
 
 
 def max_seq_len(w: Workload, cluster: Cluster, fixed: dict, limit: int = 1 << 34) -> int:
     """The longest S (up to ``limit``) at which some layout fits: per layout, the largest multiple of its
-    :attr:`Layout.sequence_multiple` within the budget (memory grows with S), then the maximum; 0 if none."""
+    :attr:`~ds4sci.parallel.dims.ParallelDims.sequence_multiple` within the budget (memory grows with S), then the
+    maximum; 0 if none."""
     budget = budget_bytes(cluster)
     best = 0
-    for lay in layouts(w, cluster, fixed, split_seq=False):
-        q = lay.sequence_multiple
-        if memory(w.with_seq_len(q), lay)["total"] > budget:
+    for strategy in strategies(w, cluster, fixed, split_seq=False):
+        q = strategy.dims.sequence_multiple
+        if memory(w.with_seq_len(q), strategy)["total"] > budget:
             continue
         lo, hi = 1, 2  # multiples of q: lo fits, hi is the first tried that may not
-        while hi * q <= limit and memory(w.with_seq_len(hi * q), lay)["total"] <= budget:
+        while hi * q <= limit and memory(w.with_seq_len(hi * q), strategy)["total"] <= budget:
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if memory(w.with_seq_len(mid * q), lay)["total"] <= budget:
+            if memory(w.with_seq_len(mid * q), strategy)["total"] <= budget:
                 lo = mid
             else:
                 hi = mid
@@ -473,10 +470,9 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, dict]:
     vocab = (CodonTokenizer() if cfg.data.tokenizer == "codon" else NucleotideTokenizer()).vocab_size
     model = GenSLMConfig.preset(cfg.model.preset, **{"vocab_size": vocab, **cfg.model.overrides})
     seq_len = args.seq_len or cfg.data.seq_len
-    w = Workload.from_config(model, seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-                             dtype=args.dtype, position_table=args.position_table, mask=args.mask)
-    return w, {"preset": cfg.model.preset, "overrides": cfg.model.overrides, "parameters": model.num_parameters()
-               - (model.max_position_embeddings * model.hidden_size if w.learned_table else 0)}
+    w = Workload(model, seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum, dtype=args.dtype,
+                 position_table=args.position_table, mask=args.mask)
+    return w, {"preset": cfg.model.preset, "overrides": cfg.model.overrides, "parameters": w.model_params}
 
 
 def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
@@ -487,13 +483,14 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
         raise CommandError(f"{' x '.join(f'--{a}={v}' for a, v in given.items())} = {product} does not divide the "
                            f"{cluster.world} GPUs (--nodes={cluster.nodes} x --gpus-per-node={cluster.gpus_per_node})")
     tp, u = fixed.get("tp", 1), fixed.get("ulysses", 1)
-    if w.heads % (tp * u):
-        raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's {w.heads} heads")
-    if cluster.gpus_per_node % tp or w.intermediate % tp:
+    m = w.model
+    if m.num_heads % (tp * u):
+        raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's {m.num_heads} heads")
+    if cluster.gpus_per_node % tp or m.intermediate_size % tp:
         raise CommandError(f"--tp={tp} must divide --gpus-per-node={cluster.gpus_per_node} and the MLP width "
-                           f"{w.intermediate}")
-    if fixed.get("pp", 1) > w.layers:
-        raise CommandError(f"--pp={fixed['pp']}: the model has only {w.layers} layers")
+                           f"{m.intermediate_size}")
+    if fixed.get("pp", 1) > m.num_layers:
+        raise CommandError(f"--pp={fixed['pp']}: the model has only {m.num_layers} layers")
     z = fixed.get("zero_stage")
     if z is not None and z > 1 and fixed.get("pp", 1) > 1:
         raise CommandError(f"--zero-stage={z}: DeepSpeed's pipeline engine (--pp={fixed['pp']}) supports stage 0 or 1")
@@ -505,9 +502,13 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
 
 
 def _leanest(w: Workload, cluster: Cluster, fixed: dict) -> str:
-    lays = layouts(w, cluster, fixed)
-    lay = min(lays, key=lambda l: memory(w, l)["total"])
-    return f"the leanest layout, {lay.name()}, needs {memory(w, lay)['total'] / GIB:.1f} GiB per GPU"
+    leanest = min(strategies(w, cluster, fixed), key=lambda s: memory(w, s)["total"])
+    return f"the leanest layout, {leanest.name()}, needs {memory(w, leanest)['total'] / GIB:.1f} GiB per GPU"
+
+
+def _shortest_multiple(w: Workload, cluster: Cluster, fixed: dict) -> int:
+    """The shortest sequence some strategy splits evenly."""
+    return min(s.dims.sequence_multiple for s in strategies(w, cluster, fixed, split_seq=False))
 
 
 def markdown_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
@@ -528,8 +529,6 @@ def markdown_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds4sci.bench.report import markdown_table, write_report
-
     w, model_info = _workload(args)
     cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_mem_gib, args.reserve_gib, args.peak_tflops,
                       args.efficiency, args.intra_gbps, args.inter_gbps, args.pcie_gbps)
@@ -541,18 +540,18 @@ def run(args: argparse.Namespace) -> int:
         S = max_seq_len(w, cluster, fixed)
         if S == 0:
             raise CommandError(f"no layout fits even the shortest sequence in --gpu-mem-gib={cluster.gpu_mem_gib:g}: "
-                               f"{_leanest(w.with_seq_len(min(l.sequence_multiple for l in layouts(w, cluster, fixed, False))), cluster, fixed)}")
+                               f"{_leanest(w.with_seq_len(_shortest_multiple(w, cluster, fixed)), cluster, fixed)}")
         w = w.with_seq_len(S)
         result["max_seq_len"] = S
-    if not layouts(w, cluster, fixed):
-        q = min(l.sequence_multiple for l in layouts(w, cluster, fixed, split_seq=False))
+    if not strategies(w, cluster, fixed):
+        q = _shortest_multiple(w, cluster, fixed)
         raise CommandError(f"--seq-len={w.seq_len}: no layout of {cluster.world} GPUs splits it evenly (a multiple of "
                            f"sp x tp, twice that with a ring, is needed; {q} at least)")
     rows = plan(w, cluster, fixed)
     if not rows:
         raise CommandError(f"no layout fits --seq-len={w.seq_len} in --gpu-mem-gib={cluster.gpu_mem_gib:g} "
                            f"(--reserve-gib={cluster.reserve_gib:g}): {_leanest(w, cluster, fixed)}")
-    result.update(workload=asdict(w), fitting=len(rows), layouts=rows[: args.top])
+    result.update(workload=w.to_dict(), fitting=len(rows), layouts=rows[: args.top])
     title = (f"# plan: GenSLM {model_info['preset']} ({model_info['parameters'] / 1e9:.3g}B parameters"
              + (f", overrides {model_info['overrides']}" if model_info["overrides"] else "") + f"), S = {w.seq_len}, "
              f"{cluster.nodes} x {cluster.gpus_per_node} GPUs of {cluster.gpu_mem_gib:g} GiB, {w.dtype}")

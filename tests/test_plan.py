@@ -1,4 +1,4 @@
-"""``ds4sci plan`` (issue #15): the memory model against what ds4sci really allocates on this machine, the layout
+"""``ds4sci plan``: the memory model against what ds4sci really allocates on this machine, the layout
 search, ``--max-seq`` and the command's output and one-line errors."""
 import json
 
@@ -8,12 +8,13 @@ import torch
 from ds4sci import cli, plan
 from ds4sci.bench import memory_breakdown, seq_scaling
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.parallel import ParallelDims
 
 SMALL = dict(vocab_size=6, hidden_size=64, num_layers=2, num_heads=4, attention_backend="chunked")
 
 
 def _workload(seq_len, dtype="fp32", **model):
-    return plan.Workload.from_config(GenSLMConfig(**{**SMALL, **model}), seq_len, dtype=dtype)
+    return plan.Workload(GenSLMConfig(**{**SMALL, **model}), seq_len, dtype=dtype)
 
 
 @pytest.mark.parametrize("S", [256, 512])
@@ -22,14 +23,14 @@ def test_position_table_equals_memory_breakdown_measurement(S, P):
     """memory-breakdown's configurations (hidden 64, P = 1 and 4): the planner's table term is the bytes ds4sci's
     partitioned table, its gradient and AdamW state really take."""
     w = _workload(S, position_embedding="learned", max_position_embeddings=S)
-    assert plan.memory(w, plan.Layout(ulysses=P))["position_table"] == memory_breakdown.measure_table(S, 64, P)
+    assert plan.memory(w, plan.Strategy(ParallelDims(dp=1, ulysses=P)))["position_table"] == memory_breakdown.measure_table(S, 64, P)
 
 
 @pytest.mark.parametrize("policy", plan.MASKS[1:])
 def test_mask_equals_memory_breakdown_measurement(policy):
     w = plan.Workload(**{**vars(_workload(512)), "mask": policy})
-    assert plan.memory(w, plan.Layout())["mask"] == memory_breakdown.measure_mask(policy, 512)["device"]
-    assert plan.memory(_workload(512), plan.Layout())["mask"] == 0  # causal: evaluated inside the kernel
+    assert plan.memory(w, plan.Strategy())["mask"] == memory_breakdown.measure_mask(policy, 512)["device"]
+    assert plan.memory(_workload(512), plan.Strategy())["mask"] == 0  # causal: evaluated inside the kernel
 
 
 def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str) -> int:
@@ -67,8 +68,8 @@ def test_layer_activations_equal_saved_tensors(position, checkpointing):
                                "max_position_embeddings": S}) for L in (1, 2)]
     per_layer = _saved_activation_bytes(configs[1], S, checkpointing) - _saved_activation_bytes(configs[0], S,
                                                                                                checkpointing)
-    w = plan.Workload.from_config(configs[1], S, dtype="fp32")
-    assert per_layer == plan.layer_activation_bytes(w, plan.Layout(), checkpointing) * S
+    w = plan.Workload(configs[1], S, dtype="fp32")
+    assert per_layer == plan.layer_activation_bytes(w, plan.Strategy(), checkpointing) * S
 
 
 @pytest.mark.slow
@@ -80,7 +81,7 @@ def test_peak_memory_matches_seq_scaling_measurement():
     P = 1 and Ulysses, -49 % .. -4 % for ring and hybrid at S >= 2K (the ring's buffers are under-counted)."""
     S, P = 4096, 2
     measured = seq_scaling.measure("ulysses", P, S, {"hidden": 64, "heads": 4, "layers": 2})["peak_bytes_max"]
-    terms = plan.memory(_workload(S, rotary_pct=0.25), plan.Layout(ulysses=P))
+    terms = plan.memory(_workload(S, rotary_pct=0.25), plan.Strategy(ParallelDims(dp=1, ulysses=P)))
     predicted = terms["total"] - terms["params"] - terms["optimizer"]  # the step starts with both allocated
     assert abs(predicted - measured) / measured < 0.3, (predicted, measured)
 
@@ -89,16 +90,17 @@ CLUSTER = plan.Cluster(gpus_per_node=4, nodes=2, gpu_mem_gib=2.0, reserve_gib=0.
 
 
 def _debug(seq_len, **kw):
-    return plan.Workload.from_config(GenSLMConfig.preset("debug", max_position_embeddings=seq_len), seq_len, **kw)
+    return plan.Workload(GenSLMConfig.preset("debug", max_position_embeddings=seq_len), seq_len, **kw)
 
 
 def test_layouts_never_split_heads_they_cannot():
     w = _debug(8192)  # 4 heads on 8 GPUs
-    lays = plan.layouts(w, CLUSTER, {})
-    assert lays and all(w.heads % (lay.tp * lay.ulysses) == 0 for lay in lays)
-    assert {lay.tp * lay.ulysses for lay in lays} == {1, 2, 4}
-    assert all(lay.world == 8 and w.seq_len % lay.sequence_multiple == 0 for lay in lays)
-    assert not any(lay.pp > 1 and lay.zero_stage > 1 for lay in lays)
+    found = plan.strategies(w, CLUSTER, {})
+    dims = [s.dims for s in found]
+    assert found and all(w.model.num_heads % (d.tp * d.ulysses) == 0 for d in dims)
+    assert {d.tp * d.ulysses for d in dims} == {1, 2, 4}
+    assert all(d.world_size == 8 and w.seq_len % d.sequence_multiple == 0 for d in dims)
+    assert not any(s.dims.pp > 1 and s.zero_stage > 1 for s in found)
 
 
 def test_fixed_degrees_are_respected():
@@ -123,9 +125,9 @@ def test_max_seq_fits_and_the_next_length_does_not(fixed):
     S = plan.max_seq_len(w, CLUSTER, fixed)
     assert plan.plan(w.with_seq_len(S), CLUSTER, fixed)
     budget = plan.budget_bytes(CLUSTER)
-    for lay in plan.layouts(w, CLUSTER, fixed, split_seq=False):
-        q = lay.sequence_multiple
-        assert plan.memory(w.with_seq_len((S // q + 1) * q), lay)["total"] > budget, lay
+    for strategy in plan.strategies(w, CLUSTER, fixed, split_seq=False):
+        q = strategy.dims.sequence_multiple
+        assert plan.memory(w.with_seq_len((S // q + 1) * q), strategy)["total"] > budget, strategy
 
 
 def test_command_lists_fitting_layouts_fastest_first(tmp_path, capsys):

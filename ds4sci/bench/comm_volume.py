@@ -1,29 +1,20 @@
-"""``ds4sci bench comm-volume``: bytes each rank sends per GenSLM layer under sequence and tensor parallelism
-(issue #15).
+"""``ds4sci bench comm-volume``: bytes each rank sends per GenSLM layer under sequence and tensor parallelism,
+beside the closed forms of :func:`ds4sci.costs.layer_comm_bytes`, which the planner uses.
 
 For each degree ``P``, ``P`` gloo processes (:func:`ds4sci.spawn.run_workers`) run, scheme after scheme, one
 training step (forward + backward) of a GenSLM made sequence- or tensor-parallel by
-:func:`ds4sci.parallel.parallelize.parallelize`, with the sequence growing with ``P`` (``N = tokens_per_rank * P``). A
-:class:`~ds4sci.sequence.CommCounter` records the bytes every collective call sends; the figure per layer is the
+:func:`~ds4sci.parallel.parallelize.parallelize`, with the sequence growing with ``P`` (``N = tokens_per_rank * P``).
+A :class:`~ds4sci.sequence.CommCounter` records the bytes every collective call sends; the figure per layer is the
 difference between a 2-layer and a 1-layer model, so embedding, head and loss traffic cannot leak in.
 
-Schemes: ``ulysses`` (Jacobs et al. 2023, all-to-all of q, k, v and the output), ``ring`` (Liu et al. 2023,
-key/value blocks around a ring, zigzag layout), ``hybrid`` (USP, Fang & Zhao 2024: Ulysses ``P/2`` x ring 2).
-Beside the measurements stand the closed forms, in elements of one ``N x hidden`` activation (fwd + bwd):
-
-- Ulysses: ``8 (P-1)/P * N h / P`` (four all-to-alls each way, each keeping ``1/P`` of a ``N/P x h`` shard);
-  constant when ``N`` grows with ``P``, the paper's claim.
-- ring (this implementation): ``[2(R-1) + 2(R-1) + 2R] * N h / R``: keys and values travel ``R-1`` hops forward
-  and again backward, their gradients ``R`` hops back to their owner; it grows with ``N``.
-- Megatron-LM sequence parallelism (Korthikanti et al. 2022): four all-gathers and four reduce-scatters of
-  ``N x h`` per layer (forward + backward), ``8 (P-1)/P * N h`` per rank. Measured as ``megatron-sp`` on ds4sci's
-  tensor-parallel layers (:mod:`ds4sci.parallel.tensor_parallel`, TP degree ``P`` with sequence-parallel regions,
-  dropout on: the attention and MLP partial sums are reduce-scattered separately, as in Megatron-LM); the
-  formula row stays beside it, labelled formula.
-- ``tp-sp`` (the same layers without dropout, ds4sci's training default): GPT-NeoX's parallel residual lets the
-  attention and MLP partial sums share one reduce-scatter (and its backward all-gather), ``6 (P-1)/P * N h``.
-  The TP layers' small all-reduce, the LayerNorm weight and bias gradients summed over TP (``4 h`` elements per
-  layer, ``2 (P-1)/P`` of them sent), is left out of both closed forms.
+Schemes (the closed forms and their derivations: :mod:`ds4sci.costs`): ``ulysses`` (Jacobs et al. 2023,
+all-to-all of q, k, v and the output), ``ring`` (Liu et al. 2023, key/value blocks around a ring, zigzag layout),
+``hybrid`` (USP, Fang & Zhao 2024: Ulysses ``P/2`` x ring 2), ``megatron-sp`` (Megatron-LM sequence parallelism,
+Korthikanti et al. 2022, measured on ds4sci's tensor-parallel layers, :mod:`ds4sci.parallel.tensor_parallel`, TP
+degree ``P`` with sequence-parallel regions, dropout on: the attention and MLP partial sums are reduce-scattered
+separately, as in Megatron-LM; the formula row stays beside it, labelled formula) and ``tp-sp`` (the same layers
+without dropout, ds4sci's training default: one shared reduce-scatter). The TP layers' small all-reduce of the
+LayerNorm gradients is left out of both TP closed forms.
 """
 from __future__ import annotations
 
@@ -32,10 +23,10 @@ import logging
 from pathlib import Path
 
 from ds4sci.bench.report import MIB, markdown_table, parse_int_list, write_report
+from ds4sci.costs import COMM_SCHEMES, layer_comm_bytes
 
 logger = logging.getLogger(__name__)
 
-SCHEMES = ("ulysses", "ring", "hybrid", "megatron-sp", "tp-sp")
 TP_SCHEMES = ("megatron-sp", "tp-sp")
 
 
@@ -103,23 +94,6 @@ def _scheme_bytes(scheme: str, P: int, tokens: int, hidden: int, heads: int) -> 
     return sent
 
 
-def closed_forms(scheme: str, P: int, N: int, h: int, elem: int) -> float:
-    """Bytes one rank sends per layer (forward + backward) by the formulas of the module docstring."""
-    if scheme == "ulysses":
-        return 8 * (P - 1) / P * N * h / P * elem
-    if scheme == "ring":
-        return (6 * P - 4) * N * h / P * elem
-    if scheme == "hybrid":
-        U, R = P // 2, 2
-        ring_part = (6 * R - 4) * N * h / P * elem  # blocks of N/R tokens on h/U channels
-        return 8 * (U - 1) / U * N * h / P * elem + ring_part
-    if scheme == "megatron-sp":
-        return 8 * (P - 1) / P * N * h * elem
-    if scheme == "tp-sp":
-        return 6 * (P - 1) / P * N * h * elem
-    raise ValueError(f"unknown scheme {scheme!r}")
-
-
 def measure(schemes: list[str], P: int, tokens_per_rank: int, hidden: int, heads: int) -> list[dict]:
     """``schemes`` at degree ``P`` in one group of ``P`` processes: per scheme, measured bytes per layer per rank
     (max and min over ranks, by collective kind on rank 0) and the closed form."""
@@ -134,7 +108,7 @@ def measure(schemes: list[str], P: int, tokens_per_rank: int, hidden: int, heads
         totals = [sum(kinds.values()) for kinds in per_layer]
         runs.append({"scheme": scheme, "P": P, "N": N, "hidden": hidden, "heads": heads,
                      "bytes_per_layer_max": max(totals), "bytes_per_layer_min": min(totals),
-                     "by_kind": per_layer[0], "predicted": closed_forms(scheme, P, N, hidden, 4)})
+                     "by_kind": per_layer[0], "predicted": layer_comm_bytes(scheme, P, N, hidden, 4)})
     return runs
 
 
@@ -151,7 +125,7 @@ def markdown(report: dict) -> str:
                      ", ".join(f"{k} {v / MIB:.3f}" for k, v in sorted(r["by_kind"].items()))])
     for P in sorted({r["P"] for r in report["runs"]}):
         N = c["tokens_per_rank"] * P
-        b = closed_forms("megatron-sp", P, N, c["hidden"], 4)
+        b = layer_comm_bytes("megatron-sp", P, N, c["hidden"], 4)
         rows.append(["megatron-sp (formula)", P, N, f"{b / MIB:.3f}", "", f"{b / (N * c['hidden'] * 4):.3f}",
                      "all-gather + reduce-scatter"])
     lines += markdown_table(["scheme", "P", "N", "MiB sent / rank / layer", "measured / (N h)",
@@ -174,13 +148,13 @@ def plot(report: dict, path: Path) -> None:
 
     c = report["config"]
     fig, ax = plt.subplots(figsize=(7, 5))
-    for scheme in SCHEMES:
+    for scheme in COMM_SCHEMES:
         runs = [r for r in report["runs"] if r["scheme"] == scheme]
         if runs:
             ax.plot([r["P"] for r in runs], [r["bytes_per_layer_max"] / MIB for r in runs], marker="o",
                     label=f"{scheme} (measured)")
     Ps = sorted({r["P"] for r in report["runs"]})
-    ax.plot(Ps, [closed_forms("megatron-sp", P, c["tokens_per_rank"] * P, c["hidden"], 4) / MIB for P in Ps],
+    ax.plot(Ps, [layer_comm_bytes("megatron-sp", P, c["tokens_per_rank"] * P, c["hidden"], 4) / MIB for P in Ps],
             linestyle="--", color="gray", label="megatron-sp (formula)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -213,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     for P in tqdm(degrees, desc="comm-volume", unit="degree"):
-        schemes = [s for s in SCHEMES if _dims_kwargs(s, P) is not None]
+        schemes = [s for s in COMM_SCHEMES if _dims_kwargs(s, P) is not None]
         report["runs"] += measure(schemes, P, tokens, args.hidden, args.heads)
     path = write_report(args.out, "comm_volume", report, markdown(report))
     plot(report, path.with_suffix(".png"))

@@ -1,5 +1,5 @@
 """``ds4sci bench layouts``: per-rank model states, activations and bytes sent of real training steps, layout by
-layout, beside :mod:`ds4sci.plan`'s prediction of each term (issues #14, #15).
+layout, beside :mod:`ds4sci.plan`'s prediction of each term.
 
 For each layout (``tp2xulysses2``, ``pp2xring2``, ...; data parallelism fills the rest of ``--world``) and ZeRO stage,
 ``--world`` gloo processes (:func:`ds4sci.spawn.run_workers`) build the real training stack,
@@ -43,6 +43,7 @@ import weakref
 from pathlib import Path
 
 from ds4sci.bench.report import MIB, markdown_table, write_report
+from ds4sci.parallel import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
 COMM_TERMS = ("tp", "ulysses", "ring", "pp", "dp")
@@ -332,9 +333,9 @@ def predicted(common: dict, degrees: dict, zero: int) -> tuple[dict, dict]:
     model = GenSLMConfig.preset("debug", vocab_size=NucleotideTokenizer().vocab_size, hidden_size=common["hidden"],
                                 num_heads=common["heads"], num_layers=common["layers"], position_embedding="rotary",
                                 max_position_embeddings=common["seq_len"])
-    w = plan.Workload.from_config(model, common["seq_len"], dtype="fp32")
-    lay = plan.Layout(**degrees, zero_stage=zero)
-    return plan.memory(w, lay), plan.comm(w, lay)
+    w = plan.Workload(model, common["seq_len"], dtype="fp32")
+    strategy = plan.Strategy(ParallelDims(**degrees), zero_stage=zero)
+    return plan.memory(w, strategy), plan.comm(w, strategy)
 
 
 def _term(label: str, kind: str) -> str:
@@ -466,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
         if common["heads"] % tp_u or common["hidden"] % common["heads"]:
             raise ValueError(f"layout {name}: tp x ulysses = {tp_u} must divide --heads={common['heads']}, which must "
                              f"divide --hidden={common['hidden']}")
-        multiple = degrees["tp"] * degrees["ulysses"] * degrees["ring"] * (2 if degrees["ring"] > 1 else 1)
+        multiple = ParallelDims(**degrees).sequence_multiple  # the trainer's: zigzag with a ring
         if common["seq_len"] % multiple:
             raise ValueError(f"layout {name}: --seq-len={common['seq_len']} must be a multiple of {multiple}")
         if degrees["pp"] > common["layers"]:

@@ -1,19 +1,18 @@
 """``ds4sci bench memory-breakdown``: the per-rank bytes of the two long-sequence memory items the
 DeepSpeed4Science paper (Song et al. 2023, "DeepSpeed4Science Initiative", GenSLM section) singles out: the learned
-position table's state and the attention mask (issue #15).
+position table's state and the attention mask.
 
 Measured here, at small sizes on this machine, from the tensors ds4sci really allocates (``nbytes`` of every
-tensor, exact), then compared with a closed form that the report evaluates at the paper's sequence lengths:
+tensor, exact), then compared with the closed forms the planner uses (:func:`ds4sci.costs.position_table_bytes`,
+:func:`ds4sci.costs.mask_bytes`), which the report evaluates at the paper's sequence lengths:
 
-- position table (learned, fp32): parameter + gradient + AdamW's two moments = ``16 * rows * hidden`` bytes;
-  ``rows = S`` unpartitioned, ``S/P`` with ds4sci's sequence-partitioned table
-  (:func:`ds4sci.sequence.shard_positions`).
-- attention mask of a packed-document batch, per policy:
-  ``fp32 additive [S, S]`` (what a dense additive mask costs, ``4 S^2``: the paper's 10 GB above 50K tokens),
-  ``bool [S, S]`` built on the device (``S^2``; :func:`ds4sci.models.local_attention.attention_mask` below its
-  threshold), ``bool [S, S]`` built on the CPU then moved (``S^2`` host + ``S^2`` device, above the threshold), and
-  ``none``: ds4sci's memory-efficient attention evaluates causality and document ids inside the kernel, holding
-  only the ``[S]`` int64 document ids (``8 S``).
+- position table (learned, fp32): parameter, gradient and AdamW's two moments of ``S`` rows unpartitioned, ``S/P``
+  with ds4sci's sequence-partitioned table (:func:`ds4sci.sequence.shard_positions`).
+- attention mask of a packed-document batch, per policy: ``fp32 additive [S, S]`` (what a dense additive mask
+  costs: the paper's 10 GB above 50K tokens), ``bool [S, S]`` built on the device
+  (:func:`ds4sci.models.local_attention.attention_mask` below its threshold), ``bool [S, S]`` built on the CPU then
+  moved (above the threshold), and ``none``: ds4sci's memory-efficient attention evaluates causality and document ids
+  inside the kernel, holding only the ``[S]`` int64 document ids.
 
 The position-table and bool-mask rows measure ds4sci's own modules (``LearnedPositionEmbedding`` with AdamW,
 ``attention_mask``); the fp32-additive and in-kernel rows are the sizes of the tensors those policies hold,
@@ -26,6 +25,7 @@ import argparse
 import torch
 
 from ds4sci.bench.report import markdown_table, parse_int_list, write_report
+from ds4sci.costs import MASK_POLICIES, mask_bytes, position_table_bytes
 
 GIB = 2.0**30
 PAPER_SEQ_LENS = (50_000, 100_000, 200_000, 500_000)
@@ -43,11 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="S = 256, 512 (a smoke test)")
 
 
-def table_bytes_formula(rows: int, hidden: int) -> int:
-    """fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq of a ``[rows, hidden]`` table."""
-    return 16 * rows * hidden
-
-
 def measure_table(seq_len: int, hidden: int, degree: int) -> int:
     """Bytes of rank 0's position table after one AdamW step: parameter, gradient, optimizer state tensors."""
     from ds4sci.models.genslm import LearnedPositionEmbedding
@@ -62,18 +57,6 @@ def measure_table(seq_len: int, hidden: int, degree: int) -> int:
     optimizer.step()
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
     return sum(t.nbytes for t in (table.weight, table.weight.grad, *state))
-
-
-def mask_bytes_formula(policy: str, seq_len: int) -> dict[str, int]:
-    """``{"device": bytes, "host": bytes}`` of one document mask of ``seq_len`` tokens under ``policy``."""
-    S = seq_len
-    return {"fp32-additive": {"device": 4 * S * S, "host": 0},
-            "bool-device": {"device": S * S, "host": 0},
-            "bool-cpu-then-device": {"device": S * S, "host": S * S},
-            "none (in-kernel)": {"device": 8 * S, "host": 0}}[policy]
-
-
-POLICIES = ("fp32-additive", "bool-device", "bool-cpu-then-device", "none (in-kernel)")
 
 
 def measure_mask(policy: str, seq_len: int) -> dict[str, int]:
@@ -109,11 +92,11 @@ def markdown(report: dict) -> str:
     rows = []
     for S in PAPER_SEQ_LENS:
         P = c["paper_degree"]
-        rows.append([S, f"{table_bytes_formula(S, c['paper_hidden']) / GIB:.1f}",
-                     f"{table_bytes_formula(S // P, c['paper_hidden']) / GIB:.2f}"]
-                    + [f"{mask_bytes_formula(p, S)['device'] / GIB:.3g}" for p in POLICIES])
+        rows.append([S, f"{position_table_bytes(S, c['paper_hidden']) / GIB:.1f}",
+                     f"{position_table_bytes(S // P, c['paper_hidden']) / GIB:.2f}"]
+                    + [f"{mask_bytes(p, S)['device'] / GIB:.3g}" for p in MASK_POLICIES])
     lines += markdown_table(["S", "table, unpartitioned", f"table, partitioned (S/{c['paper_degree']} rows)"]
-                            + [f"mask: {p}" for p in POLICIES], rows)
+                            + [f"mask: {p}" for p in MASK_POLICIES], rows)
     lines += ["", "The paper reports about 10 GB of mask above 50K tokens and 10 GB of position-table state above "
               "100K at its hidden size; ds4sci partitions the table over the sequence ranks and never builds a "
               "mask for causal or packed-document attention on its default path."]
@@ -130,11 +113,11 @@ def plot(report: dict, path) -> None:
     c = report["config"]
     S = [int(s) for s in torch.logspace(4, 6, 9).tolist()]
     fig, ax = plt.subplots(figsize=(7, 5))
-    ax.plot(S, [table_bytes_formula(s, c["paper_hidden"]) / GIB for s in S], label="position table, unpartitioned")
-    ax.plot(S, [table_bytes_formula(s // c["paper_degree"], c["paper_hidden"]) / GIB for s in S],
+    ax.plot(S, [position_table_bytes(s, c["paper_hidden"]) / GIB for s in S], label="position table, unpartitioned")
+    ax.plot(S, [position_table_bytes(s // c["paper_degree"], c["paper_hidden"]) / GIB for s in S],
             label=f"position table, partitioned (P = {c['paper_degree']})")
-    for policy in POLICIES:
-        ax.plot(S, [mask_bytes_formula(policy, s)["device"] / GIB for s in S], linestyle="--", label=f"mask: {policy}")
+    for policy in MASK_POLICIES:
+        ax.plot(S, [mask_bytes(policy, s)["device"] / GIB for s in S], linestyle="--", label=f"mask: {policy}")
     ax.axvline(50_000, color="gray", linewidth=0.5)
     ax.axvline(100_000, color="gray", linewidth=0.5)
     ax.set_xscale("log")
@@ -166,10 +149,10 @@ def run(args: argparse.Namespace) -> int:
     for S in seq_lens:
         for P in (1, args.degree):
             report["table"].append({"seq_len": S, "P": P, "measured": measure_table(S, args.hidden, P),
-                                    "formula": table_bytes_formula(S // P, args.hidden)})
-        for policy in POLICIES:
+                                    "formula": position_table_bytes(S // P, args.hidden)})
+        for policy in MASK_POLICIES:
             report["masks"].append({"seq_len": S, "policy": policy, "measured": measure_mask(policy, S),
-                                    "formula": mask_bytes_formula(policy, S)})
+                                    "formula": mask_bytes(policy, S)})
     path = write_report(args.out, "memory_breakdown", report, markdown(report))
     plot(report, path.with_suffix(".png"))
     print(f"memory-breakdown: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")

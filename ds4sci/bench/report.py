@@ -1,10 +1,14 @@
-"""Report files shared by the benchmarks: ``NAME.json`` (the figures) and ``NAME.md`` (a readable table)."""
+"""Helpers shared by the benchmarks: list and integer options, and their report files, ``NAME.json`` (the figures)
+and ``NAME.md`` (a readable table), written by :mod:`ds4sci.report` (re-exported here with the rest)."""
 from __future__ import annotations
 
 import argparse
-import json
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Iterable
+
+from ds4sci.report import markdown_table, write_report
+
+__all__ = ["MIB", "parse_int_list", "option", "add_int_options", "check_positive", "command_line", "markdown_table",
+           "write_report"]
 
 MIB = 2.0**20
 
@@ -46,20 +50,3 @@ def command_line(benchmark: str, cfg: dict, out: str) -> str:
     """The ``ds4sci bench BENCHMARK`` command that reproduces ``cfg``, every key spelled out as an option."""
     options = " ".join(f"{option(name)} {value}" for name, value in cfg.items())
     return f"ds4sci bench {benchmark} {options} --out {out}"
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
-    """Lines of a Markdown table: the header, its separator and one line per row (cells formatted with ``str``)."""
-    lines = ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return lines
-
-
-def write_report(out: str | Path, name: str, report: dict, markdown: str) -> Path:
-    """Write ``report`` to ``out/NAME.json`` and ``markdown`` to ``out/NAME.md`` (creating ``out``); the JSON path."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown)
-    return path

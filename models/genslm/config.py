@@ -69,12 +69,20 @@ class GenSLMConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rotary_pct) // 2 * 2
 
+    def block_parameters(self) -> int:
+        """Parameters of one block: two layer norms, fused qkv, attention output projection, MLP (with biases)."""
+        h, f = self.hidden_size, self.intermediate_size
+        return 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+
+    def position_table_parameters(self) -> int:
+        """Parameters of the learned position table (``max_position_embeddings x hidden``); 0 for rotary and ALiBi."""
+        return self.max_position_embeddings * self.hidden_size if self.position_embedding == "learned" else 0
+
     def num_parameters(self) -> int:
-        """Parameter count computed from the shapes, without allocating the model."""
-        h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        pos = self.max_position_embeddings * h if self.position_embedding == "learned" else 0
-        return v * h + pos + self.num_layers * per_layer + 2 * h + h * v
+        """Parameter count computed from the shapes, without allocating the model: input embedding, position
+        table, blocks, final layer norm, output head."""
+        h, v = self.hidden_size, self.vocab_size
+        return v * h + self.position_table_parameters() + self.num_layers * self.block_parameters() + 2 * h + h * v
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -226,6 +226,17 @@ def test_presets_parameter_counts():
         assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters(), name
 
 
+@pytest.mark.parametrize("position", ["learned", "rotary"])
+def test_block_and_position_table_parameter_counts(position):
+    """The pieces the planner counts per rank: one block, and the learned table (none for rotary)."""
+    cfg = GenSLMConfig.preset("debug", position_embedding=position, intermediate_size=96)
+    with torch.device("meta"):
+        model = GenSLM(cfg)
+    assert sum(p.numel() for p in model.layers[0].parameters()) == cfg.block_parameters()
+    table = sum(p.numel() for n, p in model.named_parameters() if n.startswith("embed_pos."))
+    assert table == cfg.position_table_parameters() == (512 * 64 if position == "learned" else 0)
+
+
 def test_config_and_model_errors():
     with pytest.raises(ValueError, match="not divisible"):
         GenSLMConfig(hidden_size=30, num_heads=4)

@@ -1,0 +1,69 @@
+"""Closed forms of the bytes a rank sends or holds, shared by the planner and the benchmarks that check them.
+
+Arithmetic only (no torch): :mod:`ds4sci.plan` composes these into its per-GPU memory and communication model;
+``ds4sci bench comm-volume`` and ``ds4sci bench memory-breakdown`` measure the real bytes and set them beside these.
+
+Communication of one GenSLM layer, forward + backward, per rank, in elements of one ``N x h`` activation
+(:func:`layer_comm_bytes` multiplies by the element size):
+
+- ``ulysses`` (Jacobs et al. 2023): ``8 (P-1)/P * N h / P`` (four all-to-alls each way, each keeping ``1/P`` of a
+  ``N/P x h`` shard); constant when ``N`` grows with ``P``, the paper's claim.
+- ``ring`` (ds4sci's ring attention, Liu et al. 2023): ``[2(R-1) + 2(R-1) + 2R] * N h / R``: keys and values travel
+  ``R-1`` hops forward and again backward, their gradients ``R`` hops back to their owner; it grows with ``N``.
+- ``hybrid`` (USP, Fang & Zhao 2024): Ulysses ``P/2`` x ring 2, the Ulysses term on ``N`` tokens plus the ring's on
+  blocks of ``N/2`` tokens of ``h/U`` channels.
+- ``megatron-sp`` (Korthikanti et al. 2022): four all-gathers and four reduce-scatters of ``N x h`` per layer,
+  ``8 (P-1)/P * N h`` (ds4sci's tensor-parallel layers with dropout: the attention and MLP partial sums are
+  reduce-scattered separately, as in Megatron-LM).
+- ``tp-sp`` (the same layers without dropout, ds4sci's training default): GPT-NeoX's parallel residual lets the
+  attention and MLP partial sums share one reduce-scatter (and its backward all-gather), ``6 (P-1)/P * N h``.
+
+The TP layers' small all-reduce, the LayerNorm weight and bias gradients summed over TP (``4 h`` elements per
+layer, ``2 (P-1)/P`` of them sent), is left out of both TP forms (the planner adds it).
+
+Memory (Song et al. 2023, "DeepSpeed4Science Initiative", GenSLM section, singles both out at long sequences):
+
+- learned position table (fp32): parameter + gradient + AdamW's two moments, ``16 * rows * hidden`` bytes
+  (``rows = S``, or ``S/P`` with ds4sci's sequence-partitioned table);
+- attention mask of one packed-document window of ``S`` tokens per policy: ``fp32-additive`` ``4 S^2`` (a dense
+  additive mask), ``bool-device`` ``S^2`` built on the device, ``bool-cpu-then-device`` ``S^2`` on the host plus
+  ``S^2`` on the device, ``none (in-kernel)`` the ``[S]`` int64 document ids only (``8 S``).
+"""
+from __future__ import annotations
+
+__all__ = ["COMM_SCHEMES", "MASK_POLICIES", "layer_comm_bytes", "position_table_bytes", "mask_bytes"]
+
+COMM_SCHEMES = ("ulysses", "ring", "hybrid", "megatron-sp", "tp-sp")
+MASK_POLICIES = ("fp32-additive", "bool-device", "bool-cpu-then-device", "none (in-kernel)")
+
+
+def layer_comm_bytes(scheme: str, P: int, N: float, h: float, elem: int) -> float:
+    """Bytes one rank sends per layer (forward + backward) under ``scheme`` at degree ``P`` on ``N`` tokens of ``h``
+    channels, ``elem`` bytes per element (the module docstring's forms)."""
+    if scheme == "ulysses":
+        return 8 * (P - 1) / P * N * h / P * elem
+    if scheme == "ring":
+        return (6 * P - 4) * N * h / P * elem
+    if scheme == "hybrid":
+        U, R = P // 2, 2
+        ring_part = (6 * R - 4) * N * h / P * elem  # blocks of N/R tokens on h/U channels
+        return 8 * (U - 1) / U * N * h / P * elem + ring_part
+    if scheme == "megatron-sp":
+        return 8 * (P - 1) / P * N * h * elem
+    if scheme == "tp-sp":
+        return 6 * (P - 1) / P * N * h * elem
+    raise ValueError(f"unknown scheme {scheme!r}; expected one of {COMM_SCHEMES}")
+
+
+def position_table_bytes(rows: int, hidden: int) -> int:
+    """fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq of a ``[rows, hidden]`` table."""
+    return 16 * rows * hidden
+
+
+def mask_bytes(policy: str, seq_len: int) -> dict[str, int]:
+    """``{"device": bytes, "host": bytes}`` of one document mask of ``seq_len`` tokens under ``policy``."""
+    S = seq_len
+    return {"fp32-additive": {"device": 4 * S * S, "host": 0},
+            "bool-device": {"device": S * S, "host": 0},
+            "bool-cpu-then-device": {"device": S * S, "host": S * S},
+            "none (in-kernel)": {"device": 8 * S, "host": 0}}[policy]
