@@ -1,4 +1,4 @@
-"""``ds4sci bench layouts`` (issue #14): per-rank model states, activations and bytes sent of real Trainer steps.
+"""``ds4sci bench layouts``: per-rank model states, activations and bytes sent of real Trainer steps.
 
 One ``--quick`` run (world 2: dp2 at ZeRO 1, tp2 at ZeRO 0) is checked for its files and fields and against
 properties that must hold whatever the planner says: ZeRO-1 partitions AdamW's two fp32 moments (and DeepSpeed's

@@ -1,4 +1,4 @@
-"""``ds4sci bench memory-breakdown`` (issue #15): the bytes ds4sci's position table and masks really allocate equal
+"""``ds4sci bench memory-breakdown``: the bytes ds4sci's position table and masks really allocate equal
 the closed forms the report evaluates at the paper's lengths."""
 import json
 

@@ -1,4 +1,4 @@
-"""``ds4sci bench seq-scaling`` (issue #15): the fit, the budget column, the report, and one real measurement."""
+"""``ds4sci bench seq-scaling``: the fit, the budget column, the report, and one real measurement."""
 import pytest
 
 from ds4sci import cli

@@ -1,4 +1,4 @@
-"""``ds4sci bench genslm-attention-memory``: memory of one GenSLM attention layer vs sequence length (issue #13).
+"""``ds4sci bench genslm-attention-memory``: memory of one GenSLM attention layer vs sequence length.
 
 One :class:`ds4sci.models.genslm.model.Attention` layer (fused QKV, the attention core, the output projection; by
 default hidden 256 = 4 heads of 64, batch 1, fp32) runs forward and the backward of a scalar loss
@@ -13,9 +13,9 @@ default hidden 256 = 4 heads of 64, batch 1, fp32) runs forward and the backward
 
 Each mode runs on two paths, GenSLM's ``attention_backend``:
 
-- ``before`` = ``"sdpa"``: :func:`ds4sci.models.local_attention.sdpa_attention`, the path GenSLM took before issue
-  #13: an explicit ``[B, H, S, S]`` fp32 softmax with ALiBi; a boolean ``S x S`` document mask for SDPA; PyTorch's
-  fused causal kernel (no ``S x S`` tensor) for pure causal attention;
+- ``before`` = ``"sdpa"``: :func:`ds4sci.models.local_attention.sdpa_attention`, the path GenSLM took before the
+  memory-efficient core: an explicit ``[B, H, S, S]`` fp32 softmax with ALiBi; a boolean ``S x S`` document mask for
+  SDPA; PyTorch's fused causal kernel (no ``S x S`` tensor) for pure causal attention;
 - ``after`` = ``"auto"``: :func:`ds4sci.models.local_attention.memory_efficient_attention` (on the CPU the chunked
   FlashAttention-2 path, O(S * chunk) memory; the Triton kernel or flash-attn on CUDA).
 

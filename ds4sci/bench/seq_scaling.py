@@ -1,4 +1,4 @@
-"""``ds4sci bench seq-scaling``: peak memory per rank of one GenSLM training step as the sequence grows (issue #15).
+"""``ds4sci bench seq-scaling``: peak memory per rank of one GenSLM training step as the sequence grows.
 
 For each scheme (Ulysses, ring, hybrid Ulysses x ring), degree ``P`` and sequence length ``S``, ``P`` gloo processes
 (:func:`ds4sci.spawn.run_workers`) each run one forward + backward of a GenSLM made sequence-parallel by
