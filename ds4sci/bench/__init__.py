@@ -56,7 +56,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "weights, alternating in one process: the ratio's median and spread over rounds",
     ),
     "layouts": (
-        "ds4sci.bench.layouts",
+        "ds4sci.bench.layout_memory",
         "per-rank parameter, gradient, optimizer-state and activation bytes and bytes sent per group of real "
         "training steps for each parallel layout and ZeRO stage, beside ds4sci.plan's prediction of each term",
     ),

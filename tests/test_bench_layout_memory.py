@@ -11,7 +11,7 @@ import json
 import pytest
 
 from ds4sci import cli
-from ds4sci.bench import layouts
+from ds4sci.bench import layout_memory
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,9 @@ def test_quick_writes_the_three_files(quick):
     out, report = quick
     assert [(r["layout"], r["zero"]) for r in report["runs"]] == [("dp2", 1), ("tp2", 0)]
     for r in report["runs"]:
-        assert set(r["measured"]) == set(r["predicted"]) == set(layouts.MEMORY_TERMS)
-        assert set(r["predicted_sent"]) == set(layouts.COMM_TERMS)
-        assert set(r["measured_sent"]) == {*layouts.COMM_TERMS, "other"}
+        assert set(r["measured"]) == set(r["predicted"]) == set(layout_memory.MEMORY_TERMS)
+        assert set(r["predicted_sent"]) == set(layout_memory.COMM_TERMS)
+        assert set(r["measured_sent"]) == {*layout_memory.COMM_TERMS, "other"}
         assert len(r["ranks"]) == 2 and all(v > 0 for v in r["measured"].values())
     text = (out / "layouts.md").read_text()
     assert "| dp2 | 1 |" in text and "| tp2 | 0 |" in text and "ds4sci bench layouts --quick" in text
@@ -78,7 +78,7 @@ def test_planner_predicts_the_quick_layouts_model_states_and_bytes_sent(quick):
     for r in report["runs"]:
         for term in ("params", "grads", "optimizer"):
             assert r["measured"][term] == pytest.approx(r["predicted"][term], rel=0.01), (r["layout"], term)
-        for term in layouts.COMM_TERMS:
+        for term in layout_memory.COMM_TERMS:
             assert r["measured_sent"][term] == pytest.approx(r["predicted_sent"][term], rel=0.01), (r["layout"], term)
     tp2 = report["runs"][1]
     assert 1 <= tp2["measured"]["activations"] / tp2["predicted"]["activations"] < 1.05
@@ -91,12 +91,12 @@ def test_planner_predicts_the_quick_layouts_model_states_and_bytes_sent(quick):
 ])
 def test_parse_layout_names_the_bad_layout(text, world, message):
     with pytest.raises(ValueError, match=message):
-        layouts.parse_layout(text, world)
+        layout_memory.parse_layout(text, world)
 
 
 def test_parse_layout_fills_data_parallelism():
-    assert layouts.parse_layout("tp2xpp2", 8) == {"tp": 2, "ulysses": 1, "ring": 1, "pp": 2, "dp": 2}
-    assert layouts.parse_layout("dp4", 4)["dp"] == 4
+    assert layout_memory.parse_layout("tp2xpp2", 8) == {"tp": 2, "ulysses": 1, "ring": 1, "pp": 2, "dp": 2}
+    assert layout_memory.parse_layout("dp4", 4)["dp"] == 4
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -115,4 +115,4 @@ def test_bad_option_one_line(argv, message, capsys):
 
 
 def test_zero_stages_parse():
-    assert layouts._stages("3,0,1,0") == (0, 1, 3)
+    assert layout_memory._stages("3,0,1,0") == (0, 1, 3)
