@@ -22,7 +22,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, pyplot, save_figure, write_report
 from ds4sci.costs import COMM_SCHEMES, layer_comm_bytes
 
 logger = logging.getLogger(__name__)
@@ -141,11 +141,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     c = report["config"]
     fig, ax = plt.subplots(figsize=(7, 5))
     for scheme in COMM_SCHEMES:
@@ -161,9 +157,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xlabel(f"sequence-parallel degree P (N = {c['tokens_per_rank']} x P tokens)")
     ax.set_ylabel("MiB sent per rank per layer (fwd + bwd)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

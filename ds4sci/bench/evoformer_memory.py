@@ -45,7 +45,7 @@ from collections.abc import Iterator
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, check_positive, markdown_table, write_report
+from ds4sci.bench.report import MIB, check_positive, markdown_table, pyplot, save_figure, write_report
 from ds4sci.kernels import evoformer_attention
 
 logger = logging.getLogger(__name__)
@@ -199,11 +199,7 @@ def _markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Bars of the bytes saved for backward and of the peak of forward+backward per path (MiB)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = report["backends"] | report["openfold3"]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
@@ -215,9 +211,7 @@ def plot(report: dict, path) -> None:
     ax.set_title(f"Evoformer MSA row attention, N_seq={c['n_seq']}, N_res={c['n_res']}, H={c['heads']}, "
                  f"D={c['head_dim']}, {c['dtype']} on {c['device']}", fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

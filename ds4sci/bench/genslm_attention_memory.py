@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, pyplot, save_figure, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -441,10 +441,7 @@ def plot(report: dict, path) -> bool:
     """Log-log peak and saved bytes vs S per mode and path, with slope-1 and slope-2 references, to ``path``;
     False (one log line) when matplotlib does not import."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError as err:
         logger.info("genslm-attention-memory: no plot (matplotlib not importable: %s)", err)
         return False
@@ -478,9 +475,7 @@ def plot(report: dict, path) -> bool:
         ax.legend(fontsize=8)
     fig.suptitle(f"GenSLM attention layer, hidden {cfg['hidden']}, {cfg['heads']} heads, {cfg['dtype']} on "
                  f"{cfg['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -42,7 +42,7 @@ import time
 import weakref
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, write_report
+from ds4sci.bench.report import MIB, markdown_table, pyplot, save_figure, write_report
 from ds4sci.parallel import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
@@ -423,11 +423,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = report["runs"]
     names = [f"{r['layout']} z{r['zero']}" for r in runs]
     fig, axes = plt.subplots(2, 1, figsize=(max(7, 0.6 * len(runs)), 9))
@@ -441,9 +437,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel(title)
         ax.legend(fontsize=8)
         ax.tick_params(axis="x", rotation=60, labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import argparse
 
 import torch
 
-from ds4sci.bench.report import markdown_table, parse_int_list, write_report
+from ds4sci.bench.report import markdown_table, parse_int_list, pyplot, save_figure, write_report
 from ds4sci.costs import MASK_POLICIES, mask_bytes, position_table_bytes
 
 GIB = 2.0**30
@@ -105,11 +105,7 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """GiB per rank vs S at the paper's scale (formula), log-log."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     c = report["config"]
     S = [int(s) for s in torch.logspace(4, 6, 9).tolist()]
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -125,9 +121,7 @@ def plot(report: dict, path) -> None:
     ax.set_xlabel("sequence length S (tokens)")
     ax.set_ylabel(f"GiB per rank (hidden {c['paper_hidden']}, formula checked here at small S)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,7 +36,8 @@ import time
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, add_int_options, check_positive, command_line, markdown_table, option, write_report
+from ds4sci.bench.report import (MIB, add_int_options, check_positive, command_line, markdown_table, option, pyplot,
+                                  save_figure, write_report)
 from ds4sci.kernels import Backend
 
 logger = logging.getLogger(__name__)
@@ -264,11 +265,7 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Bars per path: peak memory and bytes saved for backward (MiB, left), step time (s, right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     r = report["results"]
     fig, (mem, secs) = plt.subplots(1, 2, figsize=(9, 4), gridspec_kw={"width_ratios": [2, 1]})
     x = range(len(MODES))
@@ -283,9 +280,7 @@ def plot(report: dict, path) -> None:
     c = report["config"]
     fig.suptitle(f"OpenFold3 EvoformerStack training step: N_seq={c['n_seq']}, N_res={c['n_res']}, {c['blocks']} "
                  f"blocks, {c['dtype']} on {c['device']}, ds4sci backend {c['backend']!r}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterable
+from pathlib import Path
 
 from ds4sci.report import markdown_table, write_report
 
-__all__ = ["MIB", "parse_int_list", "option", "add_int_options", "check_positive", "command_line", "markdown_table",
-           "write_report"]
+__all__ = ["MIB", "parse_int_list", "option", "add_int_options", "check_positive", "command_line", "pyplot",
+           "save_figure", "markdown_table", "write_report"]
 
 MIB = 2.0**20
 
@@ -50,3 +51,21 @@ def command_line(benchmark: str, cfg: dict, out: str) -> str:
     """The ``ds4sci bench BENCHMARK`` command that reproduces ``cfg``, every key spelled out as an option."""
     options = " ".join(f"{option(name)} {value}" for name, value in cfg.items())
     return f"ds4sci bench {benchmark} {options} --out {out}"
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend: the benchmarks write PNG files and never open a window
+    (``ImportError`` when matplotlib is missing)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Lay ``fig`` out, write it to ``path`` (PNG, 100 dpi) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)

@@ -17,7 +17,7 @@ import argparse
 import logging
 import time
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, pyplot, save_figure, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +149,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
     for scheme, P in sorted({(r["scheme"], r["P"]) for r in report["runs"]}, key=lambda k: (k[1], k[0])):
         runs = sorted((r for r in report["runs"] if r["scheme"] == scheme and r["P"] == P), key=lambda r: r["seq_len"])
@@ -165,9 +161,7 @@ def plot(report: dict, path) -> None:
     ax.set_xlabel("sequence length S (tokens)")
     ax.set_ylabel("peak MiB per rank (forward + backward)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from ds4sci.bench.report import add_int_options, check_positive, command_line, markdown_table, option, write_report
+from ds4sci.bench.report import (add_int_options, check_positive, command_line, markdown_table, option, pyplot,
+                                  save_figure, write_report)
 from ds4sci.models.genslm import GenSLM, config_from_gpt_neox, lm_loss, to_gpt_neox_state_dict
 from ds4sci.models.genslm.config import ATTENTION_BACKENDS
 
@@ -237,11 +238,7 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path) -> None:
     """Left: tokens/s (wall clock) of each model per round; right: the per-round ratios on both clocks as box
     plots with their points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rounds = report["rounds"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     for name, label in (("ds4sci", "ds4sci GenSLM"), ("hf", "HF GPTNeoXForCausalLM")):
@@ -261,9 +258,7 @@ def plot(report: dict, path) -> None:
     c = report["config"]
     fig.suptitle(f"hidden {c['hidden']}, {c['layers']} layers, batch {c['batch']} x {c['seq_len']}, "
                  f"{c['threads']} thread(s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -158,43 +158,26 @@ def _piece(x: Tensor, dim: int, rank: int, world: int) -> Tensor:
     return x.chunk(world, dim=dim)[rank].contiguous()
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Sequence region -> full SP shard: all-gather forward, reduce-scatter backward."""
+def _split(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCounter | None) -> Tensor:
+    """This rank's contiguous ``1/P`` piece of ``x`` along ``dim`` (no communication)."""
+    return _piece(x, dim, dist.get_rank(group), dist.get_world_size(group))
+
+
+class _SequenceRegion(torch.autograd.Function):
+    """A collective on the sequence dim of the TP group in forward and its adjoint in backward, each
+    ``f(x, group, dim, counter)``: full SP shard <-> this rank's sequence region. The pairs in use: all-gather /
+    reduce-scatter (entering the column-parallel matmuls; Korthikanti et al. 2022's ``g``), reduce-scatter /
+    all-gather (leaving the row-parallel ones, their ``g-bar``), slice / all-gather (the embedding's replicated
+    output to a region)."""
 
     @staticmethod
-    def forward(ctx, x, group, dim, counter):
-        ctx.group, ctx.dim, ctx.counter = group, dim, counter
-        return _all_gather(x, group, dim, counter)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.counter), None, None, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Partial sums of the full SP shard -> summed sequence region: reduce-scatter forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim, counter):
-        ctx.group, ctx.dim, ctx.counter = group, dim, counter
-        return _reduce_scatter(x, group, dim, counter)
+    def forward(ctx, x, group, dim, counter, collective, adjoint):
+        ctx.group, ctx.dim, ctx.counter, ctx.adjoint = group, dim, counter, adjoint
+        return collective(x, group, dim, counter)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim, ctx.counter), None, None, None
-
-
-class _SplitSequence(torch.autograd.Function):
-    """Replicated full SP shard -> this rank's sequence region: slice forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim, counter):
-        ctx.group, ctx.dim, ctx.counter = group, dim, counter
-        return _piece(x, dim, dist.get_rank(group), dist.get_world_size(group))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim, ctx.counter), None, None, None
+        return ctx.adjoint(grad, ctx.group, ctx.dim, ctx.counter), None, None, None, None, None
 
 
 class _ReduceFromTensor(torch.autograd.Function):
@@ -225,17 +208,17 @@ class _SyncGrad(torch.autograd.Function):
 def all_gather_sequence_region(x: Tensor, group, dim: int = 1, counter: CommCounter | None = None) -> Tensor:
     """``[B, T/tp, ...] -> [B, T, ...]`` (differentiable; backward reduce-scatters, i.e. SUMS the gradients of the
     TP ranks, which are partial when the gathered tensor feeds column-parallel matmuls)."""
-    return x if group_size(group) == 1 else _GatherSequence.apply(x, group, dim, counter)
+    return x if group_size(group) == 1 else _SequenceRegion.apply(x, group, dim, counter, _all_gather, _reduce_scatter)
 
 
 def reduce_scatter_sequence_region(x: Tensor, group, dim: int = 1, counter: CommCounter | None = None) -> Tensor:
     """Partial sums ``[B, T, ...]`` -> this rank's summed piece ``[B, T/tp, ...]`` (backward: all-gather)."""
-    return x if group_size(group) == 1 else _ReduceScatterSequence.apply(x, group, dim, counter)
+    return x if group_size(group) == 1 else _SequenceRegion.apply(x, group, dim, counter, _reduce_scatter, _all_gather)
 
 
 def split_sequence_region(x: Tensor, group, dim: int = 1, counter: CommCounter | None = None) -> Tensor:
     """Replicated ``[B, T, ...]`` -> this rank's contiguous piece ``[B, T/tp, ...]`` (backward: all-gather)."""
-    return x if group_size(group) == 1 else _SplitSequence.apply(x, group, dim, counter)
+    return x if group_size(group) == 1 else _SequenceRegion.apply(x, group, dim, counter, _split, _all_gather)
 
 
 def reduce_from_tensor_region(x: Tensor, group, counter: CommCounter | None = None) -> Tensor:
