@@ -1,6 +1,8 @@
 """``ds4sci plan``: the memory model against what ds4sci really allocates on this machine, the layout
 search, ``--max-seq`` and the command's output and one-line errors."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +11,16 @@ from ds4sci import cli, plan
 from ds4sci.bench import memory_breakdown, seq_scaling
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.parallel import ParallelDims
+
+def test_planner_imports_neither_torch_nor_the_benchmarks():
+    """The planner is arithmetic on definitions it shares with the code (ParallelDims, ds4sci.costs, the model
+    config's methods): importing it pulls in no torch (so no torch.distributed) and nothing from ds4sci.bench."""
+    code = ("import sys, ds4sci.plan\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('ds4sci.bench')]\n"
+            "sys.exit(f'imported {bad}' if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert result.returncode == 0, result.stderr
+
 
 SMALL = dict(vocab_size=6, hidden_size=64, num_layers=2, num_heads=4, attention_backend="chunked")
 
@@ -101,6 +113,16 @@ def test_layouts_never_split_heads_they_cannot():
     assert {d.tp * d.ulysses for d in dims} == {1, 2, 4}
     assert all(d.world_size == 8 and w.seq_len % d.sequence_multiple == 0 for d in dims)
     assert not any(s.dims.pp > 1 and s.zero_stage > 1 for s in found)
+
+
+def test_strategies_split_the_sequence_as_the_trainer_does():
+    """A ring cuts the sequence as the trainer does, into 2 x sp zigzag chunks (ParallelDims' default layout): four
+    ring ranks need a multiple of 8, and the longest sequence found is one."""
+    fixed = {"tp": 1, "ulysses": 1, "ring": 4, "checkpointing": "full"}
+    assert ParallelDims.for_world(CLUSTER.world, ring=4).sequence_multiple == 8
+    assert not plan.strategies(_debug(8196), CLUSTER, fixed) and plan.strategies(_debug(8200), CLUSTER, fixed)
+    S = plan.max_seq_len(_debug(1), CLUSTER, fixed)
+    assert S > 0 and S % 8 == 0 and plan.plan(_debug(S), CLUSTER, fixed)
 
 
 def test_fixed_degrees_are_respected():
