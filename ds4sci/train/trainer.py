@@ -16,7 +16,7 @@ single-process training.
 
 Memory switches: ZeRO-Offload / ZeRO-Infinity (``zero.offload_*``) go into the DeepSpeed config
 (:mod:`ds4sci.train.engine`); activation checkpointing (``activation_checkpointing.*``) is applied to the model
-after sequence parallelism (:mod:`ds4sci.train.checkpointing`). Neither changes the loss scale.
+after sequence parallelism (:mod:`ds4sci.train.activation_checkpointing`). Neither changes the loss scale.
 
 The sequence-partitioned learned position table is kept OUT of the DeepSpeed engine and owned by
 :class:`ds4sci.train.position_table.PositionTable` (why: see there).
@@ -43,8 +43,8 @@ from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, 
 from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
 from ds4sci.sequence import (DistributedAttention, build_groups, gather_tensor_parallel, materialize_, parallelize,
                              shard_sequence, tensor_parallel_plan, token_loss_for)
+from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
 from ds4sci.train.checkpoint import load_checkpoint
-from ds4sci.train.checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import Config
 from ds4sci.train.engine import build_engine, collective_error, init_distributed, set_deterministic
 from ds4sci.train.init_from import initial_model
