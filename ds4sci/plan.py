@@ -93,7 +93,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, replace
 
-from ds4sci.cli import CommandError, nonnegative_float, positive_int
+from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
 
 GIB = 2.0**30
 OFFLOADS = ("none", "optimizer", "all")

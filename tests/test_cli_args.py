@@ -4,9 +4,9 @@ import torch
 
 from ds4sci.cli import main
 from ds4sci.data import CodonTokenizer, NucleotideTokenizer, read_fasta
+from ds4sci.infer.generate import read_prompt
+from ds4sci.io.export import export_consolidated
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.train.export import export_consolidated
-from ds4sci.train.generate import read_prompt
 
 CONTEXT = 32
 

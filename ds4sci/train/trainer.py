@@ -424,8 +424,8 @@ class Trainer:
 
     def export(self) -> Path:
         """Write the consolidated export to ``train.out_dir/export`` (collective): rank 0 receives the tensors one
-        at a time and writes each safetensors shard as it fills (:class:`ds4sci.train.export.ExportWriter`)."""
-        from ds4sci.train.export import ExportWriter
+        at a time and writes each safetensors shard as it fills (:class:`ds4sci.io.export.ExportWriter`)."""
+        from ds4sci.io.export import ExportWriter
 
         writer = ExportWriter(self.out / "export", self.model_config, self.tokenizer) if self.rank == 0 else None
         for name, tensor in self.full_state_items(dst=0):

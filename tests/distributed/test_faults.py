@@ -322,8 +322,8 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
 def test_export_loading_names_the_missing_truncated_or_mismatched_file(tmp_path):
     from ds4sci.data import Tokenizer
     from ds4sci.models.genslm import GenSLM, GenSLMConfig
-    from ds4sci.train.export import export_consolidated
-    from ds4sci.train.init_from import load_model
+    from ds4sci.io.export import export_consolidated
+    from ds4sci.io.weights import load_model
 
     tok = Tokenizer.from_name("nucleotide")
     config = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, pad_token_id=tok.pad_id)
