@@ -1,4 +1,4 @@
-"""The researcher's command line (issue #18): codon prompts, numeric option checks, one error line per mistake."""
+"""The researcher's command line: codon prompts, numeric option checks, one error line per mistake."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Faults (issue #16): atomic checkpoints (a process killed while saving leaves the previous one loadable, and the
+"""Faults: atomic checkpoints (a process killed while saving leaves the previous one loadable, and the
 resumed run continues the uninterrupted loss curve), checkpoint errors naming the file or field, safe loading,
 collective timeouts, non-finite losses (stop / skip), and the deterministic switch."""
 import copy

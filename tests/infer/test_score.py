@@ -1,4 +1,4 @@
-"""``ds4sci score``: per-record log-likelihoods through evaluate's windows (issue #18 item 6)."""
+"""``ds4sci score``: per-record log-likelihoods through evaluate's windows."""
 import csv
 import io
 import json
