@@ -58,6 +58,23 @@ def test_a_missing_or_truncated_shard_is_named(tmp_path):
         read_consolidated(out)
 
 
+def test_export_loading_names_the_missing_truncated_or_mismatched_file(tmp_path):
+    export = export_consolidated(_state(), CFG, TOK, tmp_path / "export")
+    assert load_model(export)[1] == CFG
+    meta = json.loads((export / "config.json").read_text())
+    meta["model"]["num_layers"] = CFG.num_layers + 1
+    (export / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"the weights do not fit the model .*missing layers\.{CFG.num_layers}\."):
+        load_model(export)
+    weights = export / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"model.safetensors: cannot be read, truncated or corrupt"):
+        load_model(export)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
+        load_model(export)
+
+
 def test_export_round_trip_same_logits(tmp_path):
     torch.manual_seed(0)
     cfg = GenSLMConfig.preset("debug", vocab_size=TOK.vocab_size, max_position_embeddings=32, position_embedding="learned")
