@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 def load_model(path, device="cpu"):
     """``(model, config, tokenizer)`` from a ds4sci export (``OUT_DIR/export``), a Hugging Face
     ``GPTNeoXForCausalLM`` directory or a GenSLM / Lightning checkpoint file that keeps its config
-    (:mod:`ds4sci.train.init_from`); loading runs no pickled code.
+    (:mod:`ds4sci.io.weights`); loading runs no pickled code.
 
     ``model`` is a :class:`ds4sci.models.genslm.GenSLM` in eval mode on ``device``:
     ``model(input_ids [B, T] int64, position_ids [B, T] int64)`` returns next-token logits ``[B, T, vocab]``
@@ -18,6 +18,6 @@ def load_model(path, device="cpu"):
     :class:`~ds4sci.models.genslm.GenSLMConfig`; ``tokenizer.encode(str) -> ids [T]`` and ``decode`` are the
     ids the model was trained on (``"codon"``: GenSLM's 69-word vocabulary, or ``"nucleotide"``).
     """
-    from ds4sci.train.init_from import load_model as _load_model
+    from ds4sci.io.weights import load_model as _load_model
 
     return _load_model(path, device)

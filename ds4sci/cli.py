@@ -1,8 +1,9 @@
-"""The ``ds4sci`` console script.
+"""The ``ds4sci`` console script (``python -m ds4sci.cli``): the parser and :func:`main`.
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
-Command modules keep heavy imports (deepspeed, torch.distributed) inside ``run`` so ``ds4sci --help``
-stays fast. Only subcommands that do something real are listed in ``COMMANDS``.
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``
+(:mod:`ds4sci.commands` for training and the model commands; the argument helpers they share are in
+:mod:`ds4sci.cli_args`). Command modules keep heavy imports (deepspeed, torch.distributed) inside ``run`` so
+``ds4sci --help`` stays fast. Only subcommands that do something real are listed in ``COMMANDS``.
 """
 from __future__ import annotations
 
@@ -11,55 +12,16 @@ import importlib
 import logging
 import sys
 
-
-class CommandError(Exception):
-    """A user's mistake a command finds after parsing (e.g. ``--seq-len`` beyond the model's context):
-    :func:`main` prints the message as one line and exits with status 2, like an argparse error."""
-
-
-def _number(kind, text: str, ok, requirement: str):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {requirement}, got {text!r}") from None
-    if not ok(value):
-        raise argparse.ArgumentTypeError(f"expected {requirement}, got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 1."""
-    return _number(int, text, lambda v: v >= 1, "a positive integer")
-
-
-def nonnegative_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 0."""
-    return _number(int, text, lambda v: v >= 0, "an integer >= 0")
-
-
-def nonnegative_float(text: str) -> float:
-    """argparse ``type=``: a finite number >= 0."""
-    return _number(float, text, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
-
-
-def probability(text: str) -> float:
-    """argparse ``type=``: a number in (0, 1]."""
-    return _number(float, text, lambda v: 0 < v <= 1, "a number in (0, 1]")
-
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    """The positional ``export`` argument of the commands that load a trained model (:func:`ds4sci.load_model`)."""
-    parser.add_argument("export", metavar="MODEL",
-                        help="a ds4sci export (OUT_DIR/export of ds4sci train), a Hugging Face GPT-NeoX directory or "
-                        "a GenSLM / PyTorch checkpoint file (.pt, .ckpt, .bin, .safetensors) that keeps its config")
+from ds4sci.cli_args import CommandError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ds4sci.info", "show versions, devices and which attention backends are usable here"),
-    "train": ("ds4sci.train.cli_train", "train a GenSLM on FASTA data (DeepSpeed, ZeRO, sequence parallelism)"),
-    "evaluate": ("ds4sci.train.evaluate", "loss, perplexity and bits per base of an exported model on FASTA"),
-    "generate": ("ds4sci.train.generate", "sample sequences from an exported model and write FASTA"),
-    "embed": ("ds4sci.train.embed", "per-record mean embeddings of FASTA sequences (.npz)"),
-    "score": ("ds4sci.train.score", "per-record log-likelihood and bits per base of FASTA sequences (TSV)"),
+    "train": ("ds4sci.commands.train", "train a GenSLM on FASTA data (DeepSpeed, ZeRO, sequence parallelism)"),
+    "evaluate": ("ds4sci.commands.evaluate", "loss, perplexity and bits per base of an exported model on FASTA"),
+    "generate": ("ds4sci.commands.generate", "sample sequences from an exported model and write FASTA"),
+    "embed": ("ds4sci.commands.embed", "per-record mean embeddings of FASTA sequences (.npz)"),
+    "score": ("ds4sci.commands.score", "per-record log-likelihood and bits per base of FASTA sequences (TSV)"),
     "bench": ("ds4sci.bench", "run a benchmark and write its results (JSON + Markdown) to --out"),
     "plan": ("ds4sci.plan", "predict per-GPU memory and communication of parallel layouts; list those that fit"),
 }

@@ -99,7 +99,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
-from ds4sci.cli import CommandError, nonnegative_float, positive_int
+from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
 from ds4sci.costs import layer_comm_bytes, mask_bytes, position_table_bytes
 from ds4sci.parallel.dims import ParallelDims
 from ds4sci.report import markdown_table, write_report

@@ -1,12 +1,12 @@
-"""The researcher's command line (issue #18): codon prompts, numeric option checks, one error line per mistake."""
+"""The researcher's command line: codon prompts, numeric option checks, one error line per mistake."""
 import pytest
 import torch
 
 from ds4sci.cli import main
 from ds4sci.data import CodonTokenizer, NucleotideTokenizer, read_fasta
+from ds4sci.infer.generate import read_prompt
+from ds4sci.io.export import export_consolidated
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.train.export import export_consolidated
-from ds4sci.train.generate import read_prompt
 
 CONTEXT = 32
 

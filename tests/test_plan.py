@@ -48,7 +48,7 @@ def test_mask_equals_memory_breakdown_measurement(policy):
 
 def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str) -> int:
     """Bytes autograd saves in one forward, parameters left out (they are model state)."""
-    from ds4sci.train.checkpointing import CheckpointedCore
+    from ds4sci.train.activation_checkpointing import CheckpointedCore
 
     torch.manual_seed(0)
     model = GenSLM(config)

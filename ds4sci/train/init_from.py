@@ -1,115 +1,17 @@
-"""Starting from existing weights: ``model.init_from`` (fine-tuning) and :func:`ds4sci.load_model`.
-
-Three sources, told apart by their files:
-
-- a ds4sci export: ``model.safetensors`` (or its shards with an index), ``config.json`` and ``tokenizer.json``
-  (:mod:`ds4sci.train.export`);
-- a Hugging Face ``GPTNeoXForCausalLM`` directory as ``save_pretrained`` writes it: ``config.json`` with
-  ``"model_type": "gpt_neox"`` and ``model.safetensors`` or ``pytorch_model.bin`` (or their sharded form with a
-  ``*.index.json``);
-- a checkpoint file (``.pt``, ``.ckpt``, ``.bin``, ``.safetensors``): a state dict, or a PyTorch Lightning checkpoint
-  holding one under ``"state_dict"``. GenSLM's released checkpoints are Lightning checkpoints of a module that keeps
-  a ``GPTNeoXForCausalLM`` as ``self.model``: their keys read ``model.gpt_neox.layers.0...`` and their
-  ``hyper_parameters["model_architecture"]`` is the GPT-NeoX ``config.json``, which then gives the model's shape.
-
-Names are GenSLM's or GPT-NeoX's (:mod:`ds4sci.models.genslm.neox` renames them). Nothing pickled is ever
-executed: safetensors, or ``torch.load(weights_only=True)``, which reads tensors and plain containers only
-(:data:`_SAFE_GLOBALS` adds the ``pathlib`` paths GenSLM's Lightning hyper-parameters hold).
-
-Vocabularies: ds4sci's codon tokenizer has the ids of GenSLM's 69-word codon vocabulary
-(``codon_wordlevel_69vocab.json``), so GenSLM's 69-id models fine-tune on ``data.tokenizer=codon`` unchanged. A
-source without a ds4sci ``tokenizer.json`` is matched by its vocabulary size (69 ids: codon, 10: nucleotide) and,
-when a Hugging Face ``tokenizer.json`` lies beside it, by that file's token -> id map. Any other vocabulary is
-refused, never re-mapped: e.g. GenSLM's 71-word codon vocabulary, whose ``[BOS]``/``[EOS]`` shift every id.
-"""
+"""``model.init_from``: the model a run starts from, fresh or holding existing weights (fine-tuning). The sources
+(a ds4sci export, a Hugging Face GPT-NeoX directory, a GenSLM checkpoint) are read by :mod:`ds4sci.io.weights`."""
 from __future__ import annotations
 
-import json
-import pathlib
-import pickle
-import re
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file
 
 from ds4sci.data import Tokenizer
-from ds4sci.models.genslm import GenSLM, GenSLMConfig, config_from_gpt_neox, from_gpt_neox_state_dict
+from ds4sci.io.weights import check_weights, load_into, load_weights
+from ds4sci.models.genslm import GenSLM
 
 if TYPE_CHECKING:
     from ds4sci.train.config import Config
-
-TOKENIZERS = ("codon", "nucleotide")
-# pathlib paths are plain values (constructing one runs no code); a checkpoint pickled by Python < 3.13 names them
-# pathlib.PosixPath, by 3.13 pathlib._local.PosixPath.
-_SAFE_GLOBALS = [(cls, f"pathlib.{cls.__name__}") for cls in
-                 (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)]
-_HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-
-
-def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig | None, str | None]:
-    """``(state dict under GenSLM's names, config or None, tokenizer kind or None)`` of a ds4sci export, a Hugging
-    Face GPT-NeoX directory or a checkpoint file (see the module docstring). The config is None for a checkpoint
-    that does not keep one; the tokenizer kind (``"codon"`` or ``"nucleotide"``) is None only for a state dict
-    without an input embedding.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist, or a directory lacks the files of both formats.
-        ValueError: a file the format needs cannot be read or fits no ds4sci model or tokenizer.
-    """
-    path = Path(path)
-    if path.is_file():
-        return _load_checkpoint_file(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such file or directory")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json; expected a ds4sci export (model.safetensors, config.json, "
-                                f"tokenizer.json) or a Hugging Face GPT-NeoX directory (config.json and "
-                                f"{' or '.join(_HF_WEIGHTS)})")
-    meta = _read_json(path / "config.json")
-    if meta.get("model_type") == "gpt_neox":
-        config = _config_from_gpt_neox_json(meta, path / "config.json")
-        state = {}
-        for file in _hf_weight_files(path):
-            state.update(_read_tensors(file))
-        return _genslm_names(state, path), config, _tokenizer_kind(config.vocab_size, path)
-    if "model" in meta and "tokenizer" in meta:
-        from ds4sci.train.export import read_consolidated
-
-        state, config, tokenizer = read_consolidated(path)
-        return state, config, tokenizer.kind
-    raise ValueError(f"{path / 'config.json'}: neither a ds4sci export config (keys model, tokenizer) nor a Hugging "
-                     f"Face GPT-NeoX one (model_type={meta.get('model_type')!r}, expected 'gpt_neox')")
-
-
-def load_into(model: GenSLM, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``state_dict`` into ``model`` (single-device GenSLM, before any parallelism), every tensor exactly once.
-
-    Raises:
-        ValueError: naming ``source`` and the missing / unexpected keys, or the first tensor whose shape differs
-        (both shapes; for the embeddings, both vocabulary sizes).
-    """
-    check_weights(model, state_dict, source)
-    model.load_state_dict(state_dict, strict=True)
-
-
-def check_weights(model: GenSLM, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """``state_dict`` has exactly ``model``'s keys and shapes (``model`` may be on the meta device); the errors of
-    :func:`load_into`."""
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"{source}: the weights do not fit the model ({model.config.position_embedding} positions, "
-                         f"{model.config.num_layers} layers): missing {_names(missing)}, unexpected "
-                         f"{_names(unexpected)}")
-    for name, want in own.items():  # the model's order: the first mismatch a reader meets
-        got = state_dict[name]
-        if got.shape != want.shape:
-            vocab = (f"; vocabulary: {got.shape[0]} ids in the source, {want.shape[0]} in the model"
-                     if name in ("embed_in.weight", "embed_out.weight") else "")
-            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(got.shape)} in the source but "
-                             f"{tuple(want.shape)} in the model{vocab}")
 
 
 def check_tokenizer(kind: str | None, tokenizer: Tokenizer, source: str) -> None:
@@ -126,7 +28,7 @@ def initial_model(cfg: Config, tokenizer: Tokenizer, device: torch.device | str 
     ``cfg.genslm_config`` checks the result against the run.
 
     ``device="meta"`` (the trainer's path): parameters without storage, drawn after parallelization by
-    :func:`ds4sci.sequence.materialize_`, so no rank ever holds the whole model; with ``model.init_from`` the
+    :func:`ds4sci.parallel.parallelize.materialize_`, so no rank ever holds the whole model; with ``model.init_from`` the
     source's weights (memory-mapped where the format allows) are checked against the model and kept as
     :attr:`GenSLM.init_source`, from which each rank copies only its pieces."""
     state = base = None
@@ -147,140 +49,3 @@ def initial_model(cfg: Config, tokenizer: Tokenizer, device: torch.device | str 
         else:
             load_into(model, state, source)
     return model
-
-
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GenSLM, GenSLMConfig, Tokenizer]:
-    """``(model in eval mode on device, config, tokenizer)`` from any source :func:`load_weights` reads that keeps
-    its config (what :func:`ds4sci.load_model` returns)."""
-    state, config, kind = load_weights(path)
-    if config is None:
-        raise ValueError(f"{path}: the checkpoint keeps no model config; build GenSLM(GenSLMConfig(...)) yourself and "
-                         f"copy the weights with ds4sci.train.init_from.load_into")
-    model = GenSLM(config)
-    load_into(model, state, str(path))
-    return model.to(device).eval(), config, Tokenizer.from_name(kind)
-
-
-# --------------------------------------------------------------------------------------------------- reading
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _config_from_gpt_neox_json(data: dict, where: Path | str) -> GenSLMConfig:
-    """GenSLMConfig of a GPT-NeoX ``config.json`` (read by transformers' ``GPTNeoXConfig``: its defaults and
-    key renames across versions)."""
-    try:
-        from transformers import GPTNeoXConfig
-    except ImportError:
-        raise ValueError(f"{where}: reading a Hugging Face GPT-NeoX config needs transformers "
-                         f"(pip install 'transformers>=4.40')") from None
-    try:
-        return config_from_gpt_neox(GPTNeoXConfig.from_dict(data))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: {err}") from None
-
-
-def _hf_weight_files(path: Path) -> list[Path]:
-    for name in _HF_WEIGHTS:
-        if (path / name).is_file():
-            return [path / name]
-        index = path / f"{name}.index.json"
-        if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index}: no weight_map")
-            return [path / file for file in sorted(set(weight_map.values()))]
-    raise FileNotFoundError(f"{path}: a Hugging Face GPT-NeoX directory without weights: expected "
-                            f"{' or '.join(_HF_WEIGHTS)} (or a sharded *.index.json)")
-
-
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such file (named by the directory's index)")
-    if file.suffix == ".safetensors":
-        try:
-            return load_file(str(file))
-        except Exception as err:  # safetensors raises its own SafetensorError for a damaged file
-            raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
-    return _torch_load(file)
-
-
-def _torch_load(file: Path):
-    """``torch.load(weights_only=True)``: a pickle that needs any other class is refused, never run."""
-    try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            try:  # memory-mapped: a rank reads only the pages of the pieces it keeps
-                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as err:
-                if "mmap" not in str(err):  # only the legacy (non-zip) format cannot be mapped
-                    raise
-                return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        culprit = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        if culprit is None:
-            detail = re.search(r"WeightsUnpickler error: \s*(.+)", str(err))
-            raise ValueError(f"{file}: not a readable PyTorch file ({detail[1] if detail else err})") from None
-        raise ValueError(
-            f"{file}: holds a {culprit[1]} object, which the safe loader (torch.load(weights_only=True)) refuses "
-            f"to construct; if you trust the file, save its tensors alone (a GenSLM checkpoint: 'state_dict' and "
-            f"'hyper_parameters': {{'model_architecture': ...}}) with torch.load(weights_only=False) and torch.save, "
-            f"and point to that file") from None
-    except (RuntimeError, EOFError, OSError) as err:
-        raise ValueError(f"{file}: not a readable PyTorch file ({err})") from None
-
-
-def _load_checkpoint_file(file: Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig | None, str | None]:
-    obj = _read_tensors(file)
-    config = None
-    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):  # a Lightning checkpoint
-        arch = (obj.get("hyper_parameters") or {}).get("model_architecture")  # GenSLM's GPT-NeoX config.json
-        if isinstance(arch, dict):
-            config = _config_from_gpt_neox_json(arch, f"{file} (hyper_parameters.model_architecture)")
-        obj = obj["state_dict"]
-    if not (isinstance(obj, dict) and obj and all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                                   for k, v in obj.items())):
-        raise ValueError(f"{file}: not a state dict (names -> tensors) nor a checkpoint with one under 'state_dict'")
-    if all(k.startswith("model.") for k in obj):  # a LightningModule holding the network as self.model
-        obj = {k[len("model."):]: v for k, v in obj.items()}
-    state = _genslm_names(obj, file)
-    vocab = config.vocab_size if config else (state["embed_in.weight"].shape[0] if "embed_in.weight" in state else None)
-    return state, config, (_tokenizer_kind(vocab, file) if vocab is not None else None)
-
-
-def _genslm_names(state: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
-    """GPT-NeoX names (``gpt_neox.*``, ``embed_out`` / ``lm_head``) renamed to GenSLM's; GenSLM's kept."""
-    if not any(k.startswith("gpt_neox.") for k in state):
-        return state
-    try:
-        return from_gpt_neox_state_dict(state)
-    except KeyError as err:
-        raise ValueError(f"{where}: {err.args[0]}") from None
-
-
-def _tokenizer_kind(vocab_size: int, where: Path) -> str:
-    """The ds4sci tokenizer whose ids a ``vocab_size``-id model was trained on (module docstring)."""
-    sizes = {Tokenizer.from_name(kind).vocab_size: kind for kind in TOKENIZERS}
-    if vocab_size not in sizes:
-        known = ", ".join(f"{kind}: {size} ids" for size, kind in sizes.items())
-        raise ValueError(f"{where}: a vocabulary of {vocab_size} ids matches no ds4sci tokenizer ({known}; the codon "
-                         f"one is GenSLM's 69-word vocabulary); other vocabularies (e.g. GenSLM's 71-word one) are "
-                         f"not supported")
-    kind = sizes[vocab_size]
-    hf_tokenizer = where / "tokenizer.json" if where.is_dir() else None
-    if hf_tokenizer is not None and hf_tokenizer.is_file():
-        vocab = (_read_json(hf_tokenizer).get("model") or {}).get("vocab")
-        ours = {token: i for i, token in enumerate(Tokenizer.from_name(kind).vocab)}
-        if vocab != ours:
-            raise ValueError(f"{hf_tokenizer}: its token -> id map differs from ds4sci's {kind} tokenizer (both "
-                             f"{vocab_size} ids); the weights' ids would be mis-read")
-    return kind
-
-
-def _names(keys: list[str], limit: int = 6) -> str:
-    return "none" if not keys else ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

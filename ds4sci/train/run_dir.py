@@ -1,4 +1,4 @@
-"""Run folders that never mix (issue #18): what ``ds4sci train`` may do with ``train.out_dir``.
+"""Run folders that never mix: what ``ds4sci train`` may do with ``train.out_dir``.
 
 * A new run needs an empty or missing ``out_dir``. A folder that already holds a run (``config.yaml``, written by
   every run) is refused with one line naming it and the two ways on: ``--resume`` continues it, ``--overwrite``

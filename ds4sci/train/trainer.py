@@ -15,7 +15,7 @@ single-process training.
 
 Memory switches: ZeRO-Offload / ZeRO-Infinity (``zero.offload_*``) go into the DeepSpeed config
 (:mod:`ds4sci.train.engine`); activation checkpointing (``activation_checkpointing.*``) is applied to the model
-after sequence parallelism (:mod:`ds4sci.train.checkpointing`). Neither changes the loss scale.
+after sequence parallelism (:mod:`ds4sci.train.activation_checkpointing`). Neither changes the loss scale.
 
 The sequence-partitioned learned position table is kept OUT of the DeepSpeed engine and owned by
 :class:`ds4sci.train.position_table.PositionTable` (why: see there).
@@ -44,8 +44,8 @@ from ds4sci.parallel.groups import build_groups
 from ds4sci.parallel.parallelize import materialize_, parallelize
 from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, tensor_parallel_plan, token_loss_for
 from ds4sci.sequence import DistributedAttention, shard_sequence
+from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
 from ds4sci.train.checkpoint import load_checkpoint
-from ds4sci.train.checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import Config
 from ds4sci.train.engine import build_engine, collective_error, init_distributed, set_deterministic
 from ds4sci.train.init_from import initial_model
@@ -425,8 +425,8 @@ class Trainer:
 
     def export(self) -> Path:
         """Write the consolidated export to ``train.out_dir/export`` (collective): rank 0 receives the tensors one
-        at a time and writes each safetensors shard as it fills (:class:`ds4sci.train.export.ExportWriter`)."""
-        from ds4sci.train.export import ExportWriter
+        at a time and writes each safetensors shard as it fills (:class:`ds4sci.io.export.ExportWriter`)."""
+        from ds4sci.io.export import ExportWriter
 
         writer = ExportWriter(self.out / "export", self.model_config, self.tokenizer) if self.rank == 0 else None
         for name, tensor in self.full_state_items(dst=0):

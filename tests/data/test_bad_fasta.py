@@ -1,4 +1,4 @@
-"""Bad FASTA input (issue #16): one message naming the file, record and line; nothing cached after a failure."""
+"""Bad FASTA input: one message naming the file, record and line; nothing cached after a failure."""
 import gzip
 import logging
 import os

@@ -1,4 +1,4 @@
-"""Corpora of many FASTA files: sources, the token cache, splits, data-parallel sampling and resume (issue #16)."""
+"""Corpora of many FASTA files: sources, the token cache, splits, data-parallel sampling and resume."""
 import gzip
 import logging
 import os

@@ -1,4 +1,4 @@
-"""Faults (issue #16): atomic checkpoints (a process killed while saving leaves the previous one loadable, and the
+"""Faults: atomic checkpoints (a process killed while saving leaves the previous one loadable, and the
 resumed run continues the uninterrupted loss curve), checkpoint errors naming the file or field, safe loading,
 collective timeouts, non-finite losses (stop / skip), and the deterministic switch."""
 import copy
@@ -316,28 +316,3 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
             assert "another rank left a collective" in last and ended - fault < timeout_s, last
         else:
             assert "did not join a collective within" in last and timeout_s - 1 < ended - fault < timeout_s + 60, last
-
-
-# ---------------------------------------------------------------------------------------------------- exports
-def test_export_loading_names_the_missing_truncated_or_mismatched_file(tmp_path):
-    from ds4sci.data import Tokenizer
-    from ds4sci.models.genslm import GenSLM, GenSLMConfig
-    from ds4sci.train.export import export_consolidated
-    from ds4sci.train.init_from import load_model
-
-    tok = Tokenizer.from_name("nucleotide")
-    config = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, pad_token_id=tok.pad_id)
-    export = export_consolidated(GenSLM(config).state_dict(), config, tok, tmp_path / "export")
-    assert load_model(export)[1] == config
-    meta = json.loads((export / "config.json").read_text())
-    meta["model"]["num_layers"] = config.num_layers + 1
-    (export / "config.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=rf"the weights do not fit the model .*missing layers\.{config.num_layers}\."):
-        load_model(export)
-    weights = export / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(ValueError, match=r"model.safetensors: cannot be read, truncated or corrupt"):
-        load_model(export)
-    weights.unlink()
-    with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
-        load_model(export)

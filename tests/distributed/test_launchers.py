@@ -1,6 +1,7 @@
 """`ds4sci train` end to end under both launchers (torchrun and DeepSpeed's), Ulysses SP=2 on gloo: the run's logged
-losses and exported weights are those of the same configuration trained in one plain process, every output the
-training issue promises is written, and `ds4sci evaluate` / `generate` / `embed` read the export."""
+losses and exported weights are those of the same configuration trained in one plain process, every output of a
+run is written (metrics, validation, loss plot, config, TensorBoard, checkpoints, export), and `ds4sci evaluate` /
+`generate` / `embed` read the export."""
 import json
 import os
 import subprocess

@@ -230,9 +230,9 @@ def test_bf16_with_sp_tracks_bf16_and_fp32_single_process(tmp_path):
 
 def _validation_cases(rank, world, overrides):
     """The trainer's validation loss under SP, and (rank 0) the plain single-model loss over the same samples."""
+    from ds4sci.infer.evaluate import evaluate
     from ds4sci.models.genslm import GenSLM
     from ds4sci.train.config import load_config
-    from ds4sci.train.evaluate import evaluate
     from ds4sci.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides))

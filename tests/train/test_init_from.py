@@ -15,11 +15,12 @@ from safetensors.torch import load_file
 import ds4sci
 from ds4sci.cli import main
 from ds4sci.data import CodonTokenizer, NucleotideTokenizer
+from ds4sci.infer.evaluate import windows
+from ds4sci.io.export import export_consolidated
+from ds4sci.io.weights import load_into, load_weights
 from ds4sci.models.genslm import GenSLM, GenSLMConfig, lm_loss
 from ds4sci.train.config import load_config
-from ds4sci.train.evaluate import windows
-from ds4sci.train.export import export_consolidated
-from ds4sci.train.init_from import initial_model, load_into, load_weights
+from ds4sci.train.init_from import initial_model
 
 ROOT = Path(__file__).resolve().parents[2]
 CDS = ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna"

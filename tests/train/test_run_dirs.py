@@ -1,4 +1,4 @@
-"""Run folders that never mix, and what training says while it runs (issue #18 items 1 and 4), through the CLI."""
+"""Run folders that never mix, and what training says while it runs, through the CLI."""
 import json
 import os
 import subprocess

@@ -1,14 +1,14 @@
 """The export writer streams tensors into safetensors shards (Hugging Face's index convention past a size) and the
-readers (read_consolidated, ds4sci.load_model) take either form."""
+readers (read_consolidated, ds4sci.load_model) take either form; a model read back gives the same logits."""
 import json
 
 import pytest
 import torch
 
 from ds4sci.data import Tokenizer
+from ds4sci.io.export import INDEX, ExportWriter, export_consolidated, read_consolidated
+from ds4sci.io.weights import load_model
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.train.export import INDEX, ExportWriter, export_consolidated, read_consolidated
-from ds4sci.train.init_from import load_model
 
 TOK = Tokenizer.from_name("nucleotide")
 CFG = GenSLMConfig.preset("debug", vocab_size=TOK.vocab_size, pad_token_id=TOK.pad_id)
@@ -56,3 +56,35 @@ def test_a_missing_or_truncated_shard_is_named(tmp_path):
     shards[2].unlink()
     with pytest.raises(FileNotFoundError, match=rf"{shards[2].name} is missing \(named by {INDEX}\)"):
         read_consolidated(out)
+
+
+def test_export_loading_names_the_missing_truncated_or_mismatched_file(tmp_path):
+    export = export_consolidated(_state(), CFG, TOK, tmp_path / "export")
+    assert load_model(export)[1] == CFG
+    meta = json.loads((export / "config.json").read_text())
+    meta["model"]["num_layers"] = CFG.num_layers + 1
+    (export / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"the weights do not fit the model .*missing layers\.{CFG.num_layers}\."):
+        load_model(export)
+    weights = export / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"model.safetensors: cannot be read, truncated or corrupt"):
+        load_model(export)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
+        load_model(export)
+
+
+def test_export_round_trip_same_logits(tmp_path):
+    torch.manual_seed(0)
+    cfg = GenSLMConfig.preset("debug", vocab_size=TOK.vocab_size, max_position_embeddings=32, position_embedding="learned")
+    model = GenSLM(cfg).eval()
+    export_consolidated(model.state_dict(), cfg, TOK, tmp_path / "ex")
+    again, cfg2, tok2 = load_model(tmp_path / "ex")
+    ids = torch.randint(5, 9, (2, 16))
+    pos = torch.arange(16).expand(2, 16)
+    torch.testing.assert_close(again(ids, pos), model(ids, pos), rtol=0, atol=0)
+    assert cfg2 == cfg and tok2.vocab == TOK.vocab
+    (tmp_path / "ex" / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json is missing"):
+        load_model(tmp_path / "ex")

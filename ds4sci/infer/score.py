@@ -1,9 +1,9 @@
-"""``ds4sci score EXPORT_DIR --fasta FILE --out scores.tsv``: the log-likelihood of every record.
+"""The log-likelihood of every record of a FASTA file (``ds4sci score``).
 
 The per-sequence score genome language models are used for in variant-effect prediction and ranking (the
 sequence likelihood of Meier et al. 2021 and Evo 2's ``score_sequences``): a record's total next-token
 log-likelihood ``sum_t log p(x_t | x_<t)`` in nats, and its mean in bits per base. A record is read through the
-windows ``ds4sci evaluate`` uses (:mod:`ds4sci.train.evaluate`: consecutive windows of ``seq_len`` tokens, a window's
+windows ``ds4sci evaluate`` uses (:mod:`ds4sci.infer.evaluate`: consecutive windows of ``seq_len`` tokens, a window's
 first token is context only), so a file's token-weighted mean of ``-log_likelihood / tokens`` is ``evaluate``'s loss.
 
 ``reverse_complement`` (nucleotide models) scores both strands and averages their log-likelihoods, as Evo 2 does for
@@ -13,22 +13,13 @@ frame says nothing about the gene.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import logging
 import math
-import sys
 from collections.abc import Iterable
 
 import numpy as np
 
-from ds4sci.cli import add_model_argument, positive_int
-from ds4sci.data import RecordDataset, read_fasta
-from ds4sci.train.evaluate import check_seq_len, record_windows, window_length, window_losses
-
-logger = logging.getLogger(__name__)
-
-COLUMNS = ("id", "length", "tokens", "log_likelihood", "bits_per_base")
+from ds4sci.data import RecordDataset
+from ds4sci.infer.evaluate import record_windows, window_length, window_losses
 
 
 def score_records(model, tokenizer, records: Iterable, seq_len: int | None = None, reverse_complement: bool = False,
@@ -70,39 +61,3 @@ def score_records(model, tokenizer, records: Iterable, seq_len: int | None = Non
                    bits_per_base=float(record_loss) / tokens / math.log(2) / tokenizer.bases_per_token if tokens
                    else math.nan)
     return rows
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_argument(parser)
-    parser.add_argument("--fasta", required=True, help="FASTA file whose records are scored")
-    parser.add_argument("--out", required=True, help="output TSV with a header line: " + ", ".join(COLUMNS) +
-                        " ('-': stdout)")
-    parser.add_argument("--reverse-complement", action="store_true",
-                        help="nucleotide models: average the log-likelihoods of both strands")
-    parser.add_argument("--seq-len", type=positive_int, default=None,
-                        help="window length in tokens, at most the model's context (default: the model's context)")
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not "
-                        "a terminal)")
-
-
-def run(args: argparse.Namespace) -> int:
-    from ds4sci.train.init_from import load_model
-
-    model, config, tokenizer = load_model(args.export)
-    check_seq_len(args.seq_len, config)
-    rows = score_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, args.reverse_complement,
-                         batch_size=args.batch_size, progress=False if args.no_progress else None)
-    out = sys.stdout if args.out == "-" else open(args.out, "w", newline="", encoding="utf-8")
-    try:
-        writer = csv.writer(out, delimiter="\t", lineterminator="\n")
-        writer.writerow(COLUMNS)
-        for r in rows:
-            writer.writerow([r["id"], r["length"], r["tokens"], f"{r['log_likelihood']:.6f}",
-                             f"{r['bits_per_base']:.6f}"])
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    if args.out != "-":
-        logger.info("wrote the scores of %d record(s) to %s", len(rows), args.out)
-    return 0

@@ -1,19 +1,14 @@
-"""``ds4sci generate EXPORT_DIR``: sample sequences from a trained GenSLM and write FASTA.
+"""Sampling sequences from a trained GenSLM (``ds4sci generate``).
 
 Temperature, top-k and top-p (nucleus, Holtzman et al. 2020) sampling; temperature 0 is greedy. In codon mode the
 sampler can stop at a stop codon (TAA/TAG/TGA). Positions are built here (``0..L-1``) and passed to the model.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 
 import torch
-from Bio.Seq import Seq
-from Bio.SeqIO import write as write_fasta
-from Bio.SeqRecord import SeqRecord
 
-from ds4sci.cli import add_model_argument, nonnegative_float, nonnegative_int, positive_int, probability
 from ds4sci.data import CodonTokenizer, normalize_sequence
 
 logger = logging.getLogger(__name__)
@@ -90,41 +85,3 @@ def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, tempera
         if stop_at_stop_codon and nxt in tokenizer.stop_ids:
             break
     return text + tokenizer.decode(ids[n_prompt:])
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_argument(parser)
-    parser.add_argument("--prompt", default="",
-                        help="nucleotide prompt (default: start from [CLS]); read as training data is (uppercased, U as "
-                        "T, IUPAC codes R Y S W K M B D H V as N). Codon models: the length must be a multiple of 3 "
-                        "(otherwise an error; it is never cut or completed), and a codon with N is [UNK] to the "
-                        "model. The output starts with the prompt as read")
-    parser.add_argument("--num-tokens", type=positive_int, default=100,
-                        help="tokens to generate (bases, or codons for a codon model); prompt + these must fit the "
-                        "model's context (default: %(default)s)")
-    parser.add_argument("--num-sequences", type=positive_int, default=1)
-    parser.add_argument("--temperature", type=nonnegative_float, default=1.0, help="0 = greedy (default: %(default)s)")
-    parser.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = no top-k filter (default: %(default)s)")
-    parser.add_argument("--top-p", type=probability, default=1.0, help="in (0, 1]; 1 = no nucleus filter")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop-at-stop-codon", action="store_true", help="codon models: stop at TAA/TAG/TGA")
-    parser.add_argument("--out", default="-", help="FASTA output file (default: stdout)")
-
-
-def run(args: argparse.Namespace) -> int:
-    import sys
-
-    from ds4sci.train.init_from import load_model
-
-    model, _, tokenizer = load_model(args.export)
-    records = []
-    for i in range(args.num_sequences):
-        seq = sample(model, tokenizer, args.prompt, args.num_tokens, temperature=args.temperature, top_k=args.top_k,
-                     top_p=args.top_p, seed=args.seed + i, stop_at_stop_codon=args.stop_at_stop_codon)
-        records.append(SeqRecord(Seq(seq), id=f"ds4sci_sample_{i}", description=f"seed={args.seed + i} T={args.temperature}"))
-    if args.out == "-":
-        write_fasta(records, sys.stdout, "fasta")
-    else:
-        write_fasta(records, args.out, "fasta")
-        logger.info("wrote %d sequence(s) to %s", len(records), args.out)
-    return 0

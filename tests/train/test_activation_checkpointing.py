@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.train.checkpointing import CheckpointedCore
+from ds4sci.train.activation_checkpointing import CheckpointedCore
 
 
 def _model():

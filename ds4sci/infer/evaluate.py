@@ -1,22 +1,19 @@
-"""``ds4sci evaluate EXPORT_DIR --fasta FILE``: loss, perplexity and bits per base over real tokens.
+"""Loss, perplexity and bits per base of a model over the real tokens of a FASTA file (``ds4sci evaluate``).
 
 Every record is cut into consecutive non-overlapping windows of ``seq_len`` tokens (the last one padded), so each
 token is scored at most once; a window's first token has no context and is not scored; padding never counts, and
-perplexity is ``exp`` of the full mean loss. ``ds4sci score`` (:mod:`ds4sci.train.score`) scores each record through
+perplexity is ``exp`` of the full mean loss. ``ds4sci score`` (:mod:`ds4sci.infer.score`) scores each record through
 the same windows (:func:`record_windows`, :func:`window_losses`), so a file's token-weighted mean of its records'
 scores is this loss.
 Bits per base = loss (nats/token) / ln 2 / bases per token (a uniform model over A/C/G/T scores 2.0).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 
 import numpy as np
 import torch
 
-from ds4sci.cli import CommandError, add_model_argument, positive_int
 from ds4sci.data import RecordDataset, collate, read_fasta
 from ds4sci.models.genslm import IGNORE_INDEX, shift_labels, token_loss
 
@@ -74,33 +71,3 @@ def evaluate(model, tokenizer, dataset, batch_size: int = 8) -> dict[str, float]
     loss = float(sums.sum()) / count
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_base": loss / math.log(2) / tokenizer.bases_per_token,
             "tokens": count}
-
-
-def check_seq_len(seq_len: int | None, model_config) -> None:
-    """``--seq-len`` beyond the model's context: one :class:`~ds4sci.cli.CommandError` naming both numbers."""
-    if seq_len is not None and seq_len > model_config.max_position_embeddings:
-        raise CommandError(f"--seq-len {seq_len} exceeds the model's context of "
-                           f"{model_config.max_position_embeddings} tokens")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_argument(parser)
-    parser.add_argument("--fasta", required=True, help="FASTA file to score")
-    parser.add_argument("--seq-len", type=positive_int, default=None,
-                        help="window length in tokens, at most the model's context (default: the model's context)")
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    from ds4sci.train.init_from import load_model
-
-    model, config, tokenizer = load_model(args.export)
-    check_seq_len(args.seq_len, config)
-    result = evaluate(model, tokenizer, windows(config, tokenizer, args.fasta, args.seq_len), args.batch_size)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>14}: {value:.4f}" if isinstance(value, float) else f"{key:>14}: {value}")
-    return 0

@@ -12,8 +12,8 @@ Modes:
   is wrapped in :class:`CheckpointedCore`, a module without parameters or persistent buffers, so parameter and
   state-dict names do not change.
 
-Applied AFTER :func:`ds4sci.sequence.parallelize`. Under tensor parallelism a full-mode block is a
-:class:`~ds4sci.sequence.tensor_parallel.TensorParallelBlock`, whose recomputation reruns its sequence-region
+Applied AFTER :func:`ds4sci.parallel.parallelize.parallelize`. Under tensor parallelism a full-mode block is a
+:class:`~ds4sci.parallel.tensor_parallel.TensorParallelBlock`, whose recomputation reruns its sequence-region
 all-gather and reduce-scatter over the TP group (every TP rank recomputes, in the same order); the selective core
 holds this TP rank's heads. Under sequence parallelism the checkpointed core is the whole
 :class:`~ds4sci.sequence.DistributedAttention`: backward reruns its forward communication (Ulysses: the q, k, v and
@@ -37,7 +37,7 @@ DeepSpeed 0.19.8 facts (``deepspeed/runtime/activation_checkpointing/checkpointi
   sliced and CLONED before the move, so the copy survives. :func:`apply_activation_checkpointing` therefore turns
   ``partition_activations`` on exactly when ``cpu`` is on. Partitioning splits each checkpointed input over the
   ``mpu``'s tensor-parallel group and all-gathers it in backward, which assumes the input is REPLICATED over
-  that group (Megatron-LM without sequence parallelism). Under :mod:`ds4sci.sequence.tensor_parallel` no
+  that group (Megatron-LM without sequence parallelism). Under :mod:`ds4sci.parallel.tensor_parallel` no
   checkpointed input is: a block's input is this TP rank's sequence region ``[B, T/(sp*tp), hidden]`` and an
   attention core's q, k, v hold this rank's heads, so gathering pieces of different tensors would rebuild a wrong
   input. DeepSpeed is therefore configured with :data:`_UNPARTITIONED`, a tensor-parallel group of one: the one
@@ -123,7 +123,7 @@ _UNPARTITIONED = _TensorGroupOfOne()
 def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingConfig) -> None:
     """Turn on ``cfg.mode`` activation checkpointing in ``model`` (in place; no-op for ``"none"``).
 
-    Call after :func:`ds4sci.sequence.parallelize` (any tensor, Ulysses and ring degrees) and before the DeepSpeed
+    Call after :func:`ds4sci.parallel.parallelize.parallelize` (any tensor, Ulysses and ring degrees) and before the DeepSpeed
     engine is built; torch.distributed must be initialised (DeepSpeed's ``configure`` logs on rank 0).
     """
     if cfg.mode == "none":

@@ -3,7 +3,7 @@
 ``model.safetensors.index.json`` weight map (Hugging Face's convention), ``config.json`` (GenSLMConfig + tokenizer
 name) and ``tokenizer.json``. :class:`ExportWriter` takes the tensors one at a time and writes each shard as it
 fills, so the writer never holds more than one shard. Read back with :func:`ds4sci.load_model`
-(:mod:`ds4sci.train.init_from`), which also reads Hugging Face GPT-NeoX directories and GenSLM checkpoints."""
+(:mod:`ds4sci.io.weights`), which also reads Hugging Face GPT-NeoX directories and GenSLM checkpoints."""
 from __future__ import annotations
 
 import json

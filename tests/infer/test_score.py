@@ -1,4 +1,4 @@
-"""``ds4sci score``: per-record log-likelihoods through evaluate's windows (issue #18 item 6)."""
+"""``ds4sci score``: per-record log-likelihoods through evaluate's windows."""
 import csv
 import io
 import json
@@ -13,10 +13,10 @@ from Bio.Seq import Seq
 
 from ds4sci.cli import main
 from ds4sci.data import CodonTokenizer, NucleotideTokenizer, read_fasta
+from ds4sci.infer.score import score_records
+from ds4sci.io.export import export_consolidated
+from ds4sci.io.weights import load_model
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.train.export import export_consolidated
-from ds4sci.train.init_from import load_model
-from ds4sci.train.score import score_records
 
 CONTEXT = 32
 BIN = Path(sys.executable).parent

@@ -1,0 +1,32 @@
+"""``ds4sci evaluate MODEL --fasta FILE``: loss, perplexity and bits per base over real tokens
+(:mod:`ds4sci.infer.evaluate`)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from ds4sci.cli_args import add_model_argument, check_seq_len, positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    parser.add_argument("--fasta", required=True, help="FASTA file to score")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="window length in tokens, at most the model's context (default: the model's context)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds4sci.infer.evaluate import evaluate, windows
+    from ds4sci.io.weights import load_model
+
+    model, config, tokenizer = load_model(args.export)
+    check_seq_len(args.seq_len, config)
+    result = evaluate(model, tokenizer, windows(config, tokenizer, args.fasta, args.seq_len), args.batch_size)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>14}: {value:.4f}" if isinstance(value, float) else f"{key:>14}: {value}")
+    return 0

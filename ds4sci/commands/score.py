@@ -1,0 +1,52 @@
+"""``ds4sci score MODEL --fasta FILE --out scores.tsv``: the log-likelihood of every record
+(:mod:`ds4sci.infer.score`), one TSV row each."""
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+
+from ds4sci.cli_args import add_model_argument, check_seq_len, positive_int
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ("id", "length", "tokens", "log_likelihood", "bits_per_base")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    parser.add_argument("--fasta", required=True, help="FASTA file whose records are scored")
+    parser.add_argument("--out", required=True, help="output TSV with a header line: " + ", ".join(COLUMNS) +
+                        " ('-': stdout)")
+    parser.add_argument("--reverse-complement", action="store_true",
+                        help="nucleotide models: average the log-likelihoods of both strands")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="window length in tokens, at most the model's context (default: the model's context)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not "
+                        "a terminal)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds4sci.data import read_fasta
+    from ds4sci.infer.score import score_records
+    from ds4sci.io.weights import load_model
+
+    model, config, tokenizer = load_model(args.export)
+    check_seq_len(args.seq_len, config)
+    rows = score_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, args.reverse_complement,
+                         batch_size=args.batch_size, progress=False if args.no_progress else None)
+    out = sys.stdout if args.out == "-" else open(args.out, "w", newline="", encoding="utf-8")
+    try:
+        writer = csv.writer(out, delimiter="\t", lineterminator="\n")
+        writer.writerow(COLUMNS)
+        for r in rows:
+            writer.writerow([r["id"], r["length"], r["tokens"], f"{r['log_likelihood']:.6f}",
+                             f"{r['bits_per_base']:.6f}"])
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if args.out != "-":
+        logger.info("wrote the scores of %d record(s) to %s", len(rows), args.out)
+    return 0
