@@ -11,5 +11,5 @@
 
 Imports run one way: variants imports calls and specialise; compile imports specialise, ptx and ptxas; pool imports
 compile; the command imports calls, variants, compile, ptxas and pool. Torch and Triton are imported inside the
-functions that need them, so importing the command (as ``ds4sci bench --help`` does) loads neither.
+functions that need them: importing the command module loads neither.
 """
