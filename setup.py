@@ -16,6 +16,7 @@ PACKAGES = {
     "ds4sci.commands": "ds4sci/commands",
     "ds4sci.integrations": "ds4sci/integrations",
     "ds4sci.bench": "ds4sci/bench",
+    "ds4sci.bench.aot": "ds4sci/bench/aot",
     "ds4sci.kernels": "kernels",
     "ds4sci.models": "models",
     "ds4sci.models.genslm": "models/genslm",

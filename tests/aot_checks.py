@@ -2,12 +2,15 @@
 import argparse
 import json
 
+import pytest
+
 from ds4sci.bench import kernels_aot
 
 SM80_SMEM, SM90_SMEM = 166912, 232448  # max dynamic shared memory per block: 163 KB (A100), 227 KB (H100)
 
 
 def gate(tmp_path, *argv):
+    """``ds4sci bench kernels-aot --out tmp_path --jobs 2 *argv``: ``(exit status, JSON report, Markdown table)``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     kernels_aot.add_arguments(parser)
@@ -16,9 +19,28 @@ def gate(tmp_path, *argv):
     return rc, report, (tmp_path / "kernels_aot.md").read_text()
 
 
+def gate_fixture(variant_set: str):
+    """A module fixture ``<variant_set>_gate``: :func:`gate` of ``--set variant_set``, compiled once for the tests of
+    a module (minutes on 2 cores)."""
+    @pytest.fixture(scope="module", name=f"{variant_set.replace('-', '_')}_gate")
+    def compiled(tmp_path_factory):
+        return gate(tmp_path_factory.mktemp(variant_set), "--set", variant_set)
+    return compiled
+
+
 def where(r):
     """The compilation a failure message names."""
     return f"{r['case']}: {r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
+
+
+def assert_gate_compiled(results, variants, cases):
+    """The gate compiled each of ``variants`` once for sm_80 and once for sm_90a, and nothing else; their cases
+    (the calls that launch them) are ``cases``."""
+    compiled = sorted((r["case"], r["kernel"], r["dtype"], r["block_d"], r["flags"], r["target"]) for r in results)
+    wanted = sorted((v.case, v.kernel, v.dtype, v.block_d, v.flags, target) for v in variants
+                    for target in ("sm_80", "sm_90a"))
+    assert compiled == wanted and len(results) == 2 * len(variants)
+    assert {r["case"] for r in results} == cases
 
 
 def assert_compiled_within_smem(results):

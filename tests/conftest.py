@@ -6,7 +6,7 @@ helpers they share). ``setdefault``: on a GPU machine, ``TRITON_INTERPRET=0 pyte
 instead (see ``DEVICE`` in tests/kernels/test_triton_evoformer.py). If a kernel module was already imported with the
 variable unset (a plugin imported it first), it is reloaded so that its kernels are interpreted functions, and so is
 every module after it in :data:`_KERNEL_MODULES` (they import from it). The ahead-of-time compile gate needs real JIT
-functions and compiles in worker processes started without the variable (``ds4sci.bench.kernels_aot``).
+functions and compiles in worker processes started without the variable (``ds4sci.bench.aot.pool``).
 """
 import importlib
 import os

@@ -10,14 +10,16 @@ Every sample is a dict of int64 tensors of length ``T`` (the window):
 - ``doc_ids [T]``: document index inside the window, ``PAD_DOC_ID`` (-1) at padding (both from ``ds4sci.models``).
 
 Datasets index :class:`Spans` (documents as ranges of one flat, usually memory-mapped, token array); a list of
-arrays is accepted too. Train/validation splits are deterministic (:func:`split_spans`): a single genome is split by
-held-out region (the last ``val_fraction`` of the sequence, so no window spans both splits), several records by a
-hash of each record's id, or (``split: files``) whole source files by a hash of each file's basename.
+arrays is accepted too. Train/validation splits are deterministic (:func:`split_spans`): by held-out region (the last
+``val_fraction`` of every record, so no window spans both splits), by a hash of each record's id, or (``split:
+files``) whole source files by a hash of each file's basename; ``split: auto`` (:func:`choose_split`) splits by
+region unless there are enough records for a record split (a single genome or two are split by region).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 from array import array
 from collections.abc import Sequence
@@ -289,6 +291,54 @@ def file_hash(path: str | os.PathLike) -> int:
 
 SPLITS = ("auto", "region", "records", "files")
 
+#: ``auto`` splits whole records only where validation can expect this many of them. Each record lands in validation
+#: with probability ``val_fraction`` (its id hash), so of R records Binomial(R, val_fraction) do, and none does with
+#: probability (1 - val_fraction)^R <= exp(-R val_fraction) = exp(-5) < 0.7% from R = 5 / val_fraction on. With fewer
+#: records (two genomes at 0.02) a record split holds out nothing or whole genomes; the end of every record is a
+#: held-out region of the asked size whatever the number of records.
+AUTO_VAL_RECORDS = 5
+
+
+def auto_min_records(val_fraction: float) -> int:
+    """The fewest records ``auto`` splits whole: ``ceil(AUTO_VAL_RECORDS / val_fraction)`` (250 at 0.02)."""
+    _check_fraction(val_fraction)
+    return math.ceil(round(AUTO_VAL_RECORDS / val_fraction, 6))  # rounded first: 5 / 0.02 = 249.99999999999997
+
+
+def _auto_split(id_hashes: np.ndarray, val_fraction: float) -> tuple[str, str]:
+    """``auto``'s choice for these records and why: ``(policy, reason)``."""
+    n, least = len(id_hashes), auto_min_records(val_fraction)
+    if n < least:
+        return "region", f"{n} record(s), fewer than {least} = {AUTO_VAL_RECORDS} / val_fraction for a record split"
+    in_val = int(val_mask(id_hashes, val_fraction).sum())
+    if in_val in (0, n):
+        side = "validation" if in_val == 0 else "training"
+        return "region", f"{n} records, but their id hashes leave {side} empty"
+    return "records", f"{n} records, at least {least} = {AUTO_VAL_RECORDS} / val_fraction"
+
+
+def choose_split(id_hashes: np.ndarray, val_fraction: float, policy: str = "auto") -> str:
+    """The split ``policy`` stands for over records with these id hashes (:func:`record_hash`): an explicit policy
+    itself (refused later if a side is empty), ``auto`` ``"records"`` when there are at least
+    :func:`auto_min_records` records (:data:`AUTO_VAL_RECORDS` expected in validation) and their hashes put at least
+    one on each side, ``"region"`` (the end of every record held out) otherwise. Deterministic: a function of the ids,
+    ``val_fraction`` and the policy."""
+    if policy not in SPLITS:
+        raise ValueError(f"split policy must be one of {SPLITS}, got {policy!r}")
+    _check_fraction(val_fraction)
+    return _auto_split(id_hashes, val_fraction)[0] if policy == "auto" else policy
+
+
+def describe_split(id_hashes: np.ndarray, val_fraction: float, policy: str = "auto") -> str:
+    """One line naming the split ``policy`` stands for (:func:`choose_split`) and why, for the start-up block: e.g.
+    ``region: the last 2% of every record held out (data.split auto: 2 record(s), fewer than 250 = ...)``."""
+    chosen = choose_split(id_hashes, val_fraction, policy)
+    what = {"region": f"the last {100 * val_fraction:g}% of every record held out",
+            "records": "whole records by a hash of their id",
+            "files": "whole source files by a hash of their basename"}[chosen]
+    why = f"auto: {_auto_split(id_hashes, val_fraction)[1]}" if policy == "auto" else policy
+    return f"{chosen}: {what} (data.split {why})"
+
 
 def split_spans(spans: Spans, id_hashes: np.ndarray, val_fraction: float, policy: str = "auto", *,
                 record_file: np.ndarray | None = None,
@@ -304,14 +354,10 @@ def split_spans(spans: Spans, id_hashes: np.ndarray, val_fraction: float, policy
       independent of where the corpus folder lies): every record of a file is on its file's side, and adding files
       never moves an existing file. Needs ``record_file`` (``[R]``, each document's index into ``files``) and
       ``files`` (the source paths);
-    - ``"auto"``: ``"region"`` for a corpus of one document (a single genome: the behaviour of ds4sci <= 0.1),
-      ``"records"`` otherwise.
+    - ``"auto"``: :func:`choose_split`: ``"records"`` when there are enough documents for both sides to be
+      non-empty with high probability and they are, ``"region"`` otherwise (a single genome, two genomes).
     """
-    if policy not in SPLITS:
-        raise ValueError(f"split policy must be one of {SPLITS}, got {policy!r}")
-    _check_fraction(val_fraction)
-    if policy == "auto":
-        policy = "region" if len(spans) == 1 else "records"
+    policy = choose_split(id_hashes, val_fraction, policy)
     if policy == "region":
         cut = spans.bounds[:, 0] + _region_cut(spans.lengths, val_fraction)
         train = Spans(spans.tokens, np.stack([spans.bounds[:, 0], cut], axis=1))

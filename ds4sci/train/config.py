@@ -43,7 +43,8 @@ class DataConfig:
                     help='"region" (hold out the end of every record), "records" (whole records, by a hash of the '
                          'id: stable when files are added), "files" (whole source files, by a hash of the file\'s '
                          'basename, not its path: stable when files are added or the corpus folder moves; files '
-                         'sharing a basename share a side) or "auto" (region for one record, else records)')
+                         'sharing a basename share a side) or "auto" (records from 5 / val_fraction records on, '
+                         'if neither side is empty; else region)')
     cache_dir: str = _field(default="",
                     help='token cache folder (shared by runs and ranks: every rank must see it); "" -> '
                          'train.out_dir/token_cache; relative: like data.fasta', path=True)

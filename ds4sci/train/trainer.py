@@ -58,10 +58,12 @@ from ds4sci.train.run_dir import keep_metrics_until, open_run_dir
 logger = logging.getLogger(__name__)
 
 
-def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.utils.data.Dataset]:
+def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.utils.data.Dataset, str]:
     """Tokenizer, training and validation datasets for ``cfg.data``, read from the token cache of ``data.fasta``
-    (built on first use by rank 0; :mod:`ds4sci.data.corpus`). Every rank must call it."""
+    (built on first use by rank 0; :mod:`ds4sci.data.corpus`), and a line naming the split ``data.split`` chose
+    (:func:`ds4sci.data.datasets.describe_split`). Every rank must call it."""
     from ds4sci.data.corpus import load_datasets, open_corpus
+    from ds4sci.data.datasets import describe_split
 
     d = cfg.data
     tok = Tokenizer.from_name(d.tokenizer)
@@ -71,9 +73,10 @@ def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.u
     except FileNotFoundError as err:
         raise FileNotFoundError(f"data.fasta: {err} (a relative path in a config file is read from its folder; one "
                                 f"given with --set, from the working directory)") from None
-    return tok, *load_datasets(corpus, tok, dataset=d.dataset, seq_len=d.seq_len, stride=d.stride,
+    train, val = load_datasets(corpus, tok, dataset=d.dataset, seq_len=d.seq_len, stride=d.stride,
                                val_fraction=d.val_fraction, split=d.split, max_train_tokens=d.max_train_tokens,
                                reverse_complement=d.reverse_complement, seed=cfg.train.seed)
+    return tok, train, val, describe_split(corpus.id_hash, d.val_fraction, d.split)
 
 
 @functools.lru_cache(maxsize=2)
@@ -150,7 +153,7 @@ class Trainer:
         self.out = Path(cfg.train.out_dir)
         resume_from = open_run_dir(cfg, resume, overwrite, self.device)  # before anything is written there
 
-        self.tokenizer, self.train_ds, self.val_ds = load_data(cfg)
+        self.tokenizer, self.train_ds, self.val_ds, self.split = load_data(cfg)
         # built on the meta device: each rank draws (or, with model.init_from, copies from the memory-mapped source)
         # only its own pieces (its TP shards, its table rows, its pipeline stage), so no rank holds the whole model
         model = initial_model(cfg, self.tokenizer, device="meta")
@@ -383,6 +386,7 @@ class Trainer:
             ("data", f"{d.tokenizer} tokens, {d.dataset} of {d.seq_len}: train {_split_tokens(self.train_ds):,} tokens "
                      f"({len(self.train_ds):,} samples), validation {_split_tokens(self.val_ds):,} tokens "
                      f"({len(self.val_ds):,} samples)"),
+            ("split", self.split),
             ("layout", f"dp {dims.dp} x tp {dims.tp} x ulysses {dims.ulysses} x ring {dims.ring} x pp {dims.pp} "
                        f"({dims.layout.value} sequence layout), {dist.get_world_size()} process(es) on "
                        f"{self.device.type}"),

@@ -1,5 +1,6 @@
 """Corpora of many FASTA files: sources, the token cache, splits, data-parallel sampling and resume."""
 import gzip
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -11,7 +12,8 @@ import pytest
 from ds4sci.data import NucleotideTokenizer, CodonTokenizer, Spans, WindowDataset, open_corpus, resolve_sources
 from ds4sci.data import corpus as corpus_mod
 from ds4sci.data.corpus import load_datasets
-from ds4sci.data.datasets import record_hash, split_records, split_region, val_mask
+from ds4sci.data.datasets import (auto_min_records, choose_split, describe_split, record_hash, split_records,
+                                  split_region, split_spans, val_mask)
 from ds4sci.spawn import run_workers
 
 NUC = NucleotideTokenizer()
@@ -270,6 +272,82 @@ def test_file_split_is_a_config_choice(tmp_path):
     corpus = open_corpus(tmp_path / "corpus", NUC, cache_dir=tmp_path / "c")
     train, val = load_datasets(corpus, NUC, dataset="records", seq_len=64, val_fraction=0.3, split="files")
     assert len(train) + len(val) == 36 and len(val) == 3 * len(_val_files(corpus)[1])
+
+
+def _two_genomes(root: Path, length: int = 3000):
+    """Two single-record genome files, one gzipped, as a user's glob finds them."""
+    rng = np.random.default_rng(3)
+    _fa(root / "g1.fasta", [("NC_1", "".join(rng.choice(list("ACGT"), length)))])
+    _fa(root / "g2.fasta.gz", [("NC_2", "".join(rng.choice(list("ACGT"), length + 500)))], gz=True)
+    return str(root / "*.fasta*")
+
+
+def test_two_genomes_hold_out_the_end_of_each(tmp_path):
+    corpus = open_corpus(_two_genomes(tmp_path / "g"), NUC, cache_dir=tmp_path / "c")
+    assert corpus.meta["n_records"] == 2 and choose_split(corpus.id_hash, 0.02) == "region"
+    train, val = corpus.split(0.02)  # auto
+    assert len(train) == len(val) == 2 and val.lengths.tolist() == [60, 70]  # 2% of 3000 and of 3500 bases
+    assert (train.bounds[:, 1] == val.bounds[:, 0]).all() and (train.lengths + val.lengths).tolist() == [3000, 3500]
+    # what auto chose before: a record split of two genomes, refused as ever when asked for by name
+    with pytest.raises(ValueError, match=r"^2 record\(s\) cannot be split by records with val_fraction=0.02: one "
+                                         r"side is empty \(use more records"):
+        corpus.split(0.02, "records")
+    assert describe_split(corpus.id_hash, 0.02) == (
+        "region: the last 2% of every record held out (data.split auto: 2 record(s), fewer than 250 = 5 / "
+        "val_fraction for a record split)")
+    assert describe_split(corpus.id_hash, 0.02, "region").endswith("held out (data.split region)")
+
+
+def _hashes(n, val_fraction, sides="both"):
+    """Id hashes of ``n`` records ``r0, r1, ...``, or (``sides="train"``) of the first ``n`` ids that all fall on the
+    training side."""
+    ids = (f"r{i}" for i in itertools.count())
+    if sides == "train":
+        ids = (r for r in ids if not val_mask(np.array([record_hash(r)], dtype=np.uint64), val_fraction)[0])
+    return np.array([record_hash(r) for r in itertools.islice(ids, n)], dtype=np.uint64)
+
+
+def test_auto_splits_records_from_five_expected_validation_records_on():
+    assert [auto_min_records(f) for f in (0.02, 0.05, 0.1, 0.2, 0.3)] == [250, 100, 50, 25, 17]
+    least = auto_min_records(0.1)
+    at, below = _hashes(least, 0.1), _hashes(least - 1, 0.1)
+    assert 0 < val_mask(at, 0.1).sum() < least and 0 < val_mask(below, 0.1).sum()  # a record split would work at both
+    assert choose_split(at, 0.1) == "records" and choose_split(below, 0.1) == "region"
+    assert describe_split(at, 0.1) == ("records: whole records by a hash of their id (data.split auto: 50 records, "
+                                       "at least 50 = 5 / val_fraction)")
+    assert choose_split(_hashes(1, 0.1), 0.1) == "region"  # one genome, as before
+    # enough records, but none hashed into validation: auto holds out their ends; asked for by name, refused
+    none_in_val = _hashes(least, 0.1, sides="train")
+    assert choose_split(none_in_val, 0.1) == "region"
+    assert "their id hashes leave validation empty" in describe_split(none_in_val, 0.1)
+    spans = Spans.from_arrays([np.arange(10)] * least)
+    train, val = split_spans(spans, none_in_val, 0.1)
+    assert len(train) == len(val) == least and (val.lengths == 1).all()
+    with pytest.raises(ValueError, match=r"^50 record\(s\) cannot be split by records with val_fraction=0.1"):
+        split_spans(spans, none_in_val, 0.1, "records")
+    assert [choose_split(at, 0.1, p) for p in ("region", "records", "files")] == ["region", "records", "files"]
+    with pytest.raises(ValueError, match="split policy must be one of"):
+        choose_split(at, 0.1, "random")
+
+
+def test_training_start_up_names_the_split_auto_chose(tmp_path):
+    """``ds4sci train`` on a glob of two genomes: trains (was: stopped with "cannot be split by records"), and its
+    start-up block says which split ``data.split: auto`` chose and why."""
+    import json
+    import subprocess
+    import sys
+
+    config = tmp_path / "two.yaml"
+    config.write_text(json.dumps({  # JSON is YAML
+        "data": {"fasta": _two_genomes(tmp_path / "genomes"), "seq_len": 32, "val_fraction": 0.02},
+        "train": {"steps": 1, "micro_batch_size": 2, "log_every": 1, "eval_every": 1, "eval_batches": 1,
+                  "progress": False, "out_dir": str(tmp_path / "run")}}))
+    proc = subprocess.run([sys.executable, "-m", "ds4sci.cli", "train", str(config)], capture_output=True, text=True,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("  split       region: the last 2% of every record held out (data.split auto: 2 record(s), fewer than "
+            "250 = 5 / val_fraction for a record split)\n") in proc.stderr
+    assert "validation 130 tokens" in proc.stderr
 
 
 def test_cache_build_shows_a_progress_bar_only_when_asked(tmp_path, capfd):

@@ -79,7 +79,7 @@ def _plain_torch_losses(rank, world, overrides):
     from ds4sci.train.trainer import load_data
 
     cfg = load_config(None, overrides)
-    tokenizer, train_ds, _ = load_data(cfg)
+    tokenizer, train_ds, *_ = load_data(cfg)
     torch.manual_seed(cfg.train.seed)
     model = GenSLM(cfg.genslm_config(tokenizer.vocab_size, tokenizer.pad_id))
     optimizer, scheduler = make_optimizer(model.parameters(), cfg)

@@ -3,7 +3,8 @@
 The gate compiles with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 80 | 90, 32))`` in worker processes
 started without ``TRITON_INTERPRET`` (this test process runs the kernels under the interpreter), reads Triton's
 shared-memory request and the ``ptxas -v`` registers and spills of Triton's own ptxas run, and checks in the PTX that
-every ``ex2`` takes a scaled difference ``(s - m) * log2 e`` (issue #12).
+every ``ex2`` takes a scaled difference ``(s - m) * log2 e``: the GPU compiler contracts ``s*LOG2E - m*LOG2E`` into
+``fma(s, LOG2E, -round(m*LOG2E))``, and for a maximum near -1e9 that rounding error (up to 64) becomes the exponent.
 
 Launch arguments come from the public path itself: ``call_launches`` runs a forward and backward on CPU tensors with
 every Triton launch recorded instead of run, so these tests follow the launchers' argument lists.
@@ -31,8 +32,12 @@ import textwrap
 import pytest
 import torch
 
-from ds4sci.bench import kernels_aot
-from ds4sci.bench.kernels_aot import Call, Variant
+from ds4sci.bench.aot.calls import CALLERS, kernel_name, launch_flags, record_launches
+from ds4sci.bench.aot.compile import TARGETS
+from ds4sci.bench.aot.pool import compile_all
+from ds4sci.bench.aot.ptx import parse_ptx, unsafe_exponents
+from ds4sci.bench.aot.specialise import describe_specialisation, specialisation, specialisation_key
+from ds4sci.bench.aot.variants import caller_variants, shipped_variants
 from ds4sci.kernels import evoformer_attention
 
 from aot_checks import (  # tests/ is on sys.path (its conftest.py)
@@ -40,14 +45,15 @@ from aot_checks import (  # tests/ is on sys.path (its conftest.py)
     SM90_SMEM,
     assert_compiled_within_smem,
     assert_exponents,
+    assert_gate_compiled,
     assert_resources,
     assert_spill_free,
-    gate,
+    gate_fixture,
 )
 NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 def test_targets_and_limits():
-    assert kernels_aot.TARGETS == {80: ("sm_80", SM80_SMEM), 90: ("sm_90a", SM90_SMEM)}
+    assert TARGETS == {80: ("sm_80", SM80_SMEM), 90: ("sm_90a", SM90_SMEM)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -64,19 +70,18 @@ def _launched(dtype, d, use_mask, use_pair, need_mask, need_pair):
         biases.append(torch.randn(z, n, 1, 1, s, dtype=dtype, requires_grad=need_mask))
     if use_pair:
         biases.append(torch.randn(z, 1, h, s, s, dtype=dtype, requires_grad=need_pair))
-    with kernels_aot.record_launches() as launches:
+    with record_launches() as launches:
         evoformer_attention(q, k, v, biases, backend="triton").sum().backward()
     out = []
     for kernel, _, meta in launches:
-        name = kernels_aot.kernel_name(kernel)
-        out.append((name, *kernels_aot.launch_flags(name, meta), meta["BLOCK_D"]))
+        name = kernel_name(kernel)
+        out.append((name, *launch_flags(name, meta), meta["BLOCK_D"]))
     assert out[0][0] == "fwd" and len(out) >= 4
     return out
 
 
 def test_gate_enumerates_every_launch():
-    shipped = {(v.kernel, v.has_mask, v.has_pair, v.mask_grad, v.block_d, v.dtype)
-               for v in kernels_aot.shipped_variants()}
+    shipped = {(v.kernel, v.has_mask, v.has_pair, v.mask_grad, v.block_d, v.dtype) for v in shipped_variants()}
     seen = set()
     for dtype, d, *flags in itertools.product(NAMES, (8, 16, 24, 32, 64, 128), *[(False, True)] * 4):
         for launch in _launched(dtype, d, *flags):
@@ -84,7 +89,7 @@ def test_gate_enumerates_every_launch():
             seen.add((*launch, NAMES[dtype]))
     assert seen == shipped  # and nothing the launchers never start
     assert len(shipped) == 3 * 4 * (4 + 1 + 6 + 4 + 2)
-    worst = kernels_aot.shipped_variants(worst_case_only=True)
+    worst = shipped_variants(worst_case_only=True)
     assert len(worst) == 3 * 4 * 5
     for v in worst:  # every flag on (the preprocess kernel has none)
         on = v.kernel != "bwd_preprocess"
@@ -97,16 +102,16 @@ def test_record_launches_runs_nothing_and_restores_triton():
 
     runs = (JITFunction.run, InterpretedFunction.run)
     q = torch.randn(1, 1, 20, 1, 8)
-    with kernels_aot.record_launches() as launches:
+    with record_launches() as launches:
         o = evoformer_attention(q, q, q, None, backend="triton")
-    assert len(launches) == 1 and kernels_aot.kernel_name(launches[0][0]) == "fwd"
+    assert len(launches) == 1 and kernel_name(launches[0][0]) == "fwd"
     assert launches[0][1][0] is not None and launches[0][2]["HAS_MASK"] is False
     assert (JITFunction.run, InterpretedFunction.run) == runs
     assert o.shape == q.shape
 
 
 def test_callers_cover_openfold_launches():
-    calls = kernels_aot.CALLERS
+    calls = CALLERS
     assert {c.d for c in calls} >= {8, 24, 32, 64}
     assert any(c.s % 2 for c in calls) and any(c.s % 16 == 0 for c in calls)
     assert any(c.n == 1 for c in calls) and any(c.n > 1 for c in calls)
@@ -123,21 +128,21 @@ def test_caller_shapes_specialise_unlike_the_representative_launch():
     backend = triton.compiler.make_backend(GPUTarget("cuda", 80, 32))
 
     def key(variant):
-        return kernels_aot.specialisation_key(variant, *kernels_aot._launch(variant), backend)
+        return specialisation_key(variant, *variant.launch(), backend)
 
-    shipped = {key(v) for v in kernels_aot.shipped_variants(("bf16", "fp16", "fp32"))}
-    callers = kernels_aot.caller_variants()
+    shipped = {key(v) for v in shipped_variants(("bf16", "fp16", "fp32"))}
+    callers = caller_variants()
     keys = [key(v) for v in callers]
     assert len(set(keys)) == len(keys)  # each distinct specialisation once
-    assert {v.case for v in callers} == {c.name for c in kernels_aot.CALLERS}
-    for call in kernels_aot.CALLERS:  # every caller's forward is new code
+    assert {v.case for v in callers} == {c.name for c in CALLERS}
+    for call in CALLERS:  # every caller's forward is new code
         (fwd,) = [v for v in callers if v.call == call and v.kernel == "fwd"] or [None]
         assert fwd is not None and key(fwd) not in shipped, call.name
 
     def spec(case, kernel="fwd"):
         (v,) = [v for v in callers if v.case == case and v.kernel == kernel]
-        k, args, meta = kernels_aot._launch(v)
-        return kernels_aot.describe_specialisation(k, *kernels_aot._specialisation(k, args, meta, backend)[:3])
+        k, args, meta = v.launch()
+        return describe_specialisation(k, *specialisation(k, args, meta, backend)[:3])
 
     assert "==1: " in spec("msa-row N=1") and ", N" in spec("msa-row N=1").split(";")[0]
     assert "Mask *fp32" in spec("msa-row") and "Q *bf16" in spec("msa-row")
@@ -148,7 +153,7 @@ def test_caller_shapes_specialise_unlike_the_representative_launch():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The PTX check (issue #12)
+# The PTX check: what feeds each ex2
 # ---------------------------------------------------------------------------------------------------------------
 
 LOG2E = "0f3FB8AA3B"
@@ -172,22 +177,22 @@ $L__BB0_2:
 
 
 def test_ptx_checker_flags_a_fused_scaled_max():
-    count, problems = kernels_aot.unsafe_exponents(FUSED)
+    count, problems = unsafe_exponents(FUSED)
     assert count == 1 and len(problems) == 1
     assert "fused multiply-add" in problems[0] and "%r12" in problems[0] and "mul(" in problems[0]
 
 
 def test_ptx_checker_accepts_a_scaled_difference():
-    assert kernels_aot.unsafe_exponents(DIFFERENCE) == (1, [])
+    assert unsafe_exponents(DIFFERENCE) == (1, [])
     fma_zero = DIFFERENCE.replace(f"mul.f32 	%r13, %r12, {LOG2E}", f"fma.rn.f32 	%r13, {LOG2E}, %r12, 0f00000000")
-    assert kernels_aot.unsafe_exponents(fma_zero) == (1, [])
+    assert unsafe_exponents(fma_zero) == (1, [])
     add_neg = DIFFERENCE.replace("sub.f32 	%r12, %r1, %r11", "neg.f32 %r16, %r11;\n\tadd.f32 	%r12, %r1, %r16")
-    assert kernels_aot.unsafe_exponents(add_neg) == (1, [])
+    assert unsafe_exponents(add_neg) == (1, [])
     scaled_apart = (f"mul.f32 %r3, %r1, {LOG2E};\nmul.f32 %r4, %r2, {LOG2E};\n"
                     "sub.f32 %r5, %r3, %r4;\nex2.approx.f32 %r6, %r5;")
-    assert kernels_aot.unsafe_exponents(scaled_apart) == (1, [])
-    assert kernels_aot.unsafe_exponents("ex2.approx.f32 %r6, 0f3F800000;") == (1, [])
-    assert kernels_aot.unsafe_exponents("add.f32 %r1, %r2, %r3;") == (0, [])
+    assert unsafe_exponents(scaled_apart) == (1, [])
+    assert unsafe_exponents("ex2.approx.f32 %r6, 0f3F800000;") == (1, [])
+    assert unsafe_exponents("add.f32 %r1, %r2, %r3;") == (0, [])
 
 
 @pytest.mark.parametrize("ptx", [
@@ -199,12 +204,12 @@ def test_ptx_checker_accepts_a_scaled_difference():
     DIFFERENCE + f"\n\tfma.rn.f32 	%r15, %r1, {LOG2E}, %r12;",
 ], ids=["mul-no-difference", "difference-of-fma", "sum", "parameter", "loop-carried"])
 def test_ptx_checker_flags_other_exponent_arguments(ptx):
-    count, problems = kernels_aot.unsafe_exponents(ptx)
+    count, problems = unsafe_exponents(ptx)
     assert count == 1 and len(problems) == 1, problems
 
 
 def test_parse_ptx_operands():
-    (st, mma) = kernels_aot.parse_ptx(
+    (st, mma) = parse_ptx(
         "\t@%p28 st.global.v4.b32 [ %rd35 + 0 ], { %r59, %r60 };\n"
         "$L__tmp1:\n\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%r1, %r2}, {%r3}, {%r4}, {%r5, %r6}; // x\n"
         ".reg .b32 %r<10>;\n"
@@ -216,19 +221,19 @@ def test_parse_ptx_operands():
 _TWO_FORMS = '''
 import json, sys, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
-from ds4sci.bench.kernels_aot import unsafe_exponents
+from ds4sci.bench.aot.ptx import unsafe_exponents
 
 L = tl.constexpr(1.4426950408889634)
 
 @triton.jit
-def fused(S, M, O):  # the current kernels' form
+def fused(S, M, O):  # scaled, then subtracted: the compiler fuses it into an fma
     i = tl.arange(0, 128)
     s = tl.load(S + i)
     m = tl.load(M + i)
     tl.store(O + i, tl.math.exp2(s * L - m * L))
 
 @triton.jit
-def difference(S, M, O):  # issue #12's form
+def difference(S, M, O):  # subtracted, then scaled: the kernels' form
     i = tl.arange(0, 128)
     s = tl.load(S + i)
     m = tl.load(M + i)
@@ -273,78 +278,67 @@ def test_ptx_checker_on_triton_output_of_both_forms(tmp_path):
 _COMPILE_TIMEOUT = 1800
 
 
+def _compiles(test):
+    """Marks a test of a compiling fixture: slow, with :data:`_COMPILE_TIMEOUT`."""
+    return pytest.mark.slow(pytest.mark.timeout(_COMPILE_TIMEOUT)(test))
+
+
 @pytest.fixture(scope="module")
 def forward_backward_compiled():
     """Forward, dK/dV, dQ and dpair with every bias for sm_80 and sm_90a (bf16, D = 32): 8 compilations."""
-    variants = [v for v in kernels_aot.shipped_variants(("bf16",), (32,), worst_case_only=True)
-                if v.kernel != "bwd_preprocess"]
+    variants = [v for v in shipped_variants(("bf16",), (32,), worst_case_only=True) if v.kernel != "bwd_preprocess"]
     assert [v.kernel for v in variants] == ["fwd", "bwd_dkdv", "bwd_dq", "bwd_dpair"]
-    return kernels_aot.compile_all(variants, (80, 90), jobs=2)
+    return compile_all(variants, (80, 90), jobs=2)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(_COMPILE_TIMEOUT)
+@_compiles
 def test_forward_and_backward_compile_for_sm80_and_sm90(forward_backward_compiled):
     assert_resources(forward_backward_compiled)
     assert all(r["ex2"] > 0 for r in forward_backward_compiled)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(_COMPILE_TIMEOUT)
+@_compiles
 def test_forward_and_backward_exponents_are_scaled_differences(forward_backward_compiled):
     assert_exponents(forward_backward_compiled)
 
 
-@pytest.fixture(scope="module")
-def callers_gate(tmp_path_factory):
-    return gate(tmp_path_factory.mktemp("callers"), "--set", "callers")
+callers_gate = gate_fixture("callers")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(_COMPILE_TIMEOUT)
+@_compiles
 def test_callers_compile_within_smem(callers_gate):
     rc, report, table = callers_gate
-    results = report["results"]
-    assert len(results) == 2 * len(kernels_aot.caller_variants())
-    assert {r["case"] for r in results} == {c.name for c in kernels_aot.CALLERS}
-    assert report["set"] == "callers" and len(report["callers"]) == len(kernels_aot.CALLERS)
-    assert_compiled_within_smem(results)
+    assert_gate_compiled(report["results"], caller_variants(), cases={c.name for c in CALLERS})
+    assert report["set"] == "callers" and len(report["callers"]) == len(CALLERS)
+    assert_compiled_within_smem(report["results"])
     assert "msa-row N=1" in table and "not %16" in table
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(_COMPILE_TIMEOUT)
+@_compiles
 def test_callers_are_spill_free(callers_gate):
     # Found by this gate before the tile table covered callers: 24 of 124 compilations spilled (bwd_dq bf16 D=32
     # with the permuted pair bias on sm_90a, 120/88 B; fwd fp16 D=24 on sm_80, 260/232 B).
     assert_spill_free(callers_gate[1]["results"])
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(_COMPILE_TIMEOUT)
+@_compiles
 def test_callers_exponents_are_scaled_differences(callers_gate):
     assert_exponents(callers_gate[1]["results"])
 
 
-@pytest.fixture(scope="module")
-def shipped_gate(tmp_path_factory):
-    return gate(tmp_path_factory.mktemp("shipped"), "--set", "shipped")
+shipped_gate = gate_fixture("shipped")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(_COMPILE_TIMEOUT)
+@_compiles
 def test_every_table_entry_compiles_for_sm80_and_sm90_within_smem_and_spill_free(shipped_gate):
     rc, report, table = shipped_gate
-    results = report["results"]
-    expected = kernels_aot.shipped_variants(worst_case_only=False)
-    assert len(results) == 2 * len(expected)
-    assert {r["case"] for r in results} == {"representative"}
-    assert_resources(results)
+    expected = shipped_variants(worst_case_only=False)
+    assert_gate_compiled(report["results"], expected, cases={"representative"})
+    assert_resources(report["results"])
     assert table.count("| representative |") == len(expected) and "| error |" not in table
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(_COMPILE_TIMEOUT)
+@_compiles
 def test_every_table_entry_computes_exponents_from_differences(shipped_gate):
     rc, report, table = shipped_gate
     assert_exponents(report["results"])

@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 
-from ds4sci.bench.kernels_aot import kernel_name, record_launches
+from ds4sci.bench.aot.calls import kernel_name, record_launches
 from ds4sci.kernels import triton_local_attention as tla
 from ds4sci.kernels.triton_evoformer import Tiles
 from ds4sci.kernels.triton_local_attention import triton_attention

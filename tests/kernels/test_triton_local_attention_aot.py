@@ -1,10 +1,11 @@
 """Ahead-of-time compile gate of the Triton local-attention kernels (``ds4sci bench kernels-aot --set local``), no GPU.
 
-The gate (ds4sci.bench.kernels_aot) compiles with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 80 | 90,
-32))`` in worker processes started without ``TRITON_INTERPRET``, reads Triton's shared-memory request and the
-``ptxas -v`` registers and spills of Triton's own ptxas run, and checks in the PTX that every ``ex2`` takes a scaled
-difference ``(s - m) * log2 e`` (issue #12). Launch arguments are recorded from ``triton_attention`` itself (forward
-and backward on CPU tensors, every launch recorded instead of run).
+The gate (ds4sci.bench.kernels_aot, its pieces in ds4sci.bench.aot) compiles with ``triton.compile(ASTSource(...),
+target=GPUTarget("cuda", 80 | 90, 32))`` in worker processes started without ``TRITON_INTERPRET``, reads Triton's
+shared-memory request and the ``ptxas -v`` registers and spills of Triton's own ptxas run, and checks in the PTX that
+every ``ex2`` takes a scaled difference ``(s - m) * log2 e``, never a fused multiply-add whose addend is a separately
+scaled maximum (whose rounding error would become the exponent). Launch arguments are recorded from
+``triton_attention`` itself (forward and backward on CPU tensors, every launch recorded instead of run).
 
 - ``test_gate_enumerates_every_launch``: ``--set local-full`` holds exactly the (kernel, dtype, BLOCK_D, HAS_DOCS,
   HAS_ALIBI) launches ``triton_attention`` makes, over dtypes, head dims and arguments; ``--set local`` is its flags
@@ -20,10 +21,11 @@ import itertools
 import pytest
 import torch
 
-from aot_checks import assert_exponents, assert_resources, gate  # tests/ is on sys.path (its conftest.py)
+from aot_checks import assert_exponents, assert_gate_compiled, assert_resources, gate_fixture  # tests/ on sys.path
 
-from ds4sci.bench import kernels_aot
-from ds4sci.bench.kernels_aot import LocalCall, LocalVariant
+from ds4sci.bench.aot.calls import LocalCall, kernel_name, record_launches
+from ds4sci.bench.aot.specialise import specialisation, specialisation_key
+from ds4sci.bench.aot.variants import LOCAL_DTYPES, LOCAL_KERNELS, LocalVariant, variants_for
 from ds4sci.kernels.triton_local_attention import triton_attention
 
 NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -37,27 +39,27 @@ def _launched(dtype, d, docs, alibi, **kw):
         kw["q_doc"], kw["k_doc"] = torch.zeros(1, 20, dtype=torch.int64), torch.zeros(1, 24, dtype=torch.int64)
     if alibi:
         kw["alibi_slopes"] = torch.ones(4)
-    with kernels_aot.record_launches() as launches:
+    with record_launches() as launches:
         out, lse = triton_attention(q, k, v, return_lse=True, **kw)
         (out.sum() + lse.sum()).backward()
-    return [(kernels_aot.kernel_name(kern), NAMES[dtype], meta["BLOCK_D"], meta["HAS_DOCS"], meta["HAS_ALIBI"])
+    return [(kernel_name(kern), NAMES[dtype], meta["BLOCK_D"], meta["HAS_DOCS"], meta["HAS_ALIBI"])
             for kern, _, meta in launches]
 
 
 def test_gate_enumerates_every_launch():
-    full = {(v.kernel, v.dtype, v.block_d, v.has_docs, v.has_alibi) for v in kernels_aot.variants_for("local-full")}
+    full = {(v.kernel, v.dtype, v.block_d, v.has_docs, v.has_alibi) for v in variants_for("local-full")}
     seen = set()
     for dtype, d, docs, alibi in itertools.product(NAMES, (8, 16, 24, 32, 64, 100, 128), (False, True), (False, True)):
         for kw in (dict(), dict(causal=True, window=5, q_offset=30, k_offset=7)):
             launches = _launched(dtype, d, docs, alibi, **kw)
-            assert [name for name, *_ in launches] == list(kernels_aot.LOCAL_KERNELS)
+            assert [name for name, *_ in launches] == list(LOCAL_KERNELS)
             assert set(launches) <= full, launches
             seen |= set(launches)
     assert seen == full  # and nothing the launchers never start
     assert len(full) == 3 * 4 * 3 * 4
-    local = kernels_aot.variants_for("local")
+    local = variants_for("local")
     assert {(v.dtype, v.has_docs, v.has_alibi) for v in local} == {
-        (dt, on, on) for dt in kernels_aot.LOCAL_DTYPES for on in (False, True)}
+        (dt, on, on) for dt in LOCAL_DTYPES for on in (False, True)}
     assert {(v.kernel, v.dtype, v.block_d, v.has_docs, v.has_alibi) for v in local} <= full
     assert len(local) == 2 * 4 * 3 * 2
     assert all(v.case == "local representative" for v in local)
@@ -66,7 +68,7 @@ def test_gate_enumerates_every_launch():
 def test_representative_launch_records_the_flags():
     v = LocalVariant("bwd_dkdv", "bf16", 64, True, False)
     kernel, args, meta = v.launch()
-    assert kernels_aot.kernel_name(kernel) == "bwd_dkdv" and meta["HAS_DOCS"] and not meta["HAS_ALIBI"]
+    assert kernel_name(kernel) == "bwd_dkdv" and meta["HAS_DOCS"] and not meta["HAS_ALIBI"]
     assert (meta["BLOCK_D"], meta["BLOCK_M"], meta["BLOCK_N"]) == (64, 32, 32)
     call = v.as_call()
     assert (call.b, call.sq, call.h, call.hkv, call.d, call.causal) == (1, 256, 8, 2, 64, True)
@@ -89,15 +91,15 @@ def test_block_dependent_integers_are_not_specialised():
                          k_offset=k_offset)
         variant = LocalVariant("fwd", "bf16", 64, False, False, call=call)
         kernel, args, meta = variant.launch()
-        keys.add(kernels_aot.specialisation_key(variant, kernel, args, meta, backend))
-        signature, constexprs, attrs, _ = kernels_aot._specialisation(kernel, args, meta, backend)
+        keys.add(specialisation_key(variant, kernel, args, meta, backend))
+        signature, constexprs, attrs, _ = specialisation(kernel, args, meta, backend)
         for name in ("diag_lo", "diag_hi", "shift"):
             assert signature[name] == "i32" and name not in constexprs
             assert (kernel.arg_names.index(name),) not in attrs
     assert len(keys) == 1
     short = LocalCall("short", "bf16", 1, 37, 37, 8, 2, 64)
     variant = LocalVariant("fwd", "bf16", 64, False, False, call=short)
-    assert kernels_aot.specialisation_key(variant, *variant.launch(), backend) not in keys  # S = 37: not % 16
+    assert specialisation_key(variant, *variant.launch(), backend) not in keys  # S = 37: not % 16
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,9 +107,7 @@ def test_block_dependent_integers_are_not_specialised():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def local_gate(tmp_path_factory):
-    return gate(tmp_path_factory.mktemp("local"), "--set", "local")
+local_gate = gate_fixture("local")
 
 
 @pytest.mark.slow
@@ -115,7 +115,8 @@ def local_gate(tmp_path_factory):
 def test_local_kernels_compile_for_sm80_and_sm90_within_smem_spill_free_and_with_safe_exponents(local_gate):
     rc, report, table = local_gate
     results = report["results"]
-    assert len(results) == 2 * len(kernels_aot.variants_for("local")) == 96
+    assert_gate_compiled(results, variants_for("local"), cases={"local representative"})
+    assert len(results) == 96
     assert_resources(results)  # compiled, within shared memory and 255 registers, no spills, both targets
     assert_exponents(results)  # every kernel has ex2, none fed by a fused multiply-add
     assert rc == 0 and report["all_ok"]

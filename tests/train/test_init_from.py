@@ -225,7 +225,7 @@ def test_fine_tune_from_a_hugging_face_directory_through_the_cli(tmp_path):
             f"data.max_train_tokens={8 * SEQ}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=2",
             "train.log_every=1", "train.eval_batches=1", "train.progress=false",
             f"train.out_dir={out}", "optim.lr=1e-9", "optim.min_lr=0", "optim.warmup_steps=0", "optim.weight_decay=0"]
-    _, train_ds, _ = load_data(load_config(None, sets))  # the run reads the same token cache
+    _, train_ds, *_ = load_data(load_config(None, sets))  # the run reads the same token cache
     n = len(train_ds)  # 512 tokens of genes, each one's last window padded
     assert 8 <= n <= 16, n
     sets.append(f"train.micro_batch_size={n}")

@@ -1,0 +1,70 @@
+"""One variant compiled for one target: tiles, shared memory, registers, spills and the exponent check.
+
+A variant's recorded launch is compiled with
+
+    triton.compile(ASTSource(fn=kernel, signature=..., constexprs=..., attrs=...), target=GPUTarget("cuda", cc, 32))
+
+which records the dynamic shared memory Triton requests (``compiled.metadata.shared``) and the registers per thread,
+stack frame and spill bytes that ``ptxas -v`` reports for the very compile that produced the cubin: Triton always
+runs ptxas with ``-v`` and prints its log under ``TRITON_DUMP_PTXAS_LOG=1``, which the workers set (with
+``TRITON_ALWAYS_COMPILE=1``, so a cache hit never skips ptxas; :mod:`.pool`). So the figures come from the ptxas and
+flags Triton itself uses for each target (the wheel's ``ptxas`` for sm_80, its ``ptxas-blackwell`` for sm_90a, with
+Triton's ``--regAllocOptLevel=2``), i.e. what a launch on that GPU would load.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import time
+from typing import TYPE_CHECKING
+
+from ds4sci.bench.aot.ptx import unsafe_exponents
+from ds4sci.bench.aot.ptxas import ptxas_usage
+from ds4sci.bench.aot.specialise import ast_source, describe_specialisation, specialisation
+
+if TYPE_CHECKING:
+    from ds4sci.bench.aot.variants import LocalVariant, Variant
+
+#: compute capability -> (ptxas --gpu-name, max dynamic shared memory per block in bytes)
+TARGETS: dict[int, tuple[str, int]] = {
+    80: ("sm_80", 163 * 1024),  # A100: 163 KB opt-in dynamic shared memory per block
+    90: ("sm_90a", 227 * 1024),  # H100: 227 KB
+}
+
+
+def compile_variant(variant: Variant | LocalVariant, capability: int) -> dict:
+    """Compile one variant for one target; a record of its tiles, resource usage and exponents (or its error)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    gpu_name, smem_limit = TARGETS[capability]
+    record = {key: value for key, value in dataclasses.asdict(variant).items() if key != "call"}
+    record |= {"case": variant.case, "call": dataclasses.asdict(variant.call) if variant.call else None,
+               "flags": variant.flags, "target": gpu_name, "smem_limit": smem_limit}
+    start = time.perf_counter()
+    try:
+        kernel, args, meta = variant.launch()
+        record |= {key: meta[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages", "maxnreg")
+                   if key in meta}
+        target = GPUTarget("cuda", capability, 32)
+        backend = triton.compiler.make_backend(target)
+        signature, constexprs, attrs, _ = specialisation(kernel, args, meta, backend)
+        record["specialisation"] = describe_specialisation(kernel, signature, constexprs, attrs)
+        src, options = ast_source(kernel, args, meta, backend)
+        with contextlib.redirect_stdout(io.StringIO()) as log:  # Triton prints ptxas's -v log here
+            compiled = triton.compile(src, target=target, options=options)
+        record["shared_bytes"] = int(compiled.metadata.shared)
+        record |= ptxas_usage(log.getvalue())
+        record["ex2"], record["unsafe_ex2"] = unsafe_exponents(compiled.asm["ptx"])
+        record["error"] = None
+    except Exception as err:  # recorded and reported; the gate fails on any error
+        record["error"] = f"{type(err).__name__}: {err}"
+    record["compile_s"] = round(time.perf_counter() - start, 2)
+    record["resources_ok"] = (
+        record["error"] is None and record["shared_bytes"] <= smem_limit
+        and record["spill_stores"] == 0 and record["spill_loads"] == 0
+    )
+    record["exponents_ok"] = record["error"] is None and not record["unsafe_ex2"]
+    record["ok"] = record["resources_ok"] and record["exponents_ok"]
+    return record
