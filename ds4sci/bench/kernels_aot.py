@@ -47,7 +47,7 @@ def _markdown(report: dict) -> str:
         "Shared memory is Triton's dynamic request (limits: "
         f"{', '.join(f'{n} {lim} B' for n, lim in TARGETS.values())}). "
         "`unsafe ex2`: exponents (of all `ex2` in the PTX) computed from a fused multiply-add of a scaled maximum "
-        "(issue #12).",
+        "(whose rounding error would become the exponent).",
         "",
         "| case | kernel | dtype | BLOCK_D | flags | specialisation | BLOCK_MxN | warps | stages | maxnreg | "
         + " | ".join(f"{name} regs | {name} spill B | {name} smem B | {name} unsafe ex2" for name in names)
