@@ -3,7 +3,7 @@
 Where things live: this module parses backend names (:func:`parse_backend`, the one parser, exported from
 ``ds4sci.kernels``), validates every call once (:func:`_check_qkv`, :func:`_classify_biases`,
 :func:`_choose_backend`) and dispatches; the head-dim limits are constants in :mod:`ds4sci.kernels.limits`; the
-backend modules (:mod:`~ds4sci.kernels.chunked`, :mod:`~ds4sci.kernels.reference`,
+backend modules (:mod:`~ds4sci.kernels.evoformer_chunked`, :mod:`~ds4sci.kernels.evoformer_reference`,
 :mod:`~ds4sci.kernels.triton_evoformer`) compute on already validated canonical inputs and do not re-check them.
 
 ``evoformer_attention(q, k, v, biases)`` computes, with scale ``1/sqrt(D)``::
@@ -39,8 +39,8 @@ unambiguous it takes the remaining role, otherwise it is resolved by position as
 ``ValueError``.
 
 Backends (:class:`Backend`): ``"triton"`` (fused kernel, CUDA; CPU only under ``TRITON_INTERPRET=1``),
-``"torch"`` (:mod:`ds4sci.kernels.chunked`: chunked over queries, recomputing backward, any device),
-``"reference"`` (:mod:`ds4sci.kernels.reference`: plain PyTorch autograd, materialises the logits),
+``"torch"`` (:mod:`ds4sci.kernels.evoformer_chunked`: chunked over queries, recomputing backward, any device),
+``"reference"`` (:mod:`ds4sci.kernels.evoformer_reference`: plain PyTorch autograd, materialises the logits),
 ``"auto"`` (triton for fp16/bf16/fp32 CUDA tensors with D <= ``TRITON_MAX_HEAD_DIM`` = 128 when Triton imports,
 torch otherwise). The triton module is imported on first use (:func:`_triton_backend`), so ``import ds4sci.kernels``
 imports neither it nor Triton. The triton and torch backends run through one ``torch.library`` custom op pair,
@@ -71,7 +71,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from . import chunked, reference
+from . import evoformer_chunked, evoformer_reference
 from .limits import MAX_HEAD_DIM, TRITON_MAX_HEAD_DIM
 
 logger = logging.getLogger(__name__)
@@ -112,9 +112,9 @@ def _backend_module(backend: str) -> ModuleType:
     if backend == Backend.TRITON.value:
         return _triton_backend()
     if backend == Backend.TORCH.value:
-        return chunked
+        return evoformer_chunked
     if backend == Backend.REFERENCE.value:
-        return reference
+        return evoformer_reference
     raise ValueError(f"evoformer_attention: the custom op needs a concrete backend, got {backend!r}")
 
 
@@ -426,7 +426,7 @@ def _attention(
     if chosen is Backend.REFERENCE:
         # The oracle stays plain autograd (bias gradients reduced by autograd in the bias dtype).
         qc, kc, vc, mc, pc = _canonical(q, k, v, mask, pair)
-        o, _ = reference.forward(qc, kc, vc, mc, pc)
+        o, _ = evoformer_reference.forward(qc, kc, vc, mc, pc)
         return o.reshape(q.shape)
     o, _ = _attention_fwd(q, k, v, mask, pair, chosen.value)
     return o

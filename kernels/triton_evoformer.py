@@ -41,7 +41,7 @@ Backward recomputes ``P`` from (m, l) tile by tile (FlashAttention-2, Algorithm 
 
 No kernel uses atomics, so two backward passes are bitwise equal (dpair and dmask included).
 
-Masking conventions (shared with ``ds4sci.kernels.reference``): a query row whose keys are all ``-inf`` gives zeros
+Masking conventions (shared with ``ds4sci.kernels.evoformer_reference``): a query row whose keys are all ``-inf`` gives zeros
 and stats ``(+inf, +inf)``, so the backward's recomputed P is exactly 0 there and every gradient stays finite.
 Finite masks (OpenFold's ``-1e9``, down to ``finfo(float32).min``) are plain additive biases.
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4sci.kernels import Backend, DS4Sci_EvoformerAttention, chunked, evoformer_attention, parse_backend, reference
+from ds4sci.kernels import Backend, DS4Sci_EvoformerAttention, evoformer_attention, evoformer_chunked, evoformer_reference, parse_backend
 from ds4sci.kernels import evoformer as evo
 
 HAS_TRITON_BACKEND = importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None
@@ -97,7 +97,7 @@ def test_half_precision_matches_fp64_reference(backend, dtype, shape):
 
 
 def test_torch_backend_multiple_chunks(monkeypatch):
-    monkeypatch.setattr(chunked, "LOGITS_CHUNK_BYTES", 3 * 2 * 3 * 33 * 4)  # 3 queries per chunk
+    monkeypatch.setattr(evoformer_chunked, "LOGITS_CHUNK_BYTES", 3 * 2 * 3 * 33 * 4)  # 3 queries per chunk
     tensors, do = _leaves((2, 3, 33, 4, 8), (2, 3, 1, 1, 33), (2, 1, 4, 33, 33))
     _assert_within_3x_pytorch(tensors, do, "torch", torch.float32)
 
@@ -318,7 +318,7 @@ def test_parse_backend_is_the_one_parser():
     with pytest.raises(ValueError, match=rf"unknown backend 'cuda'; choose one of {choices}"):
         parse_backend("cuda")
     # the custom op's backend string maps to the modules by explicit code; "auto" never reaches it
-    assert evo._backend_module("torch") is chunked and evo._backend_module("reference") is reference
+    assert evo._backend_module("torch") is evoformer_chunked and evo._backend_module("reference") is evoformer_reference
     with pytest.raises(ValueError, match="concrete backend, got 'auto'"):
         evo._backend_module("auto")
 

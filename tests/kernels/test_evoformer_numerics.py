@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 
-from ds4sci.kernels import chunked, evoformer_attention, reference
+from ds4sci.kernels import evoformer_attention, evoformer_chunked, evoformer_reference
 
 from evoformer_checks import HAS_TRITON_BACKEND, TRITON, assert_within_pytorch_error
 
@@ -171,7 +171,7 @@ def test_fp32_mask_with_half_inputs(backend, dtype, kind):
 
 
 def _contract_backends():
-    backends = [pytest.param(chunked, id="torch"), pytest.param(reference, id="reference")]
+    backends = [pytest.param(evoformer_chunked, id="torch"), pytest.param(evoformer_reference, id="reference")]
     if HAS_TRITON_BACKEND:
         from ds4sci.kernels import triton_evoformer
 
