@@ -56,7 +56,7 @@ query the GPU, so the same path runs under ``TRITON_INTERPRET=1``.
 
 Limitations:
 - fp16, bf16 and fp32 inputs (fp32 matmuls are IEEE, never TF32); head dims 1..128 (``TRITON_MAX_HEAD_DIM`` in
-  :mod:`ds4sci.kernels.limits`).
+  :mod:`ds4sci.kernels.backends`).
 - The backward does more matmuls than a plain FlashAttention-2 backward: dQ is computed by its own kernel (no
   atomics) and the pair-bias gradient by a fifth kernel that recomputes ``QK^T`` and ``dO V^T`` once more.
 - Within one (z, n, h) slice, tile offsets are 32-bit: ``BLOCK * stride`` must fit in int32; per-program base
@@ -78,7 +78,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .limits import TRITON_MAX_HEAD_DIM
+from .backends import TRITON_MAX_HEAD_DIM
 from .triton_common import LOG2E, cast, dot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -100,7 +100,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .limits import TRITON_MAX_HEAD_DIM
+from .backends import TRITON_MAX_HEAD_DIM
 from .triton_common import LOG2E, cast, dot
 from .triton_evoformer import Tiles, block_d_for
 

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds4sci.kernels import Backend, evoformer_attention, evoformer_reference
+from ds4sci.kernels import EvoformerBackend, evoformer_attention, evoformer_reference
 from ds4sci.kernels import evoformer as evo
-from ds4sci.kernels.limits import TRITON_MAX_HEAD_DIM
+from ds4sci.kernels.backends import TRITON_MAX_HEAD_DIM
 
 from test_evoformer_api import (  # shared helpers (tests/kernels is on sys.path under pytest's rootdir import mode)
     HAS_TRITON_BACKEND,
@@ -310,12 +310,12 @@ def test_auto_picks_triton_only_for_cuda_tensors():
     def fake(is_cuda, dtype=torch.float16, d=64):
         return SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 1, 4, 1, d))
 
-    assert evo._choose_backend("auto", fake(True)) is Backend.TRITON
-    assert evo._choose_backend("auto", fake(True, torch.float32, 128)) is Backend.TRITON
-    assert evo._choose_backend("auto", fake(True, torch.float64)) is Backend.TORCH
-    assert evo._choose_backend("auto", fake(True, d=136)) is Backend.TORCH
-    assert evo._choose_backend("auto", fake(False)) is Backend.TORCH  # CPU, even under TRITON_INTERPRET=1
-    assert evo._choose_backend("auto", torch.randn(1, 1, 4, 1, 8)) is Backend.TORCH
+    assert evo._choose_backend("auto", fake(True)) is EvoformerBackend.TRITON
+    assert evo._choose_backend("auto", fake(True, torch.float32, 128)) is EvoformerBackend.TRITON
+    assert evo._choose_backend("auto", fake(True, torch.float64)) is EvoformerBackend.TORCH
+    assert evo._choose_backend("auto", fake(True, d=136)) is EvoformerBackend.TORCH
+    assert evo._choose_backend("auto", fake(False)) is EvoformerBackend.TORCH  # CPU, even under TRITON_INTERPRET=1
+    assert evo._choose_backend("auto", torch.randn(1, 1, 4, 1, 8)) is EvoformerBackend.TORCH
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
