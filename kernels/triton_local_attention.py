@@ -1,7 +1,7 @@
 """Fused local attention in Triton for GenSLM: the ds4sci local attention protocol, forward and recomputing backward.
 
-:func:`triton_attention` is a local attention in the sense of :mod:`ds4sci.models.local_attention` (its module
-docstring defines the protocol; :func:`~ds4sci.models.local_attention.sdpa_attention` is the readable oracle the
+:func:`triton_attention` is a local attention in the sense of :mod:`ds4sci.kernels.local_attention` (its module
+docstring defines the protocol; :func:`~ds4sci.kernels.local_reference.sdpa_attention` is the readable oracle the
 tests compare against): one contiguous block of queries against one contiguous block of keys, masks and position
 biases evaluated on *global* indices, so Ulysses, ring and Unified sequence parallelism can call it per block.
 
@@ -77,7 +77,7 @@ Limitations:
   of time (PTX and cubin for sm_80 and sm_90, no launch), never run or timed. Tiles were chosen for spill-free
   compilation, not tuned for speed.
 - fp16, bf16 and fp32 (fp32 matmuls are IEEE, never TF32); head dims 1..128. float64 is not supported (use
-  :func:`~ds4sci.models.local_attention.sdpa_attention`).
+  :func:`~ds4sci.kernels.local_reference.sdpa_attention`).
 - Every visited tile applies the full visibility predicate (band, key bound, documents): there is no separate
   unmasked path for tiles wholly inside the band.
 - Document skipping is per tile and a runtime branch inside the tile loop: a program whose tiles are mostly skipped
@@ -101,6 +101,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .backends import TRITON_MAX_HEAD_DIM
+from .local_reference import check_qkv
 from .triton_common import LOG2E, cast, dot
 from .triton_evoformer import Tiles, block_d_for
 
@@ -649,9 +650,8 @@ class _TritonAttention(torch.autograd.Function):
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, q_doc, k_doc, window, alibi_slopes, head_offset) -> None:
-    from ds4sci.models.local_attention import _check_qkv  # the protocol's checks (shapes, GQA, document ids)
-
-    _check_qkv(q, k, v, q_doc, k_doc)
+    # the protocol's checks (shapes, GQA, document ids, window, ALiBi slopes), shared by every local attention
+    check_qkv(q, k, v, q_doc, k_doc, window=window, alibi_slopes=alibi_slopes, head_offset=head_offset)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"triton_attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     _config(q.dtype, q.shape[3])  # dtype and head dim within the tile table
@@ -659,11 +659,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor, q_doc, k_doc, window, alibi_slopes, 
         raise ValueError(f"triton_attention: q, k, v on different devices: {q.device}, {k.device}, {v.device}")
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"triton_attention: needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got {q.device}")
-    if window is not None and window < 1:
-        raise ValueError(f"triton_attention: window={window} must be >= 1")
-    if alibi_slopes is not None and alibi_slopes.numel() < head_offset + q.shape[2]:
-        raise ValueError(f"triton_attention: head_offset={head_offset} + {q.shape[2]} local heads exceeds the "
-                         f"{alibi_slopes.numel()} ALiBi slopes")
     if head_offset < 0:
         raise ValueError(f"triton_attention: head_offset={head_offset} must be >= 0")
 
@@ -684,7 +679,7 @@ def triton_attention(
     alibi_slopes: Optional[Tensor] = None,
     scale: Optional[float] = None,
 ):
-    """Local attention (the protocol of :mod:`ds4sci.models.local_attention`) with the fused Triton kernels.
+    """Local attention (the protocol of :mod:`ds4sci.kernels.local_attention`) with the fused Triton kernels.
 
     q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` (fp16, bf16 or fp32, one dtype, CUDA; CPU only under
     ``TRITON_INTERPRET=1``; any strides) -> out ``[B, Sq, H, D]`` in q's dtype, or ``(out, lse)`` with

@@ -13,10 +13,10 @@ default hidden 256 = 4 heads of 64, batch 1, fp32) runs forward and the backward
 
 Each mode runs on two paths, GenSLM's ``attention_backend``:
 
-- ``before`` = ``"sdpa"``: :func:`ds4sci.models.local_attention.sdpa_attention`, the path GenSLM took before issue
+- ``before`` = ``"sdpa"``: :func:`ds4sci.kernels.local_reference.sdpa_attention`, the path GenSLM took before issue
   #13: an explicit ``[B, H, S, S]`` fp32 softmax with ALiBi; a boolean ``S x S`` document mask for SDPA; PyTorch's
   fused causal kernel (no ``S x S`` tensor) for pure causal attention;
-- ``after`` = ``"auto"``: :func:`ds4sci.models.local_attention.memory_efficient_attention` (on the CPU the chunked
+- ``after`` = ``"auto"``: :func:`ds4sci.kernels.local_attention.memory_efficient_attention` (on the CPU the chunked
   FlashAttention-2 path, O(S * chunk) memory; the Triton kernel or flash-attn on CUDA).
 
 Every run is one fresh ``python -m ds4sci.bench.memory`` subprocess (:func:`ds4sci.bench.memory.run_in_subprocess`)
@@ -233,7 +233,7 @@ def measure(cfg: dict, mode: str, path: str, seq_len: int) -> dict:
     """One forward+backward of ``mode`` on ``path`` at ``seq_len`` in this process, after a warm-up at a small S:
     its peak memory above what the layer and inputs hold, the bytes saved for backward and the wall time. Meant to
     run in a fresh process per run (:func:`ds4sci.bench.memory.run_in_subprocess`)."""
-    from ds4sci.models.local_attention import select_backend
+    from ds4sci.kernels.local_attention import select_backend
 
     torch.set_num_threads(cfg["threads"])
     layer = build_layer(cfg, mode, path)

@@ -8,7 +8,7 @@ Where each concept lives:
   tokens, labels and positions;
 - :mod:`~ds4sci.sequence.comm`: the differentiable all-to-all, ring shifts, byte counting;
 - :mod:`~ds4sci.sequence.attention`: :class:`DistributedAttention` around any local attention
-  (:mod:`ds4sci.models.local_attention`);
+  (:mod:`ds4sci.kernels.local_attention`);
 - :mod:`~ds4sci.sequence.tensor_parallel`: Megatron tensor parallelism with sequence-parallel norms and a
   vocabulary-parallel embedding, output and loss (:func:`token_loss_for`), and TP state-dict consolidation;
 - :mod:`~ds4sci.sequence.parallelize`: :func:`parallelize`, applying all of it to a GenSLM from outside.

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from ds4sci.spawn import run_workers
 from ds4sci.models.genslm import AttentionCore
-from ds4sci.models.local_attention import PAD_DOC_ID, flex_attention, memory_efficient_attention, sdpa_attention
+from ds4sci.kernels.local_attention import flex_attention, memory_efficient_attention
+from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
 from ds4sci.sequence import (
     CommCounter,
     DeepSpeedMPU,
