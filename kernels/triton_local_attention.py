@@ -34,10 +34,12 @@ O(S / BLOCK) per call: :func:`_tile_doc_ranges`); a program skips a tile whose r
 (computed in the kernel from the ids it loads). Ranges are valid for any order of ids: packed sequences (sorted
 ids) skip every tile outside the query tile's documents, interleaved ids simply skip less.
 
-Softmax arithmetic (the lessons of issue #12, see :mod:`ds4sci.kernels.triton_evoformer`). Every exponent is
-``exp2((s - m) * log2 e)``: the max is subtracted in the unscaled domain, then one scaling, so no fused multiply-add
-of a separately scaled max feeds ``exp2`` (``ds4sci bench kernels-aot --set local`` checks the PTX). Before the
-first visible key of a row the max is -inf and 0 is subtracted instead (``-inf - -inf`` would be NaN).
+Softmax arithmetic: the forward kernel's per-tile step is :func:`ds4sci.kernels.triton_common.online_softmax_update`,
+shared with the Evoformer kernel. Every exponent is ``exp2((s - m) * log2 e)``: the max is subtracted in the unscaled
+domain, then one scaling, so no fused multiply-add of a separately scaled max feeds ``exp2`` (the GPU compiler
+contracts ``s*log2e - m*log2e`` into ``fma(s, log2e, -round(m*log2e))``, whose rounding error becomes the exponent
+when |m| is large; ``ds4sci bench kernels-aot --set local`` checks the PTX). Before the first visible key of a row the
+max is -inf and 0 is subtracted instead (``-inf - -inf`` would be NaN).
 
 Why storing only ``lse = m + log l`` is safe here (the Evoformer kernel stores m and l apart): its fp32 rounding is
 half an ulp of |lse|, and lse lies within ``[m, m + log Sk]``, where m is the row's largest logit. Every logit of a
@@ -102,14 +104,11 @@ from torch.autograd.function import once_differentiable
 
 from .backends import TRITON_MAX_HEAD_DIM
 from .local_reference import check_qkv
-from .triton_common import LOG2E, cast, dot
-from .triton_evoformer import Tiles, block_d_for
+from .triton_common import BLOCK_D_BUCKETS, LOG2E, Tiles, block_d_for, cast, dot, online_softmax_update
 
 __all__ = ["triton_attention", "SUPPORTED_DTYPES", "BLOCK_D_BUCKETS"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: ``BLOCK_D`` buckets: every head dim 1..TRITON_MAX_HEAD_DIM rounds up to one of these (:func:`block_d_for`).
-BLOCK_D_BUCKETS = (16, 32, 64, 128)
 
 _INT32_MAX = 2**31 - 1
 # Integer arguments that change from block to block of one sequence (ring attention steps, offsets) are neither
@@ -151,7 +150,7 @@ _TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles, Tiles]] = {
     (True, 64): (Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),
     (True, 128): (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 2), Tiles(16, 16, 8, 1)),
 }
-assert BLOCK_D_BUCKETS[-1] == TRITON_MAX_HEAD_DIM and {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)
+assert {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)  # one entry per head-dim bucket
 
 
 def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
@@ -292,15 +291,7 @@ def _fwd_kernel(
                 k_doc = tl.load(KDoc + b * Sk + cols, mask=cols < Sk, other=-1)
             s = _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
                         HAS_DOCS, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows with every key so far invisible subtract 0, so exp2 gives exact zeros, never NaN (-inf - -inf).
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            # Subtract, then scale: exact for s == m whatever the compiler fuses (module docstring).
-            alpha = tl.math.exp2((m_i - m_sub) * LOG2E)  # rescales the old sum and accumulator
-            p = tl.math.exp2((s - m_sub[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc)
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
 
