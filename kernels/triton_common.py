@@ -1,7 +1,8 @@
 """Triton code shared by ds4sci's two fused attention kernels (:mod:`ds4sci.kernels.triton_evoformer`,
 :mod:`ds4sci.kernels.triton_local_attention`), written once:
 
-- launch parameters: :class:`Tiles`, the ``BLOCK_D`` buckets and :func:`block_d_for`;
+- launch parameters: :class:`Tiles`, the ``BLOCK_D`` buckets, :func:`block_d_for` and :func:`table_entry`, the one
+  lookup (and domain check) of the kernels' tile tables;
 - dtype handling the CPU interpreter needs: kernels call :func:`cast` for every fp32 -> fp16/bf16 cast and :func:`dot`
   for every matmul, so that a kernel run under ``TRITON_INTERPRET=1`` rounds like the compiled kernel on a GPU (up to
   the order of fp32 additions, which the GPU's MMA and fused multiply-adds change anyway). On the GPU path the
@@ -14,11 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import triton
 import triton.language as tl
 
 from .backends import TRITON_MAX_HEAD_DIM
 
+#: q, k, v dtypes both kernels take (fp32 matmuls are IEEE, never TF32).
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: ``BLOCK_D`` buckets: every head dim 1..TRITON_MAX_HEAD_DIM rounds up to one of these (:func:`block_d_for`); each
 #: kernel's tile table has one entry per bucket.
 BLOCK_D_BUCKETS = (16, 32, 64, 128)
@@ -28,6 +32,18 @@ assert BLOCK_D_BUCKETS[-1] == TRITON_MAX_HEAD_DIM
 def block_d_for(head_dim: int) -> int:
     """``BLOCK_D`` for a head dim: the next power of two, at least 16 (``tl.dot`` needs K >= 16)."""
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def table_entry(table: dict, dtype: torch.dtype, head_dim: int, kernel: str) -> tuple[int, tuple]:
+    """``(BLOCK_D, table[(dtype is fp32, BLOCK_D)])`` for a kernel's tile table keyed by (fp32?, BLOCK_D), after
+    checking the table's domain: ``dtype`` in :data:`SUPPORTED_DTYPES`, ``head_dim`` in 1..TRITON_MAX_HEAD_DIM
+    (``kernel`` names the caller in the error)."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{kernel}: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    if not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
+        raise ValueError(f"{kernel}: head dim must be in 1..{TRITON_MAX_HEAD_DIM}, got D={head_dim}")
+    block_d = block_d_for(head_dim)
+    return block_d, table[(dtype == torch.float32, block_d)]
 
 
 @dataclass(frozen=True)

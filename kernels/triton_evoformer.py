@@ -79,10 +79,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .backends import TRITON_MAX_HEAD_DIM
-from .triton_common import BLOCK_D_BUCKETS, LOG2E, Tiles, block_d_for, cast, dot, online_softmax_update
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .triton_common import BLOCK_D_BUCKETS, LOG2E, Tiles, cast, dot, online_softmax_update, table_entry
 
 # ----------------------------------------------------------------------------------------------------------
 # Tile configuration
@@ -125,12 +122,7 @@ assert {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)  # one entry per head-dim 
 
 def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     """Tiles, warps and stages for ``dtype`` and ``head_dim`` (see ``_TABLE``); the only tile heuristic."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"triton_evoformer: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
-        raise ValueError(f"triton_evoformer: head dim must be in 1..{TRITON_MAX_HEAD_DIM}, got D={head_dim}")
-    block_d = block_d_for(head_dim)
-    fwd, bwd = _TABLE[(dtype == torch.float32, block_d)]
+    block_d, (fwd, bwd) = table_entry(_TABLE, dtype, head_dim, "triton_evoformer")
     return KernelConfig(block_d=block_d, fwd=fwd, bwd=bwd)
 
 

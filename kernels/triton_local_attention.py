@@ -102,13 +102,11 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .backends import TRITON_MAX_HEAD_DIM
 from .local_reference import check_qkv
-from .triton_common import BLOCK_D_BUCKETS, LOG2E, Tiles, block_d_for, cast, dot, online_softmax_update
+from .triton_common import (BLOCK_D_BUCKETS, LOG2E, SUPPORTED_DTYPES, Tiles, cast, dot, online_softmax_update,
+                            table_entry)
 
 __all__ = ["triton_attention", "SUPPORTED_DTYPES", "BLOCK_D_BUCKETS"]
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _INT32_MAX = 2**31 - 1
 # Integer arguments that change from block to block of one sequence (ring attention steps, offsets) are neither
@@ -155,12 +153,8 @@ assert {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)  # one entry per head-dim 
 
 def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     """Tiles, warps and stages for ``dtype`` and ``head_dim`` (see ``_TABLE``); the only tile heuristic."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"triton_attention: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
-        raise ValueError(f"triton_attention: head dim must be in 1..{TRITON_MAX_HEAD_DIM}, got D={head_dim}")
-    block_d = block_d_for(head_dim)
-    return KernelConfig(block_d, *_TABLE[(dtype == torch.float32, block_d)])
+    block_d, tiles = table_entry(_TABLE, dtype, head_dim, "triton_attention")
+    return KernelConfig(block_d, *tiles)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -212,6 +206,27 @@ def _key_range(start_m, Sq, Sk, diag_lo, diag_hi, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def _query_program(pid, Sq, H, GROUP, BLOCK_M: tl.constexpr):
+    """(b, h, hk, start_m) of a program over query tiles (query tiles fastest, then h, then b): batch row b and
+    key/value head hk (int64) of query head h, first query row start_m of its tile."""
+    num_m = tl.cdiv(Sq, BLOCK_M)
+    tile_m = pid % num_m
+    bh = pid // num_m
+    h = bh % H
+    b = (bh // H).to(tl.int64)
+    hk = (h // GROUP).to(tl.int64)  # key/value head of this query head
+    return b, h, hk, tile_m * BLOCK_M
+
+
+@triton.jit
+def _tile_meets(TileDoc, b, num_tiles, tile, doc_lo, doc_hi):
+    """Whether tile ``tile`` of batch row b, whose (min, max) document id is ``TileDoc[b, tile]`` (``[B, num_tiles,
+    2]``, from :func:`_tile_doc_ranges`), can hold an id in ``[doc_lo, doc_hi]``: a False tile is skipped."""
+    tile_doc = TileDoc + (b * num_tiles + tile) * 2
+    return (tl.load(tile_doc) <= doc_hi) & (tl.load(tile_doc + 1) >= doc_lo)
+
+
+@triton.jit
 def _load_lse(lse_ptrs, ok):
     """lse rows ``[BLOCK_M]`` as the backward subtracts them: +inf for rows that see no key (lse = -inf) and rows
     past Sq, so ``exp2((s - lse) * log2 e)`` is exactly 0 there (s is finite or -inf; never -inf - -inf)."""
@@ -238,14 +253,7 @@ def _fwd_kernel(
     """One program: a tile of BLOCK_M queries of one (b, h); loops over the visible key tiles, online softmax."""
     tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
     tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(Sq, BLOCK_M)
-    tile_m = pid % num_m  # query tiles fastest, then h, then b
-    bh = pid // num_m
-    h = bh % H
-    b = (bh // H).to(tl.int64)
-    hk = (h // GROUP).to(tl.int64)  # key/value head of this query head
-    start_m = tile_m * BLOCK_M
+    b, h, hk, start_m = _query_program(tl.program_id(0), Sq, H, GROUP, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)  # local query rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -280,8 +288,7 @@ def _fwd_kernel(
     for start_n in range(n_lo, n_hi, BLOCK_N):
         visit = True
         if HAS_DOCS:  # skip a key tile whose document range cannot meet this query tile's
-            tile_doc = KTileDoc + (b * tl.cdiv(Sk, BLOCK_N) + start_n // BLOCK_N) * 2
-            visit = (tl.load(tile_doc) <= q_doc_hi) & (tl.load(tile_doc + 1) >= q_doc_lo)
+            visit = _tile_meets(KTileDoc, b, tl.cdiv(Sk, BLOCK_N), start_n // BLOCK_N, q_doc_lo, q_doc_hi)
         if visit:
             cols = start_n + offs_n
             kd_ok = (cols < Sk)[:, None] & d_ok[None, :]
@@ -321,14 +328,7 @@ def _bwd_dq_kernel(
     for the dK/dV kernel, then loops over the visible key tiles: dQ = dS K * scale."""
     tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
     tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(Sq, BLOCK_M)
-    tile_m = pid % num_m
-    bh = pid // num_m
-    h = bh % H
-    b = (bh // H).to(tl.int64)
-    hk = (h // GROUP).to(tl.int64)
-    start_m = tile_m * BLOCK_M
+    b, h, hk, start_m = _query_program(tl.program_id(0), Sq, H, GROUP, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -367,8 +367,7 @@ def _bwd_dq_kernel(
     for start_n in range(n_lo, n_hi, BLOCK_N):
         visit = True
         if HAS_DOCS:
-            tile_doc = KTileDoc + (b * tl.cdiv(Sk, BLOCK_N) + start_n // BLOCK_N) * 2
-            visit = (tl.load(tile_doc) <= q_doc_hi) & (tl.load(tile_doc + 1) >= q_doc_lo)
+            visit = _tile_meets(KTileDoc, b, tl.cdiv(Sk, BLOCK_N), start_n // BLOCK_N, q_doc_lo, q_doc_hi)
         if visit:
             cols = start_n + offs_n
             kd_ok = (cols < Sk)[:, None] & d_ok[None, :]
@@ -453,8 +452,7 @@ def _bwd_dkdv_kernel(
         for start_m in range(m_lo, m_hi, BLOCK_M):
             visit = True
             if HAS_DOCS:  # skip a query tile whose document range cannot meet this key tile's
-                tile_doc = QTileDoc + (b * tl.cdiv(Sq, BLOCK_M) + start_m // BLOCK_M) * 2
-                visit = (tl.load(tile_doc) <= k_doc_hi) & (tl.load(tile_doc + 1) >= k_doc_lo)
+                visit = _tile_meets(QTileDoc, b, tl.cdiv(Sq, BLOCK_M), start_m // BLOCK_M, k_doc_lo, k_doc_hi)
             if visit:
                 rows = start_m + offs_m
                 query_ok = rows < Sq
