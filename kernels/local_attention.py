@@ -24,7 +24,7 @@ bind them with ``functools.partial(memory_efficient_attention, causal=True)``.
 
 The family, laid out like Evoformer attention's (reference -> chunked path -> Triton kernel -> API):
 
-- :mod:`ds4sci.kernels.local_reference`: the protocol's checks, threshold-based masks (:func:`attention_mask`),
+- :mod:`ds4sci.kernels.local_reference`: the protocol's checks, threshold-based masks (``attention_mask``),
   ``PAD_DOC_ID`` and :func:`~ds4sci.kernels.local_reference.sdpa_attention`, PyTorch SDPA with an explicit softmax
   where the lse or ALiBi needs one: the readable O(S^2) oracle.
 - :mod:`ds4sci.kernels.local_chunked`: :func:`~ds4sci.kernels.local_chunked.chunked_attention`, FlashAttention-2's
