@@ -1,8 +1,9 @@
 """``ds4sci info``: versions, devices and, per component, each attention backend and whether it is usable here.
 
 Components: ``evoformer_attention`` (:mod:`ds4sci.kernels.evoformer`, ``backend=``) and ``genslm_local_attention``
-(GenSLM's ``attention_backend``, :mod:`ds4sci.models.local_attention`). Backend names come from those modules, so a
-backend added there is listed here (with "not described by ds4sci info" until :func:`backends` learns about it).
+(GenSLM's ``attention_backend``, :mod:`ds4sci.kernels.local_attention`). Backend names come from their enums in
+:mod:`ds4sci.kernels.backends` (``EvoformerBackend``, ``LocalBackend``), so a backend added there is listed here
+(with "not described by ds4sci info" until :func:`backends` learns about it).
 """
 from __future__ import annotations
 
@@ -63,8 +64,7 @@ def backends(cuda: bool | None = None) -> dict[str, dict[str, dict]]:
     """``{component: {backend: {"usable": bool, "why": str}}}`` for this environment (``cuda`` overrides detection)."""
     import torch
 
-    from ds4sci.kernels.evoformer import Backend
-    from ds4sci.models.genslm.config import ATTENTION_BACKENDS
+    from ds4sci.kernels.backends import EvoformerBackend, LocalBackend
 
     if cuda is None:
         cuda = torch.cuda.is_available()
@@ -93,7 +93,8 @@ def backends(cuda: bool | None = None) -> dict[str, dict[str, dict]]:
             "sdpa": (True, "usable (PyTorch SDPA, the O(S^2) reference)"),
         },
     }
-    names = {"evoformer_attention": [b.value for b in Backend], "genslm_local_attention": list(ATTENTION_BACKENDS)}
+    names = {"evoformer_attention": [b.value for b in EvoformerBackend],
+             "genslm_local_attention": [b.value for b in LocalBackend]}
     return {
         component: {name: dict(zip(("usable", "why"), known[component].get(name, (False, "not described by ds4sci info"))))
                     for name in names[component]}

@@ -97,15 +97,13 @@ import argparse
 import itertools
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
 
 from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
 from ds4sci.costs import layer_comm_bytes, mask_bytes, position_table_bytes
+from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
+from ds4sci.models.genslm.config import GenSLMConfig
 from ds4sci.parallel.dims import ParallelDims
 from ds4sci.report import markdown_table, write_report
-
-if TYPE_CHECKING:  # the planner only calls the config's methods; importing ds4sci.models would import torch here
-    from ds4sci.models.genslm import GenSLMConfig
 
 GIB = 2.0**30
 OFFLOADS = ("none", "optimizer", "all")
@@ -113,7 +111,6 @@ CHECKPOINTING = ("none", "selective", "full")
 MASKS = ("none", "fp32-additive", "bool-device", "bool-cpu-then-device")
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
 """bytes per parameter of (parameter, gradient, optimizer state) by training dtype (ZeRO paper's 2 + 2 + K)."""
-CHUNK = 256  # ds4sci.models.local_attention.DEFAULT_CHUNK_SIZE (not imported: that module imports torch)
 
 
 @dataclass(frozen=True)
@@ -258,7 +255,7 @@ def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     if backend == "sdpa":
         attention = (8 * B * heads_local + 2) * s_attn * s_attn
     elif backend == "chunked":
-        attention = 3 * 4 * B * heads_local * CHUNK * CHUNK
+        attention = 3 * 4 * B * heads_local * LOCAL_CHUNK_SIZE * LOCAL_CHUNK_SIZE
     else:
         attention = 8 * B * heads_local * s_attn
     table = 0.0
@@ -460,7 +457,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _workload(args: argparse.Namespace) -> tuple[Workload, dict]:
     from ds4sci.data.tokenizers import CodonTokenizer, NucleotideTokenizer
-    from ds4sci.models.genslm import GenSLMConfig
     from ds4sci.train.config import load_config
 
     if args.preset and args.config:

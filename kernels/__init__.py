@@ -1,8 +1,35 @@
-"""ds4sci.kernels: Evoformer attention kernels (Triton, chunked PyTorch, reference).
+"""ds4sci.kernels: attention kernels and their PyTorch paths; no nn.Module.
 
-The public API, backend parsing and validation live in :mod:`ds4sci.kernels.evoformer`; the head-dim limits in
-:mod:`ds4sci.kernels.limits`. Importing this package does not import Triton (the triton backend loads on first use).
+Two families, each laid out reference -> chunked PyTorch path -> Triton kernel -> API:
+
+- Evoformer attention: :mod:`~ds4sci.kernels.evoformer_reference`, :mod:`~ds4sci.kernels.evoformer_chunked`,
+  :mod:`~ds4sci.kernels.triton_evoformer`, and the API :mod:`~ds4sci.kernels.evoformer` (``evoformer_attention``,
+  ``DS4Sci_EvoformerAttention``).
+- Local attention (GenSLM, sequence parallelism): :mod:`~ds4sci.kernels.local_reference` (protocol checks, masks, the
+  ``sdpa_attention`` oracle), :mod:`~ds4sci.kernels.local_chunked`, :mod:`~ds4sci.kernels.triton_local_attention`,
+  and the API :mod:`~ds4sci.kernels.local_attention` (the protocol, ``memory_efficient_attention``).
+
+Backend enums, their parser and the plain limits are in :mod:`ds4sci.kernels.backends`; Triton helpers shared by both
+kernels in :mod:`ds4sci.kernels.triton_common`. Importing this package imports neither torch nor Triton: the names
+below that need torch load on first access (PEP 562), and the Triton backends load on first use.
 """
-from .evoformer import Backend, DS4Sci_EvoformerAttention, evoformer_attention, parse_backend
+from __future__ import annotations
 
-__all__ = ["Backend", "DS4Sci_EvoformerAttention", "evoformer_attention", "parse_backend"]
+import importlib
+
+from .backends import EvoformerBackend, LocalBackend, parse_backend
+
+__all__ = ["DS4Sci_EvoformerAttention", "EvoformerBackend", "LocalBackend", "evoformer_attention", "parse_backend"]
+
+# name -> submodule defining it, imported (with torch) on first access
+_LAZY = {"evoformer_attention": "evoformer", "DS4Sci_EvoformerAttention": "evoformer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,9 +1,9 @@
 """Evoformer attention: public API, input validation, backend dispatch and the ``torch.library`` custom op.
 
-Where things live: this module parses backend names (:func:`parse_backend`, the one parser, exported from
-``ds4sci.kernels``), validates every call once (:func:`_check_qkv`, :func:`_classify_biases`,
-:func:`_choose_backend`) and dispatches; the head-dim limits are constants in :mod:`ds4sci.kernels.limits`; the
-backend modules (:mod:`~ds4sci.kernels.chunked`, :mod:`~ds4sci.kernels.reference`,
+Where things live: backend names and head-dim limits are in :mod:`ds4sci.kernels.backends` (:class:`EvoformerBackend`,
+parsed by :func:`~ds4sci.kernels.backends.parse_backend`, the one parser); this module validates every call once
+(:func:`_check_qkv`, :func:`_classify_biases`, :func:`_choose_backend`) and dispatches; the
+backend modules (:mod:`~ds4sci.kernels.evoformer_chunked`, :mod:`~ds4sci.kernels.evoformer_reference`,
 :mod:`~ds4sci.kernels.triton_evoformer`) compute on already validated canonical inputs and do not re-check them.
 
 ``evoformer_attention(q, k, v, biases)`` computes, with scale ``1/sqrt(D)``::
@@ -38,9 +38,9 @@ unambiguous it takes the remaining role, otherwise it is resolved by position as
 (``biases[0]`` mask, ``biases[1]`` pair). A bias matching neither form, or two biases of the same role, is a
 ``ValueError``.
 
-Backends (:class:`Backend`): ``"triton"`` (fused kernel, CUDA; CPU only under ``TRITON_INTERPRET=1``),
-``"torch"`` (:mod:`ds4sci.kernels.chunked`: chunked over queries, recomputing backward, any device),
-``"reference"`` (:mod:`ds4sci.kernels.reference`: plain PyTorch autograd, materialises the logits),
+Backends (:class:`EvoformerBackend`): ``"triton"`` (fused kernel, CUDA; CPU only under ``TRITON_INTERPRET=1``),
+``"torch"`` (:mod:`ds4sci.kernels.evoformer_chunked`: chunked over queries, recomputing backward, any device),
+``"reference"`` (:mod:`ds4sci.kernels.evoformer_reference`: plain PyTorch autograd, materialises the logits),
 ``"auto"`` (triton for fp16/bf16/fp32 CUDA tensors with D <= ``TRITON_MAX_HEAD_DIM`` = 128 when Triton imports,
 torch otherwise). The triton module is imported on first use (:func:`_triton_backend`), so ``import ds4sci.kernels``
 imports neither it nor Triton. The triton and torch backends run through one ``torch.library`` custom op pair,
@@ -59,7 +59,6 @@ fp32, then cast to the bias dtype.
 """
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import math
@@ -71,33 +70,12 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from . import chunked, reference
-from .limits import MAX_HEAD_DIM, TRITON_MAX_HEAD_DIM
+from . import evoformer_chunked, evoformer_reference
+from .backends import EVOFORMER_MAX_HEAD_DIM, TRITON_MAX_HEAD_DIM, EvoformerBackend, parse_backend
 
 logger = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-class Backend(str, enum.Enum):
-    """Which implementation runs ``evoformer_attention``."""
-
-    AUTO = "auto"
-    TRITON = "triton"
-    TORCH = "torch"
-    REFERENCE = "reference"
-
-
-def parse_backend(backend: Union[str, Backend]) -> Backend:
-    """``backend`` (a :class:`Backend` or its value) as a :class:`Backend`; the one place names are parsed.
-
-    Raises:
-        ValueError: naming the unknown value and listing the choices.
-    """
-    try:
-        return Backend(backend)
-    except ValueError:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {[b.value for b in Backend]}") from None
 
 
 def _triton_backend() -> ModuleType:
@@ -108,13 +86,13 @@ def _triton_backend() -> ModuleType:
 
 
 def _backend_module(backend: str) -> ModuleType:
-    """The module behind the custom op's ``backend`` argument (a :class:`Backend` value other than ``"auto"``)."""
-    if backend == Backend.TRITON.value:
+    """The module behind the custom op's ``backend`` argument (an :class:`EvoformerBackend` value but ``"auto"``)."""
+    if backend == EvoformerBackend.TRITON.value:
         return _triton_backend()
-    if backend == Backend.TORCH.value:
-        return chunked
-    if backend == Backend.REFERENCE.value:
-        return reference
+    if backend == EvoformerBackend.TORCH.value:
+        return evoformer_chunked
+    if backend == EvoformerBackend.REFERENCE.value:
+        return evoformer_reference
     raise ValueError(f"evoformer_attention: the custom op needs a concrete backend, got {backend!r}")
 
 
@@ -167,8 +145,8 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.numel() == 0:
         raise ValueError(f"evoformer_attention: q must not be empty, got shape {tuple(q.shape)}")
     d = q.shape[-1]
-    if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"evoformer_attention: head dim D must be in 1..{MAX_HEAD_DIM}, got D={d}")
+    if not 1 <= d <= EVOFORMER_MAX_HEAD_DIM:
+        raise ValueError(f"evoformer_attention: head dim D must be in 1..{EVOFORMER_MAX_HEAD_DIM}, got D={d}")
 
 
 def _batch_broadcasts(lead: Sequence[int], batch: Sequence[int]) -> bool:
@@ -257,18 +235,18 @@ def _classify_biases(biases: Optional[Sequence[Optional[Tensor]]], q: Tensor) ->
     return mask, pair
 
 
-def _choose_backend(backend: Union[str, Backend], q: Tensor) -> Backend:
+def _choose_backend(backend: Union[str, EvoformerBackend], q: Tensor) -> EvoformerBackend:
     """Parse ``backend``, pick triton or torch for ``"auto"``, and check that q suits the triton backend."""
-    chosen = parse_backend(backend)
-    if chosen is Backend.AUTO:
+    chosen = parse_backend(backend, EvoformerBackend)
+    if chosen is EvoformerBackend.AUTO:
         use_triton = (
             q.is_cuda
             and q.dtype != torch.float64
             and q.shape[-1] <= TRITON_MAX_HEAD_DIM
             and not _triton_import_error()
         )
-        chosen = Backend.TRITON if use_triton else Backend.TORCH
-    elif chosen is Backend.TRITON:
+        chosen = EvoformerBackend.TRITON if use_triton else EvoformerBackend.TORCH
+    elif chosen is EvoformerBackend.TRITON:
         if q.dtype == torch.float64:
             raise TypeError("evoformer_attention: the triton backend supports float16, bfloat16 and float32, not float64")
         if q.shape[-1] > TRITON_MAX_HEAD_DIM:
@@ -418,15 +396,16 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor], backend: Union[str, Backend]
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor],
+    backend: Union[str, EvoformerBackend],
 ) -> Tensor:
     """Shared tail of the public functions: biases already classified (and checked by the caller)."""
     chosen = _choose_backend(backend, q)
     mask, pair = _pad_rank(mask, q.ndim), _pad_rank(pair, q.ndim)
-    if chosen is Backend.REFERENCE:
+    if chosen is EvoformerBackend.REFERENCE:
         # The oracle stays plain autograd (bias gradients reduced by autograd in the bias dtype).
         qc, kc, vc, mc, pc = _canonical(q, k, v, mask, pair)
-        o, _ = reference.forward(qc, kc, vc, mc, pc)
+        o, _ = evoformer_reference.forward(qc, kc, vc, mc, pc)
         return o.reshape(q.shape)
     o, _ = _attention_fwd(q, k, v, mask, pair, chosen.value)
     return o
@@ -438,20 +417,20 @@ def evoformer_attention(
     v: Tensor,
     biases: Optional[Sequence[Optional[Tensor]]],
     *,
-    backend: Union[str, Backend] = "auto",
+    backend: Union[str, EvoformerBackend] = "auto",
 ) -> Tensor:
     """Evoformer attention with a key-wise mask bias and a pair bias (AlphaFold2 supplement Alg. 7/8/13/14).
 
     Args:
         q, k, v: ``[*, N, S, H, D]`` (DeepSpeed4Science's layout; any number of leading batch dims, flattened
             internally), same shape, dtype (fp16, bf16, fp32; fp64 on the torch and reference backends) and
-            device; arbitrary strides. The logits are scaled by ``1/sqrt(D)``, D in 1..256 (``MAX_HEAD_DIM``;
+            device; arbitrary strides. The logits are scaled by ``1/sqrt(D)``, D in 1..256 (``EVOFORMER_MAX_HEAD_DIM``;
             1..128 on the triton backend).
         biases: a list/tuple of at most two tensors (``None`` entries and ``None`` itself allowed): a mask bias
             broadcastable as ``[*, N, 1, 1, S]`` and a pair bias ``[*, 1, H, S, S]`` (leading dims may be 1 to
             broadcast). Roles are assigned by shape; see the module docstring for the ambiguous case. Any
             floating dtype; both may require grad (their gradients come back in their own dtype).
-        backend: ``"auto"``, ``"triton"``, ``"torch"`` or ``"reference"`` (a :class:`Backend` or its value).
+        backend: ``"auto"``, ``"triton"``, ``"torch"`` or ``"reference"`` (a :class:`EvoformerBackend` or its value).
 
     Returns:
         ``[*, N, S, H, D]`` in q's dtype. Query rows whose keys are all ``-inf`` give zeros.
@@ -493,4 +472,4 @@ def DS4Sci_EvoformerAttention(Q: Tensor, K: Tensor, V: Tensor, biases: list) -> 
         _check_bias("biases[1]", pair, Q)
         if tuple(pair.shape) != (b, 1, h, s, s):
             raise AssertionError("bias2 shape is incorrect")
-    return _attention(Q, K, V, mask, pair, Backend.AUTO)
+    return _attention(Q, K, V, mask, pair, EvoformerBackend.AUTO)

@@ -13,18 +13,19 @@ Gimelshein 2018, "Online normalizer calculation for softmax"). The logits never 
 never materialised; one pair tile serves every n). Only O (input dtype) and the softmax statistics
 ``stats [Z, N, H, S, 2]`` (fp32: the row max m and the row sum l, kept apart) are stored.
 
-Softmax arithmetic (exact whatever the GPU compiler fuses). Every exponent is ``exp2((s - m) * log2 e)``: the max
-is subtracted in the unscaled domain, then one scaling. The compiler contracts ``a*c - b`` into a fused
-multiply-add with one rounding, so the textbook ``exp2(s*log2e - m*log2e)`` becomes ``exp2(fma(s, log2e,
--round(m*log2e)))`` on a GPU, whose exponent for a row at m ~ -1e9 (OpenFold's finite mask) is the rounding error of
-``m*log2e``, up to 64: l and the accumulator grow by ~2^18 per key tile and overflow (the interpreter, rounding each
-operation, never shows it). ``s - m`` is exact for ``s == m`` and no large operand reaches ``exp2``. Before the
-first finite logit of a row the max is -inf and 0 is subtracted instead (``-inf - -inf`` would be NaN); with a mask
-of ``finfo(float32).min`` the logits stay finite (no ``s * log2e`` overflow to -inf). The max and the sum are
-stored apart because the log-sum-exp ``m + log l`` in fp32 loses ``log l`` when |m| is huge (1e9: spacing 64): a
-fully masked row with a finite mask (uniform attention over the row, the logits all rounding to the mask value)
-would be recomputed as ``P = 1`` instead of ``1/S``. The backward forms ``P = exp2((s - m) * log2 e) * (1 / l)``
-(no addend inside the exponent either).
+Softmax arithmetic (exact whatever the GPU compiler fuses; the forward's per-tile step is
+:func:`ds4sci.kernels.triton_common.online_softmax_update`, shared with the local kernel). Every exponent is
+``exp2((s - m) * log2 e)``: the max is subtracted in the unscaled domain, then one scaling. The compiler contracts
+``a*c - b`` into a fused multiply-add with one rounding, so the textbook ``exp2(s*log2e - m*log2e)`` becomes
+``exp2(fma(s, log2e, -round(m*log2e)))`` on a GPU, whose exponent for a row at m ~ -1e9 (OpenFold's finite mask) is
+the rounding error of ``m*log2e``, up to 64: l and the accumulator grow by ~2^18 per key tile and overflow (the
+interpreter, rounding each operation, never shows it). ``s - m`` is exact for ``s == m`` and no large operand
+reaches ``exp2``. Before the first finite logit of a row the max is -inf and 0 is subtracted instead
+(``-inf - -inf`` would be NaN); with a mask of ``finfo(float32).min`` the logits stay finite (no ``s * log2e``
+overflow to -inf). The max and the sum are stored apart because the log-sum-exp ``m + log l`` in fp32 loses
+``log l`` when |m| is huge (1e9: spacing 64): a fully masked row with a finite mask (uniform attention over the row,
+the logits all rounding to the mask value) would be recomputed as ``P = 1`` instead of ``1/S``. The backward forms
+``P = exp2((s - m) * log2 e) * (1 / l)`` (no addend inside the exponent either).
 
 Backward recomputes ``P`` from (m, l) tile by tile (FlashAttention-2, Algorithm 2) in four kernels:
 
@@ -41,7 +42,7 @@ Backward recomputes ``P`` from (m, l) tile by tile (FlashAttention-2, Algorithm 
 
 No kernel uses atomics, so two backward passes are bitwise equal (dpair and dmask included).
 
-Masking conventions (shared with ``ds4sci.kernels.reference``): a query row whose keys are all ``-inf`` gives zeros
+Masking conventions (shared with ``ds4sci.kernels.evoformer_reference``): a query row whose keys are all ``-inf`` gives zeros
 and stats ``(+inf, +inf)``, so the backward's recomputed P is exactly 0 there and every gradient stays finite.
 Finite masks (OpenFold's ``-1e9``, down to ``finfo(float32).min``) are plain additive biases.
 
@@ -56,7 +57,7 @@ query the GPU, so the same path runs under ``TRITON_INTERPRET=1``.
 
 Limitations:
 - fp16, bf16 and fp32 inputs (fp32 matmuls are IEEE, never TF32); head dims 1..128 (``TRITON_MAX_HEAD_DIM`` in
-  :mod:`ds4sci.kernels.limits`).
+  :mod:`ds4sci.kernels.backends`).
 - The backward does more matmuls than a plain FlashAttention-2 backward: dQ is computed by its own kernel (no
   atomics) and the pair-bias gradient by a fifth kernel that recomputes ``QK^T`` and ``dO V^T`` once more.
 - Within one (z, n, h) slice, tile offsets are 32-bit: ``BLOCK * stride`` must fit in int32; per-program base
@@ -78,37 +79,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .limits import TRITON_MAX_HEAD_DIM
-from .triton_common import LOG2E, cast, dot
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: ``BLOCK_D`` buckets: every head dim 1..TRITON_MAX_HEAD_DIM rounds up to one of these.
-BLOCK_D_BUCKETS = (16, 32, 64, 128)
+from .triton_common import BLOCK_D_BUCKETS, LOG2E, Tiles, cast, dot, online_softmax_update, table_entry
 
 # ----------------------------------------------------------------------------------------------------------
 # Tile configuration
 # ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """Launch parameters of one kernel family."""
-
-    block_m: int  # query rows per tile
-    block_n: int  # key rows per tile
-    num_warps: int
-    num_stages: int  # software-pipelining depth of the tile loop (GPU only; the interpreter ignores it)
-    # Register budget per thread handed to ptxas (None: ptxas's own heuristic). Left to itself, ptxas capped some
-    # flag variants at an occupancy step (64, 72, 96 or 128 registers) and spilled 4-200 bytes; with the whole budget
-    # none spills (ds4sci bench kernels-aot). The cost is occupancy where a kernel does use ~255 registers: 2 blocks
-    # of 4 warps, or 1 block of 8 warps, per SM.
-    maxnreg: Optional[int] = 255
-
-    def launch_options(self) -> dict:
-        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
-        if self.maxnreg is not None:
-            options["maxnreg"] = self.maxnreg
-        return options
 
 
 @dataclass(frozen=True)
@@ -142,22 +117,12 @@ _TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles]] = {
     (True, 64): (Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
     (True, 128): (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),
 }
-assert BLOCK_D_BUCKETS[-1] == TRITON_MAX_HEAD_DIM and {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)
-
-
-def block_d_for(head_dim: int) -> int:
-    """``BLOCK_D`` for a head dim: the next power of two, at least 16 (``tl.dot`` needs K >= 16)."""
-    return max(16, triton.next_power_of_2(head_dim))
+assert {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)  # one entry per head-dim bucket
 
 
 def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     """Tiles, warps and stages for ``dtype`` and ``head_dim`` (see ``_TABLE``); the only tile heuristic."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"triton_evoformer: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
-        raise ValueError(f"triton_evoformer: head dim must be in 1..{TRITON_MAX_HEAD_DIM}, got D={head_dim}")
-    block_d = block_d_for(head_dim)
-    fwd, bwd = _TABLE[(dtype == torch.float32, block_d)]
+    block_d, (fwd, bwd) = table_entry(_TABLE, dtype, head_dim, "triton_evoformer")
     return KernelConfig(block_d=block_d, fwd=fwd, bwd=bwd)
 
 
@@ -267,15 +232,7 @@ def _fwd_kernel(
         if HAS_PAIR:
             pair_tile = tl.load(p_ptr + p_offs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows with every key so far at -inf subtract 0, so exp2 gives exact zeros, never NaN (-inf - -inf).
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        # Subtract, then scale: exact for s == m whatever the compiler fuses (module docstring).
-        alpha = tl.math.exp2((m_i - m_sub) * LOG2E)  # rescales the old sum and accumulator
-        p = tl.math.exp2((s - m_sub[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc)
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
         if HAS_MASK:

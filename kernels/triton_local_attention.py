@@ -1,7 +1,7 @@
 """Fused local attention in Triton for GenSLM: the ds4sci local attention protocol, forward and recomputing backward.
 
-:func:`triton_attention` is a local attention in the sense of :mod:`ds4sci.models.local_attention` (its module
-docstring defines the protocol; :func:`~ds4sci.models.local_attention.sdpa_attention` is the readable oracle the
+:func:`triton_attention` is a local attention in the sense of :mod:`ds4sci.kernels.local_attention` (its module
+docstring defines the protocol; :func:`~ds4sci.kernels.local_reference.sdpa_attention` is the readable oracle the
 tests compare against): one contiguous block of queries against one contiguous block of keys, masks and position
 biases evaluated on *global* indices, so Ulysses, ring and Unified sequence parallelism can call it per block.
 
@@ -34,10 +34,12 @@ O(S / BLOCK) per call: :func:`_tile_doc_ranges`); a program skips a tile whose r
 (computed in the kernel from the ids it loads). Ranges are valid for any order of ids: packed sequences (sorted
 ids) skip every tile outside the query tile's documents, interleaved ids simply skip less.
 
-Softmax arithmetic (the lessons of issue #12, see :mod:`ds4sci.kernels.triton_evoformer`). Every exponent is
-``exp2((s - m) * log2 e)``: the max is subtracted in the unscaled domain, then one scaling, so no fused multiply-add
-of a separately scaled max feeds ``exp2`` (``ds4sci bench kernels-aot --set local`` checks the PTX). Before the
-first visible key of a row the max is -inf and 0 is subtracted instead (``-inf - -inf`` would be NaN).
+Softmax arithmetic: the forward kernel's per-tile step is :func:`ds4sci.kernels.triton_common.online_softmax_update`,
+shared with the Evoformer kernel. Every exponent is ``exp2((s - m) * log2 e)``: the max is subtracted in the unscaled
+domain, then one scaling, so no fused multiply-add of a separately scaled max feeds ``exp2`` (the GPU compiler
+contracts ``s*log2e - m*log2e`` into ``fma(s, log2e, -round(m*log2e))``, whose rounding error becomes the exponent
+when |m| is large; ``ds4sci bench kernels-aot --set local`` checks the PTX). Before the first visible key of a row the
+max is -inf and 0 is subtracted instead (``-inf - -inf`` would be NaN).
 
 Why storing only ``lse = m + log l`` is safe here (the Evoformer kernel stores m and l apart): its fp32 rounding is
 half an ulp of |lse|, and lse lies within ``[m, m + log Sk]``, where m is the row's largest logit. Every logit of a
@@ -77,7 +79,7 @@ Limitations:
   of time (PTX and cubin for sm_80 and sm_90, no launch), never run or timed. Tiles were chosen for spill-free
   compilation, not tuned for speed.
 - fp16, bf16 and fp32 (fp32 matmuls are IEEE, never TF32); head dims 1..128. float64 is not supported (use
-  :func:`~ds4sci.models.local_attention.sdpa_attention`).
+  :func:`~ds4sci.kernels.local_reference.sdpa_attention`).
 - Every visited tile applies the full visibility predicate (band, key bound, documents): there is no separate
   unmasked path for tiles wholly inside the band.
 - Document skipping is per tile and a runtime branch inside the tile loop: a program whose tiles are mostly skipped
@@ -100,15 +102,11 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .limits import TRITON_MAX_HEAD_DIM
-from .triton_common import LOG2E, cast, dot
-from .triton_evoformer import Tiles, block_d_for
+from .local_reference import check_qkv
+from .triton_common import (BLOCK_D_BUCKETS, LOG2E, SUPPORTED_DTYPES, Tiles, cast, dot, online_softmax_update,
+                            table_entry)
 
 __all__ = ["triton_attention", "SUPPORTED_DTYPES", "BLOCK_D_BUCKETS"]
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: ``BLOCK_D`` buckets: every head dim 1..TRITON_MAX_HEAD_DIM rounds up to one of these (:func:`block_d_for`).
-BLOCK_D_BUCKETS = (16, 32, 64, 128)
 
 _INT32_MAX = 2**31 - 1
 # Integer arguments that change from block to block of one sequence (ring attention steps, offsets) are neither
@@ -150,17 +148,13 @@ _TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles, Tiles]] = {
     (True, 64): (Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),
     (True, 128): (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 2), Tiles(16, 16, 8, 1)),
 }
-assert BLOCK_D_BUCKETS[-1] == TRITON_MAX_HEAD_DIM and {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)
+assert {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)  # one entry per head-dim bucket
 
 
 def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     """Tiles, warps and stages for ``dtype`` and ``head_dim`` (see ``_TABLE``); the only tile heuristic."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"triton_attention: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
-        raise ValueError(f"triton_attention: head dim must be in 1..{TRITON_MAX_HEAD_DIM}, got D={head_dim}")
-    block_d = block_d_for(head_dim)
-    return KernelConfig(block_d, *_TABLE[(dtype == torch.float32, block_d)])
+    block_d, tiles = table_entry(_TABLE, dtype, head_dim, "triton_attention")
+    return KernelConfig(block_d, *tiles)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -212,6 +206,27 @@ def _key_range(start_m, Sq, Sk, diag_lo, diag_hi, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def _query_program(pid, Sq, H, GROUP, BLOCK_M: tl.constexpr):
+    """(b, h, hk, start_m) of a program over query tiles (query tiles fastest, then h, then b): batch row b and
+    key/value head hk (int64) of query head h, first query row start_m of its tile."""
+    num_m = tl.cdiv(Sq, BLOCK_M)
+    tile_m = pid % num_m
+    bh = pid // num_m
+    h = bh % H
+    b = (bh // H).to(tl.int64)
+    hk = (h // GROUP).to(tl.int64)  # key/value head of this query head
+    return b, h, hk, tile_m * BLOCK_M
+
+
+@triton.jit
+def _tile_meets(TileDoc, b, num_tiles, tile, doc_lo, doc_hi):
+    """Whether tile ``tile`` of batch row b, whose (min, max) document id is ``TileDoc[b, tile]`` (``[B, num_tiles,
+    2]``, from :func:`_tile_doc_ranges`), can hold an id in ``[doc_lo, doc_hi]``: a False tile is skipped."""
+    tile_doc = TileDoc + (b * num_tiles + tile) * 2
+    return (tl.load(tile_doc) <= doc_hi) & (tl.load(tile_doc + 1) >= doc_lo)
+
+
+@triton.jit
 def _load_lse(lse_ptrs, ok):
     """lse rows ``[BLOCK_M]`` as the backward subtracts them: +inf for rows that see no key (lse = -inf) and rows
     past Sq, so ``exp2((s - lse) * log2 e)`` is exactly 0 there (s is finite or -inf; never -inf - -inf)."""
@@ -238,14 +253,7 @@ def _fwd_kernel(
     """One program: a tile of BLOCK_M queries of one (b, h); loops over the visible key tiles, online softmax."""
     tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
     tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(Sq, BLOCK_M)
-    tile_m = pid % num_m  # query tiles fastest, then h, then b
-    bh = pid // num_m
-    h = bh % H
-    b = (bh // H).to(tl.int64)
-    hk = (h // GROUP).to(tl.int64)  # key/value head of this query head
-    start_m = tile_m * BLOCK_M
+    b, h, hk, start_m = _query_program(tl.program_id(0), Sq, H, GROUP, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)  # local query rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -280,8 +288,7 @@ def _fwd_kernel(
     for start_n in range(n_lo, n_hi, BLOCK_N):
         visit = True
         if HAS_DOCS:  # skip a key tile whose document range cannot meet this query tile's
-            tile_doc = KTileDoc + (b * tl.cdiv(Sk, BLOCK_N) + start_n // BLOCK_N) * 2
-            visit = (tl.load(tile_doc) <= q_doc_hi) & (tl.load(tile_doc + 1) >= q_doc_lo)
+            visit = _tile_meets(KTileDoc, b, tl.cdiv(Sk, BLOCK_N), start_n // BLOCK_N, q_doc_lo, q_doc_hi)
         if visit:
             cols = start_n + offs_n
             kd_ok = (cols < Sk)[:, None] & d_ok[None, :]
@@ -291,15 +298,7 @@ def _fwd_kernel(
                 k_doc = tl.load(KDoc + b * Sk + cols, mask=cols < Sk, other=-1)
             s = _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
                         HAS_DOCS, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows with every key so far invisible subtract 0, so exp2 gives exact zeros, never NaN (-inf - -inf).
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            # Subtract, then scale: exact for s == m whatever the compiler fuses (module docstring).
-            alpha = tl.math.exp2((m_i - m_sub) * LOG2E)  # rescales the old sum and accumulator
-            p = tl.math.exp2((s - m_sub[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc)
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
 
@@ -329,14 +328,7 @@ def _bwd_dq_kernel(
     for the dK/dV kernel, then loops over the visible key tiles: dQ = dS K * scale."""
     tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
     tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(Sq, BLOCK_M)
-    tile_m = pid % num_m
-    bh = pid // num_m
-    h = bh % H
-    b = (bh // H).to(tl.int64)
-    hk = (h // GROUP).to(tl.int64)
-    start_m = tile_m * BLOCK_M
+    b, h, hk, start_m = _query_program(tl.program_id(0), Sq, H, GROUP, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -375,8 +367,7 @@ def _bwd_dq_kernel(
     for start_n in range(n_lo, n_hi, BLOCK_N):
         visit = True
         if HAS_DOCS:
-            tile_doc = KTileDoc + (b * tl.cdiv(Sk, BLOCK_N) + start_n // BLOCK_N) * 2
-            visit = (tl.load(tile_doc) <= q_doc_hi) & (tl.load(tile_doc + 1) >= q_doc_lo)
+            visit = _tile_meets(KTileDoc, b, tl.cdiv(Sk, BLOCK_N), start_n // BLOCK_N, q_doc_lo, q_doc_hi)
         if visit:
             cols = start_n + offs_n
             kd_ok = (cols < Sk)[:, None] & d_ok[None, :]
@@ -461,8 +452,7 @@ def _bwd_dkdv_kernel(
         for start_m in range(m_lo, m_hi, BLOCK_M):
             visit = True
             if HAS_DOCS:  # skip a query tile whose document range cannot meet this key tile's
-                tile_doc = QTileDoc + (b * tl.cdiv(Sq, BLOCK_M) + start_m // BLOCK_M) * 2
-                visit = (tl.load(tile_doc) <= k_doc_hi) & (tl.load(tile_doc + 1) >= k_doc_lo)
+                visit = _tile_meets(QTileDoc, b, tl.cdiv(Sq, BLOCK_M), start_m // BLOCK_M, k_doc_lo, k_doc_hi)
             if visit:
                 rows = start_m + offs_m
                 query_ok = rows < Sq
@@ -649,9 +639,8 @@ class _TritonAttention(torch.autograd.Function):
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, q_doc, k_doc, window, alibi_slopes, head_offset) -> None:
-    from ds4sci.models.local_attention import _check_qkv  # the protocol's checks (shapes, GQA, document ids)
-
-    _check_qkv(q, k, v, q_doc, k_doc)
+    # the protocol's checks (shapes, GQA, document ids, window, ALiBi slopes), shared by every local attention
+    check_qkv(q, k, v, q_doc, k_doc, window=window, alibi_slopes=alibi_slopes, head_offset=head_offset)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"triton_attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     _config(q.dtype, q.shape[3])  # dtype and head dim within the tile table
@@ -659,11 +648,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor, q_doc, k_doc, window, alibi_slopes, 
         raise ValueError(f"triton_attention: q, k, v on different devices: {q.device}, {k.device}, {v.device}")
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"triton_attention: needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got {q.device}")
-    if window is not None and window < 1:
-        raise ValueError(f"triton_attention: window={window} must be >= 1")
-    if alibi_slopes is not None and alibi_slopes.numel() < head_offset + q.shape[2]:
-        raise ValueError(f"triton_attention: head_offset={head_offset} + {q.shape[2]} local heads exceeds the "
-                         f"{alibi_slopes.numel()} ALiBi slopes")
     if head_offset < 0:
         raise ValueError(f"triton_attention: head_offset={head_offset} must be >= 0")
 
@@ -684,7 +668,7 @@ def triton_attention(
     alibi_slopes: Optional[Tensor] = None,
     scale: Optional[float] = None,
 ):
-    """Local attention (the protocol of :mod:`ds4sci.models.local_attention`) with the fused Triton kernels.
+    """Local attention (the protocol of :mod:`ds4sci.kernels.local_attention`) with the fused Triton kernels.
 
     q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` (fp16, bf16 or fp32, one dtype, CUDA; CPU only under
     ``TRITON_INTERPRET=1``; any strides) -> out ``[B, Sq, H, D]`` in q's dtype, or ``(out, lse)`` with

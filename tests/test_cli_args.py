@@ -119,14 +119,15 @@ def test_info_lists_every_backend_of_each_component(monkeypatch, capsys):
     import json
 
     from ds4sci import info
-    from ds4sci.kernels.evoformer import Backend
-    from ds4sci.models.genslm.config import ATTENTION_BACKENDS
+    from ds4sci.kernels.backends import EvoformerBackend, LocalBackend
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(info, "_flash_installed", lambda: False)
     table = info.backends(cuda=False)
-    assert list(table["evoformer_attention"]) == [b.value for b in Backend]
-    assert list(table["genslm_local_attention"]) == list(ATTENTION_BACKENDS)
+    assert list(table["evoformer_attention"]) == [b.value for b in EvoformerBackend] == ["auto", "triton", "torch",
+                                                                                         "reference"]
+    assert list(table["genslm_local_attention"]) == [b.value for b in LocalBackend] == ["auto", "chunked", "triton",
+                                                                                        "flash", "sdpa"]
     for rows in table.values():
         for name, row in rows.items():
             assert row["why"] and "not described" not in row["why"], name

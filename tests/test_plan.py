@@ -14,8 +14,13 @@ from ds4sci.parallel import ParallelDims
 
 def test_planner_imports_neither_torch_nor_the_benchmarks():
     """The planner is arithmetic on definitions it shares with the code (ParallelDims, ds4sci.costs, the model
-    config's methods): importing it pulls in no torch (so no torch.distributed) and nothing from ds4sci.bench."""
-    code = ("import sys, ds4sci.plan\n"
+    config's methods): importing it and computing a plan pull in no torch (so no torch.distributed) and nothing from
+    ds4sci.bench."""
+    code = ("import sys, ds4sci.plan as plan\n"
+            "from ds4sci.models.genslm.config import GenSLMConfig\n"
+            "from ds4sci.parallel import ParallelDims\n"
+            "w = plan.Workload(GenSLMConfig.preset('debug'), 4096)\n"
+            "assert plan.memory(w, plan.Strategy(ParallelDims(dp=1, ulysses=2)))['total'] > 0\n"
             "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('ds4sci.bench')]\n"
             "sys.exit(f'imported {bad}' if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")

@@ -13,10 +13,10 @@ default hidden 256 = 4 heads of 64, batch 1, fp32) runs forward and the backward
 
 Each mode runs on two paths, GenSLM's ``attention_backend``:
 
-- ``before`` = ``"sdpa"``: :func:`ds4sci.models.local_attention.sdpa_attention`, the path GenSLM took before the
+- ``before`` = ``"sdpa"``: :func:`ds4sci.kernels.local_reference.sdpa_attention`, the path GenSLM took before the
   memory-efficient core: an explicit ``[B, H, S, S]`` fp32 softmax with ALiBi; a boolean ``S x S`` document mask for
   SDPA; PyTorch's fused causal kernel (no ``S x S`` tensor) for pure causal attention;
-- ``after`` = ``"auto"``: :func:`ds4sci.models.local_attention.memory_efficient_attention` (on the CPU the chunked
+- ``after`` = ``"auto"``: :func:`ds4sci.kernels.local_attention.memory_efficient_attention` (on the CPU the chunked
   FlashAttention-2 path, O(S * chunk) memory; the Triton kernel or flash-attn on CUDA).
 
 Every run is one fresh ``python -m ds4sci.bench.memory`` subprocess (:func:`ds4sci.bench.memory.run_in_subprocess`)
@@ -54,6 +54,7 @@ import torch
 
 from ds4sci.bench import memory
 from ds4sci.bench.report import MIB, markdown_table, parse_int_list, pyplot, save_figure, write_report
+from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,6 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # blocks of the chunked path; 32 covers them.
 _QUADRATIC_FACTOR = 8
 _LINEAR_FACTOR = 32
-_CHUNK = 256  # memory_efficient_attention's chunk (DEFAULT_CHUNK_SIZE), for the analytic bound only
 _WARMUP_SEQ_LEN = 512
 
 
@@ -233,7 +233,7 @@ def measure(cfg: dict, mode: str, path: str, seq_len: int) -> dict:
     """One forward+backward of ``mode`` on ``path`` at ``seq_len`` in this process, after a warm-up at a small S:
     its peak memory above what the layer and inputs hold, the bytes saved for backward and the wall time. Meant to
     run in a fresh process per run (:func:`ds4sci.bench.memory.run_in_subprocess`)."""
-    from ds4sci.models.local_attention import select_backend
+    from ds4sci.kernels.local_attention import select_backend
 
     torch.set_num_threads(cfg["threads"])
     layer = build_layer(cfg, mode, path)
@@ -271,7 +271,7 @@ def analytic_peak_bytes(cfg: dict, path: str, seq_len: int) -> int:
     elem = torch.finfo(_DTYPES[cfg["dtype"]]).bits // 8
     logits_elem = max(elem, 4)  # the explicit softmax runs in promote_types(dtype, float32)
     B, H = cfg["batch"], cfg["heads"]
-    linear = _LINEAR_FACTOR * B * seq_len * cfg["hidden"] * elem + _QUADRATIC_FACTOR * B * H * _CHUNK**2 * logits_elem
+    linear = _LINEAR_FACTOR * B * seq_len * cfg["hidden"] * elem + _QUADRATIC_FACTOR * B * H * LOCAL_CHUNK_SIZE**2 * logits_elem
     if path == "before":
         return linear + _QUADRATIC_FACTOR * B * H * seq_len**2 * logits_elem
     return linear

@@ -10,7 +10,7 @@ tensor, exact), then compared with the closed forms the planner uses (:func:`ds4
   with ds4sci's sequence-partitioned table (:func:`ds4sci.sequence.shard_positions`).
 - attention mask of a packed-document batch, per policy: ``fp32 additive [S, S]`` (what a dense additive mask
   costs: the paper's 10 GB above 50K tokens), ``bool [S, S]`` built on the device
-  (:func:`ds4sci.models.local_attention.attention_mask` below its threshold), ``bool [S, S]`` built on the CPU then
+  (:func:`ds4sci.kernels.local_reference.attention_mask` below its threshold), ``bool [S, S]`` built on the CPU then
   moved (above the threshold), and ``none``: ds4sci's memory-efficient attention evaluates causality and document ids
   inside the kernel, holding only the ``[S]`` int64 document ids.
 
@@ -61,7 +61,7 @@ def measure_table(seq_len: int, hidden: int, degree: int) -> int:
 
 def measure_mask(policy: str, seq_len: int) -> dict[str, int]:
     """Bytes of the mask tensors ds4sci (or a dense additive mask) allocates for one packed-document window."""
-    from ds4sci.models.local_attention import attention_mask
+    from ds4sci.kernels.local_reference import attention_mask
 
     doc = (torch.arange(seq_len) * 4 // seq_len)[None]  # four documents
     if policy == "none (in-kernel)":

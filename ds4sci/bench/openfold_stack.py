@@ -38,7 +38,7 @@ import torch
 from ds4sci.bench import memory
 from ds4sci.bench.report import (MIB, add_int_options, check_positive, command_line, markdown_table, option, pyplot,
                                   save_figure, write_report)
-from ds4sci.kernels import Backend
+from ds4sci.kernels import EvoformerBackend
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
     add_int_options(parser, _INT_OPTIONS)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="(default: %(default)s)")
-    parser.add_argument("--backend", choices=[b.value for b in Backend], default="auto",
+    parser.add_argument("--backend", choices=[b.value for b in EvoformerBackend], default="auto",
                         help="ds4sci kernel backend (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="(default: %(default)s)")

@@ -31,8 +31,8 @@ import torch
 
 from ds4sci.bench.report import (add_int_options, check_positive, command_line, markdown_table, option, pyplot,
                                   save_figure, write_report)
+from ds4sci.kernels.backends import LocalBackend
 from ds4sci.models.genslm import GenSLM, config_from_gpt_neox, lm_loss, to_gpt_neox_state_dict
-from ds4sci.models.genslm.config import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_int_options(parser, _INT_OPTIONS)
     parser.add_argument("--rotary-pct", type=float, default=0.25,
                         help="fraction of each head's dims rotated (GPT-NeoX's default: %(default)s)")
-    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+    parser.add_argument("--attention-backend", choices=[b.value for b in LocalBackend], default="auto",
                         help="ds4sci GenSLM attention backend (default: %(default)s)")
     parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
                         help="Hugging Face attn_implementation (default: %(default)s)")

@@ -7,7 +7,8 @@ Every sample is a dict of int64 tensors of length ``T`` (the window):
   shift is done in the loss, ``logits[t]`` predicts ``labels[t + 1]``); ``IGNORE_INDEX`` (-100) at padding and at the
   first token of every packed document after the first, so no prediction crosses a document boundary;
 - ``position_ids [T]``: positions inside the document (restart at 0 for each packed document);
-- ``doc_ids [T]``: document index inside the window, ``PAD_DOC_ID`` (-1) at padding (both from ``ds4sci.models``).
+- ``doc_ids [T]``: document index inside the window, ``PAD_DOC_ID`` (-1) at padding (``IGNORE_INDEX`` from
+  ``ds4sci.models.genslm``, ``PAD_DOC_ID`` from ``ds4sci.kernels.local_reference``).
 
 Datasets index :class:`Spans` (documents as ranges of one flat, usually memory-mapped, token array); a list of
 arrays is accepted too. Train/validation splits are deterministic (:func:`split_spans`): by held-out region (the last
@@ -31,7 +32,7 @@ from torch.utils.data import Dataset
 
 from ds4sci.data.tokenizers import NucleotideTokenizer, Tokenizer
 from ds4sci.models.genslm import IGNORE_INDEX
-from ds4sci.models.local_attention import PAD_DOC_ID
+from ds4sci.kernels.local_reference import PAD_DOC_ID
 
 logger = logging.getLogger(__name__)
 

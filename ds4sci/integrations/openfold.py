@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 
 from torch import Tensor
 
-from ds4sci.kernels import Backend, evoformer_attention, parse_backend
+from ds4sci.kernels import EvoformerBackend, evoformer_attention, parse_backend
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ class EvoAttentionAdapter:
     (what OpenFold's function returns, before ``Attention._wrap_up``).
     """
 
-    def __init__(self, backend: Union[str, Backend] = Backend.AUTO, original: Any = None):
-        self.backend = parse_backend(backend)
+    def __init__(self, backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO, original: Any = None):
+        self.backend = parse_backend(backend, EvoformerBackend)
         self.original = original  # the function this adapter replaced, for reference only
 
     def __repr__(self) -> str:
@@ -144,7 +144,7 @@ def _import_target(package: str) -> Optional[ModuleType]:
     return module
 
 
-def enable(backend: Union[str, Backend] = Backend.AUTO) -> list[str]:
+def enable(backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO) -> list[str]:
     """Route ``use_deepspeed_evo_attention=True`` of OpenFold3 and OpenFold (whichever import) to ds4sci.
 
     Calling it again changes the backend; the functions recorded as original stay those found before the
@@ -154,7 +154,7 @@ def enable(backend: Union[str, Backend] = Backend.AUTO) -> list[str]:
         ImportError: neither ``openfold3`` nor ``openfold`` could be patched.
         ValueError: an unknown backend.
     """
-    backend = parse_backend(backend)  # validated before anything is touched
+    backend = parse_backend(backend, EvoformerBackend)  # validated before anything is touched
     patched = []
     for package, (_, attr) in TARGETS.items():
         module = _import_target(package)
@@ -188,7 +188,7 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def enabled(backend: Union[str, Backend] = Backend.AUTO) -> Iterator[list[str]]:
+def enabled(backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO) -> Iterator[list[str]]:
     """Context manager form of :func:`enable`; on exit the state before entering is restored exactly
     (the same function objects, whether or not ds4sci was already enabled)."""
     saved_patches = dict(_patches)

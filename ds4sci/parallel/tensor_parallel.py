@@ -278,7 +278,7 @@ def _padded_vocab(vocab_size: int, tp: int) -> int:
 
 # ------------------------------------------------------------------------------------------------------- modules
 class TensorParallelCore(nn.Module):
-    """A local attention (the protocol of :mod:`ds4sci.models.local_attention`) on the heads of one TP rank: adds
+    """A local attention (the protocol of :mod:`ds4sci.kernels.local_attention`) on the heads of one TP rank: adds
     ``offset = tp_rank * H/tp`` to the protocol's ``head_offset`` (ALiBi slopes, per-head masks are indexed by
     global head). Wrapped by :class:`~ds4sci.sequence.DistributedAttention`, which adds the Ulysses offset."""
 

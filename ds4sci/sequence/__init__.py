@@ -3,7 +3,7 @@
 Where each concept lives:
 
 - :mod:`~ds4sci.sequence.attention`: :class:`DistributedAttention` around any local attention
-  (:mod:`ds4sci.models.local_attention`);
+  (:mod:`ds4sci.kernels.local_attention`);
 - :mod:`~ds4sci.sequence.comm`: the differentiable all-to-all, ring shifts, byte counting;
 - :mod:`~ds4sci.sequence.sharding`: the sharding of tokens, labels and positions by a sequence :class:`Layout`
   (contiguous / zigzag; its arithmetic lives with the parallel degrees in :mod:`ds4sci.parallel.dims`).

@@ -171,7 +171,7 @@ class DistributedAttention(torch.nn.Module):
 
     Args:
         local_attention: a callable implementing the local attention protocol
-            (:mod:`ds4sci.models.local_attention`), e.g. ``functools.partial(memory_efficient_attention,
+            (:mod:`ds4sci.kernels.local_attention`), e.g. ``functools.partial(memory_efficient_attention,
             causal=True)`` or a model's attention core (GenSLM's binds ``memory_efficient_attention``). Ring
             attention needs one whose lse carries autograd history (``chunked_attention``, the Triton kernel,
             ``sdpa_attention``; flash-attn's does not, so ``"auto"`` does not route ring training to it).

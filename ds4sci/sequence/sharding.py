@@ -8,7 +8,7 @@ Under Unified SP the shard index is ``sp_rank = ring_rank * ulysses + ulysses_ra
 :meth:`Layout.pieces` says which global positions each run of rows holds.
 
 Lengths that the layout does not divide raise ``ValueError``; :func:`pad_to_multiple` pads instead (mask the
-padding out with document id :data:`ds4sci.models.local_attention.PAD_DOC_ID`).
+padding out with document id :data:`ds4sci.kernels.local_reference.PAD_DOC_ID`).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The four attention layers of AlphaFold2's Evoformer (supplement Algorithms 7, 8, 13, 14), running on
 ``ds4sci.kernels.evoformer_attention`` (the logits are never stored; backend chosen with one
-:class:`~ds4sci.kernels.Backend`), with OpenFold's constructor arguments and parameter names so that an
+:class:`~ds4sci.kernels.EvoformerBackend`), with OpenFold's constructor arguments and parameter names so that an
 OpenFold3 (default) or OpenFold state dict of the same module loads with ``load_state_dict(strict=True)``::
 
     from ds4sci.models.evoformer import MSARowAttentionWithPairBias

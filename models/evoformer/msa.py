@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from torch import Tensor, nn
 
-from ds4sci.kernels import Backend, parse_backend
+from ds4sci.kernels import EvoformerBackend, parse_backend
 from ds4sci.models.evoformer.primitives import (
     Convention,
     GatedAttention,
@@ -40,7 +40,7 @@ class MSAAttention(nn.Module):
         c_z: Optional[int] = None,
         inf: float = 1e9,
         *,
-        backend: Union[str, Backend] = Backend.AUTO,
+        backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
         convention: Union[str, Convention] = Convention.OPENFOLD3,
     ):
         super().__init__()
@@ -52,7 +52,7 @@ class MSAAttention(nn.Module):
         self.pair_bias = pair_bias
         self.c_z = c_z
         self.inf = inf
-        self.backend = parse_backend(backend)
+        self.backend = parse_backend(backend, EvoformerBackend)
         self.layer_norm_m = LayerNorm(c_in)
         if pair_bias:
             self.layer_norm_z = LayerNorm(c_z)
@@ -108,7 +108,7 @@ class MSARowAttentionWithPairBias(MSAAttention):
     """MSA row-wise gated self-attention with pair bias (AF2 supplement Algorithm 7).
 
     Constructor arguments as OpenFold's: ``c_m`` MSA channels, ``c_z`` pair channels, ``c_hidden`` channels per
-    head, ``no_heads``, ``inf`` the mask constant; plus ``backend`` (a ``ds4sci.kernels.Backend``, changeable
+    head, ``no_heads``, ``inf`` the mask constant; plus ``backend`` (a ``ds4sci.kernels.EvoformerBackend``, changeable
     later through the ``backend`` attribute) and ``convention`` (whose parameter layout to follow).
     """
 
@@ -120,7 +120,7 @@ class MSARowAttentionWithPairBias(MSAAttention):
         no_heads: int,
         inf: float = 1e9,
         *,
-        backend: Union[str, Backend] = Backend.AUTO,
+        backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
         convention: Union[str, Convention] = Convention.OPENFOLD3,
     ):
         super().__init__(
@@ -159,7 +159,7 @@ class MSAColumnAttention(nn.Module):
         no_heads: int,
         inf: float = 1e9,
         *,
-        backend: Union[str, Backend] = Backend.AUTO,
+        backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
         convention: Union[str, Convention] = Convention.OPENFOLD3,
     ):
         super().__init__()
@@ -172,12 +172,12 @@ class MSAColumnAttention(nn.Module):
         )
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> EvoformerBackend:
         return self._msa_att.backend
 
     @backend.setter
-    def backend(self, value: Union[str, Backend]) -> None:
-        self._msa_att.backend = parse_backend(value)
+    def backend(self, value: Union[str, EvoformerBackend]) -> None:
+        self._msa_att.backend = parse_backend(value, EvoformerBackend)
 
     def forward(self, m: Tensor, mask: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tensor:
         """Algorithm 8: ``o_si = g_si * sum_t softmax_t(q_si . k_ti / sqrt(c)) v_ti`` per head.

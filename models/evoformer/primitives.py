@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ds4sci.kernels import Backend, evoformer_attention
+from ds4sci.kernels import EvoformerBackend, evoformer_attention
 
 
 class Convention(str, enum.Enum):
@@ -152,7 +152,7 @@ class GatedAttention(nn.Module):
         mask_bias: Optional[Tensor] = None,
         pair_bias: Optional[Tensor] = None,
         *,
-        backend: Union[str, Backend] = Backend.AUTO,
+        backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
         chunk_size: Optional[int] = None,
     ) -> Tensor:
         """

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from torch import Tensor, nn
 
-from ds4sci.kernels import Backend, parse_backend
+from ds4sci.kernels import EvoformerBackend, parse_backend
 from ds4sci.models.evoformer.primitives import (
     Convention,
     GatedAttention,
@@ -30,7 +30,7 @@ class TriangleAttention(nn.Module):
 
     Constructor arguments as OpenFold's: ``c_in`` pair channels, ``c_hidden`` channels per head, ``no_heads``,
     ``starting`` (around the starting node, Alg. 13, or the ending node, Alg. 14), ``inf`` the mask constant;
-    plus ``backend`` (a ``ds4sci.kernels.Backend``, changeable later through the ``backend`` attribute) and
+    plus ``backend`` (a ``ds4sci.kernels.EvoformerBackend``, changeable later through the ``backend`` attribute) and
     ``convention`` (whose parameter layout to follow).
     """
 
@@ -42,7 +42,7 @@ class TriangleAttention(nn.Module):
         starting: bool = True,
         inf: float = 1e9,
         *,
-        backend: Union[str, Backend] = Backend.AUTO,
+        backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
         convention: Union[str, Convention] = Convention.OPENFOLD3,
     ):
         super().__init__()
@@ -52,7 +52,7 @@ class TriangleAttention(nn.Module):
         self.no_heads = no_heads
         self.starting = starting
         self.inf = inf
-        self.backend = parse_backend(backend)
+        self.backend = parse_backend(backend, EvoformerBackend)
         self.layer_norm = LayerNorm(c_in)
         # the triangle-bias projection is "linear_z" in OpenFold3 and "linear" in OpenFold
         self._bias_name = "linear" if convention is Convention.OPENFOLD else "linear_z"
@@ -122,7 +122,7 @@ class TriangleAttentionStartingNode(TriangleAttention):
         no_heads: int,
         inf: float = 1e9,
         *,
-        backend: Union[str, Backend] = Backend.AUTO,
+        backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
         convention: Union[str, Convention] = Convention.OPENFOLD3,
     ):
         super().__init__(c_in, c_hidden, no_heads, starting=True, inf=inf, backend=backend, convention=convention)
@@ -138,7 +138,7 @@ class TriangleAttentionEndingNode(TriangleAttention):
         no_heads: int,
         inf: float = 1e9,
         *,
-        backend: Union[str, Backend] = Backend.AUTO,
+        backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
         convention: Union[str, Convention] = Convention.OPENFOLD3,
     ):
         super().__init__(c_in, c_hidden, no_heads, starting=False, inf=inf, backend=backend, convention=convention)

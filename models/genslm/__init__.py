@@ -1,11 +1,29 @@
-"""ds4sci.models.genslm: GenSLM-style GPT for genome sequences (single-device modules)."""
-from ds4sci.models.genslm.config import POSITION_EMBEDDINGS, PRESETS, GenSLMConfig
-from ds4sci.models.genslm.model import IGNORE_INDEX, AttentionCore, GenSLM, lm_loss, shift_labels, token_loss
-from ds4sci.models.genslm.neox import config_from_gpt_neox, from_gpt_neox_state_dict, to_gpt_neox_state_dict
-from ds4sci.models.genslm.position import LearnedPositionEmbedding, alibi_slopes
+"""ds4sci.models.genslm: GenSLM-style GPT for genome sequences (single-device modules).
 
-__all__ = [
-    "POSITION_EMBEDDINGS", "PRESETS", "GenSLMConfig", "IGNORE_INDEX", "AttentionCore", "GenSLM", "lm_loss",
-    "shift_labels", "token_loss", "config_from_gpt_neox", "from_gpt_neox_state_dict", "to_gpt_neox_state_dict",
-    "LearnedPositionEmbedding", "alibi_slopes",
-]
+The names below load their module on first access (PEP 562), so that ``ds4sci.models.genslm.config`` (torch-free)
+imports without torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+# name -> submodule defining it
+_EXPORTS = {
+    "POSITION_EMBEDDINGS": "config", "PRESETS": "config", "GenSLMConfig": "config",
+    "IGNORE_INDEX": "model", "AttentionCore": "model", "GenSLM": "model", "lm_loss": "model", "shift_labels": "model",
+    "token_loss": "model",
+    "config_from_gpt_neox": "neox", "from_gpt_neox_state_dict": "neox", "to_gpt_neox_state_dict": "neox",
+    "LearnedPositionEmbedding": "position", "alibi_slopes": "position",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

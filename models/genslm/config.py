@@ -5,11 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ds4sci.models import local_attention
+from ds4sci.kernels.backends import LocalBackend, parse_backend  # torch-free: this module imports no torch
 
 POSITION_EMBEDDINGS = ("learned", "rotary", "alibi")
-# memory_efficient_attention's backends, plus "sdpa": sdpa_attention, the O(S^2) oracle, for checking the others
-ATTENTION_BACKENDS = (*local_attention.ATTENTION_BACKENDS, "sdpa")
 # "gelu": exact (erf) GELU, GPT-NeoX's default; "gelu_tanh": its tanh approximation (Hendrycks & Gimpel 2016), which
 # GenSLM's released models use (Hugging Face hidden_act "gelu_fast")
 ACTIVATIONS = ("gelu", "gelu_tanh")
@@ -33,8 +31,8 @@ class GenSLMConfig:
     position_embedding: str = "rotary"
     rotary_pct: float = 0.25  # GPT-NeoX rotates 25% of each head's dims
     rotary_base: float = 10000.0
-    # "auto": flash-attn or the Triton kernel on GPUs, the chunked PyTorch path elsewhere (never an S x S tensor);
-    # "sdpa" is the readable O(S^2) reference.
+    # A LocalBackend value. "auto": flash-attn or the Triton kernel on GPUs, the chunked PyTorch path elsewhere (never
+    # an S x S tensor); "sdpa" is the readable O(S^2) reference.
     attention_backend: str = "auto"
     layer_norm_eps: float = 1e-5
     activation: str = "gelu"  # the MLP's: see ACTIVATIONS
@@ -47,8 +45,10 @@ class GenSLMConfig:
             raise ValueError(f"position_embedding must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        try:
+            self.attention_backend = parse_backend(self.attention_backend, LocalBackend).value
+        except ValueError as err:
+            raise ValueError(f"attention_backend: {err}") from None
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

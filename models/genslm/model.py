@@ -5,7 +5,7 @@ Parameter names mirror Hugging Face's ``GPTNeoXForCausalLM`` (without the ``gpt_
 released checkpoints convert by renaming (:mod:`ds4sci.models.genslm.neox`).
 
 Sequence parallelism is applied from outside (``ds4sci.sequence.parallelize``): every block's ``attention.core``
-is an :class:`AttentionCore` implementing the local attention protocol (:mod:`ds4sci.models.local_attention`) and
+is an :class:`AttentionCore` implementing the local attention protocol (:mod:`ds4sci.kernels.local_attention`) and
 is swapped for ``ds4sci.sequence.DistributedAttention(core, ...)``. Positions are an input, so the trainer shards
 tokens, labels and positions together.
 """
@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds4sci.models.genslm.config import ATTENTION_BACKENDS, GenSLMConfig
+from ds4sci.kernels.backends import LocalBackend, parse_backend
+from ds4sci.kernels.local_attention import memory_efficient_attention
+from ds4sci.models.genslm.config import GenSLMConfig
 from ds4sci.models.genslm.position import LearnedPositionEmbedding, alibi_slopes, apply_rotary, rotary_cos_sin
-from ds4sci.models.local_attention import memory_efficient_attention, sdpa_attention
 
 IGNORE_INDEX = -100
 """Target id that the loss skips (padding, document starts, a shard's missing next token); PyTorch's default."""
@@ -29,35 +30,32 @@ IGNORE_INDEX = -100
 class AttentionCore(nn.Module):
     """GenSLM's local attention: causal masking and, for ALiBi models, the slopes of all ``num_heads`` global heads
     (indexed by the protocol's ``head_offset``), bound to
-    :func:`~ds4sci.models.local_attention.memory_efficient_attention` (no ``S x S`` tensor on any path).
+    :func:`~ds4sci.kernels.local_attention.memory_efficient_attention`, the one dispatch.
 
-    ``backend``: ``"auto"`` (flash-attn, the Triton kernel or the chunked PyTorch path, see
-    :func:`~ds4sci.models.local_attention.select_backend`), ``"chunked"``, ``"triton"``, ``"flash"``, or
-    ``"sdpa"``: :func:`~ds4sci.models.local_attention.sdpa_attention`, the readable O(S^2) oracle.
+    ``backend`` (a :class:`~ds4sci.kernels.backends.LocalBackend` or its value): ``"auto"`` (flash-attn, the Triton
+    kernel or the chunked PyTorch path, see :func:`~ds4sci.kernels.local_attention.select_backend`; no ``S x S``
+    tensor), ``"chunked"``, ``"triton"``, ``"flash"``, or ``"sdpa"``:
+    :func:`~ds4sci.kernels.local_reference.sdpa_attention`, the readable O(S^2) oracle.
 
     ``forward(q, k, v, *, q_offset=0, k_offset=0, head_offset=0, q_doc=None, k_doc=None, return_lse=False)`` is the
-    local attention protocol (see :mod:`ds4sci.models.local_attention`): q ``[B, Sq, H, D]``, k and v
+    local attention protocol (see :mod:`ds4sci.kernels.local_attention`): q ``[B, Sq, H, D]``, k and v
     ``[B, Sk, Hkv, D]`` -> ``[B, Sq, H, D]`` (and lse ``[B, H, Sq]``), so sequence parallelism swaps it for
     ``ds4sci.sequence.DistributedAttention(core, ...)`` without touching the model.
     """
 
-    def __init__(self, num_heads: int, alibi: bool = False, backend: str = "auto"):
+    def __init__(self, num_heads: int, alibi: bool = False, backend: str | LocalBackend = "auto"):
         super().__init__()
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention backend={backend!r} is not one of {ATTENTION_BACKENDS}")
+        self.backend = parse_backend(backend, LocalBackend)
         self.num_heads = num_heads
         self.alibi = alibi
-        self.backend = backend
         self.register_buffer("slopes", alibi_slopes(num_heads) if alibi else torch.empty(0), persistent=False)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, **protocol) -> Tensor | tuple[Tensor, Tensor]:
         slopes = self.slopes if self.alibi else None
-        if self.backend == "sdpa":
-            return sdpa_attention(q, k, v, causal=True, alibi_slopes=slopes, **protocol)
         return memory_efficient_attention(q, k, v, causal=True, alibi_slopes=slopes, backend=self.backend, **protocol)
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, alibi={self.alibi}, backend={self.backend!r}"
+        return f"num_heads={self.num_heads}, alibi={self.alibi}, backend={self.backend.value!r}"
 
 
 class Attention(nn.Module):

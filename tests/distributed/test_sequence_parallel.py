@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds4sci.spawn import run_workers
+from ds4sci.kernels.local_attention import flex_attention, memory_efficient_attention
+from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
 from ds4sci.models.genslm import AttentionCore
-from ds4sci.models.local_attention import PAD_DOC_ID, flex_attention, memory_efficient_attention, sdpa_attention
 from ds4sci.parallel import ParallelDims
 from ds4sci.parallel.groups import DeepSpeedMPU, build_groups
 from ds4sci.sequence import (
@@ -26,6 +26,7 @@ from ds4sci.sequence import (
     shard_sequence,
 )
 from ds4sci.sequence.comm import group_rank, group_size
+from ds4sci.spawn import run_workers
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 

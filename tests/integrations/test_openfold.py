@@ -30,7 +30,7 @@ from openfold3.core.model.layers.triangular_attention import (
 
 import ds4sci.integrations.openfold as ds4sci_openfold
 from ds4sci.integrations.openfold import EvoAttentionAdapter
-from ds4sci.kernels import Backend
+from ds4sci.kernels import EvoformerBackend
 from ds4sci.models import evoformer
 
 # OpenFold3's default path enters torch.amp.autocast("cuda"), which warns on a machine without CUDA
@@ -306,10 +306,10 @@ def test_enable_disable_restores_the_original_object():
     assert not ds4sci_openfold.is_enabled()
     assert ds4sci_openfold.enable() == ["openfold3"]
     installed = of3_attention._deepspeed_evo_attn
-    assert isinstance(installed, EvoAttentionAdapter) and installed.backend is Backend.AUTO
+    assert isinstance(installed, EvoAttentionAdapter) and installed.backend is EvoformerBackend.AUTO
     assert installed.original is original
-    assert ds4sci_openfold.enable(Backend.TORCH) == ["openfold3"]  # again: new backend, same original
-    assert of3_attention._deepspeed_evo_attn.backend is Backend.TORCH
+    assert ds4sci_openfold.enable(EvoformerBackend.TORCH) == ["openfold3"]  # again: new backend, same original
+    assert of3_attention._deepspeed_evo_attn.backend is EvoformerBackend.TORCH
     ds4sci_openfold.disable()
     assert of3_attention._deepspeed_evo_attn is original
     assert not ds4sci_openfold.is_enabled()
@@ -322,10 +322,10 @@ def test_context_manager_restores_exactly_including_nesting_and_errors():
     with ds4sci_openfold.enabled("torch") as patched:
         assert patched == ["openfold3"]
         outer = of3_attention._deepspeed_evo_attn
-        assert outer.backend is Backend.TORCH
+        assert outer.backend is EvoformerBackend.TORCH
         with pytest.raises(RuntimeError, match="boom"):
             with ds4sci_openfold.enabled("reference"):
-                assert of3_attention._deepspeed_evo_attn.backend is Backend.REFERENCE
+                assert of3_attention._deepspeed_evo_attn.backend is EvoformerBackend.REFERENCE
                 raise RuntimeError("boom")
         assert of3_attention._deepspeed_evo_attn is outer
         assert ds4sci_openfold.is_enabled()

@@ -13,7 +13,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4sci.kernels import Backend, DS4Sci_EvoformerAttention, chunked, evoformer_attention, parse_backend, reference
+from ds4sci.kernels import (
+    DS4Sci_EvoformerAttention,
+    EvoformerBackend,
+    LocalBackend,
+    evoformer_attention,
+    evoformer_chunked,
+    evoformer_reference,
+    parse_backend,
+)
 from ds4sci.kernels import evoformer as evo
 
 HAS_TRITON_BACKEND = importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None
@@ -97,7 +105,7 @@ def test_half_precision_matches_fp64_reference(backend, dtype, shape):
 
 
 def test_torch_backend_multiple_chunks(monkeypatch):
-    monkeypatch.setattr(chunked, "LOGITS_CHUNK_BYTES", 3 * 2 * 3 * 33 * 4)  # 3 queries per chunk
+    monkeypatch.setattr(evoformer_chunked, "LOGITS_CHUNK_BYTES", 3 * 2 * 3 * 33 * 4)  # 3 queries per chunk
     tensors, do = _leaves((2, 3, 33, 4, 8), (2, 3, 1, 1, 33), (2, 1, 4, 33, 33))
     _assert_within_3x_pytorch(tensors, do, "torch", torch.float32)
 
@@ -301,24 +309,28 @@ def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         evoformer_attention(Q, Q, Q, [], backend="triton")
     with pytest.raises(TypeError, match="float64"):
-        evoformer_attention(Q.double(), Q.double(), Q.double(), [], backend=Backend.TRITON)
+        evoformer_attention(Q.double(), Q.double(), Q.double(), [], backend=EvoformerBackend.TRITON)
     wide = torch.randn(1, 1, 3, 1, 136)
     with pytest.raises(ValueError, match="up to 128, got D=136"):
         evoformer_attention(wide, wide, wide, [], backend="triton")
 
 
 def test_auto_backend_is_torch_on_cpu():
-    assert evo._choose_backend("auto", Q) is Backend.TORCH
-    assert evo._choose_backend(Backend.REFERENCE, Q) is Backend.REFERENCE
+    assert evo._choose_backend("auto", Q) is EvoformerBackend.TORCH
+    assert evo._choose_backend(EvoformerBackend.REFERENCE, Q) is EvoformerBackend.REFERENCE
 
 
 def test_parse_backend_is_the_one_parser():
-    assert all(parse_backend(b.value) is b and parse_backend(b) is b for b in Backend)
+    for family in EvoformerBackend, LocalBackend:
+        assert all(parse_backend(b.value, family) is b and parse_backend(b, family) is b for b in family)
     choices = r"\['auto', 'triton', 'torch', 'reference'\]"
     with pytest.raises(ValueError, match=rf"unknown backend 'cuda'; choose one of {choices}"):
-        parse_backend("cuda")
+        parse_backend("cuda", EvoformerBackend)
+    with pytest.raises(ValueError, match=r"unknown backend 'torch'; choose one of \['auto', 'chunked', 'triton', "
+                                         r"'flash', 'sdpa'\]"):
+        parse_backend("torch", LocalBackend)  # a name of the other family
     # the custom op's backend string maps to the modules by explicit code; "auto" never reaches it
-    assert evo._backend_module("torch") is chunked and evo._backend_module("reference") is reference
+    assert evo._backend_module("torch") is evoformer_chunked and evo._backend_module("reference") is evoformer_reference
     with pytest.raises(ValueError, match="concrete backend, got 'auto'"):
         evo._backend_module("auto")
 

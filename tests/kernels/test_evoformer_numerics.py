@@ -1,4 +1,7 @@
-"""Softmax numerics of every Evoformer backend at extreme masks (issue #12, items 1-3).
+"""Softmax numerics of every Evoformer backend at extreme masks, where three things can go wrong: (1) a fused
+multiply-add builds the exponent from a large, separately scaled row max; (2) a row whose keys are all ``-inf``
+computes ``-inf - -inf`` (NaN) unless its max is guarded; (3) a log-sum-exp ``m + log l`` stored as one fp32 number
+loses ``log l`` when |m| is huge.
 
 Masks of OpenFold's ``-1e9``, ``torch.finfo(dtype).min`` (Hugging Face's convention) and ``-inf``, on one
 partially masked slice (n = 0: about half of its keys, in runs across tiles) and one fully masked slice (n = 1: every
@@ -11,14 +14,13 @@ What is expected (forward and backward, against fp64):
 - Fully masked rows with a finite mask: in fp32 every logit of such a row rounds to the mask value (1e9 has a float32
   spacing of 64), so PyTorch's softmax in the input dtype is uniform attention over the row. The fp64 truth for
   those rows is therefore uniform attention computed in fp64 (:func:`_uniform_fp64`), not the fp64 reference (which
-  still resolves the logits): outputs and gradients match it, not S times it (item 3, which a stored
-  ``lse = m + log(l)`` that loses ``log(l)`` to rounding produced).
+  still resolves the logits): outputs and gradients match it, not S times it (what a stored ``lse = m + log(l)``
+  that loses ``log(l)`` to rounding produced: failure 3).
 - Fully masked rows with ``-inf``: zeros, never NaN.
 
-Item 1 (a fused multiply-add building the exponent from the large row max) only shows on a GPU: with
-``TRITON_INTERPRET=0`` on a CUDA machine these tests run the compiled kernels (``DEVICE``), where the old arithmetic
-turned the fully masked ``-1e9`` rows into NaN after a few key tiles. Under the interpreter every operation rounds
-separately, so only items 2 and 3 can fail here.
+Failure 1 only shows on a GPU: with ``TRITON_INTERPRET=0`` on a CUDA machine these tests run the compiled kernels
+(``DEVICE``), where the old arithmetic turned the fully masked ``-1e9`` rows into NaN after a few key tiles. Under the
+interpreter every operation rounds separately, so only failures 2 and 3 can show here.
 """
 import math
 import os
@@ -26,7 +28,7 @@ import os
 import pytest
 import torch
 
-from ds4sci.kernels import chunked, evoformer_attention, reference
+from ds4sci.kernels import evoformer_attention, evoformer_chunked, evoformer_reference
 
 from evoformer_checks import HAS_TRITON_BACKEND, TRITON, assert_within_pytorch_error
 
@@ -171,7 +173,7 @@ def test_fp32_mask_with_half_inputs(backend, dtype, kind):
 
 
 def _contract_backends():
-    backends = [pytest.param(chunked, id="torch"), pytest.param(reference, id="reference")]
+    backends = [pytest.param(evoformer_chunked, id="torch"), pytest.param(evoformer_reference, id="reference")]
     if HAS_TRITON_BACKEND:
         from ds4sci.kernels import triton_evoformer
 

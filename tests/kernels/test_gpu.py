@@ -9,7 +9,7 @@ Without CUDA every test here skips with the reason "needs a CUDA GPU (run on the
 with CUDA but the interpreter on (a plain ``pytest -m gpu``) they skip saying so: interpreted kernels would not test
 the compiled code.
 
-What the GPU shows and the interpreter hides (issue #12, ../shared/DESIGN.md "What the interpreter hides"): the
+What the GPU shows and the interpreter hides (../shared/DESIGN.md "What the interpreter hides"): the
 compiler contracts ``s*LOG2E - m*LOG2E`` into ``fma(s, LOG2E, -round(m*LOG2E))``, so for a row max m near -1e9 the
 rounding error of ``m*LOG2E`` (up to 64) becomes the exponent, and for ``finfo.min`` the scaled max overflows. And a
 log-sum-exp saved as one fp32 number loses ``log l`` when |m| is 1e9. So a query row whose keys are all masked with a

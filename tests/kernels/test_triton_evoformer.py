@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds4sci.kernels import Backend, evoformer_attention, reference
+from ds4sci.kernels import EvoformerBackend, evoformer_attention, evoformer_reference
 from ds4sci.kernels import evoformer as evo
-from ds4sci.kernels.limits import TRITON_MAX_HEAD_DIM
+from ds4sci.kernels.backends import TRITON_MAX_HEAD_DIM
 
 from test_evoformer_api import (  # shared helpers (tests/kernels is on sys.path under pytest's rootdir import mode)
     HAS_TRITON_BACKEND,
@@ -145,11 +145,11 @@ def test_fully_masked_rows_give_zeros_inf_lse_and_finite_grads(dtype):
     assert torch.all(dpair[0, 1, 3] == 0)
     # everything else against the fp64 reference, with PyTorch's own error in this dtype as the yardstick
     cast = [t.double().cpu() for t in (q, k, v, do, mask, pair)]
-    o_ref, lse_ref = reference.forward(*cast[:3], cast[4], cast[5])
-    want = (o_ref, lse_ref, *reference.backward(cast[3], *cast[:3], o_ref, lse_ref, cast[4], cast[5], True, True))
+    o_ref, lse_ref = evoformer_reference.forward(*cast[:3], cast[4], cast[5])
+    want = (o_ref, lse_ref, *evoformer_reference.backward(cast[3], *cast[:3], o_ref, lse_ref, cast[4], cast[5], True, True))
     low = [t.cpu() for t in (q, k, v, do, mask, pair)]
-    o_pt, lse_pt = reference.forward(*low[:3], low[4], low[5])
-    pt = (o_pt, lse_pt, *reference.backward(low[3], *low[:3], o_pt, lse_pt, low[4], low[5], True, True))
+    o_pt, lse_pt = evoformer_reference.forward(*low[:3], low[4], low[5])
+    pt = (o_pt, lse_pt, *evoformer_reference.backward(low[3], *low[:3], o_pt, lse_pt, low[4], low[5], True, True))
     ours = (o, lse, dq, dk, dv, dmask, dpair)
     for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv", "dmask", "dpair"), ours, pt, want):
         a, b = a.double().cpu(), b.double()
@@ -207,8 +207,8 @@ def test_strided_views_give_bitwise_the_same_result_as_contiguous_copies():
     assert strided[5].dtype == torch.float32 and strided[6].dtype == torch.float32
     # and the per-n mask gradient is the reference's (not reduced over the broadcast N)
     cast = [t.double().cpu() for t in (q, k, v, do, mask, pair)]
-    o_ref, lse_ref = reference.forward(*cast[:3], cast[4], cast[5])
-    _, _, _, dmask_ref, dpair_ref = reference.backward(cast[3], *cast[:3], o_ref, lse_ref, cast[4], cast[5], True, True)
+    o_ref, lse_ref = evoformer_reference.forward(*cast[:3], cast[4], cast[5])
+    _, _, _, dmask_ref, dpair_ref = evoformer_reference.backward(cast[3], *cast[:3], o_ref, lse_ref, cast[4], cast[5], True, True)
     torch.testing.assert_close(strided[5].double().cpu(), dmask_ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(strided[6].double().cpu(), dpair_ref, rtol=0, atol=1e-5)
 
@@ -257,8 +257,8 @@ def test_dpair_split_over_n_chunks_matches_the_reference_and_is_deterministic():
     got = _fwd_bwd(*args)
     assert torch.equal(got[6], _fwd_bwd(*args)[6])
     cast = [t.double() for t in args]
-    o_ref, stats_ref = reference.forward(*cast[:3], cast[4], cast[5])
-    want = reference.backward(cast[3], *cast[:3], o_ref, stats_ref, cast[4], cast[5], True, True)[4]
+    o_ref, stats_ref = evoformer_reference.forward(*cast[:3], cast[4], cast[5])
+    want = evoformer_reference.backward(cast[3], *cast[:3], o_ref, stats_ref, cast[4], cast[5], True, True)[4]
     torch.testing.assert_close(got[6].double().cpu(), want, rtol=0, atol=1e-5)
 
 
@@ -310,12 +310,12 @@ def test_auto_picks_triton_only_for_cuda_tensors():
     def fake(is_cuda, dtype=torch.float16, d=64):
         return SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 1, 4, 1, d))
 
-    assert evo._choose_backend("auto", fake(True)) is Backend.TRITON
-    assert evo._choose_backend("auto", fake(True, torch.float32, 128)) is Backend.TRITON
-    assert evo._choose_backend("auto", fake(True, torch.float64)) is Backend.TORCH
-    assert evo._choose_backend("auto", fake(True, d=136)) is Backend.TORCH
-    assert evo._choose_backend("auto", fake(False)) is Backend.TORCH  # CPU, even under TRITON_INTERPRET=1
-    assert evo._choose_backend("auto", torch.randn(1, 1, 4, 1, 8)) is Backend.TORCH
+    assert evo._choose_backend("auto", fake(True)) is EvoformerBackend.TRITON
+    assert evo._choose_backend("auto", fake(True, torch.float32, 128)) is EvoformerBackend.TRITON
+    assert evo._choose_backend("auto", fake(True, torch.float64)) is EvoformerBackend.TORCH
+    assert evo._choose_backend("auto", fake(True, d=136)) is EvoformerBackend.TORCH
+    assert evo._choose_backend("auto", fake(False)) is EvoformerBackend.TORCH  # CPU, even under TRITON_INTERPRET=1
+    assert evo._choose_backend("auto", torch.randn(1, 1, 4, 1, 8)) is EvoformerBackend.TORCH
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -1,11 +1,11 @@
 """The fused Triton local attention (ds4sci.kernels.triton_local_attention) against the fp64 oracle.
 
-The oracle is :func:`ds4sci.models.local_attention.sdpa_attention` on float64 inputs: the local attention protocol
+The oracle is :func:`ds4sci.kernels.local_reference.sdpa_attention` on float64 inputs: the local attention protocol
 (global offsets, causal, window, documents with padding, ALiBi on global indices, GQA, lse with a gradient). Every
 case runs forward and backward, with a gradient into both outputs (``out`` and ``lse``: ring attention merges blocks
 through the lse), and checks out, lse, dq, dk, dv. Tolerance: the kernel's error against fp64 is at most 3x PyTorch's
 own error at the kernel's dtype (:func:`_same_dtype_attention`: the protocol's mask from
-:func:`~ds4sci.models.local_attention.attention_mask`, every operation in that dtype) plus 2 ulps of the magnitude.
+:func:`~ds4sci.kernels.local_reference.attention_mask`, every operation in that dtype) plus 2 ulps of the magnitude.
 
 On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set in tests/conftest.py): exact
 kernel semantics, slow, so S <= 80 and a covering set of cases rather than a product. Several tiles per row and
@@ -27,7 +27,7 @@ from ds4sci.bench.aot.calls import kernel_name, record_launches
 from ds4sci.kernels import triton_local_attention as tla
 from ds4sci.kernels.triton_evoformer import Tiles
 from ds4sci.kernels.triton_local_attention import triton_attention
-from ds4sci.models.local_attention import PAD_DOC_ID, attention_mask, sdpa_attention
+from ds4sci.kernels.local_reference import PAD_DOC_ID, attention_mask, sdpa_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

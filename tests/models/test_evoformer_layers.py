@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from evoformer_checks import HAS_TRITON_BACKEND, TRITON, assert_within_pytorch_error, randomize_
 
-from ds4sci.kernels import Backend
+from ds4sci.kernels import EvoformerBackend
 from ds4sci.models.evoformer import (
     Convention,
     MSAColumnAttention,
@@ -348,10 +348,10 @@ def test_triangle_attention_generic_class():
 
 
 def test_backend_is_one_enum_and_switchable():
-    layer = make_layer("msa_col", backend=Backend.REFERENCE)
-    assert layer.backend is Backend.REFERENCE
+    layer = make_layer("msa_col", backend=EvoformerBackend.REFERENCE)
+    assert layer.backend is EvoformerBackend.REFERENCE
     layer.backend = "torch"
-    assert layer.backend is Backend.TORCH and layer._msa_att.backend is Backend.TORCH
+    assert layer.backend is EvoformerBackend.TORCH and layer._msa_att.backend is EvoformerBackend.TORCH
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         make_layer("msa_row", backend="cuda")
     with pytest.raises(ValueError, match="unknown convention"):

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from ds4sci.models.local_attention import PAD_DOC_ID, chunked_attention, sdpa_attention
+from ds4sci.kernels.local_chunked import chunked_attention
+from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
 from ds4sci.sequence import (
     CommCounter,
     DistributedAttention,

@@ -1,19 +1,16 @@
-"""The one local attention (ds4sci.models.local_attention): every mask option, ALiBi, offsets and GQA against an
-independent fp64 oracle, rows and blocks that see no key, the threshold-based mask construction and its memory."""
+"""The local attention family (ds4sci.kernels.local_reference, local_chunked, local_attention): every mask option,
+ALiBi, offsets and GQA against an independent fp64 oracle, rows and blocks that see no key, the threshold-based mask
+construction and its memory."""
 import math
 import types
 
 import pytest
 import torch
 
-from ds4sci.models.local_attention import (
-    chunked_attention,
-    attention_mask,
-    flash_causal_mode,
-    flex_attention,
-    sdpa_attention,
-    threshold_for_memory,
-)
+from ds4sci.kernels import local_reference
+from ds4sci.kernels.local_attention import flash_causal_mode, flex_attention
+from ds4sci.kernels.local_chunked import chunked_attention
+from ds4sci.kernels.local_reference import attention_mask, sdpa_attention, threshold_for_memory
 
 
 def naive_attention(q, k, v, visible):
@@ -109,18 +106,16 @@ def test_sdpa_attention_empty_rows_and_blocks():
 def test_aligned_causal_builds_no_mask(monkeypatch):
     """Pure aligned causal attention runs SDPA's causal kernel without building any S x S mask; the lse path and
     offset blocks do build one."""
-    import ds4sci.models.local_attention as la
-
     built = []
-    real = la.attention_mask
-    monkeypatch.setattr(la, "attention_mask", lambda *a, **kw: built.append(a) or real(*a, **kw))
+    real = local_reference.attention_mask
+    monkeypatch.setattr(local_reference, "attention_mask", lambda *a, **kw: built.append(a) or real(*a, **kw))
     q = torch.randn(1, 16, 2, 8, dtype=torch.float64)
-    out = la.sdpa_attention(q, q, q, causal=True)
+    out = local_reference.sdpa_attention(q, q, q, causal=True)
     assert built == []
     ref, _ = naive_attention(q, q, q, global_visible(16, 16, 0, 0, 1, 2, causal=True))
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
-    la.sdpa_attention(q, q, q, causal=True, return_lse=True)
-    la.sdpa_attention(q[:, 8:], q, q, q_offset=8, causal=True)
+    local_reference.sdpa_attention(q, q, q, causal=True, return_lse=True)
+    local_reference.sdpa_attention(q[:, 8:], q, q, q_offset=8, causal=True)
     assert len(built) == 2
 
 
@@ -229,7 +224,7 @@ def test_unconstrained_needs_no_mask_and_threshold_rule():
 
 _MASK_PEAK = r"""
 import sys, torch
-from ds4sci.models.local_attention import attention_mask
+from ds4sci.kernels.local_reference import attention_mask
 
 def status_kib(key):  # VmRSS (now) or VmHWM (peak since the last reset), Linux
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":"))
@@ -273,8 +268,6 @@ def test_mask_construction_peak_memory_is_near_one_mask():
 def test_threshold_rule_builds_where_it_says(monkeypatch):
     """Each branch of the rule, on a device that is not the CPU ("meta", with a faked threshold): a key length at
     or below the threshold is built on the device; above it, on the CPU and then moved to the device."""
-    import ds4sci.models.local_attention as la
-
     built_on = []
     real_empty = torch.empty
 
@@ -292,20 +285,20 @@ def test_threshold_rule_builds_where_it_says(monkeypatch):
         assert mask.device.type == "meta" and mask.shape == (1, 1, 8, 8)
     # threshold="auto" asks mask_threshold about the device
     for limit, where in ((16, "meta"), (4, "cpu")):
-        monkeypatch.setattr(la, "mask_threshold", lambda device, limit=limit: limit)
+        monkeypatch.setattr(local_reference, "mask_threshold", lambda device, limit=limit: limit)
         built_on.clear()
         assert attention_mask(8, 8, causal=True, device="meta").device.type == "meta"
         assert built_on == [where], (limit, built_on)
     # on CUDA the threshold comes from the device's memory: 16K for 40 GiB
     monkeypatch.undo()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=40 * 2**30))
-    assert la.mask_threshold("cuda:0") == 16384
-    assert la.mask_threshold("cpu") is None
+    assert local_reference.mask_threshold("cuda:0") == 16384
+    assert local_reference.mask_threshold("cpu") is None
 
 
 @pytest.mark.parametrize("fn", [sdpa_attention, chunked_attention], ids=["sdpa", "chunked"])
 def test_protocol_checks_zero_kv_heads_and_float_document_ids(fn):
-    # One protocol check (_check_qkv) serves every local attention, the Triton kernel included.
+    # One protocol check (local_reference.check_qkv) serves every local attention, the Triton kernel included.
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="key/value heads 0"):
         fn(q, q[:, :, :0], q[:, :, :0])

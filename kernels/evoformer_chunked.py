@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .reference import ieee_fp32_matmul
+from .evoformer_reference import ieee_fp32_matmul
 
 #: Upper bound on the bytes of one fp32 logits block ``[Z, N, C, S]`` (one head); backward holds about two.
 LOGITS_CHUNK_BYTES = 4 * 2**20

@@ -1,8 +1,10 @@
-"""chunked_attention and memory_efficient_attention (ds4sci.models.local_attention) against sdpa_attention in
+"""chunked_attention (ds4sci.kernels.local_chunked) and memory_efficient_attention (ds4sci.kernels.local_attention)
+against sdpa_attention in
 fp64: every combination of causal, ALiBi, packed documents with padding, window and GQA on ring-style blocks
 (offsets), forward and backward through out and lse, fp32/bf16/fp16 against PyTorch's own error at the same
 precision, rows that see no key, many unaligned chunks, explicit masks, nothing ``Sq x Sk`` saved for backward,
 and the backend dispatch."""
+import functools
 import itertools
 import logging
 import os
@@ -12,14 +14,12 @@ import types
 import pytest
 import torch
 
-import ds4sci.models.local_attention as la
-from ds4sci.models.local_attention import (
-    PAD_DOC_ID,
-    chunked_attention,
-    memory_efficient_attention,
-    sdpa_attention,
-    select_backend,
-)
+from ds4sci.kernels import local_attention as la
+from ds4sci.kernels import local_chunked
+from ds4sci.kernels.backends import LocalBackend
+from ds4sci.kernels.local_attention import memory_efficient_attention, select_backend
+from ds4sci.kernels.local_chunked import chunked_attention
+from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
 
 
 
@@ -202,8 +202,8 @@ def test_explicit_mask_sliced_per_block(per_head):
 def test_skipped_blocks_are_not_computed(monkeypatch):
     """Causal, window and document blocks that no query sees are skipped; blocks a term keeps whole build no mask."""
     calls = []
-    real = la._block_logits
-    monkeypatch.setattr(la, "_block_logits", lambda q, k, blk, *a: calls.append(blk) or real(q, k, blk, *a))
+    real = local_chunked._block_logits
+    monkeypatch.setattr(local_chunked, "_block_logits", lambda q, k, blk, *a: calls.append(blk) or real(q, k, blk, *a))
     q = torch.randn(1, 16, 2, 8)
     chunked_attention(q, q, q, causal=True, chunk_size=4)
     assert len(calls) == 10  # 4 query chunks x (1..4 key chunks), not 16
@@ -249,10 +249,25 @@ def test_saves_nothing_of_size_sq_sk():
 # ---------------------------------------------------------------------------------------------- dispatch
 def test_bad_backend_names_the_value():
     q = torch.randn(1, 4, 2, 8)
-    with pytest.raises(ValueError, match=r"backend='sdpa' is not one of \('auto', 'chunked', 'triton', 'flash'\)"):
-        memory_efficient_attention(q, q, q, backend="sdpa")
+    with pytest.raises(ValueError, match=r"unknown backend 'math'; choose one of \['auto', 'chunked', 'triton', "
+                                         r"'flash', 'sdpa'\]"):
+        memory_efficient_attention(q, q, q, backend="math")
     with pytest.raises(ValueError, match="chunk_size=0"):
         chunked_attention(q, q, q, chunk_size=0)
+
+
+def test_sdpa_backend_runs_the_oracle_by_name_only():
+    """backend="sdpa" is sdpa_attention with every protocol argument and option (chunk_size ignored); "auto" never
+    picks it, on any device."""
+    tensors, protocol = _inputs((13, 5, 12, 10), 2, docs=True, seed=7)
+    opts = dict(causal=True, window=9, alibi_slopes=SLOPES.double(), scale=0.3, **protocol)
+    for a, b in zip(_run(memory_efficient_attention, tensors, torch.float64, backend="sdpa", chunk_size=2, **opts),
+                    _run(sdpa_attention, tensors, torch.float64, **opts)):
+        assert torch.equal(a, b)
+    q = torch.randn(1, 4, 2, 8)
+    for device_type in ("cpu", "cuda"):
+        assert select_backend(q, q, q, causal=True, device_type=device_type) is not LocalBackend.SDPA
+    assert select_backend(q, q, q, backend="sdpa") is LocalBackend.SDPA
 
 
 def test_cpu_auto_runs_chunked(monkeypatch):
@@ -264,26 +279,31 @@ def test_cpu_auto_runs_chunked(monkeypatch):
     assert select_backend(q, q, q, causal=True, alibi_slopes=SLOPES) == "chunked"
 
 
+#: select_backend as on a CUDA device: the device type is the one thing of the device the rule reads
+cuda_select = functools.partial(select_backend, device_type="cuda")
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """CPU tensors that the dispatcher takes for CUDA tensors, flash-attn 'installed', and a fake Triton kernel
-    module recording its calls."""
+    """Dispatch with CPU tensors as on a CUDA device (memory_efficient_attention selects with :data:`cuda_select`),
+    flash-attn 'installed' (a stand-in module), and a fake Triton kernel module recording its calls."""
     calls = {"triton": [], "flash": []}
     module = types.ModuleType("ds4sci.kernels.triton_local_attention")
     module.triton_attention = lambda q, k, v, **kw: calls["triton"].append(kw) or "triton"
     monkeypatch.setitem(sys.modules, "ds4sci.kernels.triton_local_attention", module)
-    monkeypatch.setattr(la, "_on_cuda", lambda q: True)
-    monkeypatch.setattr(la, "_flash_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setattr(la, "select_backend", cuda_select)
     monkeypatch.setattr(la, "flash_attention", lambda q, k, v, **kw: calls["flash"].append(kw) or "flash")
-    return calls
+    yield calls
+    la._triton_import_error.cache_clear()  # whether the (fake or missing) kernel module imported is cached
 
 
 def test_cuda_auto_routing(fake_cuda):
     half = torch.randn(1, 8, 4, 16, dtype=torch.bfloat16)
     kv = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
     doc = torch.zeros(1, 8, dtype=torch.long)
-    assert select_backend(half, kv, kv, causal=True) == "flash"  # GQA is fine for flash-attn
-    assert select_backend(half, kv, kv, causal=True, q_offset=8, return_lse=True) == "flash"  # no grad needed
+    assert cuda_select(half, kv, kv, causal=True) == "flash"  # GQA is fine for flash-attn
+    assert cuda_select(half, kv, kv, causal=True, q_offset=8, return_lse=True) == "flash"  # no grad needed
     for why, kw in {
         "fp32": dict(),
         "documents": dict(q_doc=doc),
@@ -292,21 +312,21 @@ def test_cuda_auto_routing(fake_cuda):
         "causal block not bottom-right aligned": dict(k_offset=4),
     }.items():
         q, k = (half.float(), kv.float()) if why == "fp32" else (half, kv)
-        assert select_backend(q, k, k, causal=True, **kw) == "triton", why
+        assert cuda_select(q, k, k, causal=True, **kw) == "triton", why
     # what the Triton kernel cannot run goes to the chunked path
     big = torch.randn(1, 8, 4, 256, dtype=torch.bfloat16)
-    assert select_backend(big, big, big, causal=True, alibi_slopes=SLOPES) == "chunked"  # D > 128
-    assert select_backend(half.double(), kv.double(), kv.double(), causal=True) == "chunked"  # float64
-    assert select_backend(half.float(), kv, kv, causal=True) == "chunked"  # mixed dtypes
+    assert cuda_select(big, big, big, causal=True, alibi_slopes=SLOPES) == "chunked"  # D > 128
+    assert cuda_select(half.double(), kv.double(), kv.double(), causal=True) == "chunked"  # float64
+    assert cuda_select(half.float(), kv, kv, causal=True) == "chunked"  # mixed dtypes
     mask = torch.ones(8, 8, dtype=torch.bool)
-    assert select_backend(half, kv, kv, causal=True, mask=mask) == "chunked"
+    assert cuda_select(half, kv, kv, causal=True, mask=mask) == "chunked"
     with pytest.raises(NotImplementedError, match="backend='triton' takes no explicit mask"):
         memory_efficient_attention(half, kv, kv, mask=mask, backend="triton")
     grad_q = half.clone().requires_grad_()
-    assert select_backend(grad_q, kv, kv, causal=True, return_lse=True) == "triton"  # ring training: lse grad
+    assert cuda_select(grad_q, kv, kv, causal=True, return_lse=True) == "triton"  # ring training: lse grad
     with torch.no_grad():
-        assert select_backend(grad_q, kv, kv, causal=True, return_lse=True) == "flash"
-    assert select_backend(half, kv, kv, causal=True, backend="chunked") == "chunked"
+        assert cuda_select(grad_q, kv, kv, causal=True, return_lse=True) == "flash"
+    assert cuda_select(half, kv, kv, causal=True, backend="chunked") == "chunked"
 
     assert memory_efficient_attention(half, kv, kv, causal=True, q_offset=8, k_offset=8) == "flash"
     assert fake_cuda["flash"][-1] == dict(causal=True, scale=None, q_offset=8, k_offset=8, head_offset=0,
@@ -323,11 +343,13 @@ def test_cuda_auto_routing(fake_cuda):
 
 def test_missing_triton_module_falls_back_to_chunked(fake_cuda, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "ds4sci.kernels.triton_local_attention", None)  # import raises ImportError
-    monkeypatch.setattr(la, "_WARNED_NO_TRITON", False)
+    la._triton_import_error.cache_clear()  # forget that the fake module imported
     q = torch.randn(1, 8, 2, 8)
     with caplog.at_level(logging.WARNING, logger=la.__name__):
         out = memory_efficient_attention(q, q, q, causal=True, alibi_slopes=SLOPES)
+        assert cuda_select(q, q, q, causal=True, alibi_slopes=SLOPES) == "chunked"
     assert "using chunked_attention" in caplog.text
+    assert len(caplog.records) == 1  # logged once per process
     torch.testing.assert_close(out, sdpa_attention(q, q, q, causal=True, alibi_slopes=SLOPES), rtol=1e-5, atol=1e-6)
     with pytest.raises(ImportError):
         memory_efficient_attention(q, q, q, causal=True, backend="triton")

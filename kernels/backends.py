@@ -1,0 +1,72 @@
+"""Backend names and plain limits of ds4sci's two attention families, importable without torch or Triton.
+
+One enum per family, one parser for both (:func:`parse_backend`), and the constants the dispatchers, the kernels'
+tile tables and torch-free callers (GenSLM's config, ``ds4sci plan``, ``ds4sci info``) read:
+
+- Evoformer attention (:mod:`ds4sci.kernels.evoformer`): :class:`EvoformerBackend`, :data:`EVOFORMER_MAX_HEAD_DIM`.
+- Local attention (:mod:`ds4sci.kernels.local_attention`): :class:`LocalBackend`, :data:`LOCAL_CHUNK_SIZE`,
+  :data:`FLASH_MAX_HEAD_DIM`.
+- Both fused Triton kernels: :data:`TRITON_MAX_HEAD_DIM` (their tile tables cover exactly 1..128).
+
+This module imports nothing beyond the standard library, so that ``import ds4sci.kernels.backends`` stays cheap.
+"""
+from __future__ import annotations
+
+import enum
+from typing import TypeVar, Union
+
+__all__ = [
+    "EvoformerBackend",
+    "LocalBackend",
+    "parse_backend",
+    "EVOFORMER_MAX_HEAD_DIM",
+    "TRITON_MAX_HEAD_DIM",
+    "FLASH_MAX_HEAD_DIM",
+    "LOCAL_CHUNK_SIZE",
+]
+
+
+class EvoformerBackend(str, enum.Enum):
+    """Which implementation runs ``evoformer_attention``."""
+
+    AUTO = "auto"  # triton for CUDA tensors it supports (when Triton imports), torch otherwise
+    TRITON = "triton"  # the fused kernel (ds4sci.kernels.triton_evoformer)
+    TORCH = "torch"  # chunked PyTorch with a recomputing backward (ds4sci.kernels.evoformer_chunked)
+    REFERENCE = "reference"  # plain PyTorch autograd, the oracle (ds4sci.kernels.evoformer_reference)
+
+
+class LocalBackend(str, enum.Enum):
+    """Which implementation runs ``memory_efficient_attention`` (and GenSLM's ``attention_backend``)."""
+
+    AUTO = "auto"  # flash-attn where it can express the call, else the Triton kernel on CUDA, else chunked
+    CHUNKED = "chunked"  # online softmax in PyTorch, any device (ds4sci.kernels.local_chunked)
+    TRITON = "triton"  # the fused kernel (ds4sci.kernels.triton_local_attention)
+    FLASH = "flash"  # flash-attn's flash_attn_func (GPU, fp16/bf16)
+    SDPA = "sdpa"  # the readable O(S^2) oracle (ds4sci.kernels.local_reference.sdpa_attention); never picked by auto
+
+
+Family = TypeVar("Family", EvoformerBackend, LocalBackend)
+
+
+def parse_backend(backend: Union[str, Family], family: type[Family]) -> Family:
+    """``backend`` (a member of ``family`` or its value) as a member of ``family``; the one place names are parsed.
+
+    Raises:
+        ValueError: naming the unknown value and listing the family's choices.
+    """
+    try:
+        return family(backend)
+    except ValueError:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {[b.value for b in family]}") from None
+
+
+#: Head dims D accepted by ``evoformer_attention`` (the torch and reference backends): 1..EVOFORMER_MAX_HEAD_DIM.
+EVOFORMER_MAX_HEAD_DIM = 256
+#: Head dims D the fused Triton kernels (Evoformer and local) support: 1..TRITON_MAX_HEAD_DIM; each family's
+#: ``auto`` falls back to its PyTorch path above it.
+TRITON_MAX_HEAD_DIM = 128
+#: flash-attn 2 supports head dims up to 256.
+FLASH_MAX_HEAD_DIM = 256
+#: Queries and keys per block of ``chunked_attention`` (and ``memory_efficient_attention``'s default): one block's
+#: fp32 logits are ``B*H*256*256`` floats, 16 MiB at ``B*H = 64``, per temporary.
+LOCAL_CHUNK_SIZE = 256
