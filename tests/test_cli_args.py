@@ -75,20 +75,21 @@ def test_generated_output_starts_with_the_prompt(exports, capsys):
         assert capsys.readouterr().out.splitlines()[1].startswith(prompt.upper().replace("U", "T"))
 
 
-@pytest.mark.parametrize("command, option, value, needle", [
-    ("generate", "--num-tokens", "-5", "positive integer"),
-    ("generate", "--num-tokens", "0", "positive integer"),
-    ("generate", "--num-tokens", "x", "positive integer"),
-    ("generate", "--num-sequences", "0", "positive integer"),
-    ("generate", "--temperature", "-1", ">= 0"),
-    ("generate", "--temperature", "nan", ">= 0"),
-    ("generate", "--top-k", "-1", ">= 0"),
-    ("generate", "--top-p", "0", "(0, 1]"),
-    ("generate", "--top-p", "1.5", "(0, 1]"),
-    ("evaluate", "--seq-len", "0", "positive integer"),
-    ("evaluate", "--seq-len", "-3", "positive integer"),
-    ("evaluate", "--batch-size", "0", "positive integer"),
-])
+# (command, option, values it refuses, what its error says)
+BAD_NUMBERS = [
+    ("generate", "--num-tokens", ["-5", "0", "x"], "positive integer"),
+    ("generate", "--num-sequences", ["0"], "positive integer"),
+    ("generate", "--temperature", ["-1", "nan"], ">= 0"),
+    ("generate", "--top-k", ["-1"], ">= 0"),
+    ("generate", "--top-p", ["0", "1.5"], "(0, 1]"),
+    ("evaluate", "--seq-len", ["0", "-3"], "positive integer"),
+    ("evaluate", "--batch-size", ["0"], "positive integer"),
+]
+
+
+@pytest.mark.parametrize("command, option, value, needle",
+                         [(command, option, value, needle) for command, option, values, needle in BAD_NUMBERS
+                          for value in values])
 def test_numeric_options_are_checked(exports, capsys, command, option, value, needle):
     extra = ["--fasta", exports["fasta"]] if command == "evaluate" else []
     with pytest.raises(SystemExit) as exc:

@@ -45,7 +45,8 @@ from collections.abc import Iterator
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, check_positive, markdown_table, pyplot, save_figure, write_report
+from ds4sci.bench.report import (MIB, check_positive, markdown_table, missing_dependency, pyplot, save_figure,
+                                  write_report)
 from ds4sci.kernels import evoformer_attention
 
 logger = logging.getLogger(__name__)
@@ -97,11 +98,8 @@ def _inputs(cfg: dict) -> dict[str, torch.Tensor]:
 
 def openfold3_missing() -> str | None:
     """Why OpenFold3's attention functions cannot be imported here, or None when they can."""
-    try:
-        import openfold3.core.model.primitives.attention  # noqa: F401
-    except ImportError as err:
-        return f"OpenFold3 is not importable ({err}); pip install 'ds4sci[openfold]' adds its paths"
-    return None
+    return missing_dependency("openfold3.core.model.primitives.attention",
+                              "OpenFold3 is not importable ({err}); pip install 'ds4sci[openfold]' adds its paths")
 
 
 @contextlib.contextmanager

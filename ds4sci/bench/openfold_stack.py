@@ -36,8 +36,8 @@ import time
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import (MIB, add_int_options, check_positive, command_line, markdown_table, option, pyplot,
-                                  save_figure, write_report)
+from ds4sci.bench.report import (MIB, add_int_options, check_positive, command_line, markdown_table,
+                                  missing_dependency, option, pyplot, save_figure, write_report)
 from ds4sci.kernels import EvoformerBackend
 
 logger = logging.getLogger(__name__)
@@ -208,12 +208,8 @@ def measure_step(cfg: dict, mode: str, outcome_path: str) -> dict:
 
 def openfold3_missing() -> str | None:
     """Why OpenFold3's ``EvoformerStack`` cannot be imported here, or None when it can."""
-    try:
-        __import__(_OPENFOLD_STACK)
-    except ImportError as err:
-        return (f"ds4sci bench openfold-stack needs OpenFold3 ({err}); install it with "
-                "pip install 'ds4sci[openfold]'")
-    return None
+    return missing_dependency(_OPENFOLD_STACK, "ds4sci bench openfold-stack needs OpenFold3 ({err}); install it with "
+                              "pip install 'ds4sci[openfold]'")
 
 
 def compare(cfg: dict) -> dict:

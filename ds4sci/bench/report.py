@@ -1,15 +1,17 @@
-"""Helpers shared by the benchmarks: list and integer options, and their report files, ``NAME.json`` (the figures)
-and ``NAME.md`` (a readable table), written by :mod:`ds4sci.report` (re-exported here with the rest)."""
+"""Helpers shared by the benchmarks: list and integer options, optional dependencies, and their report files,
+``NAME.json`` (the figures) and ``NAME.md`` (a readable table), written by :mod:`ds4sci.report` (re-exported here with
+the rest)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Iterable
 from pathlib import Path
 
 from ds4sci.report import markdown_table, write_report
 
-__all__ = ["MIB", "parse_int_list", "option", "add_int_options", "check_positive", "command_line", "pyplot",
-           "save_figure", "markdown_table", "write_report"]
+__all__ = ["MIB", "parse_int_list", "option", "add_int_options", "check_positive", "command_line", "missing_dependency",
+           "pyplot", "save_figure", "markdown_table", "write_report"]
 
 MIB = 2.0**20
 
@@ -51,6 +53,18 @@ def command_line(benchmark: str, cfg: dict, out: str) -> str:
     """The ``ds4sci bench BENCHMARK`` command that reproduces ``cfg``, every key spelled out as an option."""
     options = " ".join(f"{option(name)} {value}" for name, value in cfg.items())
     return f"ds4sci bench {benchmark} {options} --out {out}"
+
+
+def missing_dependency(module: str, why: str, name: str | None = None) -> str | None:
+    """None when ``module`` imports here (and has ``name``, if given, as ``from module import name`` requires);
+    otherwise ``why`` with ``{err}`` replaced by the ``ImportError``: the message a benchmark logs or reports."""
+    try:
+        imported = importlib.import_module(module)
+        if name is not None and not hasattr(imported, name):
+            raise ImportError(f"cannot import name {name!r} from {module!r}")
+    except ImportError as err:
+        return why.format(err=err)
+    return None
 
 
 def pyplot():

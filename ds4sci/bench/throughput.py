@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from ds4sci.bench.report import (add_int_options, check_positive, command_line, markdown_table, option, pyplot,
-                                  save_figure, write_report)
+from ds4sci.bench.report import (add_int_options, check_positive, command_line, markdown_table, missing_dependency,
+                                  option, pyplot, save_figure, write_report)
 from ds4sci.kernels.backends import LocalBackend
 from ds4sci.models.genslm import GenSLM, config_from_gpt_neox, lm_loss, to_gpt_neox_state_dict
 
@@ -88,11 +88,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
 
 def transformers_missing() -> str | None:
     """Why ``transformers.GPTNeoXForCausalLM`` cannot be imported here, or None when it can."""
-    try:
-        from transformers import GPTNeoXForCausalLM  # noqa: F401
-    except ImportError as err:
-        return f"ds4sci bench throughput needs transformers ({err}); install it with pip install 'ds4sci[dev]'"
-    return None
+    return missing_dependency("transformers", "ds4sci bench throughput needs transformers ({err}); install it with "
+                              "pip install 'ds4sci[dev]'", name="GPTNeoXForCausalLM")
 
 
 def build_models(cfg: dict) -> tuple[GenSLM, torch.nn.Module]:

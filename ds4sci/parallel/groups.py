@@ -87,60 +87,47 @@ def build_groups(dims: ParallelDims, backend: str | None = None, timeout: dateti
     return SequenceParallelGroups(dims=dims, rank=rank, **mine)
 
 
+def _mpu_getters(kind: str):
+    """DeepSpeed's three getters of one kind of group: the group ``groups.<kind>``, its world size ``dims.<kind>`` and
+    this rank's index in it ``groups.<kind>_rank`` (``kind``: a group field of :class:`SequenceParallelGroups`)."""
+
+    def get_group(self: DeepSpeedMPU) -> dist.ProcessGroup:
+        return getattr(self.groups, kind)
+
+    def get_world_size(self: DeepSpeedMPU) -> int:
+        return getattr(self.groups.dims, kind)
+
+    def get_rank(self: DeepSpeedMPU) -> int:
+        return getattr(self.groups, f"{kind}_rank")
+
+    return get_group, get_world_size, get_rank
+
+
 class DeepSpeedMPU:
     """The ``mpu`` object ``deepspeed.initialize(mpu=...)`` reads, backed by explicit groups.
 
     DeepSpeed's engine broadcasts parameters, reduces gradients and partitions ZeRO state over the
     sequence-data-parallel group when the mpu exposes the ``get_sequence_*`` methods; its model-parallel group is
-    the tensor-parallel group (parameters differ across it; gradient norms are summed over it).
+    the tensor-parallel group (parameters differ across it; gradient norms are summed over it). DeepSpeed looks the
+    methods up by name: ``get_<kind>_group``, ``get_<kind>_world_size`` and ``get_<kind>_rank`` per kind below.
     """
 
     def __init__(self, groups: SequenceParallelGroups) -> None:
         self.groups = groups
 
     # sequence parallel (Ulysses x ring)
-    def get_sequence_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.sp
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return self.groups.dims.sp
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self.groups.sp_rank
-
+    get_sequence_parallel_group, get_sequence_parallel_world_size, get_sequence_parallel_rank = _mpu_getters("sp")
     # sequence x data parallel (the group ZeRO works over)
-    def get_sequence_data_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.sdp
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self.groups.dims.sdp
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self.groups.sdp_rank
-
+    (get_sequence_data_parallel_group, get_sequence_data_parallel_world_size,
+     get_sequence_data_parallel_rank) = _mpu_getters("sdp")
     # data parallel
-    def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.dp
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.groups.dims.dp
-
-    def get_data_parallel_rank(self) -> int:
-        return self.groups.dp_rank
+    get_data_parallel_group, get_data_parallel_world_size, get_data_parallel_rank = _mpu_getters("dp")
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return dist.get_process_group_ranks(self.groups.dp)
 
     # model (tensor) parallel
-    def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.tp
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.groups.dims.tp
-
-    def get_model_parallel_rank(self) -> int:
-        return self.groups.tp_rank
-
+    get_model_parallel_group, get_model_parallel_world_size, get_model_parallel_rank = _mpu_getters("tp")
     get_tensor_model_parallel_group = get_model_parallel_group
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
     get_tensor_model_parallel_rank = get_model_parallel_rank

@@ -15,16 +15,15 @@ from ds4sci.kernels import EvoformerBackend, parse_backend
 from ds4sci.models.evoformer.primitives import (
     Convention,
     GatedAttention,
+    GatedAttentionLayer,
     LayerNorm,
     check_broadcasts,
     check_channels,
-    check_chunk_size,
     init_linear,
-    mask_bias,
 )
 
 
-class MSAAttention(nn.Module):
+class MSAAttention(GatedAttentionLayer):
     """Gated self-attention along the residues of every MSA row, optionally biased by the pair representation.
 
     The shared body of :class:`MSARowAttentionWithPairBias` (``pair_bias=True``) and :class:`MSAColumnAttention`
@@ -43,16 +42,11 @@ class MSAAttention(nn.Module):
         backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
         convention: Union[str, Convention] = Convention.OPENFOLD3,
     ):
-        super().__init__()
         if pair_bias and (not isinstance(c_z, int) or c_z < 1):
             raise ValueError(f"MSAAttention: c_z must be a positive int when pair_bias=True, got {c_z!r}")
-        self.c_in = c_in
-        self.c_hidden = c_hidden
-        self.no_heads = no_heads
+        super().__init__(c_in, c_hidden, no_heads, inf, backend)
         self.pair_bias = pair_bias
         self.c_z = c_z
-        self.inf = inf
-        self.backend = parse_backend(backend, EvoformerBackend)
         self.layer_norm_m = LayerNorm(c_in)
         if pair_bias:
             self.layer_norm_z = LayerNorm(c_z)
@@ -81,10 +75,7 @@ class MSAAttention(nn.Module):
         Returns:
             ``[*, N_seq, N_res, C_m]`` update (to be added to ``m`` by the caller).
         """
-        check_channels(layer, "m", m, self.c_in, "N_seq, N_res")
-        check_chunk_size(layer, chunk_size)
-        if mask is not None:
-            check_broadcasts(layer, "mask", mask, m.shape[:-1], "N_seq, N_res")
+        self._check_rows(layer, "m", m, mask, chunk_size, "N_seq, N_res")
         pair = None
         if self.pair_bias:
             if z is None:
@@ -99,9 +90,9 @@ class MSAAttention(nn.Module):
             raise ValueError(f"{layer}: got a pair representation z but this layer has no pair bias")
 
         m = self.layer_norm_m(m)  # [*, N_seq, N_res, C_m]   (Alg. 7/8 line 1)
-        bias = mask_bias(mask, self.inf, m.dtype)  # [*, N_seq, 1, 1, N_res]
-        # lines 2-7: q, k, v, gate, softmax_j(q_si . k_sj / sqrt(c) + b_ij) v_sj, output projection
-        return self.mha(m, bias, pair, backend=self.backend, chunk_size=chunk_size)  # [*, N_seq, N_res, C_m]
+        # lines 2-7: q, k, v, gate, softmax_j(q_si . k_sj / sqrt(c) + b_ij) v_sj, output projection; the mask
+        # bias is [*, N_seq, 1, 1, N_res]
+        return self._attend_rows(m, mask, pair, chunk_size)  # [*, N_seq, N_res, C_m]
 
 
 class MSARowAttentionWithPairBias(MSAAttention):

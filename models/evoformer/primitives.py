@@ -4,7 +4,8 @@
 (parameter names ``linear_q``, ``linear_k``, ``linear_v``, ``linear_o``, ``linear_g`` as in OpenFold's
 ``Attention``) and where ``ds4sci.kernels.evoformer_attention`` is called. The four layers in
 :mod:`ds4sci.models.evoformer.msa` and :mod:`ds4sci.models.evoformer.triangular_attention` only lay their
-inputs out as ``[*, N, S, C]`` rows (MSA rows, MSA columns, pair-representation rows) and build the biases.
+inputs out as ``[*, N, S, C]`` rows (MSA rows, MSA columns, pair-representation rows) and build the biases;
+what they share besides (hyper-parameters, backend, input checks, the mask bias) is :class:`GatedAttentionLayer`.
 
 The kernel computes the scaled, biased softmax attention without storing the logits, in the dtype it is given,
 so the layers need no casts and no per-dtype code paths.
@@ -18,7 +19,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ds4sci.kernels import EvoformerBackend, evoformer_attention
+from ds4sci.kernels import EvoformerBackend, evoformer_attention, parse_backend
 
 
 class Convention(str, enum.Enum):
@@ -197,6 +198,45 @@ class GatedAttention(nn.Module):
         g = torch.sigmoid(self.linear_g(x))  # [*, N, S, H * C_hidden]
         o = o.flatten(-2) * g  # [*, N, S, H * C_hidden]
         return self.linear_o(o)  # [*, N, S, C_in]
+
+
+class GatedAttentionLayer(nn.Module):
+    """What :class:`~ds4sci.models.evoformer.msa.MSAAttention` and
+    :class:`~ds4sci.models.evoformer.triangular_attention.TriangleAttention` share: OpenFold's hyper-parameter
+    attributes, the ``backend`` (a ``ds4sci.kernels.EvoformerBackend``, changeable later), the checks of the input
+    and its mask, and the call of the layer's :class:`GatedAttention` with the mask bias.
+
+    A subclass registers its layer norms and bias projection and then its ``mha`` (in that order: the parameters
+    are created, and drawn from the RNG, in the order OpenFold's modules create them).
+    """
+
+    mha: GatedAttention
+
+    def __init__(self, c_in: int, c_hidden: int, no_heads: int, inf: float, backend: Union[str, EvoformerBackend]):
+        super().__init__()
+        self.c_in = c_in
+        self.c_hidden = c_hidden
+        self.no_heads = no_heads
+        self.inf = inf
+        self.backend = parse_backend(backend, EvoformerBackend)
+
+    def _check_rows(
+        self, layer: str, name: str, x: Tensor, mask: Optional[Tensor], chunk_size: Optional[int], dims: str
+    ) -> None:
+        """``x`` must be ``[*, <dims>, C_in]``, ``mask`` None or broadcastable to ``[*, <dims>]``, ``chunk_size`` None
+        or a positive int; errors name ``layer``."""
+        check_channels(layer, name, x, self.c_in, dims)
+        check_chunk_size(layer, chunk_size)
+        if mask is not None:
+            check_broadcasts(layer, "mask", mask, x.shape[:-1], dims)
+
+    def _attend_rows(
+        self, x: Tensor, mask: Optional[Tensor], pair: Optional[Tensor], chunk_size: Optional[int]
+    ) -> Tensor:
+        """``mha`` over the rows of ``x [*, N, S, C_in]`` (already layer-normed) with the key mask ``[*, N, S]`` as an
+        additive bias and the pair bias ``[*, 1, H, S, S]``; returns ``[*, N, S, C_in]``."""
+        bias = mask_bias(mask, self.inf, x.dtype)  # [*, N, 1, 1, S]
+        return self.mha(x, bias, pair, backend=self.backend, chunk_size=chunk_size)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -11,21 +11,18 @@ from typing import Optional, Union
 
 from torch import Tensor, nn
 
-from ds4sci.kernels import EvoformerBackend, parse_backend
+from ds4sci.kernels import EvoformerBackend
 from ds4sci.models.evoformer.primitives import (
     Convention,
     GatedAttention,
+    GatedAttentionLayer,
     LayerNorm,
-    check_broadcasts,
-    check_channels,
-    check_chunk_size,
     init_linear,
-    mask_bias,
     resolve_convention,
 )
 
 
-class TriangleAttention(nn.Module):
+class TriangleAttention(GatedAttentionLayer):
     """Gated triangle self-attention of the pair representation ``z [*, N_res, N_res, C_z]``.
 
     Constructor arguments as OpenFold's: ``c_in`` pair channels, ``c_hidden`` channels per head, ``no_heads``,
@@ -45,14 +42,9 @@ class TriangleAttention(nn.Module):
         backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
         convention: Union[str, Convention] = Convention.OPENFOLD3,
     ):
-        super().__init__()
         convention = resolve_convention(convention)
-        self.c_in = c_in
-        self.c_hidden = c_hidden
-        self.no_heads = no_heads
+        super().__init__(c_in, c_hidden, no_heads, inf, backend)
         self.starting = starting
-        self.inf = inf
-        self.backend = parse_backend(backend, EvoformerBackend)
         self.layer_norm = LayerNorm(c_in)
         # the triangle-bias projection is "linear_z" in OpenFold3 and "linear" in OpenFold
         self._bias_name = "linear" if convention is Convention.OPENFOLD else "linear_z"
@@ -87,14 +79,11 @@ class TriangleAttention(nn.Module):
             ``[*, I, J, C_z]`` update (to be added to ``x`` by the caller).
         """
         layer = type(self).__name__
-        check_channels(layer, "x", x, self.c_in, "I, J")
-        check_chunk_size(layer, chunk_size)
+        self._check_rows(layer, "x", x, mask, chunk_size, "I, J")
         if x.shape[-3] != x.shape[-2]:
             raise ValueError(
                 f"{layer}: the pair representation must be square [*, N_res, N_res, C_z], got {tuple(x.shape)}"
             )
-        if mask is not None:
-            check_broadcasts(layer, "mask", mask, x.shape[:-1], "I, J")
         if not self.starting:
             # Algorithm 14 = Algorithm 13 on z^T: rows become columns (strided views, no copies)
             x = x.transpose(-2, -3)  # [*, J, I, C_z]
@@ -104,41 +93,42 @@ class TriangleAttention(nn.Module):
         pair = getattr(self, self._bias_name)(x)  # [*, I, J, H]   b_jk (line 3)
         # [*, J, K, H] -> [*, H, J, K] (or [*, H, K, J] transposed) -> [*, 1, H, J, K]
         pair = (pair.movedim(-1, -3) if not transpose_bias else pair.movedim(-1, -3).transpose(-1, -2)).unsqueeze(-4)
-        bias = mask_bias(mask, self.inf, x.dtype)  # [*, I, 1, 1, J]
-        # Kernel layout: N = I rows, S = J positions; lines 2, 4-6: q, k, v, gate, softmax over k, output
-        out = self.mha(x, bias, pair, backend=self.backend, chunk_size=chunk_size)  # [*, I, J, C_z]
+        # Kernel layout: N = I rows, S = J positions, mask bias [*, I, 1, 1, J]; lines 2, 4-6: q, k, v, gate,
+        # softmax over k, output
+        out = self._attend_rows(x, mask, pair, chunk_size)  # [*, I, J, C_z]
         if not self.starting:
             out = out.transpose(-2, -3)
         return out
 
 
-class TriangleAttentionStartingNode(TriangleAttention):
+class _TriangleAttentionAroundNode(TriangleAttention):
+    """OpenFold's constructor of the two named classes: :class:`TriangleAttention` with ``starting`` fixed by the
+    subclass (``inf`` stays the fourth positional argument)."""
+
+    STARTING: bool
+
+    def __init__(
+        self,
+        c_in: int,
+        c_hidden: int,
+        no_heads: int,
+        inf: float = 1e9,
+        *,
+        backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
+        convention: Union[str, Convention] = Convention.OPENFOLD3,
+    ):
+        super().__init__(
+            c_in, c_hidden, no_heads, starting=self.STARTING, inf=inf, backend=backend, convention=convention
+        )
+
+
+class TriangleAttentionStartingNode(_TriangleAttentionAroundNode):
     """Triangle gated self-attention around the starting node (AF2 supplement Algorithm 13)."""
 
-    def __init__(
-        self,
-        c_in: int,
-        c_hidden: int,
-        no_heads: int,
-        inf: float = 1e9,
-        *,
-        backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
-        convention: Union[str, Convention] = Convention.OPENFOLD3,
-    ):
-        super().__init__(c_in, c_hidden, no_heads, starting=True, inf=inf, backend=backend, convention=convention)
+    STARTING = True
 
 
-class TriangleAttentionEndingNode(TriangleAttention):
+class TriangleAttentionEndingNode(_TriangleAttentionAroundNode):
     """Triangle gated self-attention around the ending node (AF2 supplement Algorithm 14)."""
 
-    def __init__(
-        self,
-        c_in: int,
-        c_hidden: int,
-        no_heads: int,
-        inf: float = 1e9,
-        *,
-        backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO,
-        convention: Union[str, Convention] = Convention.OPENFOLD3,
-    ):
-        super().__init__(c_in, c_hidden, no_heads, starting=False, inf=inf, backend=backend, convention=convention)
+    STARTING = False

@@ -19,6 +19,7 @@ The helpers (config overrides, the per-case worker, the comparison) are those of
 """
 import itertools
 import re
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -135,15 +136,10 @@ def _pipeline_divisions(rank, world):
         cfg = load_config(None, [*PP2, "model.overrides.num_layers=2", *settings])
         measured.append(float(pipeline.measure_pipeline_division(cfg, build_groups(cfg.parallel.dims(world)), cpu)))
     cfg = load_config(None, [*PP2, "model.overrides.num_layers=2", "parallel.ulysses=2", "zero.stage=1"])
-    right, pipeline.pipeline_reduction_factor = pipeline.pipeline_reduction_factor, lambda dims: 1.0
-    try:
+    with (mock.patch.object(pipeline, "pipeline_reduction_factor", lambda dims: 1.0),
+          pytest.raises(RuntimeError) as refused):
         pipeline.build_pipeline_engine(None, None, cfg, build_groups(cfg.parallel.dims(world)), cpu)
-        error = None
-    except RuntimeError as err:
-        error = str(err)
-    finally:
-        pipeline.pipeline_reduction_factor = right
-    return measured, error
+    return measured, str(refused.value)
 
 
 @pytest.mark.distributed

@@ -211,44 +211,38 @@ def test_works_without_deepspeed_cutlass(monkeypatch):
 # ----------------------------------------------------------------------------------------------------------
 
 
+def compare_loaded_layer(variant, backend, s, batch, dtype, seed, **kw):
+    """ds4sci's layer loaded (strict=True) from an OpenFold3 module with random parameters (``seed``) vs that module on
+    its default path, on inputs of seed ``seed + 1``: output, input gradients and (name by name) parameter gradients
+    within 3x the default path's ``dtype`` error against fp64. Returns (ds4sci layer, OpenFold3 module, inputs)."""
+    of3_module = randomize_(VARIANTS[variant][0](), seed)
+    ours = VARIANTS[variant][1](backend)
+    ours.load_state_dict(of3_module.state_dict(), strict=True)
+    inputs = make_inputs(variant, s, batch, seed + 1)
+    ref64 = fwd_bwd(variant, of3_module, inputs, torch.float64, **kw)
+    default = fwd_bwd(variant, of3_module, inputs, dtype, **kw)
+    ds = fwd_bwd(variant, ours, inputs, dtype, **kw)
+    assert_within_pytorch_error(ds, ref64, default, dtype)
+    return ours, of3_module, inputs
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_ds4sci_layer_from_openfold3_state_dict(variant, backend):
     """strict=True load; same output, input gradients and (name by name) parameter gradients as OpenFold3's
     module on its default path. Our layers have no S <= 16 fallback, so S = 7 exercises the kernel."""
-    of3_module = randomize_(VARIANTS[variant][0](), 11)
-    ours = VARIANTS[variant][1](backend)
-    ours.load_state_dict(of3_module.state_dict(), strict=True)
     batch = () if backend == "triton" else (2,)
-    inputs = make_inputs(variant, 7, batch, 12)
-    ref64 = fwd_bwd(variant, of3_module, inputs, torch.float64)
-    default = fwd_bwd(variant, of3_module, inputs, torch.float32)
-    ds = fwd_bwd(variant, ours, inputs, torch.float32)
-    assert_within_pytorch_error(ds, ref64, default, torch.float32)
+    compare_loaded_layer(variant, backend, 7, batch, torch.float32, seed=11)
 
 
 @pytest.mark.parametrize("variant", ["tri_start", "tri_end"])
 def test_ds4sci_triangle_layer_transpose_bias_matches_openfold3(variant):
-    of3_module = randomize_(VARIANTS[variant][0](), 13)
-    ours = VARIANTS[variant][1]("torch")
-    ours.load_state_dict(of3_module.state_dict(), strict=True)
-    inputs = make_inputs(variant, 7, (2,), 14)
-    ref64 = fwd_bwd(variant, of3_module, inputs, torch.float64, transpose_bias=True)
-    default = fwd_bwd(variant, of3_module, inputs, torch.float32, transpose_bias=True)
-    ds = fwd_bwd(variant, ours, inputs, torch.float32, transpose_bias=True)
-    assert_within_pytorch_error(ds, ref64, default, torch.float32)
+    compare_loaded_layer(variant, "torch", 7, (2,), torch.float32, seed=13, transpose_bias=True)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_ds4sci_layer_bf16_and_chunked_from_openfold3_state_dict(variant):
-    of3_module = randomize_(VARIANTS[variant][0](), 15)
-    ours = VARIANTS[variant][1]("torch")
-    ours.load_state_dict(of3_module.state_dict(), strict=True)
-    inputs = make_inputs(variant, 19, (2,), 16)
-    ref64 = fwd_bwd(variant, of3_module, inputs, torch.float64)
-    default = fwd_bwd(variant, of3_module, inputs, torch.bfloat16)
-    ds = fwd_bwd(variant, ours, inputs, torch.bfloat16)
-    assert_within_pytorch_error(ds, ref64, default, torch.bfloat16)
+    ours, of3_module, inputs = compare_loaded_layer(variant, "torch", 19, (2,), torch.bfloat16, seed=15)
     x, z, mask = (None if t is None else t.float() for t in inputs)
     with torch.no_grad():
         torch.testing.assert_close(

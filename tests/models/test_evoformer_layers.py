@@ -138,40 +138,49 @@ def call(variant, layer, x, z, mask, **kw):
     return layer(x, mask, **kw)
 
 
-def run_layer(variant, layer, inputs, dtype, seed=1, **kw):
-    """Forward + backward of ``layer`` in ``dtype``; returns {name: tensor} for output, input and param grads."""
-    layer = layer.to(dtype)
-    layer.zero_grad(set_to_none=True)
+def forward_backward(forward, inputs, dtype, seed):
+    """``forward(x, z, mask)`` on ``inputs`` cast to ``dtype``, then backward of a random output gradient (``seed``);
+    returns {"out", "dx"} and "dz" when there is a z."""
     x, z, mask = (None if t is None else t.detach().to(dtype) for t in inputs)
     x.requires_grad_(True)
     if z is not None:
         z.requires_grad_(True)
-    out = call(variant, layer, x, z, mask, **kw)
-    assert out.shape == x.shape and out.dtype == dtype
+    out = forward(x, z, mask)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
     out.backward(dout)
     res = {"out": out.detach(), "dx": x.grad}
     if z is not None:
         res["dz"] = z.grad
-    res.update({f"d:{n}": prm.grad for n, prm in layer.named_parameters()})
     return res
+
+
+def run_layer(variant, layer, inputs, dtype, seed=1, **kw):
+    """Forward + backward of ``layer`` in ``dtype``; returns {name: tensor} for output, input and param grads."""
+    layer = layer.to(dtype)
+    layer.zero_grad(set_to_none=True)
+    res = forward_backward(lambda x, z, mask: call(variant, layer, x, z, mask, **kw), inputs, dtype, seed)
+    assert res["out"].shape == inputs[0].shape and res["out"].dtype == dtype
+    return res | {f"d:{n}": prm.grad for n, prm in layer.named_parameters()}
 
 
 def run_reference(variant, params, inputs, dtype, seed=1, **kw):
     """The reference formulation with the same parameters, in ``dtype``; same keys as :func:`run_layer`."""
     p = {n: t.detach().to(dtype).requires_grad_(True) for n, t in params.items()}
-    x, z, mask = (None if t is None else t.detach().to(dtype) for t in inputs)
-    x.requires_grad_(True)
-    if z is not None:
-        z.requires_grad_(True)
-    out = reference(variant, p, x, z, mask, **kw)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
-    out.backward(dout)
-    res = {"out": out.detach(), "dx": x.grad}
-    if z is not None:
-        res["dz"] = z.grad
-    res.update({f"d:{n}": t.grad for n, t in p.items()})
-    return res
+    res = forward_backward(lambda x, z, mask: reference(variant, p, x, z, mask, **kw), inputs, dtype, seed)
+    return res | {f"d:{n}": t.grad for n, t in p.items()}
+
+
+def check_against_reference(variant, backend, dtype, batch, seed, **kw):
+    """A layer with random parameters (``seed``) run in ``dtype`` on inputs of seed ``seed + 1`` must be within
+    PyTorch's own ``dtype`` error of the reference run in fp64; returns the layer's parameters (fp64) and inputs."""
+    layer = randomize_(make_layer(variant, backend), seed=seed)
+    params = {n: t.detach().double() for n, t in layer.state_dict().items()}
+    inputs = make_inputs(variant, batch=batch, seed=seed + 1)
+    ours = run_layer(variant, layer, inputs, dtype, **kw)
+    ref64 = run_reference(variant, params, inputs, torch.float64, **kw)
+    ref_same_dtype = ref64 if dtype == torch.float64 else run_reference(variant, params, inputs, dtype, **kw)
+    assert_within_pytorch_error(ours, ref64, ref_same_dtype, dtype)
+    return params, inputs
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -183,25 +192,14 @@ def run_reference(variant, params, inputs, dtype, seed=1, **kw):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_matches_reference_fp32(variant, backend):
     """Output, input and parameter gradients with masks, a batch dim of 2 and unaligned lengths."""
-    layer = randomize_(make_layer(variant, backend), seed=0)
-    params = {n: t.detach().double() for n, t in layer.state_dict().items()}
-    inputs = make_inputs(variant, batch=(2,), seed=1)
-    ours = run_layer(variant, layer, inputs, torch.float32)
-    ref64 = run_reference(variant, params, inputs, torch.float64)
-    ref32 = run_reference(variant, params, inputs, torch.float32)
-    assert_within_pytorch_error(ours, ref64, ref32, torch.float32)
+    check_against_reference(variant, backend, torch.float32, batch=(2,), seed=0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_matches_reference_fp64_unbatched(variant, backend):
     """fp64 end to end (the torch and reference backends support it) and inputs without batch dims."""
-    layer = randomize_(make_layer(variant, backend), seed=2)
-    params = {n: t.detach().double() for n, t in layer.state_dict().items()}
-    inputs = make_inputs(variant, batch=(), seed=3)
-    ours = run_layer(variant, layer, inputs, torch.float64)
-    ref64 = run_reference(variant, params, inputs, torch.float64)
-    assert_within_pytorch_error(ours, ref64, ref64, torch.float64)
+    check_against_reference(variant, backend, torch.float64, batch=(), seed=2)
 
 
 @pytest.mark.parametrize(
@@ -210,25 +208,15 @@ def test_matches_reference_fp64_unbatched(variant, backend):
 )
 def test_matches_reference_bf16(variant, backend):
     """bf16 (triton on one variant only: the interpreter is slow and the kernel tests cover its bf16 numerics)."""
-    layer = randomize_(make_layer(variant, backend), seed=4)
-    params = {n: t.detach().double() for n, t in layer.state_dict().items()}
-    inputs = make_inputs(variant, batch=(2,), seed=5)
-    ours = run_layer(variant, layer, inputs, torch.bfloat16)
-    ref64 = run_reference(variant, params, inputs, torch.float64)
-    ref16 = run_reference(variant, params, inputs, torch.bfloat16)
-    assert_within_pytorch_error(ours, ref64, ref16, torch.bfloat16)
+    check_against_reference(variant, backend, torch.bfloat16, batch=(2,), seed=4)
 
 
 @pytest.mark.parametrize("variant", ["tri_start", "tri_end"])
 def test_transpose_bias_matches_reference(variant):
-    layer = randomize_(make_layer(variant, "torch"), seed=6)
-    params = {n: t.detach().double() for n, t in layer.state_dict().items()}
-    inputs = make_inputs(variant, batch=(2,), seed=7)
-    ours = run_layer(variant, layer, inputs, torch.float64, transpose_bias=True)
-    ref64 = run_reference(variant, params, inputs, torch.float64, transpose_bias=True)
-    assert_within_pytorch_error(ours, ref64, ref64, torch.float64)
-    plain = run_reference(variant, params, inputs, torch.float64)
-    assert (plain["out"] - ref64["out"]).abs().max() > 1e-3  # the option changes the result
+    params, inputs = check_against_reference(variant, "torch", torch.float64, batch=(2,), seed=6, transpose_bias=True)
+    transposed = run_reference(variant, params, inputs, torch.float64, transpose_bias=True)["out"]
+    plain = run_reference(variant, params, inputs, torch.float64)["out"]
+    assert (plain - transposed).abs().max() > 1e-3  # the option changes the result
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

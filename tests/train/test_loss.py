@@ -1,6 +1,7 @@
 """SP-aware loss: global-mean normalisation per ZeRO stage against DeepSpeed's measured gradient reduction, the
 start-up check of that reduction, targets shifted before sharding."""
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -37,17 +38,11 @@ def _measure_deepspeed(rank, world):
                 measured[stage, dp, sp, accum] = float(sanity.measure_division(initialize, groups, accum, cpu))
     cfg = load_config(None, ["parallel.ulysses=2", "zero.stage=3"])
     groups = build_groups(cfg.parallel.dims(world))
-    right = sanity.grad_reduction_factor
-    sanity.grad_reduction_factor = lambda *args, **kwargs: 1.0
-    try:
-        initialize = functools.partial(_initialize, cfg=cfg, groups=groups, device=cpu)
+    initialize = functools.partial(_initialize, cfg=cfg, groups=groups, device=cpu)
+    with (mock.patch.object(sanity, "grad_reduction_factor", lambda *args, **kwargs: 1.0),
+          pytest.raises(RuntimeError) as refused):
         sanity.check_gradient_reduction(initialize, cfg, groups, cpu)
-        error = None
-    except RuntimeError as err:
-        error = str(err)
-    finally:
-        sanity.grad_reduction_factor = right
-    return measured, error
+    return measured, str(refused.value)
 
 
 @pytest.fixture(scope="module")
