@@ -120,8 +120,12 @@ def test_info_lists_every_backend_of_each_component(monkeypatch, capsys):
     import json
 
     from ds4sci import info
+    from ds4sci.kernels import triton_evoformer, triton_local_attention  # noqa: F401
     from ds4sci.kernels.backends import EvoformerBackend, LocalBackend
 
+    # The kernel modules are imported above, under conftest's TRITON_INTERPRET=1: @triton.jit reads the variable when a
+    # kernel is defined, so a first import by info.backends() below, with the variable unset, would leave compiled
+    # kernels behind for every later test of this process.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(info, "_flash_installed", lambda: False)
     table = info.backends(cuda=False)
