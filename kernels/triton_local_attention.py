@@ -652,22 +652,10 @@ def _check(q: Tensor, k: Tensor, v: Tensor, q_doc, k_doc, window, alibi_slopes, 
         raise ValueError(f"triton_attention: head_offset={head_offset} must be >= 0")
 
 
-def triton_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    q_offset: int = 0,
-    k_offset: int = 0,
-    head_offset: int = 0,
-    q_doc: Optional[Tensor] = None,
-    k_doc: Optional[Tensor] = None,
-    return_lse: bool = False,
-    causal: bool = False,
-    window: Optional[int] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    scale: Optional[float] = None,
-):
+def triton_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offset: int = 0, head_offset: int = 0,
+                     q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None, return_lse: bool = False,
+                     causal: bool = False, window: Optional[int] = None, alibi_slopes: Optional[Tensor] = None,
+                     scale: Optional[float] = None):
     """Local attention (the protocol of :mod:`ds4sci.kernels.local_attention`) with the fused Triton kernels.
 
     q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` (fp16, bf16 or fp32, one dtype, CUDA; CPU only under
