@@ -647,21 +647,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optio
     return o, stats
 
 
-def backward(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    stats: Tensor,
-    mask: Optional[Tensor],
-    pair: Optional[Tensor],
-    need_mask_grad: bool,
-    need_pair_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """Backend contract ``backward``: dq, dk, dv in q's dtype; dmask ``[Z, N, S]`` fp32 per n and dpair
-    ``[Z, H, S, S]`` fp32 summed over N, each None unless requested (and the bias present). do and o have q's
-    shape, stats is :func:`forward`'s fp32 ``[Z, N, H, S, 2]`` (not re-validated; see the module docstring)."""
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, mask: Optional[Tensor],
+             pair: Optional[Tensor], need_mask_grad: bool,
+             need_pair_grad: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The backend contract's ``backward`` (:mod:`ds4sci.kernels.evoformer`) with the module docstring's four kernels;
+    a bias gradient is also None when its bias is. stats is :func:`forward`'s (not re-validated)."""
     z, n, s, h, _ = q.shape
     stats = stats.contiguous()  # the kernels index stats [Z, N, H, S, 2] and delta [Z, N, H, S] as contiguous
     need_mask_grad = need_mask_grad and mask is not None
