@@ -72,7 +72,7 @@ import torch
 from torch import Tensor
 
 from . import evoformer_chunked, evoformer_reference
-from .backends import EVOFORMER_MAX_HEAD_DIM, TRITON_MAX_HEAD_DIM, EvoformerBackend, parse_backend
+from .backends import EVOFORMER_MAX_HEAD_DIM, TRITON_MAX_HEAD_DIM, EvoformerBackend, import_error, parse_backend
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +105,8 @@ def _triton_import_error() -> str:
     Triton, about 1.8 s) when this module is imported, and Dynamo ignores the mark on an ``lru_cache`` wrapper
     anyway (torch 2.13 traces the wrapped function, with a warning; ``fullgraph=True`` compiles either way).
     """
-    try:
-        _triton_backend()
-    except ImportError as err:
-        logger.warning("evoformer_attention: the triton backend is unavailable (%s); auto uses the torch backend", err)
-        return str(err)
-    return ""
+    return import_error(_triton_backend, logger, "evoformer_attention: the triton backend",
+                        "auto uses the torch backend")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ import logging
 import torch
 from torch import Tensor
 
-from .backends import FLASH_MAX_HEAD_DIM, LOCAL_CHUNK_SIZE, TRITON_MAX_HEAD_DIM, LocalBackend, parse_backend
+from .backends import (FLASH_MAX_HEAD_DIM, LOCAL_CHUNK_SIZE, TRITON_MAX_HEAD_DIM, LocalBackend, import_error,
+                       parse_backend)
 from .local_chunked import chunked_attention
 from .local_reference import check_qkv, empty_result, sdpa_attention
 
@@ -178,12 +179,7 @@ def _triton_kernel():
 @functools.lru_cache(maxsize=None)
 def _triton_import_error() -> str:
     """Empty if the Triton kernel imports, else the import error (logged once as a warning)."""
-    try:
-        _triton_kernel()
-    except ImportError as err:
-        logger.warning("ds4sci.kernels.triton_local_attention unavailable (%s); using chunked_attention", err)
-        return str(err)
-    return ""
+    return import_error(_triton_kernel, logger, "ds4sci.kernels.triton_local_attention", "using chunked_attention")
 
 
 def select_backend(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offset: int = 0,
