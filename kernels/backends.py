@@ -6,13 +6,16 @@ tile tables and torch-free callers (GenSLM's config, ``ds4sci plan``, ``ds4sci i
 - Evoformer attention (:mod:`ds4sci.kernels.evoformer`): :class:`EvoformerBackend`, :data:`EVOFORMER_MAX_HEAD_DIM`.
 - Local attention (:mod:`ds4sci.kernels.local_attention`): :class:`LocalBackend`, :data:`LOCAL_CHUNK_SIZE`,
   :data:`FLASH_MAX_HEAD_DIM`.
-- Both fused Triton kernels: :data:`TRITON_MAX_HEAD_DIM` (their tile tables cover exactly 1..128).
+- Both fused Triton kernels: :data:`TRITON_MAX_HEAD_DIM` (their tile tables cover exactly 1..128), and
+  :func:`import_error`, how each dispatcher learns (once) whether its Triton module imports.
 
 This module imports nothing beyond the standard library, so that ``import ds4sci.kernels.backends`` stays cheap.
 """
 from __future__ import annotations
 
 import enum
+import logging
+from collections.abc import Callable
 from typing import TypeVar, Union
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "TRITON_MAX_HEAD_DIM",
     "FLASH_MAX_HEAD_DIM",
     "LOCAL_CHUNK_SIZE",
+    "import_error",
 ]
 
 
@@ -58,6 +62,18 @@ def parse_backend(backend: Union[str, Family], family: type[Family]) -> Family:
         return family(backend)
     except ValueError:
         raise ValueError(f"unknown backend {backend!r}; choose one of {[b.value for b in family]}") from None
+
+
+def import_error(load: Callable[[], object], logger: logging.Logger, what: str, instead: str) -> str:
+    """Empty if ``load()`` (a dispatcher's lazy import of its Triton module) succeeds, else the ``ImportError`` as
+    text, logged as a warning on the caller's ``logger``: "``what`` is unavailable (error); ``instead``". Each
+    dispatcher caches the answer (``functools.lru_cache``), so the warning appears once per process."""
+    try:
+        load()
+    except ImportError as err:
+        logger.warning("%s is unavailable (%s); %s", what, err, instead)
+        return str(err)
+    return ""
 
 
 #: Head dims D accepted by ``evoformer_attention`` (the torch and reference backends): 1..EVOFORMER_MAX_HEAD_DIM.

@@ -50,12 +50,13 @@ and autograd formula; the op's ``backend`` string is mapped to its module by :fu
 Backend contract (canonical shapes, Z = flattened batch): every backend module exposes
 ``forward(q, k, v, mask, pair) -> (o, lse)`` and ``backward(do, q, k, v, o, lse, mask, pair, need_mask_grad,
 need_pair_grad) -> (dq, dk, dv, dmask, dpair)`` with q, k, v, o, do ``[Z, N, S, H, D]``, mask ``[Z, N, S]`` or
-None, pair ``[Z, H, S, S]`` or None (stride 0 on broadcast dims), dmask ``[Z, N, S]`` per n, dpair ``[Z, H, S, S]``
-summed over N, and the softmax statistics saved for backward (named ``lse`` in the signatures) ``[Z, N, H, S, 2]``
-fp32 (fp64 for fp64 inputs): the row max m of the biased logits and the row sum ``l = sum_j exp(s_j - m)``, kept
-apart (the log-sum-exp ``m + log l`` in fp32 loses ``log l`` when |m| is huge, e.g. rows fully masked with -1e9);
-``(+inf, +inf)`` on rows whose keys are all ``-inf``. Bias gradients are reduced over their broadcast dims here, in
-fp32, then cast to the bias dtype.
+None, pair ``[Z, H, S, S]`` or None (stride 0 on broadcast dims); dq, dk, dv in q's dtype; dmask ``[Z, N, S]`` per n
+(not reduced over the mask's broadcast dims) and dpair ``[Z, H, S, S]`` summed over N, fp32 (fp64 for fp64 inputs),
+each None unless requested (``need_mask_grad``, ``need_pair_grad``); and the softmax statistics saved for backward
+(named ``lse`` in the signatures) ``[Z, N, H, S, 2]`` fp32 (fp64 for fp64 inputs): the row max m of the biased logits
+and the row sum ``l = sum_j exp(s_j - m)``, kept apart (the log-sum-exp ``m + log l`` in fp32 loses ``log l`` when
+|m| is huge, e.g. rows fully masked with -1e9); ``(+inf, +inf)`` on rows whose keys are all ``-inf``. Bias gradients
+are reduced over their broadcast dims here, in fp32, then cast to the bias dtype.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ import torch
 from torch import Tensor
 
 from . import evoformer_chunked, evoformer_reference
-from .backends import EVOFORMER_MAX_HEAD_DIM, TRITON_MAX_HEAD_DIM, EvoformerBackend, parse_backend
+from .backends import EVOFORMER_MAX_HEAD_DIM, TRITON_MAX_HEAD_DIM, EvoformerBackend, import_error, parse_backend
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +105,8 @@ def _triton_import_error() -> str:
     Triton, about 1.8 s) when this module is imported, and Dynamo ignores the mark on an ``lru_cache`` wrapper
     anyway (torch 2.13 traces the wrapped function, with a warning; ``fullgraph=True`` compiles either way).
     """
-    try:
-        _triton_backend()
-    except ImportError as err:
-        logger.warning("evoformer_attention: the triton backend is unavailable (%s); auto uses the torch backend", err)
-        return str(err)
-    return ""
+    return import_error(_triton_backend, logger, "evoformer_attention: the triton backend",
+                        "auto uses the torch backend")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -97,23 +97,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optio
     return o, stats
 
 
-def backward(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    stats: Tensor,
-    mask: Optional[Tensor],
-    pair: Optional[Tensor],
-    need_mask_grad: bool,
-    need_pair_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """Backend contract ``backward``: recompute P per head and query chunk from :func:`forward`'s stats.
-
-    Returns dq, dk, dv in q's dtype; dmask ``[Z, N, S]`` per n (not reduced) and dpair ``[Z, H, S, S]``
-    summed over N, both fp32 (fp64 for fp64 inputs), or None when not requested.
-    """
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, mask: Optional[Tensor],
+             pair: Optional[Tensor], need_mask_grad: bool,
+             need_pair_grad: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The backend contract's ``backward`` (:mod:`ds4sci.kernels.evoformer`): recompute P per head and query chunk
+    from :func:`forward`'s stats."""
     z, n, s_len, h, d = q.shape
     cdt = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(d)

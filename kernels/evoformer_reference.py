@@ -88,24 +88,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optio
     return o, stats.detach().to(stats_dtype)  # [Z, N, H, S, 2]
 
 
-def backward(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    stats: Tensor,
-    mask: Optional[Tensor],
-    pair: Optional[Tensor],
-    need_mask_grad: bool,
-    need_pair_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """Gradients by recomputing :func:`forward` under autograd (the backend contract's ``backward``).
-
-    ``o`` and ``stats`` are accepted for the contract and not used. Returns dq, dk, dv in q's dtype,
-    dmask ``[Z, N, S]`` (per n, not reduced over broadcast dims) and dpair ``[Z, H, S, S]`` (summed over
-    N), both float32 (float64 for fp64 inputs), or None when not requested.
-    """
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, mask: Optional[Tensor],
+             pair: Optional[Tensor], need_mask_grad: bool,
+             need_pair_grad: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The backend contract's ``backward`` (:mod:`ds4sci.kernels.evoformer`) by recomputing :func:`forward` under
+    autograd; ``o`` and ``stats`` are accepted for the contract and not used."""
     del o, stats
     grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.enable_grad():

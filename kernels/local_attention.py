@@ -47,7 +47,8 @@ import logging
 import torch
 from torch import Tensor
 
-from .backends import FLASH_MAX_HEAD_DIM, LOCAL_CHUNK_SIZE, TRITON_MAX_HEAD_DIM, LocalBackend, parse_backend
+from .backends import (FLASH_MAX_HEAD_DIM, LOCAL_CHUNK_SIZE, TRITON_MAX_HEAD_DIM, LocalBackend, import_error,
+                       parse_backend)
 from .local_chunked import chunked_attention
 from .local_reference import check_qkv, empty_result, sdpa_attention
 
@@ -62,23 +63,10 @@ __all__ = [
 ]
 
 
-def flex_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    q_offset: int = 0,
-    k_offset: int = 0,
-    head_offset: int = 0,
-    q_doc: Tensor | None = None,
-    k_doc: Tensor | None = None,
-    return_lse: bool = False,
-    causal: bool = False,
-    window: int | None = None,
-    scale: float | None = None,
-    block_size: int = 128,
-    compile: bool | None = None,
-):
+def flex_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offset: int = 0, head_offset: int = 0,
+                   q_doc: Tensor | None = None, k_doc: Tensor | None = None, return_lse: bool = False,
+                   causal: bool = False, window: int | None = None, scale: float | None = None,
+                   block_size: int = 128, compile: bool | None = None):
     """FlexAttention (PyTorch ``torch.nn.attention.flex_attention``) with a block mask on global indices.
 
     Same protocol and mask semantics as :func:`sdpa_attention` (``causal``, ``window``, documents), expressed as
@@ -140,20 +128,9 @@ def flash_causal_mode(q_offset: int, q_len: int, k_offset: int, k_len: int) -> s
     return "unsupported"
 
 
-def flash_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    q_offset: int = 0,
-    k_offset: int = 0,
-    head_offset: int = 0,
-    q_doc: Tensor | None = None,
-    k_doc: Tensor | None = None,
-    return_lse: bool = False,
-    causal: bool = False,
-    scale: float | None = None,
-):
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offset: int = 0, head_offset: int = 0,
+                    q_doc: Tensor | None = None, k_doc: Tensor | None = None, return_lse: bool = False,
+                    causal: bool = False, scale: float | None = None):
     """flash-attn 2 (Dao 2023) ``flash_attn_func`` on one block (GPU, fp16/bf16, same ``[B, S, H, D]`` layout).
 
     Causal blocks are mapped with :func:`flash_causal_mode`. Not supported (``NotImplementedError``): document
@@ -202,12 +179,7 @@ def _triton_kernel():
 @functools.lru_cache(maxsize=None)
 def _triton_import_error() -> str:
     """Empty if the Triton kernel imports, else the import error (logged once as a warning)."""
-    try:
-        _triton_kernel()
-    except ImportError as err:
-        logger.warning("ds4sci.kernels.triton_local_attention unavailable (%s); using chunked_attention", err)
-        return str(err)
-    return ""
+    return import_error(_triton_kernel, logger, "ds4sci.kernels.triton_local_attention", "using chunked_attention")
 
 
 def select_backend(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offset: int = 0,
@@ -247,25 +219,12 @@ def select_backend(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offs
     return LocalBackend.TRITON if triton_ok and not _triton_import_error() else LocalBackend.CHUNKED
 
 
-def memory_efficient_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    q_offset: int = 0,
-    k_offset: int = 0,
-    head_offset: int = 0,
-    q_doc: Tensor | None = None,
-    k_doc: Tensor | None = None,
-    return_lse: bool = False,
-    causal: bool = False,
-    window: int | None = None,
-    mask: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = LOCAL_CHUNK_SIZE,
-    backend: str | LocalBackend = "auto",
-):
+def memory_efficient_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offset: int = 0,
+                               head_offset: int = 0, q_doc: Tensor | None = None, k_doc: Tensor | None = None,
+                               return_lse: bool = False, causal: bool = False, window: int | None = None,
+                               mask: Tensor | None = None, alibi_slopes: Tensor | None = None,
+                               scale: float | None = None, chunk_size: int = LOCAL_CHUNK_SIZE,
+                               backend: str | LocalBackend = "auto"):
     """The default local attention: the protocol and options of ``sdpa_attention``, without O(S^2) memory unless
     ``backend="sdpa"`` asks for that oracle.
 

@@ -235,24 +235,11 @@ class _ChunkedAttention(torch.autograd.Function):
 
 
 
-def chunked_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    q_offset: int = 0,
-    k_offset: int = 0,
-    head_offset: int = 0,
-    q_doc: Tensor | None = None,
-    k_doc: Tensor | None = None,
-    return_lse: bool = False,
-    causal: bool = False,
-    window: int | None = None,
-    mask: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = LOCAL_CHUNK_SIZE,
-):
+def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offset: int = 0, head_offset: int = 0,
+                      q_doc: Tensor | None = None, k_doc: Tensor | None = None, return_lse: bool = False,
+                      causal: bool = False, window: int | None = None, mask: Tensor | None = None,
+                      alibi_slopes: Tensor | None = None, scale: float | None = None,
+                      chunk_size: int = LOCAL_CHUNK_SIZE):
     """Memory-efficient attention in PyTorch: ``sdpa_attention``'s semantics without any ``Sq x Sk`` tensor.
 
     q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` -> out ``[B, Sq, H, D]`` (and lse ``[B, H, Sq]`` in

@@ -196,23 +196,10 @@ def empty_result(q: Tensor, v: Tensor, return_lse: bool):
     return out, lse
 
 
-def sdpa_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    q_offset: int = 0,
-    k_offset: int = 0,
-    head_offset: int = 0,
-    q_doc: Tensor | None = None,
-    k_doc: Tensor | None = None,
-    return_lse: bool = False,
-    causal: bool = False,
-    window: int | None = None,
-    mask: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-    scale: float | None = None,
-):
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offset: int = 0, head_offset: int = 0,
+                   q_doc: Tensor | None = None, k_doc: Tensor | None = None, return_lse: bool = False,
+                   causal: bool = False, window: int | None = None, mask: Tensor | None = None,
+                   alibi_slopes: Tensor | None = None, scale: float | None = None):
     """Softmax attention ``softmax(q k^T * scale - slope * |i - j| + mask) v`` (Vaswani et al. 2017) on one block.
 
     q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` -> out ``[B, Sq, H, D]`` (and lse ``[B, H, Sq]``); see

@@ -9,6 +9,8 @@
   interpreter branches are compiled out;
 - :func:`online_softmax_update`, the forward kernels' per-key-tile step, whose operation order keeps the exponent
   exact whatever the GPU compiler fuses.
+- :func:`tile_offsets` and :func:`tile_bounds`, the offsets and bounds masks every kernel's tiles start from (the
+  ``tl.dot`` tile checks included).
 """
 from __future__ import annotations
 
@@ -103,6 +105,24 @@ def dot(a, b):
             a = a.to(tl.float32)
             b = b.to(tl.float32)
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def tile_offsets(D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The aranges of a tiling into BLOCK_M queries x BLOCK_N keys x BLOCK_D head-dim columns, the tiles checked for
+    ``tl.dot``: query offsets ``[BLOCK_M]``, key offsets ``[BLOCK_N]``, column offsets ``[BLOCK_D]`` and columns < D."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
+    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
+    offs_d = tl.arange(0, BLOCK_D)
+    return tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), offs_d, offs_d < D
+
+
+@triton.jit
+def tile_bounds(rows, S, d_ok):
+    """Masks of a tile of rows ``rows [BLOCK]`` (indices into S) and head-dim columns ``d_ok [BLOCK_D]``: rows < S
+    ``[BLOCK]`` and both ``[BLOCK, BLOCK_D]``."""
+    ok = rows < S
+    return ok, ok[:, None] & d_ok[None, :]
 
 
 @triton.jit

@@ -79,7 +79,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_common import BLOCK_D_BUCKETS, LOG2E, Tiles, cast, dot, online_softmax_update, table_entry
+from .triton_common import (BLOCK_D_BUCKETS, LOG2E, Tiles, cast, dot, online_softmax_update, table_entry,
+                            tile_bounds, tile_offsets)
 
 # ----------------------------------------------------------------------------------------------------------
 # Tile configuration
@@ -132,6 +133,59 @@ def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
 
 
 @triton.jit
+def _split_pid(pid, S, N, H, BLOCK: tl.constexpr):
+    """Flattened program id -> (start, z, n, h, znh), tiles of BLOCK rows of S fastest: the first row ``start`` of the
+    program's tile, (z, n, h) as int64 and znh = (z * N + n) * H + h."""
+    num_tiles = tl.cdiv(S, BLOCK)
+    tile = pid % num_tiles
+    znh = pid // num_tiles
+    h = znh % H
+    n = (znh // H) % N
+    z = znh // (H * N)
+    return tile * BLOCK, z.to(tl.int64), n.to(tl.int64), h.to(tl.int64), znh.to(tl.int64)
+
+
+@triton.jit
+def _tile(X, z, n, h, start, stride_z, stride_n, stride_s, stride_h, stride_d, offs, offs_d):
+    """Rows ``start + offs`` of x[z, n, :, h, :] (x ``[Z, N, S, H, D]``, columns ``offs_d``) as a scalar base pointer
+    (64-bit offset) and loop-invariant 32-bit offsets ``[len(offs), BLOCK_D]``; a loop over tiles advances the base."""
+    base = X + (z * stride_z + n * stride_n + h * stride_h + tl.cast(start, tl.int64) * stride_s)
+    return base, offs[:, None] * stride_s + offs_d[None, :] * stride_d
+
+
+@triton.jit
+def _bias_offsets(z, n, h, start_m, start_n, rows, cols, stride_mz, stride_mn, stride_ms,
+                  stride_pz, stride_ph, stride_pi, stride_pj):
+    """Where the biases of query rows ``start_m + rows`` and key rows ``start_n + cols`` of (z, n, h) are: the mask
+    row mask[z, n, start_n + cols] and the pair tile pair[z, h, start_m + rows, start_n + cols], each as a scalar
+    64-bit base and loop-invariant 32-bit offsets (``[BLOCK_N]``, ``[BLOCK_M, BLOCK_N]``). An absent bias has zero
+    strides (:func:`_bias_strides`), so its offsets are zeros, never read."""
+    start_m, start_n = tl.cast(start_m, tl.int64), tl.cast(start_n, tl.int64)
+    m_base = z * stride_mz + n * stride_mn + start_n * stride_ms
+    p_base = z * stride_pz + h * stride_ph + start_m * stride_pi + start_n * stride_pj
+    return m_base, cols * stride_ms, p_base, rows[:, None] * stride_pi + cols[None, :] * stride_pj
+
+
+@triton.jit
+def _mask_row(Mask, base, offs, key_ok, HAS_MASK: tl.constexpr):
+    """The mask row ``[BLOCK_N]`` at ``Mask + base + offs`` as fp32 (0 on keys >= S; zeros without a mask)."""
+    mask_row = tl.zeros(offs.shape, tl.float32)
+    if HAS_MASK:
+        mask_row = tl.load(Mask + base + offs, mask=key_ok, other=0.0).to(tl.float32)
+    return mask_row
+
+
+@triton.jit
+def _pair_tile(Pair, base, offs, query_ok, key_ok, HAS_PAIR: tl.constexpr):
+    """The pair tile ``[BLOCK_M, BLOCK_N]`` at ``Pair + base + offs`` as fp32 (0 outside S x S; zeros without a pair
+    bias)."""
+    pair_tile = tl.zeros(offs.shape, tl.float32)
+    if HAS_PAIR:
+        pair_tile = tl.load(Pair + base + offs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+    return pair_tile
+
+
+@triton.jit
 def _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK: tl.constexpr, HAS_PAIR: tl.constexpr):
     """Biased logits ``[BLOCK_M, BLOCK_N]`` in fp32: ``(q k^T * scale + mask) + pair``, -inf on keys >= S.
 
@@ -144,6 +198,19 @@ def _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK: tl.constexpr,
     if HAS_PAIR:
         s = s + pair_tile
     return tl.where(key_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _key_tile(q, k_ptrs, v_ptrs, Mask, m_base, m_offs, Pair, p_base, p_offs, query_ok, key_ok, d_ok, sm_scale,
+              HAS_MASK: tl.constexpr, HAS_PAIR: tl.constexpr):
+    """One step of a resident query tile's loop over key tiles (forward and dQ): k and v ``[BLOCK_N, BLOCK_D]`` read
+    at ``k_ptrs`` / ``v_ptrs``, and the biased logits ``s [BLOCK_M, BLOCK_N]`` with the biases at these offsets."""
+    kd_ok = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
+    v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
+    mask_row = _mask_row(Mask, m_base, m_offs, key_ok, HAS_MASK)
+    pair_tile = _pair_tile(Pair, p_base, p_offs, query_ok, key_ok, HAS_PAIR)
+    return k, v, _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)
 
 
 @triton.jit
@@ -160,17 +227,6 @@ def _probs(s, row_max, inv_sum):
     exponent has no addend, so no fused multiply-add of the (possibly huge) max feeds ``exp2``. m = l = +inf (fully
     -inf row) gives exact zeros."""
     return tl.math.exp2((s - row_max[:, None]) * LOG2E) * inv_sum[:, None]
-
-
-@triton.jit
-def _split_pid(pid, num_tiles, N, H):
-    """Flattened program id -> (tile, z, n, h, znh) with tiles fastest; znh = (z * N + n) * H + h."""
-    tile = pid % num_tiles
-    znh = pid // num_tiles
-    h = znh % H
-    n = (znh // H) % N
-    z = znh // (H * N)
-    return tile, z.to(tl.int64), n.to(tl.int64), h.to(tl.int64), znh.to(tl.int64)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -192,61 +248,38 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program: a tile of BLOCK_M queries of one (z, n, h); loops over key tiles with an online softmax."""
-    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
-    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
-    tile_m, z, n, h, znh = _split_pid(tl.program_id(0), tl.cdiv(S, BLOCK_M), N, H)
-    start_m = tile_m * BLOCK_M
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    query_ok = start_m + rows < S
-    qd_ok = query_ok[:, None] & d_ok[None, :]  # [BLOCK_M, BLOCK_D]
+    start_m, z, n, h, znh = _split_pid(tl.program_id(0), S, N, H, BLOCK_M)
+    rows, cols, offs_d, d_ok = tile_offsets(D, BLOCK_M, BLOCK_N, BLOCK_D)
+    query_ok, qd_ok = tile_bounds(start_m + rows, S, d_ok)  # [BLOCK_M], [BLOCK_M, BLOCK_D]
 
     # q[z, n, start_m:, h, :] as a [BLOCK_M, BLOCK_D] tile, resident for the whole loop
-    q_base = z * stride_qz + n * stride_qn + h * stride_qh + start_m.to(tl.int64) * stride_qs
-    q = tl.load(Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=qd_ok, other=0.0)
-    # [BLOCK_N, BLOCK_D] tiles of k[z, n, :, h, :] and v at key tile 0, advanced by BLOCK_N rows per step
-    k_ptr = K + (z * stride_kz + n * stride_kn + h * stride_kh)
-    k_offs = cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_ptr = V + (z * stride_vz + n * stride_vn + h * stride_vh)
-    v_offs = cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
-    mask_row = tl.zeros([BLOCK_N], tl.float32)
-    pair_tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if HAS_MASK:  # [BLOCK_N] of mask[z, n, :]
-        m_ptr = Mask + (z * stride_mz + n * stride_mn)
-    if HAS_PAIR:  # [BLOCK_M, BLOCK_N] of pair[z, h, start_m:, :]; the same tile serves every n
-        p_ptr = Pair + (z * stride_pz + h * stride_ph + start_m.to(tl.int64) * stride_pi)
-        p_offs = rows[:, None] * stride_pi + cols[None, :] * stride_pj
+    q_ptr, q_offs = _tile(Q, z, n, h, start_m, stride_qz, stride_qn, stride_qs, stride_qh, stride_qd, rows, offs_d)
+    q = tl.load(q_ptr + q_offs, mask=qd_ok, other=0.0)
+    # At key tile 0, advanced by BLOCK_N keys per step: [BLOCK_N, BLOCK_D] tiles of k[z, n, :, h, :] and v, the
+    # [BLOCK_N] row of mask[z, n, :] and the [BLOCK_M, BLOCK_N] tile of pair[z, h, start_m:, :] (the same for every n)
+    k_ptr, k_offs = _tile(K, z, n, h, 0, stride_kz, stride_kn, stride_ks, stride_kh, stride_kd, cols, offs_d)
+    v_ptr, v_offs = _tile(V, z, n, h, 0, stride_vz, stride_vn, stride_vs, stride_vh, stride_vd, cols, offs_d)
+    m_base, m_offs, p_base, p_offs = _bias_offsets(z, n, h, start_m, 0, rows, cols, stride_mz, stride_mn, stride_ms,
+                                                   stride_pz, stride_ph, stride_pi, stride_pj)
 
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max (natural units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp(s - m_i)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, S, BLOCK_N):
-        key_ok = start_n + cols < S
-        kd_ok = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
-        v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
-        if HAS_MASK:
-            mask_row = tl.load(m_ptr + cols * stride_ms, mask=key_ok, other=0.0).to(tl.float32)
-        if HAS_PAIR:
-            pair_tile = tl.load(p_ptr + p_offs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
-        s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
+        k, v, s = _key_tile(q, k_ptr + k_offs, v_ptr + v_offs, Mask, m_base, m_offs, Pair, p_base, p_offs, query_ok,
+                            start_n + cols < S, d_ok, sm_scale, HAS_MASK, HAS_PAIR)  # s [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc)
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
-        if HAS_MASK:
-            m_ptr += BLOCK_N * stride_ms
-        if HAS_PAIR:
-            p_ptr += BLOCK_N * stride_pj
+        m_base += BLOCK_N * stride_ms
+        p_base += BLOCK_N * stride_pj
 
     empty = l_i == 0.0  # every key -inf: output zeros, stats (+inf, +inf)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     row_max = tl.where(empty, float("inf"), m_i)
     row_sum = tl.where(empty, float("inf"), l_i)  # kept apart from m: m + log l would round log l away
-    o_base = z * stride_oz + n * stride_on + h * stride_oh + start_m.to(tl.int64) * stride_os
-    o_ptrs = O + o_base + rows[:, None] * stride_os + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, cast(o, O.dtype.element_ty), mask=qd_ok)
+    o_ptr, o_offs = _tile(O, z, n, h, start_m, stride_oz, stride_on, stride_os, stride_oh, stride_od, rows, offs_d)
+    tl.store(o_ptr + o_offs, cast(o, O.dtype.element_ty), mask=qd_ok)
     stats_ptrs = Stats + (znh * S + start_m + rows) * 2  # stats [Z, N, H, S, 2], contiguous
     tl.store(stats_ptrs, row_max, mask=query_ok)
     tl.store(stats_ptrs + 1, row_sum, mask=query_ok)
@@ -261,16 +294,16 @@ def _bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """delta[z, n, h, i] = sum_d dO * O in fp32 (the softmax-backward row term of FlashAttention-2)."""
-    tile_m, z, n, h, znh = _split_pid(tl.program_id(0), tl.cdiv(S, BLOCK_M), N, H)
-    start_m = tile_m * BLOCK_M
+    start_m, z, n, h, znh = _split_pid(tl.program_id(0), S, N, H, BLOCK_M)
     rows = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    query_ok = start_m + rows < S
-    qd_ok = query_ok[:, None] & (offs_d < D)[None, :]
-    o_base = z * stride_oz + n * stride_on + h * stride_oh + start_m.to(tl.int64) * stride_os
-    do_base = z * stride_doz + n * stride_don + h * stride_doh + start_m.to(tl.int64) * stride_dos
-    o = tl.load(O + o_base + rows[:, None] * stride_os + offs_d[None, :] * stride_od, mask=qd_ok, other=0.0)
-    do = tl.load(DO + do_base + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=qd_ok, other=0.0)
+    d_ok = offs_d < D
+    query_ok, qd_ok = tile_bounds(start_m + rows, S, d_ok)
+    o_ptr, o_offs = _tile(O, z, n, h, start_m, stride_oz, stride_on, stride_os, stride_oh, stride_od, rows, offs_d)
+    do_ptr, do_offs = _tile(DO, z, n, h, start_m, stride_doz, stride_don, stride_dos, stride_doh, stride_dod, rows,
+                            offs_d)
+    o = tl.load(o_ptr + o_offs, mask=qd_ok, other=0.0)
+    do = tl.load(do_ptr + do_offs, mask=qd_ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
     tl.store(Delta + znh * S + start_m + rows, delta, mask=query_ok)
 
@@ -295,36 +328,24 @@ def _bwd_dkdv_kernel(
     Writes dK, dV and, with MASK_GRAD, this head's share of the mask-bias gradient ``sum_i dS[i, j]`` into
     ``DMaskPart [Z, N, H, S]`` (summed over H by the launcher: no atomics, deterministic).
     """
-    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
-    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
     tl.static_assert(HAS_MASK or not MASK_GRAD, "MASK_GRAD needs HAS_MASK")
-    tile_n, z, n, h, znh = _split_pid(tl.program_id(0), tl.cdiv(S, BLOCK_N), N, H)
-    start_n = tile_n * BLOCK_N
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    key_ok = start_n + cols < S
-    kd_ok = key_ok[:, None] & d_ok[None, :]  # [BLOCK_N, BLOCK_D]
+    start_n, z, n, h, znh = _split_pid(tl.program_id(0), S, N, H, BLOCK_N)
+    rows, cols, offs_d, d_ok = tile_offsets(D, BLOCK_M, BLOCK_N, BLOCK_D)
+    key_ok, kd_ok = tile_bounds(start_n + cols, S, d_ok)  # [BLOCK_N], [BLOCK_N, BLOCK_D]
 
     # k[z, n, start_n:, h, :] and v as [BLOCK_N, BLOCK_D] tiles, resident for the whole loop
-    k_base = z * stride_kz + n * stride_kn + h * stride_kh + start_n.to(tl.int64) * stride_ks
-    v_base = z * stride_vz + n * stride_vn + h * stride_vh + start_n.to(tl.int64) * stride_vs
-    k = tl.load(K + k_base + cols[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kd_ok, other=0.0)
-    v = tl.load(V + v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kd_ok, other=0.0)
-    mask_row = tl.zeros([BLOCK_N], tl.float32)
-    pair_tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if HAS_MASK:  # [BLOCK_N] of mask[z, n, start_n:], fixed for this program
-        m_base = z * stride_mz + n * stride_mn + start_n.to(tl.int64) * stride_ms
-        mask_row = tl.load(Mask + m_base + cols * stride_ms, mask=key_ok, other=0.0).to(tl.float32)
-    if HAS_PAIR:  # [BLOCK_M, BLOCK_N] of pair[z, h, :, start_n:] at query tile 0, advanced by BLOCK_M rows per step
-        p_ptr = Pair + (z * stride_pz + h * stride_ph + start_n.to(tl.int64) * stride_pj)
-        p_offs = rows[:, None] * stride_pi + cols[None, :] * stride_pj
+    k_ptr, k_offs = _tile(K, z, n, h, start_n, stride_kz, stride_kn, stride_ks, stride_kh, stride_kd, cols, offs_d)
+    v_ptr, v_offs = _tile(V, z, n, h, start_n, stride_vz, stride_vn, stride_vs, stride_vh, stride_vd, cols, offs_d)
+    k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
+    v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
+    # The [BLOCK_N] row of mask[z, n, start_n:], fixed for this program, and the [BLOCK_M, BLOCK_N] tile of
+    # pair[z, h, :, start_n:] at query tile 0, advanced by BLOCK_M rows per step
+    m_base, m_offs, p_base, p_offs = _bias_offsets(z, n, h, 0, start_n, rows, cols, stride_mz, stride_mn, stride_ms,
+                                                   stride_pz, stride_ph, stride_pi, stride_pj)
+    mask_row = _mask_row(Mask, m_base, m_offs, key_ok, HAS_MASK)
     # [BLOCK_M, BLOCK_D] tiles of q[z, n, :, h, :] and dO at query tile 0; stats and delta rows [BLOCK_M]
-    q_ptr = Q + (z * stride_qz + n * stride_qn + h * stride_qh)
-    q_offs = rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    do_ptr = DO + (z * stride_doz + n * stride_don + h * stride_doh)
-    do_offs = rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
+    q_ptr, q_offs = _tile(Q, z, n, h, 0, stride_qz, stride_qn, stride_qs, stride_qh, stride_qd, rows, offs_d)
+    do_ptr, do_offs = _tile(DO, z, n, h, 0, stride_doz, stride_don, stride_dos, stride_doh, stride_dod, rows, offs_d)
     stats_ptr = Stats + znh * S * 2
     delta_ptr = Delta + znh * S
 
@@ -332,14 +353,12 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dmask = tl.zeros([BLOCK_N], tl.float32)
     for start_m in range(0, S, BLOCK_M):
-        query_ok = start_m + rows < S
-        qd_ok = query_ok[:, None] & d_ok[None, :]
+        query_ok, qd_ok = tile_bounds(start_m + rows, S, d_ok)
         q = tl.load(q_ptr + q_offs, mask=qd_ok, other=0.0)
         do = tl.load(do_ptr + do_offs, mask=qd_ok, other=0.0)
         row_max, inv_sum = _load_stats(stats_ptr + rows * 2, query_ok)  # m = +inf: P = 0 on rows past S
         delta = tl.load(delta_ptr + rows, mask=query_ok, other=0.0)
-        if HAS_PAIR:
-            pair_tile = tl.load(p_ptr + p_offs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+        pair_tile = _pair_tile(Pair, p_base, p_offs, query_ok, key_ok, HAS_PAIR)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
         p = _probs(s, row_max, inv_sum)  # exact 0 on fully -inf rows
         dv += dot(tl.trans(cast(p, do.dtype)), do)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, BLOCK_D]
@@ -352,15 +371,14 @@ def _bwd_dkdv_kernel(
         do_ptr += BLOCK_M * stride_dos
         stats_ptr += 2 * BLOCK_M
         delta_ptr += BLOCK_M
-        if HAS_PAIR:
-            p_ptr += BLOCK_M * stride_pi
+        p_base += BLOCK_M * stride_pi
 
-    dk_base = z * stride_dkz + n * stride_dkn + h * stride_dkh + start_n.to(tl.int64) * stride_dks
-    dv_base = z * stride_dvz + n * stride_dvn + h * stride_dvh + start_n.to(tl.int64) * stride_dvs
-    dk_ptrs = DK + dk_base + cols[:, None] * stride_dks + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + dv_base + cols[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
-    tl.store(dk_ptrs, cast(dk * sm_scale, DK.dtype.element_ty), mask=kd_ok)
-    tl.store(dv_ptrs, cast(dv, DV.dtype.element_ty), mask=kd_ok)
+    dk_ptr, dk_offs = _tile(DK, z, n, h, start_n, stride_dkz, stride_dkn, stride_dks, stride_dkh, stride_dkd, cols,
+                            offs_d)
+    dv_ptr, dv_offs = _tile(DV, z, n, h, start_n, stride_dvz, stride_dvn, stride_dvs, stride_dvh, stride_dvd, cols,
+                            offs_d)
+    tl.store(dk_ptr + dk_offs, cast(dk * sm_scale, DK.dtype.element_ty), mask=kd_ok)
+    tl.store(dv_ptr + dv_offs, cast(dv, DV.dtype.element_ty), mask=kd_ok)
     if MASK_GRAD:
         tl.store(DMaskPart + znh * S + start_n + cols, dmask, mask=key_ok)  # [Z, N, H, S], contiguous
 
@@ -380,62 +398,40 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program: a tile of BLOCK_M queries of one (z, n, h); loops over key tiles: dQ = dS K / sqrt(D)."""
-    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
-    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
-    tile_m, z, n, h, znh = _split_pid(tl.program_id(0), tl.cdiv(S, BLOCK_M), N, H)
-    start_m = tile_m * BLOCK_M
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    query_ok = start_m + rows < S
-    qd_ok = query_ok[:, None] & d_ok[None, :]  # [BLOCK_M, BLOCK_D]
+    start_m, z, n, h, znh = _split_pid(tl.program_id(0), S, N, H, BLOCK_M)
+    rows, cols, offs_d, d_ok = tile_offsets(D, BLOCK_M, BLOCK_N, BLOCK_D)
+    query_ok, qd_ok = tile_bounds(start_m + rows, S, d_ok)  # [BLOCK_M], [BLOCK_M, BLOCK_D]
 
     # q[z, n, start_m:, h, :] and dO as [BLOCK_M, BLOCK_D] tiles; stats and delta rows [BLOCK_M]
-    q_base = z * stride_qz + n * stride_qn + h * stride_qh + start_m.to(tl.int64) * stride_qs
-    do_base = z * stride_doz + n * stride_don + h * stride_doh + start_m.to(tl.int64) * stride_dos
-    q = tl.load(Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=qd_ok, other=0.0)
-    do = tl.load(DO + do_base + rows[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=qd_ok, other=0.0)
+    q_ptr, q_offs = _tile(Q, z, n, h, start_m, stride_qz, stride_qn, stride_qs, stride_qh, stride_qd, rows, offs_d)
+    do_ptr, do_offs = _tile(DO, z, n, h, start_m, stride_doz, stride_don, stride_dos, stride_doh, stride_dod, rows,
+                            offs_d)
+    q = tl.load(q_ptr + q_offs, mask=qd_ok, other=0.0)
+    do = tl.load(do_ptr + do_offs, mask=qd_ok, other=0.0)
     row_max, inv_sum = _load_stats(Stats + (znh * S + start_m + rows) * 2, query_ok)
     delta = tl.load(Delta + znh * S + start_m + rows, mask=query_ok, other=0.0)
-    # [BLOCK_N, BLOCK_D] tiles of k[z, n, :, h, :] and v at key tile 0, advanced by BLOCK_N rows per step
-    k_ptr = K + (z * stride_kz + n * stride_kn + h * stride_kh)
-    k_offs = cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_ptr = V + (z * stride_vz + n * stride_vn + h * stride_vh)
-    v_offs = cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
-    mask_row = tl.zeros([BLOCK_N], tl.float32)
-    pair_tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if HAS_MASK:  # [BLOCK_N] of mask[z, n, :]
-        m_ptr = Mask + (z * stride_mz + n * stride_mn)
-    if HAS_PAIR:  # [BLOCK_M, BLOCK_N] of pair[z, h, start_m:, :]
-        p_ptr = Pair + (z * stride_pz + h * stride_ph + start_m.to(tl.int64) * stride_pi)
-        p_offs = rows[:, None] * stride_pi + cols[None, :] * stride_pj
+    # At key tile 0, advanced by BLOCK_N keys per step: k, v, mask and pair tiles as in the forward kernel
+    k_ptr, k_offs = _tile(K, z, n, h, 0, stride_kz, stride_kn, stride_ks, stride_kh, stride_kd, cols, offs_d)
+    v_ptr, v_offs = _tile(V, z, n, h, 0, stride_vz, stride_vn, stride_vs, stride_vh, stride_vd, cols, offs_d)
+    m_base, m_offs, p_base, p_offs = _bias_offsets(z, n, h, start_m, 0, rows, cols, stride_mz, stride_mn, stride_ms,
+                                                   stride_pz, stride_ph, stride_pi, stride_pj)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, S, BLOCK_N):
-        key_ok = start_n + cols < S
-        kd_ok = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
-        v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
-        if HAS_MASK:
-            mask_row = tl.load(m_ptr + cols * stride_ms, mask=key_ok, other=0.0).to(tl.float32)
-        if HAS_PAIR:
-            pair_tile = tl.load(p_ptr + p_offs, mask=query_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
-        s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, HAS_PAIR)  # [BLOCK_M, BLOCK_N]
+        k, v, s = _key_tile(q, k_ptr + k_offs, v_ptr + v_offs, Mask, m_base, m_offs, Pair, p_base, p_offs, query_ok,
+                            start_n + cols < S, d_ok, sm_scale, HAS_MASK, HAS_PAIR)  # s [BLOCK_M, BLOCK_N]
         p = _probs(s, row_max, inv_sum)
         dp = dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
         ds = p * (dp - delta[:, None])
         dq += dot(cast(ds, k.dtype), k)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
-        if HAS_MASK:
-            m_ptr += BLOCK_N * stride_ms
-        if HAS_PAIR:
-            p_ptr += BLOCK_N * stride_pj
+        m_base += BLOCK_N * stride_ms
+        p_base += BLOCK_N * stride_pj
 
-    dq_base = z * stride_dqz + n * stride_dqn + h * stride_dqh + start_m.to(tl.int64) * stride_dqs
-    dq_ptrs = DQ + dq_base + rows[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
-    tl.store(dq_ptrs, cast(dq * sm_scale, DQ.dtype.element_ty), mask=qd_ok)
+    dq_ptr, dq_offs = _tile(DQ, z, n, h, start_m, stride_dqz, stride_dqn, stride_dqs, stride_dqh, stride_dqd, rows,
+                            offs_d)
+    tl.store(dq_ptr + dq_offs, cast(dq * sm_scale, DQ.dtype.element_ty), mask=qd_ok)
 
 
 @triton.jit
@@ -455,8 +451,6 @@ def _bwd_dpair_kernel(
 
     One program per (z, h, chunk c of ``n_chunk`` consecutive n, query tile, key tile), looping over its n with the
     sum in fp32 registers and a single store (no atomics; the launcher sums the chunks in a fixed order)."""
-    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
-    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
     pid = tl.program_id(0)
     num_m = tl.cdiv(S, BLOCK_M)
     num_n = tl.cdiv(S, BLOCK_N)
@@ -473,37 +467,29 @@ def _bwd_dpair_kernel(
     zhc = zhc.to(tl.int64)
     start_m = (tile_m * BLOCK_M).to(tl.int64)
     start_n = (tile_n * BLOCK_N).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    query_ok = start_m + rows < S
-    key_ok = start_n + cols < S
-    qd_ok = query_ok[:, None] & d_ok[None, :]  # [BLOCK_M, BLOCK_D]
-    kd_ok = key_ok[:, None] & d_ok[None, :]  # [BLOCK_N, BLOCK_D]
-    ij_ok = query_ok[:, None] & key_ok[None, :]  # [BLOCK_M, BLOCK_N]
+    rows, cols, offs_d, d_ok = tile_offsets(D, BLOCK_M, BLOCK_N, BLOCK_D)
+    query_ok, qd_ok = tile_bounds(start_m + rows, S, d_ok)  # [BLOCK_M], [BLOCK_M, BLOCK_D]
+    key_ok, kd_ok = tile_bounds(start_n + cols, S, d_ok)  # [BLOCK_N], [BLOCK_N, BLOCK_D]
 
-    # pair[z, h, start_m:, start_n:] as a [BLOCK_M, BLOCK_N] tile, the same for every n: loaded once
-    p_base = z * stride_pz + h * stride_ph + start_m * stride_pi + start_n * stride_pj
-    pair_tile = tl.load(Pair + p_base + rows[:, None] * stride_pi + cols[None, :] * stride_pj, mask=ij_ok, other=0.0)
-    pair_tile = pair_tile.to(tl.float32)
+    # The [BLOCK_M, BLOCK_N] tile of pair[z, h, start_m:, start_n:], the same for every n: loaded once; the [BLOCK_N]
+    # row of mask[z, n, start_n:] at n = n_start, advanced by one n per step
+    m_base, m_offs, p_base, p_offs = _bias_offsets(z, n_start, h, start_m, start_n, rows, cols, stride_mz, stride_mn,
+                                                   stride_ms, stride_pz, stride_ph, stride_pi, stride_pj)
+    pair_tile = _pair_tile(Pair, p_base, p_offs, query_ok, key_ok, True)
     # Tiles of q, dO [BLOCK_M, BLOCK_D] and k, v [BLOCK_N, BLOCK_D] at n = n_start, advanced by one n per step:
     # scalar base pointers plus loop-invariant 32-bit offsets
-    q_ptr = Q + (z * stride_qz + n_start * stride_qn + h * stride_qh + start_m * stride_qs)
-    q_offs = rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    do_ptr = DO + (z * stride_doz + n_start * stride_don + h * stride_doh + start_m * stride_dos)
-    do_offs = rows[:, None] * stride_dos + offs_d[None, :] * stride_dod
-    k_ptr = K + (z * stride_kz + n_start * stride_kn + h * stride_kh + start_n * stride_ks)
-    k_offs = cols[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_ptr = V + (z * stride_vz + n_start * stride_vn + h * stride_vh + start_n * stride_vs)
-    v_offs = cols[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    q_ptr, q_offs = _tile(Q, z, n_start, h, start_m, stride_qz, stride_qn, stride_qs, stride_qh, stride_qd, rows,
+                          offs_d)
+    do_ptr, do_offs = _tile(DO, z, n_start, h, start_m, stride_doz, stride_don, stride_dos, stride_doh, stride_dod,
+                            rows, offs_d)
+    k_ptr, k_offs = _tile(K, z, n_start, h, start_n, stride_kz, stride_kn, stride_ks, stride_kh, stride_kd, cols,
+                          offs_d)
+    v_ptr, v_offs = _tile(V, z, n_start, h, start_n, stride_vz, stride_vn, stride_vs, stride_vh, stride_vd, cols,
+                          offs_d)
     # delta [Z, N, H, S] and stats [Z, N, H, S, 2] (contiguous): rows of (z, n, h) start at ((z * N + n) * H + h) * S
     row0 = ((z * N + n_start) * H + h) * S + start_m
     stats_ptr = Stats + row0 * 2
     delta_ptr = Delta + row0
-    mask_row = tl.zeros([BLOCK_N], tl.float32)
-    if HAS_MASK:  # [BLOCK_N] of mask[z, n, start_n:] at n = n_start
-        m_ptr = Mask + (z * stride_mz + n_start * stride_mn + start_n * stride_ms)
 
     dpair = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for _ in range(0, steps):
@@ -513,8 +499,7 @@ def _bwd_dpair_kernel(
         v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
         row_max, inv_sum = _load_stats(stats_ptr + rows * 2, query_ok)
         delta = tl.load(delta_ptr + rows, mask=query_ok, other=0.0)
-        if HAS_MASK:
-            mask_row = tl.load(m_ptr + cols * stride_ms, mask=key_ok, other=0.0).to(tl.float32)
+        mask_row = _mask_row(Mask, m_base, m_offs, key_ok, HAS_MASK)
         s = _scores(q, k, sm_scale, mask_row, pair_tile, key_ok, HAS_MASK, True)  # [BLOCK_M, BLOCK_N]
         p = _probs(s, row_max, inv_sum)
         dp = dot(do, tl.trans(v))
@@ -525,12 +510,11 @@ def _bwd_dpair_kernel(
         v_ptr += stride_vn
         stats_ptr += 2 * H * S
         delta_ptr += H * S
-        if HAS_MASK:
-            m_ptr += stride_mn
+        m_base += stride_mn
 
     # DPair [Z, H, C, S, S] fp32, contiguous
     out_base = zhc * S * S + start_m * S + start_n
-    tl.store(DPair + out_base + rows[:, None] * S + cols[None, :], dpair, mask=ij_ok)
+    tl.store(DPair + out_base + rows[:, None] * S + cols[None, :], dpair, mask=query_ok[:, None] & key_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -647,21 +631,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optio
     return o, stats
 
 
-def backward(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    stats: Tensor,
-    mask: Optional[Tensor],
-    pair: Optional[Tensor],
-    need_mask_grad: bool,
-    need_pair_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """Backend contract ``backward``: dq, dk, dv in q's dtype; dmask ``[Z, N, S]`` fp32 per n and dpair
-    ``[Z, H, S, S]`` fp32 summed over N, each None unless requested (and the bias present). do and o have q's
-    shape, stats is :func:`forward`'s fp32 ``[Z, N, H, S, 2]`` (not re-validated; see the module docstring)."""
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, mask: Optional[Tensor],
+             pair: Optional[Tensor], need_mask_grad: bool,
+             need_pair_grad: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The backend contract's ``backward`` (:mod:`ds4sci.kernels.evoformer`) with the module docstring's four kernels;
+    a bias gradient is also None when its bias is. stats is :func:`forward`'s (not re-validated)."""
     z, n, s, h, _ = q.shape
     stats = stats.contiguous()  # the kernels index stats [Z, N, H, S, 2] and delta [Z, N, H, S] as contiguous
     need_mask_grad = need_mask_grad and mask is not None
