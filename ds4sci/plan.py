@@ -150,11 +150,6 @@ class Workload:
         return replace(self, seq_len=seq_len)
 
     @property
-    def rotary_dim(self) -> int:
-        """Rotated dims per head; 0 unless ``position_embedding == "rotary"``."""
-        return self.model.rotary_dim if self.model.position_embedding == "rotary" else 0
-
-    @property
     def learned_table(self) -> bool:
         return self.model.position_embedding == "learned"
 
@@ -167,7 +162,7 @@ class Workload:
         """The shape and the work as ``plan.json`` records them."""
         m = self.model
         return {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads,
-                "intermediate": m.intermediate_size, "vocab": m.vocab_size, "rotary_dim": self.rotary_dim,
+                "intermediate": m.intermediate_size, "vocab": m.vocab_size, "rotary_dim": m.rotary_dim,
                 "learned_table": self.learned_table, "backend": m.attention_backend, "seq_len": self.seq_len,
                 "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "dtype": self.dtype,
                 "position_table": self.position_table, "mask": self.mask, "dropout": m.dropout}
@@ -201,12 +196,12 @@ def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
     d = strategy.dims
     e = STATE_BYTES[w.dtype][0]
     h, f = w.model.hidden_size, w.model.intermediate_size
-    single = 9 if w.rotary_dim else 7
+    single = 9 if w.model.rotary_dim else 7
     if mode == "full":
         return h * e
     # the column-parallel matmuls save their inputs gathered over the tp ranks' sequence regions: both layer-norm
     # outputs count tp h per local token; rotary cos/sin cover the S/sp positions of the attention region
-    gathered = 2 * (d.tp - 1) * h + 2 * w.rotary_dim * d.tp
+    gathered = 2 * (d.tp - 1) * h + 2 * w.model.rotary_dim * d.tp
     if mode == "selective":
         return (single * h + 2 * f + gathered) * e + 4 * 4
     c = 8 if d.ulysses > 1 else single

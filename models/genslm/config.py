@@ -67,6 +67,9 @@ class GenSLMConfig:
 
     @property
     def rotary_dim(self) -> int:
+        """Dims of each head that rotary embeddings rotate (``rotary_pct`` of the head, even); 0 without them."""
+        if self.position_embedding != "rotary":
+            return 0
         return int(self.head_dim * self.rotary_pct) // 2 * 2
 
     def block_parameters(self) -> int:

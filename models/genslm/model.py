@@ -65,7 +65,7 @@ class Attention(nn.Module):
     def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
         super().__init__()
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
-        self.rotary_dim = config.rotary_dim if config.position_embedding == "rotary" else 0
+        self.rotary_dim = config.rotary_dim
         self.rotary_base = config.rotary_base
         self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size, device=device)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, device=device)
