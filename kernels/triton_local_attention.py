@@ -104,7 +104,7 @@ from torch.autograd.function import once_differentiable
 
 from .local_reference import check_qkv
 from .triton_common import (BLOCK_D_BUCKETS, LOG2E, SUPPORTED_DTYPES, Tiles, cast, dot, online_softmax_update,
-                            table_entry, tile_bounds, tile_offsets)
+                            table_entry)
 
 __all__ = ["triton_attention", "SUPPORTED_DTYPES", "BLOCK_D_BUCKETS"]
 
@@ -182,53 +182,11 @@ def _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_do
 
 
 @triton.jit
-def _tile(X, b, h, start, stride_b, stride_s, stride_h, stride_d, offs, offs_d):
-    """Rows ``start + offs`` of x[b, :, h, :] (x ``[B, S, H, D]``, columns ``offs_d``) as a scalar base pointer
-    (64-bit offset) and loop-invariant 32-bit offsets ``[len(offs), BLOCK_D]``; a loop over tiles advances the base
-    (a tensor of 64-bit pointers would cost twice the registers)."""
-    base = X + (b * stride_b + tl.cast(h, tl.int64) * stride_h + tl.cast(start, tl.int64) * stride_s)
-    return base, offs[:, None] * stride_s + offs_d[None, :] * stride_d
-
-
-@triton.jit
-def _slope(Slopes, h, HAS_ALIBI: tl.constexpr):
-    """The ALiBi slope of query head h in fp32 (unused without ALiBi)."""
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(Slopes + h).to(tl.float32)
-    return slope
-
-
-@triton.jit
-def _doc_ids(Doc, b, S, rows, HAS_DOCS: tl.constexpr):
-    """Document ids ``[BLOCK]`` of the local rows ``rows`` of batch row b (``Doc [B, S]``), -1 past S (zeros, unused,
-    without documents)."""
-    ids = tl.zeros(rows.shape, tl.int64)
-    if HAS_DOCS:
-        ids = tl.load(Doc + b * S + rows, mask=rows < S, other=-1)
-    return ids
-
-
-@triton.jit
-def _tile_docs(Doc, b, S, rows, HAS_DOCS: tl.constexpr):
-    """A program's resident tile's document ids (:func:`_doc_ids`) and their (min, max) over the rows < S."""
-    doc = _doc_ids(Doc, b, S, rows, HAS_DOCS)
-    ok = rows < S
+def _doc_range(doc, ok):
+    """(min, max) of the ids ``doc`` where ``ok`` (a tile's own documents)."""
     lo = tl.min(tl.where(ok, doc, 9223372036854775807), 0)
     hi = tl.max(tl.where(ok, doc, -9223372036854775808), 0)
-    return doc, lo, hi
-
-
-@triton.jit
-def _visits(TileDoc, b, S, start, doc_lo, doc_hi, BLOCK: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """Whether a loop visits its tile of BLOCK rows at ``start`` (of S): always without documents; with them, only if
-    the tile's (min, max) document id ``TileDoc[b, start // BLOCK]`` (``[B, cdiv(S, BLOCK), 2]``, from
-    :func:`_tile_doc_ranges`) can meet ``[doc_lo, doc_hi]``, the range of the program's own tile."""
-    visit = True
-    if HAS_DOCS:
-        tile_doc = TileDoc + (b * tl.cdiv(S, BLOCK) + start // BLOCK) * 2
-        visit = (tl.load(tile_doc) <= doc_hi) & (tl.load(tile_doc + 1) >= doc_lo)
-    return visit
+    return lo, hi
 
 
 @triton.jit
@@ -261,17 +219,11 @@ def _query_program(pid, Sq, H, GROUP, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _key_tile(q, rows, q_doc, k_ptrs, v_ptrs, KDoc, b, cols, Sk, d_ok, diag_lo, diag_hi, shift, sm_scale, slope,
-              HAS_DOCS: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """One visited step of a resident query tile's loop over key tiles (forward and dQ): k and v ``[BLOCK_N, BLOCK_D]``
-    of key rows ``cols`` read at ``k_ptrs`` / ``v_ptrs``, and the logits ``s [BLOCK_M, BLOCK_N]`` of query rows
-    ``rows`` against them."""
-    kd_ok = (cols < Sk)[:, None] & d_ok[None, :]
-    k = tl.load(k_ptrs, mask=kd_ok, other=0.0)
-    v = tl.load(v_ptrs, mask=kd_ok, other=0.0)
-    k_doc = _doc_ids(KDoc, b, Sk, cols, HAS_DOCS)
-    return k, v, _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc, HAS_DOCS,
-                         HAS_ALIBI)
+def _tile_meets(TileDoc, b, num_tiles, tile, doc_lo, doc_hi):
+    """Whether tile ``tile`` of batch row b, whose (min, max) document id is ``TileDoc[b, tile]`` (``[B, num_tiles,
+    2]``, from :func:`_tile_doc_ranges`), can hold an id in ``[doc_lo, doc_hi]``: a False tile is skipped."""
+    tile_doc = TileDoc + (b * num_tiles + tile) * 2
+    return (tl.load(tile_doc) <= doc_hi) & (tl.load(tile_doc + 1) >= doc_lo)
 
 
 @triton.jit
@@ -299,29 +251,53 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program: a tile of BLOCK_M queries of one (b, h); loops over the visible key tiles, online softmax."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
+    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
     b, h, hk, start_m = _query_program(tl.program_id(0), Sq, H, GROUP, BLOCK_M)
-    offs_m, offs_n, offs_d, d_ok = tile_offsets(D, BLOCK_M, BLOCK_N, BLOCK_D)
-    rows = start_m + offs_m  # local query rows
-    query_ok, qd_ok = tile_bounds(rows, Sq, d_ok)  # [BLOCK_M], [BLOCK_M, BLOCK_D]
+    rows = start_m + tl.arange(0, BLOCK_M)  # local query rows
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    query_ok = rows < Sq
+    qd_ok = query_ok[:, None] & d_ok[None, :]  # [BLOCK_M, BLOCK_D]
 
     # q[b, start_m:, h, :] as a [BLOCK_M, BLOCK_D] tile, resident for the whole loop
-    q_ptr, q_offs = _tile(Q, b, h, start_m, stride_qb, stride_qs, stride_qh, stride_qd, offs_m, offs_d)
-    q = tl.load(q_ptr + q_offs, mask=qd_ok, other=0.0)
-    slope = _slope(Slopes, h, HAS_ALIBI)
-    q_doc, q_doc_lo, q_doc_hi = _tile_docs(QDoc, b, Sq, rows, HAS_DOCS)
+    q_base = b * stride_qb + h.to(tl.int64) * stride_qh + start_m.to(tl.int64) * stride_qs
+    q_tile = tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    q = tl.load(Q + q_base + q_tile, mask=qd_ok, other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + h).to(tl.float32)
+    q_doc = tl.zeros([BLOCK_M], tl.int64)
+    k_doc = tl.zeros([BLOCK_N], tl.int64)
+    if HAS_DOCS:
+        q_doc = tl.load(QDoc + b * Sq + rows, mask=query_ok, other=-1)
+        q_doc_lo, q_doc_hi = _doc_range(q_doc, query_ok)
 
     n_lo, n_hi = _key_range(start_m, Sq, Sk, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
-    # [BLOCK_N, BLOCK_D] tiles of k[b, :, hk, :] and v at key tile n_lo, advanced by BLOCK_N rows per step
-    k_ptr, k_offs = _tile(K, b, hk, n_lo, stride_kb, stride_ks, stride_kh, stride_kd, offs_n, offs_d)
-    v_ptr, v_offs = _tile(V, b, hk, n_lo, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d)
+    # [BLOCK_N, BLOCK_D] tiles of k[b, :, hk, :] and v at key tile n_lo: a scalar pointer advanced by BLOCK_N rows
+    # per step plus loop-invariant 32-bit offsets (a tensor of 64-bit pointers would cost twice the registers)
+    k_ptr = K + (b * stride_kb + hk * stride_kh + n_lo.to(tl.int64) * stride_ks)
+    v_ptr = V + (b * stride_vb + hk * stride_vh + n_lo.to(tl.int64) * stride_vs)
+    k_offs = offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_offs = offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max (natural units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(n_lo, n_hi, BLOCK_N):
-        if _visits(KTileDoc, b, Sk, start_n, q_doc_lo, q_doc_hi, BLOCK_N, HAS_DOCS):  # skips foreign documents
-            k, v, s = _key_tile(q, rows, q_doc, k_ptr + k_offs, v_ptr + v_offs, KDoc, b, start_n + offs_n, Sk, d_ok,
-                                diag_lo, diag_hi, shift, sm_scale, slope, HAS_DOCS, HAS_ALIBI)  # s [BLOCK_M, BLOCK_N]
+        visit = True
+        if HAS_DOCS:  # skip a key tile whose document range cannot meet this query tile's
+            visit = _tile_meets(KTileDoc, b, tl.cdiv(Sk, BLOCK_N), start_n // BLOCK_N, q_doc_lo, q_doc_hi)
+        if visit:
+            cols = start_n + offs_n
+            kd_ok = (cols < Sk)[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
+            v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
+            if HAS_DOCS:
+                k_doc = tl.load(KDoc + b * Sk + cols, mask=cols < Sk, other=-1)
+            s = _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
+                        HAS_DOCS, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
             m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc)
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
@@ -329,8 +305,9 @@ def _fwd_kernel(
     empty = l_i == 0.0  # no visible key: out 0, lse -inf
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    o_ptr, o_offs = _tile(O, b, h, start_m, stride_ob, stride_os, stride_oh, stride_od, offs_m, offs_d)
-    tl.store(o_ptr + o_offs, cast(o, O.dtype.element_ty), mask=qd_ok)
+    o_base = b * stride_ob + h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_os
+    o_tile = tl.arange(0, BLOCK_M)[:, None] * stride_os + offs_d[None, :] * stride_od
+    tl.store(O + o_base + o_tile, cast(o, O.dtype.element_ty), mask=qd_ok)
     tl.store(LSE + (b * H + h) * Sq + rows, lse, mask=query_ok)  # lse [B, H, Sq], contiguous
 
 
@@ -349,34 +326,57 @@ def _bwd_dq_kernel(
 ):
     """One program: a tile of BLOCK_M queries of one (b, h). Stores the row term ``delta = rowsum(dO * O) - dlse``
     for the dK/dV kernel, then loops over the visible key tiles: dQ = dS K * scale."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
+    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
     b, h, hk, start_m = _query_program(tl.program_id(0), Sq, H, GROUP, BLOCK_M)
-    offs_m, offs_n, offs_d, d_ok = tile_offsets(D, BLOCK_M, BLOCK_N, BLOCK_D)
-    rows = start_m + offs_m
-    query_ok, qd_ok = tile_bounds(rows, Sq, d_ok)
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    query_ok = rows < Sq
+    qd_ok = query_ok[:, None] & d_ok[None, :]
+    tile = tl.arange(0, BLOCK_M)[:, None]
 
     # q, O, dO [BLOCK_M, BLOCK_D] tiles of row start_m of (b, h); lse, dlse, delta rows [BLOCK_M]
-    q_ptr, q_offs = _tile(Q, b, h, start_m, stride_qb, stride_qs, stride_qh, stride_qd, offs_m, offs_d)
-    o_ptr, o_offs = _tile(O, b, h, start_m, stride_ob, stride_os, stride_oh, stride_od, offs_m, offs_d)
-    do_ptr, do_offs = _tile(DO, b, h, start_m, stride_dob, stride_dos, stride_doh, stride_dod, offs_m, offs_d)
-    q = tl.load(q_ptr + q_offs, mask=qd_ok, other=0.0)
-    o = tl.load(o_ptr + o_offs, mask=qd_ok, other=0.0)
-    do = tl.load(do_ptr + do_offs, mask=qd_ok, other=0.0)
+    q_base = b * stride_qb + h.to(tl.int64) * stride_qh + start_m.to(tl.int64) * stride_qs
+    o_base = b * stride_ob + h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_os
+    do_base = b * stride_dob + h.to(tl.int64) * stride_doh + start_m.to(tl.int64) * stride_dos
+    q = tl.load(Q + q_base + tile * stride_qs + offs_d[None, :] * stride_qd, mask=qd_ok, other=0.0)
+    o = tl.load(O + o_base + tile * stride_os + offs_d[None, :] * stride_od, mask=qd_ok, other=0.0)
+    do = tl.load(DO + do_base + tile * stride_dos + offs_d[None, :] * stride_dod, mask=qd_ok, other=0.0)
     row_ptr = (b * H + h) * Sq + rows  # rows of [B, H, Sq] (contiguous)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - tl.load(DLSE + row_ptr, mask=query_ok, other=0.0)
     tl.store(Delta + row_ptr, delta, mask=query_ok)
     lse = _load_lse(LSE + row_ptr, query_ok)
-    slope = _slope(Slopes, h, HAS_ALIBI)
-    q_doc, q_doc_lo, q_doc_hi = _tile_docs(QDoc, b, Sq, rows, HAS_DOCS)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + h).to(tl.float32)
+    q_doc = tl.zeros([BLOCK_M], tl.int64)
+    k_doc = tl.zeros([BLOCK_N], tl.int64)
+    if HAS_DOCS:
+        q_doc = tl.load(QDoc + b * Sq + rows, mask=query_ok, other=-1)
+        q_doc_lo, q_doc_hi = _doc_range(q_doc, query_ok)
 
     n_lo, n_hi = _key_range(start_m, Sq, Sk, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
-    k_ptr, k_offs = _tile(K, b, hk, n_lo, stride_kb, stride_ks, stride_kh, stride_kd, offs_n, offs_d)
-    v_ptr, v_offs = _tile(V, b, hk, n_lo, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d)
+    k_ptr = K + (b * stride_kb + hk * stride_kh + n_lo.to(tl.int64) * stride_ks)
+    v_ptr = V + (b * stride_vb + hk * stride_vh + n_lo.to(tl.int64) * stride_vs)
+    k_offs = offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_offs = offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(n_lo, n_hi, BLOCK_N):
-        if _visits(KTileDoc, b, Sk, start_n, q_doc_lo, q_doc_hi, BLOCK_N, HAS_DOCS):
-            k, v, s = _key_tile(q, rows, q_doc, k_ptr + k_offs, v_ptr + v_offs, KDoc, b, start_n + offs_n, Sk, d_ok,
-                                diag_lo, diag_hi, shift, sm_scale, slope, HAS_DOCS, HAS_ALIBI)
+        visit = True
+        if HAS_DOCS:
+            visit = _tile_meets(KTileDoc, b, tl.cdiv(Sk, BLOCK_N), start_n // BLOCK_N, q_doc_lo, q_doc_hi)
+        if visit:
+            cols = start_n + offs_n
+            kd_ok = (cols < Sk)[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
+            v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
+            if HAS_DOCS:
+                k_doc = tl.load(KDoc + b * Sk + cols, mask=cols < Sk, other=-1)
+            s = _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
+                        HAS_DOCS, HAS_ALIBI)
             p = tl.math.exp2((s - lse[:, None]) * LOG2E)  # subtract, then scale (no addend in the exponent)
             dp = dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N]
             ds = p * (dp - delta[:, None])  # gradient of the logits s
@@ -384,8 +384,9 @@ def _bwd_dq_kernel(
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
 
-    dq_ptr, dq_offs = _tile(DQ, b, h, start_m, stride_dqb, stride_dqs, stride_dqh, stride_dqd, offs_m, offs_d)
-    tl.store(dq_ptr + dq_offs, cast(dq * sm_scale, DQ.dtype.element_ty), mask=qd_ok)
+    dq_base = b * stride_dqb + h.to(tl.int64) * stride_dqh + start_m.to(tl.int64) * stride_dqs
+    dq_ptrs = DQ + dq_base + tile * stride_dqs + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, cast(dq * sm_scale, DQ.dtype.element_ty), mask=qd_ok)
 
 
 @triton.jit(do_not_specialize=_PER_BLOCK, do_not_specialize_on_alignment=_PER_BLOCK)
@@ -403,6 +404,8 @@ def _bwd_dkdv_kernel(
 ):
     """One program: a tile of BLOCK_N keys of one (b, kv head); loops over the GROUP query heads that read this kv
     head and, for each, over the visible query tiles, recomputing P from the lse: dK, dV summed in registers."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles must be multiples of 16 (tl.dot)")
+    tl.static_assert(BLOCK_D >= 16, "BLOCK_D must be at least 16 (tl.dot)")
     pid = tl.program_id(0)
     num_n = tl.cdiv(Sk, BLOCK_N)
     tile_n = pid % num_n  # key tiles fastest, then kv head, then b
@@ -411,37 +414,55 @@ def _bwd_dkdv_kernel(
     hk = bhk % Hkv
     b = (bhk // Hkv).to(tl.int64)
     start_n = tile_n * BLOCK_N
-    offs_m, offs_n, offs_d, d_ok = tile_offsets(D, BLOCK_M, BLOCK_N, BLOCK_D)
-    cols = start_n + offs_n  # local key rows
-    key_ok, kd_ok = tile_bounds(cols, Sk, d_ok)  # [BLOCK_N], [BLOCK_N, BLOCK_D]
+    cols = start_n + tl.arange(0, BLOCK_N)  # local key rows
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    key_ok = cols < Sk
+    kd_ok = key_ok[:, None] & d_ok[None, :]  # [BLOCK_N, BLOCK_D]
+    tile = tl.arange(0, BLOCK_N)[:, None]
 
-    # k[b, start_n:, hk, :] and v as [BLOCK_N, BLOCK_D] tiles, resident for the whole loop; their documents
-    k_ptr, k_offs = _tile(K, b, hk, start_n, stride_kb, stride_ks, stride_kh, stride_kd, offs_n, offs_d)
-    v_ptr, v_offs = _tile(V, b, hk, start_n, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d)
-    k = tl.load(k_ptr + k_offs, mask=kd_ok, other=0.0)
-    v = tl.load(v_ptr + v_offs, mask=kd_ok, other=0.0)
-    k_doc, k_doc_lo, k_doc_hi = _tile_docs(KDoc, b, Sk, cols, HAS_DOCS)
+    # k[b, start_n:, hk, :] and v as [BLOCK_N, BLOCK_D] tiles, resident for the whole loop
+    k_base = b * stride_kb + hk.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_ks
+    v_base = b * stride_vb + hk.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vs
+    k = tl.load(K + k_base + tile * stride_ks + offs_d[None, :] * stride_kd, mask=kd_ok, other=0.0)
+    v = tl.load(V + v_base + tile * stride_vs + offs_d[None, :] * stride_vd, mask=kd_ok, other=0.0)
+    q_doc = tl.zeros([BLOCK_M], tl.int64)
+    k_doc = tl.zeros([BLOCK_N], tl.int64)
+    if HAS_DOCS:
+        k_doc = tl.load(KDoc + b * Sk + cols, mask=key_ok, other=-1)
+        k_doc_lo, k_doc_hi = _doc_range(k_doc, key_ok)
 
     # Query tiles that can meet the band (the mirror image of _key_range: a - c in [diag_lo, diag_hi])
     m_lo, m_hi = _key_range(start_n, Sk, Sq, -diag_hi, -diag_lo, BLOCK_N, BLOCK_M)
+    q_tile = offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd  # 32-bit offsets of a [BLOCK_M, BLOCK_D] tile
+    do_tile = offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
+
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(0, GROUP):  # the query heads of this kv head's group (GQA), summed in registers
         h = hk * GROUP + g
-        slope = _slope(Slopes, h, HAS_ALIBI)
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Slopes + h).to(tl.float32)
         # [BLOCK_M, BLOCK_D] tiles of q[b, :, h, :] and dO at query tile m_lo; lse and delta rows [BLOCK_M]
-        q_ptr, q_offs = _tile(Q, b, h, m_lo, stride_qb, stride_qs, stride_qh, stride_qd, offs_m, offs_d)
-        do_ptr, do_offs = _tile(DO, b, h, m_lo, stride_dob, stride_dos, stride_doh, stride_dod, offs_m, offs_d)
+        q_ptr = Q + (b * stride_qb + h.to(tl.int64) * stride_qh + m_lo.to(tl.int64) * stride_qs)
+        do_ptr = DO + (b * stride_dob + h.to(tl.int64) * stride_doh + m_lo.to(tl.int64) * stride_dos)
         row = (b * H + h) * Sq + m_lo  # first row of [B, H, Sq] (contiguous)
         for start_m in range(m_lo, m_hi, BLOCK_M):
-            if _visits(QTileDoc, b, Sq, start_m, k_doc_lo, k_doc_hi, BLOCK_M, HAS_DOCS):  # skips foreign documents
+            visit = True
+            if HAS_DOCS:  # skip a query tile whose document range cannot meet this key tile's
+                visit = _tile_meets(QTileDoc, b, tl.cdiv(Sq, BLOCK_M), start_m // BLOCK_M, k_doc_lo, k_doc_hi)
+            if visit:
                 rows = start_m + offs_m
-                query_ok, qd_ok = tile_bounds(rows, Sq, d_ok)
-                q = tl.load(q_ptr + q_offs, mask=qd_ok, other=0.0)
-                do = tl.load(do_ptr + do_offs, mask=qd_ok, other=0.0)
+                query_ok = rows < Sq
+                qd_ok = query_ok[:, None] & d_ok[None, :]
+                q = tl.load(q_ptr + q_tile, mask=qd_ok, other=0.0)
+                do = tl.load(do_ptr + do_tile, mask=qd_ok, other=0.0)
                 lse = _load_lse(LSE + row + offs_m, query_ok)  # +inf past Sq: P = 0 there
                 delta = tl.load(Delta + row + offs_m, mask=query_ok, other=0.0)
-                q_doc = _doc_ids(QDoc, b, Sq, rows, HAS_DOCS)
+                if HAS_DOCS:
+                    q_doc = tl.load(QDoc + b * Sq + rows, mask=query_ok, other=-1)
                 s = _logits(q, k, rows, cols, Sk, diag_lo, diag_hi, shift, sm_scale, slope, q_doc, k_doc,
                             HAS_DOCS, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
                 p = tl.math.exp2((s - lse[:, None]) * LOG2E)
@@ -453,10 +474,12 @@ def _bwd_dkdv_kernel(
             do_ptr += BLOCK_M * stride_dos
             row += BLOCK_M
 
-    dk_ptr, dk_offs = _tile(DK, b, hk, start_n, stride_dkb, stride_dks, stride_dkh, stride_dkd, offs_n, offs_d)
-    dv_ptr, dv_offs = _tile(DV, b, hk, start_n, stride_dvb, stride_dvs, stride_dvh, stride_dvd, offs_n, offs_d)
-    tl.store(dk_ptr + dk_offs, cast(dk * sm_scale, DK.dtype.element_ty), mask=kd_ok)
-    tl.store(dv_ptr + dv_offs, cast(dv, DV.dtype.element_ty), mask=kd_ok)
+    dk_base = b * stride_dkb + hk.to(tl.int64) * stride_dkh + start_n.to(tl.int64) * stride_dks
+    dv_base = b * stride_dvb + hk.to(tl.int64) * stride_dvh + start_n.to(tl.int64) * stride_dvs
+    dk_ptrs = DK + dk_base + tile * stride_dks + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + dv_base + tile * stride_dvs + offs_d[None, :] * stride_dvd
+    tl.store(dk_ptrs, cast(dk * sm_scale, DK.dtype.element_ty), mask=kd_ok)
+    tl.store(dv_ptrs, cast(dv, DV.dtype.element_ty), mask=kd_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------
