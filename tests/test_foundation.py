@@ -95,3 +95,36 @@ def test_cli_info_json():
     out = subprocess.run([sys.executable, "-m", "ds4sci.cli", "info", "--json"], capture_output=True, text=True, check=True)
     info = json.loads(out.stdout)
     assert info["torch"].startswith("2.")
+
+
+def _make_dry_run(target: str, tmp_path: Path) -> list[str]:
+    """The commands ``make TARGET`` would run on a fresh clone (no ``.venv`` yet), in order (``make -n``)."""
+    venv = tmp_path / "fresh-venv"
+    out = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True)
+    return [line.replace(str(venv), ".venv") for line in out.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("target, last", [("demo", ".venv/bin/python examples/demo.py"),
+                                          ("test", ".venv/bin/python -m pytest")])
+def test_make_targets_install_then_run(target, last, tmp_path):
+    """README's two commands: each creates .venv, installs torch==2.13.0 (the CPU wheel) BEFORE the package and
+    its dev and openfold extras, then runs the demo script / the whole suite (pytest with no test selection)."""
+    lines = _make_dry_run(target, tmp_path)
+    steps = [next(i for i, line in enumerate(lines) if pattern in line) for pattern in
+             ("-m venv .venv", "pip install -q torch==2.13.0", 'pip install -q -e ".[dev,openfold]"', last)]
+    assert steps == sorted(steps), lines
+    run = next(line for line in lines if last in line)
+    assert run.split(";")[0].strip() in (last, last + " "), run  # no file, -k or -m selection in `make test`
+
+
+def test_ci_runs_make_test(tmp_path):
+    """`.ci/run` runs exactly `make test` (with CI=true) from the repository root, and fails when it fails."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "make"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$PWD|$CI|$*" >> {calls}\nexit 3\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(ROOT / ".ci" / "run")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 3
+    assert calls.read_text().splitlines() == [f"{ROOT}|true|test"]

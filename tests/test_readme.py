@@ -1,0 +1,238 @@
+"""README's commands and code, as written.
+
+Every command in README (fenced ``bash`` blocks and inline ``ds4sci ...``, ``torchrun ...``, ``deepspeed ...``,
+``python ...``, ``pytest ...`` spans) is collected and handled by what it costs:
+
+- run as written in a scratch folder that holds ``examples/`` and a small export at ``runs/demo/export`` (what
+  ``make demo`` leaves): ``evaluate``, ``generate``, ``embed``, ``score``, ``plan``, ``info``, ``--help``,
+  ``--print-config``, the corpus pre-build (its ``FASTA... DIR`` placeholders filled with a bundled genome);
+- training runs (minutes each): the launcher's process count, the config file, every ``--set`` and every path
+  it names are resolved as ``ds4sci train`` resolves them before any work (``load_config``, then
+  ``parallel.dims(world size)``), so a key, a value, a file or a process count that would stop the run fails here;
+- benchmarks (minutes to hours; their ``--quick`` forms are run by ``tests/test_bench_*.py``): parsed by the
+  ``ds4sci`` parser, so every option and value must exist;
+- pytest invocations: the named test files exist; ``make demo`` / ``make test``: ``tests/test_foundation.py``.
+
+A command that fits none of these fails :func:`test_every_command_is_checked`, so a new README command must be
+given a check here. The Python blocks run with inputs of the shapes their comments state.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BIN = Path(sys.executable).parent
+GENOME = "examples/data/MN908947.3_sars_cov_2.fasta.gz"
+INLINE_STARTS = ("ds4sci ", "torchrun ", "deepspeed ", "python ", "pytest ", "TRITON_INTERPRET=0 pytest ",
+                 ".venv/bin/pytest ", "make ")
+RUN = {"evaluate", "generate", "embed", "score", "plan", "info"}
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+def _bash_commands() -> list[str]:
+    """The commands of README's bash blocks: continuations joined, comments dropped."""
+    commands = []
+    for block in _blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.append(" ".join(line.split()))
+    return commands
+
+
+def _inline_commands() -> list[str]:
+    """Inline code spans that are commands (``ds4sci plan`` alone names a command; it is not one to run)."""
+    spans = {" ".join(s.split()) for s in re.findall(r"(?<!`)`([^`]+)`(?!`)", README)}
+    commands = []
+    for span in sorted(spans):
+        words = span.split()
+        if not span.startswith(INLINE_STARTS) or len(words) < 2:
+            continue
+        if words[0] == "ds4sci" and ("/" in words[1] or words[1].isupper() or len(words) == 2 and words[1][0] != "-"):
+            continue  # "ds4sci score", "ds4sci train/evaluate/...", "ds4sci CMD: error:": prose about commands
+        commands.append(span)
+    return commands
+
+
+COMMANDS = sorted(set(_bash_commands()) | set(_inline_commands()))
+
+
+def _argv(command: str) -> tuple[int, list[str]]:
+    """``(processes, ds4sci argv)`` of a ``ds4sci``, ``torchrun -m ds4sci.cli`` or ``deepspeed --module`` line."""
+    words = shlex.split(command)
+    if words[0] == "ds4sci":
+        return 1, words[1:]
+    if words[0] == "torchrun":
+        m = words.index("-m")
+        assert words[m + 1] == "ds4sci.cli", command
+        return int(words[words.index("--nproc-per-node") + 1]), words[m + 2:]
+    if words[0] == "deepspeed":
+        m = words.index("--module")
+        assert words[m + 1] == "ds4sci.cli", command
+        return int(words[words.index("--num_gpus") + 1]), words[m + 2:]
+    raise AssertionError(f"not a ds4sci command: {command}")
+
+
+def _kind(command: str) -> str:
+    words = command.split()
+    if words[0] == "make":
+        return "make"
+    if any(w.endswith("pytest") for w in words[:2]):
+        return "pytest"
+    if words[0] == "python":
+        return "run" if words[1:3] == ["-m", "ds4sci.data.corpus"] else "script"
+    if words[0] not in ("ds4sci", "torchrun", "deepspeed"):
+        return "unknown"
+    _, argv = _argv(command)
+    if argv[0] == "train":
+        return "run" if "--print-config" in argv else "train"
+    if argv[0] == "bench":
+        return "bench"
+    if argv[0] in RUN or argv[0].startswith("--"):
+        return "run"
+    return "unknown"
+
+
+def test_readme_commands_found():
+    """The extraction works: the commands README is known to show are among those collected."""
+    assert any(c.startswith("ds4sci evaluate runs/demo/export") for c in COMMANDS)
+    assert any(c.startswith("torchrun --nproc-per-node 4 -m ds4sci.cli train") for c in COMMANDS)
+    assert any(c.startswith("ds4sci bench layouts --layouts") for c in COMMANDS)
+    assert any(c.startswith("ds4sci plan --preset 25B") for c in COMMANDS)
+    assert len(COMMANDS) >= 25
+
+
+def test_every_command_is_checked():
+    unchecked = [c for c in COMMANDS if _kind(c) == "unknown"]
+    assert not unchecked, f"README commands with no check in {__file__}: {unchecked}"
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """A working folder like a fresh clone after ``make demo``: ``examples/`` and a small nucleotide export at
+    ``runs/demo/export``; ``variants.fasta`` is the user's file the score example reads."""
+    import torch
+
+    from ds4sci.data import NucleotideTokenizer
+    from ds4sci.io.export import export_consolidated
+    from ds4sci.models.genslm import GenSLM, GenSLMConfig
+
+    root = tmp_path_factory.mktemp("readme")
+    (root / "examples").symlink_to(ROOT / "examples")
+    torch.manual_seed(0)
+    tok = NucleotideTokenizer()
+    cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size)
+    export_consolidated(GenSLM(cfg).state_dict(), cfg, tok, root / "runs" / "demo" / "export")
+    (root / "variants.fasta").write_text(">ref\nATGAAACGCATTAGCACCACC\n>alt\nATGAAACGCATTAGTACCACC\n")
+    return root
+
+
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if _kind(c) == "run"])
+def test_cheap_command_runs_as_written(command, scratch, tmp_path):
+    words = shlex.split(command.replace("[", "").replace("]", ""))  # "[--reverse-complement]": run with it
+    if words[:3] == ["python", "-m", "ds4sci.data.corpus"]:
+        fill = {"FASTA...": GENOME, "DIR": str(tmp_path / "cache")}
+        words = [sys.executable] + [fill.get(w, w) for w in words[1:]]
+    elif words[0] == "ds4sci":
+        words[0] = str(BIN / "ds4sci")
+    proc = _run(words, scratch)
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    for out in re.findall(r"--out (\S+)", command):
+        if "plan" not in command and "DIR" not in out:
+            assert (scratch / out).stat().st_size > 0, out
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if _kind(c) == "train"])
+def test_training_command_resolves(command, scratch):
+    """What a training command would meet before its first step: the config, every --set, the paths it names and
+    the launched process count."""
+    from ds4sci.cli import build_parser
+    from ds4sci.train.config import load_config
+
+    processes, argv = _argv(command)
+    args = build_parser(["train"]).parse_args(argv)
+    cwd = os.getcwd()
+    os.chdir(scratch)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        fasta = cfg.data.fasta if isinstance(cfg.data.fasta, list) else [cfg.data.fasta]
+        for pattern in fasta:
+            assert glob.glob(str(pattern), recursive=True), f"{command}: data.fasta={pattern} matches no file"
+        if cfg.model.init_from:
+            assert Path(cfg.model.init_from).exists(), f"{command}: model.init_from={cfg.model.init_from}"
+        cfg.parallel.dims(processes)  # raises naming the parallel.* keys when the process count does not fit
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if _kind(c) == "bench"])
+def test_benchmark_command_parses(command):
+    from ds4sci.cli import build_parser
+
+    _, argv = _argv(command)
+    build_parser(["bench"]).parse_args([w if w != "DIR" else "/tmp/out" for w in argv])
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if _kind(c) in ("pytest", "script")])
+def test_named_files_exist(command):
+    for word in command.split():
+        if word.endswith(".py") or word.rstrip("/.") == "tests":
+            assert (ROOT / word.rstrip(".")).exists(), f"{command}: {word}"
+
+
+def test_python_blocks_run(scratch):
+    """README's Python blocks, with inputs of the shapes their comments give (B=1, N=3, S=20, H=2, D=16)."""
+    blocks = _blocks("python")
+    assert len(blocks) == 2
+    evoformer, load_model = blocks
+    prelude = ("import torch\nB, N, S, H, D = 1, 3, 20, 2, 16\n"
+               "q, k, v = (torch.randn(B, N, S, H, D) for _ in range(3))\n"
+               "mask_bias = torch.zeros(B, N, 1, 1, S)\npair_bias = torch.randn(B, 1, H, S, S)\n")
+    for code in (prelude + evoformer + "assert o.shape == q.shape\n",
+                 load_model + "assert logits.shape[:2] == ids.shape and hidden.shape[-1] == model.config.hidden_size\n"):
+        proc = _run([sys.executable, "-c", code], scratch)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _plan_rows() -> dict[tuple[str, str], int]:
+    """README's planner table: ``(model, 'ds4sci' | 'baseline-like') -> predicted longest sequence``."""
+    rows = re.findall(r"^\| (25B|33B) \| (ds4sci|baseline-like) [^|]*\| ([\d,]+) \|", README, flags=re.M)
+    return {(model, layout): int(n.replace(",", "")) for model, layout, n in rows}
+
+
+def test_planner_table_is_what_the_command_prints(capsys, monkeypatch, tmp_path):
+    """Each predicted length in README's planner table is what README's plan command prints: as written for 25B,
+    with its comment's ``num_layers=80`` for 33B and its ``baseline-like: add ...`` flags for the baseline rows."""
+    from ds4sci.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the plan writes its report into the working directory
+    command = next(c for c in _bash_commands() if c.startswith("ds4sci plan --preset 25B"))
+    block = next(b for b in _blocks("bash") if "ds4sci plan --preset 25B" in b)
+    baseline = shlex.split(re.search(r"# baseline-like: add (.*)", block).group(1))
+    assert re.search(r"# 33B: num_layers=80", block)
+    rows = _plan_rows()
+    assert len(rows) == 4
+    for (model, layout), predicted in rows.items():
+        argv = shlex.split(command)[1:] + (baseline if layout == "baseline-like" else [])
+        if model == "33B":
+            argv = [w.replace("num_layers=64", "num_layers=80") for w in argv]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert f"Longest sequence that fits: {predicted} tokens" in out, (model, layout, out[:500])
