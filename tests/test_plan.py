@@ -90,6 +90,30 @@ def test_layer_activations_equal_saved_tensors(position, checkpointing):
     assert per_layer == plan.layer_activation_bytes(w, plan.Strategy(), checkpointing) * S
 
 
+# fp32 bytes per token of SMALL with rotary (h 64, f 256, 4 heads, rotary_dim 4), counted by hand:
+# one layer saves (9 h + 2 f + 2 r) e + (4 + H) 4 = (576 + 512 + 8) 4 + 32 (test_layer_activations_equal_saved_tensors
+# measures this figure); outside the layers: token ids 8 + final layer norm input and output 2 h e + 8 + logits and
+# their log-softmax 8 V
+LAYER_BYTES_PER_TOKEN = 4416
+OUTSIDE_BYTES_PER_TOKEN = 8 + 2 * 64 * 4 + 8 + 8 * 6
+
+
+@pytest.mark.parametrize("pp, grad_accum, in_flight", [
+    (2, 1, 1), (2, 2, 2), (2, 5, 2),            # m < pp, m = pp, m > pp
+    (4, 1, 1), (4, 2, 2), (4, 4, 4), (4, 6, 4),
+])
+def test_pipeline_first_stage_holds_min_pp_grad_accum_micro_batches(pp, grad_accum, in_flight):
+    """1F1B keeps min(pp, m) micro-batches in flight on the first stage, each with the activations of the stage's
+    ceil(L / pp) layers (6 layers: 3 on the first of 2 stages, 2 on the first of 4): the planner's activation term
+    against that hand count, S = 256 tokens of one sequence per micro-step, fp32."""
+    S = 256
+    w = plan.Workload(GenSLMConfig(**{**SMALL, "num_layers": 6}), S, grad_accum=grad_accum, dtype="fp32")
+    stage_layers = {2: 3, 4: 2}[pp]
+    assert plan.layer_activation_bytes(w, plan.Strategy(), "none") == LAYER_BYTES_PER_TOKEN
+    expected = S * (stage_layers * in_flight * LAYER_BYTES_PER_TOKEN + OUTSIDE_BYTES_PER_TOKEN)
+    assert plan.memory(w, plan.Strategy(ParallelDims(dp=1, pp=pp)))["activations"] == expected
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_peak_memory_matches_seq_scaling_measurement():

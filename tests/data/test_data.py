@@ -12,12 +12,14 @@ from ds4sci.data import (
     NucleotideTokenizer,
     PackedDataset,
     RecordDataset,
+    Spans,
     Tokenizer,
     WindowDataset,
     collate,
     read_fasta,
     split_records,
     split_region,
+    split_spans,
 )
 
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
@@ -171,6 +173,39 @@ def test_record_dataset_truncates_and_pads():
     assert ds[1]["labels"].tolist() == [5, 6, 7] + [IGNORE_INDEX] * 3
     batch = collate([ds[0], ds[1]])
     assert batch["input_ids"].shape == (2, 6) and batch["input_ids"].dtype == torch.int64
+
+
+# (length, val_fraction, tokens held out by hand): the nearest whole count to val_fraction x length, at least one
+SHORT_REGIONS = [
+    (1, 0.1, 1),   # 0.1 -> 0 -> at least one: the whole record is held out
+    (2, 0.1, 1),   # 0.2 -> 0 -> 1, one token left to train
+    (3, 0.2, 1),   # 0.6 -> 1
+    (9, 0.02, 1),  # 0.18 -> 0 -> 1
+    (19, 0.1, 2),  # 1.9 -> 2
+    (40, 0.1, 4),
+]
+
+
+@pytest.mark.parametrize("length, val_fraction, held", SHORT_REGIONS)
+def test_split_region_holds_out_at_least_one_token_of_a_short_record(length, val_fraction, held):
+    """``split_region`` holds out the last ``val_fraction`` of a record, and at least one token even when
+    ``val_fraction x length < 1`` (documented in ``_region_cut``): exact counts by hand, the val side is the end."""
+    train, val = split_region(np.arange(length), val_fraction)
+    assert (len(train), len(val)) == (length - held, held)
+    assert val.tolist() == list(range(length - held, length)) and train.tolist() == list(range(length - held))
+
+
+def test_region_split_of_spans_holds_out_one_token_of_every_short_record():
+    """``split_spans(..., "region")`` applies the same rule to every document at once: each short record gives at
+    least one token to validation; the one-token record goes to validation whole and has no train span."""
+    lengths = [length for length, _, _ in SHORT_REGIONS]
+    spans = Spans.from_arrays([np.full(n, i) for i, n in enumerate(lengths)])
+    train, val = split_spans(spans, np.zeros(len(lengths), dtype=np.uint64), 0.1, "region")
+    held = [1, 1, 1, 1, 2, 4]  # at 0.1: 0.1 0.2 0.3 0.9 1.9 4.0 of a token -> 1 1 1 1 2 4
+    assert val.lengths.tolist() == held
+    assert train.lengths.tolist() == [n - h for n, h in zip(lengths, held) if n > h]  # record 0 only in val
+    assert val.bounds[:, 1].tolist() == spans.bounds[:, 1].tolist()  # each record's END is held out
+    assert train.bounds[:, 0].tolist() == spans.bounds[1:, 0].tolist()
 
 
 def test_splits_are_disjoint_and_deterministic():

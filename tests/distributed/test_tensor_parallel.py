@@ -212,6 +212,43 @@ def test_tensor_parallel_world_2():
     assert run_workers(_worker_tp2, 2) == [True, True]
 
 
+# ---------------------------------------------------------------------------- the loss's "mean" reduction, TP2
+def _worker_loss_reductions(rank, world):
+    """The vocabulary-parallel loss under TP2, "mean" and "sum", values and logit gradients, against
+    ``F.cross_entropy(ignore_index=-100)`` in fp64 on the full logits: "mean" divides by the 7 valid targets of 12
+    (dividing by all 12 would be 7/12 of the reference)."""
+    groups = build_groups(ParallelDims(dp=1, tp=2))
+    V = 10  # 5 columns per TP rank
+    gen = torch.Generator().manual_seed(11)
+    full = torch.randn(2, 6, V, generator=gen) * 3
+    targets = torch.randint(0, V, (2, 6), generator=gen)
+    ignored = torch.tensor([[1, 0, 0, 1, 0, 0], [0, 1, 1, 0, 0, 1]], dtype=torch.bool)
+    targets[ignored] = IGNORE_INDEX
+    assert int((~ignored).sum()) == 7
+    # both ranks' columns hold targets: the target logit comes from the other rank for some rows
+    assert {int(t) // (V // 2) for t in targets[~ignored]} == {0, 1}, targets
+    cols = slice(rank * V // 2, (rank + 1) * V // 2)
+    for reduction in ("mean", "sum"):
+        ref_logits = full.double().requires_grad_()
+        ref = F.cross_entropy(ref_logits.reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                              reduction=reduction)
+        ref.backward()
+        mine = full[..., cols].clone().requires_grad_()
+        loss = token_loss_for(groups)(mine, targets, reduction)
+        loss.backward()
+        assert loss.item() == pytest.approx(ref.item(), rel=RTOL), (reduction, loss.item(), ref.item())
+        torch.testing.assert_close(mine.grad.double(), ref_logits.grad[..., cols], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"[{reduction}] logit gradient: {m}")
+    _expect_value_error("none", "reduction must be 'mean' or 'sum', got 'none'",
+                        lambda: token_loss_for(groups)(full[..., cols], targets, "none"))
+    return True
+
+
+@pytest.mark.distributed
+def test_vocab_parallel_loss_mean_and_sum_against_cross_entropy_tp2():
+    assert run_workers(_worker_loss_reductions, 2) == [True, True]
+
+
 # ---------------------------------------------------------------------------- world size 4
 def _worker_four(rank, world):
     # TP2 x Ulysses2: heads split over TP then Ulysses (ALiBi offsets of both)

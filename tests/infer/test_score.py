@@ -98,3 +98,23 @@ def test_score_stdout_and_one_line_errors(exports, capsys):
     assert err.out == "" and err.err.count("error:") == 1 and "nucleotide model" in err.err and "codon" in err.err
     assert main(["score", exports["nucleotide"], "--fasta", exports["fasta"], "--out", "-", "--seq-len", "33"]) == 2
     assert "--seq-len 33 exceeds the model's context of 32" in capsys.readouterr().err
+
+
+def test_score_codon_bits_per_base_divides_by_three_bases_per_token(exports):
+    """A codon token carries 3 bases: ``bits_per_base`` is the hand-computed nats per token / ln 2 / 3, per record.
+
+    The log-likelihood is recomputed from the model's own logits (``_by_hand``), the token counts by hand (every
+    window of 16 tokens scores all but its first token), so a ``bits_per_base`` left in bits per *token* (3x too
+    large) or divided by the nucleotide count fails.
+    """
+    model, _, tok = load_model(exports["codon"])
+    assert tok.kind == "codon" and tok.bases_per_token == 3
+    # 70 bases -> 23 codons -> windows of 16 and 7 -> 15 + 6 targets; 9 bases -> 3 codons -> 2 targets
+    records = [r for r in read_fasta(exports["fasta"]) if r.id in ("long", "short")]
+    rows = score_records(model, tok, records, 16, batch_size=2)
+    with torch.no_grad():
+        by_hand = [_by_hand(model, tok, r.sequence, 16) for r in records]
+    assert [(r["id"], r["tokens"]) for r in rows] == [("long", 15 + 6), ("short", 2)]
+    assert [r["log_likelihood"] for r in rows] == pytest.approx(by_hand, rel=1e-5)
+    expected = [-ll / tokens / math.log(2) / 3 for ll, tokens in zip(by_hand, (21, 2))]
+    assert [r["bits_per_base"] for r in rows] == pytest.approx(expected, rel=1e-5)

@@ -1,5 +1,7 @@
 """The learned position table's checkpoint state is kept per sequence shard (its rows and their global positions) and
 re-split on load at any degree or layout; no rank writes or reads the whole table at once."""
+import math
+
 import pytest
 import torch
 
@@ -59,3 +61,44 @@ def test_another_table_is_refused():
     state = PositionTable(other, None, CFG, torch.device("cpu")).shard_state()
     with pytest.raises(ValueError, match="sp9: position table of 16 x 4, this model needs 8 x 4"):
         _table([1]).load_shards([(state, "sp9")])
+
+
+def _trained(steps: int, seed=1) -> PositionTable:
+    """A whole table after ``steps`` AdamW steps and schedule steps (what PositionTable.step does without the
+    collectives), gradients drawn from ``seed``."""
+    t = _table(None)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        t.weight.grad = torch.randn(t.weight.shape, generator=gen)
+        t.optimizer.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        t.scheduler.step()
+    return t
+
+
+def test_load_shards_restores_the_learning_rate_schedule_and_adam_step():
+    """After ``load_shards`` the optimizer's param group carries the learning rate of the saved step (13: past the
+    10 warmup steps, on the cosine; by hand from the config), the config's weight decay, betas and eps; the
+    schedule and Adam step counts are 13; and the next step equals the uninterrupted run's, bit for bit."""
+    o, steps = CFG.optim, 13
+    assert (o.warmup_steps, CFG.train.steps) == (10, 100)
+    lr = o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * (steps - 10) / (100 - 10)))
+    source = _trained(steps)
+    assert source.optimizer.param_groups[0]["lr"] == pytest.approx(lr, rel=1e-12)
+
+    resumed = _table(None, seed=5)  # other weights, a fresh optimizer at step 0 (lr of warmup step 0: lr / 10)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(o.lr / 10, rel=1e-12)
+    resumed.load_shards([(source.shard_state(), "sp0")])
+    (group,) = resumed.optimizer.param_groups
+    assert group["lr"] == pytest.approx(lr, rel=1e-12), group["lr"]
+    assert (group["weight_decay"], tuple(group["betas"]), group["eps"]) == (o.weight_decay, tuple(o.betas), o.eps)
+    assert resumed.scheduler.last_epoch == steps and resumed.scheduler.get_last_lr() == pytest.approx([lr], rel=1e-12)
+    assert float(resumed.optimizer.state[resumed.weight]["step"]) == steps
+
+    grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(7))
+    for t in (source, resumed):
+        t.weight.grad = grad.clone()
+        t.optimizer.step()
+        t.scheduler.step()
+    assert torch.equal(resumed.weight, source.weight)
+    assert resumed.optimizer.param_groups[0]["lr"] == source.optimizer.param_groups[0]["lr"]
