@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -392,7 +392,7 @@ def markdown(report: dict) -> str:
                  len([r for r in _series(report, mode, path) if r["status"] == "ok"]))
                 for mode in cfg["modes"] for path in cfg["paths"]]
     position = f"{cfg['position']} positions" if cfg["position"] == "rotary" else "learned positions (no rotary)"
-    threads = f"{cfg['threads']} thread" + ("s" if cfg["threads"] != 1 else "")
+    threads = plural(cfg["threads"], "thread")
     lines = [
         "# GenSLM attention layer: peak memory of forward + backward vs sequence length",
         "",
