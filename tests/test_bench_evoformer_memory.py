@@ -53,6 +53,7 @@ def test_differences_are_from_a_float64_reference(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("name, ratio, cell", [
     ("reference", 1.0, "-"), ("torch", 9.66, "9.7x lower"), ("torch", 0.5, "2.0x higher"), ("torch", 1.01, "same"),
+    ("torch", 0.0, "-"),
 ])
 def test_peak_ratio_cell_says_lower_or_higher(name, ratio, cell):
     assert evoformer_memory.peak_ratio_cell(name, ratio) == cell

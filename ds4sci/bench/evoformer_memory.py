@@ -168,8 +168,9 @@ def fp64_reference(cfg: dict) -> dict[str, torch.Tensor]:
 
 def peak_ratio_cell(name: str, ratio: float) -> str:
     """The "peak vs reference" cell of path ``name`` whose peak is ``ratio`` times below the reference's: ``"-"``
-    for the reference itself, ``"9.7x lower"``, ``"1.3x higher"`` (ratio < 1), ``"same"`` (within 5%)."""
-    if name == "reference":
+    for the reference itself and where the reference's peak is 0 (too small to measure: ratio 0), ``"9.7x lower"``,
+    ``"1.3x higher"`` (ratio < 1), ``"same"`` (within 5%)."""
+    if name == "reference" or ratio <= 0:
         return "-"
     if abs(ratio - 1) < 0.05:
         return "same"
