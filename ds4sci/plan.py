@@ -476,12 +476,12 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
     tp, u = fixed.get("tp", 1), fixed.get("ulysses", 1)
     m = w.model
     if m.num_heads % (tp * u):
-        raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's {m.num_heads} heads")
+        raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's {plural(m.num_heads, 'head')}")
     if cluster.gpus_per_node % tp or m.intermediate_size % tp:
         raise CommandError(f"--tp={tp} must divide --gpus-per-node={cluster.gpus_per_node} and the MLP width "
                            f"{m.intermediate_size}")
     if fixed.get("pp", 1) > m.num_layers:
-        raise CommandError(f"--pp={fixed['pp']}: the model has only {m.num_layers} layers")
+        raise CommandError(f"--pp={fixed['pp']}: the model has only {plural(m.num_layers, 'layer')}")
     z = fixed.get("zero_stage")
     if z is not None and z > 1 and fixed.get("pp", 1) > 1:
         raise CommandError(f"--zero-stage={z}: DeepSpeed's pipeline engine (--pp={fixed['pp']}) supports stage 0 or 1")

@@ -34,6 +34,7 @@ def _report():
 def test_markdown_puts_machine_date_and_load_beside_the_times(tmp_path):
     text = openfold_stack.markdown(_report())
     assert "Timed on Test CPU @ 2.0GHz, 2 cores (2 usable), 2026-11-26T00:00:00+00:00 with 1 torch thread;" in text
+    assert "waiting for one of the 2 cores" in text
     assert "| step time (s) | load average (1 min) start -> end |" in text
     assert "| default | 100.0 | 50.0 | 9.16 | 0.75 -> 2.00 |" in text
     assert "| ds4sci | 100.0 | 50.0 | 6.05 | 2.00 -> 3.50 |" in text

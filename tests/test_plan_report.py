@@ -4,6 +4,7 @@ import pytest
 
 from ds4sci import cli
 from ds4sci.models.genslm.config import PRESETS, GenSLMConfig, describe_preset, describe_presets
+from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 
 
 def _billions(name: str) -> str:
@@ -38,3 +39,8 @@ def test_one_layout_is_singular(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "\n1 layout fits (GiB per GPU" in out and "layouts fit" not in out
+
+
+def test_errors_pluralise_layers(capsys):
+    argv = ["plan", "--preset", "debug", "--set", "model.overrides.num_layers=1", "--pp", "2", "--gpus-per-node", "2"]
+    assert "--pp=2: the model has only 1 layer\n" in refused(capsys, argv)

@@ -399,8 +399,8 @@ def markdown(report: dict) -> str:
     lines = [
         "# GenSLM attention layer: peak memory of forward + backward vs sequence length",
         "",
-        f"One GenSLM `Attention` layer (fused QKV, core, output projection): hidden {cfg['hidden']}, {cfg['heads']} "
-        f"heads of {cfg['hidden'] // cfg['heads']}, batch {cfg['batch']}, {cfg['dtype']} on {cfg['device']} "
+        f"One GenSLM `Attention` layer (fused QKV, core, output projection): hidden {cfg['hidden']}, "
+        f"{plural(cfg['heads'], 'head')} of {cfg['hidden'] // cfg['heads']}, batch {cfg['batch']}, {cfg['dtype']} on {cfg['device']} "
         f"({threads}); forward and backward of mean(out^2). Modes: causal ({position}), alibi "
         f"(ALiBi), documents (packed documents of {cfg['doc_len'] // 2}-{3 * cfg['doc_len'] // 2} tokens, "
         f"{position}). Paths: before = `attention_backend='sdpa'` (sdpa_attention), after = "
@@ -471,7 +471,7 @@ def plot(report: dict, path) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"GenSLM attention layer, hidden {cfg['hidden']}, {cfg['heads']} heads, {cfg['dtype']} on "
+    fig.suptitle(f"GenSLM attention layer, hidden {cfg['hidden']}, {plural(cfg['heads'], 'head')}, {cfg['dtype']} on "
                  f"{cfg['device']}")
     save_figure(fig, path)
 

@@ -263,8 +263,9 @@ def markdown(report: dict) -> str:
         f"{memory.describe_allocator(report['allocator'])}",
         "",
         f"Timed on {describe_machine(host)}" + (f", {host['gpu']}" if "gpu" in host else "") + f" with "
-        f"{plural(cfg['threads'], 'torch thread')}; the load average (processes wanting a "
-        f"core, over {host['cores']}) is given at the start and at the end of each path's run.",
+        f"{plural(cfg['threads'], 'torch thread')}; the 1-minute load average (processes running or waiting for one of "
+        f"the {plural(host['cores'], 'core')}) at the start and at the end of each path's run is given beside its "
+        "time.",
         "",
         *markdown_table(("path", "peak memory of the step (MiB)", "saved for backward (MiB)", "step time (s)",
                          "load average (1 min) start -> end"), rows),
