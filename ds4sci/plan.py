@@ -476,7 +476,8 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
     tp, u = fixed.get("tp", 1), fixed.get("ulysses", 1)
     m = w.model
     if m.num_heads % (tp * u):
-        raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's {plural(m.num_heads, 'head')}")
+        raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's "
+                           f"{plural(m.num_heads, 'head')}")
     if cluster.gpus_per_node % tp or m.intermediate_size % tp:
         raise CommandError(f"--tp={tp} must divide --gpus-per-node={cluster.gpus_per_node} and the MLP width "
                            f"{m.intermediate_size}")

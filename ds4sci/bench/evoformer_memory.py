@@ -12,7 +12,7 @@ backends:
   :mod:`ds4sci.bench.memory`);
 - the max abs difference of the output and of every gradient (q, k, v, pair bias) from the reference backend run
   in float64 on the same inputs (:func:`fp64_reference`, computed once, apart from the memory measurements): the
-  error of each path itself, the fp32 reference's included (an fp32 reference is itself up to about 1e-4 off, which
+  error of each path itself, the fp32 reference's included (an fp32 reference can itself be about 1e-4 off, which
   would hide a path's own 4e-6).
 
 When OpenFold3 is importable, its own attention paths (``openfold3.core.model.primitives.attention``, 0.5) run

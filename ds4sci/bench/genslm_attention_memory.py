@@ -400,7 +400,8 @@ def markdown(report: dict) -> str:
         "# GenSLM attention layer: peak memory of forward + backward vs sequence length",
         "",
         f"One GenSLM `Attention` layer (fused QKV, core, output projection): hidden {cfg['hidden']}, "
-        f"{plural(cfg['heads'], 'head')} of {cfg['hidden'] // cfg['heads']}, batch {cfg['batch']}, {cfg['dtype']} on {cfg['device']} "
+        f"{plural(cfg['heads'], 'head')} of {cfg['hidden'] // cfg['heads']}, batch {cfg['batch']}, {cfg['dtype']} on "
+        f"{cfg['device']} "
         f"({threads}); forward and backward of mean(out^2). Modes: causal ({position}), alibi "
         f"(ALiBi), documents (packed documents of {cfg['doc_len'] // 2}-{3 * cfg['doc_len'] // 2} tokens, "
         f"{position}). Paths: before = `attention_backend='sdpa'` (sdpa_attention), after = "
@@ -552,7 +553,8 @@ def run(args: argparse.Namespace) -> int:
     """``ds4sci bench genslm-attention-memory``: exit status 2 with one error line for an impossible
     configuration, 1 when a run failed, else 0."""
     cfg = {
-        "seq_lens": list(QUICK_SEQ_LENS if args.quick else args.seq_lens), "modes": list(args.modes), "paths": list(args.paths),
+        "seq_lens": list(QUICK_SEQ_LENS if args.quick else args.seq_lens), "modes": list(args.modes),
+        "paths": list(args.paths),
         "hidden": args.hidden, "heads": args.heads, "batch": args.batch, "position": args.position,
         "doc_len": args.doc_len, "dtype": args.dtype, "device": args.device, "threads": args.threads,
         "time_limit_s": args.time_limit_s, "seed": args.seed,

@@ -398,7 +398,8 @@ def _ratio(measured: float, predicted: float) -> str:
 def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"# layouts: per-rank bytes of one training step, GenSLM hidden {c['hidden']}, "
-             f"{plural(c['heads'], 'head')}, {plural(c['layers'], 'layer')}, S = {c['seq_len']}, fp32, world {c['world']}", "",
+             f"{plural(c['heads'], 'head')}, {plural(c['layers'], 'layer')}, S = {c['seq_len']}, fp32, "
+             f"world {c['world']}", "",
              f"Command: `{report['command']}`", "",
              "Memory (MiB per rank, most loaded rank; in brackets measured / ds4sci.plan's prediction):", ""]
     rows = []

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ds4sci.report import markdown_table, plural, write_report
 
-__all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list", "option", "add_int_options", "check_positive", "command_line", "missing_dependency",
+__all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
+           "option", "add_int_options", "check_positive", "command_line", "missing_dependency",
            "pyplot", "save_figure", "markdown_table", "plural", "write_report"]
 
 MIB = 2.0**20
@@ -41,7 +42,7 @@ def load_average() -> list[float]:
 
 
 def describe_machine(info: dict) -> str:
-    """One line of a :func:`machine` record: ``"Intel(R) Xeon(R) ..., 2 cores (2 usable), 2026-11-26T00:12:00+00:00"``."""
+    """One line of a :func:`machine` record: ``"AMD EPYC, 2 cores (2 usable), 2026-11-26T00:12:00+00:00"``."""
     return f"{info['cpu']}, {plural(info['cores'], 'core')} ({info['usable_cores']} usable), {info['date']}"
 
 

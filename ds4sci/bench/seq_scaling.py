@@ -123,7 +123,8 @@ def summarize(report: dict) -> list[dict]:
 def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"# seq-scaling: peak memory per rank of one GenSLM forward + backward (fp32, CPU, hidden {c['hidden']}, "
-             f"{plural(c['heads'], 'head')}, {plural(c['layers'], 'layer')}, rotary, causal)", "", f"Command: `{report['command']}`", "",
+             f"{plural(c['heads'], 'head')}, {plural(c['layers'], 'layer')}, rotary, causal)", "",
+             f"Command: `{report['command']}`", "",
              "Peak MiB per rank (max over ranks):", ""]
     keys = sorted({(r["scheme"], r["P"]) for r in report["runs"]}, key=lambda k: (k[1], k[0]))
     seq_lens = c["seq_lens"]

@@ -214,11 +214,12 @@ def markdown(report: dict) -> str:
         "",
         f"GPT-NeoX shape: hidden {c['hidden']}, {plural(c['layers'], 'layer')}, {plural(c['heads'], 'head')}, "
         f"rotary_pct {c['rotary_pct']}, vocabulary {_VOCAB}; batch {c['batch']} x {c['seq_len']} tokens, fp32 on the "
-        f"CPU, {plural(c['threads'], 'torch thread')}. ds4sci attention backend {c['attention_backend']!r}, Hugging Face "
-        f"attn_implementation {c['hf_attention']!r}; torch {report['versions']['torch']}, transformers "
+        f"CPU, {plural(c['threads'], 'torch thread')}. ds4sci attention backend {c['attention_backend']!r}, Hugging "
+        f"Face attn_implementation {c['hf_attention']!r}; torch {report['versions']['torch']}, transformers "
         f"{report['versions']['transformers']}. One step = forward + next-token cross entropy + backward + AdamW. "
         f"{plural(c['rounds'], 'round')} of {plural(c['steps'], 'timed step')} per model, alternating (order swapped "
-        f"each round), after {plural(c['warmup'], 'warm-up step')} each. Same function checked first: max |logits difference| "
+        f"each round), after {plural(c['warmup'], 'warm-up step')} each. Same function checked first: max |logits "
+        "difference| "
         f"{report['check']['max_abs_logit_diff']:.1e}.",
         "",
         *markdown_table(("round", "ds4sci tokens/s", "HF tokens/s", "ds4sci tokens/CPU-s", "HF tokens/CPU-s",

@@ -100,7 +100,9 @@ class GenSLMConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GenSLMConfig":
-        """``"debug"`` (tiny, for CI) or GenSLM's ``"25M"``, ``"250M"``, ``"2.5B"``, ``"25B"`` shapes."""
+        """``"debug"`` (tiny, for CI) or GenSLM's ``"25M"``, ``"250M"``, ``"2.5B"``, ``"25B"`` shapes as GenSLM lists
+        them; with GPT-NeoX's 4x MLP the last three have about twice the parameters their names say
+        (:func:`describe_preset`, :func:`describe_presets`)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
