@@ -181,7 +181,8 @@ QUICK = {"shipped": ("bf16", 32), "local": ("bf16", 64)}
 
 
 def quick_variants() -> list:
-    """The variants of ``--quick``: :data:`QUICK`'s entries, every flag on (8 variants, 16 compilations): a smoke test of the command, not of the tile tables (flag-off variants can spill alone)."""
+    """The variants of ``--quick``: :data:`QUICK`'s entries, every flag on (8 variants, 16 compilations): a smoke
+    test of the command, not of the tile tables (flag-off variants can spill alone)."""
     (dtype, block_d), (local_dtype, local_block_d) = QUICK["shipped"], QUICK["local"]
     return (shipped_variants((dtype,), (block_d,), worst_case_only=True)
             + local_variants((local_dtype,), (local_block_d,), worst_case_only=True))
