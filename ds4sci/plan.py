@@ -101,9 +101,9 @@ from dataclasses import asdict, dataclass, replace
 from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
 from ds4sci.costs import layer_comm_bytes, mask_bytes, position_table_bytes
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
-from ds4sci.models.genslm.config import GenSLMConfig
+from ds4sci.models.genslm.config import GenSLMConfig, describe_preset, describe_presets, format_parameters
 from ds4sci.parallel.dims import ParallelDims
-from ds4sci.report import markdown_table, write_report
+from ds4sci.report import markdown_table, plural, write_report
 
 GIB = 2.0**30
 OFFLOADS = ("none", "optimizer", "all")
@@ -410,7 +410,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "overlap; FLOPs = 6 x tokens x params + 6 B L h S^2 (causal attention) + recomputation; bubble = "
                      "(pp-1)/(m+pp-1). Memory and byte formulas: the docstring of ds4sci.plan.")
     model = parser.add_argument_group("model (--preset, or a training config's model and data.seq_len)")
-    model.add_argument("--preset", help='GenSLM shape: "debug", "25M", "250M", "2.5B" or "25B"')
+    model.add_argument("--preset", help=f"GenSLM shape: {describe_presets()}")
     model.add_argument("--config", help="training config YAML; its model.* and data.seq_len are used (the layout "
                        "keys are searched, fix them with the options below)")
     model.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -476,12 +476,13 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
     tp, u = fixed.get("tp", 1), fixed.get("ulysses", 1)
     m = w.model
     if m.num_heads % (tp * u):
-        raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's {m.num_heads} heads")
+        raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's "
+                           f"{plural(m.num_heads, 'head')}")
     if cluster.gpus_per_node % tp or m.intermediate_size % tp:
         raise CommandError(f"--tp={tp} must divide --gpus-per-node={cluster.gpus_per_node} and the MLP width "
                            f"{m.intermediate_size}")
     if fixed.get("pp", 1) > m.num_layers:
-        raise CommandError(f"--pp={fixed['pp']}: the model has only {m.num_layers} layers")
+        raise CommandError(f"--pp={fixed['pp']}: the model has only {plural(m.num_layers, 'layer')}")
     z = fixed.get("zero_stage")
     if z is not None and z > 1 and fixed.get("pp", 1) > 1:
         raise CommandError(f"--zero-stage={z}: DeepSpeed's pipeline engine (--pp={fixed['pp']}) supports stage 0 or 1")
@@ -543,14 +544,17 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"no layout fits --seq-len={w.seq_len} in --gpu-mem-gib={cluster.gpu_mem_gib:g} "
                            f"(--reserve-gib={cluster.reserve_gib:g}): {_leanest(w, cluster, fixed)}")
     result.update(workload=w.to_dict(), fitting=len(rows), layouts=rows[: args.top])
-    title = (f"# plan: GenSLM {model_info['preset']} ({model_info['parameters'] / 1e9:.3g}B parameters"
-             + (f", overrides {model_info['overrides']}" if model_info["overrides"] else "") + f"), S = {w.seq_len}, "
-             f"{cluster.nodes} x {cluster.gpus_per_node} GPUs of {cluster.gpu_mem_gib:g} GiB, {w.dtype}")
+    preset, overrides = model_info["preset"], model_info["overrides"]
+    model = (f"GenSLM's {preset} preset with overrides {overrides}: {format_parameters(w.model.num_parameters())} "
+             "parameters" if overrides else describe_preset(preset, w.model))
+    title = (f"# plan: {model}; S = {w.seq_len}, {cluster.nodes} x {cluster.gpus_per_node} GPUs of "
+             f"{cluster.gpu_mem_gib:g} GiB, {w.dtype}")
     lines = [title, ""]
     if args.max_seq:
         lines += [f"Longest sequence that fits: {w.seq_len} tokens.", ""]
-    lines += [f"{len(rows)} layouts fit; the {min(args.top, len(rows))} fastest (GiB per GPU; rel. time: time per "
-              f"token over the fastest's):", ""]
+    listed = ("" if len(rows) == 1 else f"; the {args.top} fastest" if args.top < len(rows) else ", fastest first")
+    lines += [f"{plural(len(rows), 'layout fits', 'layouts fit')}{listed} (GiB per GPU; rel. time: time per token "
+              "over the fastest's):", ""]
     lines += markdown_table(*markdown_rows(rows[: args.top]))
     text = "\n".join(lines) + "\n"
     print(text, end="")

@@ -6,7 +6,13 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["markdown_table", "write_report"]
+__all__ = ["plural", "markdown_table", "write_report"]
+
+
+def plural(n: int, noun: str, plural_noun: str | None = None) -> str:
+    """``"1 layout"``, ``"3 layouts"``, ``"0 layouts"``: ``n`` and ``noun``, in the plural (``plural_noun``, default
+    ``noun + "s"``) unless ``n`` is 1; ``n`` formatted with thousands separators."""
+    return f"{n:,} {noun if n == 1 else plural_noun or noun + 's'}"
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:

@@ -42,6 +42,17 @@ def test_alibi_saved_bytes_linear_after_quadratic_before(tmp_path):
     assert report["command"].startswith("ds4sci bench genslm-attention-memory --seq-lens 256,512,1024 --modes alibi ")
 
 
+def test_quick_run_writes_json_markdown_and_png(tmp_path):
+    """The CI smoke run: S = 256 and 512 (--quick overrides --seq-lens), here the causal mode alone (4 subprocesses)."""
+    assert cli.main(["bench", "genslm-attention-memory", "--quick", "--seq-lens", "64K", "--modes", "causal",
+                     "--threads", "1", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "genslm_attention_memory.json").read_text())
+    assert report["config"]["seq_lens"] == [256, 512] and len(report["runs"]) == 4
+    assert all(r["status"] == "ok" for r in report["runs"])
+    assert "| 512 |" in (tmp_path / "genslm_attention_memory.md").read_text()
+    assert (tmp_path / "genslm_attention_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("mode", bench.MODES)
 def test_both_paths_compute_the_same_step(mode):
     """Before and after run the same layer, inputs and loss, so the benchmark compares memory of one computation;

@@ -27,6 +27,7 @@ def test_fit_and_longest_within_budget():
     report["summary"] = list(summary.values())
     text = seq_scaling.markdown(report)
     assert "| ulysses | 2 | 2.0 | 1.0 | 4096 | 4096 |" in text and "| baseline | 1 | 3.0 | 5.0 | 9.0 |" in text
+    assert "hidden 8, 2 heads, 1 layer, rotary" in text  # counts pluralised
 
 
 @pytest.mark.distributed

@@ -22,7 +22,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
 from ds4sci.costs import COMM_SCHEMES, layer_comm_bytes
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def measure(schemes: list[str], P: int, tokens_per_rank: int, hidden: int, heads
 def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"# comm-volume: bytes sent per rank per layer (forward + backward), fp32, hidden {c['hidden']}, "
-             f"{c['heads']} heads, N = {c['tokens_per_rank']} x P", "",
+             f"{plural(c['heads'], 'head')}, N = {c['tokens_per_rank']} x P", "",
              f"Command: `{report['command']}`", ""]
     rows = []
     for r in report["runs"]:

@@ -23,8 +23,9 @@ recorded: the peak CUDA memory of one forward+backward above what the inputs hol
 implementation's output from the ``ds4sci-torch`` output (a fast kernel that computes something else shows here).
 
 Needs a CUDA GPU and compiled kernels: without CUDA (or with ``TRITON_INTERPRET=1``) it prints one line saying so and
-returns 1. Writes ``evoformer_speed.json`` and ``evoformer_speed.md`` to ``--out``; returns 1 when a ds4sci
-implementation fails (another package's failure, such as DeepSpeed's JIT build, is recorded in the report).
+returns 1. Writes ``evoformer_speed.json``, ``evoformer_speed.md`` and ``evoformer_speed.png`` (forward+backward time
+per shape and implementation, one panel per dtype) to ``--out``; returns 1 when a ds4sci implementation fails
+(another package's failure, such as DeepSpeed's JIT build, is recorded in the report).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from ds4sci.bench.report import MIB, markdown_table, write_report
+from ds4sci.bench.report import MIB, markdown_table, pyplot, save_figure, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +222,34 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(report: dict, path) -> None:
+    """One panel per dtype: forward+backward milliseconds (log scale) per shape, a bar per implementation that ran
+    (implementations skipped or failed at a shape leave a gap)."""
+    plt = pyplot()
+    results = [r for r in report["results"] if "fwd_bwd_ms" in r]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in report["results"]))
+    fig, axes = plt.subplots(1, max(1, len(dtypes)), figsize=(7 * max(1, len(dtypes)), 4.5), squeeze=False)
+    impls = [name for name in IMPLEMENTATIONS if any(r["impl"] == name for r in results)]
+    width = 0.8 / max(1, len(impls))
+    for ax, dtype in zip(axes[0], dtypes):
+        shapes = list(dict.fromkeys(Shape(**r["shape"]).label() for r in report["results"] if r["dtype"] == dtype))
+        for i, name in enumerate(impls):
+            ms = {Shape(**r["shape"]).label(): r["fwd_bwd_ms"] for r in results
+                  if r["dtype"] == dtype and r["impl"] == name}
+            xs = [j + (i - (len(impls) - 1) / 2) * width for j, label in enumerate(shapes) if label in ms]
+            ax.bar(xs, [ms[label] for label in shapes if label in ms], width, label=name)
+        ax.set_xticks(range(len(shapes)), [label.replace(" N=", "\nN=") for label in shapes], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("forward + backward (ms)")
+        ax.set_title(dtype)
+        ax.grid(True, axis="y", alpha=0.3)
+        if impls:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"Evoformer attention on {report['device']}, median of {report['repeats']}"
+                 + (" (--quick: a smoke test, not a measurement)" if report["quick"] else ""), fontsize=10)
+    save_figure(fig, path)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke test of the command)")
     parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16", "fp32"), default=list(DTYPES),
@@ -264,7 +293,8 @@ def run(args: argparse.Namespace) -> int:
         "results": results,
     }
     path = write_report(args.out, "evoformer_speed", report, _markdown(report))
-    logger.info("evoformer-speed: wrote %s", path)
+    plot(report, path.with_suffix(".png"))
+    logger.info("evoformer-speed: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
     # ds4sci's own failures fail the command; another package's kernel failing (say DeepSpeed's JIT build) is reported
     failed = [r for r in results if "error" in r and r["impl"].startswith("ds4sci")]
     return 1 if failed else 0

@@ -35,9 +35,9 @@ it holds before the measured step), so a run the prediction let through fails wi
 exhausting the machine; it is reported as failed.
 
 Writes ``genslm_attention_memory.json``, ``genslm_attention_memory.md`` (tables per S, mode and path, and the
-growth exponent p of ``c + a * S^p`` fitted to the peak and to the saved bytes: 1 is linear, 2 quadratic) and,
-when matplotlib imports, ``genslm_attention_memory.png`` (log-log peak and saved bytes vs S with slope-1 and
-slope-2 references) to ``--out``.
+growth exponent p of ``c + a * S^p`` fitted to the peak and to the saved bytes: 1 is linear, 2 quadratic) and
+``genslm_attention_memory.png`` (log-log peak and saved bytes vs S with slope-1 and slope-2 references) to ``--out``.
+``--quick`` (the CI smoke test) runs S = 256 and 512 instead of ``--seq-lens``.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ MODES = ("causal", "alibi", "documents")
 #: path -> GenSLM ``attention_backend``
 PATHS = {"before": "sdpa", "after": "auto"}
 DEFAULT_SEQ_LENS = (4096, 8192, 16384, 32768, 65536)
+QUICK_SEQ_LENS = (256, 512)  # --quick
 GIB = 2.0**30
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Analytic bounds used before a mode and path has a measurement (see analytic_peak_bytes). The explicit ALiBi path
@@ -120,6 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs predicted (time at a smaller S times (S/S0)^2) to take longer than this many "
                              "seconds are not launched (default: no limit)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke test: --seq-lens {','.join(map(str, QUICK_SEQ_LENS))} (seconds per run)")
 
 
 def default_memory_limit(device: str) -> int:
@@ -392,12 +395,13 @@ def markdown(report: dict) -> str:
                  len([r for r in _series(report, mode, path) if r["status"] == "ok"]))
                 for mode in cfg["modes"] for path in cfg["paths"]]
     position = f"{cfg['position']} positions" if cfg["position"] == "rotary" else "learned positions (no rotary)"
-    threads = f"{cfg['threads']} thread" + ("s" if cfg["threads"] != 1 else "")
+    threads = plural(cfg["threads"], "thread")
     lines = [
         "# GenSLM attention layer: peak memory of forward + backward vs sequence length",
         "",
-        f"One GenSLM `Attention` layer (fused QKV, core, output projection): hidden {cfg['hidden']}, {cfg['heads']} "
-        f"heads of {cfg['hidden'] // cfg['heads']}, batch {cfg['batch']}, {cfg['dtype']} on {cfg['device']} "
+        f"One GenSLM `Attention` layer (fused QKV, core, output projection): hidden {cfg['hidden']}, "
+        f"{plural(cfg['heads'], 'head')} of {cfg['hidden'] // cfg['heads']}, batch {cfg['batch']}, {cfg['dtype']} on "
+        f"{cfg['device']} "
         f"({threads}); forward and backward of mean(out^2). Modes: causal ({position}), alibi "
         f"(ALiBi), documents (packed documents of {cfg['doc_len'] // 2}-{3 * cfg['doc_len'] // 2} tokens, "
         f"{position}). Paths: before = `attention_backend='sdpa'` (sdpa_attention), after = "
@@ -437,14 +441,9 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path) -> bool:
-    """Log-log peak and saved bytes vs S per mode and path, with slope-1 and slope-2 references, to ``path``;
-    False (one log line) when matplotlib does not import."""
-    try:
-        plt = pyplot()
-    except ImportError as err:
-        logger.info("genslm-attention-memory: no plot (matplotlib not importable: %s)", err)
-        return False
+def plot(report: dict, path) -> None:
+    """Log-log peak and saved bytes vs S per mode and path, with slope-1 and slope-2 references, to ``path``."""
+    plt = pyplot()
     cfg = report["config"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     colors = dict(zip(MODES, ("tab:blue", "tab:orange", "tab:green")))
@@ -473,10 +472,9 @@ def plot(report: dict, path) -> bool:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"GenSLM attention layer, hidden {cfg['hidden']}, {cfg['heads']} heads, {cfg['dtype']} on "
+    fig.suptitle(f"GenSLM attention layer, hidden {cfg['hidden']}, {plural(cfg['heads'], 'head')}, {cfg['dtype']} on "
                  f"{cfg['device']}")
     save_figure(fig, path)
-    return True
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -555,7 +553,8 @@ def run(args: argparse.Namespace) -> int:
     """``ds4sci bench genslm-attention-memory``: exit status 2 with one error line for an impossible
     configuration, 1 when a run failed, else 0."""
     cfg = {
-        "seq_lens": list(args.seq_lens), "modes": list(args.modes), "paths": list(args.paths),
+        "seq_lens": list(QUICK_SEQ_LENS if args.quick else args.seq_lens), "modes": list(args.modes),
+        "paths": list(args.paths),
         "hidden": args.hidden, "heads": args.heads, "batch": args.batch, "position": args.position,
         "doc_len": args.doc_len, "dtype": args.dtype, "device": args.device, "threads": args.threads,
         "time_limit_s": args.time_limit_s, "seed": args.seed,
@@ -589,8 +588,6 @@ def run(args: argparse.Namespace) -> int:
         return write_report(args.out, NAME, report, markdown(report))
 
     path = write(run_all(cfg, progress=write))
-    png = path.with_suffix(".png")
-    wrote_png = plot(report, png)
-    logger.info("genslm-attention-memory: wrote %s, %s%s", path, path.with_suffix(".md"),
-                f" and {png}" if wrote_png else "")
+    plot(report, path.with_suffix(".png"))
+    logger.info("genslm-attention-memory: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
     return 1 if any(r["status"] == "failed" for r in report["runs"]) else 0

@@ -11,8 +11,12 @@ memory request, the registers, stack frame and spills of Triton's own ``ptxas -v
 and whether every ``ex2.approx`` in the PTX takes a scaled difference ``(s - m) * log2 e`` rather than a fused
 multiply-add of a separately scaled maximum (:mod:`ds4sci.bench.aot.ptx`).
 
-Writes ``kernels_aot.json`` and ``kernels_aot.md`` to ``--out``; returns non-zero when a variant fails to compile,
-exceeds the target's shared memory, spills or computes an exponent from a fused multiply-add.
+``--quick`` compiles :func:`~ds4sci.bench.aot.variants.quick_variants` instead (one tile-table entry per kernel
+family, every flag on: 16 compilations, a smoke test of the command).
+
+Writes ``kernels_aot.json``, ``kernels_aot.md`` and ``kernels_aot.png`` (registers against shared memory of every
+compilation, beside each target's limits) to ``--out``; returns non-zero when a variant fails to compile, exceeds the
+target's shared memory, spills or computes an exponent from a fused multiply-add.
 """
 from __future__ import annotations
 
@@ -26,7 +30,9 @@ from ds4sci.bench.aot.calls import CALLERS
 from ds4sci.bench.aot.compile import TARGETS
 from ds4sci.bench.aot.pool import compile_all
 from ds4sci.bench.aot.ptxas import ptxas_versions
-from ds4sci.bench.aot.variants import DTYPES, LOCAL_DTYPES, LOCAL_REPRESENTATIVE, REPRESENTATIVE, SETS, variants_for
+from ds4sci.bench.aot.variants import (DTYPES, LOCAL_DTYPES, LOCAL_REPRESENTATIVE, QUICK, REPRESENTATIVE, SETS,
+                                       quick_variants, variants_for)
+from ds4sci.bench.report import plural, pyplot, save_figure, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +53,9 @@ def _markdown(report: dict) -> str:
         "Shared memory is Triton's dynamic request (limits: "
         f"{', '.join(f'{n} {lim} B' for n, lim in TARGETS.values())}). "
         "`unsafe ex2`: exponents (of all `ex2` in the PTX) computed from a fused multiply-add of a scaled maximum "
-        "(whose rounding error would become the exponent).",
+        "(whose rounding error would become the exponent)."
+        + (f" `--quick`: a smoke test of one tile-table entry per kernel family ({_quick_entries()}), every flag on; "
+           "not the gate." if report.get("quick") else ""),
         "",
         "| case | kernel | dtype | BLOCK_D | flags | specialisation | BLOCK_MxN | warps | stages | maxnreg | "
         + " | ".join(f"{name} regs | {name} spill B | {name} smem B | {name} unsafe ex2" for name in names)
@@ -80,14 +88,67 @@ def _markdown(report: dict) -> str:
     results = report["results"]
     errors = [r for r in results if r["error"]]
     unsafe = [r for r in results if r["error"] is None and r["unsafe_ex2"]]
-    lines += ["", f"{len(results)} compilations ({report['wall_s']} s), {len(errors)} errors; within limits and "
-              f"spill-free: {'yes' if all(r['resources_ok'] for r in results) else 'NO'}; exponents from scaled "
-              f"differences only: {'yes' if not unsafe else f'NO ({len(unsafe)} compilations)'}."]
+    unsafe_text = f"NO ({plural(len(unsafe), 'compilation')})" if unsafe else "yes"
+    lines += ["", f"{plural(len(results), 'compilation')} ({report['wall_s']} s), {plural(len(errors), 'error')}; "
+              f"within limits and spill-free: {'yes' if all(r['resources_ok'] for r in results) else 'NO'}; exponents "
+              f"from scaled differences only: {unsafe_text}."]
     for r in errors:
         lines.append(f"- {_where(r)}: {r['error'][:500]}")
     for r in unsafe[:5]:
         lines.append(f"- {_where(r)}: {len(r['unsafe_ex2'])} of {r['ex2']} ex2, e.g. {r['unsafe_ex2'][0]}")
     return "\n".join(lines) + "\n"
+
+
+def _quick_entries() -> str:
+    return ", ".join(f"{name} {dtype} BLOCK_D={block_d}" for name, (dtype, block_d) in QUICK.items())
+
+
+#: kernel family of a compilation -> (label, colour) in the plot
+_FAMILIES = {"evoformer": ("Evoformer tile table", "tab:blue"),
+             "callers": ("OpenFold/OpenFold3 launches", "tab:orange"),
+             "local": ("local attention", "tab:green")}
+
+
+def _family(r: dict) -> str:
+    """``"local"`` (a local-attention variant: it has document flags), ``"callers"`` (an Evoformer variant launched
+    as a caller launches it) or ``"evoformer"`` (the representative launch of the Evoformer tile table)."""
+    if "has_docs" in r:
+        return "local"
+    return "callers" if r["call"] is not None else "evoformer"
+
+
+def plot(report: dict, path) -> None:
+    """One panel per target: registers per thread (x) against Triton's dynamic shared memory request (y, KiB) of every
+    compilation, coloured by kernel family, with the target's shared-memory limit and the 255-register ceiling;
+    compilations that spill or take an exponent from a fused multiply-add are circled in red, errors are counted in the
+    title."""
+    plt = pyplot()
+    targets = sorted({r["target"] for r in report["results"]})
+    fig, axes = plt.subplots(1, max(1, len(targets)), figsize=(6 * max(1, len(targets)), 4.5), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        results = [r for r in report["results"] if r["target"] == target]
+        compiled = [r for r in results if r["error"] is None]
+        for family, (label, colour) in _FAMILIES.items():
+            points = [r for r in compiled if _family(r) == family]
+            if points:
+                ax.scatter([r["registers"] for r in points], [r["shared_bytes"] / 1024 for r in points], s=14,
+                           color=colour, alpha=0.6, label=f"{label} ({len(points)})")
+        bad = [r for r in compiled if not r["ok"]]
+        if bad:
+            ax.scatter([r["registers"] for r in bad], [r["shared_bytes"] / 1024 for r in bad], s=60,
+                       facecolors="none", edgecolors="red", label=f"spills or unsafe ex2 ({len(bad)})")
+        limit = results[0]["smem_limit"] / 1024
+        ax.axhline(limit, color="red", linestyle="--", linewidth=1, label=f"shared memory limit ({limit:g} KiB)")
+        ax.axvline(255, color="gray", linestyle=":", linewidth=1, label="255 registers")
+        ax.set_xlabel("registers per thread")
+        ax.set_ylabel("dynamic shared memory (KiB)")
+        errors = len(results) - len(compiled)
+        ax.set_title(f"{target}: {plural(len(results), 'compilation')}, {plural(errors, 'error')}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="center left")
+    fig.suptitle(f"Triton kernels compiled ahead of time (Triton {report['triton_version']}, set "
+                 f"{'--quick' if report.get('quick') else report['set']})", fontsize=10)
+    save_figure(fig, path)
 
 
 def _where(r: dict) -> str:
@@ -112,15 +173,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "not complete)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="compile processes (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke test instead of --set, --dtypes, --block-d and --worst-case-only: "
+                             f"{_quick_entries()}, every kernel with every flag on (16 compilations for both "
+                             "targets: about 40 s of CPU time, 1.5 minutes on 2 busy cores)")
 
 
 def run(args: argparse.Namespace) -> int:
     import triton
 
-    from ds4sci.bench.report import write_report
-
-    variants = variants_for(args.variant_set, tuple(args.dtypes) if args.dtypes else None,
-                            tuple(args.block_d) if args.block_d else None, args.worst_case_only)
+    if args.quick:
+        variants = quick_variants()
+    else:
+        variants = variants_for(args.variant_set, tuple(args.dtypes) if args.dtypes else None,
+                                tuple(args.block_d) if args.block_d else None, args.worst_case_only)
+    compiles_callers = not args.quick and args.variant_set in ("callers", "all")
     start = time.perf_counter()
     results = compile_all(variants, tuple(args.targets), args.jobs)
     report = {
@@ -129,14 +196,16 @@ def run(args: argparse.Namespace) -> int:
         "targets": {name: {"capability": cc, "smem_limit": lim} for cc, (name, lim) in TARGETS.items()},
         "representative": REPRESENTATIVE,
         "local_representative": LOCAL_REPRESENTATIVE,
-        "set": args.variant_set,
-        "callers": [dataclasses.asdict(call) for call in CALLERS] if args.variant_set != "shipped" else [],
+        "quick": bool(args.quick),
+        "set": None if args.quick else args.variant_set,
+        "callers": [dataclasses.asdict(call) for call in CALLERS] if compiles_callers else [],
         "worst_case_only": bool(args.worst_case_only),
         "wall_s": round(time.perf_counter() - start, 1),
         "all_ok": all(r["ok"] for r in results),
         "results": results,
     }
     path = write_report(args.out, "kernels_aot", report, _markdown(report))
+    plot(report, path.with_suffix(".png"))
     bad = [r for r in results if not r["ok"]]
     for r in bad:
         if r["error"]:
@@ -146,6 +215,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             why = f"{len(r['unsafe_ex2'])} of {r['ex2']} exponents from a fused multiply-add, e.g. {r['unsafe_ex2'][0]}"
         logger.error("kernels-aot: %s: %s", _where(r), why)
-    logger.info("kernels-aot: %d compilations in %.0f s, %d not ok; wrote %s", len(results), report["wall_s"], len(bad),
-                path)
+    logger.info("kernels-aot: %s in %.0f s, %d not ok; wrote %s, %s and %s", plural(len(results), "compilation"),
+                report["wall_s"], len(bad), path, path.with_suffix(".md"), path.with_suffix(".png"))
     return 0 if not bad else 1

@@ -42,7 +42,7 @@ import time
 import weakref
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, plural, pyplot, save_figure, write_report
 from ds4sci.parallel import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
@@ -397,8 +397,9 @@ def _ratio(measured: float, predicted: float) -> str:
 
 def markdown(report: dict) -> str:
     c = report["config"]
-    lines = [f"# layouts: per-rank bytes of one training step, GenSLM hidden {c['hidden']}, {c['heads']} heads, "
-             f"{c['layers']} layers, S = {c['seq_len']}, fp32, world {c['world']}", "",
+    lines = [f"# layouts: per-rank bytes of one training step, GenSLM hidden {c['hidden']}, "
+             f"{plural(c['heads'], 'head')}, {plural(c['layers'], 'layer')}, S = {c['seq_len']}, fp32, "
+             f"world {c['world']}", "",
              f"Command: `{report['command']}`", "",
              "Memory (MiB per rank, most loaded rank; in brackets measured / ds4sci.plan's prediction):", ""]
     rows = []

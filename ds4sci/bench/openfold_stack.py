@@ -18,6 +18,10 @@ For each it measures, with :mod:`ds4sci.bench.memory`,
 - the wall time of the step, and the relative difference of the outputs (real positions) and of the parameter
   gradients vs ``default``.
 
+Wall times depend on the machine and on what else runs on it, so the report carries the machine (CPU model, cores,
+GPU on CUDA), the date and the 1/5/15-minute load average at the start and at the end of each path's run
+(:func:`ds4sci.bench.report.machine`, :func:`~ds4sci.bench.report.load_average`), beside each time.
+
 At the default shape (N_seq=32, N_res=128, 2 blocks, 8 MSA heads, 4 pair heads) the logits dominate: a triangle
 attention's softmax alone is N_res * H * N_res^2 * 4 B = 32 MiB, against 1 MiB for the pair representation.
 
@@ -36,8 +40,9 @@ import time
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import (MIB, add_int_options, check_positive, command_line, markdown_table,
-                                  missing_dependency, option, pyplot, save_figure, write_report)
+from ds4sci.bench.report import (MIB, add_int_options, check_positive, command_line, describe_load, describe_machine,
+                                  load_average, machine, markdown_table, missing_dependency, option, plural,
+                                  pyplot, save_figure, write_report)
 from ds4sci.kernels import EvoformerBackend
 
 logger = logging.getLogger(__name__)
@@ -213,18 +218,25 @@ def openfold3_missing() -> str | None:
 
 
 def compare(cfg: dict) -> dict:
-    """Both paths at ``cfg``, each in a fresh subprocess: the report (without ``command``)."""
-    results, outcomes = {}, {}
+    """Both paths at ``cfg``, each in a fresh subprocess: the report (without ``command``), with the machine and, per
+    path, the load average at the start and at the end of its subprocess (``load``: mode -> {"start", "end"})."""
+    results, outcomes, load = {}, {}, {}
+    host = machine() | ({"gpu": torch.cuda.get_device_name(cfg["device"])}
+                        if torch.device(cfg["device"]).type == "cuda" else {})
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:
             path = os.path.join(tmp, f"{mode}.pt")
+            load[mode] = {"start": load_average()}
             results[mode] = memory.run_in_subprocess(f"{__name__}:measure_step", cfg, mode, path,
-                                              env={"PYTHONWARNINGS": "ignore"})
+                                                     env={"PYTHONWARNINGS": "ignore"})
+            load[mode]["end"] = load_average()
             outcomes[mode] = torch.load(path)
             logger.info("openfold-stack %s: peak %.1f MiB, saved %.1f MiB, %.2f s", mode,
                         results[mode]["peak_bytes"] / MIB, results[mode]["saved_bytes"] / MIB, results[mode]["seconds"])
     return {
         "config": cfg,
+        "machine": host,
+        "load": load,
         "peak_method": memory.peak_method(cfg["device"]),
         "allocator": memory.allocator_settings(),
         "results": results,
@@ -238,7 +250,9 @@ def markdown(report: dict) -> str:
     """The Markdown summary of a :func:`compare` report."""
     cfg, r = report["config"], report["results"]
     rows = [(mode, f"{r[mode]['peak_bytes'] / MIB:.1f}", f"{r[mode]['saved_bytes'] / MIB:.1f}",
-             f"{r[mode]['seconds']:.2f}") for mode in MODES]
+             f"{r[mode]['seconds']:.2f}", describe_load(report["load"][mode]["start"], report["load"][mode]["end"]))
+            for mode in MODES]
+    host = report["machine"]
     diff = report["relative_diff"]
     lines = [
         "# OpenFold3 EvoformerStack, one training step (forward + backward)",
@@ -248,7 +262,13 @@ def markdown(report: dict) -> str:
         f"{cfg['device']}, ds4sci backend {cfg['backend']!r}. Peak: {report['peak_method']}. "
         f"{memory.describe_allocator(report['allocator'])}",
         "",
-        *markdown_table(("path", "peak memory of the step (MiB)", "saved for backward (MiB)", "step time (s)"), rows),
+        f"Timed on {describe_machine(host)}" + (f", {host['gpu']}" if "gpu" in host else "") + f" with "
+        f"{plural(cfg['threads'], 'torch thread')}; the 1-minute load average (processes running or waiting for one of "
+        f"the {plural(host['cores'], 'core')}) at the start and at the end of each path's run is given beside its "
+        "time.",
+        "",
+        *markdown_table(("path", "peak memory of the step (MiB)", "saved for backward (MiB)", "step time (s)",
+                         "load average (1 min) start -> end"), rows),
         "",
         f"Peak memory ratio default / ds4sci: **{report['peak_ratio']:.2f}x**; saved-for-backward ratio: "
         f"**{report['saved_ratio']:.2f}x**.",
@@ -271,11 +291,13 @@ def plot(report: dict, path) -> None:
     mem.set_ylabel("MiB")
     mem.legend()
     secs.bar(list(x), [r[m]["seconds"] for m in MODES], 0.5, color="gray")
-    secs.set_xticks(list(x), MODES)
+    load = report["load"]
+    secs.set_xticks(list(x), [f"{m}\nload {describe_load(load[m]['start'], load[m]['end'])}" for m in MODES])
     secs.set_ylabel("step time (s)")
     c = report["config"]
     fig.suptitle(f"OpenFold3 EvoformerStack training step: N_seq={c['n_seq']}, N_res={c['n_res']}, {c['blocks']} "
-                 f"blocks, {c['dtype']} on {c['device']}, ds4sci backend {c['backend']!r}", fontsize=9)
+                 f"blocks, {c['dtype']} on {c['device']}, ds4sci backend {c['backend']!r}\n"
+                 f"timed on {describe_machine(report['machine'])}", fontsize=9)
     save_figure(fig, path)
 
 

@@ -1,19 +1,54 @@
 """Helpers shared by the benchmarks: list and integer options, optional dependencies, and their report files,
 ``NAME.json`` (the figures) and ``NAME.md`` (a readable table), written by :mod:`ds4sci.report` (re-exported here with
-the rest)."""
+the rest, as is its :func:`~ds4sci.report.plural`)."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
+import os
+import platform
 from collections.abc import Iterable
 from pathlib import Path
 
-from ds4sci.report import markdown_table, write_report
+from ds4sci.report import markdown_table, plural, write_report
 
-__all__ = ["MIB", "parse_int_list", "option", "add_int_options", "check_positive", "command_line", "missing_dependency",
-           "pyplot", "save_figure", "markdown_table", "write_report"]
+__all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
+           "option", "add_int_options", "check_positive", "command_line", "missing_dependency",
+           "pyplot", "save_figure", "markdown_table", "plural", "write_report"]
 
 MIB = 2.0**20
+
+
+def machine() -> dict:
+    """What a timing ran on, and when: ``{"cpu": model name, "cores": logical CPUs, "usable_cores": CPUs this process
+    may run on, "date": UTC time, ISO 8601, to the second}`` (``"cpu"`` from ``/proc/cpuinfo``, else
+    :func:`platform.processor`)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def load_average() -> list[float]:
+    """The system load average over the last 1, 5 and 15 minutes (:func:`os.getloadavg`), two decimals: how many
+    processes competed for the cores a timing ran on."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def describe_machine(info: dict) -> str:
+    """One line of a :func:`machine` record: ``"AMD EPYC, 2 cores (2 usable), 2026-11-26T00:12:00+00:00"``."""
+    return f"{info['cpu']}, {plural(info['cores'], 'core')} ({info['usable_cores']} usable), {info['date']}"
+
+
+def describe_load(start: list[float], end: list[float]) -> str:
+    """``"0.75 -> 2.10"``: the 1-minute load average at the start and at the end of a timing (:func:`load_average`)."""
+    return f"{start[0]:.2f} -> {end[0]:.2f}"
 
 
 def parse_int_list(text: str) -> tuple[int, ...]:

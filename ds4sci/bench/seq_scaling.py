@@ -17,7 +17,7 @@ import argparse
 import logging
 import time
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,8 @@ def summarize(report: dict) -> list[dict]:
 def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"# seq-scaling: peak memory per rank of one GenSLM forward + backward (fp32, CPU, hidden {c['hidden']}, "
-             f"{c['heads']} heads, {c['layers']} layers, rotary, causal)", "", f"Command: `{report['command']}`", "",
+             f"{plural(c['heads'], 'head')}, {plural(c['layers'], 'layer')}, rotary, causal)", "",
+             f"Command: `{report['command']}`", "",
              "Peak MiB per rank (max over ranks):", ""]
     keys = sorted({(r["scheme"], r["P"]) for r in report["runs"]}, key=lambda k: (k[1], k[0]))
     seq_lens = c["seq_lens"]

@@ -30,7 +30,7 @@ import time
 import torch
 
 from ds4sci.bench.report import (add_int_options, check_positive, command_line, markdown_table, missing_dependency,
-                                  option, pyplot, save_figure, write_report)
+                                  option, plural, pyplot, save_figure, write_report)
 from ds4sci.kernels.backends import LocalBackend
 from ds4sci.models.genslm import GenSLM, config_from_gpt_neox, lm_loss, to_gpt_neox_state_dict
 
@@ -212,13 +212,14 @@ def markdown(report: dict) -> str:
     lines = [
         "# Training throughput: ds4sci GenSLM vs Hugging Face GPTNeoXForCausalLM",
         "",
-        f"GPT-NeoX shape: hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, rotary_pct "
-        f"{c['rotary_pct']}, vocabulary {_VOCAB}; batch {c['batch']} x {c['seq_len']} tokens, fp32 on the CPU, "
-        f"{c['threads']} torch thread(s). ds4sci attention backend {c['attention_backend']!r}, Hugging Face "
-        f"attn_implementation {c['hf_attention']!r}; torch {report['versions']['torch']}, transformers "
+        f"GPT-NeoX shape: hidden {c['hidden']}, {plural(c['layers'], 'layer')}, {plural(c['heads'], 'head')}, "
+        f"rotary_pct {c['rotary_pct']}, vocabulary {_VOCAB}; batch {c['batch']} x {c['seq_len']} tokens, fp32 on the "
+        f"CPU, {plural(c['threads'], 'torch thread')}. ds4sci attention backend {c['attention_backend']!r}, Hugging "
+        f"Face attn_implementation {c['hf_attention']!r}; torch {report['versions']['torch']}, transformers "
         f"{report['versions']['transformers']}. One step = forward + next-token cross entropy + backward + AdamW. "
-        f"{c['rounds']} rounds of {c['steps']} timed step(s) per model, alternating (order swapped each round), "
-        f"after {c['warmup']} warm-up step(s) each. Same function checked first: max |logits difference| "
+        f"{plural(c['rounds'], 'round')} of {plural(c['steps'], 'timed step')} per model, alternating (order swapped "
+        f"each round), after {plural(c['warmup'], 'warm-up step')} each. Same function checked first: max |logits "
+        "difference| "
         f"{report['check']['max_abs_logit_diff']:.1e}.",
         "",
         *markdown_table(("round", "ds4sci tokens/s", "HF tokens/s", "ds4sci tokens/CPU-s", "HF tokens/CPU-s",
@@ -226,7 +227,7 @@ def markdown(report: dict) -> str:
         "",
         *(f"Ratio ds4sci / Hugging Face, {label}: median **{s[clock]['ratio_median']:.3f}**, quartiles "
           f"{s[clock]['ratio_q1']:.3f} - {s[clock]['ratio_q3']:.3f}, min/max {s[clock]['ratio_min']:.3f} - "
-          f"{s[clock]['ratio_max']:.3f} over {len(report['rounds'])} rounds."
+          f"{s[clock]['ratio_max']:.3f} over {plural(len(report['rounds']), 'round')}."
           for clock, label in (("wall", "wall clock"), ("cpu", "CPU time of this process"))),
     ]
     return "\n".join(lines) + "\n"
@@ -254,7 +255,7 @@ def plot(report: dict, path) -> None:
     right.set_ylabel("tokens/s ratio ds4sci / HF")
     c = report["config"]
     fig.suptitle(f"hidden {c['hidden']}, {c['layers']} layers, batch {c['batch']} x {c['seq_len']}, "
-                 f"{c['threads']} thread(s)")
+                 f"{plural(c['threads'], 'thread')}")
     save_figure(fig, path)
 
 

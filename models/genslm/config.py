@@ -100,14 +100,17 @@ class GenSLMConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GenSLMConfig":
-        """``"debug"`` (tiny, for CI) or GenSLM's ``"25M"``, ``"250M"``, ``"2.5B"``, ``"25B"`` shapes."""
+        """``"debug"`` (tiny, for CI) or GenSLM's ``"25M"``, ``"250M"``, ``"2.5B"``, ``"25B"`` shapes as GenSLM lists
+        them; with GPT-NeoX's 4x MLP the last three have about twice the parameters their names say
+        (:func:`describe_preset`, :func:`describe_presets`)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
 
 # Shapes as GenSLM lists them. DISCREPANCY: with GPT-NeoX's 4x MLP only the 25M shape reproduces its name
-# (25,290,752 parameters); the listed 250M / 2.5B / 25B shapes count about 0.49B / 4.96B / 51.6B parameters.
+# (25,290,752 parameters); the listed 250M / 2.5B / 25B shapes count about 0.49B / 4.96B / 51.5B parameters.
+# describe_preset and describe_presets say so wherever a user picks a preset.
 PRESETS: dict[str, dict] = {
     "debug": dict(hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=512),
     "25M": dict(hidden_size=512, num_layers=8, num_heads=8),
@@ -117,3 +120,52 @@ PRESETS: dict[str, dict] = {
     # 64 heads of 128 dims.
     "25B": dict(hidden_size=8192, num_layers=64, num_heads=64),
 }
+
+
+def format_parameters(n: int) -> str:
+    """A parameter count to 3 significant digits: ``"109K"``, ``"25.3M"``, ``"488M"``, ``"4.96B"``, ``"51.5B"``."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def _named_count(name: str) -> float | None:
+    """The parameter count a preset's name states (``"2.5B"`` -> 2.5e9), None for a name that states none."""
+    scale = {"M": 1e6, "B": 1e9}.get(name[-1:])
+    try:
+        return float(name[:-1]) * scale if scale else None
+    except ValueError:
+        return None
+
+
+def describe_preset(name: str, config: GenSLMConfig | None = None) -> str:
+    """What preset ``name`` is, for a user choosing one: its shape and the parameters it really has, counted by
+    :meth:`GenSLMConfig.num_parameters` of ``config`` (the preset as built, e.g. with a tokenizer's vocabulary;
+    default ``GenSLMConfig.preset(name)``), and why that is not the named size where it is not, e.g.
+    ``"GenSLM's 25B shape (hidden 8192, 64 layers, 64 heads): 51.5B parameters with GPT-NeoX's 4x MLP, not 25B"``.
+    ``ValueError`` names an unknown preset."""
+    config = config or GenSLMConfig.preset(name)
+    count = config.num_parameters()
+    shape = f"hidden {config.hidden_size}, {config.num_layers} layers, {config.num_heads} heads"
+    what = "the tiny debug shape" if name == "debug" else f"GenSLM's {name} shape"
+    text = f"{what} ({shape}): {format_parameters(count)} parameters"
+    named = _named_count(name)
+    if named is not None and not 0.8 <= count / named <= 1.25:
+        mlp = config.intermediate_size / config.hidden_size
+        text += f" with GPT-NeoX's {mlp:g}x MLP, not {name}"
+    return text
+
+
+def describe_presets() -> str:
+    """Every preset and its real parameter count, for an option's help: ``'"debug" (109K parameters), "25M" (25.3M),
+    ... "25B" (51.5B): GenSLM's listed shapes with GPT-NeoX's 4x MLP, so 250M, 2.5B and 25B count more than their
+    names'``."""
+    counts = {name: GenSLMConfig.preset(name).num_parameters() for name in PRESETS}
+    listed = ", ".join(f'"{name}" ({format_parameters(n)}{" parameters" if i == 0 else ""})'
+                       for i, (name, n) in enumerate(counts.items()))
+    larger = [name for name, n in counts.items() if _named_count(name) and n / _named_count(name) > 1.25]
+    if not larger:
+        return listed
+    names = larger[0] if len(larger) == 1 else f"{', '.join(larger[:-1])} and {larger[-1]}"
+    return f"{listed}: GenSLM's listed shapes with GPT-NeoX's 4x MLP, so {names} count more than their names"

@@ -175,6 +175,17 @@ def local_variants(dtypes=LOCAL_DTYPES, block_ds: Optional[tuple[int, ...]] = No
 
 
 SETS = ("shipped", "callers", "local", "local-full", "all")
+#: ``--quick``: one tile-table entry per kernel family (Evoformer: OpenFold's head dim 32; local attention: GenSLM's
+#: 64), bf16, every kernel with every flag on
+QUICK = {"shipped": ("bf16", 32), "local": ("bf16", 64)}
+
+
+def quick_variants() -> list:
+    """The variants of ``--quick``: :data:`QUICK`'s entries, every flag on (8 variants, 16 compilations): a smoke
+    test of the command, not of the tile tables (flag-off variants can spill alone)."""
+    (dtype, block_d), (local_dtype, local_block_d) = QUICK["shipped"], QUICK["local"]
+    return (shipped_variants((dtype,), (block_d,), worst_case_only=True)
+            + local_variants((local_dtype,), (local_block_d,), worst_case_only=True))
 
 
 def variants_for(which: str, dtypes=None, block_ds=None, worst_case_only: bool = False) -> list:
