@@ -236,3 +236,12 @@ def test_planner_table_is_what_the_command_prints(capsys, monkeypatch, tmp_path)
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert f"Longest sequence that fits: {predicted} tokens" in out, (model, layout, out[:500])
+
+
+def test_preset_counts():
+    """README's parameter count of each preset is the model's own count."""
+    from ds4sci.models.genslm.config import PRESETS, GenSLMConfig, format_parameters
+
+    sentence = " ".join(README[README.index("Presets (`--preset`"):].split("\n\n")[0].split())
+    for name in PRESETS:
+        assert f"`{name}` {format_parameters(GenSLMConfig.preset(name).num_parameters())}" in sentence, name
