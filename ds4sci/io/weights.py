@@ -13,6 +13,13 @@ Three sources, told apart by their files:
   a ``GPTNeoXForCausalLM`` as ``self.model``: their keys read ``model.gpt_neox.layers.0...`` and their
   ``hyper_parameters["model_architecture"]`` is the GPT-NeoX ``config.json``, which then gives the model's shape.
 
+A model folder is untrusted input. Its config's every value is checked for type and range
+(:func:`ds4sci.models.genslm.config.check_field`; a GPT-NeoX ``config.json`` under its own key names, before
+transformers reads it), then against the shapes of the tensors (:func:`check_config`: layer count, hidden, vocabulary
+and MLP sizes, learned position table; a safetensors file's shapes from its header, before any tensor is read), so
+a config that claims more than its weights hold is refused before any layer is built, naming the file, the key and
+the value.
+
 Names are GenSLM's or GPT-NeoX's (:mod:`ds4sci.models.genslm.neox` renames them). Nothing pickled is ever
 executed: safetensors, or ``torch.load(weights_only=True)``, which reads tensors and plain containers only
 (:data:`_SAFE_GLOBALS` adds the ``pathlib`` paths GenSLM's Lightning hyper-parameters hold).

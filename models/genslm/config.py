@@ -62,7 +62,9 @@ def check_field(name: str, value):
 class GenSLMConfig:
     """A GPT-NeoX-style causal LM over nucleotide or codon tokens.
 
-    The defaults are GenSLM's 25M model on its 69-word codon vocabulary.
+    The defaults are GenSLM's 25M model on its 69-word codon vocabulary. Construction checks every field
+    (:func:`check_field`: integers are integers, reals finite and in range, strings known) and normalises numbers to
+    the field's type; a ValueError names the field and the value.
     """
 
     vocab_size: int = 69  # GenSLM's codon vocabulary: 5 specials + 64 codons
