@@ -250,7 +250,7 @@ def read_checked(files: list[Path], config: GenSLMConfig, config_file: Path, nam
             shapes.update({name: tuple(t.shape) for name, t in tensors.items()})
         else:
             shapes.update(_safetensors_shapes(file))
-    weights = files[0].name if len(files) == 1 else f"{files[0].name} and the {len(files) - 1} other weight files"
+    weights = files[0].name if len(files) == 1 else f"the shard set {files[0].name} .. {files[-1].name}"
     check_config(config, rename(shapes), config_file, weights, names)
     state = {}
     for file in files:

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from ds4sci.cli import main
 from ds4sci.data import CodonTokenizer, NucleotideTokenizer
-from ds4sci.io.export import export_consolidated
+from ds4sci.io.export import export_consolidated, read_consolidated
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 
 FASTA = ">a\nACGTTGCAAGGCTTACACGTTG\n"
@@ -89,6 +90,20 @@ def test_a_vocabulary_the_embedding_does_not_have_is_refused(export, tmp_path, c
     (out / "config.json").write_text(json.dumps(meta))
     assert _evaluate_error(out, capsys) == (f"ds4sci evaluate: error: {out / 'config.json'}: position_embedding="
                                             f"'learned' but model.safetensors holds no tensor 'embed_pos.weight'")
+
+
+def test_a_sharded_export_is_checked_across_its_shards(export, tmp_path):
+    state = load_file(str(export / "model.safetensors"))
+    cfg = GenSLMConfig.from_dict(json.loads((export / "config.json").read_text())["model"])
+    out = export_consolidated(state, cfg, NucleotideTokenizer(), tmp_path / "sharded", max_shard_bytes=1)
+    meta = json.loads((out / "config.json").read_text())
+    meta["model"]["num_layers"] = 1
+    (out / "config.json").write_text(json.dumps(meta))
+    n = len(state)
+    with pytest.raises(ValueError, match=rf"config.json: num_layers=1 but the shard set model-00001-of-{n:05d}."
+                                         rf"safetensors .. model-{n:05d}-of-{n:05d}.safetensors holds layers 0-1 "
+                                         r"\(2 layers\)$"):
+        read_consolidated(out)
 
 
 def test_a_billion_layers_are_refused_before_any_is_built(export, tmp_path):
