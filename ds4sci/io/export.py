@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ds4sci.data import Tokenizer
+from ds4sci.io.weights import read_checked
 from ds4sci.models.genslm import GenSLMConfig
 
 
@@ -84,7 +84,9 @@ def export_consolidated(state_dict: dict[str, torch.Tensor], config: GenSLMConfi
 
 
 def read_consolidated(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig, Tokenizer]:
-    """``(state dict, config, tokenizer)`` of an export directory, checked against each other; no model built."""
+    """``(state dict, config, tokenizer)`` of an export directory, checked against each other (the config against
+    the tokenizer and against the tensors' shapes, read from the safetensors headers before any tensor:
+    :func:`ds4sci.io.weights.check_config`); no model built."""
     path = Path(path)
     sharded = (path / INDEX).is_file() and not (path / "model.safetensors").is_file()
     for name in (INDEX if sharded else "model.safetensors", "config.json", "tokenizer.json"):
@@ -92,12 +94,20 @@ def read_consolidated(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLM
             raise FileNotFoundError(f"{path} is not a ds4sci export: {name} is missing")
     try:
         meta = json.loads((path / "config.json").read_text())
-        config = GenSLMConfig.from_dict(meta["model"])
+        model = meta["model"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"{path / 'config.json'}: not a ds4sci export config ({err})") from None
+    if not isinstance(model, dict):
+        raise ValueError(f"{path / 'config.json'}: model: expected an object of GenSLMConfig fields, got "
+                         f"{type(model).__name__}")
+    try:
+        config = GenSLMConfig.from_dict(model)
+    except ValueError as err:
+        raise ValueError(f"{path / 'config.json'}: {err}") from None
     tokenizer = Tokenizer.load(path / "tokenizer.json")
     if tokenizer.vocab_size != config.vocab_size:
-        raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} ids but the model {config.vocab_size}")
+        raise ValueError(f"{path / 'config.json'}: vocab_size={config.vocab_size} but tokenizer.json has "
+                         f"{tokenizer.vocab_size} ids")
     files = ["model.safetensors"]
     if sharded:
         try:
@@ -107,10 +117,4 @@ def read_consolidated(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLM
     missing = [file for file in files if not (path / file).is_file()]
     if missing:
         raise FileNotFoundError(f"{path / missing[0]} is missing (named by {INDEX})")
-    state_dict = {}
-    for file in files:  # memory-mapped: a reader touches only the pages it uses
-        try:
-            state_dict.update(load_file(str(path / file)))
-        except SafetensorError as err:
-            raise ValueError(f"{path / file}: cannot be read, truncated or corrupt ({err})") from None
-    return state_dict, config, tokenizer
+    return read_checked([path / file for file in files], config, path / "config.json"), config, tokenizer

@@ -13,6 +13,13 @@ Three sources, told apart by their files:
   a ``GPTNeoXForCausalLM`` as ``self.model``: their keys read ``model.gpt_neox.layers.0...`` and their
   ``hyper_parameters["model_architecture"]`` is the GPT-NeoX ``config.json``, which then gives the model's shape.
 
+A model folder is untrusted input. Its config's every value is checked for type and range
+(:func:`ds4sci.models.genslm.config.check_field`; a GPT-NeoX ``config.json`` under its own key names, before
+transformers reads it), then against the shapes of the tensors (:func:`check_config`: layer count, hidden, vocabulary
+and MLP sizes, learned position table; a safetensors file's shapes from its header, before any tensor is read), so
+a config that claims more than its weights hold is refused before any layer is built, naming the file, the key and
+the value.
+
 Names are GenSLM's or GPT-NeoX's (:mod:`ds4sci.models.genslm.neox` renames them). Nothing pickled is ever
 executed: safetensors, or ``torch.load(weights_only=True)``, which reads tensors and plain containers only
 (:data:`_SAFE_GLOBALS` adds the ``pathlib`` paths GenSLM's Lightning hyper-parameters hold).
@@ -32,10 +39,12 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ds4sci.data import Tokenizer
 from ds4sci.models.genslm import GenSLM, GenSLMConfig, config_from_gpt_neox, from_gpt_neox_state_dict
+from ds4sci.models.genslm.config import check_field
 
 TOKENIZERS = ("codon", "nucleotide")
 # pathlib paths are plain values (constructing one runs no code); a checkpoint pickled by Python < 3.13 names them
@@ -43,6 +52,14 @@ TOKENIZERS = ("codon", "nucleotide")
 _SAFE_GLOBALS = [(cls, f"pathlib.{cls.__name__}") for cls in
                  (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)]
 _HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+# a GPT-NeoX config.json's keys (dotted: inside an object) -> the GenSLMConfig fields they become
+_GPT_NEOX_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
+                  "num_attention_heads": "num_heads", "intermediate_size": "intermediate_size",
+                  "max_position_embeddings": "max_position_embeddings", "layer_norm_eps": "layer_norm_eps",
+                  "rotary_pct": "rotary_pct", "rotary_emb_base": "rotary_base",
+                  "rope_parameters.partial_rotary_factor": "rotary_pct", "rope_parameters.rope_theta": "rotary_base"}
+# the same, field -> key, where the key is top-level (what a refusal names)
+_GPT_NEOX_NAMES = {field: key for key, field in _GPT_NEOX_KEYS.items() if "." not in key}
 
 
 def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig | None, str | None]:
@@ -67,10 +84,9 @@ def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfi
     meta = _read_json(path / "config.json")
     if meta.get("model_type") == "gpt_neox":
         config = _config_from_gpt_neox_json(meta, path / "config.json")
-        state = {}
-        for file in _hf_weight_files(path):
-            state.update(_read_tensors(file))
-        return _genslm_names(state, path), config, _tokenizer_kind(config.vocab_size, path)
+        state = read_checked(_hf_weight_files(path), config, path / "config.json", _GPT_NEOX_NAMES,
+                             lambda tensors: _genslm_names(tensors, path))
+        return state, config, _tokenizer_kind(config.vocab_size, path)
     if "model" in meta and "tokenizer" in meta:
         from ds4sci.io.export import read_consolidated
 
@@ -109,6 +125,48 @@ def check_weights(model: GenSLM, state_dict: dict[str, torch.Tensor], source: st
                              f"{tuple(want.shape)} in the model{vocab}")
 
 
+def check_config(config: GenSLMConfig, shapes: dict[str, tuple[int, ...]], config_file: str | Path, weights: str,
+                 names: dict[str, str] | None = None) -> None:
+    """``config`` (read from ``config_file``) has the layer count and sizes of the tensors ``shapes`` (GenSLM's names
+    -> shapes, of the weights described by ``weights``), checked from the shapes alone, before any model is built:
+    a config that claims more than its weights hold (a billion layers, a huge vocabulary) is refused at once
+    instead of building layers until memory runs out. Once it passes, the model is as large as the weights;
+    :func:`check_weights` then compares every tensor. ``names``: the file's names of the config's fields where they
+    differ (a GPT-NeoX config.json's ``num_hidden_layers``).
+
+    Raises:
+        ValueError: naming ``config_file``, the key and its value, and what the weights hold instead.
+    """
+    names = names or {}
+
+    def refuse(field: str, holds: str):
+        raise ValueError(f"{config_file}: {names.get(field, field)}={getattr(config, field)!r} but {weights} {holds}")
+
+    layers = sorted({int(m[1]) for name in shapes if (m := re.match(r"layers\.(\d+)\.", name))})
+    if len(layers) != config.num_layers or layers[-1] != len(layers) - 1:  # exactly 0 .. num_layers - 1
+        refuse("num_layers", f"holds {_layer_range(layers)}")
+    expected = {"embed_in.weight": ("vocab_size", "hidden_size"), "embed_out.weight": ("vocab_size", "hidden_size"),
+                "layers.0.mlp.dense_h_to_4h.weight": ("intermediate_size", "hidden_size")}
+    if config.position_embedding == "learned":
+        expected["embed_pos.weight"] = ("max_position_embeddings", "hidden_size")
+    for name, fields in expected.items():
+        if name not in shapes:
+            refuse("position_embedding" if name == "embed_pos.weight" else fields[0], f"holds no tensor {name!r}")
+        shape = tuple(shapes[name])
+        for i, field in enumerate(fields):
+            if len(shape) != len(fields) or shape[i] != getattr(config, field):
+                refuse(field, f"holds {name!r} of shape {shape}")
+
+
+def _layer_range(layers: list[int]) -> str:
+    """``"layers 0-1 (2 layers)"``: the layer indices a state dict holds."""
+    if not layers:
+        return "no layers"
+    if layers[-1] - layers[0] == len(layers) - 1:  # sorted, each once: no gap
+        return f"layers {layers[0]}-{layers[-1]} ({len(layers)} layers)"
+    return f"layers {_names([str(i) for i in layers])} ({len(layers)} layers)"
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GenSLM, GenSLMConfig, Tokenizer]:
     """``(model in eval mode on device, config, tokenizer)`` from any source :func:`load_weights` reads that keeps
     its config (what :func:`ds4sci.load_model` returns)."""
@@ -140,10 +198,23 @@ def _config_from_gpt_neox_json(data: dict, where: Path | str) -> GenSLMConfig:
     except ImportError:
         raise ValueError(f"{where}: reading a Hugging Face GPT-NeoX config needs transformers "
                          f"(pip install 'transformers>=4.40')") from None
+    try:  # transformers >= 5 checks its configs' field types and raises this
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        StrictDataclassError = ValueError
+    for key, field in _GPT_NEOX_KEYS.items():  # before transformers, whose versions check types or not
+        parent, _, name = key.rpartition(".")
+        section = data.get(parent) if parent else data
+        value = section.get(name) if isinstance(section, dict) else None
+        if value is not None:  # absent: transformers' default
+            try:
+                check_field(field, value)
+            except ValueError as err:
+                raise ValueError(f"{where}: {key}={value!r}: {err}") from None
     try:
         return config_from_gpt_neox(GPTNeoXConfig.from_dict(data))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: {err}") from None
+    except (TypeError, ValueError, StrictDataclassError) as err:  # transformers' message may span lines
+        raise ValueError(f"{where}: {' '.join(str(err).split())}") from None
 
 
 def _hf_weight_files(path: Path) -> list[Path]:
@@ -160,14 +231,48 @@ def _hf_weight_files(path: Path) -> list[Path]:
                             f"{' or '.join(_HF_WEIGHTS)} (or a sharded *.index.json)")
 
 
+def read_checked(files: list[Path], config: GenSLMConfig, config_file: Path, names: dict[str, str] | None = None,
+                 rename=lambda tensors: tensors) -> dict[str, torch.Tensor]:
+    """The tensors of the weight ``files`` (safetensors, or PyTorch state dicts) under GenSLM's names (``rename``
+    maps the stored names), once ``config`` has passed :func:`check_config` against their shapes: a safetensors
+    file's shapes come from its header, before any tensor is read; a PyTorch file's from its tensors,
+    memory-mapped (read when used)."""
+    missing = [file for file in files if not file.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{missing[0]}: no such file (named by the directory's index)")
+    torch_files = {file: _read_tensors(file) for file in files if file.suffix != ".safetensors"}
+    shapes = {}
+    for file in files:
+        if file in torch_files:
+            tensors = torch_files[file]
+            if not (isinstance(tensors, dict) and all(isinstance(t, torch.Tensor) for t in tensors.values())):
+                raise ValueError(f"{file}: not a state dict (names -> tensors)")
+            shapes.update({name: tuple(t.shape) for name, t in tensors.items()})
+        else:
+            shapes.update(_safetensors_shapes(file))
+    weights = files[0].name if len(files) == 1 else f"the shard set {files[0].name} .. {files[-1].name}"
+    check_config(config, rename(shapes), config_file, weights, names)
+    state = {}
+    for file in files:
+        state.update(torch_files[file] if file in torch_files else _read_tensors(file))
+    return rename(state)
+
+
+def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors in a safetensors ``file``, from its header (no tensor read)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as err:  # safetensors raises its own SafetensorError for a damaged file
+        raise ValueError(f"{file}: cannot be read, truncated or corrupt ({err})") from None
+
+
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such file (named by the directory's index)")
     if file.suffix == ".safetensors":
         try:
             return load_file(str(file))
         except Exception as err:  # safetensors raises its own SafetensorError for a damaged file
-            raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
+            raise ValueError(f"{file}: cannot be read, truncated or corrupt ({err})") from None
     return _torch_load(file)
 
 
@@ -209,6 +314,9 @@ def _load_checkpoint_file(file: Path) -> tuple[dict[str, torch.Tensor], GenSLMCo
     if all(k.startswith("model.") for k in obj):  # a LightningModule holding the network as self.model
         obj = {k[len("model."):]: v for k, v in obj.items()}
     state = _genslm_names(obj, file)
+    if config is not None:
+        check_config(config, {name: tuple(t.shape) for name, t in state.items()},
+                     f"{file} (hyper_parameters.model_architecture)", "its state_dict", _GPT_NEOX_NAMES)
     vocab = config.vocab_size if config else (state["embed_in.weight"].shape[0] if "embed_in.weight" in state else None)
     return state, config, (_tokenizer_kind(vocab, file) if vocab is not None else None)
 

@@ -3,6 +3,8 @@ SARS-CoV-2 evolutionary dynamics")."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 from ds4sci.kernels.backends import LocalBackend, parse_backend  # torch-free: this module imports no torch
@@ -13,11 +15,56 @@ POSITION_EMBEDDINGS = ("learned", "rotary", "alibi")
 ACTIVATIONS = ("gelu", "gelu_tanh")
 
 
+# GenSLMConfig's integer fields -> the least value each takes (intermediate_size 0: 4 * hidden_size)
+_INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "num_layers": 1, "num_heads": 1, "intermediate_size": 0,
+               "max_position_embeddings": 1, "pad_token_id": 0}
+# its real-valued fields -> (least, greatest, whether the least is allowed); all must be finite
+_REAL_FIELDS = {"rotary_pct": (0.0, 1.0, True), "rotary_base": (0.0, math.inf, False),
+                "layer_norm_eps": (0.0, math.inf, False), "dropout": (0.0, 1.0, True),
+                "init_std": (0.0, math.inf, True)}
+# its string fields -> their values
+_CHOICE_FIELDS = {"position_embedding": POSITION_EMBEDDINGS, "activation": ACTIVATIONS}
+
+
+def check_field(name: str, value):
+    """``value`` as GenSLMConfig's field ``name`` (an int, a float, or the canonical string), if its type and range
+    fit that field alone. Integers must be integers (a bool or a float such as ``2.0`` is refused); reals must be
+    finite numbers. The fields' joint rules (``hidden_size`` divisible by ``num_heads``, ``pad_token_id`` inside the
+    vocabulary) are checked by the config.
+
+    Raises:
+        ValueError: why ``value`` does not fit (without the field's name, which the caller adds).
+    """
+    if name in _INT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"expected an integer, got {type(value).__name__}")
+        if value < _INT_FIELDS[name]:
+            raise ValueError(f"must be >= {_INT_FIELDS[name]}")
+        return int(value)
+    if name in _REAL_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"expected a number, got {type(value).__name__}")
+        low, high, low_ok = _REAL_FIELDS[name]
+        if not (math.isfinite(value) and (low <= value if low_ok else low < value) and value <= high):
+            interval = f"{'[' if low_ok else '('}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
+            raise ValueError(f"must be a finite number in {interval}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    if name == "attention_backend":
+        return parse_backend(value, LocalBackend).value
+    if value not in _CHOICE_FIELDS[name]:
+        raise ValueError(f"expected one of {_CHOICE_FIELDS[name]}")
+    return value
+
+
 @dataclass
 class GenSLMConfig:
     """A GPT-NeoX-style causal LM over nucleotide or codon tokens.
 
-    The defaults are GenSLM's 25M model on its 69-word codon vocabulary.
+    The defaults are GenSLM's 25M model on its 69-word codon vocabulary. Construction checks every field
+    (:func:`check_field`: integers are integers, reals finite and in range, strings known) and normalises numbers to
+    the field's type; a ValueError names the field and the value.
     """
 
     vocab_size: int = 69  # GenSLM's codon vocabulary: 5 specials + 64 codons
@@ -41,22 +88,15 @@ class GenSLMConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        if self.position_embedding not in POSITION_EMBEDDINGS:
-            raise ValueError(f"position_embedding must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        try:
-            self.attention_backend = parse_backend(self.attention_backend, LocalBackend).value
-        except ValueError as err:
-            raise ValueError(f"attention_backend: {err}") from None
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            try:
+                setattr(self, field.name, check_field(field.name, value))
+            except ValueError as err:
+                raise ValueError(f"{field.name}={value!r}: {err}") from None
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
-        if not 0.0 <= self.rotary_pct <= 1.0:
-            raise ValueError(f"rotary_pct must be in [0, 1], got {self.rotary_pct}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
+        if self.pad_token_id >= self.vocab_size:
             raise ValueError(f"pad_token_id={self.pad_token_id} is outside the vocabulary of {self.vocab_size}")
         if self.intermediate_size == 0:
             self.intermediate_size = 4 * self.hidden_size

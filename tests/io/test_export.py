@@ -64,7 +64,8 @@ def test_export_loading_names_the_missing_truncated_or_mismatched_file(tmp_path)
     meta = json.loads((export / "config.json").read_text())
     meta["model"]["num_layers"] = CFG.num_layers + 1
     (export / "config.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=rf"the weights do not fit the model .*missing layers\.{CFG.num_layers}\."):
+    with pytest.raises(ValueError, match=rf"config.json: num_layers={CFG.num_layers + 1} but model.safetensors holds "
+                                         rf"layers 0-{CFG.num_layers - 1} \({CFG.num_layers} layers\)"):
         load_model(export)
     weights = export / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])

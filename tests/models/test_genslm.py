@@ -1,7 +1,9 @@
 """GenSLM model: every position-embedding kind, the attention core, GPT-NeoX equivalence, the
 sequence-partitioned position table."""
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -240,9 +242,11 @@ def test_block_and_position_table_parameter_counts(position):
 def test_config_and_model_errors():
     with pytest.raises(ValueError, match="not divisible"):
         GenSLMConfig(hidden_size=30, num_heads=4)
+    with pytest.raises(ValueError, match="pad_token_id=3 is outside the vocabulary of 3"):
+        GenSLMConfig(vocab_size=3)
     with pytest.raises(ValueError, match="position_embedding"):
         GenSLMConfig(position_embedding="sinusoid")
-    with pytest.raises(ValueError, match="attention_backend: unknown backend 'math'"):
+    with pytest.raises(ValueError, match="attention_backend='math': unknown backend 'math'"):
         GenSLMConfig(attention_backend="math")
     with pytest.raises(ValueError, match="unknown backend 'math'"):
         AttentionCore(4, backend="math")
@@ -256,6 +260,37 @@ def test_config_and_model_errors():
         model(ids, pos[:, :3])
     with pytest.raises(ValueError, match="token ids"):
         model(ids + 100, pos)
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("num_layers", 2.0, "expected an integer, got float"),  # a whole float is no integer either
+    ("num_layers", 2.5, "expected an integer, got float"),
+    ("num_heads", True, "expected an integer, got bool"),
+    ("hidden_size", "64", "expected an integer, got str"),
+    ("vocab_size", 0, "must be >= 1"),
+    ("max_position_embeddings", -5, "must be >= 1"),
+    ("intermediate_size", -1, "must be >= 0"),
+    ("pad_token_id", -1, "must be >= 0"),
+    ("layer_norm_eps", float("nan"), r"must be a finite number in \(0, inf\)"),
+    ("layer_norm_eps", 0.0, r"must be a finite number in \(0, inf\)"),
+    ("rotary_base", float("inf"), r"must be a finite number in \(0, inf\)"),
+    ("rotary_pct", 1.5, r"must be a finite number in \[0, 1\]"),
+    ("dropout", -0.1, r"must be a finite number in \[0, 1\]"),
+    ("init_std", float("-inf"), r"must be a finite number in \[0, inf\)"),
+    ("layer_norm_eps", "1e-5", "expected a number, got str"),
+    ("activation", "relu", r"expected one of \('gelu', 'gelu_tanh'\)"),
+    ("position_embedding", 1, "expected a string, got int"),
+])
+def test_every_field_is_checked_for_type_and_range(field, value, why):
+    with pytest.raises(ValueError, match=rf"^{field}={re.escape(repr(value))}: {why}$"):
+        GenSLMConfig.from_dict({"hidden_size": 64, "num_heads": 4, field: value})
+
+
+def test_numbers_are_normalised_to_the_fields_types():
+    """An int where a real goes (YAML's ``rotary_base: 500``) and numpy scalars become plain floats and ints."""
+    cfg = GenSLMConfig(rotary_base=500, num_layers=np.int64(3), dropout=np.float32(0.5))
+    assert (cfg.rotary_base, cfg.num_layers, cfg.dropout) == (500.0, 3, 0.5)
+    assert [type(v) for v in (cfg.rotary_base, cfg.num_layers, cfg.dropout)] == [float, int, float]
 
 
 def test_initial_values_are_per_name_and_rows_can_be_drawn_alone():

@@ -151,6 +151,52 @@ def test_genslm_lightning_checkpoint(tmp_path):
     _same_logits(initial_model(cfg, CodonTokenizer()).eval(), hf)
 
 
+def test_hugging_face_configs_are_checked_before_any_layer_is_built(tmp_path, capsys):
+    """A GPT-NeoX config.json's values are checked under its own key names, and against the tensors' shapes (from
+    the safetensors header, or a PyTorch file's memory-mapped tensors) before a model is built; a GenSLM
+    checkpoint's hyper-parameters likewise. Each refusal is one error line."""
+    hf = _hf_model()
+    hf.save_pretrained(tmp_path)
+    config = tmp_path / "config.json"
+    arch = json.loads(config.read_text())
+    cases = [
+        ({"num_hidden_layers": 3}, "num_hidden_layers=3 but model.safetensors holds layers 0-1 (2 layers)"),
+        ({"vocab_size": 10}, "vocab_size=10 but model.safetensors holds 'embed_in.weight' of shape (69, 32)"),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers=2.5: expected an integer, got float"),
+        ({"num_attention_heads": 0}, "num_attention_heads=0: must be >= 1"),
+        ({"layer_norm_eps": float("nan")}, "layer_norm_eps=nan: must be a finite number in (0, inf)"),
+        ({"rope_parameters": {**arch["rope_parameters"], "partial_rotary_factor": 2}},
+         "rope_parameters.partial_rotary_factor=2: must be a finite number in [0, 1]"),
+    ]
+    capsys.readouterr()  # save_pretrained's progress bar
+    for edit, why in cases:
+        config.write_text(json.dumps({**arch, **edit}))
+        assert main(["evaluate", str(tmp_path), "--fasta", str(CDS)]) == 2
+        assert capsys.readouterr().err == f"ds4sci evaluate: error: {config}: {why}\n", edit
+    config.write_text(json.dumps({**arch, "use_parallel_residual": "yes"}))  # transformers' own check: one line
+    assert main(["evaluate", str(tmp_path), "--fasta", str(CDS)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ds4sci evaluate: error: {config}: ") and "use_parallel_residual" in err, err
+    assert err.count("\n") == 1, err
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    config.write_text(json.dumps({**arch, "intermediate_size": 64}))
+    with pytest.raises(ValueError, match=r"config.json: intermediate_size=64 but pytorch_model.bin holds "
+                                         r"'layers.0.mlp.dense_h_to_4h.weight' of shape \(128, 32\)"):
+        load_weights(tmp_path)
+    ckpt = {"state_dict": {f"model.{k}": v for k, v in hf.state_dict().items()},
+            "hyper_parameters": {"model_architecture": {**GENSLM_ARCH, "num_hidden_layers": 3}}}
+    torch.save(ckpt, tmp_path / "genslm.pt")
+    with pytest.raises(ValueError, match=r"genslm.pt \(hyper_parameters.model_architecture\): num_hidden_layers=3 but "
+                                         r"its state_dict holds layers 0-1 \(2 layers\)$"):
+        load_weights(tmp_path / "genslm.pt")
+    ckpt["hyper_parameters"]["model_architecture"]["num_hidden_layers"] = 2.0
+    torch.save(ckpt, tmp_path / "genslm.pt")
+    with pytest.raises(ValueError, match=r"genslm.pt \(hyper_parameters.model_architecture\): num_hidden_layers=2.0: "
+                                         r"expected an integer, got float$"):
+        load_weights(tmp_path / "genslm.pt")
+
+
 def test_load_model_and_initial_model_from_an_export(trained):
     export, trained_loss, _ = trained
     model, config, tokenizer = ds4sci.load_model(export)
