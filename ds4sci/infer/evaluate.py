@@ -33,13 +33,19 @@ def record_windows(ids: np.ndarray, seq_len: int) -> list[np.ndarray]:
     return [ids[s : s + seq_len] for s in range(0, len(ids), seq_len)]
 
 
+def window_dataset(chunks: list[np.ndarray], tokenizer) -> RecordDataset:
+    """Windows ``[w_i]`` (from :func:`record_windows`) as one padded sample each, padded to the longest window, not
+    to the model's context: records shorter than a long context cost their own length."""
+    return RecordDataset(chunks, tokenizer, max(len(c) for c in chunks))
+
+
 def windows(model_config, tokenizer, fasta: str, seq_len: int | None = None) -> RecordDataset:
     """Consecutive windows of every record of ``fasta`` (padded at the end of each record)."""
     seq_len = window_length(model_config, seq_len)
     chunks = [w for rec in read_fasta(fasta) for w in record_windows(tokenizer.encode(rec.sequence), seq_len)]
     if not chunks:
         raise ValueError(f"{fasta}: no tokens to evaluate")
-    return RecordDataset(chunks, tokenizer, seq_len)
+    return window_dataset(chunks, tokenizer)
 
 
 @torch.no_grad()

@@ -18,8 +18,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ds4sci.data import RecordDataset
-from ds4sci.infer.evaluate import record_windows, window_length, window_losses
+from ds4sci.infer.evaluate import record_windows, window_dataset, window_length, window_losses
 
 
 def score_records(model, tokenizer, records: Iterable, seq_len: int | None = None, reverse_complement: bool = False,
@@ -52,7 +51,7 @@ def score_records(model, tokenizer, records: Iterable, seq_len: int | None = Non
         raise ValueError("no tokens to score")
     disable = None if progress is None else not progress  # None: tqdm shows the bar on a terminal only
     with tqdm(total=len(chunks), desc="score", unit="window", disable=disable) as bar:
-        sums, counts = window_losses(model, RecordDataset(chunks, tokenizer, seq_len), batch_size, bar)
+        sums, counts = window_losses(model, window_dataset(chunks, tokenizer), batch_size, bar)
     n = strands * len(rows)
     loss = np.bincount(owner, weights=sums, minlength=n).reshape(-1, strands)  # [R, strands] nats
     scored = np.bincount(owner, weights=counts, minlength=n).reshape(-1, strands)[:, 0]  # [R] (both strands alike)

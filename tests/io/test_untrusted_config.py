@@ -127,3 +127,20 @@ sys.exit(code)
     assert run.stderr == (f"ds4sci evaluate: error: {out / 'config.json'}: num_layers=1000000000 but "
                           f"model.safetensors holds layers 0-1 (2 layers)\n")
     assert float(run.stdout) < 5.0, run.stdout  # seconds from the command's start to its refusal
+
+
+def test_a_huge_rotary_context_pads_windows_to_the_record_not_the_context(tmp_path, capsys):
+    """No tensor bounds a rotary model's context: ``max_position_embeddings: 10**12`` evaluates a 22-base record
+    with windows padded to its own length (padding to the context would ask numpy for terabytes), and the loss
+    equals that of the same weights with a 32-token context."""
+    torch.manual_seed(0)
+    tok = NucleotideTokenizer()
+    losses = []
+    for context in (32, 10**12):
+        cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=context)
+        torch.manual_seed(0)
+        out = export_consolidated(GenSLM(cfg).state_dict(), cfg, tok, tmp_path / f"ctx{context}")
+        (tmp_path / "x.fa").write_text(FASTA)
+        assert main(["evaluate", str(out), "--fasta", str(tmp_path / "x.fa"), "--json"]) == 0
+        losses.append(json.loads(capsys.readouterr().out)["loss"])
+    assert losses[0] == losses[1]
