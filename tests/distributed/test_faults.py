@@ -86,22 +86,22 @@ def test_safe_load_refuses_pickled_code_and_names_a_truncated_file(tmp_path):
 # ------------------------------------------------------------------------------------------ kill during a save
 def _killed_while_saving(rank, world, out):
     """Train 4 steps saving every 2; the save of step 4 dies (SIGKILL) halfway through its first file."""
+    from ds4sci.train.checkpoint import SafeCheckpointEngine
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, _overrides(out, 1, steps=4, extra=["train.save_every=2"])))
-    engine = trainer.engine.checkpoint_engine
-    save = engine.save
+    save = SafeCheckpointEngine.save  # the engine every save writes DeepSpeed's files with
 
-    def dying_save(state_dict, path):
+    def dying_save(self, state_dict, path):
         if ".tmp-step4" not in path:
-            return save(state_dict, path)
-        save(state_dict, path)
+            return save(self, state_dict, path)
+        save(self, state_dict, path)
         data = Path(path).read_bytes()
         Path(path).write_bytes(data[: len(data) // 2])  # the kill lands while this file is being written
         os.kill(os.getpid(), signal.SIGKILL)
 
-    engine.save = dying_save
+    SafeCheckpointEngine.save = dying_save  # this spawned process only
     trainer.train()
 
 
