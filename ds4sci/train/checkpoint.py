@@ -21,8 +21,8 @@ Checkpoints live on a file system every rank sees (DeepSpeed's requirement as we
 Digests: the files ``torch.save`` writes (DeepSpeed's, through :class:`SafeCheckpointEngine`, and the position
 table's) are hashed while written, nothing read back; the portable files (safetensors writes them itself) are read
 back once by their writer right after the write, from the page cache; rank 0 reads only what no rank reported
-(DeepSpeed's copied zero_to_fp32.py / zero_to_torch.py). Cost at save: sha256 over every byte once, spread over the
-writing ranks (~1-2 GB/s per core), beside the portable files' second read.
+(DeepSpeed's copy of NVMe-offloaded optimizer state, ``offloaded_tensors/``). Cost at save: sha256 over every byte
+once, spread over the writing ranks (~1-2 GB/s per core), beside the portable files' second read.
 
 Resuming at another layout (``parallel.*`` and ``zero.stage`` may change on resume). What DeepSpeed 0.19.8's engine
 checkpoint can do, checked here: its files are per TP rank (``mp_rank_XX``), per pipeline layer, and under ZeRO 1-3
@@ -301,8 +301,8 @@ def save_checkpoint(trainer) -> Path:
 def _commit(root: Path, tmp: Path, tag: str, meta: dict, written: list[dict[str, str]]) -> None:
     """Rank 0: make the written ``tmp`` folder the checkpoint ``tag`` (see the module docstring). ``written``: per
     rank, the sha256 of each file it wrote (name relative to ``tmp``); rank 0 reads the files no rank reported
-    (DeepSpeed's copies of its zero_to_fp32.py / zero_to_torch.py) and those reported with two different digests
-    (two writers of one file: which one landed is unknown)."""
+    (DeepSpeed's copy of NVMe-offloaded optimizer state) and any reported with two different digests (two writers
+    of one file: which one landed is unknown)."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     for path in files:  # on disk before the marker that declares them complete
         with open(path, "rb") as f:
