@@ -11,11 +11,18 @@ Layout of ``train.out_dir/checkpoints``::
     .tmp-step6/            a save in progress, or one a killed process left behind (never loaded; removed by the
                            next save)
 
-A save is atomic: every rank writes into ``.tmp-stepN`` (DeepSpeed with ``save_latest=False``); after a barrier
-rank 0 flushes the files to disk, writes ``checkpoint.json`` (step, model config, ZeRO stage, partitions, layout,
-the portable record, each file's size), renames the folder to ``stepN`` and replaces ``latest`` (write a temporary
-file, then ``os.replace``). A process killed at any moment leaves every earlier checkpoint and ``latest`` as they
-were. Checkpoints live on a file system every rank sees (DeepSpeed's requirement as well).
+A save is atomic: every rank writes into ``.tmp-stepN`` (DeepSpeed with ``save_latest=False``) and takes the
+sha256 of each file it wrote; rank 0 gathers them, flushes the files to disk, writes ``checkpoint.json`` (format 2:
+step, model config, ZeRO stage, partitions, layout, the portable record, each file's size and sha256, and the
+sha256 of the record itself), renames the folder to ``stepN`` and replaces ``latest`` (write a temporary file, then
+``os.replace``). A process killed at any moment leaves every earlier checkpoint and ``latest`` as they were.
+Checkpoints live on a file system every rank sees (DeepSpeed's requirement as well).
+
+Digests: the files ``torch.save`` writes (DeepSpeed's, through :class:`SafeCheckpointEngine`, and the position
+table's) are hashed while written, nothing read back; the portable files (safetensors writes them itself) are read
+back once by their writer right after the write, from the page cache; rank 0 reads only what no rank reported
+(DeepSpeed's copy of NVMe-offloaded optimizer state, ``offloaded_tensors/``). Cost at save: sha256 over every byte
+once, spread over the writing ranks (~1-2 GB/s per core), beside the portable files' second read.
 
 Resuming at another layout (``parallel.*`` and ``zero.stage`` may change on resume). What DeepSpeed 0.19.8's engine
 checkpoint can do, checked here: its files are per TP rank (``mp_rank_XX``), per pipeline layer, and under ZeRO 1-3
@@ -33,7 +40,8 @@ the engine. Instead each save also writes the state layout-free, by GenSLM param
   / ``safe_get_full_optimizer_state``; at ZeRO-0 fp32 the parameter and the client AdamW's state), over TP
   (:func:`~ds4sci.parallel.tensor_parallel.gather_tensor_parallel`, vocabulary padding cut off) and named across
   pipeline stages (:func:`~ds4sci.train.pipeline.genslm_name`). Every rank of a stage assembles each tensor and one
-  of them keeps it (round robin), so a rank holds and writes ~1/world of the state, never the whole.
+  of them keeps it, split by bytes (each parameter's tensors to the rank with the fewest bytes so far), so a rank
+  holds and writes ~1/world of the state (at most its stage's share plus one parameter's), never the whole.
 - ``checkpoint.json["portable"]``: AdamW's step count, the schedule's state, the engine's step counters.
 
 Loading uses DeepSpeed's engine checkpoint when it can (the fast path: the same TP and PP degrees, ZeRO stage and,
@@ -48,9 +56,13 @@ more (12 bytes per parameter beside the engine checkpoint's ~16 under ZeRO); the
 when the layout changes. A checkpoint without portable state (written before it existed) resumes only at its own
 layout, and loading it elsewhere is refused naming both layouts.
 
-Loading checks before DeepSpeed reads anything: the folder is complete (``checkpoint.json``), no file is missing
-or shorter than the save wrote, and the model config matches this run (each difference named:
-``model.num_layers: checkpoint 4, this run 2``). Every file is read with ``torch.load(weights_only=True)`` or
+Loading checks before DeepSpeed reads anything: the folder is complete (``checkpoint.json``, itself unchanged: its
+own sha256), no file is missing or of another size than the save wrote, every file's content is what the save
+wrote (its sha256; each rank reads a share, split by bytes, and every rank refuses naming the first file that
+differs: ``...: content differs from what the save wrote (sha256 mismatch); the checkpoint is corrupt. Resume from
+an earlier one: ...``), and the model config matches this run (each difference named: ``model.num_layers:
+checkpoint 4, this run 2``). A checkpoint saved before digests were recorded (no ``format`` in its record) is still
+loaded, checked by size only, with a warning. Every file is read with ``torch.load(weights_only=True)`` or
 safetensors (tensors and plain containers; no pickled code runs): DeepSpeed 0.19.8's own loader passes
 ``weights_only=False``, so the engine is handed :class:`SafeCheckpointEngine` for the load, which allows, by name,
 the three DeepSpeed classes its ZeRO optimizer files hold (loss scaler, ZeRO stage enum, fragment address) and
@@ -58,6 +70,7 @@ nothing else.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -82,13 +95,17 @@ from ds4sci.train.pipeline import genslm_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "check_checkpoint", "SafeCheckpointEngine"]
+__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "check_checkpoint", "verify_checkpoint",
+           "SafeCheckpointEngine"]
 
 META = "checkpoint.json"
 TABLE = "position_table"  # the learned table: one file per sequence shard, sp{R}.pt (its rows, moments, positions)
 PORTABLE = "portable"  # the layout-free state: one safetensors file per rank that owns some of it
 _ADAM = ("exp_avg", "exp_avg_sq")  # torch AdamW's moments, beside the fp32 master ("param")
 _STEP_DIR = re.compile(r"step(\d+)")
+FORMAT = 2  # checkpoint.json's format: 2 records each file's sha256 and its own; 1 (no "format" key) sizes only
+DIGEST = "sha256"  # checkpoint.json's key of the files' digests (hashlib's name)
+RECORD_DIGEST = "record sha256"  # checkpoint.json's key of its own digest (of the rest, canonical JSON)
 _DEEPSPEED_SAFE_GLOBALS = [LossScaler, ZeroStageEnum, fragment_address]
 
 
@@ -109,13 +126,65 @@ def safe_load(path: str | Path, map_location="cpu"):
         raise ValueError(f"{path}: cannot be read, truncated or corrupt ({str(err).splitlines()[0]})") from None
 
 
+def _digest_file(path: Path) -> str:
+    """The sha256 of the file ``path`` (read once, in chunks)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, DIGEST).hexdigest()
+
+
+class _DigestingWriter:
+    """A binary file being written, and the sha256 of every byte written to it (``torch.save`` writes through
+    ``write``; nothing is read back)."""
+
+    def __init__(self, file):
+        self.file, self.hash = file, hashlib.new(DIGEST)
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _save_torch(obj, path: str | Path, **kwargs) -> str:
+    """``torch.save(obj, path, **kwargs)``; returns the sha256 of the bytes written, computed while writing."""
+    with open(path, "wb") as f:
+        writer = _DigestingWriter(f)
+        torch.save(obj, writer, **kwargs)
+    return writer.hash.hexdigest()
+
+
 class SafeCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True`` (plus the DeepSpeed classes of
-    ``_DEEPSPEED_SAFE_GLOBALS``) instead of its ``weights_only=False``."""
+    ``_DEEPSPEED_SAFE_GLOBALS``) instead of its ``weights_only=False``, and saving with each file's sha256 computed
+    while it is written: ``written`` maps the path DeepSpeed gave to it."""
+
+    def __init__(self, config_params=None):
+        super().__init__(config_params)
+        self.written: dict[str, str] = {}
+
+    def save(self, state_dict, path: str):
+        self.written[path] = _save_torch(state_dict, path, _use_new_zipfile_serialization=self.zipfile_serialization)
 
     def load(self, path: str, map_location=None):
         with torch.serialization.safe_globals(_DEEPSPEED_SAFE_GLOBALS):
             return safe_load(path, map_location)
+
+
+class _Spread:
+    """A split by bytes over ``n`` owners: :meth:`take` gives each item, in the order they come, to the owner with
+    the fewest bytes so far (the lowest on a tie). Deterministic: ranks that take the same sizes in the same order
+    agree. No owner ends with more than ``total / n + largest item`` (the owner of any item held at most the mean
+    before taking it)."""
+
+    def __init__(self, n: int):
+        self.loads = [0] * n
+
+    def take(self, size: int) -> int:
+        owner = min(range(len(self.loads)), key=self.loads.__getitem__)
+        self.loads[owner] += size
+        return owner
 
 
 def _fingerprint(trainer) -> dict:
@@ -170,59 +239,83 @@ def _full(trainer, name: str, p: torch.nn.Parameter, key: str) -> torch.Tensor:
     return full.cpu().contiguous()
 
 
-def _save_portable(trainer, folder: Path) -> dict:
-    """Write the layout-free state into ``folder/portable`` (collective) and return its record for ``checkpoint.json``.
+def _save_portable(trainer, folder: Path, digests: dict[str, str]) -> dict:
+    """Write the layout-free state into ``folder/portable`` (collective), add its file's sha256 to ``digests`` and
+    return its record for ``checkpoint.json``.
 
-    Each tensor (``param/NAME``, ``exp_avg/NAME``, ``exp_avg_sq/NAME`` by GenSLM name, TP- and ZeRO-whole) is
-    assembled on every rank of its pipeline stage and kept by one of them, round robin, so each rank holds and
-    writes about ``1 / world`` of the state (``rank{R}.safetensors``)."""
+    Each parameter's tensors (``param/NAME``, ``exp_avg/NAME``, ``exp_avg_sq/NAME`` by GenSLM name, TP- and
+    ZeRO-whole) are assembled on every rank of its pipeline stage and kept by one of them, split by bytes
+    (:class:`_Spread`, in the engine's parameter order, the same on every rank of the stage), so each rank holds and
+    writes at most ``1 / ranks per stage`` of its stage's state plus one parameter's (``rank{R}.safetensors``;
+    stages are not balanced against each other: a tensor stays on the stage that assembled it). The sha256 is
+    read back right after the write (safetensors writes the file itself; its bytes are still in the page cache)."""
     engine, groups, dims = trainer.engine, trainer.groups, trainer.dims
     step = _adam_step(engine.basic_optimizer)
     keys = ("param", *_ADAM) if step else ("param",)  # no moments before the first update
-    stage_ranks = dims.tp * dist.get_world_size(groups.sdp)
+    spread = _Spread(dims.tp * dist.get_world_size(groups.sdp))
     me = groups.sdp_rank * dims.tp + groups.tp_rank
     mine = {}
-    for i, (name, p) in enumerate(_engine_params(trainer)):
-        for key in keys:
-            full = _full(trainer, name, p, key)
-            if i % stage_ranks == me:
-                mine[f"{key}/{name}"] = full
+    for name, p in _engine_params(trainer):
+        tensors = {f"{key}/{name}": _full(trainer, name, p, key) for key in keys}
+        if spread.take(sum(t.nbytes for t in tensors.values())) == me:
+            mine.update(tensors)
     if mine:
         (folder / PORTABLE).mkdir(exist_ok=True)
-        save_file(mine, folder / PORTABLE / f"rank{trainer.rank:05d}.safetensors")
+        file = folder / PORTABLE / f"rank{trainer.rank:05d}.safetensors"
+        save_file(mine, file)
+        digests[str(file.relative_to(folder))] = _digest_file(file)
     return {"adam_step": step, "scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps,
             "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps}
 
 
 def save_checkpoint(trainer) -> Path:
     """Save under ``out_dir/checkpoints/step{N}``, atomically (collective: every rank calls it): the engine
-    checkpoint, the portable state and the position table."""
+    checkpoint, the portable state and the position table, each file's sha256 taken by the rank that wrote it."""
     root = trainer.out / "checkpoints"
     tag = f"step{trainer.step}"
     tmp = root / f".tmp-{tag}"
     if trainer.rank == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left by a save that was killed
+    engine = trainer.engine
+    if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):  # DeepSpeed's own takes no digests
+        engine.checkpoint_engine = SafeCheckpointEngine(engine._config)
+    engine.checkpoint_engine.written.clear()
     dist.barrier()
-    trainer.engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": trainer.step}, save_latest=False)
-    portable = _save_portable(trainer, tmp)
+    engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": trainer.step}, save_latest=False)
+    digests = {str(Path(path).relative_to(tmp)): d for path, d in engine.checkpoint_engine.written.items()}
+    portable = _save_portable(trainer, tmp, digests)
     groups = trainer.groups
     if trainer.pos_table is not None and groups.dp_rank == 0 and groups.tp_rank == 0 and groups.coords.pp == 0:
         (tmp / TABLE).mkdir(exist_ok=True)  # one writer per sequence shard: its own rows, never the whole table
-        torch.save(trainer.pos_table.shard_state(), tmp / TABLE / f"sp{groups.sp_rank:05d}.pt")
-    dist.barrier()
+        name = f"{TABLE}/sp{groups.sp_rank:05d}.pt"
+        digests[name] = _save_torch(trainer.pos_table.shard_state(), tmp / name)
+    every = [None] * dist.get_world_size() if trainer.rank == 0 else None
+    dist.gather_object(digests, every, dst=0)  # rank 0 waits for every rank's files
     if trainer.rank == 0:
-        _commit(root, tmp, tag, {"step": trainer.step, **_fingerprint(trainer), PORTABLE: portable})
+        _commit(root, tmp, tag, {"step": trainer.step, **_fingerprint(trainer), PORTABLE: portable}, every)
         logger.info("saved checkpoint %s", root / tag)
     dist.barrier()
     return root / tag
-def _commit(root: Path, tmp: Path, tag: str, meta: dict) -> None:
-    """Rank 0: make the written ``tmp`` folder the checkpoint ``tag`` (see the module docstring)."""
+
+
+def _commit(root: Path, tmp: Path, tag: str, meta: dict, written: list[dict[str, str]]) -> None:
+    """Rank 0: make the written ``tmp`` folder the checkpoint ``tag`` (see the module docstring). ``written``: per
+    rank, the sha256 of each file it wrote (name relative to ``tmp``); rank 0 reads the files no rank reported
+    (DeepSpeed's copy of NVMe-offloaded optimizer state) and any reported with two different digests (two writers
+    of one file: which one landed is unknown)."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     for path in files:  # on disk before the marker that declares them complete
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-    meta["files"] = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
-    _write_atomic(tmp / META, json.dumps(meta, indent=1))
+    reported: dict[str, set[str]] = {}
+    for rank_written in written:
+        for name, digest in rank_written.items():
+            reported.setdefault(name, set()).add(digest)
+    names = [str(p.relative_to(tmp)) for p in files]
+    meta.update({"format": FORMAT, "files": {name: (tmp / name).stat().st_size for name in names},
+                 DIGEST: {name: next(iter(reported[name])) if len(reported.get(name, ())) == 1
+                          else _digest_file(tmp / name) for name in names}})
+    _write_atomic(tmp / META, json.dumps({**meta, RECORD_DIGEST: _record_digest(meta)}, indent=1))
     final = root / tag
     if final.exists():  # the same step saved again (a resumed run that ends where it started)
         old = root / f".old-{tag}"
@@ -235,6 +328,25 @@ def _commit(root: Path, tmp: Path, tag: str, meta: dict) -> None:
     _write_atomic(root / "latest", tag)
     for stale in root.glob(".tmp-*"):  # saves killed earlier
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _record_digest(meta: dict) -> str:
+    """The sha256 of a checkpoint record (without its own digest), as canonical JSON: the same after a round trip
+    through the file."""
+    return hashlib.new(DIGEST, json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+def _corrupt(file: Path, checkpoint: Path, why: str) -> str:
+    """The refusal of a corrupt ``file`` of ``checkpoint``, with the way on: the newest earlier checkpoint."""
+    def step(folder: Path) -> int | None:
+        return int(m.group(1)) if (m := _STEP_DIR.fullmatch(folder.name)) else None
+
+    this = step(checkpoint)
+    earlier = [(s, p) for p in checkpoint.parent.iterdir()
+               if (s := step(p)) is not None and (this is None or s < this) and (p / META).is_file()]
+    way = (f"rename {checkpoint} (e.g. to {checkpoint.name}.corrupt), then --resume continues from {max(earlier)[1]}"
+           if earlier else f"{checkpoint.parent} holds no earlier one: start the run again (--overwrite)")
+    return f"{file}: {why}; the checkpoint is corrupt. Resume from an earlier one: {way}"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -272,19 +384,25 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def check_checkpoint(path: Path, expected: dict) -> dict:
     """The metadata of the complete checkpoint folder ``path``, checked against ``expected`` (the loading run's
-    :func:`_fingerprint`) and its files against the sizes the save wrote.
+    :func:`_fingerprint`), against its own sha256 (format 2), and its files against the sizes the save wrote
+    (their contents: :func:`verify_checkpoint`).
 
     Raises:
-        ValueError: the save did not finish, a file is missing or truncated, or a field differs (each named).
+        ValueError: the save did not finish, the record is corrupt, a file is missing or truncated, or a field
+            differs (each named).
     """
     meta_file = path / META
     if not meta_file.is_file():
         raise ValueError(f"{path} is incomplete (no {META}: its save was interrupted); resume from the run folder "
                          f"to take the newest complete checkpoint")
     try:
-        meta = json.loads(meta_file.read_text())
+        meta = json.loads(meta_file.read_text(errors="replace"))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{meta_file}: not a ds4sci checkpoint record ({err})") from None
+        raise ValueError(_corrupt(meta_file, path, f"not a ds4sci checkpoint record ({err})")) from None
+    if "format" in meta or RECORD_DIGEST in meta:  # format 2 on (format 1 had neither)
+        if meta.pop(RECORD_DIGEST, None) != _record_digest(meta):
+            raise ValueError(_corrupt(meta_file, path, f"content differs from what the save wrote ({DIGEST} "
+                                                       f"mismatch)"))
     for name, size in meta["files"].items():
         file = path / name
         if not file.is_file():
@@ -361,6 +479,32 @@ def _load_portable(trainer, path: Path, record: dict) -> None:
     engine.skipped_steps = record["skipped_steps"]
 
 
+def verify_checkpoint(path: Path, meta: dict) -> None:
+    """Check every file of the checkpoint ``path`` against the sha256 its save recorded (``meta``: its
+    :func:`check_checkpoint`), before any is used. Collective: each rank reads a share, split by bytes
+    (:class:`_Spread`), so the checkpoint is read once more in all, ~1/world per rank; every rank raises the same
+    error. A format-1 checkpoint (saved before ds4sci recorded digests) is checked by size only, with a warning.
+
+    Raises:
+        ValueError: a file's content differs from what the save wrote (naming the file and the way on).
+    """
+    if DIGEST not in meta:
+        if dist.get_rank() == 0:
+            logger.warning("%s records no file digests (saved by an older ds4sci): its files are checked by size "
+                           "only", path / META)
+        return
+    spread, rank, problem = _Spread(dist.get_world_size()), dist.get_rank(), None
+    for name in sorted(meta["files"], key=lambda n: (-meta["files"][n], n)):  # largest first: an even split
+        if spread.take(meta["files"][name]) == rank and problem is None and (
+                _digest_file(path / name) != meta[DIGEST][name]):
+            problem = _corrupt(path / name, path, f"content differs from what the save wrote ({DIGEST} mismatch)")
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def load_checkpoint(trainer, path: str | Path) -> Path:
     """Resume from a checkpoint (a ``stepN`` folder, or the newest complete one of a run or ``checkpoints``
     folder; see :func:`find_checkpoint`), at the layout that saved it or any other (module docstring). Returns the
@@ -368,6 +512,7 @@ def load_checkpoint(trainer, path: str | Path) -> Path:
     path = find_checkpoint(path)
     expected = _fingerprint(trainer)
     meta = check_checkpoint(path, expected)
+    verify_checkpoint(path, meta)
     engine = trainer.engine
     differ = _engine_differences(meta, expected)
     if differ:

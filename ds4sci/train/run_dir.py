@@ -145,7 +145,30 @@ def open_run_dir(cfg: Config, resume: str | None, overwrite: bool, device) -> Pa
 
 def keep_metrics_until(path: Path, step: int) -> None:
     """Drop the records of ``metrics.jsonl`` after ``step``: what a stopped run logged after the checkpoint the
-    resumed run continues from (a new run has no such file)."""
-    if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        path.write_text("".join(f"{line}\n" for line in rows))
+    resumed run continues from (a new run has no such file). A torn final line (the run died, or the disk filled,
+    while writing it) is dropped with a warning naming the file and line.
+
+    Raises:
+        ValueError: a line before the last is not a metrics record (naming the file and line).
+    """
+    if not path.exists():
+        return
+    lines = path.read_text(errors="replace").splitlines()
+    last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            record_step = record["step"]
+        except (json.JSONDecodeError, TypeError, KeyError) as err:
+            if number == last:
+                logger.warning("%s: line %d, the last, is torn (%s: %s): dropped", path, number, type(err).__name__,
+                               err)
+                continue
+            raise ValueError(f"{path}: line {number} is not a metrics record ({type(err).__name__}: {err}); only "
+                             f"the last line may be torn (repair or remove the line to resume)") from None
+        if record_step <= step:
+            rows.append(line)
+    path.write_text("".join(f"{line}\n" for line in rows))

@@ -1,5 +1,6 @@
 """Faults: atomic checkpoints (a process killed while saving leaves the previous one loadable, and the
-resumed run continues the uninterrupted loss curve), checkpoint errors naming the file or field, safe loading,
+resumed run continues the uninterrupted loss curve), checkpoint errors naming the file or field, flipped bytes in
+a checkpoint refused naming the file (sha256), the portable state spread by bytes, safe loading,
 collective timeouts, non-finite losses (stop / skip), and the deterministic switch."""
 import copy
 import json
@@ -83,25 +84,141 @@ def test_safe_load_refuses_pickled_code_and_names_a_truncated_file(tmp_path):
         safe_load(cut)
 
 
+# ----------------------------------------------------------------------------------------- flipped bytes
+def _flip(file: Path, count: int = 64) -> bytes:
+    """Invert ``count`` bytes in the middle of ``file`` (its size unchanged); returns its original content."""
+    data = file.read_bytes()
+    start = max(0, len(data) // 2 - count // 2)
+    file.write_bytes(data[:start] + bytes(b ^ 0xFF for b in data[start:start + count]) + data[start + count:])
+    return data
+
+
+def _corrupt_each_file(rank, world, out):
+    """DP2 ZeRO-3 with the learned position table: one step and a save; then each file of the checkpoint in turn has
+    64 bytes flipped (by rank 0) and both ranks load it. Returns the files, each rank's error per file, the portable
+    files' tensor names and bytes, and the step the intact checkpoint loads at."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from ds4sci.train.checkpoint import load_checkpoint, save_checkpoint
+    from ds4sci.train.config import load_config
+    from ds4sci.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, _overrides(out, 3, micro=1, steps=2)))
+    trainer.train_step()
+    path = save_checkpoint(trainer)
+    names = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    errors = {}
+    for name in names:
+        if rank == 0:
+            original = _flip(path / name)
+        dist.barrier()
+        try:
+            load_checkpoint(trainer, path)
+            errors[name] = None
+        except ValueError as err:
+            errors[name] = str(err)
+        dist.barrier()
+        if rank == 0:
+            (path / name).write_bytes(original)
+        dist.barrier()
+    trainer.step = 0
+    load_checkpoint(trainer, path)
+    portable = {p.name: {k: v.nbytes for k, v in load_file(p).items()} for p in (path / "portable").iterdir()}
+    engine_names = {n for n, _ in trainer.engine.module.named_parameters()}
+    return str(path), names, errors, portable, engine_names, trainer.step
+
+
+@pytest.mark.distributed
+def test_a_flipped_byte_anywhere_is_refused_by_every_rank_naming_the_file_and_the_portable_state_is_spread(tmp_path):
+    results = run_workers(_corrupt_each_file, 2, str(tmp_path / "run"), env=ENV, timeout=300)
+    path, names, errors, portable, engine_names, step = results[0]
+    path = Path(path)
+    assert {"checkpoint.json", "portable/rank00000.safetensors", "portable/rank00001.safetensors",
+            "position_table/sp00000.pt", *(f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(2)
+                                           for kind in ("model", "optim"))} == set(names)
+    for name in names:
+        assert errors[name] == results[1][2][name], name  # both ranks: the same line
+        assert errors[name] is not None and errors[name].startswith(f"{path / name}: "), (name, errors[name])
+        assert errors[name].endswith(f"; the checkpoint is corrupt. Resume from an earlier one: {path.parent} holds "
+                                     f"no earlier one: start the run again (--overwrite)"), errors[name]
+        if name != "checkpoint.json":  # (its flip may also break the JSON)
+            assert f"{path / name}: content differs from what the save wrote (sha256 mismatch)" in errors[name]
+    assert step == 1  # intact again: loads
+
+    # each parameter's master and moments whole in one file; each file <= half the state + one parameter's
+    per_param = {}
+    for tensors in portable.values():
+        for key, nbytes in tensors.items():
+            per_param.setdefault(key.split("/", 1)[1], []).append(nbytes)
+    assert set(per_param) == engine_names and all(len(v) == 3 for v in per_param.values())
+    total, largest = sum(map(sum, per_param.values())), max(map(sum, per_param.values()))
+    for file, tensors in portable.items():
+        assert sum(tensors.values()) <= total / 2 + largest, (file, sum(tensors.values()), total, largest)
+
+
+def _cli_train(out: Path, zero: int, steps: int, *args: str) -> subprocess.CompletedProcess:
+    """``ds4sci train`` in one process on the genome, rotary positions, a save every step."""
+    sets = _overrides(out, zero, pe="rotary", steps=steps,
+                      extra=["train.save_every=1", f"data.cache_dir={out.parent / 'token_cache'}"])
+    return subprocess.run([sys.executable, "-m", "ds4sci.cli", "train", *[a for s in sets for a in ("--set", s)],
+                           *args], cwd=ROOT, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_flipped_byte_is_refused_at_resume_naming_the_file_through_the_cli(tmp_path):
+    """64 flipped bytes (the size unchanged) in the engine's model states or optimizer states (the fast path) or the
+    portable state (read when the layout changes: here ZeRO-1 -> 0): ``--resume`` exits 2 with one line naming the
+    file and the earlier checkpoint. Following it (renaming the corrupt one) resumes, a torn final metrics line
+    dropped."""
+    out = tmp_path / "run"
+    first = _cli_train(out, 1, 2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    step1, step2 = out / "checkpoints" / "step1", out / "checkpoints" / "step2"
+    for name, zero in (("mp_rank_00_model_states.pt", 1), ("zero_pp_rank_0_mp_rank_00_optim_states.pt", 1),
+                       ("portable/rank00000.safetensors", 0)):
+        original = _flip(step2 / name)
+        resumed = _cli_train(out, zero, 3, "--resume")
+        errors = [line for line in resumed.stderr.splitlines() if "error:" in line]
+        assert resumed.returncode == 2 and "Traceback" not in resumed.stderr, (name, resumed.stderr[-3000:])
+        assert errors == [f"ds4sci train: error: {step2 / name}: content differs from what the save wrote (sha256 "
+                          f"mismatch); the checkpoint is corrupt. Resume from an earlier one: rename {step2} (e.g. to "
+                          f"step2.corrupt), then --resume continues from {step1}"], (name, errors)
+        (step2 / name).write_bytes(original)
+
+    _flip(step2 / "mp_rank_00_model_states.pt")
+    step2.rename(out / "checkpoints" / "step2.corrupt")
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(lines) + '\n{"step": 3, "loss": 2.')  # the stopped run died writing step 3
+    resumed = _cli_train(out, 1, 3, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {step1} at step 1" in resumed.stderr
+    assert f"{metrics}: line {len(lines) + 1}, the last, is torn" in resumed.stderr
+    assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] == [1, 2, 3]
+
+
 # ------------------------------------------------------------------------------------------ kill during a save
 def _killed_while_saving(rank, world, out):
     """Train 4 steps saving every 2; the save of step 4 dies (SIGKILL) halfway through its first file."""
+    from ds4sci.train.checkpoint import SafeCheckpointEngine
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, _overrides(out, 1, steps=4, extra=["train.save_every=2"])))
-    engine = trainer.engine.checkpoint_engine
-    save = engine.save
+    save = SafeCheckpointEngine.save  # the engine every save writes DeepSpeed's files with
 
-    def dying_save(state_dict, path):
+    def dying_save(self, state_dict, path):
         if ".tmp-step4" not in path:
-            return save(state_dict, path)
-        save(state_dict, path)
+            return save(self, state_dict, path)
+        save(self, state_dict, path)
         data = Path(path).read_bytes()
         Path(path).write_bytes(data[: len(data) // 2])  # the kill lands while this file is being written
         os.kill(os.getpid(), signal.SIGKILL)
 
-    engine.save = dying_save
+    SafeCheckpointEngine.save = dying_save  # this spawned process only
     trainer.train()
 
 
