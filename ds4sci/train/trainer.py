@@ -46,8 +46,10 @@ from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, tensor_paral
 from ds4sci.sequence import DistributedAttention, shard_sequence
 from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
 from ds4sci.train.checkpoint import load_checkpoint
-from ds4sci.train.config import Config
-from ds4sci.train.engine import build_engine, collective_error, init_distributed, set_deterministic
+from ds4sci.parallel import ParallelDims
+from ds4sci.train.config import Config, DataConfig
+from ds4sci.train.engine import (build_engine, check_offload_support, collective_error, init_distributed,
+                                 set_deterministic)
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 from ds4sci.train.pipeline import (build_pipeline_engine, pipeline_eval_sum, pipeline_reduction_factor,
@@ -56,6 +58,40 @@ from ds4sci.train.position_table import PositionTable
 from ds4sci.train.run_dir import keep_metrics_until, open_run_dir
 
 logger = logging.getLogger(__name__)
+
+
+def launch_world_size() -> int:
+    """The number of processes of this launch: the process group's size, else the launcher's ``WORLD_SIZE`` (1 in a
+    lone process)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE") or 1)
+
+
+def check_launch(cfg: Config, world_size: int) -> ParallelDims:
+    """Everything about ``cfg`` that can be known before any work, checked before any: the parallel degrees against
+    ``world_size`` processes, an offload this machine can run (:func:`~ds4sci.train.engine.check_offload_support`)
+    and FASTA files that ``data.fasta`` names. So a run that cannot start stops before the run folder is touched
+    (``--overwrite`` deletes in it) and before the token cache is built.
+
+    Returns:
+        the run's :class:`~ds4sci.parallel.ParallelDims`.
+    Raises:
+        ValueError / FileNotFoundError: one line naming the key and the value.
+    """
+    from ds4sci.data.corpus import resolve_sources
+
+    dims = cfg.parallel.dims(world_size)
+    check_offload_support(cfg)
+    try:
+        resolve_sources(cfg.data.fasta)
+    except FileNotFoundError as err:
+        if cfg.data.fasta == DataConfig().fasta:  # no config, no --set data.fasta: the bundled genome is missing
+            raise FileNotFoundError(f"data.fasta: {err}: the default data is the E. coli genome of a ds4sci source "
+                                    f"checkout, absent from this installation; pass a YAML config (such as "
+                                    f"examples/configs/demo_ecoli_sp2.yaml) or --set data.fasta=FILE (ds4sci train "
+                                    f"--print-config lists every key)") from None
+        raise FileNotFoundError(f"data.fasta: {err} (a relative path in a config file is read from its folder; one "
+                                f"given with --set, from the working directory)") from None
+    return dims
 
 
 def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.utils.data.Dataset, str]:
@@ -68,11 +104,7 @@ def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.u
     d = cfg.data
     tok = Tokenizer.from_name(d.tokenizer)
     cache_dir = d.cache_dir or os.path.join(cfg.train.out_dir, "token_cache")
-    try:
-        corpus = open_corpus(d.fasta, tok, cache_dir=cache_dir, iupac=d.iupac, progress=cfg.train.progress)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"data.fasta: {err} (a relative path in a config file is read from its folder; one "
-                                f"given with --set, from the working directory)") from None
+    corpus = open_corpus(d.fasta, tok, cache_dir=cache_dir, iupac=d.iupac, progress=cfg.train.progress)
     train, val = load_datasets(corpus, tok, dataset=d.dataset, seq_len=d.seq_len, stride=d.stride,
                                val_fraction=d.val_fraction, split=d.split, max_train_tokens=d.max_train_tokens,
                                reverse_complement=d.reverse_complement, seed=cfg.train.seed)
@@ -143,11 +175,11 @@ class Trainer:
         """``resume``: None (a new run), ``""`` (continue the run in ``train.out_dir``) or a checkpoint folder;
         ``overwrite``: replace the run in ``train.out_dir`` (:mod:`ds4sci.train.run_dir` has the rules)."""
         self.cfg = cfg
+        self.dims = check_launch(cfg, launch_world_size())
         if cfg.train.deterministic:
             set_deterministic()
         init_distributed(cfg.train.timeout_s)
         self.rank = dist.get_rank()
-        self.dims = cfg.parallel.dims(dist.get_world_size())
         self.groups = build_groups(self.dims, timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         self.out = Path(cfg.train.out_dir)
