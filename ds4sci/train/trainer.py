@@ -43,6 +43,7 @@ from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
 from ds4sci.parallel.groups import build_groups
 from ds4sci.parallel.parallelize import materialize_, parallelize
 from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, tensor_parallel_plan, token_loss_for
+from ds4sci.progress import progress_bar
 from ds4sci.sequence import DistributedAttention, shard_sequence
 from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
 from ds4sci.train.checkpoint import load_checkpoint
@@ -355,15 +356,14 @@ class Trainer:
         writer = bar = None
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
-            from tqdm.auto import tqdm
 
             logger.info("%s", self.summary())
             keep_metrics_until(self.out / "metrics.jsonl", self.step)  # a resumed run continues the curve
             # purge_step: TensorBoard hides what a stopped run logged after the checkpoint this run resumes from
             writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1 if self.step else None)
-            bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", disable=not t.progress)
+            bar = progress_bar(t.progress, total=t.steps, initial=self.step, desc="train", unit="step")
         metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8") if self.rank == 0 else None
-        start, tokens_seen = time.perf_counter(), 0
+        start, tokens_seen, first_step = time.perf_counter(), 0, self.step
 
         def log(record: dict) -> None:
             records.append(record)
@@ -376,9 +376,12 @@ class Trainer:
                 if "val_loss" in record:  # every validation, as it happens
                     logger.info("step %d/%d: validation loss %.4f nats/token, %.4f bits/base", record["step"], t.steps,
                                 record["val_loss"], record["val_bits_per_base"])
-                elif not t.progress:  # no progress bar: one line per logged step instead
-                    logger.info("step %d/%d: loss %.4f, lr %.3g, %.0f tokens/s", record["step"], t.steps,
-                                record["loss"], record["lr"], tokens_seen / (time.perf_counter() - start))
+                elif bar.disable:  # no progress bar (off, or stderr is no terminal): a line per logged step
+                    elapsed = time.perf_counter() - start
+                    left = elapsed / (record["step"] - first_step) * (t.steps - record["step"])
+                    logger.info("step %d/%d: loss %.4f, lr %.3g, %s tokens/s, %s left", record["step"], t.steps,
+                                record["loss"], record["lr"], f"{tokens_seen / elapsed:,.0f}",
+                                _duration(left))
 
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             while self.step < t.steps:
@@ -471,10 +474,24 @@ class Trainer:
         return writer.close() if writer is not None else self.out / "export"
 
 
+def _duration(seconds: float) -> str:
+    """``seconds`` as the log line's time left: ``42s``, ``3m05s`` or ``2h07m``."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _split_tokens(dataset) -> int:
     """Tokens of the split a dataset reads (its documents' lengths: overlapping windows count each token once)."""
     spans = getattr(dataset, "spans", None)  # WindowDataset, RecordDataset
     return int(spans.lengths.sum() if spans is not None else dataset._len.sum())  # PackedDataset: its pieces
+
+
+#: Up to this many points a curve of :func:`plot_metrics` is drawn with markers (validation always is).
+FEW_POINTS = 20
 
 
 def plot_metrics(metrics_path: Path, png_path: Path) -> None:
@@ -488,8 +505,8 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_bits_per_base"]) for r in rows if "val_bits_per_base" in r]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    if train:
-        ax[0].plot(*zip(*train), label="train loss (nats/token)")
+    if train:  # markers while there are few points: one point alone draws no line
+        ax[0].plot(*zip(*train), marker="o" if len(train) <= FEW_POINTS else None, label="train loss (nats/token)")
     ax[0].set_xlabel("step")
     ax[0].set_ylabel("loss")
     ax[0].legend()
