@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
 
 from ds4sci.train.config import load_config
 from ds4sci.train.run_dir import prepare_run_dir
@@ -164,10 +165,7 @@ def test_train_without_a_config_runs_from_any_directory_and_its_redirected_outpu
     proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "runs" / "train" / "export" / "model.safetensors").is_file()
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-    logged = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ds4sci\.[\w.]+ (INFO|WARNING) ")
-    assert all(logged.match(line) or line.startswith("  ") for line in lines), "\n".join(lines)
-    messages = [logged.sub("", line) for line in lines if logged.match(line)]
+    messages = log_messages(proc.stdout + proc.stderr)
     steps = [m for m in messages if m.startswith("step ")]
     assert [m.split(":")[0] for m in steps] == ["step 2/4", "step 2/4", "step 4/4", "step 4/4"], steps
     assert re.fullmatch(r"step 2/4: loss \d\.\d{4}, lr [\d.e-]+, [\d,]+ tokens/s, \d+s left", steps[0]), steps[0]
