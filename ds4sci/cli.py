@@ -76,13 +76,17 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK") or 0)
 
 
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
 def quiet_dependencies() -> None:
     """Keep what DeepSpeed and torch print on their own out of a run's output (``--log-level DEBUG`` keeps it):
     DeepSpeed's logger below ERROR (e.g. "Setting accelerator to CPU ...", logged as DeepSpeed is imported: a
     filter, since DeepSpeed sets the level of its logger when it creates it) and torch's FutureWarning that
     DeepSpeed's ZeRO calls the deprecated ``all_gather_into_tensor``. DeepSpeed's "... built successfully" print is
     logged at DEBUG by :func:`ds4sci.train.engine.init_distributed`."""
-    logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
+    logging.getLogger("DeepSpeed").addFilter(_errors_only)  # once: a logger keeps one of each filter
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
 

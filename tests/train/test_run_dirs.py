@@ -206,3 +206,21 @@ def test_the_defaults_and_the_codon_example_split_the_bundled_data(tmp_path, con
 
         corpus = open_corpus(cfg.data.fasta, Tokenizer.from_name("codon"), cache_dir=tmp_path / "token_cache")
         assert "5 of these 100 genes" in config.read_text() and len(corpus.split(0.1, "auto")[1]) == 5
+
+
+def test_loss_plot_marks_the_points_of_a_short_curve(tmp_path, monkeypatch):
+    """A curve of few points is drawn with markers (one point alone draws no line); a long one as a line."""
+    import matplotlib.pyplot as plt
+
+    from ds4sci.train.trainer import FEW_POINTS, plot_metrics
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    for steps in (1, FEW_POINTS + 1):
+        metrics = tmp_path / f"metrics{steps}.jsonl"
+        metrics.write_text("".join(json.dumps({"step": s, "loss": 2.0 / s}) + "\n" for s in range(1, steps + 1)) +
+                           json.dumps({"step": steps, "val_bits_per_base": 1.9}) + "\n")
+        plot_metrics(metrics, tmp_path / f"loss{steps}.png")
+        assert (tmp_path / f"loss{steps}.png").stat().st_size > 0
+    (short, _), (long, _) = (figure.axes for figure in figures)
+    assert short.lines[0].get_marker() == "o" and long.lines[0].get_marker() in ("None", None, "")
