@@ -67,7 +67,8 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-#: Seconds a rank other than 0 waits, after a user's error, before it reports the error itself (see :func:`report_error`).
+#: Seconds a rank other than 0 waits, after a user's error, before it reports the error itself
+#: (see :func:`report_error`).
 ERROR_WAIT_S = 20.0
 
 
@@ -119,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser([command_in(argv)]).parse_args(argv)
     debug = args.log_level == "DEBUG"
-    level = args.log_level if debug or launch_rank() == 0 else max(logging.WARNING, logging.getLevelName(args.log_level))
+    level = logging.getLevelName(args.log_level)
+    if not debug and launch_rank() != 0:
+        level = max(level, logging.WARNING)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not debug:
         quiet_dependencies()

@@ -55,6 +55,6 @@ def embed_records(model, tokenizer, records: Iterable, *, batch_size: int = 8,
             real = (batch["labels"] != IGNORE_INDEX).unsqueeze(-1)  # padding: IGNORE_INDEX labels
             totals.index_add_(0, owner[start:stop], (hidden * real).sum(1))
             bar.update(stop - start)
-    counts = torch.tensor([len(c) for c in chunks], dtype=torch.float64)
-    tokens = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, owner, counts)
-    return ids, (totals / tokens[:, None]).float().numpy()
+    window_tokens = torch.tensor([len(c) for c in chunks], dtype=torch.float64)
+    record_tokens = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, owner, window_tokens)
+    return ids, (totals / record_tokens[:, None]).float().numpy()

@@ -159,7 +159,8 @@ class TrainConfig:
     grad_accum: int = _field(default=1, help='micro-steps accumulated per optimizer step')
     dtype: str = _field(default="fp32", help='"fp32" or "bf16"')
     seed: int = _field(default=1234, help='random seed (model init, data order)')
-    log_every: int = _field(default=10, help='log training metrics every N steps (metrics.jsonl, TensorBoard, log line)')
+    log_every: int = _field(default=10,
+                    help='log training metrics every N steps (metrics.jsonl, TensorBoard, a log line without a bar)')
     eval_every: int = _field(default=50, help='validate every N steps; 0 -> only at the end')
     eval_batches: int = _field(default=8, help='validation batches per evaluation')
     save_every: int = _field(default=0, help='checkpoint every N steps; 0 -> only at the end')
