@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+import time
+import warnings
 
 from ds4sci.cli_args import CommandError
 
@@ -64,19 +67,71 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+#: Seconds a rank other than 0 waits, after a user's error, before it reports the error itself
+#: (see :func:`report_error`).
+ERROR_WAIT_S = 20.0
+
+
+def launch_rank() -> int:
+    """This process's rank under a launcher (``torchrun`` and ``deepspeed`` set ``RANK``); 0 in a lone process."""
+    return int(os.environ.get("RANK") or 0)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+def quiet_dependencies() -> None:
+    """Keep what DeepSpeed and torch print on their own out of a run's output (``--log-level DEBUG`` keeps it):
+    DeepSpeed's logger below ERROR (e.g. "Setting accelerator to CPU ...", logged as DeepSpeed is imported: a
+    filter, since DeepSpeed sets the level of its logger when it creates it) and torch's FutureWarning that
+    DeepSpeed's ZeRO calls the deprecated ``all_gather_into_tensor``. DeepSpeed's "... built successfully" print is
+    logged at DEBUG by :func:`ds4sci.train.engine.init_distributed`."""
+    logging.getLogger("DeepSpeed").addFilter(_errors_only)  # once: a logger keeps one of each filter
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
+
+
+def report_error(command: str, err: BaseException) -> None:
+    """Print a user's error as ONE line, once per launch: ``ds4sci COMMAND: error: MESSAGE`` on stderr.
+
+    Under a launcher every rank usually meets the same error (a config, a run folder or data that rank 0 checked
+    for all), so rank 0 prints it and the other ranks wait :data:`ERROR_WAIT_S` seconds without a word: rank 0
+    exits first, and the launcher stops them (were they to exit first, it could stop rank 0 before it printed).
+    A rank still running after the wait met an error of its own (rank 0 is blocked in a collective with it): it
+    prints the error naming itself, ``ds4sci COMMAND (rank N): error: ...``. A line is written in one call, so
+    two ranks' lines never run together."""
+    rank = launch_rank()
+    who = f"ds4sci {command}"
+    if rank != 0:
+        time.sleep(ERROR_WAIT_S)
+        who += f" (rank {rank})"
+    sys.stderr.write(f"{who}: error: {err}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A user's mistake (a bad option, a missing file, an export or FASTA the command cannot
-    use) is one ``ds4sci COMMAND: error: ...`` line on stderr and exit status 2; ``--log-level DEBUG`` re-raises it
-    with its traceback."""
+    use) is one ``ds4sci COMMAND: error: ...`` line on stderr (once per launch: :func:`report_error`) and exit status
+    2; ``--log-level DEBUG`` re-raises it with its traceback.
+
+    Below DEBUG, a run prints ds4sci's own lines only (:func:`quiet_dependencies`), and ranks other than 0 only
+    their warnings and errors (rank 0 speaks for the run)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser([command_in(argv)]).parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    debug = args.log_level == "DEBUG"
+    level = logging.getLevelName(args.log_level)
+    if not debug and launch_rank() != 0:
+        level = max(level, logging.WARNING)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not debug:
+        quiet_dependencies()
     try:
         return int(args._run(args) or 0)
     except (CommandError, ValueError, OSError) as err:
-        if logging.getLogger().isEnabledFor(logging.DEBUG):
+        if debug:
             raise
-        print(f"ds4sci {args.command}: error: {err}", file=sys.stderr)
+        report_error(args.command, err)
         return 2
 
 

@@ -18,6 +18,9 @@ from typing import Any, Callable
 
 __all__ = ["run_workers", "open_store"]
 
+#: Seconds the workers that reported get to exit on their own before they are stopped.
+EXIT_GRACE_S = 30.0
+
 
 def open_store(timeout: float = 180.0):
     """A ``torch.distributed.TCPStore`` server on 127.0.0.1, listening on a port the system picked (``.port``).
@@ -120,6 +123,13 @@ def run_workers(
                     (values if ok else failures)[rank] = payload
                 break
     finally:
+        # A worker that reported is exiting on its own: let it finish (terminated mid-exit, it would skip its
+        # clean-up, and the resource tracker would then warn at shutdown of the semaphores it made as "leaked",
+        # e.g. tqdm's lock); stop the others.
+        exit_by = time.monotonic() + EXIT_GRACE_S
+        for rank, proc in enumerate(procs):
+            if rank in values:
+                proc.join(timeout=max(0.0, exit_by - time.monotonic()))
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()

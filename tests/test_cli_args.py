@@ -184,3 +184,18 @@ def test_command_in_skips_top_level_option_values():
     args = build_parser([command_in(["--log-level", "info", "evaluate", "ex", "--fasta", "f"])]).parse_args(
         ["--log-level", "info", "evaluate", "ex", "--fasta", "f"])
     assert args.command == "evaluate" and args.log_level == "INFO" and args.batch_size == 8
+
+
+def test_a_users_error_is_one_line_once_per_launch(monkeypatch, capsys):
+    """Rank 0 (or a lone process) prints the error line; another rank waits for the launcher to stop it (rank 0 met
+    the same error) and, still running after the wait, prints its own error naming its rank."""
+    from ds4sci import cli
+
+    monkeypatch.setattr(cli, "ERROR_WAIT_S", 0.01)
+    for rank, who in ((None, "ds4sci train"), ("0", "ds4sci train"), ("1", "ds4sci train (rank 1)")):
+        if rank is None:
+            monkeypatch.delenv("RANK", raising=False)
+        else:
+            monkeypatch.setenv("RANK", rank)
+        cli.report_error("train", ValueError("bad value 7"))
+        assert capsys.readouterr().err == f"{who}: error: bad value 7\n"

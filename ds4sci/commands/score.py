@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     model, config, tokenizer = load_model(args.export)
     check_seq_len(args.seq_len, config)
     rows = score_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, args.reverse_complement,
-                         batch_size=args.batch_size, progress=False if args.no_progress else None)
+                         batch_size=args.batch_size, progress=not args.no_progress)
     out = sys.stdout if args.out == "-" else open(args.out, "w", newline="", encoding="utf-8")
     try:
         writer = csv.writer(out, delimiter="\t", lineterminator="\n")

@@ -9,6 +9,8 @@ import logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ds4sci.train.run_dir import MAY_CHANGE  # the --resume rule, stated where it is enforced
+
     parser.epilog = ("Every key, its default and its meaning: ds4sci train --print-config. Relative paths in a "
                      "config file are taken from that file's folder; those given with --set from the working "
                      "directory. train.out_dir must be empty or missing unless --resume or --overwrite is given.")
@@ -24,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="continue the run in train.out_dir from its newest complete checkpoint, or from "
                           "CHECKPOINT (.../checkpoints/stepN: the newest of train.out_dir's run, or any when "
                           "train.out_dir is empty); metrics.jsonl continues from the checkpoint's step. Only "
-                          "train.steps, cadences, progress, folders and parallel layout may change")
+                          f"{', '.join(MAY_CHANGE)} may change (and train.micro_batch_size x dp must stay)")
     existing.add_argument("--overwrite", action="store_true",
                           help="replace the run in train.out_dir: delete it (all but token_cache/) first; a folder "
                           "that holds no ds4sci run (config.yaml) is never deleted")
@@ -40,8 +42,6 @@ def run(args: argparse.Namespace) -> int:
     from ds4sci.train.trainer import Trainer  # after --print-config: DeepSpeed's import prints to stdout
 
     trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
-    if trainer.rank != 0:
-        logging.getLogger().setLevel(logging.WARNING)
     records = trainer.train()
     if trainer.rank == 0:
         last = [r for r in records if "val_bits_per_base" in r]

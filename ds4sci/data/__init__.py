@@ -1,6 +1,10 @@
 """ds4sci.data: FASTA reading, nucleotide/codon tokenizers, token caches of FASTA corpora, datasets for causal
-genome LMs."""
-from ds4sci.data.corpus import Corpus, load_datasets, open_corpus, resolve_sources
+genome LMs.
+
+The token-cache names (:mod:`ds4sci.data.corpus`) are imported on first use, not with the package, so that
+``python -m ds4sci.data.corpus`` runs that module as ``__main__`` without a copy already imported by the package
+(which Python warns about, and which would hold a second set of its globals).
+"""
 from ds4sci.data.datasets import (
     PackedDataset,
     RecordDataset,
@@ -14,9 +18,20 @@ from ds4sci.data.datasets import (
 from ds4sci.data.fasta import FastaRecord, normalize_sequence, read_fasta
 from ds4sci.data.tokenizers import SPECIALS, STOP_CODONS, CodonTokenizer, NucleotideTokenizer, Tokenizer
 
+_CORPUS_NAMES = ("Corpus", "load_datasets", "open_corpus", "resolve_sources")
+
 __all__ = [
-    "Corpus", "load_datasets", "open_corpus", "resolve_sources",
+    *_CORPUS_NAMES,
     "PackedDataset", "RecordDataset", "Spans", "WindowDataset", "collate", "split_records",
     "split_region", "split_spans", "FastaRecord", "normalize_sequence", "read_fasta", "SPECIALS", "STOP_CODONS",
     "CodonTokenizer", "NucleotideTokenizer", "Tokenizer",
 ]
+
+
+def __getattr__(name: str):
+    """``ds4sci.data.open_corpus`` and the other :mod:`ds4sci.data.corpus` names, imported on first use."""
+    if name in _CORPUS_NAMES:
+        from ds4sci.data import corpus
+
+        return getattr(corpus, name)
+    raise AttributeError(f"module 'ds4sci.data' has no attribute {name!r}")

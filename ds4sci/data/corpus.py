@@ -66,6 +66,7 @@ from ds4sci.data.datasets import (
 )
 from ds4sci.data.fasta import IUPAC_POLICIES, iter_raw_records
 from ds4sci.data.tokenizers import Tokenizer
+from ds4sci.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +222,8 @@ def _remove_stale_builds(cache_dir: Path, key: str) -> None:
 
 def build_cache(files: list[str], sources: list[dict], tokenizer: Tokenizer, iupac: str, cache_dir: str | os.PathLike,
                 key: str, *, progress: bool = False) -> Path:
-    """Tokenize ``files`` into ``<cache_dir>/<key>`` (atomically: temporary directory, then rename)."""
+    """Tokenize ``files`` into ``<cache_dir>/<key>`` (atomically: temporary directory, then rename); ``progress``: a
+    bar over the bytes read, on a terminal only (:func:`ds4sci.progress.progress_bar`)."""
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(cache_dir, key)
@@ -231,10 +233,8 @@ def build_cache(files: list[str], sources: list[dict], tokenizer: Tokenizer, iup
     tmp.mkdir()
     dtype = _token_dtype(tokenizer)
     try:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(s["size"] for s in sources), unit="B", unit_scale=True, disable=not progress,
-                   desc=f"tokenizing {len(files)} FASTA file(s)")
+        bar = progress_bar(progress, total=sum(s["size"] for s in sources), unit="B", unit_scale=True,
+                           desc=f"tokenizing {len(files)} FASTA file(s)")
         tokens = open(tmp / "tokens.bin", "wb")
         offsets, hashes = _Writer(tmp / "offsets.bin", "q"), _Writer(tmp / "id_hash.bin", "Q")
         rec_file, rec_line = _Writer(tmp / "record_file.bin", "I"), _Writer(tmp / "record_line.bin", "q")
@@ -342,6 +342,7 @@ def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iu
     """The token cache of ``fasta`` (see :func:`resolve_sources`), built on first use (see the module docstring).
 
     Under ``torch.distributed`` every rank must call this: rank 0 builds, the others wait and map its result.
+    ``progress``: a bar while the cache is built, on a terminal only.
 
     Raises:
         ValueError / OSError: bad input (named by rank 0 and raised on every rank), or a rank that cannot map rank 0's

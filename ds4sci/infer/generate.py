@@ -69,7 +69,11 @@ def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, tempera
     n_prompt = len(ids)
     limit = model.config.max_position_embeddings
     if n_prompt + num_tokens > limit:
-        raise ValueError(f"prompt ({n_prompt} tokens) + num_tokens={num_tokens} exceeds the model's context of {limit}")
+        way = (f"ask for at most {limit - n_prompt} (--num-tokens), or shorten the prompt" if n_prompt < limit else
+               "shorten the prompt")
+        raise ValueError(f"prompt ({n_prompt} tokens) + num_tokens={num_tokens} exceeds the model's context of {limit} "
+                         f"tokens: the model never sees more than {limit} tokens and generation does not slide past "
+                         f"them; {way}")
     gen = torch.Generator().manual_seed(seed)
     banned = torch.tensor(sorted(tokenizer.special_ids))
     for _ in range(num_tokens):

@@ -19,10 +19,11 @@ from collections.abc import Iterable
 import numpy as np
 
 from ds4sci.infer.evaluate import record_windows, window_dataset, window_length, window_losses
+from ds4sci.progress import progress_bar
 
 
 def score_records(model, tokenizer, records: Iterable, seq_len: int | None = None, reverse_complement: bool = False,
-                  *, batch_size: int = 8, progress: bool | None = False) -> list[dict]:
+                  *, batch_size: int = 8, progress: bool = False) -> list[dict]:
     """One row per record: ``id``, ``length`` (bases), ``tokens`` (targets scored: the record's tokens minus one per
     window, as ``evaluate`` counts them), ``log_likelihood`` (total, nats; the mean of both strands with
     ``reverse_complement``) and ``bits_per_base`` (``-log_likelihood / tokens / ln 2 / bases per token``; NaN when
@@ -30,10 +31,8 @@ def score_records(model, tokenizer, records: Iterable, seq_len: int | None = Non
 
     ``records``: objects with ``id`` and ``sequence`` (:func:`ds4sci.data.read_fasta`); ``seq_len``: window length
     (default: the model's context); windows of every record are batched together, ``batch_size`` per forward.
-    ``progress``: a progress bar over the windows (None: only on a terminal).
+    ``progress``: a progress bar over the windows, on a terminal only (:func:`ds4sci.progress.progress_bar`).
     """
-    from tqdm.auto import tqdm
-
     if reverse_complement and not hasattr(tokenizer, "reverse_complement"):
         raise ValueError(f"reverse complement needs a nucleotide model; this one reads {tokenizer.kind} tokens, and "
                          f"the reverse complement of a coding sequence is not in frame")
@@ -49,8 +48,7 @@ def score_records(model, tokenizer, records: Iterable, seq_len: int | None = Non
         rows.append({"id": rec.id, "length": len(rec.sequence)})
     if not chunks:
         raise ValueError("no tokens to score")
-    disable = None if progress is None else not progress  # None: tqdm shows the bar on a terminal only
-    with tqdm(total=len(chunks), desc="score", unit="window", disable=disable) as bar:
+    with progress_bar(progress, total=len(chunks), desc="score", unit="window") as bar:
         sums, counts = window_losses(model, window_dataset(chunks, tokenizer), batch_size, bar)
     n = strands * len(rows)
     loss = np.bincount(owner, weights=sums, minlength=n).reshape(-1, strands)  # [R, strands] nats

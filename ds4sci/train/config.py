@@ -25,12 +25,19 @@ def _field(*, help: str, path: bool = False, **kw):
     return field(metadata={"help": help, "path": path}, **kw)
 
 
+#: The E. coli K-12 genome of a ds4sci source checkout (examples/data/), found from the package's own folder: the
+#: default ``data.fasta``, so ``ds4sci train`` with no config runs from any working directory. An installation
+#: without the repository's examples/ has no such file (the trainer then says how to start).
+BUNDLED_GENOME = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "examples", "data", "NC_007779.1_ecoli_K12_W3110.fasta.gz")
+
+
 @dataclass
 class DataConfig:
-    fasta: str | list = _field(default="examples/data/NC_007779.1_ecoli_K12_W3110.fasta.gz",
+    fasta: str | list = _field(default=BUNDLED_GENOME,
                     help="FASTA file, directory or glob pattern (.fa .fna .fasta .ffn, .gz ok), or a list of them; "
-                         "relative: from the config file's folder (--set, defaults: working dir)",
-                    path=True)
+                         "relative: from the config file's folder (--set: working dir); default: the bundled E. coli "
+                         "genome", path=True)
     tokenizer: str = _field(default="nucleotide",
                     help='"nucleotide" (one token per base) or "codon" (GenSLM\'s 69 ids)')
     dataset: str = _field(default="windows",
@@ -152,11 +159,14 @@ class TrainConfig:
     grad_accum: int = _field(default=1, help='micro-steps accumulated per optimizer step')
     dtype: str = _field(default="fp32", help='"fp32" or "bf16"')
     seed: int = _field(default=1234, help='random seed (model init, data order)')
-    log_every: int = _field(default=10, help='log training metrics every N steps')
+    log_every: int = _field(default=10,
+                    help='log training metrics every N steps (metrics.jsonl, TensorBoard, a log line without a bar)')
     eval_every: int = _field(default=50, help='validate every N steps; 0 -> only at the end')
     eval_batches: int = _field(default=8, help='validation batches per evaluation')
     save_every: int = _field(default=0, help='checkpoint every N steps; 0 -> only at the end')
-    progress: bool = _field(default=True, help='show a progress bar')
+    progress: bool = _field(default=True, help='a progress bar (training, token-cache build) when stderr is a '
+                    'terminal; otherwise, or when false, one log line every log_every steps (step, loss, lr, '
+                    'tokens/s, time left)')
     timeout_s: float = _field(default=1800.0,
                     help='seconds a collective (all-reduce, all-to-all, barrier) waits for the other ranks before the '
                          'run stops with an error: a rank that died or hangs cannot stall the others for longer')

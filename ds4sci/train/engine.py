@@ -19,15 +19,18 @@ here with DeepSpeed 0.19.8 on the CPU (gloo, ``DS_ACCELERATOR=cpu``):
   treats ``device: nvme`` for the optimizer exactly like ``cpu`` (``stage_1_and_2.py``: any device but none sets
   ``cpu_offload``), so the config refuses nvme below stage 3 rather than silently ignore it.
 - NVMe (ZeRO-Infinity) needs DeepSpeed's ``async_io`` op, which needs libaio (``apt install libaio-dev``); here it
-  is not compatible (no libaio headers), so :func:`check_offload_support` refuses nvme before the engine is
-  built with that reason instead of DeepSpeed's build failure inside ``deepspeed.initialize``.
+  is not compatible (no libaio headers), so :func:`check_offload_support` refuses nvme before the run starts
+  (:func:`ds4sci.train.trainer.check_launch`) with that reason instead of DeepSpeed's build failure inside
+  ``deepspeed.initialize``.
 - ``pin_memory`` is DeepSpeed's (default true): page-locked host buffers for fast GPU<->CPU copies; the CPU
   accelerator ignores it.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
+import io
 import logging
 import math
 import os
@@ -61,15 +64,30 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
 
     if dist.is_initialized():  # DeepSpeed still needs its communication backend on top of the existing group
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count())))
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        with _printed_at_debug():
+            deepspeed.init_distributed(dist_backend=dist.get_backend())
         return
     # Port 0: the lone process's store binds whatever port is free, with no window for another process to take a
     # port probed beforehand (a probed port was once taken by another test before the store could listen on it).
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "0")):
         os.environ.setdefault(key, value)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               timeout=datetime.timedelta(seconds=timeout_s))
+    with _printed_at_debug():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@contextlib.contextmanager
+def _printed_at_debug():
+    """What Python code prints to stdout inside becomes one DEBUG log line: DeepSpeed's communication backend prints
+    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank at start-up."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        if printed.getvalue().strip():
+            logger.debug("%s", printed.getvalue().strip())
 
 
 _LOST_PEER = re.compile(r"timed out|connection (reset|closed)|broken pipe", re.IGNORECASE)
@@ -194,7 +212,6 @@ def build_engine(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, 
     sharded = [n for n, p in model.named_parameters() if getattr(p, "ds4sci_sequence_sharded", False)]
     if sharded:
         raise ValueError(f"sequence-sharded parameters {sharded} cannot go into the DeepSpeed engine")
-    check_offload_support(cfg)
     initialize = functools.partial(_initialize, cfg=cfg, groups=groups, device=device)
     check_gradient_reduction(initialize, cfg, groups, device)
     return initialize(model, materialize=materialize)

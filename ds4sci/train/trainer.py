@@ -43,11 +43,14 @@ from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
 from ds4sci.parallel.groups import build_groups
 from ds4sci.parallel.parallelize import materialize_, parallelize
 from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, tensor_parallel_plan, token_loss_for
+from ds4sci.progress import progress_bar
 from ds4sci.sequence import DistributedAttention, shard_sequence
 from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
 from ds4sci.train.checkpoint import load_checkpoint
-from ds4sci.train.config import Config
-from ds4sci.train.engine import build_engine, collective_error, init_distributed, set_deterministic
+from ds4sci.parallel import ParallelDims
+from ds4sci.train.config import Config, DataConfig
+from ds4sci.train.engine import (build_engine, check_offload_support, collective_error, init_distributed,
+                                 set_deterministic)
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 from ds4sci.train.pipeline import (build_pipeline_engine, pipeline_eval_sum, pipeline_reduction_factor,
@@ -56,6 +59,40 @@ from ds4sci.train.position_table import PositionTable
 from ds4sci.train.run_dir import keep_metrics_until, open_run_dir
 
 logger = logging.getLogger(__name__)
+
+
+def launch_world_size() -> int:
+    """The number of processes of this launch: the process group's size, else the launcher's ``WORLD_SIZE`` (1 in a
+    lone process)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE") or 1)
+
+
+def check_launch(cfg: Config, world_size: int) -> ParallelDims:
+    """Everything about ``cfg`` that can be known before any work, checked before any: the parallel degrees against
+    ``world_size`` processes, an offload this machine can run (:func:`~ds4sci.train.engine.check_offload_support`)
+    and FASTA files that ``data.fasta`` names. So a run that cannot start stops before the run folder is touched
+    (``--overwrite`` deletes in it) and before the token cache is built.
+
+    Returns:
+        the run's :class:`~ds4sci.parallel.ParallelDims`.
+    Raises:
+        ValueError / FileNotFoundError: one line naming the key and the value.
+    """
+    from ds4sci.data.corpus import resolve_sources
+
+    dims = cfg.parallel.dims(world_size)
+    check_offload_support(cfg)
+    try:
+        resolve_sources(cfg.data.fasta)
+    except FileNotFoundError as err:
+        if cfg.data.fasta == DataConfig().fasta:  # no config, no --set data.fasta: the bundled genome is missing
+            raise FileNotFoundError(f"data.fasta: {err}: the default data is the E. coli genome of a ds4sci source "
+                                    f"checkout, absent from this installation; pass a YAML config (such as "
+                                    f"examples/configs/demo_ecoli_sp2.yaml) or --set data.fasta=FILE (ds4sci train "
+                                    f"--print-config lists every key)") from None
+        raise FileNotFoundError(f"data.fasta: {err} (a relative path in a config file is read from its folder; one "
+                                f"given with --set, from the working directory)") from None
+    return dims
 
 
 def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.utils.data.Dataset, str]:
@@ -68,11 +105,7 @@ def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.u
     d = cfg.data
     tok = Tokenizer.from_name(d.tokenizer)
     cache_dir = d.cache_dir or os.path.join(cfg.train.out_dir, "token_cache")
-    try:
-        corpus = open_corpus(d.fasta, tok, cache_dir=cache_dir, iupac=d.iupac, progress=cfg.train.progress)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"data.fasta: {err} (a relative path in a config file is read from its folder; one "
-                                f"given with --set, from the working directory)") from None
+    corpus = open_corpus(d.fasta, tok, cache_dir=cache_dir, iupac=d.iupac, progress=cfg.train.progress)
     train, val = load_datasets(corpus, tok, dataset=d.dataset, seq_len=d.seq_len, stride=d.stride,
                                val_fraction=d.val_fraction, split=d.split, max_train_tokens=d.max_train_tokens,
                                reverse_complement=d.reverse_complement, seed=cfg.train.seed)
@@ -143,11 +176,11 @@ class Trainer:
         """``resume``: None (a new run), ``""`` (continue the run in ``train.out_dir``) or a checkpoint folder;
         ``overwrite``: replace the run in ``train.out_dir`` (:mod:`ds4sci.train.run_dir` has the rules)."""
         self.cfg = cfg
+        self.dims = check_launch(cfg, launch_world_size())
         if cfg.train.deterministic:
             set_deterministic()
         init_distributed(cfg.train.timeout_s)
         self.rank = dist.get_rank()
-        self.dims = cfg.parallel.dims(dist.get_world_size())
         self.groups = build_groups(self.dims, timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         self.out = Path(cfg.train.out_dir)
@@ -323,15 +356,14 @@ class Trainer:
         writer = bar = None
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
-            from tqdm.auto import tqdm
 
             logger.info("%s", self.summary())
             keep_metrics_until(self.out / "metrics.jsonl", self.step)  # a resumed run continues the curve
             # purge_step: TensorBoard hides what a stopped run logged after the checkpoint this run resumes from
             writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1 if self.step else None)
-            bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", disable=not t.progress)
+            bar = progress_bar(t.progress, total=t.steps, initial=self.step, desc="train", unit="step")
         metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8") if self.rank == 0 else None
-        start, tokens_seen = time.perf_counter(), 0
+        start, tokens_seen, first_step = time.perf_counter(), 0, self.step
 
         def log(record: dict) -> None:
             records.append(record)
@@ -344,9 +376,12 @@ class Trainer:
                 if "val_loss" in record:  # every validation, as it happens
                     logger.info("step %d/%d: validation loss %.4f nats/token, %.4f bits/base", record["step"], t.steps,
                                 record["val_loss"], record["val_bits_per_base"])
-                elif not t.progress:  # no progress bar: one line per logged step instead
-                    logger.info("step %d/%d: loss %.4f, lr %.3g, %.0f tokens/s", record["step"], t.steps,
-                                record["loss"], record["lr"], tokens_seen / (time.perf_counter() - start))
+                elif bar.disable:  # no progress bar (off, or stderr is no terminal): a line per logged step
+                    elapsed = time.perf_counter() - start
+                    left = elapsed / (record["step"] - first_step) * (t.steps - record["step"])
+                    logger.info("step %d/%d: loss %.4f, lr %.3g, %s tokens/s, %s left", record["step"], t.steps,
+                                record["loss"], record["lr"], f"{tokens_seen / elapsed:,.0f}",
+                                _duration(left))
 
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             while self.step < t.steps:
@@ -439,10 +474,24 @@ class Trainer:
         return writer.close() if writer is not None else self.out / "export"
 
 
+def _duration(seconds: float) -> str:
+    """``seconds`` as the log line's time left: ``42s``, ``3m05s`` or ``2h07m``."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _split_tokens(dataset) -> int:
     """Tokens of the split a dataset reads (its documents' lengths: overlapping windows count each token once)."""
     spans = getattr(dataset, "spans", None)  # WindowDataset, RecordDataset
     return int(spans.lengths.sum() if spans is not None else dataset._len.sum())  # PackedDataset: its pieces
+
+
+#: Up to this many points a curve of :func:`plot_metrics` is drawn with markers (validation always is).
+FEW_POINTS = 20
 
 
 def plot_metrics(metrics_path: Path, png_path: Path) -> None:
@@ -456,8 +505,8 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_bits_per_base"]) for r in rows if "val_bits_per_base" in r]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    if train:
-        ax[0].plot(*zip(*train), label="train loss (nats/token)")
+    if train:  # markers while there are few points: one point alone draws no line
+        ax[0].plot(*zip(*train), marker="o" if len(train) <= FEW_POINTS else None, label="train loss (nats/token)")
     ax[0].set_xlabel("step")
     ax[0].set_ylabel("loss")
     ax[0].legend()

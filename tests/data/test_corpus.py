@@ -3,6 +3,7 @@ import gzip
 import itertools
 import logging
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -350,10 +351,13 @@ def test_training_start_up_names_the_split_auto_chose(tmp_path):
     assert "validation 130 tokens" in proc.stderr
 
 
-def test_cache_build_shows_a_progress_bar_only_when_asked(tmp_path, capfd):
+def test_cache_build_shows_a_progress_bar_only_when_asked_on_a_terminal(tmp_path, capfd, monkeypatch):
     src = _fa(tmp_path / "a.fa", _genes("g", 5, 40))
     open_corpus(src, NUC, cache_dir=tmp_path / "quiet", progress=False)
     assert capfd.readouterr().err == ""
+    open_corpus(src, NUC, cache_dir=tmp_path / "redirected", progress=True)  # stderr is no terminal: no bar frames
+    assert capfd.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     open_corpus(src, NUC, cache_dir=tmp_path / "loud", progress=True)
     err = capfd.readouterr().err
     assert "tokenizing 1 FASTA file(s)" in err and "100%" in err

@@ -93,3 +93,30 @@ def test_train_writes_every_output_and_the_tools_read_the_export(launcher, tmp_p
                    capture_output=True, env=ENV)
     arrays = np.load(emb)
     assert len(arrays["ids"]) == 100 and arrays["embeddings"].shape[0] == 100
+
+
+def test_torchrun_prints_ds4sci_lines_only_and_a_refusal_once(tmp_path):
+    """Two processes under torchrun, ZeRO-1 (whose all-gathers make torch warn), output redirected: the run prints
+    ds4sci's lines only, from rank 0 (no DeepSpeed start-up print or warning, no FutureWarning, no bar frames: a loss
+    line per train.log_every steps). A second run into the same folder is refused in ONE line (rank 0's; rank 1 says
+    nothing) and exits non-zero: torchrun's own report of the failed worker follows, its exit status is 1."""
+    from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
+
+    out = tmp_path / "run"
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29533", "-m", "ds4sci.cli", "train"]
+    sets = [f"train.out_dir={out}", f"data.fasta={CDS}", "data.dataset=records", "data.seq_len=64",
+            "data.val_fraction=0.1", "parallel.ulysses=2", "zero.stage=1", "train.steps=2", "train.log_every=1",
+            "train.eval_batches=1", "train.micro_batch_size=2"]
+    cmd += [arg for item in sets for arg in ("--set", item)]
+    first = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    assert first.returncode == 0, first.stderr[-3000:]
+    messages = log_messages(first.stdout + first.stderr)
+    assert [m.split(":")[0] for m in messages if m.startswith("step ")] == ["step 1/2", "step 2/2", "step 2/2"]
+    assert sum(m.startswith("ds4sci train") for m in messages) == 1  # the start-up block, once
+    second = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    output = second.stdout + second.stderr
+    refusals = [line for line in output.splitlines() if "error:" in line]
+    assert second.returncode != 0 and len(refusals) == 1, output[-3000:]
+    assert refusals[0].startswith(f"ds4sci train: error: train.out_dir {out} already holds a run (checkpoints, ")
+    assert refusals[0].endswith("continue it with --resume, or replace it with --overwrite (or choose another "
+                                "train.out_dir)")

@@ -26,3 +26,30 @@ def test_run_workers_returns_by_rank_and_propagates_errors():
     message = str(info.value)
     assert "--- rank 1 ---" in message and "ValueError: boom on rank 1" in message and "_fail_on_rank_one" in message
     assert time.monotonic() - start < 30, "a failed worker must not leave the test waiting for the timeout"
+
+
+_KEPT = []
+
+
+def _keeps_a_lock(rank, world):
+    """A worker that makes a semaphore and holds it to its exit, as tqdm's lock does."""
+    import multiprocessing
+
+    _KEPT.append(multiprocessing.get_context("spawn").Lock())
+    return rank
+
+
+@pytest.mark.distributed
+def test_run_workers_lets_workers_exit_so_nothing_leaks():
+    """Workers that reported exit on their own, cleaning up: no resource_tracker warning of leaked semaphores at
+    shutdown (a worker stopped mid-exit leaves its semaphores to the tracker, which warns)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys\nsys.path.insert(0, sys.argv[1])\nfrom test_sequence_spawn import _keeps_a_lock\n"
+            "from ds4sci.spawn import run_workers\nprint(run_workers(_keeps_a_lock, 2))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[0, 1]", proc.stderr[-2000:]
+    assert "leaked" not in proc.stderr, proc.stderr[-2000:]

@@ -1,18 +1,57 @@
-"""embed: the mean final hidden state over every window of a sequence."""
+"""embed: the mean final hidden state over every window of a sequence, windows of all records batched together;
+``ds4sci embed`` with --batch-size and --no-progress, and a bar only on a terminal."""
 import numpy as np
 import pytest
 import torch
 
-from ds4sci.infer.embed import embed_sequence
+from ds4sci.data import FastaRecord
+from ds4sci.infer.embed import embed_records
+
+
+def _records(*sequences):
+    return [FastaRecord(f"r{i}", "", s) for i, s in enumerate(sequences)]
 
 
 def test_embed_is_mean_over_tokens(tiny):
     model, cfg, tok = tiny
     seq = "ACGTTGCA" * 5  # 40 tokens: two windows of the 32-token context
-    got = embed_sequence(model, tok, seq)
     ids = torch.from_numpy(tok.encode(seq))
     h1 = model(ids[None, :32], torch.arange(32)[None], return_hidden=True)[0]
     h2 = model(ids[None, 32:], torch.arange(8)[None], return_hidden=True)[0]
-    np.testing.assert_allclose(got, torch.cat([h1, h2]).mean(0).detach().numpy(), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="empty"):
-        embed_sequence(model, tok, "")
+    expected = torch.cat([h1, h2]).mean(0).detach().numpy()
+    # beside a short record, in every batching (a window padded at its end, windows of two records in one batch)
+    for batch_size in (1, 2, 3, 8):
+        names, got = embed_records(model, tok, _records(seq, "GATTACA"), batch_size=batch_size)
+        assert names == ["r0", "r1"] and got.shape == (2, cfg.hidden_size)
+        np.testing.assert_allclose(got[0], expected, rtol=1e-5, atol=1e-6)
+        short = model(torch.from_numpy(tok.encode("GATTACA"))[None], torch.arange(7)[None], return_hidden=True)[0]
+        np.testing.assert_allclose(got[1], short.mean(0).detach().numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="record 'r1': cannot embed an empty sequence"):
+        embed_records(model, tok, _records("ACGT", ""))
+    with pytest.raises(ValueError, match="no record to embed"):
+        embed_records(model, tok, [])
+
+
+def test_embed_cli_batch_size_and_progress(tiny, tmp_path, capsys, monkeypatch):
+    import sys
+
+    from ds4sci.cli import main
+    from ds4sci.io.export import export_consolidated
+
+    model, cfg, tok = tiny
+    export = export_consolidated(model.state_dict(), cfg, tok, tmp_path / "export")
+    fasta = tmp_path / "x.fa"
+    fasta.write_text(">a\n" + "ACGT" * 20 + "\n>b\nGATTACA\n")
+    arrays = {}
+    for name, args in (("one", ["--batch-size", "1"]), ("eight", [])):
+        out = tmp_path / f"{name}.npz"
+        assert main(["embed", str(export), "--fasta", str(fasta), "--out", str(out), *args]) == 0
+        assert "embed:" not in capsys.readouterr().err  # stderr is no terminal here: no bar
+        arrays[name] = np.load(out)
+    assert list(arrays["one"]["ids"]) == ["a", "b"]
+    np.testing.assert_allclose(arrays["one"]["embeddings"], arrays["eight"]["embeddings"], rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # on a terminal: a bar, unless --no-progress
+    assert main(["embed", str(export), "--fasta", str(fasta), "--out", str(tmp_path / "t.npz")]) == 0
+    assert "embed: 100%" in capsys.readouterr().err
+    assert main(["embed", str(export), "--fasta", str(fasta), "--out", str(tmp_path / "t.npz"), "--no-progress"]) == 0
+    assert "embed:" not in capsys.readouterr().err

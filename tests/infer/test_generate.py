@@ -15,8 +15,11 @@ def test_generate_reproducible_greedy_and_fasta(tmp_path, tiny):
     assert set(a) <= set("ACGTN")
     greedy = sample(model, tok, "ACG", 10, temperature=0)
     assert sample(model, tok, "ACG", 10, top_k=1, seed=9) == greedy
-    with pytest.raises(ValueError, match="exceeds the model's context"):
+    with pytest.raises(ValueError, match=r"exceeds the model's context of 32 tokens: .* ask for at most 29 "
+                                         r"\(--num-tokens\), or shorten the prompt"):
         sample(model, tok, "ACG", 100)
+    with pytest.raises(ValueError, match="context of 32 tokens: .*; shorten the prompt$"):
+        sample(model, tok, "ACGT" * 8, 1)
     assert sample(model, tok, "acg", 10, seed=3) == a  # soft-masked prompt is uppercased
     with pytest.raises(ValueError, match="prompt.*'Z'.*position 4"):
         sample(model, tok, "ACGZ", 3)

@@ -1,11 +1,13 @@
 """Run folders that never mix, and what training says while it runs, through the CLI."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
 
 from ds4sci.train.config import load_config
 from ds4sci.train.run_dir import prepare_run_dir
@@ -116,3 +118,109 @@ def test_run_folder_rules(tmp_path):
     (out / "export").mkdir()
     assert prepare_run_dir(cfg, overwrite=True) is None
     assert sorted(p.name for p in out.iterdir()) == ["token_cache"]
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_what_can_be_checked_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    """A launch that cannot run (processes that do not fit the layout, a missing NVMe folder, no FASTA file) stops with
+    its one line before the run folder is touched: a new one is not created (no token_cache/), and --overwrite
+    deletes nothing of an old one."""
+    from ds4sci.cli import main
+
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    config, new, old = tmp_path / "tiny.yaml", tmp_path / "new", tmp_path / "old"
+    config.write_text(json.dumps(TINY))
+    old.mkdir()
+    (old / "config.yaml").write_text(load_config(config).to_yaml())
+    (old / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    before = _files(old)
+    cases = [(["parallel.ulysses=2"], "world size 1 is not a multiple of tp=1 x ulysses=2"),
+             (["zero.stage=3", "zero.offload_param=nvme", f"zero.nvme_path={tmp_path / 'nvme'}"],
+              f"zero.nvme_path={str(tmp_path / 'nvme')!r} is not an existing folder"),
+             ([f"data.fasta={tmp_path / 'none.fa'}"], "data.fasta: "f"{str(tmp_path / 'none.fa')!r}: no such file")]
+    for sets, needle in cases:
+        for out, extra in ((new, []), (old, ["--overwrite"])):
+            argv = ["train", str(config), "--set", f"train.out_dir={out}", *extra]
+            assert main(argv + [arg for item in sets for arg in ("--set", item)]) == 2
+            err = capsys.readouterr().err
+            assert needle in err and err.count("error:") == 1, err
+            assert not new.exists() and _files(old) == before
+    # the world size is the launcher's before the process group exists
+    from ds4sci.train.trainer import launch_world_size
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert launch_world_size() == 4
+
+
+def test_train_without_a_config_runs_from_any_directory_and_its_redirected_output_reads_like_a_log(tmp_path):
+    """No config: the bundled genome, from any working directory. Output redirected (no terminal), progress on (the
+    default): no bar frames and nothing but ds4sci's lines: the start-up block, a loss line per train.log_every steps
+    (step, loss, lr, tokens/s, time left), validation lines and the final result."""
+    cmd = [sys.executable, "-m", "ds4sci.cli", "train", "--set", "train.steps=4", "--set", "train.log_every=2",
+           "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--set", "train.micro_batch_size=2"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "runs" / "train" / "export" / "model.safetensors").is_file()
+    messages = log_messages(proc.stdout + proc.stderr)
+    steps = [m for m in messages if m.startswith("step ")]
+    assert [m.split(":")[0] for m in steps] == ["step 2/4", "step 2/4", "step 4/4", "step 4/4"], steps
+    assert re.fullmatch(r"step 2/4: loss \d\.\d{4}, lr [\d.e-]+, [\d,]+ tokens/s, \d+s left", steps[0]), steps[0]
+    assert "validation loss" in steps[1] and "validation loss" in steps[3]
+    assert messages[-1].startswith("final validation: ") and "%|" not in proc.stderr
+
+
+def test_the_default_data_missing_says_how_to_start(tmp_path, monkeypatch):
+    """An installation without the repository's examples/: ``ds4sci train`` with no config says how to start."""
+    from ds4sci.train.config import BUNDLED_GENOME
+    from ds4sci.train.trainer import check_launch
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config()
+    assert cfg.data.fasta == BUNDLED_GENOME and os.path.isfile(BUNDLED_GENOME)
+    check_launch(cfg, 1)
+    isfile = os.path.isfile
+    monkeypatch.setattr(os.path, "isfile", lambda path: path != BUNDLED_GENOME and isfile(path))
+    with pytest.raises(FileNotFoundError, match="pass a YAML config .*examples/configs/demo_ecoli_sp2.yaml.* or --set "
+                                                 "data.fasta=FILE .*--print-config lists every key"):
+        check_launch(cfg, 1)
+
+
+@pytest.mark.parametrize("config, sets, split", [
+    (None, [], "region: the last 5% of every record held out"),
+    (None, [f"data.fasta={CDS}", "data.dataset=records"], "region: the last 5% of every record held out"),
+    (ROOT / "examples" / "configs" / "codon_cds_sp2.yaml", [], "records: whole records by a hash of their id"),
+])
+def test_the_defaults_and_the_codon_example_split_the_bundled_data(tmp_path, config, sets, split):
+    """The defaults split both bundled files; the codon example holds out the 5 genes its comment says."""
+    from ds4sci.train.trainer import load_data
+
+    cfg = load_config(config, [f"train.out_dir={tmp_path}", *sets])
+    _, train, val, chosen = load_data(cfg)
+    assert chosen.startswith(split) and len(train) and len(val)
+    if config is not None:
+        from ds4sci.data import Tokenizer, open_corpus
+
+        corpus = open_corpus(cfg.data.fasta, Tokenizer.from_name("codon"), cache_dir=tmp_path / "token_cache")
+        assert "5 of these 100 genes" in config.read_text() and len(corpus.split(0.1, "auto")[1]) == 5
+
+
+def test_loss_plot_marks_the_points_of_a_short_curve(tmp_path, monkeypatch):
+    """A curve of few points is drawn with markers (one point alone draws no line); a long one as a line."""
+    import matplotlib.pyplot as plt
+
+    from ds4sci.train.trainer import FEW_POINTS, plot_metrics
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    for steps in (1, FEW_POINTS + 1):
+        metrics = tmp_path / f"metrics{steps}.jsonl"
+        metrics.write_text("".join(json.dumps({"step": s, "loss": 2.0 / s}) + "\n" for s in range(1, steps + 1)) +
+                           json.dumps({"step": steps, "val_bits_per_base": 1.9}) + "\n")
+        plot_metrics(metrics, tmp_path / f"loss{steps}.png")
+        assert (tmp_path / f"loss{steps}.png").stat().st_size > 0
+    (short, _), (long, _) = (figure.axes for figure in figures)
+    assert short.lines[0].get_marker() == "o" and long.lines[0].get_marker() in ("None", None, "")
