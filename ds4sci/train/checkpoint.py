@@ -13,10 +13,10 @@ Layout of ``train.out_dir/checkpoints``::
 
 A save is atomic: every rank writes into ``.tmp-stepN`` (DeepSpeed with ``save_latest=False``) and takes the
 sha256 of each file it wrote; rank 0 gathers them, flushes the files to disk, writes ``checkpoint.json`` (format 2:
-step, model config, ZeRO stage, partitions, layout, the portable record, each file's size and sha256, and the
-sha256 of the record itself), renames the folder to ``stepN`` and replaces ``latest`` (write a temporary file, then
-``os.replace``). A process killed at any moment leaves every earlier checkpoint and ``latest`` as they were.
-Checkpoints live on a file system every rank sees (DeepSpeed's requirement as well).
+step, model config, ZeRO stage, partitions, layout, micro-batch and accumulation, the portable record, each file's
+size and sha256, and the sha256 of the record itself), renames the folder to ``stepN`` and replaces ``latest``
+(write a temporary file, then ``os.replace``). A process killed at any moment leaves every earlier checkpoint and
+``latest`` as they were. Checkpoints live on a file system every rank sees (DeepSpeed's requirement as well).
 
 Digests: the files ``torch.save`` writes (DeepSpeed's, through :class:`SafeCheckpointEngine`, and the position
 table's) are hashed while written, nothing read back; the portable files (safetensors writes them itself) are read
@@ -188,12 +188,15 @@ class _Spread:
 
 
 def _fingerprint(trainer) -> dict:
-    """What a checkpoint records of the run that saved it (compared by :func:`check_checkpoint`)."""
-    d = trainer.dims
+    """What a checkpoint records of the run that saved it (compared by :func:`check_checkpoint`; its global batch,
+    ``batch`` with the layout's ``dp``, by :func:`ds4sci.train.run_dir.check_resumed_config`)."""
+    d, t = trainer.dims, trainer.cfg.train
     return json.loads(json.dumps({"model": trainer.model_config.to_dict(), "zero.stage": trainer.cfg.zero.stage,
                                   "zero partitions": dist.get_world_size(trainer.groups.sdp),
                                   "layout": {"tp": d.tp, "pp": d.pp, "dp": d.dp, "ulysses": d.ulysses,
-                                             "ring": d.ring}}))  # as stored
+                                             "ring": d.ring},
+                                  "batch": {"micro_batch_size": t.micro_batch_size,
+                                            "grad_accum": t.grad_accum}}))  # as stored
 
 
 def _describe(record: dict) -> str:
