@@ -145,7 +145,8 @@ def test_a_resume_at_any_process_count_keeps_the_global_batch(tmp_path):
             (2, ["parallel.ulysses=2"], "resuming at dp=1 with train.micro_batch_size=2 x train.grad_accum=1 is 2"),
             (4, [], "dp=4 with train.micro_batch_size=2 x train.grad_accum=1 is 8 sequences per step, the run used 4 "
                     "(2 x dp 2 x 1): set train.micro_batch_size=1 ("),
-            (1, ["train.micro_batch_size=3", "train.grad_accum=3"], "set train.micro_batch_size x train.grad_accum = 4"),
+            (1, ["train.micro_batch_size=3", "train.grad_accum=3"],
+             "set train.micro_batch_size x train.grad_accum = 4"),
             (3, [], "is 6 sequences per step, the run used 4 (2 x dp 2 x 1): set parallel degrees that leave a dp "
                     "dividing 4")):
         with pytest.raises(ValueError) as err:
