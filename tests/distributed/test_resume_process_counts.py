@@ -50,9 +50,9 @@ def _run(tmp: Path, name: str, procs: int, *sets: str, resume: Path | None = Non
 
 
 def _same(got: dict, want: dict, steps: range, label: str) -> None:
-    assert sorted(got) == list(steps), label
-    torch.testing.assert_close(torch.tensor([got[s] for s in steps]), torch.tensor([want[s] for s in steps]),
-                               rtol=1e-5, atol=1e-6, msg=label)
+    assert sorted(got) == list(steps) and all(len(got[s]) == len(want[s]) for s in steps), label
+    torch.testing.assert_close(torch.tensor([v for s in steps for v in got[s]]),
+                               torch.tensor([v for s in steps for v in want[s]]), rtol=1e-5, atol=1e-6, msg=label)
 
 
 @pytest.fixture(scope="module")
