@@ -95,8 +95,8 @@ from ds4sci.train.pipeline import genslm_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "check_checkpoint", "verify_checkpoint",
-           "SafeCheckpointEngine"]
+__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "read_record", "check_checkpoint",
+           "verify_checkpoint", "SafeCheckpointEngine"]
 
 META = "checkpoint.json"
 TABLE = "position_table"  # the learned table: one file per sequence shard, sp{R}.pt (its rows, moments, positions)
@@ -385,14 +385,12 @@ def find_checkpoint(path: str | Path) -> Path:
     return max(steps)[1]
 
 
-def check_checkpoint(path: Path, expected: dict) -> dict:
-    """The metadata of the complete checkpoint folder ``path``, checked against ``expected`` (the loading run's
-    :func:`_fingerprint`), against its own sha256 (format 2), and its files against the sizes the save wrote
-    (their contents: :func:`verify_checkpoint`).
+def read_record(path: Path) -> dict:
+    """The record (``checkpoint.json``) of the complete checkpoint folder ``path``, checked against its own sha256
+    (format 2).
 
     Raises:
-        ValueError: the save did not finish, the record is corrupt, a file is missing or truncated, or a field
-            differs (each named).
+        ValueError: the save did not finish, or the record is corrupt (naming it and an earlier checkpoint).
     """
     meta_file = path / META
     if not meta_file.is_file():
@@ -406,6 +404,19 @@ def check_checkpoint(path: Path, expected: dict) -> dict:
         if meta.pop(RECORD_DIGEST, None) != _record_digest(meta):
             raise ValueError(_corrupt(meta_file, path, f"content differs from what the save wrote ({DIGEST} "
                                                        f"mismatch)"))
+    return meta
+
+
+def check_checkpoint(path: Path, expected: dict) -> dict:
+    """The record of the complete checkpoint folder ``path`` (:func:`read_record`), checked against ``expected``
+    (the loading run's :func:`_fingerprint`), and its files against the sizes the save wrote (their contents:
+    :func:`verify_checkpoint`).
+
+    Raises:
+        ValueError: the save did not finish, the record is corrupt, a file is missing or truncated, or a field
+            differs (each named).
+    """
+    meta = read_record(path)
     for name, size in meta["files"].items():
         file = path / name
         if not file.is_file():

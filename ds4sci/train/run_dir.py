@@ -85,7 +85,7 @@ def check_resumed_config(saved_file: Path, checkpoint: Path, cfg: Config, world_
         ValueError: naming every other key that differs, old and new value, and a changed global batch, old and new
             and what to set.
     """
-    from ds4sci.train.checkpoint import META
+    from ds4sci.train.checkpoint import read_record
 
     saved = load_config(saved_file)
     old, new = _flat(saved), _flat(cfg)
@@ -93,11 +93,7 @@ def check_resumed_config(saved_file: Path, checkpoint: Path, cfg: Config, world_
               if old.get(k) != new.get(k) and not _may_change(k)]
     problems = [f"the config differs from the one the run was trained with ({saved_file}): "
                 f"{'; '.join(sorted(differ))}; only {', '.join(MAY_CHANGE)} may change on resume"] if differ else []
-    try:
-        record = json.loads((checkpoint / META).read_text())
-    except (OSError, json.JSONDecodeError):  # no record, or a damaged one: loading the checkpoint refuses it by name
-        record = {}
-    batch = _batch_change(saved, record, cfg, world_size)
+    batch = _batch_change(saved, read_record(checkpoint), cfg, world_size)
     if batch:
         problems.append(batch)
     if problems:
