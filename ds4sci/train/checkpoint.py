@@ -13,10 +13,10 @@ Layout of ``train.out_dir/checkpoints``::
 
 A save is atomic: every rank writes into ``.tmp-stepN`` (DeepSpeed with ``save_latest=False``) and takes the
 sha256 of each file it wrote; rank 0 gathers them, flushes the files to disk, writes ``checkpoint.json`` (format 2:
-step, model config, ZeRO stage, partitions, layout, the portable record, each file's size and sha256, and the
-sha256 of the record itself), renames the folder to ``stepN`` and replaces ``latest`` (write a temporary file, then
-``os.replace``). A process killed at any moment leaves every earlier checkpoint and ``latest`` as they were.
-Checkpoints live on a file system every rank sees (DeepSpeed's requirement as well).
+step, model config, ZeRO stage, partitions, layout, micro-batch and accumulation, the portable record, each file's
+size and sha256, and the sha256 of the record itself), renames the folder to ``stepN`` and replaces ``latest``
+(write a temporary file, then ``os.replace``). A process killed at any moment leaves every earlier checkpoint and
+``latest`` as they were. Checkpoints live on a file system every rank sees (DeepSpeed's requirement as well).
 
 Digests: the files ``torch.save`` writes (DeepSpeed's, through :class:`SafeCheckpointEngine`, and the position
 table's) are hashed while written, nothing read back; the portable files (safetensors writes them itself) are read
@@ -95,8 +95,8 @@ from ds4sci.train.pipeline import genslm_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "check_checkpoint", "verify_checkpoint",
-           "SafeCheckpointEngine"]
+__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "read_record", "check_checkpoint",
+           "verify_checkpoint", "SafeCheckpointEngine"]
 
 META = "checkpoint.json"
 TABLE = "position_table"  # the learned table: one file per sequence shard, sp{R}.pt (its rows, moments, positions)
@@ -188,12 +188,15 @@ class _Spread:
 
 
 def _fingerprint(trainer) -> dict:
-    """What a checkpoint records of the run that saved it (compared by :func:`check_checkpoint`)."""
-    d = trainer.dims
+    """What a checkpoint records of the run that saved it (compared by :func:`check_checkpoint`; its global batch,
+    ``batch`` with the layout's ``dp``, by :func:`ds4sci.train.run_dir.check_resumed_config`)."""
+    d, t = trainer.dims, trainer.cfg.train
     return json.loads(json.dumps({"model": trainer.model_config.to_dict(), "zero.stage": trainer.cfg.zero.stage,
                                   "zero partitions": dist.get_world_size(trainer.groups.sdp),
                                   "layout": {"tp": d.tp, "pp": d.pp, "dp": d.dp, "ulysses": d.ulysses,
-                                             "ring": d.ring}}))  # as stored
+                                             "ring": d.ring},
+                                  "batch": {"micro_batch_size": t.micro_batch_size,
+                                            "grad_accum": t.grad_accum}}))  # as stored
 
 
 def _describe(record: dict) -> str:
@@ -382,14 +385,12 @@ def find_checkpoint(path: str | Path) -> Path:
     return max(steps)[1]
 
 
-def check_checkpoint(path: Path, expected: dict) -> dict:
-    """The metadata of the complete checkpoint folder ``path``, checked against ``expected`` (the loading run's
-    :func:`_fingerprint`), against its own sha256 (format 2), and its files against the sizes the save wrote
-    (their contents: :func:`verify_checkpoint`).
+def read_record(path: Path) -> dict:
+    """The record (``checkpoint.json``) of the complete checkpoint folder ``path``, checked against its own sha256
+    (format 2).
 
     Raises:
-        ValueError: the save did not finish, the record is corrupt, a file is missing or truncated, or a field
-            differs (each named).
+        ValueError: the save did not finish, or the record is corrupt (naming it and an earlier checkpoint).
     """
     meta_file = path / META
     if not meta_file.is_file():
@@ -403,6 +404,19 @@ def check_checkpoint(path: Path, expected: dict) -> dict:
         if meta.pop(RECORD_DIGEST, None) != _record_digest(meta):
             raise ValueError(_corrupt(meta_file, path, f"content differs from what the save wrote ({DIGEST} "
                                                        f"mismatch)"))
+    return meta
+
+
+def check_checkpoint(path: Path, expected: dict) -> dict:
+    """The record of the complete checkpoint folder ``path`` (:func:`read_record`), checked against ``expected``
+    (the loading run's :func:`_fingerprint`), and its files against the sizes the save wrote (their contents:
+    :func:`verify_checkpoint`).
+
+    Raises:
+        ValueError: the save did not finish, the record is corrupt, a file is missing or truncated, or a field
+            differs (each named).
+    """
+    meta = read_record(path)
     for name, size in meta["files"].items():
         file = path / name
         if not file.is_file():

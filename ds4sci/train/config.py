@@ -162,7 +162,8 @@ class TrainConfig:
     log_every: int = _field(default=10,
                     help='log training metrics every N steps (metrics.jsonl, TensorBoard, a log line without a bar)')
     eval_every: int = _field(default=50, help='validate every N steps; 0 -> only at the end')
-    eval_batches: int = _field(default=8, help='validation batches per evaluation')
+    eval_batches: int = _field(default=8, help='validation batches per evaluation, each of the global batch\'s '
+                    'size (micro_batch_size x dp x grad_accum sequences)')
     save_every: int = _field(default=0, help='checkpoint every N steps; 0 -> only at the end')
     progress: bool = _field(default=True, help='a progress bar (training, token-cache build) when stderr is a '
                     'terminal; otherwise, or when false, one log line every log_every steps (step, loss, lr, '

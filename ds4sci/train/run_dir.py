@@ -10,8 +10,10 @@
   checkpoint folder, which must be the newest of ``out_dir``'s run when ``out_dir`` holds one (an earlier one would
   leave later checkpoints of a dropped future beside the new ones; branch off into a new ``out_dir`` instead), or may
   come from another run when ``out_dir`` is empty. The config must be the one the checkpoint's run was trained with,
-  except the keys of :data:`MAY_CHANGE` (each other difference is named). The trainer then drops the metrics the
-  stopped run logged after its checkpoint, so ``metrics.jsonl`` and ``loss.png`` continue the curve.
+  except the keys of :data:`MAY_CHANGE` (each other difference is named), at the same global batch
+  (``train.micro_batch_size x dp x train.grad_accum``: at another process count or layout, set the micro-batch or
+  the accumulation to keep it). The trainer then drops the metrics the stopped run logged after its checkpoint, so
+  ``metrics.jsonl`` and ``loss.png`` continue the curve.
 """
 from __future__ import annotations
 
@@ -30,10 +32,10 @@ logger = logging.getLogger(__name__)
 RUN_MARK = "config.yaml"
 CACHE = "token_cache"
 # Keys a resumed run may change: its length, cadences and console, where things are written, and how the same
-# computation is laid out (parallel degrees, with the same samples per global micro-batch, and recomputation).
+# computation is laid out (parallel degrees, the split of the same global batch, and recomputation).
 MAY_CHANGE = ("train.steps", "train.log_every", "train.eval_every", "train.save_every", "train.progress",
-              "train.out_dir", "data.cache_dir", "train.micro_batch_size", "train.timeout_s", "train.nonfinite",
-              "train.deterministic", "parallel.*", "zero.*", "activation_checkpointing.*")
+              "train.out_dir", "data.cache_dir", "train.micro_batch_size", "train.grad_accum", "train.timeout_s",
+              "train.nonfinite", "train.deterministic", "parallel.*", "zero.*", "activation_checkpointing.*")
 
 
 def _may_change(key: str) -> bool:
@@ -49,23 +51,53 @@ def _names(entries: list[str]) -> str:
     return ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
 
 
-def check_resumed_config(saved_file: Path, cfg: Config, world_size: int) -> None:
-    """``cfg`` against the config a checkpoint's run was trained with (``saved_file``): only :data:`MAY_CHANGE` keys
-    may differ, and the samples per global micro-batch (``micro_batch_size x dp``) must stay, so the data order does.
+def _batch_change(saved: Config, record: dict, cfg: Config, world_size: int) -> str | None:
+    """How ``cfg`` at ``world_size`` processes changes the global batch (``train.micro_batch_size x dp x
+    train.grad_accum`` sequences per step) that a checkpoint's run trained with (its ``record``: ``batch`` and the
+    layout's ``dp``; a record from before ``batch`` was kept, the saved config's), and what to set to keep it. None:
+    it is kept, or the record holds no layout to tell."""
+    if "layout" not in record:
+        return None
+    kept = record.get("batch", {"micro_batch_size": saved.train.micro_batch_size, "grad_accum": saved.train.grad_accum})
+    micro, dp, accum = kept["micro_batch_size"], record["layout"]["dp"], kept["grad_accum"]
+    before = micro * dp * accum
+    t, new_dp = cfg.train, cfg.parallel.dims(world_size).dp
+    now = t.micro_batch_size * new_dp * t.grad_accum
+    if now == before:
+        return None
+    ways = [f"train.{key}={before // (new_dp * other)}" for key, other in
+            (("grad_accum", t.micro_batch_size), ("micro_batch_size", t.grad_accum)) if before % (new_dp * other) == 0]
+    if not ways:
+        ways = [f"train.micro_batch_size x train.grad_accum = {before // new_dp}" if before % new_dp == 0 else
+                f"parallel degrees that leave a dp dividing {before}"]
+    return (f"resuming at dp={new_dp} with train.micro_batch_size={t.micro_batch_size} x train.grad_accum="
+            f"{t.grad_accum} is {now} sequences per step, the run used {before} ({micro} x dp {dp} x {accum}): set "
+            f"{' or '.join(ways)} (a resumed run keeps the global batch, micro_batch_size x dp x grad_accum, so each "
+            f"step reads the samples it would have)")
+
+
+def check_resumed_config(saved_file: Path, checkpoint: Path, cfg: Config, world_size: int) -> None:
+    """``cfg`` at ``world_size`` processes against the config a checkpoint's run was trained with (``saved_file``):
+    only :data:`MAY_CHANGE` keys may differ, and the global batch (``train.micro_batch_size x dp x
+    train.grad_accum``, the saving run's as ``checkpoint`` records it) must stay, so the data order does.
 
     Raises:
-        ValueError: naming every other key that differs, old and new value.
+        ValueError: naming every other key that differs, old and new value, and a changed global batch, old and new
+            and what to set.
     """
+    from ds4sci.train.checkpoint import read_record
+
     saved = load_config(saved_file)
     old, new = _flat(saved), _flat(cfg)
     differ = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in old.keys() | new.keys()
               if old.get(k) != new.get(k) and not _may_change(k)]
-    before, now = (c.train.micro_batch_size * c.parallel.dims(world_size).dp for c in (saved, cfg))
-    if before != now:
-        differ.append(f"samples per global micro-batch (train.micro_batch_size x dp): {before} -> {now}")
-    if differ:
-        raise ValueError(f"--resume: the config differs from the one the run was trained with ({saved_file}): "
-                         f"{'; '.join(sorted(differ))}. Only {', '.join(MAY_CHANGE)} may change on resume")
+    problems = [f"the config differs from the one the run was trained with ({saved_file}): "
+                f"{'; '.join(sorted(differ))}; only {', '.join(MAY_CHANGE)} may change on resume"] if differ else []
+    batch = _batch_change(saved, read_record(checkpoint), cfg, world_size)
+    if batch:
+        problems.append(batch)
+    if problems:
+        raise ValueError(f"--resume: {'. '.join(problems)}")
 
 
 def prepare_run_dir(cfg: Config, resume: str | None = None, overwrite: bool = False,
@@ -125,7 +157,7 @@ def prepare_run_dir(cfg: Config, resume: str | None = None, overwrite: bool = Fa
                              f"{checkpoint}, write into a new folder: --set train.out_dir=NEW --resume {checkpoint}")
     saved = checkpoint.parent.parent / RUN_MARK  # the config of the run the checkpoint belongs to
     if saved.is_file():
-        check_resumed_config(saved, cfg, world_size)
+        check_resumed_config(saved, checkpoint, cfg, world_size)
     return checkpoint
 
 

@@ -121,6 +121,23 @@ def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     return order
 
 
+def _train_samples(seed: int, n: int, index: int, micro_batch_size: int, dp: int, grad_accum: int,
+                   dp_rank: int) -> tuple[int, np.ndarray]:
+    """The epoch and the training samples (positions in the dataset) that data rank ``dp_rank`` reads for global
+    micro-batch ``index`` (micro-step ``index % grad_accum`` of step ``index // grad_accum``).
+
+    An epoch is a seeded permutation of the ``n`` samples cut into global batches of ``micro_batch_size x dp x
+    grad_accum`` (the remainder is dropped); step ``s`` reads batch ``s`` of it, micro-step by micro-step, each data
+    rank its ``micro_batch_size`` consecutive samples. So a step's samples depend on the global batch only, not on how
+    it is split into micro-batch, data ranks and accumulation: a run resumed at another split reads the same data.
+    """
+    per_micro, per_step = micro_batch_size * dp, micro_batch_size * dp * grad_accum
+    step, micro = divmod(index, grad_accum)
+    epoch, slot = divmod(step, n // per_step)
+    first = slot * per_step + micro * per_micro + dp_rank * micro_batch_size
+    return epoch, _epoch_order(seed, epoch, n)[first:first + micro_batch_size]
+
+
 def _ignored(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``sample`` with every target ignored: fills a last, partial evaluation micro-batch."""
     return {**sample, "labels": torch.full_like(sample["labels"], IGNORE_INDEX)}
@@ -222,25 +239,26 @@ class Trainer:
     def _micro_batch(self, dataset, index: int, shuffle: bool) -> dict[str, torch.Tensor]:
         """Global micro-batch ``index``: this data-parallel rank's samples, this sequence rank's shard.
 
-        Training (``shuffle``) draws full micro-batches from a seeded permutation per epoch (the remainder of an
-        epoch is dropped). Evaluation reads the dataset in order and fills the last micro-batch with samples whose
-        targets are all ignored, so every validation sample counts once and nothing else does.
+        Training (``shuffle``) reads the samples :func:`_train_samples` assigns: full global batches from a seeded
+        permutation per epoch (the remainder of an epoch is dropped). Evaluation reads the dataset in order and fills
+        the last micro-batch with samples whose targets are all ignored, so every validation sample counts once and
+        nothing else does.
         """
         t = self.cfg.train
         per_micro = t.micro_batch_size * self.dims.dp
         n = len(dataset)
-        start = self.groups.dp_rank * t.micro_batch_size
         if shuffle:
-            if n < per_micro:
-                raise ValueError(f"the training set has {n} samples, fewer than one global micro-batch of "
-                                 f"{per_micro} (train.micro_batch_size={t.micro_batch_size} x {self.dims.dp} data ranks)")
-            epoch, slot = divmod(index, n // per_micro)
+            if n < per_micro * t.grad_accum:
+                raise ValueError(f"the training set has {n} samples, fewer than one global batch of "
+                                 f"{per_micro * t.grad_accum} (train.micro_batch_size={t.micro_batch_size} x "
+                                 f"{self.dims.dp} data ranks x train.grad_accum={t.grad_accum})")
+            epoch, positions = _train_samples(t.seed, n, index, t.micro_batch_size, self.dims.dp, t.grad_accum,
+                                              self.groups.dp_rank)
             if hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(epoch)
-            order = _epoch_order(t.seed, epoch, n)[slot * per_micro + start:]
-            samples = [dataset[int(i)] for i in order[: t.micro_batch_size]]
+            samples = [dataset[int(i)] for i in positions]
         else:
-            first = index * per_micro + start
+            first = index * per_micro + self.groups.dp_rank * t.micro_batch_size
             samples = [dataset[i] if i < n else _ignored(dataset[0]) for i in range(first, first + t.micro_batch_size)]
         batch = collate(samples)
         batch["targets"] = shift_labels(batch.pop("labels"))  # shift on the full window, before sharding
@@ -324,10 +342,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss over real tokens of the first ``eval_batches`` validation micro-batches; bits per base."""
+        """Mean loss over real tokens of the first ``eval_batches`` validation batches of the global batch's size
+        (``grad_accum`` micro-batches each: the same samples however the global batch is split); bits per base."""
         t = self.cfg.train
         per_micro = t.micro_batch_size * self.dims.dp
-        n_batches = min(t.eval_batches, math.ceil(len(self.val_ds) / per_micro))
+        n_batches = min(t.eval_batches * t.grad_accum, math.ceil(len(self.val_ds) / per_micro))
         batches = [self._micro_batch(self.val_ds, i, shuffle=False) for i in range(n_batches)]
         count = global_target_count([b["targets"] for b in batches], self.groups.sdp)
         if count == 0:

@@ -374,7 +374,7 @@ def _micro_batches(ds, dp, micro, indices, seed=7):
     out = []
     for rank in range(dp):
         fake = SimpleNamespace(
-            cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro, seed=seed),
+            cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro, grad_accum=1, seed=seed),
                                 data=SimpleNamespace(dataset="windows")),
             dims=ParallelDims(dp=dp), groups=SimpleNamespace(dp_rank=rank, sp_rank=0), device="cpu")
         out.append([Trainer._micro_batch(fake, ds, i, shuffle=True)["input_ids"] for i in indices])

@@ -79,11 +79,14 @@ def test_a_second_run_never_mixes_with_the_first(tmp_path):
     assert load_config(out / "config.yaml").train.steps == 2
 
 
-def _fake_run(out: Path, cfg, steps=(2, 4)) -> None:
-    """A run folder as the trainer leaves it, with complete checkpoints ``stepN`` (their marker file only)."""
+def _fake_run(out: Path, cfg, steps=(2, 4), dp=1) -> None:
+    """A run folder as the trainer leaves it, with complete checkpoints ``stepN`` (their record only: step, data
+    ranks, batch) of a run of ``dp`` data ranks."""
+    batch = {"micro_batch_size": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum}
     for step in steps:
         (out / "checkpoints" / f"step{step}").mkdir(parents=True)
-        (out / "checkpoints" / f"step{step}" / "checkpoint.json").write_text(json.dumps({"step": step}))
+        record = {"step": step, "layout": {"tp": 1, "pp": 1, "dp": dp, "ulysses": 1, "ring": 1}, "batch": batch}
+        (out / "checkpoints" / f"step{step}" / "checkpoint.json").write_text(json.dumps(record))
     (out / "config.yaml").write_text(cfg.to_yaml())
 
 
@@ -110,7 +113,9 @@ def test_run_folder_rules(tmp_path):
         prepare_run_dir(cfg, resume=str(out / "config.yaml"))
     changed = load_config(None, [f"train.out_dir={out}", f"data.fasta={CDS}", "optim.lr=0.5", "train.steps=500",
                                  "train.micro_batch_size=8", "parallel.ulysses=1", "zero.stage=1"])
-    with pytest.raises(ValueError, match=r"optim.lr: 0.001 -> 0.5; samples per global micro-batch .*: 4 -> 8\. Only"):
+    with pytest.raises(ValueError, match=r"optim.lr: 0.001 -> 0.5; only .* may change on resume\. resuming at dp=1 "
+                                         r"with train.micro_batch_size=8 x train.grad_accum=1 is 8 sequences per step, "
+                                         r"the run used 4 \(4 x dp 1 x 1\): set train.micro_batch_size=4 \("):
         prepare_run_dir(changed, resume="")
     # branching: another run's checkpoint into an empty folder; the config is checked against that run's
     other = load_config(None, [f"train.out_dir={tmp_path / 'branch'}", f"data.fasta={CDS}", "train.steps=9"])
@@ -118,6 +123,35 @@ def test_run_folder_rules(tmp_path):
     (out / "export").mkdir()
     assert prepare_run_dir(cfg, overwrite=True) is None
     assert sorted(p.name for p in out.iterdir()) == ["token_cache"]
+
+
+def test_a_resume_at_any_process_count_keeps_the_global_batch(tmp_path):
+    """The global batch (micro-batch x dp x accumulation) of the checkpoint's run, at this launch's world size: any
+    split of it resumes, another size is named with what to set (the saved config's layout never meets the new
+    world size)."""
+    out = tmp_path / "run"
+    base = [f"train.out_dir={out}", f"data.fasta={CDS}", "train.micro_batch_size=2"]
+    _fake_run(out, load_config(None, [*base, "parallel.ulysses=2"]), dp=2)  # 4 processes: ulysses 2 x dp 2
+
+    def resume(world: int, *sets: str):
+        return prepare_run_dir(load_config(None, [*base, *sets]), resume="", world_size=world)
+
+    for world, sets in ((1, ["train.grad_accum=2"]), (1, ["train.micro_batch_size=4"]), (2, []),
+                        (2, ["parallel.ulysses=2", "train.micro_batch_size=4"]), (4, ["train.micro_batch_size=1"])):
+        assert resume(world, *sets) == out / "checkpoints" / "step4", (world, sets)
+    for world, sets, message in (
+            (1, [], "resuming at dp=1 with train.micro_batch_size=2 x train.grad_accum=1 is 2 sequences per step, the "
+                    "run used 4 (2 x dp 2 x 1): set train.grad_accum=2 or train.micro_batch_size=4 ("),
+            (2, ["parallel.ulysses=2"], "resuming at dp=1 with train.micro_batch_size=2 x train.grad_accum=1 is 2"),
+            (4, [], "dp=4 with train.micro_batch_size=2 x train.grad_accum=1 is 8 sequences per step, the run used 4 "
+                    "(2 x dp 2 x 1): set train.micro_batch_size=1 ("),
+            (1, ["train.micro_batch_size=3", "train.grad_accum=3"],
+             "set train.micro_batch_size x train.grad_accum = 4"),
+            (3, [], "is 6 sequences per step, the run used 4 (2 x dp 2 x 1): set parallel degrees that leave a dp "
+                    "dividing 4")):
+        with pytest.raises(ValueError) as err:
+            resume(world, *sets)
+        assert str(err.value).startswith("--resume: resuming at") and message in str(err.value), (world, sets)
 
 
 def _files(folder: Path) -> dict[Path, bytes]:
