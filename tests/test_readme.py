@@ -60,8 +60,9 @@ def _inline_commands() -> list[str]:
         words = span.split()
         if not span.startswith(INLINE_STARTS) or len(words) < 2:
             continue
-        if words[0] == "ds4sci" and ("/" in words[1] or words[1].isupper() or len(words) == 2 and words[1][0] != "-"):
-            continue  # "ds4sci score", "ds4sci train/evaluate/...", "ds4sci CMD: error:": prose about commands
+        if words[0] == "ds4sci" and ("/" in words[1] or words[1].isupper() or "error:" in span
+                                     or len(words) == 2 and words[1][0] != "-"):
+            continue  # "ds4sci score", "ds4sci train/evaluate/...", "ds4sci CMD: error: ...": prose, messages
         commands.append(span)
     return commands
 
