@@ -433,3 +433,69 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
             assert "another rank left a collective" in last and ended - fault < timeout_s, last
         else:
             assert "did not join a collective within" in last and timeout_s - 1 < ended - fault < timeout_s + 60, last
+
+
+# ------------------------------------------------------------------- faults outside the step: one line each
+#: ``python WRAPPER FAULT ds4sci-argv...`` under torchrun: ``ds4sci`` with one fault planted (after recording the
+#: time it strikes in the file $FAULT_FILE): rank 1 killed (SIGKILL) at start-up (as it loads the data), in an
+#: evaluation or in a checkpoint save; or rank 0 fills the run's (small) file system after step 1.
+_PLANTED = """
+import os, signal, sys, time
+from pathlib import Path
+import ds4sci.train.trainer as trainer_module
+from ds4sci.cli import main
+from ds4sci.train.checkpoint import SafeCheckpointEngine
+from ds4sci.train.trainer import Trainer
+
+fault, rank = sys.argv[1], int(os.environ["RANK"])
+
+def strike():
+    Path(os.environ["FAULT_FILE"]).write_text(str(time.time()))
+    if fault.startswith("kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    with open(Path(sys.argv[-1].split("=", 1)[1]) / "filler", "wb") as f:  # the last --set: train.out_dir=...
+        try:
+            while True:
+                f.write(b"x" * 4096)
+                f.flush()
+        except OSError:
+            pass
+
+def planted(original, when):
+    def method(*args, **kwargs):
+        if when(*args):
+            strike()
+        return original(*args, **kwargs)
+    return method
+
+if fault == "kill-at-start-up" and rank == 1:
+    trainer_module.load_data = planted(trainer_module.load_data, lambda cfg: True)
+if fault == "kill-in-evaluation" and rank == 1:
+    Trainer._micro_batch = planted(Trainer._micro_batch, lambda self, dataset, index, shuffle: not shuffle)
+if fault == "kill-in-save" and rank == 1:
+    SafeCheckpointEngine.save = planted(SafeCheckpointEngine.save, lambda self, state, path: True)
+if fault.startswith("fill") and rank == 0:
+    Trainer.train_step = planted(Trainer.train_step, lambda self: self.step == 1)
+if fault == "fill-tensorboard":  # TensorBoard's thread writes at once, not every 120 s: it meets the full disk first
+    from torch.utils.tensorboard import SummaryWriter
+    SummaryWriter.__init__.__defaults__ = tuple(0 if d == 120 else d for d in SummaryWriter.__init__.__defaults__)
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _torchrun_with_fault(tmp_path: Path, fault: str, out: Path, port: int, *extra: str, resume: bool = False):
+    """``ds4sci train`` under torchrun, 2 ranks (DP=2, ZeRO-1), with ``fault`` planted (:data:`_PLANTED`; "none":
+    none). Returns the completed process, its wall time, and the time the fault struck (None if it did not)."""
+    script, fault_file = tmp_path / "planted.py", tmp_path / f"{fault}.time"
+    script.write_text(_PLANTED)
+    fault_file.unlink(missing_ok=True)
+    sets = _overrides(out, 1, steps=4, extra=[f"data.cache_dir={tmp_path / 'cache'}", "train.timeout_s=120", *extra,
+                                              f"train.out_dir={out}"])
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(port),
+           str(script), fault, "train", *["--resume"] * resume, *[a for s in sets for a in ("--set", s)]]
+    began = time.time()
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1",
+                                              "FAULT_FILE": str(fault_file)},
+                          capture_output=True, text=True, timeout=400)
+    struck = float(fault_file.read_text()) if fault_file.exists() else None
+    return done, time.time() - began, struck
