@@ -327,6 +327,10 @@ def save_checkpoint(trainer) -> Path:
         writer.written.clear()
         writer.failed.clear()
         writer.where = where
+        # DeepSpeed's rank 0 copies its zero_to_fp32.py into the checkpoints folder between its collectives
+        copy_script = type(engine)._copy_recovery_script
+        engine._copy_recovery_script = lambda folder: _attempt(writer.failed, where, folder,
+                                                               lambda: copy_script(engine, folder))
         dist.barrier()
         engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": trainer.step}, save_latest=False)
         digests = {str(Path(path).relative_to(tmp)): d for path, d in writer.written.items()}

@@ -124,13 +124,13 @@ def bounded_collectives(where: str, timeout_s: float):
 def write_error(where: str, path, err: BaseException) -> OSError | None:
     """The one-line error for a file that could not be written: ``WHERE: cannot write PATH: REASON``; ``None`` when
     ``err`` is no failed write. REASON is the operating system's ("No space left on device [Errno 28]"), found
-    beneath the error of a writer that wraps it (torch.save's "unexpected pos"); PATH the file the error names, else
-    ``path``."""
+    beneath the error of a writer that wraps it (torch.save's "unexpected pos"); PATH the file the error names (a
+    copy's or a rename's destination), else ``path``."""
     cause = err
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__context__
     if cause is not None and cause.strerror:
-        reason, path = f"{cause.strerror} [Errno {cause.errno}]", cause.filename or path
+        reason, path = f"{cause.strerror} [Errno {cause.errno}]", cause.filename2 or cause.filename or path
     elif "I/O error" in str(err):  # safetensors' writer: "Error while serializing: I/O error: ... (os error 28)"
         reason = str(err).splitlines()[0]
     else:

@@ -366,7 +366,7 @@ class Trainer:
         if self.rank == 0:
             logger.warning("step %d: the loss is %s: no update (train.nonfinite=skip)", step, loss)
 
-    @_bounded_collectives(lambda self: f"evaluation at step {self.step}")
+    @_bounded_collectives(lambda self: f"evaluation at step {self.step} ({self.out})")
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Mean loss over real tokens of the first ``eval_batches`` validation micro-batches; bits per base."""

@@ -2,9 +2,11 @@
 resumed run continues the uninterrupted loss curve), checkpoint errors naming the file or field, flipped bytes in
 a checkpoint refused naming the file (sha256), the portable state spread by bytes, safe loading,
 collective timeouts, non-finite losses (stop / skip), and the deterministic switch."""
+import contextlib
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -438,7 +440,8 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
 # ------------------------------------------------------------------- faults outside the step: one line each
 #: ``python WRAPPER FAULT ds4sci-argv...`` under torchrun: ``ds4sci`` with one fault planted (after recording the
 #: time it strikes in the file $FAULT_FILE): rank 1 killed (SIGKILL) at start-up (as it loads the data), in an
-#: evaluation or in a checkpoint save; or rank 0 fills the run's (small) file system after step 1.
+#: evaluation or in the checkpoint save of step 4; or rank 0 fills the run's (small) file system after step 1 (TensorBoard's
+#: buffered writes meet it first, some 30 steps on; with "fill-metrics", metrics.jsonl's).
 _PLANTED = """
 import os, signal, sys, time
 from pathlib import Path
@@ -453,17 +456,16 @@ def strike():
     Path(os.environ["FAULT_FILE"]).write_text(str(time.time()))
     if fault.startswith("kill"):
         os.kill(os.getpid(), signal.SIGKILL)
-    with open(Path(sys.argv[-1].split("=", 1)[1]) / "filler", "wb") as f:  # the last --set: train.out_dir=...
+    with open(Path(sys.argv[-1].split("=", 1)[1]) / "filler", "wb", buffering=0) as f:  # last --set: train.out_dir
         try:
             while True:
                 f.write(b"x" * 4096)
-                f.flush()
         except OSError:
             pass
 
 def planted(original, when):
     def method(*args, **kwargs):
-        if when(*args):
+        if when(*args, **kwargs):
             strike()
         return original(*args, **kwargs)
     return method
@@ -473,12 +475,12 @@ if fault == "kill-at-start-up" and rank == 1:
 if fault == "kill-in-evaluation" and rank == 1:
     Trainer._micro_batch = planted(Trainer._micro_batch, lambda self, dataset, index, shuffle: not shuffle)
 if fault == "kill-in-save" and rank == 1:
-    SafeCheckpointEngine.save = planted(SafeCheckpointEngine.save, lambda self, state, path: True)
+    SafeCheckpointEngine.save = planted(SafeCheckpointEngine.save, lambda self, state, path: ".tmp-step4" in path)
 if fault.startswith("fill") and rank == 0:
     Trainer.train_step = planted(Trainer.train_step, lambda self: self.step == 1)
-if fault == "fill-tensorboard":  # TensorBoard's thread writes at once, not every 120 s: it meets the full disk first
+if fault == "fill-metrics":  # no TensorBoard scalars: metrics.jsonl meets the full disk first
     from torch.utils.tensorboard import SummaryWriter
-    SummaryWriter.__init__.__defaults__ = tuple(0 if d == 120 else d for d in SummaryWriter.__init__.__defaults__)
+    SummaryWriter.add_scalar = lambda *args, **kwargs: None
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -492,6 +494,7 @@ def _torchrun_with_fault(tmp_path: Path, fault: str, out: Path, port: int, *extr
     sets = _overrides(out, 1, steps=4, extra=[f"data.cache_dir={tmp_path / 'cache'}", "train.timeout_s=120", *extra,
                                               f"train.out_dir={out}"])
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(port),
+           "--monitor-interval", "1",
            str(script), fault, "train", *["--resume"] * resume, *[a for s in sets for a in ("--set", s)]]
     began = time.time()
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1",
@@ -499,3 +502,44 @@ def _torchrun_with_fault(tmp_path: Path, fault: str, out: Path, port: int, *extr
                           capture_output=True, text=True, timeout=400)
     struck = float(fault_file.read_text()) if fault_file.exists() else None
     return done, time.time() - began, struck
+
+
+#: A line of torchrun's own report (glog style): it and all that follows is torchrun's, not ds4sci's.
+_TORCHRUN = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ torch/distributed/", re.MULTILINE)
+
+
+def _one_error_line(done: subprocess.CompletedProcess) -> str:
+    """The run failed (torchrun's exit status 1) and its workers printed ds4sci's log lines and ONE error line, no
+    traceback or other line (what follows torchrun's first line of its own report aside). Returns the error line."""
+    from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
+
+    output = done.stdout + done.stderr
+    workers = _TORCHRUN.split(done.stderr, maxsplit=1)[0] + done.stdout
+    errors = [line for line in workers.splitlines() if "error:" in line]
+    assert done.returncode == 1 and len(errors) == 1, output[-4000:]
+    assert errors[0].startswith("ds4sci train: error: "), output[-4000:]
+    log_messages("\n".join(line for line in workers.splitlines() if line != errors[0]))  # nothing else
+    return errors[0].removeprefix("ds4sci train: error: ")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, phase", [
+    ("kill-at-start-up", "start-up ({out})"),
+    ("kill-in-evaluation", "evaluation at step 2 ({out})"),
+    ("kill-in-save", "checkpoint save at step 4 ({out}/checkpoints/step4)"),
+])
+def test_a_rank_lost_outside_the_step_stops_the_run_with_one_line(tmp_path, fault, phase):
+    """``ds4sci train`` under torchrun (2 ranks), rank 1 killed at start-up, in an evaluation or in a save: rank 0
+    stops at once with one line naming the phase, the run's folder (the checkpoint being written) and the cause,
+    before torchrun's report; no traceback."""
+    from ds4sci.data import Tokenizer
+    from ds4sci.data.corpus import open_corpus
+
+    open_corpus(GENOME, Tokenizer.from_name("nucleotide"), cache_dir=str(tmp_path / "cache"), progress=False)
+    out = tmp_path / "run"
+    done, _, struck = _torchrun_with_fault(tmp_path, fault, out, 29641, "train.eval_every=2", "train.save_every=2")
+    line = _one_error_line(done)
+    assert line.startswith(f"{phase.format(out=out)}: another rank left a collective (it died?); every rank stops "
+                           f"instead of waiting (a hang is bounded by train.timeout_s=120 s) ("), line
+    assert struck is not None and time.time() - struck < 60  # at once (120 s: the timeout a hang would wait)
