@@ -485,7 +485,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def _torchrun_with_fault(tmp_path: Path, fault: str, out: Path, port: int, *extra: str, resume: bool = False):
+def _torchrun_with_fault(tmp_path: Path, fault: str, out: Path, port: int, *extra: str, preexec_fn=None):
     """``ds4sci train`` under torchrun, 2 ranks (DP=2, ZeRO-1), with ``fault`` planted (:data:`_PLANTED`; "none":
     none). Returns the completed process, its wall time, and the time the fault struck (None if it did not)."""
     script, fault_file = tmp_path / "planted.py", tmp_path / f"{fault}.time"
@@ -495,11 +495,11 @@ def _torchrun_with_fault(tmp_path: Path, fault: str, out: Path, port: int, *extr
                                               f"train.out_dir={out}"])
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(port),
            "--monitor-interval", "1",
-           str(script), fault, "train", *["--resume"] * resume, *[a for s in sets for a in ("--set", s)]]
+           str(script), fault, "train", *[a for s in sets for a in ("--set", s)]]
     began = time.time()
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1",
                                               "FAULT_FILE": str(fault_file)},
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=400, preexec_fn=preexec_fn)
     struck = float(fault_file.read_text()) if fault_file.exists() else None
     return done, time.time() - began, struck
 
@@ -543,3 +543,67 @@ def test_a_rank_lost_outside_the_step_stops_the_run_with_one_line(tmp_path, faul
     assert line.startswith(f"{phase.format(out=out)}: another rank left a collective (it died?); every rank stops "
                            f"instead of waiting (a hang is bounded by train.timeout_s=120 s) ("), line
     assert struck is not None and time.time() - struck < 60  # at once (120 s: the timeout a hang would wait)
+
+
+@contextlib.contextmanager
+def _small_disk(folder: Path, size: str):
+    """A file system of ``size`` at ``folder`` (tmpfs: mounting needs root); yields how a full disk is met there:
+    "tmpfs", or "file size limit" where mounting is refused (RLIMIT_FSIZE, set for the launched run by
+    :func:`_file_size_limit`: a write past it fails with EFBIG, "File too large", in place of ENOSPC)."""
+    folder.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                 capture_output=True).returncode == 0
+    except FileNotFoundError:  # no mount command
+        mounted = False
+    try:
+        yield "tmpfs" if mounted else "file size limit"
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+
+
+def _file_size_limit(nbytes: int):
+    """``preexec_fn``: files may grow to ``nbytes`` in this process and its children, SIGXFSZ ignored (a write past
+    the limit fails with EFBIG instead of killing the process)."""
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+    return limit
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["none", "fill-tensorboard", "fill-metrics"])
+def test_a_full_disk_in_a_save_or_mid_run_stops_the_run_with_one_line(tmp_path, fault):
+    """``ds4sci train`` under torchrun (2 ranks) on a 1 MB file system (tmpfs where the test may mount one, run as
+    root; else a file size limit of 100 kB, which fills during the save only: the mid-run cases skip): the save of
+    step 2 (2.8 MB) does not fit ("none": no fault planted), or rank 0 fills the file system after step 1 and
+    TensorBoard's writes, or metrics.jsonl's, meet it. One line names the phase, the file and "No space left on
+    device" (ENOSPC; EFBIG under the limit); no traceback (TensorBoard's writer thread prints none); the failed save
+    is never loaded."""
+    from ds4sci.data import Tokenizer
+    from ds4sci.data.corpus import open_corpus
+
+    open_corpus(GENOME, Tokenizer.from_name("nucleotide"), cache_dir=str(tmp_path / "cache"), progress=False)
+    out = tmp_path / "disk" / "run"
+    with _small_disk(tmp_path / "disk", "1m") as disk:
+        extra = ["train.save_every=2"] if fault == "none" else ["train.steps=200", "train.save_every=0"]
+        if disk != "tmpfs" and fault != "none":
+            pytest.skip("filling a file system mid-run needs a small one: mounting a tmpfs needs root")
+        limit = _file_size_limit(100_000) if disk != "tmpfs" else None
+        done, wall, _ = _torchrun_with_fault(tmp_path, fault, out, 29651, *extra, preexec_fn=limit)
+        line = _one_error_line(done)
+    reason = "No space left on device [Errno 28]" if disk == "tmpfs" else "File too large [Errno 27]"
+    if fault == "none":
+        checkpoints = out / "checkpoints"
+        assert re.fullmatch(rf"checkpoint save at step 2: cannot write {re.escape(str(checkpoints))}/\S+: "
+                            rf"{re.escape(reason)}; this save is incomplete and never loaded; {re.escape(str(checkpoints))} "
+                            rf"holds no complete checkpoint", line), line
+    else:
+        written = out / ("tensorboard" if fault == "fill-tensorboard" else "metrics.jsonl")
+        assert re.fullmatch(rf"step \d+: cannot write {re.escape(str(written))}: {re.escape(reason)}", line), line
+    assert wall < 120  # no rank waited for train.timeout_s
