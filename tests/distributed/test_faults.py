@@ -607,3 +607,44 @@ def test_a_full_disk_in_a_save_or_mid_run_stops_the_run_with_one_line(tmp_path, 
         written = out / ("tensorboard" if fault == "fill-tensorboard" else "metrics.jsonl")
         assert re.fullmatch(rf"step \d+: cannot write {re.escape(str(written))}: {re.escape(reason)}", line), line
     assert wall < 120  # no rank waited for train.timeout_s
+
+
+def _damaged_metrics_at_resume(rank, world, out):
+    """Train 2 steps saving each; rank 0 damages line 1 of metrics.jsonl; resume (train.timeout_s=60): each rank's
+    error from train() and the seconds it took (every error is caught: rank 0 stays alive, as in a harness that
+    keeps its processes)."""
+    import torch.distributed as dist
+
+    from ds4sci.train.config import load_config
+    from ds4sci.train.trainer import Trainer
+
+    def cfg(steps):
+        return load_config(None, _overrides(out, 1, steps=steps, extra=["train.save_every=1", "train.timeout_s=60"]))
+
+    Trainer(cfg(2)).train()
+    metrics = Path(out) / "metrics.jsonl"
+    if rank == 0:
+        metrics.write_text("{damaged\n" + metrics.read_text())
+    dist.barrier()
+    trainer = Trainer(cfg(3), resume="")
+    began = time.time()
+    try:
+        trainer.train()
+    except Exception as err:  # noqa: BLE001 - returned to the test
+        return type(err).__name__, str(err), time.time() - began
+    return None, None, time.time() - began
+
+
+@pytest.mark.distributed
+def test_a_check_of_rank_0_at_the_start_of_training_stops_every_rank_at_once_with_its_line(tmp_path):
+    """metrics.jsonl's records after the checkpoint are dropped by rank 0 as training starts; a damaged line stops
+    every rank at once with rank 0's line, naming the file and line (not the others after train.timeout_s, or with
+    "another rank left")."""
+    out = tmp_path / "run"
+    results = run_workers(_damaged_metrics_at_resume, 2, str(out), env=ENV, timeout=300)
+    expected = (f"{out / 'metrics.jsonl'}: line 1 is not a metrics record (JSONDecodeError: Expecting property "
+                f"name enclosed in double quotes: line 1 column 2 (char 1)); only the last line may be torn (repair "
+                f"or remove the line to resume)")
+    for kind, message, seconds in results:
+        assert (kind, message) == ("ValueError", expected)
+        assert seconds < 10, seconds
