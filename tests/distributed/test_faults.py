@@ -440,8 +440,8 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
 # ------------------------------------------------------------------- faults outside the step: one line each
 #: ``python WRAPPER FAULT ds4sci-argv...`` under torchrun: ``ds4sci`` with one fault planted (after recording the
 #: time it strikes in the file $FAULT_FILE): rank 1 killed (SIGKILL) at start-up (as it loads the data), in an
-#: evaluation or in the checkpoint save of step 4; or rank 0 fills the run's (small) file system after step 1 (TensorBoard's
-#: buffered writes meet it first, some 30 steps on; with "fill-metrics", metrics.jsonl's).
+#: evaluation or in the checkpoint save of step 4; or rank 0 fills the run's (small) file system after step 1
+#: (TensorBoard's buffered writes meet it first, some 30 steps on; with "fill-metrics", metrics.jsonl's).
 _PLANTED = """
 import os, signal, sys, time
 from pathlib import Path
@@ -599,10 +599,10 @@ def test_a_full_disk_in_a_save_or_mid_run_stops_the_run_with_one_line(tmp_path, 
         line = _one_error_line(done)
     reason = "No space left on device [Errno 28]" if disk == "tmpfs" else "File too large [Errno 27]"
     if fault == "none":
-        checkpoints = out / "checkpoints"
-        assert re.fullmatch(rf"checkpoint save at step 2: cannot write {re.escape(str(checkpoints))}/\S+: "
-                            rf"{re.escape(reason)}; this save is incomplete and never loaded; {re.escape(str(checkpoints))} "
-                            rf"holds no complete checkpoint", line), line
+        checkpoints = re.escape(str(out / "checkpoints"))
+        assert re.fullmatch(rf"checkpoint save at step 2: cannot write {checkpoints}/\S+: {re.escape(reason)}; this "
+                            rf"save is incomplete and never loaded; {checkpoints} holds no complete checkpoint",
+                            line), line
     else:
         written = out / ("tensorboard" if fault == "fill-tensorboard" else "metrics.jsonl")
         assert re.fullmatch(rf"step \d+: cannot write {re.escape(str(written))}: {re.escape(reason)}", line), line
