@@ -70,6 +70,7 @@ nothing else.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -91,6 +92,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, shard_tensor_parallel
+from ds4sci.train.engine import bounded_collectives, write_error
 from ds4sci.train.pipeline import genslm_name
 
 logger = logging.getLogger(__name__)
@@ -155,17 +157,43 @@ def _save_torch(obj, path: str | Path, **kwargs) -> str:
     return writer.hash.hexdigest()
 
 
+def _attempt(failed: list[str], where: str, path, write) -> None:
+    """``write()`` (which writes ``path``), unless a write of this save failed already: a failed write is recorded
+    in ``failed`` (the one-line message of :func:`~ds4sci.train.engine.write_error`) instead of raised, so this rank
+    goes on through the save's collectives and every rank learns of it where they meet (:func:`save_checkpoint`)."""
+    if failed:
+        return
+    try:
+        write()
+    except Exception as err:
+        error = write_error(where, path, err)
+        if error is None:
+            raise
+        failed.append(str(error))
+
+
 class SafeCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True`` (plus the DeepSpeed classes of
     ``_DEEPSPEED_SAFE_GLOBALS``) instead of its ``weights_only=False``, and saving with each file's sha256 computed
-    while it is written: ``written`` maps the path DeepSpeed gave to it."""
+    while it is written: ``written`` maps the path DeepSpeed gave to it. A failed write or folder creation (a full
+    disk) is recorded in ``failed`` (see :func:`_attempt`; ``where`` names the save), not raised into DeepSpeed,
+    which would log it, or raise it between its collectives while the other ranks wait in them."""
 
     def __init__(self, config_params=None):
         super().__init__(config_params)
         self.written: dict[str, str] = {}
+        self.failed: list[str] = []
+        self.where = "checkpoint save"
+
+    def makedirs(self, path, exist_ok=False):
+        _attempt(self.failed, self.where, path, lambda: os.makedirs(path, exist_ok=exist_ok))
 
     def save(self, state_dict, path: str):
-        self.written[path] = _save_torch(state_dict, path, _use_new_zipfile_serialization=self.zipfile_serialization)
+        def write():
+            self.written[path] = _save_torch(state_dict, path,
+                                             _use_new_zipfile_serialization=self.zipfile_serialization)
+
+        _attempt(self.failed, self.where, path, write)
 
     def load(self, path: str, map_location=None):
         with torch.serialization.safe_globals(_DEEPSPEED_SAFE_GLOBALS):
@@ -242,9 +270,9 @@ def _full(trainer, name: str, p: torch.nn.Parameter, key: str) -> torch.Tensor:
     return full.cpu().contiguous()
 
 
-def _save_portable(trainer, folder: Path, digests: dict[str, str]) -> dict:
+def _save_portable(trainer, folder: Path, digests: dict[str, str], failed: list[str], where: str) -> dict:
     """Write the layout-free state into ``folder/portable`` (collective), add its file's sha256 to ``digests`` and
-    return its record for ``checkpoint.json``.
+    return its record for ``checkpoint.json`` (a failed write: recorded in ``failed``, see :func:`_attempt`).
 
     Each parameter's tensors (``param/NAME``, ``exp_avg/NAME``, ``exp_avg_sq/NAME`` by GenSLM name, TP- and
     ZeRO-whole) are assembled on every rank of its pipeline stage and kept by one of them, split by bytes
@@ -263,42 +291,88 @@ def _save_portable(trainer, folder: Path, digests: dict[str, str]) -> dict:
         if spread.take(sum(t.nbytes for t in tensors.values())) == me:
             mine.update(tensors)
     if mine:
-        (folder / PORTABLE).mkdir(exist_ok=True)
         file = folder / PORTABLE / f"rank{trainer.rank:05d}.safetensors"
-        save_file(mine, file)
-        digests[str(file.relative_to(folder))] = _digest_file(file)
+
+        def write():
+            file.parent.mkdir(exist_ok=True)
+            save_file(mine, file)
+            digests[str(file.relative_to(folder))] = _digest_file(file)
+
+        _attempt(failed, where, file, write)
     return {"adam_step": step, "scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps,
             "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps}
 
 
 def save_checkpoint(trainer) -> Path:
     """Save under ``out_dir/checkpoints/step{N}``, atomically (collective: every rank calls it): the engine
-    checkpoint, the portable state and the position table, each file's sha256 taken by the rank that wrote it."""
+    checkpoint, the portable state and the position table, each file's sha256 taken by the rank that wrote it.
+
+    A failed write (a full disk, a folder gone) stops every rank with the same line: each rank records its first
+    failed write and skips the rest of its writes while it goes on through the save's collectives; rank 0 gathers
+    them with the digests, commits only when none failed, and shares the outcome (its own commit's failure
+    included). A rank that dies or hangs meanwhile: :func:`~ds4sci.train.engine.bounded_collectives`.
+
+    Raises:
+        OSError: ``checkpoint save at step N: cannot write PATH: REASON; ...`` naming the checkpoint that stays
+            the newest; ``ConnectionError`` / ``TimeoutError``: another rank died or hangs.
+    """
     root = trainer.out / "checkpoints"
     tag = f"step{trainer.step}"
     tmp = root / f".tmp-{tag}"
-    if trainer.rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)  # left by a save that was killed
-    engine = trainer.engine
-    if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):  # DeepSpeed's own takes no digests
-        engine.checkpoint_engine = SafeCheckpointEngine(engine._config)
-    engine.checkpoint_engine.written.clear()
-    dist.barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": trainer.step}, save_latest=False)
-    digests = {str(Path(path).relative_to(tmp)): d for path, d in engine.checkpoint_engine.written.items()}
-    portable = _save_portable(trainer, tmp, digests)
-    groups = trainer.groups
-    if trainer.pos_table is not None and groups.dp_rank == 0 and groups.tp_rank == 0 and groups.coords.pp == 0:
-        (tmp / TABLE).mkdir(exist_ok=True)  # one writer per sequence shard: its own rows, never the whole table
-        name = f"{TABLE}/sp{groups.sp_rank:05d}.pt"
-        digests[name] = _save_torch(trainer.pos_table.shard_state(), tmp / name)
-    every = [None] * dist.get_world_size() if trainer.rank == 0 else None
-    dist.gather_object(digests, every, dst=0)  # rank 0 waits for every rank's files
+    where = f"checkpoint save at step {trainer.step}"
+    with bounded_collectives(f"{where} ({root / tag})", trainer.cfg.train.timeout_s):
+        if trainer.rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)  # left by a save that was killed
+        engine = trainer.engine
+        if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):  # DeepSpeed's own takes no digests
+            engine.checkpoint_engine = SafeCheckpointEngine(engine._config)
+        writer = engine.checkpoint_engine
+        writer.written.clear()
+        writer.failed.clear()
+        writer.where = where
+        # DeepSpeed's rank 0 copies its zero_to_fp32.py into the checkpoints folder between its collectives
+        copy_script = type(engine)._copy_recovery_script
+        engine._copy_recovery_script = lambda folder: _attempt(writer.failed, where, folder,
+                                                               lambda: copy_script(engine, folder))
+        dist.barrier()
+        engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": trainer.step}, save_latest=False)
+        digests = {str(Path(path).relative_to(tmp)): d for path, d in writer.written.items()}
+        portable = _save_portable(trainer, tmp, digests, writer.failed, where)
+        groups = trainer.groups
+        if trainer.pos_table is not None and groups.dp_rank == 0 and groups.tp_rank == 0 and groups.coords.pp == 0:
+            name = f"{TABLE}/sp{groups.sp_rank:05d}.pt"  # one writer per sequence shard: its own rows only
+
+            def write_table():
+                (tmp / TABLE).mkdir(exist_ok=True)
+                digests[name] = _save_torch(trainer.pos_table.shard_state(), tmp / name)
+
+            _attempt(writer.failed, where, tmp / name, write_table)
+        every = [None] * dist.get_world_size() if trainer.rank == 0 else None
+        dist.gather_object((digests, writer.failed[:1]), every, dst=0)  # rank 0 waits for every rank's files
+        outcome = [None]
+        if trainer.rank == 0:
+            outcome[0] = next((failed[0] for _, failed in every if failed), None)
+            if outcome[0] is None:
+                meta = {"step": trainer.step, **_fingerprint(trainer), PORTABLE: portable}
+                try:
+                    _commit(root, tmp, tag, meta, [written for written, _ in every])
+                except OSError as err:
+                    outcome[0] = str(write_error(where, tmp, err) or err)
+        dist.broadcast_object_list(outcome, src=0, device=trainer.device)
+    if outcome[0] is not None:
+        raise OSError(f"{outcome[0]}; {_kept(root)}")
     if trainer.rank == 0:
-        _commit(root, tmp, tag, {"step": trainer.step, **_fingerprint(trainer), PORTABLE: portable}, every)
         logger.info("saved checkpoint %s", root / tag)
-    dist.barrier()
     return root / tag
+
+
+def _kept(root: Path) -> str:
+    """After a failed save into ``root``: which checkpoint stays the newest, and the way on."""
+    try:
+        return (f"this save is incomplete and never loaded; the newest complete checkpoint is {find_checkpoint(root)} "
+                f"(free space, then --resume continues from it)")
+    except FileNotFoundError:
+        return f"this save is incomplete and never loaded; {root} holds no complete checkpoint"
 
 
 def _commit(root: Path, tmp: Path, tag: str, meta: dict, written: list[dict[str, str]]) -> None:
@@ -308,7 +382,7 @@ def _commit(root: Path, tmp: Path, tag: str, meta: dict, written: list[dict[str,
     of one file: which one landed is unknown)."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     for path in files:  # on disk before the marker that declares them complete
-        with open(path, "rb") as f:
+        with _naming(path), open(path, "rb") as f:
             os.fsync(f.fileno())
     reported: dict[str, set[str]] = {}
     for rank_written in written:
@@ -352,9 +426,20 @@ def _corrupt(file: Path, checkpoint: Path, why: str) -> str:
     return f"{file}: {why}; the checkpoint is corrupt. Resume from an earlier one: {way}"
 
 
+@contextlib.contextmanager
+def _naming(path: Path):
+    """Inside, an ``OSError`` that names no file (a write's or an fsync's) names ``path``."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None:
+            err.filename = str(path)
+        raise
+
+
 def _write_atomic(path: Path, text: str) -> None:
     part = path.with_name(path.name + ".part")
-    with open(part, "w", encoding="utf-8") as f:
+    with _naming(part), open(part, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

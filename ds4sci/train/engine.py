@@ -108,6 +108,49 @@ def collective_error(err: RuntimeError, where: str, timeout_s: float) -> OSError
                            f"(a hang is bounded by train.timeout_s={timeout_s:g} s) ({cause})")
 
 
+@contextlib.contextmanager
+def bounded_collectives(where: str, timeout_s: float):
+    """Inside, a collective that fails because another rank died or hangs raises the one-line error of
+    :func:`collective_error` naming ``where`` (the phase, with the path it writes where it writes one)."""
+    try:
+        yield
+    except RuntimeError as err:
+        error = collective_error(err, where, timeout_s)
+        if error is None:
+            raise
+        raise error from err
+
+
+def write_error(where: str, path, err: BaseException) -> OSError | None:
+    """The one-line error for a file that could not be written: ``WHERE: cannot write PATH: REASON``; ``None`` when
+    ``err`` is no failed write. REASON is the operating system's ("No space left on device [Errno 28]"), found
+    beneath the error of a writer that wraps it (torch.save's "unexpected pos"); PATH the file the error names (a
+    copy's or a rename's destination), else ``path``."""
+    cause = err
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__context__
+    if cause is not None and cause.strerror:
+        reason, path = f"{cause.strerror} [Errno {cause.errno}]", cause.filename2 or cause.filename or path
+    elif "I/O error" in str(err):  # safetensors' writer: "Error while serializing: I/O error: ... (os error 28)"
+        reason = str(err).splitlines()[0]
+    else:
+        return None
+    return OSError(f"{where}: cannot write {path}: {reason}")
+
+
+@contextlib.contextmanager
+def writing(where: str, path):
+    """Inside, a failed write raises the one-line error of :func:`write_error` (``path``: what is written inside).
+    For code that writes without collectives: a collective's failure is :func:`bounded_collectives`'."""
+    try:
+        yield
+    except Exception as err:
+        error = write_error(where, path, err)
+        if error is None:
+            raise
+        raise error from err
+
+
 def set_deterministic() -> None:
     """``train.deterministic``: the same job on the same machine gives bitwise-identical losses and parameters.
 

@@ -29,8 +29,9 @@ import json
 import logging
 import math
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ from ds4sci.train.checkpoint import load_checkpoint
 from ds4sci.parallel import ParallelDims
 from ds4sci.train.config import Config, DataConfig
 from ds4sci.train.engine import (build_engine, check_offload_support, collective_error, init_distributed,
-                                 set_deterministic)
+                                 set_deterministic, writing)
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 from ds4sci.train.pipeline import (build_pipeline_engine, pipeline_eval_sum, pipeline_reduction_factor,
@@ -143,21 +144,59 @@ def _ignored(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**sample, "labels": torch.full_like(sample["labels"], IGNORE_INDEX)}
 
 
-def _bounded_collectives(method):
+def _bounded_collectives(where: Callable[[Trainer], str]):
     """``Trainer`` method decorator: a collective that failed because another rank died or hangs becomes the
-    one-line error of :func:`ds4sci.train.engine.collective_error`."""
+    one-line error of :func:`ds4sci.train.engine.collective_error`, naming the phase ``where(trainer)`` (taken
+    when it fails)."""
 
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def decorate(method):
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except RuntimeError as err:
+                error = collective_error(err, where(self), self.cfg.train.timeout_s)
+                if error is None:
+                    raise
+                raise error from err
+
+        return wrapper
+
+    return decorate
+
+
+def _on_rank_0(action: Callable[[], object], device: torch.device) -> None:
+    """``action()`` on rank 0, its error (``ValueError`` / ``OSError``, one line) raised on every rank at once
+    (collective: every rank calls it): a check or a write that only rank 0 does would otherwise leave the other
+    ranks waiting for it in their next collective until ``train.timeout_s``."""
+    box: list = [None]  # (error class name, message)
+    if dist.get_rank() == 0:
         try:
-            return method(self, *args, **kwargs)
-        except RuntimeError as err:
-            error = collective_error(err, f"step {self.step + 1}", self.cfg.train.timeout_s)
-            if error is None:
-                raise
-            raise error from err
+            action()
+        except (ValueError, OSError) as err:
+            box[0] = ("ValueError" if isinstance(err, ValueError) else "OSError", str(err))
+    dist.broadcast_object_list(box, src=0, device=device)
+    if box[0] is not None:
+        kind, message = box[0]
+        raise (ValueError if kind == "ValueError" else OSError)(message)
 
-    return wrapper
+
+def _tensorboard_excepthook(previous, args) -> None:
+    """``threading.excepthook`` while training: TensorBoard's writer thread that dies of an ``OSError`` (a full
+    disk) prints no traceback; the main thread's next TensorBoard call raises that error, reported in one line."""
+    if not (type(args.thread).__module__.startswith("tensorboard.") and isinstance(args.exc_value, OSError)):
+        previous(args)
+
+
+@contextlib.contextmanager
+def _quiet_tensorboard_thread():
+    """Inside, :func:`_tensorboard_excepthook` is ``threading.excepthook``."""
+    previous = threading.excepthook
+    threading.excepthook = functools.partial(_tensorboard_excepthook, previous)
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
 
 
 @contextlib.contextmanager
@@ -189,6 +228,7 @@ class Trainer:
     Launch with ``torchrun --nproc-per-node N -m ds4sci.cli train CONFIG`` (N = dp x tp x ulysses x ring x pp) or in one process.
     """
 
+    @_bounded_collectives(lambda self: f"start-up ({self.cfg.train.out_dir})")
     def __init__(self, cfg: Config, *, resume: str | None = None, overwrite: bool = False):
         """``resume``: None (a new run), ``""`` (continue the run in ``train.out_dir``) or a checkpoint folder;
         ``overwrite``: replace the run in ``train.out_dir`` (:mod:`ds4sci.train.run_dir` has the rules)."""
@@ -227,13 +267,17 @@ class Trainer:
             self.engine = build_engine(model, cfg, self.groups, self.device, materialize)
         model.init_source = None  # every piece is drawn or copied now: release the fine-tuning source
         self.step = 0
-        if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(cfg.to_yaml())
+        _on_rank_0(self._write_config, self.device)
         self.resumed_from = load_checkpoint(self, resume_from) if resume_from is not None else None
         if self.resumed_from is not None and self.step >= cfg.train.steps:
             raise ValueError(f"--resume: {self.resumed_from} is at step {self.step}, train.steps={cfg.train.steps}: "
                              f"nothing left to train (raise train.steps)")
+
+    def _write_config(self) -> None:
+        """Rank 0 at start-up: the run folder and its ``config.yaml``."""
+        with writing("start-up", self.out / "config.yaml"):
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(self.cfg.to_yaml())
 
     # ----------------------------------------------------------------------------------------------------- data
     def _micro_batch(self, dataset, index: int, shuffle: bool) -> dict[str, torch.Tensor]:
@@ -289,7 +333,7 @@ class Trainer:
         return x
 
     # ---------------------------------------------------------------------------------------------------- train
-    @_bounded_collectives
+    @_bounded_collectives(lambda self: f"step {self.step + 1}")
     def train_step(self) -> StepResult:
         t = self.cfg.train
         batches = [self._micro_batch(self.train_ds, self.step * t.grad_accum + a, shuffle=True) for a in range(t.grad_accum)]
@@ -340,6 +384,7 @@ class Trainer:
         if self.rank == 0:
             logger.warning("step %d: the loss is %s: no update (train.nonfinite=skip)", step, loss)
 
+    @_bounded_collectives(lambda self: f"evaluation at step {self.step} ({self.out})")
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Mean loss over real tokens of the first ``eval_batches`` validation batches of the global batch's size
@@ -365,33 +410,51 @@ class Trainer:
                 "val_bits_per_base": loss / math.log(2) / self.tokenizer.bases_per_token}
 
     def train(self) -> list[dict]:
-        """Run to ``train.steps``; log, evaluate, checkpoint and export. Returns the metric records."""
+        """Run to ``train.steps``; log, evaluate, checkpoint and export. Returns the metric records.
+
+        A failed write (a full disk) stops the run with one line naming the phase, the file and the reason: rank 0's
+        outputs are opened before the first step, their errors shared with every rank (:func:`_on_rank_0`); a
+        later failed write of rank 0's stops rank 0, whose exit stops the others (the launcher, or their next
+        collective); the checkpoint's: :func:`~ds4sci.train.checkpoint.save_checkpoint`."""
+        with _quiet_tensorboard_thread():
+            return self._train()
+
+    def _train(self) -> list[dict]:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         from ds4sci.train.checkpoint import save_checkpoint
 
         t = self.cfg.train
         records: list[dict] = []
-        writer = bar = None
-        if self.rank == 0:
+        metrics_path, tensorboard = self.out / "metrics.jsonl", self.out / "tensorboard"
+        writer = bar = metrics = None
+
+        def open_outputs() -> None:
             from torch.utils.tensorboard import SummaryWriter
 
+            nonlocal writer, bar, metrics
             logger.info("%s", self.summary())
-            keep_metrics_until(self.out / "metrics.jsonl", self.step)  # a resumed run continues the curve
-            # purge_step: TensorBoard hides what a stopped run logged after the checkpoint this run resumes from
-            writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1 if self.step else None)
+            with writing("start-up", metrics_path):
+                keep_metrics_until(metrics_path, self.step)  # a resumed run continues the curve
+                metrics = open(metrics_path, "a", encoding="utf-8")
+            with writing("start-up", tensorboard):
+                # purge_step: TensorBoard hides what a stopped run logged after the checkpoint this run resumes from
+                writer = SummaryWriter(str(tensorboard), purge_step=self.step + 1 if self.step else None)
             bar = progress_bar(t.progress, total=t.steps, initial=self.step, desc="train", unit="step")
-        metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8") if self.rank == 0 else None
+
+        _on_rank_0(open_outputs, self.device)
         start, tokens_seen, first_step = time.perf_counter(), 0, self.step
 
         def log(record: dict) -> None:
             records.append(record)
             if self.rank == 0:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-                for key, value in record.items():
-                    if key != "step":
-                        writer.add_scalar(key, value, record["step"])
+                with writing(f"step {record['step']}", metrics_path):
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                with writing(f"step {record['step']}", tensorboard):
+                    for key, value in record.items():
+                        if key != "step":
+                            writer.add_scalar(key, value, record["step"])
                 if "val_loss" in record:  # every validation, as it happens
                     logger.info("step %d/%d: validation loss %.4f nats/token, %.4f bits/base", record["step"], t.steps,
                                 record["val_loss"], record["val_bits_per_base"])
@@ -420,9 +483,12 @@ class Trainer:
         self.export()
         if self.rank == 0:
             bar.close()
-            writer.close()
-            metrics.close()
-            plot_metrics(self.out / "metrics.jsonl", self.out / "loss.png")
+            with writing("end of training", tensorboard):
+                writer.close()
+            with writing("end of training", metrics_path):
+                metrics.close()
+            with writing("end of training", self.out / "loss.png"):
+                plot_metrics(metrics_path, self.out / "loss.png")
         return records
 
     def summary(self) -> str:
@@ -481,16 +547,21 @@ class Trainer:
         """:meth:`full_state_items` as a dict (collective); ``{}`` on ranks other than ``dst``."""
         return {k: v for k, v in self.full_state_items(dst) if v is not None}
 
+    @_bounded_collectives(lambda self: f"export ({self.out / 'export'})")
     def export(self) -> Path:
         """Write the consolidated export to ``train.out_dir/export`` (collective): rank 0 receives the tensors one
         at a time and writes each safetensors shard as it fills (:class:`ds4sci.io.export.ExportWriter`)."""
         from ds4sci.io.export import ExportWriter
 
-        writer = ExportWriter(self.out / "export", self.model_config, self.tokenizer) if self.rank == 0 else None
+        folder = self.out / "export"
+        with writing("export", folder):
+            writer = ExportWriter(folder, self.model_config, self.tokenizer) if self.rank == 0 else None
         for name, tensor in self.full_state_items(dst=0):
             if writer is not None:
-                writer.add(name, tensor)
-        return writer.close() if writer is not None else self.out / "export"
+                with writing("export", folder):
+                    writer.add(name, tensor)
+        with writing("export", folder):
+            return writer.close() if writer is not None else folder
 
 
 def _duration(seconds: float) -> str:

@@ -2,9 +2,11 @@
 resumed run continues the uninterrupted loss curve), checkpoint errors naming the file or field, flipped bytes in
 a checkpoint refused naming the file (sha256), the portable state spread by bytes, safe loading,
 collective timeouts, non-finite losses (stop / skip), and the deterministic switch."""
+import contextlib
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -433,3 +435,216 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
             assert "another rank left a collective" in last and ended - fault < timeout_s, last
         else:
             assert "did not join a collective within" in last and timeout_s - 1 < ended - fault < timeout_s + 60, last
+
+
+# ------------------------------------------------------------------- faults outside the step: one line each
+#: ``python WRAPPER FAULT ds4sci-argv...`` under torchrun: ``ds4sci`` with one fault planted (after recording the
+#: time it strikes in the file $FAULT_FILE): rank 1 killed (SIGKILL) at start-up (as it loads the data), in an
+#: evaluation or in the checkpoint save of step 4; or rank 0 fills the run's (small) file system after step 1
+#: (TensorBoard's buffered writes meet it first, some 30 steps on; with "fill-metrics", metrics.jsonl's).
+_PLANTED = """
+import os, signal, sys, time
+from pathlib import Path
+import ds4sci.train.trainer as trainer_module
+from ds4sci.cli import main
+from ds4sci.train.checkpoint import SafeCheckpointEngine
+from ds4sci.train.trainer import Trainer
+
+fault, rank = sys.argv[1], int(os.environ["RANK"])
+
+def strike():
+    Path(os.environ["FAULT_FILE"]).write_text(str(time.time()))
+    if fault.startswith("kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    with open(Path(sys.argv[-1].split("=", 1)[1]) / "filler", "wb", buffering=0) as f:  # last --set: train.out_dir
+        try:
+            while True:
+                f.write(b"x" * 4096)
+        except OSError:
+            pass
+
+def planted(original, when):
+    def method(*args, **kwargs):
+        if when(*args, **kwargs):
+            strike()
+        return original(*args, **kwargs)
+    return method
+
+if fault == "kill-at-start-up" and rank == 1:
+    trainer_module.load_data = planted(trainer_module.load_data, lambda cfg: True)
+if fault == "kill-in-evaluation" and rank == 1:
+    Trainer._micro_batch = planted(Trainer._micro_batch, lambda self, dataset, index, shuffle: not shuffle)
+if fault == "kill-in-save" and rank == 1:
+    SafeCheckpointEngine.save = planted(SafeCheckpointEngine.save, lambda self, state, path: ".tmp-step4" in path)
+if fault.startswith("fill") and rank == 0:
+    Trainer.train_step = planted(Trainer.train_step, lambda self: self.step == 1)
+if fault == "fill-metrics":  # no TensorBoard scalars: metrics.jsonl meets the full disk first
+    from torch.utils.tensorboard import SummaryWriter
+    SummaryWriter.add_scalar = lambda *args, **kwargs: None
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _torchrun_with_fault(tmp_path: Path, fault: str, out: Path, port: int, *extra: str, preexec_fn=None):
+    """``ds4sci train`` under torchrun, 2 ranks (DP=2, ZeRO-1), with ``fault`` planted (:data:`_PLANTED`; "none":
+    none). Returns the completed process, its wall time, and the time the fault struck (None if it did not)."""
+    script, fault_file = tmp_path / "planted.py", tmp_path / f"{fault}.time"
+    script.write_text(_PLANTED)
+    fault_file.unlink(missing_ok=True)
+    sets = _overrides(out, 1, steps=4, extra=[f"data.cache_dir={tmp_path / 'cache'}", "train.timeout_s=120", *extra,
+                                              f"train.out_dir={out}"])
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(port),
+           "--monitor-interval", "1",
+           str(script), fault, "train", *[a for s in sets for a in ("--set", s)]]
+    began = time.time()
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1",
+                                              "FAULT_FILE": str(fault_file)},
+                          capture_output=True, text=True, timeout=400, preexec_fn=preexec_fn)
+    struck = float(fault_file.read_text()) if fault_file.exists() else None
+    return done, time.time() - began, struck
+
+
+#: A line of torchrun's own report (glog style): it and all that follows is torchrun's, not ds4sci's.
+_TORCHRUN = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ torch/distributed/", re.MULTILINE)
+
+
+def _one_error_line(done: subprocess.CompletedProcess) -> str:
+    """The run failed (torchrun's exit status 1) and its workers printed ds4sci's log lines and ONE error line, no
+    traceback or other line (what follows torchrun's first line of its own report aside). Returns the error line."""
+    from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
+
+    output = done.stdout + done.stderr
+    workers = _TORCHRUN.split(done.stderr, maxsplit=1)[0] + done.stdout
+    errors = [line for line in workers.splitlines() if "error:" in line]
+    assert done.returncode == 1 and len(errors) == 1, output[-4000:]
+    assert errors[0].startswith("ds4sci train: error: "), output[-4000:]
+    log_messages("\n".join(line for line in workers.splitlines() if line != errors[0]))  # nothing else
+    return errors[0].removeprefix("ds4sci train: error: ")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, phase", [
+    ("kill-at-start-up", "start-up ({out})"),
+    ("kill-in-evaluation", "evaluation at step 2 ({out})"),
+    ("kill-in-save", "checkpoint save at step 4 ({out}/checkpoints/step4)"),
+])
+def test_a_rank_lost_outside_the_step_stops_the_run_with_one_line(tmp_path, fault, phase):
+    """``ds4sci train`` under torchrun (2 ranks), rank 1 killed at start-up, in an evaluation or in a save: rank 0
+    stops at once with one line naming the phase, the run's folder (the checkpoint being written) and the cause,
+    before torchrun's report; no traceback."""
+    from ds4sci.data import Tokenizer
+    from ds4sci.data.corpus import open_corpus
+
+    open_corpus(GENOME, Tokenizer.from_name("nucleotide"), cache_dir=str(tmp_path / "cache"), progress=False)
+    out = tmp_path / "run"
+    done, _, struck = _torchrun_with_fault(tmp_path, fault, out, 29641, "train.eval_every=2", "train.save_every=2")
+    line = _one_error_line(done)
+    assert line.startswith(f"{phase.format(out=out)}: another rank left a collective (it died?); every rank stops "
+                           f"instead of waiting (a hang is bounded by train.timeout_s=120 s) ("), line
+    assert struck is not None and time.time() - struck < 60  # at once (120 s: the timeout a hang would wait)
+
+
+@contextlib.contextmanager
+def _small_disk(folder: Path, size: str):
+    """A file system of ``size`` at ``folder`` (tmpfs: mounting needs root); yields how a full disk is met there:
+    "tmpfs", or "file size limit" where mounting is refused (RLIMIT_FSIZE, set for the launched run by
+    :func:`_file_size_limit`: a write past it fails with EFBIG, "File too large", in place of ENOSPC)."""
+    folder.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                 capture_output=True).returncode == 0
+    except FileNotFoundError:  # no mount command
+        mounted = False
+    try:
+        yield "tmpfs" if mounted else "file size limit"
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+
+
+def _file_size_limit(nbytes: int):
+    """``preexec_fn``: files may grow to ``nbytes`` in this process and its children, SIGXFSZ ignored (a write past
+    the limit fails with EFBIG instead of killing the process)."""
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+    return limit
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["none", "fill-tensorboard", "fill-metrics"])
+def test_a_full_disk_in_a_save_or_mid_run_stops_the_run_with_one_line(tmp_path, fault):
+    """``ds4sci train`` under torchrun (2 ranks) on a 1 MB file system (tmpfs where the test may mount one, run as
+    root; else a file size limit of 100 kB, which fills during the save only: the mid-run cases skip): the save of
+    step 2 (2.8 MB) does not fit ("none": no fault planted), or rank 0 fills the file system after step 1 and
+    TensorBoard's writes, or metrics.jsonl's, meet it. One line names the phase, the file and "No space left on
+    device" (ENOSPC; EFBIG under the limit); no traceback (TensorBoard's writer thread prints none); the failed save
+    is never loaded."""
+    from ds4sci.data import Tokenizer
+    from ds4sci.data.corpus import open_corpus
+
+    open_corpus(GENOME, Tokenizer.from_name("nucleotide"), cache_dir=str(tmp_path / "cache"), progress=False)
+    out = tmp_path / "disk" / "run"
+    with _small_disk(tmp_path / "disk", "1m") as disk:
+        extra = ["train.save_every=2"] if fault == "none" else ["train.steps=200", "train.save_every=0"]
+        if disk != "tmpfs" and fault != "none":
+            pytest.skip("filling a file system mid-run needs a small one: mounting a tmpfs needs root")
+        limit = _file_size_limit(100_000) if disk != "tmpfs" else None
+        done, wall, _ = _torchrun_with_fault(tmp_path, fault, out, 29651, *extra, preexec_fn=limit)
+        line = _one_error_line(done)
+    reason = "No space left on device [Errno 28]" if disk == "tmpfs" else "File too large [Errno 27]"
+    if fault == "none":
+        checkpoints = re.escape(str(out / "checkpoints"))
+        assert re.fullmatch(rf"checkpoint save at step 2: cannot write {checkpoints}/\S+: {re.escape(reason)}; this "
+                            rf"save is incomplete and never loaded; {checkpoints} holds no complete checkpoint",
+                            line), line
+    else:
+        written = out / ("tensorboard" if fault == "fill-tensorboard" else "metrics.jsonl")
+        assert re.fullmatch(rf"step \d+: cannot write {re.escape(str(written))}: {re.escape(reason)}", line), line
+    assert wall < 120  # no rank waited for train.timeout_s
+
+
+def _damaged_metrics_at_resume(rank, world, out):
+    """Train 2 steps saving each; rank 0 damages line 1 of metrics.jsonl; resume (train.timeout_s=60): each rank's
+    error from train() and the seconds it took (every error is caught: rank 0 stays alive, as in a harness that
+    keeps its processes)."""
+    import torch.distributed as dist
+
+    from ds4sci.train.config import load_config
+    from ds4sci.train.trainer import Trainer
+
+    def cfg(steps):
+        return load_config(None, _overrides(out, 1, steps=steps, extra=["train.save_every=1", "train.timeout_s=60"]))
+
+    Trainer(cfg(2)).train()
+    metrics = Path(out) / "metrics.jsonl"
+    if rank == 0:
+        metrics.write_text("{damaged\n" + metrics.read_text())
+    dist.barrier()
+    trainer = Trainer(cfg(3), resume="")
+    began = time.time()
+    try:
+        trainer.train()
+    except Exception as err:  # noqa: BLE001 - returned to the test
+        return type(err).__name__, str(err), time.time() - began
+    return None, None, time.time() - began
+
+
+@pytest.mark.distributed
+def test_a_check_of_rank_0_at_the_start_of_training_stops_every_rank_at_once_with_its_line(tmp_path):
+    """metrics.jsonl's records after the checkpoint are dropped by rank 0 as training starts; a damaged line stops
+    every rank at once with rank 0's line, naming the file and line (not the others after train.timeout_s, or with
+    "another rank left")."""
+    out = tmp_path / "run"
+    results = run_workers(_damaged_metrics_at_resume, 2, str(out), env=ENV, timeout=300)
+    expected = (f"{out / 'metrics.jsonl'}: line 1 is not a metrics record (JSONDecodeError: Expecting property "
+                f"name enclosed in double quotes: line 1 column 2 (char 1)); only the last line may be torn (repair "
+                f"or remove the line to resume)")
+    for kind, message, seconds in results:
+        assert (kind, message) == ("ValueError", expected)
+        assert seconds < 10, seconds
