@@ -123,16 +123,18 @@ def test_workers_stop_when_their_torchrun_launcher_is_killed_and_free_the_folder
     PR_SET_PDEATHSIG), and the folder's lock is then free."""
     out = tmp_path / "run"
     launcher = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29547", "-m", "ds4sci.cli"]
-    torchrun, workers = _start(_cmd(out, launcher=launcher)), []
+    log = open(tmp_path / "torchrun.log", "w")  # not a pipe: workers that outlive torchrun would hold it open
+    torchrun, workers = subprocess.Popen(_cmd(out, launcher=launcher), cwd=ROOT, env=ENV, stdout=log, stderr=log), []
     try:
         _wait_for("the workers to train", lambda: _training(out))
         workers = _children(torchrun.pid)
         assert len(workers) == 2, workers
         assert json.loads((out / LOCK_FILE).read_text())["pid"] in workers
         torchrun.kill()
-        torchrun.communicate()
+        torchrun.wait()
         _wait_for("the workers to exit", lambda: not any(map(_alive, workers)), timeout=10)
     finally:
+        log.close()
         for pid in {*_children(torchrun.pid), *workers}:  # whatever a failure left running
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
