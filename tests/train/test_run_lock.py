@@ -110,10 +110,15 @@ def _children(pid: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except OSError:
-        return False
+    """Whether a thread of process ``pid`` still runs: a killed process's main thread can be a zombie while its other
+    threads still exit, and its files (its lock) are closed with the last one."""
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] not in "ZX":
+                return True
+        except OSError:  # that thread is gone
+            continue
+    return False
 
 
 @pytest.mark.distributed
@@ -141,6 +146,10 @@ def test_workers_stop_when_their_torchrun_launcher_is_killed_and_free_the_folder
     fd = os.open(out / LOCK_FILE, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: no live holder
+    except BlockingIOError:
+        inode = os.fstat(fd).st_ino
+        holders = [line for line in Path("/proc/locks").read_text().splitlines() if f":{inode} " in line]
+        pytest.fail(f"the lock is still held: {holders}, workers {workers}")
     finally:
         os.close(fd)
 
