@@ -58,7 +58,8 @@ def _refusal(proc: subprocess.Popen, timeout=240) -> str:
 
 
 def _in_use_by(out: Path, pid: int) -> str:
-    return f"ds4sci train: error: train.out_dir {out} is in use by pid {pid} on host {socket.gethostname()} (ds4sci train, started "
+    return (f"ds4sci train: error: train.out_dir {out} is in use by pid {pid} on host {socket.gethostname()} "
+            f"(ds4sci train, started ")
 
 
 @pytest.mark.slow
@@ -67,23 +68,25 @@ def test_a_live_run_folder_is_refused_to_every_command_and_a_killed_runs_lock_is
     ``--overwrite`` while it trains are refused too (nothing of its folder deleted); once it is killed (its lock
     left behind), ``--overwrite`` takes the lock over, naming the killed run, and replaces the run."""
     out = tmp_path / "run"
-    first, second = _start(_cmd(out)), _start(_cmd(out))
-    _wait_for("one of two simultaneous runs to be refused", lambda: first.poll() is not None or
-              second.poll() is not None)
-    loser, winner = (first, second) if first.poll() is not None else (second, first)
-    line = _refusal(loser)
-    assert line.startswith(_in_use_by(out, winner.pid)), line
-    assert line.endswith(f"): wait for it to finish, or choose another train.out_dir (its lock: {out / LOCK_FILE})")
+    procs = [first, second] = [_start(_cmd(out)), _start(_cmd(out))]
     try:
+        _wait_for("one of two simultaneous runs to be refused", lambda: first.poll() is not None or
+                  second.poll() is not None, timeout=150)
+        loser, winner = (first, second) if first.poll() is not None else (second, first)
+        line = _refusal(loser)
+        assert line.startswith(_in_use_by(out, winner.pid)), line
+        assert line.endswith(f"): wait for it to finish, or choose another train.out_dir (its lock: "
+                             f"{out / LOCK_FILE})")
         _wait_for("the run to train", lambda: _training(out))
         config = (out / "config.yaml").read_bytes()
-        resume, overwrite = _start(_cmd(out, "--resume")), _start(_cmd(out, "--overwrite"))
-        for proc in (resume, overwrite):
-            assert _refusal(proc).startswith(_in_use_by(out, winner.pid))
+        procs += [_start(_cmd(out, "--overwrite")), _start(_cmd(out, "--resume"))]
+        for proc in procs[2:]:
+            assert _refusal(proc, timeout=150).startswith(_in_use_by(out, winner.pid))
         assert winner.poll() is None and (out / "config.yaml").read_bytes() == config and _training(out)
     finally:
-        winner.kill()
-        winner.communicate()
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
     assert json.loads((out / LOCK_FILE).read_text())["pid"] == winner.pid  # left behind: stale
 
     replaced = subprocess.run(_cmd(out, "--overwrite", sets=[*LONG, "train.steps=2"]), cwd=ROOT, env=ENV,
