@@ -8,8 +8,9 @@ while a live process holds it, and stale as soon as its holder is gone, with no 
 start time, so a refusal names the live process, and taking over a stale lock names the run that left it. A holder's
 children that inherited the open file (``fork`` without ``exec``) hold the lock with it until they exit too.
 
-The file is removed by the release at the end of a run; a run that died leaves it (stale, taken over with a
-warning). It is never part of the run: ``--overwrite`` deletes everything else of the folder while holding it.
+The file is removed by the release at the end of a run, and at the exit of a process that still holds it (an error
+stopped the run: ``atexit``); a process killed leaves it, stale, taken over by the next run with a warning that names
+the killed one. It is never part of the run: ``--overwrite`` deletes everything else of the folder while holding it.
 
 Across hosts the lock holds where the filesystem propagates ``flock``: local disks (one host), NFS (the Linux client
 emulates ``flock`` with POSIX locks that the server arbitrates; not under the ``nolock`` or ``local_lock=flock``
@@ -23,6 +24,7 @@ lock (a process is one holder: it may build a second trainer on its own folder),
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import errno
 import fcntl
@@ -63,6 +65,15 @@ class RunLock:
                 self.folder.rmdir()
             except OSError:  # not empty: the run wrote there, or another run took the folder meanwhile
                 pass
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Release what this process still holds as it exits (a run stopped by an error), so only a killed run leaves
+    its lock file behind."""
+    for lock in list(_held.values()):
+        lock._holders = 1
+        lock.release()
 
 
 def _describe(record: dict) -> str:

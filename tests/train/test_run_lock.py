@@ -66,7 +66,8 @@ def _in_use_by(out: Path, pid: int) -> str:
 def test_a_live_run_folder_is_refused_to_every_command_and_a_killed_runs_lock_is_taken_over(tmp_path):
     """Two runs started at once into one folder: one trains, the other is refused naming it; ``--resume`` and
     ``--overwrite`` while it trains are refused too (nothing of its folder deleted); once it is killed (its lock
-    left behind), ``--overwrite`` takes the lock over, naming the killed run, and replaces the run."""
+    left behind), ``--overwrite`` takes the lock over, naming the killed run, and replaces the run. A run stopped by
+    an error leaves no lock behind."""
     out = tmp_path / "run"
     procs = [first, second] = [_start(_cmd(out)), _start(_cmd(out))]
     try:
@@ -97,6 +98,12 @@ def test_a_live_run_folder_is_refused_to_every_command_and_a_killed_runs_lock_is
     assert "which is no longer running" in replaced.stderr and "deleted the run in" in replaced.stderr
     assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [2, 2]
     assert not (out / LOCK_FILE).exists()  # released at the end of the run
+
+    # a run stopped by an error after taking the lock releases it as it exits: no stale lock for the next run
+    stopped = subprocess.run(_cmd(out, "--resume", sets=[*LONG, "train.steps=2"]), cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 2 and "nothing left to train" in stopped.stderr, stopped.stderr[-3000:]
+    assert not (out / LOCK_FILE).exists()
 
 
 def _children(pid: int) -> list[int]:
