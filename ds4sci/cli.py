@@ -94,8 +94,9 @@ def stop_with_launcher() -> None:
 
     Only when this process's parent is a launcher (``LOCAL_RANK`` set, and the parent's command line names one of
     :data:`LAUNCHERS`): a process that merely inherited a launcher's environment keeps running when its parent exits.
-    The signal follows the parent that started the worker: a launcher that dies before the call leaves the worker to
-    a new parent, so the parent is checked again after the call, and the worker stops at once if it changed.
+    The signal follows the parent thread that started the worker (torchrun and DeepSpeed's launcher start workers
+    from their main thread, which lives as long as they do). A launcher that dies before the call leaves the worker
+    to a new parent, so the parent is checked again after the call, and the worker stops at once if it changed.
     DeepSpeed's ``deepspeed`` command starts the launcher as its own child: ``kill -9`` of that command leaves the
     launcher, and with it its workers, running (``kill`` without ``-9`` is forwarded, and stops them)."""
     if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):

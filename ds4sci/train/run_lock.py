@@ -16,7 +16,7 @@ Across hosts the lock holds where the filesystem propagates ``flock``: local dis
 emulates ``flock`` with POSIX locks that the server arbitrates; not under the ``nolock`` or ``local_lock=flock``
 mount options, whose locks are node-local), Lustre mounted with ``flock`` (``localflock``: node-local), GPFS.
 Where the filesystem refuses ``flock`` (Lustre mounted without either option: ``ENOSYS``; NFS without a lock
-manager: ``ENOLCK``), refusing would make ds4sci unusable there, so the run goes on unlocked after one warning that
+manager: ``ENOLCK``; ``EOPNOTSUPP``), refusing would make ds4sci unusable there, so the run goes on unlocked after one warning that
 names the folder and the filesystem.
 
 Within one process the lock is re-entrant: a second :func:`lock_run_dir` of a folder this process holds shares the
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".ds4sci.lock"
 #: ``flock`` errors that mean the filesystem cannot lock, not that another process holds the lock.
-UNSUPPORTED = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+UNSUPPORTED = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 
 _held: dict[str, RunLock] = {}  # this process's locks, by the folder's resolved path
 
