@@ -8,14 +8,19 @@ Each subcommand lives in its own module exposing ``add_arguments(parser)`` and `
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from ds4sci.cli_args import CommandError
+
+logger = logging.getLogger(__name__)
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -77,6 +82,41 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK") or 0)
 
 
+#: How a launcher's process shows in its command line (``/proc/PID/cmdline``): torchrun (its script, or ``python -m
+#: torch.distributed.run``) and the per-node launcher of ``deepspeed`` (``python -m deepspeed.launcher.launch``).
+LAUNCHERS = ("torchrun", "torch.distributed.run", "deepspeed.launcher.launch")
+
+
+def stop_with_launcher() -> None:
+    """A worker started by a launcher (torchrun, DeepSpeed's) stops when the launcher dies: the kernel sends it SIGTERM
+    (``prctl(PR_SET_PDEATHSIG)``, Linux). Without it, a launcher killed with ``kill -9`` (or by the OOM killer) leaves
+    its workers training on, into the run folder, holding its lock.
+
+    Only when this process's parent is a launcher (``LOCAL_RANK`` set, and the parent's command line names one of
+    :data:`LAUNCHERS`): a process that merely inherited a launcher's environment keeps running when its parent exits.
+    The signal follows the parent thread that started the worker (torchrun and DeepSpeed's launcher start workers
+    from their main thread, which lives as long as they do). A launcher that dies before the call leaves the worker
+    to a new parent, so the parent is checked again after the call, and the worker stops at once if it changed.
+    DeepSpeed's ``deepspeed`` command starts the launcher as its own child: ``kill -9`` of that command leaves the
+    launcher, and with it its workers, running (``kill`` without ``-9`` is forwarded, and stops them)."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    try:
+        args = Path(f"/proc/{launcher}/cmdline").read_bytes().split(b"\0")[:4]
+    except OSError:
+        return
+    if not any(Path(arg.decode(errors="replace")).name in LAUNCHERS for arg in args):
+        return
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed (%s): this worker keeps running if its launcher (pid %d) "
+                       "dies", os.strerror(ctypes.get_errno()), launcher)
+        return
+    if os.getppid() != launcher:  # the launcher died before the call: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _errors_only(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.ERROR
 
@@ -117,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Below DEBUG, a run prints ds4sci's own lines only (:func:`quiet_dependencies`), and ranks other than 0 only
     their warnings and errors (rank 0 speaks for the run)."""
+    stop_with_launcher()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser([command_in(argv)]).parse_args(argv)
     debug = args.log_level == "DEBUG"

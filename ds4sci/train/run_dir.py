@@ -3,7 +3,9 @@
 * A new run needs an empty or missing ``out_dir``. A folder that already holds a run (``config.yaml``, written by
   every run) is refused with one line naming it and the two ways on: ``--resume`` continues it, ``--overwrite``
   replaces it. ``token_cache/`` (the default ``data.cache_dir``) is a cache keyed by its data and tokenizer, not part
-  of a run: a folder holding only it counts as empty, and ``--overwrite`` keeps it.
+  of a run: a folder holding only it counts as empty, and ``--overwrite`` keeps it. Nor is the lock file
+  (:mod:`ds4sci.train.run_lock`): every command that writes ``out_dir`` holds its lock first (:func:`open_run_dir`),
+  so a folder in use by a live run is refused whatever the command.
 * ``--overwrite`` deletes everything else in ``out_dir``, only when ``out_dir`` holds a run: a non-empty folder
   without ``config.yaml`` is no ds4sci run, and is never deleted (nor written into).
 * ``--resume`` continues the run in ``out_dir`` from its newest complete checkpoint; ``--resume CHECKPOINT`` from that
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ds4sci.train.config import Config, load_config
+from ds4sci.train.run_lock import LOCK_FILE, RunLock, lock_run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +121,7 @@ def prepare_run_dir(cfg: Config, resume: str | None = None, overwrite: bool = Fa
     out = Path(cfg.train.out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"train.out_dir {out} is a file, not a folder")
-    entries = sorted(p.name for p in out.iterdir() if p.name != CACHE) if out.is_dir() else []
+    entries = sorted(p.name for p in out.iterdir() if p.name not in (CACHE, LOCK_FILE)) if out.is_dir() else []
     holds_run = (out / RUN_MARK).is_file()
     if entries and not holds_run:
         raise ValueError(f"train.out_dir {out} is not empty and holds no ds4sci run (no {RUN_MARK}; it holds "
@@ -161,18 +164,32 @@ def prepare_run_dir(cfg: Config, resume: str | None = None, overwrite: bool = Fa
     return checkpoint
 
 
-def open_run_dir(cfg: Config, resume: str | None, overwrite: bool, device) -> Path | None:
-    """:func:`prepare_run_dir` on rank 0, its result or error on every rank (collective: every rank calls it)."""
+def open_run_dir(cfg: Config, resume: str | None, overwrite: bool, device) -> tuple[Path | None, RunLock | None]:
+    """:func:`prepare_run_dir` on rank 0 under the run folder's lock (:mod:`ds4sci.train.run_lock`), its result or
+    error on every rank (collective: every rank calls it). Rank 0 locks the folder before it reads or deletes
+    anything there, and keeps the lock for the run: a refusal (the folder in use by another live run, or refused by
+    :func:`prepare_run_dir`) releases it, and reaches every rank as the same one line.
+
+    Returns:
+        the checkpoint to resume from (or None), and on rank 0 the lock to release when the run ends (None on the
+        other ranks, and where the filesystem cannot lock).
+    """
     box: list = [None, None]  # [checkpoint, error message]
+    lock = None
     if dist.get_rank() == 0:
+        mode = " --overwrite" if overwrite else "" if resume is None else f" --resume {resume}".rstrip()
         try:
+            lock = lock_run_dir(Path(cfg.train.out_dir), f"ds4sci train{mode}")
             box[0] = prepare_run_dir(cfg, resume, overwrite, dist.get_world_size())
         except (OSError, ValueError) as err:
             box[1] = str(err)
+            if lock is not None:
+                lock.release()
+                lock = None
     dist.broadcast_object_list(box, src=0, device=device)
     if box[1] is not None:
         raise ValueError(box[1])
-    return box[0]
+    return box[0], lock
 
 
 def keep_metrics_until(path: Path, step: int) -> None:

@@ -241,7 +241,8 @@ class Trainer:
         self.groups = build_groups(self.dims, timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         self.out = Path(cfg.train.out_dir)
-        resume_from = open_run_dir(cfg, resume, overwrite, self.device)  # before anything is written there
+        # locked (rank 0, held to the end of train()) before anything there is read or written
+        resume_from, self.run_lock = open_run_dir(cfg, resume, overwrite, self.device)
 
         self.tokenizer, self.train_ds, self.val_ds, self.split = load_data(cfg)
         # built on the meta device: each rank draws (or, with model.init_from, copies from the memory-mapped source)
@@ -489,6 +490,8 @@ class Trainer:
                 metrics.close()
             with writing("end of training", self.out / "loss.png"):
                 plot_metrics(metrics_path, self.out / "loss.png")
+            if self.run_lock is not None:
+                self.run_lock.release()
         return records
 
     def summary(self) -> str:

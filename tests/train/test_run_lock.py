@@ -1,0 +1,191 @@
+"""The run folder's lock (:mod:`ds4sci.train.run_lock`): one run at a time per ``train.out_dir``, whatever the
+command, through the CLI; a killed run's lock is taken over; a torchrun job whose launcher is killed stops and frees
+the folder."""
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ds4sci.train import run_lock
+from ds4sci.train.run_lock import LOCK_FILE, lock_run_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+CDS = ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna"
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+# long enough to be still training while the test acts (it is killed): ~30 steps a second here
+LONG = [f"data.fasta={CDS}", "data.dataset=records", "data.seq_len=32", "data.val_fraction=0.2", "train.steps=100000",
+        "train.micro_batch_size=2", "train.log_every=10", "train.eval_every=0", "train.save_every=0",
+        "train.progress=false"]
+
+
+def _cmd(out: Path, *args: str, sets=LONG, launcher=(sys.executable, "-m", "ds4sci.cli")) -> list[str]:
+    return [*launcher, "train", *[a for s in [*sets, f"train.out_dir={out}"] for a in ("--set", s)], *args]
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(what, condition, timeout=240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+        time.sleep(0.2)
+
+
+def _training(out: Path) -> bool:
+    """The run in ``out`` has logged a step (so it holds its lock and has written its config)."""
+    metrics = out / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
+
+
+def _refusal(proc: subprocess.Popen, timeout=240) -> str:
+    """``proc``'s one error line; it must exit 2 without a traceback."""
+    _, err = proc.communicate(timeout=timeout)
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def _in_use_by(out: Path, pid: int) -> str:
+    return (f"ds4sci train: error: train.out_dir {out} is in use by pid {pid} on host {socket.gethostname()} "
+            f"(ds4sci train, started ")
+
+
+@pytest.mark.slow
+def test_a_live_run_folder_is_refused_to_every_command_and_a_killed_runs_lock_is_taken_over(tmp_path):
+    """Two runs started at once into one folder: one trains, the other is refused naming it; ``--resume`` and
+    ``--overwrite`` while it trains are refused too (nothing of its folder deleted); once it is killed (its lock
+    left behind), ``--overwrite`` takes the lock over, naming the killed run, and replaces the run. A run stopped by
+    an error leaves no lock behind."""
+    out = tmp_path / "run"
+    procs = [first, second] = [_start(_cmd(out)), _start(_cmd(out))]
+    try:
+        _wait_for("one of two simultaneous runs to be refused", lambda: first.poll() is not None or
+                  second.poll() is not None, timeout=150)
+        loser, winner = (first, second) if first.poll() is not None else (second, first)
+        line = _refusal(loser)
+        assert line.startswith(_in_use_by(out, winner.pid)), line
+        assert line.endswith(f"): wait for it to finish, or choose another train.out_dir (its lock: "
+                             f"{out / LOCK_FILE})")
+        _wait_for("the run to train", lambda: _training(out))
+        config = (out / "config.yaml").read_bytes()
+        procs += [_start(_cmd(out, "--overwrite")), _start(_cmd(out, "--resume"))]
+        for proc in procs[2:]:
+            assert _refusal(proc, timeout=150).startswith(_in_use_by(out, winner.pid))
+        assert winner.poll() is None and (out / "config.yaml").read_bytes() == config and _training(out)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert json.loads((out / LOCK_FILE).read_text())["pid"] == winner.pid  # left behind: stale
+
+    replaced = subprocess.run(_cmd(out, "--overwrite", sets=[*LONG, "train.steps=2"]), cwd=ROOT, env=ENV,
+                              capture_output=True, text=True, timeout=300)
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert (f"train.out_dir {out}: took over the lock left by pid {winner.pid} on host {socket.gethostname()} "
+            f"(ds4sci train, started ") in replaced.stderr
+    assert "which is no longer running" in replaced.stderr and "deleted the run in" in replaced.stderr
+    assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [2, 2]
+    assert not (out / LOCK_FILE).exists()  # released at the end of the run
+
+    # a run stopped by an error after taking the lock releases it as it exits: no stale lock for the next run
+    stopped = subprocess.run(_cmd(out, "--resume", sets=[*LONG, "train.steps=2"]), cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 2 and "nothing left to train" in stopped.stderr, stopped.stderr[-3000:]
+    assert not (out / LOCK_FILE).exists()
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether a thread of process ``pid`` still runs: a killed process's main thread can be a zombie while its other
+    threads still exit, and its files (its lock) are closed with the last one."""
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] not in "ZX":
+                return True
+        except OSError:  # that thread is gone
+            continue
+    return False
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_workers_stop_when_their_torchrun_launcher_is_killed_and_free_the_folder(tmp_path):
+    """``kill -9`` of torchrun while its two workers train: both exit within seconds (the kernel signals them,
+    PR_SET_PDEATHSIG), and the folder's lock is then free."""
+    out = tmp_path / "run"
+    launcher = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29547", "-m", "ds4sci.cli"]
+    log = open(tmp_path / "torchrun.log", "w")  # not a pipe: workers that outlive torchrun would hold it open
+    torchrun, workers = subprocess.Popen(_cmd(out, launcher=launcher), cwd=ROOT, env=ENV, stdout=log, stderr=log), []
+    try:
+        _wait_for("the workers to train", lambda: _training(out))
+        workers = _children(torchrun.pid)
+        assert len(workers) == 2, workers
+        assert json.loads((out / LOCK_FILE).read_text())["pid"] in workers
+        torchrun.kill()
+        torchrun.wait()
+        _wait_for("the workers to exit", lambda: not any(map(_alive, workers)), timeout=10)
+    finally:
+        log.close()
+        for pid in {*_children(torchrun.pid), *workers}:  # whatever a failure left running
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    fd = os.open(out / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: no live holder
+    except BlockingIOError:
+        inode = os.fstat(fd).st_ino
+        holders = [line for line in Path("/proc/locks").read_text().splitlines() if f":{inode} " in line]
+        pytest.fail(f"the lock is still held: {holders}, workers {workers}")
+    finally:
+        os.close(fd)
+
+
+def test_the_lock_is_shared_within_a_process_and_a_refused_launch_leaves_nothing(tmp_path):
+    """A second lock of a folder this process holds shares it; the last release removes the lock file, and the
+    folder when the lock created it and nothing was written there."""
+    out = tmp_path / "new" / "run"
+    lock = lock_run_dir(out, "ds4sci train")
+    record = json.loads((out / LOCK_FILE).read_text())
+    assert (record["pid"], record["host"], record["command"]) == (os.getpid(), socket.gethostname(), "ds4sci train")
+    assert lock_run_dir(out, "ds4sci train --resume") is lock
+    lock.release()
+    assert (out / LOCK_FILE).is_file()  # still held by the first holder
+    lock.release()
+    assert not out.exists() and (tmp_path / "new").is_dir()
+
+
+def test_a_filesystem_that_cannot_lock_runs_unlocked_with_one_warning(tmp_path, monkeypatch, caplog):
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_flock)
+    with caplog.at_level(logging.WARNING, logger="ds4sci.train.run_lock"):
+        assert lock_run_dir(tmp_path / "run", "ds4sci train") is None
+    [message] = caplog.messages
+    assert message.startswith(f"train.out_dir {tmp_path / 'run'} is on {run_lock.filesystem(tmp_path)}, which "
+                              f"cannot lock files (flock: Function not implemented): this run goes on unlocked")
+    assert " mounted at /" in message
