@@ -6,7 +6,8 @@ loads it as ``GPTNeoXForCausalLM`` with ds4sci's logits, ``AutoTokenizer.from_pr
 The directory holds ``config.json`` (a ``GPTNeoXConfig``, written from :mod:`ds4sci.io.hf`'s table, the one the
 reader uses), the weights under GPT-NeoX's names (:func:`ds4sci.models.genslm.to_gpt_neox_state_dict`) in
 ``model.safetensors`` or, past a size, safetensors shards with an index (:class:`ds4sci.io.export.ExportWriter`), and
-the tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``).
+the tokenizer's files (``PreTrainedTokenizerFast.save_pretrained``'s: ``tokenizer.json``,
+``tokenizer_config.json``).
 
 A model GPT-NeoX cannot express is refused before anything is written, naming the field: ALiBi and a learned
 absolute position table (GPT-NeoX has rotary positions only), an activation transformers' GPT-NeoX does not compute
