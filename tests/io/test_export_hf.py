@@ -55,7 +55,9 @@ def test_a_ds4sci_export_round_trips_through_transformers(tmp_path, kind, shape)
     assert torch.equal(_logits(back, ids), want)
 
 
-def test_a_transformers_gpt_neox_directory_round_trips_sharded(tmp_path):
+def test_a_transformers_gpt_neox_directory_and_a_genslm_checkpoint_round_trip(tmp_path):
+    """The directory as transformers saves it, written out in shards; the same model as a GenSLM Lightning
+    checkpoint (``model.gpt_neox.*`` keys, the GPT-NeoX config under ``hyper_parameters``)."""
     hf_cfg = transformers.GPTNeoXConfig(
         vocab_size=69, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         max_position_embeddings=64, rotary_pct=0.25, hidden_act="gelu_fast", tie_word_embeddings=False)
@@ -67,12 +69,16 @@ def test_a_transformers_gpt_neox_directory_round_trips_sharded(tmp_path):
     hf.save_pretrained(tmp_path / "neox")
     from ds4sci.io.export_hf import export_hf
 
-    out = export_hf(tmp_path / "neox", tmp_path / "hf", max_shard_bytes=1)  # one tensor per shard, with an index
-    assert len(list(out.glob("model-*.safetensors"))) > 2
-    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.save({"state_dict": {f"model.{k}": v for k, v in hf.state_dict().items()},
+                "hyper_parameters": {"model_architecture": hf_cfg.to_dict()}}, tmp_path / "genslm.ckpt")
+    sharded = export_hf(tmp_path / "neox", tmp_path / "hf", max_shard_bytes=1)  # one tensor per shard, an index
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
     ids = torch.randint(5, 69, (2, 17))
     with torch.no_grad():
-        torch.testing.assert_close(again(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        want = hf(input_ids=ids).logits
+        for out in (sharded, export_hf(tmp_path / "genslm.ckpt", tmp_path / "from-ckpt")):
+            again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+            torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 NEOX_POSITIONS = "transformers' GPT-NeoX has rotary positions only (no ALiBi bias, no learned absolute position table)"
@@ -93,6 +99,20 @@ def test_a_shape_gpt_neox_cannot_express_is_one_line(tmp_path, capsys, shape, re
     assert main(["export-hf", str(source), str(out)]) == 2
     assert capsys.readouterr().err.splitlines() == [f"ds4sci export-hf: error: {source}: {refusal}"]
     assert not out.exists()
+
+
+def test_a_field_the_key_table_lacks_is_refused_not_dropped(tmp_path, capsys, monkeypatch):
+    """What refuses a shape option GPT-NeoX has no key for (a Llama shape's): the config written is read back and
+    compared field by field; here the table loses layer_norm_eps, whose 1e-6 would read back as the default 1e-5."""
+    import ds4sci.io.export_hf
+
+    source, _, _ = _export(tmp_path, "nucleotide", layer_norm_eps=1e-6)
+    names = {field: key for field, key in ds4sci.io.export_hf.GPT_NEOX_NAMES.items() if field != "layer_norm_eps"}
+    monkeypatch.setattr(ds4sci.io.export_hf, "GPT_NEOX_NAMES", names)
+    assert main(["export-hf", str(source), str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"ds4sci export-hf: error: {source}: layer_norm_eps=1e-06 cannot be written as a GPT-NeoX model: "
+        f"transformers' GPTNeoXConfig has no equivalent"]
 
 
 def test_a_non_empty_out_needs_overwrite(tmp_path, capsys):
