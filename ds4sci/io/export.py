@@ -66,10 +66,15 @@ class ExportWriter:
             weight_map = {key: name for name, keys in zip(names, self.shards) for key in keys}
             (self.out / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total},
                                                       "weight_map": weight_map}, indent=1))
+        self.describe()
+        return self.out
+
+    def describe(self) -> None:
+        """Write the files beside the weights that say what they are: ``config.json`` (GenSLMConfig and tokenizer
+        name) and ``tokenizer.json`` (ds4sci's; :class:`ds4sci.io.export_hf.HFExportWriter` writes transformers')."""
         meta = {"model": self.config.to_dict(), "tokenizer": self.tokenizer.kind}
         (self.out / "config.json").write_text(json.dumps(meta, indent=1))
         self.tokenizer.save(self.out / "tokenizer.json")
-        return self.out
 
 
 def export_consolidated(state_dict: dict[str, torch.Tensor], config: GenSLMConfig, tokenizer: Tokenizer,

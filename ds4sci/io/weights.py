@@ -43,6 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ds4sci.data import Tokenizer
+from ds4sci.io.hf import GPT_NEOX_KEYS as _GPT_NEOX_KEYS, GPT_NEOX_NAMES as _GPT_NEOX_NAMES
 from ds4sci.models.genslm import GenSLM, GenSLMConfig, config_from_gpt_neox, from_gpt_neox_state_dict
 from ds4sci.models.genslm.config import check_field
 
@@ -52,14 +53,6 @@ TOKENIZERS = ("codon", "nucleotide")
 _SAFE_GLOBALS = [(cls, f"pathlib.{cls.__name__}") for cls in
                  (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)]
 _HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-# a GPT-NeoX config.json's keys (dotted: inside an object) -> the GenSLMConfig fields they become
-_GPT_NEOX_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
-                  "num_attention_heads": "num_heads", "intermediate_size": "intermediate_size",
-                  "max_position_embeddings": "max_position_embeddings", "layer_norm_eps": "layer_norm_eps",
-                  "rotary_pct": "rotary_pct", "rotary_emb_base": "rotary_base",
-                  "rope_parameters.partial_rotary_factor": "rotary_pct", "rope_parameters.rope_theta": "rotary_base"}
-# the same, field -> key, where the key is top-level (what a refusal names)
-_GPT_NEOX_NAMES = {field: key for key, field in _GPT_NEOX_KEYS.items() if "." not in key}
 
 
 def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig | None, str | None]:
