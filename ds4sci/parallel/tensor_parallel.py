@@ -500,22 +500,6 @@ class TensorParallelBlock(nn.Module):
         return x + reduce_scatter_sequence_region(attn + mlp, g, 1, c)  # [B, T/tp, hidden]
 
 
-def check_tensor_parallel_shape(config) -> None:
-    """The layers above implement GPT-NeoX's shape only: one key/value head per query head, GELU MLP, LayerNorm,
-    biases, parallel residual, untied head, unscaled rotary frequencies. A Llama shape (issue 26, item 2) is refused
-    rather than split wrongly.
-
-    Raises:
-        ValueError: naming the first field (and its value) that tensor parallelism cannot split yet.
-    """
-    neox = {"num_kv_heads": config.num_heads, "mlp": "gelu", "norm": "layernorm", "bias": True,
-            "parallel_residual": True, "tie_word_embeddings": False, "rotary_scaling_factor": 1.0}
-    for field, supported in neox.items():
-        if getattr(config, field) != supported:
-            raise ValueError(f"{field}={getattr(config, field)!r}: tensor parallelism splits GPT-NeoX-shaped GenSLMs "
-                             f"only ({field}={supported!r}); use tp=1 (Ulysses, ring and pipeline take this shape)")
-
-
 def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, counter: CommCounter | None = None) -> None:
     """Split ``model`` over ``groups.tp`` in place (module swaps; parameter names unchanged); no-op for ``tp = 1``.
 
@@ -526,13 +510,13 @@ def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, coun
 
     Raises:
         ValueError: a degree cannot split the model (:meth:`ParallelDims.check_model`), or its shape is not yet
-        tensor-parallel (:func:`check_tensor_parallel_shape`).
+        tensor-parallel (:meth:`GenSLMConfig.check_tensor_parallel`).
     """
     dims = groups.dims
     if dims.tp == 1:
         return
     cfg = model.config
-    check_tensor_parallel_shape(cfg)
+    cfg.check_tensor_parallel()
     dims.check_model(num_heads=cfg.num_heads, num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size)
     if isinstance(model.embed_in, VocabParallelEmbedding):
         raise ValueError("apply_tensor_parallel: the model is already tensor-parallel")

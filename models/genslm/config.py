@@ -152,6 +152,21 @@ class GenSLMConfig:
         if self.intermediate_size == 0:
             self.intermediate_size = 4 * self.hidden_size
 
+    def check_tensor_parallel(self) -> None:
+        """Tensor parallelism (:mod:`ds4sci.parallel.tensor_parallel`) splits GPT-NeoX's shape only: one key/value
+        head per query head, GELU MLP, LayerNorm, biases, parallel residual, untied head, unscaled rotary frequencies.
+        A Llama shape (issue 26, item 2) is refused rather than split wrongly; the planner skips such layouts.
+
+        Raises:
+            ValueError: naming the first field (and its value) that tensor parallelism cannot split yet.
+        """
+        neox = {"num_kv_heads": self.num_heads, "mlp": "gelu", "norm": "layernorm", "bias": True,
+                "parallel_residual": True, "tie_word_embeddings": False, "rotary_scaling_factor": 1.0}
+        for field, supported in neox.items():
+            if getattr(self, field) != supported:
+                raise ValueError(f"{field}={getattr(self, field)!r}: tensor parallelism splits GPT-NeoX-shaped "
+                                 f"GenSLMs only ({field}={supported!r}); use tp=1 (Ulysses and ring take this shape)")
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
