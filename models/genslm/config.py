@@ -152,20 +152,33 @@ class GenSLMConfig:
         if self.intermediate_size == 0:
             self.intermediate_size = 4 * self.hidden_size
 
-    def check_tensor_parallel(self) -> None:
-        """Tensor parallelism (:mod:`ds4sci.parallel.tensor_parallel`) splits GPT-NeoX's shape only: one key/value
-        head per query head, GELU MLP, LayerNorm, biases, parallel residual, untied head, unscaled rotary frequencies.
-        A Llama shape (issue 26, item 2) is refused rather than split wrongly; the planner skips such layouts.
+    def check_gpt_neox_shape(self, what: str) -> None:
+        """GPT-NeoX's shape: one key/value head per query head, GELU MLP, LayerNorm, biases, parallel residual,
+        untied head, unscaled rotary frequencies.
 
         Raises:
-            ValueError: naming the first field (and its value) that tensor parallelism cannot split yet.
+            ValueError: ``"{field}={value}: {what} GPT-NeoX-shaped GenSLMs only ({field}={GPT-NeoX's value})"`` for
+            the first field that differs.
         """
         neox = {"num_kv_heads": self.num_heads, "mlp": "gelu", "norm": "layernorm", "bias": True,
                 "parallel_residual": True, "tie_word_embeddings": False, "rotary_scaling_factor": 1.0}
         for field, supported in neox.items():
             if getattr(self, field) != supported:
-                raise ValueError(f"{field}={getattr(self, field)!r}: tensor parallelism splits GPT-NeoX-shaped "
-                                 f"GenSLMs only ({field}={supported!r}); use tp=1 (Ulysses and ring take this shape)")
+                raise ValueError(f"{field}={getattr(self, field)!r}: {what} GPT-NeoX-shaped GenSLMs only "
+                                 f"({field}={supported!r})")
+
+    def check_tensor_parallel(self) -> None:
+        """Tensor parallelism (:mod:`ds4sci.parallel.tensor_parallel`) splits GPT-NeoX's shape only
+        (:meth:`check_gpt_neox_shape`); a Llama shape (issue 26, item 2) is refused rather than split wrongly, and
+        the planner skips such layouts.
+
+        Raises:
+            ValueError: naming the first field (and its value) that tensor parallelism cannot split yet.
+        """
+        try:
+            self.check_gpt_neox_shape("tensor parallelism splits")
+        except ValueError as err:
+            raise ValueError(f"{err}; use tp=1 (Ulysses and ring take this shape)") from None
 
     @property
     def head_dim(self) -> int:

@@ -75,3 +75,11 @@ def test_planner_offers_no_tensor_parallel_layout_for_a_llama_shape(capsys):
     assert capsys.readouterr().err == ("ds4sci plan: error: --tp=2: num_kv_heads=8: tensor parallelism splits "
                                        "GPT-NeoX-shaped GenSLMs only (num_kv_heads=32); use tp=1 (Ulysses and ring "
                                        "take this shape)\n")
+
+
+def test_gpt_neox_names_refuse_a_llama_shape():
+    from ds4sci.models.genslm import to_gpt_neox_state_dict
+
+    with pytest.raises(ValueError, match=r"^num_kv_heads=2: GPTNeoXForCausalLM's names hold GPT-NeoX-shaped GenSLMs "
+                                         r"only \(num_kv_heads=4\)$"):
+        to_gpt_neox_state_dict(GenSLM(GenSLMConfig.preset("llama-debug"), device="meta"))
