@@ -341,7 +341,11 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
         try:
             dims = ParallelDims.for_world(world, ulysses=u, ring=r, tp=tp, pp=pp)
             dims.check_model(num_heads=m.num_heads, num_layers=m.num_layers, intermediate_size=m.intermediate_size)
+            if tp > 1:
+                m.check_tensor_parallel()
         except ValueError:  # these degrees do not split the GPUs or the model
+            continue
+        if pp > 1 and m.tie_word_embeddings:  # the first stage's embedding is the last stage's head
             continue
         if fixed.get("dp", dims.dp) != dims.dp or cluster.gpus_per_node % tp:
             continue
@@ -478,6 +482,11 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
     if m.num_heads % (tp * u):
         raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's "
                            f"{plural(m.num_heads, 'head')}")
+    if tp > 1:
+        try:
+            m.check_tensor_parallel()
+        except ValueError as err:
+            raise CommandError(f"--tp={tp}: {err}") from None
     if cluster.gpus_per_node % tp or m.intermediate_size % tp:
         raise CommandError(f"--tp={tp} must divide --gpus-per-node={cluster.gpus_per_node} and the MLP width "
                            f"{m.intermediate_size}")

@@ -46,7 +46,10 @@ class ExportWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self.pending[name] = tensor.detach().cpu().contiguous()
+        value = tensor.detach().cpu().contiguous()
+        if any(value.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in self.pending.values()):
+            value = value.clone()  # a tied weight (tie_word_embeddings): a safetensors file holds no shared storage
+        self.pending[name] = value
         self.pending_bytes += nbytes
         self.total += nbytes
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from ds4sci.data import Tokenizer
 from ds4sci.io.export import ExportWriter
 from ds4sci.io.hf import GPT_NEOX_ACTIVATIONS, GPT_NEOX_NAMES
-from ds4sci.io.weights import _config_from_gpt_neox_json, load_model
+from ds4sci.io.weights import ARCHITECTURES, _config_from_hf_json, load_model
 from ds4sci.models.genslm import GenSLMConfig, to_gpt_neox_state_dict
 
 # GenSLMConfig fields that set how ds4sci trains or runs a model, not what it computes: written (dropout and init_std
@@ -57,7 +57,7 @@ def gpt_neox_config(config: GenSLMConfig, tokenizer: Tokenizer, where: str | Pat
             "tie_word_embeddings": False, "attention_bias": True, "hidden_dropout": config.dropout,
             "attention_dropout": config.dropout, "initializer_range": config.init_std,
             "pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.cls_id, "eos_token_id": None}
-    back = _config_from_gpt_neox_json(data, where)
+    back = _config_from_hf_json(data, where, ARCHITECTURES["gpt_neox"])
     for field in dataclasses.fields(config):
         if field.name not in NOT_COMPARED and getattr(back, field.name) != getattr(config, field.name):
             refuse(field.name, _WHY.get(field.name, "transformers' GPTNeoXConfig has no equivalent"))

@@ -5,22 +5,23 @@ Three sources, told apart by their files:
 
 - a ds4sci export: ``model.safetensors`` (or its shards with an index), ``config.json`` and ``tokenizer.json``
   (:mod:`ds4sci.io.export`);
-- a Hugging Face ``GPTNeoXForCausalLM`` directory as ``save_pretrained`` writes it: ``config.json`` with
-  ``"model_type": "gpt_neox"`` and ``model.safetensors`` or ``pytorch_model.bin`` (or their sharded form with a
-  ``*.index.json``);
+- a Hugging Face ``GPTNeoXForCausalLM`` or ``LlamaForCausalLM`` directory as ``save_pretrained`` writes it:
+  ``config.json`` with ``"model_type": "gpt_neox"`` or ``"llama"`` and ``model.safetensors`` or ``pytorch_model.bin``
+  (or their sharded form with a ``*.index.json``);
 - a checkpoint file (``.pt``, ``.ckpt``, ``.bin``, ``.safetensors``): a state dict, or a PyTorch Lightning checkpoint
   holding one under ``"state_dict"``. GenSLM's released checkpoints are Lightning checkpoints of a module that keeps
   a ``GPTNeoXForCausalLM`` as ``self.model``: their keys read ``model.gpt_neox.layers.0...`` and their
   ``hyper_parameters["model_architecture"]`` is the GPT-NeoX ``config.json``, which then gives the model's shape.
 
 A model folder is untrusted input. Its config's every value is checked for type and range
-(:func:`ds4sci.models.genslm.config.check_field`; a GPT-NeoX ``config.json`` under its own key names, before
+(:func:`ds4sci.models.genslm.config.check_field`; a GPT-NeoX or Llama ``config.json`` under its own key names, before
 transformers reads it), then against the shapes of the tensors (:func:`check_config`: layer count, hidden, vocabulary
 and MLP sizes, learned position table; a safetensors file's shapes from its header, before any tensor is read), so
 a config that claims more than its weights hold is refused before any layer is built, naming the file, the key and
 the value.
 
-Names are GenSLM's or GPT-NeoX's (:mod:`ds4sci.models.genslm.neox` renames them). Nothing pickled is ever
+Names are GenSLM's, GPT-NeoX's or Llama's (:mod:`ds4sci.models.genslm.neox` and :mod:`ds4sci.models.genslm.llama`
+convert them; :data:`ARCHITECTURES` holds, per ``model_type``, its keys and converters). Nothing pickled is ever
 executed: safetensors, or ``torch.load(weights_only=True)``, which reads tensors and plain containers only
 (:data:`_SAFE_GLOBALS` adds the ``pathlib`` paths GenSLM's Lightning hyper-parameters hold).
 
@@ -36,15 +37,18 @@ import json
 import pathlib
 import pickle
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ds4sci.data import Tokenizer
-from ds4sci.io.hf import GPT_NEOX_KEYS as _GPT_NEOX_KEYS, GPT_NEOX_NAMES as _GPT_NEOX_NAMES
-from ds4sci.models.genslm import GenSLM, GenSLMConfig, config_from_gpt_neox, from_gpt_neox_state_dict
+from ds4sci.io.hf import GPT_NEOX_KEYS
+from ds4sci.models.genslm import (GenSLM, GenSLMConfig, config_from_gpt_neox, config_from_llama,
+                                  from_gpt_neox_state_dict, from_llama_state_dict)
 from ds4sci.models.genslm.config import check_field
 
 TOKENIZERS = ("codon", "nucleotide")
@@ -53,6 +57,46 @@ TOKENIZERS = ("codon", "nucleotide")
 _SAFE_GLOBALS = [(cls, f"pathlib.{cls.__name__}") for cls in
                  (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)]
 _HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+# config.json keys both transformers architectures share -> the GenSLMConfig fields they become
+_HF_KEYS = {key: field for key, field in GPT_NEOX_KEYS.items()
+            if key not in ("layer_norm_eps", "rotary_pct", "rotary_emb_base")}
+# Llama-3's rotary scaling keys, inside rope_parameters (transformers >= 5) or rope_scaling (< 5)
+_LLAMA3_KEYS = {"factor": "rotary_scaling_factor", "low_freq_factor": "rotary_low_freq_factor",
+                "high_freq_factor": "rotary_high_freq_factor",
+                "original_max_position_embeddings": "rotary_original_max_positions"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A transformers causal LM that GenSLM can hold: its ``config.json`` keys (dotted: inside an object) -> the
+    GenSLMConfig fields they become (checked by :func:`~ds4sci.models.genslm.config.check_field` before transformers
+    reads the file), its config class in transformers, and the converters of its config and state dict."""
+
+    name: str  # for messages
+    prefix: str  # what its state dicts' names start with (their head's aside)
+    keys: dict[str, str]
+    config_class: str
+    config: Callable  # transformers config -> GenSLMConfig
+    state_dict: Callable  # (state dict or names -> shapes, GenSLMConfig) -> the same under GenSLM's names
+
+    @property
+    def names(self) -> dict[str, str]:
+        """Field -> the top-level key that sets it (what a refusal names)."""
+        return {field: key for key, field in self.keys.items() if "." not in key}
+
+
+# config.json's model_type -> the architecture
+ARCHITECTURES = {
+    "gpt_neox": Architecture(
+        "GPT-NeoX", "gpt_neox.", GPT_NEOX_KEYS,
+        "GPTNeoXConfig", config_from_gpt_neox, lambda state, config: from_gpt_neox_state_dict(state)),
+    "llama": Architecture(
+        "Llama", "model.", {**_HF_KEYS, "num_key_value_heads": "num_kv_heads", "rms_norm_eps": "layer_norm_eps",
+                  "rope_theta": "rotary_base", "tie_word_embeddings": "tie_word_embeddings",
+                  **{f"{parent}.{key}": field for parent in ("rope_parameters", "rope_scaling")
+                     for key, field in _LLAMA3_KEYS.items()}},
+        "LlamaConfig", config_from_llama, from_llama_state_dict),
+}
 
 
 def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig | None, str | None]:
@@ -72,13 +116,14 @@ def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfi
         raise FileNotFoundError(f"{path}: no such file or directory")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: no config.json; expected a ds4sci export (model.safetensors, config.json, "
-                                f"tokenizer.json) or a Hugging Face GPT-NeoX directory (config.json and "
+                                f"tokenizer.json) or a Hugging Face GPT-NeoX or Llama directory (config.json and "
                                 f"{' or '.join(_HF_WEIGHTS)})")
     meta = _read_json(path / "config.json")
-    if meta.get("model_type") == "gpt_neox":
-        config = _config_from_gpt_neox_json(meta, path / "config.json")
-        state = read_checked(_hf_weight_files(path), config, path / "config.json", _GPT_NEOX_NAMES,
-                             lambda tensors: _genslm_names(tensors, path))
+    arch = ARCHITECTURES.get(meta.get("model_type"))
+    if arch is not None:
+        config = _config_from_hf_json(meta, path / "config.json", arch)
+        state = read_checked(_hf_weight_files(path), config, path / "config.json", arch.names,
+                             lambda tensors: _genslm_names(tensors, path, arch, config))
         return state, config, _tokenizer_kind(config.vocab_size, path)
     if "model" in meta and "tokenizer" in meta:
         from ds4sci.io.export import read_consolidated
@@ -86,7 +131,8 @@ def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfi
         state, config, tokenizer = read_consolidated(path)
         return state, config, tokenizer.kind
     raise ValueError(f"{path / 'config.json'}: neither a ds4sci export config (keys model, tokenizer) nor a Hugging "
-                     f"Face GPT-NeoX one (model_type={meta.get('model_type')!r}, expected 'gpt_neox')")
+                     f"Face one GenSLM can hold (model_type={meta.get('model_type')!r}, expected one of "
+                     f"{sorted(ARCHITECTURES)})")
 
 
 def load_into(model: GenSLM, state_dict: dict[str, torch.Tensor], source: str) -> None:
@@ -149,6 +195,9 @@ def check_config(config: GenSLMConfig, shapes: dict[str, tuple[int, ...]], confi
         for i, field in enumerate(fields):
             if len(shape) != len(fields) or shape[i] != getattr(config, field):
                 refuse(field, f"holds {name!r} of shape {shape}")
+    qkv = shapes.get("layers.0.attention.query_key_value.weight")
+    if qkv is not None and qkv[0] != (config.num_heads + 2 * config.num_kv_heads) * config.head_dim:
+        refuse("num_kv_heads", f"holds 'layers.0.attention.query_key_value.weight' of shape {tuple(qkv)}")
 
 
 def _layer_range(layers: list[int]) -> str:
@@ -183,19 +232,19 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _config_from_gpt_neox_json(data: dict, where: Path | str) -> GenSLMConfig:
-    """GenSLMConfig of a GPT-NeoX ``config.json`` (read by transformers' ``GPTNeoXConfig``: its defaults and
-    key renames across versions)."""
+def _config_from_hf_json(data: dict, where: Path | str, arch: Architecture) -> GenSLMConfig:
+    """GenSLMConfig of a transformers ``config.json`` of architecture ``arch`` (read by its transformers config
+    class: its defaults and key renames across versions)."""
     try:
-        from transformers import GPTNeoXConfig
+        import transformers
     except ImportError:
-        raise ValueError(f"{where}: reading a Hugging Face GPT-NeoX config needs transformers "
+        raise ValueError(f"{where}: reading a Hugging Face {arch.name} config needs transformers "
                          f"(pip install 'transformers>=4.40')") from None
     try:  # transformers >= 5 checks its configs' field types and raises this
         from huggingface_hub.errors import StrictDataclassError
     except ImportError:
         StrictDataclassError = ValueError
-    for key, field in _GPT_NEOX_KEYS.items():  # before transformers, whose versions check types or not
+    for key, field in arch.keys.items():  # before transformers, whose versions check types or not
         parent, _, name = key.rpartition(".")
         section = data.get(parent) if parent else data
         value = section.get(name) if isinstance(section, dict) else None
@@ -205,7 +254,7 @@ def _config_from_gpt_neox_json(data: dict, where: Path | str) -> GenSLMConfig:
             except ValueError as err:
                 raise ValueError(f"{where}: {key}={value!r}: {err}") from None
     try:
-        return config_from_gpt_neox(GPTNeoXConfig.from_dict(data))
+        return arch.config(getattr(transformers, arch.config_class).from_dict(data))
     except (TypeError, ValueError, StrictDataclassError) as err:  # transformers' message may span lines
         raise ValueError(f"{where}: {' '.join(str(err).split())}") from None
 
@@ -220,7 +269,7 @@ def _hf_weight_files(path: Path) -> list[Path]:
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index}: no weight_map")
             return [path / file for file in sorted(set(weight_map.values()))]
-    raise FileNotFoundError(f"{path}: a Hugging Face GPT-NeoX directory without weights: expected "
+    raise FileNotFoundError(f"{path}: a Hugging Face model directory without weights: expected "
                             f"{' or '.join(_HF_WEIGHTS)} (or a sharded *.index.json)")
 
 
@@ -299,27 +348,30 @@ def _load_checkpoint_file(file: Path) -> tuple[dict[str, torch.Tensor], GenSLMCo
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):  # a Lightning checkpoint
         arch = (obj.get("hyper_parameters") or {}).get("model_architecture")  # GenSLM's GPT-NeoX config.json
         if isinstance(arch, dict):
-            config = _config_from_gpt_neox_json(arch, f"{file} (hyper_parameters.model_architecture)")
+            config = _config_from_hf_json(arch, f"{file} (hyper_parameters.model_architecture)",
+                                          ARCHITECTURES["gpt_neox"])
         obj = obj["state_dict"]
     if not (isinstance(obj, dict) and obj and all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                    for k, v in obj.items())):
         raise ValueError(f"{file}: not a state dict (names -> tensors) nor a checkpoint with one under 'state_dict'")
     if all(k.startswith("model.") for k in obj):  # a LightningModule holding the network as self.model
         obj = {k[len("model."):]: v for k, v in obj.items()}
-    state = _genslm_names(obj, file)
+    state = _genslm_names(obj, file, ARCHITECTURES["gpt_neox"], config)
     if config is not None:
         check_config(config, {name: tuple(t.shape) for name, t in state.items()},
-                     f"{file} (hyper_parameters.model_architecture)", "its state_dict", _GPT_NEOX_NAMES)
+                     f"{file} (hyper_parameters.model_architecture)", "its state_dict",
+                     ARCHITECTURES["gpt_neox"].names)
     vocab = config.vocab_size if config else (state["embed_in.weight"].shape[0] if "embed_in.weight" in state else None)
     return state, config, (_tokenizer_kind(vocab, file) if vocab is not None else None)
 
 
-def _genslm_names(state: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
-    """GPT-NeoX names (``gpt_neox.*``, ``embed_out`` / ``lm_head``) renamed to GenSLM's; GenSLM's kept."""
-    if not any(k.startswith("gpt_neox.") for k in state):
+def _genslm_names(state: dict, where: Path, arch: Architecture, config: GenSLMConfig | None) -> dict:
+    """``arch``'s names (GPT-NeoX's ``gpt_neox.*``, Llama's ``model.*``; heads ``embed_out`` / ``lm_head``) converted
+    to GenSLM's; GenSLM's kept. ``state``: tensors, or their shapes."""
+    if not any(k.startswith(arch.prefix) for k in state):
         return state
     try:
-        return from_gpt_neox_state_dict(state)
+        return arch.state_dict(state, config)
     except KeyError as err:
         raise ValueError(f"{where}: {err.args[0]}") from None
 

@@ -509,12 +509,14 @@ def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, coun
     ``[B, T, V_pad/tp]``: use :func:`token_loss_for` (``groups``) as the loss.
 
     Raises:
-        ValueError: a degree cannot split the model (:meth:`ParallelDims.check_model`).
+        ValueError: a degree cannot split the model (:meth:`ParallelDims.check_model`), or its shape is not yet
+        tensor-parallel (:meth:`GenSLMConfig.check_tensor_parallel`).
     """
     dims = groups.dims
     if dims.tp == 1:
         return
     cfg = model.config
+    cfg.check_tensor_parallel()
     dims.check_model(num_heads=cfg.num_heads, num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size)
     if isinstance(model.embed_in, VocabParallelEmbedding):
         raise ValueError("apply_tensor_parallel: the model is already tensor-parallel")

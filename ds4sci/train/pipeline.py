@@ -198,7 +198,14 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
     (or None).
     ``engine.module.loss_fn`` is the :class:`PipelineLoss`. First, the engine's gradient reduction is checked on a
     probe pipeline (:func:`check_pipeline_gradient_reduction`).
+
+    Raises:
+        ValueError: a model with ``tie_word_embeddings``, whose embedding (first stage) and head (last stage) would
+        become two parameters.
     """
+    if model.config.tie_word_embeddings:
+        raise ValueError("tie_word_embeddings=True: a pipeline keeps the embedding on its first stage and the head on "
+                         "its last, which would untie them; use pp=1")
     from deepspeed.runtime.pipe import PipelineModule
 
     class StagePipeline(PipelineModule):

@@ -1,8 +1,11 @@
-"""GenSLM: a GPT-NeoX-style causal language model over genome tokens (Zvyagin et al. 2022, GenSLMs;
-Black et al. 2022, GPT-NeoX-20B), written for one device.
+"""GenSLM: a GPT-NeoX- or Llama-shaped causal language model over genome tokens (Zvyagin et al. 2022, GenSLMs;
+Black et al. 2022, GPT-NeoX-20B; Touvron et al. 2023, Llama), written for one device. The shape is the config's
+(:class:`~ds4sci.models.genslm.config.GenSLMConfig`): grouped-query attention, SwiGLU, RMSNorm, biases, residual
+form and tied embeddings are options of this one model.
 
 Parameter names mirror Hugging Face's ``GPTNeoXForCausalLM`` (without the ``gpt_neox.`` prefix), so GenSLM's
-released checkpoints convert by renaming (:mod:`ds4sci.models.genslm.neox`).
+released checkpoints convert by renaming (:mod:`ds4sci.models.genslm.neox`); a ``LlamaForCausalLM`` converts by
+renaming and fusing its q/k/v projections (:mod:`ds4sci.models.genslm.llama`).
 
 Sequence parallelism is applied from outside (``ds4sci.sequence.parallelize``): every block's ``attention.core``
 is an :class:`AttentionCore` implementing the local attention protocol (:mod:`ds4sci.kernels.local_attention`) and
@@ -21,7 +24,8 @@ from torch import Tensor, nn
 from ds4sci.kernels.backends import LocalBackend, parse_backend
 from ds4sci.kernels.local_attention import memory_efficient_attention
 from ds4sci.models.genslm.config import GenSLMConfig
-from ds4sci.models.genslm.position import LearnedPositionEmbedding, alibi_slopes, apply_rotary, rotary_cos_sin
+from ds4sci.models.genslm.position import (LearnedPositionEmbedding, RotaryScaling, alibi_slopes, apply_rotary,
+                                           rotary_cos_sin)
 
 IGNORE_INDEX = -100
 """Target id that the loss skips (padding, document starts, a shard's missing next token); PyTorch's default."""
@@ -58,55 +62,90 @@ class AttentionCore(nn.Module):
         return f"num_heads={self.num_heads}, alibi={self.alibi}, backend={self.backend.value!r}"
 
 
+def norm(config: GenSLMConfig, device: torch.device | str | None = None) -> nn.Module:
+    """The config's norm over ``hidden_size``: ``nn.LayerNorm`` (weight, bias) or ``nn.RMSNorm`` (weight; Zhang &
+    Sennrich 2019), both with ``layer_norm_eps``."""
+    kind = nn.LayerNorm if config.norm == "layernorm" else nn.RMSNorm
+    return kind(config.hidden_size, eps=config.layer_norm_eps, device=device)
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention with fused QKV (GPT-NeoX layout: per head ``[q | k | v]``) and rotary on a
-    fraction of head dims."""
+    """Self-attention with fused QKV and rotary on a fraction of head dims; ``num_kv_heads`` key/value heads, each
+    shared by a group of ``g = num_heads / num_kv_heads`` query heads (grouped-query attention, Ainslie et al. 2023).
+
+    ``query_key_value`` rows, per key/value group ``j``: ``[q of query heads j*g .. (j+1)*g-1 | k_j | v_j]``, each
+    head ``head_dim`` rows. With ``g = 1`` that is GPT-NeoX's per-head ``[q | k | v]`` layout, so a multi-head model's
+    weights are GPT-NeoX's unchanged. K and V go to the core with ``num_kv_heads`` heads, never repeated."""
 
     def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
         super().__init__()
-        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.rotary_dim = config.rotary_dim
         self.rotary_base = config.rotary_base
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size, device=device)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size, device=device)
+        self.rotary_scaling = (
+            RotaryScaling(config.rotary_scaling_factor, config.rotary_low_freq_factor, config.rotary_high_freq_factor,
+                          config.rotary_original_max_positions)
+            if config.rotary_scaling_factor != 1.0 else None
+        )
+        qkv_size = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.query_key_value = nn.Linear(config.hidden_size, qkv_size, bias=config.bias, device=device)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.bias, device=device)
         self.core = AttentionCore(config.num_heads, alibi=config.position_embedding == "alibi",
                                   backend=config.attention_backend)
 
     def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
         B, T, _ = x.shape  # batch, local tokens, hidden
-        qkv = self.query_key_value(x).view(B, T, self.num_heads, 3 * self.head_dim)  # [B, T, H, 3*D]
-        q, k, v = qkv.split(self.head_dim, dim=-1)  # each [B, T, H, D]
+        Hkv, D = self.num_kv_heads, self.head_dim
+        g = self.num_heads // Hkv  # query heads per key/value head
+        qkv = self.query_key_value(x).view(B, T, Hkv, (g + 2) * D)  # [B, T, Hkv, (g+2)*D]
+        q, k, v = qkv.split((g * D, D, D), dim=-1)  # [B, T, Hkv, g*D], [B, T, Hkv, D] x 2
+        q = q.reshape(B, T, self.num_heads, D)  # [B, T, H, D]: query head j*g + i of group j
         if self.rotary_dim:
-            cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, q.dtype)
+            cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, q.dtype,
+                                      scaling=self.rotary_scaling)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core(q, k, v, q_doc=doc_ids, k_doc=doc_ids)  # [B, T, H, D]
         return self.dense(out.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
+    """GELU MLP ``dense_4h_to_h(gelu(dense_h_to_4h(x)))`` (GPT-NeoX) or, for ``mlp="swiglu"``,
+    ``dense_4h_to_h(silu(dense_h_to_4h_gate(x)) * dense_h_to_4h(x))`` (Shazeer 2020; Llama's
+    ``down(silu(gate(x)) * up(x))``): ``[B, T, hidden] -> [B, T, intermediate] -> [B, T, hidden]``."""
+
     def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size, device=device)
-        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size, device=device)
+        h, f, bias = config.hidden_size, config.intermediate_size, config.bias
+        self.dense_h_to_4h = nn.Linear(h, f, bias=bias, device=device)
+        self.dense_h_to_4h_gate = nn.Linear(h, f, bias=bias, device=device) if config.mlp == "swiglu" else None
+        self.dense_4h_to_h = nn.Linear(f, h, bias=bias, device=device)
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"  # F.gelu's name for it
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate=self.approximate))
+        up = self.dense_h_to_4h(x)  # [B, T, intermediate]
+        if self.dense_h_to_4h_gate is not None:
+            return self.dense_4h_to_h(F.silu(self.dense_h_to_4h_gate(x)) * up)
+        return self.dense_4h_to_h(F.gelu(up, approximate=self.approximate))
 
 
 class Block(nn.Module):
-    """GPT-NeoX block with parallel residual: ``x + attn(ln1(x)) + mlp(ln2(x))``."""
+    """Pre-norm block: GPT-NeoX's parallel residual ``x + attn(ln1(x)) + mlp(ln2(x))``, or with
+    ``parallel_residual=False`` Llama's sequential one, ``y = x + attn(ln1(x)); y + mlp(ln2(y))``."""
 
     def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=device)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=device)
+        self.input_layernorm = norm(config, device)
+        self.post_attention_layernorm = norm(config, device)
         self.attention = Attention(config, device)
         self.mlp = MLP(config, device)
         self.dropout = nn.Dropout(config.dropout)
+        self.parallel_residual = config.parallel_residual
 
     def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
         attn = self.dropout(self.attention(self.input_layernorm(x), position_ids, doc_ids))
+        if not self.parallel_residual:
+            x = x + attn
+            return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
         return x + attn + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -146,8 +185,10 @@ class GenSLM(nn.Module):
             )
             self.emb_dropout = nn.Dropout(config.dropout)
             self.layers = nn.ModuleList(Block(config, device) for _ in range(config.num_layers))
-            self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=device)
+            self.final_layer_norm = norm(config, device)
             self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
+            if config.tie_word_embeddings:  # one parameter, named embed_in.weight in named_parameters()
+                self.embed_out.weight = self.embed_in.weight
         self.checkpoint_fn = None  # see the class docstring
         # Weights to start from (fine-tuning), by parameter name, any float dtype, possibly memory-mapped: when set,
         # initial_value reads them instead of drawing (set it on a meta-built model before materializing).

@@ -62,8 +62,9 @@ def from_gpt_neox_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, t
 
 
 def to_gpt_neox_state_dict(model: GenSLM, head_key: str = "embed_out.weight") -> dict[str, torch.Tensor]:
-    """GenSLM (rotary) parameters under ``GPTNeoXForCausalLM`` names (``head_key="lm_head.weight"`` for
-    transformers >= 5)."""
+    """GenSLM (rotary, GPT-NeoX-shaped: :meth:`GenSLMConfig.check_gpt_neox_shape`) parameters under
+    ``GPTNeoXForCausalLM`` names (``head_key="lm_head.weight"`` for transformers >= 5)."""
     if model.config.position_embedding != "rotary":
         raise ValueError(f"GPT-NeoX has rotary positions only; this model uses {model.config.position_embedding!r}")
+    model.config.check_gpt_neox_shape("GPTNeoXForCausalLM's names hold")
     return {(head_key if k == "embed_out.weight" else f"gpt_neox.{k}"): v for k, v in model.state_dict().items()}

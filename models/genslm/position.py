@@ -6,6 +6,7 @@ trainer can shard tokens, labels and positions together.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -97,10 +98,36 @@ class LearnedPositionEmbedding(nn.Module):
         return self.weight[slot]
 
 
-def rotary_cos_sin(position_ids: Tensor, rotary_dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """GPT-NeoX rotary tables for global ``position_ids [B, T]``: cos, sin ``[B, T, 1, rotary_dim]``
-    (Su et al. 2021, RoFormer; half-split layout)."""
+class RotaryScaling(NamedTuple):
+    """Llama-3.1's rotary frequency scaling (Grattafiori et al. 2024, "The Llama 3 Herd of Models"; transformers'
+    rope_type ``"llama3"``): GenSLMConfig's ``rotary_scaling_factor``, ``rotary_low_freq_factor``,
+    ``rotary_high_freq_factor`` and ``rotary_original_max_positions``."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+    def apply(self, inv_freq: Tensor) -> Tensor:
+        """``inv_freq [r/2]`` scaled: frequencies whose wavelength ``2 pi / f`` exceeds ``original / low`` are
+        divided by ``factor``, those under ``original / high`` kept, those between interpolated with weight
+        ``s = (original / wavelength - low) / (high - low)`` on the unscaled one."""
+        wavelength = 2 * math.pi / inv_freq
+        long = wavelength > self.original_max_positions / self.low_freq_factor
+        short = wavelength < self.original_max_positions / self.high_freq_factor
+        s = (self.original_max_positions / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        between = (1 - s) * inv_freq / self.factor + s * inv_freq
+        return torch.where(long, inv_freq / self.factor, torch.where(short, inv_freq, between))
+
+
+def rotary_cos_sin(position_ids: Tensor, rotary_dim: int, base: float, dtype: torch.dtype,
+                   scaling: RotaryScaling | None = None) -> tuple[Tensor, Tensor]:
+    """GPT-NeoX / Llama rotary tables for global ``position_ids [B, T]``: cos, sin ``[B, T, 1, rotary_dim]``
+    (Su et al. 2021, RoFormer; half-split layout), frequencies optionally Llama-3-scaled (``scaling``)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.float32) / rotary_dim))
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, rotary_dim]
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -235,10 +235,10 @@ def test_refusals_name_the_cause(trained, tmp_path, capsys):
     # files: missing, of another model type, unsafe pickles, not a state dict
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
         load_weights(tmp_path / "nope")
-    (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ValueError, match=r"model_type='llama', expected 'gpt_neox'"):
-        load_weights(tmp_path / "llama")
+    (tmp_path / "mamba").mkdir()
+    (tmp_path / "mamba" / "config.json").write_text('{"model_type": "mamba"}')
+    with pytest.raises(ValueError, match=r"model_type='mamba', expected one of \['gpt_neox', 'llama'\]"):
+        load_weights(tmp_path / "mamba")
     torch.save({"state_dict": {"model.embed_in.weight": torch.zeros(69, 4)}, "hyper_parameters": {"x": Opaque()}},
                tmp_path / "unsafe.ckpt")
     with pytest.raises(ValueError, match=rf"unsafe.ckpt: holds a {re.escape(Opaque.__module__)}.Opaque object, which "
