@@ -203,9 +203,6 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
         ValueError: a model with ``tie_word_embeddings``, whose embedding (first stage) and head (last stage) would
         become two parameters.
     """
-    if model.config.tie_word_embeddings:
-        raise ValueError("tie_word_embeddings=True: a pipeline keeps the embedding on its first stage and the head on "
-                         "its last, which would untie them; use pp=1")
     from deepspeed.runtime.pipe import PipelineModule
 
     class StagePipeline(PipelineModule):
@@ -216,6 +213,9 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
 
     dims = groups.dims
     check_pipeline_gradient_reduction(cfg, groups, device)  # before the model's engine: fails fast
+    if model.config.tie_word_embeddings:
+        raise ValueError("tie_word_embeddings=True: a pipeline keeps the embedding on its first stage and the head on "
+                         "its last, which would untie them; use pp=1")
     pipe = StagePipeline(pipeline_layers(model, position_table), topology=pipeline_topology(dims),
                          loss_fn=PipelineLoss(groups), partition_method="type:BlockStage")
     pipe.to(device)
