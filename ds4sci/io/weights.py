@@ -46,7 +46,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ds4sci.data import Tokenizer
-from ds4sci.io.hf import GPT_NEOX_KEYS
+from ds4sci.io.hf import GPT_NEOX_KEYS, LLAMA_KEYS
 from ds4sci.models.genslm import (GenSLM, GenSLMConfig, config_from_gpt_neox, config_from_llama,
                                   from_gpt_neox_state_dict, from_llama_state_dict)
 from ds4sci.models.genslm.config import check_field
@@ -57,13 +57,6 @@ TOKENIZERS = ("codon", "nucleotide")
 _SAFE_GLOBALS = [(cls, f"pathlib.{cls.__name__}") for cls in
                  (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)]
 _HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-# config.json keys both transformers architectures share -> the GenSLMConfig fields they become
-_HF_KEYS = {key: field for key, field in GPT_NEOX_KEYS.items()
-            if key not in ("layer_norm_eps", "rotary_pct", "rotary_emb_base")}
-# Llama-3's rotary scaling keys, inside rope_parameters (transformers >= 5) or rope_scaling (< 5)
-_LLAMA3_KEYS = {"factor": "rotary_scaling_factor", "low_freq_factor": "rotary_low_freq_factor",
-                "high_freq_factor": "rotary_high_freq_factor",
-                "original_max_position_embeddings": "rotary_original_max_positions"}
 
 
 @dataclass(frozen=True)
@@ -81,7 +74,9 @@ class Architecture:
 
     @property
     def names(self) -> dict[str, str]:
-        """Field -> the top-level key that sets it (what a refusal names)."""
+        """Field -> the top-level key that sets it: what a refusal names, and what an export writes
+        (:mod:`ds4sci.io.export_hf`; transformers 4 reads these keys, 5 moves the rotary ones into rope_parameters as
+        it reads them)."""
         return {field: key for key, field in self.keys.items() if "." not in key}
 
 
@@ -91,10 +86,7 @@ ARCHITECTURES = {
         "GPT-NeoX", "gpt_neox.", GPT_NEOX_KEYS,
         "GPTNeoXConfig", config_from_gpt_neox, lambda state, config: from_gpt_neox_state_dict(state)),
     "llama": Architecture(
-        "Llama", "model.", {**_HF_KEYS, "num_key_value_heads": "num_kv_heads", "rms_norm_eps": "layer_norm_eps",
-                  "rope_theta": "rotary_base", "tie_word_embeddings": "tie_word_embeddings",
-                  **{f"{parent}.{key}": field for parent in ("rope_parameters", "rope_scaling")
-                     for key, field in _LLAMA3_KEYS.items()}},
+        "Llama", "model.", LLAMA_KEYS,
         "LlamaConfig", config_from_llama, from_llama_state_dict),
 }
 

@@ -13,7 +13,7 @@ _EXPORTS = {
     "IGNORE_INDEX": "model", "AttentionCore": "model", "GenSLM": "model", "lm_loss": "model", "shift_labels": "model",
     "token_loss": "model",
     "config_from_gpt_neox": "neox", "from_gpt_neox_state_dict": "neox", "to_gpt_neox_state_dict": "neox",
-    "config_from_llama": "llama", "from_llama_state_dict": "llama",
+    "config_from_llama": "llama", "from_llama_state_dict": "llama", "to_llama_state_dict": "llama",
     "LearnedPositionEmbedding": "position", "alibi_slopes": "position",
 }
 

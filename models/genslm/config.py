@@ -160,12 +160,25 @@ class GenSLMConfig:
             ValueError: ``"{field}={value}: {what} GPT-NeoX-shaped GenSLMs only ({field}={GPT-NeoX's value})"`` for
             the first field that differs.
         """
-        neox = {"num_kv_heads": self.num_heads, "mlp": "gelu", "norm": "layernorm", "bias": True,
-                "parallel_residual": True, "tie_word_embeddings": False, "rotary_scaling_factor": 1.0}
-        for field, supported in neox.items():
-            if getattr(self, field) != supported:
-                raise ValueError(f"{field}={getattr(self, field)!r}: {what} GPT-NeoX-shaped GenSLMs only "
-                                 f"({field}={supported!r})")
+        self._check_shape("GPT-NeoX", what, num_kv_heads=self.num_heads, mlp="gelu", norm="layernorm", bias=True,
+                          parallel_residual=True, tie_word_embeddings=False, rotary_scaling_factor=1.0)
+
+    def check_llama_shape(self, what: str) -> None:
+        """Llama's shape: rotary positions on every head dim, SwiGLU MLP, RMSNorm, sequential residual (any number of
+        key/value heads, biases or not, tied or untied head, Llama-3 rotary scaling or not).
+
+        Raises:
+            ValueError: ``"{field}={value}: {what} Llama-shaped GenSLMs only ({field}={Llama's value})"`` for the
+            first field that differs.
+        """
+        self._check_shape("Llama", what, position_embedding="rotary", rotary_pct=1.0, mlp="swiglu", norm="rmsnorm",
+                          parallel_residual=False)
+
+    def _check_shape(self, family: str, what: str, **supported) -> None:
+        for field, value in supported.items():
+            if getattr(self, field) != value:
+                raise ValueError(f"{field}={getattr(self, field)!r}: {what} {family}-shaped GenSLMs only "
+                                 f"({field}={value!r})")
 
     def check_tensor_parallel(self) -> None:
         """Tensor parallelism (:mod:`ds4sci.parallel.tensor_parallel`) splits GPT-NeoX's shape only

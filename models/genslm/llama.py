@@ -1,10 +1,10 @@
 """Conversion of Hugging Face ``LlamaForCausalLM`` configs and state dicts (Touvron et al. 2023, Llama; Llama-3:
-Grattafiori et al. 2024) to GenSLM's Llama shape (:class:`~ds4sci.models.genslm.config.GenSLMConfig` with
+Grattafiori et al. 2024) to GenSLM's Llama shape, and of such a GenSLM's state dict back (:func:`to_llama_state_dict`) (:class:`~ds4sci.models.genslm.config.GenSLMConfig` with
 ``mlp="swiglu"``, ``norm="rmsnorm"``, ``parallel_residual=False``).
 
 Names map one to one (:data:`LLAMA_NAMES`) except the attention's: Llama's separate ``q_proj``, ``k_proj`` and
 ``v_proj`` become GenSLM's fused ``query_key_value``, grouped per key/value head (:class:`~ds4sci.models.genslm.model.
-Attention`'s layout). Both models rotate the half-split layout (transformers' ``rotate_half``), so no weight is
+Attention`'s layout), and are split apart again on the way out (:func:`unfuse_qkv`). Both models rotate the half-split layout (transformers' ``rotate_half``), so no weight is
 permuted. A tied model's file holds no ``lm_head.weight``; the head is the embedding.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ _BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)  # stored by some transformers vers
 
 def config_from_llama(hf_config) -> GenSLMConfig:
     """GenSLMConfig of a ``transformers.LlamaConfig``: SiLU required, ``head_dim`` the hidden size's share,
-    ``attention_bias`` equal to ``mlp_bias``, rotary type ``"default"`` or ``"llama3"``.
+    ``attention_bias`` equal to ``mlp_bias``, rotary type ``"default"`` or ``"llama3"`` on every head dim.
 
     Raises:
         ValueError: naming the Llama key and value GenSLM cannot express.
@@ -50,6 +50,9 @@ def config_from_llama(hf_config) -> GenSLMConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"rope_type={rope_type!r}: GenSLM computes the 'default' and 'llama3' rotary frequencies")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']!r}: transformers' Llama rotates every "
+                         f"head dim (its default rope ignores the factor, its 'llama3' rope fails on it)")
     base = rope.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
     scaling = {}
     if rope_type == "llama3":
@@ -66,7 +69,7 @@ def config_from_llama(hf_config) -> GenSLMConfig:
         intermediate_size=hf_config.intermediate_size,
         max_position_embeddings=hf_config.max_position_embeddings,
         position_embedding="rotary",
-        rotary_pct=float(rope.get("partial_rotary_factor", 1.0)),
+        rotary_pct=1.0,
         rotary_base=float(base),
         layer_norm_eps=hf_config.rms_norm_eps,
         norm="rmsnorm",
@@ -87,6 +90,46 @@ def fuse_qkv(q, k, v, num_kv_heads: int):
     rest = q.shape[1:]
     grouped = [t.reshape(num_kv_heads, -1, *rest) for t in (q, k, v)]  # [Hkv, g*D | D | D, ...]
     return torch.cat(grouped, dim=1).reshape(-1, *rest)
+
+
+def unfuse_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """The inverse of :func:`fuse_qkv`: ``query_key_value`` ``[(H + 2*Hkv)*D, ...]`` (weight or bias), grouped per
+    key/value head, -> Llama's ``q_proj`` ``[H*D, ...]``, ``k_proj`` and ``v_proj`` ``[Hkv*D, ...]``."""
+    rest = qkv.shape[1:]
+    g = num_heads // num_kv_heads  # query heads per key/value head
+    grouped = qkv.reshape(num_kv_heads, -1, *rest)  # [Hkv, (g+2)*D, ...]
+    d = grouped.shape[1] // (g + 2)  # head_dim
+    q, k, v = grouped.split((g * d, d, d), dim=1)  # [Hkv, g*D, ...], [Hkv, D, ...] x 2
+    return tuple(t.reshape(-1, *rest) for t in (q, k, v))  # [H*D, ...], [Hkv*D, ...] x 2
+
+
+def to_llama_state_dict(model) -> dict[str, torch.Tensor]:
+    """A Llama-shaped GenSLM's parameters (:meth:`GenSLMConfig.check_llama_shape`) under ``LlamaForCausalLM``'s names
+    (:data:`LLAMA_NAMES`, :data:`LLAMA_LAYER_NAMES`), ``query_key_value`` split into q/k/v (:func:`unfuse_qkv`); a
+    tied model's has no ``lm_head.weight`` (transformers ties it to the embedding, as ``tie_word_embeddings``
+    says).
+
+    Raises:
+        ValueError: naming the first field whose value LlamaForCausalLM does not compute.
+    """
+    config = model.config
+    config.check_llama_shape("LlamaForCausalLM computes")
+    names = {ours: theirs for theirs, ours in LLAMA_NAMES.items()}
+    layer_names = {ours: theirs for theirs, ours in LLAMA_LAYER_NAMES.items()}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name in names:
+            if not (name == "embed_out.weight" and config.tie_word_embeddings):
+                out[names[name]] = tensor
+            continue
+        _, layer, rest = name.split(".", 2)  # layers.{i}.<rest>
+        if rest.startswith("attention.query_key_value."):
+            kind = rest.rsplit(".", 1)[1]
+            for projection, part in zip(_QKV, unfuse_qkv(tensor, config.num_heads, config.num_kv_heads)):
+                out[f"model.layers.{layer}.{projection}{kind}"] = part
+        else:
+            out[f"model.layers.{layer}.{layer_names[rest]}"] = tensor
+    return out
 
 
 def from_llama_state_dict(state_dict: dict, config: GenSLMConfig) -> dict:
