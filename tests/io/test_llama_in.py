@@ -95,3 +95,24 @@ def test_llama_refusals_name_key_and_sizes(tmp_path):
         (tmp_path / "gelu" / "config.json").read_text().replace('"num_key_value_heads": 2', '"num_key_value_heads": 2.0'))
     with pytest.raises(ValueError, match=r"kv/config.json: num_key_value_heads=2.0: expected an integer, got float"):
         load_weights(tmp_path / "kv")
+    _hf_llama(tmp_path / "partial", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.5: transformers' Llama rotates every head dim"):
+        load_weights(tmp_path / "partial")
+
+
+def test_bf16_rms_norm_rounds_as_transformers(tmp_path):
+    """In bf16, ds4sci's RMSNorm rounds as transformers' LlamaRMSNorm (normalised in fp32, rounded, then times the
+    weight): bitwise equal at the norm, and the whole model's logits no further from the fp32 ones than twice
+    transformers' own bf16 error."""
+    hf = _hf_llama(tmp_path)
+    model, _, _ = ds4sci.load_model(tmp_path)
+    ids, positions = _batch()
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits  # fp32
+        hf, model = hf.to(torch.bfloat16), model.to(torch.bfloat16)
+        x = 4 * torch.randn(2, 96, LLAMA["hidden_size"], dtype=torch.bfloat16)  # [B, T, hidden]
+        assert torch.equal(model.layers[0].input_layernorm(x), hf.model.layers[0].input_layernorm(x))
+        ours = (model(ids, positions).float() - want).abs().max()
+        theirs = (hf(input_ids=ids).logits.float() - want).abs().max()
+    assert ours <= 2 * theirs, (ours, theirs)
