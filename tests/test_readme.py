@@ -123,7 +123,8 @@ def test_every_command_is_checked():
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> Path:
     """A working folder like a fresh clone after ``make demo``: ``examples/`` and a small nucleotide export at
-    ``runs/demo/export``; ``variants.fasta`` is the user's file the score example reads."""
+    ``runs/demo/export`` (and a Llama-shaped one where ``ecoli_llama_u2.yaml`` exports); ``variants.fasta`` is the
+    user's file the score example reads."""
     import torch
 
     from ds4sci.data import NucleotideTokenizer
@@ -136,6 +137,8 @@ def scratch(tmp_path_factory) -> Path:
     tok = NucleotideTokenizer()
     cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size)
     export_consolidated(GenSLM(cfg).state_dict(), cfg, tok, root / "runs" / "demo" / "export")
+    cfg = GenSLMConfig.preset("llama-debug", vocab_size=tok.vocab_size)
+    export_consolidated(GenSLM(cfg).state_dict(), cfg, tok, root / "runs" / "ecoli_llama_u2" / "export")
     (root / "variants.fasta").write_text(">ref\nATGAAACGCATTAGCACCACC\n>alt\nATGAAACGCATTAGTACCACC\n")
     return root
 
