@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "embed": ("ds4sci.commands.embed", "per-record mean embeddings of FASTA sequences (.npz)"),
     "score": ("ds4sci.commands.score", "per-record log-likelihood and bits per base of FASTA sequences (TSV)"),
     "export-hf": ("ds4sci.commands.export_hf", "write a model as a Hugging Face transformers directory "
-                  "(GPTNeoXForCausalLM and its tokenizer)"),
+                  "(GPTNeoXForCausalLM or LlamaForCausalLM, and its tokenizer)"),
     "bench": ("ds4sci.bench", "run a benchmark and write its results (JSON + Markdown) to --out"),
     "plan": ("ds4sci.plan", "predict per-GPU memory and communication of parallel layouts; list those that fit"),
 }

@@ -43,8 +43,9 @@ def probability(text: str) -> float:
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     """The positional ``export`` argument of the commands that load a trained model (:func:`ds4sci.load_model`)."""
     parser.add_argument("export", metavar="MODEL",
-                        help="a ds4sci export (OUT_DIR/export of ds4sci train), a Hugging Face GPT-NeoX directory or "
-                        "a GenSLM / PyTorch checkpoint file (.pt, .ckpt, .bin, .safetensors) that keeps its config")
+                        help="a ds4sci export (OUT_DIR/export of ds4sci train), a Hugging Face GPT-NeoX or Llama "
+                        "directory or a GenSLM / PyTorch checkpoint file (.pt, .ckpt, .bin, .safetensors) that keeps "
+                        "its config")
 
 
 def check_seq_len(seq_len: int | None, model_config) -> None:

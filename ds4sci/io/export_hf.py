@@ -127,12 +127,14 @@ class HFExportWriter(ExportWriter):
 def export_hf(source: str | Path, out: str | Path, overwrite: bool = False,
               max_shard_bytes: int | None = None) -> Path:
     """Write the model at ``source`` (anything :func:`ds4sci.load_model` reads) to ``out`` as a transformers
-    ``GPTNeoXForCausalLM`` or ``LlamaForCausalLM`` directory (module docstring). ``out`` must be missing or empty unless ``overwrite``: then
-    the files written replace those of the same names, and a previous export's safetensors weights go.
+    ``GPTNeoXForCausalLM`` or ``LlamaForCausalLM`` directory (module docstring). ``out`` must be missing or empty
+    unless ``overwrite``: then the files written replace those of the same names, and a previous export's safetensors
+    weights go.
 
     Raises:
         FileExistsError: ``out`` holds files and ``overwrite`` is false.
-        ValueError: the source cannot be read, or neither architecture can express its model (:func:`hf_config`).
+        ValueError: the source cannot be read, or the architecture its MLP picks cannot express its model
+            (:func:`hf_config`).
     """
     out = Path(out)
     if out.exists() and not out.is_dir():

@@ -1,11 +1,13 @@
 """Conversion of Hugging Face ``LlamaForCausalLM`` configs and state dicts (Touvron et al. 2023, Llama; Llama-3:
-Grattafiori et al. 2024) to GenSLM's Llama shape, and of such a GenSLM's state dict back (:func:`to_llama_state_dict`) (:class:`~ds4sci.models.genslm.config.GenSLMConfig` with
-``mlp="swiglu"``, ``norm="rmsnorm"``, ``parallel_residual=False``).
+Grattafiori et al. 2024) to GenSLM's Llama shape (:class:`~ds4sci.models.genslm.config.GenSLMConfig` with
+``mlp="swiglu"``, ``norm="rmsnorm"``, ``parallel_residual=False``), and of such a GenSLM's state dict back
+(:func:`to_llama_state_dict`).
 
 Names map one to one (:data:`LLAMA_NAMES`) except the attention's: Llama's separate ``q_proj``, ``k_proj`` and
 ``v_proj`` become GenSLM's fused ``query_key_value``, grouped per key/value head (:class:`~ds4sci.models.genslm.model.
-Attention`'s layout), and are split apart again on the way out (:func:`unfuse_qkv`). Both models rotate the half-split layout (transformers' ``rotate_half``), so no weight is
-permuted. A tied model's file holds no ``lm_head.weight``; the head is the embedding.
+Attention`'s layout), and are split apart again on the way out (:func:`unfuse_qkv`). Both models rotate the
+half-split layout (transformers' ``rotate_half``), so no weight is permuted. A tied model's file holds no
+``lm_head.weight``; the head is the embedding.
 """
 from __future__ import annotations
 
