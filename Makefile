@@ -23,9 +23,12 @@ install: $(STAMP)
 demo: install
 	$(PY) examples/demo.py
 
+# Two pytest workers (pytest-xdist), one test module at a time each, so a module's fixtures are built once: much of
+# the suite is single-threaded (the Triton interpreter, subprocess start-up). JOBS=0 runs it in this process.
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
+JOBS ?= 2
 test: install
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n $(JOBS) --dist loadscope $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 clean:

@@ -9,6 +9,16 @@ from ds4sci.bench import kernels_aot
 SM80_SMEM, SM90_SMEM = 166912, 232448  # max dynamic shared memory per block: 163 KB (A100), 227 KB (H100)
 
 
+# Compiling a gate's variants takes minutes on 2 cores (the 408 shipped ones about 4-10 min, depending on load): more
+# than the suite's 600 s per-test limit allows for one test that sets the shared fixture up.
+COMPILE_TIMEOUT = 1800
+
+
+def compiles(test):
+    """Marks a test of a compiling fixture: slow, with :data:`COMPILE_TIMEOUT`."""
+    return pytest.mark.slow(pytest.mark.timeout(COMPILE_TIMEOUT)(test))
+
+
 def gate(tmp_path, *argv):
     """``ds4sci bench kernels-aot --out tmp_path --jobs 2 *argv``: ``(exit status, JSON report, Markdown table)``."""
     parser = argparse.ArgumentParser()

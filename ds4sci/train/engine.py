@@ -62,6 +62,7 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     """
     import deepspeed
 
+    _without_shm_op()
     if dist.is_initialized():  # DeepSpeed still needs its communication backend on top of the existing group
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count())))
         with _printed_at_debug():
@@ -77,10 +78,21 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
                                    timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def _without_shm_op() -> None:
+    """Keep DeepSpeed's CPU backend from building its shared-memory all-reduce: on the CPU, ``deepspeed.init_distributed``
+    JIT-compiles that C++ op (60-90 s on 2 cores, again whenever the build's paths change, e.g. another virtual
+    environment), and only DeepSpeed's inference all-reduce (``module_inject``) calls it; ds4sci's collectives are
+    torch.distributed's. DeepSpeed reads ``deepspeed.ops.__compatible_ops__`` to decide, a dict it keeps once built.
+    On CUDA the op does not exist and nothing is changed."""
+    if not torch.cuda.is_available():
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 @contextlib.contextmanager
 def _printed_at_debug():
-    """What Python code prints to stdout inside becomes one DEBUG log line: DeepSpeed's communication backend prints
-    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank at start-up."""
+    """What Python code prints to stdout inside becomes one DEBUG log line (DeepSpeed's start-up prints there)."""
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):

@@ -310,10 +310,11 @@ def test_sequence_parallel_world_4():
 
 # ---------------------------------------------------------------------------- DeepSpeed agreement
 def _worker_deepspeed(rank, world):
-    import deepspeed
     from deepspeed.sequence.layer import DistributedAttention as DSDistributedAttention
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from ds4sci.train.engine import init_distributed
+
+    init_distributed()
     W = dist.group.WORLD
     results = []
     for causal, H in ((True, 4), (False, 2)):

@@ -306,9 +306,10 @@ def _worker_engine(rank, world, stage):
     import deepspeed
 
     from ds4sci.parallel.groups import DeepSpeedMPU
+    from ds4sci.train.engine import init_distributed
     from ds4sci.train.loss import grad_reduction_factor
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     groups = build_groups(ParallelDims(dp=2, tp=2))
     cfg, clip = _config(), 1e-3
     ids, pos, tgt, _ = _batch(cfg, 4, 8, 0, False)

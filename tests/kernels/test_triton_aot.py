@@ -17,11 +17,8 @@ every Triton launch recorded instead of run, so these tests follow the launchers
   within shared memory, without spills, and every exponent is a scaled difference.
 - The PTX checker is tested on hand-written PTX of both forms and on PTX that Triton compiles from the two forms
   of one line (``exp2(s*LOG2E - m*LOG2E)`` is flagged, ``exp2((s - m)*LOG2E)`` is not).
-- The slow shipped test compiles every shipped variant: each entry of the tile table (fp16, bf16, fp32 x BLOCK_D
-  16/32/64/128) x each kernel (forward, backward preprocess, dK/dV, dQ, dpair) x each flag combination (HAS_MASK,
-  HAS_PAIR, MASK_GRAD), for sm_80 and sm_90: 408 compilations, 4-10 minutes on 2 shared cores. Flag-off variants are
-  compiled too: ptxas allocates registers per variant, and flag-off variants were seen to spill where the all-flags
-  one did not.
+- Every shipped variant is compiled in ``test_triton_aot_shipped.py`` (its own module, so that the suite's two
+  workers can compile both gates at once).
 """
 import itertools
 import json
@@ -34,7 +31,6 @@ import torch
 
 from ds4sci.bench.aot.calls import CALLERS, kernel_name, launch_flags, record_launches
 from ds4sci.bench.aot.compile import TARGETS
-from ds4sci.bench.aot.pool import compile_all
 from ds4sci.bench.aot.ptx import parse_ptx, unsafe_exponents
 from ds4sci.bench.aot.specialise import describe_specialisation, specialisation, specialisation_key
 from ds4sci.bench.aot.variants import caller_variants, shipped_variants
@@ -46,8 +42,8 @@ from aot_checks import (  # tests/ is on sys.path (its conftest.py)
     assert_compiled_within_smem,
     assert_exponents,
     assert_gate_compiled,
-    assert_resources,
     assert_spill_free,
+    compiles,
     gate_fixture,
 )
 NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -273,39 +269,10 @@ def test_ptx_checker_on_triton_output_of_both_forms(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-# Compiling a gate's variants takes minutes on 2 cores (the 408 shipped ones about 4-10 min, depending on load): more
-# than the suite's 600 s per-test limit allows for one test that sets the shared fixture up.
-_COMPILE_TIMEOUT = 1800
-
-
-def _compiles(test):
-    """Marks a test of a compiling fixture: slow, with :data:`_COMPILE_TIMEOUT`."""
-    return pytest.mark.slow(pytest.mark.timeout(_COMPILE_TIMEOUT)(test))
-
-
-@pytest.fixture(scope="module")
-def forward_backward_compiled():
-    """Forward, dK/dV, dQ and dpair with every bias for sm_80 and sm_90a (bf16, D = 32): 8 compilations."""
-    variants = [v for v in shipped_variants(("bf16",), (32,), worst_case_only=True) if v.kernel != "bwd_preprocess"]
-    assert [v.kernel for v in variants] == ["fwd", "bwd_dkdv", "bwd_dq", "bwd_dpair"]
-    return compile_all(variants, (80, 90), jobs=2)
-
-
-@_compiles
-def test_forward_and_backward_compile_for_sm80_and_sm90(forward_backward_compiled):
-    assert_resources(forward_backward_compiled)
-    assert all(r["ex2"] > 0 for r in forward_backward_compiled)
-
-
-@_compiles
-def test_forward_and_backward_exponents_are_scaled_differences(forward_backward_compiled):
-    assert_exponents(forward_backward_compiled)
-
-
 callers_gate = gate_fixture("callers")
 
 
-@_compiles
+@compiles
 def test_callers_compile_within_smem(callers_gate):
     rc, report, table = callers_gate
     assert_gate_compiled(report["results"], caller_variants(), cases={c.name for c in CALLERS})
@@ -314,33 +281,13 @@ def test_callers_compile_within_smem(callers_gate):
     assert "msa-row N=1" in table and "not %16" in table
 
 
-@_compiles
+@compiles
 def test_callers_are_spill_free(callers_gate):
     # Found by this gate before the tile table covered callers: 24 of 124 compilations spilled (bwd_dq bf16 D=32
     # with the permuted pair bias on sm_90a, 120/88 B; fwd fp16 D=24 on sm_80, 260/232 B).
     assert_spill_free(callers_gate[1]["results"])
 
 
-@_compiles
+@compiles
 def test_callers_exponents_are_scaled_differences(callers_gate):
     assert_exponents(callers_gate[1]["results"])
-
-
-shipped_gate = gate_fixture("shipped")
-
-
-@_compiles
-def test_every_table_entry_compiles_for_sm80_and_sm90_within_smem_and_spill_free(shipped_gate):
-    rc, report, table = shipped_gate
-    expected = shipped_variants(worst_case_only=False)
-    assert_gate_compiled(report["results"], expected, cases={"representative"})
-    assert_resources(report["results"])
-    assert table.count("| representative |") == len(expected) and "| error |" not in table
-
-
-@_compiles
-def test_every_table_entry_computes_exponents_from_differences(shipped_gate):
-    rc, report, table = shipped_gate
-    assert_exponents(report["results"])
-    assert rc == 0 and report["all_ok"]
-    assert table.count("| yes |") == len(report["results"]) // 2 and "| NO |" not in table

@@ -21,7 +21,13 @@ import itertools
 import pytest
 import torch
 
-from aot_checks import assert_exponents, assert_gate_compiled, assert_resources, gate_fixture  # tests/ on sys.path
+from aot_checks import (  # tests/ is on sys.path (its conftest.py)
+    assert_exponents,
+    assert_gate_compiled,
+    assert_resources,
+    compiles,
+    gate_fixture,
+)
 
 from ds4sci.bench.aot.calls import LocalCall, kernel_name, record_launches
 from ds4sci.bench.aot.specialise import specialisation, specialisation_key
@@ -110,8 +116,7 @@ def test_block_dependent_integers_are_not_specialised():
 local_gate = gate_fixture("local")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # the module fixture compiles 96 kernels: 1-3 min on 2 cores, more under load
+@compiles  # the module fixture compiles 96 kernels: 1-3 min on 2 cores, more under load
 def test_local_kernels_compile_for_sm80_and_sm90_within_smem_spill_free_and_with_safe_exponents(local_gate):
     rc, report, table = local_gate
     results = report["results"]

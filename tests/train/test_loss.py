@@ -28,6 +28,9 @@ def _measure_deepspeed(rank, world):
     from ds4sci.train.engine import _initialize, init_distributed
 
     init_distributed()
+    from deepspeed.comm import comm
+
+    built_shm_op = comm.cdb.shm_comm_op is not None
     cpu, measured = torch.device("cpu"), {}
     for dp, sp in DEGREES:
         for stage in STAGES:
@@ -42,16 +45,17 @@ def _measure_deepspeed(rank, world):
     with (mock.patch.object(sanity, "grad_reduction_factor", lambda *args, **kwargs: 1.0),
           pytest.raises(RuntimeError) as refused):
         sanity.check_gradient_reduction(initialize, cfg, groups, cpu)
-    return measured, str(refused.value)
+    return measured, str(refused.value), built_shm_op
 
 
 @pytest.fixture(scope="module")
 def deepspeed_division():
-    """``{(stage, dp, sp, grad_accum): what DeepSpeed divides the group's summed gradient by}``, measured."""
-    (measured, error), (measured_1, error_1) = run_workers(_measure_deepspeed, 2, env={"DS_ACCELERATOR": "cpu"},
-                                                           timeout=300)
+    """``{(stage, dp, sp, grad_accum): what DeepSpeed divides the group's summed gradient by}``, measured; the
+    start-up check's errors; whether each rank's DeepSpeed built its shared-memory op."""
+    (measured, error, shm), (measured_1, error_1, shm_1) = run_workers(
+        _measure_deepspeed, 2, env={"DS_ACCELERATOR": "cpu"}, timeout=300)
     assert measured == measured_1  # every rank saw the same reduced gradient
-    return measured, (error, error_1)
+    return measured, (error, error_1), (shm, shm_1)
 
 
 @pytest.mark.slow
@@ -59,7 +63,7 @@ def deepspeed_division():
 def test_grad_reduction_factor_is_what_deepspeed_measures(deepspeed_division):
     """The factor the loss is scaled by equals the division DeepSpeed applies (and engine.backward's division by the
     accumulation steps), measured on a 2-process group: not a restatement of the constants."""
-    measured, errors = deepspeed_division
+    measured, errors, _ = deepspeed_division
     for (stage, dp, sp, accum), division in measured.items():
         assert division == pytest.approx(grad_reduction_factor(stage, dp, sp) * accum, rel=1e-6), (stage, dp, sp, accum)
     # the start-up check refuses a wrong factor on every rank, naming DeepSpeed's version and both numbers
@@ -67,6 +71,14 @@ def test_grad_reduction_factor_is_what_deepspeed_measures(deepspeed_division):
         assert error is not None and re.search(r"^DeepSpeed \d+\.\d+\.\d+ reduces gradients differently", error), error
         assert "zero.stage=3, dp=1, sp=2" in error and "divides the summed gradient by 2 " in error, error
         assert "grad_reduction_factor x grad_accum = 1." in error, error
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepspeed_starts_on_the_cpu_without_compiling_its_shared_memory_op(deepspeed_division):
+    """engine.init_distributed keeps DeepSpeed from JIT-compiling its CPU shared-memory all-reduce (a minute of C++
+    per virtual environment that ds4sci never calls)."""
+    assert deepspeed_division[2] == (False, False)
 
 
 def test_grad_reduction_factor_refuses_bad_arguments():
@@ -118,7 +130,7 @@ def test_scaled_shard_loss_under_deepspeeds_reduction_gives_the_global_mean_grad
             logits = shard_sequence(x[d], 1, s, sp) @ w
             local_sum = token_loss(logits, shard_sequence(targets[d], 1, s, sp), "sum")
             (grads[d, s],) = torch.autograd.grad(scaled_shard_loss(local_sum, count, factor), w)
-    measured, _ = deepspeed_division
+    measured = deepspeed_division[0]
     torch.testing.assert_close(grads.sum(dim=(0, 1)) / measured[stage, dp, sp, 1], ref)
 
 
