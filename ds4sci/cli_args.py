@@ -48,8 +48,24 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
                         "its config")
 
 
-def check_seq_len(seq_len: int | None, model_config) -> None:
-    """``--seq-len`` beyond the model's context: one :class:`CommandError` naming both numbers."""
-    if seq_len is not None and seq_len > model_config.max_position_embeddings:
-        raise CommandError(f"--seq-len {seq_len} exceeds the model's context of "
-                           f"{model_config.max_position_embeddings} tokens")
+def add_window_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--seq-len`` and ``--stride``: the windows a command reads records through
+    (:func:`ds4sci.infer.evaluate.record_windows`); checked against the model by :func:`check_windows`."""
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="window length in tokens, at most the model's context (default: the model's context)")
+    parser.add_argument("--stride", type=positive_int, default=None,
+                        help="tokens between window starts, at most --seq-len (default: --seq-len, windows that do "
+                        "not overlap); a smaller stride gives every token after the first window at least "
+                        "seq_len - stride tokens of context, at seq_len / stride times the compute")
+
+
+def check_windows(args: argparse.Namespace, model_config) -> None:
+    """``--seq-len`` beyond the model's context, or ``--stride`` beyond the window: one :class:`CommandError`
+    naming both numbers."""
+    context = model_config.max_position_embeddings
+    if args.seq_len is not None and args.seq_len > context:
+        raise CommandError(f"--seq-len {args.seq_len} exceeds the model's context of {context} tokens")
+    window = args.seq_len or context
+    if args.stride is not None and args.stride > window:
+        raise CommandError(f"--stride {args.stride} exceeds the window of {window} tokens "
+                           f"({'--seq-len' if args.seq_len else 'the model context'}): windows would skip tokens")

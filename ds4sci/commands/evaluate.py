@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from ds4sci.cli_args import add_model_argument, check_seq_len, positive_int
+from ds4sci.cli_args import add_model_argument, add_window_arguments, check_windows, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
     parser.add_argument("--fasta", required=True, help="FASTA file to score")
-    parser.add_argument("--seq-len", type=positive_int, default=None,
-                        help="window length in tokens, at most the model's context (default: the model's context)")
+    add_window_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -22,8 +21,9 @@ def run(args: argparse.Namespace) -> int:
     from ds4sci.io.weights import load_model
 
     model, config, tokenizer = load_model(args.export)
-    check_seq_len(args.seq_len, config)
-    result = evaluate(model, tokenizer, windows(config, tokenizer, args.fasta, args.seq_len), args.batch_size)
+    check_windows(args, config)
+    dataset = windows(config, tokenizer, args.fasta, args.seq_len, args.stride)
+    result = evaluate(model, tokenizer, dataset, args.batch_size)
     if args.json:
         print(json.dumps(result))
     else:

@@ -7,7 +7,7 @@ import csv
 import logging
 import sys
 
-from ds4sci.cli_args import add_model_argument, check_seq_len, positive_int
+from ds4sci.cli_args import add_model_argument, add_window_arguments, check_windows, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         " ('-': stdout)")
     parser.add_argument("--reverse-complement", action="store_true",
                         help="nucleotide models: average the log-likelihoods of both strands")
-    parser.add_argument("--seq-len", type=positive_int, default=None,
-                        help="window length in tokens, at most the model's context (default: the model's context)")
+    add_window_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not "
                         "a terminal)")
@@ -34,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
     from ds4sci.io.weights import load_model
 
     model, config, tokenizer = load_model(args.export)
-    check_seq_len(args.seq_len, config)
+    check_windows(args, config)
     rows = score_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, args.reverse_complement,
-                         batch_size=args.batch_size, progress=not args.no_progress)
+                         stride=args.stride, batch_size=args.batch_size, progress=not args.no_progress)
     out = sys.stdout if args.out == "-" else open(args.out, "w", newline="", encoding="utf-8")
     try:
         writer = csv.writer(out, delimiter="\t", lineterminator="\n")

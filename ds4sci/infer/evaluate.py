@@ -1,15 +1,24 @@
 """Loss, perplexity and bits per base of a model over the real tokens of a FASTA file (``ds4sci evaluate``).
 
-Every record is cut into consecutive non-overlapping windows of ``seq_len`` tokens (the last one padded), so each
-token is scored at most once; a window's first token has no context and is not scored; padding never counts, and
-perplexity is ``exp`` of the full mean loss. ``ds4sci score`` (:mod:`ds4sci.infer.score`) scores each record through
-the same windows (:func:`record_windows`, :func:`window_losses`), so a file's token-weighted mean of its records'
-scores is this loss.
-Bits per base = loss (nats/token) / ln 2 / bases per token (a uniform model over A/C/G/T scores 2.0).
+Every record is read through windows of ``seq_len`` tokens that start every ``stride`` tokens (:func:`record_windows`;
+the scheme of Hugging Face's strided perplexity). Each token is scored once, in the first window that holds it; a
+record's first token has no context and is not scored, nor is any window's first token, and padding never counts.
+
+- ``stride = seq_len`` (the default): consecutive windows that do not overlap. A window's first token is then
+  context only, and the tokens early in a window see few tokens before them.
+- ``stride < seq_len``: windows overlap by ``seq_len - stride`` tokens. Every token after the first window is scored
+  with at least ``seq_len - stride`` tokens of context and every token but the record's first is scored; the cost is
+  ``seq_len / stride`` times the forward passes.
+
+A record that fits in one window scores the same with any stride. ``ds4sci score`` and ``ds4sci embed``
+(:mod:`ds4sci.infer.score`, :mod:`ds4sci.infer.embed`) read records through the same windows, so a file's
+token-weighted mean of its records' scores is this loss. Perplexity is ``exp`` of the full mean loss; bits per
+base = loss (nats/token) / ln 2 / bases per token (a uniform model over A/C/G/T scores 2.0).
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,24 +37,68 @@ def window_length(model_config, seq_len: int | None = None) -> int:
     return seq_len
 
 
-def record_windows(ids: np.ndarray, seq_len: int) -> list[np.ndarray]:
-    """A record's token ids ``[L]`` as consecutive windows of at most ``seq_len`` tokens (none when ``L == 0``)."""
-    return [ids[s : s + seq_len] for s in range(0, len(ids), seq_len)]
+def window_stride(seq_len: int, stride: int | None = None) -> int:
+    """The stride between window starts: ``stride``, or ``seq_len`` (consecutive windows) when None.
+
+    Raises:
+        ValueError: ``stride`` outside ``1..seq_len`` (naming both).
+    """
+    if stride is None:
+        return seq_len
+    if not 1 <= stride <= seq_len:
+        raise ValueError(f"stride={stride} must be between 1 and the window length seq_len={seq_len}")
+    return stride
 
 
-def window_dataset(chunks: list[np.ndarray], tokenizer) -> RecordDataset:
-    """Windows ``[w_i]`` (from :func:`record_windows`) as one padded sample each, padded to the longest window, not
-    to the model's context: records shorter than a long context cost their own length."""
-    return RecordDataset(chunks, tokenizer, max(len(c) for c in chunks))
+class Window(NamedTuple):
+    """A window of a record: its token ids ``[T]`` and ``owned``, the index of its first token that no earlier
+    window of the record holds (0 in the first window; in later ones the overlap, ``seq_len - stride``)."""
+
+    ids: np.ndarray
+    owned: int
 
 
-def windows(model_config, tokenizer, fasta: str, seq_len: int | None = None) -> RecordDataset:
-    """Consecutive windows of every record of ``fasta`` (padded at the end of each record)."""
+def record_windows(ids: np.ndarray, seq_len: int, stride: int | None = None) -> list[Window]:
+    """A record's token ids ``[L]`` as windows of at most ``seq_len`` tokens starting at ``0, stride, 2*stride, ...``
+    up to the first that reaches the record's end (none when ``L == 0``); ``stride`` defaults to ``seq_len``.
+
+    Window ``k`` holds ``ids[k*stride : k*stride + seq_len]`` and owns the tokens from the end of window ``k-1`` on,
+    so every token is owned by exactly one window, with at least ``seq_len - stride`` tokens before it in that window
+    (or all the tokens before it in the record). Hugging Face's strided perplexity uses the same windows."""
+    stride = window_stride(seq_len, stride)
+    out, end = [], 0
+    for start in range(0, len(ids), stride):
+        window = ids[start : start + seq_len]
+        out.append(Window(window, end - start))
+        end = start + len(window)
+        if end == len(ids):
+            break
+    return out
+
+
+class RecordWindows(RecordDataset):
+    """Windows (:func:`record_windows`) as samples padded to the longest window (not to the model's context: records
+    shorter than a long context cost their own length), each labelled from its first owned token on: earlier
+    tokens are context, neither scored nor embedded."""
+
+    def __init__(self, windows: list[Window], tokenizer):
+        super().__init__([w.ids for w in windows], tokenizer, max(len(w.ids) for w in windows))
+        self.owned = [w.owned for w in windows]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        sample = super().__getitem__(i)
+        sample["labels"][: self.owned[i]] = IGNORE_INDEX
+        return sample
+
+
+def windows(model_config, tokenizer, fasta: str, seq_len: int | None = None,
+            stride: int | None = None) -> RecordWindows:
+    """The windows (:func:`record_windows`) of every record of ``fasta``."""
     seq_len = window_length(model_config, seq_len)
-    chunks = [w for rec in read_fasta(fasta) for w in record_windows(tokenizer.encode(rec.sequence), seq_len)]
+    chunks = [w for rec in read_fasta(fasta) for w in record_windows(tokenizer.encode(rec.sequence), seq_len, stride)]
     if not chunks:
         raise ValueError(f"{fasta}: no tokens to evaluate")
-    return window_dataset(chunks, tokenizer)
+    return RecordWindows(chunks, tokenizer)
 
 
 @torch.no_grad()

@@ -3,8 +3,8 @@
 The per-sequence score genome language models are used for in variant-effect prediction and ranking (the
 sequence likelihood of Meier et al. 2021 and Evo 2's ``score_sequences``): a record's total next-token
 log-likelihood ``sum_t log p(x_t | x_<t)`` in nats, and its mean in bits per base. A record is read through the
-windows ``ds4sci evaluate`` uses (:mod:`ds4sci.infer.evaluate`: consecutive windows of ``seq_len`` tokens, a window's
-first token is context only), so a file's token-weighted mean of ``-log_likelihood / tokens`` is ``evaluate``'s loss.
+windows ``ds4sci evaluate`` uses (:mod:`ds4sci.infer.evaluate`: windows of ``seq_len`` tokens every ``stride`` tokens,
+each token scored once), so a file's token-weighted mean of ``-log_likelihood / tokens`` is ``evaluate``'s loss.
 
 ``reverse_complement`` (nucleotide models) scores both strands and averages their log-likelihoods, as Evo 2 does for
 strand-symmetric scores. A codon model refuses it: the reverse complement of a coding sequence is not a coding
@@ -18,19 +18,21 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ds4sci.infer.evaluate import record_windows, window_dataset, window_length, window_losses
+from ds4sci.infer.evaluate import RecordWindows, record_windows, window_length, window_losses
 from ds4sci.progress import progress_bar
 
 
 def score_records(model, tokenizer, records: Iterable, seq_len: int | None = None, reverse_complement: bool = False,
-                  *, batch_size: int = 8, progress: bool = False) -> list[dict]:
-    """One row per record: ``id``, ``length`` (bases), ``tokens`` (targets scored: the record's tokens minus one per
-    window, as ``evaluate`` counts them), ``log_likelihood`` (total, nats; the mean of both strands with
-    ``reverse_complement``) and ``bits_per_base`` (``-log_likelihood / tokens / ln 2 / bases per token``; NaN when
-    nothing is scored).
+                  *, stride: int | None = None, batch_size: int = 8, progress: bool = False) -> list[dict]:
+    """One row per record: ``id``, ``length`` (bases), ``tokens`` (targets scored, as ``evaluate`` counts them: the
+    record's tokens minus one per window that does not overlap the one before it), ``log_likelihood`` (total, nats;
+    the mean of both strands with ``reverse_complement``) and ``bits_per_base`` (``-log_likelihood / tokens / ln 2 /
+    bases per token``; NaN when nothing is scored).
 
     ``records``: objects with ``id`` and ``sequence`` (:func:`ds4sci.data.read_fasta`); ``seq_len``: window length
-    (default: the model's context); windows of every record are batched together, ``batch_size`` per forward.
+    (default: the model's context); ``stride``: tokens between window starts (default ``seq_len``:
+    :func:`~ds4sci.infer.evaluate.record_windows`); windows of every record are batched together, ``batch_size`` per
+    forward.
     ``progress``: a progress bar over the windows, on a terminal only (:func:`ds4sci.progress.progress_bar`).
     """
     if reverse_complement and not hasattr(tokenizer, "reverse_complement"):
@@ -42,14 +44,14 @@ def score_records(model, tokenizer, records: Iterable, seq_len: int | None = Non
     for rec in records:
         ids = tokenizer.encode(rec.sequence)
         for strand, strand_ids in enumerate([ids, tokenizer.reverse_complement(ids)] if reverse_complement else [ids]):
-            pieces = record_windows(strand_ids, seq_len)
+            pieces = record_windows(strand_ids, seq_len, stride)
             chunks += pieces
             owner += [strands * len(rows) + strand] * len(pieces)
         rows.append({"id": rec.id, "length": len(rec.sequence)})
     if not chunks:
         raise ValueError("no tokens to score")
     with progress_bar(progress, total=len(chunks), desc="score", unit="window") as bar:
-        sums, counts = window_losses(model, window_dataset(chunks, tokenizer), batch_size, bar)
+        sums, counts = window_losses(model, RecordWindows(chunks, tokenizer), batch_size, bar)
     n = strands * len(rows)
     loss = np.bincount(owner, weights=sums, minlength=n).reshape(-1, strands)  # [R, strands] nats
     scored = np.bincount(owner, weights=counts, minlength=n).reshape(-1, strands)[:, 0]  # [R] (both strands alike)

@@ -32,6 +32,23 @@ def test_embed_is_mean_over_tokens(tiny):
         embed_records(model, tok, [])
 
 
+def test_strided_embedding_takes_each_token_from_the_window_that_owns_it(tiny):
+    model, cfg, tok = tiny
+    seq = "ACGTTGCA" * 5  # 40 tokens; windows of 32 every 8: [0, 32) owns 0-31, [8, 40) owns 32-39
+    ids = torch.from_numpy(tok.encode(seq))
+    with torch.no_grad():
+        h1 = model(ids[None, :32], torch.arange(32)[None], return_hidden=True)[0]
+        h2 = model(ids[None, 8:], torch.arange(32)[None], return_hidden=True)[0, 24:]
+        short = model(torch.from_numpy(tok.encode("GATTACA"))[None], torch.arange(7)[None], return_hidden=True)[0]
+    names, got = embed_records(model, tok, _records(seq, "GATTACA"), stride=8, batch_size=3)
+    np.testing.assert_allclose(got[0], torch.cat([h1, h2]).mean(0).numpy(), rtol=1e-5, atol=1e-6)
+    # the second window's tokens 32-39 now see 24 tokens before them: a different embedding from stride 32's
+    assert not np.allclose(got[0], embed_records(model, tok, _records(seq))[1][0], rtol=1e-3, atol=1e-4)
+    for stride in (1, 8, 32):  # a record within one window: the same with any stride
+        np.testing.assert_allclose(embed_records(model, tok, _records("GATTACA"), stride=stride)[1][0],
+                                   short.mean(0).numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_embed_cli_batch_size_and_progress(tiny, tmp_path, capsys, monkeypatch):
     import sys
 

@@ -7,12 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from Bio.Seq import Seq
 
 from ds4sci.cli import main
 from ds4sci.data import CodonTokenizer, NucleotideTokenizer, read_fasta
+from ds4sci.infer.evaluate import record_windows
 from ds4sci.infer.score import score_records
 from ds4sci.io.export import export_consolidated
 from ds4sci.io.weights import load_model
@@ -98,6 +100,67 @@ def test_score_stdout_and_one_line_errors(exports, capsys):
     assert err.out == "" and err.err.count("error:") == 1 and "nucleotide model" in err.err and "codon" in err.err
     assert main(["score", exports["nucleotide"], "--fasta", exports["fasta"], "--out", "-", "--seq-len", "33"]) == 2
     assert "--seq-len 33 exceeds the model's context of 32" in capsys.readouterr().err
+
+
+def _strided_by_hand(model, tok, sequence: str, seq_len: int, stride: int) -> tuple[float, int]:
+    """(total log-likelihood, tokens scored) by Hugging Face's strided-perplexity loop, written out: a window of
+    ``seq_len`` tokens every ``stride`` tokens scores the tokens after the previous window's end (never its first)."""
+    ids = torch.from_numpy(tok.encode(sequence))
+    total, count, prev_end = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + seq_len, len(ids))
+        w = ids[begin:end]
+        logp = torch.log_softmax(model(w[None], torch.arange(len(w))[None])[0, :-1], -1)  # [T-1, V]
+        picked = logp[torch.arange(len(w) - 1), w[1:]]  # log p(w[j+1] | w[:j+1])
+        first = max(prev_end - begin, 1)  # the window's first scored token
+        total += picked[first - 1 :].sum().item()
+        count += len(w) - first
+        prev_end = end
+        if end == len(ids):
+            break
+    return total, count
+
+
+def test_strided_windows_score_each_token_once_with_the_context_the_stride_leaves(exports):
+    model, _, tok = load_model(exports["nucleotide"])
+    records = list(read_fasta(exports["fasta"]))  # 70 tokens, 9 (one window), 1
+    default = score_records(model, tok, records, 16)
+    for stride in (1, 5, 15, 16):
+        rows = score_records(model, tok, records, 16, stride=stride, batch_size=4)
+        with torch.no_grad():
+            expected = [_strided_by_hand(model, tok, r.sequence, 16, stride) for r in records]
+        assert [r["log_likelihood"] for r in rows] == pytest.approx([e[0] for e in expected], rel=1e-5), stride
+        assert [r["tokens"] for r in rows] == [e[1] for e in expected], stride
+        if stride < 16:  # overlapping windows score every token but the record's first
+            assert [r["tokens"] for r in rows] == [69, 8, 0]
+        assert rows[1] == default[1]  # a record within one window: the same with any stride
+    assert score_records(model, tok, records, 16, stride=16) == default
+    for ids_len, stride in ((70, 5), (70, 16), (16, 3), (17, 3)):
+        windows = record_windows(np.arange(ids_len), 16, stride)
+        owned = np.concatenate([w.ids[w.owned :] for w in windows])
+        assert owned.tolist() == list(range(ids_len))  # every token owned once, in order
+        assert all(len(w.ids) <= 16 and w.owned >= min(16 - stride, len(w.ids)) for w in windows[1:])
+    with pytest.raises(ValueError, match="stride=17 must be between 1 and the window length seq_len=16"):
+        score_records(model, tok, records, 16, stride=17)
+
+
+def test_score_and_evaluate_cli_take_a_stride(exports, capsys):
+    common = ["--fasta", exports["fasta"], "--seq-len", "16", "--stride", "5"]
+    assert main(["score", exports["nucleotide"], *common, "--out", "-", "--no-progress"]) == 0
+    rows = _read_tsv(capsys.readouterr().out)
+    assert [int(r["tokens"]) for r in rows] == [69, 8, 0]
+    assert main(["evaluate", exports["nucleotide"], *common, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens"] == 77
+    assert -sum(float(r["log_likelihood"]) for r in rows) / 77 == pytest.approx(result["loss"], rel=1e-6)
+    for command in ("score", "evaluate", "embed"):
+        out = ["--out", "-"] if command != "evaluate" else []
+        assert main([command, exports["nucleotide"], "--fasta", exports["fasta"], *out, "--seq-len", "16",
+                     "--stride", "17"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--stride 17 exceeds the window of 16 tokens (--seq-len)" in err, err
+    assert main(["score", exports["nucleotide"], "--fasta", exports["fasta"], "--out", "-", "--stride", "33"]) == 2
+    assert "--stride 33 exceeds the window of 32 tokens (the model context)" in capsys.readouterr().err
 
 
 def test_score_codon_bits_per_base_divides_by_three_bases_per_token(exports):
