@@ -69,9 +69,10 @@ class ModelConfig:
     overrides: dict = _field(default_factory=dict,
                     help='any GenSLMConfig field, e.g. {position_embedding: learned, num_layers: 4}')
     init_from: str = _field(default="",
-                    help='fine-tune: start from the weights of a ds4sci export, a Hugging Face GPT-NeoX directory or '
-                         'a .pt/.ckpt/.bin checkpoint (GenSLM\'s Lightning ones too); its config replaces model.preset, '
-                         'model.overrides apply on top; "" -> a fresh model; relative: like data.fasta', path=True)
+                    help='fine-tune: start from the weights of a ds4sci export, a Hugging Face GPT-NeoX or Llama '
+                         'directory or a .pt/.ckpt/.bin checkpoint (GenSLM\'s Lightning ones too); its config replaces '
+                         'model.preset, model.overrides apply on top; "" -> a fresh model; relative: like data.fasta',
+                    path=True)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """``model.init_from``: the model a run starts from, fresh or holding existing weights (fine-tuning). The sources
-(a ds4sci export, a Hugging Face GPT-NeoX directory, a GenSLM checkpoint) are read by :mod:`ds4sci.io.weights`."""
+(a ds4sci export, a Hugging Face GPT-NeoX or Llama directory, a GenSLM checkpoint) are read by
+:mod:`ds4sci.io.weights`."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
