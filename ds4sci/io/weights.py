@@ -94,8 +94,8 @@ ARCHITECTURES = {
 def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig | None, str | None]:
     """``(state dict under GenSLM's names, config or None, tokenizer kind or None)`` of a ds4sci export, a Hugging
     Face GPT-NeoX or Llama directory or a checkpoint file (see the module docstring). The config is None for a
-    checkpoint that does not keep one; the tokenizer kind (``"codon"`` or ``"nucleotide"``) is None only for a state dict
-    without an input embedding.
+    checkpoint that does not keep one; the tokenizer kind (``"codon"`` or ``"nucleotide"``) is None only for a state
+    dict without an input embedding.
 
     Raises:
         FileNotFoundError: ``path`` does not exist, or a directory lacks the files of both formats.
