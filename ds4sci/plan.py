@@ -14,9 +14,10 @@ pipeline stage), with ``B`` sequences of ``S`` tokens per micro-step, ``h`` hidd
 Memory model (bytes per GPU):
 
 - model states (ZeRO, Rajbhandari et al. 2020):
-  ``phi = ceil(L/pp) * ((phi_layer - 6 h) / tp + 6 h) + 2 V_tp h / tp + 2 h`` parameters per rank (``phi_layer``: one
-  block's; the block's two layer norms and two row-parallel biases, ``6 h``, and the final layer norm are replicated
-  over TP; the vocabulary is padded to ``V_tp``, a multiple of ``tp``), each with ``p`` bytes of parameter, ``g`` of
+  ``phi = ceil(L/pp) * ((phi_layer - n_r) / tp + n_r) + 2 V_tp h / tp + n`` parameters per rank (``phi_layer``: one
+  block's; the block's two norms and two row-parallel biases, ``n_r = 6 h`` (Llama's RMSNorm without biases:
+  ``2 h``), and the final norm, ``n = 2 h`` (``h``), are replicated over TP; the vocabulary is padded to ``V_tp``, a
+  multiple of ``tp``; a tied head is counted once with ``pp = 1``), each with ``p`` bytes of parameter, ``g`` of
   gradient and ``k`` of optimizer state: fp32 ``4 + 4 + 8`` (AdamW's two moments), bf16 ``2 + 2 + 12`` (fp32 master copy
   and moments). Stage 0 keeps all three; stages 1 and 2 divide the gradients the optimizer is handed and the optimizer
   state by ``sdp`` and keep an fp32 master copy of the partition even when training in fp32 (``k = 12``); stage 3 also
@@ -210,11 +211,15 @@ def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
 
 def rank_params(w: Workload, strategy: Strategy) -> float:
     """``phi``: parameters on the most loaded rank before ZeRO partitioning (module docstring)."""
-    d = strategy.dims
-    h = w.model.hidden_size
-    vocab = math.ceil(w.model.vocab_size / d.tp) * d.tp
-    return (math.ceil(w.model.num_layers / d.pp) * ((w.model.block_parameters() - 6 * h) / d.tp + 6 * h)
-            + 2 * vocab * h / d.tp + 2 * h)
+    d, m = strategy.dims, w.model
+    h = m.hidden_size
+    vocab = math.ceil(m.vocab_size / d.tp) * d.tp
+    norm = 2 * h if m.norm == "layernorm" else h  # one norm's parameters (RMSNorm: no bias)
+    replicated = 2 * norm + (2 * h if m.bias else 0)  # the block's two norms and two row-parallel biases
+    # embedding and head; a tied pair is one matrix, except that a pipeline keeps a copy on each end stage
+    matrices = 1 if m.tie_word_embeddings and d.pp == 1 else 2
+    return (math.ceil(m.num_layers / d.pp) * ((m.block_parameters() - replicated) / d.tp + replicated)
+            + matrices * vocab * h / d.tp + norm)
 
 
 def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
@@ -340,9 +345,8 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
                                             for a in ("tp", "ulysses", "ring", "pp"))):
         try:
             dims = ParallelDims.for_world(world, ulysses=u, ring=r, tp=tp, pp=pp)
-            dims.check_model(num_heads=m.num_heads, num_layers=m.num_layers, intermediate_size=m.intermediate_size)
-            if tp > 1:
-                m.check_tensor_parallel()
+            dims.check_model(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, num_layers=m.num_layers,
+                             intermediate_size=m.intermediate_size)
         except ValueError:  # these degrees do not split the GPUs or the model
             continue
         if pp > 1 and m.tie_word_embeddings:  # the first stage's embedding is the last stage's head
@@ -482,11 +486,9 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
     if m.num_heads % (tp * u):
         raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's "
                            f"{plural(m.num_heads, 'head')}")
-    if tp > 1:
-        try:
-            m.check_tensor_parallel()
-        except ValueError as err:
-            raise CommandError(f"--tp={tp}: {err}") from None
+    if m.num_kv_heads % tp and tp % m.num_kv_heads:
+        raise CommandError(f"--tp={tp} and the model's {plural(m.num_kv_heads, 'key/value head')}: one must divide "
+                           f"the other")
     if cluster.gpus_per_node % tp or m.intermediate_size % tp:
         raise CommandError(f"--tp={tp} must divide --gpus-per-node={cluster.gpus_per_node} and the MLP width "
                            f"{m.intermediate_size}")

@@ -36,6 +36,15 @@ def _config(**overrides) -> GenSLMConfig:
     return GenSLMConfig(**base)
 
 
+def _llama(**overrides) -> GenSLMConfig:
+    """Llama's shape: grouped-query attention, SwiGLU, RMSNorm, no biases, sequential residual, Llama-3.1's rotary
+    scaling on every head dim (its wavelength bands inside the tiny head), tied head (``tied=False`` unties it)."""
+    base = dict(num_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False, parallel_residual=False, rotary_pct=1.0,
+                rotary_scaling_factor=8.0, rotary_original_max_positions=32, tie_word_embeddings=True)
+    base.update(overrides)
+    return _config(**base)
+
+
 def _model(cfg: GenSLMConfig, seed: int) -> GenSLM:
     torch.manual_seed(seed)
     return GenSLM(cfg)
@@ -153,6 +162,9 @@ def _worker_tp2(rank, world):
     check_model("TP2 learned B=1", groups, _config(position_embedding="learned"), S=8, B=1, seed=2)
     # the two-branch reduce-scatter of active dropout (p so small that dropout is the identity in fp32)
     check_model("TP2 dropout path", groups, _config(dropout=1e-12), S=6, seed=3)
+    # Llama shapes: one key/value head per rank (tied head); one head shared by both ranks (untied)
+    check_model("TP2 llama kv2 tied", groups, _llama(), S=8, docs=True, seed=8)
+    check_model("TP2 llama kv1 shared untied", groups, _llama(num_kv_heads=1, tie_word_embeddings=False), S=6, seed=9)
 
     # communication: forward = 1 all-reduce (embedding), L reduce-scatters, L + 1 all-gathers; nothing else
     cfg = _config(num_layers=3)
@@ -255,17 +267,25 @@ def _worker_four(rank, world):
     g = build_groups(ParallelDims(dp=1, tp=2, ulysses=2))
     check_model("TP2xU2 alibi docs", g, _config(position_embedding="alibi"), S=16, docs=True)
     check_model("TP2xU2 rotary", g, _config(num_heads=8, hidden_size=64, intermediate_size=24), S=8, seed=1)
+    # a TP rank's one key/value head is shared by both Ulysses ranks
+    check_model("TP2xU2 llama kv2", g, _llama(), S=8, seed=10)
     # TP2 x Ring2, zigzag (the learned table is sharded over its max_positions: the trainer's window length)
     g = build_groups(ParallelDims(dp=1, tp=2, ring=2, layout="zigzag"))
     check_model("TP2xR2 zigzag learned docs", g, _config(position_embedding="learned", max_position_embeddings=16), S=16, docs=True, seed=2)
     check_model("TP2xR2 zigzag alibi", g, _config(position_embedding="alibi"), S=8, seed=3)
+    check_model("TP2xR2 zigzag llama kv1", g, _llama(num_kv_heads=1), S=8, docs=True, seed=11)
     # TP4: vocabulary 69 -> 72 (15 real columns on TP rank 3); vocabulary 5 -> 8 (TP rank 3 holds only padding)
     g = build_groups(ParallelDims(dp=1, tp=4))
     check_model("TP4 rotary docs vocab 69", g, _config(), S=8, docs=True, seed=4)
     check_model("TP4 alibi vocab 5", g, _config(vocab_size=5, pad_token_id=3, position_embedding="alibi"), S=4, seed=5)
     check_materialize("TP4 meta vocab 69", g, _config(), seed=6)
+    check_model("TP4 llama kv2 shared by 2 tied", g, _llama(), S=8, seed=12)
+    check_model("TP4 llama kv1 shared by 4", g, _llama(num_kv_heads=1, tie_word_embeddings=False), S=4, seed=13)
+    check_materialize("TP4 meta llama kv2 tied", g, _llama(), seed=14)
     _expect_value_error("TP4 heads", "tp=4 x ulysses=1 = 4 must divide the number of heads 6",
                         lambda: parallelize(_model(_config(hidden_size=24, num_heads=6), 0), g))
+    _expect_value_error("TP4 kv heads", "tp=4 and num_kv_heads=6: one must divide the other",
+                        lambda: parallelize(_model(_config(hidden_size=48, num_heads=12, num_kv_heads=6), 0), g))
     g = build_groups(ParallelDims(dp=1, tp=2, ring=2, layout="zigzag"))
     check_materialize("TP2xR2 meta learned", g, _config(position_embedding="learned", max_position_embeddings=16), 7)
     return True
