@@ -349,8 +349,6 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
                              intermediate_size=m.intermediate_size)
         except ValueError:  # these degrees do not split the GPUs or the model
             continue
-        if pp > 1 and m.tie_word_embeddings:  # the first stage's embedding is the last stage's head
-            continue
         if fixed.get("dp", dims.dp) != dims.dp or cluster.gpus_per_node % tp:
             continue
         if split_seq and w.seq_len % dims.sequence_multiple:
