@@ -3,16 +3,20 @@
 Algorithms:
 
 - Megatron-LM tensor parallelism (Shoeybi et al. 2019, arXiv:1909.08053): the fused QKV projection and the MLP's
-  first projection are column-parallel (TP rank ``t`` holds heads ``[t*H/tp, (t+1)*H/tp)``: in GPT-NeoX's per-head
-  ``[q | k | v]`` layout that is one contiguous block of QKV rows), the attention output ``dense`` and the MLP's
-  second projection are row-parallel (each rank produces a partial sum of the full hidden vector).
+  first projection (SwiGLU's gate and up projections alike) are column-parallel (TP rank ``t`` holds query heads
+  ``[t*H/tp, (t+1)*H/tp)``: in GPT-NeoX's per-head ``[q | k | v]`` layout that is one contiguous block of QKV rows;
+  with grouped-query attention, key/value groups whole, or a key/value head shared by ``tp/num_kv_heads`` ranks:
+  :class:`QKVParallelLinear`), the attention output ``dense`` and the MLP's second projection are row-parallel
+  (each rank produces a partial sum of the full hidden vector).
 - Megatron sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, "Reducing Activation Recomputation in
   Large Transformer Models"): outside the matmuls the residual stream is sharded on the sequence dim over the TP
   group, so LayerNorms, dropout and the residual hold ``1/tp`` of the activations. An all-gather on the sequence dim
   enters the column-parallel matmuls (its backward: a reduce-scatter), a reduce-scatter on the sequence dim leaves the
   row-parallel ones (its backward: an all-gather); no all-reduce. GPT-NeoX's parallel residual
   ``x + attn(ln1(x)) + mlp(ln2(x))`` lets the attention and MLP partial sums share ONE reduce-scatter (two, stacked
-  into one collective, while dropout is active, since dropout applies to each branch after the reduction).
+  into one collective, while dropout is active, since dropout applies to each branch after the reduction); Llama's
+  sequential residual needs one all-gather and one reduce-scatter per branch. LayerNorm and RMSNorm alike run on the
+  regions (:class:`SequenceParallelNorm`).
 - Composition with Unified SP (Fang & Zhao 2024, USP, arXiv:2405.07719, section 5; rank order TP < Ulysses < Ring):
   TP ranks of one SP rank hold the same sequence shard. Heads are split TP first, then Ulysses inside
   :class:`~ds4sci.sequence.DistributedAttention`; the ALiBi head offset is ``tp_rank * H/tp + ulysses_rank *
@@ -22,6 +26,8 @@ Algorithms:
   padded to a multiple of ``tp`` (GenSLM's codon vocabulary has 69 words); padded logits are ``-inf`` so they
   never win and carry no probability. :func:`vocab_parallel_token_loss` is the cross entropy over vocabulary
   shards (fp32; max, sum of exponentials and target logit reduced over TP; the full logits are never gathered).
+  A tied head (``tie_word_embeddings``) is the embedding's shard itself: both are split on the same padded
+  vocabulary rows, so one parameter serves both and its gradient sums both uses, as on one device.
 
 Where the sequence is split over TP: the embedding is all-reduced to the full SP shard (the learned position rows
 the trainer adds are those of the whole SP shard, as without TP), then :class:`SequenceRegionSplit` (in place of
@@ -507,7 +513,9 @@ class QKVParallelLinear(nn.Module):
         order = _qkv_order(num_heads, num_kv_heads, head_dim, tp.size)
         self.weight = _shard_param(linear.weight, 0, tp, order=order)
         self.bias = _shard_param(linear.bias, 0, tp, order=order)
-        self.in_features, self.out_features = linear.in_features, linear.out_features // tp.size
+        # this rank's output: its query heads and its (whole) key/value heads
+        self.in_features = linear.in_features
+        self.out_features = (num_heads // tp.size + 2 * max(num_kv_heads // tp.size, 1)) * head_dim
 
     def forward(self, x: Tensor) -> Tensor:
         bias = None if self.bias is None else self._with_kv_head(self.bias)
@@ -525,7 +533,7 @@ class QKVParallelLinear(nn.Module):
         return torch.cat([q, heads.narrow(0, j * 2 * D, 2 * D)])  # [(g/r) D + 2D, ...]
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} (local), "
+        return (f"in_features={self.in_features}, out_features={self.out_features} (this rank's), "
                 f"kv_ranks={self.kv_ranks}, bias={self.bias is not None}")
 
 

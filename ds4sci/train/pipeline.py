@@ -34,7 +34,9 @@ Facts checked with DeepSpeed 0.19.8 on the CPU (gloo; ``tests/distributed/test_t
 - Gradient clipping at ZeRO 0 (``deepspeed.runtime.utils.clip_grad_norm_``) counts a parameter only on the
   rank whose *pipe x model* index is 0 unless it is marked model-parallel, so the norm would be stage 0's alone;
   :func:`build_pipeline_engine` marks the parameters of every TP-rank-0 process ``model_parallel`` so each
-  parameter counts exactly once in the global norm (ZeRO-1 counts by TP rank and needs no mark).
+  parameter counts exactly once in the global norm (ZeRO-1 counts by TP rank and needs no mark), except the last
+  stage's copy of a tied embedding, which that function does not skip (ZeRO-1's norm does): left unmarked, it is
+  not counted twice (found by resuming a tied model at PP2 ZeRO-0 with clipping).
 - ``pipeline.pipe_partitioned`` / ``grad_partitioned`` (DeepSpeed's default under a model axis) split stage
   outputs over the TP group assuming they are replicated there; ours are sequence-sharded over TP, so both are off.
 - ZeRO-2/3 are refused by the engine ("incompatible with pipeline parallelism"); the config refuses them first.
@@ -246,7 +248,9 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
     pipe.to(device)
     if groups.tp_rank == 0:
         for p in pipe.parameters():
-            p.model_parallel = True  # counted once in clip_grad_norm_'s global norm (see the module docstring)
+            # counted once in clip_grad_norm_'s global norm (see the module docstring), which, unlike ZeRO-1's, does not
+            # skip the last stage's copy of a tied embedding (ds_pipe_replicated): that copy stays unmarked
+            p.model_parallel = not p.ds_pipe_replicated
     return _initialize(pipe, cfg, dims)
 
 

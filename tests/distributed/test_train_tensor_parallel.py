@@ -141,13 +141,17 @@ def test_tp2_with_ulysses_and_ring_and_the_export(runs, references):
 def test_llama_shape_under_every_layout(runs, llama_references):
     """Issue 26's done-when: a Llama-shaped run (grouped-query attention with fewer key/value heads than query heads,
     SwiGLU, RMSNorm, no biases; head tied and untied) gives the one-process losses and final parameters under
-    Ulysses 2, ring 2 (zigzag), TP 2 and PP 2 (DeepSpeed's tied layers for the tied head), across ZeRO 1 and 3,
+    Ulysses 2, ring 2 (zigzag), TP 2 and PP 2 (DeepSpeed's tied layers for the tied head), across ZeRO 1-3,
     offload and activation checkpointing."""
     cases = [
         ("llama z1 clip", "llama tied ulysses=2 zero=1 clipped", dict(ulysses=2), []),
         ("llama z1 clip", "llama tied ring=2 zigzag zero=1 clipped", dict(ring=2), []),
+        # ZeRO-2 against the one-process ZeRO-1 run (one process: the same fp32 masters and steps)
+        ("llama z1 clip", "llama tied ulysses=2 zero=2 clipped", dict(ulysses=2), ["zero.stage=2"]),
         ("llama z1 clip", "llama tied tp=2 zero=1 clipped, full checkpointing", {}, TP2 + FULL),
         ("llama z1 clip", "llama tied pp=2 zero=1 clipped", {}, ["parallel.pp=2"]),
+        # ZeRO-0's clipping norm (its own function) must count the tied matrix once, not once per end stage
+        ("llama z1 clip", "llama tied pp=2 zero=0 clipped", {}, ["parallel.pp=2", "zero.stage=0"]),
         ("llama kv1 untied z1", "llama kv1 untied pp=2 zero=1", {}, ["parallel.pp=2"]),
         ("llama kv1 untied z1", "llama kv1 untied tp=2 zero=1 (the key/value head shared by both TP ranks)", {},
          TP2),
