@@ -221,3 +221,22 @@ def test_impossible_inputs_one_line(argv, message, capsys):
     assert cli.main(base + argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("ds4sci plan: error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("preset, overrides", [("debug", {}), ("llama-debug", {}),
+                                               ("llama-debug", {"num_kv_heads": 1, "tie_word_embeddings": True})])
+def test_rank_params_are_what_a_tensor_parallel_rank_holds(preset, overrides):
+    """The planner's parameters per rank (TP 4, no pipeline) are those a TP rank of the parallelized model holds:
+    LayerNorm or RMSNorm, biases or none, key/value heads split or shared, a tied head counted once (meta device, no
+    processes: splitting draws nothing and sends nothing)."""
+    from ds4sci.parallel.groups import SequenceParallelGroups
+    from ds4sci.parallel.parallelize import parallelize
+
+    config = GenSLMConfig.preset(preset, **overrides)
+    dims = ParallelDims.for_world(4, tp=4)
+    groups = SequenceParallelGroups(dims=dims, rank=1, tp=None, ulysses=None, ring=None, sp=None, dp=None, sdp=None,
+                                    pp=None)
+    model = GenSLM(config, device="meta")
+    parallelize(model, groups)
+    held = sum(p.numel() for p in model.parameters())
+    assert plan.rank_params(plan.Workload(config, 64), plan.Strategy(dims)) == held
