@@ -4,7 +4,8 @@ Recipe: every rank builds the single-device GenSLM and a second copy with the sa
 batch (fp32), applies :func:`~ds4sci.parallel.parallelize.parallelize` to the copy, feeds it this rank's SP shard and
 compares the loss (summed over SP), the log-softmax of the logits (gathered over the vocabulary and the sequence) and
 EVERY parameter gradient (consolidated over TP, summed over SP as the engine would) with the reference. Cases of one
-world size share one spawn; each failure names its case.
+world size share one spawn; each failure names its case. Llama-shaped cases (``_llama``) cover key/value heads split
+over TP and shared by 2 or 4 TP ranks, SwiGLU, RMSNorm, no biases, the sequential residual and a tied head.
 """
 import pytest
 import torch
@@ -38,7 +39,8 @@ def _config(**overrides) -> GenSLMConfig:
 
 def _llama(**overrides) -> GenSLMConfig:
     """Llama's shape: grouped-query attention, SwiGLU, RMSNorm, no biases, sequential residual, Llama-3.1's rotary
-    scaling on every head dim (its wavelength bands inside the tiny head), tied head (``tied=False`` unties it)."""
+    scaling on every head dim (its wavelength bands inside the tiny head), tied head (``tie_word_embeddings=False``
+    unties it)."""
     base = dict(num_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False, parallel_residual=False, rotary_pct=1.0,
                 rotary_scaling_factor=8.0, rotary_original_max_positions=32, tie_word_embeddings=True)
     base.update(overrides)

@@ -3,7 +3,9 @@ single-process training: per-step losses and every parameter after three steps (
 0-3 (ZeRO-Offload of the optimizer at stage 2, of optimizer and parameters at stage 3), TP2 x Ulysses2 and TP2 x
 Ring2 (zigzag), with activation checkpointing (full, selective, on the CPU), and the
 consolidated export (and validation loss) of an end-to-end ``Trainer.train()`` under TP2 x Ulysses2 equals the
-single-process run's.
+single-process run's. A Llama-shaped model (grouped-query attention, SwiGLU, RMSNorm, no biases; head tied and
+untied) trains like one process under Ulysses 2, ring 2, TP 2 and PP 2 (``test_llama_shape_under_every_layout``, issue
+26's done-when; the tied head under PP 2 through DeepSpeed's tied layers).
 
 Gradient clipping is active in some cases (the global norm must count the TP-split parameters once per TP rank and
 the replicated ones once) and off in others: an active clip rescales every gradient to the threshold, which would
