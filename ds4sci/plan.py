@@ -60,7 +60,10 @@ Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.cost
 layer, forward + backward, times ``L / pp`` layers and ``m`` micro-steps): tensor parallelism with sequence-parallel
 regions on ``N = S / sp`` tokens, ``6 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``: GPT-NeoX's parallel
 residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``8 (tp-1)/tp N h e`` with
-dropout (``megatron-sp``), plus the all-reduce of the layer norms' gradients, ``2 (tp-1)/tp 4 h e`` per layer; outside
+dropout or Llama's sequential residual (``megatron-sp``), plus the all-reduce of the layer norms' gradients,
+``2 (tp-1)/tp 4 h e`` per layer (RMSNorm: ``2 h``; the final norm's ``2 h``, RMSNorm's ``h``, likewise); left out:
+the all-gather of a key/value head's projection shared by ``tp / num_kv_heads`` ranks (its weight, ``2 D h``, per
+layer and micro-step); outside
 the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the vocabulary-parallel embedding's
 all-reduce and the all-gather in the backward of its split to sequence regions) and the last stage ``(tp-1)/tp (2 N h
 e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather and its backward's reduce-scatter, the all-reduce of its
@@ -279,10 +282,12 @@ def comm(w: Workload, strategy: Strategy) -> dict[str, float]:
     out = {"tp": 0.0, "ulysses": 0.0, "ring": 0.0, "pp": 0.0, "dp": 0.0, "pcie": 0.0}
     if d.tp > 1:
         P, N = d.tp, S / d.sp
-        scheme = "megatron-sp" if w.model.dropout > 0 else "tp-sp"
-        per_layer = tp_redo * layer_comm_bytes(scheme, P, N, h, e) + 2 * (P - 1) / P * 4 * h * e
+        # one reduce-scatter per branch with dropout or with Llama's sequential residual, one shared otherwise
+        scheme = "megatron-sp" if w.model.dropout > 0 or not w.model.parallel_residual else "tp-sp"
+        norm = 2 * h if w.model.norm == "layernorm" else h  # one norm's parameters, their gradients summed over TP
+        per_layer = tp_redo * layer_comm_bytes(scheme, P, N, h, e) + 2 * (P - 1) / P * 2 * norm * e
         first = 3 * (P - 1) / P * N * h * e
-        last = (P - 1) / P * (2 * N * h * e + 2 * (2 * h * e + 12 * N))
+        last = (P - 1) / P * (2 * N * h * e + 2 * (norm * e + 12 * N))
         out["tp"] = layers * per_layer + B * m * (first + last if d.pp == 1 else max(first, last))
     if d.ulysses > 1:
         out["ulysses"] = sp_redo * layers * layer_comm_bytes("ulysses", d.ulysses, S / d.ring, h / d.tp, e)

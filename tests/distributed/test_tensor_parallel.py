@@ -183,6 +183,18 @@ def _worker_tp2(rank, world):
     # gradient all-reduces of the 4 LayerNorm parameters per block and the final LayerNorm's 2
     assert counter.calls["reduce_scatter"] == 4 and counter.calls["all_gather"] == 4, counter
     assert counter.calls["all_reduce"] == 3 * 4 + 2, counter
+    # Llama (sequential residual, RMSNorm, one key/value head shared by both ranks): per block an all-gather and a
+    # reduce-scatter per branch, plus the all-gather of the shared head's projection rows; backward the duals and
+    # the gradient all-reduce of RMSNorm's one weight per norm (the planner's megatron-sp form: 8 (tp-1)/tp N h)
+    counter = CommCounter()
+    llama = _model(_llama(num_layers=3, num_kv_heads=1), 0)
+    parallelize(llama, groups, counter=counter)
+    logits = llama(ids, pos)
+    assert dict(counter.calls) == {"all_reduce": 1, "reduce_scatter": 6, "all_gather": 7 + 3}, counter
+    assert counter.bytes_sent["reduce_scatter"] == 6 * B * S * h * 4 // 2, counter
+    counter.reset()
+    logits.sum().backward()
+    assert dict(counter.calls) == {"reduce_scatter": 7 + 3, "all_gather": 6 + 1, "all_reduce": 3 * 2 + 1}, counter
 
     # consolidation round trip: the TP model's pieces are the single-device model's; full -> TP -> full
     ref = _model(cfg, 5)
