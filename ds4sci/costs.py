@@ -13,8 +13,8 @@ Communication of one GenSLM layer, forward + backward, per rank, in elements of 
 - ``hybrid`` (USP, Fang & Zhao 2024): Ulysses ``P/2`` x ring 2, the Ulysses term on ``N`` tokens plus the ring's on
   blocks of ``N/2`` tokens of ``h/U`` channels.
 - ``megatron-sp`` (Korthikanti et al. 2022): four all-gathers and four reduce-scatters of ``N x h`` per layer,
-  ``8 (P-1)/P * N h`` (ds4sci's tensor-parallel layers with dropout: the attention and MLP partial sums are
-  reduce-scattered separately, as in Megatron-LM).
+  ``8 (P-1)/P * N h`` (ds4sci's tensor-parallel layers with dropout, or with Llama's sequential residual: the
+  attention and MLP partial sums are reduce-scattered separately, as in Megatron-LM).
 - ``tp-sp`` (the same layers without dropout, ds4sci's training default): GPT-NeoX's parallel residual lets the
   attention and MLP partial sums share one reduce-scatter (and its backward all-gather), ``6 (P-1)/P * N h``.
 

@@ -14,9 +14,10 @@ pipeline stage), with ``B`` sequences of ``S`` tokens per micro-step, ``h`` hidd
 Memory model (bytes per GPU):
 
 - model states (ZeRO, Rajbhandari et al. 2020):
-  ``phi = ceil(L/pp) * ((phi_layer - 6 h) / tp + 6 h) + 2 V_tp h / tp + 2 h`` parameters per rank (``phi_layer``: one
-  block's; the block's two layer norms and two row-parallel biases, ``6 h``, and the final layer norm are replicated
-  over TP; the vocabulary is padded to ``V_tp``, a multiple of ``tp``), each with ``p`` bytes of parameter, ``g`` of
+  ``phi = ceil(L/pp) * ((phi_layer - n_r) / tp + n_r) + 2 V_tp h / tp + n`` parameters per rank (``phi_layer``: one
+  block's; the block's two norms and two row-parallel biases, ``n_r = 6 h`` (Llama's RMSNorm without biases:
+  ``2 h``), and the final norm, ``n = 2 h`` (``h``), are replicated over TP; the vocabulary is padded to ``V_tp``, a
+  multiple of ``tp``; a tied head is counted once with ``pp = 1``), each with ``p`` bytes of parameter, ``g`` of
   gradient and ``k`` of optimizer state: fp32 ``4 + 4 + 8`` (AdamW's two moments), bf16 ``2 + 2 + 12`` (fp32 master copy
   and moments). Stage 0 keeps all three; stages 1 and 2 divide the gradients the optimizer is handed and the optimizer
   state by ``sdp`` and keep an fp32 master copy of the partition even when training in fp32 (``k = 12``); stage 3 also
@@ -59,7 +60,10 @@ Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.cost
 layer, forward + backward, times ``L / pp`` layers and ``m`` micro-steps): tensor parallelism with sequence-parallel
 regions on ``N = S / sp`` tokens, ``6 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``: GPT-NeoX's parallel
 residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``8 (tp-1)/tp N h e`` with
-dropout (``megatron-sp``), plus the all-reduce of the layer norms' gradients, ``2 (tp-1)/tp 4 h e`` per layer; outside
+dropout or Llama's sequential residual (``megatron-sp``), plus the all-reduce of the layer norms' gradients,
+``2 (tp-1)/tp 4 h e`` per layer (RMSNorm: ``2 h``; the final norm's ``2 h``, RMSNorm's ``h``, likewise); left out:
+the all-gather of a key/value head's projection shared by ``tp / num_kv_heads`` ranks (its weight, ``2 D h``, per
+layer and micro-step); outside
 the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the vocabulary-parallel embedding's
 all-reduce and the all-gather in the backward of its split to sequence regions) and the last stage ``(tp-1)/tp (2 N h
 e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather and its backward's reduce-scatter, the all-reduce of its
@@ -210,11 +214,15 @@ def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
 
 def rank_params(w: Workload, strategy: Strategy) -> float:
     """``phi``: parameters on the most loaded rank before ZeRO partitioning (module docstring)."""
-    d = strategy.dims
-    h = w.model.hidden_size
-    vocab = math.ceil(w.model.vocab_size / d.tp) * d.tp
-    return (math.ceil(w.model.num_layers / d.pp) * ((w.model.block_parameters() - 6 * h) / d.tp + 6 * h)
-            + 2 * vocab * h / d.tp + 2 * h)
+    d, m = strategy.dims, w.model
+    h = m.hidden_size
+    vocab = math.ceil(m.vocab_size / d.tp) * d.tp
+    norm = 2 * h if m.norm == "layernorm" else h  # one norm's parameters (RMSNorm: no bias)
+    replicated = 2 * norm + (2 * h if m.bias else 0)  # the block's two norms and two row-parallel biases
+    # embedding and head; a tied pair is one matrix, except that a pipeline keeps a copy on each end stage
+    matrices = 1 if m.tie_word_embeddings and d.pp == 1 else 2
+    return (math.ceil(m.num_layers / d.pp) * ((m.block_parameters() - replicated) / d.tp + replicated)
+            + matrices * vocab * h / d.tp + norm)
 
 
 def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
@@ -274,10 +282,12 @@ def comm(w: Workload, strategy: Strategy) -> dict[str, float]:
     out = {"tp": 0.0, "ulysses": 0.0, "ring": 0.0, "pp": 0.0, "dp": 0.0, "pcie": 0.0}
     if d.tp > 1:
         P, N = d.tp, S / d.sp
-        scheme = "megatron-sp" if w.model.dropout > 0 else "tp-sp"
-        per_layer = tp_redo * layer_comm_bytes(scheme, P, N, h, e) + 2 * (P - 1) / P * 4 * h * e
+        # one reduce-scatter per branch with dropout or with Llama's sequential residual, one shared otherwise
+        scheme = "megatron-sp" if w.model.dropout > 0 or not w.model.parallel_residual else "tp-sp"
+        norm = 2 * h if w.model.norm == "layernorm" else h  # one norm's parameters, their gradients summed over TP
+        per_layer = tp_redo * layer_comm_bytes(scheme, P, N, h, e) + 2 * (P - 1) / P * 2 * norm * e
         first = 3 * (P - 1) / P * N * h * e
-        last = (P - 1) / P * (2 * N * h * e + 2 * (2 * h * e + 12 * N))
+        last = (P - 1) / P * (2 * N * h * e + 2 * (norm * e + 12 * N))
         out["tp"] = layers * per_layer + B * m * (first + last if d.pp == 1 else max(first, last))
     if d.ulysses > 1:
         out["ulysses"] = sp_redo * layers * layer_comm_bytes("ulysses", d.ulysses, S / d.ring, h / d.tp, e)
@@ -340,12 +350,9 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
                                             for a in ("tp", "ulysses", "ring", "pp"))):
         try:
             dims = ParallelDims.for_world(world, ulysses=u, ring=r, tp=tp, pp=pp)
-            dims.check_model(num_heads=m.num_heads, num_layers=m.num_layers, intermediate_size=m.intermediate_size)
-            if tp > 1:
-                m.check_tensor_parallel()
+            dims.check_model(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, num_layers=m.num_layers,
+                             intermediate_size=m.intermediate_size)
         except ValueError:  # these degrees do not split the GPUs or the model
-            continue
-        if pp > 1 and m.tie_word_embeddings:  # the first stage's embedding is the last stage's head
             continue
         if fixed.get("dp", dims.dp) != dims.dp or cluster.gpus_per_node % tp:
             continue
@@ -482,11 +489,9 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
     if m.num_heads % (tp * u):
         raise CommandError(f"--tp={tp} x --ulysses={u} = {tp * u} must divide the model's "
                            f"{plural(m.num_heads, 'head')}")
-    if tp > 1:
-        try:
-            m.check_tensor_parallel()
-        except ValueError as err:
-            raise CommandError(f"--tp={tp}: {err}") from None
+    if m.num_kv_heads % tp and tp % m.num_kv_heads:
+        raise CommandError(f"--tp={tp} and the model's {plural(m.num_kv_heads, 'key/value head')}: one must divide "
+                           f"the other")
     if cluster.gpus_per_node % tp or m.intermediate_size % tp:
         raise CommandError(f"--tp={tp} must divide --gpus-per-node={cluster.gpus_per_node} and the MLP width "
                            f"{m.intermediate_size}")

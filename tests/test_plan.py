@@ -221,3 +221,34 @@ def test_impossible_inputs_one_line(argv, message, capsys):
     assert cli.main(base + argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("ds4sci plan: error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("preset, overrides", [("debug", {}), ("llama-debug", {}),
+                                               ("llama-debug", {"num_kv_heads": 1, "tie_word_embeddings": True})])
+def test_rank_params_are_what_a_tensor_parallel_rank_holds(preset, overrides):
+    """The planner's parameters per rank (TP 4, no pipeline) are those a TP rank of the parallelized model holds:
+    LayerNorm or RMSNorm, biases or none, key/value heads split or shared, a tied head counted once (meta device, no
+    processes: splitting draws nothing and sends nothing)."""
+    from ds4sci.parallel.groups import SequenceParallelGroups
+    from ds4sci.parallel.parallelize import parallelize
+
+    config = GenSLMConfig.preset(preset, **overrides)
+    dims = ParallelDims.for_world(4, tp=4)
+    groups = SequenceParallelGroups(dims=dims, rank=1, tp=None, ulysses=None, ring=None, sp=None, dp=None, sdp=None,
+                                    pp=None)
+    model = GenSLM(config, device="meta")
+    parallelize(model, groups)
+    held = sum(p.numel() for p in model.parameters())
+    assert plan.rank_params(plan.Workload(config, 64), plan.Strategy(dims)) == held
+
+
+def test_tp_comm_of_a_sequential_residual_reduces_each_branch_apart():
+    """Llama's sequential residual reduce-scatters the attention and the MLP partial sums apart (the per-layer
+    ``megatron-sp`` form, ``8 (tp-1)/tp N h e``; the collectives are counted in tests/distributed/test_tensor_parallel.py),
+    where GPT-NeoX's parallel residual shares one (``6 (tp-1)/tp N h e``)."""
+    strategy = plan.Strategy(ParallelDims(dp=1, tp=2))
+    sequential = plan.Workload(GenSLMConfig.preset("llama-debug"), 64)
+    parallel = plan.Workload(GenSLMConfig.preset("llama-debug", parallel_residual=True), 64)
+    w, e = sequential, plan.STATE_BYTES[sequential.dtype][0]
+    extra = w.model.num_layers * w.micro_batch * w.grad_accum * 2 * (1 / 2) * 64 * w.model.hidden_size * e
+    assert plan.comm(sequential, strategy)["tp"] - plan.comm(parallel, strategy)["tp"] == pytest.approx(extra)

@@ -205,13 +205,20 @@ class ParallelDims:
                 f"degree carry the rest"
             )
 
-    def check_model(self, *, num_heads: int, num_layers: int, intermediate_size: int) -> None:
-        """Every degree can split the model: heads (:meth:`check_heads`), MLP columns by ``tp``, layers by ``pp``.
+    def check_model(self, *, num_heads: int, num_layers: int, intermediate_size: int,
+                    num_kv_heads: int | None = None) -> None:
+        """Every degree can split the model: heads (:meth:`check_heads`), key/value heads by ``tp`` or ``tp`` by them
+        (``None``: one per query head; fewer than ``tp`` are shared by ``tp / num_kv_heads`` ranks each), MLP columns
+        by ``tp``, layers by ``pp``.
 
         Raises:
             ValueError: naming the degree and the model size it cannot split.
         """
         self.check_heads(num_heads)
+        kv = num_heads if num_kv_heads is None else num_kv_heads
+        if kv % self.tp and self.tp % kv:
+            raise ValueError(f"tp={self.tp} and num_kv_heads={kv}: one must divide the other (each rank holds "
+                             f"num_kv_heads/tp key/value heads, or one shared by tp/num_kv_heads ranks)")
         if intermediate_size % self.tp:
             raise ValueError(f"tp={self.tp} must divide the MLP width intermediate_size={intermediate_size}")
         if num_layers < self.pp:

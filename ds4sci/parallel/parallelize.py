@@ -50,7 +50,8 @@ def parallelize(
     """
     dims = groups.dims
     cfg = model.config
-    dims.check_model(num_heads=cfg.num_heads, num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size)
+    dims.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, num_layers=cfg.num_layers,
+                     intermediate_size=cfg.intermediate_size)
     apply_tensor_parallel(model, groups, counter=counter)
     if dims.sp > 1:
         for block in model.layers:

@@ -3,16 +3,20 @@
 Algorithms:
 
 - Megatron-LM tensor parallelism (Shoeybi et al. 2019, arXiv:1909.08053): the fused QKV projection and the MLP's
-  first projection are column-parallel (TP rank ``t`` holds heads ``[t*H/tp, (t+1)*H/tp)``: in GPT-NeoX's per-head
-  ``[q | k | v]`` layout that is one contiguous block of QKV rows), the attention output ``dense`` and the MLP's
-  second projection are row-parallel (each rank produces a partial sum of the full hidden vector).
+  first projection (SwiGLU's gate and up projections alike) are column-parallel (TP rank ``t`` holds query heads
+  ``[t*H/tp, (t+1)*H/tp)``: in GPT-NeoX's per-head ``[q | k | v]`` layout that is one contiguous block of QKV rows;
+  with grouped-query attention, key/value groups whole, or a key/value head shared by ``tp/num_kv_heads`` ranks:
+  :class:`QKVParallelLinear`), the attention output ``dense`` and the MLP's second projection are row-parallel
+  (each rank produces a partial sum of the full hidden vector).
 - Megatron sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, "Reducing Activation Recomputation in
   Large Transformer Models"): outside the matmuls the residual stream is sharded on the sequence dim over the TP
   group, so LayerNorms, dropout and the residual hold ``1/tp`` of the activations. An all-gather on the sequence dim
   enters the column-parallel matmuls (its backward: a reduce-scatter), a reduce-scatter on the sequence dim leaves the
   row-parallel ones (its backward: an all-gather); no all-reduce. GPT-NeoX's parallel residual
   ``x + attn(ln1(x)) + mlp(ln2(x))`` lets the attention and MLP partial sums share ONE reduce-scatter (two, stacked
-  into one collective, while dropout is active, since dropout applies to each branch after the reduction).
+  into one collective, while dropout is active, since dropout applies to each branch after the reduction); Llama's
+  sequential residual needs one all-gather and one reduce-scatter per branch. LayerNorm and RMSNorm alike run on the
+  regions (:class:`SequenceParallelNorm`).
 - Composition with Unified SP (Fang & Zhao 2024, USP, arXiv:2405.07719, section 5; rank order TP < Ulysses < Ring):
   TP ranks of one SP rank hold the same sequence shard. Heads are split TP first, then Ulysses inside
   :class:`~ds4sci.sequence.DistributedAttention`; the ALiBi head offset is ``tp_rank * H/tp + ulysses_rank *
@@ -22,6 +26,8 @@ Algorithms:
   padded to a multiple of ``tp`` (GenSLM's codon vocabulary has 69 words); padded logits are ``-inf`` so they
   never win and carry no probability. :func:`vocab_parallel_token_loss` is the cross entropy over vocabulary
   shards (fp32; max, sum of exponentials and target logit reduced over TP; the full logits are never gathered).
+  A tied head (``tie_word_embeddings``) is the embedding's shard itself: both are split on the same padded
+  vocabulary rows, so one parameter serves both and its gradient sums both uses, as on one device.
 
 Where the sequence is split over TP: the embedding is all-reduced to the full SP shard (the learned position rows
 the trainer adds are those of the whole SP shard, as without TP), then :class:`SequenceRegionSplit` (in place of
@@ -74,7 +80,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, token_loss
-from ds4sci.models.genslm.position import apply_rotary, rotary_cos_sin
+from ds4sci.models.genslm.model import MLP, Attention, Block
 from ds4sci.parallel.groups import SequenceParallelGroups
 from ds4sci.sequence.comm import CommCounter, group_rank, group_size
 
@@ -89,10 +95,9 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelOutput",
     "SequenceRegionSplit",
-    "SequenceParallelLayerNorm",
+    "SequenceParallelNorm",
     "RowParallelLinear",
-    "TensorParallelAttention",
-    "TensorParallelMLP",
+    "QKVParallelLinear",
     "TensorParallelBlock",
     "apply_tensor_parallel",
     "vocab_parallel_token_loss",
@@ -235,11 +240,35 @@ def sync_grad(p: Tensor, group, counter: CommCounter | None = None) -> Tensor:
 @dataclass(frozen=True)
 class TPShard:
     """How a parameter is split over TP: along ``dim``, ``size`` rows in the single-device model, padded to
-    ``padded`` (a multiple of tp; only the vocabulary is ever padded)."""
+    ``padded`` (a multiple of tp; only the vocabulary is ever padded). ``order``: the single-device rows in the order
+    the TP pieces hold them, rank after rank (a permutation of ``range(size)``); ``None``: in order, TP rank ``t``
+    holding the contiguous piece ``t`` (only the fused QKV of a model with fewer key/value heads than TP ranks is
+    permuted: :class:`QKVParallelLinear`)."""
 
     dim: int
     size: int
     padded: int
+    order: tuple[int, ...] | None = None
+
+    def arrange(self, full: Tensor) -> Tensor:
+        """The single-device tensor in the pieces' order, padded: ``[.., size, ..] -> [.., padded, ..]`` along ``dim``."""
+        if full.shape[self.dim] != self.size:
+            raise ValueError(f"full size {full.shape[self.dim]} along dim {self.dim}, expected {self.size}")
+        if self.order is not None:
+            full = full.index_select(self.dim, torch.tensor(self.order, device=full.device))
+        if self.padded > self.size:
+            pad_shape = list(full.shape)
+            pad_shape[self.dim] = self.padded - self.size
+            full = torch.cat([full, full.new_zeros(pad_shape)], dim=self.dim)
+        return full
+
+    def restore(self, pieces: Tensor) -> Tensor:
+        """Inverse of :meth:`arrange`: the pieces concatenated along ``dim`` -> the single-device tensor."""
+        pieces = pieces.narrow(self.dim, 0, self.size)
+        if self.order is None:
+            return pieces.clone()
+        order = torch.tensor(self.order, device=pieces.device)
+        return torch.empty_like(pieces).index_copy_(self.dim, order, pieces)
 
 
 @dataclass(frozen=True)
@@ -250,18 +279,17 @@ class _TP:
     counter: CommCounter | None
 
 
-def _shard_param(p: Tensor, dim: int, tp: _TP, padded: int | None = None) -> nn.Parameter:
-    """This TP rank's piece of a full parameter (zero padded to ``padded`` along ``dim`` first), marked for
-    DeepSpeed and for :func:`gather_tensor_parallel`."""
+def _shard_param(p: Tensor | None, dim: int, tp: _TP, padded: int | None = None,
+                 order: tuple[int, ...] | None = None) -> nn.Parameter | None:
+    """This TP rank's piece of a full parameter (:meth:`TPShard.arrange`: rows reordered by ``order``, zero padded to
+    ``padded`` along ``dim``), marked for DeepSpeed and for :func:`gather_tensor_parallel`; ``None`` stays ``None``
+    (a bias-free layer)."""
+    if p is None:
+        return None
     size = p.shape[dim]
-    padded = size if padded is None else padded
-    full = p.detach()
-    if padded > size:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - size
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    shard = nn.Parameter(_piece(full, dim, tp.rank, tp.size).clone(), requires_grad=p.requires_grad)
-    _mark(shard, TPShard(dim, size, padded))
+    plan = TPShard(dim, size, size if padded is None else padded, order)
+    shard = nn.Parameter(_piece(plan.arrange(p.detach()), dim, tp.rank, tp.size).clone(), requires_grad=p.requires_grad)
+    _mark(shard, plan)
     return shard
 
 
@@ -270,6 +298,15 @@ def _mark(p: nn.Parameter, shard: TPShard) -> None:
     p.ds4sci_tp_dim = shard.dim
     p.ds4sci_tp_size = shard.size
     p.ds4sci_tp_padded = shard.padded
+    p.ds4sci_tp_order = shard.order
+
+
+def _column_parallel(linear: nn.Linear, tp: _TP) -> nn.Linear:
+    """``linear`` split on its output features in place (Megatron-LM's column-parallel linear layer):
+    ``weight [out/tp, in]``, ``bias [out/tp]`` (if any) of TP rank ``t``'s contiguous rows."""
+    linear.weight, linear.bias = _shard_param(linear.weight, 0, tp), _shard_param(linear.bias, 0, tp)
+    linear.out_features = linear.weight.shape[0]
+    return linear
 
 
 def _padded_vocab(vocab_size: int, tp: int) -> int:
@@ -365,13 +402,15 @@ class SequenceRegionSplit(nn.Module):
         return self.dropout(split_sequence_region(x, self.tp.group, 1, self.tp.counter))
 
 
-class SequenceParallelLayerNorm(nn.Module):
-    """LayerNorm on a sequence region with replicated ``weight`` and ``bias`` whose gradients are summed over TP;
-    ``gather=True`` all-gathers the full SP shard after it (GenSLM's final norm)."""
+class SequenceParallelNorm(nn.Module):
+    """The block's norm (``nn.LayerNorm`` or ``nn.RMSNorm``, as the model's config chose) on a sequence region, with
+    replicated ``weight`` (and LayerNorm's ``bias``) whose gradients are summed over TP; ``gather=True`` all-gathers
+    the full SP shard after it (GenSLM's final norm)."""
 
-    def __init__(self, norm: nn.LayerNorm, tp: _TP, gather: bool = False):
+    def __init__(self, norm: nn.LayerNorm | nn.RMSNorm, tp: _TP, gather: bool = False):
         super().__init__()
-        self.weight, self.bias = norm.weight, norm.bias
+        self.rms = isinstance(norm, nn.RMSNorm)
+        self.weight, self.bias = norm.weight, getattr(norm, "bias", None)
         self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
         self.tp = tp
         self.gather = gather
@@ -379,12 +418,15 @@ class SequenceParallelLayerNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         g, c = self.tp.group, self.tp.counter
         weight = None if self.weight is None else sync_grad(self.weight, g, c)
-        bias = None if self.bias is None else sync_grad(self.bias, g, c)
-        y = F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+        if self.rms:
+            y = F.rms_norm(x, self.normalized_shape, weight, self.eps)
+        else:
+            bias = None if self.bias is None else sync_grad(self.bias, g, c)
+            y = F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
         return all_gather_sequence_region(y, g, 1, c) if self.gather else y
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.normalized_shape)}, eps={self.eps}, gather={self.gather}"
+        return f"{tuple(self.normalized_shape)}, eps={self.eps}, rms={self.rms}, gather={self.gather}"
 
 
 class _ShareBias(torch.autograd.Function):
@@ -426,70 +468,124 @@ class RowParallelLinear(nn.Module):
         return f"in_features={self.in_features}/{self.tp.size}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class TensorParallelAttention(nn.Module):
-    """GenSLM attention on the heads of one TP rank: column-parallel ``query_key_value``, row-parallel ``dense``
-    (:class:`RowParallelLinear`). ``forward`` returns this rank's partial sum ``[B, T, hidden]``."""
+def _qkv_order(num_heads: int, num_kv_heads: int, head_dim: int, tp: int) -> tuple[int, ...] | None:
+    """:attr:`TPShard.order` of the fused QKV rows (:class:`QKVParallelLinear`); ``None`` when ``tp`` divides
+    ``num_kv_heads`` (each rank's groups are one contiguous block of rows)."""
+    if num_kv_heads % tp == 0:
+        return None
+    r = tp // num_kv_heads  # ranks sharing a key/value head
+    g, D = num_heads // num_kv_heads, head_dim
+    q_rows, kv_rows = g // r * D, 2 * D // r  # per rank: its query heads, its part of the shared [k | v]
+    rows: list[int] = []
+    for t in range(tp):
+        j, i = divmod(t, r)  # key/value head, index among its sharers
+        group = j * (g + 2) * D  # first row of group j: [q of its g query heads | k_j | v_j]
+        rows += range(group + i * q_rows, group + (i + 1) * q_rows)
+        rows += range(group + g * D + i * kv_rows, group + g * D + (i + 1) * kv_rows)
+    return tuple(rows)
 
-    def __init__(self, attention: nn.Module, tp: _TP):
+
+class QKVParallelLinear(nn.Module):
+    """GenSLM's fused ``query_key_value`` (rows grouped per key/value head ``j``: ``[q of its g query heads | k_j |
+    v_j]``, :class:`~ds4sci.models.genslm.model.Attention`) on the heads of one TP rank: ``[B, T, hidden] ->
+    [B, T, Hkv_loc * (g_loc + 2) * D]`` in the same per-group layout, for ``H_loc = H/tp`` query heads.
+
+    - ``tp`` divides ``num_kv_heads``: TP rank ``t`` holds the ``Hkv/tp`` groups ``[t*Hkv/tp, (t+1)*Hkv/tp)``, one
+      contiguous block of rows (Megatron-LM's split of query groups, which requires this divisibility); with one
+      key/value head per query head that is GPT-NeoX's per-head split.
+    - ``num_kv_heads`` divides ``tp``: the ``r = tp/Hkv`` ranks ``j*r .. j*r + r-1`` share key/value head ``j`` and
+      split its ``g`` query heads, ``g/r`` each (the key/value head replication of vLLM's ``QKVParallelLinear``).
+      DISCREPANCY: the shared head's ``2D`` key/value rows are not stored replicated: each sharer stores ``2D/r``
+      of them (``weight [(g/r) D + 2D/r, hidden]``, single-device rows in :attr:`TPShard.order`), and forward
+      all-gathers them over TP, whose backward reduce-scatter sums the sharers' gradients. Every element lives on
+      one rank, so DeepSpeed's gradient norm (``tensor_model_parallel``) and ZeRO count it once, and no extra
+      process group is needed.
+    """
+
+    def __init__(self, linear: nn.Linear, num_heads: int, num_kv_heads: int, head_dim: int, tp: _TP):
         super().__init__()
-        H = attention.num_heads
-        self.num_heads, self.head_dim = H // tp.size, attention.head_dim  # local heads
-        self.rotary_dim, self.rotary_base = attention.rotary_dim, attention.rotary_base
-        qkv = attention.query_key_value
-        qkv.weight = _shard_param(qkv.weight, 0, tp)  # [3*hidden/tp, hidden]: heads [t*H/tp, (t+1)*H/tp)
-        qkv.bias = _shard_param(qkv.bias, 0, tp)
-        qkv.out_features = qkv.weight.shape[0]
-        self.query_key_value = qkv
-        self.dense = RowParallelLinear(attention.dense, tp)  # [hidden, hidden/tp]
-        self.core = TensorParallelCore(attention.core, tp.rank * self.num_heads)
-
-    def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
-        B, T, _ = x.shape  # batch, tokens of the SP shard, hidden
-        qkv = self.query_key_value(x).view(B, T, self.num_heads, 3 * self.head_dim)  # [B, T, H/tp, 3*D]
-        q, k, v = qkv.split(self.head_dim, dim=-1)  # each [B, T, H/tp, D]
-        if self.rotary_dim:
-            cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, q.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q, k, v, q_doc=doc_ids, k_doc=doc_ids)  # [B, T, H/tp, D]
-        return self.dense(out.reshape(B, T, -1))  # [B, T, hidden], partial over TP
-
-
-class TensorParallelMLP(nn.Module):
-    """GenSLM MLP on ``intermediate/tp`` columns; ``forward`` returns this rank's partial sum ``[B, T, hidden]``."""
-
-    def __init__(self, mlp: nn.Module, tp: _TP):
-        super().__init__()
-        up = mlp.dense_h_to_4h
-        up.weight, up.bias = _shard_param(up.weight, 0, tp), _shard_param(up.bias, 0, tp)  # [I/tp, hidden]
-        up.out_features = up.weight.shape[0]
-        self.dense_h_to_4h = up
-        self.dense_4h_to_h = RowParallelLinear(mlp.dense_4h_to_h, tp)  # [hidden, I/tp]
-        self.approximate = mlp.approximate
+        self.tp, self.head_dim = tp, head_dim
+        self.kv_ranks = max(tp.size // num_kv_heads, 1)  # r: ranks sharing one key/value head
+        if 2 * head_dim % self.kv_ranks:
+            raise ValueError(f"head_dim={head_dim}: tp={tp.size} ranks split {num_kv_heads} key/value head(s), "
+                             f"{self.kv_ranks} per head, which must divide its 2 * head_dim key/value rows")
+        self.kv_rows = 2 * head_dim // self.kv_ranks if self.kv_ranks > 1 else 0  # rows of the shared head held here
+        order = _qkv_order(num_heads, num_kv_heads, head_dim, tp.size)
+        self.weight = _shard_param(linear.weight, 0, tp, order=order)
+        self.bias = _shard_param(linear.bias, 0, tp, order=order)
+        # this rank's output: its query heads and its (whole) key/value heads
+        self.in_features = linear.in_features
+        self.out_features = (num_heads // tp.size + 2 * max(num_kv_heads // tp.size, 1)) * head_dim
 
     def forward(self, x: Tensor) -> Tensor:
-        up = F.gelu(self.dense_h_to_4h(x), approximate=self.approximate)  # [B, T, I/tp]
-        return self.dense_4h_to_h(up)  # [B, T, hidden], partial over TP
+        bias = None if self.bias is None else self._with_kv_head(self.bias)
+        return F.linear(x, self._with_kv_head(self.weight), bias)  # [B, T, Hkv_loc * (g_loc + 2) * D]
+
+    def _with_kv_head(self, p: Tensor) -> Tensor:
+        """This rank's rows in the single-device group layout: its query rows, then the whole shared head's
+        ``[k_j | v_j]`` (gathered from its sharers); the stored rows themselves when no head is shared."""
+        if self.kv_ranks == 1:
+            return p
+        q, kv = p.split((p.shape[0] - self.kv_rows, self.kv_rows))  # [(g/r) D, ...], [2D/r, ...]
+        # every rank's 2D/r rows -> [tp * 2D/r, ...] = [k_0 | v_0 | k_1 | v_1 ...] (ranks j*r.. hold head j's rows)
+        heads = _SequenceRegion.apply(kv, self.tp.group, 0, self.tp.counter, _all_gather, _reduce_scatter)
+        j, D = self.tp.rank // self.kv_ranks, self.head_dim
+        return torch.cat([q, heads.narrow(0, j * 2 * D, 2 * D)])  # [(g/r) D + 2D, ...]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (this rank's), "
+                f"kv_ranks={self.kv_ranks}, bias={self.bias is not None}")
+
+
+def _split_attention(attention: Attention, tp: _TP) -> None:
+    """GenSLM attention on the heads of one TP rank, in place: column-parallel ``query_key_value``
+    (:class:`QKVParallelLinear`), row-parallel ``dense`` (:class:`RowParallelLinear`), the core offset to this rank's
+    first head, and the module's head counts made local, so its own forward (rotary, grouped q/k/v split) runs on
+    ``H/tp`` query and ``max(Hkv/tp, 1)`` key/value heads and returns this rank's partial sum ``[B, T, hidden]``."""
+    H, Hkv = attention.num_heads, attention.num_kv_heads
+    attention.query_key_value = QKVParallelLinear(attention.query_key_value, H, Hkv, attention.head_dim, tp)
+    attention.num_heads, attention.num_kv_heads = H // tp.size, max(Hkv // tp.size, 1)
+    attention.dense = RowParallelLinear(attention.dense, tp)  # [hidden, hidden/tp]
+    attention.core = TensorParallelCore(attention.core, tp.rank * attention.num_heads)
+
+
+def _split_mlp(mlp: MLP, tp: _TP) -> None:
+    """GenSLM MLP on ``intermediate/tp`` columns, in place: ``dense_h_to_4h`` (and SwiGLU's ``dense_h_to_4h_gate``)
+    column-parallel, ``dense_4h_to_h`` row-parallel; its own forward returns this rank's partial sum ``[B, T, hidden]``
+    (the activation, and SwiGLU's product, act on matching columns)."""
+    _column_parallel(mlp.dense_h_to_4h, tp)  # [I/tp, hidden]
+    if mlp.dense_h_to_4h_gate is not None:
+        _column_parallel(mlp.dense_h_to_4h_gate, tp)
+    mlp.dense_4h_to_h = RowParallelLinear(mlp.dense_4h_to_h, tp)  # [hidden, I/tp]
 
 
 class TensorParallelBlock(nn.Module):
-    """GenSLM block ``x + attn(ln1(x)) + mlp(ln2(x))`` on a sequence region ``x [B, T/tp, hidden]``.
+    """GenSLM block on a sequence region ``x [B, T/tp, hidden]``.
 
-    LayerNorms on the region -> one all-gather of both normalised tensors -> column/row-parallel attention and MLP on
-    the full SP shard -> one reduce-scatter of their summed partials (row-parallel biases included) -> the residual
-    on the region.
+    Parallel residual ``x + attn(ln1(x)) + mlp(ln2(x))`` (GPT-NeoX): norms on the region -> one all-gather of both
+    normalised tensors -> column/row-parallel attention and MLP on the full SP shard -> one reduce-scatter of their
+    summed partials (row-parallel biases included) -> the residual on the region. Sequential residual (Llama):
+    ``y = x + attn(ln1(x))``, then ``y + mlp(ln2(y))``, each branch with its own all-gather and reduce-scatter.
     """
 
-    def __init__(self, block: nn.Module, tp: _TP):
+    def __init__(self, block: Block, tp: _TP):
         super().__init__()
         self.tp = tp
-        self.input_layernorm = SequenceParallelLayerNorm(block.input_layernorm, tp)
-        self.post_attention_layernorm = SequenceParallelLayerNorm(block.post_attention_layernorm, tp)
-        self.attention = TensorParallelAttention(block.attention, tp)
-        self.mlp = TensorParallelMLP(block.mlp, tp)
+        self.input_layernorm = SequenceParallelNorm(block.input_layernorm, tp)
+        self.post_attention_layernorm = SequenceParallelNorm(block.post_attention_layernorm, tp)
+        _split_attention(block.attention, tp)
+        _split_mlp(block.mlp, tp)
+        self.attention, self.mlp = block.attention, block.mlp
         self.dropout = block.dropout
+        self.parallel_residual = block.parallel_residual
 
     def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
         g, c = self.tp.group, self.tp.counter
+        if not self.parallel_residual:
+            attn = self.attention(all_gather_sequence_region(self.input_layernorm(x), g, 1, c), position_ids, doc_ids)
+            x = x + self.dropout(reduce_scatter_sequence_region(attn, g, 1, c))  # [B, T/tp, hidden]
+            mlp = self.mlp(all_gather_sequence_region(self.post_attention_layernorm(x), g, 1, c))
+            return x + self.dropout(reduce_scatter_sequence_region(mlp, g, 1, c))
         normed = torch.stack([self.input_layernorm(x), self.post_attention_layernorm(x)])  # [2, B, T/tp, hidden]
         attn_in, mlp_in = all_gather_sequence_region(normed, g, 2, c).unbind(0)  # 2 x [B, T, hidden]
         attn = self.attention(attn_in, position_ids, doc_ids)  # [B, T, hidden], partial over TP (bias included)
@@ -506,18 +602,19 @@ def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, coun
     Every rank must build the model with the same seed first, whole or on the meta device (each keeps its pieces;
     :func:`ds4sci.parallel.parallelize.materialize_` then draws a meta model's). Afterwards
     ``model(input_ids, position_ids, ...)`` takes the SP shard as before and returns vocabulary-sharded logits
-    ``[B, T, V_pad/tp]``: use :func:`token_loss_for` (``groups``) as the loss.
+    ``[B, T, V_pad/tp]``: use :func:`token_loss_for` (``groups``) as the loss. A tied output head
+    (``tie_word_embeddings``) stays tied: the output projection uses the vocabulary-parallel embedding's shard, one
+    parameter whose gradient sums both uses on each rank.
 
     Raises:
-        ValueError: a degree cannot split the model (:meth:`ParallelDims.check_model`), or its shape is not yet
-        tensor-parallel (:meth:`GenSLMConfig.check_tensor_parallel`).
+        ValueError: a degree cannot split the model (:meth:`ParallelDims.check_model`).
     """
     dims = groups.dims
     if dims.tp == 1:
         return
     cfg = model.config
-    cfg.check_tensor_parallel()
-    dims.check_model(num_heads=cfg.num_heads, num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size)
+    dims.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, num_layers=cfg.num_layers,
+                     intermediate_size=cfg.intermediate_size)
     if isinstance(model.embed_in, VocabParallelEmbedding):
         raise ValueError("apply_tensor_parallel: the model is already tensor-parallel")
     tp = _TP(groups.tp, groups.tp_rank, dims.tp, counter)
@@ -525,8 +622,10 @@ def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, coun
     model.emb_dropout = SequenceRegionSplit(model.emb_dropout, tp)
     for i, block in enumerate(model.layers):
         model.layers[i] = TensorParallelBlock(block, tp)
-    model.final_layer_norm = SequenceParallelLayerNorm(model.final_layer_norm, tp, gather=True)
+    model.final_layer_norm = SequenceParallelNorm(model.final_layer_norm, tp, gather=True)
     model.embed_out = VocabParallelOutput(model.embed_out, tp, cfg.vocab_size)
+    if cfg.tie_word_embeddings:  # the same rows of the same padded vocabulary: one parameter, as in GenSLM
+        model.embed_out.weight = model.embed_in.weight
 
 
 # ---------------------------------------------------------------------------------------------------------- loss
@@ -606,9 +705,10 @@ def gather_vocab(logits: Tensor, group: dist.ProcessGroup | None, vocab_size: in
 # ------------------------------------------------------------------------------------------------ state dicts
 def tensor_parallel_plan(model: nn.Module) -> dict[str, TPShard]:
     """``{parameter name: TPShard}`` of the parameters :func:`apply_tensor_parallel` split (read from the
-    ``ds4sci_tp_*`` attributes; the names are those of ``model.state_dict()``)."""
-    return {name: TPShard(p.ds4sci_tp_dim, p.ds4sci_tp_size, p.ds4sci_tp_padded)
-            for name, p in model.named_parameters() if hasattr(p, "ds4sci_tp_dim")}
+    ``ds4sci_tp_*`` attributes; the names are those of ``model.state_dict()``, both names of a tied embedding
+    included)."""
+    return {name: TPShard(p.ds4sci_tp_dim, p.ds4sci_tp_size, p.ds4sci_tp_padded, p.ds4sci_tp_order)
+            for name, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "ds4sci_tp_dim")}
 
 
 def gather_tensor_parallel(state: nn.Module | Mapping[str, Tensor], groups: SequenceParallelGroups,
@@ -617,8 +717,8 @@ def gather_tensor_parallel(state: nn.Module | Mapping[str, Tensor], groups: Sequ
 
     ``state``: a tensor-parallel model (its ``state_dict()`` and plan are used), or a state dict with the same keys
     (e.g. gradients, Adam moments or ZeRO-3 gathered weights) together with ``plan`` (:func:`tensor_parallel_plan`
-    of the model). Split entries are all-gathered along their dim and cut back to the unpadded size; the others
-    are returned as they are.
+    of the model). Split entries are all-gathered along their dim, cut back to the unpadded size and put back in
+    the single-device order (:meth:`TPShard.restore`); the others are returned as they are.
     """
     if isinstance(state, nn.Module):
         plan = tensor_parallel_plan(state) if plan is None else plan
@@ -632,8 +732,7 @@ def gather_tensor_parallel(state: nn.Module | Mapping[str, Tensor], groups: Sequ
         if shard is None or group_size(group) == 1:
             full[name] = value
             continue
-        gathered = _all_gather(value.detach(), group, shard.dim, None)
-        full[name] = gathered.narrow(shard.dim, 0, shard.size).clone()
+        full[name] = shard.restore(_all_gather(value.detach(), group, shard.dim, None))
     return full
 
 
@@ -646,12 +745,10 @@ def shard_tensor_parallel(full: Mapping[str, Tensor], plan: Mapping[str, TPShard
         if shard is None:
             out[name] = value
             continue
-        if value.shape[shard.dim] != shard.size:
-            raise ValueError(f"{name}: full size {value.shape[shard.dim]} along dim {shard.dim}, expected {shard.size}")
-        if shard.padded > shard.size:
-            pad_shape = list(value.shape)
-            pad_shape[shard.dim] = shard.padded - shard.size
-            value = torch.cat([value, value.new_zeros(pad_shape)], dim=shard.dim)
+        try:
+            value = shard.arrange(value)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
         out[name] = _piece(value, shard.dim, rank, world).clone()
     return out
 

@@ -247,11 +247,14 @@ def _engine_differences(meta: dict, expected: dict) -> list[str]:
     return differ
 
 
-def _engine_params(trainer) -> list[tuple[str, torch.nn.Parameter]]:
-    """``(GenSLM name, parameter)`` of this rank's engine (its pipeline stage's parameters under PP)."""
+def _engine_params(trainer, replicas: bool = True) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(GenSLM name, parameter)`` of this rank's engine (its pipeline stage's parameters under PP). ``replicas=False``
+    leaves out the last stage's copy of a tied embedding (DeepSpeed's ``ds_pipe_replicated``), whose values are the
+    first stage's: each tensor is written once, and read into both copies."""
     named = trainer.engine.module.named_parameters()
     if trainer.dims.pp > 1:
-        return [(genslm_name(name, trainer.model_config.num_layers), p) for name, p in named]
+        return [(genslm_name(name, trainer.model_config.num_layers), p) for name, p in named
+                if replicas or not getattr(p, "ds_pipe_replicated", False)]
     return list(named)
 
 
@@ -286,7 +289,7 @@ def _save_portable(trainer, folder: Path, digests: dict[str, str], failed: list[
     spread = _Spread(dims.tp * dist.get_world_size(groups.sdp))
     me = groups.sdp_rank * dims.tp + groups.tp_rank
     mine = {}
-    for name, p in _engine_params(trainer):
+    for name, p in _engine_params(trainer, replicas=False):
         tensors = {f"{key}/{name}": _full(trainer, name, p, key) for key in keys}
         if spread.take(sum(t.nbytes for t in tensors.values())) == me:
             mine.update(tensors)

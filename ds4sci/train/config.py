@@ -281,13 +281,8 @@ class Config:
         except (TypeError, ValueError) as err:
             raise ValueError(f"model (preset={self.model.preset!r}, overrides={self.model.overrides}): {err}") from None
         try:
-            dims.check_model(num_heads=model.num_heads, num_layers=model.num_layers,
+            dims.check_model(num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, num_layers=model.num_layers,
                              intermediate_size=model.intermediate_size)
-            if p.tp > 1:
-                model.check_tensor_parallel()
-            if p.pp > 1 and model.tie_word_embeddings:
-                raise ValueError("tie_word_embeddings=True: a pipeline keeps the embedding on its first stage and the "
-                                 "head on its last, which would untie them; use pp=1")
         except ValueError as err:
             raise ValueError(f"parallel.tp={p.tp!r}, parallel.ulysses={p.ulysses!r}, parallel.pp={p.pp!r}: {err}") from None
 

@@ -8,6 +8,13 @@ taking and returning a tuple of tensors (what the engine passes between stages w
     BlockStage x L  (x, position_ids[, doc_ids])          -> (x, position_ids[, doc_ids])
     HeadStage       (x, position_ids[, doc_ids])          -> logits [B, T, V (/tp)]          last stage
 
+With ``tie_word_embeddings`` the head's matrix is the embedding's: the embedding stage is a DeepSpeed ``TiedLayerSpec``
+(key :data:`TIED_KEY`) used twice, as the first layer and, through :meth:`EmbeddingStage.logits`, as the last one
+after a :class:`HeadStage` that holds only the final norm. Each end stage builds its own copy (its engine names are
+``tied_modules.embed.*``); DeepSpeed broadcasts the first stage's copy to the last at start-up, sums the two copies'
+gradients over the tie group (the same TP and sequence x data index on both end stages) before the data-parallel
+reduction, and marks the last stage's copy ``ds_pipe_replicated`` so the gradient norm counts it once.
+
 ``doc_ids`` is left out of the tuple when the batch has none (the engine passes only tensors); positions and
 document ids are integer tensors, which the engine sends forward and never expects a gradient for. Blocks are
 balanced over the stages (:func:`build_pipeline_engine`).
@@ -27,7 +34,9 @@ Facts checked with DeepSpeed 0.19.8 on the CPU (gloo; ``tests/distributed/test_t
 - Gradient clipping at ZeRO 0 (``deepspeed.runtime.utils.clip_grad_norm_``) counts a parameter only on the
   rank whose *pipe x model* index is 0 unless it is marked model-parallel, so the norm would be stage 0's alone;
   :func:`build_pipeline_engine` marks the parameters of every TP-rank-0 process ``model_parallel`` so each
-  parameter counts exactly once in the global norm (ZeRO-1 counts by TP rank and needs no mark).
+  parameter counts exactly once in the global norm (ZeRO-1 counts by TP rank and needs no mark), except the last
+  stage's copy of a tied embedding, which that function does not skip (ZeRO-1's norm does): left unmarked, it is
+  not counted twice (found by resuming a tied model at PP2 ZeRO-0 with clipping).
 - ``pipeline.pipe_partitioned`` / ``grad_partitioned`` (DeepSpeed's default under a model axis) split stage
   outputs over the TP group assuming they are replicated there; ours are sequence-sharded over TP, so both are off.
 - ZeRO-2/3 are refused by the engine ("incompatible with pipeline parallelism"); the config refuses them first.
@@ -62,7 +71,7 @@ from ds4sci.train.loss import scaled_shard_loss
 from ds4sci.train.sanity import refuse_mismatch
 
 __all__ = ["pipeline_topology", "pipeline_reduction_factor", "pipeline_layers", "genslm_name", "PipelineLoss",
-           "build_pipeline_engine", "measure_pipeline_division", "check_pipeline_gradient_reduction",
+           "build_pipeline_engine", "TIED_KEY", "measure_pipeline_division", "check_pipeline_gradient_reduction",
            "pipeline_train_batch", "pipeline_eval_sum", "pipeline_state_items"]
 
 
@@ -88,10 +97,14 @@ def _unpack(inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
     return x, position_ids, doc[0] if doc else None
 
 
+TIED_KEY = "embed"  # the TiedLayerSpec key of a tied embedding and head
+
+
 class EmbeddingStage(nn.Module):
     """``(input_ids [B, T], position_ids [B, T][, doc_ids [B, T]]) -> (x [B, T(/tp), hidden], position_ids[, doc_ids])``:
     GenSLM's token embedding, the learned position table when there is one, and the embedding dropout (under TP,
-    the split into the sequence-parallel region). Submodule names are GenSLM's (``embed_in``, ``embed_pos``)."""
+    the split into the sequence-parallel region). Submodule names are GenSLM's (``embed_in``, ``embed_pos``; with a
+    tied head also ``embed_out``, whose weight is ``embed_in``'s: :meth:`logits`)."""
 
     def __init__(self, model: GenSLM, position_table: Callable[[Tensor], Tensor] | None):
         super().__init__()
@@ -99,6 +112,11 @@ class EmbeddingStage(nn.Module):
         self.embed_pos = model.embed_pos  # the table when it was not popped (then ``position_table`` is None)
         self.emb_dropout = model.emb_dropout
         self.position_table = position_table  # kept out of the engine: not a module (PositionTable)
+        self.embed_out = model.embed_out if model.config.tie_word_embeddings else None
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The tied output layer: final-normed ``x [B, T, hidden]`` -> logits ``[B, T, V (/tp)]``."""
+        return self.embed_out(x)
 
     def forward(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         input_ids, position_ids, *doc = inputs
@@ -127,30 +145,44 @@ class BlockStage(nn.Module):
 
 
 class HeadStage(nn.Module):
-    """``(x [B, T(/tp), hidden], ...) -> logits [B, T, V (/tp)]``: GenSLM's final norm and output layer."""
+    """``(x [B, T(/tp), hidden], ...) -> logits [B, T, V (/tp)]``: GenSLM's final norm and output layer; with a tied
+    head, the final norm alone (``-> [B, T, hidden]``; the tied :class:`EmbeddingStage` follows)."""
 
     def __init__(self, model: GenSLM):
         super().__init__()
         self.final_layer_norm = model.final_layer_norm
-        self.embed_out = model.embed_out
+        self.embed_out = None if model.config.tie_word_embeddings else model.embed_out
 
     def forward(self, inputs: tuple[Tensor, ...]) -> Tensor:
-        return self.embed_out(self.final_layer_norm(inputs[0]))
+        x = self.final_layer_norm(inputs[0])
+        return x if self.embed_out is None else self.embed_out(x)
 
 
-def pipeline_layers(model: GenSLM, position_table: Callable[[Tensor], Tensor] | None = None) -> list[nn.Module]:
-    """``[EmbeddingStage, BlockStage x num_layers, HeadStage]`` sharing ``model``'s modules (no copies)."""
-    return [EmbeddingStage(model, position_table),
-            *(BlockStage(block, model.checkpoint_fn) for block in model.layers),
-            HeadStage(model)]
+def pipeline_layers(model: GenSLM, position_table: Callable[[Tensor], Tensor] | None = None) -> list:
+    """``[EmbeddingStage, BlockStage x num_layers, HeadStage]`` sharing ``model``'s modules (no copies); with
+    ``tie_word_embeddings`` the embedding stage is a ``TiedLayerSpec`` (:data:`TIED_KEY`, tied weight
+    ``embed_in.weight``), used again after the head as the output layer (:meth:`EmbeddingStage.logits`)."""
+    blocks = [BlockStage(block, model.checkpoint_fn) for block in model.layers]
+    if not model.config.tie_word_embeddings:
+        return [EmbeddingStage(model, position_table), *blocks, HeadStage(model)]
+    from deepspeed.runtime.pipe import TiedLayerSpec
+
+    def tied(**kw):
+        return TiedLayerSpec(TIED_KEY, EmbeddingStage, model, position_table, tied_weight_attr=["embed_in.weight"], **kw)
+
+    return [tied(), *blocks, HeadStage(model), tied(forward_fn=EmbeddingStage.logits)]
 
 
 _PIPE_NAME = re.compile(r"(\d+)\.(.*)")
+_TIED_PREFIX = f"tied_modules.{TIED_KEY}."
 
 
 def genslm_name(pipe_name: str, num_layers: int) -> str:
     """The GenSLM state-dict name of a ``PipelineModule`` parameter name: layer ``0`` is the embedding stage,
-    ``1..num_layers`` the blocks (``i.block.*`` -> ``layers.{i-1}.*``), ``num_layers + 1`` the head."""
+    ``1..num_layers`` the blocks (``i.block.*`` -> ``layers.{i-1}.*``), ``num_layers + 1`` the head; a tied embedding
+    stage's ``tied_modules.embed.*`` are the embedding's (and the tied head's) own names."""
+    if pipe_name.startswith(_TIED_PREFIX):
+        return pipe_name[len(_TIED_PREFIX):]
     match = _PIPE_NAME.fullmatch(pipe_name)
     if match is None:
         raise ValueError(f"{pipe_name!r} is not a pipeline layer's parameter name")
@@ -199,9 +231,7 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
     ``engine.module.loss_fn`` is the :class:`PipelineLoss`. First, the engine's gradient reduction is checked on a
     probe pipeline (:func:`check_pipeline_gradient_reduction`).
 
-    Raises:
-        ValueError: a model with ``tie_word_embeddings``, whose embedding (first stage) and head (last stage) would
-        become two parameters.
+    A tied embedding and head (``tie_word_embeddings``) is DeepSpeed's tied layer (module docstring).
     """
     from deepspeed.runtime.pipe import PipelineModule
 
@@ -213,15 +243,14 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
 
     dims = groups.dims
     check_pipeline_gradient_reduction(cfg, groups, device)  # before the model's engine: fails fast
-    if model.config.tie_word_embeddings:
-        raise ValueError("tie_word_embeddings=True: a pipeline keeps the embedding on its first stage and the head on "
-                         "its last, which would untie them; use pp=1")
     pipe = StagePipeline(pipeline_layers(model, position_table), topology=pipeline_topology(dims),
                          loss_fn=PipelineLoss(groups), partition_method="type:BlockStage")
     pipe.to(device)
     if groups.tp_rank == 0:
         for p in pipe.parameters():
-            p.model_parallel = True  # counted once in clip_grad_norm_'s global norm (see the module docstring)
+            # counted once in clip_grad_norm_'s global norm (see the module docstring), which, unlike ZeRO-1's, does not
+            # skip the last stage's copy of a tied embedding (ds_pipe_replicated): that copy stays unmarked
+            p.model_parallel = not p.ds_pipe_replicated
     return _initialize(pipe, cfg, dims)
 
 
@@ -356,6 +385,8 @@ def pipeline_state_items(engine, groups: SequenceParallelGroups, tp_plan: dict, 
     """
     def local():
         for name, value in engine.module.state_dict().items():  # one full tensor at a time on the device
+            if name.startswith(_TIED_PREFIX) and groups.coords.pp > 0:
+                continue  # the last stage's copy of the tied embedding: the first stage's is the one
             key = genslm_name(name, num_layers)
             yield key, gather_tensor_parallel({key: value.detach()}, groups, tp_plan)[key].float().cpu().clone()
         if groups.coords.pp == 0:

@@ -180,19 +180,6 @@ class GenSLMConfig:
                 raise ValueError(f"{field}={getattr(self, field)!r}: {what} {family}-shaped GenSLMs only "
                                  f"({field}={value!r})")
 
-    def check_tensor_parallel(self) -> None:
-        """Tensor parallelism (:mod:`ds4sci.parallel.tensor_parallel`) splits GPT-NeoX's shape only
-        (:meth:`check_gpt_neox_shape`); a Llama shape (issue 26, item 2) is refused rather than split wrongly, and
-        the planner skips such layouts.
-
-        Raises:
-            ValueError: naming the first field (and its value) that tensor parallelism cannot split yet.
-        """
-        try:
-            self.check_gpt_neox_shape("tensor parallelism splits")
-        except ValueError as err:
-            raise ValueError(f"{err}; use tp=1 (Ulysses and ring take this shape)") from None
-
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads

@@ -4,8 +4,11 @@ checkpoint's portable state (:mod:`ds4sci.train.checkpoint`) and trains exactly 
 One process trains 4 steps uninterrupted (the reference), saving after step 2. Two processes then resume from it
 at TP=2 under ZeRO-3, and train 2 steps at one layout, save and resume at another: TP2 ZeRO-3 -> SP2 ZeRO-0,
 PP2 ZeRO-0 -> DP2 ZeRO-2 and Ring2 zigzag ZeRO-1 with optimizer offload -> Ulysses2 ZeRO-3 (TP, pipeline, sequence
-layout, ZeRO stage, offload and partition count all change). Each resumed run's steps 3-4 have
-the reference's losses and parameters (fp32 rounding). The helpers are those of ``test_train_equivalence``.
+layout, ZeRO stage, offload and partition count all change). A Llama-shaped model (one key/value head shared by both
+TP ranks, head tied to the embedding) has its own one-process reference and resumes at PP2 (the checkpoint's tied
+matrix read into both end stages' copies), then saves there (once) and resumes at TP2 (the fused QKV's permuted
+shards). Each resumed run's steps 3-4 have its reference's losses and parameters (fp32 rounding). The helpers are
+those of ``test_train_equivalence``.
 """
 import json
 from pathlib import Path
@@ -19,15 +22,20 @@ from test_train_equivalence import CLIP, ENV, _overrides
 pytestmark = pytest.mark.distributed
 
 STEPS = 4
-# (name, saved by: (ZeRO stage, overrides) or None for the reference's checkpoint, resumed at: the same)
+# model overrides by name: the default GPT-NeoX shape; Llama's, with one key/value head and a tied head
+MODELS = {"neox": [], "llama": ["model.preset=llama-debug", "model.overrides.num_kv_heads=1",
+                                "model.overrides.tie_word_embeddings=true"]}
+# (name, model, saved by: (ZeRO stage, overrides) or None for the reference's checkpoint, resumed at: the same)
 CASES = [  # between them every ZeRO stage's way of reading and of setting the state (0: the client AdamW's own)
-    ("1 zero1 -> tp2 zero3", None, (3, ["parallel.tp=2"])),
-    ("tp2 zero3 -> sp2 zero0", (3, ["parallel.tp=2"]), (0, ["parallel.ulysses=2"])),
-    ("pp2 zero0 -> dp2 zero2", (0, ["parallel.pp=2"]), (2, ["train.micro_batch_size=1"])),  # 2 samples per step still
+    ("1 zero1 -> tp2 zero3", "neox", None, (3, ["parallel.tp=2"])),
+    ("tp2 zero3 -> sp2 zero0", "neox", (3, ["parallel.tp=2"]), (0, ["parallel.ulysses=2"])),
+    ("pp2 zero0 -> dp2 zero2", "neox", (0, ["parallel.pp=2"]), (2, ["train.micro_batch_size=1"])),  # 2 samples per step
     # ring zigzag with optimizer offload (masters and moments read from the CPU optimizer), the learned table's
     # shards re-split from the zigzag rows to Ulysses' contiguous ones
-    ("ring2 zigzag zero1 offload -> ulysses2 zero3",
+    ("ring2 zigzag zero1 offload -> ulysses2 zero3", "neox",
      (1, ["parallel.ring=2", "parallel.layout=zigzag", "zero.offload_optimizer=cpu"]), (3, ["parallel.ulysses=2"])),
+    ("llama 1 zero1 -> pp2 zero0 tied", "llama", None, (0, ["parallel.pp=2"])),
+    ("llama pp2 zero1 tied -> tp2 zero1 kv head shared", "llama", (1, ["parallel.pp=2"]), (1, ["parallel.tp=2"])),
 ]
 
 
@@ -44,30 +52,35 @@ def _state(trainer, rank):
     return full if rank == 0 else None
 
 
-def _reference(rank, world, out):
-    """One process, 4 steps, a checkpoint after step 2: losses, final state, checkpoint folder."""
+def _references(rank, world, root):
+    """Per model: one process, 4 steps, a checkpoint after step 2: losses, final state, checkpoint folder."""
     from ds4sci.train.checkpoint import save_checkpoint
 
-    t = _trainer(out, 1, [])
-    losses = [t.train_step().loss for _ in range(2)]
-    path = save_checkpoint(t)
-    losses += [t.train_step().loss for _ in range(2)]
-    return losses, _state(t, rank), str(path)
+    out = {}
+    for model, extra in MODELS.items():
+        t = _trainer(f"{root}/reference_{model}", 1, extra)
+        losses = [t.train_step().loss for _ in range(2)]
+        path = save_checkpoint(t)
+        losses += [t.train_step().loss for _ in range(2)]
+        out[model] = losses, _state(t, rank), str(path)
+    return out
 
 
-def _resumes(rank, world, root, reference):
+def _resumes(rank, world, root, references):
     """Per case: the losses of the saving run's first 2 steps (None: the reference saved), the resumed run's step
     after loading, its 2 losses and final state."""
     from ds4sci.train.checkpoint import load_checkpoint, save_checkpoint
 
     results = {}
-    for i, (name, saver, resumer) in enumerate(CASES):
-        first, path = None, reference
+    for i, (name, model, saver, resumer) in enumerate(CASES):
+        first, path = None, references[model]
         if saver is not None:
-            t = _trainer(f"{root}/case{i}_save", *saver)
+            stage, extra = saver
+            t = _trainer(f"{root}/case{i}_save", stage, [*MODELS[model], *extra])
             first = [t.train_step().loss for _ in range(2)]
             path = save_checkpoint(t)
-        t = _trainer(f"{root}/case{i}_resume", *resumer)
+        stage, extra = resumer
+        t = _trainer(f"{root}/case{i}_resume", stage, [*MODELS[model], *extra])
         load_checkpoint(t, path)
         at = t.step
         results[name] = first, at, [t.train_step().loss for _ in range(2)], _state(t, rank)
@@ -76,11 +89,14 @@ def _resumes(rank, world, root, reference):
 
 @pytest.mark.slow
 def test_resume_at_another_layout_trains_like_one_process(tmp_path):
-    losses, want, reference = run_workers(_reference, 1, str(tmp_path / "reference"), env=ENV, timeout=300)[0]
-    assert abs(losses[2] - losses[0]) > 1e-3  # the checkpoint holds trained parameters, not the initial ones
-    assert json.loads((Path(reference) / "checkpoint.json").read_text())["portable"]["adam_step"] == 2
-    results = run_workers(_resumes, 2, str(tmp_path), reference, env=ENV, timeout=300)[0]
-    for name, (first, at, resumed, got) in results.items():
+    references = run_workers(_references, 1, str(tmp_path), env=ENV, timeout=300)[0]
+    for losses, _, reference in references.values():
+        assert abs(losses[2] - losses[0]) > 1e-3  # the checkpoint holds trained parameters, not the initial ones
+        assert json.loads((Path(reference) / "checkpoint.json").read_text())["portable"]["adam_step"] == 2
+    results = run_workers(_resumes, 2, str(tmp_path), {m: r[2] for m, r in references.items()}, env=ENV,
+                          timeout=400)[0]
+    for (name, model, _, _), (first, at, resumed, got) in zip(CASES, results.values()):
+        losses, want, _ = references[model]
         if first is not None:
             torch.testing.assert_close(torch.tensor(first), torch.tensor(losses[:2]), rtol=1e-5, atol=1e-6, msg=name)
         assert at == 2, name

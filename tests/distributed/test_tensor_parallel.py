@@ -4,7 +4,8 @@ Recipe: every rank builds the single-device GenSLM and a second copy with the sa
 batch (fp32), applies :func:`~ds4sci.parallel.parallelize.parallelize` to the copy, feeds it this rank's SP shard and
 compares the loss (summed over SP), the log-softmax of the logits (gathered over the vocabulary and the sequence) and
 EVERY parameter gradient (consolidated over TP, summed over SP as the engine would) with the reference. Cases of one
-world size share one spawn; each failure names its case.
+world size share one spawn; each failure names its case. Llama-shaped cases (``_llama``) cover key/value heads split
+over TP and shared by 2 or 4 TP ranks, SwiGLU, RMSNorm, no biases, the sequential residual and a tied head.
 """
 import pytest
 import torch
@@ -34,6 +35,16 @@ def _config(**overrides) -> GenSLMConfig:
                 max_position_embeddings=64, position_embedding="rotary", rotary_pct=0.5)
     base.update(overrides)
     return GenSLMConfig(**base)
+
+
+def _llama(**overrides) -> GenSLMConfig:
+    """Llama's shape: grouped-query attention, SwiGLU, RMSNorm, no biases, sequential residual, Llama-3.1's rotary
+    scaling on every head dim (its wavelength bands inside the tiny head), tied head (``tie_word_embeddings=False``
+    unties it)."""
+    base = dict(num_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False, parallel_residual=False, rotary_pct=1.0,
+                rotary_scaling_factor=8.0, rotary_original_max_positions=32, tie_word_embeddings=True)
+    base.update(overrides)
+    return _config(**base)
 
 
 def _model(cfg: GenSLMConfig, seed: int) -> GenSLM:
@@ -153,6 +164,9 @@ def _worker_tp2(rank, world):
     check_model("TP2 learned B=1", groups, _config(position_embedding="learned"), S=8, B=1, seed=2)
     # the two-branch reduce-scatter of active dropout (p so small that dropout is the identity in fp32)
     check_model("TP2 dropout path", groups, _config(dropout=1e-12), S=6, seed=3)
+    # Llama shapes: one key/value head per rank (tied head); one head shared by both ranks (untied)
+    check_model("TP2 llama kv2 tied", groups, _llama(), S=8, docs=True, seed=8)
+    check_model("TP2 llama kv1 shared untied", groups, _llama(num_kv_heads=1, tie_word_embeddings=False), S=6, seed=9)
 
     # communication: forward = 1 all-reduce (embedding), L reduce-scatters, L + 1 all-gathers; nothing else
     cfg = _config(num_layers=3)
@@ -169,6 +183,18 @@ def _worker_tp2(rank, world):
     # gradient all-reduces of the 4 LayerNorm parameters per block and the final LayerNorm's 2
     assert counter.calls["reduce_scatter"] == 4 and counter.calls["all_gather"] == 4, counter
     assert counter.calls["all_reduce"] == 3 * 4 + 2, counter
+    # Llama (sequential residual, RMSNorm, one key/value head shared by both ranks): per block an all-gather and a
+    # reduce-scatter per branch, plus the all-gather of the shared head's projection rows; backward the duals and
+    # the gradient all-reduce of RMSNorm's one weight per norm (the planner's megatron-sp form: 8 (tp-1)/tp N h)
+    counter = CommCounter()
+    llama = _model(_llama(num_layers=3, num_kv_heads=1), 0)
+    parallelize(llama, groups, counter=counter)
+    logits = llama(ids, pos)
+    assert dict(counter.calls) == {"all_reduce": 1, "reduce_scatter": 6, "all_gather": 7 + 3}, counter
+    assert counter.bytes_sent["reduce_scatter"] == 6 * B * S * h * 4 // 2, counter
+    counter.reset()
+    logits.sum().backward()
+    assert dict(counter.calls) == {"reduce_scatter": 7 + 3, "all_gather": 6 + 1, "all_reduce": 3 * 2 + 1}, counter
 
     # consolidation round trip: the TP model's pieces are the single-device model's; full -> TP -> full
     ref = _model(cfg, 5)
@@ -255,17 +281,25 @@ def _worker_four(rank, world):
     g = build_groups(ParallelDims(dp=1, tp=2, ulysses=2))
     check_model("TP2xU2 alibi docs", g, _config(position_embedding="alibi"), S=16, docs=True)
     check_model("TP2xU2 rotary", g, _config(num_heads=8, hidden_size=64, intermediate_size=24), S=8, seed=1)
+    # a TP rank's one key/value head is shared by both Ulysses ranks
+    check_model("TP2xU2 llama kv2", g, _llama(), S=8, seed=10)
     # TP2 x Ring2, zigzag (the learned table is sharded over its max_positions: the trainer's window length)
     g = build_groups(ParallelDims(dp=1, tp=2, ring=2, layout="zigzag"))
     check_model("TP2xR2 zigzag learned docs", g, _config(position_embedding="learned", max_position_embeddings=16), S=16, docs=True, seed=2)
     check_model("TP2xR2 zigzag alibi", g, _config(position_embedding="alibi"), S=8, seed=3)
+    check_model("TP2xR2 zigzag llama kv1", g, _llama(num_kv_heads=1), S=8, docs=True, seed=11)
     # TP4: vocabulary 69 -> 72 (15 real columns on TP rank 3); vocabulary 5 -> 8 (TP rank 3 holds only padding)
     g = build_groups(ParallelDims(dp=1, tp=4))
     check_model("TP4 rotary docs vocab 69", g, _config(), S=8, docs=True, seed=4)
     check_model("TP4 alibi vocab 5", g, _config(vocab_size=5, pad_token_id=3, position_embedding="alibi"), S=4, seed=5)
     check_materialize("TP4 meta vocab 69", g, _config(), seed=6)
+    check_model("TP4 llama kv2 shared by 2 tied", g, _llama(), S=8, seed=12)
+    check_model("TP4 llama kv1 shared by 4", g, _llama(num_kv_heads=1, tie_word_embeddings=False), S=4, seed=13)
+    check_materialize("TP4 meta llama kv2 tied", g, _llama(), seed=14)
     _expect_value_error("TP4 heads", "tp=4 x ulysses=1 = 4 must divide the number of heads 6",
                         lambda: parallelize(_model(_config(hidden_size=24, num_heads=6), 0), g))
+    _expect_value_error("TP4 kv heads", "tp=4 and num_kv_heads=6: one must divide the other",
+                        lambda: parallelize(_model(_config(hidden_size=48, num_heads=12, num_kv_heads=6), 0), g))
     g = build_groups(ParallelDims(dp=1, tp=2, ring=2, layout="zigzag"))
     check_materialize("TP2xR2 meta learned", g, _config(position_embedding="learned", max_position_embeddings=16), 7)
     return True

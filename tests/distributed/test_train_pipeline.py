@@ -73,6 +73,8 @@ def test_parameter_names_map_to_genslm():
     assert genslm_name("0.embed_in.weight", 4) == "embed_in.weight"
     assert genslm_name("3.block.attention.dense.bias", 4) == "layers.2.attention.dense.bias"
     assert genslm_name("5.embed_out.weight", 4) == "embed_out.weight"
+    assert genslm_name("tied_modules.embed.embed_in.weight", 4) == "embed_in.weight"  # a tied embedding and head
+    assert genslm_name("tied_modules.embed.embed_out.weight", 4) == "embed_out.weight"
     for bad in ("6.embed_out.weight", "2.attention.dense.bias", "embed_in.weight"):
         with pytest.raises(ValueError, match="pipeline layer|block|outside"):
             genslm_name(bad, 4)

@@ -3,7 +3,9 @@ single-process training: per-step losses and every parameter after three steps (
 0-3 (ZeRO-Offload of the optimizer at stage 2, of optimizer and parameters at stage 3), TP2 x Ulysses2 and TP2 x
 Ring2 (zigzag), with activation checkpointing (full, selective, on the CPU), and the
 consolidated export (and validation loss) of an end-to-end ``Trainer.train()`` under TP2 x Ulysses2 equals the
-single-process run's.
+single-process run's. A Llama-shaped model (grouped-query attention, SwiGLU, RMSNorm, no biases; head tied and
+untied) trains like one process under Ulysses 2, ring 2, TP 2 and PP 2 (``test_llama_shape_under_every_layout``, issue
+26's done-when; the tied head under PP 2 through DeepSpeed's tied layers).
 
 Gradient clipping is active in some cases (the global norm must count the TP-split parameters once per TP rank and
 the replicated ones once) and off in others: an active clip rescales every gradient to the threshold, which would
@@ -23,25 +25,38 @@ FULL, SELECTIVE, CPU = (["activation_checkpointing.mode=full"], ["activation_che
                         ["activation_checkpointing.cpu=true"])
 OFFLOAD_OPTIMIZER, OFFLOAD_PARAM = ["zero.offload_optimizer=cpu"], ["zero.offload_param=cpu"]
 
-# Single-process references, by name: (ZeRO stage, position embedding, clipped, tokenizer). A tensor-parallel case is
-# compared with the reference of its name (activation checkpointing and layouts do not change the reference).
+# Llama's shape (the llama-debug preset: 4 query and 2 key/value heads, SwiGLU, RMSNorm, no biases, sequential
+# residual), its head tied to the embedding; LLAMA_KV1_UNTIED: one key/value head (shared by both TP ranks), untied
+LLAMA = ["model.preset=llama-debug", "model.overrides.tie_word_embeddings=true"]
+LLAMA_KV1_UNTIED = ["model.preset=llama-debug", "model.overrides.num_kv_heads=1"]
+
+# Single-process references, by name: (ZeRO stage, position embedding, clipped, tokenizer, model overrides). A
+# parallel case is compared with the reference of its name (activation checkpointing and layouts do not change the
+# reference).
 REFERENCES = {
-    "z0 rotary clip": (0, "rotary", True, "nucleotide"),
-    "z1 learned": (1, "learned", False, "nucleotide"),
-    "z2 rotary clip": (2, "rotary", True, "nucleotide"),
-    "z3 alibi clip": (3, "alibi", True, "nucleotide"),
-    "z3 learned": (3, "learned", False, "nucleotide"),
+    "z0 rotary clip": (0, "rotary", True, "nucleotide", []),
+    "z1 learned": (1, "learned", False, "nucleotide", []),
+    "z2 rotary clip": (2, "rotary", True, "nucleotide", []),
+    "z3 alibi clip": (3, "alibi", True, "nucleotide", []),
+    "z3 learned": (3, "learned", False, "nucleotide", []),
     # the end-to-end case: 69 codon ids, padded to 70 over TP2, so the export must cut the padding row off
-    "z1 rotary clip codon": (1, "rotary", True, "codon"),
+    "z1 rotary clip codon": (1, "rotary", True, "codon", []),
 }
 END_TO_END = "z1 rotary clip codon"
+# those of test_llama_shape_under_every_layout (their own one-process run)
+LLAMA_REFERENCES = {
+    "llama z1 clip": (1, "rotary", True, "nucleotide", LLAMA),
+    "llama kv1 untied z1": (1, "rotary", False, "nucleotide", LLAMA_KV1_UNTIED),
+    "llama kv1 untied z3 clip": (3, "rotary", True, "nucleotide", LLAMA_KV1_UNTIED),
+}
 
 
 def _case(out_dir, name, ulysses=1, ring=1, extra=()):
     """The overrides of a case of reference ``name``; every case reads one token cache (built once: ~8 s each)."""
-    zero, pe, clip, tokenizer = REFERENCES[name]
+    zero, pe, clip, tokenizer, model = {**REFERENCES, **LLAMA_REFERENCES}[name]
     data = [f"data.cache_dir={out_dir.parent / 'token_cache'}", f"data.tokenizer={tokenizer}"]
-    return _overrides(out_dir, zero, ulysses=ulysses, ring=ring, pe=pe, extra=[*data, *(CLIP if clip else []), *extra])
+    return _overrides(out_dir, zero, ulysses=ulysses, ring=ring, pe=pe,
+                      extra=[*data, *model, *(CLIP if clip else []), *extra])
 
 
 def _cases(rank, world, cases):
@@ -84,6 +99,12 @@ def references(runs):
     return dict(zip(REFERENCES, run_workers(_cases, 1, cases, env=ENV, timeout=400)[0]))
 
 
+@pytest.fixture(scope="module")
+def llama_references(runs):
+    cases = [(_case(runs / f"llama_ref{i}", name), False) for i, name in enumerate(LLAMA_REFERENCES)]
+    return dict(zip(LLAMA_REFERENCES, run_workers(_cases, 1, cases, env=ENV, timeout=400)[0]))
+
+
 def _check(got, want, label):
     (losses, state, val), (ref_losses, ref_state, ref_val) = got, want
     _compare((losses, state), (ref_losses, ref_state), label)
@@ -117,3 +138,30 @@ def test_tp2_with_ulysses_and_ring_and_the_export(runs, references):
                                   for i, (name, _, deg, e2e) in enumerate(cases)], env=ENV, timeout=400)[0]
     for (name, label, _, _), result in zip(cases, got):
         _check(result, references[name], label)
+
+
+def test_llama_shape_under_every_layout(runs, llama_references):
+    """Issue 26's done-when: a Llama-shaped run (grouped-query attention with fewer key/value heads than query heads,
+    SwiGLU, RMSNorm, no biases; head tied and untied) gives the one-process losses and final parameters under
+    Ulysses 2, ring 2 (zigzag), TP 2 and PP 2 (DeepSpeed's tied layers for the tied head), across ZeRO 1-3,
+    offload and activation checkpointing."""
+    cases = [
+        ("llama z1 clip", "llama tied ulysses=2 zero=1 clipped", dict(ulysses=2), []),
+        ("llama z1 clip", "llama tied ring=2 zigzag zero=1 clipped", dict(ring=2), []),
+        # ZeRO-2 against the one-process ZeRO-1 run (one process: the same fp32 masters and steps)
+        ("llama z1 clip", "llama tied ulysses=2 zero=2 clipped", dict(ulysses=2), ["zero.stage=2"]),
+        ("llama z1 clip", "llama tied tp=2 zero=1 clipped, full checkpointing on the CPU", {}, TP2 + FULL + CPU),
+        ("llama z1 clip", "llama tied pp=2 zero=1 clipped", {}, ["parallel.pp=2"]),
+        # ZeRO-0's clipping norm (its own function) must count the tied matrix once, not once per end stage
+        ("llama z1 clip", "llama tied pp=2 zero=0 clipped", {}, ["parallel.pp=2", "zero.stage=0"]),
+        ("llama kv1 untied z1", "llama kv1 untied pp=2 zero=1", {}, ["parallel.pp=2"]),
+        ("llama kv1 untied z1", "llama kv1 untied tp=2 zero=1 (the key/value head shared by both TP ranks)", {},
+         TP2),
+        ("llama kv1 untied z3 clip", "llama kv1 untied tp=2 zero=3 clipped, optimizer and parameter offload, "
+         "selective checkpointing", {}, TP2 + OFFLOAD_OPTIMIZER + OFFLOAD_PARAM + SELECTIVE),
+        ("llama kv1 untied z3 clip", "llama kv1 untied ulysses=2 zero=3 clipped", dict(ulysses=2), []),
+    ]
+    got = run_workers(_cases, 2, [(_case(runs / f"llama{i}", name, **deg, extra=x), False)
+                                  for i, (name, _, deg, x) in enumerate(cases)], env=ENV, timeout=600)[0]
+    for (name, label, _, _), result in zip(cases, got):
+        _check(result, llama_references[name], label)

@@ -1,6 +1,6 @@
 """Llama-shaped GenSLMs (issue 26, item 1): the shape options of the one GenSLM model are counted as the model holds
-them, checked field by field, named by the presets, and refused where a layout cannot split them yet (tensor
-parallelism: item 2), by ``parallelize``, the run config and the planner alike."""
+them, checked field by field, named by the presets; tensor parallelism (item 2) takes them where ``tp`` and the
+key/value heads divide one another, and ``parallelize``, the run config and the planner refuse the rest alike."""
 import pytest
 
 from ds4sci import cli, plan
@@ -33,16 +33,13 @@ def test_llama_presets():
     assert all(describe_preset(name) for name in PRESETS)
 
 
-@pytest.mark.parametrize("field, value", [("num_kv_heads", 2), ("mlp", "swiglu"), ("norm", "rmsnorm"),
-                                          ("bias", False), ("parallel_residual", False),
-                                          ("tie_word_embeddings", True), ("rotary_scaling_factor", 8.0)])
-def test_tensor_parallelism_refuses_llama_shapes_naming_the_field(field, value):
-    """Refused before any process group is used (item 2 of issue 26 has not made these shapes tensor-parallel)."""
-    config = GenSLMConfig.preset("debug", **{field: value})
-    dims = ParallelDims.for_world(2, tp=2)
+def test_tensor_parallelism_refuses_key_value_heads_that_do_not_divide_tp():
+    """Refused before any process group is used."""
+    config = GenSLMConfig.preset("llama-debug", hidden_size=96, num_heads=12, num_kv_heads=6)
+    dims = ParallelDims.for_world(4, tp=4)
     groups = SequenceParallelGroups(dims=dims, rank=0, tp=None, ulysses=None, ring=None, sp=None, dp=None, sdp=None,
                                     pp=None)
-    with pytest.raises(ValueError, match=rf"^{field}={value!r}: tensor parallelism splits GPT-NeoX-shaped"):
+    with pytest.raises(ValueError, match=r"^tp=4 and num_kv_heads=6: one must divide the other"):
         parallelize(GenSLM(config, device="meta"), groups)
 
 
@@ -60,21 +57,20 @@ def test_config_refuses_inconsistent_llama_fields():
 
 
 def test_run_config_refuses_what_its_layout_cannot_split():
-    with pytest.raises(ValueError, match=r"parallel.tp=2, .*: mlp='swiglu': tensor parallelism splits GPT-NeoX-shaped"):
-        load_config(overrides=["model.preset=debug", "model.overrides.mlp=swiglu", "parallel.tp=2"]).validate()
-    with pytest.raises(ValueError, match=r"parallel.pp=2: tie_word_embeddings=True: a pipeline keeps the embedding"):
-        load_config(overrides=["model.preset=llama-debug", "model.overrides.tie_word_embeddings=true",
-                               "parallel.pp=2"]).validate()
+    load_config(overrides=["model.preset=llama-debug", "parallel.tp=2"]).validate()
+    with pytest.raises(ValueError, match=r"parallel.tp=4, .*: tp=4 and num_kv_heads=6: one must divide the other"):
+        load_config(overrides=["model.preset=llama-debug", "model.overrides.hidden_size=96", "model.overrides.num_heads=12",
+                               "model.overrides.num_kv_heads=6", "parallel.tp=4"]).validate()
+    load_config(overrides=["model.preset=llama-debug", "model.overrides.tie_word_embeddings=true",
+                           "parallel.pp=2"]).validate()  # DeepSpeed's tied layers keep the two stages' copies equal
 
 
-def test_planner_offers_no_tensor_parallel_layout_for_a_llama_shape(capsys):
+def test_planner_offers_tensor_parallel_layouts_for_a_llama_shape(capsys):
     layouts = plan.strategies(plan.Workload(GenSLMConfig.preset("llama3-8B"), 8192), plan.Cluster(), {})
-    assert layouts and all(s.dims.tp == 1 for s in layouts)
-    assert any(s.dims.tp > 1 for s in plan.strategies(plan.Workload(GenSLMConfig.preset("2.5B"), 8192), plan.Cluster(), {}))
-    assert cli.main(["plan", "--preset", "llama3-8B", "--seq-len", "8192", "--tp", "2"]) == 2
-    assert capsys.readouterr().err == ("ds4sci plan: error: --tp=2: num_kv_heads=8: tensor parallelism splits "
-                                       "GPT-NeoX-shaped GenSLMs only (num_kv_heads=32); use tp=1 (Ulysses and ring "
-                                       "take this shape)\n")
+    assert {s.dims.tp for s in layouts} == {1, 2, 4, 8}  # 8 key/value heads: tp 8 gives one to each rank
+    assert cli.main(["plan", "--preset", "llama-100M", "--seq-len", "8192", "--gpus-per-node", "6", "--tp", "6"]) == 2
+    assert capsys.readouterr().err == ("ds4sci plan: error: --tp=6 and the model's 4 key/value heads: one must divide "
+                                       "the other\n")
 
 
 def test_gpt_neox_names_refuse_a_llama_shape():

@@ -89,6 +89,12 @@ def test_parallel_dims_check_model_names_the_degree():
         dims.check_model(num_heads=8, num_layers=3, intermediate_size=255)
     with pytest.raises(ValueError, match=r"pp=3 pipeline stages need at least 3 layers, the model has 2"):
         dims.check_model(num_heads=8, num_layers=2, intermediate_size=256)
+    # key/value heads: tp divides them, or they divide tp (each shared by tp/num_kv_heads ranks)
+    dims = ParallelDims(dp=1, tp=4)
+    for kv in (1, 2, 4, 8):
+        dims.check_model(num_heads=24, num_kv_heads=kv, num_layers=1, intermediate_size=256)
+    with pytest.raises(ValueError, match=r"^tp=4 and num_kv_heads=6: one must divide the other"):
+        dims.check_model(num_heads=24, num_kv_heads=6, num_layers=1, intermediate_size=256)
 
 
 def test_stride_is_the_rank_distance_along_an_axis():
