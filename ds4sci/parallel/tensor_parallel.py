@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, token_loss
-from ds4sci.models.genslm.model import MLP, Attention, Block
+from ds4sci.models.genslm.model import MLP, Attention, Block, RMSNorm, rms_norm
 from ds4sci.parallel.groups import SequenceParallelGroups
 from ds4sci.sequence.comm import CommCounter, group_rank, group_size
 
@@ -403,30 +403,29 @@ class SequenceRegionSplit(nn.Module):
 
 
 class SequenceParallelNorm(nn.Module):
-    """The block's norm (``nn.LayerNorm`` or ``nn.RMSNorm``, as the model's config chose) on a sequence region, with
-    replicated ``weight`` (and LayerNorm's ``bias``) whose gradients are summed over TP; ``gather=True`` all-gathers
-    the full SP shard after it (GenSLM's final norm)."""
+    """The block's norm (``nn.LayerNorm`` or GenSLM's :class:`~ds4sci.models.genslm.model.RMSNorm`, as the model's
+    config chose) on a sequence region, with replicated ``weight`` (and LayerNorm's ``bias``) whose gradients are
+    summed over TP; ``gather=True`` all-gathers the full SP shard after it (GenSLM's final norm)."""
 
-    def __init__(self, norm: nn.LayerNorm | nn.RMSNorm, tp: _TP, gather: bool = False):
+    def __init__(self, norm: nn.LayerNorm | RMSNorm, tp: _TP, gather: bool = False):
         super().__init__()
-        self.rms = isinstance(norm, nn.RMSNorm)
+        self.rms = isinstance(norm, RMSNorm)
         self.weight, self.bias = norm.weight, getattr(norm, "bias", None)
-        self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
+        self.eps = norm.eps
         self.tp = tp
         self.gather = gather
 
     def forward(self, x: Tensor) -> Tensor:
         g, c = self.tp.group, self.tp.counter
-        weight = None if self.weight is None else sync_grad(self.weight, g, c)
+        weight = sync_grad(self.weight, g, c)
         if self.rms:
-            y = F.rms_norm(x, self.normalized_shape, weight, self.eps)
+            y = rms_norm(x, weight, self.eps)
         else:
-            bias = None if self.bias is None else sync_grad(self.bias, g, c)
-            y = F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+            y = F.layer_norm(x, self.weight.shape, weight, sync_grad(self.bias, g, c), self.eps)
         return all_gather_sequence_region(y, g, 1, c) if self.gather else y
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.normalized_shape)}, eps={self.eps}, rms={self.rms}, gather={self.gather}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, rms={self.rms}, gather={self.gather}"
 
 
 class _ShareBias(torch.autograd.Function):

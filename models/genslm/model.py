@@ -62,6 +62,14 @@ class AttentionCore(nn.Module):
         return f"num_heads={self.num_heads}, alibi={self.alibi}, backend={self.backend.value!r}"
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """:class:`RMSNorm`'s computation, ``[..., hidden] -> [..., hidden]`` in ``x``'s dtype, for the modules that hold the
+    weight elsewhere (tensor parallelism's sequence-region norm)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., hidden], fp32
+    return (weight * normed.to(x.dtype)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dim (Zhang & Sennrich 2019): ``[..., hidden] -> [..., hidden]``,
     ``weight * x / sqrt(mean(x^2) + eps)`` in the rounding order of transformers' ``LlamaRMSNorm``: normalised in
@@ -75,9 +83,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., hidden], fp32
-        return (self.weight * normed.to(x.dtype)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
