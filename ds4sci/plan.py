@@ -10,26 +10,24 @@ the ZeRO stage, offload and checkpointing. All byte counts are per GPU, for the 
 pipeline stage), with ``B`` sequences of ``S`` tokens per micro-step, ``h`` hidden, ``f`` MLP width, ``H`` heads,
 ``L`` layers, ``V`` vocabulary, ``kv = Hkv h / H`` key/value channels (``Hkv`` key/value heads, ``H`` for
 multi-head attention, fewer for grouped-query attention), ``e`` bytes per activation element (4 fp32, 2 bf16) and a
-layout
-``tp x ulysses x ring x pp x dp`` (``sp = ulysses * ring``, ZeRO over ``sdp = sp * dp`` ranks).
+layout ``tp x ulysses x ring x pp x dp`` (``sp = ulysses * ring``, ZeRO over ``sdp = sp * dp`` ranks).
 
 Memory model (bytes per GPU):
 
-- model states (ZeRO, Rajbhandari et al. 2020):
-  ``phi = ceil(L/pp) * ((phi_layer - n) / tp + n) + t V_tp h / tp + phi_norm`` parameters per rank (``phi_layer``:
-  one block's, :meth:`~ds4sci.models.genslm.GenSLMConfig.block_parameters`; ``phi_norm`` one norm's, ``2 h`` for
-  LayerNorm, ``h`` for RMSNorm; the block's two norms and, with biases, its two row-parallel biases,
-  ``n = 2 phi_norm + 2 h``, and the final norm are replicated over TP; ``t = 2`` embedding and head matrices, ``1``
-  when tied; the vocabulary is padded to ``V_tp``, a multiple of ``tp``; at ``tp = pp = 1`` this is
-  :meth:`~ds4sci.models.genslm.GenSLMConfig.num_parameters` less the position table), each with ``p`` bytes of
-  parameter, ``g`` of
-  gradient and ``k`` of optimizer state: fp32 ``4 + 4 + 8`` (AdamW's two moments), bf16 ``2 + 2 + 12`` (fp32 master copy
-  and moments). Stage 0 keeps all three; stages 1 and 2 divide the gradients the optimizer is handed and the optimizer
-  state by ``sdp`` and keep an fp32 master copy of the partition even when training in fp32 (``k = 12``); stage 3 also
-  divides the parameters (plus two layers of gathered parameters in flight, ``2 p phi_layer / tp``) and needs no
-  separate fp32 copy in fp32 (``k = 8``) (measured with ``ds4sci bench layouts``, DeepSpeed 0.19.8: at stage 1 DeepSpeed
-  hands the optimizer the ``1/sdp`` gradient partition, as at stage 2). Offload ``optimizer`` (ZeRO-Offload, stage >= 1)
-  takes the optimizer state off the GPU, ``all`` (ZeRO-Infinity, stage 3) the parameters too.
+- model states (ZeRO, Rajbhandari et al. 2020): ``phi = ceil(L/pp) * ((phi_layer - n) / tp + n) + t V_tp h / tp +
+  phi_norm`` parameters per rank (``phi_layer``: one block's,
+  :meth:`~ds4sci.models.genslm.GenSLMConfig.block_parameters`; ``phi_norm`` one norm's, ``2 h`` for LayerNorm, ``h`` for
+  RMSNorm; the block's two norms and, with biases, its two row-parallel biases, ``n = 2 phi_norm + 2 h``, and the final
+  norm are replicated over TP; ``t = 2`` embedding and head matrices, ``1`` when tied; the vocabulary is padded to
+  ``V_tp``, a multiple of ``tp``; at ``tp = pp = 1`` this is :meth:`~ds4sci.models.genslm.GenSLMConfig.num_parameters`
+  less the position table), each with ``p`` bytes of parameter, ``g`` of gradient and ``k`` of optimizer state: fp32 ``4
+  + 4 + 8`` (AdamW's two moments), bf16 ``2 + 2 + 12`` (fp32 master copy and moments). Stage 0 keeps all three; stages 1
+  and 2 divide the gradients the optimizer is handed and the optimizer state by ``sdp`` and keep an fp32 master copy of
+  the partition even when training in fp32 (``k = 12``); stage 3 also divides the parameters (plus two layers of
+  gathered parameters in flight, ``2 p phi_layer / tp``) and needs no separate fp32 copy in fp32 (``k = 8``) (measured
+  with ``ds4sci bench layouts``, DeepSpeed 0.19.8: at stage 1 DeepSpeed hands the optimizer the ``1/sdp`` gradient
+  partition, as at stage 2). Offload ``optimizer`` (ZeRO-Offload, stage >= 1) takes the optimizer state off the GPU,
+  ``all`` (ZeRO-Infinity, stage 3) the parameters too.
 - activations saved for backward per layer per local token, counted from what GenSLM's block
   (:mod:`ds4sci.models.genslm.model`: GPT-NeoX's parallel residual or Llama's sequential one, LayerNorm or RMSNorm,
   GELU MLP or SwiGLU, multi-head or grouped-query attention) saves; the adaptation of Korthikanti et al. 2022
@@ -56,8 +54,9 @@ Memory model (bytes per GPU):
   input) per layer plus one layer of ``none`` being recomputed. A rank holds ``T = B S / (sp tp)`` local tokens
   (tensor parallelism's sequence-parallel regions divide them by ``tp``) for ``ceil(L/pp) * min(pp, m)`` layers (1F1B
   keeps ``min(pp, m)`` micro-batches in flight on the first stage, ``m`` micro-steps), plus outside the layers ``8``
-  (token ids; ``16`` with the learned table's position ids) ``+ (1 + tp) h e + 8`` (final norm: its input, gathered over TP its output, and its fp32 statistics;
-  RMSNorm: ``(2 + tp) h e + 4``) ``+ 8 V / tp`` (fp32 logits and their log-softmax) per token. Measured on the CPU:
+  (token ids; ``16`` with the learned table's position ids) ``+ (1 + tp) h e + 8`` (final norm: its input, gathered
+  over TP its output, and its fp32 statistics; RMSNorm: ``(2 + tp) h e + 4``) ``+ 8 V / tp`` (fp32 logits and their
+  log-softmax) per token. Measured on the CPU:
   in bf16 PyTorch's ``rms_norm`` keeps fp32 copies of its input and normalized input, and the ``chunked`` backend an
   fp32 attention output, which this model leaves out.
 - backward working set: one layer's activation gradients, as large as what one layer saves without checkpointing,
@@ -75,29 +74,30 @@ Memory model (bytes per GPU):
 A layout fits when the total is at most ``--gpu-mem-gib - --reserve-gib`` (CUDA context, communication buffers,
 fragmentation).
 
-Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.costs.layer_comm_bytes` per
-layer, forward + backward, times ``L / pp`` layers and ``m`` micro-steps; keys and values carry ``kv'`` channels): tensor parallelism with sequence-parallel
-regions on ``N = S / sp`` tokens, ``6 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``: GPT-NeoX's parallel
-residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``8 (tp-1)/tp N h e`` with
-dropout (``megatron-sp``), plus the all-reduce of the layer norms' gradients, ``2 (tp-1)/tp 4 h e`` per layer; outside
-the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the vocabulary-parallel embedding's
-all-reduce and the all-gather in the backward of its split to sequence regions) and the last stage ``(tp-1)/tp (2 N h
-e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather and its backward's reduce-scatter, the all-reduce of its
-gradients and of the vocabulary-parallel cross entropy's fp32 maxima and sums); with ``pp = 1`` one rank sends both; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp`` channels; the
-ring's key/value passes on ``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the forward's
-collectives (``full``: tensor and sequence parallel traffic x 1.5; ``selective``: sequence parallel x 1.5);
-pipeline: ``T h e`` per micro-step with ``pp = 2`` (the first stage sends activations forward, the last gradients
-back), ``2 T h e`` with ``pp > 2`` (a middle stage sends both); data parallelism over ``sdp``: ring all-reduce ``2
-(sdp-1)/sdp * phi g`` per step, stages 1 and 2 then all-gather the updated parameter partitions, ``+ (sdp-1)/sdp *
-phi p`` (DeepSpeed 0.19.8 all-reduces the gradients rather than reduce-scattering them), stage 3 adds the forward
-and backward parameter all-gathers, ``+ 2 (sdp-1)/sdp * phi p`` (pipeline, data-parallel and tensor-parallel
-traffic measured with ``ds4sci bench layouts``, DeepSpeed 0.19.8); offload: PCIe traffic
-``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the parameters fetched for forward and backward).
-
+Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.costs.layer_comm_bytes` per layer, forward +
+backward, times ``L / pp`` layers and ``m`` micro-steps; keys and values carry ``kv'`` channels): tensor parallelism
+with sequence-parallel regions on ``N = S / sp`` tokens, ``6 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``:
+GPT-NeoX's parallel residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``8
+(tp-1)/tp N h e`` with dropout (``megatron-sp``), plus the all-reduce of the layer norms' gradients, ``2 (tp-1)/tp 4 h
+e`` per layer; outside the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the vocabulary-parallel
+embedding's all-reduce and the all-gather in the backward of its split to sequence regions) and the last stage
+``(tp-1)/tp (2 N h e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather and its backward's reduce-scatter, the
+all-reduce of its gradients and of the vocabulary-parallel cross entropy's fp32 maxima and sums); with ``pp = 1`` one
+rank sends both; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp`` channels; the ring's key/value passes on
+``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the forward's collectives (``full``: tensor and
+sequence parallel traffic x 1.5; ``selective``: sequence parallel x 1.5); pipeline: ``T h e`` per micro-step with ``pp =
+2`` (the first stage sends activations forward, the last gradients back), ``2 T h e`` with ``pp > 2`` (a middle stage
+sends both); data parallelism over ``sdp``: ring all-reduce ``2 (sdp-1)/sdp * phi g`` per step, stages 1 and 2 then
+all-gather the updated parameter partitions, ``+ (sdp-1)/sdp * phi p`` (DeepSpeed 0.19.8 all-reduces the gradients
+rather than reduce-scattering them), stage 3 adds the forward and backward parameter all-gathers, ``+ 2 (sdp-1)/sdp *
+phi p`` (pipeline, data-parallel and tensor-parallel traffic measured with ``ds4sci bench layouts``, DeepSpeed 0.19.8);
+offload: PCIe traffic ``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the parameters fetched for forward and
+backward).
 Cost model (stated, simple, no overlap): ``step time = compute / (1 - bubble) + sum over groups of bytes / bandwidth``.
 ``compute = FLOPs / (world * peak * efficiency)``, ``FLOPs = 6 N_tok phi_model + 6 B m dp L h S^2`` (causal attention
 over the ``H`` query heads of ``h / H`` dims, whatever ``Hkv``) per step, ``phi_model`` the model's parameters less
-the position table with a tied head counted twice (the head's matmul runs all the same), plus one forward (a third) for ``full`` checkpointing and the attention's forward for ``selective``;
+the position table with a tied head counted twice (the head's matmul runs all the same), plus one forward (a third)
+for ``full`` checkpointing and the attention's forward for ``selective``;
 ``bubble = (pp - 1) / (m + pp - 1)``. A group's bandwidth is ``--intra-gbps`` when it lies inside one node,
 ``--inter-gbps`` otherwise; in the rank order of :class:`~ds4sci.parallel.dims.ParallelDims` (TP < Ulysses < Ring < DP <
 PP, innermost first) a group of degree ``d`` along an axis of stride ``i`` (the product of the inner degrees,
