@@ -182,9 +182,11 @@ class Workload:
     def to_dict(self) -> dict:
         """The shape and the work as ``plan.json`` records them."""
         m = self.model
-        return {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads,
-                "intermediate": m.intermediate_size, "vocab": m.vocab_size, "rotary_dim": m.rotary_dim,
-                "learned_table": self.learned_table, "backend": m.attention_backend, "seq_len": self.seq_len,
+        return {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
+                "intermediate": m.intermediate_size, "mlp": m.mlp, "norm": m.norm, "bias": m.bias,
+                "parallel_residual": m.parallel_residual, "tied": m.tie_word_embeddings, "vocab": m.vocab_size,
+                "rotary_dim": m.rotary_dim, "learned_table": self.learned_table, "backend": m.attention_backend,
+                "seq_len": self.seq_len,
                 "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "dtype": self.dtype,
                 "position_table": self.position_table, "mask": self.mask, "dropout": m.dropout}
 

@@ -108,6 +108,15 @@ def test_rank_parameters_are_the_models(name):
     assert plan.rank_params(plan.Workload(config, 1024), plan.Strategy()) == sum(p.numel() for p in model.parameters())
 
 
+def test_a_tied_head_costs_the_flops_of_an_untied_one():
+    """Tying the head to the embedding removes a matrix from the parameter count, not the head's matmul: the step's
+    compute is the untied model's, and its 6 N FLOPs per token count the embedding and head matrices twice."""
+    w, tied = (plan.Workload(GenSLMConfig.preset("llama-debug", tie_word_embeddings=t), 512) for t in (False, True))
+    assert tied.model_params == w.model_params - 69 * 64
+    assert plan.step_time(tied, plan.Strategy(), plan.Cluster())["compute_s"] == \
+        plan.step_time(w, plan.Strategy(), plan.Cluster())["compute_s"]
+
+
 # fp32 bytes per token of SMALL with rotary (h 64, f 256, 4 heads, rotary_dim 4), counted by hand:
 # one layer saves (9 h + 2 f + 2 r) e + (4 + H) 4 = (576 + 512 + 8) 4 + 32 (test_activations_equal_saved_tensors
 # measures this figure); outside the layers: token ids 8 + final layer norm input and output 2 h e + 8 + logits and
