@@ -3,15 +3,18 @@
 Arithmetic only (no torch): :mod:`ds4sci.plan` composes these into its per-GPU memory and communication model;
 ``ds4sci bench comm-volume`` and ``ds4sci bench memory-breakdown`` measure the real bytes and set them beside these.
 
-Communication of one GenSLM layer, forward + backward, per rank, in elements of one ``N x h`` activation
-(:func:`layer_comm_bytes` multiplies by the element size):
+Communication of one GenSLM layer, forward + backward, per rank, in elements of ``N`` tokens of ``h`` query (and
+output) channels and ``kv`` key (and value) channels, ``kv = h`` for multi-head attention and ``Hkv' d`` for
+grouped-query attention (Ainslie et al. 2023) with ``Hkv' = lcm(Hkv, U)`` (:func:`ulysses_kv_heads`) key/value heads of
+``d`` dims (:func:`layer_comm_bytes` multiplies by the element size):
 
-- ``ulysses`` (Jacobs et al. 2023): ``8 (P-1)/P * N h / P`` (four all-to-alls each way, each keeping ``1/P`` of a
-  ``N/P x h`` shard); constant when ``N`` grows with ``P``, the paper's claim.
-- ``ring`` (ds4sci's ring attention, Liu et al. 2023): ``[2(R-1) + 2(R-1) + 2R] * N h / R``: keys and values travel
+- ``ulysses`` (Jacobs et al. 2023): ``4 (P-1)/P * N (h + kv) / P`` (all-to-alls of q, k, v and the output each way,
+  each keeping ``1/P`` of a ``N/P`` token shard); ``8 (P-1)/P * N h / P`` for multi-head attention, constant when ``N``
+  grows with ``P``, the paper's claim.
+- ``ring`` (ds4sci's ring attention, Liu et al. 2023): ``[2(R-1) + 2(R-1) + 2R] * N kv / R``: keys and values travel
   ``R-1`` hops forward and again backward, their gradients ``R`` hops back to their owner; it grows with ``N``.
-- ``hybrid`` (USP, Fang & Zhao 2024): Ulysses ``P/2`` x ring 2, the Ulysses term on ``N`` tokens plus the ring's on
-  blocks of ``N/2`` tokens of ``h/U`` channels.
+- ``hybrid`` (USP, Fang & Zhao 2024): Ulysses ``U = P/2`` x ring 2, the Ulysses term on ``N`` tokens plus the ring's
+  on blocks of ``N/2`` tokens of ``kv/U`` channels.
 - ``megatron-sp`` (Korthikanti et al. 2022): four all-gathers and four reduce-scatters of ``N x h`` per layer,
   ``8 (P-1)/P * N h`` (ds4sci's tensor-parallel layers with dropout, or with Llama's sequential residual: the
   attention and MLP partial sums are reduce-scattered separately, as in Megatron-LM).
@@ -31,23 +34,36 @@ Memory (Song et al. 2023, "DeepSpeed4Science Initiative", GenSLM section, single
 """
 from __future__ import annotations
 
-__all__ = ["COMM_SCHEMES", "MASK_POLICIES", "layer_comm_bytes", "position_table_bytes", "mask_bytes"]
+import math
+
+__all__ = ["COMM_SCHEMES", "MASK_POLICIES", "layer_comm_bytes", "ulysses_kv_heads", "position_table_bytes",
+           "mask_bytes"]
 
 COMM_SCHEMES = ("ulysses", "ring", "hybrid", "megatron-sp", "tp-sp")
 MASK_POLICIES = ("fp32-additive", "bool-device", "bool-cpu-then-device", "none (in-kernel)")
 
 
-def layer_comm_bytes(scheme: str, P: int, N: float, h: float, elem: int) -> float:
+def ulysses_kv_heads(kv_heads: int, ulysses: int) -> int:
+    """Key/value heads Ulysses attention of degree ``ulysses`` moves and holds: ``kv_heads``, or where the degree
+    does not divide them each replicated ``U / gcd(Hkv, U)`` times first, ``lcm(Hkv, U)`` in all
+    (:class:`ds4sci.sequence.DistributedAttention`'s rule, so every rank keeps the key/value heads its query heads
+    read)."""
+    return math.lcm(kv_heads, ulysses)
+
+
+def layer_comm_bytes(scheme: str, P: int, N: float, h: float, elem: int, kv: float | None = None) -> float:
     """Bytes one rank sends per layer (forward + backward) under ``scheme`` at degree ``P`` on ``N`` tokens of ``h``
-    channels, ``elem`` bytes per element (the module docstring's forms)."""
+    query channels and ``kv`` key/value channels (default ``h``: multi-head attention), ``elem`` bytes per element
+    (the module docstring's forms; the tensor-parallel ones move ``N x h`` activations and ignore ``kv``)."""
+    kv = h if kv is None else kv
     if scheme == "ulysses":
-        return 8 * (P - 1) / P * N * h / P * elem
+        return 4 * (P - 1) / P * N * (h + kv) / P * elem
     if scheme == "ring":
-        return (6 * P - 4) * N * h / P * elem
+        return (6 * P - 4) * N * kv / P * elem
     if scheme == "hybrid":
         U, R = P // 2, 2
-        ring_part = (6 * R - 4) * N * h / P * elem  # blocks of N/R tokens on h/U channels
-        return 8 * (U - 1) / U * N * h / P * elem + ring_part
+        ring_part = (6 * R - 4) * N * kv / P * elem  # blocks of N/R tokens on kv/U channels
+        return 4 * (U - 1) / U * N * (h + kv) / P * elem + ring_part
     if scheme == "megatron-sp":
         return 8 * (P - 1) / P * N * h * elem
     if scheme == "tp-sp":

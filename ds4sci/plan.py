@@ -8,42 +8,61 @@ never on copies: the shapes and parameter counts come from the model's :class:`~
 :mod:`ds4sci.costs`, closed forms that ``ds4sci bench`` measures. A layout is a :class:`Strategy`: the dims plus
 the ZeRO stage, offload and checkpointing. All byte counts are per GPU, for the most loaded rank (the first
 pipeline stage), with ``B`` sequences of ``S`` tokens per micro-step, ``h`` hidden, ``f`` MLP width, ``H`` heads,
-``L`` layers, ``V`` vocabulary, ``e`` bytes per activation element (4 fp32, 2 bf16) and a layout
-``tp x ulysses x ring x pp x dp`` (``sp = ulysses * ring``, ZeRO over ``sdp = sp * dp`` ranks).
+``L`` layers, ``V`` vocabulary, ``kv = Hkv h / H`` key/value channels (``Hkv`` key/value heads, ``H`` for
+multi-head attention, fewer for grouped-query attention), ``e`` bytes per activation element (4 fp32, 2 bf16) and a
+layout ``tp x ulysses x ring x pp x dp`` (``sp = ulysses * ring``, ZeRO over ``sdp = sp * dp`` ranks).
 
 Memory model (bytes per GPU):
 
-- model states (ZeRO, Rajbhandari et al. 2020):
-  ``phi = ceil(L/pp) * ((phi_layer - n_r) / tp + n_r) + 2 V_tp h / tp + n`` parameters per rank (``phi_layer``: one
-  block's; the block's two norms and two row-parallel biases, ``n_r = 6 h`` (Llama's RMSNorm without biases:
-  ``2 h``), and the final norm, ``n = 2 h`` (``h``), are replicated over TP; the vocabulary is padded to ``V_tp``, a
-  multiple of ``tp``; a tied head is counted once with ``pp = 1``), each with ``p`` bytes of parameter, ``g`` of
-  gradient and ``k`` of optimizer state: fp32 ``4 + 4 + 8`` (AdamW's two moments), bf16 ``2 + 2 + 12`` (fp32 master copy
-  and moments). Stage 0 keeps all three; stages 1 and 2 divide the gradients the optimizer is handed and the optimizer
-  state by ``sdp`` and keep an fp32 master copy of the partition even when training in fp32 (``k = 12``); stage 3 also
-  divides the parameters (plus two layers of gathered parameters in flight, ``2 p phi_layer / tp``) and needs no
-  separate fp32 copy in fp32 (``k = 8``) (measured with ``ds4sci bench layouts``, DeepSpeed 0.19.8: at stage 1 DeepSpeed
-  hands the optimizer the ``1/sdp`` gradient partition, as at stage 2). Offload ``optimizer`` (ZeRO-Offload, stage >= 1)
-  takes the optimizer state off the GPU, ``all`` (ZeRO-Infinity, stage 3) the parameters too.
+- model states (ZeRO, Rajbhandari et al. 2020): ``phi = ceil(L/pp) * ((phi_layer - n) / tp + n) + t V_tp h / tp +
+  phi_norm`` parameters per rank (``phi_layer``: one block's,
+  :meth:`~ds4sci.models.genslm.GenSLMConfig.block_parameters`; ``phi_norm`` one norm's, ``2 h`` for LayerNorm, ``h`` for
+  RMSNorm; the block's two norms and, with biases, its two row-parallel biases, ``n = 2 phi_norm + 2 h``, and the final
+  norm are replicated over TP; ``t = 2`` embedding and head matrices, ``1`` when tied with ``pp = 1`` (a pipeline
+  keeps a copy on each end stage); the vocabulary is padded to
+  ``V_tp``, a multiple of ``tp``; at ``tp = pp = 1`` this is :meth:`~ds4sci.models.genslm.GenSLMConfig.num_parameters`
+  less the position table), each with ``p`` bytes of parameter, ``g`` of gradient and ``k`` of optimizer state: fp32 ``4
+  + 4 + 8`` (AdamW's two moments), bf16 ``2 + 2 + 12`` (fp32 master copy and moments). Stage 0 keeps all three; stages 1
+  and 2 divide the gradients the optimizer is handed and the optimizer state by ``sdp`` and keep an fp32 master copy of
+  the partition even when training in fp32 (``k = 12``); stage 3 also divides the parameters (plus two layers of
+  gathered parameters in flight, ``2 p phi_layer / tp``) and needs no separate fp32 copy in fp32 (``k = 8``) (measured
+  with ``ds4sci bench layouts``, DeepSpeed 0.19.8: at stage 1 DeepSpeed hands the optimizer the ``1/sdp`` gradient
+  partition, as at stage 2). Offload ``optimizer`` (ZeRO-Offload, stage >= 1) takes the optimizer state off the GPU,
+  ``all`` (ZeRO-Infinity, stage 3) the parameters too.
 - activations saved for backward per layer per local token, counted from what GenSLM's block
-  (:mod:`ds4sci.models.genslm.model`, GPT-NeoX parallel residual) saves; the adaptation of Korthikanti et al. 2022
+  (:mod:`ds4sci.models.genslm.model`: GPT-NeoX's parallel residual or Llama's sequential one, LayerNorm or RMSNorm,
+  GELU MLP or SwiGLU, multi-head or grouped-query attention) saves; the adaptation of Korthikanti et al. 2022
   ("Reducing Activation Recomputation in Large Transformer Models", ``sbh(34 + 5as/h)``) to this block, checked
-  exactly against ``torch.autograd.graph.saved_tensors_hooks`` on the CPU (tests/test_plan.py):
-  ``none``: ``(c h + 2 f + 2 r) e + (4 + H) 4`` with ``c = 9`` (rotary: block input, both layer-norm outputs,
-  fused qkv, rotated q and k, attention output; ``7`` without rotary, where q and k are views of qkv), ``c = 8``
-  under Ulysses (the head-sharded q, k, v and output replace the rotated copies and the qkv buffer), ``2 f`` the
-  MLP's two activations, ``r`` the rotary dims (cos and sin), ``4`` fp32 layer-norm statistics and ``H`` the fp32
-  log-sum-exp; ``selective`` (the attention core, all of ``DistributedAttention``, recomputed):
-  ``(c h + 2 f + 2 r) e + 16`` with the single-device ``c``; under TP both layer-norm outputs are saved as the
-  column-parallel matmuls' inputs gathered over the TP group's sequence regions, ``2 (tp - 1) h e`` more (measured
-  with ``ds4sci bench layouts``, DeepSpeed 0.19.8), and the rotary tables cover ``tp`` local tokens (``2 r tp``); ``full``: ``h e`` (the block input) per layer plus
-  one layer of ``none`` being recomputed. A rank holds ``T = B S / (sp tp)`` local tokens (tensor parallelism's
-  sequence-parallel regions divide them by ``tp``) for ``ceil(L/pp) * min(pp, m)`` layers (1F1B keeps ``min(pp, m)``
-  micro-batches in flight on the first stage, ``m`` micro-steps), plus outside the layers ``8`` (token ids)
-  ``+ (1 + tp) h e + 8`` (final layer norm: its input and, gathered over TP, its output) ``+ 8 V / tp`` (fp32 logits and their log-softmax) per token.
+  exactly against ``torch.autograd.graph.saved_tensors_hooks`` on the CPU in fp32 for both shapes (tests/test_plan.py):
+  ``none``: ``(c_n h + c_a + c_f f + 2 r) e + (s + H) 4`` with
+
+  - ``c_n = 3`` (block input, both norms' outputs), ``+ 2`` for RMSNorm (PyTorch's ``rms_norm`` keeps each norm's
+    normalized input for the weight's gradient), ``+ 1`` for the sequential residual (the second norm's input);
+  - ``c_a`` the attention's: the fused qkv buffer ``h + 2 kv`` (v is a view of it), with rotary the rotated q and k
+    ``h + kv``, the attention output ``h`` (``6 h`` for GPT-NeoX with rotary, ``4 h`` without); under Ulysses the
+    head-sharded q, k, v and output and the output's sequence-sharded copy replace the rotated copies and the qkv
+    buffer, ``3 h + 2 kv'`` with ``kv'`` the key/value channels Ulysses moves (:func:`ds4sci.costs.ulysses_kv_heads`:
+    ``kv``, more where the degree does not divide ``Hkv``);
+  - ``c_f = 2`` (the GELU MLP's up projection and activation) or ``4`` (SwiGLU's gate, its SiLU, up and their
+    product); ``r`` the rotary dims (cos and sin);
+  - fp32: ``s = 4`` layer-norm statistics (mean and rstd of each norm; ``2`` for RMSNorm, rstd only) and ``H`` the
+    log-sum-exp.
+
+  ``selective`` (the attention core, all of ``DistributedAttention``, recomputed): ``(c_n h + c_a + c_f f + 2 r) e +
+  4 s`` with the single-device ``c_a``; under TP both norm outputs are saved as the column-parallel matmuls' inputs
+  gathered over the TP group's sequence regions, ``2 (tp - 1) h e`` more (measured with ``ds4sci bench layouts``,
+  DeepSpeed 0.19.8), and the rotary tables cover ``tp`` local tokens (``2 r tp``); ``full``: ``h e`` (the block
+  input) per layer plus one layer of ``none`` being recomputed. A rank holds ``T = B S / (sp tp)`` local tokens
+  (tensor parallelism's sequence-parallel regions divide them by ``tp``) for ``ceil(L/pp) * min(pp, m)`` layers (1F1B
+  keeps ``min(pp, m)`` micro-batches in flight on the first stage, ``m`` micro-steps), plus outside the layers ``8``
+  (token ids; ``16`` with the learned table's position ids) ``+ (1 + tp) h e + 8`` (final norm: its input, gathered
+  over TP its output, and its fp32 statistics; RMSNorm: ``(2 + tp) h e + 4``) ``+ 8 V / tp`` (fp32 logits and their
+  log-softmax) per token. Measured on the CPU:
+  in bf16 PyTorch's ``rms_norm`` keeps fp32 copies of its input and normalized input, and the ``chunked`` backend an
+  fp32 attention output, which this model leaves out.
 - backward working set: one layer's activation gradients, as large as what one layer saves without checkpointing,
   ``T`` times the ``none`` figure; with a ring also the key/value block in use, the one arriving and the travelling
-  key/value gradients, ``6 (h / ulysses) e`` per local token.
+  key/value gradients, ``6 kv' e`` per local token.
 - attention workspace (one layer at a time): ``chunked``: three fp32 ``256 x 256`` blocks per local head;
   ``triton`` / ``flash`` / ``auto``: fp32 log-sum-exp and its backward's row sums, ``8 B H_loc S_q``; ``sdpa`` (the
   O(S^2) oracle): fp32 scores and probabilities plus two boolean masks, ``(8 B H_loc + 2) S_q S_k``; with
@@ -56,31 +75,33 @@ Memory model (bytes per GPU):
 A layout fits when the total is at most ``--gpu-mem-gib - --reserve-gib`` (CUDA context, communication buffers,
 fragmentation).
 
-Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.costs.layer_comm_bytes` per
-layer, forward + backward, times ``L / pp`` layers and ``m`` micro-steps): tensor parallelism with sequence-parallel
-regions on ``N = S / sp`` tokens, ``6 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``: GPT-NeoX's parallel
-residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``8 (tp-1)/tp N h e`` with
-dropout or Llama's sequential residual (``megatron-sp``), plus the all-reduce of the layer norms' gradients,
-``2 (tp-1)/tp 4 h e`` per layer (RMSNorm: ``2 h``; the final norm's ``2 h``, RMSNorm's ``h``, likewise); left out:
-the all-gather of a key/value head's projection shared by ``tp / num_kv_heads`` ranks (its weight, ``2 D h``, per
-layer and micro-step); outside
-the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the vocabulary-parallel embedding's
-all-reduce and the all-gather in the backward of its split to sequence regions) and the last stage ``(tp-1)/tp (2 N h
-e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather and its backward's reduce-scatter, the all-reduce of its
-gradients and of the vocabulary-parallel cross entropy's fp32 maxima and sums); with ``pp = 1`` one rank sends both; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp`` channels; the
-ring's key/value passes on ``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the forward's
-collectives (``full``: tensor and sequence parallel traffic x 1.5; ``selective``: sequence parallel x 1.5);
-pipeline: ``T h e`` per micro-step with ``pp = 2`` (the first stage sends activations forward, the last gradients
-back), ``2 T h e`` with ``pp > 2`` (a middle stage sends both); data parallelism over ``sdp``: ring all-reduce ``2
-(sdp-1)/sdp * phi g`` per step, stages 1 and 2 then all-gather the updated parameter partitions, ``+ (sdp-1)/sdp *
-phi p`` (DeepSpeed 0.19.8 all-reduces the gradients rather than reduce-scattering them), stage 3 adds the forward
-and backward parameter all-gathers, ``+ 2 (sdp-1)/sdp * phi p`` (pipeline, data-parallel and tensor-parallel
-traffic measured with ``ds4sci bench layouts``, DeepSpeed 0.19.8); offload: PCIe traffic
-``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the parameters fetched for forward and backward).
+Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.costs.layer_comm_bytes` per layer, forward +
+backward, times ``L / pp`` layers and ``m`` micro-steps; keys and values carry ``kv'`` channels): tensor parallelism
+with sequence-parallel regions on ``N = S / sp`` tokens, ``6 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``:
+GPT-NeoX's parallel residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``8
+(tp-1)/tp N h e`` with dropout or Llama's sequential residual (``megatron-sp``), plus the all-reduce of the layer norms'
+gradients, ``2 (tp-1)/tp 4 h e`` per layer (RMSNorm: ``2 h``; the final norm's ``2 h``, RMSNorm's ``h``, likewise); left
+out: the all-gather of a key/value head's projection shared by ``tp / num_kv_heads`` ranks (its weight, ``2 D h``, per
+layer and micro-step); outside the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the
+vocabulary-parallel embedding's all-reduce and the all-gather in the backward of its split to sequence regions) and the
+last stage ``(tp-1)/tp (2 N h e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather and its backward's
+reduce-scatter, the all-reduce of its gradients and of the vocabulary-parallel cross entropy's fp32 maxima and sums);
+with ``pp = 1`` one rank sends both; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp`` channels; the ring's
+key/value passes on ``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the forward's collectives
+(``full``: tensor and sequence parallel traffic x 1.5; ``selective``: sequence parallel x 1.5); pipeline: ``T h e`` per
+micro-step with ``pp = 2`` (the first stage sends activations forward, the last gradients back), ``2 T h e`` with ``pp >
+2`` (a middle stage sends both); data parallelism over ``sdp``: ring all-reduce ``2 (sdp-1)/sdp * phi g`` per step,
+stages 1 and 2 then all-gather the updated parameter partitions, ``+ (sdp-1)/sdp * phi p`` (DeepSpeed 0.19.8 all-reduces
+the gradients rather than reduce-scattering them), stage 3 adds the forward and backward parameter all-gathers, ``+ 2
+(sdp-1)/sdp * phi p`` (pipeline, data-parallel and tensor-parallel traffic measured with ``ds4sci bench layouts``,
+DeepSpeed 0.19.8); offload: PCIe traffic ``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the parameters fetched
+for forward and backward).
 
 Cost model (stated, simple, no overlap): ``step time = compute / (1 - bubble) + sum over groups of bytes / bandwidth``.
-``compute = FLOPs / (world * peak * efficiency)``, ``FLOPs = 6 N_tok phi_model + 6 B m dp L h S^2`` (causal attention)
-per step, plus one forward (a third) for ``full`` checkpointing and the attention's forward for ``selective``;
+``compute = FLOPs / (world * peak * efficiency)``, ``FLOPs = 6 N_tok phi_model + 6 B m dp L h S^2`` (causal attention
+over the ``H`` query heads of ``h / H`` dims, whatever ``Hkv``) per step, ``phi_model`` the model's parameters less
+the position table with a tied head counted twice (the head's matmul runs all the same), plus one forward (a third)
+for ``full`` checkpointing and the attention's forward for ``selective``;
 ``bubble = (pp - 1) / (m + pp - 1)``. A group's bandwidth is ``--intra-gbps`` when it lies inside one node,
 ``--inter-gbps`` otherwise; in the rank order of :class:`~ds4sci.parallel.dims.ParallelDims` (TP < Ulysses < Ring < DP <
 PP, innermost first) a group of degree ``d`` along an axis of stride ``i`` (the product of the inner degrees,
@@ -103,7 +124,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
-from ds4sci.costs import layer_comm_bytes, mask_bytes, position_table_bytes
+from ds4sci.costs import layer_comm_bytes, mask_bytes, position_table_bytes, ulysses_kv_heads
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 from ds4sci.models.genslm.config import GenSLMConfig, describe_preset, describe_presets, format_parameters
 from ds4sci.parallel.dims import ParallelDims
@@ -165,9 +186,11 @@ class Workload:
     def to_dict(self) -> dict:
         """The shape and the work as ``plan.json`` records them."""
         m = self.model
-        return {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads,
-                "intermediate": m.intermediate_size, "vocab": m.vocab_size, "rotary_dim": m.rotary_dim,
-                "learned_table": self.learned_table, "backend": m.attention_backend, "seq_len": self.seq_len,
+        return {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
+                "intermediate": m.intermediate_size, "mlp": m.mlp, "norm": m.norm, "bias": m.bias,
+                "parallel_residual": m.parallel_residual, "tied": m.tie_word_embeddings, "vocab": m.vocab_size,
+                "rotary_dim": m.rotary_dim, "learned_table": self.learned_table, "backend": m.attention_backend,
+                "seq_len": self.seq_len,
                 "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "dtype": self.dtype,
                 "position_table": self.position_table, "mask": self.mask, "dropout": m.dropout}
 
@@ -195,21 +218,35 @@ class Strategy:
                 f"off:{self.offload} ckpt:{self.checkpointing}")
 
 
+def _sp_kv(w: Workload, strategy: Strategy) -> float:
+    """``kv'``: key/value channels per local token that Ulysses moves and the ring passes on (module docstring)."""
+    m = w.model
+    return ulysses_kv_heads(m.num_kv_heads, strategy.dims.ulysses) * m.head_dim
+
+
 def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
     """Bytes one layer saves for backward per local token under checkpointing ``mode`` (module docstring)."""
-    d = strategy.dims
+    d, m = strategy.dims, w.model
     e = STATE_BYTES[w.dtype][0]
-    h, f = w.model.hidden_size, w.model.intermediate_size
-    single = 9 if w.model.rotary_dim else 7
+    h, f, r = m.hidden_size, m.intermediate_size, m.rotary_dim
     if mode == "full":
         return h * e
-    # the column-parallel matmuls save their inputs gathered over the tp ranks' sequence regions: both layer-norm
-    # outputs count tp h per local token; rotary cos/sin cover the S/sp positions of the attention region
-    gathered = 2 * (d.tp - 1) * h + 2 * w.model.rotary_dim * d.tp
+    kv = m.num_kv_heads * m.head_dim
+    rms = m.norm == "rmsnorm"
+    # block input, each norm's output (RMSNorm also its normalized input), the second norm's input when sequential
+    norms = h + 2 * (2 if rms else 1) * h + (0 if m.parallel_residual else h)
+    mlp = (4 if m.mlp == "swiglu" else 2) * f
+    stats = 2 * (1 if rms else 2) * 4  # fp32 per norm: rstd (and the mean for LayerNorm)
+    # the column-parallel matmuls save their inputs gathered over the tp ranks' sequence regions: both norm outputs
+    # count tp h per local token; rotary cos/sin cover the S/sp positions of the attention region
+    gathered = 2 * (d.tp - 1) * h + 2 * r * d.tp
+    # one device: the fused qkv buffer (v is a view of it), the rotated q and k, the attention output
+    attention = h + 2 * kv + (h + kv if r else 0) + h
     if mode == "selective":
-        return (single * h + 2 * f + gathered) * e + 4 * 4
-    c = 8 if d.ulysses > 1 else single
-    return (c * h + 2 * f + gathered) * e + (4 + w.model.num_heads) * 4
+        return (norms + attention + mlp + gathered) * e + stats
+    if d.ulysses > 1:  # head-sharded q, k, v, the core's output and its sequence-sharded copy
+        attention = 3 * h + 2 * _sp_kv(w, strategy)
+    return (norms + attention + mlp + gathered) * e + stats + m.num_heads * 4
 
 
 def rank_params(w: Workload, strategy: Strategy) -> float:
@@ -217,8 +254,8 @@ def rank_params(w: Workload, strategy: Strategy) -> float:
     d, m = strategy.dims, w.model
     h = m.hidden_size
     vocab = math.ceil(m.vocab_size / d.tp) * d.tp
-    norm = 2 * h if m.norm == "layernorm" else h  # one norm's parameters (RMSNorm: no bias)
-    replicated = 2 * norm + (2 * h if m.bias else 0)  # the block's two norms and two row-parallel biases
+    norm = m.norm_parameters()  # one norm's parameters (RMSNorm: no bias)
+    replicated = 2 * norm + (2 * h if m.bias else 0)  # the block's two norms and two row-parallel biases: whole
     # embedding and head; a tied pair is one matrix, except that a pipeline keeps a copy on each end stage
     matrices = 1 if m.tie_word_embeddings and d.pp == 1 else 2
     return (math.ceil(m.num_layers / d.pp) * ((m.block_parameters() - replicated) / d.tp + replicated)
@@ -247,11 +284,15 @@ def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     per_token = held * layer_activation_bytes(w, strategy, strategy.checkpointing)
     if strategy.checkpointing == "full":
         per_token += layer_activation_bytes(w, strategy, "none")  # the layer being recomputed
-    per_token += 8 + (1 + d.tp) * h * e + 8 + 8 * w.model.vocab_size / d.tp
+    rms = w.model.norm == "rmsnorm"
+    final_norm = ((2 if rms else 1) + d.tp) * h * e + (4 if rms else 8)  # input (normalized), output, fp32 statistics
+    ids = 16 if w.learned_table else 8  # int64 token ids (and the position ids the learned table looks up)
+    per_token += ids + final_norm + 8 * w.model.vocab_size / d.tp
     activations = T * per_token
     # backward's working set: one layer's activation gradients, the size of what that layer saves without
     # checkpointing; the ring adds the key/value block in use, the one arriving and the travelling key/value gradients
-    workspace = T * (layer_activation_bytes(w, strategy, "none") + (6 * h / d.ulysses * e if d.ring > 1 else 0))
+    ring = 6 * _sp_kv(w, strategy) * e if d.ring > 1 else 0
+    workspace = T * (layer_activation_bytes(w, strategy, "none") + ring)
     heads_local = w.model.num_heads / (d.tp * d.ulysses)
     s_attn = S / d.ring
     backend = w.model.attention_backend
@@ -290,9 +331,11 @@ def comm(w: Workload, strategy: Strategy) -> dict[str, float]:
         last = (P - 1) / P * (2 * N * h * e + 2 * (norm * e + 12 * N))
         out["tp"] = layers * per_layer + B * m * (first + last if d.pp == 1 else max(first, last))
     if d.ulysses > 1:
-        out["ulysses"] = sp_redo * layers * layer_comm_bytes("ulysses", d.ulysses, S / d.ring, h / d.tp, e)
+        out["ulysses"] = sp_redo * layers * layer_comm_bytes("ulysses", d.ulysses, S / d.ring, h / d.tp, e,
+                                                             kv=_sp_kv(w, strategy) / d.tp)
     if d.ring > 1:
-        out["ring"] = sp_redo * layers * layer_comm_bytes("ring", d.ring, S, h / (d.tp * d.ulysses), e)
+        out["ring"] = sp_redo * layers * layer_comm_bytes("ring", d.ring, S, h / (d.tp * d.ulysses), e,
+                                                          kv=_sp_kv(w, strategy) / (d.tp * d.ulysses))
     if d.pp > 1:
         out["pp"] = (2 if d.pp > 2 else 1) * B * m * S / (d.sp * d.tp) * h * e
     phi = rank_params(w, strategy)
@@ -311,9 +354,10 @@ def step_time(w: Workload, strategy: Strategy, cluster: Cluster) -> dict[str, fl
     S, B, m = w.seq_len, w.micro_batch, w.grad_accum
     tokens = B * S * m * d.dp
     attn = 6 * B * m * d.dp * w.model.num_layers * w.model.hidden_size * S * S  # causal: half of 12 L h S^2 a sequence
-    flops = 6 * tokens * w.model_params + attn
+    params = w.model_params + (w.model.vocab_size * w.model.hidden_size if w.model.tie_word_embeddings else 0)
+    flops = 6 * tokens * params + attn
     if strategy.checkpointing == "full":
-        flops += (6 * tokens * w.model_params + attn) / 3
+        flops += (6 * tokens * params + attn) / 3
     elif strategy.checkpointing == "selective":
         flops += attn / 3
     bubble = (d.pp - 1) / (m + d.pp - 1)

@@ -1,4 +1,5 @@
-"""``ds4sci bench throughput``: the files of a --quick run, the same-function guard, the summary, bad options."""
+"""``ds4sci bench throughput``: the files of a --quick run (GPT-NeoX's shape against GPTNeoXForCausalLM, Llama's
+against LlamaForCausalLM), the same-function guard, the summary, bad options."""
 import json
 
 import pytest
@@ -18,6 +19,7 @@ def test_quick_run_writes_the_report(tmp_path):
     c = report["config"]
     assert (c["hidden"], c["layers"], c["seq_len"], c["rounds"], c["threads"]) == (64, 2, 64, 3, threads + 1)
     assert report["command"].startswith("ds4sci bench throughput --hidden 64 --layers 2 --heads 4 --seq-len 64 ")
+    assert report["hf_model"] == "GPTNeoXForCausalLM"
     assert 0 <= report["check"]["max_abs_logit_diff"] < 1e-5  # the two models compute the same function
     assert len(report["rounds"]) == 3
     for r in report["rounds"]:
@@ -32,14 +34,36 @@ def test_quick_run_writes_the_report(tmp_path):
     assert (tmp_path / "throughput.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_guard_refuses_models_that_differ():
-    cfg = throughput.config_from_args(_args("--quick"))
+def test_quick_llama_run_compares_against_llama_for_causal_lm(tmp_path):
+    """Llama's shape with grouped-query attention (4 heads, 2 key/value) against transformers' LlamaForCausalLM
+    holding the same weights."""
+    assert cli.main(["bench", "throughput", "--quick", "--shape", "llama", "--kv-heads", "2", "--out",
+                     str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    assert (report["config"]["shape"], report["config"]["kv_heads"], report["config"]["heads"]) == ("llama", 2, 4)
+    assert report["hf_model"] == "LlamaForCausalLM"  # the class built and timed
+    assert "--shape llama --kv-heads 2 --rotary-pct 1.0 " in report["command"]
+    assert 0 <= report["check"]["max_abs_logit_diff"] < 1e-5  # the two models compute the same function
+    assert all(t["ds4sci"] > 0 and t["hf"] > 0 for r in report["rounds"] for t in r.values())
+    markdown = (tmp_path / "throughput.md").read_text()
+    assert markdown.startswith("# Training throughput: ds4sci GenSLM vs Hugging Face LlamaForCausalLM\n")
+    assert "Llama shape (SwiGLU, RMSNorm, no biases, sequential residual): hidden 64, 2 layers, 4 heads (2 key/value)" \
+        in markdown
+
+
+@pytest.mark.parametrize("argv, weight", ids=["gpt-neox", "llama"], argvalues=[
+    (["--quick"], lambda hf: hf.gpt_neox.layers[1].mlp.dense_4h_to_h.weight),
+    (["--quick", "--shape", "llama", "--kv-heads", "1"], lambda hf: hf.model.layers[1].mlp.down_proj.weight),
+])
+def test_guard_refuses_models_that_differ(argv, weight):
+    cfg = throughput.config_from_args(_args(*argv))
     ours, hf = throughput.build_models(cfg)
     ids, pos = throughput.make_batch(cfg)
     assert throughput.check_same_function(ours, hf, ids, pos) < 1e-5
     with torch.no_grad():  # one weight of one layer off by a little
-        hf.gpt_neox.layers[1].mlp.dense_4h_to_h.weight[3, 5] += 0.05
-    with pytest.raises(RuntimeError, match=r"disagree after the weight copy: max \|logits difference\| = "):
+        weight(hf)[3, 5] += 0.05
+    with pytest.raises(RuntimeError, match=rf"{type(hf).__name__} disagree after the weight copy: max \|logits "
+                                           r"difference\| = "):
         throughput.check_same_function(ours, hf, ids, pos)
 
 
@@ -53,6 +77,10 @@ def test_summary_statistics():
 @pytest.mark.parametrize("argv, message", [
     (["--rounds", "0"], "--rounds=0: must be >= 1"),
     (["--hidden", "60", "--heads", "8"], "--hidden=60 is not divisible by --heads=8"),
+    (["--kv-heads", "2"], "--kv-heads=2: GPT-NeoX has one key/value head per query head; grouped-query attention "
+                          "needs --shape llama"),
+    (["--shape", "llama", "--kv-heads", "3"], "--kv-heads=3: must divide --heads=8 (or be 0)"),
+    (["--shape", "llama", "--rotary-pct", "0.25"], "--rotary-pct=0.25: LlamaForCausalLM rotates every head dim (1.0)"),
 ])
 def test_bad_options_give_one_line(argv, message, tmp_path, capsys):
     assert cli.main(["bench", "throughput", *argv, "--out", str(tmp_path / "out")]) == 2

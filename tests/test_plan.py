@@ -10,7 +10,9 @@ import torch
 from ds4sci import cli, plan
 from ds4sci.bench import memory_breakdown, seq_scaling
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm.config import PRESETS
 from ds4sci.parallel import ParallelDims
+from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
 def test_planner_imports_neither_torch_nor_the_benchmarks():
     """The planner is arithmetic on definitions it shares with the code (ParallelDims, ds4sci.costs, the model
@@ -28,6 +30,10 @@ def test_planner_imports_neither_torch_nor_the_benchmarks():
 
 
 SMALL = dict(vocab_size=6, hidden_size=64, num_layers=2, num_heads=4, attention_backend="chunked")
+# SMALL in Llama's shape: grouped-query attention (2 key/value heads), SwiGLU, RMSNorm, no biases, sequential residual,
+# rotary on every head dim
+LLAMA = dict(SMALL, num_kv_heads=2, mlp="swiglu", intermediate_size=128, norm="rmsnorm", bias=False,
+             parallel_residual=False, rotary_pct=1.0)
 
 
 def _workload(seq_len, dtype="fp32", **model):
@@ -57,41 +63,62 @@ def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str) ->
 
     torch.manual_seed(0)
     model = GenSLM(config)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
+    saved = SavedBytes(model)
     if checkpointing == "selective":
         for block in model.layers:
             block.attention.core = CheckpointedCore(block.attention.core)
             # DeepSpeed's (reentrant) checkpoint keeps its inputs q, k, v as attributes, out of the hooks' sight
-            block.attention.core.register_forward_pre_hook(lambda module, args: None if [pack(t) for t in args] else None)
+            block.attention.core.register_forward_pre_hook(
+                lambda module, args: None if [saved.pack(t) for t in args] else None)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved:
         model(torch.randint(0, 6, (1, S)), torch.arange(S)[None])
-    return sum(saved.values())
+    return saved.total
 
 
-@pytest.mark.parametrize("position", ["rotary", "learned"])
+SHAPES = {"neox-rotary": SMALL, "neox-learned": dict(SMALL, position_embedding="learned"), "llama-gqa": LLAMA,
+          "llama-mqa-tied": dict(LLAMA, num_kv_heads=1, tie_word_embeddings=True)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("checkpointing", ["none", "selective"])
-def test_layer_activations_equal_saved_tensors(position, checkpointing):
+def test_activations_equal_saved_tensors(shape, checkpointing):
     """Per layer, the planner's activation bytes are exactly what GenSLM's block saves for backward (a 2-layer minus
-    a 1-layer model, so the embedding and the head cancel)."""
+    a 1-layer model, so the embedding and the head cancel), for GPT-NeoX's block and for Llama's (grouped- and
+    multi-query attention, SwiGLU, RMSNorm, no biases, sequential residual, tied or untied head); and the whole
+    activation term, less the fp32 logits and log-softmax of a loss the harness does not compute, is what the whole
+    model saves."""
     S = 256
-    configs = [GenSLMConfig(**{**SMALL, "num_layers": L, "position_embedding": position,
-                               "max_position_embeddings": S}) for L in (1, 2)]
-    per_layer = _saved_activation_bytes(configs[1], S, checkpointing) - _saved_activation_bytes(configs[0], S,
-                                                                                               checkpointing)
+    configs = [GenSLMConfig(**{**SHAPES[shape], "num_layers": L, "max_position_embeddings": S}) for L in (1, 2)]
+    saved = [_saved_activation_bytes(c, S, checkpointing) for c in configs]
     w = plan.Workload(configs[1], S, dtype="fp32")
-    assert per_layer == plan.layer_activation_bytes(w, plan.Strategy(), checkpointing) * S
+    strategy = plan.Strategy(checkpointing=checkpointing)
+    assert saved[1] - saved[0] == plan.layer_activation_bytes(w, strategy, checkpointing) * S
+    assert saved[1] == plan.memory(w, strategy)["activations"] - 8 * SMALL["vocab_size"] * S
+
+
+@pytest.mark.parametrize("name", [*PRESETS, "llama-debug+tied"])
+def test_rank_parameters_are_the_models(name):
+    """At tp = pp = 1 the planner's per-rank parameters are the model's (meta device: shapes only), for every preset
+    (GPT-NeoX's and Llama's: grouped-query attention, SwiGLU, RMSNorm without bias, no biases, tied embeddings counted
+    once)."""
+    preset, _, tie = name.partition("+")
+    config = GenSLMConfig.preset(preset, **({"tie_word_embeddings": tie == "tied"} if tie else {}))
+    model = GenSLM(config, device="meta")
+    assert plan.rank_params(plan.Workload(config, 1024), plan.Strategy()) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_tied_head_costs_the_flops_of_an_untied_one():
+    """Tying the head to the embedding removes a matrix from the parameter count, not the head's matmul: the step's
+    compute is the untied model's, and its 6 N FLOPs per token count the embedding and head matrices twice."""
+    w, tied = (plan.Workload(GenSLMConfig.preset("llama-debug", tie_word_embeddings=t), 512) for t in (False, True))
+    assert tied.model_params == w.model_params - 69 * 64
+    assert plan.step_time(tied, plan.Strategy(), plan.Cluster())["compute_s"] == \
+        plan.step_time(w, plan.Strategy(), plan.Cluster())["compute_s"]
 
 
 # fp32 bytes per token of SMALL with rotary (h 64, f 256, 4 heads, rotary_dim 4), counted by hand:
-# one layer saves (9 h + 2 f + 2 r) e + (4 + H) 4 = (576 + 512 + 8) 4 + 32 (test_layer_activations_equal_saved_tensors
+# one layer saves (9 h + 2 f + 2 r) e + (4 + H) 4 = (576 + 512 + 8) 4 + 32 (test_activations_equal_saved_tensors
 # measures this figure); outside the layers: token ids 8 + final layer norm input and output 2 h e + 8 + logits and
 # their log-softmax 8 V
 LAYER_BYTES_PER_TOKEN = 4416

@@ -1,11 +1,18 @@
-"""``ds4sci bench throughput``: training tokens/s of ds4sci's GenSLM against Hugging Face's ``GPTNeoXForCausalLM``.
+"""``ds4sci bench throughput``: training tokens/s of ds4sci's GenSLM against Hugging Face's ``GPTNeoXForCausalLM``
+(``--shape gpt-neox``) or ``LlamaForCausalLM`` (``--shape llama``).
 
-Both models compute the same function. One GPT-NeoX configuration (rotary positions on ``rotary_pct`` of each head,
-parallel residual, GELU, untied head: the GPT-NeoX form GenSLM converts, :mod:`ds4sci.models.genslm.neox`) builds
-Hugging Face's model, and through :func:`~ds4sci.models.genslm.config_from_gpt_neox` ds4sci's GenSLM (Zvyagin et al.
-2022; Black et al. 2022, GPT-NeoX-20B). GenSLM's initial weights are copied into Hugging Face's model with
-:func:`~ds4sci.models.genslm.to_gpt_neox_state_dict`, and before anything is timed the logits of both on the benchmark
-batch must agree (:func:`check_same_function`), so a converter bug cannot pass for a speed-up.
+Both models compute the same function. ``gpt-neox``: one GPT-NeoX configuration (rotary positions on ``rotary_pct``
+of each head, parallel residual, GELU, untied head: the GPT-NeoX form GenSLM converts,
+:mod:`ds4sci.models.genslm.neox`) builds Hugging Face's model, and through
+:func:`~ds4sci.models.genslm.config_from_gpt_neox` ds4sci's GenSLM (Zvyagin et al. 2022; Black et al. 2022,
+GPT-NeoX-20B); GenSLM's initial weights are copied into Hugging Face's model with
+:func:`~ds4sci.models.genslm.to_gpt_neox_state_dict`. ``llama``: the GenSLM of the Llama-shaped presets' block
+(Touvron et al. 2023: ``--kv-heads`` key/value heads, grouped-query attention when fewer than ``--heads``; SwiGLU,
+RMSNorm, no biases, sequential residual, rotary on every head dim) builds a ``LlamaConfig`` of the same shape
+from its fields, and Hugging Face's initial weights are copied into GenSLM with
+:func:`~ds4sci.models.genslm.llama.from_llama_state_dict`. Both shapes use an MLP of ``4 x hidden`` and the 69-word
+codon vocabulary. Before anything is timed the logits of both on the benchmark batch must agree
+(:func:`check_same_function`), so a converter bug cannot pass for a speed-up.
 
 Timing, in one process: each round times ``--steps`` training steps (forward, next-token cross entropy
 :func:`~ds4sci.models.genslm.lm_loss` on both, backward, ``torch.optim.AdamW`` step) of one model, then of the
@@ -32,7 +39,8 @@ import torch
 from ds4sci.bench.report import (add_int_options, check_positive, command_line, markdown_table, missing_dependency,
                                   option, plural, pyplot, save_figure, write_report)
 from ds4sci.kernels.backends import LocalBackend
-from ds4sci.models.genslm import GenSLM, config_from_gpt_neox, lm_loss, to_gpt_neox_state_dict
+from ds4sci.models.genslm import GenSLM, GenSLMConfig, config_from_gpt_neox, lm_loss, to_gpt_neox_state_dict
+from ds4sci.models.genslm.llama import from_llama_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +67,15 @@ _VOCAB = 69  # GenSLM's codon vocabulary
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
     add_int_options(parser, _INT_OPTIONS)
-    parser.add_argument("--rotary-pct", type=float, default=0.25,
-                        help="fraction of each head's dims rotated (GPT-NeoX's default: %(default)s)")
+    parser.add_argument("--shape", choices=("gpt-neox", "llama"), default="gpt-neox",
+                        help="gpt-neox: against GPTNeoXForCausalLM; llama: Llama's block (grouped-query attention, "
+                             "SwiGLU, RMSNorm, no biases, sequential residual) against LlamaForCausalLM "
+                             "(default: %(default)s)")
+    parser.add_argument("--kv-heads", type=int, default=0,
+                        help="key/value heads of --shape llama, dividing --heads (0: one per query head; "
+                             "default: %(default)s)")
+    parser.add_argument("--rotary-pct", type=float,
+                        help="fraction of each head's dims rotated (default: GPT-NeoX's 0.25; Llama rotates all, 1.0)")
     parser.add_argument("--attention-backend", choices=[b.value for b in LocalBackend], default="auto",
                         help="ds4sci GenSLM attention backend (default: %(default)s)")
     parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
@@ -74,15 +89,24 @@ def config_from_args(args: argparse.Namespace) -> dict:
     """The run configuration: the options (``--quick`` overriding the shape), checked; ``ValueError`` names a bad
     value."""
     cfg = {name: getattr(args, name) for name in _INT_OPTIONS}
-    cfg |= {"rotary_pct": args.rotary_pct, "attention_backend": args.attention_backend,
-            "hf_attention": args.hf_attention, "seed": args.seed}
+    llama = args.shape == "llama"
+    rotary_pct = (1.0 if llama else 0.25) if args.rotary_pct is None else args.rotary_pct
+    cfg |= {"shape": args.shape, "kv_heads": args.kv_heads, "rotary_pct": rotary_pct,
+            "attention_backend": args.attention_backend, "hf_attention": args.hf_attention, "seed": args.seed}
     if args.quick:
         cfg |= _QUICK
     check_positive(cfg, _INT_OPTIONS)
     if cfg["hidden"] % cfg["heads"]:
         raise ValueError(f"--hidden={cfg['hidden']} is not divisible by --heads={cfg['heads']}")
+    if cfg["kv_heads"] < 0 or (cfg["kv_heads"] and cfg["heads"] % cfg["kv_heads"]):
+        raise ValueError(f"--kv-heads={cfg['kv_heads']}: must divide --heads={cfg['heads']} (or be 0)")
+    if not llama and cfg["kv_heads"] not in (0, cfg["heads"]):
+        raise ValueError(f"--kv-heads={cfg['kv_heads']}: GPT-NeoX has one key/value head per query head; "
+                         "grouped-query attention needs --shape llama")
     if not 0 <= cfg["rotary_pct"] <= 1:
         raise ValueError(f"--rotary-pct={cfg['rotary_pct']}: must be in [0, 1]")
+    if llama and cfg["rotary_pct"] != 1:
+        raise ValueError(f"--rotary-pct={cfg['rotary_pct']}: LlamaForCausalLM rotates every head dim (1.0)")
     return cfg
 
 
@@ -93,10 +117,29 @@ def transformers_missing() -> str | None:
 
 
 def build_models(cfg: dict) -> tuple[GenSLM, torch.nn.Module]:
-    """ds4sci's GenSLM and Hugging Face's ``GPTNeoXForCausalLM`` from one GPT-NeoX configuration, GenSLM's initial
-    weights copied into Hugging Face's model; both in training mode, fp32, on the CPU."""
+    """ds4sci's GenSLM and Hugging Face's ``GPTNeoXForCausalLM`` (``cfg["shape"]`` ``"gpt-neox"``: from one GPT-NeoX
+    configuration, GenSLM's initial weights copied into Hugging Face's model) or ``LlamaForCausalLM`` (``"llama"``:
+    from GenSLM's Llama-shaped configuration, Hugging Face's initial weights copied into GenSLM); both in training
+    mode, fp32, on the CPU."""
     import transformers
 
+    torch.manual_seed(cfg["seed"])
+    if cfg["shape"] == "llama":
+        # the Llama-shaped presets' block (GQA, SwiGLU, RMSNorm, no biases, sequential residual, rotary base 500000)
+        config = GenSLMConfig.preset("llama-debug", vocab_size=_VOCAB, hidden_size=cfg["hidden"],
+                                     num_layers=cfg["layers"], num_heads=cfg["heads"], num_kv_heads=cfg["kv_heads"],
+                                     intermediate_size=4 * cfg["hidden"], max_position_embeddings=cfg["seq_len"],
+                                     attention_backend=cfg["attention_backend"])
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_kv_heads, max_position_embeddings=config.max_position_embeddings,
+            rms_norm_eps=config.layer_norm_eps, hidden_act="silu", rope_theta=config.rotary_base,
+            attention_bias=config.bias, mlp_bias=config.bias, tie_word_embeddings=config.tie_word_embeddings,
+            attention_dropout=0.0, attn_implementation=cfg["hf_attention"]))
+        ours = GenSLM(config)
+        ours.load_state_dict(from_llama_state_dict(hf.state_dict(), config))  # strict: every weight, once
+        return ours.train(), hf.train()
     hf_config = transformers.GPTNeoXConfig(
         vocab_size=_VOCAB, hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
         num_attention_heads=cfg["heads"], intermediate_size=4 * cfg["hidden"],
@@ -104,7 +147,6 @@ def build_models(cfg: dict) -> tuple[GenSLM, torch.nn.Module]:
         hidden_act="gelu", tie_word_embeddings=False, attention_dropout=0.0, hidden_dropout=0.0,
         attn_implementation=cfg["hf_attention"],
     )
-    torch.manual_seed(cfg["seed"])
     ours = GenSLM(dataclasses.replace(config_from_gpt_neox(hf_config), attention_backend=cfg["attention_backend"]))
     hf = transformers.GPTNeoXForCausalLM(hf_config)
     head_key = "lm_head.weight" if "lm_head.weight" in hf.state_dict() else "embed_out.weight"  # transformers >= 5
@@ -133,7 +175,7 @@ def check_same_function(ours: GenSLM, hf: torch.nn.Module, ids: torch.Tensor, po
         got, want = _logits("ds4sci", ours, ids, pos), _logits("hf", hf, ids, pos)
     diff, scale = (got - want).abs().max().item(), max(1.0, want.abs().max().item())
     if not diff <= LOGIT_RTOL * scale:
-        raise RuntimeError(f"ds4sci's GenSLM and Hugging Face's GPTNeoXForCausalLM disagree after the weight copy: "
+        raise RuntimeError(f"ds4sci's GenSLM and Hugging Face's {type(hf).__name__} disagree after the weight copy: "
                            f"max |logits difference| = {diff:.3e} > {LOGIT_RTOL:g} x {scale:.3g}; not timing "
                            "models that compute different functions")
     return diff
@@ -152,8 +194,9 @@ def _trainer(name: str, model: torch.nn.Module, ids: torch.Tensor, pos: torch.Te
 
 
 def measure(cfg: dict) -> dict:
-    """Build both models, check they agree, time them alternately: the report's ``check`` and ``rounds``. Runs
-    with ``cfg["threads"]`` torch threads, then restores the caller's number."""
+    """Build both models, check they agree, time them alternately: the report's ``hf_model`` (the class timed
+    against), ``check`` and ``rounds``. Runs with ``cfg["threads"]`` torch threads, then restores the caller's
+    number."""
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg["threads"])
     try:
@@ -183,7 +226,8 @@ def _measure(cfg: dict) -> dict:
         rounds.append({clock: t | {"ratio": t["ds4sci"] / t["hf"]} for clock, t in tps.items()})
         logger.info("throughput round %d: ds4sci %.0f tokens/s, hf %.0f tokens/s, ratio %.3f (CPU time: %.3f)", r,
                     tps["wall"]["ds4sci"], tps["wall"]["hf"], rounds[-1]["wall"]["ratio"], rounds[-1]["cpu"]["ratio"])
-    return {"check": {"max_abs_logit_diff": diff, "logit_rtol": LOGIT_RTOL}, "rounds": rounds}
+    return {"hf_model": type(hf).__name__, "check": {"max_abs_logit_diff": diff, "logit_rtol": LOGIT_RTOL},
+            "rounds": rounds}
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -206,14 +250,18 @@ def markdown(report: dict) -> str:
             f"{r[clock]['ratio']:.3f}" for clock in CLOCKS]
 
     rows = [[i, *cells(r)] for i, r in enumerate(report["rounds"])]
+    llama = c["shape"] == "llama"
+    shape = "Llama shape (SwiGLU, RMSNorm, no biases, sequential residual)" if llama else "GPT-NeoX shape"
+    kv = f" ({c['kv_heads'] or c['heads']} key/value)" if llama else ""
     rows.append(["median", *cells({clock: {"ds4sci": s[clock]["ds4sci_tokens_per_s_median"],
                                            "hf": s[clock]["hf_tokens_per_s_median"],
                                            "ratio": s[clock]["ratio_median"]} for clock in CLOCKS})])
     lines = [
-        "# Training throughput: ds4sci GenSLM vs Hugging Face GPTNeoXForCausalLM",
+        f"# Training throughput: ds4sci GenSLM vs Hugging Face {report['hf_model']}",
         "",
-        f"GPT-NeoX shape: hidden {c['hidden']}, {plural(c['layers'], 'layer')}, {plural(c['heads'], 'head')}, "
-        f"rotary_pct {c['rotary_pct']}, vocabulary {_VOCAB}; batch {c['batch']} x {c['seq_len']} tokens, fp32 on the "
+        f"{shape}: hidden {c['hidden']}, {plural(c['layers'], 'layer')}, {plural(c['heads'], 'head')}{kv}, MLP "
+        f"{4 * c['hidden']}, rotary_pct {c['rotary_pct']}, vocabulary {_VOCAB}; batch {c['batch']} x {c['seq_len']} "
+        "tokens, fp32 on the "
         f"CPU, {plural(c['threads'], 'torch thread')}. ds4sci attention backend {c['attention_backend']!r}, Hugging "
         f"Face attn_implementation {c['hf_attention']!r}; torch {report['versions']['torch']}, transformers "
         f"{report['versions']['transformers']}. One step = forward + next-token cross entropy + backward + AdamW. "
@@ -239,7 +287,7 @@ def plot(report: dict, path) -> None:
     plt = pyplot()
     rounds = report["rounds"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
-    for name, label in (("ds4sci", "ds4sci GenSLM"), ("hf", "HF GPTNeoXForCausalLM")):
+    for name, label in (("ds4sci", "ds4sci GenSLM"), ("hf", f"HF {report['hf_model']}")):
         left.plot(range(len(rounds)), [r["wall"][name] for r in rounds], marker="o", label=label)
     left.set_xticks(range(len(rounds)))
     left.set_xlabel("round")

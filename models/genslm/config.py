@@ -191,13 +191,17 @@ class GenSLMConfig:
             return 0
         return int(self.head_dim * self.rotary_pct) // 2 * 2
 
+    def norm_parameters(self) -> int:
+        """Parameters of one norm: weight and bias (LayerNorm) or weight (RMSNorm), ``hidden_size`` each."""
+        return (2 if self.norm == "layernorm" else 1) * self.hidden_size
+
     def block_parameters(self) -> int:
-        """Parameters of one block: two norms (weight, and bias for LayerNorm), fused q/k/v (``num_heads`` query and
+        """Parameters of one block: two norms (:meth:`norm_parameters`), fused q/k/v (``num_heads`` query and
         ``2 * num_kv_heads`` key/value heads), attention output projection, MLP (two matrices, SwiGLU three), the
         projections' biases where ``bias``."""
         h, f = self.hidden_size, self.intermediate_size
         qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        norms = 2 * (2 * h if self.norm == "layernorm" else h)
+        norms = 2 * self.norm_parameters()
         mlp_in = 2 if self.mlp == "swiglu" else 1
         weights = qkv * h + h * h + mlp_in * h * f + f * h
         biases = qkv + h + mlp_in * f + h if self.bias else 0
@@ -211,9 +215,9 @@ class GenSLMConfig:
         """Parameter count computed from the shapes, without allocating the model: input embedding, position
         table, blocks, final norm, output head (none of its own when tied to the embedding)."""
         h, v = self.hidden_size, self.vocab_size
-        final_norm = 2 * h if self.norm == "layernorm" else h
         head = 0 if self.tie_word_embeddings else h * v
-        return v * h + self.position_table_parameters() + self.num_layers * self.block_parameters() + final_norm + head
+        return (v * h + self.position_table_parameters() + self.num_layers * self.block_parameters()
+                + self.norm_parameters() + head)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
