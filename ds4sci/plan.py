@@ -36,7 +36,7 @@ Memory model (bytes per GPU):
   exactly against ``torch.autograd.graph.saved_tensors_hooks`` on the CPU in fp32 for both shapes (tests/test_plan.py):
   ``none``: ``(c_n h + c_a + c_f f + 2 r) e + (s + H) 4`` with
 
-  - ``c_n = 3`` (block input, both norms' outputs), ``+ 2`` for RMSNorm (PyTorch's ``rms_norm`` keeps each norm's
+  - ``c_n = 3`` (block input, both norms' outputs), ``+ 2`` for RMSNorm (GenSLM's ``rms_norm`` keeps each norm's
     normalized input for the weight's gradient), ``+ 1`` for the sequential residual (the second norm's input);
   - ``c_a`` the attention's: the fused qkv buffer ``h + 2 kv`` (v is a view of it), with rotary the rotated q and k
     ``h + kv``, the attention output ``h`` (``6 h`` for GPT-NeoX with rotary, ``4 h`` without); under Ulysses the
@@ -58,8 +58,8 @@ Memory model (bytes per GPU):
   (token ids; ``16`` with the learned table's position ids) ``+ (1 + tp) h e + 8`` (final norm: its input, gathered
   over TP its output, and its fp32 statistics; RMSNorm: ``(2 + tp) h e + 4``) ``+ 8 V / tp`` (fp32 logits and their
   log-softmax) per token. Measured on the CPU:
-  in bf16 PyTorch's ``rms_norm`` keeps fp32 copies of its input and normalized input, and the ``chunked`` backend an
-  fp32 attention output, which this model leaves out.
+  in bf16 GenSLM's ``rms_norm`` keeps an fp32 copy of its input (it normalises in fp32, as transformers' Llama does),
+  and the ``chunked`` backend an fp32 attention output, which this model leaves out.
 - backward working set: one layer's activation gradients, as large as what one layer saves without checkpointing,
   ``T`` times the ``none`` figure; with a ring also the key/value block in use, the one arriving and the travelling
   key/value gradients, ``6 kv' e`` per local token.
