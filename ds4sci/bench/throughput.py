@@ -9,7 +9,7 @@ GPT-NeoX-20B); GenSLM's initial weights are copied into Hugging Face's model wit
 :func:`~ds4sci.models.genslm.to_gpt_neox_state_dict`. ``llama``: the GenSLM of the Llama-shaped presets' block
 (Touvron et al. 2023: ``--kv-heads`` key/value heads, grouped-query attention when fewer than ``--heads``; SwiGLU,
 RMSNorm, no biases, sequential residual, rotary on every head dim) builds a ``LlamaConfig`` of the same shape
-from its fields, and Hugging Face's initial weights are copied into GenSLM with
+(the config ``ds4sci export-hf`` writes for it: :func:`ds4sci.io.export_hf.hf_config`), and Hugging Face's initial weights are copied into GenSLM with
 :func:`~ds4sci.models.genslm.llama.from_llama_state_dict`. Both shapes use an MLP of ``4 x hidden`` and the 69-word
 codon vocabulary. Before anything is timed the logits of both on the benchmark batch must agree
 (:func:`check_same_function`), so a converter bug cannot pass for a speed-up.
@@ -38,6 +38,8 @@ import torch
 
 from ds4sci.bench.report import (add_int_options, check_positive, command_line, markdown_table, missing_dependency,
                                   option, plural, pyplot, save_figure, write_report)
+from ds4sci.data import CodonTokenizer
+from ds4sci.io.export_hf import hf_config as transformers_config
 from ds4sci.kernels.backends import LocalBackend
 from ds4sci.models.genslm import GenSLM, GenSLMConfig, config_from_gpt_neox, lm_loss, to_gpt_neox_state_dict
 from ds4sci.models.genslm.llama import from_llama_state_dict
@@ -130,13 +132,8 @@ def build_models(cfg: dict) -> tuple[GenSLM, torch.nn.Module]:
                                      num_layers=cfg["layers"], num_heads=cfg["heads"], num_kv_heads=cfg["kv_heads"],
                                      intermediate_size=4 * cfg["hidden"], max_position_embeddings=cfg["seq_len"],
                                      attention_backend=cfg["attention_backend"])
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-            num_key_value_heads=config.num_kv_heads, max_position_embeddings=config.max_position_embeddings,
-            rms_norm_eps=config.layer_norm_eps, hidden_act="silu", rope_theta=config.rotary_base,
-            attention_bias=config.bias, mlp_bias=config.bias, tie_word_embeddings=config.tie_word_embeddings,
-            attention_dropout=0.0, attn_implementation=cfg["hf_attention"]))
+        data = transformers_config(config, CodonTokenizer(), "ds4sci bench throughput")  # what export-hf writes for it
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**data, attn_implementation=cfg["hf_attention"]))
         ours = GenSLM(config)
         ours.load_state_dict(from_llama_state_dict(hf.state_dict(), config))  # strict: every weight, once
         return ours.train(), hf.train()
