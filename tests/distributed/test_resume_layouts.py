@@ -7,7 +7,7 @@ PP2 ZeRO-0 -> DP2 ZeRO-2 and Ring2 zigzag ZeRO-1 with optimizer offload -> Ulyss
 layout, ZeRO stage, offload and partition count all change). A Llama-shaped model (one key/value head shared by both
 TP ranks, head tied to the embedding) has its own one-process reference and resumes at PP2 (the checkpoint's tied
 matrix read into both end stages' copies), then saves there (once) and resumes at TP2 (the fused QKV's permuted
-shards). Each resumed run's steps 3-4 have its reference's losses and parameters (fp32 rounding). The helpers are
+shards) and at PP2 again (DeepSpeed's own checkpoint files, the engine's path at an unchanged layout). Each resumed run's steps 3-4 have its reference's losses and parameters (fp32 rounding). The helpers are
 those of ``test_train_equivalence``.
 """
 import json
@@ -36,6 +36,8 @@ CASES = [  # between them every ZeRO stage's way of reading and of setting the s
      (1, ["parallel.ring=2", "parallel.layout=zigzag", "zero.offload_optimizer=cpu"]), (3, ["parallel.ulysses=2"])),
     ("llama 1 zero1 -> pp2 zero0 tied", "llama", None, (0, ["parallel.pp=2"])),
     ("llama pp2 zero1 tied -> tp2 zero1 kv head shared", "llama", (1, ["parallel.pp=2"]), (1, ["parallel.tp=2"])),
+    # the same layout: DeepSpeed's own files (it saves one copy of the tied matrix and re-ties the two on load)
+    ("llama pp2 zero1 tied -> pp2 zero1 tied", "llama", (1, ["parallel.pp=2"]), (1, ["parallel.pp=2"])),
 ]
 
 
