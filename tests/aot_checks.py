@@ -15,8 +15,8 @@ COMPILE_TIMEOUT = 1800
 
 
 def compiles(test):
-    """Marks a test of a compiling fixture: slow, with :data:`COMPILE_TIMEOUT`."""
-    return pytest.mark.slow(pytest.mark.timeout(COMPILE_TIMEOUT)(test))
+    """Marks a test of a compiling fixture: slow, with :data:`COMPILE_TIMEOUT`, and its module scheduled first."""
+    return pytest.mark.first(pytest.mark.slow(pytest.mark.timeout(COMPILE_TIMEOUT)(test)))
 
 
 def gate(tmp_path, *argv):

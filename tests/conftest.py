@@ -30,3 +30,11 @@ if os.environ["TRITON_INTERPRET"] == "1":
         _stale = _stale or not isinstance(getattr(sys.modules[_module], _function, None), InterpretedFunction)
         if _stale:
             importlib.reload(sys.modules[_module])
+
+
+def pytest_collection_modifyitems(items):
+    """Modules holding a test marked ``first`` (the ahead-of-time compile gates, minutes of compiling each) run before
+    the others: under ``make test``'s two workers (one module at a time each) they then overlap with the rest of the
+    suite instead of keeping one worker busy after the other has finished."""
+    first = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("first")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in first)  # stable: each part keeps its order

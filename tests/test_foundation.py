@@ -130,3 +130,20 @@ def test_ci_runs_make_test(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / ".ci" / "run")], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 3
     assert calls.read_text().splitlines() == [f"{ROOT}|true|test"]
+
+
+def test_modules_marked_first_are_scheduled_first():
+    """tests/conftest.py moves every test of a module with a ``first``-marked test ahead of the rest, keeping the
+    order within each part (what lets ``make test``'s two workers overlap the compile gates with the suite)."""
+    import conftest
+
+    class Item:
+        def __init__(self, nodeid, first=False):
+            self.nodeid, self.first = nodeid, first
+
+        def get_closest_marker(self, name):
+            return name == "first" and self.first or None
+
+    items = [Item("a.py::x"), Item("b.py::x"), Item("b.py::y", first=True), Item("c.py::x"), Item("d.py::x", True)]
+    conftest.pytest_collection_modifyitems(items)
+    assert [i.nodeid for i in items] == ["b.py::x", "b.py::y", "d.py::x", "a.py::x", "c.py::x"]
