@@ -21,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-tokens", type=positive_int, default=100,
                         help="tokens to generate (bases, or codons for a codon model); prompt + these must fit the "
                         "model's context (default: %(default)s)")
-    parser.add_argument("--num-sequences", type=positive_int, default=1)
+    parser.add_argument("--num-sequences", type=positive_int, default=1,
+                        help="sequences to sample, decoded together as one batch; sequence i draws from seed + i, so "
+                        "it is the one --num-sequences 1 --seed SEED+i gives (default: %(default)s)")
     parser.add_argument("--temperature", type=nonnegative_float, default=1.0, help="0 = greedy (default: %(default)s)")
     parser.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = no top-k filter (default: %(default)s)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="in (0, 1]; 1 = no nucleus filter")
@@ -39,11 +41,11 @@ def run(args: argparse.Namespace) -> int:
     from ds4sci.io.weights import load_model
 
     model, _, tokenizer = load_model(args.export)
-    records = []
-    for i in range(args.num_sequences):
-        seq = sample(model, tokenizer, args.prompt, args.num_tokens, temperature=args.temperature, top_k=args.top_k,
-                     top_p=args.top_p, seed=args.seed + i, stop_at_stop_codon=args.stop_at_stop_codon)
-        records.append(SeqRecord(Seq(seq), id=f"ds4sci_sample_{i}", description=f"seed={args.seed + i} T={args.temperature}"))
+    seqs = sample(model, tokenizer, args.prompt, args.num_tokens, num_sequences=args.num_sequences,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  stop_at_stop_codon=args.stop_at_stop_codon)  # sequence i draws from seed + i
+    records = [SeqRecord(Seq(seq), id=f"ds4sci_sample_{i}", description=f"seed={args.seed + i} T={args.temperature}")
+               for i, seq in enumerate(seqs)]
     if args.out == "-":
         write_fasta(records, sys.stdout, "fasta")
     else:

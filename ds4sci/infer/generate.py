@@ -1,7 +1,8 @@
 """Sampling sequences from a trained GenSLM (``ds4sci generate``).
 
 Temperature, top-k and top-p (nucleus, Holtzman et al. 2020) sampling; temperature 0 is greedy. In codon mode the
-sampler can stop at a stop codon (TAA/TAG/TGA). Positions are built here (``0..L-1``) and passed to the model.
+sampler can stop at a stop codon (TAA/TAG/TGA). Decoding is cached (:class:`~ds4sci.models.genslm.model.KVCache`) and
+batched over the sequences asked for. Positions are built here (``0..L-1``) and passed to the model.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import torch
 
 from ds4sci.data import CodonTokenizer, normalize_sequence
+from ds4sci.models.genslm import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +58,24 @@ def read_prompt(tokenizer, prompt: str) -> tuple[str, list[int]]:
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, temperature: float = 1.0, top_k: int = 0,
-           top_p: float = 1.0, seed: int = 0, stop_at_stop_codon: bool = False) -> str:
-    """Generate ``num_tokens`` tokens after ``prompt``; returns the prompt (as :func:`read_prompt` reads it) followed
-    by the generated bases."""
-    if num_tokens < 0 or temperature < 0:
-        raise ValueError(f"need num_tokens >= 0 and temperature >= 0, got num_tokens={num_tokens}, "
-                         f"temperature={temperature}")
+def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, num_sequences: int = 1,
+           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+           stop_at_stop_codon: bool = False) -> list[str]:
+    """Generate ``num_sequences`` continuations of up to ``num_tokens`` tokens after ``prompt``; returns each as the
+    prompt (as :func:`read_prompt` reads it) followed by its generated bases.
+
+    The sequences are decoded together, as one batch ``[num_sequences, T]``, with a
+    :class:`~ds4sci.models.genslm.model.KVCache`: one forward over the prompt (prefill), then one forward of one
+    token per sequence per step, so each step costs ``O(T)`` rather than the ``O(T^2)`` of recomputing the prefix.
+
+    Randomness: sequence ``i`` draws each of its tokens with one ``torch.multinomial`` call on its own
+    ``torch.Generator`` seeded with ``seed + i``, so it is reproducible from the seed and equals what
+    ``sample(..., num_sequences=1, seed=seed + i)`` returns. Temperature 0 is greedy (no draws). With
+    ``stop_at_stop_codon``, a sequence ends at its first stop codon while the others go on.
+    """
+    if num_tokens < 0 or temperature < 0 or num_sequences < 1:
+        raise ValueError(f"need num_tokens >= 0, temperature >= 0 and num_sequences >= 1, got num_tokens={num_tokens}, "
+                         f"temperature={temperature}, num_sequences={num_sequences}")
     if stop_at_stop_codon and not isinstance(tokenizer, CodonTokenizer):
         raise ValueError("stop_at_stop_codon needs the codon tokenizer")
     text, ids = read_prompt(tokenizer, prompt)
@@ -74,18 +87,27 @@ def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, tempera
         raise ValueError(f"prompt ({n_prompt} tokens) + num_tokens={num_tokens} exceeds the model's context of {limit} "
                          f"tokens: the model never sees more than {limit} tokens and generation does not slide past "
                          f"them; {way}")
-    gen = torch.Generator().manual_seed(seed)
+    weight = model.embed_in.weight
+    cache = KVCache(model.config, num_sequences, n_prompt + num_tokens, weight.dtype, weight.device)
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(num_sequences)]
     banned = torch.tensor(sorted(tokenizer.special_ids))
+    generated: list[list[int]] = [[] for _ in range(num_sequences)]
+    live = list(range(num_sequences))  # sequences still growing
+    x = torch.tensor([ids]).expand(num_sequences, n_prompt)  # [N, T]: the prompt, then each sequence's last token
     for _ in range(num_tokens):
-        x = torch.tensor([ids])  # [1, L]
-        logits = model(x, torch.arange(len(ids))[None])[0, -1].float()  # [V]
-        logits[banned] = float("-inf")  # generate sequence tokens only
-        if temperature == 0:
-            nxt = int(logits.argmax())
-        else:
-            probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), -1)
-            nxt = int(torch.multinomial(probs, 1, generator=gen))
-        ids.append(nxt)
-        if stop_at_stop_codon and nxt in tokenizer.stop_ids:
+        positions = torch.arange(cache.length, cache.length + x.shape[1])[None].expand_as(x)  # [N, T]
+        logits = model(x.to(weight.device), positions.to(weight.device), cache=cache)[:, -1].float().cpu()  # [N, V]
+        logits[:, banned] = float("-inf")  # generate sequence tokens only
+        nxt = logits.argmax(-1)  # [N]: greedy; with temperature > 0 each live sequence draws its own
+        if temperature > 0:
+            for i in live:
+                probs = torch.softmax(filter_logits(logits[i] / temperature, top_k, top_p), -1)  # [V]
+                nxt[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
+        for i in live:
+            generated[i].append(int(nxt[i]))
+        if stop_at_stop_codon:
+            live = [i for i in live if generated[i][-1] not in tokenizer.stop_ids]
+        if not live:
             break
-    return text + tokenizer.decode(ids[n_prompt:])
+        x = nxt[:, None]  # [N, 1]
+    return [text + tokenizer.decode(g) for g in generated]

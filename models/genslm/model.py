@@ -97,6 +97,55 @@ def norm(config: GenSLMConfig, device: torch.device | str | None = None) -> nn.M
     return RMSNorm(config.hidden_size, config.layer_norm_eps, device)
 
 
+class LayerKV:
+    """One layer's key/value cache: ``keys`` and ``values`` ``[B, S_max, Hkv, D]``, preallocated, of which the first
+    ``length`` positions are filled. Only the ``num_kv_heads`` key/value heads are kept (never repeated per query
+    head)."""
+
+    def __init__(self, keys: Tensor, values: Tensor):
+        self.keys, self.values = keys, values
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k, v [B, T, Hkv, D]`` at positions ``length .. length + T - 1`` and return the filled keys and
+        values ``[B, length + T, Hkv, D]`` (views of the cache)."""
+        B, T, Hkv, D = k.shape  # batch, new tokens, key/value heads, head dim
+        S_max = self.keys.shape[1]
+        if (B, Hkv, D) != (self.keys.shape[0], *self.keys.shape[2:]) or self.length + T > S_max:
+            raise ValueError(f"cannot append keys {tuple(k.shape)} at position {self.length} to a cache of "
+                             f"{tuple(self.keys.shape)} [B, S_max, Hkv, D]")
+        end = self.length + T
+        self.keys[:, self.length:end] = k
+        self.values[:, self.length:end] = v
+        self.length = end
+        return self.keys[:, :end], self.values[:, :end]
+
+
+class KVCache:
+    """Key/value cache for decoding with :class:`GenSLM` (the standard autoregressive KV cache of Transformer
+    decoders, e.g. Pope et al. 2022, "Efficiently Scaling Transformer Inference"): one :class:`LayerKV` per layer,
+    ``[B, S_max, Hkv, D]`` with ``S_max`` the most tokens a sequence will hold (prompt + new tokens), so
+    ``2 * num_layers * B * S_max * num_kv_heads * head_dim`` elements in all, allocated once.
+
+    Pass it to ``GenSLM.forward(input_ids [B, T], position_ids [B, T], cache=cache)``: the first call (the prompt,
+    prefill) and each later one (decoding, usually ``T = 1``) go through the same forward, the new tokens' queries
+    attending causally to everything cached before them and to themselves (``q_offset`` = :attr:`length`); causal
+    masks and ALiBi read that index, learned and rotary positions read ``position_ids``, which for one uninterrupted
+    sequence are ``length .. length + T - 1``. Every sequence of the batch holds the same number of tokens.
+    """
+
+    def __init__(self, config: GenSLMConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)  # [B, S_max, Hkv, D]
+        self.layers = [LayerKV(torch.empty(shape, dtype=dtype, device=device),
+                               torch.empty(shape, dtype=dtype, device=device)) for _ in range(config.num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Tokens cached per sequence so far."""
+        return self.layers[0].length
+
+
 class Attention(nn.Module):
     """Self-attention with fused QKV and rotary on a fraction of head dims; ``num_kv_heads`` key/value heads, each
     shared by a group of ``g = num_heads / num_kv_heads`` query heads (grouped-query attention, Ainslie et al. 2023).
@@ -121,7 +170,10 @@ class Attention(nn.Module):
         self.core = AttentionCore(config.num_heads, alibi=config.position_embedding == "alibi",
                                   backend=config.attention_backend)
 
-    def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None, kv: LayerKV | None = None) -> Tensor:
+        """``x [B, T, hidden]`` -> ``[B, T, hidden]``. With ``kv`` (cached decoding, :class:`KVCache`), the T new
+        tokens' keys and values are appended to the layer's cache and their queries attend to every cached key, at
+        global index ``q_offset = kv.length``."""
         B, T, _ = x.shape  # batch, local tokens, hidden
         Hkv, D = self.num_kv_heads, self.head_dim
         g = self.num_heads // Hkv  # query heads per key/value head
@@ -132,7 +184,12 @@ class Attention(nn.Module):
             cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, q.dtype,
                                       scaling=self.rotary_scaling)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q, k, v, q_doc=doc_ids, k_doc=doc_ids)  # [B, T, H, D]
+        if kv is None:
+            out = self.core(q, k, v, q_doc=doc_ids, k_doc=doc_ids)  # [B, T, H, D]
+        else:
+            q_offset = kv.length
+            k, v = kv.append(k, v)  # [B, q_offset + T, Hkv, D]: the cached keys and values, these T included
+            out = self.core(q, k, v, q_offset=q_offset)  # [B, T, H, D]
         return self.dense(out.reshape(B, T, -1))
 
 
@@ -169,8 +226,8 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.parallel_residual = config.parallel_residual
 
-    def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
-        attn = self.dropout(self.attention(self.input_layernorm(x), position_ids, doc_ids))
+    def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None, kv: LayerKV | None = None) -> Tensor:
+        attn = self.dropout(self.attention(self.input_layernorm(x), position_ids, doc_ids, kv))
         if not self.parallel_residual:
             x = x + attn
             return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
@@ -184,7 +241,8 @@ class GenSLM(nn.Module):
     ``[B, T, V]`` (or the final normalised hidden states ``[B, T, hidden]`` with ``return_hidden``).
     ``position_ids`` are global positions (under sequence parallelism: those of the local shard), never built
     inside. ``doc_ids`` restrict attention to the same document (packed windows). ``position_embeds [B, T, hidden]``
-    replaces the learned table's output after :meth:`pop_position_embedding`.
+    replaces the learned table's output after :meth:`pop_position_embedding`. ``cache`` (a :class:`KVCache`, eval
+    mode, no ``doc_ids``): cached decoding, the ``T`` tokens continuing the ``cache.length`` cached ones.
 
     ``device="meta"`` builds the parameters without storage; a trainer parallelizes the model and then draws only the
     pieces a rank keeps from :meth:`initial_value` (``ds4sci.sequence.materialize_``), equal to building it whole.
@@ -274,7 +332,8 @@ class GenSLM(nn.Module):
         return table
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor | None = None,
-                return_hidden: bool = False, position_embeds: Tensor | None = None) -> Tensor:
+                return_hidden: bool = False, position_embeds: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor:
         if input_ids.ndim != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and position_ids must both be [B, T], got {tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
@@ -286,15 +345,19 @@ class GenSLM(nn.Module):
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         if self.config.position_embedding != "learned" and position_ids.numel() and position_ids.min() < 0:
             raise ValueError(f"position ids must be >= 0, got {int(position_ids.min())}")
+        if cache is not None and (doc_ids is not None or self.training):
+            raise ValueError("a KVCache is for decoding one sequence per row: pass no doc_ids, and call model.eval()")
         x = self.embed_in(input_ids)  # [B, T, hidden]
         if self.config.position_embedding == "learned":
             if (self.embed_pos is None) == (position_embeds is None):
                 raise ValueError("pass position_embeds exactly when the position table was popped from the model")
             x = x + (self.embed_pos(position_ids) if position_embeds is None else position_embeds.to(x.dtype))
         x = self.emb_dropout(x)
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
             if self.checkpoint_fn is not None and self.training:
                 x = self.checkpoint_fn(block, x, position_ids, doc_ids)  # recomputed in backward
+            elif cache is not None:
+                x = block(x, position_ids, None, cache.layers[i])
             else:
                 x = block(x, position_ids, doc_ids)
         x = self.final_layer_norm(x)

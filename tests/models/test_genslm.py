@@ -1,5 +1,5 @@
 """GenSLM model: every position-embedding kind, the attention core, GPT-NeoX equivalence, the
-sequence-partitioned position table."""
+sequence-partitioned position table, the key/value cache."""
 import math
 import re
 
@@ -11,6 +11,7 @@ from ds4sci.models.genslm import (
     AttentionCore,
     GenSLM,
     GenSLMConfig,
+    KVCache,
     LearnedPositionEmbedding,
     alibi_slopes,
     from_gpt_neox_state_dict,
@@ -39,6 +40,28 @@ def test_forward_backward_every_position_embedding(pe):
     loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("pe,kv_heads", [("learned", 4), ("rotary", 4), ("alibi", 4), ("rotary", 2), ("alibi", 1)])
+def test_kv_cache_logits_equal_uncached_at_every_step(pe, kv_heads):
+    """Prefill 5 tokens, then decode one at a time: every step's logits equal the uncached model's over the whole
+    prefix (fp32); the cache holds the num_kv_heads heads only."""
+    torch.manual_seed(0)
+    cfg = GenSLMConfig.preset("debug", vocab_size=69, max_position_embeddings=32, position_embedding=pe,
+                              num_kv_heads=kv_heads)
+    model = GenSLM(cfg).eval()
+    ids, pos = _inputs(B=2, T=9)
+    cache = KVCache(cfg, 2, 9)
+    assert cache.layers[0].keys.shape == (2, 9, kv_heads, cfg.head_dim) and len(cache.layers) == cfg.num_layers
+    with torch.no_grad():
+        for a, b in [(0, 5), (5, 6), (6, 7), (7, 8), (8, 9)]:
+            got = model(ids[:, a:b], pos[:, a:b], cache=cache)  # [2, b - a, V]
+            torch.testing.assert_close(got, model(ids[:, :b], pos[:, :b])[:, a:], rtol=1e-5, atol=1e-5)
+        assert cache.length == 9
+        with pytest.raises(ValueError, match=r"cannot append keys \(2, 1, .*\) at position 9"):
+            model(ids[:, :1], pos[:, :1], cache=cache)
+        with pytest.raises(ValueError, match="KVCache is for decoding.*model.eval"):
+            model.train()(ids, pos, cache=KVCache(cfg, 2, 9))
 
 
 def test_causality_and_positions_are_inputs():
