@@ -10,8 +10,8 @@ import importlib
 # name -> submodule defining it
 _EXPORTS = {
     "POSITION_EMBEDDINGS": "config", "PRESETS": "config", "GenSLMConfig": "config",
-    "IGNORE_INDEX": "model", "AttentionCore": "model", "GenSLM": "model", "KVCache": "model", "lm_loss": "model", "shift_labels": "model",
-    "token_loss": "model",
+    "IGNORE_INDEX": "model", "AttentionCore": "model", "GenSLM": "model", "KVCache": "model", "lm_loss": "model",
+    "shift_labels": "model", "token_loss": "model",
     "config_from_gpt_neox": "neox", "from_gpt_neox_state_dict": "neox", "to_gpt_neox_state_dict": "neox",
     "config_from_llama": "llama", "from_llama_state_dict": "llama", "to_llama_state_dict": "llama",
     "LearnedPositionEmbedding": "position", "alibi_slopes": "position",

@@ -67,8 +67,10 @@ def _uncached_greedy(model, tok, ids: list[int], num_tokens: int) -> list[int]:
 def test_cached_greedy_equals_uncached_loop(pe, kv_heads):
     torch.manual_seed(0)
     tok = NucleotideTokenizer()
+    # weights large enough (init_std 0.3) and rotary on every dim, so that a wrong position changes the greedy tokens
     model = GenSLM(GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=32,
-                                       position_embedding=pe, num_kv_heads=kv_heads)).eval()
+                                       position_embedding=pe, num_kv_heads=kv_heads, rotary_pct=1.0,
+                                       init_std=0.3)).eval()
     with torch.no_grad():
         want = _uncached_greedy(model, tok, tok.encode("ACGTA").tolist(), 20)
     assert sample(model, tok, "ACGTA", 20, temperature=0, num_sequences=2) == ["ACGTA" + tok.decode(want[5:])] * 2
