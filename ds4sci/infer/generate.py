@@ -66,7 +66,7 @@ def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, num_seq
 
     The sequences are decoded together, as one batch ``[num_sequences, T]``, with a
     :class:`~ds4sci.models.genslm.model.KVCache`: one forward over the prompt (prefill), then one forward of one
-    token per sequence per step, so each step costs ``O(T)`` rather than the ``O(T^2)`` of recomputing the prefix.
+    token per sequence per step, attending to the cached keys and values rather than recomputing the prefix.
 
     Randomness: sequence ``i`` draws each of its tokens with one ``torch.multinomial`` call on its own
     ``torch.Generator`` seeded with ``seed + i``, so it is reproducible from the seed and equals what
