@@ -135,7 +135,9 @@ def test_ci_runs_make_test(tmp_path):
 def test_modules_marked_first_are_scheduled_first():
     """tests/conftest.py moves every test of a module with a ``first``-marked test ahead of the rest, keeping the
     order within each part (what lets ``make test``'s two workers overlap the compile gates with the suite)."""
-    import conftest
+    spec = importlib.util.spec_from_file_location("suite_conftest", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)  # not `import conftest`: each test folder has one of that name
+    spec.loader.exec_module(conftest)
 
     class Item:
         def __init__(self, nodeid, first=False):
