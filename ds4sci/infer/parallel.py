@@ -18,6 +18,7 @@ Work is dealt over the data ranks: item ``i`` (a window, or a whole record for p
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 
 import numpy as np
@@ -33,6 +34,8 @@ from ds4sci.sequence.attention import DistributedAttention
 from ds4sci.sequence.sharding import gather_sequence, pad_to_multiple, shard_sequence
 
 __all__ = ["ShardedForward", "launch_world_size"]
+
+logger = logging.getLogger(__name__)
 
 #: Seconds a collective waits for a peer before it fails (torch's default for gloo).
 TIMEOUT_S = 1800.0
@@ -85,6 +88,9 @@ class ShardedForward:
         for module in model.modules():  # every rank of a sequence group shards the same window: equal shapes
             if isinstance(module, DistributedAttention):
                 module.check_shapes = False
+        if groups.rank == 0:
+            logger.info("reading windows on %d processes: %d data rank(s) of ulysses %d x ring %d (%s layout)", world,
+                        dims.dp, dims.ulysses, dims.ring, dims.layout.value)
         return cls(model, groups)
 
     # ------------------------------------------------------------------------------------------------ the ranks
