@@ -115,21 +115,21 @@ def token_embeddings(model, tokenizer, records: Iterable, seq_len: int | None = 
 
 
 def save_token_embeddings(path: str | Path, items: Iterable[tuple[str, np.ndarray]]) -> int:
-    """Write ``(id, states)`` pairs into the ``.npz`` at ``path``, one float32 member ``id`` per pair, each written
-    and flushed as it comes (the zip format numpy's ``savez`` writes, uncompressed; ``np.load(path)[id]`` reads one
-    member). Returns the number of members.
+    """Write ``(id, states)`` pairs into the ``.npz`` at ``path``, one float32 member ``id`` per pair (the zip format
+    numpy's ``savez`` writes, uncompressed; ``np.load(path)[id]`` reads one member), each in the file before the
+    next pair is asked for: closing a member seeks back to complete its header, which flushes it. Returns the number
+    of members.
 
     Raises:
         ValueError: an id seen twice (naming it).
     """
     count, seen = 0, set()
-    with open(path, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
         for key, states in items:
             if key in seen:
                 raise ValueError(f"record id {key!r} appears twice: embeddings are keyed by id")
             seen.add(key)
             with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, np.ascontiguousarray(states, dtype=np.float32))
-            raw.flush()
             count += 1
     return count
