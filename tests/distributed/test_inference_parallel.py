@@ -7,8 +7,6 @@ import csv
 import os
 import subprocess
 import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -21,11 +19,11 @@ from ds4sci.infer.score import score_records
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.spawn import run_workers
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-BIN = Path(sys.executable).parent
 SEQ_LEN, STRIDE = 16, 6
-# 3 tokens (below the zigzag multiple 8 of U2 x R2), 1 (nothing to score), 13 (one window), 40 (windows at 0, 6, ..., 24)
+# 3 tokens (below the zigzag multiple 8 of U2 x R2), 1 (nothing to score), 13 (one window), 40 (windows at
+# 0, 6, ..., 24)
 SEQUENCES = {"short": "GAT", "one": "A", "mid": "ACGTTGCAAGGCT", "long": "ACGTTGCAAGGCTTACGGATCCTAGGCATTGCAACGTAGC"}
 
 
@@ -113,21 +111,16 @@ def test_torchrun_score_ulysses_writes_the_single_process_tsv(tmp_path):
     export = export_consolidated(model.state_dict(), model.config, tok, tmp_path / "export")
     fasta = tmp_path / "x.fa"
     fasta.write_text("".join(f">{name}\n{seq}\n" for name, seq in SEQUENCES.items()))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    common = ["score", str(export), "--fasta", str(fasta), "--seq-len", str(SEQ_LEN), "--stride", str(STRIDE)]
-    one = subprocess.run([str(BIN / "ds4sci"), *common, "--out", str(tmp_path / "one.tsv")], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ds4sci.cli", *common,
-                          "--ulysses", "2", "--out", str(tmp_path / "two.tsv")], env=env, capture_output=True,
-                         text=True, timeout=240)
+    tsv = tmp_path / "scores.tsv"
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "ds4sci.cli", "score", str(export), "--fasta", str(fasta), "--seq-len", str(SEQ_LEN),
+                          "--stride", str(STRIDE), "--ulysses", "2", "--out", str(tsv)],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "reading windows on 2 processes: 1 data rank(s) of ulysses 2 x ring 1 (contiguous layout)" in two.stderr
-
-    def rows(name):
-        return list(csv.DictReader((tmp_path / name).open(), delimiter="\t"))
-
-    got, want = rows("two.tsv"), rows("one.tsv")
-    assert [(r["id"], r["tokens"]) for r in got] == [(r["id"], r["tokens"]) for r in want]
-    np.testing.assert_allclose([float(r["log_likelihood"]) for r in got],
-                               [float(r["log_likelihood"]) for r in want], rtol=1e-5)
+    got = list(csv.DictReader(tsv.open(), delimiter="\t"))
+    want = score_records(model, tok, _records(), SEQ_LEN, stride=STRIDE)  # one process
+    assert [(r["id"], int(r["length"]), int(r["tokens"])) for r in got] == [(r["id"], r["length"], r["tokens"])
+                                                                            for r in want]
+    np.testing.assert_allclose([float(r["log_likelihood"]) for r in got], [r["log_likelihood"] for r in want],
+                               rtol=1e-5)
