@@ -48,6 +48,8 @@ def test_layer_is_the_output_of_that_block(tiny, layer):
     np.testing.assert_allclose(states, want, rtol=1e-5, atol=1e-6)
     if layer is not None:  # the layers differ from each other and from the final norm
         assert not np.allclose(want, _window_states(model, tok, None), atol=1e-3)
+    with pytest.raises(ValueError, match=r"stop_after=3 must be a block index in 0\.\.2"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], stop_after=3)
 
 
 def test_per_token_file_is_written_record_by_record(tiny, tmp_path):
