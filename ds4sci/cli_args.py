@@ -69,3 +69,29 @@ def check_windows(args: argparse.Namespace, model_config) -> None:
     if args.stride is not None and args.stride > window:
         raise CommandError(f"--stride {args.stride} exceeds the window of {window} tokens "
                            f"({'--seq-len' if args.seq_len else 'the model context'}): windows would skip tokens")
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--ulysses`` and ``--ring``: the sequence-parallel degrees a command reads each window with under ``torchrun``
+    (:class:`ds4sci.infer.parallel.ShardedForward`); checked by :func:`check_parallel`."""
+    parser.add_argument("--ulysses", type=positive_int, default=1,
+                        help="Ulysses degree: ranks that split each window's heads by an all-to-all (default: 1)")
+    parser.add_argument("--ring", type=positive_int, default=1,
+                        help="ring-attention degree: ranks that pass key/value blocks around (default: 1); under "
+                        "torchrun --nproc-per-node P, P / (ulysses x ring) data ranks share the windows")
+
+
+def check_parallel(args: argparse.Namespace, model_config, world_size: int) -> None:
+    """``--ulysses`` x ``--ring`` against the launch (``world_size`` processes) and the model: more than one
+    sequence rank without a launcher, a world size they do not divide, or a Ulysses degree that does not divide the
+    heads, each one :class:`CommandError` naming the numbers."""
+    sp = args.ulysses * args.ring
+    if world_size % sp:
+        how = ("run it under torchrun --nproc-per-node with a multiple of that" if world_size == 1
+               else f"launch a multiple of {sp} processes")
+        raise CommandError(f"--ulysses {args.ulysses} x --ring {args.ring} = {sp} sequence ranks do not divide the "
+                           f"{world_size} process(es) of this launch: {how}")
+    heads = model_config.num_heads
+    if heads % args.ulysses:
+        raise CommandError(f"--ulysses {args.ulysses} must divide the model's {heads} attention heads (the ring "
+                           f"degree carries the rest)")

@@ -1,19 +1,42 @@
-"""``ds4sci embed MODEL --fasta FILE --out FILE.npz``: one embedding per record (:mod:`ds4sci.infer.embed`)."""
+"""``ds4sci embed MODEL --fasta FILE --out FILE.npz``: embeddings of every record (:mod:`ds4sci.infer.embed`), the
+mean over its tokens or (``--per-token``) every token's, of the final norm or of ``--layer K``."""
 from __future__ import annotations
 
 import argparse
 import logging
 
-from ds4sci.cli_args import add_model_argument, add_window_arguments, check_windows, positive_int
+from ds4sci.cli_args import (CommandError, add_model_argument, add_parallel_arguments, add_window_arguments,
+                             check_parallel, check_windows, positive_int)
 
 logger = logging.getLogger(__name__)
 
 
+def layer(text: str) -> int | None:
+    """argparse ``type=``: ``final`` (None) or a block index >= 0 (checked against the model by :func:`run`)."""
+    if text == "final":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 'final' or a block index >= 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
-    parser.add_argument("--fasta", required=True, help="FASTA file whose records are embedded")
-    parser.add_argument("--out", required=True, help="output .npz with arrays ids [R] and embeddings [R, hidden]")
+    parser.add_argument("--fasta", required=True, help="FASTA file whose records are embedded (ids must be unique)")
+    parser.add_argument("--out", required=True,
+                        help="output .npz: arrays ids [R] and embeddings [R, hidden] (float32); with --per-token, one "
+                        "float32 array [tokens, hidden] per record, named by its id")
+    parser.add_argument("--layer", type=layer, default=None, metavar="K",
+                        help="the states embedded: 'final' (the final norm's output, the default), or block K's output "
+                        "(0: the token and position embeddings, num_layers: the last block's, before the final norm)")
+    parser.add_argument("--per-token", action="store_true",
+                        help="every token's state instead of the record's mean, written record by record")
     add_window_arguments(parser)
+    add_parallel_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not "
                         "a terminal)")
@@ -23,13 +46,30 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ds4sci.data import read_fasta
-    from ds4sci.infer.embed import embed_records
+    from ds4sci.infer.embed import embed_records, save_token_embeddings, token_embeddings
+    from ds4sci.infer.parallel import ShardedForward, launch_world_size
     from ds4sci.io.weights import load_model
 
     model, config, tokenizer = load_model(args.export)
     check_windows(args, config)
-    ids, vectors = embed_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, stride=args.stride,
-                                 batch_size=args.batch_size, progress=not args.no_progress)
-    np.savez(args.out, ids=np.array(ids), embeddings=vectors)
-    logger.info("wrote %d embeddings of size %d to %s", len(ids), vectors.shape[1], args.out)
+    check_parallel(args, config, launch_world_size())
+    if args.layer is not None and args.layer > config.num_layers:
+        raise CommandError(f"--layer {args.layer}: the model has blocks 0..{config.num_layers} (0: the embeddings)")
+    runner = ShardedForward.from_world(model, args.ulysses, args.ring)
+    options = dict(stride=args.stride, batch_size=args.batch_size, progress=not args.no_progress, layer=args.layer,
+                   runner=runner)
+    what = "final norm" if args.layer is None else f"block {args.layer}"
+    if args.per_token:
+        states = token_embeddings(model, tokenizer, read_fasta(args.fasta), args.seq_len, **options)
+        if not runner.is_writer:  # its records go to rank 0, which writes them
+            for _ in states:
+                pass
+            return 0
+        count = save_token_embeddings(args.out, states)
+        logger.info("wrote the per-token states (%s) of %d record(s) to %s", what, count, args.out)
+        return 0
+    ids, vectors = embed_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, **options)
+    if runner.is_writer:
+        np.savez(args.out, ids=np.array(ids), embeddings=vectors)
+        logger.info("wrote %d embeddings (%s) of size %d to %s", len(ids), what, vectors.shape[1], args.out)
     return 0

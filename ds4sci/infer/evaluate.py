@@ -23,8 +23,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ds4sci.data import RecordDataset, collate, read_fasta
-from ds4sci.models.genslm import IGNORE_INDEX, shift_labels, token_loss
+from ds4sci.data import RecordDataset, read_fasta
+from ds4sci.infer.parallel import ShardedForward
+from ds4sci.models.genslm import IGNORE_INDEX
 
 
 def window_length(model_config, seq_len: int | None = None) -> int:
@@ -101,29 +102,27 @@ def windows(model_config, tokenizer, fasta: str, seq_len: int | None = None,
     return RecordWindows(chunks, tokenizer)
 
 
-@torch.no_grad()
-def window_losses(model, dataset, batch_size: int = 8, progress=None) -> tuple[np.ndarray, np.ndarray]:
+def window_losses(model, dataset, batch_size: int = 8, progress=None,
+                  runner: ShardedForward | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Summed next-token loss (nats) ``[W]`` float64 and real target count ``[W]`` int64 of each window of
-    ``dataset``, in order; ``progress`` (a tqdm bar or None) is advanced by the windows done."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ``dataset``, in order, on every rank; ``progress`` (a tqdm bar or None) is advanced by this rank's windows.
+
+    ``runner``: the :class:`~ds4sci.infer.parallel.ShardedForward` of ``model`` (default: one process); across ranks,
+    window ``w`` is read by data rank ``w % dp``, sequence-parallel within it, ``batch_size`` windows per forward."""
+    runner = runner or ShardedForward(model)
     sums, counts = np.zeros(len(dataset)), np.zeros(len(dataset), dtype=np.int64)
-    for start in range(0, len(dataset), batch_size):
-        stop = min(len(dataset), start + batch_size)
-        batch = collate([dataset[i] for i in range(start, stop)])
-        logits = model(batch["input_ids"], batch["position_ids"])  # [B, T, V]
-        targets = shift_labels(batch["labels"])  # [B, T]
-        sums[start:stop] = [token_loss(logits[b : b + 1], targets[b : b + 1], "sum").item()
-                            for b in range(stop - start)]
-        counts[start:stop] = (targets != IGNORE_INDEX).sum(1).numpy()
+    for chosen, batch in runner.batches(dataset, runner.share(len(dataset)), batch_size):
+        sums[chosen], counts[chosen] = runner.losses(batch)
         if progress is not None:
-            progress.update(stop - start)
-    return sums, counts
+            progress.update(len(chosen))
+    return runner.reduce_data(sums), runner.reduce_data(counts)
 
 
-def evaluate(model, tokenizer, dataset, batch_size: int = 8) -> dict[str, float]:
-    """Mean next-token loss over the real targets of ``dataset``; perplexity; bits per base."""
-    sums, counts = window_losses(model, dataset, batch_size)
+def evaluate(model, tokenizer, dataset, batch_size: int = 8,
+             runner: ShardedForward | None = None) -> dict[str, float]:
+    """Mean next-token loss over the real targets of ``dataset``; perplexity; bits per base (``runner``: as
+    :func:`window_losses`; every rank returns the result)."""
+    sums, counts = window_losses(model, dataset, batch_size, runner=runner)
     count = int(counts.sum())
     if count == 0:
         raise ValueError("no real target token to evaluate")

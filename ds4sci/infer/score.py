@@ -19,11 +19,13 @@ from collections.abc import Iterable
 import numpy as np
 
 from ds4sci.infer.evaluate import RecordWindows, record_windows, window_length, window_losses
+from ds4sci.infer.parallel import ShardedForward
 from ds4sci.progress import progress_bar
 
 
 def score_records(model, tokenizer, records: Iterable, seq_len: int | None = None, reverse_complement: bool = False,
-                  *, stride: int | None = None, batch_size: int = 8, progress: bool = False) -> list[dict]:
+                  *, stride: int | None = None, batch_size: int = 8, progress: bool = False,
+                  runner: ShardedForward | None = None) -> list[dict]:
     """One row per record: ``id``, ``length`` (bases), ``tokens`` (targets scored, as ``evaluate`` counts them: the
     record's tokens minus one per window that does not overlap the one before it), ``log_likelihood`` (total, nats;
     the mean of both strands with ``reverse_complement``) and ``bits_per_base`` (``-log_likelihood / tokens / ln 2 /
@@ -34,6 +36,8 @@ def score_records(model, tokenizer, records: Iterable, seq_len: int | None = Non
     :func:`~ds4sci.infer.evaluate.record_windows`); windows of every record are batched together, ``batch_size`` per
     forward.
     ``progress``: a progress bar over the windows, on a terminal only (:func:`ds4sci.progress.progress_bar`).
+    ``runner``: the :class:`~ds4sci.infer.parallel.ShardedForward` of ``model`` (default: one process); across ranks
+    every rank returns the rows (rank 0 draws the bar).
     """
     if reverse_complement and not hasattr(tokenizer, "reverse_complement"):
         raise ValueError(f"reverse complement needs a nucleotide model; this one reads {tokenizer.kind} tokens, and "
@@ -50,8 +54,10 @@ def score_records(model, tokenizer, records: Iterable, seq_len: int | None = Non
         rows.append({"id": rec.id, "length": len(rec.sequence)})
     if not chunks:
         raise ValueError("no tokens to score")
-    with progress_bar(progress, total=len(chunks), desc="score", unit="window") as bar:
-        sums, counts = window_losses(model, RecordWindows(chunks, tokenizer), batch_size, bar)
+    runner = runner or ShardedForward(model)
+    with progress_bar(progress and runner.is_writer, total=len(runner.share(len(chunks))), desc="score",
+                      unit="window") as bar:
+        sums, counts = window_losses(model, RecordWindows(chunks, tokenizer), batch_size, bar, runner)
     n = strands * len(rows)
     loss = np.bincount(owner, weights=sums, minlength=n).reshape(-1, strands)  # [R, strands] nats
     scored = np.bincount(owner, weights=counts, minlength=n).reshape(-1, strands)[:, 0]  # [R] (both strands alike)

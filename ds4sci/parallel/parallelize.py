@@ -24,7 +24,8 @@ __all__ = ["parallelize", "materialize_"]
 
 
 def parallelize(
-    model: GenSLM, groups: SequenceParallelGroups, *, counter: CommCounter | None = None
+    model: GenSLM, groups: SequenceParallelGroups, *, counter: CommCounter | None = None,
+    keep_position_table: bool = False,
 ) -> LearnedPositionEmbedding | None:
     """Make ``model`` tensor- and sequence-parallel over ``groups`` in place; return its learned position table, if any.
 
@@ -39,6 +40,9 @@ def parallelize(
       to the rows of the global positions shard ``groups.sp_rank`` holds (Megatron-DeepSpeed's sequence-parallel
       position embedding, generalised to the zigzag layout). It is returned so the caller can keep it out of
       an engine that treats every parameter as replicated over the sequence x data group.
+    - ``keep_position_table`` (inference): a learned table stays in the model, whole, and ``None`` is returned. Its
+      rows are sharded by the context's layout, which a window shorter than the context does not follow; each rank
+      then looks up the global positions of its shard, whatever the window's length.
 
     ``counter`` records every TP and SP collective of the model.
 
@@ -58,7 +62,7 @@ def parallelize(
             block.attention.core = DistributedAttention(
                 block.attention.core, groups.ulysses, groups.ring, layout=dims.layout, counter=counter
             )
-    if model.config.position_embedding != "learned":
+    if model.config.position_embedding != "learned" or keep_position_table:
         return None
     table = model.pop_position_embedding()
     if dims.sp > 1:

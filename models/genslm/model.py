@@ -239,6 +239,8 @@ class GenSLM(nn.Module):
 
     ``forward(input_ids [B, T], position_ids [B, T], doc_ids=None [B, T], return_hidden=False)`` returns logits
     ``[B, T, V]`` (or the final normalised hidden states ``[B, T, hidden]`` with ``return_hidden``).
+    ``stop_after=k`` (``0..num_layers``) returns the hidden states ``[B, T, hidden]`` output by block ``k`` instead,
+    before the final norm (0: the token and position embeddings): the layer ``ds4sci embed --layer`` reads.
     ``position_ids`` are global positions (under sequence parallelism: those of the local shard), never built
     inside. ``doc_ids`` restrict attention to the same document (packed windows). ``position_embeds [B, T, hidden]``
     replaces the learned table's output after :meth:`pop_position_embedding`. ``cache`` (a :class:`KVCache`, eval
@@ -333,7 +335,7 @@ class GenSLM(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor | None = None,
                 return_hidden: bool = False, position_embeds: Tensor | None = None,
-                cache: KVCache | None = None) -> Tensor:
+                cache: KVCache | None = None, stop_after: int | None = None) -> Tensor:
         if input_ids.ndim != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and position_ids must both be [B, T], got {tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
@@ -345,6 +347,8 @@ class GenSLM(nn.Module):
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         if self.config.position_embedding != "learned" and position_ids.numel() and position_ids.min() < 0:
             raise ValueError(f"position ids must be >= 0, got {int(position_ids.min())}")
+        if stop_after is not None and not 0 <= stop_after <= len(self.layers):
+            raise ValueError(f"stop_after={stop_after} must be a block index in 0..{len(self.layers)}")
         if cache is not None and (doc_ids is not None or self.training):
             raise ValueError("a KVCache is for decoding one sequence per row: pass no doc_ids, and call model.eval()")
         x = self.embed_in(input_ids)  # [B, T, hidden]
@@ -353,13 +357,15 @@ class GenSLM(nn.Module):
                 raise ValueError("pass position_embeds exactly when the position table was popped from the model")
             x = x + (self.embed_pos(position_ids) if position_embeds is None else position_embeds.to(x.dtype))
         x = self.emb_dropout(x)
-        for i, block in enumerate(self.layers):
+        for i, block in enumerate(self.layers[:stop_after]):
             if self.checkpoint_fn is not None and self.training:
                 x = self.checkpoint_fn(block, x, position_ids, doc_ids)  # recomputed in backward
             elif cache is not None:
                 x = block(x, position_ids, None, cache.layers[i])
             else:
                 x = block(x, position_ids, doc_ids)
+        if stop_after is not None:
+            return x  # [B, T, hidden], the output of block stop_after
         x = self.final_layer_norm(x)
         return x if return_hidden else self.embed_out(x)
 

@@ -1,0 +1,192 @@
+"""Where inference meets process groups: :class:`ShardedForward`, the forward pass every ``ds4sci.infer`` function
+runs a batch of windows through, on one process or sequence-parallel across ranks.
+
+One process is the degree-1 case of the same code: ``ShardedForward(model)`` has no groups, every shard is the whole
+window and every reduction is the identity. :meth:`ShardedForward.from_world` starts (under ``torchrun``) or joins
+the process group, splits the world into ``dp = world / (ulysses * ring)`` data ranks of ``ulysses * ring``
+sequence ranks (:class:`~ds4sci.parallel.dims.ParallelDims`, ``tp = 1``) and makes the model sequence-parallel with
+:func:`~ds4sci.parallel.parallelize.parallelize` (DeepSpeed-Ulysses, ring attention or both, USP). Each window is
+then read as training reads it (:meth:`ds4sci.train.trainer.Trainer._micro_batch`): labels shifted on the full
+window, the window padded at its end to ``dims.sequence_multiple`` (padding is causal attention's future: no real
+token sees it, and it is never scored or embedded), tokens, targets and positions sharded together in the layout
+``ParallelDims`` chooses (zigzag with a ring, contiguous without), sums reduced over the sequence group in float64.
+
+Work is dealt over the data ranks: item ``i`` (a window, or a whole record for per-token states) to data rank
+``i % dp`` (:meth:`share`). :meth:`reduce_data` sums a rank's disjoint part into the full array on every rank and
+:meth:`to_writer` brings a record's array to rank 0, the one rank that writes files (:attr:`is_writer`).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ds4sci.data import collate
+from ds4sci.models.genslm import IGNORE_INDEX, shift_labels, token_loss
+from ds4sci.parallel.dims import Coords, ParallelDims
+from ds4sci.parallel.groups import SequenceParallelGroups, build_groups
+from ds4sci.parallel.parallelize import parallelize
+from ds4sci.sequence.attention import DistributedAttention
+from ds4sci.sequence.sharding import gather_sequence, pad_to_multiple, shard_sequence
+
+__all__ = ["ShardedForward", "launch_world_size"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a collective waits for a peer before it fails (torch's default for gloo).
+TIMEOUT_S = 1800.0
+
+
+def launch_world_size() -> int:
+    """The number of processes a launcher (``torchrun``, ``deepspeed``) started, from ``WORLD_SIZE``; 1 alone."""
+    return int(os.environ.get("WORLD_SIZE") or 1)
+
+
+class ShardedForward:
+    """A model in eval mode and, across ranks, its sequence-parallel groups: the forward pass of a batch of windows.
+
+    Args:
+        model: a :class:`~ds4sci.models.genslm.GenSLM`; with ``groups``, already made sequence-parallel over them
+            (what :meth:`from_world` does).
+        groups: the process groups (``None``: one process, no parallelism).
+
+    A batch (``collate`` of windows: ``input_ids``, ``labels``, ``position_ids`` ``[B, T]``, labels ``-100`` where a
+    token is not the window's to score or embed) goes through :meth:`losses`, :meth:`owned_sums` or
+    :meth:`owned_states`; every rank of a sequence group must call them with the same batch.
+    """
+
+    def __init__(self, model, groups: SequenceParallelGroups | None = None):
+        self.model = model
+        self.groups = groups
+        self.dims = groups.dims if groups is not None else ParallelDims(dp=1)
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def from_world(cls, model, ulysses: int = 1, ring: int = 1, timeout_s: float = TIMEOUT_S) -> ShardedForward:
+        """The runner of this launch: one process (``ulysses = ring = 1`` and no launcher), or every process of the
+        world, whose process group is started here (``env://``: nccl when the model is on a GPU, else gloo) unless
+        one exists. Collective: every rank calls it.
+
+        Raises:
+            ValueError: ``ulysses * ring > 1`` in a lone process, a world size that ``ulysses * ring`` does not divide,
+                or a degree that cannot split the model's heads (each naming the numbers).
+        """
+        world = dist.get_world_size() if dist.is_initialized() else launch_world_size()
+        dims = ParallelDims.for_world(world, ulysses=ulysses, ring=ring)
+        dims.check_heads(model.config.num_heads)
+        if world == 1:
+            return cls(model)
+        if not dist.is_initialized():
+            backend = "nccl" if next(model.parameters()).is_cuda else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        groups = build_groups(dims, timeout=datetime.timedelta(seconds=timeout_s))
+        parallelize(model, groups, keep_position_table=True)
+        for module in model.modules():  # every rank of a sequence group shards the same window: equal shapes
+            if isinstance(module, DistributedAttention):
+                module.check_shapes = False
+        if groups.rank == 0:
+            logger.info("reading windows on %d processes: %d data rank(s) of ulysses %d x ring %d (%s layout)", world,
+                        dims.dp, dims.ulysses, dims.ring, dims.layout.value)
+        return cls(model, groups)
+
+    # ------------------------------------------------------------------------------------------------ the ranks
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0: the one rank that writes outputs and draws progress."""
+        return self.groups is None or self.groups.rank == 0
+
+    def share(self, n: int) -> range:
+        """Indices of ``n`` items this rank's data rank works on: ``i`` with ``i % dp == dp_rank``."""
+        return range(self.groups.dp_rank if self.groups is not None else 0, n, self.dims.dp)
+
+    def reduce_data(self, part: np.ndarray) -> np.ndarray:
+        """The sum over the data ranks of ``part`` (each filled at its :meth:`share`, zero elsewhere): the whole
+        array on every rank (float64 sums; integer arrays stay int64)."""
+        if self.groups is None or self.dims.dp == 1:
+            return part
+        t = torch.from_numpy(np.ascontiguousarray(part)).to(self.device)
+        dist.all_reduce(t, group=self.groups.dp)
+        return t.cpu().numpy()
+
+    def to_writer(self, state: np.ndarray | None, item: int, shape: tuple[int, ...]) -> np.ndarray | None:
+        """Item ``item``'s array (float32 ``shape``) on the writer: computed there, or sent by sequence rank 0 of the
+        data rank ``item % dp`` that computed it (``state``; ``None`` on ranks that did not). Other ranks get None.
+        Every rank calls it for every item, in the same order."""
+        if self.groups is None:
+            return state
+        source = self.dims.rank_of(Coords(pp=0, dp=item % self.dims.dp, ring=0, ulysses=0, tp=0))
+        if source == 0:
+            return state if self.is_writer else None
+        if self.groups.rank == source:
+            dist.send(torch.from_numpy(np.ascontiguousarray(state, dtype=np.float32)).to(self.device), dst=0)
+        elif self.is_writer:
+            received = torch.empty(shape, dtype=torch.float32, device=self.device)
+            dist.recv(received, src=source)
+            return received.cpu().numpy()
+        return None
+
+    # ----------------------------------------------------------------------------------------------- the passes
+    def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's shard of a batch: targets shifted on the full window, every ``[B, T]`` tensor padded at its
+        end to a multiple ``T'`` of ``dims.sequence_multiple`` (ignored labels and targets; token 0 at position 0:
+        any token, as causal attention keeps it from the real ones) and cut along the sequence -> ``[B, T'/sp]``."""
+        d, sp_rank = self.dims, self.groups.sp_rank if self.groups is not None else 0
+        batch = {**batch, "targets": shift_labels(batch["labels"])}  # before sharding: a shard's last token has one
+        pad = {"labels": IGNORE_INDEX, "targets": IGNORE_INDEX, "position_ids": 0, "input_ids": 0}
+        return {k: shard_sequence(pad_to_multiple(batch[k], 1, d.sequence_multiple, value), 1, sp_rank, d.sp,
+                                  d.layout).to(self.device)
+                for k, value in pad.items()}
+
+    def _sum_sp(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (float64) summed over the sequence group, each rank's tokens once; on the CPU."""
+        if self.groups is not None and self.dims.sp > 1:
+            dist.all_reduce(x, group=self.groups.sp)
+        return x.cpu()
+
+    @torch.no_grad()
+    def losses(self, batch: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+        """Summed next-token loss (nats) ``[B]`` float64 and scored target count ``[B]`` int64 of each window."""
+        s = self._shard(batch)
+        logits = self.model(s["input_ids"], s["position_ids"])  # [B, T'/sp, V]
+        sums = torch.stack([token_loss(logits[b : b + 1], s["targets"][b : b + 1], "sum").double()
+                            for b in range(logits.shape[0])])  # [B]
+        counts = (s["targets"] != IGNORE_INDEX).sum(1).double()  # [B]
+        both = self._sum_sp(torch.stack([sums, counts]))  # [2, B]
+        return both[0].numpy(), both[1].numpy().astype(np.int64)
+
+    def _hidden(self, s: dict[str, torch.Tensor], layer: int | None) -> torch.Tensor:
+        """Hidden states of the shard ``[B, T'/sp, hidden]``: block ``layer``'s output, or the final norm's (None)."""
+        return self.model(s["input_ids"], s["position_ids"], return_hidden=True, stop_after=layer)
+
+    @torch.no_grad()
+    def owned_sums(self, batch: dict[str, torch.Tensor], layer: int | None = None) -> np.ndarray:
+        """Each window's hidden states summed over the tokens it owns (labelled) ``[B, hidden]`` float64."""
+        s = self._shard(batch)
+        owned = (s["labels"] != IGNORE_INDEX).unsqueeze(-1)  # [B, T'/sp, 1]: context and padding are not
+        sums = (self._hidden(s, layer).double() * owned).sum(1)  # [B, hidden]
+        return self._sum_sp(sums).numpy()
+
+    @torch.no_grad()
+    def owned_states(self, batch: dict[str, torch.Tensor], layer: int | None = None) -> list[np.ndarray]:
+        """Each window's hidden states at the tokens it owns, in order: ``[owned_b, hidden]`` float32 per window,
+        the full window gathered from the sequence group (every rank of it gets them)."""
+        s = self._shard(batch)
+        hidden = self._hidden(s, layer).float()  # [B, T'/sp, hidden]
+        if self.groups is not None:
+            hidden = gather_sequence(hidden, 1, self.groups.sp, self.dims.layout)  # [B, T', hidden]
+        owned = batch["labels"] != IGNORE_INDEX  # [B, T]
+        hidden = hidden[:, : owned.shape[1]].cpu()  # [B, T, hidden]
+        return [hidden[b][owned[b]].numpy() for b in range(hidden.shape[0])]
+
+    def batches(self, dataset, items, batch_size: int):
+        """``(indices, batch)``: the samples ``dataset[i]`` for ``i`` in ``items``, ``batch_size`` at a time."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        items = list(items)
+        for start in range(0, len(items), batch_size):
+            chosen = items[start : start + batch_size]
+            yield chosen, collate([dataset[i] for i in chosen])

@@ -1,0 +1,126 @@
+"""Sequence-parallel inference equals one process: per-record log-likelihoods (score), evaluate's loss, mean and
+per-token embeddings, under Ulysses, ring, hybrid Ulysses x ring and Ulysses x data ranks, with learned, rotary and
+ALiBi positions and grouped-query attention, on records of uneven lengths (one shorter than the layout's multiple,
+one longer than a window read with a stride); and ``torchrun ... score --ulysses 2`` writes the single process's TSV.
+"""
+import csv
+import os
+import subprocess
+import sys
+import numpy as np
+import pytest
+import torch
+
+from ds4sci.data import FastaRecord, NucleotideTokenizer
+from ds4sci.infer.embed import embed_records, token_embeddings
+from ds4sci.infer.evaluate import RecordWindows, evaluate, record_windows
+from ds4sci.infer.parallel import ShardedForward
+from ds4sci.infer.score import score_records
+from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.spawn import run_workers
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SEQ_LEN, STRIDE = 16, 6
+# 3 tokens (below the zigzag multiple 8 of U2 x R2), 1 (nothing to score), 13 (one window), 40 (windows at
+# 0, 6, ..., 24)
+SEQUENCES = {"short": "GAT", "one": "A", "mid": "ACGTTGCAAGGCT", "long": "ACGTTGCAAGGCTTACGGATCCTAGGCATTGCAACGTAGC"}
+
+
+def _model(position_embedding: str, num_kv_heads: int = 0):
+    """A 2-block nucleotide GenSLM with a 32-token context, the same on every process; init_std 0.2 so that a
+    position or a key out of place changes every state well above the tolerance."""
+    torch.manual_seed(0)
+    tok = NucleotideTokenizer()
+    cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=32, init_std=0.2,
+                              position_embedding=position_embedding, num_kv_heads=num_kv_heads)
+    return GenSLM(cfg).eval(), tok
+
+
+def _records():
+    return [FastaRecord(name, "", seq) for name, seq in SEQUENCES.items()]
+
+
+def _outputs(model, tok, runner, layer):
+    """Every inference output for the records: score rows, evaluate's result, mean embeddings, per-token states."""
+    chunks = [w for seq in SEQUENCES.values() for w in record_windows(tok.encode(seq), SEQ_LEN, STRIDE)]
+    return {
+        "rows": score_records(model, tok, _records(), SEQ_LEN, stride=STRIDE, batch_size=2, runner=runner),
+        "evaluate": evaluate(model, tok, RecordWindows(chunks, tok), batch_size=3, runner=runner),
+        "mean": embed_records(model, tok, _records(), SEQ_LEN, stride=STRIDE, batch_size=2, layer=layer,
+                              runner=runner),
+        "tokens": list(token_embeddings(model, tok, _records(), SEQ_LEN, stride=STRIDE, batch_size=2, layer=layer,
+                                        runner=runner)),
+    }
+
+
+def _infer(rank, world, cases):
+    results = []
+    for position_embedding, num_kv_heads, ulysses, ring, layer in cases:
+        model, tok = _model(position_embedding, num_kv_heads)
+        runner = ShardedForward.from_world(model, ulysses, ring)
+        results.append(_outputs(model, tok, runner, layer))
+    return results
+
+
+def _check(case, got, rank):
+    position_embedding, num_kv_heads, ulysses, ring, layer = case
+    model, tok = _model(position_embedding, num_kv_heads)
+    want = _outputs(model, tok, None, layer)
+    where = f"{case} rank {rank}"
+    assert [(r["id"], r["tokens"]) for r in got["rows"]] == [(r["id"], r["tokens"]) for r in want["rows"]], where
+    np.testing.assert_allclose([r["log_likelihood"] for r in got["rows"]],
+                               [r["log_likelihood"] for r in want["rows"]], rtol=1e-5, err_msg=where)
+    assert got["evaluate"]["tokens"] == want["evaluate"]["tokens"]
+    assert got["evaluate"]["loss"] == pytest.approx(want["evaluate"]["loss"], rel=1e-5), where
+    assert got["mean"][0] == want["mean"][0] == list(SEQUENCES)
+    assert got["mean"][1].dtype == np.float32
+    np.testing.assert_allclose(got["mean"][1], want["mean"][1], rtol=1e-5, atol=1e-5, err_msg=where)
+    if rank != 0:  # per-token states reach rank 0 only
+        assert got["tokens"] == [], where
+        return
+    assert [name for name, _ in got["tokens"]] == list(SEQUENCES)
+    for (name, states), (_, ref) in zip(got["tokens"], want["tokens"]):
+        assert states.dtype == np.float32 and states.shape == (len(SEQUENCES[name]), 64), (where, name, states.shape)
+        np.testing.assert_allclose(states, ref, rtol=1e-5, atol=1e-5, err_msg=f"{where} record {name}")
+
+
+def _run(world, cases):
+    results = run_workers(_infer, world, cases, timeout=240, env={"DS_ACCELERATOR": "cpu"})
+    for rank, per_case in enumerate(results):
+        for case, got in zip(cases, per_case):
+            _check(case, got, rank)
+
+
+def test_two_ranks_ulysses_and_ring_equal_one_process():
+    # (position embedding, kv heads, ulysses, ring, layer): Ulysses 2 with a learned table (contiguous), ring 2 with
+    # rotary (zigzag) read at block 1
+    _run(2, [("learned", 0, 2, 1, None), ("rotary", 0, 1, 2, 1)])
+
+
+def test_four_ranks_hybrid_and_data_ranks_equal_one_process():
+    # Ulysses 2 x ring 2 with ALiBi and 2 key/value heads; Ulysses 2 x 2 data ranks (records and windows dealt over
+    # them, per-token states sent to rank 0) with rotary, read at block 0
+    _run(4, [("alibi", 2, 2, 2, None), ("rotary", 0, 2, 1, 0)])
+
+
+def test_torchrun_score_ulysses_writes_the_single_process_tsv(tmp_path):
+    from ds4sci.io.export import export_consolidated
+
+    model, tok = _model("learned")
+    export = export_consolidated(model.state_dict(), model.config, tok, tmp_path / "export")
+    fasta = tmp_path / "x.fa"
+    fasta.write_text("".join(f">{name}\n{seq}\n" for name, seq in SEQUENCES.items()))
+    tsv = tmp_path / "scores.tsv"
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "ds4sci.cli", "score", str(export), "--fasta", str(fasta), "--seq-len", str(SEQ_LEN),
+                          "--stride", str(STRIDE), "--ulysses", "2", "--out", str(tsv)],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "reading windows on 2 processes: 1 data rank(s) of ulysses 2 x ring 1 (contiguous layout)" in two.stderr
+    got = list(csv.DictReader(tsv.open(), delimiter="\t"))
+    want = score_records(model, tok, _records(), SEQ_LEN, stride=STRIDE)  # one process
+    assert [(r["id"], int(r["length"]), int(r["tokens"])) for r in got] == [(r["id"], r["length"], r["tokens"])
+                                                                            for r in want]
+    np.testing.assert_allclose([float(r["log_likelihood"]) for r in got], [r["log_likelihood"] for r in want],
+                               rtol=1e-5)
