@@ -29,33 +29,28 @@ DeepSpeed 0.19.8 facts (``deepspeed/runtime/activation_checkpointing/checkpointi
 
 - ``deepspeed.checkpointing.configure`` sets module-level state (DeepSpeed's API has no object): the trainer calls
   :func:`apply_activation_checkpointing` once per model, which re-configures every option explicitly.
-- ``checkpoint_in_cpu`` (``activation_checkpointing.cpu``) is documented to "only work with
-  partition_activations", and on the CPU it must: without partitioning, DeepSpeed moves each checkpointed input
-  with ``.to("cpu")``, which on a tensor already on the CPU returns the same tensor, then empties that tensor's
-  storage to free the device copy, so the "CPU copy" is emptied too and the recomputation fails on shape ``()``
-  tensors (``get_cpu_activations_for_backward``; measured here). With ``partition_activations`` the input is
-  sliced and CLONED before the move, so the copy survives. :func:`apply_activation_checkpointing` therefore turns
-  ``partition_activations`` on exactly when ``cpu`` is on. Partitioning splits each checkpointed input over the
-  ``mpu``'s tensor-parallel group and all-gathers it in backward, which assumes the input is REPLICATED over
-  that group (Megatron-LM without sequence parallelism). Under :mod:`ds4sci.parallel.tensor_parallel` no
-  checkpointed input is: a block's input is this TP rank's sequence region ``[B, T/(sp*tp), hidden]`` and an
-  attention core's q, k, v hold this rank's heads, so gathering pieces of different tensors would rebuild a wrong
-  input. DeepSpeed is therefore configured with :data:`_UNPARTITIONED`, a tensor-parallel group of one: the one
-  partition is the whole input, a clone and nothing else, at every ``parallel.tp`` (nothing replicated is left
-  to split: sequence-parallel regions already divide the activations by ``tp``). On a CPU-only machine the CPU
-  copy is exact and tested, and saves nothing.
+- ``activation_checkpointing.cpu`` does not use DeepSpeed's ``checkpoint_in_cpu``: that copy is synchronous and works
+  only with ``partition_activations``, which splits each checkpointed input over the ``mpu``'s tensor-parallel group
+  and all-gathers it in backward, assuming the input is REPLICATED over that group (Megatron-LM without sequence
+  parallelism); under :mod:`ds4sci.parallel.tensor_parallel` no checkpointed input is (a block's input is this TP
+  rank's sequence region, an attention core's q, k, v hold this rank's heads). The checkpoint call is wrapped in
+  :class:`ds4sci.train.activation_offload.HostOffload` instead (side-stream copies, fetched one region ahead), and
+  DeepSpeed is configured with :data:`_UNPARTITIONED`, a tensor-parallel group of one, and no partitioning.
 - With ``partition_activations`` DeepSpeed miscounts non-tensor arguments (a ``None`` becomes two entries:
-  "run() takes 5 positional arguments but 7 were given"), so :func:`checkpoint` passes only the non-``None``
-  arguments through DeepSpeed and binds the others in a closure.
+  "run() takes 5 positional arguments but 7 were given"); :func:`checkpoint` passes only the non-``None``
+  arguments through DeepSpeed and binds the others in a closure, so none reach it whatever the setting.
 - The forward's CPU and accelerator RNG states are restored for the recomputation (dropout masks are redrawn
   identically), and the recomputation runs ZeRO-3's parameter gathering hooks again.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from ds4sci.models.genslm import GenSLM
+from ds4sci.train.activation_offload import HostOffload
 from ds4sci.train.config import ActivationCheckpointingConfig
 
 __all__ = ["CheckpointedCore", "apply_activation_checkpointing", "checkpoint"]
@@ -83,15 +78,17 @@ class CheckpointedCore(nn.Module):
     ``forward(q, k, v, *, q_doc=None, k_doc=None)``, the call :class:`~ds4sci.models.genslm.model.Attention` makes
     (on an ``AttentionCore`` or a ``DistributedAttention``). Holds ``core`` as a submodule: GenSLM's cores have no
     parameters and only non-persistent buffers, so no state-dict key changes (checked at wrap time).
+    ``checkpoint_fn``: :func:`checkpoint`, or it wrapped in :meth:`HostOffload.checkpoint`.
     """
 
-    def __init__(self, core: nn.Module):
+    def __init__(self, core: nn.Module, checkpoint_fn=checkpoint):
         super().__init__()
         names = [n for n, _ in core.named_parameters()] + list(core.state_dict())
         if names:
             raise ValueError(f"selective checkpointing wraps parameterless attention cores; {type(core).__name__} "
                              f"has parameters or persistent buffers {names}, whose names the wrapper would change")
         self.core = core
+        self.checkpoint_fn = checkpoint_fn
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_doc: torch.Tensor | None = None,
                 k_doc: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,7 +97,7 @@ class CheckpointedCore(nn.Module):
         def run(q, k, v, q_doc, k_doc):
             return self.core(q, k, v, q_doc=q_doc, k_doc=q_doc if same else k_doc)
 
-        return checkpoint(run, q, k, v, q_doc, None if same else k_doc)
+        return self.checkpoint_fn(run, q, k, v, q_doc, None if same else k_doc)
 
 
 class _TensorGroupOfOne:
@@ -120,23 +117,28 @@ class _TensorGroupOfOne:
 _UNPARTITIONED = _TensorGroupOfOne()
 
 
-def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingConfig) -> None:
-    """Turn on ``cfg.mode`` activation checkpointing in ``model`` (in place; no-op for ``"none"``).
+def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingConfig,
+                                   device: torch.device | str = "cpu") -> HostOffload | None:
+    """Turn on ``cfg.mode`` activation checkpointing in ``model`` (in place; no-op for ``"none"``), with the
+    checkpointed inputs in host memory when ``cfg.cpu`` (:class:`~ds4sci.train.activation_offload.HostOffload` for
+    ``device``, the device the model runs on; returned, else None).
 
     Call after :func:`ds4sci.parallel.parallelize.parallelize` (any tensor, Ulysses and ring degrees) and before the DeepSpeed
     engine is built; torch.distributed must be initialised (DeepSpeed's ``configure`` logs on rank 0).
     """
     if cfg.mode == "none":
-        return
+        return None
     if cfg.mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpointing.mode={cfg.mode!r}: expected none, full or selective")
     import deepspeed
 
-    # partition_activations with cpu: DeepSpeed's CPU copy needs it (see the module docstring)
-    deepspeed.checkpointing.configure(_UNPARTITIONED, partition_activations=cfg.cpu, contiguous_checkpointing=False,
-                                      checkpoint_in_cpu=cfg.cpu, synchronize=False, profile=False)
+    deepspeed.checkpointing.configure(_UNPARTITIONED, partition_activations=False, contiguous_checkpointing=False,
+                                      checkpoint_in_cpu=False, synchronize=False, profile=False)
+    offload = HostOffload(device) if cfg.cpu else None
+    checkpoint_fn = functools.partial(offload.checkpoint, checkpoint) if offload is not None else checkpoint
     if cfg.mode == "full":
-        model.checkpoint_fn = checkpoint
+        model.checkpoint_fn = checkpoint_fn
     else:
         for block in model.layers:
-            block.attention.core = CheckpointedCore(block.attention.core)
+            block.attention.core = CheckpointedCore(block.attention.core, checkpoint_fn)
+    return offload

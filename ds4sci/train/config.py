@@ -137,7 +137,8 @@ class ActivationCheckpointingConfig:
                     help='"none", "full" (every GenSLM block recomputed in backward) or "selective" (only the '
                          'attention core; Korthikanti et al. 2022)')
     cpu: bool = _field(default=False,
-                    help="keep the checkpointed inputs in CPU memory until backward (DeepSpeed's checkpoint_in_cpu)")
+                    help="keep the checkpointed inputs in host memory until backward: copied on a side stream, "
+                    "fetched back one block ahead (ALST's activation offload; ds4sci.train.activation_offload)")
 
 
 @dataclass

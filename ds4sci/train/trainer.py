@@ -260,7 +260,7 @@ class Trainer:
         # DistributedAttention all-gathers the shard shapes (a host sync) per layer per forward to catch uneven shards;
         # every batch of the trainer has one shape, so the first forward checks them and the others skip the check
         self._unchecked_shapes = [m for m in model.modules() if isinstance(m, DistributedAttention)]
-        apply_activation_checkpointing(model, cfg.activation_checkpointing)
+        apply_activation_checkpointing(model, cfg.activation_checkpointing, self.device)
         self.pos_table = PositionTable(table, self.groups, cfg, self.device) if table is not None else None
         if self.dims.pp > 1:  # DeepSpeed's pipeline engine; the first stage looks the position table up
             self.engine = build_pipeline_engine(model, self.pos_table, cfg, self.groups, self.device, materialize)
