@@ -102,16 +102,26 @@ def _read_vcf(path: str) -> tuple[list[Variant], list[tuple[int, str]]]:
     lines, errors = _vcf_lines(path)
     if errors:  # htslib would stop at the first: report them all instead
         return [], errors
-    variants = []
     verbosity = pysam.set_verbosity(0)  # htslib's own warnings (a contig missing from the header) stay quiet
+    records = []
     try:
-        with pysam.VariantFile(path) as vcf:
-            for line, rec in zip(lines, vcf):
-                for alt in rec.alts or (".",):
-                    variants.append(Variant(line, rec.chrom, rec.pos, rec.id or ".", rec.ref.upper(), alt.upper()))
+        try:
+            vcf = pysam.VariantFile(path)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: htslib cannot read the VCF header ({err})") from None
+        with vcf:
+            for rec in vcf:
+                records.append(rec)
+    except OSError as err:  # a record htslib cannot parse, past the checks of _vcf_lines
+        where = f"line {lines[len(records)]}" if len(records) < len(lines) else "after the last record"
+        raise ValueError(f"{path}: {where}: htslib cannot read this record ({err})") from None
     finally:
         pysam.set_verbosity(verbosity)
-    return variants, errors
+    if len(records) != len(lines):
+        raise ValueError(f"{path}: htslib read {len(records)} record(s) from {len(lines)} data line(s)")
+    variants = [Variant(line, rec.chrom, rec.pos, rec.id or ".", rec.ref.upper(), alt.upper())
+                for line, rec in zip(lines, records) for alt in rec.alts or (".",)]
+    return variants, []
 
 
 def _read_tsv(path: str) -> tuple[list[Variant], list[tuple[int, str]]]:
