@@ -46,9 +46,9 @@ MODES = ("shared", "unshared")
 LLR_ATOL = 1e-3
 #: option -> (default, help); every one must be >= 1
 _INT_OPTIONS = {
-    "positions": (128, "consecutive reference positions mutated, 3 SNVs each"),
+    "positions": (64, "consecutive reference positions mutated, 3 SNVs each"),
     "start": (100_000, "1-based position of the first"),
-    "context": (512, "model context in tokens, and the REF window in bases"),
+    "context": (256, "model context in tokens, and the REF window in bases"),
     "hidden": (128, "hidden size"),
     "layers": (4, "transformer layers"),
     "heads": (4, "attention heads"),
