@@ -215,6 +215,10 @@ def test_refusals_are_one_line(data, tmp_path, capsys):
     common = ["--reference", data["ref"], "--vcf", str(data["root"] / "v.vcf"), "--out", "-"]
     err = refused(capsys, ["score-variants", data["codon"], *common])
     assert err.count("\n") == 1 and "needs a nucleotide model; this one reads codon tokens" in err
+    (tmp_path / "noref.tsv").write_text(f"chrom\tpos\talt\n{CHROM}\t3\tA\n")
+    err = refused(capsys, ["score-variants", data["nucleotide"], *common[:2], "--vcf", str(tmp_path / "noref.tsv"),
+                           "--out", "-"])
+    assert "noref.tsv: line 1: the header names no ref column" in err
     plain = str(data["root"] / "plain.vcf.gz")
     err = refused(capsys, ["score-variants", data["nucleotide"], *common[:2], "--vcf", plain, "--out", "-"])
     assert f"{plain}: gzip-compressed but not BGZF, which htslib reads: recompress it with bgzip" in err
