@@ -19,11 +19,15 @@ def test_quick_run_writes_the_report(tmp_path):
     assert report["check"]["max_abs_llr_diff"] <= 1e-4
     assert len(report["rounds"]) == 2
     for r in report["rounds"]:
-        assert r["shared"] > 0 and r["unshared"] > 0 and r["ratio"] == pytest.approx(r["shared"] / r["unshared"])
+        assert set(r) == {"wall", "cpu"}
+        for t in r.values():
+            assert t["shared"] > 0 and t["unshared"] > 0 and t["ratio"] == pytest.approx(t["shared"] / t["unshared"])
     s = report["summary"]
-    assert s["windows_ratio"] == pytest.approx(1.5)
+    assert s["cpu"]["ratio_median"] == pytest.approx(sorted(r["cpu"]["ratio"] for r in report["rounds"])[0] / 2
+                                                     + sorted(r["cpu"]["ratio"] for r in report["rounds"])[1] / 2)
     markdown = (tmp_path / "score_variants.md").read_text()
-    assert markdown.count("| median |") == 1 and f"**{s['ratio_median']:.2f}x**" in markdown
+    assert markdown.count("| median |") == 1 and f"**{s['cpu']['ratio_median']:.2f}x**" in markdown
+    assert "the windows ratio is 1.50" in markdown
     assert (tmp_path / "score_variants.png").read_bytes()[:4] == b"\x89PNG"
 
 
