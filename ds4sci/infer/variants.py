@@ -17,8 +17,8 @@ at one site, neighbours near a record end, where the shifted windows are the sam
 Every window must fit the model's context (one window of ``score_records``): the default ``W`` is the context minus
 the longest insertion's net length.
 
-Variants come from a VCF (read with pysam; ``.vcf`` or a bgzipped ``.vcf.gz``; a record with several ALTs is one variant per
-ALT) or from a TSV with a header naming the columns ``chrom pos ref alt`` and optionally ``id`` (1-based ``pos``, as
+Variants come from a VCF (read with pysam; ``.vcf`` or a bgzipped ``.vcf.gz``; a record with several ALTs is one
+variant per ALT) or from a TSV with a header naming the columns ``chrom pos ref alt`` and optionally ``id`` (1-based ``pos``, as
 in a VCF; comma-separated ALTs as in a VCF). Every line is checked before anything is scored, and one ``ValueError``
 names each bad line with its line number in the file: an unknown chromosome, a position past the record, a REF that
 does not match the reference, an allele that is no sequence of A/C/G/T (symbolic ``<DEL>``, breakends ``N[chr:1[``,

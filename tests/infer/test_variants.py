@@ -193,7 +193,8 @@ def test_every_bad_line_is_named(data, tmp_path, capsys):
                 7: f"REF '{'C' if ref[9] != 'C' else 'G'}' does not match the reference '{ref[9]}' at {CHROM}:10",
                 8: "symbolic ALT allele '<DEL>'", 9: "breakend ALT allele", 10: "ALT '*'", 11: "ALT 'AXG' holds 'X'",
                 12: f"POS 200 with REF of 2 base(s) runs past the end of {CHROM} (200 bases)",
-                13: "ALT of 61 bases: at most 50", 14: f"ALT '{ref[20]}' equals REF: not a variant", 15: "no ALT allele ('.')"}
+                13: "ALT of 61 bases: at most 50", 14: f"ALT '{ref[20]}' equals REF: not a variant",
+                15: "no ALT allele ('.')"}
     for line, message in expected.items():
         assert f"line {line}: {message}" in err, (line, err)
     assert "line 5:" not in err and not (tmp_path / "o.tsv").exists()
