@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", required=True, help="reference FASTA (plain or .gz); VCF CHROM names its "
                         "record ids")
     parser.add_argument("--vcf", required=True, metavar="VARIANTS",
-                        help="variants: a VCF (.vcf or .vcf.gz; one variant per ALT) or a TSV with a header naming "
+                        help="variants: a VCF (.vcf or bgzipped .vcf.gz; one variant per ALT) or a TSV with a header naming "
                         "chrom, pos (1-based), ref, alt and optionally id")
     parser.add_argument("--out", required=True, help="output TSV with a header line: " + ", ".join(COLUMNS) +
                         " (window_start/window_end: the REF window, 0-based half-open; '-': stdout)")
@@ -53,11 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from ds4sci.infer.variants import check_nucleotide, read_variants, score_variants
     from ds4sci.io.weights import load_model
 
-    model, config, tokenizer = load_model(args.export)
-    check_nucleotide(tokenizer)
-    if args.window is not None and args.window > config.max_position_embeddings:
-        raise CommandError(f"--window {args.window} bases exceeds the model's context of "
-                           f"{config.max_position_embeddings} tokens")
+    model, _, tokenizer = load_model(args.export)
+    check_nucleotide(tokenizer)  # before the reference is read
     reference = {}
     for rec in read_fasta(args.reference):
         if rec.id in reference:
