@@ -247,6 +247,8 @@ def variant_windows(reference: dict[str, str], variants: list[Variant], width: i
         ValueError: ``width`` below the longest REF, or an ALT window longer than ``context`` tokens (naming the
             variant's line, ``width`` and the context).
     """
+    if width < 1:
+        raise ValueError(f"--window {width}: must be at least 1 base")
     if width > context:
         raise ValueError(f"--window {width} bases exceeds the model's context of {context} tokens")
     index: dict[tuple[str, int, int], int] = {}
