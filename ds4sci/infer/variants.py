@@ -236,8 +236,13 @@ class VariantWindows(NamedTuple):
 
 def default_window(context: int, variants: list[Variant]) -> int:
     """The widest ``W`` (bases) whose ALT windows all fit ``context`` tokens: the context minus the longest net
-    insertion."""
-    return context - max([0, *(len(v.alt) - len(v.ref) for v in variants)])
+    insertion (``ValueError`` naming its line when that leaves no base)."""
+    longest = max(variants, key=lambda v: len(v.alt) - len(v.ref))
+    inserted = max(0, len(longest.alt) - len(longest.ref))
+    if inserted >= context:
+        raise ValueError(f"line {longest.line}: an insertion of {inserted} bases leaves no room for a window in the "
+                         f"model's context of {context} tokens")
+    return context - inserted
 
 
 def variant_windows(reference: dict[str, str], variants: list[Variant], width: int, context: int) -> VariantWindows:

@@ -14,7 +14,7 @@ from ds4sci.cli import main
 from ds4sci.data import CodonTokenizer, FastaRecord, NucleotideTokenizer
 from ds4sci.infer import variants as variants_module
 from ds4sci.infer.score import score_records
-from ds4sci.infer.variants import read_variants, reference_window, score_variants
+from ds4sci.infer.variants import Variant, default_window, read_variants, reference_window, score_variants
 from ds4sci.io.export import export_consolidated
 from ds4sci.io.weights import load_model
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
@@ -160,6 +160,14 @@ def test_vcf_gz_and_tsv_give_the_same_output(data, tmp_path):
                      str(data["root"] / name), "--window", "20", "--out", str(out), "--no-progress"]) == 0
         outputs.append(out.read_text())
     assert outputs[0] == outputs[1] == outputs[2] and outputs[0].count("\n") == 14
+
+
+def test_default_window_leaves_room_for_the_longest_insertion():
+    snv, ins = Variant(3, CHROM, 5, ".", "A", "G"), Variant(4, CHROM, 9, ".", "A", "ACGTA")
+    assert default_window(32, [snv]) == 32 and default_window(32, [snv, ins]) == 28
+    with pytest.raises(ValueError, match="line 4: an insertion of 4 bases leaves no room for a window in the "
+                                         "model's context of 4 tokens"):
+        default_window(4, [snv, ins])
 
 
 def test_window_geometry():
