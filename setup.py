@@ -42,6 +42,7 @@ setup(
         # (ds4sci.train.sanity); widen it only after tests/distributed/test_train_equivalence.py passes.
         "deepspeed>=0.19.8,<0.20",
         "biopython>=1.80",
+        "pysam>=0.22",  # VCF reading (ds4sci score-variants)
         "numpy>=1.24",
         "pyyaml>=6.0",
         "safetensors>=0.4",

@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("ds4sci.commands.generate", "sample sequences from an exported model and write FASTA"),
     "embed": ("ds4sci.commands.embed", "per-record mean embeddings of FASTA sequences (.npz)"),
     "score": ("ds4sci.commands.score", "per-record log-likelihood and bits per base of FASTA sequences (TSV)"),
+    "score-variants": ("ds4sci.commands.score_variants", "log-likelihood ratio ALT vs REF of each variant of a VCF "
+                       "(or TSV) in a window of the reference (TSV)"),
     "export-hf": ("ds4sci.commands.export_hf", "write a model as a Hugging Face transformers directory "
                   "(GPTNeoXForCausalLM or LlamaForCausalLM, and its tokenizer)"),
     "bench": ("ds4sci.bench", "run a benchmark and write its results (JSON + Markdown) to --out"),

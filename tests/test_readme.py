@@ -34,7 +34,7 @@ BIN = Path(sys.executable).parent
 GENOME = "examples/data/MN908947.3_sars_cov_2.fasta.gz"
 INLINE_STARTS = ("ds4sci ", "torchrun ", "deepspeed ", "python ", "pytest ", "TRITON_INTERPRET=0 pytest ",
                  ".venv/bin/pytest ", "make ")
-RUN = {"evaluate", "generate", "embed", "score", "plan", "info", "export-hf"}
+RUN = {"evaluate", "generate", "embed", "score", "score-variants", "plan", "info", "export-hf"}
 
 
 def _blocks(lang: str) -> list[str]:
@@ -123,8 +123,9 @@ def test_every_command_is_checked():
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> Path:
     """A working folder like a fresh clone after ``make demo``: ``examples/`` and a small nucleotide export at
-    ``runs/demo/export`` (and a Llama-shaped one where ``ecoli_llama_u2.yaml`` exports); ``variants.fasta`` is the
-    user's file the score example reads."""
+    ``runs/demo/export`` (and a Llama-shaped one where ``ecoli_llama_u2.yaml`` exports); ``variants.fasta`` and
+    ``variants.vcf`` (on the bundled E. coli genome: two ALTs at one site, a deletion, an insertion) are the user's
+    files the score and score-variants examples read."""
     import torch
 
     from ds4sci.data import NucleotideTokenizer
@@ -140,6 +141,9 @@ def scratch(tmp_path_factory) -> Path:
     cfg = GenSLMConfig.preset("llama-debug", vocab_size=tok.vocab_size)
     export_consolidated(GenSLM(cfg).state_dict(), cfg, tok, root / "runs" / "ecoli_llama_u2" / "export")
     (root / "variants.fasta").write_text(">ref\nATGAAACGCATTAGCACCACC\n>alt\nATGAAACGCATTAGTACCACC\n")
+    (root / "variants.vcf").write_text("##fileformat=VCFv4.2\n#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO\n"
+                                       "NC_007779.1\t1\t.\tA\tG,C\t.\t.\t.\nNC_007779.1\t4\t.\tTTTT\tT\t.\t.\t.\n"
+                                       "NC_007779.1\t10\t.\tT\tTGA\t.\t.\t.\n")
     return root
 
 

@@ -60,6 +60,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "per-rank parameter, gradient, optimizer-state and activation bytes and bytes sent per group of real "
         "training steps for each parallel layout and ZeRO stage, beside ds4sci.plan's prediction of each term",
     ),
+    "score-variants": (
+        "ds4sci.bench.score_variants",
+        "variants/s of ds4sci score-variants on a saturation-mutagenesis scan (3 SNVs per position), REF windows "
+        "shared vs scored per variant",
+    ),
 }
 
 

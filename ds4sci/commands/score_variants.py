@@ -1,0 +1,69 @@
+"""``ds4sci score-variants MODEL --reference REF.fa --vcf VARIANTS.vcf --out scores.tsv``: the log-likelihood ratio
+of every variant (:mod:`ds4sci.infer.variants`), one TSV row each, in input order."""
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+
+from ds4sci.cli_args import CommandError, add_model_argument, positive_int
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ("chrom", "pos", "id", "ref", "alt", "llr", "ref_log_likelihood", "alt_log_likelihood", "window_start",
+           "window_end")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    parser.add_argument("--reference", required=True, help="reference FASTA (plain or .gz); VCF CHROM names its "
+                        "record ids")
+    parser.add_argument("--vcf", required=True, metavar="VARIANTS",
+                        help="variants: a VCF (.vcf or bgzipped .vcf.gz; one variant per ALT) or a TSV with a header naming "
+                        "chrom, pos (1-based), ref, alt and optionally id")
+    parser.add_argument("--out", required=True, help="output TSV with a header line: " + ", ".join(COLUMNS) +
+                        " (window_start/window_end: the REF window, 0-based half-open; '-': stdout)")
+    parser.add_argument("--window", type=positive_int, default=None,
+                        help="bases of the REF window centred on each variant (shifted inside the record near its "
+                        "ends; the whole record when shorter) (default: the model's context minus the longest "
+                        "insertion, so every ALT window fits one forward)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not "
+                        "a terminal)")
+
+
+def write_rows(rows: list[dict], out: str) -> None:
+    """``rows`` of :func:`~ds4sci.infer.variants.score_variants` as a TSV at ``out`` (``'-'``: stdout)."""
+    handle = sys.stdout if out == "-" else open(out, "w", newline="", encoding="utf-8")
+    try:
+        writer = csv.writer(handle, delimiter="\t", lineterminator="\n")
+        writer.writerow(COLUMNS)
+        for r in rows:
+            writer.writerow([r["chrom"], r["pos"], r["id"], r["ref"], r["alt"], f"{r['llr']:.6f}",
+                             f"{r['ref_log_likelihood']:.6f}", f"{r['alt_log_likelihood']:.6f}", r["window_start"],
+                             r["window_end"]])
+    finally:
+        if handle is not sys.stdout:
+            handle.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds4sci.data import read_fasta
+    from ds4sci.infer.variants import check_nucleotide, read_variants, score_variants
+    from ds4sci.io.weights import load_model
+
+    model, _, tokenizer = load_model(args.export)
+    check_nucleotide(tokenizer)  # before the reference is read
+    reference = {}
+    for rec in read_fasta(args.reference):
+        if rec.id in reference:
+            raise CommandError(f"{args.reference}: record id {rec.id!r} appears twice (line {rec.line})")
+        reference[rec.id] = rec.sequence
+    variants = read_variants(args.vcf, reference)
+    rows = score_variants(model, tokenizer, reference, variants, args.window, batch_size=args.batch_size,
+                          progress=not args.no_progress)
+    write_rows(rows, args.out)
+    if args.out != "-":
+        logger.info("wrote the scores of %d variant(s) to %s", len(rows), args.out)
+    return 0
