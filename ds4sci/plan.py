@@ -55,8 +55,9 @@ Memory model (bytes per GPU):
   input) per layer plus one layer of ``none`` being recomputed. A rank holds ``T = B S / (sp tp)`` local tokens
   (tensor parallelism's sequence-parallel regions divide them by ``tp``) for ``ceil(L/pp) * min(pp, m)`` layers (1F1B
   keeps ``min(pp, m)`` micro-batches in flight on the first stage, ``m`` micro-steps), plus outside the layers ``8``
-  (token ids; ``16`` with the learned table's position ids) ``+ (1 + tp) h e + 8`` (final norm: its input, gathered
-  over TP its output, and its fp32 statistics; RMSNorm: ``(2 + tp) h e + 4``) ``+ 8 V / tp`` (fp32 logits and their
+  (token ids; ``16`` with the learned table's position ids) ``+ 2 h e + 8`` (final norm: its input, its output (under
+  TP this rank's region, which the output projection gathers again in backward) and its fp32 statistics; RMSNorm:
+  ``3 h e + 4``) ``+ 8 V / tp`` (fp32 logits and their
   log-softmax) per token. Measured on the CPU:
   in bf16 GenSLM's ``rms_norm`` keeps an fp32 copy of its input (it normalises in fp32, as transformers' Llama does),
   and the ``chunked`` backend an fp32 attention output, which this model leaves out.
@@ -84,8 +85,8 @@ column-parallel matmuls' inputs, ``2 (tp-1)/tp N h e``), plus the all-reduce of 
 out: the all-gather of a key/value head's projection shared by ``tp / num_kv_heads`` ranks (its weight, ``2 D h``, per
 layer and micro-step); outside the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the
 vocabulary-parallel embedding's all-reduce and the all-gather in the backward of its split to sequence regions) and the
-last stage ``(tp-1)/tp (2 N h e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather and its backward's
-reduce-scatter, the all-reduce of its gradients and of the vocabulary-parallel cross entropy's fp32 maxima and sums);
+last stage ``(tp-1)/tp (3 N h e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather, its backward's
+reduce-scatter and the output projection's re-gather, the all-reduce of its gradients and of the vocabulary-parallel cross entropy's fp32 maxima and sums);
 with ``pp = 1`` one rank sends both; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp`` channels; the ring's
 key/value passes on ``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the forward's collectives
 (``full``: the tensor-parallel forward's, :func:`ds4sci.costs.tp_forward_comm_bytes`, ``3`` or ``4 (tp-1)/tp N h e``
@@ -286,7 +287,7 @@ def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     if strategy.checkpointing == "full":
         per_token += layer_activation_bytes(w, strategy, "none")  # the layer being recomputed
     rms = w.model.norm == "rmsnorm"
-    final_norm = ((2 if rms else 1) + d.tp) * h * e + (4 if rms else 8)  # input (normalized), output, fp32 statistics
+    final_norm = ((2 if rms else 1) + 1) * h * e + (4 if rms else 8)  # input (normalized), output, fp32 statistics
     ids = 16 if w.learned_table else 8  # int64 token ids (and the position ids the learned table looks up)
     per_token += ids + final_norm + 8 * w.model.vocab_size / d.tp
     activations = T * per_token
@@ -330,7 +331,7 @@ def comm(w: Workload, strategy: Strategy) -> dict[str, float]:
         if strategy.checkpointing == "full":  # the recomputed forward's collectives
             per_layer += tp_forward_comm_bytes(scheme, P, N, h, e)
         first = 3 * (P - 1) / P * N * h * e
-        last = (P - 1) / P * (2 * N * h * e + 2 * (norm * e + 12 * N))
+        last = (P - 1) / P * (3 * N * h * e + 2 * (norm * e + 12 * N))
         out["tp"] = layers * per_layer + B * m * (first + last if d.pp == 1 else max(first, last))
     if d.ulysses > 1:
         out["ulysses"] = sp_redo * layers * layer_comm_bytes("ulysses", d.ulysses, S / d.ring, h / d.tp, e,

@@ -69,8 +69,7 @@ backward, not the gathered ``[B, T, hidden]``, and all-gather it again in backwa
 one more all-gather per gathered input per layer, ``(tp-1)/tp * N h`` elements sent, for ``tp`` times less saved
 input (:class:`ColumnParallelLinear`, :class:`QKVParallelLinear`; the block's :class:`RegionGather` gathers each
 region once in forward and once in backward for all the projections that read it: fused QKV, the MLP's up projection
-and SwiGLU's gate). DISCREPANCY (Megatron-LM): the vocabulary-parallel output projection still saves the final norm's
-gathered output ``[B, T, hidden]`` (once per model, not per layer).
+and SwiGLU's gate; likewise the vocabulary-parallel output projection on the final norm's region).
 """
 from __future__ import annotations
 
@@ -91,7 +90,6 @@ from ds4sci.sequence.comm import CommCounter, group_rank, group_size
 
 __all__ = [
     "TPShard",
-    "all_gather_sequence_region",
     "reduce_scatter_sequence_region",
     "split_sequence_region",
     "reduce_from_tensor_region",
@@ -176,11 +174,11 @@ def _split(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCounter |
 
 
 class _SequenceRegion(torch.autograd.Function):
-    """A collective on the sequence dim of the TP group in forward and its adjoint in backward, each
-    ``f(x, group, dim, counter)``: full SP shard <-> this rank's sequence region. The pairs in use: all-gather /
-    reduce-scatter (entering the column-parallel matmuls; Korthikanti et al. 2022's ``g``), reduce-scatter /
-    all-gather (leaving the row-parallel ones, their ``g-bar``), slice / all-gather (the embedding's replicated
-    output to a region)."""
+    """A collective over the TP group in forward and its adjoint in backward, each ``f(x, group, dim, counter)``;
+    on the sequence dim: full SP shard <-> this rank's sequence region. The pairs in use: reduce-scatter /
+    all-gather (leaving the row-parallel matmuls, Korthikanti et al. 2022's ``g-bar``), slice / all-gather (the
+    embedding's replicated output to a region) and all-gather / reduce-scatter (a shared key/value head's projection
+    rows, :class:`QKVParallelLinear`). Entering the column-parallel matmuls (``g``) is :class:`_GatherRegion`."""
 
     @staticmethod
     def forward(ctx, x, group, dim, counter, collective, adjoint):
@@ -193,8 +191,8 @@ class _SequenceRegion(torch.autograd.Function):
 
 
 class _Region:
-    """One forward's input of the column-parallel matmuls of a block: this TP rank's sequence regions ``local [k, B,
-    T/tp, hidden]`` (``k`` normalised tensors gathered in one collective) and, in backward, from the first weight
+    """One forward's input of the column-parallel matmuls of a block (or of the output projection): this TP rank's
+    sequence regions ``local [k, B, T/tp, hidden]`` (``k`` normalised tensors gathered in one collective) and, in backward, from the first weight
     gradient that needs it until the gather's own backward, their re-gathered copy ``full [k, B, T, hidden]``."""
 
     def __init__(self, local: Tensor, tp: "_TP"):
@@ -254,11 +252,13 @@ class _ColumnParallelMatmul(torch.autograd.Function):
 
 
 class RegionGather:
-    """Gathers a block's normalised sequence regions for its column-parallel matmuls and tells them which region
-    they read: the block calls it on ``local [k, B, T/tp, hidden]`` and gets ``[k, B, T, hidden]``; each reader
-    (:class:`ColumnParallelLinear`, :class:`QKVParallelLinear`) holds this object and a slot ``< k`` and, inside its
-    own forward, takes :attr:`current`, the region of this forward (so that ZeRO-3 still finds each parameter used in
-    its own module). A plain object, not a module: it holds no parameters and is shared by several modules."""
+    """Gathers normalised sequence regions for the column-parallel matmuls that read them and tells those which
+    region they read: a block (or the final norm) calls it on ``local [k, B, T/tp, hidden]`` and gets ``[k, B, T,
+    hidden]``; each reader (:class:`ColumnParallelLinear`, :class:`QKVParallelLinear`, :class:`VocabParallelOutput`)
+    holds this object and a slot ``< k`` and, inside its own forward, takes :attr:`current`, the region of this
+    forward (so that ZeRO-3 still finds each parameter used in its own module); the caller resets it once its readers
+    have run (:meth:`release`: the readers' autograd contexts then hold the region alone). A plain object, not a
+    module: it holds no parameters and is shared by several modules."""
 
     def __init__(self, tp: "_TP"):
         self.tp = tp
@@ -268,10 +268,13 @@ class RegionGather:
         self.current = _Region(local, self.tp)
         return _GatherRegion.apply(local, self.current)
 
+    def release(self) -> None:
+        self.current = None
+
     def region(self, x: Tensor, slot: int) -> _Region:
         """The current region, checked against the reader's input ``x [B, T, in]``."""
         region = self.current
-        if region is None or tuple(x.shape) != (*region.local.shape[1:2], region.local.shape[2] * self.tp.size,
+        if region is None or region.local is None or tuple(x.shape) != (*region.local.shape[1:2], region.local.shape[2] * self.tp.size,
                                                  region.local.shape[3]) or slot >= region.local.shape[0]:
             raise ValueError(f"a column-parallel layer reads its block's gathered sequence region; got an input of "
                              f"shape {tuple(x.shape)}, not the block's last gathered region (slot {slot})")
@@ -301,12 +304,6 @@ class _SyncGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce(grad, ctx.group, ctx.counter), None, None
-
-
-def all_gather_sequence_region(x: Tensor, group, dim: int = 1, counter: CommCounter | None = None) -> Tensor:
-    """``[B, T/tp, ...] -> [B, T, ...]`` (differentiable; backward reduce-scatters, i.e. SUMS the gradients of the
-    TP ranks, which are partial when the gathered tensor feeds column-parallel matmuls)."""
-    return x if group_size(group) == 1 else _SequenceRegion.apply(x, group, dim, counter, _all_gather, _reduce_scatter)
 
 
 def reduce_scatter_sequence_region(x: Tensor, group, dim: int = 1, counter: CommCounter | None = None) -> Tensor:
@@ -441,15 +438,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelOutput(nn.Module):
-    """Output projection split on the vocabulary: replicated hidden ``[B, T, hidden]`` (from an all-gather, whose
-    backward sums the ranks' partial input gradients) -> this rank's logits ``[B, T, V_pad/tp]``; padded columns are
-    ``-inf``."""
+    """Output projection split on the vocabulary (column-parallel): hidden ``[B, T, hidden]``, the final norm's
+    region gathered by ``source`` (a :class:`RegionGather`, whose backward sums the ranks' partial input gradients)
+    -> this rank's logits ``[B, T, V_pad/tp]``; padded columns are ``-inf``. Saves the region, not the hidden
+    states, for backward."""
 
-    def __init__(self, linear: nn.Linear, tp: _TP, vocab_size: int):
+    def __init__(self, linear: nn.Linear, tp: _TP, vocab_size: int, source: RegionGather):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("VocabParallelOutput: GenSLM's embed_out has no bias; got one")
-        self.tp = tp
+        self.tp, self.source = tp, source
         self.vocab_size = vocab_size
         self.weight = _shard_param(linear.weight, 0, tp, _padded_vocab(vocab_size, tp.size))
         rows = self.weight.shape[0]
@@ -459,7 +457,9 @@ class VocabParallelOutput(nn.Module):
         self.register_buffer("padding", padding.to(device), persistent=False)  # [V_pad/tp]
 
     def forward(self, x: Tensor) -> Tensor:
-        logits = F.linear(x, self.weight)  # [B, T, V_pad/tp]
+        region = self.source.region(x, 0)
+        self.source.release()  # the only reader of the final norm's region
+        logits = _ColumnParallelMatmul.apply(x, self.weight, None, region, 0)  # [B, T, V_pad/tp]
         if bool(self.padding.any()):
             logits = logits.masked_fill(self.padding, -math.inf)
         return logits
@@ -490,9 +490,10 @@ class SequenceRegionSplit(nn.Module):
 class SequenceParallelNorm(nn.Module):
     """The block's norm (``nn.LayerNorm`` or GenSLM's :class:`~ds4sci.models.genslm.model.RMSNorm`, as the model's
     config chose) on a sequence region, with replicated ``weight`` (and LayerNorm's ``bias``) whose gradients are
-    summed over TP; ``gather=True`` all-gathers the full SP shard after it (GenSLM's final norm)."""
+    summed over TP; with ``gather`` (the output projection's :class:`RegionGather`; GenSLM's final norm) its output
+    is all-gathered to the full SP shard ``[B, T, hidden]``."""
 
-    def __init__(self, norm: nn.LayerNorm | RMSNorm, tp: _TP, gather: bool = False):
+    def __init__(self, norm: nn.LayerNorm | RMSNorm, tp: _TP, gather: RegionGather | None = None):
         super().__init__()
         self.rms = isinstance(norm, RMSNorm)
         self.weight, self.bias = norm.weight, getattr(norm, "bias", None)
@@ -507,10 +508,10 @@ class SequenceParallelNorm(nn.Module):
             y = rms_norm(x, weight, self.eps)
         else:
             y = F.layer_norm(x, self.weight.shape, weight, sync_grad(self.bias, g, c), self.eps)
-        return all_gather_sequence_region(y, g, 1, c) if self.gather else y
+        return y if self.gather is None else self.gather(y.unsqueeze(0))[0]  # [1, B, T/tp, h] -> [B, T, h]
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, rms={self.rms}, gather={self.gather}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, rms={self.rms}, gather={self.gather is not None}"
 
 
 class ColumnParallelLinear(nn.Module):
@@ -649,9 +650,9 @@ class QKVParallelLinear(nn.Module):
 def _split_attention(attention: Attention, tp: _TP, source: RegionGather, slot: int) -> None:
     """GenSLM attention on the heads of one TP rank, in place: column-parallel ``query_key_value``
     (:class:`QKVParallelLinear`, reading slot ``slot`` of ``source``'s region), row-parallel ``dense``
-    (:class:`RowParallelLinear`), the core offset to this rank's
-    first head, and the module's head counts made local, so its own forward (rotary, grouped q/k/v split) runs on
-    ``H/tp`` query and ``max(Hkv/tp, 1)`` key/value heads and returns this rank's partial sum ``[B, T, hidden]``."""
+    (:class:`RowParallelLinear`), the core offset to this rank's first head, and the module's head counts made local,
+    so its own forward (rotary, grouped q/k/v split) runs on ``H/tp`` query and ``max(Hkv/tp, 1)`` key/value heads
+    and returns this rank's partial sum ``[B, T, hidden]``."""
     H, Hkv = attention.num_heads, attention.num_kv_heads
     attention.query_key_value = QKVParallelLinear(attention.query_key_value, H, Hkv, attention.head_dim, tp, source,
                                                   slot)
@@ -698,6 +699,12 @@ class TensorParallelBlock(nn.Module):
         self.dropout = block.dropout
 
     def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
+        out = self._residual(x, position_ids, doc_ids)
+        self.gather_attention.release()
+        self.gather_mlp.release()
+        return out
+
+    def _residual(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
         g, c = self.tp.group, self.tp.counter
         if not self.parallel_residual:
             attn_in = self.gather_attention(self.input_layernorm(x).unsqueeze(0))[0]  # [1, B, T/tp, h] -> [B, T, h]
@@ -741,8 +748,9 @@ def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, coun
     model.emb_dropout = SequenceRegionSplit(model.emb_dropout, tp)
     for i, block in enumerate(model.layers):
         model.layers[i] = TensorParallelBlock(block, tp)
-    model.final_layer_norm = SequenceParallelNorm(model.final_layer_norm, tp, gather=True)
-    model.embed_out = VocabParallelOutput(model.embed_out, tp, cfg.vocab_size)
+    head_input = RegionGather(tp)  # the final norm's region, gathered for the output projection
+    model.final_layer_norm = SequenceParallelNorm(model.final_layer_norm, tp, gather=head_input)
+    model.embed_out = VocabParallelOutput(model.embed_out, tp, cfg.vocab_size, head_input)
     if cfg.tie_word_embeddings:  # the same rows of the same padded vocabulary: one parameter, as in GenSLM
         model.embed_out.weight = model.embed_in.weight
 

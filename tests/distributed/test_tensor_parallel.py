@@ -221,14 +221,15 @@ def _worker_tp2(rank, world):
     assert counter.bytes_sent["reduce_scatter"] == 3 * B * S * h * 4 // 2, counter  # half of [B, S, h] leaves
     counter.reset()
     logits.sum().backward()  # backward: the dual collectives (the embedding split's is an all-gather), the
-    # re-gather of each block's two normalised regions (one all-gather for the weight gradients: Megatron-LM's saving
-    # of the region only) plus gradient all-reduces of the 4 LayerNorm parameters per block and the final LayerNorm's 2
-    assert counter.calls["reduce_scatter"] == 4 and counter.calls["all_gather"] == 4 + 3, counter
-    assert counter.bytes_sent["all_gather"] == (3 + 3 * 2 + 1) * B * S * h * 4 // 2, counter  # halves sent
+    # re-gather of each block's two normalised regions and of the final norm's (one all-gather each for the weight
+    # gradients: Megatron-LM's saving of the region only) plus gradient all-reduces of the 4 LayerNorm parameters per
+    # block and the final LayerNorm's 2
+    assert counter.calls["reduce_scatter"] == 4 and counter.calls["all_gather"] == 4 + 3 + 1, counter
+    assert counter.bytes_sent["all_gather"] == (3 + 3 * 2 + 1 + 1) * B * S * h * 4 // 2, counter  # halves sent
     assert counter.calls["all_reduce"] == 3 * 4 + 2, counter
     # Llama (sequential residual, RMSNorm, one key/value head shared by both ranks): per block an all-gather and a
     # reduce-scatter per branch, plus the all-gather of the shared head's projection rows; backward the duals, the
-    # re-gather of each branch's region and the gradient all-reduce of RMSNorm's one weight per norm (the planner's
+    # re-gather of each branch's region (and of the final norm's) and the gradient all-reduce of RMSNorm's one weight per norm (the planner's
     # megatron-sp form: 10 (tp-1)/tp N h)
     counter = CommCounter()
     llama = _model(_llama(num_layers=3, num_kv_heads=1), 0)
@@ -238,7 +239,7 @@ def _worker_tp2(rank, world):
     assert counter.bytes_sent["reduce_scatter"] == 6 * B * S * h * 4 // 2, counter
     counter.reset()
     logits.sum().backward()
-    assert dict(counter.calls) == {"reduce_scatter": 7 + 3, "all_gather": 6 + 1 + 6, "all_reduce": 3 * 2 + 1}, counter
+    assert dict(counter.calls) == {"reduce_scatter": 7 + 3, "all_gather": 6 + 1 + 6 + 1, "all_reduce": 3 * 2 + 1}, counter
 
     # full activation checkpointing (a reentrant recomputation, as DeepSpeed's) sends each layer's forward
     # collectives once more (ds4sci.costs.tp_forward_comm_bytes) and its backward still re-gathers the regions
