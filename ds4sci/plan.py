@@ -81,23 +81,24 @@ backward, times ``L / pp`` layers and ``m`` micro-steps; keys and values carry `
 with sequence-parallel regions on ``N = S / sp`` tokens, ``8 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``:
 GPT-NeoX's parallel residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``10
 (tp-1)/tp N h e`` with dropout or Llama's sequential residual (``megatron-sp``) (both with backward's re-gather of the
-column-parallel matmuls' inputs, ``2 (tp-1)/tp N h e``), plus the all-reduce of the layer norms' gradients, ``2 (tp-1)/tp 4 h e`` per layer (RMSNorm: ``2 h``; the final norm's ``2 h``, RMSNorm's ``h``, likewise); left
-out: the all-gather of a key/value head's projection shared by ``tp / num_kv_heads`` ranks (its weight, ``2 D h``, per
-layer and micro-step); outside the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the
-vocabulary-parallel embedding's all-reduce and the all-gather in the backward of its split to sequence regions) and the
-last stage ``(tp-1)/tp (3 N h e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather, its backward's
-reduce-scatter and the output projection's re-gather, the all-reduce of its gradients and of the vocabulary-parallel cross entropy's fp32 maxima and sums);
-with ``pp = 1`` one rank sends both; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp`` channels; the ring's
-key/value passes on ``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the forward's collectives
-(``full``: the tensor-parallel forward's, :func:`ds4sci.costs.tp_forward_comm_bytes`, ``3`` or ``4 (tp-1)/tp N h e``
-per layer, and sequence parallel traffic x 1.5; ``selective``: sequence parallel x 1.5); pipeline: ``T h e`` per
-micro-step with ``pp = 2`` (the first stage sends activations forward, the last gradients back), ``2 T h e`` with ``pp >
-2`` (a middle stage sends both); data parallelism over ``sdp``: ring all-reduce ``2 (sdp-1)/sdp * phi g`` per step,
-stages 1 and 2 then all-gather the updated parameter partitions, ``+ (sdp-1)/sdp * phi p`` (DeepSpeed 0.19.8 all-reduces
-the gradients rather than reduce-scattering them), stage 3 adds the forward and backward parameter all-gathers, ``+ 2
-(sdp-1)/sdp * phi p`` (pipeline, data-parallel and tensor-parallel traffic measured with ``ds4sci bench layouts``,
-DeepSpeed 0.19.8); offload: PCIe traffic ``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the parameters fetched
-for forward and backward).
+column-parallel matmuls' inputs, ``2 (tp-1)/tp N h e``), plus the all-reduce of the layer norms' gradients, ``2
+(tp-1)/tp 4 h e`` per layer (RMSNorm: ``2 h``; the final norm's ``2 h``, RMSNorm's ``h``, likewise); left out: the
+all-gather of a key/value head's projection shared by ``tp / num_kv_heads`` ranks (its weight, ``2 D h``, per layer and
+micro-step); outside the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the vocabulary-parallel
+embedding's all-reduce and the all-gather in the backward of its split to sequence regions) and the last stage
+``(tp-1)/tp (3 N h e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather, its backward's reduce-scatter and the
+output projection's re-gather, the all-reduce of its gradients and of the vocabulary-parallel cross entropy's fp32
+maxima and sums); with ``pp = 1`` one rank sends both; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp``
+channels; the ring's key/value passes on ``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the
+forward's collectives (``full``: the tensor-parallel forward's, :func:`ds4sci.costs.tp_forward_comm_bytes`, ``3`` or ``4
+(tp-1)/tp N h e`` per layer, and sequence parallel traffic x 1.5; ``selective``: sequence parallel x 1.5); pipeline: ``T
+h e`` per micro-step with ``pp = 2`` (the first stage sends activations forward, the last gradients back), ``2 T h e``
+with ``pp > 2`` (a middle stage sends both); data parallelism over ``sdp``: ring all-reduce ``2 (sdp-1)/sdp * phi g``
+per step, stages 1 and 2 then all-gather the updated parameter partitions, ``+ (sdp-1)/sdp * phi p`` (DeepSpeed 0.19.8
+all-reduces the gradients rather than reduce-scattering them), stage 3 adds the forward and backward parameter
+all-gathers, ``+ 2 (sdp-1)/sdp * phi p`` (pipeline, data-parallel and tensor-parallel traffic measured with ``ds4sci
+bench layouts``, DeepSpeed 0.19.8); offload: PCIe traffic ``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the
+parameters fetched for forward and backward).
 
 Cost model (stated, simple, no overlap): ``step time = compute / (1 - bubble) + sum over groups of bytes / bandwidth``.
 ``compute = FLOPs / (world * peak * efficiency)``, ``FLOPs = 6 N_tok phi_model + 6 B m dp L h S^2`` (causal attention

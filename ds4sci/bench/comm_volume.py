@@ -135,10 +135,11 @@ def markdown(report: dict) -> str:
                              "closed form / (N h)", "by collective (MiB)"], rows)
     lines += ["", "Ulysses stays flat as N and P grow together; ring and Megatron-LM SP grow with N. megatron-sp: "
               "ds4sci's tensor-parallel layers with sequence-parallel regions (TP degree P, dropout 0.1); tp-sp: the "
-              "same without dropout (one shared reduce-scatter); both all-gather the column-parallel inputs again in backward "
-              "(their weight gradients: only the sequence region is saved). On gloo a reduce-scatter runs as an all-to-all "
-              "plus a local sum, the same bytes. The small all_gather of the SP schemes is DistributedAttention's "
-              "check that every rank holds the same local shapes (8 integers per group per layer); the small "
+              "same without dropout (one shared reduce-scatter); both all-gather the column-parallel inputs again in "
+              "backward (their weight gradients: only the sequence region is saved). On gloo a reduce-scatter runs as "
+              "an all-to-all plus a local sum, the same bytes. The small all_gather of the SP schemes is "
+              "DistributedAttention's check that every rank holds the same local shapes (8 integers per group per "
+              "layer); the small "
               "all_reduce of the TP schemes sums the LayerNorm gradients over TP (4 h values per layer); the closed "
               "forms leave both out."]
     return "\n".join(lines) + "\n"

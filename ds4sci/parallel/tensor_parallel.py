@@ -192,8 +192,9 @@ class _SequenceRegion(torch.autograd.Function):
 
 class _Region:
     """One forward's input of the column-parallel matmuls of a block (or of the output projection): this TP rank's
-    sequence regions ``local [k, B, T/tp, hidden]`` (``k`` normalised tensors gathered in one collective) and, in backward, from the first weight
-    gradient that needs it until the gather's own backward, their re-gathered copy ``full [k, B, T, hidden]``."""
+    sequence regions ``local [k, B, T/tp, hidden]`` (``k`` normalised tensors gathered in one collective) and, in
+    backward, from the first weight gradient that needs it until the gather's own backward, their re-gathered copy
+    ``full [k, B, T, hidden]``."""
 
     def __init__(self, local: Tensor, tp: "_TP"):
         self.local, self.tp = local, tp
@@ -274,8 +275,8 @@ class RegionGather:
     def region(self, x: Tensor, slot: int) -> _Region:
         """The current region, checked against the reader's input ``x [B, T, in]``."""
         region = self.current
-        if region is None or region.local is None or tuple(x.shape) != (*region.local.shape[1:2], region.local.shape[2] * self.tp.size,
-                                                 region.local.shape[3]) or slot >= region.local.shape[0]:
+        k, B, T_local, h = (0, 0, 0, 0) if region is None or region.local is None else region.local.shape
+        if (B, T_local * self.tp.size, h) != tuple(x.shape) or slot >= k:
             raise ValueError(f"a column-parallel layer reads its block's gathered sequence region; got an input of "
                              f"shape {tuple(x.shape)}, not the block's last gathered region (slot {slot})")
         return region

@@ -229,8 +229,8 @@ def _worker_tp2(rank, world):
     assert counter.calls["all_reduce"] == 3 * 4 + 2, counter
     # Llama (sequential residual, RMSNorm, one key/value head shared by both ranks): per block an all-gather and a
     # reduce-scatter per branch, plus the all-gather of the shared head's projection rows; backward the duals, the
-    # re-gather of each branch's region (and of the final norm's) and the gradient all-reduce of RMSNorm's one weight per norm (the planner's
-    # megatron-sp form: 10 (tp-1)/tp N h)
+    # re-gather of each branch's region (and of the final norm's) and the gradient all-reduce of RMSNorm's one
+    # weight per norm (the planner's megatron-sp form: 10 (tp-1)/tp N h)
     counter = CommCounter()
     llama = _model(_llama(num_layers=3, num_kv_heads=1), 0)
     parallelize(llama, groups, counter=counter)
@@ -239,7 +239,8 @@ def _worker_tp2(rank, world):
     assert counter.bytes_sent["reduce_scatter"] == 6 * B * S * h * 4 // 2, counter
     counter.reset()
     logits.sum().backward()
-    assert dict(counter.calls) == {"reduce_scatter": 7 + 3, "all_gather": 6 + 1 + 6 + 1, "all_reduce": 3 * 2 + 1}, counter
+    assert dict(counter.calls) == {"reduce_scatter": 7 + 3, "all_gather": 6 + 1 + 6 + 1, "all_reduce": 3 * 2 + 1}, \
+        counter
 
     # full activation checkpointing (a reentrant recomputation, as DeepSpeed's) sends each layer's forward
     # collectives once more (ds4sci.costs.tp_forward_comm_bytes) and its backward still re-gathers the regions
@@ -279,6 +280,9 @@ def _worker_tp2(rank, world):
     model = _parallel(_config(), 0, groups)
     ids, pos, _, _ = _batch(_config(), 1, 9, 0, False)
     _expect_value_error("sequence", "has 9 tokens, not divisible by tp=2", lambda: model(ids, pos))
+    # a column-parallel layer called on anything but its block's gathered region (here: outside any block)
+    _expect_value_error("region", "got an input of shape (1, 4, 32), not the block's last gathered region",
+                        lambda: model.layers[0].mlp(torch.zeros(1, 4, 32)))
     logits = torch.zeros(1, 4, 3)  # a vocabulary of 6 over two ranks
     _expect_value_error("targets", "targets must be in [0, 6) or -100, got range [0, 7]",
                         lambda: token_loss_for(groups)(logits, torch.tensor([[0, 7, IGNORE_INDEX, 2]])))
