@@ -15,11 +15,19 @@ grouped-query attention (Ainslie et al. 2023) with ``Hkv' = lcm(Hkv, U)`` (:func
   ``R-1`` hops forward and again backward, their gradients ``R`` hops back to their owner; it grows with ``N``.
 - ``hybrid`` (USP, Fang & Zhao 2024): Ulysses ``U = P/2`` x ring 2, the Ulysses term on ``N`` tokens plus the ring's
   on blocks of ``N/2`` tokens of ``kv/U`` channels.
-- ``megatron-sp`` (Korthikanti et al. 2022): four all-gathers and four reduce-scatters of ``N x h`` per layer,
-  ``8 (P-1)/P * N h`` (ds4sci's tensor-parallel layers with dropout, or with Llama's sequential residual: the
-  attention and MLP partial sums are reduce-scattered separately, as in Megatron-LM).
+- ``megatron-sp`` (Korthikanti et al. 2022): per layer, forward two all-gathers (the normalised inputs of the
+  column-parallel matmuls) and two reduce-scatters (the row-parallel partial sums) of ``N x h``; backward their
+  duals, two reduce-scatters and two all-gathers, and the two all-gathers again that rebuild the matmuls' inputs
+  for the weight gradients (only this rank's sequence region is saved, as in Megatron-LM), ``10 (P-1)/P * N h``
+  (ds4sci's tensor-parallel layers with dropout, or with Llama's sequential residual: the attention and MLP partial
+  sums are reduce-scattered separately, as in Megatron-LM); ``4 (P-1)/P * N h`` of it in the forward.
 - ``tp-sp`` (the same layers without dropout, ds4sci's training default): GPT-NeoX's parallel residual lets the
-  attention and MLP partial sums share one reduce-scatter (and its backward all-gather), ``6 (P-1)/P * N h``.
+  attention and MLP partial sums share one reduce-scatter (and its backward all-gather), ``8 (P-1)/P * N h``, ``3
+  (P-1)/P * N h`` of it in the forward.
+
+Full activation checkpointing reruns each layer's forward, and with it the forward's collectives, before its
+backward: :func:`tp_forward_comm_bytes` is what that adds under tensor parallelism (the recomputed forward saves the
+region again and the backward re-gathers it as without checkpointing).
 
 The TP layers' small all-reduce, the LayerNorm weight and bias gradients summed over TP (``4 h`` elements per
 layer, ``2 (P-1)/P`` of them sent), is left out of both TP forms (the planner adds it).
@@ -36,10 +44,12 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["COMM_SCHEMES", "MASK_POLICIES", "layer_comm_bytes", "ulysses_kv_heads", "position_table_bytes",
-           "mask_bytes"]
+__all__ = ["COMM_SCHEMES", "MASK_POLICIES", "layer_comm_bytes", "tp_forward_comm_bytes", "ulysses_kv_heads",
+           "position_table_bytes", "mask_bytes"]
 
 COMM_SCHEMES = ("ulysses", "ring", "hybrid", "megatron-sp", "tp-sp")
+# tensor-parallel schemes: (forward, backward) collectives of N x h per layer, each sending (P-1)/P of it
+_TP_COLLECTIVES = {"megatron-sp": (4, 6), "tp-sp": (3, 5)}
 MASK_POLICIES = ("fp32-additive", "bool-device", "bool-cpu-then-device", "none (in-kernel)")
 
 
@@ -64,11 +74,17 @@ def layer_comm_bytes(scheme: str, P: int, N: float, h: float, elem: int, kv: flo
         U, R = P // 2, 2
         ring_part = (6 * R - 4) * N * kv / P * elem  # blocks of N/R tokens on kv/U channels
         return 4 * (U - 1) / U * N * (h + kv) / P * elem + ring_part
-    if scheme == "megatron-sp":
-        return 8 * (P - 1) / P * N * h * elem
-    if scheme == "tp-sp":
-        return 6 * (P - 1) / P * N * h * elem
+    if scheme in _TP_COLLECTIVES:
+        return sum(_TP_COLLECTIVES[scheme]) * (P - 1) / P * N * h * elem
     raise ValueError(f"unknown scheme {scheme!r}; expected one of {COMM_SCHEMES}")
+
+
+def tp_forward_comm_bytes(scheme: str, P: int, N: float, h: float, elem: int) -> float:
+    """The forward's share of :func:`layer_comm_bytes` for a tensor-parallel ``scheme`` (``megatron-sp``, ``tp-sp``):
+    what full activation checkpointing's recomputation sends again per layer."""
+    if scheme not in _TP_COLLECTIVES:
+        raise ValueError(f"{scheme!r} is not a tensor-parallel scheme; expected one of {tuple(_TP_COLLECTIVES)}")
+    return _TP_COLLECTIVES[scheme][0] * (P - 1) / P * N * h * elem
 
 
 def position_table_bytes(rows: int, hidden: int) -> int:

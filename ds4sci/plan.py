@@ -49,14 +49,15 @@ Memory model (bytes per GPU):
     log-sum-exp.
 
   ``selective`` (the attention core, all of ``DistributedAttention``, recomputed): ``(c_n h + c_a + c_f f + 2 r) e +
-  4 s`` with the single-device ``c_a``; under TP both norm outputs are saved as the column-parallel matmuls' inputs
-  gathered over the TP group's sequence regions, ``2 (tp - 1) h e`` more (measured with ``ds4sci bench layouts``,
-  DeepSpeed 0.19.8), and the rotary tables cover ``tp`` local tokens (``2 r tp``); ``full``: ``h e`` (the block
+  4 s`` with the single-device ``c_a``; under TP the column-parallel matmuls save their inputs as this rank's
+  sequence regions (the norm outputs, ``h`` each per local token as on one device; Megatron-LM's choice: backward
+  gathers them again) and the rotary tables cover ``tp`` local tokens (``2 r tp``); ``full``: ``h e`` (the block
   input) per layer plus one layer of ``none`` being recomputed. A rank holds ``T = B S / (sp tp)`` local tokens
   (tensor parallelism's sequence-parallel regions divide them by ``tp``) for ``ceil(L/pp) * min(pp, m)`` layers (1F1B
   keeps ``min(pp, m)`` micro-batches in flight on the first stage, ``m`` micro-steps), plus outside the layers ``8``
-  (token ids; ``16`` with the learned table's position ids) ``+ (1 + tp) h e + 8`` (final norm: its input, gathered
-  over TP its output, and its fp32 statistics; RMSNorm: ``(2 + tp) h e + 4``) ``+ 8 V / tp`` (fp32 logits and their
+  (token ids; ``16`` with the learned table's position ids) ``+ 2 h e + 8`` (final norm: its input, its output (under
+  TP this rank's region, which the output projection gathers again in backward) and its fp32 statistics; RMSNorm:
+  ``3 h e + 4``) ``+ 8 V / tp`` (fp32 logits and their
   log-softmax) per token. Measured on the CPU:
   in bf16 GenSLM's ``rms_norm`` keeps an fp32 copy of its input (it normalises in fp32, as transformers' Llama does),
   and the ``chunked`` backend an fp32 attention output, which this model leaves out.
@@ -77,25 +78,27 @@ fragmentation).
 
 Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.costs.layer_comm_bytes` per layer, forward +
 backward, times ``L / pp`` layers and ``m`` micro-steps; keys and values carry ``kv'`` channels): tensor parallelism
-with sequence-parallel regions on ``N = S / sp`` tokens, ``6 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``:
-GPT-NeoX's parallel residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``8
-(tp-1)/tp N h e`` with dropout or Llama's sequential residual (``megatron-sp``), plus the all-reduce of the layer norms'
-gradients, ``2 (tp-1)/tp 4 h e`` per layer (RMSNorm: ``2 h``; the final norm's ``2 h``, RMSNorm's ``h``, likewise); left
-out: the all-gather of a key/value head's projection shared by ``tp / num_kv_heads`` ranks (its weight, ``2 D h``, per
-layer and micro-step); outside the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the
-vocabulary-parallel embedding's all-reduce and the all-gather in the backward of its split to sequence regions) and the
-last stage ``(tp-1)/tp (2 N h e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather and its backward's
-reduce-scatter, the all-reduce of its gradients and of the vocabulary-parallel cross entropy's fp32 maxima and sums);
-with ``pp = 1`` one rank sends both; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp`` channels; the ring's
-key/value passes on ``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the forward's collectives
-(``full``: tensor and sequence parallel traffic x 1.5; ``selective``: sequence parallel x 1.5); pipeline: ``T h e`` per
-micro-step with ``pp = 2`` (the first stage sends activations forward, the last gradients back), ``2 T h e`` with ``pp >
-2`` (a middle stage sends both); data parallelism over ``sdp``: ring all-reduce ``2 (sdp-1)/sdp * phi g`` per step,
-stages 1 and 2 then all-gather the updated parameter partitions, ``+ (sdp-1)/sdp * phi p`` (DeepSpeed 0.19.8 all-reduces
-the gradients rather than reduce-scattering them), stage 3 adds the forward and backward parameter all-gathers, ``+ 2
-(sdp-1)/sdp * phi p`` (pipeline, data-parallel and tensor-parallel traffic measured with ``ds4sci bench layouts``,
-DeepSpeed 0.19.8); offload: PCIe traffic ``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the parameters fetched
-for forward and backward).
+with sequence-parallel regions on ``N = S / sp`` tokens, ``8 (tp-1)/tp N h e`` per layer without dropout (``tp-sp``:
+GPT-NeoX's parallel residual lets the attention and MLP partial sums share one reduce-scatter), Megatron-LM's ``10
+(tp-1)/tp N h e`` with dropout or Llama's sequential residual (``megatron-sp``) (both with backward's re-gather of the
+column-parallel matmuls' inputs, ``2 (tp-1)/tp N h e``), plus the all-reduce of the layer norms' gradients, ``2
+(tp-1)/tp 4 h e`` per layer (RMSNorm: ``2 h``; the final norm's ``2 h``, RMSNorm's ``h``, likewise); left out: the
+all-gather of a key/value head's projection shared by ``tp / num_kv_heads`` ranks (its weight, ``2 D h``, per layer and
+micro-step); outside the layers, per micro-step, the first stage sends ``3 (tp-1)/tp N h e`` (the vocabulary-parallel
+embedding's all-reduce and the all-gather in the backward of its split to sequence regions) and the last stage
+``(tp-1)/tp (3 N h e + 2 (2 h e + 12 N))`` (the final layer norm's all-gather, its backward's reduce-scatter and the
+output projection's re-gather, the all-reduce of its gradients and of the vocabulary-parallel cross entropy's fp32
+maxima and sums); with ``pp = 1`` one rank sends both; Ulysses' all-to-alls on ``S / ring`` tokens of ``h / tp``
+channels; the ring's key/value passes on ``S`` tokens of ``h / (tp ulysses)`` channels; checkpointing reruns the
+forward's collectives (``full``: the tensor-parallel forward's, :func:`ds4sci.costs.tp_forward_comm_bytes`, ``3`` or ``4
+(tp-1)/tp N h e`` per layer, and sequence parallel traffic x 1.5; ``selective``: sequence parallel x 1.5); pipeline: ``T
+h e`` per micro-step with ``pp = 2`` (the first stage sends activations forward, the last gradients back), ``2 T h e``
+with ``pp > 2`` (a middle stage sends both); data parallelism over ``sdp``: ring all-reduce ``2 (sdp-1)/sdp * phi g``
+per step, stages 1 and 2 then all-gather the updated parameter partitions, ``+ (sdp-1)/sdp * phi p`` (DeepSpeed 0.19.8
+all-reduces the gradients rather than reduce-scattering them), stage 3 adds the forward and backward parameter
+all-gathers, ``+ 2 (sdp-1)/sdp * phi p`` (pipeline, data-parallel and tensor-parallel traffic measured with ``ds4sci
+bench layouts``, DeepSpeed 0.19.8); offload: PCIe traffic ``phi (g + p) / sdp`` (``all``: plus ``2 phi p / sdp``, the
+parameters fetched for forward and backward).
 
 Cost model (stated, simple, no overlap): ``step time = compute / (1 - bubble) + sum over groups of bytes / bandwidth``.
 ``compute = FLOPs / (world * peak * efficiency)``, ``FLOPs = 6 N_tok phi_model + 6 B m dp L h S^2`` (causal attention
@@ -124,7 +127,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
-from ds4sci.costs import layer_comm_bytes, mask_bytes, position_table_bytes, ulysses_kv_heads
+from ds4sci.costs import layer_comm_bytes, mask_bytes, position_table_bytes, tp_forward_comm_bytes, ulysses_kv_heads
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 from ds4sci.models.genslm.config import GenSLMConfig, describe_preset, describe_presets, format_parameters
 from ds4sci.parallel.dims import ParallelDims
@@ -237,16 +240,16 @@ def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
     norms = h + 2 * (2 if rms else 1) * h + (0 if m.parallel_residual else h)
     mlp = (4 if m.mlp == "swiglu" else 2) * f
     stats = 2 * (1 if rms else 2) * 4  # fp32 per norm: rstd (and the mean for LayerNorm)
-    # the column-parallel matmuls save their inputs gathered over the tp ranks' sequence regions: both norm outputs
-    # count tp h per local token; rotary cos/sin cover the S/sp positions of the attention region
-    gathered = 2 * (d.tp - 1) * h + 2 * r * d.tp
+    # under TP the column-parallel matmuls save this rank's sequence regions of their inputs (the norm outputs counted
+    # above), gathering them again in backward; rotary cos/sin cover the S/sp positions of the attention region
+    rotary = 2 * r * d.tp
     # one device: the fused qkv buffer (v is a view of it), the rotated q and k, the attention output
     attention = h + 2 * kv + (h + kv if r else 0) + h
     if mode == "selective":
-        return (norms + attention + mlp + gathered) * e + stats
+        return (norms + attention + mlp + rotary) * e + stats
     if d.ulysses > 1:  # head-sharded q, k, v, the core's output and its sequence-sharded copy
         attention = 3 * h + 2 * _sp_kv(w, strategy)
-    return (norms + attention + mlp + gathered) * e + stats + m.num_heads * 4
+    return (norms + attention + mlp + rotary) * e + stats + m.num_heads * 4
 
 
 def rank_params(w: Workload, strategy: Strategy) -> float:
@@ -285,7 +288,7 @@ def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     if strategy.checkpointing == "full":
         per_token += layer_activation_bytes(w, strategy, "none")  # the layer being recomputed
     rms = w.model.norm == "rmsnorm"
-    final_norm = ((2 if rms else 1) + d.tp) * h * e + (4 if rms else 8)  # input (normalized), output, fp32 statistics
+    final_norm = ((2 if rms else 1) + 1) * h * e + (4 if rms else 8)  # input (normalized), output, fp32 statistics
     ids = 16 if w.learned_table else 8  # int64 token ids (and the position ids the learned table looks up)
     per_token += ids + final_norm + 8 * w.model.vocab_size / d.tp
     activations = T * per_token
@@ -319,16 +322,17 @@ def comm(w: Workload, strategy: Strategy) -> dict[str, float]:
     e, h, S, B, m = p, w.model.hidden_size, w.seq_len, w.micro_batch, w.grad_accum
     layers = math.ceil(w.model.num_layers / d.pp) * B * m
     sp_redo = 1.5 if strategy.checkpointing != "none" else 1.0
-    tp_redo = 1.5 if strategy.checkpointing == "full" else 1.0
     out = {"tp": 0.0, "ulysses": 0.0, "ring": 0.0, "pp": 0.0, "dp": 0.0, "pcie": 0.0}
     if d.tp > 1:
         P, N = d.tp, S / d.sp
         # one reduce-scatter per branch with dropout or with Llama's sequential residual, one shared otherwise
         scheme = "megatron-sp" if w.model.dropout > 0 or not w.model.parallel_residual else "tp-sp"
         norm = 2 * h if w.model.norm == "layernorm" else h  # one norm's parameters, their gradients summed over TP
-        per_layer = tp_redo * layer_comm_bytes(scheme, P, N, h, e) + 2 * (P - 1) / P * 2 * norm * e
+        per_layer = layer_comm_bytes(scheme, P, N, h, e) + 2 * (P - 1) / P * 2 * norm * e
+        if strategy.checkpointing == "full":  # the recomputed forward's collectives
+            per_layer += tp_forward_comm_bytes(scheme, P, N, h, e)
         first = 3 * (P - 1) / P * N * h * e
-        last = (P - 1) / P * (2 * N * h * e + 2 * (norm * e + 12 * N))
+        last = (P - 1) / P * (3 * N * h * e + 2 * (norm * e + 12 * N))
         out["tp"] = layers * per_layer + B * m * (first + last if d.pp == 1 else max(first, last))
     if d.ulysses > 1:
         out["ulysses"] = sp_redo * layers * layer_comm_bytes("ulysses", d.ulysses, S / d.ring, h / d.tp, e,

@@ -25,6 +25,9 @@ def test_measured_bytes_match_the_closed_forms(tmp_path):
     for r in (runs["megatron-sp"], runs["tp-sp"]):  # ds4sci's tensor-parallel layers, sequence-parallel regions
         data = r["by_kind"]["all_gather"] + r["by_kind"]["reduce_scatter"]
         assert data == pytest.approx(r["predicted"], rel=1e-9), r
+        # without backward's re-gather, each all-gather's dual is a reduce-scatter of the same size; the re-gather
+        # of both normalised inputs adds 2 (P-1)/P N h e (P = 2, N = 32, h = 16, fp32)
+        assert r["by_kind"]["all_gather"] - r["by_kind"]["reduce_scatter"] == 2 * (2 - 1) / 2 * 32 * 16 * 4, r
         assert r["by_kind"]["all_reduce"] == 2 * (2 - 1) // 2 * 4 * 16 * 4  # LayerNorm gradients: 4 h fp32 values
     assert runs["megatron-sp"]["predicted"] == layer_comm_bytes("megatron-sp", 2, 32, 16, 4)
     assert all(r["bytes_per_layer_min"] == r["bytes_per_layer_max"] for r in runs.values())  # symmetric schemes

@@ -271,8 +271,8 @@ def test_rank_params_are_what_a_tensor_parallel_rank_holds(preset, overrides):
 
 def test_tp_comm_of_a_sequential_residual_reduces_each_branch_apart():
     """Llama's sequential residual reduce-scatters the attention and the MLP partial sums apart (the per-layer
-    ``megatron-sp`` form, ``8 (tp-1)/tp N h e``; the collectives are counted in tests/distributed/test_tensor_parallel.py),
-    where GPT-NeoX's parallel residual shares one (``6 (tp-1)/tp N h e``)."""
+    ``megatron-sp`` form, ``10 (tp-1)/tp N h e``; the collectives are counted in tests/distributed/test_tensor_parallel.py),
+    where GPT-NeoX's parallel residual shares one (``8 (tp-1)/tp N h e``)."""
     strategy = plan.Strategy(ParallelDims(dp=1, tp=2))
     sequential = plan.Workload(GenSLMConfig.preset("llama-debug"), 64)
     parallel = plan.Workload(GenSLMConfig.preset("llama-debug", parallel_residual=True), 64)

@@ -13,8 +13,11 @@ all-to-all of q, k, v and the output), ``ring`` (Liu et al. 2023, key/value bloc
 Korthikanti et al. 2022, measured on ds4sci's tensor-parallel layers, :mod:`ds4sci.parallel.tensor_parallel`, TP
 degree ``P`` with sequence-parallel regions, dropout on: the attention and MLP partial sums are reduce-scattered
 separately, as in Megatron-LM; the formula row stays beside it, labelled formula) and ``tp-sp`` (the same layers
-without dropout, ds4sci's training default: one shared reduce-scatter). The TP layers' small all-reduce of the
-LayerNorm gradients is left out of both TP closed forms.
+without dropout, ds4sci's training default: one shared reduce-scatter). No activation checkpointing: the TP closed
+forms count one forward, its backward and backward's all-gathers that rebuild the column-parallel matmuls' inputs
+(the layers save only this rank's sequence region); full checkpointing would add the forward's collectives again
+(:func:`ds4sci.costs.tp_forward_comm_bytes`). The TP layers' small all-reduce of the LayerNorm gradients is left out
+of both TP closed forms.
 """
 from __future__ import annotations
 
@@ -132,9 +135,11 @@ def markdown(report: dict) -> str:
                              "closed form / (N h)", "by collective (MiB)"], rows)
     lines += ["", "Ulysses stays flat as N and P grow together; ring and Megatron-LM SP grow with N. megatron-sp: "
               "ds4sci's tensor-parallel layers with sequence-parallel regions (TP degree P, dropout 0.1); tp-sp: the "
-              "same without dropout (one shared reduce-scatter). On gloo a reduce-scatter runs as an all-to-all "
-              "plus a local sum, the same bytes. The small all_gather of the SP schemes is DistributedAttention's "
-              "check that every rank holds the same local shapes (8 integers per group per layer); the small "
+              "same without dropout (one shared reduce-scatter); both all-gather the column-parallel inputs again in "
+              "backward (their weight gradients: only the sequence region is saved). On gloo a reduce-scatter runs as "
+              "an all-to-all plus a local sum, the same bytes. The small all_gather of the SP schemes is "
+              "DistributedAttention's check that every rank holds the same local shapes (8 integers per group per "
+              "layer); the small "
               "all_reduce of the TP schemes sums the LayerNorm gradients over TP (4 h values per layer); the closed "
               "forms leave both out."]
     return "\n".join(lines) + "\n"

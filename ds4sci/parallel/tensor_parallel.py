@@ -63,9 +63,13 @@ Why not DeepSpeed AutoTP (checked in deepspeed 0.19.8):
   ``fusedqkv_utils.require_tp_fused_qkvw``'s list and an unknown block falls back to the ``bloomtype`` split, one
   contiguous block of rows, which is right for GPT-NeoX's per-head layout.)
 
-DISCREPANCY (Megatron-LM): the column-parallel matmuls save the gathered input for backward (Megatron saves the
-sequence-sharded input and all-gathers it again in backward); simpler, at the cost of ``[B, T, hidden]`` per
-gathered input.
+Activation memory (Megatron-LM's choice, described with sequence parallelism by Korthikanti et al. 2022): the
+column-parallel matmuls keep only this TP rank's sequence region of their input ``[k, B, T/tp, hidden]`` for
+backward, not the gathered ``[B, T, hidden]``, and all-gather it again in backward to form their weight gradients:
+one more all-gather per gathered input per layer, ``(tp-1)/tp * N h`` elements sent, for ``tp`` times less saved
+input (:class:`ColumnParallelLinear`, :class:`QKVParallelLinear`; the block's :class:`RegionGather` gathers each
+region once in forward and once in backward for all the projections that read it: fused QKV, the MLP's up projection
+and SwiGLU's gate; likewise the vocabulary-parallel output projection on the final norm's region).
 """
 from __future__ import annotations
 
@@ -86,7 +90,6 @@ from ds4sci.sequence.comm import CommCounter, group_rank, group_size
 
 __all__ = [
     "TPShard",
-    "all_gather_sequence_region",
     "reduce_scatter_sequence_region",
     "split_sequence_region",
     "reduce_from_tensor_region",
@@ -96,6 +99,8 @@ __all__ = [
     "VocabParallelOutput",
     "SequenceRegionSplit",
     "SequenceParallelNorm",
+    "RegionGather",
+    "ColumnParallelLinear",
     "RowParallelLinear",
     "QKVParallelLinear",
     "TensorParallelBlock",
@@ -169,11 +174,11 @@ def _split(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCounter |
 
 
 class _SequenceRegion(torch.autograd.Function):
-    """A collective on the sequence dim of the TP group in forward and its adjoint in backward, each
-    ``f(x, group, dim, counter)``: full SP shard <-> this rank's sequence region. The pairs in use: all-gather /
-    reduce-scatter (entering the column-parallel matmuls; Korthikanti et al. 2022's ``g``), reduce-scatter /
-    all-gather (leaving the row-parallel ones, their ``g-bar``), slice / all-gather (the embedding's replicated
-    output to a region)."""
+    """A collective over the TP group in forward and its adjoint in backward, each ``f(x, group, dim, counter)``;
+    on the sequence dim: full SP shard <-> this rank's sequence region. The pairs in use: reduce-scatter /
+    all-gather (leaving the row-parallel matmuls, Korthikanti et al. 2022's ``g-bar``), slice / all-gather (the
+    embedding's replicated output to a region) and all-gather / reduce-scatter (a shared key/value head's projection
+    rows, :class:`QKVParallelLinear`). Entering the column-parallel matmuls (``g``) is :class:`_GatherRegion`."""
 
     @staticmethod
     def forward(ctx, x, group, dim, counter, collective, adjoint):
@@ -183,6 +188,98 @@ class _SequenceRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.adjoint(grad, ctx.group, ctx.dim, ctx.counter), None, None, None, None, None
+
+
+class _Region:
+    """One forward's input of the column-parallel matmuls of a block (or of the output projection): this TP rank's
+    sequence regions ``local [k, B, T/tp, hidden]`` (``k`` normalised tensors gathered in one collective) and, in
+    backward, from the first weight gradient that needs it until the gather's own backward, their re-gathered copy
+    ``full [k, B, T, hidden]``."""
+
+    def __init__(self, local: Tensor, tp: "_TP"):
+        self.local, self.tp = local, tp
+        self.full: Tensor | None = None
+
+    def gathered(self, local: Tensor) -> Tensor:
+        """``[k, B, T, hidden]``: all-gathered once (counted) for all the matmuls reading the region."""
+        if self.full is None:
+            self.full = _all_gather(local, self.tp.group, 2, self.tp.counter)
+        return self.full
+
+
+class _GatherRegion(torch.autograd.Function):
+    """``[k, B, T/tp, hidden] -> [k, B, T, hidden]``: all-gather in forward, saving nothing (each reader saves the
+    region itself); backward reduce-scatters the gradient summed over the readers (Korthikanti et al.'s ``g``) and
+    drops the region and its re-gathered copy, which every reader's backward has used by then."""
+
+    @staticmethod
+    def forward(ctx, local, region):
+        ctx.region = region
+        return _all_gather(local, region.tp.group, 2, region.tp.counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        region, ctx.region = ctx.region, None
+        region.local = region.full = None
+        return _reduce_scatter(grad, region.tp.group, 2, region.tp.counter), None
+
+
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """``x [B, T, in] @ weight.T + bias`` for ``x`` the gathered slot ``slot`` of ``region``, saving the region
+    (``[k, B, T/tp, in]``, shared by its readers) instead of ``x``; backward re-gathers it for the weight gradient.
+    The gradients are computed as autograd computes ``F.linear``'s (folded to 2-D, the same ``mm`` calls), so they
+    equal those of a linear layer saving ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, region, slot):
+        ctx.save_for_backward(region.local, weight)
+        ctx.region, ctx.slot, ctx.bias = region, slot, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, weight = ctx.saved_tensors
+        grad2 = grad.reshape(-1, grad.shape[-1])  # [B*T, out]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad2.mm(weight).view(*grad.shape[:-1], weight.shape[1])  # [B, T, in]
+        if ctx.needs_input_grad[1]:
+            x = ctx.region.gathered(local)[ctx.slot]  # [B, T, in]: the re-gathered input
+            grad_w = x.reshape(-1, x.shape[-1]).t().mm(grad2).t()  # [out, in]
+        if ctx.bias and ctx.needs_input_grad[2]:
+            grad_b = grad2.sum(0)
+        ctx.region = None
+        return grad_x, grad_w, grad_b, None, None
+
+
+class RegionGather:
+    """Gathers normalised sequence regions for the column-parallel matmuls that read them and tells those which
+    region they read: a block (or the final norm) calls it on ``local [k, B, T/tp, hidden]`` and gets ``[k, B, T,
+    hidden]``; each reader (:class:`ColumnParallelLinear`, :class:`QKVParallelLinear`, :class:`VocabParallelOutput`)
+    holds this object and a slot ``< k`` and, inside its own forward, takes :attr:`current`, the region of this
+    forward (so that ZeRO-3 still finds each parameter used in its own module); the caller resets it once its readers
+    have run (:meth:`release`: the readers' autograd contexts then hold the region alone). A plain object, not a
+    module: it holds no parameters and is shared by several modules."""
+
+    def __init__(self, tp: "_TP"):
+        self.tp = tp
+        self.current: _Region | None = None
+
+    def __call__(self, local: Tensor) -> Tensor:
+        self.current = _Region(local, self.tp)
+        return _GatherRegion.apply(local, self.current)
+
+    def release(self) -> None:
+        self.current = None
+
+    def region(self, x: Tensor, slot: int) -> _Region:
+        """The current region, checked against the reader's input ``x [B, T, in]``."""
+        region = self.current
+        k, B, T_local, h = (0, 0, 0, 0) if region is None or region.local is None else region.local.shape
+        if (B, T_local * self.tp.size, h) != tuple(x.shape) or slot >= k:
+            raise ValueError(f"a column-parallel layer reads its block's gathered sequence region; got an input of "
+                             f"shape {tuple(x.shape)}, not the block's last gathered region (slot {slot})")
+        return region
 
 
 class _ReduceFromTensor(torch.autograd.Function):
@@ -208,12 +305,6 @@ class _SyncGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce(grad, ctx.group, ctx.counter), None, None
-
-
-def all_gather_sequence_region(x: Tensor, group, dim: int = 1, counter: CommCounter | None = None) -> Tensor:
-    """``[B, T/tp, ...] -> [B, T, ...]`` (differentiable; backward reduce-scatters, i.e. SUMS the gradients of the
-    TP ranks, which are partial when the gathered tensor feeds column-parallel matmuls)."""
-    return x if group_size(group) == 1 else _SequenceRegion.apply(x, group, dim, counter, _all_gather, _reduce_scatter)
 
 
 def reduce_scatter_sequence_region(x: Tensor, group, dim: int = 1, counter: CommCounter | None = None) -> Tensor:
@@ -301,14 +392,6 @@ def _mark(p: nn.Parameter, shard: TPShard) -> None:
     p.ds4sci_tp_order = shard.order
 
 
-def _column_parallel(linear: nn.Linear, tp: _TP) -> nn.Linear:
-    """``linear`` split on its output features in place (Megatron-LM's column-parallel linear layer):
-    ``weight [out/tp, in]``, ``bias [out/tp]`` (if any) of TP rank ``t``'s contiguous rows."""
-    linear.weight, linear.bias = _shard_param(linear.weight, 0, tp), _shard_param(linear.bias, 0, tp)
-    linear.out_features = linear.weight.shape[0]
-    return linear
-
-
 def _padded_vocab(vocab_size: int, tp: int) -> int:
     return math.ceil(vocab_size / tp) * tp
 
@@ -356,15 +439,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelOutput(nn.Module):
-    """Output projection split on the vocabulary: replicated hidden ``[B, T, hidden]`` (from an all-gather, whose
-    backward sums the ranks' partial input gradients) -> this rank's logits ``[B, T, V_pad/tp]``; padded columns are
-    ``-inf``."""
+    """Output projection split on the vocabulary (column-parallel): hidden ``[B, T, hidden]``, the final norm's
+    region gathered by ``source`` (a :class:`RegionGather`, whose backward sums the ranks' partial input gradients)
+    -> this rank's logits ``[B, T, V_pad/tp]``; padded columns are ``-inf``. Saves the region, not the hidden
+    states, for backward."""
 
-    def __init__(self, linear: nn.Linear, tp: _TP, vocab_size: int):
+    def __init__(self, linear: nn.Linear, tp: _TP, vocab_size: int, source: RegionGather):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("VocabParallelOutput: GenSLM's embed_out has no bias; got one")
-        self.tp = tp
+        self.tp, self.source = tp, source
         self.vocab_size = vocab_size
         self.weight = _shard_param(linear.weight, 0, tp, _padded_vocab(vocab_size, tp.size))
         rows = self.weight.shape[0]
@@ -374,7 +458,9 @@ class VocabParallelOutput(nn.Module):
         self.register_buffer("padding", padding.to(device), persistent=False)  # [V_pad/tp]
 
     def forward(self, x: Tensor) -> Tensor:
-        logits = F.linear(x, self.weight)  # [B, T, V_pad/tp]
+        region = self.source.region(x, 0)
+        self.source.release()  # the only reader of the final norm's region
+        logits = _ColumnParallelMatmul.apply(x, self.weight, None, region, 0)  # [B, T, V_pad/tp]
         if bool(self.padding.any()):
             logits = logits.masked_fill(self.padding, -math.inf)
         return logits
@@ -405,9 +491,10 @@ class SequenceRegionSplit(nn.Module):
 class SequenceParallelNorm(nn.Module):
     """The block's norm (``nn.LayerNorm`` or GenSLM's :class:`~ds4sci.models.genslm.model.RMSNorm`, as the model's
     config chose) on a sequence region, with replicated ``weight`` (and LayerNorm's ``bias``) whose gradients are
-    summed over TP; ``gather=True`` all-gathers the full SP shard after it (GenSLM's final norm)."""
+    summed over TP; with ``gather`` (the output projection's :class:`RegionGather`; GenSLM's final norm) its output
+    is all-gathered to the full SP shard ``[B, T, hidden]``."""
 
-    def __init__(self, norm: nn.LayerNorm | RMSNorm, tp: _TP, gather: bool = False):
+    def __init__(self, norm: nn.LayerNorm | RMSNorm, tp: _TP, gather: RegionGather | None = None):
         super().__init__()
         self.rms = isinstance(norm, RMSNorm)
         self.weight, self.bias = norm.weight, getattr(norm, "bias", None)
@@ -422,10 +509,31 @@ class SequenceParallelNorm(nn.Module):
             y = rms_norm(x, weight, self.eps)
         else:
             y = F.layer_norm(x, self.weight.shape, weight, sync_grad(self.bias, g, c), self.eps)
-        return all_gather_sequence_region(y, g, 1, c) if self.gather else y
+        return y if self.gather is None else self.gather(y.unsqueeze(0))[0]  # [1, B, T/tp, h] -> [B, T, h]
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, rms={self.rms}, gather={self.gather}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, rms={self.rms}, gather={self.gather is not None}"
+
+
+class ColumnParallelLinear(nn.Module):
+    """Megatron-LM's column-parallel linear layer on a gathered sequence region: ``weight [out/tp, in]``, ``bias
+    [out/tp]`` (if any), TP rank ``t``'s contiguous rows of ``linear``'s; ``forward(x [B, T, in]) -> [B, T, out/tp]``
+    for ``x`` slot ``slot`` of the block's gathered region (``source``, a :class:`RegionGather`), saving the region,
+    not ``x``, for backward."""
+
+    def __init__(self, linear: nn.Linear, tp: _TP, source: RegionGather, slot: int):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.weight, self.bias = _shard_param(linear.weight, 0, tp), _shard_param(linear.bias, 0, tp)
+        self.out_features = self.weight.shape[0]
+        self.source, self.slot = source, slot
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.source.region(x, self.slot), self.slot)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (this rank's), "
+                f"bias={self.bias is not None}, slot={self.slot}")
 
 
 class _ShareBias(torch.autograd.Function):
@@ -501,9 +609,11 @@ class QKVParallelLinear(nn.Module):
       process group is needed.
     """
 
-    def __init__(self, linear: nn.Linear, num_heads: int, num_kv_heads: int, head_dim: int, tp: _TP):
+    def __init__(self, linear: nn.Linear, num_heads: int, num_kv_heads: int, head_dim: int, tp: _TP,
+                 source: RegionGather, slot: int):
         super().__init__()
         self.tp, self.head_dim = tp, head_dim
+        self.source, self.slot = source, slot
         self.kv_ranks = max(tp.size // num_kv_heads, 1)  # r: ranks sharing one key/value head
         if 2 * head_dim % self.kv_ranks:
             raise ValueError(f"head_dim={head_dim}: tp={tp.size} ranks split {num_kv_heads} key/value head(s), "
@@ -518,7 +628,9 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         bias = None if self.bias is None else self._with_kv_head(self.bias)
-        return F.linear(x, self._with_kv_head(self.weight), bias)  # [B, T, Hkv_loc * (g_loc + 2) * D]
+        region = self.source.region(x, self.slot)  # x: slot `slot` of the block's gathered region
+        weight = self._with_kv_head(self.weight)
+        return _ColumnParallelMatmul.apply(x, weight, bias, region, self.slot)  # [B, T, Hkv_loc * (g_loc + 2) * D]
 
     def _with_kv_head(self, p: Tensor) -> Tensor:
         """This rank's rows in the single-device group layout: its query rows, then the whole shared head's
@@ -533,28 +645,31 @@ class QKVParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (this rank's), "
-                f"kv_ranks={self.kv_ranks}, bias={self.bias is not None}")
+                f"kv_ranks={self.kv_ranks}, bias={self.bias is not None}, slot={self.slot}")
 
 
-def _split_attention(attention: Attention, tp: _TP) -> None:
+def _split_attention(attention: Attention, tp: _TP, source: RegionGather, slot: int) -> None:
     """GenSLM attention on the heads of one TP rank, in place: column-parallel ``query_key_value``
-    (:class:`QKVParallelLinear`), row-parallel ``dense`` (:class:`RowParallelLinear`), the core offset to this rank's
-    first head, and the module's head counts made local, so its own forward (rotary, grouped q/k/v split) runs on
-    ``H/tp`` query and ``max(Hkv/tp, 1)`` key/value heads and returns this rank's partial sum ``[B, T, hidden]``."""
+    (:class:`QKVParallelLinear`, reading slot ``slot`` of ``source``'s region), row-parallel ``dense``
+    (:class:`RowParallelLinear`), the core offset to this rank's first head, and the module's head counts made local,
+    so its own forward (rotary, grouped q/k/v split) runs on ``H/tp`` query and ``max(Hkv/tp, 1)`` key/value heads
+    and returns this rank's partial sum ``[B, T, hidden]``."""
     H, Hkv = attention.num_heads, attention.num_kv_heads
-    attention.query_key_value = QKVParallelLinear(attention.query_key_value, H, Hkv, attention.head_dim, tp)
+    attention.query_key_value = QKVParallelLinear(attention.query_key_value, H, Hkv, attention.head_dim, tp, source,
+                                                  slot)
     attention.num_heads, attention.num_kv_heads = H // tp.size, max(Hkv // tp.size, 1)
     attention.dense = RowParallelLinear(attention.dense, tp)  # [hidden, hidden/tp]
     attention.core = TensorParallelCore(attention.core, tp.rank * attention.num_heads)
 
 
-def _split_mlp(mlp: MLP, tp: _TP) -> None:
+def _split_mlp(mlp: MLP, tp: _TP, source: RegionGather, slot: int) -> None:
     """GenSLM MLP on ``intermediate/tp`` columns, in place: ``dense_h_to_4h`` (and SwiGLU's ``dense_h_to_4h_gate``)
-    column-parallel, ``dense_4h_to_h`` row-parallel; its own forward returns this rank's partial sum ``[B, T, hidden]``
-    (the activation, and SwiGLU's product, act on matching columns)."""
-    _column_parallel(mlp.dense_h_to_4h, tp)  # [I/tp, hidden]
+    column-parallel (:class:`ColumnParallelLinear`, both reading slot ``slot`` of ``source``'s region),
+    ``dense_4h_to_h`` row-parallel; its own forward returns this rank's partial sum ``[B, T, hidden]`` (the
+    activation, and SwiGLU's product, act on matching columns)."""
+    mlp.dense_h_to_4h = ColumnParallelLinear(mlp.dense_h_to_4h, tp, source, slot)  # [I/tp, hidden]
     if mlp.dense_h_to_4h_gate is not None:
-        _column_parallel(mlp.dense_h_to_4h_gate, tp)
+        mlp.dense_h_to_4h_gate = ColumnParallelLinear(mlp.dense_h_to_4h_gate, tp, source, slot)
     mlp.dense_4h_to_h = RowParallelLinear(mlp.dense_4h_to_h, tp)  # [hidden, I/tp]
 
 
@@ -565,6 +680,8 @@ class TensorParallelBlock(nn.Module):
     normalised tensors -> column/row-parallel attention and MLP on the full SP shard -> one reduce-scatter of their
     summed partials (row-parallel biases included) -> the residual on the region. Sequential residual (Llama):
     ``y = x + attn(ln1(x))``, then ``y + mlp(ln2(y))``, each branch with its own all-gather and reduce-scatter.
+    Each all-gather is a :class:`RegionGather` (attention's slot 0 and the MLP's slot 1 of one, or one per branch),
+    repeated once in backward for the weight gradients.
     """
 
     def __init__(self, block: Block, tp: _TP):
@@ -572,21 +689,32 @@ class TensorParallelBlock(nn.Module):
         self.tp = tp
         self.input_layernorm = SequenceParallelNorm(block.input_layernorm, tp)
         self.post_attention_layernorm = SequenceParallelNorm(block.post_attention_layernorm, tp)
-        _split_attention(block.attention, tp)
-        _split_mlp(block.mlp, tp)
+        self.parallel_residual = block.parallel_residual
+        if self.parallel_residual:  # both normalised regions stacked into one gather: attention slot 0, MLP slot 1
+            self.gather_attention = self.gather_mlp = RegionGather(tp)
+        else:
+            self.gather_attention, self.gather_mlp = RegionGather(tp), RegionGather(tp)
+        _split_attention(block.attention, tp, self.gather_attention, 0)
+        _split_mlp(block.mlp, tp, self.gather_mlp, 1 if self.parallel_residual else 0)
         self.attention, self.mlp = block.attention, block.mlp
         self.dropout = block.dropout
-        self.parallel_residual = block.parallel_residual
 
     def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
+        out = self._residual(x, position_ids, doc_ids)
+        self.gather_attention.release()
+        self.gather_mlp.release()
+        return out
+
+    def _residual(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
         g, c = self.tp.group, self.tp.counter
         if not self.parallel_residual:
-            attn = self.attention(all_gather_sequence_region(self.input_layernorm(x), g, 1, c), position_ids, doc_ids)
+            attn_in = self.gather_attention(self.input_layernorm(x).unsqueeze(0))[0]  # [1, B, T/tp, h] -> [B, T, h]
+            attn = self.attention(attn_in, position_ids, doc_ids)
             x = x + self.dropout(reduce_scatter_sequence_region(attn, g, 1, c))  # [B, T/tp, hidden]
-            mlp = self.mlp(all_gather_sequence_region(self.post_attention_layernorm(x), g, 1, c))
+            mlp = self.mlp(self.gather_mlp(self.post_attention_layernorm(x).unsqueeze(0))[0])
             return x + self.dropout(reduce_scatter_sequence_region(mlp, g, 1, c))
         normed = torch.stack([self.input_layernorm(x), self.post_attention_layernorm(x)])  # [2, B, T/tp, hidden]
-        attn_in, mlp_in = all_gather_sequence_region(normed, g, 2, c).unbind(0)  # 2 x [B, T, hidden]
+        attn_in, mlp_in = self.gather_attention(normed).unbind(0)  # 2 x [B, T, hidden]
         attn = self.attention(attn_in, position_ids, doc_ids)  # [B, T, hidden], partial over TP (bias included)
         mlp = self.mlp(mlp_in)
         if self.dropout.training and self.dropout.p > 0:  # dropout acts on each summed branch: reduce both
@@ -621,8 +749,9 @@ def apply_tensor_parallel(model: GenSLM, groups: SequenceParallelGroups, *, coun
     model.emb_dropout = SequenceRegionSplit(model.emb_dropout, tp)
     for i, block in enumerate(model.layers):
         model.layers[i] = TensorParallelBlock(block, tp)
-    model.final_layer_norm = SequenceParallelNorm(model.final_layer_norm, tp, gather=True)
-    model.embed_out = VocabParallelOutput(model.embed_out, tp, cfg.vocab_size)
+    head_input = RegionGather(tp)  # the final norm's region, gathered for the output projection
+    model.final_layer_norm = SequenceParallelNorm(model.final_layer_norm, tp, gather=head_input)
+    model.embed_out = VocabParallelOutput(model.embed_out, tp, cfg.vocab_size, head_input)
     if cfg.tie_word_embeddings:  # the same rows of the same padded vocabulary: one parameter, as in GenSLM
         model.embed_out.weight = model.embed_in.weight
 

@@ -7,11 +7,16 @@ EVERY parameter gradient (consolidated over TP, summed over SP as the engine wou
 world size share one spawn; each failure names its case. Llama-shaped cases (``_llama``) cover key/value heads split
 over TP and shared by 2 or 4 TP ranks, SwiGLU, RMSNorm, no biases, the sequential residual and a tied head.
 """
+import functools
+
 import pytest
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ds4sci import plan as planner
+from ds4sci.costs import tp_forward_comm_bytes
 from ds4sci.spawn import run_workers
 from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, GenSLMConfig, shift_labels, token_loss
 from ds4sci.parallel import ParallelDims
@@ -26,6 +31,7 @@ from ds4sci.parallel.tensor_parallel import (
     token_loss_for,
 )
 from ds4sci.sequence import CommCounter, gather_sequence, shard_sequence
+from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -52,6 +58,17 @@ def _model(cfg: GenSLMConfig, seed: int) -> GenSLM:
     return GenSLM(cfg)
 
 
+def _draw_vectors(model: GenSLM, seed: int) -> GenSLM:
+    """Norm weights and biases drawn around their initial 1 and 0: a block's two norms then differ, so a matmul
+    reading the wrong normalised region (or a bias left out) changes the result."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
 def _batch(cfg: GenSLMConfig, B: int, S: int, seed: int, docs: bool):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
@@ -66,12 +83,12 @@ def check_model(label, groups, cfg, *, S, B=2, docs=False, seed=0):
     """One forward and backward of the parallel model against the single-device one."""
     dims = groups.dims
     ids, pos, targets, doc = _batch(cfg, B, S, seed + 1, docs)
-    ref = _model(cfg, seed)
+    ref = _draw_vectors(_model(cfg, seed), seed)
     ref_logits = ref(ids, pos, doc)
     ref_loss = token_loss(ref_logits, targets, "sum")
     ref_loss.backward()
 
-    model = _model(cfg, seed)
+    model = _draw_vectors(_model(cfg, seed), seed)
     table = parallelize(model, groups)
     assert set(model.state_dict()) | ({"embed_pos.weight"} if table else set()) == set(ref.state_dict()), label
 
@@ -109,6 +126,24 @@ def check_model(label, groups, cfg, *, S, B=2, docs=False, seed=0):
     if table is not None:
         close(table.weight.grad, ref.embed_pos.weight.grad[table.rows], "grad embed_pos.weight (this SP shard's rows)")
     return model
+
+
+def check_saved_bytes(label, groups, config, *, S, B=2):
+    """Bytes one layer saves for backward per local token (a 2-layer minus a 1-layer model; the TP rank holds ``B S /
+    tp`` tokens) are the planner's: the column-parallel matmuls save this rank's sequence regions of their inputs
+    (``h`` per token each), not the gathered ``[B, S, h]`` (``tp h``)."""
+    saved = []
+    for layers in (1, 2):
+        model = _model(config(num_layers=layers, attention_backend="chunked"), 0)
+        parallelize(model, groups)
+        ids, pos, _, _ = _batch(model.config, B, S, 0, False)
+        with SavedBytes(model) as counted:
+            model(ids, pos)
+        saved.append(counted.total)
+    w = planner.Workload(model.config, S, micro_batch=B, dtype="fp32")
+    per_token = planner.layer_activation_bytes(w, planner.Strategy(groups.dims), "none")
+    assert (saved[1] - saved[0]) / (B * S // groups.dims.tp) == per_token, (label, saved, per_token)
+    return per_token
 
 
 def check_materialize(label, groups, cfg, seed=0):
@@ -167,6 +202,12 @@ def _worker_tp2(rank, world):
     # Llama shapes: one key/value head per rank (tied head); one head shared by both ranks (untied)
     check_model("TP2 llama kv2 tied", groups, _llama(), S=8, docs=True, seed=8)
     check_model("TP2 llama kv1 shared untied", groups, _llama(num_kv_heads=1, tie_word_embeddings=False), S=6, seed=9)
+    # saved activations per layer and local token: the planner's, the single device's but for the rotary tables of
+    # the gathered positions (2 rotary_dim (tp - 1) fp32 values more)
+    for label, config in (("TP2 neox", _config), ("TP2 llama kv2", _llama)):
+        per_token = check_saved_bytes(label, groups, config, S=16)
+        one = planner.layer_activation_bytes(planner.Workload(config(), 16, dtype="fp32"), planner.Strategy(), "none")
+        assert per_token == one + 2 * config().rotary_dim * (2 - 1) * 4, (label, per_token, one)
 
     # communication: forward = 1 all-reduce (embedding), L reduce-scatters, L + 1 all-gathers; nothing else
     cfg = _config(num_layers=3)
@@ -179,13 +220,17 @@ def _worker_tp2(rank, world):
     assert dict(counter.calls) == {"all_reduce": 1, "reduce_scatter": 3, "all_gather": 4}, counter
     assert counter.bytes_sent["reduce_scatter"] == 3 * B * S * h * 4 // 2, counter  # half of [B, S, h] leaves
     counter.reset()
-    logits.sum().backward()  # backward: the dual collectives (the embedding split's is an all-gather), plus
-    # gradient all-reduces of the 4 LayerNorm parameters per block and the final LayerNorm's 2
-    assert counter.calls["reduce_scatter"] == 4 and counter.calls["all_gather"] == 4, counter
+    logits.sum().backward()  # backward: the dual collectives (the embedding split's is an all-gather), the
+    # re-gather of each block's two normalised regions and of the final norm's (one all-gather each for the weight
+    # gradients: Megatron-LM's saving of the region only) plus gradient all-reduces of the 4 LayerNorm parameters per
+    # block and the final LayerNorm's 2
+    assert counter.calls["reduce_scatter"] == 4 and counter.calls["all_gather"] == 4 + 3 + 1, counter
+    assert counter.bytes_sent["all_gather"] == (3 + 3 * 2 + 1 + 1) * B * S * h * 4 // 2, counter  # halves sent
     assert counter.calls["all_reduce"] == 3 * 4 + 2, counter
     # Llama (sequential residual, RMSNorm, one key/value head shared by both ranks): per block an all-gather and a
-    # reduce-scatter per branch, plus the all-gather of the shared head's projection rows; backward the duals and
-    # the gradient all-reduce of RMSNorm's one weight per norm (the planner's megatron-sp form: 8 (tp-1)/tp N h)
+    # reduce-scatter per branch, plus the all-gather of the shared head's projection rows; backward the duals, the
+    # re-gather of each branch's region (and of the final norm's) and the gradient all-reduce of RMSNorm's one
+    # weight per norm (the planner's megatron-sp form: 10 (tp-1)/tp N h)
     counter = CommCounter()
     llama = _model(_llama(num_layers=3, num_kv_heads=1), 0)
     parallelize(llama, groups, counter=counter)
@@ -194,7 +239,21 @@ def _worker_tp2(rank, world):
     assert counter.bytes_sent["reduce_scatter"] == 6 * B * S * h * 4 // 2, counter
     counter.reset()
     logits.sum().backward()
-    assert dict(counter.calls) == {"reduce_scatter": 7 + 3, "all_gather": 6 + 1, "all_reduce": 3 * 2 + 1}, counter
+    assert dict(counter.calls) == {"reduce_scatter": 7 + 3, "all_gather": 6 + 1 + 6 + 1, "all_reduce": 3 * 2 + 1}, \
+        counter
+
+    # full activation checkpointing (a reentrant recomputation, as DeepSpeed's) sends each layer's forward
+    # collectives once more (ds4sci.costs.tp_forward_comm_bytes) and its backward still re-gathers the regions
+    sent = []
+    for recompute in (False, True):
+        counter = CommCounter()
+        recomputed = _model(cfg, 0)
+        parallelize(recomputed, groups, counter=counter)
+        if recompute:
+            recomputed.checkpoint_fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+        recomputed(ids, pos).sum().backward()
+        sent.append(counter.bytes_sent["all_gather"] + counter.bytes_sent["reduce_scatter"])
+    assert sent[1] - sent[0] == 3 * tp_forward_comm_bytes("tp-sp", 2, B * S, h, 4), sent
 
     # consolidation round trip: the TP model's pieces are the single-device model's; full -> TP -> full
     ref = _model(cfg, 5)
@@ -221,6 +280,9 @@ def _worker_tp2(rank, world):
     model = _parallel(_config(), 0, groups)
     ids, pos, _, _ = _batch(_config(), 1, 9, 0, False)
     _expect_value_error("sequence", "has 9 tokens, not divisible by tp=2", lambda: model(ids, pos))
+    # a column-parallel layer called on anything but its block's gathered region (here: outside any block)
+    _expect_value_error("region", "got an input of shape (1, 4, 32), not the block's last gathered region",
+                        lambda: model.layers[0].mlp(torch.zeros(1, 4, 32)))
     logits = torch.zeros(1, 4, 3)  # a vocabulary of 6 over two ranks
     _expect_value_error("targets", "targets must be in [0, 6) or -100, got range [0, 7]",
                         lambda: token_loss_for(groups)(logits, torch.tensor([[0, 7, IGNORE_INDEX, 2]])))
