@@ -43,16 +43,25 @@ class OuterProductMean(nn.Module):
         if mask is None:
             mask = m.new_ones(m.shape[:-1])
         check_broadcasts(layer, "mask", mask, m.shape[:-1], "N_seq, N_res")
-        mask = mask.to(m.dtype).expand(m.shape[:-1]).unsqueeze(-1)  # [*, N_seq, N_res, 1]
+        a, b, mask = self.project(m, mask)
+        return self.outer(a, b, mask, mask, chunk_size)
+
+    def project(self, m: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``a = Linear_1(LN(m)) * mask``, ``b = Linear_2(LN(m)) * mask`` ``[*, N_seq, N_res', c]`` and the mask as
+        ``[*, N_seq, N_res']`` in m's dtype, for any residues of m (pointwise along N_res)."""
+        mask = mask.to(m.dtype).expand(m.shape[:-1])
         ln = self.layer_norm(m)
-        a = self.linear_1(ln) * mask  # [*, N_seq, N_res, c]
-        b = self.linear_2(ln) * mask
-        count = torch.einsum("...si,...sj->...ij", mask[..., 0], mask[..., 0]).unsqueeze(-1) + self.eps  # [*, I, J, 1]
-        n_res = m.shape[-2]
-        step = n_res if chunk_size is None else chunk_size
+        return self.linear_1(ln) * mask.unsqueeze(-1), self.linear_2(ln) * mask.unsqueeze(-1), mask
+
+    def outer(self, a: Tensor, b: Tensor, mask_a: Tensor, mask_b: Tensor, chunk_size: Optional[int] = None) -> Tensor:
+        """The update ``[*, I, J, C_z]`` of residues ``i`` of ``a`` (``[*, N_seq, I, c]``, mask ``[*, N_seq, I]``)
+        against residues ``j`` of ``b``: ``Linear_out(flatten(sum_s a_si b_sj)) / (sum_s mask_si mask_sj + eps)``,
+        ``chunk_size`` residues i at a time."""
+        count = torch.einsum("...si,...sj->...ij", mask_a, mask_b).unsqueeze(-1) + self.eps  # [*, I, J, 1]
+        n = a.shape[-2]
+        step = n if chunk_size is None else chunk_size
         pieces = []
-        for start in range(0, n_res, step):
-            a_rows = a[..., start : start + step, :]  # [*, N_seq, chunk, c]
-            outer = torch.einsum("...sic,...sje->...ijce", a_rows, b)  # [*, chunk, N_res, c, c]
-            pieces.append(self.linear_out(outer.flatten(-2)))  # [*, chunk, N_res, C_z]
+        for start in range(0, n, step):
+            outer = torch.einsum("...sic,...sje->...ijce", a[..., start : start + step, :], b)  # [*, i, J, c, c]
+            pieces.append(self.linear_out(outer.flatten(-2)))  # [*, i, J, C_z]
         return torch.cat(pieces, dim=-3) / count

@@ -71,12 +71,19 @@ class TriangleMultiplicativeUpdate(nn.Module):
         check_broadcasts(layer, "mask", mask, z.shape[:-1], "N_res, N_res")
         x = self.layer_norm_in(z)
         a, b = self.projections(x, mask.to(z.dtype).unsqueeze(-1))
-        # outgoing: p_ij = sum_k a_ik b_jk; incoming: p_ij = sum_k a_ki b_kj (as batched matmuls over channels)
+        return self.finish(x, self.combine(a, b))
+
+    def combine(self, a: Tensor, b: Tensor) -> Tensor:
+        """``p [*, I, J, c]``: outgoing ``p_ij = sum_k a_ik b_jk`` (``a`` any rows i, ``b`` every row), incoming
+        ``p_ij = sum_k a_ki b_kj`` (``a`` every column, ``b`` any columns j), as batched matmuls over channels."""
         if self.outgoing:
             p = torch.matmul(a.movedim(-1, -3), b.movedim(-1, -3).transpose(-1, -2))  # [*, c, I, J]
         else:
             p = torch.matmul(a.movedim(-1, -3).transpose(-1, -2), b.movedim(-1, -3))  # [*, c, I, J]
-        p = p.movedim(-3, -1)  # [*, I, J, c]
+        return p.movedim(-3, -1)
+
+    def finish(self, x: Tensor, p: Tensor) -> Tensor:
+        """The update ``sigmoid(Linear_g(x)) * Linear_z(LN_out(p))`` of the normalised pair ``x`` (the slab of p)."""
         return torch.sigmoid(self.linear_g(x)) * self.linear_z(self.layer_norm_out(p))
 
 
