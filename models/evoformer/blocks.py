@@ -67,7 +67,7 @@ class PairStack(_Block):
                  convention: Union[str, Convention] = Convention.OPENFOLD3):
         super().__init__()
         convention = resolve_convention(convention)
-        self._transpose_end_bias = convention is Convention.OPENFOLD3
+        self.transpose_end_bias = convention is Convention.OPENFOLD3
         self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul, fuse_projection_weights,
                                                           convention=convention)
         self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul, fuse_projection_weights,
@@ -84,7 +84,7 @@ class PairStack(_Block):
         z = z + self.dropout_row(self.tri_mul_out(z, pair_mask))
         z = z + self.dropout_row(self.tri_mul_in(z, pair_mask))
         z = z + self.dropout_row(self.tri_att_start(z, pair_mask, chunk_size))
-        z = z + self.dropout_col(self.tri_att_end(z, pair_mask, chunk_size, transpose_bias=self._transpose_end_bias))
+        z = z + self.dropout_col(self.tri_att_end(z, pair_mask, chunk_size, transpose_bias=self.transpose_end_bias))
         return z + self.pair_transition(z, pair_mask, chunk_size)
 
 
