@@ -21,3 +21,12 @@ def load_model(path, device="cpu"):
     from ds4sci.io.weights import load_model as _load_model
 
     return _load_model(path, device)
+
+
+def evoformer_context_parallel(block, group=None):
+    """``block`` (a :class:`ds4sci.models.evoformer.EvoformerBlock`) run across the ranks of ``group`` (default: the
+    default process group) by axial context parallelism, with the block's call signature and single-process
+    semantics in outputs and gradients (:mod:`ds4sci.parallel.evoformer_cp`)."""
+    from ds4sci.parallel.evoformer_cp import evoformer_context_parallel as _cp
+
+    return _cp(block, group)

@@ -1,4 +1,4 @@
-"""ds4sci.models.evoformer: Evoformer attention layers (OpenFold-compatible).
+"""ds4sci.models.evoformer: Evoformer attention layers and whole Evoformer / Pairformer blocks (OpenFold-compatible).
 
 The four attention layers of AlphaFold2's Evoformer (supplement Algorithms 7, 8, 13, 14), running on
 ``ds4sci.kernels.evoformer_attention`` (the logits are never stored; backend chosen with one
@@ -11,22 +11,40 @@ OpenFold3 (default) or OpenFold state dict of the same module loads with ``load_
     m = m + layer(m, z, mask=msa_mask)                  # [*, N_seq, N_res, C_m]
     m = m + layer(m, z, mask=msa_mask, chunk_size=64)   # inference on very deep MSAs
 """
+from ds4sci.models.evoformer.blocks import AttentionPairBias, EvoformerBlock, PairformerBlock, PairStack
 from ds4sci.models.evoformer.msa import MSAAttention, MSAColumnAttention, MSARowAttentionWithPairBias
+from ds4sci.models.evoformer.outer_product_mean import OuterProductMean
 from ds4sci.models.evoformer.primitives import Convention, GatedAttention, LayerNorm
 from ds4sci.models.evoformer.triangular_attention import (
     TriangleAttention,
     TriangleAttentionEndingNode,
     TriangleAttentionStartingNode,
 )
+from ds4sci.models.evoformer.transition import SharedDropout, Transition
+from ds4sci.models.evoformer.triangular_multiplicative_update import (
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+    TriangleMultiplicativeUpdate,
+)
 
 __all__ = [
+    "AttentionPairBias",
     "Convention",
+    "EvoformerBlock",
     "GatedAttention",
     "LayerNorm",
     "MSAAttention",
     "MSAColumnAttention",
     "MSARowAttentionWithPairBias",
+    "OuterProductMean",
+    "PairStack",
+    "PairformerBlock",
+    "SharedDropout",
+    "Transition",
     "TriangleAttention",
     "TriangleAttentionEndingNode",
     "TriangleAttentionStartingNode",
+    "TriangleMultiplicationIncoming",
+    "TriangleMultiplicationOutgoing",
+    "TriangleMultiplicativeUpdate",
 ]

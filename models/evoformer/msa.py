@@ -64,11 +64,14 @@ class MSAAttention(GatedAttentionLayer):
         chunk_size: Optional[int] = None,
         *,
         layer: str = "MSAAttention",
+        bias: Optional[Tensor] = None,
     ) -> Tensor:
         """
         Args:
             m: ``[*, N_seq, N_res, C_m]`` MSA representation (rows attend along N_res).
-            z: ``[*, N_res, N_res, C_z]`` pair representation; required iff ``pair_bias``.
+            z: ``[*, N_res, N_res, C_z]`` pair representation; with ``pair_bias``, it or ``bias`` is required.
+            bias: instead of z, its pair bias ``[*, N_res, N_res, H]`` (:meth:`pair_bias_of`), computed by a caller
+                that holds z in pieces (context parallelism: :mod:`ds4sci.parallel.evoformer_cp`).
             mask: ``[*, N_seq, N_res]`` MSA mask (1 keep, 0 pad) or None.
             chunk_size: rows (along N_seq) per chunk for inference on very long inputs, or None.
 
@@ -77,22 +80,31 @@ class MSAAttention(GatedAttentionLayer):
         """
         self._check_rows(layer, "m", m, mask, chunk_size, "N_seq, N_res")
         pair = None
-        if self.pair_bias:
+        n_res = m.shape[-2]
+        if self.pair_bias and bias is not None:
+            if z is not None:
+                raise ValueError(f"{layer}: pass the pair representation z or its bias, not both")
+            check_broadcasts(layer, "bias", bias, m.shape[:-3] + (n_res, n_res, self.no_heads), "N_res, N_res, H",
+                             exact=3)
+            pair = bias.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, N_res, N_res] (a view)
+        elif self.pair_bias:
             if z is None:
                 raise ValueError(f"{layer}: the pair representation z [*, N_res, N_res, C_z] is required")
-            n_res = m.shape[-2]
             check_channels(layer, "z", z, self.c_z, "N_res, N_res")
             check_broadcasts(layer, "z", z, m.shape[:-3] + (n_res, n_res, self.c_z), "N_res, N_res, C_z", exact=3)
-            # b_ij^h = LinearNoBias(LayerNorm(z_ij))   (Alg. 7 line 3)
-            pair = self.linear_z(self.layer_norm_z(z))  # [*, N_res, N_res, H]
-            pair = pair.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, N_res, N_res] (a view)
-        elif z is not None:
+            pair = self.pair_bias_of(z).movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, N_res, N_res] (a view)
+        elif z is not None or bias is not None:
             raise ValueError(f"{layer}: got a pair representation z but this layer has no pair bias")
 
         m = self.layer_norm_m(m)  # [*, N_seq, N_res, C_m]   (Alg. 7/8 line 1)
         # lines 2-7: q, k, v, gate, softmax_j(q_si . k_sj / sqrt(c) + b_ij) v_sj, output projection; the mask
         # bias is [*, N_seq, 1, 1, N_res]
         return self._attend_rows(m, mask, pair, chunk_size)  # [*, N_seq, N_res, C_m]
+
+
+    def pair_bias_of(self, z: Tensor) -> Tensor:
+        """``b_ij^h = LinearNoBias(LayerNorm(z_ij))`` ``[*, I, J, H]`` (Alg. 7 line 3) of any slab of z (pointwise)."""
+        return self.linear_z(self.layer_norm_z(z))
 
 
 class MSARowAttentionWithPairBias(MSAAttention):
@@ -119,7 +131,8 @@ class MSARowAttentionWithPairBias(MSAAttention):
         )
 
     def forward(
-        self, m: Tensor, z: Tensor, mask: Optional[Tensor] = None, chunk_size: Optional[int] = None
+        self, m: Tensor, z: Optional[Tensor], mask: Optional[Tensor] = None, chunk_size: Optional[int] = None, *,
+        bias: Optional[Tensor] = None,
     ) -> Tensor:
         """Algorithm 7: ``o_si = g_si * sum_j softmax_j(q_si . k_sj / sqrt(c) + b_ij) v_sj`` per head.
 
@@ -128,13 +141,14 @@ class MSARowAttentionWithPairBias(MSAAttention):
             z: ``[*, N_res, N_res, C_z]`` pair representation (leading dims broadcast against m's).
             mask: ``[*, N_seq, N_res]`` MSA mask or None.
             chunk_size: MSA rows per chunk (inference on very long inputs), or None.
+            bias: instead of z (pass None), its bias ``[*, N_res, N_res, H]`` (:meth:`pair_bias_of`).
 
         Returns:
             ``[*, N_seq, N_res, C_m]`` update.
         """
         # Kernel layout: N = N_seq rows, S = N_res positions; mask bias [*, N_seq, 1, 1, N_res],
         # pair bias [*, 1, H, N_res, N_res] broadcast over the rows inside the kernel.
-        return super().forward(m, z, mask, chunk_size, layer=type(self).__name__)
+        return super().forward(m, z, mask, chunk_size, layer=type(self).__name__, bias=bias)
 
 
 class MSAColumnAttention(nn.Module):

@@ -56,14 +56,15 @@ _TRUNC_NORMAL_STD = 0.87962566103423978
 def init_linear(linear: nn.Linear, kind: str) -> nn.Linear:
     """Initialise ``linear`` in place as the AF2 supplement (1.11.4) prescribes.
 
-    ``"lecun"``: truncated normal, variance 1/fan_in (queries, keys, values); ``"normal"``: normal,
+    ``"lecun"``: truncated normal, variance 1/fan_in (queries, keys, values); ``"relu"``: truncated normal,
+    variance 2/fan_in (He et al. 2015: layers followed by a ReLU or SwiGLU); ``"normal"``: normal,
     variance 1/fan_in (bias projections); ``"gating"``: weight 0, bias 1 (the gate starts mostly open);
     ``"final"``: all zeros (the layer starts as the identity of its residual branch).
     """
     fan_in = linear.weight.shape[1]
     with torch.no_grad():
-        if kind == "lecun":
-            std = math.sqrt(1.0 / fan_in) / _TRUNC_NORMAL_STD
+        if kind in ("lecun", "relu"):
+            std = math.sqrt((2.0 if kind == "relu" else 1.0) / fan_in) / _TRUNC_NORMAL_STD
             nn.init.trunc_normal_(linear.weight, std=std, a=-2.0 * std, b=2.0 * std)
         elif kind == "normal":
             nn.init.normal_(linear.weight, std=math.sqrt(1.0 / fan_in))
@@ -127,10 +128,12 @@ class GatedAttention(nn.Module):
     The ``Attention`` of AF2 supplement Algorithms 7, 8, 13 and 14 (lines "q, k, v = LinearNoBias(x)",
     "g = sigmoid(Linear(x))", softmax with biases, "o = g * sum_j a_ij v_j", "Linear(concat_h o)"), with
     OpenFold's parameter names, so it appears as ``mha`` in every layer's state dict. ``c_hidden`` is the
-    per-head channel count and the logits are scaled by ``1/sqrt(c_hidden)`` (inside the kernel).
+    per-head channel count and the logits are scaled by ``1/sqrt(c_hidden)`` (inside the kernel). ``q_bias``: the
+    query projection has a bias (AF3 supplement Algorithm 24, "q = Linear(a)", as in OpenFold3's AttentionPairBias).
     """
 
-    def __init__(self, c_in: int, c_hidden: int, no_heads: int, convention: Union[str, Convention] = Convention.OPENFOLD3):
+    def __init__(self, c_in: int, c_hidden: int, no_heads: int, convention: Union[str, Convention] = Convention.OPENFOLD3,
+                 q_bias: bool = False):
         super().__init__()
         convention = resolve_convention(convention)
         for name, value in (("c_in", c_in), ("c_hidden", c_hidden), ("no_heads", no_heads)):
@@ -141,7 +144,7 @@ class GatedAttention(nn.Module):
         self.no_heads = no_heads
         c_all = c_hidden * no_heads
         out_bias = convention is Convention.OPENFOLD
-        self.linear_q = init_linear(nn.Linear(c_in, c_all, bias=False), "lecun")
+        self.linear_q = init_linear(nn.Linear(c_in, c_all, bias=q_bias), "lecun")
         self.linear_k = init_linear(nn.Linear(c_in, c_all, bias=False), "lecun")
         self.linear_v = init_linear(nn.Linear(c_in, c_all, bias=False), "lecun")
         self.linear_o = init_linear(nn.Linear(c_all, c_in, bias=out_bias), "final")

@@ -58,6 +58,7 @@ class TriangleAttention(GatedAttentionLayer):
         chunk_size: Optional[int] = None,
         *,
         transpose_bias: bool = False,
+        bias: Optional[Tensor] = None,
     ) -> Tensor:
         """Algorithm 13 (``starting``) or 14, per head:
 
@@ -74,23 +75,32 @@ class TriangleAttention(GatedAttentionLayer):
             transpose_bias: use the transposed triangle bias (``b_kj`` for the starting node, ``b_ik`` for the
                 ending node). # DISCREPANCY: not in the AF2 supplement; OpenFold3's ``TriangleAttention`` has
                 the option and its PairBlock calls the ending-node attention with it (on a pre-transposed z).
+            bias: the whole pair representation's triangle bias ``[*, N, N, H]`` (:meth:`triangle_bias` of z, in z's
+                orientation), computed by the caller; then ``x`` may be any rows (starting node) or columns (ending
+                node) of z, ``[*, I', N, C_z]`` or ``[*, N, J', C_z]``, and ``mask`` the same slab of the pair mask
+                (context parallelism: :mod:`ds4sci.parallel.evoformer_cp`).
 
         Returns:
             ``[*, I, J, C_z]`` update (to be added to ``x`` by the caller).
         """
         layer = type(self).__name__
         self._check_rows(layer, "x", x, mask, chunk_size, "I, J")
-        if x.shape[-3] != x.shape[-2]:
+        n = x.shape[-2] if self.starting else x.shape[-3]  # the attended axis: the whole of z's side
+        if bias is None and x.shape[-3] != x.shape[-2]:
             raise ValueError(
                 f"{layer}: the pair representation must be square [*, N_res, N_res, C_z], got {tuple(x.shape)}"
             )
+        if bias is not None and (bias.ndim < 3 or bias.shape[-3:] != (n, n, self.no_heads)):
+            raise ValueError(f"{layer}: bias must have shape [*, {n}, {n}, {self.no_heads}] (the whole pair "
+                             f"representation's), got {tuple(bias.shape)}")
         if not self.starting:
             # Algorithm 14 = Algorithm 13 on z^T: rows become columns (strided views, no copies)
             x = x.transpose(-2, -3)  # [*, J, I, C_z]
             mask = None if mask is None else mask.transpose(-1, -2)  # [*, J, I]
+            bias = None if bias is None else bias.transpose(-2, -3)
         # Shapes below are named for the starting node; for the ending node I and J are swapped.
         x = self.layer_norm(x)  # [*, I, J, C_z]   (line 1)
-        pair = getattr(self, self._bias_name)(x)  # [*, I, J, H]   b_jk (line 3)
+        pair = getattr(self, self._bias_name)(x) if bias is None else bias  # [*, I, J, H]   b_jk (line 3)
         # [*, J, K, H] -> [*, H, J, K] (or [*, H, K, J] transposed) -> [*, 1, H, J, K]
         pair = (pair.movedim(-1, -3) if not transpose_bias else pair.movedim(-1, -3).transpose(-1, -2)).unsqueeze(-4)
         # Kernel layout: N = I rows, S = J positions, mask bias [*, I, 1, 1, J]; lines 2, 4-6: q, k, v, gate,
@@ -99,6 +109,12 @@ class TriangleAttention(GatedAttentionLayer):
         if not self.starting:
             out = out.transpose(-2, -3)
         return out
+
+
+    def triangle_bias(self, z: Tensor) -> Tensor:
+        """``b = LinearNoBias(LayerNorm(z))`` ``[*, I, J, H]`` (Alg. 13/14 line 3) of any slab of z (it is pointwise),
+        in z's orientation: the ``bias`` a caller holding only part of z gathers and passes to :meth:`forward`."""
+        return getattr(self, self._bias_name)(self.layer_norm(z))
 
 
 class _TriangleAttentionAroundNode(TriangleAttention):

@@ -1,0 +1,103 @@
+"""Triangle multiplicative updates of the pair representation (AF2 supplement Algorithms 11 and 12, AF3 12 and 13).
+
+With ``x = LN_in(z)``, ``a = mask * sigmoid(Linear_a_g(x)) * Linear_a_p(x)`` and ``b`` likewise (``[*, I, J, c]``):
+
+- outgoing edges (Alg. 11): ``p_ij = sum_k a_ik * b_jk``;
+- incoming edges (Alg. 12): ``p_ij = sum_k a_ki * b_kj``;
+
+and the update is ``sigmoid(Linear_g(x)) * Linear_z(LN_out(p))``. AlphaFold-Multimer's fused form
+(``fuse_projection_weights``) projects ``a`` and ``b`` with one ``linear_ab_p``/``linear_ab_g`` of width ``2c``
+(``a`` its first half). Parameter names as OpenFold's (``layer_norm_in``, ``layer_norm_out``, ``linear_a_p``,
+``linear_a_g``, ``linear_b_p``, ``linear_b_g`` or ``linear_ab_p``, ``linear_ab_g``, ``linear_g``, ``linear_z``);
+OpenFold3's projections have no bias, OpenFold's have one (:class:`~ds4sci.models.evoformer.primitives.Convention`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ds4sci.models.evoformer.primitives import Convention, LayerNorm, check_broadcasts, check_channels, init_linear, \
+    resolve_convention
+
+
+class TriangleMultiplicativeUpdate(nn.Module):
+    """``forward(z [*, N_res, N_res, C_z], mask [*, N_res, N_res] | None) -> [*, N_res, N_res, C_z]`` (the update of
+    z). ``outgoing``: Algorithm 11 (True) or 12 (False); ``fuse_projection_weights``: AlphaFold-Multimer's fused
+    projections."""
+
+    def __init__(self, c_z: int, c_hidden: int, outgoing: bool = True, fuse_projection_weights: bool = False, *,
+                 convention: Union[str, Convention] = Convention.OPENFOLD3):
+        super().__init__()
+        convention = resolve_convention(convention)
+        for name, value in (("c_z", c_z), ("c_hidden", c_hidden)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be a positive int, got {value!r}")
+        self.c_z, self.c_hidden, self.outgoing, self.fused = c_z, c_hidden, outgoing, fuse_projection_weights
+        bias = convention is Convention.OPENFOLD
+
+        def linear(c_in, c_out, kind):
+            return init_linear(nn.Linear(c_in, c_out, bias=bias), kind)
+
+        self.linear_g = linear(c_z, c_z, "gating")
+        self.linear_z = linear(c_hidden, c_z, "final")
+        self.layer_norm_in = LayerNorm(c_z)
+        self.layer_norm_out = LayerNorm(c_hidden)
+        if fuse_projection_weights:
+            self.linear_ab_p = linear(c_z, 2 * c_hidden, "lecun")
+            self.linear_ab_g = linear(c_z, 2 * c_hidden, "gating")
+        else:
+            self.linear_a_p = linear(c_z, c_hidden, "lecun")
+            self.linear_a_g = linear(c_z, c_hidden, "gating")
+            self.linear_b_p = linear(c_z, c_hidden, "lecun")
+            self.linear_b_g = linear(c_z, c_hidden, "gating")
+
+    def projections(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The gated, masked edge projections ``a, b [*, I, J, c]`` of the normalised pair ``x [*, I, J, C_z]``
+        (``mask [*, I, J, 1]``)."""
+        if self.fused:
+            ab = mask * torch.sigmoid(self.linear_ab_g(x)) * self.linear_ab_p(x)
+            return ab[..., : self.c_hidden], ab[..., self.c_hidden :]
+        a = mask * torch.sigmoid(self.linear_a_g(x)) * self.linear_a_p(x)
+        b = mask * torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)
+        return a, b
+
+    def forward(self, z: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        layer = type(self).__name__
+        check_channels(layer, "z", z, self.c_z, "N_res, N_res")
+        if mask is None:
+            mask = z.new_ones(z.shape[:-1])
+        check_broadcasts(layer, "mask", mask, z.shape[:-1], "N_res, N_res")
+        x = self.layer_norm_in(z)
+        a, b = self.projections(x, mask.to(z.dtype).unsqueeze(-1))
+        return self.finish(x, self.combine(a, b))
+
+    def combine(self, a: Tensor, b: Tensor) -> Tensor:
+        """``p [*, I, J, c]``: outgoing ``p_ij = sum_k a_ik b_jk`` (``a`` any rows i, ``b`` every row), incoming
+        ``p_ij = sum_k a_ki b_kj`` (``a`` every column, ``b`` any columns j), as batched matmuls over channels."""
+        if self.outgoing:
+            p = torch.matmul(a.movedim(-1, -3), b.movedim(-1, -3).transpose(-1, -2))  # [*, c, I, J]
+        else:
+            p = torch.matmul(a.movedim(-1, -3).transpose(-1, -2), b.movedim(-1, -3))  # [*, c, I, J]
+        return p.movedim(-3, -1)
+
+    def finish(self, x: Tensor, p: Tensor) -> Tensor:
+        """The update ``sigmoid(Linear_g(x)) * Linear_z(LN_out(p))`` of the normalised pair ``x`` (the slab of p)."""
+        return torch.sigmoid(self.linear_g(x)) * self.linear_z(self.layer_norm_out(p))
+
+
+class TriangleMultiplicationOutgoing(TriangleMultiplicativeUpdate):
+    """Triangle update using outgoing edges (AF2 Algorithm 11); OpenFold's constructor ``(c_z, c_hidden)``."""
+
+    def __init__(self, c_z: int, c_hidden: int, fuse_projection_weights: bool = False, *,
+                 convention: Union[str, Convention] = Convention.OPENFOLD3):
+        super().__init__(c_z, c_hidden, True, fuse_projection_weights, convention=convention)
+
+
+class TriangleMultiplicationIncoming(TriangleMultiplicativeUpdate):
+    """Triangle update using incoming edges (AF2 Algorithm 12); OpenFold's constructor ``(c_z, c_hidden)``."""
+
+    def __init__(self, c_z: int, c_hidden: int, fuse_projection_weights: bool = False, *,
+                 convention: Union[str, Convention] = Convention.OPENFOLD3):
+        super().__init__(c_z, c_hidden, False, fuse_projection_weights, convention=convention)
