@@ -40,12 +40,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ds4sci.models.evoformer import EvoformerBlock
-from ds4sci.parallel.tensor_parallel import _all_gather, _SequenceRegion, _split, all_gather_sequence_region, \
+from ds4sci.parallel.tensor_parallel import _all_gather, _reduce_scatter, _SequenceRegion, _split, \
     split_sequence_region, sync_grad
 from ds4sci.sequence.comm import all_to_all, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
 
 __all__ = ["evoformer_context_parallel", "EvoformerContextParallel"]
+
+
+def _gather(x: Tensor, group, dim: int) -> Tensor:
+    """An internal gather: all-gather along ``dim``; backward reduce-scatters (every rank's use contributes)."""
+    return _SequenceRegion.apply(x, group, dim, None, _all_gather, _reduce_scatter)
 
 
 def _gather_out(x: Tensor, group, dim: int) -> Tensor:
@@ -78,7 +83,7 @@ class _AxialEvoformer(nn.Module):
         pm_rows, pm_cols = pair_mask[..., mine_n, :], pair_mask[..., mine_n]  # [*, N'/p, N'], [*, N', N'/p]
 
         def gathered(x, dim):
-            return all_gather_sequence_region(x, g, dim)
+            return _gather(x, g, dim)
 
         def rows_to_cols(x):  # [*, A/p, B, C] -> [*, A, B/p, C]
             return all_to_all(x, g, scatter_dim=x.ndim - 2, gather_dim=x.ndim - 3)
