@@ -7,7 +7,7 @@ import csv
 import logging
 import sys
 
-from ds4sci.cli_args import CommandError, add_model_argument, positive_int
+from ds4sci.cli_args import CommandError, add_model_argument, add_parallel_arguments, check_parallel, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bases of the REF window centred on each variant (shifted inside the record near its "
                         "ends; the whole record when shorter) (default: the model's context minus the longest "
                         "insertion, so every ALT window fits one forward)")
+    add_parallel_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not "
                         "a terminal)")
@@ -50,19 +51,24 @@ def write_rows(rows: list[dict], out: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds4sci.data import read_fasta
+    from ds4sci.infer.parallel import ShardedForward, launch_world_size
     from ds4sci.infer.variants import check_nucleotide, read_variants, score_variants
     from ds4sci.io.weights import load_model
 
-    model, _, tokenizer = load_model(args.export)
+    model, config, tokenizer = load_model(args.export)
     check_nucleotide(tokenizer)  # before the reference is read
+    check_parallel(args, config, launch_world_size())
     reference = {}
     for rec in read_fasta(args.reference):
         if rec.id in reference:
             raise CommandError(f"{args.reference}: record id {rec.id!r} appears twice (line {rec.line})")
         reference[rec.id] = rec.sequence
     variants = read_variants(args.vcf, reference)
+    runner = ShardedForward.from_world(model, args.ulysses, args.ring)
     rows = score_variants(model, tokenizer, reference, variants, args.window, batch_size=args.batch_size,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, runner=runner)
+    if not runner.is_writer:
+        return 0
     write_rows(rows, args.out)
     if args.out != "-":
         logger.info("wrote the scores of %d variant(s) to %s", len(rows), args.out)

@@ -282,15 +282,15 @@ def check_nucleotide(tokenizer) -> None:
 
 
 def score_variants(model, tokenizer, reference: dict[str, str], variants: list[Variant], width: int | None = None,
-                   *, batch_size: int = 8, progress: bool = False, **score_options) -> list[dict]:
+                   *, batch_size: int = 8, progress: bool = False, runner=None) -> list[dict]:
     """One row per variant, in order: ``chrom pos id ref alt``, ``llr`` (nats), ``ref_log_likelihood`` and
     ``alt_log_likelihood`` (nats, the mean of both strands), ``window_start`` / ``window_end`` (the REF window,
     0-based half-open on the record, BED's convention). The distinct REF windows and the ALT windows go through ONE
     :func:`~ds4sci.infer.score.score_records` call with ``seq_len`` = the model's context and
     ``reverse_complement=True``, each REF window once.
 
-    ``width``: REF window in bases (default :func:`default_window`); ``score_options`` are passed to
-    ``score_records`` as they are.
+    ``width``: REF window in bases (default :func:`default_window`); ``runner``: a
+    :class:`~ds4sci.infer.parallel.ShardedForward` to score across ranks (default: one process).
     """
     check_nucleotide(tokenizer)
     context = model.config.max_position_embeddings
@@ -300,7 +300,7 @@ def score_variants(model, tokenizer, reference: dict[str, str], variants: list[V
                enumerate(windows.keys)]
     records += [FastaRecord(f"alt{i}", "", sequence) for i, sequence in enumerate(windows.alt)]
     scores = [r["log_likelihood"] for r in score_records(model, tokenizer, records, context, True,
-                                                         batch_size=batch_size, progress=progress, **score_options)]
+                                                         batch_size=batch_size, progress=progress, runner=runner)]
     ref_scores, alt_scores = scores[: len(windows.keys)], scores[len(windows.keys) :]
     rows = []
     for v, k, alt_ll in zip(variants, windows.ref_of, alt_scores):

@@ -1,5 +1,5 @@
 """Sequence-parallel inference equals one process: per-record log-likelihoods (score), evaluate's loss, mean and
-per-token embeddings, under Ulysses, ring, hybrid Ulysses x ring and Ulysses x data ranks, with learned, rotary and
+per-token embeddings, variant log-likelihood ratios (score-variants), under Ulysses, ring, hybrid Ulysses x ring and Ulysses x data ranks, with learned, rotary and
 ALiBi positions and grouped-query attention, on records of uneven lengths (one shorter than the layout's multiple,
 one longer than a window read with a stride); and ``torchrun ... score --ulysses 2`` writes the single process's TSV.
 """
@@ -16,6 +16,7 @@ from ds4sci.infer.embed import embed_records, token_embeddings
 from ds4sci.infer.evaluate import RecordWindows, evaluate, record_windows
 from ds4sci.infer.parallel import ShardedForward
 from ds4sci.infer.score import score_records
+from ds4sci.infer.variants import Variant, score_variants
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.spawn import run_workers
 
@@ -41,6 +42,11 @@ def _records():
     return [FastaRecord(name, "", seq) for name, seq in SEQUENCES.items()]
 
 
+# score-variants on the "long" record: an SNV, a deletion and an insertion (20-base windows: 21 after the insertion)
+VARIANTS = [Variant(1, "long", 3, ".", "G", "A"), Variant(2, "long", 20, ".", "CT", "C"),
+            Variant(3, "long", 38, ".", "A", "AGG")]
+
+
 def _outputs(model, tok, runner, layer):
     """Every inference output for the records: score rows, evaluate's result, mean embeddings, per-token states."""
     chunks = [w for seq in SEQUENCES.values() for w in record_windows(tok.encode(seq), SEQ_LEN, STRIDE)]
@@ -51,6 +57,7 @@ def _outputs(model, tok, runner, layer):
                               runner=runner),
         "tokens": list(token_embeddings(model, tok, _records(), SEQ_LEN, stride=STRIDE, batch_size=2, layer=layer,
                                         runner=runner)),
+        "variants": score_variants(model, tok, SEQUENCES, VARIANTS, 20, batch_size=2, runner=runner),
     }
 
 
@@ -73,6 +80,9 @@ def _check(case, got, rank):
                                [r["log_likelihood"] for r in want["rows"]], rtol=1e-5, err_msg=where)
     assert got["evaluate"]["tokens"] == want["evaluate"]["tokens"]
     assert got["evaluate"]["loss"] == pytest.approx(want["evaluate"]["loss"], rel=1e-5), where
+    assert [r["window_start"] for r in got["variants"]] == [r["window_start"] for r in want["variants"]], where
+    np.testing.assert_allclose([r["llr"] for r in got["variants"]], [r["llr"] for r in want["variants"]],
+                               rtol=1e-5, atol=1e-5, err_msg=where)
     assert got["mean"][0] == want["mean"][0] == list(SEQUENCES)
     assert got["mean"][1].dtype == np.float32
     np.testing.assert_allclose(got["mean"][1], want["mean"][1], rtol=1e-5, atol=1e-5, err_msg=where)
