@@ -107,7 +107,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
 def build_models(cfg: dict):
     """ds4sci's GenSLM and Hugging Face's ``GPTNeoXForCausalLM`` holding the same weights, in eval mode, their output
     heads scaled by :data:`HEAD_SCALE`; context ``prompt_len + new_tokens``."""
-    ours, hf = throughput.build_models({"shape": "gpt-neox", "kv_heads": 0, "batch": cfg["num_sequences"],
+    ours, hf = throughput.build_models({"shape": "gpt-neox", "kv_heads": 0,
                                         "seq_len": cfg["prompt_len"] + cfg["new_tokens"]} | cfg)
     with torch.no_grad():
         ours.embed_out.weight.mul_(HEAD_SCALE)
@@ -251,8 +251,10 @@ def markdown(report: dict) -> str:
         *(f"Ratio ds4sci / Hugging Face, {label}: median **{s[clock]['ratio_median']:.3f}**, quartiles "
           f"{s[clock]['ratio_q1']:.3f} - {s[clock]['ratio_q3']:.3f}, min/max {s[clock]['ratio_min']:.3f} - "
           f"{s[clock]['ratio_max']:.3f} over {plural(len(report['rounds']), 'round')}; cached over uncached "
-          f"{s[clock]['cached_over_uncached_median']:.1f}x."
-          for clock, label in (("wall", "wall clock"), ("cpu", "CPU time of this process"))),
+          f"{s[clock]['cached_over_uncached_median']:.1f}x; median tokens/{unit}: ds4sci "
+          f"{s[clock]['ds4sci_tokens_per_s_median']:.1f}, HF {s[clock]['hf_tokens_per_s_median']:.1f}, uncached "
+          f"{s[clock]['uncached_tokens_per_s_median']:.1f}."
+          for clock, label, unit in (("wall", "wall clock", "s"), ("cpu", "CPU time of this process", "CPU-s"))),
     ]
     return "\n".join(lines) + "\n"
 
