@@ -37,8 +37,9 @@ class AttentionCore(nn.Module):
     :func:`~ds4sci.kernels.local_attention.memory_efficient_attention`, the one dispatch.
 
     ``backend`` (a :class:`~ds4sci.kernels.backends.LocalBackend` or its value): ``"auto"`` (flash-attn, the Triton
-    kernel or the chunked PyTorch path, see :func:`~ds4sci.kernels.local_attention.select_backend`; no ``S x S``
-    tensor), ``"chunked"``, ``"triton"``, ``"flash"``, or ``"sdpa"``:
+    kernel or the chunked PyTorch path, and off CUDA SDPA for a cached decode step's one query row, see
+    :func:`~ds4sci.kernels.local_attention.select_backend`; no ``S x S`` tensor), ``"chunked"``, ``"triton"``,
+    ``"flash"``, or ``"sdpa"``:
     :func:`~ds4sci.kernels.local_reference.sdpa_attention`, the readable O(S^2) oracle.
 
     ``forward(q, k, v, *, q_offset=0, k_offset=0, head_offset=0, q_doc=None, k_doc=None, return_lse=False)`` is the
