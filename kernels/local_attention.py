@@ -35,7 +35,8 @@ The family, laid out like Evoformer attention's (reference -> chunked path -> Tr
   backward is not implemented on the CPU, where PyTorch raises ``NotImplementedError``, so use it for GPU training
   or CPU inference), :func:`flash_attention` (flash-attn's ``flash_attn_func`` when importable: GPU, fp16/bf16),
   and :func:`memory_efficient_attention`, the default: one entry point, no ``S x S`` tensor on any path it picks
-  itself (flash-attn where it can express the call, the Triton kernel on CUDA otherwise, the chunked path elsewhere;
+  itself (flash-attn where it can express the call, the Triton kernel on CUDA otherwise, the chunked path elsewhere,
+  ``sdpa_attention``'s one pass for a decode step off CUDA;
   :func:`select_backend` states the rule; ``backend=`` forces one of :class:`~ds4sci.kernels.backends.LocalBackend`,
   ``"sdpa"`` included).
 """
@@ -188,13 +189,16 @@ def select_backend(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offs
                    backend: str | LocalBackend = "auto", device_type: str | None = None) -> LocalBackend:
     """The backend :func:`memory_efficient_attention` runs for this call (a :class:`LocalBackend` but ``AUTO``).
 
-    A forced ``backend`` is returned as it is. ``"auto"`` never picks ``"sdpa"``; on a CUDA device it picks
+    A forced ``backend`` is returned as it is. Off CUDA, ``"auto"`` picks
+    :func:`~ds4sci.kernels.local_reference.sdpa_attention` for a decode step (one query row, ``Sq == 1``: its one
+    ``[B, H, 1, Sk]`` row of logits is no larger than the keys, ``[B, Sk, Hkv, D]``, and it reads all keys in one
+    pass, where the chunked path's loop over key blocks costs more than the attention itself) and
+    :func:`~ds4sci.kernels.local_chunked.chunked_attention` otherwise. On a CUDA device it picks
     flash-attn when it is importable, q is fp16/bf16 with ``D <= FLASH_MAX_HEAD_DIM`` (256), and flash can express
     the call (no document ids, window, explicit mask or ALiBi; no gradient through the lse; a causal block empty,
     fully visible or bottom-right aligned: :func:`flash_causal_mode`); otherwise the Triton kernel when it imports
     and can run the call (q, k, v of one dtype among fp16/bf16/fp32, ``D <= TRITON_MAX_HEAD_DIM`` (128), no
-    explicit ``mask``: the kernel takes none); otherwise :func:`~ds4sci.kernels.local_chunked.chunked_attention`
-    (float64, larger heads, explicit masks, every non-CUDA device).
+    explicit ``mask``: the kernel takes none); otherwise the chunked path (float64, larger heads, explicit masks).
 
     ``device_type``: the device the call runs on, ``q.device.type`` by default; the rule reads nothing else of the
     device, so a caller (a planner, a test) can ask what a CUDA call would run with tensors of any device.
@@ -203,7 +207,7 @@ def select_backend(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offs
     if requested is not LocalBackend.AUTO:
         return requested
     if (q.device.type if device_type is None else device_type) != "cuda":
-        return LocalBackend.CHUNKED
+        return LocalBackend.SDPA if q.shape[1] == 1 else LocalBackend.CHUNKED  # a decode step: one pass
     needs_lse_grad = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     flash_ok = (
         q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= FLASH_MAX_HEAD_DIM
@@ -239,10 +243,11 @@ def memory_efficient_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int
       chunked path (logged once); ``backend="triton"`` raises the ``ImportError``.
     - ``"chunked"``: :func:`~ds4sci.kernels.local_chunked.chunked_attention` (``chunk_size`` applies to it alone),
       everywhere else.
-    - ``"sdpa"``: :func:`~ds4sci.kernels.local_reference.sdpa_attention`, the readable O(S^2) oracle, only when
-      asked for by name (GenSLM's ``attention_backend="sdpa"``, for checking the others).
+    - ``"sdpa"``: :func:`~ds4sci.kernels.local_reference.sdpa_attention`, the readable O(S^2) oracle: for a call of
+      more than one query row only when asked for by name (GenSLM's ``attention_backend="sdpa"``, for checking the
+      others); off CUDA, ``"auto"`` runs it for a decode step (``Sq == 1``).
 
-    None of the backends ``"auto"`` picks materialises an ``Sq x Sk`` tensor.
+    None of the backends ``"auto"`` picks materialises an ``Sq x Sk`` tensor with ``Sq > 1``.
     """
     name = select_backend(q, k, v, q_offset=q_offset, k_offset=k_offset, q_doc=q_doc, return_lse=return_lse,
                           causal=causal, window=window, mask=mask, alibi_slopes=alibi_slopes, backend=backend)

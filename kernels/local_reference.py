@@ -221,6 +221,8 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offs
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if causal and k_offset > q_offset + Sq - 1:  # every key is in every query's future
         return empty_result(q, v, return_lse)
+    if causal and k_offset + Sk - 1 <= q_offset:  # every key at or before every query (a decode step): no mask
+        causal = False
     explicit = return_lse or alibi_slopes is not None
     # Aligned pure causal attention without the lse: SDPA's causal kernel, no mask tensor at all.
     causal_kernel = (causal and not explicit and window is None and q_doc is None and mask is None
@@ -249,8 +251,8 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offs
 
     ct = torch.promote_types(q.dtype, torch.float32)
     qf = q.to(ct).transpose(1, 2)  # [B, H, Sq, D]
-    kf = k.to(ct).repeat_interleave(H // Hkv, dim=2).transpose(1, 2)  # [B, H, Sk, D]
-    vf = v.to(ct).repeat_interleave(H // Hkv, dim=2).transpose(1, 2)  # [B, H, Sk, D]
+    kf = k.to(ct).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # [B, H, Sk, D], each head's rows contiguous
+    vf = v.to(ct).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # [B, H, Sk, D]
     logits = (qf @ kf.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
     if alibi_slopes is not None:
         qi = torch.arange(q_offset, q_offset + Sq, device=q.device)[:, None]  # [Sq, 1] global query index

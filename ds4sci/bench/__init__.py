@@ -55,6 +55,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "training tokens/s of ds4sci's GenSLM vs Hugging Face's GPTNeoXForCausalLM with the same configuration and "
         "weights, alternating in one process: the ratio's median and spread over rounds",
     ),
+    "generate": (
+        "ds4sci.bench.generate",
+        "generated tokens/s of ds4sci's cached decoding vs Hugging Face's GPTNeoXForCausalLM.generate with its cache "
+        "(same weights, greedy, tokens checked equal) and vs the uncached loop, alternating in one process",
+    ),
     "layouts": (
         "ds4sci.bench.layout_memory",
         "per-rank parameter, gradient, optimizer-state and activation bytes and bytes sent per group of real "

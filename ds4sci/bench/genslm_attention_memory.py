@@ -244,8 +244,9 @@ def measure(cfg: dict, mode: str, path: str, seq_len: int) -> dict:
     step(layer, make_inputs(cfg, mode, max(1, min(_WARMUP_SEQ_LEN, seq_len // 4))))
     layer.zero_grad(set_to_none=True)
     inputs = make_inputs(cfg, mode, seq_len)
+    # [1, S, H, D], one row stored and expanded: what select_backend looks at (its rule reads the query length)
     probe = torch.empty(1, 1, cfg["heads"], cfg["hidden"] // cfg["heads"], device=cfg["device"],
-                        dtype=_DTYPES[cfg["dtype"]])  # [1, 1, H, D]: what select_backend looks at
+                        dtype=_DTYPES[cfg["dtype"]]).expand(1, seq_len, -1, -1)
     slopes = layer.core.slopes if mode == "alibi" else None
     kernel = "sdpa" if path == "before" else select_backend(probe, probe, probe, causal=True,
                                                             q_doc=inputs["doc_ids"], alibi_slopes=slopes)

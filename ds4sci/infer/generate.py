@@ -57,7 +57,7 @@ def read_prompt(tokenizer, prompt: str) -> tuple[str, list[int]]:
     return text, ids
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping (version counters, view tracking) on any op of the loop
 def sample(model, tokenizer, prompt: str = "", num_tokens: int = 100, *, num_sequences: int = 1,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
            stop_at_stop_codon: bool = False) -> list[str]:

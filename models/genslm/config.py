@@ -113,7 +113,7 @@ class GenSLMConfig:
     rotary_high_freq_factor: float = 4.0
     rotary_original_max_positions: int = 8192
     # A LocalBackend value. "auto": flash-attn or the Triton kernel on GPUs, the chunked PyTorch path elsewhere (never
-    # an S x S tensor); "sdpa" is the readable O(S^2) reference.
+    # an S x S tensor; a decode step's one query row runs sdpa); "sdpa" is the readable O(S^2) reference.
     attention_backend: str = "auto"
     layer_norm_eps: float = 1e-5  # epsilon of either norm
     norm: str = "layernorm"  # see NORMS

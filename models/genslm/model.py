@@ -37,8 +37,9 @@ class AttentionCore(nn.Module):
     :func:`~ds4sci.kernels.local_attention.memory_efficient_attention`, the one dispatch.
 
     ``backend`` (a :class:`~ds4sci.kernels.backends.LocalBackend` or its value): ``"auto"`` (flash-attn, the Triton
-    kernel or the chunked PyTorch path, see :func:`~ds4sci.kernels.local_attention.select_backend`; no ``S x S``
-    tensor), ``"chunked"``, ``"triton"``, ``"flash"``, or ``"sdpa"``:
+    kernel or the chunked PyTorch path, and off CUDA SDPA for a cached decode step's one query row, see
+    :func:`~ds4sci.kernels.local_attention.select_backend`; no ``S x S`` tensor), ``"chunked"``, ``"triton"``,
+    ``"flash"``, or ``"sdpa"``:
     :func:`~ds4sci.kernels.local_reference.sdpa_attention`, the readable O(S^2) oracle.
 
     ``forward(q, k, v, *, q_offset=0, k_offset=0, head_offset=0, q_doc=None, k_doc=None, return_lse=False)`` is the
@@ -98,9 +99,10 @@ def norm(config: GenSLMConfig, device: torch.device | str | None = None) -> nn.M
 
 
 class LayerKV:
-    """One layer's key/value cache: ``keys`` and ``values`` ``[B, S_max, Hkv, D]``, preallocated, of which the first
+    """One layer's key/value cache: ``keys`` and ``values`` ``[B, Hkv, S_max, D]``, preallocated, of which the first
     ``length`` positions are filled. Only the ``num_kv_heads`` key/value heads are kept (never repeated per query
-    head)."""
+    head). Head-major, so each head's cached keys are one contiguous ``[length, D]`` block: a decode step reads them
+    in one pass (Hugging Face's cache has the same layout)."""
 
     def __init__(self, keys: Tensor, values: Tensor):
         self.keys, self.values = keys, values
@@ -108,23 +110,23 @@ class LayerKV:
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``k, v [B, T, Hkv, D]`` at positions ``length .. length + T - 1`` and return the filled keys and
-        values ``[B, length + T, Hkv, D]`` (views of the cache)."""
+        values in the local attention protocol's layout, ``[B, length + T, Hkv, D]`` (views of the cache)."""
         B, T, Hkv, D = k.shape  # batch, new tokens, key/value heads, head dim
-        S_max = self.keys.shape[1]
-        if (B, Hkv, D) != (self.keys.shape[0], *self.keys.shape[2:]) or self.length + T > S_max:
+        S_max = self.keys.shape[2]
+        if (B, Hkv, D) != (*self.keys.shape[:2], self.keys.shape[3]) or self.length + T > S_max:
             raise ValueError(f"cannot append keys {tuple(k.shape)} at position {self.length} to a cache of "
-                             f"{tuple(self.keys.shape)} [B, S_max, Hkv, D]")
+                             f"{tuple(self.keys.shape)} [B, Hkv, S_max, D]")
         end = self.length + T
-        self.keys[:, self.length:end] = k
-        self.values[:, self.length:end] = v
+        self.keys[:, :, self.length:end] = k.transpose(1, 2)  # [B, Hkv, T, D]
+        self.values[:, :, self.length:end] = v.transpose(1, 2)
         self.length = end
-        return self.keys[:, :end], self.values[:, :end]
+        return self.keys[:, :, :end].transpose(1, 2), self.values[:, :, :end].transpose(1, 2)  # [B, end, Hkv, D]
 
 
 class KVCache:
     """Key/value cache for decoding with :class:`GenSLM` (the standard autoregressive KV cache of Transformer
     decoders, e.g. Pope et al. 2022, "Efficiently Scaling Transformer Inference"): one :class:`LayerKV` per layer,
-    ``[B, S_max, Hkv, D]`` with ``S_max`` the most tokens a sequence will hold (prompt + new tokens), so
+    ``[B, Hkv, S_max, D]`` with ``S_max`` the most tokens a sequence will hold (prompt + new tokens), so
     ``2 * num_layers * B * S_max * num_kv_heads * head_dim`` elements in all, allocated once.
 
     Pass it to ``GenSLM.forward(input_ids [B, T], position_ids [B, T], cache=cache)``: the first call (the prompt,
@@ -136,7 +138,7 @@ class KVCache:
 
     def __init__(self, config: GenSLMConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):
-        shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)  # [B, S_max, Hkv, D]
+        shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)  # [B, Hkv, S_max, D]
         self.layers = [LayerKV(torch.empty(shape, dtype=dtype, device=device),
                                torch.empty(shape, dtype=dtype, device=device)) for _ in range(config.num_layers)]
 

@@ -5,6 +5,7 @@ trainer can shard tokens, labels and positions together.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -121,13 +122,20 @@ class RotaryScaling(NamedTuple):
         return torch.where(long, inv_freq / self.factor, torch.where(short, inv_freq, between))
 
 
+@functools.lru_cache(maxsize=64)
+def _inv_freq(rotary_dim: int, base: float, scaling: RotaryScaling | None, device: torch.device) -> Tensor:
+    """The rotary frequencies ``base^(-2i / rotary_dim)`` ``[rotary_dim/2]`` fp32, optionally Llama-3-scaled; computed
+    once per (dims, base, scaling, device) and shared (never written): a decode step would otherwise rebuild them in
+    every layer."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
+    return inv_freq if scaling is None else scaling.apply(inv_freq)
+
+
 def rotary_cos_sin(position_ids: Tensor, rotary_dim: int, base: float, dtype: torch.dtype,
                    scaling: RotaryScaling | None = None) -> tuple[Tensor, Tensor]:
     """GPT-NeoX / Llama rotary tables for global ``position_ids [B, T]``: cos, sin ``[B, T, 1, rotary_dim]``
     (Su et al. 2021, RoFormer; half-split layout), frequencies optionally Llama-3-scaled (``scaling``)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.float32) / rotary_dim))
-    if scaling is not None:
-        inv_freq = scaling.apply(inv_freq)
+    inv_freq = _inv_freq(rotary_dim, float(base), scaling, position_ids.device)  # [rotary_dim/2]
     freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, rotary_dim]
     return emb.cos().to(dtype), emb.sin().to(dtype)

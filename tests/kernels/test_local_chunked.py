@@ -258,7 +258,7 @@ def test_bad_backend_names_the_value():
 
 def test_sdpa_backend_runs_the_oracle_by_name_only():
     """backend="sdpa" is sdpa_attention with every protocol argument and option (chunk_size ignored); "auto" never
-    picks it, on any device."""
+    picks it for more than one query row, on any device."""
     tensors, protocol = _inputs((13, 5, 12, 10), 2, docs=True, seed=7)
     opts = dict(causal=True, window=9, alibi_slopes=SLOPES.double(), scale=0.3, **protocol)
     for a, b in zip(_run(memory_efficient_attention, tensors, torch.float64, backend="sdpa", chunk_size=2, **opts),
@@ -268,6 +268,26 @@ def test_sdpa_backend_runs_the_oracle_by_name_only():
     for device_type in ("cpu", "cuda"):
         assert select_backend(q, q, q, causal=True, device_type=device_type) is not LocalBackend.SDPA
     assert select_backend(q, q, q, backend="sdpa") is LocalBackend.SDPA
+
+
+@pytest.mark.parametrize("kv_heads, alibi", [(4, False), (4, True), (2, False), (1, True)])
+@pytest.mark.parametrize("q_offset", [22, 11], ids=["decode", "keys-on-both-sides"])
+def test_cpu_decode_step_runs_sdpa_equal_to_chunked(kv_heads, alibi, q_offset):
+    """One query row (a cached decode step) off CUDA: "auto" runs sdpa_attention's one pass over every key (on CUDA
+    it does not), equal to the chunked path in fp32, out and lse, with GQA and ALiBi. Keys come head-major as
+    GenSLM's KVCache holds them. "decode": the query after all 23 keys; "keys-on-both-sides": causal masking
+    matters."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, H, D, generator=gen)  # [B, 1, H, D]
+    k, v = (torch.randn(2, kv_heads, 23, D, generator=gen).transpose(1, 2) for _ in range(2))  # [B, Sk, Hkv, D]
+    opts = dict(causal=True, q_offset=q_offset, alibi_slopes=SLOPES if alibi else None, return_lse=True)
+    assert select_backend(q, k, v, **opts) is LocalBackend.SDPA
+    assert select_backend(q, k, v, device_type="cuda", **opts) is not LocalBackend.SDPA
+    assert select_backend(torch.randn(2, 2, H, D), k, v, **opts) is LocalBackend.CHUNKED  # two query rows
+    got, want = (f(q, k, v, head_offset=1, **opts) for f in (memory_efficient_attention,
+                                                              functools.partial(chunked_attention, chunk_size=8)))
+    for got, want in zip(got, want):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_cpu_auto_runs_chunked(monkeypatch):

@@ -52,7 +52,7 @@ def test_kv_cache_logits_equal_uncached_at_every_step(pe, kv_heads):
     model = GenSLM(cfg).eval()
     ids, pos = _inputs(B=2, T=9)
     cache = KVCache(cfg, 2, 9)
-    assert cache.layers[0].keys.shape == (2, 9, kv_heads, cfg.head_dim) and len(cache.layers) == cfg.num_layers
+    assert cache.layers[0].keys.shape == (2, kv_heads, 9, cfg.head_dim) and len(cache.layers) == cfg.num_layers
     with torch.no_grad():
         for a, b in [(0, 5), (5, 6), (6, 7), (7, 8), (8, 9)]:
             got = model(ids[:, a:b], pos[:, a:b], cache=cache)  # [2, b - a, V]

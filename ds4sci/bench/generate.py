@@ -1,0 +1,307 @@
+"""``ds4sci bench generate``: tokens/s of ds4sci's cached decoding (:func:`ds4sci.infer.generate.sample`) against
+Hugging Face's ``GPTNeoXForCausalLM.generate`` with its cache, on the same weights, and against the uncached loop
+``ds4sci generate`` ran before the cache.
+
+The models: one GPT-NeoX configuration (rotary positions on ``rotary_pct`` of each head, parallel residual, GELU,
+untied head; the shape ``ds4sci export-hf`` writes as ``GPTNeoXForCausalLM``) builds both, GenSLM's initial weights
+copied into Hugging Face's model (:func:`ds4sci.bench.throughput.build_models`), the 69-word codon vocabulary. Random
+weights give nearly uniform logits, where a rounding difference of 1e-6 could flip a greedy choice between two
+near-tied tokens; so the output head of both models is scaled by :data:`HEAD_SCALE` (the same function on both
+sides), which makes the greedy outputs a sharp check. Before anything is timed the logits of both on the prompt must
+agree (:func:`ds4sci.bench.throughput.check_same_function`).
+
+The work, greedy (temperature 0) on ``--num-sequences`` sequences continuing one random codon prompt of
+``--prompt-len`` tokens, special tokens never generated:
+
+- ``ds4sci``: ``sample(model, tokenizer, prompt, --new-tokens, num_sequences=..., temperature=0)``: one prefill,
+  then one cached forward of one token per sequence per step (:class:`~ds4sci.models.genslm.model.KVCache`).
+- ``hf``: ``model.generate(input_ids, max_new_tokens=--new-tokens, do_sample=False, use_cache=True,
+  suppress_tokens=<the special ids>, eos_token_id=None)``: no early stop, so exactly ``--new-tokens`` tokens.
+- ``uncached``: the loop before the cache, one forward over the whole prefix per new token (O(L^2) per token), batched
+  over the sequences, for ``--uncached-tokens`` tokens only.
+
+Each is checked, every round: ds4sci's and Hugging Face's tokens equal token for token, and the uncached loop's equal
+the first ``--uncached-tokens`` of ds4sci's (:func:`check_greedy_agreement`; ``RuntimeError`` otherwise).
+
+Timing, in one process: each round runs the three once, in an order reversed every round, so that drift falls on
+all; each first runs once untimed (a few tokens). tokens/s = sequences x new tokens / seconds of the whole call
+(prefill included), on two clocks, ``wall`` and ``cpu`` (this process's CPU seconds), as in
+:mod:`ds4sci.bench.throughput`, whose :func:`~ds4sci.bench.throughput.summarize` gives the ratio ds4sci / Hugging Face
+(median, quartiles, min/max over the rounds).
+
+Writes ``generate.json``, ``generate.md`` and ``generate.png`` to ``--out``. Needs transformers
+(``pip install 'ds4sci[dev]'``); without it the command says so and exits with 1.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+
+import torch
+
+from ds4sci.bench import throughput
+from ds4sci.bench.report import (add_int_options, check_positive, command_line, describe_load, describe_machine,
+                                  load_average, machine, markdown_table, missing_dependency, option, plural, pyplot,
+                                  save_figure, write_report)
+from ds4sci.data import CodonTokenizer
+from ds4sci.infer.generate import sample
+from ds4sci.kernels.backends import LocalBackend
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("ds4sci", "hf", "uncached")
+#: both models' output head times this: logits spread enough that no greedy choice is a near tie (see the module doc)
+HEAD_SCALE = 20.0
+#: option -> (default, help); every one must be >= 1. Defaults: a short prompt continued at length (how GenSLM
+#: generates genes), decoding-dominated, about a minute on 2 shared cores
+_INT_OPTIONS = {
+    "hidden": (256, "hidden size"),
+    "layers": (4, "transformer layers"),
+    "heads": (4, "attention heads"),
+    "prompt_len": (64, "prompt tokens (random codons)"),
+    "new_tokens": (256, "tokens generated per sequence by ds4sci and Hugging Face"),
+    "num_sequences": (4, "sequences decoded together (the batch)"),
+    "uncached_tokens": (16, "tokens generated per sequence by the uncached loop (O(L^2) per token)"),
+    "rounds": (5, "timed rounds (each runs the three once)"),
+    "threads": (1, "torch threads (1 keeps other processes on a shared machine from skewing the ratio)"),
+}
+_QUICK = {"hidden": 64, "layers": 2, "heads": 4, "prompt_len": 8, "new_tokens": 12, "num_sequences": 2,
+          "uncached_tokens": 4, "rounds": 3}
+_WARMUP_TOKENS = 4  # tokens of each method's untimed first run
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
+    add_int_options(parser, _INT_OPTIONS)
+    parser.add_argument("--rotary-pct", type=float, default=0.25,
+                        help="fraction of each head's dims rotated (default: GPT-NeoX's %(default)s)")
+    parser.add_argument("--attention-backend", choices=[b.value for b in LocalBackend], default="auto",
+                        help="ds4sci GenSLM attention backend (default: %(default)s)")
+    parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
+                        help="Hugging Face attn_implementation (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and prompt (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in _QUICK.items()))
+
+
+def config_from_args(args: argparse.Namespace) -> dict:
+    """The run configuration: the options (``--quick`` overriding the shape and lengths), checked; ``ValueError``
+    names a bad value."""
+    cfg = {name: getattr(args, name) for name in _INT_OPTIONS}
+    cfg |= {"rotary_pct": args.rotary_pct, "attention_backend": args.attention_backend,
+            "hf_attention": args.hf_attention, "seed": args.seed}
+    if args.quick:
+        cfg |= _QUICK
+    check_positive(cfg, _INT_OPTIONS)
+    if cfg["hidden"] % cfg["heads"]:
+        raise ValueError(f"--hidden={cfg['hidden']} is not divisible by --heads={cfg['heads']}")
+    if cfg["uncached_tokens"] > cfg["new_tokens"]:
+        raise ValueError(f"--uncached-tokens={cfg['uncached_tokens']}: must be at most --new-tokens="
+                         f"{cfg['new_tokens']} (its tokens are checked against ds4sci's)")
+    if not 0 <= cfg["rotary_pct"] <= 1:
+        raise ValueError(f"--rotary-pct={cfg['rotary_pct']}: must be in [0, 1]")
+    return cfg
+
+
+def build_models(cfg: dict):
+    """ds4sci's GenSLM and Hugging Face's ``GPTNeoXForCausalLM`` holding the same weights, in eval mode, their output
+    heads scaled by :data:`HEAD_SCALE`; context ``prompt_len + new_tokens``."""
+    ours, hf = throughput.build_models({"shape": "gpt-neox", "kv_heads": 0,
+                                        "seq_len": cfg["prompt_len"] + cfg["new_tokens"]} | cfg)
+    with torch.no_grad():
+        ours.embed_out.weight.mul_(HEAD_SCALE)
+        hf.get_output_embeddings().weight.mul_(HEAD_SCALE)
+    return ours.eval(), hf.eval()
+
+
+def make_prompt(cfg: dict, tokenizer: CodonTokenizer) -> tuple[str, list[int]]:
+    """``(text, ids)``: ``prompt_len`` random codons (no special token) and their ids."""
+    codons = sorted(set(range(tokenizer.vocab_size)) - tokenizer.special_ids)
+    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    ids = [codons[i] for i in torch.randint(0, len(codons), (cfg["prompt_len"],), generator=g).tolist()]
+    return tokenizer.decode(ids), ids
+
+
+def runners(ours, hf, tokenizer: CodonTokenizer, text: str, ids: list[int], cfg: dict) -> dict:
+    """``name -> run(new_tokens) -> [N, new_tokens] generated ids`` for each of :data:`METHODS`."""
+    n = cfg["num_sequences"]
+    prompt = torch.tensor([ids]).expand(n, len(ids))  # [N, P]
+    special = sorted(tokenizer.special_ids)
+
+    def ds4sci(new_tokens: int) -> torch.Tensor:
+        out = sample(ours, tokenizer, text, new_tokens, num_sequences=n, temperature=0)
+        return torch.tensor([tokenizer.encode(s[len(text):]).tolist() for s in out])  # [N, new]
+
+    @torch.no_grad()
+    def hf_generate(new_tokens: int) -> torch.Tensor:
+        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                          do_sample=False, use_cache=True, suppress_tokens=special, eos_token_id=None,
+                          pad_token_id=tokenizer.pad_id)  # [N, P + new]
+        return out[:, len(ids):]
+
+    @torch.no_grad()
+    def uncached(new_tokens: int) -> torch.Tensor:
+        x = prompt
+        for _ in range(new_tokens):
+            logits = ours(x, torch.arange(x.shape[1]).expand_as(x))[:, -1]  # [N, V]: the whole prefix again
+            logits[:, special] = float("-inf")
+            x = torch.cat([x, logits.argmax(-1)[:, None]], dim=1)  # [N, L + 1]
+        return x[:, len(ids):]
+
+    return {"ds4sci": ds4sci, "hf": hf_generate, "uncached": uncached}
+
+
+def check_greedy_agreement(tokens: dict[str, torch.Tensor]) -> None:
+    """``RuntimeError`` naming the first sequence and token where Hugging Face's greedy tokens differ from ds4sci's,
+    or the uncached loop's from the start of ds4sci's (``tokens``: name -> ``[N, new]`` ids, any subset of
+    :data:`METHODS` with ``"ds4sci"``)."""
+    ours = tokens["ds4sci"]
+    for name, theirs in tokens.items():
+        n = theirs.shape[1]
+        if theirs.shape[0] != ours.shape[0] or n > ours.shape[1] or (name == "hf" and n != ours.shape[1]):
+            raise RuntimeError(f"{name} generated {tuple(theirs.shape)} tokens [N, new], ds4sci {tuple(ours.shape)}")
+        differ = (theirs != ours[:, :n]).nonzero()
+        if len(differ):
+            i, t = differ[0].tolist()
+            raise RuntimeError(f"greedy tokens of {name} and ds4sci differ first at sequence {i}, new token {t}: "
+                               f"{int(theirs[i, t])} vs {int(ours[i, t])}; the timings compare different work")
+
+
+def measure(cfg: dict) -> dict:
+    """Build both models, check they agree, time the three methods alternately: the report's ``hf_model``,
+    ``check``, ``rounds`` and ``load``. Runs with ``cfg["threads"]`` torch threads, then restores the caller's
+    number."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg["threads"])
+    try:
+        return _measure(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(cfg: dict) -> dict:
+    tokenizer = CodonTokenizer()
+    ours, hf = build_models(cfg)
+    text, ids = make_prompt(cfg, tokenizer)
+    x = torch.tensor([ids])
+    diff = throughput.check_same_function(ours, hf, x, torch.arange(len(ids))[None])
+    run = runners(ours, hf, tokenizer, text, ids, cfg)
+    for fn in run.values():
+        fn(min(_WARMUP_TOKENS, cfg["uncached_tokens"]))
+    new = {"ds4sci": cfg["new_tokens"], "hf": cfg["new_tokens"], "uncached": cfg["uncached_tokens"]}
+    rounds, start_load = [], load_average()
+    for r in range(cfg["rounds"]):
+        tps: dict[str, dict[str, float]] = {clock: {} for clock in throughput.CLOCKS}
+        tokens = {}
+        for name in (METHODS if r % 2 == 0 else METHODS[::-1]):
+            start = {clock: now() for clock, now in throughput.CLOCKS.items()}
+            tokens[name] = run[name](new[name])
+            for clock, now in throughput.CLOCKS.items():
+                tps[clock][name] = cfg["num_sequences"] * new[name] / (now() - start[clock])
+        check_greedy_agreement(tokens)
+        rounds.append({clock: t | {"ratio": t["ds4sci"] / t["hf"]} for clock, t in tps.items()})
+        logger.info("generate round %d: ds4sci %.0f tokens/s, hf %.0f tokens/s (ratio %.3f), uncached %.1f tokens/s",
+                    r, tps["wall"]["ds4sci"], tps["wall"]["hf"], rounds[-1]["wall"]["ratio"], tps["wall"]["uncached"])
+    return {"hf_model": type(hf).__name__,
+            "check": {"max_abs_logit_diff": diff, "logit_rtol": throughput.LOGIT_RTOL, "greedy_tokens_agree": True},
+            "rounds": rounds, "load": {"start": start_load, "end": load_average()}}
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """:func:`ds4sci.bench.throughput.summarize` of ``rounds`` of one clock, plus the uncached loop's median tokens/s
+    and how many times faster ds4sci's cached decoding is (median over rounds of the per-round ratio)."""
+    return throughput.summarize(rounds) | {
+        "uncached_tokens_per_s_median": statistics.median(r["uncached"] for r in rounds),
+        "cached_over_uncached_median": statistics.median(r["ds4sci"] / r["uncached"] for r in rounds),
+    }
+
+
+def markdown(report: dict) -> str:
+    """The Markdown summary of a generate report."""
+    c, s = report["config"], report["summary"]
+
+    def cells(r: dict) -> list[str]:
+        return [f"{r['wall'][m]:.1f}" for m in METHODS] + [f"{r[clock]['ratio']:.3f}" for clock in throughput.CLOCKS]
+
+    rows = [[i, *cells(r)] for i, r in enumerate(report["rounds"])]
+    rows.append(["median", *cells({clock: {"ds4sci": s[clock]["ds4sci_tokens_per_s_median"],
+                                           "hf": s[clock]["hf_tokens_per_s_median"],
+                                           "uncached": s[clock]["uncached_tokens_per_s_median"],
+                                           "ratio": s[clock]["ratio_median"]} for clock in throughput.CLOCKS})])
+    lines = [
+        f"# Generation: ds4sci cached decoding vs Hugging Face {report['hf_model']}.generate",
+        "",
+        f"GPT-NeoX shape: hidden {c['hidden']}, {plural(c['layers'], 'layer')}, {plural(c['heads'], 'head')}, MLP "
+        f"{4 * c['hidden']}, rotary_pct {c['rotary_pct']}, codon vocabulary, same weights (output head x{HEAD_SCALE:g} "
+        f"in both); fp32 on the CPU, {plural(c['threads'], 'torch thread')}. Greedy, "
+        f"{plural(c['num_sequences'], 'sequence')} decoded together after a {c['prompt_len']}-token prompt: "
+        f"{c['new_tokens']} new tokens each by ds4sci (`sample`, KV cache; attention backend "
+        f"{c['attention_backend']!r}) and Hugging Face (`generate(use_cache=True)`, attn_implementation "
+        f"{c['hf_attention']!r}), {c['uncached_tokens']} by the uncached loop (whole prefix per token). tokens/s = "
+        "sequences x new tokens / seconds of the whole call, prefill included. "
+        f"{plural(c['rounds'], 'round')}, order reversed each round; torch {report['versions']['torch']}, transformers "
+        f"{report['versions']['transformers']}; {describe_machine(report['machine'])}, 1-minute load "
+        f"{describe_load(report['load']['start'], report['load']['end'])}. Checked: max |logits difference| "
+        f"{report['check']['max_abs_logit_diff']:.1e}; greedy tokens of all three equal in every round.",
+        "",
+        *markdown_table(("round", "ds4sci cached tokens/s", "HF cached tokens/s", "ds4sci uncached tokens/s",
+                         "ratio ds4sci / HF (wall)", "ratio (CPU time)"), rows),
+        "",
+        *(f"Ratio ds4sci / Hugging Face, {label}: median **{s[clock]['ratio_median']:.3f}**, quartiles "
+          f"{s[clock]['ratio_q1']:.3f} - {s[clock]['ratio_q3']:.3f}, min/max {s[clock]['ratio_min']:.3f} - "
+          f"{s[clock]['ratio_max']:.3f} over {plural(len(report['rounds']), 'round')}; cached over uncached "
+          f"{s[clock]['cached_over_uncached_median']:.1f}x; median tokens/{unit}: ds4sci "
+          f"{s[clock]['ds4sci_tokens_per_s_median']:.1f}, HF {s[clock]['hf_tokens_per_s_median']:.1f}, uncached "
+          f"{s[clock]['uncached_tokens_per_s_median']:.1f}."
+          for clock, label, unit in (("wall", "wall clock", "s"), ("cpu", "CPU time of this process", "CPU-s"))),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path) -> None:
+    """Left: tokens/s (wall clock) of each method per round, log scale; right: the per-round ratios ds4sci / HF on
+    both clocks as box plots with their points."""
+    plt = pyplot()
+    rounds = report["rounds"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    labels = {"ds4sci": "ds4sci cached (sample)", "hf": f"HF {report['hf_model']}.generate", "uncached":
+              "ds4sci uncached loop"}
+    for name, label in labels.items():
+        left.plot(range(len(rounds)), [r["wall"][name] for r in rounds], marker="o", label=label)
+    left.set_xticks(range(len(rounds)))
+    left.set_xlabel("round")
+    left.set_ylabel("generated tokens/s")
+    left.set_yscale("log")
+    left.legend()
+    ratios = [[r[clock]["ratio"] for r in rounds] for clock in throughput.CLOCKS]
+    right.boxplot(ratios)
+    for i, values in enumerate(ratios, start=1):
+        right.scatter([i] * len(values), values, color="black", s=12, zorder=3)
+    right.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    right.set_xticks([1, 2], ["wall clock", "CPU time"])
+    right.set_ylabel("tokens/s ratio ds4sci / HF")
+    c = report["config"]
+    fig.suptitle(f"hidden {c['hidden']}, {c['layers']} layers, {c['num_sequences']} sequences, prompt "
+                 f"{c['prompt_len']} + {c['new_tokens']} new tokens, {plural(c['threads'], 'thread')}")
+    save_figure(fig, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``ds4sci bench generate``: exit status 1, with one error line, when transformers is not importable."""
+    cfg = config_from_args(args)
+    missing = missing_dependency("transformers", "ds4sci bench generate needs transformers ({err}); install it with "
+                                 "pip install 'ds4sci[dev]'", name="GPTNeoXForCausalLM")
+    if missing:
+        logger.error(missing)
+        return 1
+    import transformers
+
+    report = {"command": command_line("generate", cfg, args.out), "config": cfg, "machine": machine(),
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}} | measure(cfg)
+    report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in throughput.CLOCKS}
+    path = write_report(args.out, "generate", report, markdown(report))
+    plot(report, path.with_suffix(".png"))
+    print(markdown(report))
+    logger.info("generate: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    return 0
