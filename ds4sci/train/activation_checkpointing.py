@@ -18,7 +18,7 @@ block's MLP runs over tiles of ``mlp_tile`` tokens and is recomputed tile by til
 with SwiGLU) are never saved, and never alive for more than one tile; only its input is saved. Under full
 checkpointing the block's recomputation calls the tiled MLP again, whose backward then recomputes each tile once
 more. Parameter gradients are summed over the tiles and accumulated once per backward, so DeepSpeed's ZeRO 1/2
-gradient hooks fire once per step. Under ZeRO-3 each MLP is made a ZeRO-3 leaf module
+gradient hooks fire once per backward, as without tiling (ZeRO-2 refuses a gradient reduced twice). Under ZeRO-3 each MLP is made a ZeRO-3 leaf module
 (``deepspeed.utils.set_z3_leaf_modules``): its parameters are gathered for the whole MLP forward (all tiles) and
 again for its whole backward (every recomputed tile), not once per tile, and are full-shaped when the tiled function
 takes them as inputs; DeepSpeed reduces a leaf module's gradients in its backward hook, once. Under tensor

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ds4sci.kernels.backends import LocalBackend, parse_backend
 from ds4sci.kernels.local_attention import memory_efficient_attention
+from ds4sci.kernels.tiled_mlp import tiled_mlp
 from ds4sci.models.genslm.config import GenSLMConfig
 from ds4sci.models.genslm.position import (LearnedPositionEmbedding, RotaryScaling, alibi_slopes, apply_rotary,
                                            rotary_cos_sin)
@@ -193,61 +194,6 @@ class Attention(nn.Module):
         return self.dense(out.reshape(B, T, -1))
 
 
-class _TiledMLP(torch.autograd.Function):
-    """``mlp(x)`` over tiles of ``tile`` tokens along T, recomputed tile by tile in backward (TiledMLP of Arctic Long
-    Sequence Training, ALST: Bekman et al. 2025, arXiv:2506.13996).
-
-    ``forward(ctx, mlp, tile, x [B, T, hidden], *params) -> [B, T, hidden]``: ``mlp`` runs on each tile without
-    autograd and only ``x`` is saved, so no ``[B, T, intermediate]`` activation is kept for backward and none of
-    more than ``tile`` tokens is ever alive. Backward recomputes one tile at a time with autograd on and takes its
-    gradients with ``torch.autograd.grad``, which returns them without accumulating into ``.grad`` (no
-    gradient-accumulation hook fires per tile); the parameters' gradients are summed over the tiles (in fp32 for a
-    16-bit parameter, so the sum rounds once, as the untiled GEMM does) and returned ONCE as the gradients of
-    ``params``, explicit inputs of this function, so autograd accumulates each exactly once per backward and a ZeRO
-    gradient hook reduces it once per step, not once per tile.
-
-    ``params`` must be the tensors ``mlp`` computes with, at their full shape when this function is applied (ZeRO-3
-    gathers them for the whole MLP when it is a ZeRO-3 leaf module: ``ds4sci.train.activation_checkpointing``).
-    ``mlp`` must be deterministic (no dropout: GenSLM's is outside the MLP) and act on each token alone.
-    """
-
-    @staticmethod
-    def forward(ctx, mlp, tile: int, x: Tensor, *params: Tensor) -> Tensor:
-        ctx.mlp, ctx.tile, ctx.params = mlp, tile, params
-        ctx.save_for_backward(x)
-        out = None
-        for start in range(0, x.shape[1], tile):
-            y = mlp(x[:, start:start + tile])  # [B, tile, hidden]
-            if out is None:
-                out = y.new_empty(x.shape[0], x.shape[1], *y.shape[2:])  # [B, T, hidden]
-            out[:, start:start + tile] = y
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        (x,) = ctx.saved_tensors  # [B, T, hidden]
-        need_x = int(ctx.needs_input_grad[2])  # 1: x's gradient is the first one autograd.grad returns
-        wrt = [p for p, need in zip(ctx.params, ctx.needs_input_grad[3:]) if need]
-        grad_x = torch.empty_like(x) if need_x else None
-        sums: list[Tensor | None] = [None] * len(wrt)
-        for start in range(0, x.shape[1], ctx.tile):
-            piece = x[:, start:start + ctx.tile].detach().requires_grad_(bool(need_x))  # [B, tile, hidden]
-            with torch.enable_grad():
-                y = ctx.mlp(piece)
-            grads = torch.autograd.grad(y, [piece][:need_x] + wrt, grad_out[:, start:start + ctx.tile])
-            if need_x:
-                grad_x[:, start:start + ctx.tile] = grads[0]
-            for i, g in enumerate(grads[need_x:]):
-                if sums[i] is None:
-                    sums[i] = g.to(torch.promote_types(g.dtype, torch.float32))  # fp32 sum; no copy when fp32
-                else:
-                    sums[i] += g
-        summed = iter(sums)
-        grad_params = [next(summed).to(p.dtype) if need else None
-                       for p, need in zip(ctx.params, ctx.needs_input_grad[3:])]
-        return None, None, grad_x, *grad_params
-
-
 class MLP(nn.Module):
     """GELU MLP ``dense_4h_to_h(gelu(dense_h_to_4h(x)))`` (GPT-NeoX) or, for ``mlp="swiglu"``,
     ``dense_4h_to_h(silu(dense_h_to_4h_gate(x)) * dense_h_to_4h(x))`` (Shazeer 2020; Llama's
@@ -255,7 +201,7 @@ class MLP(nn.Module):
 
     :attr:`tile` (tokens, 0 by default: untiled) is set from outside (``activation_checkpointing.tiled_mlp``,
     ``ds4sci.train.activation_checkpointing``): a positive tile computes the MLP over tiles of that many tokens and
-    recomputes them in backward (:class:`_TiledMLP`), so no ``[B, T, intermediate]`` activation is saved. An
+    recomputes them in backward (:func:`~ds4sci.kernels.tiled_mlp.tiled_mlp`), so no ``[B, T, intermediate]`` activation is saved. An
     attribute, not a wrapper module, so parameter names do not change.
     """
 
@@ -270,7 +216,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tile:
-            return _TiledMLP.apply(self.untiled, self.tile, x, *self.parameters())
+            return tiled_mlp(self.untiled, x, list(self.parameters()), self.tile)
         return self.untiled(x)
 
     def untiled(self, x: Tensor) -> Tensor:

@@ -1,8 +1,9 @@
-"""Tiled MLP (ALST's TiledMLP; ``MLP.tile``): outputs and gradients (input and every parameter) equal the untiled
-MLP's, GELU and SwiGLU, fp64 and fp32, for tiles that do not divide T, tiles longer than T and one-token tiles; no
-``[B, T, intermediate]`` activation is saved for backward; each parameter's gradient is accumulated once per backward
-(not once per tile); and it composes with activation checkpointing (reentrant and not). Training under ZeRO, SP, TP
-and DeepSpeed's checkpointing: tests/distributed/test_train_tiled_mlp.py."""
+"""Tiled MLP (ALST's TiledMLP; ``MLP.tile``, ``ds4sci.kernels.tiled_mlp``): outputs and gradients (input and every
+parameter) equal the untiled MLP's, GELU and SwiGLU, fp64 and fp32, for tiles that do not divide T, tiles longer than
+T and one-token tiles; bf16 parameter gradients are summed in fp32; no ``[B, T, intermediate]`` activation is saved
+for backward; each parameter's gradient is accumulated once per backward (not once per tile); it composes with
+activation checkpointing (reentrant and not); a bad tile is named. Training under ZeRO, SP, TP and DeepSpeed's
+checkpointing: tests/distributed/test_train_tiled_mlp.py."""
 import functools
 
 import pytest
@@ -156,3 +157,13 @@ def test_composes_with_activation_checkpointing(reentrant):
     assert counts == {name: 1 for name in counts}, counts
     for i, (got, want) in enumerate(zip(*reversed(grads))):
         _close(got, want, f"gradient {i}", 1e-5)
+
+
+def test_a_bad_tile_is_named():
+    from ds4sci.kernels.tiled_mlp import tiled_mlp
+
+    module = _mlp("gelu", torch.float32)
+    x = torch.randn(B, T, module.dense_h_to_4h.in_features)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=rf"tile must be an integer >= 1 \(tokens\), got {bad!r}"):
+            tiled_mlp(module.untiled, x, list(module.parameters()), bad)
