@@ -1,9 +1,10 @@
 """Tiled MLP in training (``activation_checkpointing.tiled_mlp``) is exact: under Ulysses 2 with ZeRO-3 (each MLP a
 ZeRO-3 leaf module), under TP 2 with ZeRO-2 (whose gradient hook refuses a parameter reduced twice in one step) and
-clipping, and under Ulysses 2 with ZeRO-3 and DeepSpeed's full checkpointing, training equals single-process training
-without it (losses and parameters after three steps, fp32 ~1e-5); and the tiling demonstrably ran: each MLP's output
-projection is called once per tile in forward and once more per tile in backward (twice more with full
-checkpointing, whose recomputed block runs the tiled MLP again)."""
+clipping, under Ulysses 2 with ZeRO-3 and DeepSpeed's full checkpointing, and under TP 2 with ZeRO-3 (the leaf MLP
+holding row-parallel layers) and selective checkpointing, training equals single-process training without it (losses
+and parameters after three steps, fp32 ~1e-5); and the tiling demonstrably ran: each MLP's output projection is called
+once per tile in forward and once more per tile in backward (twice more with full checkpointing, whose recomputed
+block runs the tiled MLP again)."""
 import math
 
 import pytest
@@ -16,6 +17,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TILE = 5  # divides neither the 16 local tokens (Ulysses 2 of 32) nor the 32 the MLP sees under TP 2 (gathered)
 TILED = ["activation_checkpointing.tiled_mlp=true", f"activation_checkpointing.mlp_tile={TILE}"]
 FULL = ["activation_checkpointing.mode=full"]
+SELECTIVE = ["activation_checkpointing.mode=selective"]
 
 
 def _train_counting_tiles(rank, world, cases):
@@ -44,6 +46,7 @@ def test_tiled_mlp_trains_like_one_process_under_zero3_ulysses_tp_and_full_check
         ("ulysses=2 zero=3 tiled", 3, {"ulysses": 2}, TILED, 16, 2),
         ("tp=2 zero=2 tiled, clipped", 2, {}, TILED + ["parallel.tp=2"] + CLIP, 32, 2),
         ("ulysses=2 zero=3 full checkpointing, tiled", 3, {"ulysses": 2}, TILED + FULL, 16, 3),
+        ("tp=2 zero=3 selective checkpointing, tiled", 3, {}, TILED + ["parallel.tp=2"] + SELECTIVE, 32, 2),
     ]
     cache = [f"data.cache_dir={tmp_path / 'token_cache'}"]  # one token cache for every run (built once)
     overrides = [_overrides(tmp_path / f"c{i}", z, **deg, extra=cache + x) for i, (_, z, deg, x, _, _) in enumerate(cases)]
