@@ -12,6 +12,21 @@ Modes:
   is wrapped in :class:`CheckpointedCore`, a module without parameters or persistent buffers, so parameter and
   state-dict names do not change.
 
+Tiled MLP (``tiled_mlp: true``, with any mode; ALST's TiledMLP, Bekman et al. 2025, arXiv:2506.13996): every
+block's MLP runs over tiles of ``mlp_tile`` tokens and is recomputed tile by tile in backward
+(:class:`~ds4sci.models.genslm.model.MLP`'s ``tile``), so its ``[B, T, intermediate]`` activations (two of them, three
+with SwiGLU) are never saved, and never alive for more than one tile; only its input is saved. Under full
+checkpointing the block's recomputation calls the tiled MLP again, whose backward then recomputes each tile once
+more. Parameter gradients are summed over the tiles and accumulated once per backward, so DeepSpeed's ZeRO 1/2
+gradient hooks fire once per backward, as without tiling (ZeRO-2 refuses a gradient reduced twice). Under ZeRO-3 each MLP is made a ZeRO-3 leaf module
+(``deepspeed.utils.set_z3_leaf_modules``): its parameters are gathered for the whole MLP forward (all tiles) and
+again for its whole backward (every recomputed tile), not once per tile, and are full-shaped when the tiled function
+takes them as inputs; DeepSpeed reduces a leaf module's gradients in its backward hook, once. Under tensor
+parallelism the MLP holds no collective (:class:`~ds4sci.parallel.tensor_parallel.TensorParallelBlock` all-gathers
+its input and reduce-scatters its partial sums outside it), so the tiles cut the gathered ``[B, T, hidden]`` input
+of the full SP shard after the all-gather, each tile computing this rank's ``intermediate/tp`` columns; the
+collectives run once per block, as without tiling.
+
 Applied AFTER :func:`ds4sci.parallel.parallelize.parallelize`. Under tensor parallelism a full-mode block is a
 :class:`~ds4sci.parallel.tensor_parallel.TensorParallelBlock`, whose recomputation reruns its sequence-region
 all-gather and reduce-scatter over the TP group (every TP rank recomputes, in the same order); the selective core
@@ -50,10 +65,11 @@ import torch
 from torch import nn
 
 from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm.model import MLP
 from ds4sci.train.activation_offload import HostOffload
-from ds4sci.train.config import ActivationCheckpointingConfig
+from ds4sci.train.config import ACTIVATION_CHECKPOINTING_MODES, ActivationCheckpointingConfig
 
-__all__ = ["CheckpointedCore", "apply_activation_checkpointing", "checkpoint"]
+__all__ = ["CheckpointedCore", "apply_activation_checkpointing", "apply_tiled_mlp", "checkpoint"]
 
 
 def checkpoint(function, *args):
@@ -117,19 +133,35 @@ class _TensorGroupOfOne:
 _UNPARTITIONED = _TensorGroupOfOne()
 
 
+def apply_tiled_mlp(model: GenSLM, tile: int) -> None:
+    """Compute every block's MLP over tiles of ``tile`` tokens, recomputed in backward (in place; see the module
+    docstring), each MLP a ZeRO-3 leaf module. Call before the DeepSpeed engine is built (ZeRO-3 registers its hooks
+    then)."""
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"activation_checkpointing.mlp_tile={tile!r}: must be an integer >= 1 (tokens per tile)")
+    from deepspeed.utils import set_z3_leaf_modules
+
+    for block in model.layers:
+        block.mlp.tile = tile
+    set_z3_leaf_modules(model, [MLP])
+
+
 def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingConfig,
                                    device: torch.device | str = "cpu") -> HostOffload | None:
-    """Turn on ``cfg.mode`` activation checkpointing in ``model`` (in place; no-op for ``"none"``), with the
-    checkpointed inputs in host memory when ``cfg.cpu`` (:class:`~ds4sci.train.activation_offload.HostOffload` for
-    ``device``, the device the model runs on; returned, else None).
+    """Turn on ``cfg.mode`` activation checkpointing and, with ``cfg.tiled_mlp``, the tiled MLP in ``model`` (in
+    place; no-op for ``"none"`` without ``tiled_mlp``), with the checkpointed inputs in host memory when ``cfg.cpu``
+    (:class:`~ds4sci.train.activation_offload.HostOffload` for ``device``, the device the model runs on; returned,
+    else None).
 
     Call after :func:`ds4sci.parallel.parallelize.parallelize` (any tensor, Ulysses and ring degrees) and before the DeepSpeed
     engine is built; torch.distributed must be initialised (DeepSpeed's ``configure`` logs on rank 0).
     """
+    if cfg.mode not in ACTIVATION_CHECKPOINTING_MODES:
+        raise ValueError(f"activation_checkpointing.mode={cfg.mode!r}: expected none, full or selective")
+    if cfg.tiled_mlp:
+        apply_tiled_mlp(model, cfg.mlp_tile)
     if cfg.mode == "none":
         return None
-    if cfg.mode not in ("full", "selective"):
-        raise ValueError(f"activation_checkpointing.mode={cfg.mode!r}: expected none, full or selective")
     import deepspeed
 
     deepspeed.checkpointing.configure(_UNPARTITIONED, partition_activations=False, contiguous_checkpointing=False,

@@ -139,6 +139,13 @@ class ActivationCheckpointingConfig:
     cpu: bool = _field(default=False,
                     help="keep the checkpointed inputs in host memory until backward: copied on a side stream, "
                     "fetched back one block ahead (ALST's activation offload; ds4sci.train.activation_offload)")
+    tiled_mlp: bool = _field(default=False,
+                    help="compute each block's MLP over tiles of mlp_tile tokens and recompute them tile by tile in "
+                         "backward, so no [B, S/sp, intermediate] activation is kept (ALST's TiledMLP); with or "
+                         "without mode=full/selective")
+    # 1024 tokens: each tile's GEMMs keep 1024 rows per sequence (large matrix products, few launches), while the
+    # live intermediate is 1024 x intermediate_size per sequence, 1/32 of the untiled one at 32K tokens per rank
+    mlp_tile: int = _field(default=1024, help="tokens per tile of tiled_mlp, >= 1 (the last tile may be shorter)")
 
 
 @dataclass
@@ -313,6 +320,8 @@ class Config:
               "expected none, full or selective")
         check(not ac.cpu or ac.mode != "none", "activation_checkpointing.cpu", ac.cpu,
               "keeps checkpoints on the CPU, but activation_checkpointing.mode=none checkpoints nothing")
+        check(ac.mlp_tile >= 1, "activation_checkpointing.mlp_tile", ac.mlp_tile,
+              "must be >= 1 token (the tile of activation_checkpointing.tiled_mlp)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -14,8 +14,8 @@ undoes DeepSpeed's per-stage gradient reduction; the equivalence tests prove it 
 single-process training.
 
 Memory switches: ZeRO-Offload / ZeRO-Infinity (``zero.offload_*``) go into the DeepSpeed config
-(:mod:`ds4sci.train.engine`); activation checkpointing (``activation_checkpointing.*``) is applied to the model
-after sequence parallelism (:mod:`ds4sci.train.activation_checkpointing`). Neither changes the loss scale.
+(:mod:`ds4sci.train.engine`); activation checkpointing and the tiled MLP (``activation_checkpointing.*``) are applied
+to the model after sequence parallelism (:mod:`ds4sci.train.activation_checkpointing`). None changes the loss scale.
 
 The sequence-partitioned learned position table is kept OUT of the DeepSpeed engine and owned by
 :class:`ds4sci.train.position_table.PositionTable` (why: see there).

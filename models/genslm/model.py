@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ds4sci.kernels.backends import LocalBackend, parse_backend
 from ds4sci.kernels.local_attention import memory_efficient_attention
+from ds4sci.kernels.tiled_mlp import tiled_mlp
 from ds4sci.models.genslm.config import GenSLMConfig
 from ds4sci.models.genslm.position import (LearnedPositionEmbedding, RotaryScaling, alibi_slopes, apply_rotary,
                                            rotary_cos_sin)
@@ -198,7 +199,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP ``dense_4h_to_h(gelu(dense_h_to_4h(x)))`` (GPT-NeoX) or, for ``mlp="swiglu"``,
     ``dense_4h_to_h(silu(dense_h_to_4h_gate(x)) * dense_h_to_4h(x))`` (Shazeer 2020; Llama's
-    ``down(silu(gate(x)) * up(x))``): ``[B, T, hidden] -> [B, T, intermediate] -> [B, T, hidden]``."""
+    ``down(silu(gate(x)) * up(x))``): ``[B, T, hidden] -> [B, T, intermediate] -> [B, T, hidden]``.
+
+    :attr:`tile` (tokens, 0 by default: untiled) is set from outside (``activation_checkpointing.tiled_mlp``,
+    ``ds4sci.train.activation_checkpointing``): a positive tile computes the MLP over tiles of that many tokens and
+    recomputes them in backward (:func:`~ds4sci.kernels.tiled_mlp.tiled_mlp`), so no ``[B, T, intermediate]`` activation is saved. An
+    attribute, not a wrapper module, so parameter names do not change.
+    """
 
     def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
         super().__init__()
@@ -207,8 +214,15 @@ class MLP(nn.Module):
         self.dense_h_to_4h_gate = nn.Linear(h, f, bias=bias, device=device) if config.mlp == "swiglu" else None
         self.dense_4h_to_h = nn.Linear(f, h, bias=bias, device=device)
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"  # F.gelu's name for it
+        self.tile = 0  # see the class docstring
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.tile:
+            return tiled_mlp(self.untiled, x, list(self.parameters()), self.tile)
+        return self.untiled(x)
+
+    def untiled(self, x: Tensor) -> Tensor:
+        """The MLP on all of ``x [B, T, hidden]`` at once."""
         up = self.dense_h_to_4h(x)  # [B, T, intermediate]
         if self.dense_h_to_4h_gate is not None:
             return self.dense_4h_to_h(F.silu(self.dense_h_to_4h_gate(x)) * up)

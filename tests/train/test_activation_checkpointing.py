@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.train.activation_checkpointing import CheckpointedCore
+from ds4sci.train.activation_checkpointing import CheckpointedCore, apply_activation_checkpointing
+from ds4sci.train.config import ActivationCheckpointingConfig
 
 
 def _model():
@@ -48,3 +49,23 @@ def test_model_checkpoint_hook_recomputes_blocks_exactly_and_only_in_training():
         assert len(calls) == len(model.layers)  # evaluation: the plain path
     for g, ref in zip(*grads):
         torch.testing.assert_close(g, ref, rtol=0, atol=0)
+
+
+def test_tiled_mlp_is_set_on_every_block_as_a_zero3_leaf_and_keeps_every_name():
+    """``tiled_mlp`` (any mode; here without checkpointing): every block's MLP tiles with ``mlp_tile`` and is a ZeRO-3
+    leaf module (its parameters gathered once for all tiles); names unchanged; a bad tile is named."""
+    from deepspeed.utils import z3_leaf_module
+
+    model = _model()
+    names, keys = [n for n, _ in model.named_parameters()], list(model.state_dict())
+    apply_activation_checkpointing(model, ActivationCheckpointingConfig(tiled_mlp=True, mlp_tile=7))
+    assert [b.mlp.tile for b in model.layers] == [7] * len(model.layers)
+    assert all(z3_leaf_module(b.mlp) for b in model.layers) and not z3_leaf_module(model.layers[0])
+    assert model.checkpoint_fn is None
+    assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == keys
+    plain = _model()
+    apply_activation_checkpointing(plain, ActivationCheckpointingConfig(mlp_tile=7))  # tiled_mlp off: untouched
+    assert [b.mlp.tile for b in plain.layers] == [0] * len(plain.layers)
+    for bad in (0, -3, True):
+        with pytest.raises(ValueError, match=rf"activation_checkpointing.mlp_tile={bad!r}: must be an integer >= 1"):
+            apply_activation_checkpointing(plain, ActivationCheckpointingConfig(tiled_mlp=True, mlp_tile=bad))
