@@ -519,7 +519,9 @@ class ColumnParallelLinear(nn.Module):
     """Megatron-LM's column-parallel linear layer on a gathered sequence region: ``weight [out/tp, in]``, ``bias
     [out/tp]`` (if any), TP rank ``t``'s contiguous rows of ``linear``'s; ``forward(x [B, T, in]) -> [B, T, out/tp]``
     for ``x`` slot ``slot`` of the block's gathered region (``source``, a :class:`RegionGather`), saving the region,
-    not ``x``, for backward."""
+    not ``x``, for backward. With :attr:`reads_region` False (set by the tiled MLP, whose tiles are pieces of the
+    region and which saves its input itself: :func:`ds4sci.train.activation_checkpointing.apply_tiled_mlp`) it is a
+    plain linear layer on ``x``."""
 
     def __init__(self, linear: nn.Linear, tp: _TP, source: RegionGather, slot: int):
         super().__init__()
@@ -527,8 +529,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight, self.bias = _shard_param(linear.weight, 0, tp), _shard_param(linear.bias, 0, tp)
         self.out_features = self.weight.shape[0]
         self.source, self.slot = source, slot
+        self.reads_region = True
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.reads_region:
+            return F.linear(x, self.weight, self.bias)
         return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.source.region(x, self.slot), self.slot)
 
     def extra_repr(self) -> str:

@@ -25,7 +25,9 @@ takes them as inputs; DeepSpeed reduces a leaf module's gradients in its backwar
 parallelism the MLP holds no collective (:class:`~ds4sci.parallel.tensor_parallel.TensorParallelBlock` all-gathers
 its input and reduce-scatters its partial sums outside it), so the tiles cut the gathered ``[B, T, hidden]`` input
 of the full SP shard after the all-gather, each tile computing this rank's ``intermediate/tp`` columns; the
-collectives run once per block, as without tiling.
+collectives run once per block, as without tiling. The tiled function saves that gathered input (its column-parallel
+layers then read their tiles as plain linear layers), so under TP a tiled MLP keeps ``[B, T, hidden]`` where an untiled
+one keeps this rank's region ``[B, T/tp, hidden]`` and the ``[B, T, intermediate/tp]`` activations.
 
 Applied AFTER :func:`ds4sci.parallel.parallelize.parallelize`. Under tensor parallelism a full-mode block is a
 :class:`~ds4sci.parallel.tensor_parallel.TensorParallelBlock`, whose recomputation reruns its sequence-region
@@ -66,6 +68,7 @@ from torch import nn
 
 from ds4sci.models.genslm import GenSLM
 from ds4sci.models.genslm.model import MLP
+from ds4sci.parallel.tensor_parallel import ColumnParallelLinear
 from ds4sci.train.activation_offload import HostOffload
 from ds4sci.train.config import ACTIVATION_CHECKPOINTING_MODES, ActivationCheckpointingConfig
 
@@ -143,6 +146,9 @@ def apply_tiled_mlp(model: GenSLM, tile: int) -> None:
 
     for block in model.layers:
         block.mlp.tile = tile
+        for layer in block.mlp.modules():  # under TP: the tiles are pieces of the gathered region, which the tiled
+            if isinstance(layer, ColumnParallelLinear):  # function saves itself, so the layer reads its input as is
+                layer.reads_region = False
     set_z3_leaf_modules(model, [MLP])
 
 
