@@ -18,6 +18,7 @@ SHA256 = {
     "NZ_CP040672.1_cds_100.fna": "c9763f8e21d5a31e1517d37d368ff545450abdd79525153f47cce7ba522d7e61",
     "genslm_codon_vocab_69.tsv": "f05c1f58a60062c35d0e6ed04e8dc16c30e7d2baa6e1df11854b900db276cbce",
     "genslm_codon_vocab_71.tsv": "1c6a2e160ef3811a8ef846a1cdea5e0f7fb65ee1de5b66720dcb7b4c4c6aa920",
+    "ecoli_example_variants.vcf": "59a28d6142476effb70132bba1910820ea90a71a75b6cde04b3d269fe6a339bf",
 }
 
 
