@@ -95,3 +95,10 @@ def check_parallel(args: argparse.Namespace, model_config, world_size: int) -> N
     if heads % args.ulysses:
         raise CommandError(f"--ulysses {args.ulysses} must divide the model's {heads} attention heads (the ring "
                            f"degree carries the rest)")
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """``--device`` of the commands that run a model (:func:`ds4sci.infer.parallel.inference_device`)."""
+    parser.add_argument("--device", default="auto",
+                        help="where the model runs: auto (this process's GPU, cuda:LOCAL_RANK under torchrun, when "
+                        "CUDA is available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")

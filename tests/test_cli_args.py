@@ -199,3 +199,33 @@ def test_a_users_error_is_one_line_once_per_launch(monkeypatch, capsys):
             monkeypatch.setenv("RANK", rank)
         cli.report_error("train", ValueError("bad value 7"))
         assert capsys.readouterr().err == f"{who}: error: bad value 7\n"
+
+
+def test_device_auto_is_this_process_gpu_when_cuda_is_there(monkeypatch):
+    from ds4sci.infer import parallel
+
+    assert parallel.inference_device("auto") == torch.device("cpu") == parallel.inference_device("cpu")
+    with pytest.raises(ValueError, match="--device cuda: this machine has 0 CUDA device"):
+        parallel.inference_device("cuda")
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert parallel.inference_device("auto") == torch.device("cuda", 1)  # torchrun's local rank
+    assert parallel.inference_device("cuda:0") == torch.device("cuda", 0)
+    assert chosen == [torch.device("cuda", 1), torch.device("cuda", 0)]  # made current, as NCCL needs
+    with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 2 CUDA device\(s\)"):
+        parallel.inference_device("cuda:2")
+    for bad in ("gpu", "cuda:x", "mps"):
+        with pytest.raises(ValueError, match=f"--device '{bad}': expected auto, cpu, cuda or cuda:N"):
+            parallel.inference_device(bad)
+
+
+@pytest.mark.parametrize("command", ["score", "embed", "evaluate", "generate", "score-variants"])
+def test_device_without_cuda_is_one_error(exports, capsys, command):
+    extra = {"score": ["--fasta", exports["fasta"], "--out", "-"], "embed": ["--fasta", exports["fasta"], "--out", "x"],
+             "evaluate": ["--fasta", exports["fasta"]], "generate": [],
+             "score-variants": ["--reference", exports["fasta"], "--vcf", "v.vcf", "--out", "-"]}[command]
+    assert main([command, exports["nucleotide"], "--device", "cuda", *extra]) == 2
+    one_error(capsys, ["--device cuda: this machine has 0 CUDA device"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ds4sci.cli_args import (CommandError, add_model_argument, add_parallel_arguments, add_window_arguments,
-                             check_parallel, check_windows, positive_int)
+from ds4sci.cli_args import (CommandError, add_device_argument, add_model_argument, add_parallel_arguments,
+                             add_window_arguments, check_parallel, check_windows, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ def layer(text: str) -> int | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
+    add_device_argument(parser)
     parser.add_argument("--fasta", required=True, help="FASTA file whose records are embedded (ids must be unique)")
     parser.add_argument("--out", required=True,
                         help="output .npz: arrays ids [R] and embeddings [R, hidden] (float32); with --per-token, one "
@@ -47,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
 
     from ds4sci.data import read_fasta
     from ds4sci.infer.embed import embed_records, save_token_embeddings, token_embeddings
-    from ds4sci.infer.parallel import ShardedForward, launch_world_size
+    from ds4sci.infer.parallel import ShardedForward, inference_device, launch_world_size
     from ds4sci.io.weights import load_model
 
-    model, config, tokenizer = load_model(args.export)
+    model, config, tokenizer = load_model(args.export, inference_device(args.device))
     check_windows(args, config)
     check_parallel(args, config, launch_world_size())
     if args.layer is not None and args.layer > config.num_layers:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from ds4sci.cli_args import (add_model_argument, add_parallel_arguments, add_window_arguments, check_parallel,
-                             check_windows, positive_int)
+from ds4sci.cli_args import (add_device_argument, add_model_argument, add_parallel_arguments, add_window_arguments,
+                             check_parallel, check_windows, positive_int)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
+    add_device_argument(parser)
     parser.add_argument("--fasta", required=True, help="FASTA file to score")
     add_window_arguments(parser)
     add_parallel_arguments(parser)
@@ -20,10 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds4sci.infer.evaluate import evaluate, windows
-    from ds4sci.infer.parallel import ShardedForward, launch_world_size
+    from ds4sci.infer.parallel import ShardedForward, inference_device, launch_world_size
     from ds4sci.io.weights import load_model
 
-    model, config, tokenizer = load_model(args.export)
+    model, config, tokenizer = load_model(args.export, inference_device(args.device))
     check_windows(args, config)
     check_parallel(args, config, launch_world_size())
     runner = ShardedForward.from_world(model, args.ulysses, args.ring)

@@ -6,13 +6,15 @@ import argparse
 import logging
 import sys
 
-from ds4sci.cli_args import add_model_argument, nonnegative_float, nonnegative_int, positive_int, probability
+from ds4sci.cli_args import (add_device_argument, add_model_argument, nonnegative_float, nonnegative_int, positive_int,
+                             probability)
 
 logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
+    add_device_argument(parser)
     parser.add_argument("--prompt", default="",
                         help="nucleotide prompt (default: start from [CLS]); read as training data is (uppercased, U as "
                         "T, IUPAC codes R Y S W K M B D H V as N). Codon models: the length must be a multiple of 3 "
@@ -38,9 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from Bio.SeqRecord import SeqRecord
 
     from ds4sci.infer.generate import sample
+    from ds4sci.infer.parallel import inference_device
     from ds4sci.io.weights import load_model
 
-    model, _, tokenizer = load_model(args.export)
+    model, _, tokenizer = load_model(args.export, inference_device(args.device))
     seqs = sample(model, tokenizer, args.prompt, args.num_tokens, num_sequences=args.num_sequences,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   stop_at_stop_codon=args.stop_at_stop_codon)  # sequence i draws from seed + i

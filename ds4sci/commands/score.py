@@ -7,8 +7,8 @@ import csv
 import logging
 import sys
 
-from ds4sci.cli_args import (add_model_argument, add_parallel_arguments, add_window_arguments, check_parallel,
-                             check_windows, positive_int)
+from ds4sci.cli_args import (add_device_argument, add_model_argument, add_parallel_arguments, add_window_arguments,
+                             check_parallel, check_windows, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +17,7 @@ COLUMNS = ("id", "length", "tokens", "log_likelihood", "bits_per_base")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
+    add_device_argument(parser)
     parser.add_argument("--fasta", required=True, help="FASTA file whose records are scored")
     parser.add_argument("--out", required=True, help="output TSV with a header line: " + ", ".join(COLUMNS) +
                         " ('-': stdout)")
@@ -31,11 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds4sci.data import read_fasta
-    from ds4sci.infer.parallel import ShardedForward, launch_world_size
+    from ds4sci.infer.parallel import ShardedForward, inference_device, launch_world_size
     from ds4sci.infer.score import score_records
     from ds4sci.io.weights import load_model
 
-    model, config, tokenizer = load_model(args.export)
+    model, config, tokenizer = load_model(args.export, inference_device(args.device))
     check_windows(args, config)
     check_parallel(args, config, launch_world_size())
     runner = ShardedForward.from_world(model, args.ulysses, args.ring)

@@ -7,7 +7,8 @@ import csv
 import logging
 import sys
 
-from ds4sci.cli_args import CommandError, add_model_argument, add_parallel_arguments, check_parallel, positive_int
+from ds4sci.cli_args import (CommandError, add_device_argument, add_model_argument, add_parallel_arguments,
+                             check_parallel, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +18,7 @@ COLUMNS = ("chrom", "pos", "id", "ref", "alt", "llr", "ref_log_likelihood", "alt
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
+    add_device_argument(parser)
     parser.add_argument("--reference", required=True, help="reference FASTA (plain or .gz); VCF CHROM names its "
                         "record ids")
     parser.add_argument("--vcf", required=True, metavar="VARIANTS",
@@ -51,11 +53,11 @@ def write_rows(rows: list[dict], out: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds4sci.data import read_fasta
-    from ds4sci.infer.parallel import ShardedForward, launch_world_size
+    from ds4sci.infer.parallel import ShardedForward, inference_device, launch_world_size
     from ds4sci.infer.variants import check_nucleotide, read_variants, score_variants
     from ds4sci.io.weights import load_model
 
-    model, config, tokenizer = load_model(args.export)
+    model, config, tokenizer = load_model(args.export, inference_device(args.device))
     check_nucleotide(tokenizer)  # before the reference is read
     check_parallel(args, config, launch_world_size())
     reference = {}

@@ -33,7 +33,7 @@ from ds4sci.parallel.parallelize import parallelize
 from ds4sci.sequence.attention import DistributedAttention
 from ds4sci.sequence.sharding import gather_sequence, pad_to_multiple, shard_sequence
 
-__all__ = ["ShardedForward", "launch_world_size"]
+__all__ = ["ShardedForward", "inference_device", "launch_world_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,32 @@ TIMEOUT_S = 1800.0
 def launch_world_size() -> int:
     """The number of processes a launcher (``torchrun``, ``deepspeed``) started, from ``WORLD_SIZE``; 1 alone."""
     return int(os.environ.get("WORLD_SIZE") or 1)
+
+
+def inference_device(spec: str = "auto") -> torch.device:
+    """The device a command's model runs on (``--device``): ``auto`` is this process's GPU when CUDA is available
+    (``cuda:LOCAL_RANK``, ``LOCAL_RANK`` set by torchrun, 0 alone) and the CPU otherwise; ``cpu``; ``cuda`` (this
+    process's GPU) or ``cuda:N``. A GPU is made this process's current device (NCCL needs it before the first
+    collective).
+
+    Raises:
+        ValueError: an unknown name, or a GPU asked for where CUDA has none (naming the spec and what there is).
+    """
+    local = int(os.environ.get("LOCAL_RANK") or 0)
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    name, _, index = spec.partition(":")
+    if name != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"--device {spec!r}: expected auto, cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = torch.device("cuda", int(index) if index else local)
+    if device.index >= count:
+        raise ValueError(f"--device {spec}: this machine has {count} CUDA device(s)"
+                         + (f" (LOCAL_RANK={local})" if not index else ""))
+    torch.cuda.set_device(device)
+    return device
 
 
 class ShardedForward:
