@@ -274,13 +274,7 @@ def plot(report: dict, path) -> None:
     left.set_ylabel("generated tokens/s")
     left.set_yscale("log")
     left.legend()
-    ratios = [[r[clock]["ratio"] for r in rounds] for clock in throughput.CLOCKS]
-    right.boxplot(ratios)
-    for i, values in enumerate(ratios, start=1):
-        right.scatter([i] * len(values), values, color="black", s=12, zorder=3)
-    right.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
-    right.set_xticks([1, 2], ["wall clock", "CPU time"])
-    right.set_ylabel("tokens/s ratio ds4sci / HF")
+    throughput.plot_ratios(right, rounds)
     c = report["config"]
     fig.suptitle(f"hidden {c['hidden']}, {c['layers']} layers, {c['num_sequences']} sequences, prompt "
                  f"{c['prompt_len']} + {c['new_tokens']} new tokens, {plural(c['threads'], 'thread')}")
