@@ -55,8 +55,8 @@ from ds4sci.models.evoformer import EvoformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
 from ds4sci.parallel.evoformer_cp import _gather, _gather_out
 from ds4sci.parallel.tensor_parallel import split_sequence_region, sync_grad
-from ds4sci.sequence.attention import _merge
-from ds4sci.sequence.comm import group_rank, group_size
+from ds4sci.sequence.attention import _GRAD_TAG, _KV_TAG, _merge
+from ds4sci.sequence.comm import RingShift, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
 
 __all__ = ["EvoformerContextParallel2D", "check_mesh"]
@@ -113,70 +113,85 @@ def _exchange(x: Tensor, mesh: _Mesh) -> Tensor:
     return out
 
 
-class _KeyTiledAttention(torch.autograd.Function):
-    """``softmax_j(q_i . k_j / sqrt(D) + mask_j + pair_ij) v_j`` over keys given in T tiles of the queries' length.
+class _RingAttention(torch.autograd.Function):
+    """``softmax_j(q_i . k_j / sqrt(D) + mask_j + pair_ij) v_j`` of this rank's queries over the keys of a ring of T
+    ranks (a mesh row or column), ring attention's schedule (Liu et al. 2023) on the Evoformer kernel.
 
-    q ``[*, N, s, H, D]``, k and v ``[*, N, T*s, H, D]``, mask bias ``[*, N|1, 1, 1, T*s]`` or None (constant),
-    pair bias ``[*, 1, H, s, T*s]``; returns ``[*, N, s, H, D]``. Each tile is one call of the Evoformer kernel
-    (``evoformer_attention``'s custom op: s x s tiles); the tiles' outputs are merged by their log-sum-exp, and the
-    backward runs the kernel's backward per tile against the merged output and log-sum-exp (flash attention's
-    gradient of a tile needs only these: ``P = exp(logits - lse)``, ``D = rowsum(dO * O)``).
+    q, k, v ``[*, N, s, H, D]`` (this rank's tile: ring rank t holds keys ``t*s .. (t+1)*s``), mask bias
+    ``[*, N|1, 1, 1, T*s]`` or None (constant), pair bias ``[*, 1, H, s, T*s]`` (every key's, in key order); returns
+    ``[*, N, s, H, D]``. The k, v tiles rotate around the ring; each step is one call of the Evoformer kernel
+    (``evoformer_attention``'s custom op on s x s tiles) and the partial results are merged by their log-sum-exp
+    (:func:`ds4sci.sequence.attention._merge`). Backward rotates k, v again, runs the kernel's backward per tile
+    against the merged output and log-sum-exp (a tile's exact share of the gradients: ``P = exp(logits - lse)``,
+    ``D = rowsum(dO * O)``), and sends each tile's k, v gradients on around the ring back to their rank.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, pair, backend):
-        *batch, n, s, h, d = q.shape
+    def forward(ctx, q, k, v, mask, pair, backend, ring):
+        *_, s, h, d = q.shape
+        size, me = group_size(ring), group_rank(ring)
         out = lse = None
-        for t in range(k.shape[-3] // s):
-            keys = slice(t * s, (t + 1) * s)
-            o_t, stats = _attention_fwd(q, k[..., keys, :, :], v[..., keys, :, :],
-                                        None if mask is None else mask[..., keys], pair[..., keys], backend)
+        kv = [k, v]
+        for step in range(size):
+            keys = _keys((me - step) % size, s)
+            shift = RingShift(kv, ring, tag=_KV_TAG) if step < size - 1 else None
+            o_t, stats = _attention_fwd(q, *kv, None if mask is None else mask[..., keys], pair[..., keys], backend)
             row_max, row_sum = stats.unbind(-1)  # [Z, N, H, s]; (+inf, +inf) on rows with every key -inf
             lse_t = torch.where(torch.isinf(row_max), -math.inf, row_max + torch.log(row_sum)).flatten(0, 1)
             o_t = o_t.reshape(-1, s, h, d)  # [Z*N, s, H, D] and [Z*N, H, s]: ring attention's layout
             out, lse = (o_t, lse_t) if out is None else _merge(out, lse, o_t, lse_t)
+            if shift is not None:
+                kv = shift.wait()
         out = out.reshape(q.shape)
         ctx.save_for_backward(q, k, v, mask, pair, out, lse)
-        ctx.backend = backend
+        ctx.backend, ctx.ring = backend, ring
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, mask, pair, out, lse = ctx.saved_tensors
         *batch, n, s, h, d = q.shape
+        ring, size, me = ctx.ring, group_size(ctx.ring), group_rank(ctx.ring)
         lse = lse.reshape(math.prod(batch), n, h, s)
         # the merged statistics in the kernel's form: row max lse, row sum 1; (+inf, +inf) where no key counts
         stats = torch.stack([torch.where(torch.isinf(lse), math.inf, lse),
                              torch.where(torch.isinf(lse), math.inf, 1.0)], dim=-1)
         need_pair = ctx.needs_input_grad[4]
-        dq, dk, dv = torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
+        grad = grad.contiguous()
+        dq = torch.zeros_like(q)
         dpair = torch.empty_like(pair) if need_pair else None
-        for t in range(k.shape[-3] // s):
-            keys = slice(t * s, (t + 1) * s)
-            grads = _attention_bwd(grad.contiguous(), q, k[..., keys, :, :], v[..., keys, :, :], out, stats,
-                                   None if mask is None else mask[..., keys], pair[..., keys], False, need_pair,
-                                   ctx.backend)
+        kv, dkv = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]  # the gradients travel with their tile
+        for step in range(size):
+            keys = _keys((me - step) % size, s)
+            shift = RingShift(kv, ring, tag=_KV_TAG) if step < size - 1 else None
+            grads = _attention_bwd(grad, q, *kv, out, stats, None if mask is None else mask[..., keys],
+                                   pair[..., keys], False, need_pair, ctx.backend)
             dq += grads[0]
-            dk[..., keys, :, :], dv[..., keys, :, :] = grads[1], grads[2]
+            dkv = [dkv[0] + grads[1], dkv[1] + grads[2]]
             if need_pair:
                 dpair[..., keys] = grads[3]
-        return dq, dk, dv, None, dpair, None
+            dkv = RingShift(dkv, ring, tag=_GRAD_TAG).wait()  # after the last step: home
+            if shift is not None:
+                kv = shift.wait()
+        return dq, dkv[0], dkv[1], None, dpair, None, None
 
 
-def _attend(mha: GatedAttention, x: Tensor, gather_keys, key_mask: Tensor, pair: Tensor | None, inf: float,
+def _keys(tile: int, s: int) -> slice:
+    return slice(tile * s, (tile + 1) * s)
+
+
+def _attend(mha: GatedAttention, x: Tensor, ring, key_mask: Tensor, pair: Tensor | None, inf: float,
             backend) -> Tensor:
-    """``mha`` on this rank's queries ``x [*, N, s, C]`` (layer-normed) against every key: ``gather_keys`` takes
-    the keys' and values' projections ``[*, N, s, H*D]`` to ``[*, N, T*s, H*D]``; ``key_mask [*, N, T*s]``; ``pair``
-    the bias ``[*, 1, H, s, T*s]`` of these queries (None: zeros). Returns ``[*, N, s, C]``."""
+    """``mha`` on this rank's queries ``x [*, N, s, C]`` (layer-normed) against the keys of every rank of ``ring``
+    (their tiles of x, in ring order): ``key_mask [*, N, T*s]``, ``pair`` the bias ``[*, 1, H, s, T*s]`` of these
+    queries (None: zeros). Returns ``[*, N, s, C]``."""
     heads = (mha.no_heads, mha.c_hidden)
-    q = mha.linear_q(x).unflatten(-1, heads)
-    k = gather_keys(mha.linear_k(x)).unflatten(-1, heads)
-    v = gather_keys(mha.linear_v(x)).unflatten(-1, heads)
+    q, k, v = (lin(x).unflatten(-1, heads) for lin in (mha.linear_q, mha.linear_k, mha.linear_v))
     if pair is None:
-        pair = q.new_zeros(q.shape[:-4] + (1, heads[0], q.shape[-3], k.shape[-3]))
+        pair = q.new_zeros(q.shape[:-4] + (1, heads[0], q.shape[-3], key_mask.shape[-1]))
     chosen = _choose_backend(backend, q)
     chosen = EvoformerBackend.TORCH if chosen is EvoformerBackend.REFERENCE else chosen  # the oracle has no op
-    o = _KeyTiledAttention.apply(q, k, v, mask_bias(key_mask, inf, x.dtype), pair, chosen.value)
+    o = _RingAttention.apply(q, k, v, mask_bias(key_mask, inf, x.dtype), pair, chosen.value, ring)
     return mha.linear_o(o.flatten(-2) * torch.sigmoid(mha.linear_g(x)))
 
 
@@ -243,14 +258,14 @@ class _MeshEvoformer(nn.Module):
         att, (msa_mask, *_), (seq_r, *_) = self.block.msa_att_row, self._masks, self._blocks
         bias = self._swap(self._row(att.pair_bias_of(z), z.ndim - 2))  # [*, n, N', H]
         x = att.layer_norm_m(m)
-        return _attend(att.mha, x, lambda t: self._row(t, t.ndim - 2), msa_mask[..., seq_r, :],
+        return _attend(att.mha, x, self.mesh.row, msa_mask[..., seq_r, :],
                        bias.movedim(-1, -3).unsqueeze(-4), att.inf, att.backend)
 
     def _msa_column_attention(self, m: Tensor) -> Tensor:
         """Queries m[S_r, R_c] (transposed), keys m[:, R_c]."""
         att, (msa_mask, *_), (_, _, res_c) = self.block.msa_att_col._msa_att, self._masks, self._blocks
         x = att.layer_norm_m(m).transpose(-2, -3)  # [*, n, s, C_m]
-        out = _attend(att.mha, x, lambda t: self._col(t, t.ndim - 2), msa_mask[..., res_c].transpose(-1, -2), None,
+        out = _attend(att.mha, x, self.mesh.col, msa_mask[..., res_c].transpose(-1, -2), None,
                       att.inf, att.backend)
         return out.transpose(-2, -3)
 
@@ -263,12 +278,12 @@ class _MeshEvoformer(nn.Module):
         x = att.layer_norm(z)
         if att.starting:  # [H, j, k] from b[J_c, :] or b[:, J_c]
             bias = (self._col(b, rows).transpose(-2, -3) if transpose_bias else self._swap(self._row(b, cols)))
-            key_mask, gather = pair_mask[..., res_r, :], (lambda t: self._row(t, t.ndim - 2))
+            key_mask, ring = pair_mask[..., res_r, :], self.mesh.row
         else:  # on z^T: [H, i, k] from b[:, I_r] or b[I_r, :]
             bias = (self._row(b, cols) if transpose_bias else self._swap(self._col(b, rows)).transpose(-2, -3))
-            key_mask, gather = pair_mask[..., res_c].transpose(-1, -2), (lambda t: self._col(t, t.ndim - 2))
+            key_mask, ring = pair_mask[..., res_c].transpose(-1, -2), self.mesh.col
             x = x.transpose(-2, -3)
-        out = _attend(att.mha, x, gather, key_mask, bias.movedim(-1, -3).unsqueeze(-4), att.inf, att.backend)
+        out = _attend(att.mha, x, ring, key_mask, bias.movedim(-1, -3).unsqueeze(-4), att.inf, att.backend)
         return out if att.starting else out.transpose(-2, -3)
 
     def _pair_stack(self, z: Tensor, chunk_size: int | None) -> Tensor:
