@@ -3,47 +3,46 @@
 Fold-CP's layout (NVIDIA's context parallelism for Boltz): the pair representation ``z [*, N_res, N_res, C_z]`` is
 cut into p x p tiles and rank (r, c) of the mesh (group rank ``r * p + c``) holds ``z[I_r, J_c]``, ``N_res/p`` by
 ``N_res/p``; the MSA ``m [*, N_seq, N_res, C_m]`` is tiled to match, rank (r, c) holding sequences ``S_r`` of
-residues ``R_c`` (the same residue blocks as z's). Three collectives move pieces (every one differentiable, its
-adjoint in backward):
+residues ``R_c`` (the same residue blocks as z's: ``I = J = K = R``). No rank ever holds more than tiles: every
+sub-module that needs a whole row or column of tiles gets them one at a time, Cannon's way (Cannon 1969):
 
-- a *row gather* over the mesh row (ranks (r, *)) and a *column gather* over the mesh column (ranks (*, c)):
-  all-gather, backward reduce-scatter (the gathered copy is used by every rank of the row or column);
-- the *transpose swap*: rank (r, c) exchanges its tensor with rank (c, r) (its own adjoint).
+- the *transpose swap*: rank (r, c) exchanges a tile with rank (c, r) (its own adjoint);
+- the *skew*: on the mesh row, rank (r, c) takes the tile of (r, c + r); on the mesh column, that of (r + c, c)
+  (backward: the inverse shift), so that both operands of a product start at the same block ``t0 = r + c``;
+- the *ring*: the tiles move one rank on around the row or the column per step (block ``t0 - step``), the
+  gradients of each tile travel with it and are home after p steps (:class:`~ds4sci.sequence.comm.RingShift`).
 
-No rank holds an ``N_res x N_res`` tensor: the largest pieces are ``N_res/p x N_res`` slabs (this first version
-gathers along one mesh axis where Fold-CP rotates tiles around a ring). Per block (AF2 supplement Algorithm 6),
-rank (r, c) computes the outputs of its own tile only (blocks ``I = J = R``):
+Per block (AF2 supplement Algorithm 6), rank (r, c) computes the outputs of its own tiles only, over blocks t:
 
-==============================  ============================================================================
-sub-module                      what rank (r, c) gathers (N/p x N slabs; S = all sequences)
-==============================  ============================================================================
-MSA row attention, pair bias    keys/values ``m[S_r, :]`` (row gather); bias rows ``b[R_c, :]`` (row gather,
-                                swap)
-MSA column attention            keys/values ``m[:, R_c]`` (column gather)
-MSA transition, pair transition -
-outer product mean              ``a[:, I_r]`` (swap, row gather), ``b[:, J_c]`` (column gather)
-triangle mult. outgoing         ``a[I_r, :]`` (row gather), ``b[J_c, :]`` (row gather, swap)
-triangle mult. incoming         ``a[:, I_r]`` (column gather, swap), ``b[:, J_c]`` (column gather)
-triangle attention, start       keys/values ``z[I_r, :]`` (row gather); bias ``b[J_c, :]`` (row gather, swap)
-                                or, transposed, ``b[:, J_c]`` (column gather)
-triangle attention, end         keys/values ``z[:, J_c]`` (column gather); bias ``b[:, I_r]`` (column gather,
-                                swap) or, transposed, ``b[I_r, :]`` (row gather)
-==============================  ============================================================================
+==============================  =================================================================================
+sub-module                      the operands rotating (around the mesh row / the mesh column)
+==============================  =================================================================================
+MSA row attention, pair bias    keys/values ``m[S_r, R_t]`` / the swapped bias tile ``b[R_c, R_t]``
+MSA column attention            - / keys/values ``m[S_t, R_c]``
+MSA and pair transitions        - (pointwise on the tile)
+outer product mean              the swapped ``a[S_t, I_r]`` / ``b[S_t, J_c]``: ``sum_s a_si b_sj`` summed over t
+triangle mult. outgoing         ``a[I_r, K_t]`` / the swapped ``b[J_c, K_t]`` (Cannon's matrix product)
+triangle mult. incoming         the swapped ``a[K_t, I_r]`` / ``b[K_t, J_c]``
+triangle attention, start       keys/values ``z[I_r, K_t]`` / bias ``b[J_c, K_t]`` (swapped; ``b[K_t, J_c]``
+                                transposed)
+triangle attention, end         bias ``b[K_t, I_r]`` (swapped; ``b[I_r, K_t]`` transposed) / keys/values
+                                ``z[K_t, J_c]``
+==============================  =================================================================================
 
-The attentions run on the kernels' ``N/p x N/p`` tiles: :class:`_KeyTiledAttention` calls the Evoformer kernel once
-per key tile (queries, key tile and bias tile all ``N/p`` long) and merges the partial results by their
-log-sum-exp (ring attention's online softmax, :func:`ds4sci.sequence.attention._merge`); its backward calls the
-kernel's backward per key tile with the merged output and log-sum-exp, which gives each tile's exact share of the
-gradients (as ring attention's backward does).
+The attentions are ring attention (Liu et al. 2023) on the Evoformer kernel (:class:`_RingAttention`): one kernel
+call per ``N/p x N/p`` tile, the bias tile rotating beside the key/value tile, the partial results merged by
+their log-sum-exp (:func:`ds4sci.sequence.attention._merge`); backward runs the kernel's backward per tile against
+the merged output and log-sum-exp, which gives each tile's exact share of the gradients.
 
 Entry, exit, parameters, padding and dropout as the axial version (:mod:`ds4sci.parallel.evoformer_cp`): full
 tensors in and out on every rank (entry split, backward all-gather; exit gather, backward split), parameter
 gradients all-reduced over the mesh, N_seq and N_res padded to multiples of p with masked rows; exact in eval mode.
-``chunk_size`` bounds the transitions and the outer product mean as in the block; the attentions are already tiled.
+``chunk_size`` bounds the transitions as in the block; the attentions and products are already tiled.
 """
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,13 +52,16 @@ from ds4sci.kernels import EvoformerBackend
 from ds4sci.kernels.evoformer import _attention_bwd, _attention_fwd, _choose_backend
 from ds4sci.models.evoformer import EvoformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
-from ds4sci.parallel.evoformer_cp import _gather, _gather_out
+from ds4sci.parallel.evoformer_cp import _gather_out
 from ds4sci.parallel.tensor_parallel import split_sequence_region, sync_grad
-from ds4sci.sequence.attention import _GRAD_TAG, _KV_TAG, _merge
+from ds4sci.sequence.attention import _merge
 from ds4sci.sequence.comm import RingShift, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
 
 __all__ = ["EvoformerContextParallel2D", "check_mesh"]
+
+# RingShift tags: tiles and their gradients on the mesh row and column (distinct while in flight at once)
+_TILE_TAG, _GRAD_TAG = 0, 1
 
 
 def check_mesh(mesh, ranks: int) -> int:
@@ -75,123 +77,182 @@ def check_mesh(mesh, ranks: int) -> int:
 
 class _Mesh:
     """The p x p mesh of ``group``'s ranks (group rank ``r * p + c`` at row r, column c): this rank's row group
-    (ranks (r, *), ordered by column) and column group (ranks (*, c), ordered by row), and its transpose partner."""
+    (ranks (r, *), ordered by column) and column group (ranks (*, c), ordered by row)."""
 
     def __init__(self, group, p: int):
         ranks = dist.get_process_group_ranks(group)
         self.p, self.group = p, group
         self.r, self.c = divmod(group_rank(group), p)
-        me = ranks[self.r * p + self.c]
         # every rank of a row (column) creates that group only: no call on the ranks outside it
         self.row = dist.new_group(ranks[self.r * p:(self.r + 1) * p], use_local_synchronization=True)
         self.col = dist.new_group(ranks[self.c::p], use_local_synchronization=True)
         self.partner = ranks[self.c * p + self.r]  # global rank of (c, r)
-        self.me = me
+        self.t0 = (self.r + self.c) % p  # the block of the tiles a skewed product starts with
+
+    def skew(self, ring) -> int:
+        """How far the skew moves tiles on ``ring``: on the row, by this rank's row; on the column, by its column."""
+        return self.r if ring is self.row else self.c
 
 
-class _Swap(torch.autograd.Function):
-    """Exchange ``x`` with the transpose partner (c, r); the diagonal keeps its own. Backward: the same exchange."""
-
-    @staticmethod
-    def forward(ctx, x, mesh):
-        ctx.mesh = mesh
-        return _exchange(x, mesh)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _exchange(grad, ctx.mesh), None
-
-
-def _exchange(x: Tensor, mesh: _Mesh) -> Tensor:
-    if mesh.partner == mesh.me:
+def _p2p(x: Tensor, dst: int, src: int, group) -> Tensor:
+    """Send ``x`` to global rank ``dst`` and receive a tensor of its shape from ``src`` (``x`` itself if both are
+    this rank)."""
+    if dst == src == dist.get_rank():
         return x
     x = x.contiguous()
     out = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, mesh.partner, mesh.group), dist.P2POp(dist.irecv, out, mesh.partner, mesh.group)]
-    for work in dist.batch_isend_irecv(ops):
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]):
         work.wait()
     return out
 
 
-class _RingAttention(torch.autograd.Function):
-    """``softmax_j(q_i . k_j / sqrt(D) + mask_j + pair_ij) v_j`` of this rank's queries over the keys of a ring of T
-    ranks (a mesh row or column), ring attention's schedule (Liu et al. 2023) on the Evoformer kernel.
+class _Move(torch.autograd.Function):
+    """A permutation of tiles in forward (``x`` to ``dst``, this rank's from ``src``) and its inverse in backward."""
 
-    q, k, v ``[*, N, s, H, D]`` (this rank's tile: ring rank t holds keys ``t*s .. (t+1)*s``), mask bias
-    ``[*, N|1, 1, 1, T*s]`` or None (constant), pair bias ``[*, 1, H, s, T*s]`` (every key's, in key order); returns
-    ``[*, N, s, H, D]``. The k, v tiles rotate around the ring; each step is one call of the Evoformer kernel
-    (``evoformer_attention``'s custom op on s x s tiles) and the partial results are merged by their log-sum-exp
-    (:func:`ds4sci.sequence.attention._merge`). Backward rotates k, v again, runs the kernel's backward per tile
-    against the merged output and log-sum-exp (a tile's exact share of the gradients: ``P = exp(logits - lse)``,
-    ``D = rowsum(dO * O)``), and sends each tile's k, v gradients on around the ring back to their rank.
+    @staticmethod
+    def forward(ctx, x, dst, src, group):
+        ctx.dst, ctx.src, ctx.group = dst, src, group
+        return _p2p(x, dst, src, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _p2p(grad, ctx.src, ctx.dst, ctx.group), None, None, None
+
+
+def _swap(x: Tensor, mesh: _Mesh) -> Tensor:
+    """Rank (r, c) gets the tile of rank (c, r)."""
+    return _Move.apply(x, mesh.partner, mesh.partner, mesh.group)
+
+
+def _skewed(x: Tensor, mesh: _Mesh, ring) -> Tensor:
+    """Rank (r, c) gets, on the row, the tile of (r, c + r); on the column, the tile of (r + c, c)."""
+    by, me = mesh.skew(ring), group_rank(ring)
+    return _Move.apply(x, dist.get_global_rank(ring, (me - by) % mesh.p), dist.get_global_rank(ring, (me + by) % mesh.p),
+                       ring)
+
+
+def _rotate(tiles: list, ring, tag: int) -> list:
+    """The tiles (None entries stay None) of the previous rank of ``ring``; this rank's go to the next."""
+    sent = [t for t in tiles if t is not None]
+    received = iter(RingShift(sent, ring, tag=tag).wait()) if sent else iter(())
+    return [None if t is None else next(received) for t in tiles]
+
+
+class _CannonSum(torch.autograd.Function):
+    """``sum_t product(a_t, b_t)`` over the p blocks t, Cannon's schedule: ``a`` (this rank's skewed tile, block
+    ``t0``) rotates around ``ring_a``, ``b`` around ``ring_b``, both one block back per step; backward rotates them
+    again with their gradients (``product``'s, by autograd), which are home after p steps."""
+
+    @staticmethod
+    def forward(ctx, a, b, product, ring_a, ring_b):
+        ctx.product, ctx.rings = product, (ring_a, ring_b)
+        ctx.save_for_backward(a, b)
+        total = None
+        for step in range(group_size(ring_a)):
+            if step:
+                a, b = _rotate([a], ring_a, _TILE_TAG)[0], _rotate([b], ring_b, _TILE_TAG)[0]
+            total = product(a, b) if total is None else total + product(a, b)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        ring_a, ring_b = ctx.rings
+        da, db = torch.zeros_like(a), torch.zeros_like(b)
+        for step in range(group_size(ring_a)):
+            if step:
+                a, b = _rotate([a], ring_a, _TILE_TAG)[0], _rotate([b], ring_b, _TILE_TAG)[0]
+                da, db = _rotate([da], ring_a, _GRAD_TAG)[0], _rotate([db], ring_b, _GRAD_TAG)[0]
+            with torch.enable_grad():
+                at, bt = a.detach().requires_grad_(), b.detach().requires_grad_()
+                ga, gb = torch.autograd.grad(ctx.product(at, bt), (at, bt), grad)
+            da, db = da + ga, db + gb
+        if group_size(ring_a) > 1:  # the last step's tiles came from the next rank: send their gradients home
+            da, db = _rotate([da], ring_a, _GRAD_TAG)[0], _rotate([db], ring_b, _GRAD_TAG)[0]
+        return da, db, None, None, None
+
+
+class _RingAttention(torch.autograd.Function):
+    """``softmax_j(q_i . k_j / sqrt(D) + mask_j + pair_ij) v_j`` of this rank's queries over the key blocks of a ring
+    of p ranks (a mesh row or column): ring attention's schedule (Liu et al. 2023) on the Evoformer kernel.
+
+    q ``[*, N, s, H, D]``; k, v ``[*, N, s, H, D]`` (this rank's skewed tile, key block ``t0``), rotating around
+    ``kv_ring``; mask bias ``[*, N|1, 1, 1, p*s]`` (every key's, in key order, constant) or None; pair bias tile
+    ``[*, 1, H, s, s]`` of the same key block (rotating around ``bias_ring``) or None; returns ``[*, N, s, H, D]``.
+    Each step is one call of the Evoformer kernel (``evoformer_attention``'s custom op) on key block
+    ``t0 - step``; the partial results are merged by their log-sum-exp. Backward rotates the tiles again and runs the
+    kernel's backward per tile against the merged output and log-sum-exp (flash attention's gradient of a tile
+    needs only ``P = exp(logits - lse)`` and ``D = rowsum(dO * O)``); the tiles' gradients travel with them.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, pair, backend, ring):
+    def forward(ctx, q, k, v, mask, pair, backend, kv_ring, bias_ring, t0):
         *_, s, h, d = q.shape
-        size, me = group_size(ring), group_rank(ring)
+        size = group_size(kv_ring)
         out = lse = None
-        kv = [k, v]
+        tiles = [k, v, pair]
         for step in range(size):
-            keys = _keys((me - step) % size, s)
-            shift = RingShift(kv, ring, tag=_KV_TAG) if step < size - 1 else None
-            o_t, stats = _attention_fwd(q, *kv, None if mask is None else mask[..., keys], pair[..., keys], backend)
+            if step:
+                tiles = _rotate(tiles[:2], kv_ring, _TILE_TAG) + _rotate(tiles[2:], bias_ring, _TILE_TAG)
+            keys = _block((t0 - step) % size, s)
+            o_t, stats = _attention_fwd(q, tiles[0], tiles[1], None if mask is None else mask[..., keys], tiles[2],
+                                        backend)
             row_max, row_sum = stats.unbind(-1)  # [Z, N, H, s]; (+inf, +inf) on rows with every key -inf
             lse_t = torch.where(torch.isinf(row_max), -math.inf, row_max + torch.log(row_sum)).flatten(0, 1)
             o_t = o_t.reshape(-1, s, h, d)  # [Z*N, s, H, D] and [Z*N, H, s]: ring attention's layout
             out, lse = (o_t, lse_t) if out is None else _merge(out, lse, o_t, lse_t)
-            if shift is not None:
-                kv = shift.wait()
         out = out.reshape(q.shape)
         ctx.save_for_backward(q, k, v, mask, pair, out, lse)
-        ctx.backend, ctx.ring = backend, ring
+        ctx.backend, ctx.rings, ctx.t0 = backend, (kv_ring, bias_ring), t0
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, mask, pair, out, lse = ctx.saved_tensors
         *batch, n, s, h, d = q.shape
-        ring, size, me = ctx.ring, group_size(ctx.ring), group_rank(ctx.ring)
+        (kv_ring, bias_ring), size = ctx.rings, group_size(ctx.rings[0])
         lse = lse.reshape(math.prod(batch), n, h, s)
         # the merged statistics in the kernel's form: row max lse, row sum 1; (+inf, +inf) where no key counts
         stats = torch.stack([torch.where(torch.isinf(lse), math.inf, lse),
                              torch.where(torch.isinf(lse), math.inf, 1.0)], dim=-1)
-        need_pair = ctx.needs_input_grad[4]
+        need_pair = pair is not None and ctx.needs_input_grad[4]
         grad = grad.contiguous()
         dq = torch.zeros_like(q)
-        dpair = torch.empty_like(pair) if need_pair else None
-        kv, dkv = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]  # the gradients travel with their tile
+        tiles = [k, v, pair]
+        grads = [torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(pair) if need_pair else None]
         for step in range(size):
-            keys = _keys((me - step) % size, s)
-            shift = RingShift(kv, ring, tag=_KV_TAG) if step < size - 1 else None
-            grads = _attention_bwd(grad, q, *kv, out, stats, None if mask is None else mask[..., keys],
-                                   pair[..., keys], False, need_pair, ctx.backend)
-            dq += grads[0]
-            dkv = [dkv[0] + grads[1], dkv[1] + grads[2]]
-            if need_pair:
-                dpair[..., keys] = grads[3]
-            dkv = RingShift(dkv, ring, tag=_GRAD_TAG).wait()  # after the last step: home
-            if shift is not None:
-                kv = shift.wait()
-        return dq, dkv[0], dkv[1], None, dpair, None, None
+            if step:
+                tiles = _rotate(tiles[:2], kv_ring, _TILE_TAG) + _rotate(tiles[2:], bias_ring, _TILE_TAG)
+                grads = _rotate(grads[:2], kv_ring, _GRAD_TAG) + _rotate(grads[2:], bias_ring, _GRAD_TAG)
+            keys = _block((ctx.t0 - step) % size, s)
+            dq_t, dk_t, dv_t, *dpair_t = _attention_bwd(grad, q, tiles[0], tiles[1], out, stats,
+                                                        None if mask is None else mask[..., keys], tiles[2], False,
+                                                        need_pair, ctx.backend)
+            dq += dq_t
+            grads = [grads[0] + dk_t, grads[1] + dv_t, grads[2] + dpair_t[0] if need_pair else None]
+        if size > 1:  # the last step's tiles came from the next rank: send their gradients home
+            grads = _rotate(grads[:2], kv_ring, _GRAD_TAG) + _rotate(grads[2:], bias_ring, _GRAD_TAG)
+        return dq, grads[0], grads[1], None, grads[2], None, None, None, None
 
 
-def _keys(tile: int, s: int) -> slice:
-    return slice(tile * s, (tile + 1) * s)
+def _block(t: int, size: int) -> slice:
+    return slice(t * size, (t + 1) * size)
 
 
-def _attend(mha: GatedAttention, x: Tensor, ring, key_mask: Tensor, pair: Tensor | None, inf: float,
-            backend) -> Tensor:
-    """``mha`` on this rank's queries ``x [*, N, s, C]`` (layer-normed) against the keys of every rank of ``ring``
-    (their tiles of x, in ring order): ``key_mask [*, N, T*s]``, ``pair`` the bias ``[*, 1, H, s, T*s]`` of these
-    queries (None: zeros). Returns ``[*, N, s, C]``."""
+def _attend(mha: GatedAttention, x: Tensor, mesh: _Mesh, kv_ring, key_mask: Tensor, pair: Tensor | None,
+            inf: float, backend) -> Tensor:
+    """``mha`` on this rank's queries ``x [*, N, s, C]`` (layer-normed) against the keys of every rank of
+    ``kv_ring`` (their tiles of x): ``key_mask [*, N, p*s]`` in key order; ``pair`` this rank's skewed bias tile
+    ``[*, s, s, H]`` (queries by keys of block ``t0``, rotating on the other ring) or None. Returns ``[*, N, s, C]``."""
     heads = (mha.no_heads, mha.c_hidden)
-    q, k, v = (lin(x).unflatten(-1, heads) for lin in (mha.linear_q, mha.linear_k, mha.linear_v))
-    if pair is None:
-        pair = q.new_zeros(q.shape[:-4] + (1, heads[0], q.shape[-3], key_mask.shape[-1]))
+    kv = _skewed(x, mesh, kv_ring)  # block t0's keys
+    q, k, v = (lin(t).unflatten(-1, heads) for lin, t in ((mha.linear_q, x), (mha.linear_k, kv), (mha.linear_v, kv)))
+    bias_ring = mesh.col if kv_ring is mesh.row else mesh.row
+    pair = None if pair is None else pair.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, s, s]
     chosen = _choose_backend(backend, q)
     chosen = EvoformerBackend.TORCH if chosen is EvoformerBackend.REFERENCE else chosen  # the oracle has no op
-    o = _RingAttention.apply(q, k, v, mask_bias(key_mask, inf, x.dtype), pair, chosen.value, ring)
+    o = _RingAttention.apply(q, k, v, mask_bias(key_mask, inf, x.dtype), pair, chosen.value, kv_ring, bias_ring,
+                             mesh.t0)
     return mha.linear_o(o.flatten(-2) * torch.sigmoid(mha.linear_g(x)))
 
 
@@ -215,89 +276,84 @@ class _MeshEvoformer(nn.Module):
         msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, p), -1, p)  # [*, S', N']: the pad rows masked
         pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, p), -1, p)  # [*, N', N']
         s, n = msa_mask.shape[-2] // p, msa_mask.shape[-1] // p
-        seq_r, res_r, res_c = slice(r * s, (r + 1) * s), slice(r * n, (r + 1) * n), slice(c * n, (c + 1) * n)
+        seq_r, res_r, res_c = _block(r, s), _block(r, n), _block(c, n)
         self._masks = msa_mask, pair_mask, msa_mask[..., seq_r, res_c], pair_mask[..., res_r, res_c]
         self._blocks = seq_r, res_r, res_c
         # this rank's tiles: m[S_r, R_c] [*, S'/p, N'/p, C_m], z[I_r, J_c] [*, N'/p, N'/p, C_z]
         m = split_sequence_region(split_sequence_region(m, mesh.col, m.ndim - 3), mesh.row, m.ndim - 2)
         z = split_sequence_region(split_sequence_region(z, mesh.col, z.ndim - 3), mesh.row, z.ndim - 2)
         if blk.opm_first:
-            z = z + self._outer_product_mean(m, chunk_size)
+            z = z + self._outer_product_mean(m)
         m = m + blk.msa_dropout_layer(self._msa_row_attention(m, z))
         if not blk.no_column_attention:
             m = m + self._msa_column_attention(m)
         m = m + blk.msa_transition(m, self._masks[2], chunk_size)
         if not blk.opm_first:
-            z = z + self._outer_product_mean(m, chunk_size)
+            z = z + self._outer_product_mean(m)
         z = self._pair_stack(z, chunk_size)
         m = _gather_out(_gather_out(m, mesh.row, m.ndim - 2), mesh.col, m.ndim - 3)[..., :n_seq, :n_res, :]
         z = _gather_out(_gather_out(z, mesh.row, z.ndim - 2), mesh.col, z.ndim - 3)[..., :n_res, :n_res, :]
         return m, z
 
-    # the three collectives, along dim ``dim`` of this rank's piece
-    def _row(self, x: Tensor, dim: int) -> Tensor:
-        return _gather(x, self.mesh.row, dim)
+    def _cannon(self, a: Tensor, b: Tensor, product: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """``sum_t product(a_t, b_t)``: ``a`` this rank's tile of the mesh row's blocks, ``b`` of the column's."""
+        mesh = self.mesh
+        return _CannonSum.apply(_skewed(a, mesh, mesh.row), _skewed(b, mesh, mesh.col), product, mesh.row, mesh.col)
 
-    def _col(self, x: Tensor, dim: int) -> Tensor:
-        return _gather(x, self.mesh.col, dim)
-
-    def _swap(self, x: Tensor) -> Tensor:
-        return _Swap.apply(x, self.mesh)
-
-    def _outer_product_mean(self, m: Tensor, chunk_size: int | None) -> Tensor:
-        """z tile update ``[*, n, n, C_z]``: z's rows I_r come from m's residues R_r (rank (c, r)'s column block)."""
+    def _outer_product_mean(self, m: Tensor) -> Tensor:
+        """z tile update ``[*, n, n, C_z]``: ``sum_s a_si b_sj`` over the sequence blocks t of ``a[S_t, I_r]`` (the
+        swapped tiles of the mesh row) and ``b[S_t, J_c]`` (the mesh column's), then the output projection."""
         opm, (msa_mask, _, mask_t, _), (_, res_r, res_c) = self.block.outer_product_mean, self._masks, self._blocks
         a, b, _ = opm.project(m, mask_t)  # [*, s, n, c]
-        seqs = a.ndim - 3
-        a = self._row(self._swap(a), seqs)  # a[:, I_r] [*, S', n, c]
-        b = self._col(b, seqs)  # b[:, J_c] [*, S', n, c]
-        return opm.outer(a, b, msa_mask[..., res_r], msa_mask[..., res_c], chunk_size)
+        outer = self._cannon(_swap(a, self.mesh), b, lambda a_t, b_t: torch.einsum("...sic,...sje->...ijce", a_t, b_t))
+        count = torch.einsum("...si,...sj->...ij", msa_mask[..., res_r], msa_mask[..., res_c]).unsqueeze(-1)
+        return opm.linear_out(outer.flatten(-2)) / (count + opm.eps)
 
     def _msa_row_attention(self, m: Tensor, z: Tensor) -> Tensor:
-        """Queries m[S_r, R_c], keys m[S_r, :], pair bias rows b[R_c, :] ``[*, 1, H, n, N']``."""
+        """Queries m[S_r, R_c] against the mesh row's keys m[S_r, R_t], bias b[R_c, R_t] (swapped tiles)."""
         att, (msa_mask, *_), (seq_r, *_) = self.block.msa_att_row, self._masks, self._blocks
-        bias = self._swap(self._row(att.pair_bias_of(z), z.ndim - 2))  # [*, n, N', H]
-        x = att.layer_norm_m(m)
-        return _attend(att.mha, x, self.mesh.row, msa_mask[..., seq_r, :],
-                       bias.movedim(-1, -3).unsqueeze(-4), att.inf, att.backend)
+        bias = _skewed(_swap(att.pair_bias_of(z), self.mesh), self.mesh, self.mesh.col)  # [*, n, n, H]
+        return _attend(att.mha, att.layer_norm_m(m), self.mesh, self.mesh.row, msa_mask[..., seq_r, :], bias,
+                       att.inf, att.backend)
 
     def _msa_column_attention(self, m: Tensor) -> Tensor:
-        """Queries m[S_r, R_c] (transposed), keys m[:, R_c]."""
+        """Queries m[S_r, R_c] (transposed) against the mesh column's keys m[S_t, R_c]."""
         att, (msa_mask, *_), (_, _, res_c) = self.block.msa_att_col._msa_att, self._masks, self._blocks
         x = att.layer_norm_m(m).transpose(-2, -3)  # [*, n, s, C_m]
-        out = _attend(att.mha, x, self.mesh.col, msa_mask[..., res_c].transpose(-1, -2), None,
-                      att.inf, att.backend)
+        out = _attend(att.mha, x, self.mesh, self.mesh.col, msa_mask[..., res_c].transpose(-1, -2), None, att.inf,
+                      att.backend)
         return out.transpose(-2, -3)
 
     def _triangle_attention(self, att, z: Tensor, transpose_bias: bool) -> Tensor:
-        """Starting node: queries z[I_r, J_c] against keys z[I_r, :], bias ``b_jk`` (``b_kj`` transposed) of j in
-        J_c; ending node (on z's transpose): keys z[:, J_c], bias ``b_ki`` (``b_ik``) of i in I_r."""
-        (_, pair_mask, *_), (_, res_r, res_c) = self._masks, self._blocks
-        rows, cols = z.ndim - 3, z.ndim - 2
+        """Starting node: queries z[I_r, J_c] against the mesh row's keys z[I_r, K_t], bias ``b_jk`` of j in J_c
+        (the swapped tiles of the mesh column; ``b_kj``, transposed: the column's own tiles). Ending node (on z's
+        transpose): the mesh column's keys z[K_t, J_c], bias ``b_ki`` of i in I_r (the swapped tiles of the mesh
+        row; ``b_ik``, transposed: the row's own)."""
+        mesh, (_, pair_mask, *_), (_, res_r, res_c) = self.mesh, self._masks, self._blocks
         b = att.triangle_bias(z)  # [*, n, n, H]
         x = att.layer_norm(z)
-        if att.starting:  # [H, j, k] from b[J_c, :] or b[:, J_c]
-            bias = (self._col(b, rows).transpose(-2, -3) if transpose_bias else self._swap(self._row(b, cols)))
-            key_mask, ring = pair_mask[..., res_r, :], self.mesh.row
-        else:  # on z^T: [H, i, k] from b[:, I_r] or b[I_r, :]
-            bias = (self._row(b, cols) if transpose_bias else self._swap(self._col(b, rows)).transpose(-2, -3))
-            key_mask, ring = pair_mask[..., res_c].transpose(-1, -2), self.mesh.col
-            x = x.transpose(-2, -3)
-        out = _attend(att.mha, x, ring, key_mask, bias.movedim(-1, -3).unsqueeze(-4), att.inf, att.backend)
+        if att.starting:  # bias [*, j, k, H]
+            kv_ring, key_mask = mesh.row, pair_mask[..., res_r, :]
+            bias = (_skewed(b, mesh, mesh.col).transpose(-2, -3) if transpose_bias
+                    else _skewed(_swap(b, mesh), mesh, mesh.col))
+        else:  # on z^T: bias [*, i, k, H]
+            kv_ring, key_mask, x = mesh.col, pair_mask[..., res_c].transpose(-1, -2), x.transpose(-2, -3)
+            bias = (_skewed(b, mesh, mesh.row) if transpose_bias
+                    else _skewed(_swap(b, mesh), mesh, mesh.row).transpose(-2, -3))
+        out = _attend(att.mha, x, mesh, kv_ring, key_mask, bias, att.inf, att.backend)
         return out if att.starting else out.transpose(-2, -3)
 
     def _pair_stack(self, z: Tensor, chunk_size: int | None) -> Tensor:
         """The pair stack on this rank's z tile ``[*, n, n, C_z]``."""
-        ps, pm = self.block.pair_stack, self._masks[3]
-        rows, cols = z.ndim - 3, z.ndim - 2
-        mul = ps.tri_mul_out  # p_ij = sum_k a_ik b_jk: a[I_r, :], b[J_c, :]
+        ps, pm, mesh = self.block.pair_stack, self._masks[3], self.mesh
+        mul = ps.tri_mul_out  # p_ij = sum_k a_ik b_jk: the row's a[I_r, K_t], the column's swapped b[J_c, K_t]
         x = mul.layer_norm_in(z)
         a, b = mul.projections(x, pm.unsqueeze(-1))
-        z = z + ps.dropout_row(mul.finish(x, mul.combine(self._row(a, cols), self._swap(self._row(b, cols)))))
-        mul = ps.tri_mul_in  # p_ij = sum_k a_ki b_kj: a[:, I_r], b[:, J_c]
+        z = z + ps.dropout_row(mul.finish(x, self._cannon(a, _swap(b, mesh), mul.combine)))
+        mul = ps.tri_mul_in  # p_ij = sum_k a_ki b_kj: the row's swapped a[K_t, I_r], the column's b[K_t, J_c]
         x = mul.layer_norm_in(z)
         a, b = mul.projections(x, pm.unsqueeze(-1))
-        z = z + ps.dropout_row(mul.finish(x, mul.combine(self._swap(self._col(a, rows)), self._col(b, rows))))
+        z = z + ps.dropout_row(mul.finish(x, self._cannon(_swap(a, mesh), b, mul.combine)))
         z = z + ps.dropout_row(self._triangle_attention(ps.tri_att_start, z, False))
         z = z + ps.dropout_col(self._triangle_attention(ps.tri_att_end, z, ps.transpose_end_bias))
         return z + ps.pair_transition(z, pm, chunk_size)
