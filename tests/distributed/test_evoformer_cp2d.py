@@ -1,7 +1,8 @@
 """ds4sci.evoformer_context_parallel(block, mesh=(2, 2)) (2-D tiles on 4 gloo ranks) against the single process,
 per rank: outputs, the gradients of m and z, and every parameter's .grad when every rank computes the same loss on
 the full outputs (fp64, to rounding); N_seq and N_res odd; both conventions of the ending-node triangle bias. And no
-sub-module (nor the attention kernel) of any rank ever sees a tensor with two dims of N_res or more."""
+sub-module (nor the attention kernel) of any rank ever sees a tensor with two dims of N_res or more. A 3 x 3 mesh
+(9 ranks) too, where the skews and the ring direction are not their own inverses as on 2 x 2."""
 import pytest
 import torch
 
@@ -12,10 +13,9 @@ from ds4sci.spawn import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# every channel count below N_RES, so that "two dims of N_res or more" means a whole N_res x N_res tensor
+# every channel count below N_res, so that "two dims of N_res or more" means a whole N_res x N_res tensor
 KW = dict(c_m=8, c_z=6, c_hidden_msa_att=4, c_hidden_opm=2, c_hidden_mul=5, c_hidden_pair_att=4, no_heads_msa=2,
           no_heads_pair=2, transition_n=2, msa_dropout=0.15, pair_dropout=0.25)
-N_SEQ, N_RES = 5, 9
 
 
 def _block(options):
@@ -27,14 +27,14 @@ def _block(options):
     return block
 
 
-def _inputs():
+def _inputs(n_seq, n_res):
     g = torch.Generator().manual_seed(1)
-    m = torch.randn(2, N_SEQ, N_RES, KW["c_m"], generator=g, dtype=torch.float64)
-    z = torch.randn(2, N_RES, N_RES, KW["c_z"], generator=g, dtype=torch.float64)
-    msa_mask = (torch.rand(2, N_SEQ, N_RES, generator=g) > 0.2).double()
-    pair_mask = (torch.rand(2, N_RES, N_RES, generator=g) > 0.2).double()
-    weights = [torch.randn(2, N_SEQ, N_RES, KW["c_m"], generator=g, dtype=torch.float64),
-               torch.randn(2, N_RES, N_RES, KW["c_z"], generator=g, dtype=torch.float64)]
+    m = torch.randn(2, n_seq, n_res, KW["c_m"], generator=g, dtype=torch.float64)
+    z = torch.randn(2, n_res, n_res, KW["c_z"], generator=g, dtype=torch.float64)
+    msa_mask = (torch.rand(2, n_seq, n_res, generator=g) > 0.2).double()
+    pair_mask = (torch.rand(2, n_res, n_res, generator=g) > 0.2).double()
+    weights = [torch.randn(2, n_seq, n_res, KW["c_m"], generator=g, dtype=torch.float64),
+               torch.randn(2, n_res, n_res, KW["c_z"], generator=g, dtype=torch.float64)]
     return m, z, msa_mask, pair_mask, weights
 
 
@@ -48,13 +48,13 @@ def _run(module, block, m, z, msa_mask, pair_mask, weights):
             **{n: p.grad.clone() for n, p in block.named_parameters()}}
 
 
-def _whole_pair_seen(block, run):
-    """Names of the sub-modules (and the kernel) that ``run()`` gives a tensor with two dims >= N_res."""
+def _whole_pair_seen(block, n_res, run):
+    """Names of the sub-modules (and the kernel) that ``run()`` gives a tensor with two dims >= ``n_res``."""
     seen = set()
 
     def check(name, *tensors):
         for t in tensors:
-            if isinstance(t, torch.Tensor) and sum(d >= N_RES for d in t.shape) >= 2:
+            if isinstance(t, torch.Tensor) and sum(d >= n_res for d in t.shape) >= 2:
                 seen.add(name)
 
     def hook(name):
@@ -73,21 +73,21 @@ def _whole_pair_seen(block, run):
     return seen
 
 
-def _worker(rank, world, cases):
+def _worker(rank, world, p, n_seq, n_res, cases):
     errors, seen, param_grads = {}, {}, {}
     for name, options in cases:
         block = _block(options)
-        inputs = _inputs()
+        inputs = _inputs(n_seq, n_res)
         single = _run(block, block, *inputs)
-        parallel_block = evoformer_context_parallel(block, mesh=(2, 2))
+        parallel_block = evoformer_context_parallel(block, mesh=(p, p))
         parallel = {}
-        seen[name] = _whole_pair_seen(block, lambda: parallel.update(_run(parallel_block, block, *inputs)))
+        seen[name] = _whole_pair_seen(block, n_res, lambda: parallel.update(_run(parallel_block, block, *inputs)))
         assert single.keys() == parallel.keys()
         errors[name] = {k: (parallel[k] - v).abs().max().item() / max(1.0, v.abs().max().item())
                         for k, v in single.items()}
         param_grads[name] = {n: parallel[n].tolist() for n, _ in block.named_parameters()}  # plain data to return
     # the check sees the single process's whole pair representation
-    seen["single process"] = _whole_pair_seen(block, lambda: _run(block, block, *_inputs()))
+    seen["single process"] = _whole_pair_seen(block, n_res, lambda: _run(block, block, *inputs))
     return errors, seen, param_grads
 
 
@@ -98,8 +98,9 @@ CASES = [  # name, block options
 ]
 
 
-def test_2d_mesh_block_equals_single_process_per_rank():
-    results = run_workers(_worker, 4, CASES, timeout=600)
+@pytest.mark.parametrize("p, n_seq, n_res, cases", [(2, 5, 9, CASES), (3, 5, 7, CASES[:1])], ids=["2x2", "3x3"])
+def test_2d_mesh_block_equals_single_process_per_rank(p, n_seq, n_res, cases):
+    results = run_workers(_worker, p * p, p, n_seq, n_res, cases, timeout=600)
     for rank, (_, _, grads) in enumerate(results):  # the parallel runs' parameter gradients: identical on every rank
         for case, per_param in grads.items():
             for name, g in per_param.items():
