@@ -101,7 +101,8 @@ def _p2p(x: Tensor, dst: int, src: int, group) -> Tensor:
         return x
     x = x.contiguous()
     out = torch.empty_like(x)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]):
+    ops = [dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]
+    for work in dist.batch_isend_irecv(ops):
         work.wait()
     return out
 
@@ -127,49 +128,57 @@ def _swap(x: Tensor, mesh: _Mesh) -> Tensor:
 def _skewed(x: Tensor, mesh: _Mesh, ring) -> Tensor:
     """Rank (r, c) gets, on the row, the tile of (r, c + r); on the column, the tile of (r + c, c)."""
     by, me = mesh.skew(ring), group_rank(ring)
-    return _Move.apply(x, dist.get_global_rank(ring, (me - by) % mesh.p), dist.get_global_rank(ring, (me + by) % mesh.p),
-                       ring)
+    dst, src = (dist.get_global_rank(ring, (me + step) % mesh.p) for step in (-by, by))
+    return _Move.apply(x, dst, src, ring)
 
 
-def _rotate(tiles: list, ring, tag: int) -> list:
-    """The tiles (None entries stay None) of the previous rank of ``ring``; this rank's go to the next."""
-    sent = [t for t in tiles if t is not None]
-    received = iter(RingShift(sent, ring, tag=tag).wait()) if sent else iter(())
-    return [None if t is None else next(received) for t in tiles]
+class _Rotation:
+    """One step of the rings: each tile (None entries stay None) goes to the next rank of its ring and the previous
+    rank's comes in; posted at construction, the received tiles returned by :meth:`wait` (compute in between)."""
+
+    def __init__(self, tiles: list, rings: list, tag: int):
+        self._tiles, self._rings = tiles, rings
+        self._shifts = {id(ring): RingShift([t for t, g in zip(tiles, rings) if g is ring and t is not None], ring,
+                                            tag=tag)
+                        for ring in {id(g): g for g, t in zip(rings, tiles) if t is not None}.values()}
+
+    def wait(self) -> list:
+        received = {key: iter(shift.wait()) for key, shift in self._shifts.items()}
+        return [None if t is None else next(received[id(g)]) for t, g in zip(self._tiles, self._rings)]
 
 
 class _CannonSum(torch.autograd.Function):
     """``sum_t product(a_t, b_t)`` over the p blocks t, Cannon's schedule: ``a`` (this rank's skewed tile, block
-    ``t0``) rotates around ``ring_a``, ``b`` around ``ring_b``, both one block back per step; backward rotates them
-    again with their gradients (``product``'s, by autograd), which are home after p steps."""
+    ``t0``) rotates around ``ring_a``, ``b`` around ``ring_b``, both one block back per step, the next tiles in flight
+    while this step computes; backward rotates them again with their gradients (``product``'s, by autograd), which
+    are home after p steps."""
 
     @staticmethod
     def forward(ctx, a, b, product, ring_a, ring_b):
-        ctx.product, ctx.rings = product, (ring_a, ring_b)
+        ctx.product, ctx.rings = product, [ring_a, ring_b]
         ctx.save_for_backward(a, b)
-        total = None
-        for step in range(group_size(ring_a)):
-            if step:
-                a, b = _rotate([a], ring_a, _TILE_TAG)[0], _rotate([b], ring_b, _TILE_TAG)[0]
-            total = product(a, b) if total is None else total + product(a, b)
+        size, tiles, total = group_size(ring_a), [a, b], None
+        for step in range(size):
+            pending = _Rotation(tiles, ctx.rings, _TILE_TAG) if step < size - 1 else None
+            total = product(*tiles) if total is None else total + product(*tiles)
+            if pending is not None:
+                tiles = pending.wait()
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        ring_a, ring_b = ctx.rings
-        da, db = torch.zeros_like(a), torch.zeros_like(b)
-        for step in range(group_size(ring_a)):
-            if step:
-                a, b = _rotate([a], ring_a, _TILE_TAG)[0], _rotate([b], ring_b, _TILE_TAG)[0]
-                da, db = _rotate([da], ring_a, _GRAD_TAG)[0], _rotate([db], ring_b, _GRAD_TAG)[0]
+        size, tiles = group_size(ctx.rings[0]), list(ctx.saved_tensors)
+        grads = [torch.zeros_like(t) for t in tiles]  # the gradients travel with their tile
+        for step in range(size):
+            pending = _Rotation(tiles, ctx.rings, _TILE_TAG) if step < size - 1 else None
             with torch.enable_grad():
-                at, bt = a.detach().requires_grad_(), b.detach().requires_grad_()
-                ga, gb = torch.autograd.grad(ctx.product(at, bt), (at, bt), grad)
-            da, db = da + ga, db + gb
-        if group_size(ring_a) > 1:  # the last step's tiles came from the next rank: send their gradients home
-            da, db = _rotate([da], ring_a, _GRAD_TAG)[0], _rotate([db], ring_b, _GRAD_TAG)[0]
-        return da, db, None, None, None
+                leaves = [t.detach().requires_grad_() for t in tiles]
+                step_grads = torch.autograd.grad(ctx.product(*leaves), leaves, grad)
+            # on to the next rank, which holds these tiles next step; after the last step, home
+            grads = _Rotation([g + d for g, d in zip(grads, step_grads)], ctx.rings, _GRAD_TAG).wait()
+            if pending is not None:
+                tiles = pending.wait()
+        return grads[0], grads[1], None, None, None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -180,20 +189,20 @@ class _RingAttention(torch.autograd.Function):
     ``kv_ring``; mask bias ``[*, N|1, 1, 1, p*s]`` (every key's, in key order, constant) or None; pair bias tile
     ``[*, 1, H, s, s]`` of the same key block (rotating around ``bias_ring``) or None; returns ``[*, N, s, H, D]``.
     Each step is one call of the Evoformer kernel (``evoformer_attention``'s custom op) on key block
-    ``t0 - step``; the partial results are merged by their log-sum-exp. Backward rotates the tiles again and runs the
-    kernel's backward per tile against the merged output and log-sum-exp (flash attention's gradient of a tile
-    needs only ``P = exp(logits - lse)`` and ``D = rowsum(dO * O)``); the tiles' gradients travel with them.
+    ``t0 - step``, the next tiles in flight meanwhile; the partial results are merged by their log-sum-exp. Backward
+    rotates the tiles again and runs the kernel's backward per tile against the merged output and log-sum-exp (flash
+    attention's gradient of a tile needs only ``P = exp(logits - lse)`` and ``D = rowsum(dO * O)``); the tiles'
+    gradients travel with them and are home after p steps.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, mask, pair, backend, kv_ring, bias_ring, t0):
         *_, s, h, d = q.shape
-        size = group_size(kv_ring)
+        size, rings = group_size(kv_ring), [kv_ring, kv_ring, bias_ring]
         out = lse = None
         tiles = [k, v, pair]
         for step in range(size):
-            if step:
-                tiles = _rotate(tiles[:2], kv_ring, _TILE_TAG) + _rotate(tiles[2:], bias_ring, _TILE_TAG)
+            pending = _Rotation(tiles, rings, _TILE_TAG) if step < size - 1 else None
             keys = _block((t0 - step) % size, s)
             o_t, stats = _attention_fwd(q, tiles[0], tiles[1], None if mask is None else mask[..., keys], tiles[2],
                                         backend)
@@ -201,16 +210,18 @@ class _RingAttention(torch.autograd.Function):
             lse_t = torch.where(torch.isinf(row_max), -math.inf, row_max + torch.log(row_sum)).flatten(0, 1)
             o_t = o_t.reshape(-1, s, h, d)  # [Z*N, s, H, D] and [Z*N, H, s]: ring attention's layout
             out, lse = (o_t, lse_t) if out is None else _merge(out, lse, o_t, lse_t)
+            if pending is not None:
+                tiles = pending.wait()
         out = out.reshape(q.shape)
         ctx.save_for_backward(q, k, v, mask, pair, out, lse)
-        ctx.backend, ctx.rings, ctx.t0 = backend, (kv_ring, bias_ring), t0
+        ctx.backend, ctx.rings, ctx.t0 = backend, rings, t0
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, mask, pair, out, lse = ctx.saved_tensors
         *batch, n, s, h, d = q.shape
-        (kv_ring, bias_ring), size = ctx.rings, group_size(ctx.rings[0])
+        size = group_size(ctx.rings[0])
         lse = lse.reshape(math.prod(batch), n, h, s)
         # the merged statistics in the kernel's form: row max lse, row sum 1; (+inf, +inf) where no key counts
         stats = torch.stack([torch.where(torch.isinf(lse), math.inf, lse),
@@ -221,17 +232,17 @@ class _RingAttention(torch.autograd.Function):
         tiles = [k, v, pair]
         grads = [torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(pair) if need_pair else None]
         for step in range(size):
-            if step:
-                tiles = _rotate(tiles[:2], kv_ring, _TILE_TAG) + _rotate(tiles[2:], bias_ring, _TILE_TAG)
-                grads = _rotate(grads[:2], kv_ring, _GRAD_TAG) + _rotate(grads[2:], bias_ring, _GRAD_TAG)
+            pending = _Rotation(tiles, ctx.rings, _TILE_TAG) if step < size - 1 else None
             keys = _block((ctx.t0 - step) % size, s)
             dq_t, dk_t, dv_t, *dpair_t = _attention_bwd(grad, q, tiles[0], tiles[1], out, stats,
                                                         None if mask is None else mask[..., keys], tiles[2], False,
                                                         need_pair, ctx.backend)
             dq += dq_t
-            grads = [grads[0] + dk_t, grads[1] + dv_t, grads[2] + dpair_t[0] if need_pair else None]
-        if size > 1:  # the last step's tiles came from the next rank: send their gradients home
-            grads = _rotate(grads[:2], kv_ring, _GRAD_TAG) + _rotate(grads[2:], bias_ring, _GRAD_TAG)
+            # on to the next rank, which holds these tiles next step; after the last step, home
+            grads = _Rotation([grads[0] + dk_t, grads[1] + dv_t, grads[2] + dpair_t[0] if need_pair else None],
+                              ctx.rings, _GRAD_TAG).wait()
+            if pending is not None:
+                tiles = pending.wait()
         return dq, grads[0], grads[1], None, grads[2], None, None, None, None
 
 
