@@ -288,6 +288,7 @@ class _MeshEvoformer(nn.Module):
         pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, p), -1, p)  # [*, N', N']
         s, n = msa_mask.shape[-2] // p, msa_mask.shape[-1] // p
         seq_r, res_r, res_c = _block(r, s), _block(r, n), _block(c, n)
+        # this call's masks (whole, padded; this rank's tiles) and blocks, read by the sub-module methods below
         self._masks = msa_mask, pair_mask, msa_mask[..., seq_r, res_c], pair_mask[..., res_r, res_c]
         self._blocks = seq_r, res_r, res_c
         # this rank's tiles: m[S_r, R_c] [*, S'/p, N'/p, C_m], z[I_r, J_c] [*, N'/p, N'/p, C_z]

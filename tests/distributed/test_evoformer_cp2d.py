@@ -82,6 +82,10 @@ def _worker(rank, world, p, n_seq, n_res, cases):
         parallel_block = evoformer_context_parallel(block, mesh=(p, p))
         parallel = {}
         seen[name] = _whole_pair_seen(block, n_res, lambda: parallel.update(_run(parallel_block, block, *inputs)))
+        with torch.no_grad():  # unbatched inputs (no leading dims)
+            unbatched = [t[0] for t in inputs[:4]]
+            for key, one, many in zip(("unbatched m", "unbatched z"), block(*unbatched), parallel_block(*unbatched)):
+                single[key], parallel[key] = one, many
         assert single.keys() == parallel.keys()
         errors[name] = {k: (parallel[k] - v).abs().max().item() / max(1.0, v.abs().max().item())
                         for k, v in single.items()}
@@ -111,3 +115,17 @@ def test_2d_mesh_block_equals_single_process_per_rank(p, n_seq, n_res, cases):
             assert not bad, f"rank {rank}, {case}: {len(bad)} tensors differ, the worst {bad[:3]}"
             assert not seen[case], f"rank {rank}, {case}: whole N_res x N_res tensors in {sorted(seen[case])}"
         assert "pair_stack.tri_mul_out" in seen["single process"], seen["single process"]
+
+
+def test_mesh_argument_errors():
+    block = _block({})
+    for mesh, message in (((2, 3), r"square \(p, p\) of positive ints, got \(2, 3\)"),
+                          ((0, 0), r"positive ints, got \(0, 0\)"),
+                          ((2, 2), r"mesh=\(2, 2\) needs 4 ranks, the group has 1")):
+        with pytest.raises(ValueError, match=message):
+            evoformer_context_parallel(block, mesh=mesh)
+    m, z, msa_mask, pair_mask, _ = _inputs(3, 4)  # mesh (1, 1) on one process: the block itself
+    with torch.no_grad():
+        for got, want in zip(evoformer_context_parallel(block, mesh=(1, 1))(m, z, msa_mask, pair_mask),
+                             block(m, z, msa_mask, pair_mask)):
+            assert torch.equal(got, want)
