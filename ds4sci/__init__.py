@@ -23,10 +23,11 @@ def load_model(path, device="cpu"):
     return _load_model(path, device)
 
 
-def evoformer_context_parallel(block, group=None):
+def evoformer_context_parallel(block, group=None, mesh=None):
     """``block`` (a :class:`ds4sci.models.evoformer.EvoformerBlock`) run across the ranks of ``group`` (default: the
-    default process group) by axial context parallelism, with the block's call signature and single-process
-    semantics in outputs and gradients (:mod:`ds4sci.parallel.evoformer_cp`)."""
+    default process group) by axial context parallelism, or with ``mesh=(p, p)`` by 2-D tiles on a p x p mesh of
+    them, with the block's call signature and single-process semantics in outputs and gradients
+    (:mod:`ds4sci.parallel.evoformer_cp`, :mod:`ds4sci.parallel.evoformer_cp2d`)."""
     from ds4sci.parallel.evoformer_cp import evoformer_context_parallel as _cp
 
-    return _cp(block, group)
+    return _cp(block, group, mesh)

@@ -159,7 +159,15 @@ class EvoformerContextParallel(nn.Module):
         return torch.func.functional_call(sharded, synced, (m, z, msa_mask, pair_mask, chunk_size))
 
 
-def evoformer_context_parallel(block: EvoformerBlock, group=None) -> EvoformerContextParallel:
+def evoformer_context_parallel(block: EvoformerBlock, group=None, mesh: tuple[int, int] | None = None) -> nn.Module:
     """``block`` run across ``group`` (default: every rank of the default process group) by axial context
-    parallelism: :class:`EvoformerContextParallel` (module docstring: layouts, collectives, exactness)."""
-    return EvoformerContextParallel(block, group)
+    parallelism: :class:`EvoformerContextParallel` (module docstring: layouts, collectives, exactness); with
+    ``mesh=(p, p)``, on a p x p mesh of the group's ranks by 2-D tiles:
+    :class:`~ds4sci.parallel.evoformer_cp2d.EvoformerContextParallel2D` (same call signature and semantics)."""
+    if mesh is None:
+        return EvoformerContextParallel(block, group)
+    from ds4sci.parallel.evoformer_cp2d import EvoformerContextParallel2D, check_mesh
+
+    group = group if group is not None or not dist.is_initialized() else dist.group.WORLD
+    p = check_mesh(mesh, group_size(group))
+    return EvoformerContextParallel(block, group) if p == 1 else EvoformerContextParallel2D(block, group, p)

@@ -1,0 +1,398 @@
+"""One Evoformer block on a p x p mesh of ranks: 2-D context parallelism with single-process semantics.
+
+Fold-CP's layout (NVIDIA's context parallelism for Boltz): the pair representation ``z [*, N_res, N_res, C_z]`` is
+cut into p x p tiles and rank (r, c) of the mesh (group rank ``r * p + c``) holds ``z[I_r, J_c]``, ``N_res/p`` by
+``N_res/p``; the MSA ``m [*, N_seq, N_res, C_m]`` is tiled to match, rank (r, c) holding sequences ``S_r`` of
+residues ``R_c`` (the same residue blocks as z's: ``I = J = K = R``). No rank ever holds more than tiles: every
+sub-module that needs a whole row or column of tiles gets them one at a time, Cannon's way (Cannon 1969):
+
+- the *transpose swap*: rank (r, c) exchanges a tile with rank (c, r) (its own adjoint);
+- the *skew*: on the mesh row, rank (r, c) takes the tile of (r, c + r); on the mesh column, that of (r + c, c)
+  (backward: the inverse shift), so that both operands of a product start at the same block ``t0 = r + c``;
+- the *ring*: the tiles move one rank on around the row or the column per step (block ``t0 - step``), the
+  gradients of each tile travel with it and are home after p steps (:class:`~ds4sci.sequence.comm.RingShift`).
+
+Per block (AF2 supplement Algorithm 6), rank (r, c) computes the outputs of its own tiles only, over blocks t:
+
+==============================  =================================================================================
+sub-module                      the operands rotating (around the mesh row / the mesh column)
+==============================  =================================================================================
+MSA row attention, pair bias    keys/values ``m[S_r, R_t]`` / the swapped bias tile ``b[R_c, R_t]``
+MSA column attention            - / keys/values ``m[S_t, R_c]``
+MSA and pair transitions        - (pointwise on the tile)
+outer product mean              the swapped ``a[S_t, I_r]`` / ``b[S_t, J_c]``: ``sum_s a_si b_sj`` summed over t
+triangle mult. outgoing         ``a[I_r, K_t]`` / the swapped ``b[J_c, K_t]`` (Cannon's matrix product)
+triangle mult. incoming         the swapped ``a[K_t, I_r]`` / ``b[K_t, J_c]``
+triangle attention, start       keys/values ``z[I_r, K_t]`` / bias ``b[J_c, K_t]`` (swapped; ``b[K_t, J_c]``
+                                transposed)
+triangle attention, end         bias ``b[K_t, I_r]`` (swapped; ``b[I_r, K_t]`` transposed) / keys/values
+                                ``z[K_t, J_c]``
+==============================  =================================================================================
+
+The attentions are ring attention (Liu et al. 2023) on the Evoformer kernel (:class:`_RingAttention`): one kernel
+call per ``N/p x N/p`` tile, the bias tile rotating beside the key/value tile, the partial results merged by
+their log-sum-exp (:func:`ds4sci.sequence.attention._merge`); backward runs the kernel's backward per tile against
+the merged output and log-sum-exp, which gives each tile's exact share of the gradients.
+
+Entry, exit, parameters, padding and dropout as the axial version (:mod:`ds4sci.parallel.evoformer_cp`): full
+tensors in and out on every rank (entry split, backward all-gather; exit gather, backward split), parameter
+gradients all-reduced over the mesh, N_seq and N_res padded to multiples of p with masked rows; exact in eval mode.
+``chunk_size`` bounds the transitions as in the block; the attentions and products are already tiled.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ds4sci.kernels import EvoformerBackend
+from ds4sci.kernels.evoformer import _attention_bwd, _attention_fwd, _choose_backend
+from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
+from ds4sci.parallel.evoformer_cp import _gather_out
+from ds4sci.parallel.tensor_parallel import split_sequence_region, sync_grad
+from ds4sci.sequence.attention import _merge
+from ds4sci.sequence.comm import RingShift, group_rank, group_size
+from ds4sci.sequence.sharding import pad_to_multiple
+
+__all__ = ["EvoformerContextParallel2D", "check_mesh"]
+
+# RingShift tags: tiles and their gradients on the mesh row and column (distinct while in flight at once)
+_TILE_TAG, _GRAD_TAG = 0, 1
+
+
+def check_mesh(mesh, ranks: int) -> int:
+    """The side p of ``mesh`` (a pair ``(p, p)`` of equal positive ints whose product is the group's ``ranks``)."""
+    if (not isinstance(mesh, (tuple, list)) or len(mesh) != 2 or mesh[0] != mesh[1]
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in mesh)):
+        raise ValueError(f"evoformer_context_parallel: mesh must be a square (p, p) of positive ints, got {mesh!r}")
+    if mesh[0] * mesh[1] != ranks:
+        raise ValueError(f"evoformer_context_parallel: mesh={tuple(mesh)} needs {mesh[0] * mesh[1]} ranks, the group "
+                         f"has {ranks}")
+    return mesh[0]
+
+
+class _Mesh:
+    """The p x p mesh of ``group``'s ranks (group rank ``r * p + c`` at row r, column c): this rank's row group
+    (ranks (r, *), ordered by column) and column group (ranks (*, c), ordered by row)."""
+
+    def __init__(self, group, p: int):
+        ranks = dist.get_process_group_ranks(group)
+        self.p, self.group = p, group
+        self.r, self.c = divmod(group_rank(group), p)
+        # every rank of a row (column) creates that group only: no call on the ranks outside it
+        self.row = dist.new_group(ranks[self.r * p:(self.r + 1) * p], use_local_synchronization=True)
+        self.col = dist.new_group(ranks[self.c::p], use_local_synchronization=True)
+        self.partner = ranks[self.c * p + self.r]  # global rank of (c, r)
+        self.t0 = (self.r + self.c) % p  # the block of the tiles a skewed product starts with
+
+    def skew(self, ring) -> int:
+        """How far the skew moves tiles on ``ring``: on the row, by this rank's row; on the column, by its column."""
+        return self.r if ring is self.row else self.c
+
+
+def _p2p(x: Tensor, dst: int, src: int, group) -> Tensor:
+    """Send ``x`` to global rank ``dst`` and receive a tensor of its shape from ``src`` (``x`` itself if both are
+    this rank)."""
+    if dst == src == dist.get_rank():
+        return x
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out
+
+
+class _Move(torch.autograd.Function):
+    """A permutation of tiles in forward (``x`` to ``dst``, this rank's from ``src``) and its inverse in backward."""
+
+    @staticmethod
+    def forward(ctx, x, dst, src, group):
+        ctx.dst, ctx.src, ctx.group = dst, src, group
+        return _p2p(x, dst, src, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _p2p(grad, ctx.src, ctx.dst, ctx.group), None, None, None
+
+
+def _swap(x: Tensor, mesh: _Mesh) -> Tensor:
+    """Rank (r, c) gets the tile of rank (c, r)."""
+    return _Move.apply(x, mesh.partner, mesh.partner, mesh.group)
+
+
+def _skewed(x: Tensor, mesh: _Mesh, ring) -> Tensor:
+    """Rank (r, c) gets, on the row, the tile of (r, c + r); on the column, the tile of (r + c, c)."""
+    by, me = mesh.skew(ring), group_rank(ring)
+    dst, src = (dist.get_global_rank(ring, (me + step) % mesh.p) for step in (-by, by))
+    return _Move.apply(x, dst, src, ring)
+
+
+class _Rotation:
+    """One step of the rings: each tile (None entries stay None) goes to the next rank of its ring and the previous
+    rank's comes in; posted at construction, the received tiles returned by :meth:`wait` (compute in between)."""
+
+    def __init__(self, tiles: list, rings: list, tag: int):
+        self._tiles, self._rings = tiles, rings
+        self._shifts = {id(ring): RingShift([t for t, g in zip(tiles, rings) if g is ring and t is not None], ring,
+                                            tag=tag)
+                        for ring in {id(g): g for g, t in zip(rings, tiles) if t is not None}.values()}
+
+    def wait(self) -> list:
+        received = {key: iter(shift.wait()) for key, shift in self._shifts.items()}
+        return [None if t is None else next(received[id(g)]) for t, g in zip(self._tiles, self._rings)]
+
+
+class _CannonSum(torch.autograd.Function):
+    """``sum_t product(a_t, b_t)`` over the p blocks t, Cannon's schedule: ``a`` (this rank's skewed tile, block
+    ``t0``) rotates around ``ring_a``, ``b`` around ``ring_b``, both one block back per step, the next tiles in flight
+    while this step computes; backward rotates them again with their gradients (``product``'s, by autograd), which
+    are home after p steps."""
+
+    @staticmethod
+    def forward(ctx, a, b, product, ring_a, ring_b):
+        ctx.product, ctx.rings = product, [ring_a, ring_b]
+        ctx.save_for_backward(a, b)
+        size, tiles, total = group_size(ring_a), [a, b], None
+        for step in range(size):
+            pending = _Rotation(tiles, ctx.rings, _TILE_TAG) if step < size - 1 else None
+            total = product(*tiles) if total is None else total + product(*tiles)
+            if pending is not None:
+                tiles = pending.wait()
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, tiles = group_size(ctx.rings[0]), list(ctx.saved_tensors)
+        grads = [torch.zeros_like(t) for t in tiles]  # the gradients travel with their tile
+        for step in range(size):
+            pending = _Rotation(tiles, ctx.rings, _TILE_TAG) if step < size - 1 else None
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in tiles]
+                step_grads = torch.autograd.grad(ctx.product(*leaves), leaves, grad)
+            # on to the next rank, which holds these tiles next step; after the last step, home
+            grads = _Rotation([g + d for g, d in zip(grads, step_grads)], ctx.rings, _GRAD_TAG).wait()
+            if pending is not None:
+                tiles = pending.wait()
+        return grads[0], grads[1], None, None, None
+
+
+class _RingAttention(torch.autograd.Function):
+    """``softmax_j(q_i . k_j / sqrt(D) + mask_j + pair_ij) v_j`` of this rank's queries over the key blocks of a ring
+    of p ranks (a mesh row or column): ring attention's schedule (Liu et al. 2023) on the Evoformer kernel.
+
+    q ``[*, N, s, H, D]``; k, v ``[*, N, s, H, D]`` (this rank's skewed tile, key block ``t0``), rotating around
+    ``kv_ring``; mask bias ``[*, N|1, 1, 1, p*s]`` (every key's, in key order, constant) or None; pair bias tile
+    ``[*, 1, H, s, s]`` of the same key block (rotating around ``bias_ring``) or None; returns ``[*, N, s, H, D]``.
+    Each step is one call of the Evoformer kernel (``evoformer_attention``'s custom op) on key block
+    ``t0 - step``, the next tiles in flight meanwhile; the partial results are merged by their log-sum-exp. Backward
+    rotates the tiles again and runs the kernel's backward per tile against the merged output and log-sum-exp (flash
+    attention's gradient of a tile needs only ``P = exp(logits - lse)`` and ``D = rowsum(dO * O)``); the tiles'
+    gradients travel with them and are home after p steps.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, pair, backend, kv_ring, bias_ring, t0):
+        *_, s, h, d = q.shape
+        size, rings = group_size(kv_ring), [kv_ring, kv_ring, bias_ring]
+        out = lse = None
+        tiles = [k, v, pair]
+        for step in range(size):
+            pending = _Rotation(tiles, rings, _TILE_TAG) if step < size - 1 else None
+            keys = _block((t0 - step) % size, s)
+            o_t, stats = _attention_fwd(q, tiles[0], tiles[1], None if mask is None else mask[..., keys], tiles[2],
+                                        backend)
+            row_max, row_sum = stats.unbind(-1)  # [Z, N, H, s]; (+inf, +inf) on rows with every key -inf
+            lse_t = torch.where(torch.isinf(row_max), -math.inf, row_max + torch.log(row_sum)).flatten(0, 1)
+            o_t = o_t.reshape(-1, s, h, d)  # [Z*N, s, H, D] and [Z*N, H, s]: ring attention's layout
+            out, lse = (o_t, lse_t) if out is None else _merge(out, lse, o_t, lse_t)
+            if pending is not None:
+                tiles = pending.wait()
+        out = out.reshape(q.shape)
+        ctx.save_for_backward(q, k, v, mask, pair, out, lse)
+        ctx.backend, ctx.rings, ctx.t0 = backend, rings, t0
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, mask, pair, out, lse = ctx.saved_tensors
+        *batch, n, s, h, d = q.shape
+        size = group_size(ctx.rings[0])
+        lse = lse.reshape(math.prod(batch), n, h, s)
+        # the merged statistics in the kernel's form: row max lse, row sum 1; (+inf, +inf) where no key counts
+        stats = torch.stack([torch.where(torch.isinf(lse), math.inf, lse),
+                             torch.where(torch.isinf(lse), math.inf, 1.0)], dim=-1)
+        need_pair = pair is not None and ctx.needs_input_grad[4]
+        grad = grad.contiguous()
+        dq = torch.zeros_like(q)
+        tiles = [k, v, pair]
+        grads = [torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(pair) if need_pair else None]
+        for step in range(size):
+            pending = _Rotation(tiles, ctx.rings, _TILE_TAG) if step < size - 1 else None
+            keys = _block((ctx.t0 - step) % size, s)
+            dq_t, dk_t, dv_t, *dpair_t = _attention_bwd(grad, q, tiles[0], tiles[1], out, stats,
+                                                        None if mask is None else mask[..., keys], tiles[2], False,
+                                                        need_pair, ctx.backend)
+            dq += dq_t
+            # on to the next rank, which holds these tiles next step; after the last step, home
+            grads = _Rotation([grads[0] + dk_t, grads[1] + dv_t, grads[2] + dpair_t[0] if need_pair else None],
+                              ctx.rings, _GRAD_TAG).wait()
+            if pending is not None:
+                tiles = pending.wait()
+        return dq, grads[0], grads[1], None, grads[2], None, None, None, None
+
+
+def _block(t: int, size: int) -> slice:
+    return slice(t * size, (t + 1) * size)
+
+
+def _attend(mha: GatedAttention, x: Tensor, mesh: _Mesh, kv_ring, key_mask: Tensor, pair: Tensor | None,
+            inf: float, backend) -> Tensor:
+    """``mha`` on this rank's queries ``x [*, N, s, C]`` (layer-normed) against the keys of every rank of
+    ``kv_ring`` (their tiles of x): ``key_mask [*, N, p*s]`` in key order; ``pair`` this rank's skewed bias tile
+    ``[*, s, s, H]`` (queries by keys of block ``t0``, rotating on the other ring) or None. Returns ``[*, N, s, C]``."""
+    heads = (mha.no_heads, mha.c_hidden)
+    kv = _skewed(x, mesh, kv_ring)  # block t0's keys
+    q, k, v = (lin(t).unflatten(-1, heads) for lin, t in ((mha.linear_q, x), (mha.linear_k, kv), (mha.linear_v, kv)))
+    bias_ring = mesh.col if kv_ring is mesh.row else mesh.row
+    pair = None if pair is None else pair.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, s, s]
+    chosen = _choose_backend(backend, q)
+    chosen = EvoformerBackend.TORCH if chosen is EvoformerBackend.REFERENCE else chosen  # the oracle has no op
+    o = _RingAttention.apply(q, k, v, mask_bias(key_mask, inf, x.dtype), pair, chosen.value, kv_ring, bias_ring,
+                             mesh.t0)
+    return mha.linear_o(o.flatten(-2) * torch.sigmoid(mha.linear_g(x)))
+
+
+class _MeshEvoformer(nn.Module):
+    """The sharded computation of one :class:`EvoformerBlock` on a mesh (module docstring); ``block`` is the
+    caller's."""
+
+    def __init__(self, block: EvoformerBlock, mesh: _Mesh):
+        super().__init__()
+        self.block, self.mesh = block, mesh
+
+    def forward(self, m: Tensor, z: Tensor, msa_mask: Tensor | None, pair_mask: Tensor | None,
+                chunk_size: int | None) -> tuple[Tensor, Tensor]:
+        mesh, blk = self.mesh, self.block
+        p, r, c = mesh.p, mesh.r, mesh.c
+        n_seq, n_res = m.shape[-3], m.shape[-2]
+        msa_mask = m.new_ones(m.shape[:-1]) if msa_mask is None else msa_mask.to(m.dtype).expand(m.shape[:-1])
+        pair_mask = z.new_ones(z.shape[:-1]) if pair_mask is None else pair_mask.to(z.dtype).expand(z.shape[:-1])
+        m = pad_to_multiple(pad_to_multiple(m, -3, p), -2, p)  # [*, S', N', C_m], S' and N' multiples of p
+        z = pad_to_multiple(pad_to_multiple(z, -3, p), -2, p)  # [*, N', N', C_z]
+        msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, p), -1, p)  # [*, S', N']: the pad rows masked
+        pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, p), -1, p)  # [*, N', N']
+        s, n = msa_mask.shape[-2] // p, msa_mask.shape[-1] // p
+        seq_r, res_r, res_c = _block(r, s), _block(r, n), _block(c, n)
+        # this call's masks (whole, padded; this rank's tiles) and blocks, read by the sub-module methods below
+        self._masks = msa_mask, pair_mask, msa_mask[..., seq_r, res_c], pair_mask[..., res_r, res_c]
+        self._blocks = seq_r, res_r, res_c
+        # this rank's tiles: m[S_r, R_c] [*, S'/p, N'/p, C_m], z[I_r, J_c] [*, N'/p, N'/p, C_z]
+        m = split_sequence_region(split_sequence_region(m, mesh.col, m.ndim - 3), mesh.row, m.ndim - 2)
+        z = split_sequence_region(split_sequence_region(z, mesh.col, z.ndim - 3), mesh.row, z.ndim - 2)
+        if blk.opm_first:
+            z = z + self._outer_product_mean(m)
+        m = m + blk.msa_dropout_layer(self._msa_row_attention(m, z))
+        if not blk.no_column_attention:
+            m = m + self._msa_column_attention(m)
+        m = m + blk.msa_transition(m, self._masks[2], chunk_size)
+        if not blk.opm_first:
+            z = z + self._outer_product_mean(m)
+        z = self._pair_stack(z, chunk_size)
+        m = _gather_out(_gather_out(m, mesh.row, m.ndim - 2), mesh.col, m.ndim - 3)[..., :n_seq, :n_res, :]
+        z = _gather_out(_gather_out(z, mesh.row, z.ndim - 2), mesh.col, z.ndim - 3)[..., :n_res, :n_res, :]
+        return m, z
+
+    def _cannon(self, a: Tensor, b: Tensor, product: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """``sum_t product(a_t, b_t)``: ``a`` this rank's tile of the mesh row's blocks, ``b`` of the column's."""
+        mesh = self.mesh
+        return _CannonSum.apply(_skewed(a, mesh, mesh.row), _skewed(b, mesh, mesh.col), product, mesh.row, mesh.col)
+
+    def _outer_product_mean(self, m: Tensor) -> Tensor:
+        """z tile update ``[*, n, n, C_z]``: ``sum_s a_si b_sj`` over the sequence blocks t of ``a[S_t, I_r]`` (the
+        swapped tiles of the mesh row) and ``b[S_t, J_c]`` (the mesh column's), then the output projection."""
+        opm, (msa_mask, _, mask_t, _), (_, res_r, res_c) = self.block.outer_product_mean, self._masks, self._blocks
+        a, b, _ = opm.project(m, mask_t)  # [*, s, n, c]
+        outer = self._cannon(_swap(a, self.mesh), b, lambda a_t, b_t: torch.einsum("...sic,...sje->...ijce", a_t, b_t))
+        count = torch.einsum("...si,...sj->...ij", msa_mask[..., res_r], msa_mask[..., res_c]).unsqueeze(-1)
+        return opm.linear_out(outer.flatten(-2)) / (count + opm.eps)
+
+    def _msa_row_attention(self, m: Tensor, z: Tensor) -> Tensor:
+        """Queries m[S_r, R_c] against the mesh row's keys m[S_r, R_t], bias b[R_c, R_t] (swapped tiles)."""
+        att, (msa_mask, *_), (seq_r, *_) = self.block.msa_att_row, self._masks, self._blocks
+        bias = _skewed(_swap(att.pair_bias_of(z), self.mesh), self.mesh, self.mesh.col)  # [*, n, n, H]
+        return _attend(att.mha, att.layer_norm_m(m), self.mesh, self.mesh.row, msa_mask[..., seq_r, :], bias,
+                       att.inf, att.backend)
+
+    def _msa_column_attention(self, m: Tensor) -> Tensor:
+        """Queries m[S_r, R_c] (transposed) against the mesh column's keys m[S_t, R_c]."""
+        att, (msa_mask, *_), (_, _, res_c) = self.block.msa_att_col._msa_att, self._masks, self._blocks
+        x = att.layer_norm_m(m).transpose(-2, -3)  # [*, n, s, C_m]
+        out = _attend(att.mha, x, self.mesh, self.mesh.col, msa_mask[..., res_c].transpose(-1, -2), None, att.inf,
+                      att.backend)
+        return out.transpose(-2, -3)
+
+    def _triangle_attention(self, att, z: Tensor, transpose_bias: bool) -> Tensor:
+        """Starting node: queries z[I_r, J_c] against the mesh row's keys z[I_r, K_t], bias ``b_jk`` of j in J_c
+        (the swapped tiles of the mesh column; ``b_kj``, transposed: the column's own tiles). Ending node (on z's
+        transpose): the mesh column's keys z[K_t, J_c], bias ``b_ki`` of i in I_r (the swapped tiles of the mesh
+        row; ``b_ik``, transposed: the row's own)."""
+        mesh, (_, pair_mask, *_), (_, res_r, res_c) = self.mesh, self._masks, self._blocks
+        b = att.triangle_bias(z)  # [*, n, n, H]
+        x = att.layer_norm(z)
+        if att.starting:  # bias [*, j, k, H]
+            kv_ring, key_mask = mesh.row, pair_mask[..., res_r, :]
+            bias = (_skewed(b, mesh, mesh.col).transpose(-2, -3) if transpose_bias
+                    else _skewed(_swap(b, mesh), mesh, mesh.col))
+        else:  # on z^T: bias [*, i, k, H]
+            kv_ring, key_mask, x = mesh.col, pair_mask[..., res_c].transpose(-1, -2), x.transpose(-2, -3)
+            bias = (_skewed(b, mesh, mesh.row) if transpose_bias
+                    else _skewed(_swap(b, mesh), mesh, mesh.row).transpose(-2, -3))
+        out = _attend(att.mha, x, mesh, kv_ring, key_mask, bias, att.inf, att.backend)
+        return out if att.starting else out.transpose(-2, -3)
+
+    def _pair_stack(self, z: Tensor, chunk_size: int | None) -> Tensor:
+        """The pair stack on this rank's z tile ``[*, n, n, C_z]``."""
+        ps, pm, mesh = self.block.pair_stack, self._masks[3], self.mesh
+        mul = ps.tri_mul_out  # p_ij = sum_k a_ik b_jk: the row's a[I_r, K_t], the column's swapped b[J_c, K_t]
+        x = mul.layer_norm_in(z)
+        a, b = mul.projections(x, pm.unsqueeze(-1))
+        z = z + ps.dropout_row(mul.finish(x, self._cannon(a, _swap(b, mesh), mul.combine)))
+        mul = ps.tri_mul_in  # p_ij = sum_k a_ki b_kj: the row's swapped a[K_t, I_r], the column's b[K_t, J_c]
+        x = mul.layer_norm_in(z)
+        a, b = mul.projections(x, pm.unsqueeze(-1))
+        z = z + ps.dropout_row(mul.finish(x, self._cannon(_swap(a, mesh), b, mul.combine)))
+        z = z + ps.dropout_row(self._triangle_attention(ps.tri_att_start, z, False))
+        z = z + ps.dropout_col(self._triangle_attention(ps.tri_att_end, z, ps.transpose_end_bias))
+        return z + ps.pair_transition(z, pm, chunk_size)
+
+
+class EvoformerContextParallel2D(nn.Module):
+    """An :class:`~ds4sci.models.evoformer.EvoformerBlock` run on a ``p x p`` mesh of ``group``'s ranks (module
+    docstring), with the block's call signature: ``forward(m [*, N_seq, N_res, C_m], z [*, N_res, N_res, C_z],
+    msa_mask=None [*, N_seq, N_res], pair_mask=None [*, N_res, N_res], chunk_size=None) -> (m, z)``, full tensors
+    in and out on every rank (each rank passes the same inputs). Holds the given block (its parameters, not a copy):
+    its state dict is the block's. Every rank of ``group`` constructs it (it creates the mesh's row and column
+    groups)."""
+
+    def __init__(self, block: EvoformerBlock, group, p: int):
+        super().__init__()
+        if not isinstance(block, EvoformerBlock):
+            raise TypeError(f"evoformer_context_parallel: expected a ds4sci EvoformerBlock, got {type(block).__name__}")
+        self.block, self.group = block, group
+        self._sharded = (_MeshEvoformer(block, _Mesh(group, p)),)  # a tuple: not a second path to the parameters
+
+    def forward(self, m: Tensor, z: Tensor, msa_mask: Tensor | None = None, pair_mask: Tensor | None = None,
+                chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+        unbatched = m.ndim == 3  # the kernel wants a batch dim
+        if unbatched:
+            m, z = m.unsqueeze(0), z.unsqueeze(0)
+            msa_mask = None if msa_mask is None else msa_mask.unsqueeze(0)
+            pair_mask = None if pair_mask is None else pair_mask.unsqueeze(0)
+        synced = {f"block.{name}": sync_grad(p, self.group) for name, p in self.block.named_parameters()}
+        m, z = torch.func.functional_call(self._sharded[0], synced, (m, z, msa_mask, pair_mask, chunk_size))
+        return (m.squeeze(0), z.squeeze(0)) if unbatched else (m, z)

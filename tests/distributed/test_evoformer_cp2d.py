@@ -1,0 +1,131 @@
+"""ds4sci.evoformer_context_parallel(block, mesh=(2, 2)) (2-D tiles on 4 gloo ranks) against the single process,
+per rank: outputs, the gradients of m and z, and every parameter's .grad when every rank computes the same loss on
+the full outputs (fp64, to rounding); N_seq and N_res odd; both conventions of the ending-node triangle bias. And no
+sub-module (nor the attention kernel) of any rank ever sees a tensor with two dims of N_res or more. A 3 x 3 mesh
+(9 ranks) too, where the skews and the ring direction are not their own inverses as on 2 x 2."""
+import pytest
+import torch
+
+from ds4sci import evoformer_context_parallel
+from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.parallel import evoformer_cp2d
+from ds4sci.spawn import run_workers
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+# every channel count below N_res, so that "two dims of N_res or more" means a whole N_res x N_res tensor
+KW = dict(c_m=8, c_z=6, c_hidden_msa_att=4, c_hidden_opm=2, c_hidden_mul=5, c_hidden_pair_att=4, no_heads_msa=2,
+          no_heads_pair=2, transition_n=2, msa_dropout=0.15, pair_dropout=0.25)
+
+
+def _block(options):
+    torch.manual_seed(0)
+    block = EvoformerBlock(**KW, backend="torch", **options).double().eval()
+    with torch.no_grad():  # no zero-initialised output projection: every sub-module changes the result
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return block
+
+
+def _inputs(n_seq, n_res):
+    g = torch.Generator().manual_seed(1)
+    m = torch.randn(2, n_seq, n_res, KW["c_m"], generator=g, dtype=torch.float64)
+    z = torch.randn(2, n_res, n_res, KW["c_z"], generator=g, dtype=torch.float64)
+    msa_mask = (torch.rand(2, n_seq, n_res, generator=g) > 0.2).double()
+    pair_mask = (torch.rand(2, n_res, n_res, generator=g) > 0.2).double()
+    weights = [torch.randn(2, n_seq, n_res, KW["c_m"], generator=g, dtype=torch.float64),
+               torch.randn(2, n_res, n_res, KW["c_z"], generator=g, dtype=torch.float64)]
+    return m, z, msa_mask, pair_mask, weights
+
+
+def _run(module, block, m, z, msa_mask, pair_mask, weights):
+    """Outputs, input gradients and parameter gradients of ``sum(w_m * m') + sum(w_z * z')``."""
+    m, z = m.clone().requires_grad_(), z.clone().requires_grad_()
+    block.zero_grad(set_to_none=True)
+    out_m, out_z = module(m, z, msa_mask, pair_mask)
+    ((out_m * weights[0]).sum() + (out_z * weights[1]).sum()).backward()
+    return {"m": out_m.detach(), "z": out_z.detach(), "grad m": m.grad, "grad z": z.grad,
+            **{n: p.grad.clone() for n, p in block.named_parameters()}}
+
+
+def _whole_pair_seen(block, n_res, run):
+    """Names of the sub-modules (and the kernel) that ``run()`` gives a tensor with two dims >= ``n_res``."""
+    seen = set()
+
+    def check(name, *tensors):
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and sum(d >= n_res for d in t.shape) >= 2:
+                seen.add(name)
+
+    def hook(name):
+        return lambda module, args, kwargs, out: check(name, *args, *kwargs.values(),
+                                                       *(out if isinstance(out, tuple) else (out,)))
+
+    handles = [mod.register_forward_hook(hook(name), with_kwargs=True) for name, mod in block.named_modules() if name]
+    kernel = evoformer_cp2d._attention_fwd
+    evoformer_cp2d._attention_fwd = lambda *args: (check("kernel", *args), kernel(*args))[1]
+    try:
+        run()
+    finally:
+        evoformer_cp2d._attention_fwd = kernel
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _worker(rank, world, p, n_seq, n_res, cases):
+    errors, seen, param_grads = {}, {}, {}
+    for name, options in cases:
+        block = _block(options)
+        inputs = _inputs(n_seq, n_res)
+        single = _run(block, block, *inputs)
+        parallel_block = evoformer_context_parallel(block, mesh=(p, p))
+        parallel = {}
+        seen[name] = _whole_pair_seen(block, n_res, lambda: parallel.update(_run(parallel_block, block, *inputs)))
+        with torch.no_grad():  # unbatched inputs (no leading dims)
+            unbatched = [t[0] for t in inputs[:4]]
+            for key, one, many in zip(("unbatched m", "unbatched z"), block(*unbatched), parallel_block(*unbatched)):
+                single[key], parallel[key] = one, many
+        assert single.keys() == parallel.keys()
+        errors[name] = {k: (parallel[k] - v).abs().max().item() / max(1.0, v.abs().max().item())
+                        for k, v in single.items()}
+        param_grads[name] = {n: parallel[n].tolist() for n, _ in block.named_parameters()}  # plain data to return
+    # the check sees the single process's whole pair representation
+    seen["single process"] = _whole_pair_seen(block, n_res, lambda: _run(block, block, *inputs))
+    return errors, seen, param_grads
+
+
+CASES = [  # name, block options
+    ("default (OpenFold3 ending-node bias)", {}),
+    ("openfold convention, opm first, fused", dict(convention="openfold", opm_first=True,
+                                                   fuse_projection_weights=True)),
+]
+
+
+@pytest.mark.parametrize("p, n_seq, n_res, cases", [(2, 5, 9, CASES), (3, 5, 7, CASES[:1])], ids=["2x2", "3x3"])
+def test_2d_mesh_block_equals_single_process_per_rank(p, n_seq, n_res, cases):
+    results = run_workers(_worker, p * p, p, n_seq, n_res, cases, timeout=600)
+    for rank, (_, _, grads) in enumerate(results):  # the parallel runs' parameter gradients: identical on every rank
+        for case, per_param in grads.items():
+            for name, g in per_param.items():
+                assert g == results[0][2][case][name], f"rank {rank}, {case}: {name}.grad differs from rank 0's"
+    for rank, (errors, seen, _) in enumerate(results):
+        for case, per_tensor in errors.items():
+            bad = sorted(((e, k) for k, e in per_tensor.items() if not e <= 1e-12), reverse=True)
+            assert not bad, f"rank {rank}, {case}: {len(bad)} tensors differ, the worst {bad[:3]}"
+            assert not seen[case], f"rank {rank}, {case}: whole N_res x N_res tensors in {sorted(seen[case])}"
+        assert "pair_stack.tri_mul_out" in seen["single process"], seen["single process"]
+
+
+def test_mesh_argument_errors():
+    block = _block({})
+    for mesh, message in (((2, 3), r"square \(p, p\) of positive ints, got \(2, 3\)"),
+                          ((0, 0), r"positive ints, got \(0, 0\)"),
+                          ((2, 2), r"mesh=\(2, 2\) needs 4 ranks, the group has 1")):
+        with pytest.raises(ValueError, match=message):
+            evoformer_context_parallel(block, mesh=mesh)
+    m, z, msa_mask, pair_mask, _ = _inputs(3, 4)  # mesh (1, 1) on one process: the block itself
+    with torch.no_grad():
+        for got, want in zip(evoformer_context_parallel(block, mesh=(1, 1))(m, z, msa_mask, pair_mask),
+                             block(m, z, msa_mask, pair_mask)):
+            assert torch.equal(got, want)
