@@ -23,10 +23,12 @@ def load_model(path, device="cpu"):
     return _load_model(path, device)
 
 
-def evoformer_context_parallel(block, group=None):
-    """``block`` (a :class:`ds4sci.models.evoformer.EvoformerBlock`) run across the ranks of ``group`` (default: the
-    default process group) by axial context parallelism, with the block's call signature and single-process
-    semantics in outputs and gradients (:mod:`ds4sci.parallel.evoformer_cp`)."""
+def evoformer_context_parallel(block_or_stack, group=None, *, sharded=False, counter=None):
+    """``block_or_stack`` (a :class:`ds4sci.models.evoformer.EvoformerBlock` or
+    :class:`~ds4sci.models.evoformer.PairformerBlock`, or a sequence of blocks of one kind) run across the ranks of
+    ``group`` (default: the default process group) by axial context parallelism, with the block's call signature and
+    single-process semantics in outputs and gradients; ``sharded``: a stack keeps m and z split between its blocks
+    (:mod:`ds4sci.parallel.evoformer_cp`)."""
     from ds4sci.parallel.evoformer_cp import evoformer_context_parallel as _cp
 
-    return _cp(block, group)
+    return _cp(block_or_stack, group, sharded=sharded, counter=counter)
