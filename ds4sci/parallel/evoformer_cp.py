@@ -40,14 +40,30 @@ its own region (full tensors between blocks: each block splits m and z at entry 
 between blocks the all-to-alls m: residues -> sequences and z: columns -> rows (``1/P`` of a gather's bytes).
 
 Entry and exit: the block (or stack) takes and returns full tensors on every rank. The entry split's backward
-all-gathers, the exit gather's backward takes this rank's piece, and the parameters are used through an identity whose backward
-all-reduces their gradient over the group (as DDP would), so when every rank computes the same loss on the full
-outputs, every rank's input gradients and parameter ``.grad`` equal the single process's.
+all-gathers, the exit gather's backward takes this rank's piece, and the parameters are used through an identity
+whose backward all-reduces their gradient over the group (as DDP would), so when every rank computes the same loss
+on the full outputs, every rank's input gradients and parameter ``.grad`` equal the single process's.
 
 N_seq and N_res of any length: both are padded at their end to a multiple of P with masked (zero-mask) rows,
 which no real position attends to or sums over (attention masks them, the outer product mean and the triangle
 multiplications multiply them by their zero mask), and cut off again at the exit. Dropout draws its masks per rank
 in training; exact single-process equality holds in eval mode (or at rate 0).
+
+Bytes sent per rank per block inside a sharded stack (:func:`block_comm_bytes`; ``f = (P-1)/P``, ``N`` and
+``S`` padded to multiples of P, ``B`` batch, ``e`` bytes per element; counted as
+:class:`~ds4sci.sequence.CommCounter` does): an all-gather of a ``1/P`` piece of ``X`` sends ``f |X|``, its
+backward reduce-scatter of ``X`` the same; an all-to-all of a piece ``X/P`` sends ``f |X| / P``, its backward the
+same. Forward, the Evoformer gathers the MSA pair bias ``N^2 H_msa``, the outer product's ``b`` ``S N c_opm``, the
+triangle multiplications' ``b``, ``a`` ``2 N^2 c_mul`` and the triangle biases ``2 N^2 H_pair`` and switches m once
+and z three times, plus once each between blocks::
+
+    evoformer  = 2 f B e [N^2 (H_msa + 2 c_mul + 2 H_pair) + S N c_opm + (4 N^2 C_z + (2 + opm_first) S N C_m) / P]
+    pairformer = 2 f B e [N^2 (2 c_mul + 2 H_pair) + 4 N^2 C_z / P] + f B e N^2 H_s
+
+(the Pairformer's bias gather ``N^2 H_s`` has no backward collective), plus the all-reduce of the parameter
+gradients ``2 f |params| e`` (a Pairformer's replicated s-side parameters excluded). The gathered tensors are of
+size ``N^2`` against z's ``N^2 C_z / P``: the bytes per rank fall with P only in the switches, so the bytes per rank
+per block grow as ``N^2`` at any P; what P divides is the memory of z and m and the ``O(N^3)`` work.
 """
 from __future__ import annotations
 
@@ -63,7 +79,7 @@ from ds4sci.parallel.tensor_parallel import _all_gather, _reduce_scatter, _Seque
 from ds4sci.sequence.comm import CommCounter, all_to_all, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
 
-__all__ = ["evoformer_context_parallel", "EvoformerContextParallel"]
+__all__ = ["block_comm_bytes", "evoformer_context_parallel", "EvoformerContextParallel"]
 
 #: Parameters of a Pairformer block whose work is replicated on every rank: their gradients are not all-reduced.
 PAIRFORMER_REPLICATED = ("attn_pair_bias.layer_norm_a.", "attn_pair_bias.mha.", "single_transition.")
@@ -247,6 +263,32 @@ class EvoformerContextParallel(nn.Module):
             replicated = isinstance(region.blocks[0], PairformerBlock) and block_name.startswith(PAIRFORMER_REPLICATED)
             synced[name] = p if replicated else sync_grad(p, self.group, self.counter)
         return synced
+
+
+def block_comm_bytes(block: EvoformerBlock | PairformerBlock, p: int, n_res: int, n_seq: int = 0, batch: int = 1,
+                     itemsize: int = 4) -> dict[str, int]:
+    """The closed form (module docstring) of the bytes this rank sends for one ``block`` inside a sharded stack of
+    the group size ``p``, training (forward and backward), per collective kind as
+    :class:`~ds4sci.sequence.CommCounter` records them: ``all_gather``, ``reduce_scatter``, ``all_to_all`` and
+    ``all_reduce`` (the parameter gradients); ``n_seq`` for an Evoformer block; ``itemsize`` of the activations."""
+    n, s = -(-n_res // p) * p, -(-n_seq // p) * p  # padded
+    f, ps = (p - 1) / p, block.pair_stack
+    c_mul, h_pair = ps.tri_mul_out.c_hidden, ps.tri_att_start.no_heads
+    if isinstance(block, EvoformerBlock):
+        gathered = (n * n * (block.msa_att_row.no_heads + 2 * c_mul + 2 * h_pair)
+                    + s * n * block.outer_product_mean.c_hidden)
+        switched = 4 * n * n * block.c_z + (2 + block.opm_first) * s * n * block.c_m
+        replicated = 0
+    else:
+        gathered = n * n * (2 * c_mul + 2 * h_pair)
+        switched = 4 * n * n * ps.tri_mul_out.c_z
+        replicated = n * n * block.attn_pair_bias.linear_z.out_features  # forward only
+    unit = batch * itemsize
+    params = [q for name, q in block.named_parameters()
+              if not (isinstance(block, PairformerBlock) and name.startswith(PAIRFORMER_REPLICATED))]
+    return {"all_gather": round(f * unit * (gathered + replicated)), "reduce_scatter": round(f * unit * gathered),
+            "all_to_all": round(2 * f * unit * switched / p),
+            "all_reduce": sum(2 * q.numel() * q.element_size() * (p - 1) // p for q in params)}
 
 
 def evoformer_context_parallel(block_or_stack, group=None, *, sharded: bool = False,

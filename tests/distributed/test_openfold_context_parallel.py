@@ -1,6 +1,6 @@
 """ds4sci.integrations.openfold.context_parallel: a tiny OpenFold3 EvoformerStack and PairFormerStack trained a few
-SGD steps through the switch on 2 ranks (N_res 5, which the group does not divide) give, on every rank, the losses and final
-parameters of OpenFold3's own single-process stack (fp64, to rounding): the ds4sci blocks hold the OpenFold3
+SGD steps through the switch on 2 ranks (N_res 5, which the group does not divide) give, on every rank, the losses
+and final parameters of OpenFold3's own single-process stack (fp64, to rounding): the ds4sci blocks hold the OpenFold3
 parameters themselves (an optimizer step on them is seen by the next forward) and their gradients are reduced.
 In one process (a group of one runs the ds4sci blocks themselves): the switched stacks give OpenFold3's outputs,
 hold its parameters (not copies), context_parallel_off restores OpenFold3's forward; a model without a stack is
