@@ -8,9 +8,9 @@ of a sharded stack of one and of two blocks (:func:`ds4sci.evoformer_context_par
 minus the one-block stack's, so the stack's entry and exit cancel and one switch between blocks is in (what a block
 costs inside a long stack). They are set beside :func:`ds4sci.parallel.evoformer_cp.block_comm_bytes`, whose
 derivation is :mod:`ds4sci.parallel.evoformer_cp`'s docstring. Memory per rank, of the one-block stack: the bytes
-autograd saves for backward (unique storages, :func:`ds4sci.bench.memory.saved_for_backward`: deterministic) and
-the peak of the step above what was held before it (:class:`ds4sci.bench.memory.PeakMemory`: on the CPU the
-process's peak RSS, noisy at small sizes).
+autograd saves for backward (unique storages, :func:`ds4sci.bench.memory.saved_for_backward`): the activations a
+training step holds from its forward to its backward. (A peak RSS is not reported: in a gloo worker that has run
+the step before, the allocator reuses freed memory and the RSS barely moves at these sizes.)
 
 Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed form; ``1d`` is the
 axial layout. A 2-D layout adds its entry there (a wrapper taking ``(blocks, counter)`` and a closed form taking
@@ -102,8 +102,8 @@ def _step(module, x, z):
 
 
 def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
-    """Per kind and N_res: this rank's bytes sent per collective kind by a one- and a two-block stack, and the saved
-    and peak bytes of the one-block stack's step."""
+    """Per kind and N_res: this rank's bytes sent per collective kind by a one- and a two-block stack, and the bytes
+    the one-block stack saves for backward."""
     from ds4sci.bench import memory
     from ds4sci.sequence import CommCounter
 
@@ -112,7 +112,7 @@ def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
     for kind in cfg["kinds"]:
         for n_res in cfg["n_res"]:
             sent = {}
-            for n_blocks in (2, 1):  # the one-block step last: it is the memory measurement, after a warm-up
+            for n_blocks in (2, 1):  # the one-block stack last: its module is the memory measurement's
                 counter = CommCounter()
                 module = wrap(_blocks(kind, cfg, n_blocks), counter)
                 _step(module, *_inputs(kind, n_res, cfg))
@@ -121,10 +121,7 @@ def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
             with memory.saved_for_backward() as saved:
                 out_x, out_z = module(x, z)
             (out_x.square().mean() + out_z.square().mean()).backward()
-            x, z = _inputs(kind, n_res, cfg)
-            with memory.PeakMemory("cpu") as peak:
-                _step(module, x, z)
-            rows.append({"kind": kind, "n_res": n_res, "saved_bytes": saved.bytes, "peak_bytes": peak.bytes,
+            rows.append({"kind": kind, "n_res": n_res, "saved_bytes": saved.bytes,
                          "sent": {k: sent[2].get(k, 0) - sent[1].get(k, 0) for k in COUNTED}})
             del module
     return rows
@@ -132,7 +129,7 @@ def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
 
 def measure(cfg: dict, p: int) -> list[dict]:
     """``cfg``'s kinds and N_res at group size ``p``: per case, bytes sent per block (max over ranks, and rank 0's
-    per collective kind), the closed form, and the saved and peak bytes (max over ranks)."""
+    per collective kind), the closed form, and the bytes saved for backward (max over ranks)."""
     from ds4sci.spawn import run_workers
 
     per_rank = run_workers(_worker, p, cfg, timeout=600)
@@ -148,8 +145,7 @@ def measure(cfg: dict, p: int) -> list[dict]:
                      "sent_per_block_min": min(sum(c["sent"].values()) for c in cases),
                      "sent_by_kind": first["sent"], "predicted": sum(predicted.values()),
                      "predicted_by_kind": predicted,
-                     "saved_bytes": max(c["saved_bytes"] for c in cases),
-                     "peak_bytes": max(c["peak_bytes"] for c in cases)})
+                     "saved_bytes": max(c["saved_bytes"] for c in cases)})
     return rows
 
 
@@ -162,8 +158,7 @@ def markdown(report: dict) -> str:
         rows.append((r["kind"], r["P"], r["n_res"], "-" if r["n_seq"] is None else r["n_seq"],
                      f"{r['sent_per_block'] / KIB:.1f}", f"{r['predicted'] / KIB:.1f}",
                      f"{r['saved_bytes'] / MIB:.2f}",
-                     f"{single['saved_bytes'] / max(r['saved_bytes'], 1):.2f}x" if single else "-",
-                     f"{r['peak_bytes'] / MIB:.1f}"))
+                     f"{single['saved_bytes'] / max(r['saved_bytes'], 1):.2f}x" if single else "-"))
     lines = [
         f"# evoformer-cp: axial context parallelism ({c['layout']}), per rank, one training step, fp32",
         "",
@@ -171,10 +166,10 @@ def markdown(report: dict) -> str:
         "bytes per block inside a sharded stack (a two-block stack's minus a one-block stack's), all collectives "
         "of forward and backward including the parameter-gradient all-reduce; closed form: "
         "ds4sci.parallel.evoformer_cp.block_comm_bytes. Saved: what autograd keeps for backward in a one-block "
-        f"stack (vs P = 1: how much less). Peak: {report['peak_method']}.",
+        "stack (vs P = 1: how much less).",
         "",
         *markdown_table(("block", "P", "N_res", "N_seq", "sent/block (KiB)", "closed form (KiB)",
-                         "saved/rank (MiB)", "saved vs P=1", "peak/rank (MiB)"), rows),
+                         "saved/rank (MiB)", "saved vs P=1"), rows),
         "",
         f"Command: `{report['command']}`",
     ]
@@ -215,8 +210,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--kinds={args.kinds}: expected some of {', '.join(KINDS)}")
     check_positive(cfg, ("n_seq", "c_m", "c_z", "c_hidden", "heads"))
     report = {"config": cfg, "runs": [],
-              "peak_method": "the peak RSS (VmHWM - VmRSS) of each rank's process during the step, after a warm-up "
-                             "(noisy below a few MiB)",
               "command": command_line("evoformer-cp", {k: ",".join(map(str, v)) if isinstance(v, list) else v
                                                        for k, v in cfg.items()}, args.out)}
     for p in cfg["degrees"]:
