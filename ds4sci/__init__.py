@@ -23,11 +23,13 @@ def load_model(path, device="cpu"):
     return _load_model(path, device)
 
 
-def evoformer_context_parallel(block, group=None, mesh=None):
-    """``block`` (a :class:`ds4sci.models.evoformer.EvoformerBlock`) run across the ranks of ``group`` (default: the
-    default process group) by axial context parallelism, or with ``mesh=(p, p)`` by 2-D tiles on a p x p mesh of
-    them, with the block's call signature and single-process semantics in outputs and gradients
+def evoformer_context_parallel(block_or_stack, group=None, mesh=None, *, sharded=False, counter=None):
+    """``block_or_stack`` (a :class:`ds4sci.models.evoformer.EvoformerBlock` or
+    :class:`~ds4sci.models.evoformer.PairformerBlock`, or a sequence of blocks of one kind) run across the ranks of
+    ``group`` (default: the default process group) by axial context parallelism, or, with ``mesh=(p, p)``, one
+    Evoformer block by 2-D tiles on a p x p mesh of them; the block's call signature and single-process semantics in
+    outputs and gradients; ``sharded``: an axial stack keeps m and z split between its blocks
     (:mod:`ds4sci.parallel.evoformer_cp`, :mod:`ds4sci.parallel.evoformer_cp2d`)."""
     from ds4sci.parallel.evoformer_cp import evoformer_context_parallel as _cp
 
-    return _cp(block, group, mesh)
+    return _cp(block_or_stack, group, mesh, sharded=sharded, counter=counter)

@@ -15,6 +15,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "ds4sci.bench.evoformer_memory",
         "bytes saved for backward and peak memory of Evoformer attention per backend",
     ),
+    "evoformer-cp": (
+        "ds4sci.bench.evoformer_cp",
+        "bytes sent and memory per rank per Evoformer / Pairformer block under axial context parallelism as N_res "
+        "and P grow, beside the closed forms",
+    ),
     "openfold-stack": (
         "ds4sci.bench.openfold_stack",
         "peak memory and bytes saved for backward of an OpenFold3 EvoformerStack training step, with and without "

@@ -22,6 +22,14 @@ original function objects back (the very same objects); :func:`enabled` is the c
     ds4sci_openfold.disable()
 
 Patching is process-global (it edits the OpenFold modules); the record of what was replaced lives here.
+
+:func:`context_parallel` is the same kind of switch for axial context parallelism (issue #29): every OpenFold3
+``EvoformerStack`` and ``PairFormerStack`` in a model runs its blocks as ds4sci blocks across a process group
+(:mod:`ds4sci.parallel.evoformer_cp`), on the OpenFold3 parameters themselves; :func:`context_parallel_off` undoes
+it. Unlike :func:`enable` it edits the given model's stacks only (their ``forward``), not OpenFold3's modules::
+
+    ds4sci_openfold.context_parallel(model, group)     # every rank: the same inputs, the same outputs and .grad
+    ds4sci_openfold.context_parallel_off(model)
 """
 from __future__ import annotations
 
@@ -33,7 +41,8 @@ from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, Optional, Union
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from ds4sci.kernels import EvoformerBackend, evoformer_attention, parse_backend
 
@@ -205,4 +214,116 @@ def enabled(backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO) -> It
         _patches.update(saved_patches)
 
 
-__all__ = ["EvoAttentionAdapter", "TARGETS", "disable", "enable", "enabled", "is_enabled"]
+# ----------------------------------------------------------------------------------------------------------
+# context parallelism of OpenFold3's Evoformer and Pairformer stacks
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _is_swiglu(transition: nn.Module) -> bool:
+    return type(transition).__name__.startswith("SwiGLU")
+
+
+def _block_args(block: nn.Module) -> tuple[type, dict[str, Any]]:
+    """The ds4sci block class and constructor arguments of an OpenFold3 ``EvoformerBlock`` or ``PairFormerBlock``,
+    read from its sub-modules' attributes (OpenFold3 keeps no constructor record)."""
+    from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
+
+    ps = block.pair_stack
+    pair = dict(c_hidden_mul=ps.tri_mul_out.c_hidden, c_hidden_pair_att=ps.tri_att_start.c_hidden,
+                no_heads_pair=ps.tri_att_start.no_heads, pair_dropout=ps.ps_dropout_row_layer.r,
+                fuse_projection_weights=type(ps.tri_mul_out).__name__.startswith("Fused"),
+                transition_type="swiglu" if _is_swiglu(ps.pair_transition) else "relu")
+    if type(block).__name__ == "PairFormerBlock":
+        apb = block.attn_pair_bias
+        return PairformerBlock, dict(c_s=apb.c_s, c_z=apb.c_z, c_hidden_pair_bias=apb.mha.c_hidden,
+                                     no_heads_pair_bias=apb.mha.no_heads, transition_n=block.single_transition.n,
+                                     inf=apb.inf, **pair)
+    row = block.msa_att_row
+    return EvoformerBlock, dict(c_m=row.c_in, c_z=row.c_z, c_hidden_msa_att=row.c_hidden,
+                                c_hidden_opm=block.outer_product_mean.c_hidden, no_heads_msa=row.no_heads,
+                                transition_n=block.msa_transition.n, msa_dropout=block.msa_dropout_layer.r,
+                                no_column_attention=block.no_column_attention, opm_first=block.opm_first, inf=row.inf,
+                                **pair)
+
+
+def _sharing_block(block: nn.Module, backend: EvoformerBackend) -> nn.Module:
+    """A ds4sci block holding ``block``'s parameters themselves (its state dict's names and shapes, strictly)."""
+    cls, kwargs = _block_args(block)
+    with torch.device("meta"):
+        ours = cls(**kwargs, backend=backend)
+    theirs = dict(block.named_parameters())
+    mine = {name: p.shape for name, p in ours.named_parameters()}
+    if {k: v.shape for k, v in theirs.items()} != mine or set(block.state_dict()) != set(ours.state_dict()):
+        raise ValueError(f"context_parallel: OpenFold3 {type(block).__name__}'s parameters are not those of ds4sci's "
+                         f"{cls.__name__}({kwargs})")
+    for name, param in theirs.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(ours.get_submodule(owner), leaf, param)  # the very Parameter: no copy
+    return ours
+
+
+def context_parallel(model: nn.Module, group=None, *, sharded: bool = True,
+                     backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO) -> list[str]:
+    """Run every OpenFold3 ``EvoformerStack`` and ``PairFormerStack`` in ``model`` (``model`` itself included) by
+    axial context parallelism over ``group`` (default: the default process group): the stack's ``forward`` runs its
+    blocks as ds4sci blocks sharing its parameters, through :func:`ds4sci.evoformer_context_parallel` (``sharded``:
+    m and z stay split between the blocks), then its own wrap-up (the Evoformer's single projection). Every rank
+    passes the same inputs and gets the single process's outputs; parameter gradients are reduced over the group.
+
+    OpenFold3's per-call options are ignored except ``chunk_size`` (attention runs on ds4sci's kernels with
+    ``backend``; no activation checkpointing of blocks); ``_mask_trans=False`` is refused (ds4sci masks the
+    transitions). Dropout draws per-rank masks: single-process equality in training needs dropout rate 0.
+    Returns the names of the stacks switched.
+
+    Raises:
+        ImportError: openfold3 is not importable.
+        ValueError: no stack in ``model``, or a block whose parameters ds4sci's block does not hold.
+    """
+    from openfold3.core.model.latent.evoformer import EvoformerStack
+    from openfold3.core.model.latent.pairformer import PairFormerStack
+
+    from ds4sci.parallel.evoformer_cp import evoformer_context_parallel
+
+    backend = parse_backend(backend, EvoformerBackend)
+    switched = []
+    for name, stack in model.named_modules():
+        if not isinstance(stack, (EvoformerStack, PairFormerStack)):
+            continue
+        blocks = nn.ModuleList(_sharing_block(b, backend) for b in stack.blocks)
+        parallel = evoformer_context_parallel(blocks, group, sharded=sharded)
+        stack.forward = _stack_forward(stack, parallel)  # an instance attribute: context_parallel_off deletes it
+        switched.append(name or type(stack).__name__)
+    if not switched:
+        raise ValueError(f"context_parallel: no OpenFold3 EvoformerStack or PairFormerStack in {type(model).__name__}")
+    logger.info("ds4sci.integrations.openfold: %s run by axial context parallelism", ", ".join(switched))
+    return switched
+
+
+def _stack_forward(stack: nn.Module, parallel: nn.Module):
+    """``stack``'s forward through ``parallel`` (OpenFold3's call signature; m/s, z, their masks first)."""
+
+    def forward(x: Tensor, z: Tensor, x_mask: Tensor, pair_mask: Tensor, chunk_size: Optional[int] = None,
+                *args: Any, _mask_trans: bool = True, **kwargs: Any):
+        if not _mask_trans:
+            raise ValueError("context_parallel: _mask_trans=False is not supported (ds4sci masks the transitions)")
+        parallel.train(stack.training)  # the ds4sci blocks are not sub-modules of the model: follow its mode
+        x, z = parallel(x, z, x_mask, pair_mask, chunk_size)
+        return stack._wrap_up(x, z) if hasattr(stack, "_wrap_up") else (x, z)
+
+    forward.context_parallel = parallel  # what context_parallel_off recognises
+    return forward
+
+
+def context_parallel_off(model: nn.Module) -> list[str]:
+    """Put back the OpenFold3 forward of every stack :func:`context_parallel` switched in ``model``; returns their
+    names."""
+    restored = []
+    for name, stack in model.named_modules():
+        if hasattr(stack.__dict__.get("forward"), "context_parallel"):
+            del stack.forward
+            restored.append(name or type(stack).__name__)
+    return restored
+
+
+__all__ = ["EvoAttentionAdapter", "TARGETS", "context_parallel", "context_parallel_off", "disable", "enable",
+           "enabled", "is_enabled"]

@@ -159,18 +159,28 @@ class AttentionPairBias(nn.Module):
         self.linear_z = init_linear(nn.Linear(c_z, no_heads, bias=False), "normal")
         self.mha = GatedAttention(c_s, c_hidden, no_heads, Convention.OPENFOLD3, q_bias=True)
 
-    def forward(self, s: Tensor, z: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, s: Tensor, z: Optional[Tensor], mask: Optional[Tensor] = None, *,
+                bias: Optional[Tensor] = None) -> Tensor:
+        """``bias``: instead of z (pass None), its bias ``[*, N, N, H]`` (:meth:`pair_bias_of`)."""
         layer = type(self).__name__
         check_channels(layer, "s", s, self.c_s, "N", min_ndim=2)
-        check_channels(layer, "z", z, self.c_z, "N, N")
         n = s.shape[-2]
-        check_broadcasts(layer, "z", z, s.shape[:-2] + (n, n, self.c_z), "N, N, C_z", exact=3)
+        if (z is None) == (bias is None):
+            raise ValueError(f"{layer}: pass exactly one of z and bias")
+        if z is not None:
+            check_channels(layer, "z", z, self.c_z, "N, N")
+            check_broadcasts(layer, "z", z, s.shape[:-2] + (n, n, self.c_z), "N, N, C_z", exact=3)
+            bias = self.pair_bias_of(z)
         if mask is not None:
             check_broadcasts(layer, "mask", mask, s.shape[:-1], "N", exact=1)
-        pair = self.linear_z(self.layer_norm_z(z)).movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, N, N]
-        bias = mask_bias(None if mask is None else mask.unsqueeze(-2), self.inf, s.dtype)  # [*, 1, 1, 1, N]
+        pair = bias.movedim(-1, -3).unsqueeze(-4)  # [*, N, N, H] -> [*, 1, H, N, N]
+        key_bias = mask_bias(None if mask is None else mask.unsqueeze(-2), self.inf, s.dtype)  # [*, 1, 1, 1, N]
         x = self.layer_norm_a(s).unsqueeze(-3)  # [*, 1, N, C_s]: one row of N positions
-        return self.mha(x, bias, pair, backend=self.backend).squeeze(-3)
+        return self.mha(x, key_bias, pair, backend=self.backend).squeeze(-3)
+
+    def pair_bias_of(self, z: Tensor) -> Tensor:
+        """``b_ij^h = LinearNoBias(LayerNorm(z_ij))`` ``[*, I, J, H]`` (Alg. 24 line 6) of any slab of z (pointwise)."""
+        return self.linear_z(self.layer_norm_z(z))
 
 
 class PairformerBlock(_Block):

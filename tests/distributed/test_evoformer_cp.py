@@ -1,75 +1,108 @@
-"""ds4sci.evoformer_context_parallel (1-D axial) against the single process, per rank: outputs, the gradients of m
-and z, and every parameter's .grad, when every rank computes the same loss on the full outputs (fp64, to rounding).
-N_seq and N_res that the group size does not divide; 2 and 3 ranks; every block option; OpenFold's convention."""
+"""ds4sci.evoformer_context_parallel (1-D axial) against the single process, per rank: outputs, the gradients of the
+two representations, and every parameter's .grad, when every rank computes the same loss on the full outputs (fp64,
+to rounding); the parameter gradients bitwise the same on every rank. Evoformer and Pairformer blocks and stacks
+(block by block, and sharded between blocks); N_seq and N_res that the group size does not divide (at 4 ranks with
+N_res 5, a rank holding only padding); 2, 3 and 4 ranks; every Evoformer option; OpenFold's convention."""
 import pytest
 import torch
+from torch import nn
 
 from ds4sci import evoformer_context_parallel
-from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.spawn import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 KW = dict(c_m=8, c_z=6, c_hidden_msa_att=4, c_hidden_opm=3, c_hidden_mul=5, c_hidden_pair_att=4, no_heads_msa=2,
           no_heads_pair=2, transition_n=2, msa_dropout=0.15, pair_dropout=0.25)
+PAIR_KW = dict(c_s=7, c_z=6, c_hidden_pair_bias=4, no_heads_pair_bias=2, c_hidden_mul=5, c_hidden_pair_att=4,
+               no_heads_pair=2, transition_n=2, pair_dropout=0.25)
 
 
-def _block(options):
+def _blocks(kind, options, n_blocks):
+    """A block (``n_blocks`` 1) or an ``nn.ModuleList`` stack, random weights (std 0.3), fp64, eval mode."""
     torch.manual_seed(0)
-    block = EvoformerBlock(**KW, backend="torch", **options).double().eval()
+    make = (lambda: EvoformerBlock(**KW, backend="torch", **options)) if kind == "evoformer" else \
+        (lambda: PairformerBlock(**PAIR_KW, backend="torch", **options))
+    stack = nn.ModuleList(make() for _ in range(n_blocks)).double().eval()
     with torch.no_grad():  # no zero-initialised output projection: every sub-module changes the result
-        for p in block.parameters():
+        for p in stack.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-    return block
+    return stack[0] if n_blocks == 1 else stack
 
 
-def _inputs(n_seq, n_res):
+def _inputs(kind, n_seq, n_res):
+    """(x, z, x_mask, pair_mask, loss weights of the two outputs): x is m (Evoformer) or s (Pairformer)."""
     g = torch.Generator().manual_seed(1)
-    m = torch.randn(2, n_seq, n_res, KW["c_m"], generator=g, dtype=torch.float64)
+    x_shape = (2, n_seq, n_res, KW["c_m"]) if kind == "evoformer" else (2, n_res, PAIR_KW["c_s"])
+    x = torch.randn(*x_shape, generator=g, dtype=torch.float64)
     z = torch.randn(2, n_res, n_res, KW["c_z"], generator=g, dtype=torch.float64)
-    msa_mask = (torch.rand(2, n_seq, n_res, generator=g) > 0.2).double()
+    x_mask = (torch.rand(*x_shape[:-1], generator=g) > 0.2).double()
+    if kind == "pairformer":
+        x_mask[..., 0] = 1.0  # a fully masked single row is padding whose values are rounding noise on every path
     pair_mask = (torch.rand(2, n_res, n_res, generator=g) > 0.2).double()
-    weights = [torch.randn(2, n_seq, n_res, KW["c_m"], generator=g, dtype=torch.float64),
-               torch.randn(2, n_res, n_res, KW["c_z"], generator=g, dtype=torch.float64)]
-    return m, z, msa_mask, pair_mask, weights
+    weights = [torch.randn(x.shape, generator=g, dtype=torch.float64),
+               torch.randn(z.shape, generator=g, dtype=torch.float64)]
+    return x, z, x_mask, pair_mask, weights
 
 
-def _run(module, block, m, z, msa_mask, pair_mask, weights, chunk_size=None):
-    """Outputs, input gradients and parameter gradients of ``sum(w_m * m') + sum(w_z * z')``."""
-    m, z = m.clone().requires_grad_(), z.clone().requires_grad_()
-    block.zero_grad(set_to_none=True)
-    out_m, out_z = module(m, z, msa_mask, pair_mask, chunk_size)
-    ((out_m * weights[0]).sum() + (out_z * weights[1]).sum()).backward()
-    return {"m": out_m.detach(), "z": out_z.detach(), "grad m": m.grad, "grad z": z.grad,
-            **{n: p.grad.clone() for n, p in block.named_parameters()}}
+def _single(blocks):
+    """The single-process forward of a block or stack."""
+    if not isinstance(blocks, nn.ModuleList):
+        return blocks
+
+    def run(x, z, x_mask, pair_mask, chunk_size=None):
+        for block in blocks:
+            x, z = block(x, z, x_mask, pair_mask, chunk_size)
+        return x, z
+    return run
+
+
+def _run(module, blocks, x, z, x_mask, pair_mask, weights, chunk_size=None):
+    """Outputs, input gradients and parameter gradients of ``sum(w_x * x') + sum(w_z * z')``."""
+    x, z = x.clone().requires_grad_(), z.clone().requires_grad_()
+    blocks.zero_grad(set_to_none=True)
+    out_x, out_z = module(x, z, x_mask, pair_mask, chunk_size)
+    ((out_x * weights[0]).sum() + (out_z * weights[1]).sum()).backward()
+    return {"x": out_x.detach(), "z": out_z.detach(), "grad x": x.grad, "grad z": z.grad,
+            **{n: p.grad.clone() for n, p in blocks.named_parameters()}}
 
 
 def _worker(rank, world, cases):
-    errors = {}
-    for name, options, n_seq, n_res, chunk_size in cases:
-        block = _block(options)
-        inputs = _inputs(n_seq, n_res)
-        single = _run(block, block, *inputs)
-        parallel = _run(evoformer_context_parallel(block), block, *inputs, chunk_size)
+    errors, grads = {}, {}
+    for name, kind, options, n_blocks, sharded, n_seq, n_res, chunk_size in cases:
+        blocks = _blocks(kind, options, n_blocks)
+        inputs = _inputs(kind, n_seq, n_res)
+        single = _run(_single(blocks), blocks, *inputs)
+        parallel = _run(evoformer_context_parallel(blocks, sharded=sharded), blocks, *inputs, chunk_size)
         assert single.keys() == parallel.keys()
         errors[name] = {k: (parallel[k] - v).abs().max().item() / max(1.0, v.abs().max().item())
                         for k, v in single.items()}
-    return errors
+        grads[name] = {n: p.grad.numpy().tobytes() for n, p in blocks.named_parameters()}  # bits, not shared memory
+    return errors, grads
 
 
-CASES = [  # name, block options, N_seq, N_res, chunk_size of the parallel run
-    ("default, uneven", {}, 5, 7, None),
-    ("opm first, fused, no column attention", dict(opm_first=True, fuse_projection_weights=True,
-                                                   no_column_attention=True), 4, 6, None),
-    ("swiglu, chunked", dict(transition_type="swiglu"), 3, 5, 2),
-    ("openfold convention", dict(convention="openfold"), 5, 7, None),
+CASES = [  # name, kind, block options, blocks, sharded, N_seq, N_res, chunk_size of the parallel run
+    ("evoformer, uneven", "evoformer", {}, 1, False, 5, 7, None),
+    ("evoformer, opm first, fused, no column attention", "evoformer",
+     dict(opm_first=True, fuse_projection_weights=True, no_column_attention=True), 1, False, 4, 6, None),
+    ("evoformer, swiglu, chunked", "evoformer", dict(transition_type="swiglu"), 1, False, 3, 5, 2),
+    ("evoformer, openfold convention", "evoformer", dict(convention="openfold"), 1, False, 5, 7, None),
+    ("pairformer, uneven", "pairformer", {}, 1, False, None, 7, None),
+    ("pairformer, fused, chunked", "pairformer", dict(fuse_projection_weights=True), 1, False, None, 6, 2),
+    ("evoformer stack, block by block", "evoformer", {}, 2, False, 5, 7, None),
+    ("evoformer stack, sharded", "evoformer", dict(opm_first=True), 3, True, 5, 7, None),
+    ("pairformer stack, sharded", "pairformer", {}, 3, True, None, 5, None),
 ]
+SMALL = [CASES[0], CASES[4], CASES[7], CASES[8]]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_axial_block_equals_single_process_per_rank(world):
-    results = run_workers(_worker, world, CASES if world == 2 else CASES[:1], timeout=600)
-    for rank, errors in enumerate(results):
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_axial_equals_single_process_per_rank(world):
+    results = run_workers(_worker, world, CASES if world == 2 else SMALL, timeout=600)
+    for rank, (errors, grads) in enumerate(results):
         for case, per_tensor in errors.items():
             bad = sorted(((e, k) for k, e in per_tensor.items() if not e <= 1e-12), reverse=True)
             assert not bad, f"rank {rank}, {case}: {len(bad)} tensors differ, the worst {bad[:3]}"
+            differ = [n for n, g in grads[case].items() if g != results[0][1][case][n]]
+            assert not differ, f"rank {rank}, {case}: parameter gradients differ from rank 0's: {differ[:3]}"
