@@ -64,7 +64,9 @@ Memory model (bytes per GPU):
 - tiled MLP (``--mlp-tile``, ``activation_checkpointing.tiled_mlp``; ALST's TiledMLP,
   :mod:`ds4sci.kernels.tiled_mlp`): the MLP saves only its input, the second norm's output already counted, so
   ``c_f f`` leaves every figure above (under TP the tiled function saves the gathered input, ``tp h`` per local token
-  in place of this rank's region: ``+ (tp - 1) h``); the working set gains one tile's intermediate activations and
+  in place of this rank's region: ``+ (tp - 1) h``; with GPT-NeoX's parallel residual that input is a slot of one
+  all-gather of both norms' outputs, whose whole buffer it keeps, and the region stays saved as a slot of the
+  stacked regions the attention reads: ``+ 2 tp h``); the working set gains one tile's intermediate activations and
   their gradients, ``2 c_f (f / tp) e B min(tile, S / sp)`` (measured with ``saved_tensors_hooks``:
   tests/test_plan.py).
 - host offload of checkpointed inputs (``--offload-activations``, ``activation_checkpointing.cpu``,
@@ -267,7 +269,10 @@ def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
     # above), gathering them again in backward; rotary cos/sin cover the S/sp positions of the attention region
     rotary = 2 * r * d.tp
     if strategy.mlp_tile:  # the tiled MLP saves only its input: the second norm's output (counted above) on one
-        mlp = (d.tp - 1) * h  # device; under TP the gathered input in place of this rank's region
+        # device; under TP the gathered input in place of this rank's region; with the parallel residual the whole
+        # all-gather buffer it is a slot of (both norms' outputs stacked: tensor_parallel's RegionGather), the
+        # region staying saved in the attention's slot of the stacked regions
+        mlp = (2 * d.tp * h if m.parallel_residual else (d.tp - 1) * h) if d.tp > 1 else 0
     # one device: the fused qkv buffer (v is a view of it), the rotated q and k, the attention output
     attention = h + 2 * kv + (h + kv if r else 0) + h
     if mode == "selective":
