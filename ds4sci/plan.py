@@ -72,8 +72,8 @@ Memory model (bytes per GPU):
 - host offload of checkpointed inputs (``--offload-activations``, ``activation_checkpointing.cpu``,
   :class:`~ds4sci.train.activation_offload.HostOffload`): the inputs of each checkpointed region that own their
   storage go to host memory (:func:`offloaded_layer_bytes`: ``full``: the block input, ``h e``; ``selective``: the
-  rotated q and k, ``(h + kv) e``, none without rotary: q, k and v are then views of the qkv buffer), leaving
-  ``held`` layers' figures less that on the device, plus two regions' inputs in backward (the one refilled for its
+  rotated q and k, ``(h + kv) e``, none without rotary: q, k and v are then views of the qkv buffer), leaving each
+  held layer's figure less that on the device, plus two regions' inputs in backward (the one refilled for its
   recomputation and the one fetched ahead); ``host_activations`` reports the host bytes (not in the total; measured
   with ``HostOffload.offloaded_bytes``: tests/test_plan.py).
 - backward working set: one layer's activation gradients, as large as what one layer saves without checkpointing,
@@ -311,7 +311,8 @@ def rank_params(w: Workload, strategy: Strategy) -> float:
 
 def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     """Bytes per GPU by term (module docstring): params, grads, optimizer, activations, workspace, attention,
-    position_table, mask, and their total."""
+    position_table, mask, and their total; and host_activations, the checkpointed inputs host offload keeps in host
+    memory (not in the total)."""
     d, zero = strategy.dims, strategy.zero_stage
     h = w.model.hidden_size
     p, g, k = STATE_BYTES[w.dtype]
