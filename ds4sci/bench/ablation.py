@@ -202,7 +202,9 @@ def markdown(report: dict) -> str:
     lines += ["", "Per layer on device: the slope of saved-minus-offloaded bytes over S x L. Working set: the slope "
               "over S of peak RSS minus the device-side saved bytes at the larger L. Longest S: the fit "
               "`peak = a + b S` at the larger L extrapolated to the budget; the planner's: its activations + "
-              "workspace + attention + gradients within the budget.", "", "Peak MiB (RSS above the step's start):", ""]
+              "workspace + attention + gradients within the budget. On a CPU the \"host\" copies of host offload "
+              "are in the same process's RSS, so its peak does not fall here as it does on a GPU.", "",
+              "Peak MiB (RSS above the step's start):", ""]
     keys = sorted({(r["row"], r["layers"]) for r in report["runs"]}, key=lambda k: (list(ROWS).index(k[0]), k[1]))
     table = []
     for row, L in keys:
