@@ -61,6 +61,21 @@ Memory model (bytes per GPU):
   log-softmax) per token. Measured on the CPU:
   in bf16 GenSLM's ``rms_norm`` keeps an fp32 copy of its input (it normalises in fp32, as transformers' Llama does),
   and the ``chunked`` backend an fp32 attention output, which this model leaves out.
+- tiled MLP (``--mlp-tile``, ``activation_checkpointing.tiled_mlp``; ALST's TiledMLP,
+  :mod:`ds4sci.kernels.tiled_mlp`): the MLP saves only its input, the second norm's output already counted, so
+  ``c_f f`` leaves every figure above (under TP the tiled function saves the gathered input, ``tp h`` per local token
+  in place of this rank's region: ``+ (tp - 1) h``; with GPT-NeoX's parallel residual that input is a slot of one
+  all-gather of both norms' outputs, whose whole buffer it keeps, and the region stays saved as a slot of the
+  stacked regions the attention reads: ``+ 2 tp h``); the working set gains one tile's intermediate activations and
+  their gradients, ``2 c_f (f / tp) e B min(tile, S / sp)`` (measured with ``saved_tensors_hooks``:
+  tests/test_plan.py).
+- host offload of checkpointed inputs (``--offload-activations``, ``activation_checkpointing.cpu``,
+  :class:`~ds4sci.train.activation_offload.HostOffload`): the inputs of each checkpointed region that own their
+  storage go to host memory (:func:`offloaded_layer_bytes`: ``full``: the block input, ``h e``; ``selective``: the
+  rotated q and k, ``(h + kv) e``, none without rotary: q, k and v are then views of the qkv buffer), leaving each
+  held layer's figure less that on the device, plus two regions' inputs in backward (the one refilled for its
+  recomputation and the one fetched ahead); ``host_activations`` reports the host bytes (not in the total; measured
+  with ``HostOffload.offloaded_bytes``: tests/test_plan.py).
 - backward working set: one layer's activation gradients, as large as what one layer saves without checkpointing,
   ``T`` times the ``none`` figure; with a ring also the key/value block in use, the one arriving and the travelling
   key/value gradients, ``6 kv' e`` per local token.
@@ -208,17 +223,27 @@ class Strategy:
     zero_stage: int = 0
     offload: str = "none"
     checkpointing: str = "none"
+    mlp_tile: int = 0  # activation_checkpointing.tiled_mlp's mlp_tile (tokens); 0: untiled
+    offload_activations: bool = False  # activation_checkpointing.cpu: checkpointed inputs in host memory
+
+    def __post_init__(self):
+        if self.offload_activations and self.checkpointing == "none":
+            raise ValueError("offload_activations moves checkpointed inputs: it needs checkpointing full or selective")
+        if self.mlp_tile < 0:
+            raise ValueError(f"mlp_tile={self.mlp_tile}: must be >= 1 (tokens per tile), or 0 for an untiled MLP")
 
     def to_dict(self) -> dict:
         """Degrees and memory switches as ``plan.json`` records them (one flat row)."""
         d = self.dims
         return {"tp": d.tp, "ulysses": d.ulysses, "ring": d.ring, "pp": d.pp, "dp": d.dp,
-                "zero_stage": self.zero_stage, "offload": self.offload, "checkpointing": self.checkpointing}
+                "zero_stage": self.zero_stage, "offload": self.offload, "checkpointing": self.checkpointing,
+                "mlp_tile": self.mlp_tile, "offload_activations": self.offload_activations}
 
     def name(self) -> str:
         d = self.dims
         return (f"tp{d.tp} u{d.ulysses} r{d.ring} pp{d.pp} dp{d.dp} z{self.zero_stage} "
-                f"off:{self.offload} ckpt:{self.checkpointing}")
+                f"off:{self.offload} ckpt:{self.checkpointing}"
+                + (f" tile:{self.mlp_tile}" if self.mlp_tile else "") + (" ckpt-cpu" if self.offload_activations else ""))
 
 
 def _sp_kv(w: Workload, strategy: Strategy) -> float:
@@ -243,6 +268,11 @@ def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
     # under TP the column-parallel matmuls save this rank's sequence regions of their inputs (the norm outputs counted
     # above), gathering them again in backward; rotary cos/sin cover the S/sp positions of the attention region
     rotary = 2 * r * d.tp
+    if strategy.mlp_tile:  # the tiled MLP saves only its input: the second norm's output (counted above) on one
+        # device; under TP the gathered input in place of this rank's region; with the parallel residual the whole
+        # all-gather buffer it is a slot of (both norms' outputs stacked: tensor_parallel's RegionGather), the
+        # region staying saved in the attention's slot of the stacked regions
+        mlp = (2 * d.tp * h if m.parallel_residual else (d.tp - 1) * h) if d.tp > 1 else 0
     # one device: the fused qkv buffer (v is a view of it), the rotated q and k, the attention output
     attention = h + 2 * kv + (h + kv if r else 0) + h
     if mode == "selective":
@@ -250,6 +280,20 @@ def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
     if d.ulysses > 1:  # head-sharded q, k, v, the core's output and its sequence-sharded copy
         attention = 3 * h + 2 * _sp_kv(w, strategy)
     return (norms + attention + mlp + rotary) * e + stats + m.num_heads * 4
+
+
+def offloaded_layer_bytes(w: Workload, strategy: Strategy) -> float:
+    """Bytes per layer per local token that host offload (``activation_checkpointing.cpu``,
+    :class:`~ds4sci.train.activation_offload.HostOffload`) moves off the device: the checkpointed region's inputs
+    that own their storage. ``full``: the block input, ``h e``; ``selective``: the attention core's q and k when
+    rotary embeddings made them new tensors, ``(h + kv) e`` (v, and q and k without rotary, are views of the fused
+    qkv buffer and stay); 0 without offload."""
+    if not strategy.offload_activations:
+        return 0.0
+    m, e = w.model, STATE_BYTES[w.dtype][0]
+    if strategy.checkpointing == "full":
+        return m.hidden_size * e
+    return (m.hidden_size + m.num_kv_heads * m.head_dim) * e if m.rotary_dim else 0.0
 
 
 def rank_params(w: Workload, strategy: Strategy) -> float:
@@ -267,7 +311,8 @@ def rank_params(w: Workload, strategy: Strategy) -> float:
 
 def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     """Bytes per GPU by term (module docstring): params, grads, optimizer, activations, workspace, attention,
-    position_table, mask, and their total."""
+    position_table, mask, and their total; and host_activations, the checkpointed inputs host offload keeps in host
+    memory (not in the total)."""
     d, zero = strategy.dims, strategy.zero_stage
     h = w.model.hidden_size
     p, g, k = STATE_BYTES[w.dtype]
@@ -284,9 +329,13 @@ def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     S, B = w.seq_len, w.micro_batch
     T = B * S / (d.sp * d.tp)  # local tokens
     held = math.ceil(w.model.num_layers / d.pp) * min(d.pp, w.grad_accum)
-    per_token = held * layer_activation_bytes(w, strategy, strategy.checkpointing)
+    offloaded = offloaded_layer_bytes(w, strategy)
+    per_token = held * (layer_activation_bytes(w, strategy, strategy.checkpointing) - offloaded)
     if strategy.checkpointing == "full":
         per_token += layer_activation_bytes(w, strategy, "none")  # the layer being recomputed
+    # host offload refills a region's inputs before its recomputation and fetches the previous region's: two on the
+    # device at once in backward
+    per_token += 2 * offloaded
     rms = w.model.norm == "rmsnorm"
     final_norm = ((2 if rms else 1) + 1) * h * e + (4 if rms else 8)  # input (normalized), output, fp32 statistics
     ids = 16 if w.learned_table else 8  # int64 token ids (and the position ids the learned table looks up)
@@ -296,6 +345,9 @@ def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     # checkpointing; the ring adds the key/value block in use, the one arriving and the travelling key/value gradients
     ring = 6 * _sp_kv(w, strategy) * e if d.ring > 1 else 0
     workspace = T * (layer_activation_bytes(w, strategy, "none") + ring)
+    if strategy.mlp_tile:  # one tile's intermediate activations and their gradients (this rank's f / tp columns)
+        f = w.model.intermediate_size / d.tp
+        workspace += 2 * (4 if w.model.mlp == "swiglu" else 2) * f * e * B * min(strategy.mlp_tile, S / d.sp)
     heads_local = w.model.num_heads / (d.tp * d.ulysses)
     s_attn = S / d.ring
     backend = w.model.attention_backend
@@ -312,6 +364,7 @@ def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     terms = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
              "workspace": workspace, "attention": attention, "position_table": table, "mask": mask}
     terms["total"] = sum(terms.values())
+    terms["host_activations"] = T * held * offloaded  # in host memory, not in the total
     return terms
 
 
@@ -391,7 +444,9 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
     and respects ``fixed`` (``{"tp": 2, "zero_stage": 3, ...}``): degrees the model admits
     (:meth:`~ds4sci.parallel.dims.ParallelDims.check_model`: ``tp * ulysses`` divides the heads, ``tp`` the MLP width,
     ``pp <= layers``), ``tp`` dividing the GPUs of a node, ZeRO 2/3 only without pipeline parallelism (DeepSpeed's
-    pipeline engine), optimizer offload with ZeRO >= 1 and parameter offload with ZeRO 3."""
+    pipeline engine), optimizer offload with ZeRO >= 1 and parameter offload with ZeRO 3. The tiled MLP
+    (``fixed["mlp_tile"]``) and host offload of checkpointed inputs (``fixed["offload_activations"]``, with
+    checkpointing only) are switched on when fixed, never searched."""
     world, m = cluster.world, w.model
     out = []
     for tp, u, r, pp in itertools.product(*(fixed.get(a) and [fixed[a]] or _divisors(world)
@@ -411,7 +466,9 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
                                             [fixed["checkpointing"]] if "checkpointing" in fixed else CHECKPOINTING):
             if (pp > 1 and z > 1) or (off == "optimizer" and z < 1) or (off == "all" and z != 3):
                 continue
-            out.append(Strategy(dims, z, off, ck))
+            if fixed.get("offload_activations") and ck == "none":
+                continue
+            out.append(Strategy(dims, z, off, ck, fixed.get("mlp_tile", 0), fixed.get("offload_activations", False)))
     return out
 
 
@@ -504,6 +561,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fixed.add_argument("--zero-stage", type=int, choices=range(4), help="ZeRO stage")
     fixed.add_argument("--offload", choices=OFFLOADS, help="none, optimizer (ZeRO-Offload) or all (ZeRO-Infinity)")
     fixed.add_argument("--checkpointing", choices=CHECKPOINTING, help="activation checkpointing mode")
+    fixed.add_argument("--mlp-tile", type=positive_int,
+                       help="tiled MLP (activation_checkpointing.tiled_mlp) with tiles of this many tokens")
+    fixed.add_argument("--offload-activations", action="store_true", default=None,
+                       help="checkpointed inputs in host memory (activation_checkpointing.cpu; needs checkpointing)")
     parser.add_argument("--max-seq", action="store_true", help="find the longest sequence some layout fits")
     parser.add_argument("--top", type=positive_int, default=10, help="layouts to list (default: 10)")
     parser.add_argument("--out", help="also write plan.json and plan.md to this folder")
@@ -551,6 +612,9 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
     off = fixed.get("offload")
     if z is not None and ((off == "optimizer" and z < 1) or (off == "all" and z != 3)):
         raise CommandError(f"--offload={off} needs --zero-stage {'>= 1' if off == 'optimizer' else '3'}, got {z}")
+    if fixed.get("offload_activations") and fixed.get("checkpointing") == "none":
+        raise CommandError("--offload-activations moves checkpointed inputs to host memory: it needs --checkpointing "
+                           "full or selective, got none")
     if cluster.gpu_mem_gib <= cluster.reserve_gib:
         raise CommandError(f"--gpu-mem-gib={cluster.gpu_mem_gib:g} must exceed --reserve-gib={cluster.reserve_gib:g}")
 
@@ -586,8 +650,8 @@ def run(args: argparse.Namespace) -> int:
     w, model_info = _workload(args)
     cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_mem_gib, args.reserve_gib, args.peak_tflops,
                       args.efficiency, args.intra_gbps, args.inter_gbps, args.pcie_gbps)
-    fixed = {a: getattr(args, a) for a in (*_FIXERS, "zero_stage", "offload", "checkpointing")
-             if getattr(args, a) is not None}
+    fixed = {a: getattr(args, a) for a in (*_FIXERS, "zero_stage", "offload", "checkpointing", "mlp_tile",
+                                           "offload_activations") if getattr(args, a) is not None}
     _check_fixed(w, cluster, fixed)
     result = {"model": model_info, "cluster": asdict(cluster), "fixed": fixed}
     if args.max_seq:

@@ -57,23 +57,36 @@ def test_mask_equals_memory_breakdown_measurement(policy):
     assert plan.memory(_workload(512), plan.Strategy())["mask"] == 0  # causal: evaluated inside the kernel
 
 
-def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str) -> int:
-    """Bytes autograd saves in one forward, parameters left out (they are model state)."""
-    from ds4sci.train.activation_checkpointing import CheckpointedCore
+def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str, tile: int = 0,
+                            offload: bool = False) -> tuple[int, int, int]:
+    """Bytes autograd saves in one forward, parameters left out (they are model state), with the MLP tiled over
+    ``tile`` tokens (0: untiled); of those, the bytes left on the device after it; and the bytes :class:`HostOffload`
+    holds in host memory (``offload``)."""
+    import functools
+
+    from ds4sci.train.activation_checkpointing import CheckpointedCore, checkpoint
+    from ds4sci.train.activation_offload import HostOffload
 
     torch.manual_seed(0)
     model = GenSLM(config)
     saved = SavedBytes(model)
-    if checkpointing == "selective":
-        for block in model.layers:
-            block.attention.core = CheckpointedCore(block.attention.core)
-            # DeepSpeed's (reentrant) checkpoint keeps its inputs q, k, v as attributes, out of the hooks' sight
-            block.attention.core.register_forward_pre_hook(
-                lambda module, args: None if [saved.pack(t) for t in args] else None)
+    host = HostOffload("cpu")
 
+    def kept(fn, *args):  # DeepSpeed's (reentrant) checkpoint keeps its inputs as attributes, out of the hooks' sight
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                saved.pack(a)
+        return (host.checkpoint(checkpoint, fn, *args) if offload else checkpoint(fn, *args))
+
+    for block in model.layers:
+        block.mlp.tile = tile
+        if checkpointing == "selective":
+            block.attention.core = CheckpointedCore(block.attention.core, kept)
+    if checkpointing == "full":
+        model.checkpoint_fn = kept
     with saved:
         model(torch.randint(0, 6, (1, S)), torch.arange(S)[None])
-    return saved.total
+    return saved.total, saved.on_device, host.offloaded_bytes
 
 
 SHAPES = {"neox-rotary": SMALL, "neox-learned": dict(SMALL, position_embedding="learned"), "llama-gqa": LLAMA,
@@ -82,19 +95,44 @@ SHAPES = {"neox-rotary": SMALL, "neox-learned": dict(SMALL, position_embedding="
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("checkpointing", ["none", "selective"])
-def test_activations_equal_saved_tensors(shape, checkpointing):
+@pytest.mark.parametrize("tile", [0, 96])
+def test_activations_equal_saved_tensors(shape, checkpointing, tile):
     """Per layer, the planner's activation bytes are exactly what GenSLM's block saves for backward (a 2-layer minus
     a 1-layer model, so the embedding and the head cancel), for GPT-NeoX's block and for Llama's (grouped- and
-    multi-query attention, SwiGLU, RMSNorm, no biases, sequential residual, tied or untied head); and the whole
-    activation term, less the fp32 logits and log-softmax of a loss the harness does not compute, is what the whole
-    model saves."""
+    multi-query attention, SwiGLU, RMSNorm, no biases, sequential residual, tied or untied head), with the MLP untiled
+    or tiled (96 tokens: the last of the 256 shorter); and the whole activation term, less the fp32 logits and
+    log-softmax of a loss the harness does not compute, is what the whole model saves."""
     S = 256
     configs = [GenSLMConfig(**{**SHAPES[shape], "num_layers": L, "max_position_embeddings": S}) for L in (1, 2)]
-    saved = [_saved_activation_bytes(c, S, checkpointing) for c in configs]
+    saved = [_saved_activation_bytes(c, S, checkpointing, tile)[0] for c in configs]
     w = plan.Workload(configs[1], S, dtype="fp32")
-    strategy = plan.Strategy(checkpointing=checkpointing)
+    strategy = plan.Strategy(checkpointing=checkpointing, mlp_tile=tile)
     assert saved[1] - saved[0] == plan.layer_activation_bytes(w, strategy, checkpointing) * S
     assert saved[1] == plan.memory(w, strategy)["activations"] - 8 * SMALL["vocab_size"] * S
+
+
+@pytest.mark.parametrize("shape", ["neox-rotary", "neox-learned", "llama-gqa"])
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_host_offload_equals_host_offload_measurement(shape, checkpointing):
+    """Host offload of checkpointed inputs (HostOffload through ds4sci's checkpoint, the trainer's path; tiled MLP):
+    per layer, what it holds in host memory (``HostOffload.offloaded_bytes``) is the planner's
+    :func:`~ds4sci.plan.offloaded_layer_bytes` (the block input under ``full``; under ``selective`` the rotated q and
+    k, none without rotary), the whole of it is the planner's ``host_activations``, and what stays on the device
+    (saved for backward, checkpoint inputs included, less what went to the host) is the planner's per-layer figure
+    less the offloaded bytes: under ``full`` nothing per layer."""
+    S, tile = 256, 96
+    configs = [GenSLMConfig(**{**SHAPES[shape], "num_layers": L, "max_position_embeddings": S}) for L in (1, 2)]
+    runs = [_saved_activation_bytes(c, S, checkpointing, tile, offload=True) for c in configs]
+    w = plan.Workload(configs[1], S, dtype="fp32")
+    strategy = plan.Strategy(checkpointing=checkpointing, mlp_tile=tile, offload_activations=True)
+    offloaded = plan.offloaded_layer_bytes(w, strategy)
+    assert runs[1][2] - runs[0][2] == offloaded * S
+    assert runs[1][2] == plan.memory(w, strategy)["host_activations"]
+    device = [on_device for _, on_device, _ in runs]
+    assert all(total - on_device == host for total, on_device, host in runs)
+    assert device[1] - device[0] == (plan.layer_activation_bytes(w, strategy, checkpointing) - offloaded) * S
+    if checkpointing == "full":
+        assert device[1] == device[0] and offloaded == w.model.hidden_size * 4
 
 
 @pytest.mark.parametrize("name", [*PRESETS, "llama-debug+tied"])

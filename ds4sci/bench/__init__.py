@@ -45,6 +45,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "peak memory per rank of one GenSLM training step vs sequence length under Ulysses, ring and hybrid "
         "sequence parallelism at P = 1, 2, 4, and the longest sequence within a per-rank budget",
     ),
+    "ablation": (
+        "ds4sci.bench.ablation",
+        "bytes per token per layer left on the device, working set and peak memory of one GenSLM training step with "
+        "each long-sequence switch on in turn (full checkpointing, tiled MLP, host offload), beside the planner's",
+    ),
     "memory-breakdown": (
         "ds4sci.bench.memory_breakdown",
         "bytes per rank of the learned position table (partitioned or not) and of the attention mask per policy, "

@@ -128,20 +128,25 @@ def check_model(label, groups, cfg, *, S, B=2, docs=False, seed=0):
     return model
 
 
-def check_saved_bytes(label, groups, config, *, S, B=2):
+def check_saved_bytes(label, groups, config, *, S, B=2, tile=0):
     """Bytes one layer saves for backward per local token (a 2-layer minus a 1-layer model; the TP rank holds ``B S /
     tp`` tokens) are the planner's: the column-parallel matmuls save this rank's sequence regions of their inputs
-    (``h`` per token each), not the gathered ``[B, S, h]`` (``tp h``)."""
+    (``h`` per token each), not the gathered ``[B, S, h]`` (``tp h``); with the MLP tiled over ``tile`` tokens the
+    tiled function saves the gathered input (``tp h``) and no ``[B, S, intermediate / tp]`` activation."""
+    from ds4sci.train.activation_checkpointing import apply_tiled_mlp
+
     saved = []
     for layers in (1, 2):
         model = _model(config(num_layers=layers, attention_backend="chunked"), 0)
         parallelize(model, groups)
+        if tile:
+            apply_tiled_mlp(model, tile)
         ids, pos, _, _ = _batch(model.config, B, S, 0, False)
         with SavedBytes(model) as counted:
             model(ids, pos)
         saved.append(counted.total)
     w = planner.Workload(model.config, S, micro_batch=B, dtype="fp32")
-    per_token = planner.layer_activation_bytes(w, planner.Strategy(groups.dims), "none")
+    per_token = planner.layer_activation_bytes(w, planner.Strategy(groups.dims, mlp_tile=tile), "none")
     assert (saved[1] - saved[0]) / (B * S // groups.dims.tp) == per_token, (label, saved, per_token)
     return per_token
 
@@ -298,6 +303,29 @@ def _parallel(cfg, seed, groups):
 @pytest.mark.distributed
 def test_tensor_parallel_world_2():
     assert run_workers(_worker_tp2, 2) == [True, True]
+
+
+def _worker_tiled_saved_bytes(rank, world):
+    groups = build_groups(ParallelDims(dp=1, tp=2))
+    for label, config in (("TP2 neox tiled", _config), ("TP2 llama kv2 tiled", _llama)):
+        untiled = check_saved_bytes(label, groups, config, S=16)
+        tiled = check_saved_bytes(label, groups, config, S=16, tile=5)
+        c = config()
+        # the MLP's intermediate activations leave; its gathered input replaces this rank's region of it; with the
+        # parallel residual it keeps the whole buffer of the one all-gather of both norms' outputs, and the region
+        # stays (a slot of the stacked regions the attention saves)
+        mlp = (4 if c.mlp == "swiglu" else 2) * c.intermediate_size  # [B, S, f / tp] per B S / tp local tokens
+        added = 2 * 2 * c.hidden_size if c.parallel_residual else (2 - 1) * c.hidden_size
+        assert untiled - tiled == (mlp - added) * 4, (label, untiled, tiled)
+    return True
+
+
+def test_tiled_mlp_saved_bytes_tp2():
+    """Under TP 2 the tiled MLP saves what the planner says (``Strategy.mlp_tile``): the gathered MLP input in place of
+    this rank's region and of the column-parallel layer's ``[B, S, intermediate / tp]`` outputs; with GPT-NeoX's
+    parallel residual that input is a view of the one all-gather buffer of both norms' outputs, kept whole, beside
+    the region."""
+    assert run_workers(_worker_tiled_saved_bytes, 2) == [True, True]
 
 
 # ---------------------------------------------------------------------------- the loss's "mean" reduction, TP2
