@@ -85,6 +85,12 @@ __all__ = ["block_comm_bytes", "evoformer_context_parallel", "EvoformerContextPa
 PAIRFORMER_REPLICATED = ("attn_pair_bias.layer_norm_a.", "attn_pair_bias.mha.", "single_transition.")
 
 
+def _gather_out(x: Tensor, group, dim: int, counter: CommCounter | None = None) -> Tensor:
+    """A gather along ``dim`` whose every rank's use is the same (the exit; a replicated computation): backward keeps
+    this rank's piece (the loss is every rank's)."""
+    return _SequenceRegion.apply(x, group, dim, counter, _all_gather, _split)
+
+
 class _Axes:
     """One call's group, padded masks and layout switches. ``msa_mask [*, S', N']`` (Evoformer) and
     ``pair_mask [*, N', N']`` are padded to multiples of P with zeros; ``mine_s``, ``mine_n``: this rank's
@@ -115,7 +121,7 @@ class _Axes:
     def gather_out(self, x: Tensor, dim: int) -> Tensor:
         """A gather whose every rank's use is the same (the exit; the replicated s-side): backward keeps this rank's
         piece."""
-        return _SequenceRegion.apply(x, self.group, x.ndim + dim, self.counter, _all_gather, _split)
+        return _gather_out(x, self.group, x.ndim + dim, self.counter)
 
     def rows_to_cols(self, x: Tensor) -> Tensor:  # [*, A/p, B, C] -> [*, A, B/p, C]
         return all_to_all(x, self.group, scatter_dim=x.ndim - 2, gather_dim=x.ndim - 3, counter=self.counter)
