@@ -2,7 +2,8 @@
 per-step losses and every parameter after three steps (fp32, ~1e-5) for PP2 (end to end through
 ``Trainer.train()``: validation loss, pipeline checkpoint, consolidated export), PP2 x Ulysses2 with the
 sequence-sharded learned position table, TP2 x PP2 with gradient accumulation (these two with activation
-checkpointing, selective and full), PP2 x Ring2 (zigzag) with the learned table, and PP2 x DP2 with ZeRO-Offload of
+checkpointing, selective and full), PP2 x Ring2 (zigzag) with the learned table, PP2 x Ulysses2 with full checkpointing,
+the tiled MLP and the checkpointed inputs in host memory, and PP2 x DP2 with ZeRO-Offload of
 the optimizer (``zero.offload_optimizer=cpu``). Clipped cases check the global gradient norm across stages
 (DeepSpeed's ZeRO-0 clipping alone counts only the first stage's); the unclipped cases with sequence or data ranks
 check the loss scale (an active clip would hide a gradient off by a common factor). bf16 under PP2 x Ulysses2 (ZeRO 0
@@ -108,6 +109,11 @@ def test_pp2_with_ulysses_and_tensor_parallelism(runs, references):
         # zigzag rows of the learned table on the first stage; unclipped: K = dp * sp must count the ring ranks
         ("z1 learned", "pp=2 x ring=2 zigzag zero=1 learned",
          _case(runs / "ppr", "z1 learned", ring=2, extra=PP2)),
+        # the long-sequence switches on a pipeline: full checkpointing, tiled MLP, checkpointed inputs in host memory
+        ("z0 alibi clip", "pp=2 x ulysses=2 zero=0 clipped, full checkpointing in host memory, tiled MLP",
+         _case(runs / "ppt", "z0 alibi clip", ulysses=2,
+               extra=[*PP2, "activation_checkpointing.mode=full", "activation_checkpointing.cpu=true",
+                      "activation_checkpointing.tiled_mlp=true", "activation_checkpointing.mlp_tile=5"])),
         # ZeRO-Offload: fp32 master weights, AdamW state and its step on the CPU, partitioned over the data ranks
         ("z1 learned", "pp=2 x dp=2 zero=1 learned, optimizer offload",
          _case(runs / "ppo", "z1 learned", micro=1, extra=[*PP2, "parallel.dp=2", "zero.offload_optimizer=cpu"])),

@@ -1,7 +1,8 @@
 """Tiled MLP in training (``activation_checkpointing.tiled_mlp``) is exact: under Ulysses 2 with ZeRO-3 (each MLP a
 ZeRO-3 leaf module), under TP 2 with ZeRO-2 (whose gradient hook refuses a parameter reduced twice in one step) and
-clipping, under Ulysses 2 with ZeRO-3 and DeepSpeed's full checkpointing, and under TP 2 with ZeRO-3 (the leaf MLP
-holding row-parallel layers) and selective checkpointing, training equals single-process training without it (losses
+clipping, under Ulysses 2 with ZeRO-3 and DeepSpeed's full checkpointing, under TP 2 with ZeRO-3 (the leaf MLP
+holding row-parallel layers) and selective checkpointing, and under ring 2 (zigzag) with ZeRO-3, full checkpointing and
+the checkpointed inputs in host memory (``activation_checkpointing.cpu``), training equals single-process training without it (losses
 and parameters after three steps, fp32 ~1e-5); and the tiling demonstrably ran: each MLP's output projection is called
 once per tile in forward and once more per tile in backward (twice more with full checkpointing, whose recomputed
 block runs the tiled MLP again)."""
@@ -18,6 +19,7 @@ TILE = 5  # divides neither the 16 local tokens (Ulysses 2 of 32) nor the 32 the
 TILED = ["activation_checkpointing.tiled_mlp=true", f"activation_checkpointing.mlp_tile={TILE}"]
 FULL = ["activation_checkpointing.mode=full"]
 SELECTIVE = ["activation_checkpointing.mode=selective"]
+HOST = ["activation_checkpointing.cpu=true"]
 
 
 def _train_counting_tiles(rank, world, cases):
@@ -39,7 +41,7 @@ def _train_counting_tiles(rank, world, cases):
     return results
 
 
-def test_tiled_mlp_trains_like_one_process_under_zero3_ulysses_tp_and_full_checkpointing(tmp_path):
+def test_tiled_mlp_trains_like_one_process_under_zero3_ulysses_tp_ring_and_checkpointing(tmp_path):
     layers = 2  # the debug preset
     # (label, ZeRO stage, parallel degrees, extra overrides, tokens each MLP sees, MLP runs per step)
     cases = [
@@ -47,6 +49,7 @@ def test_tiled_mlp_trains_like_one_process_under_zero3_ulysses_tp_and_full_check
         ("tp=2 zero=2 tiled, clipped", 2, {}, TILED + ["parallel.tp=2"] + CLIP, 32, 2),
         ("ulysses=2 zero=3 full checkpointing, tiled", 3, {"ulysses": 2}, TILED + FULL, 16, 3),
         ("tp=2 zero=3 selective checkpointing, tiled", 3, {}, TILED + ["parallel.tp=2"] + SELECTIVE, 32, 2),
+        ("ring=2 zero=3 full checkpointing in host memory, tiled", 3, {"ring": 2}, TILED + FULL + HOST, 16, 3),
     ]
     cache = [f"data.cache_dir={tmp_path / 'token_cache'}"]  # one token cache for every run (built once)
     overrides = [_overrides(tmp_path / f"c{i}", z, **deg, extra=cache + x) for i, (_, z, deg, x, _, _) in enumerate(cases)]
