@@ -244,7 +244,7 @@ def test_max_seq_fits_and_the_next_length_does_not(fixed):
     budget = plan.budget_bytes(CLUSTER)
     for strategy in plan.strategies(w, CLUSTER, fixed, split_seq=False):
         q = strategy.dims.sequence_multiple
-        assert plan.memory(w.with_seq_len((S // q + 1) * q), strategy)["total"] > budget, strategy
+        assert plan.memory(w.with_seq_len((S // q + 1) * q), strategy, CLUSTER)["total"] > budget, strategy
 
 
 def test_command_lists_fitting_layouts_fastest_first(tmp_path, capsys):
@@ -253,7 +253,7 @@ def test_command_lists_fitting_layouts_fastest_first(tmp_path, capsys):
             "--top", "3", "--out", str(tmp_path)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| # | tp | ulysses | ring | pp | dp | zero | offload | ckpt | params |" in out
+    assert "| # | tp | ulysses | ring | pp | dp | m | zero | offload | ckpt | params |" in out
     report = json.loads((tmp_path / "plan.json").read_text())
     rows = report["layouts"]
     assert len(rows) == 3 and report["fitting"] >= 3
@@ -279,7 +279,8 @@ def test_command_max_seq(tmp_path, capsys):
     (["--pp", "4"], "--pp=4: the model has only 2 layers"),
     (["--zero-stage", "2", "--pp", "2"], "--zero-stage=2: DeepSpeed's pipeline engine (--pp=2)"),
     (["--zero-stage", "1", "--offload", "all"], "--offload=all needs --zero-stage 3, got 1"),
-    (["--gpu-mem-gib", "0.001", "--reserve-gib", "0"], "no layout fits --seq-len=4096 in --gpu-mem-gib=0.001"),
+    (["--gpu-mem-gib", "0.3", "--reserve-gib", "0"], "no layout fits --seq-len=4096 in --gpu-mem-gib=0.3"),
+    (["--gpu-mem-gib", "0.2"], "--gpu-mem-gib=0.2 must exceed --reserve-gib=0 plus --cuda-context-gib=0.267"),
 ])
 def test_impossible_inputs_one_line(argv, message, capsys):
     base = ["plan", "--preset", "debug", "--gpus-per-node", "4", "--nodes", "2", "--seq-len", "4096"]
