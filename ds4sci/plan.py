@@ -350,19 +350,24 @@ def rank_params(w: Workload, strategy: Strategy) -> float:
 
 
 def persistent_params(w: Workload, strategy: Strategy) -> float:
-    """Parameters per rank that ZeRO-3 keeps gathered between uses (``ds_persist``): each tensor under
-    ``stage3_param_persistence_threshold`` elements (norm weights and biases, the projections' biases, this rank's share
-    under TP, the final norm), ``persistent_params`` in ``memory()``."""
+    """Parameters per rank that ZeRO-3 keeps gathered between uses (``ds_persist``): each tensor of fewer than
+    ``stage3_param_persistence_threshold`` elements (DeepSpeed's ``persistence_threshold``; in practice the norms'
+    weights and biases and the projections' biases, this rank's share under TP; every tensor of a tiny model)."""
     d, m = strategy.dims, w.model
-    h, f = m.hidden_size, m.intermediate_size
+    h, f, tp = m.hidden_size, m.intermediate_size, d.tp
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+    mlp_in = 2 if m.mlp == "swiglu" else 1
     norm = [h] * (m.norm_parameters() // h)  # weight (and bias)
-    layer = 2 * norm + ([qkv / d.tp, h, *[f / d.tp] * (2 if m.mlp == "swiglu" else 1), h] if m.bias else [])
+    layer = 2 * norm + [qkv * h / tp, h * h / tp, *[f * h / tp] * mlp_in, f * h / tp]
+    if m.bias:
+        layer += [qkv / tp, h, *[f / tp] * mlp_in, h]
+    vocab = math.ceil(m.vocab_size / tp) * tp * h / tp
+    outside = norm + [vocab] * (1 if m.tie_word_embeddings and d.pp == 1 else 2)
 
     def small(sizes: list[float]) -> float:
         return sum(n for n in sizes if n < ZERO.param_persistence_threshold)
 
-    return math.ceil(m.num_layers / d.pp) * small(layer) + small(norm)
+    return math.ceil(m.num_layers / d.pp) * small(layer) + small(outside)
 
 
 def zero3_gathered_params(w: Workload, strategy: Strategy) -> float:
@@ -475,11 +480,12 @@ def memory(w: Workload, strategy: Strategy, cluster: Cluster | None = None) -> d
     mask = 0.0 if w.mask == "none" else B * mask_bytes(w.mask, S // d.ring)["device"]
     # Ulysses' all-to-all (ds4sci.sequence.comm._all_to_all_forward) stages the largest tensor it moves, the queries
     # or the attention output, T h e, in a contiguous send buffer and a receive buffer; the ring's forward
-    # (ds4sci.sequence.attention._RingAttention) holds the received key/value block in use and the one arriving
-    # (RingShift's receive buffers), one with two ranks (no shift after the last step); they are alive one after
-    # the other within a layer, so the total counts the larger
+    # (ds4sci.sequence.attention._RingAttention) holds received key/value blocks (RingShift's receive buffers): the
+    # one in use, the one arriving and, while the next shift is posted, the one before (the previous shift's send
+    # buffer), min(ring - 1, 3) blocks of k and v, 2 kv' e per local token each; they are alive one after the other
+    # within a layer, so the total counts the larger
     a2a = 2 * T * h * e if d.ulysses > 1 else 0.0
-    ring_fwd = (4 if d.ring > 2 else 2) * T * kv * e if d.ring > 1 else 0.0
+    ring_fwd = min(d.ring - 1, 3) * 2 * T * kv * e
     terms = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
              "workspace": workspace, "attention": attention, "position_table": table, "mask": mask,
              "reduce_bucket": reduce_bucket_bytes(w, strategy),
