@@ -24,8 +24,8 @@ Memory model (bytes per GPU):
   less the position table), each with ``p`` bytes of parameter, ``g`` of gradient and ``k`` of optimizer state: fp32 ``4
   + 4 + 8`` (AdamW's two moments), bf16 ``2 + 2 + 12`` (fp32 master copy and moments). Stage 0 keeps all three; stages 1
   and 2 divide the gradients the optimizer is handed and the optimizer state by ``sdp`` and keep an fp32 master copy of
-  the partition even when training in fp32 (``k = 12``); stage 3 also divides the parameters (plus two layers of
-  gathered parameters in flight, ``2 p phi_layer / tp``) and needs no separate fp32 copy in fp32 (``k = 8``) (measured
+  the partition even when training in fp32 (``k = 12``); stage 3 also divides the parameters (the ones it gathers
+  are framework buffers, below) and needs no separate fp32 copy in fp32 (``k = 8``) (measured
   with ``ds4sci bench layouts``, DeepSpeed 0.19.8: at stage 1 DeepSpeed hands the optimizer the ``1/sdp`` gradient
   partition, as at stage 2). Offload ``optimizer`` (ZeRO-Offload, stage >= 1) takes the optimizer state off the GPU,
   ``all`` (ZeRO-Infinity, stage 3) the parameters too.
@@ -88,8 +88,47 @@ Memory model (bytes per GPU):
 - attention mask: none for causal attention (evaluated inside the kernel); with another ``--mask`` policy,
   :func:`ds4sci.costs.mask_bytes` at the local attention length ``S / ring``.
 
-A layout fits when the total is at most ``--gpu-mem-gib - --reserve-gib`` (CUDA context, communication buffers,
-fragmentation).
+- framework buffers, each a term (:data:`TERMS`), from the DeepSpeed config ds4sci writes
+  (:func:`ds4sci.train.engine.deepspeed_config`: the stage and, at stage 3, ``reduce_scatter``; every size is DeepSpeed
+  0.19.8's default, :class:`ZeroBuffers`, pinned against DeepSpeed's resolved config in tests/test_plan_buffers.py):
+
+  - ``reduce_bucket`` (:func:`reduce_bucket_bytes`): stage 0, the engine's all-reduce flattens gradients into
+    buckets of ``5e8`` elements, ``min(5e8, phi) g`` with data parallelism; stages 1 and 2, the contiguous-gradient
+    buffer of ``reduce_bucket_size = 5e8`` elements in the gradient dtype (one: ``overlap_comm`` is off below stage 3;
+    a pipeline at stage 1 adds one), ``5e8 g`` whatever the model's size (1 GB in bf16); stage 3, that buffer in the
+    parameter dtype, allocated at start, plus the reduce-scatter's flattened copy of a full bucket, ``(5e8 + min(5e8,
+    phi)) p`` (the buffer measured in a ZeRO step on the CPU);
+  - ``allgather_bucket``: 0, stages 1 and 2 gather the updated partitions in place (``all_gather_into_tensor``);
+  - ``gathered_params`` (:func:`zero3_gathered_params`): ZeRO-3's gathered parameters at the peak, one layer in
+    backward or, at the turn from forward to backward, the output head and the last layers whose next use lies within
+    ``stage3_max_reuse_distance = 1e9`` elements, plus the ``stage3_prefetch_bucket_size = 5e7`` prefetch, at most
+    ``phi``, times ``p``;
+  - ``persistent_params`` (:func:`persistent_params`): ZeRO-3 keeps each tensor under
+    ``stage3_param_persistence_threshold = 1e5`` elements gathered (norms and biases; every tensor of a tiny model),
+    times ``p``;
+  - ``a2a_staging``: Ulysses' all-to-all copies the tensor it moves into a contiguous send buffer and receives into
+    another (:func:`ds4sci.sequence.comm.all_to_all`), ``2 T h e`` for the queries or the attention output, the
+    largest it moves (measured: tests/test_plan_buffers.py);
+  - ``ring_buffers``: the ring's forward holds the received key/value block in use, the one arriving and, while the
+    next is posted, the previous one (:class:`ds4sci.sequence.comm.RingShift`'s receive buffers), ``min(ring - 1, 3)
+    2 T kv' e`` (measured; backward's blocks are the working set's ``6 kv' e``). It and the all-to-all staging are
+    alive one after the other within a layer: the total counts the larger.
+
+- the device, each a term overridable on the command line: ``cuda_context``, 0.267 GiB (``--cuda-context-gib``;
+  287,047,680 bytes, PyTorch's measurement with lazy module loading, pytorch/pytorch pull request #86509, the default
+  since CUDA 12.2); ``cublas_workspace``, 32 MiB (``CUBLAS_WORKSPACE_CONFIG=:4096:8``,
+  :func:`ds4sci.train.engine.set_deterministic`'s); ``nccl_buffers``, ``communicators x --nccl-channels (16) x
+  --nccl-buffsize-mib (4, NCCL_BUFFSIZE's default)`` with a communicator per group that sends and the world's
+  (:func:`nccl_communicators`); ``fragmentation``, ``--fragmentation (0.3) x`` the bytes allocated and freed within a
+  step (activations, working set, attention workspace, mask, the larger sequence-parallel buffer): the caching
+  allocator interleaves short- and long-lived blocks, and ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054, on memory
+  fragmentation in its analysis of residual memory) observed out-of-memory with over 30% of the memory still free; 0
+  models an allocator that does not fragment (e.g. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, unmeasured
+  here); ``reserve``, the user's own (``--reserve-gib``, default 0).
+
+A layout fits when the total is at most ``--gpu-mem-gib``. ``--max-seq`` without ``--grad-accum`` gives a pipeline
+layout ``m = pp`` micro-batches per step (:func:`filled`): 1F1B's first stage then holds ``pp`` micro-batches'
+activations, and the bubble is ``(pp - 1) / (2 pp - 1)``; one micro-batch would leave the pipeline idle.
 
 Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.costs.layer_comm_bytes` per layer, forward +
 backward, times ``L / pp`` layers and ``m`` micro-steps; keys and values carry ``kv'`` channels): tensor parallelism
@@ -204,7 +243,7 @@ class Cluster:
     cuda_context_gib: float = CUDA_CONTEXT_BYTES / GIB
     nccl_buffsize_mib: float = 4.0  # NCCL_BUFFSIZE's default, 4 MiB (NCCL's environment-variable documentation)
     nccl_channels: int = 16  # channels per communicator: NCCL picks 2-32 by topology; NCCL_MAX_NCHANNELS caps it
-    fragmentation: float = 0.3  # of the step's short-lived bytes (ZeRO-R's "over 30% of memory still available")
+    fragmentation: float = 0.3  # of the step's short-lived bytes (ZeRO's "over 30% of memory still available")
 
     @property
     def world(self) -> int:
@@ -379,7 +418,8 @@ def zero3_gathered_params(w: Workload, strategy: Strategy) -> float:
     bounds the modules held at once), and at the turn from forward to backward the output head (its backward follows
     its forward) and the last layers ``j = 0, 1, ...`` whose next use is within the distance, ``j layer (1 + r) +
     2 head`` (the layers after it in forward, the head twice and ``r`` backward visits of each later layer: 2 under
-    ``full`` checkpointing, the recomputed forward and the backward, 1 otherwise); plus the prefetch bucket."""
+    ``full`` checkpointing, the recomputed forward and the backward, 1 otherwise); plus the prefetch bucket; at most
+    the rank's parameters."""
     m, d = w.model, strategy.dims
     layer = _layer_params(w, strategy)
     head = math.ceil(m.vocab_size / d.tp) * d.tp * m.hidden_size / d.tp
@@ -388,7 +428,8 @@ def zero3_gathered_params(w: Workload, strategy: Strategy) -> float:
     while j < math.ceil(m.num_layers / d.pp) and j * layer * (1 + visits) + 2 * head < ZERO.max_reuse_distance:
         kept += layer
         j += 1
-    return max(layer, kept) + min(ZERO.prefetch_bucket_size, ZERO.max_live_parameters)
+    return min(max(layer, kept) + min(ZERO.prefetch_bucket_size, ZERO.max_live_parameters),
+               rank_params(w, strategy))  # a small model: all of it
 
 
 def reduce_bucket_bytes(w: Workload, strategy: Strategy) -> float:
@@ -717,7 +758,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     device.add_argument("--fragmentation", type=nonnegative_float, default=0.3,
                         help="allocator fragmentation, as a fraction of the bytes allocated and freed within a step "
                         "(activations, working set, attention workspace, masks, sequence-parallel buffers) (default: "
-                        "0.3: ZeRO-R found out-of-memory with over 30%% of memory still free; 0 for an allocator "
+                        "0.3: ZeRO found out-of-memory with over 30%% of memory still free; 0 for an allocator "
                         "that does not fragment, e.g. expandable segments)")
     fixed = parser.add_argument_group("fixed choices (searched when left out)")
     for name in _FIXERS:
