@@ -191,7 +191,8 @@ GIB = 2.0**30
 MIB = 2.0**20
 CUDA_CONTEXT_BYTES = 287_047_680
 """GPU memory of a process that has initialised CUDA, with lazy module loading (CUDA_MODULE_LOADING=LAZY, PyTorch's
-default since 1.13, CUDA's since 12.2): measured by PyTorch's pull request #86509 (666,632,192 bytes loading eagerly)."""
+default since 1.13, CUDA's since 12.2): measured by PyTorch's pull request #86509 (666,632,192 bytes loading
+eagerly)."""
 CUBLAS_WORKSPACE_BYTES = 8 * 4096 * 1024
 """cuBLAS workspace, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (eight 4096 KiB chunks): what
 :func:`ds4sci.train.engine.set_deterministic` sets, and PyTorch's default size on Hopper."""

@@ -8,8 +8,9 @@ Each case: the model (``llama3-8B``: Llama-3.1-8B's shape, bf16), the vocabulary
 ds4sci's 69-codon one: what this model would do on genomes), the GPUs and their memory (80 GiB, no user reserve:
 the CUDA context, NCCL and DeepSpeed's buffers and fragmentation are the planner's terms), the layout (ZeRO-3, full
 checkpointing, one sequence per micro-step, no pipeline, no TP) and the switches. The predictions are pinned; the
-ratio to the published figure is printed in NOTES-planner.md's table. The remaining error of the 128K-vocabulary rows is the loss: ds4sci's loss keeps fp32 logits and their
-log-softmax, ``8 V`` bytes per local token (1 MiB at V = 128256), where ALST computes the loss over sequence tiles."""
+ratio to the published figure is printed in NOTES-planbuf.md's table. The remaining error of the 128K-vocabulary
+rows is the loss: ds4sci's loss keeps fp32 logits and their log-softmax, ``8 V`` bytes per local token (1 MiB at
+V = 128256), where ALST computes the loss over sequence tiles."""
 import json
 import re
 
