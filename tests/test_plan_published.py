@@ -72,7 +72,7 @@ def test_published_case(case, capsys, monkeypatch, tmp_path):
 # LLaMA2-7B as 32 key/value heads, SwiGLU 11008, a 32000-word vocabulary: 6.74B parameters), bf16, one sequence per
 # micro-step, no pipeline, and, as the paper's Megatron-LM runs are taken here, ZeRO-1 (Megatron-LM's distributed
 # optimizer), no offload and no activation checkpointing: assumed, not quoted (with full checkpointing the planner
-# fits SP alone at 479K on 16 GPUs, against the paper's out-of-memory at 120K). K = 1024 tokens.
+# fits Ulysses 8 x ring 2 at 436K on 16 GPUs, against the paper's out-of-memory at 120K). K = 1024 tokens.
 USP = ["--gpu-mem-gib", "80", "--dtype", "bf16", "--zero-stage", "1", "--checkpointing", "none", "--offload", "none",
        "--pp", "1", "--top", "1"]
 USP_MODELS = {
