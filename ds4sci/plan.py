@@ -207,7 +207,7 @@ STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
 class ZeroBuffers:
     """DeepSpeed's ZeRO buffer sizes (elements) for the config ds4sci writes
     (:func:`ds4sci.train.engine.deepspeed_config` sets the stage and, at stage 3, ``reduce_scatter``; every size is
-    DeepSpeed 0.19.8's default, ``deepspeed/runtime/zero/config.py``, pinned by tests/test_plan.py against
+    DeepSpeed 0.19.8's default, ``deepspeed/runtime/zero/config.py``, pinned by tests/test_plan_buffers.py against
     ``DeepSpeedZeroConfig`` of that config)."""
 
     reduce_bucket_size: int = 500_000_000
@@ -372,27 +372,11 @@ def offloaded_layer_bytes(w: Workload, strategy: Strategy) -> float:
     return (m.hidden_size + m.num_kv_heads * m.head_dim) * e if m.rotary_dim else 0.0
 
 
-def _layer_params(w: Workload, strategy: Strategy) -> float:
-    """One block's parameters on a rank: matrices split over TP, norms and row-parallel biases whole."""
-    d, m = strategy.dims, w.model
-    replicated = 2 * m.norm_parameters() + (2 * m.hidden_size if m.bias else 0)
-    return (m.block_parameters() - replicated) / d.tp + replicated
-
-
-def rank_params(w: Workload, strategy: Strategy) -> float:
-    """``phi``: parameters on the most loaded rank before ZeRO partitioning (module docstring)."""
-    d, m = strategy.dims, w.model
-    vocab = math.ceil(m.vocab_size / d.tp) * d.tp
-    # embedding and head; a tied pair is one matrix, except that a pipeline keeps a copy on each end stage
-    matrices = 1 if m.tie_word_embeddings and d.pp == 1 else 2
-    return (math.ceil(m.num_layers / d.pp) * _layer_params(w, strategy) + matrices * vocab * m.hidden_size / d.tp
-            + m.norm_parameters())
-
-
 def _param_tensors(w: Workload, strategy: Strategy) -> tuple[list[float], list[float]]:
     """Elements of each parameter tensor on a rank: one block's (norms, fused q/k/v, attention output, MLP matrices,
-    their biases; this rank's share under TP) and those outside the blocks (final norm, embedding and head matrices,
-    one when tied without a pipeline)."""
+    their biases; the matrices split over TP, the norms and the row-parallel biases whole) and those outside the
+    blocks (final norm, embedding and head over the vocabulary padded to a multiple of ``tp``; a tied pair is one
+    matrix, except that a pipeline keeps a copy on each end stage)."""
     d, m = strategy.dims, w.model
     h, f, tp = m.hidden_size, m.intermediate_size, d.tp
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
@@ -403,6 +387,12 @@ def _param_tensors(w: Workload, strategy: Strategy) -> tuple[list[float], list[f
         layer += [qkv / tp, h, *[f / tp] * mlp_in, h]
     vocab = math.ceil(m.vocab_size / tp) * tp * h / tp
     return layer, norm + [vocab] * (1 if m.tie_word_embeddings and d.pp == 1 else 2)
+
+
+def rank_params(w: Workload, strategy: Strategy) -> float:
+    """``phi``: parameters on the most loaded rank before ZeRO partitioning (module docstring)."""
+    layer, outside = _param_tensors(w, strategy)
+    return math.ceil(w.model.num_layers / strategy.dims.pp) * sum(layer) + sum(outside)
 
 
 def persistent_params(w: Workload, strategy: Strategy, zero: ZeroBuffers = ZERO) -> float:
