@@ -24,8 +24,8 @@ Memory model (bytes per GPU):
   less the position table), each with ``p`` bytes of parameter, ``g`` of gradient and ``k`` of optimizer state: fp32 ``4
   + 4 + 8`` (AdamW's two moments), bf16 ``2 + 2 + 12`` (fp32 master copy and moments). Stage 0 keeps all three; stages 1
   and 2 divide the gradients the optimizer is handed and the optimizer state by ``sdp`` and keep an fp32 master copy of
-  the partition even when training in fp32 (``k = 12``); stage 3 also divides the parameters (plus two layers of
-  gathered parameters in flight, ``2 p phi_layer / tp``) and needs no separate fp32 copy in fp32 (``k = 8``) (measured
+  the partition even when training in fp32 (``k = 12``); stage 3 also divides the parameters (the ones it gathers
+  are framework buffers, below) and needs no separate fp32 copy in fp32 (``k = 8``) (measured
   with ``ds4sci bench layouts``, DeepSpeed 0.19.8: at stage 1 DeepSpeed hands the optimizer the ``1/sdp`` gradient
   partition, as at stage 2). Offload ``optimizer`` (ZeRO-Offload, stage >= 1) takes the optimizer state off the GPU,
   ``all`` (ZeRO-Infinity, stage 3) the parameters too.
@@ -88,8 +88,47 @@ Memory model (bytes per GPU):
 - attention mask: none for causal attention (evaluated inside the kernel); with another ``--mask`` policy,
   :func:`ds4sci.costs.mask_bytes` at the local attention length ``S / ring``.
 
-A layout fits when the total is at most ``--gpu-mem-gib - --reserve-gib`` (CUDA context, communication buffers,
-fragmentation).
+- framework buffers, each a term (:data:`TERMS`), from the DeepSpeed config ds4sci writes
+  (:func:`ds4sci.train.engine.deepspeed_config`: the stage and, at stage 3, ``reduce_scatter``; every size is DeepSpeed
+  0.19.8's default, :class:`ZeroBuffers`, pinned against DeepSpeed's resolved config in tests/test_plan_buffers.py):
+
+  - ``reduce_bucket`` (:func:`reduce_bucket_bytes`): stage 0, the engine's all-reduce flattens gradients into
+    buckets of ``5e8`` elements, ``min(5e8, phi) g`` with data parallelism; stages 1 and 2, the contiguous-gradient
+    buffer of ``reduce_bucket_size = 5e8`` elements in the gradient dtype (one: ``overlap_comm`` is off below stage 3;
+    a pipeline at stage 1 adds one), ``5e8 g`` whatever the model's size (1 GB in bf16); stage 3, that buffer in the
+    parameter dtype, allocated at start, plus the reduce-scatter's flattened copy of a full bucket, ``(5e8 + min(5e8,
+    phi)) p`` (the buffer measured in a ZeRO step on the CPU);
+  - ``allgather_bucket``: 0, stages 1 and 2 gather the updated partitions in place (``all_gather_into_tensor``);
+  - ``gathered_params`` (:func:`zero3_gathered_params`): ZeRO-3's gathered parameters at the peak, one layer in
+    backward or, at the turn from forward to backward, the output head and the last layers whose next use lies within
+    ``stage3_max_reuse_distance = 1e9`` elements, plus the ``stage3_prefetch_bucket_size = 5e7`` prefetch, at most
+    ``phi``, times ``p``;
+  - ``persistent_params`` (:func:`persistent_params`): ZeRO-3 keeps each tensor under
+    ``stage3_param_persistence_threshold = 1e5`` elements gathered (norms and biases; every tensor of a tiny model),
+    times ``p``;
+  - ``a2a_staging``: Ulysses' all-to-all copies the tensor it moves into a contiguous send buffer and receives into
+    another (:func:`ds4sci.sequence.comm.all_to_all`), ``2 T h e`` for the queries or the attention output, the
+    largest it moves (measured: tests/test_plan_buffers.py);
+  - ``ring_buffers``: the ring's forward holds the received key/value block in use, the one arriving and, while the
+    next is posted, the previous one (:class:`ds4sci.sequence.comm.RingShift`'s receive buffers), ``min(ring - 1, 3)
+    2 T kv' e`` (measured; backward's blocks are the working set's ``6 kv' e``). It and the all-to-all staging are
+    alive one after the other within a layer: the total counts the larger.
+
+- the device, each a term overridable on the command line: ``cuda_context``, 0.267 GiB (``--cuda-context-gib``;
+  287,047,680 bytes, PyTorch's measurement with lazy module loading, pytorch/pytorch pull request #86509, the default
+  since CUDA 12.2); ``cublas_workspace``, 32 MiB (``CUBLAS_WORKSPACE_CONFIG=:4096:8``,
+  :func:`ds4sci.train.engine.set_deterministic`'s); ``nccl_buffers``, ``communicators x --nccl-channels (16) x
+  --nccl-buffsize-mib (4, NCCL_BUFFSIZE's default)`` with a communicator per group that sends and the world's
+  (:func:`nccl_communicators`); ``fragmentation``, ``--fragmentation (0.3) x`` the bytes allocated and freed within a
+  step (activations, working set, attention workspace, mask, the larger sequence-parallel buffer): the caching
+  allocator interleaves short- and long-lived blocks, and ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054, on memory
+  fragmentation in its analysis of residual memory) observed out-of-memory with over 30% of the memory still free; 0
+  models an allocator that does not fragment (e.g. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, unmeasured
+  here); ``reserve``, the user's own (``--reserve-gib``, default 0).
+
+A layout fits when the total is at most ``--gpu-mem-gib``. ``--max-seq`` without ``--grad-accum`` gives a pipeline
+layout ``m = pp`` micro-batches per step (:func:`filled`): 1F1B's first stage then holds ``pp`` micro-batches'
+activations, and the bubble is ``(pp - 1) / (2 pp - 1)``; one micro-batch would leave the pipeline idle.
 
 Communication model (bytes each GPU sends per optimizer step; :func:`ds4sci.costs.layer_comm_bytes` per layer, forward +
 backward, times ``L / pp`` layers and ``m`` micro-steps; keys and values carry ``kv'`` channels): tensor parallelism
@@ -149,11 +188,44 @@ from ds4sci.parallel.dims import ParallelDims
 from ds4sci.report import markdown_table, plural, write_report
 
 GIB = 2.0**30
+MIB = 2.0**20
+CUDA_CONTEXT_BYTES = 287_047_680
+"""GPU memory of a process that has initialised CUDA, with lazy module loading (CUDA_MODULE_LOADING=LAZY, PyTorch's
+default since 1.13, CUDA's since 12.2): measured by PyTorch's pull request #86509 (666,632,192 bytes loading
+eagerly)."""
+CUBLAS_WORKSPACE_BYTES = 8 * 4096 * 1024
+"""cuBLAS workspace, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (eight 4096 KiB chunks): what
+:func:`ds4sci.train.engine.set_deterministic` sets, and PyTorch's default size on Hopper."""
 OFFLOADS = ("none", "optimizer", "all")
 CHECKPOINTING = ("none", "selective", "full")
 MASKS = ("none", "fp32-additive", "bool-device", "bool-cpu-then-device")
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
 """bytes per parameter of (parameter, gradient, optimizer state) by training dtype (ZeRO paper's 2 + 2 + K)."""
+
+
+@dataclass(frozen=True)
+class ZeroBuffers:
+    """DeepSpeed's ZeRO buffer sizes (elements) for the config ds4sci writes
+    (:func:`ds4sci.train.engine.deepspeed_config` sets the stage and, at stage 3, ``reduce_scatter``; every size is
+    DeepSpeed 0.19.8's default, ``deepspeed/runtime/zero/config.py``, pinned by tests/test_plan_buffers.py against
+    ``DeepSpeedZeroConfig`` of that config)."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    prefetch_bucket_size: int = 50_000_000  # stage3_prefetch_bucket_size
+    param_persistence_threshold: int = 100_000  # stage3_param_persistence_threshold
+    max_live_parameters: int = 1_000_000_000  # stage3_max_live_parameters
+    max_reuse_distance: int = 1_000_000_000  # stage3_max_reuse_distance
+    contiguous_gradients: bool = True
+    allreduce_bucket_size: int = 500_000_000  # the engine's stage-0 all-reduce buckets (MEMORY_OPT_ALLREDUCE_SIZE)
+
+    @staticmethod
+    def overlap_comm(stage: int) -> bool:
+        """DeepSpeed's default: on at stage 3 only (``overlap_comm_valid``)."""
+        return stage == 3
+
+
+ZERO = ZeroBuffers()
 
 
 @dataclass(frozen=True)
@@ -163,12 +235,16 @@ class Cluster:
     gpus_per_node: int = 8
     nodes: int = 1
     gpu_mem_gib: float = 40.0
-    reserve_gib: float = 1.0
+    reserve_gib: float = 0.0  # the user's own reserve, on top of every modelled term
     peak_tflops: float = 312.0  # A100 dense bf16
     efficiency: float = 0.4
     intra_gbps: float = 150.0  # GB/s per GPU within a node
     inter_gbps: float = 25.0  # GB/s per GPU across nodes (one 200 Gb/s NIC per GPU)
     pcie_gbps: float = 25.0  # GB/s per GPU to host memory
+    cuda_context_gib: float = CUDA_CONTEXT_BYTES / GIB
+    nccl_buffsize_mib: float = 4.0  # NCCL_BUFFSIZE's default, 4 MiB (NCCL's environment-variable documentation)
+    nccl_channels: int = 16  # channels per communicator: NCCL picks 2-32 by topology; NCCL_MAX_NCHANNELS caps it
+    fragmentation: float = 0.3  # of the step's short-lived bytes (ZeRO's "over 30% of memory still available")
 
     @property
     def world(self) -> int:
@@ -296,23 +372,109 @@ def offloaded_layer_bytes(w: Workload, strategy: Strategy) -> float:
     return (m.hidden_size + m.num_kv_heads * m.head_dim) * e if m.rotary_dim else 0.0
 
 
+def _param_tensors(w: Workload, strategy: Strategy) -> tuple[list[float], list[float]]:
+    """Elements of each parameter tensor on a rank: one block's (norms, fused q/k/v, attention output, MLP matrices,
+    their biases; the matrices split over TP, the norms and the row-parallel biases whole) and those outside the
+    blocks (final norm, embedding and head over the vocabulary padded to a multiple of ``tp``; a tied pair is one
+    matrix, except that a pipeline keeps a copy on each end stage)."""
+    d, m = strategy.dims, w.model
+    h, f, tp = m.hidden_size, m.intermediate_size, d.tp
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+    mlp_in = 2 if m.mlp == "swiglu" else 1
+    norm = [h] * (m.norm_parameters() // h)  # weight (and bias)
+    layer = 2 * norm + [qkv * h / tp, h * h / tp, *[f * h / tp] * mlp_in, f * h / tp]
+    if m.bias:
+        layer += [qkv / tp, h, *[f / tp] * mlp_in, h]
+    vocab = math.ceil(m.vocab_size / tp) * tp * h / tp
+    return layer, norm + [vocab] * (1 if m.tie_word_embeddings and d.pp == 1 else 2)
+
+
 def rank_params(w: Workload, strategy: Strategy) -> float:
     """``phi``: parameters on the most loaded rank before ZeRO partitioning (module docstring)."""
-    d, m = strategy.dims, w.model
-    h = m.hidden_size
-    vocab = math.ceil(m.vocab_size / d.tp) * d.tp
-    norm = m.norm_parameters()  # one norm's parameters (RMSNorm: no bias)
-    replicated = 2 * norm + (2 * h if m.bias else 0)  # the block's two norms and two row-parallel biases: whole
-    # embedding and head; a tied pair is one matrix, except that a pipeline keeps a copy on each end stage
-    matrices = 1 if m.tie_word_embeddings and d.pp == 1 else 2
-    return (math.ceil(m.num_layers / d.pp) * ((m.block_parameters() - replicated) / d.tp + replicated)
-            + matrices * vocab * h / d.tp + norm)
+    layer, outside = _param_tensors(w, strategy)
+    return math.ceil(w.model.num_layers / strategy.dims.pp) * sum(layer) + sum(outside)
 
 
-def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
-    """Bytes per GPU by term (module docstring): params, grads, optimizer, activations, workspace, attention,
-    position_table, mask, and their total; and host_activations, the checkpointed inputs host offload keeps in host
-    memory (not in the total)."""
+def persistent_params(w: Workload, strategy: Strategy, zero: ZeroBuffers = ZERO) -> float:
+    """Parameters per rank that ZeRO-3 keeps gathered between uses (``ds_persist``): each tensor of fewer than
+    ``stage3_param_persistence_threshold`` elements (DeepSpeed's ``persistence_threshold``; in practice the norms'
+    weights and biases and the projections' biases, this rank's share under TP; every tensor of a tiny model)."""
+    layer, outside = _param_tensors(w, strategy)
+
+    def small(sizes: list[float]) -> float:
+        return sum(n for n in sizes if n < zero.param_persistence_threshold)
+
+    return math.ceil(w.model.num_layers / strategy.dims.pp) * small(layer) + small(outside)
+
+
+def zero3_gathered_params(w: Workload, strategy: Strategy, zero: ZeroBuffers = ZERO) -> float:
+    """Parameters per rank ZeRO-3 holds gathered at its peak, besides the persistent ones
+    (DeepSpeed 0.19.8's ``PartitionedParameterCoordinator``): a module's parameters are released after use unless
+    they are used again within ``stage3_max_reuse_distance`` elements of parameters fetched in between
+    (``__params_to_release``), and up to ``stage3_prefetch_bucket_size`` elements are fetched ahead. So in backward
+    one layer is held (the recomputed forward's parameters are reused by its backward; without checkpointing this
+    bounds the modules held at once), and at the turn from forward to backward the output head (its backward follows
+    its forward) and the last layers ``j = 0, 1, ...`` whose next use is within the distance, ``j layer (1 + r) +
+    2 head`` (the layers after it in forward, the head twice and ``r`` backward visits of each later layer: 2 under
+    ``full`` checkpointing, the recomputed forward and the backward, 1 otherwise); plus the prefetch bucket; at most
+    the rank's parameters. Whole layers where DeepSpeed keeps modules: measured in ZeRO-3 steps on the CPU, over by
+    less than one layer (tests/test_plan_buffers.py)."""
+    layer_tensors, outside = _param_tensors(w, strategy)
+
+    def big(sizes: list[float]) -> float:
+        return sum(n for n in sizes if n >= zero.param_persistence_threshold)
+
+    layers = math.ceil(w.model.num_layers / strategy.dims.pp)
+    layer, head = big(layer_tensors), big(outside[-1:])
+    visits = 2 if strategy.checkpointing == "full" else 1
+    kept, j = head, 0
+    while j < layers and j * layer * (1 + visits) + 2 * head < zero.max_reuse_distance:
+        kept += layer
+        j += 1
+    prefetch = min(zero.prefetch_bucket_size, zero.max_live_parameters)
+    return min(max(layer, kept) + prefetch, layers * layer + big(outside))
+
+
+def reduce_bucket_bytes(w: Workload, strategy: Strategy) -> float:
+    """Bytes of DeepSpeed's gradient-reduction buffers on a rank (DeepSpeed 0.19.8, the config ds4sci writes):
+    stage 0: the engine's all-reduce flattens the gradients into buckets of ``allreduce_bucket_size`` elements
+    (``buffered_allreduce_fallback``; with data parallelism only), ``min(bucket, phi) g``; stages 1 and 2: the
+    contiguous-gradient buffer of ``reduce_bucket_size`` elements in the gradient dtype (``setup_buckets``; a second
+    with ``overlap_comm``, off below stage 3; the pipeline's ``reduce_gradients(pipeline_parallel=True)`` adds one at
+    stage 1); stage 3: the contiguous buffer in the parameter dtype, allocated at start (``ipg_buckets``), plus the
+    reduce-scatter's flattened copy of a full bucket (``reduce_scatter_coalesced``'s ``torch.cat``),
+    ``min(bucket, phi) p``."""
+    d, zero = strategy.dims, strategy.zero_stage
+    p, g, _ = STATE_BYTES[w.dtype]
+    phi = rank_params(w, strategy)
+    if zero == 0:
+        return min(ZERO.allreduce_bucket_size, phi) * g if d.sdp > 1 else 0.0
+    if zero in (1, 2):
+        buffers = 1 + ZERO.overlap_comm(zero) + (zero == 1 and d.pp > 1)
+        return buffers * ZERO.reduce_bucket_size * g
+    return ZERO.reduce_bucket_size * p + min(ZERO.reduce_bucket_size, phi) * p
+
+
+def nccl_communicators(w: Workload, strategy: Strategy) -> int:
+    """NCCL communicators a rank creates (each allocates its buffers on first use): one per group that sends
+    (:func:`comm`'s tp, ulysses, ring, pp and the ZeRO group over ``sdp``) and the world group (barriers)."""
+    d = strategy.dims
+    groups = sum(n > 1 for n in (d.tp, d.ulysses, d.ring, d.pp, d.sdp))
+    return groups + (d.world_size > 1)
+
+
+def memory(w: Workload, strategy: Strategy, cluster: Cluster | None = None) -> dict[str, float]:
+    """Bytes per GPU by term (module docstring), each a key, and their total:
+
+    - model states: params, grads, optimizer;
+    - the step's tensors: activations, workspace, attention, position_table, mask;
+    - framework buffers: reduce_bucket and allgather_bucket (DeepSpeed's ZeRO buffers), gathered_params and
+      persistent_params (ZeRO-3's gathered parameters), a2a_staging (Ulysses) and ring_buffers (the ring's forward);
+    - the device: cuda_context, cublas_workspace, nccl_buffers, fragmentation and the user's reserve (``cluster``'s
+      settings; :class:`Cluster`'s defaults when None).
+
+    ``host_activations``: the checkpointed inputs host offload keeps in host memory (not in the total)."""
+    cluster = cluster or Cluster()
     d, zero = strategy.dims, strategy.zero_stage
     h = w.model.hidden_size
     p, g, k = STATE_BYTES[w.dtype]
@@ -322,8 +484,6 @@ def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     if zero in (1, 2):
         k = 12  # DeepSpeed's fp32 master copy of the partition and AdamW's two moments, also when training in fp32
     params = 0.0 if strategy.offload == "all" else phi * p / (N if zero == 3 else 1)
-    if zero == 3:
-        params += 2 * p * w.model.block_parameters() / d.tp
     grads = phi * g / (N if zero >= 1 else 1)
     optimizer = 0.0 if strategy.offload != "none" else phi * k / (N if zero >= 1 else 1)
     S, B = w.seq_len, w.micro_batch
@@ -343,7 +503,8 @@ def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     activations = T * per_token
     # backward's working set: one layer's activation gradients, the size of what that layer saves without
     # checkpointing; the ring adds the key/value block in use, the one arriving and the travelling key/value gradients
-    ring = 6 * _sp_kv(w, strategy) * e if d.ring > 1 else 0
+    kv = _sp_kv(w, strategy)
+    ring = 6 * kv * e if d.ring > 1 else 0
     workspace = T * (layer_activation_bytes(w, strategy, "none") + ring)
     if strategy.mlp_tile:  # one tile's intermediate activations and their gradients (this rank's f / tp columns)
         f = w.model.intermediate_size / d.tp
@@ -361,9 +522,26 @@ def memory(w: Workload, strategy: Strategy) -> dict[str, float]:
     if w.learned_table:
         table = position_table_bytes(S // d.sp if w.position_table == "partitioned" else S, h)
     mask = 0.0 if w.mask == "none" else B * mask_bytes(w.mask, S // d.ring)["device"]
+    # Ulysses' all-to-all (ds4sci.sequence.comm._all_to_all_forward) stages the largest tensor it moves, the queries
+    # or the attention output, T h e, in a contiguous send buffer and a receive buffer; the ring's forward
+    # (ds4sci.sequence.attention._RingAttention) holds received key/value blocks (RingShift's receive buffers): the
+    # one in use, the one arriving and, while the next shift is posted, the one before (the previous shift's send
+    # buffer), min(ring - 1, 3) blocks of k and v, 2 kv' e per local token each; they are alive one after the other
+    # within a layer, so the total counts the larger
+    a2a = 2 * T * h * e if d.ulysses > 1 else 0.0
+    ring_fwd = min(d.ring - 1, 3) * 2 * T * kv * e
     terms = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
-             "workspace": workspace, "attention": attention, "position_table": table, "mask": mask}
-    terms["total"] = sum(terms.values())
+             "workspace": workspace, "attention": attention, "position_table": table, "mask": mask,
+             "reduce_bucket": reduce_bucket_bytes(w, strategy),
+             "allgather_bucket": 0.0,  # stages 1-2 gather the updated partitions in place (all_gather_into_tensor)
+             "gathered_params": zero3_gathered_params(w, strategy) * p if zero == 3 else 0.0,
+             "persistent_params": persistent_params(w, strategy) * p if zero == 3 else 0.0,
+             "a2a_staging": a2a, "ring_buffers": ring_fwd}
+    short_lived = activations + workspace + attention + mask + max(a2a, ring_fwd)
+    terms.update(cuda_context=cluster.cuda_context_gib * GIB, cublas_workspace=float(CUBLAS_WORKSPACE_BYTES),
+                 nccl_buffers=nccl_communicators(w, strategy) * cluster.nccl_channels * cluster.nccl_buffsize_mib * MIB,
+                 fragmentation=cluster.fragmentation * short_lived, reserve=cluster.reserve_gib * GIB)
+    terms["total"] = sum(terms.values()) - min(a2a, ring_fwd)
     terms["host_activations"] = T * held * offloaded  # in host memory, not in the total
     return terms
 
@@ -473,38 +651,54 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
 
 
 def budget_bytes(cluster: Cluster) -> float:
-    return (cluster.gpu_mem_gib - cluster.reserve_gib) * GIB
+    """The GPU's memory: every term, the user's reserve included, is in :func:`memory`'s total."""
+    return cluster.gpu_mem_gib * GIB
 
 
-def plan(w: Workload, cluster: Cluster, fixed: dict) -> list[dict]:
-    """The fitting layouts at ``w.seq_len``, fastest first: dicts of layout, memory terms, comm bytes, step time."""
+def filled(w: Workload, strategy: Strategy) -> Workload:
+    """``w`` with at least ``pp`` micro-batches per step, so that 1F1B fills the pipeline (``--max-seq`` without
+    ``--grad-accum``): the first stage then holds ``pp`` micro-batches' activations and the bubble is
+    ``(pp - 1) / (2 pp - 1)``."""
+    return replace(w, grad_accum=max(w.grad_accum, strategy.dims.pp))
+
+
+def plan(w: Workload, cluster: Cluster, fixed: dict, fill_pipeline: bool = False) -> list[dict]:
+    """The fitting layouts at ``w.seq_len``, fastest first: dicts of layout (with ``grad_accum``, the micro-batches
+    per step: :func:`filled`'s with ``fill_pipeline``), memory terms, comm bytes, step time."""
     budget = budget_bytes(cluster)
     rows = []
     for strategy in strategies(w, cluster, fixed):
-        mem = memory(w, strategy)
+        ws = filled(w, strategy) if fill_pipeline else w
+        mem = memory(ws, strategy, cluster)
         if mem["total"] <= budget:
-            rows.append({"layout": strategy.to_dict(), "memory": mem, "comm": comm(w, strategy),
-                         "time": step_time(w, strategy, cluster)})
+            rows.append({"layout": {**strategy.to_dict(), "grad_accum": ws.grad_accum}, "memory": mem,
+                         "comm": comm(ws, strategy), "time": step_time(ws, strategy, cluster)})
     rows.sort(key=lambda r: -r["time"]["tokens_per_s"])
     return rows
 
 
-def max_seq_len(w: Workload, cluster: Cluster, fixed: dict, limit: int = 1 << 34) -> int:
-    """The longest S (up to ``limit``) at which some layout fits: per layout, the largest multiple of its
+def max_seq_len(w: Workload, cluster: Cluster, fixed: dict, limit: int = 1 << 34, fill_pipeline: bool = False) -> int:
+    """The longest S (up to ``limit``) at which some layout fits: per layout (with ``fill_pipeline``, at
+    :func:`filled`'s micro-batches), the largest multiple of its
     :attr:`~ds4sci.parallel.dims.ParallelDims.sequence_multiple` within the budget (memory grows with S), then the
     maximum; 0 if none."""
     budget = budget_bytes(cluster)
     best = 0
     for strategy in strategies(w, cluster, fixed, split_seq=False):
+        ws = filled(w, strategy) if fill_pipeline else w
         q = strategy.dims.sequence_multiple
-        if memory(w.with_seq_len(q), strategy)["total"] > budget:
+
+        def fits(n: int) -> bool:
+            return memory(ws.with_seq_len(n * q), strategy, cluster)["total"] <= budget
+
+        if not fits(1):
             continue
         lo, hi = 1, 2  # multiples of q: lo fits, hi is the first tried that may not
-        while hi * q <= limit and memory(w.with_seq_len(hi * q), strategy)["total"] <= budget:
+        while hi * q <= limit and fits(hi):
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if memory(w.with_seq_len(mid * q), strategy)["total"] <= budget:
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid
@@ -533,8 +727,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="override a config key as in ds4sci train, e.g. --set model.overrides.num_layers=84")
     model.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the config's data.seq_len)")
     model.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-step (default: 1)")
-    model.add_argument("--grad-accum", type=positive_int, default=1,
-                       help="micro-steps per optimizer step, m of the pipeline bubble (default: 1)")
+    model.add_argument("--grad-accum", type=positive_int,
+                       help="micro-steps per optimizer step, m of the pipeline bubble (default: 1; with --max-seq, "
+                       "pipeline layouts take m = pp, which fills 1F1B's pipeline)")
     model.add_argument("--dtype", choices=tuple(STATE_BYTES), default="bf16", help="training dtype (default: bf16)")
     model.add_argument("--position-table", choices=("partitioned", "replicated"), default="partitioned",
                        help="learned position table: S/sp rows per rank (ds4sci) or S (default: partitioned)")
@@ -544,8 +739,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--gpus-per-node", type=positive_int, default=8, help="(default: 8)")
     cluster.add_argument("--nodes", type=positive_int, default=1, help="(default: 1)")
     cluster.add_argument("--gpu-mem-gib", type=nonnegative_float, default=40.0, help="GiB per GPU (default: 40)")
-    cluster.add_argument("--reserve-gib", type=nonnegative_float, default=1.0,
-                         help="GiB per GPU kept free for the CUDA context and communication buffers (default: 1)")
+    cluster.add_argument("--reserve-gib", type=nonnegative_float, default=0.0,
+                         help="GiB per GPU the user keeps free beyond every modelled term (default: 0)")
     cluster.add_argument("--peak-tflops", type=nonnegative_float, default=312.0, help="per GPU (default: 312)")
     cluster.add_argument("--efficiency", type=nonnegative_float, default=0.4,
                          help="fraction of peak the matmuls reach (default: 0.4)")
@@ -555,6 +750,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="GB/s per GPU between nodes (default: 25)")
     cluster.add_argument("--pcie-gbps", type=nonnegative_float, default=25.0,
                          help="GB/s per GPU to host memory, for offload (default: 25)")
+    device = parser.add_argument_group("device memory outside the model (each a term of the total)")
+    device.add_argument("--cuda-context-gib", type=nonnegative_float, default=CUDA_CONTEXT_BYTES / GIB,
+                        help="GiB the CUDA context takes per GPU (default: 0.267, PyTorch's measurement with lazy "
+                        "module loading, pull request #86509)")
+    device.add_argument("--nccl-buffsize-mib", type=nonnegative_float, default=4.0,
+                        help="NCCL_BUFFSIZE in MiB: buffer per channel of each communicator (default: 4, NCCL's)")
+    device.add_argument("--nccl-channels", type=positive_int, default=16,
+                        help="NCCL channels per communicator (default: 16; NCCL picks 2-32 by topology)")
+    device.add_argument("--fragmentation", type=nonnegative_float, default=0.3,
+                        help="allocator fragmentation, as a fraction of the bytes allocated and freed within a step "
+                        "(activations, working set, attention workspace, masks, sequence-parallel buffers) (default: "
+                        "0.3: ZeRO found out-of-memory with over 30%% of memory still free; 0 for an allocator "
+                        "that does not fragment, e.g. expandable segments)")
     fixed = parser.add_argument_group("fixed choices (searched when left out)")
     for name in _FIXERS:
         fixed.add_argument(f"--{name}", type=positive_int, help=f"{name} degree")
@@ -581,7 +789,7 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, dict]:
     vocab = (CodonTokenizer() if cfg.data.tokenizer == "codon" else NucleotideTokenizer()).vocab_size
     model = GenSLMConfig.preset(cfg.model.preset, **{"vocab_size": vocab, **cfg.model.overrides})
     seq_len = args.seq_len or cfg.data.seq_len
-    w = Workload(model, seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum, dtype=args.dtype,
+    w = Workload(model, seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum or 1, dtype=args.dtype,
                  position_table=args.position_table, mask=args.mask)
     return w, {"preset": cfg.model.preset, "overrides": cfg.model.overrides, "parameters": w.model_params}
 
@@ -615,13 +823,15 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
     if fixed.get("offload_activations") and fixed.get("checkpointing") == "none":
         raise CommandError("--offload-activations moves checkpointed inputs to host memory: it needs --checkpointing "
                            "full or selective, got none")
-    if cluster.gpu_mem_gib <= cluster.reserve_gib:
-        raise CommandError(f"--gpu-mem-gib={cluster.gpu_mem_gib:g} must exceed --reserve-gib={cluster.reserve_gib:g}")
+    if cluster.gpu_mem_gib <= cluster.reserve_gib + cluster.cuda_context_gib:
+        raise CommandError(f"--gpu-mem-gib={cluster.gpu_mem_gib:g} must exceed --reserve-gib={cluster.reserve_gib:g} "
+                           f"plus --cuda-context-gib={cluster.cuda_context_gib:g}")
 
 
 def _leanest(w: Workload, cluster: Cluster, fixed: dict) -> str:
-    leanest = min(strategies(w, cluster, fixed), key=lambda s: memory(w, s)["total"])
-    return f"the leanest layout, {leanest.name()}, needs {memory(w, leanest)['total'] / GIB:.1f} GiB per GPU"
+    leanest = min(strategies(w, cluster, fixed), key=lambda s: memory(w, s, cluster)["total"])
+    return (f"the leanest layout, {leanest.name()}, needs {memory(w, leanest, cluster)['total'] / GIB:.1f} GiB per "
+            "GPU")
 
 
 def _shortest_multiple(w: Workload, cluster: Cluster, fixed: dict) -> int:
@@ -629,33 +839,70 @@ def _shortest_multiple(w: Workload, cluster: Cluster, fixed: dict) -> int:
     return min(s.dims.sequence_multiple for s in strategies(w, cluster, fixed, split_seq=False))
 
 
+TERMS = {  # memory()'s terms in the order the breakdown lists them, each with what it stands for
+    "params": "parameters (ZeRO-3: this rank's partition)",
+    "grads": "gradients (ZeRO >= 1: the partition the optimizer is handed)",
+    "optimizer": "optimizer state (AdamW's moments, fp32 master copy)",
+    "activations": "activations saved for backward, held micro-batches, logits",
+    "workspace": "backward's working set (one layer's activation gradients, ring blocks, MLP tile)",
+    "attention": "attention kernel workspace",
+    "position_table": "learned position table with its gradient and AdamW state",
+    "mask": "attention mask",
+    "reduce_bucket": "DeepSpeed's gradient-reduction buffers (reduce_bucket_size, contiguous gradients)",
+    "allgather_bucket": "DeepSpeed's parameter all-gather (in place)",
+    "gathered_params": "ZeRO-3 parameters gathered at the peak (reuse distance, prefetch bucket)",
+    "persistent_params": "ZeRO-3 parameters kept gathered (under the persistence threshold)",
+    "a2a_staging": "Ulysses all-to-all send and receive buffers (the larger of this and ring_buffers counts)",
+    "ring_buffers": "the ring's received and arriving key/value blocks in forward",
+    "cuda_context": "CUDA context (--cuda-context-gib)",
+    "cublas_workspace": "cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8)",
+    "nccl_buffers": "NCCL buffers: communicators x --nccl-channels x --nccl-buffsize-mib",
+    "fragmentation": "allocator fragmentation: --fragmentation x the step's short-lived bytes",
+    "reserve": "the user's reserve (--reserve-gib)",
+}
+BUFFERS = ("reduce_bucket", "allgather_bucket", "gathered_params", "persistent_params", "a2a_staging", "ring_buffers")
+DEVICE = ("cuda_context", "cublas_workspace", "nccl_buffers", "fragmentation", "reserve")
+
+
 def markdown_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
-    """Header and rows of the layout table (GiB per GPU, GiB sent per GPU per step, seconds per step)."""
-    header = ["#", "tp", "ulysses", "ring", "pp", "dp", "zero", "offload", "ckpt", "params", "grads", "optim",
-              "activ", "bwd ws", "attn", "pos table", "mask", "total GiB", "sent GiB/step", "step s", "tokens/s", "rel. time"]
+    """Header and rows of the layout table (GiB per GPU, GiB sent per GPU per step, seconds per step); ``buffers``:
+    the framework's buffers as the total counts them, ``device``: the CUDA context, cuBLAS, NCCL, fragmentation and
+    the reserve (:data:`TERMS`)."""
+    header = ["#", "tp", "ulysses", "ring", "pp", "dp", "m", "zero", "offload", "ckpt", "params", "grads", "optim",
+              "activ", "bwd ws", "attn", "pos table", "mask", "buffers", "device", "total GiB", "sent GiB/step",
+              "step s", "tokens/s", "rel. time"]
     best = rows[0]["time"]["tokens_per_s"] if rows else 1.0
     out = []
     for i, r in enumerate(rows, 1):
         lay, mem = r["layout"], r["memory"]
-        out.append([i, lay["tp"], lay["ulysses"], lay["ring"], lay["pp"], lay["dp"], lay["zero_stage"], lay["offload"],
-                    lay["checkpointing"]]
-                   + [f"{mem[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "activations", "workspace", "attention",
-                                                      "position_table", "mask", "total")]
+        buffers = sum(mem[k] for k in BUFFERS) - min(mem["a2a_staging"], mem["ring_buffers"])
+        out.append([i, lay["tp"], lay["ulysses"], lay["ring"], lay["pp"], lay["dp"], lay["grad_accum"],
+                    lay["zero_stage"], lay["offload"], lay["checkpointing"]]
+                   + [f"{mem[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "activations", "workspace",
+                                                      "attention", "position_table", "mask")]
+                   + [f"{buffers / GIB:.2f}", f"{sum(mem[k] for k in DEVICE) / GIB:.2f}", f"{mem['total'] / GIB:.2f}"]
                    + [f"{sum(r['comm'].values()) / GIB:.2f}", f"{r['time']['total_s']:.3g}",
                       f"{r['time']['tokens_per_s']:.4g}", f"{best / r['time']['tokens_per_s']:.2f}"])
     return header, out
 
 
+def breakdown_rows(row: dict) -> tuple[list[str], list[list]]:
+    """Header and rows of one layout's memory by term (:data:`TERMS`), GiB per GPU."""
+    return ["term", "GiB", "what it is"], [[k, f"{row['memory'][k] / GIB:.3f}", TERMS[k]] for k in TERMS]
+
+
 def run(args: argparse.Namespace) -> int:
     w, model_info = _workload(args)
     cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_mem_gib, args.reserve_gib, args.peak_tflops,
-                      args.efficiency, args.intra_gbps, args.inter_gbps, args.pcie_gbps)
+                      args.efficiency, args.intra_gbps, args.inter_gbps, args.pcie_gbps, args.cuda_context_gib,
+                      args.nccl_buffsize_mib, args.nccl_channels, args.fragmentation)
     fixed = {a: getattr(args, a) for a in (*_FIXERS, "zero_stage", "offload", "checkpointing", "mlp_tile",
                                            "offload_activations") if getattr(args, a) is not None}
     _check_fixed(w, cluster, fixed)
     result = {"model": model_info, "cluster": asdict(cluster), "fixed": fixed}
+    fill = args.max_seq and args.grad_accum is None  # pipelines run m = pp micro-batches (filled)
     if args.max_seq:
-        S = max_seq_len(w, cluster, fixed)
+        S = max_seq_len(w, cluster, fixed, fill_pipeline=fill)
         if S == 0:
             raise CommandError(f"no layout fits even the shortest sequence in --gpu-mem-gib={cluster.gpu_mem_gib:g}: "
                                f"{_leanest(w.with_seq_len(_shortest_multiple(w, cluster, fixed)), cluster, fixed)}")
@@ -665,7 +912,7 @@ def run(args: argparse.Namespace) -> int:
         q = _shortest_multiple(w, cluster, fixed)
         raise CommandError(f"--seq-len={w.seq_len}: no layout of {cluster.world} GPUs splits it evenly (a multiple of "
                            f"sp x tp, twice that with a ring, is needed; {q} at least)")
-    rows = plan(w, cluster, fixed)
+    rows = plan(w, cluster, fixed, fill_pipeline=fill)
     if not rows:
         raise CommandError(f"no layout fits --seq-len={w.seq_len} in --gpu-mem-gib={cluster.gpu_mem_gib:g} "
                            f"(--reserve-gib={cluster.reserve_gib:g}): {_leanest(w, cluster, fixed)}")
@@ -678,10 +925,16 @@ def run(args: argparse.Namespace) -> int:
     lines = [title, ""]
     if args.max_seq:
         lines += [f"Longest sequence that fits: {w.seq_len} tokens.", ""]
+    if fill and any(r["layout"]["pp"] > 1 for r in rows):
+        lines += ["Pipeline layouts run m = pp micro-batches per step (1F1B's first stage holds pp; --grad-accum "
+                  "fixes m).", ""]
     listed = ("" if len(rows) == 1 else f"; the {args.top} fastest" if args.top < len(rows) else ", fastest first")
     lines += [f"{plural(len(rows), 'layout fits', 'layouts fit')}{listed} (GiB per GPU; rel. time: time per token "
               "over the fastest's):", ""]
     lines += markdown_table(*markdown_rows(rows[: args.top]))
+    lines += ["", "Memory of layout #1 by term (GiB per GPU; the total counts the larger of a2a_staging and "
+              "ring_buffers):", ""]
+    lines += markdown_table(*breakdown_rows(rows[0]))
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:

@@ -335,7 +335,10 @@ def predicted(common: dict, degrees: dict, zero: int) -> tuple[dict, dict]:
                                 max_position_embeddings=common["seq_len"])
     w = plan.Workload(model, common["seq_len"], dtype="fp32")
     strategy = plan.Strategy(ParallelDims(**degrees), zero_stage=zero)
-    return plan.memory(w, strategy), plan.comm(w, strategy)
+    mem = plan.memory(w, strategy)
+    # measured between steps: ZeRO-3's partitions and the parameters it keeps gathered (persistent), not the ones
+    # it gathers for a module's use
+    return {**mem, "params": mem["params"] + mem["persistent_params"]}, plan.comm(w, strategy)
 
 
 def _term(label: str, kind: str) -> str:
