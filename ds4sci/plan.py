@@ -58,7 +58,7 @@ Memory model (bytes per GPU):
   (token ids; ``16`` with the learned table's position ids) ``+ 2 h e + 8`` (final norm: its input, its output (under
   TP this rank's region, which the output projection gathers again in backward) and its fp32 statistics; RMSNorm:
   ``3 h e + 4``) ``+ 8 V / tp`` (fp32 logits and their
-  log-softmax) per token. Measured on the CPU:
+  log-softmax; with the tiled loss see below) per token. Measured on the CPU:
   in bf16 GenSLM's ``rms_norm`` keeps an fp32 copy of its input (it normalises in fp32, as transformers' Llama does),
   and the ``chunked`` backend an fp32 attention output, which this model leaves out.
 - tiled MLP (``--mlp-tile``, ``activation_checkpointing.tiled_mlp``; ALST's TiledMLP,
@@ -68,6 +68,13 @@ Memory model (bytes per GPU):
   all-gather of both norms' outputs, whose whole buffer it keeps, and the region stays saved as a slot of the
   stacked regions the attention reads: ``+ 2 tp h``); the working set gains one tile's intermediate activations and
   their gradients, ``2 c_f (f / tp) e B min(tile, S / sp)`` (measured with ``saved_tensors_hooks``:
+  tests/test_plan.py).
+- tiled loss (``--loss-tile``, ``activation_checkpointing.tiled_loss``; ALST's tiled loss,
+  :mod:`ds4sci.kernels.tiled_loss`): the output projection and the cross entropy save only the final norm's output
+  (already counted) and the targets, so ``8 V / tp`` per token becomes ``8 tp`` (the int64 targets of the SP shard; under
+  TP the tiled function also saves the gathered final norm output in place of this rank's region: ``+ (tp - 1) h e``);
+  the working set gains one tile's logits and their gradient in the compute dtype and their fp32 log-softmax and its
+  gradient, ``(2 e + 8) (V_tp / tp) B min(tile, S / sp)`` (saved bytes measured with ``saved_tensors_hooks``:
   tests/test_plan.py).
 - host offload of checkpointed inputs (``--offload-activations``, ``activation_checkpointing.cpu``,
   :class:`~ds4sci.train.activation_offload.HostOffload`): the inputs of each checkpointed region that own their
@@ -301,25 +308,29 @@ class Strategy:
     checkpointing: str = "none"
     mlp_tile: int = 0  # activation_checkpointing.tiled_mlp's mlp_tile (tokens); 0: untiled
     offload_activations: bool = False  # activation_checkpointing.cpu: checkpointed inputs in host memory
+    loss_tile: int = 0  # activation_checkpointing.tiled_loss's loss_tile (tokens); 0: untiled
 
     def __post_init__(self):
         if self.offload_activations and self.checkpointing == "none":
             raise ValueError("offload_activations moves checkpointed inputs: it needs checkpointing full or selective")
         if self.mlp_tile < 0:
             raise ValueError(f"mlp_tile={self.mlp_tile}: must be >= 1 (tokens per tile), or 0 for an untiled MLP")
+        if self.loss_tile < 0:
+            raise ValueError(f"loss_tile={self.loss_tile}: must be >= 1 (tokens per tile), or 0 for an untiled loss")
 
     def to_dict(self) -> dict:
         """Degrees and memory switches as ``plan.json`` records them (one flat row)."""
         d = self.dims
         return {"tp": d.tp, "ulysses": d.ulysses, "ring": d.ring, "pp": d.pp, "dp": d.dp,
                 "zero_stage": self.zero_stage, "offload": self.offload, "checkpointing": self.checkpointing,
-                "mlp_tile": self.mlp_tile, "offload_activations": self.offload_activations}
+                "mlp_tile": self.mlp_tile, "offload_activations": self.offload_activations, "loss_tile": self.loss_tile}
 
     def name(self) -> str:
         d = self.dims
         return (f"tp{d.tp} u{d.ulysses} r{d.ring} pp{d.pp} dp{d.dp} z{self.zero_stage} "
                 f"off:{self.offload} ckpt:{self.checkpointing}"
-                + (f" tile:{self.mlp_tile}" if self.mlp_tile else "") + (" ckpt-cpu" if self.offload_activations else ""))
+                + (f" tile:{self.mlp_tile}" if self.mlp_tile else "") + (" ckpt-cpu" if self.offload_activations else "")
+                + (f" loss-tile:{self.loss_tile}" if self.loss_tile else ""))
 
 
 def _sp_kv(w: Workload, strategy: Strategy) -> float:
@@ -387,6 +398,17 @@ def _param_tensors(w: Workload, strategy: Strategy) -> tuple[list[float], list[f
         layer += [qkv / tp, h, *[f / tp] * mlp_in, h]
     vocab = math.ceil(m.vocab_size / tp) * tp * h / tp
     return layer, norm + [vocab] * (1 if m.tie_word_embeddings and d.pp == 1 else 2)
+
+
+def loss_saved_bytes(w: Workload, strategy: Strategy) -> float:
+    """Bytes the output projection and the loss save per local token beyond the final norm's (module docstring):
+    untiled, the fp32 logits and their log-softmax, ``8 V / tp``; tiled (``strategy.loss_tile``), the int64 targets of
+    the SP shard, ``8 tp``, and under TP the gathered final norm output in place of this rank's region,
+    ``(tp - 1) h e``."""
+    tp = strategy.dims.tp
+    if not strategy.loss_tile:
+        return 8 * w.model.vocab_size / tp
+    return 8 * tp + (tp - 1) * w.model.hidden_size * STATE_BYTES[w.dtype][0]
 
 
 def rank_params(w: Workload, strategy: Strategy) -> float:
@@ -499,7 +521,7 @@ def memory(w: Workload, strategy: Strategy, cluster: Cluster | None = None) -> d
     rms = w.model.norm == "rmsnorm"
     final_norm = ((2 if rms else 1) + 1) * h * e + (4 if rms else 8)  # input (normalized), output, fp32 statistics
     ids = 16 if w.learned_table else 8  # int64 token ids (and the position ids the learned table looks up)
-    per_token += ids + final_norm + 8 * w.model.vocab_size / d.tp
+    per_token += ids + final_norm + loss_saved_bytes(w, strategy)
     activations = T * per_token
     # backward's working set: one layer's activation gradients, the size of what that layer saves without
     # checkpointing; the ring adds the key/value block in use, the one arriving and the travelling key/value gradients
@@ -509,6 +531,8 @@ def memory(w: Workload, strategy: Strategy, cluster: Cluster | None = None) -> d
     if strategy.mlp_tile:  # one tile's intermediate activations and their gradients (this rank's f / tp columns)
         f = w.model.intermediate_size / d.tp
         workspace += 2 * (4 if w.model.mlp == "swiglu" else 2) * f * e * B * min(strategy.mlp_tile, S / d.sp)
+    if strategy.loss_tile:  # one tile's logits and their gradient, their fp32 log-softmax and its gradient
+        workspace += (2 * e + 8) * math.ceil(w.model.vocab_size / d.tp) * B * min(strategy.loss_tile, S / d.sp)
     heads_local = w.model.num_heads / (d.tp * d.ulysses)
     s_attn = S / d.ring
     backend = w.model.attention_backend
@@ -623,8 +647,8 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
     (:meth:`~ds4sci.parallel.dims.ParallelDims.check_model`: ``tp * ulysses`` divides the heads, ``tp`` the MLP width,
     ``pp <= layers``), ``tp`` dividing the GPUs of a node, ZeRO 2/3 only without pipeline parallelism (DeepSpeed's
     pipeline engine), optimizer offload with ZeRO >= 1 and parameter offload with ZeRO 3. The tiled MLP
-    (``fixed["mlp_tile"]``) and host offload of checkpointed inputs (``fixed["offload_activations"]``, with
-    checkpointing only) are switched on when fixed, never searched."""
+    (``fixed["mlp_tile"]``), the tiled loss (``fixed["loss_tile"]``) and host offload of checkpointed inputs
+    (``fixed["offload_activations"]``, with checkpointing only) are switched on when fixed, never searched."""
     world, m = cluster.world, w.model
     out = []
     for tp, u, r, pp in itertools.product(*(fixed.get(a) and [fixed[a]] or _divisors(world)
@@ -646,7 +670,8 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
                 continue
             if fixed.get("offload_activations") and ck == "none":
                 continue
-            out.append(Strategy(dims, z, off, ck, fixed.get("mlp_tile", 0), fixed.get("offload_activations", False)))
+            out.append(Strategy(dims, z, off, ck, fixed.get("mlp_tile", 0), fixed.get("offload_activations", False),
+                                fixed.get("loss_tile", 0)))
     return out
 
 
@@ -771,6 +796,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fixed.add_argument("--checkpointing", choices=CHECKPOINTING, help="activation checkpointing mode")
     fixed.add_argument("--mlp-tile", type=positive_int,
                        help="tiled MLP (activation_checkpointing.tiled_mlp) with tiles of this many tokens")
+    fixed.add_argument("--loss-tile", type=positive_int,
+                       help="tiled loss (activation_checkpointing.tiled_loss) with tiles of this many tokens")
     fixed.add_argument("--offload-activations", action="store_true", default=None,
                        help="checkpointed inputs in host memory (activation_checkpointing.cpu; needs checkpointing)")
     parser.add_argument("--max-seq", action="store_true", help="find the longest sequence some layout fits")
@@ -897,7 +924,7 @@ def run(args: argparse.Namespace) -> int:
                       args.efficiency, args.intra_gbps, args.inter_gbps, args.pcie_gbps, args.cuda_context_gib,
                       args.nccl_buffsize_mib, args.nccl_channels, args.fragmentation)
     fixed = {a: getattr(args, a) for a in (*_FIXERS, "zero_stage", "offload", "checkpointing", "mlp_tile",
-                                           "offload_activations") if getattr(args, a) is not None}
+                                           "loss_tile", "offload_activations") if getattr(args, a) is not None}
     _check_fixed(w, cluster, fixed)
     result = {"model": model_info, "cluster": asdict(cluster), "fixed": fixed}
     fill = args.max_seq and args.grad_accum is None  # pipelines run m = pp micro-batches (filled)

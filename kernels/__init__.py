@@ -9,8 +9,10 @@ Two families, each laid out reference -> chunked PyTorch path -> Triton kernel -
   ``sdpa_attention`` oracle), :mod:`~ds4sci.kernels.local_chunked`, :mod:`~ds4sci.kernels.triton_local_attention`,
   and the API :mod:`~ds4sci.kernels.local_attention` (the protocol, ``memory_efficient_attention``).
 
-The MLP's memory-efficient path, :mod:`~ds4sci.kernels.tiled_mlp` (``tiled_mlp``: ALST's TiledMLP, token tiles
-recomputed in backward), serves GenSLM's ``activation_checkpointing.tiled_mlp``.
+The MLP's memory-efficient path, :mod:`~ds4sci.kernels.tiled_mlp` (``tiled_mlp``: ALST's TiledMLP), and the output
+projection and loss's, :mod:`~ds4sci.kernels.tiled_loss` (``tiled_loss``: ALST's tiled loss), both token tiles
+recomputed in backward (:mod:`~ds4sci.kernels.token_tiles`), serve GenSLM's ``activation_checkpointing.tiled_mlp``
+and ``tiled_loss``.
 
 Backend enums, their parser and the plain limits are in :mod:`ds4sci.kernels.backends`; Triton helpers shared by both
 kernels in :mod:`ds4sci.kernels.triton_common`. Importing this package imports neither torch nor Triton: the names

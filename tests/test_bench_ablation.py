@@ -5,7 +5,7 @@ import pytest
 from ds4sci.bench import ablation
 from ds4sci.bench.report import MIB
 
-SHAPE = {"hidden": 32, "heads": 4, "mlp_tile": 64}
+SHAPE = {"hidden": 32, "heads": 4, "mlp_tile": 64, "loss_tile": 64}
 
 
 def _run(row, L, S, device_per_layer, working, host=0):
@@ -52,3 +52,14 @@ def test_host_offload_row_measures_what_the_planner_predicts():
     assert runs[1]["host"] - runs[0]["host"] == 32 * 4 * S
     assert runs[1]["host"] == ablation.planner("+ host offload", SHAPE, 2, S)["host"]
     assert all(r["peak"] > 0 for r in runs)
+
+
+def test_the_tiled_loss_row_follows_the_baseline_and_stays_on():
+    """ALST's order: every row after the baseline computes the loss over tiles, so the tiled loss is the first switch
+    added and every later row keeps it; the planner's figure for that row has the loss tile's working set and no
+    logits term."""
+    rows = list(ablation.ROWS.items())
+    assert rows[0] == ("baseline", {"mode": "none"}) and rows[1][0] == "+ tiled loss"
+    assert all(switches.get("tiled_loss") for _, switches in rows[1:])
+    base, tiled = (ablation.planner(row, SHAPE, 2, 512) for row in ("baseline", "+ tiled loss"))
+    assert base["per_layer"] == tiled["per_layer"] and tiled["peak"] != base["peak"]

@@ -58,10 +58,11 @@ def test_mask_equals_memory_breakdown_measurement(policy):
 
 
 def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str, tile: int = 0,
-                            offload: bool = False) -> tuple[int, int, int]:
+                            offload: bool = False, loss_tile: int = 0) -> tuple[int, int, int]:
     """Bytes autograd saves in one forward, parameters left out (they are model state), with the MLP tiled over
     ``tile`` tokens (0: untiled); of those, the bytes left on the device after it; and the bytes :class:`HostOffload`
-    holds in host memory (``offload``)."""
+    holds in host memory (``offload``). With ``loss_tile`` the forward also computes the tiled loss (the head with
+    targets); without, it stops at the logits."""
     import functools
 
     from ds4sci.train.activation_checkpointing import CheckpointedCore, checkpoint
@@ -84,8 +85,10 @@ def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str, ti
             block.attention.core = CheckpointedCore(block.attention.core, kept)
     if checkpointing == "full":
         model.checkpoint_fn = kept
+    model.embed_out.tile = loss_tile
+    targets = {"targets": torch.randint(0, 6, (1, S))} if loss_tile else {}
     with saved:
-        model(torch.randint(0, 6, (1, S)), torch.arange(S)[None])
+        model(torch.randint(0, 6, (1, S)), torch.arange(S)[None], **targets)
     return saved.total, saved.on_device, host.offloaded_bytes
 
 
@@ -109,6 +112,21 @@ def test_activations_equal_saved_tensors(shape, checkpointing, tile):
     strategy = plan.Strategy(checkpointing=checkpointing, mlp_tile=tile)
     assert saved[1] - saved[0] == plan.layer_activation_bytes(w, strategy, checkpointing) * S
     assert saved[1] == plan.memory(w, strategy)["activations"] - 8 * SMALL["vocab_size"] * S
+
+
+@pytest.mark.parametrize("shape", ["neox-rotary", "llama-mqa-tied"])
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_tiled_loss_activations_equal_saved_tensors(shape, checkpointing):
+    """With the tiled loss (96-token tiles, the last of the 256 shorter) the whole model, loss included, saves exactly
+    the planner's activation term: no logits, the head keeps the final norm's output and the int64 targets (8 bytes
+    per token in place of 8 V); the tiled MLP on as in ALST's rows."""
+    S, tile = 256, 96
+    config = GenSLMConfig(**{**SHAPES[shape], "max_position_embeddings": S})
+    saved = _saved_activation_bytes(config, S, checkpointing, tile, loss_tile=tile)[0]
+    w = plan.Workload(config, S, dtype="fp32")
+    strategy = plan.Strategy(checkpointing=checkpointing, mlp_tile=tile, loss_tile=tile)
+    assert plan.loss_saved_bytes(w, strategy) == 8
+    assert saved == plan.memory(w, strategy)["activations"]
 
 
 @pytest.mark.parametrize("shape", ["neox-rotary", "neox-learned", "llama-gqa"])

@@ -7,10 +7,11 @@ verdicts and longest sequence (Fang & Zhao 2024, arXiv:2405.07719).
 Each case: the model (``llama3-8B``: Llama-3.1-8B's shape, bf16), the vocabulary (ALST's 128256-word one, or
 ds4sci's 69-codon one: what this model would do on genomes), the GPUs and their memory (80 GiB, no user reserve:
 the CUDA context, NCCL and DeepSpeed's buffers and fragmentation are the planner's terms), the layout (ZeRO-3, full
-checkpointing, one sequence per micro-step, no pipeline, no TP) and the switches. The predictions are pinned; the
-ratio to the published figure is printed in NOTES-planbuf.md's table. The remaining error of the 128K-vocabulary
-rows is the loss: ds4sci's loss keeps fp32 logits and their log-softmax, ``8 V`` bytes per local token (1 MiB at
-V = 128256), where ALST computes the loss over sequence tiles."""
+checkpointing, one sequence per micro-step, no pipeline, no TP) and the switches. ALST's runs after the baseline
+compute the loss over tiles (Liger's fused linear cross entropy: the ``model.type: liger`` of every ArcticTraining
+recipe but the baseline's), so those rows take ds4sci's tiled loss, ``--loss-tile 1024``
+(``activation_checkpointing.loss_tile``'s default), which keeps no ``8 V`` bytes of logits per token. The predictions
+are pinned; README's ALST table gives each ratio to the published figure and what the error is made of."""
 import json
 import re
 
@@ -22,26 +23,28 @@ LLAMA = ["--preset", "llama3-8B", "--gpu-mem-gib", "80", "--dtype", "bf16", "--z
          "--checkpointing", "full", "--tp", "1", "--pp", "1", "--ring", "1", "--max-seq", "--top", "1"]
 NODE, ONE = ["--gpus-per-node", "8", "--nodes", "1"], ["--gpus-per-node", "1", "--nodes", "1"]
 VOCAB = {"128K": ["--set", "model.overrides.vocab_size=128256"], "codon": []}
+LOSS = ["--loss-tile", "1024"]  # ALST's rows after the baseline compute the loss over tiles (Liger's fused loss)
 SWITCHES = {  # ALST's rows, each adding a switch to the row above
     "baseline (ZeRO-3, no SP)": ["--ulysses", "1", "--offload", "none"],
-    "Ulysses SP 8": ["--ulysses", "8", "--offload", "none"],
-    "+ tiled MLP": ["--ulysses", "8", "--offload", "none", "--mlp-tile", "1024"],
-    "+ checkpoint offload": ["--ulysses", "8", "--offload", "none", "--mlp-tile", "1024", "--offload-activations"],
-    "+ ZeRO-3 offload (all)": ["--ulysses", "8", "--offload", "all", "--mlp-tile", "1024", "--offload-activations"],
+    "Ulysses SP 8": ["--ulysses", "8", "--offload", "none", *LOSS],
+    "+ tiled MLP": ["--ulysses", "8", "--offload", "none", "--mlp-tile", "1024", *LOSS],
+    "+ checkpoint offload": ["--ulysses", "8", "--offload", "none", "--mlp-tile", "1024", "--offload-activations", *LOSS],
+    "+ ZeRO-3 offload (all)": ["--ulysses", "8", "--offload", "all", "--mlp-tile", "1024", "--offload-activations",
+                               *LOSS],
 }
 # (row, GPUs, vocabulary) -> (published longest sequence, the planner's)
 CASES = {
     ("baseline (ZeRO-3, no SP)", 8, "128K"): (32_768, 29_908),
-    ("Ulysses SP 8", 8, "128K"): (1_100_000, 237_312),
-    ("+ tiled MLP", 8, "128K"): (1_200_000, 272_672),
-    ("+ checkpoint offload", 8, "128K"): (2_400_000, 326_688),
-    ("+ ZeRO-3 offload (all)", 8, "128K"): (3_700_000, 396_392),
-    ("Ulysses SP 8", 8, "codon"): (1_100_000, 610_632),
-    ("+ tiled MLP", 8, "codon"): (1_200_000, 910_776),
-    ("+ checkpoint offload", 8, "codon"): (2_400_000, 1_953_632),
-    ("+ ZeRO-3 offload (all)", 8, "codon"): (3_700_000, 2_303_832),
-    ("+ ZeRO-3 offload (all)", 1, "128K"): (500_000, 41_371),
-    ("+ ZeRO-3 offload (all)", 1, "codon"): (500_000, 259_799),
+    ("Ulysses SP 8", 8, "128K"): (1_100_000, 572_080),
+    ("+ tiled MLP", 8, "128K"): (1_200_000, 853_064),
+    ("+ checkpoint offload", 8, "128K"): (2_400_000, 1_830_152),
+    ("+ ZeRO-3 offload (all)", 8, "128K"): (3_700_000, 2_233_208),
+    ("Ulysses SP 8", 8, "codon"): (1_100_000, 610_696),
+    ("+ tiled MLP", 8, "codon"): (1_200_000, 910_920),
+    ("+ checkpoint offload", 8, "codon"): (2_400_000, 1_954_280),
+    ("+ ZeRO-3 offload (all)", 8, "codon"): (3_700_000, 2_304_600),
+    ("+ ZeRO-3 offload (all)", 1, "128K"): (500_000, 243_433),
+    ("+ ZeRO-3 offload (all)", 1, "codon"): (500_000, 259_891),
 }
 
 
@@ -61,8 +64,9 @@ def test_published_case(case, capsys, monkeypatch, tmp_path):
     predicted = int(re.search(r"Longest sequence that fits: (\d+) tokens", capsys.readouterr().out).group(1))
     assert predicted == pinned, (case, predicted, published)
     ratio = predicted / published
-    # the codon-vocabulary rows and the baseline hold within 2x; the 128K-vocabulary SP rows do not (the loss)
-    assert (0.5 <= ratio <= 2) == (case[2] == "codon" or case[0].startswith("baseline")), (case, ratio)
+    # every row within 2x of the published figure but one GPU with Llama's vocabulary (0.49): there the planner keeps
+    # the bf16 gradients (15 GiB) on the device, which ZeRO-Infinity moves to the host
+    assert (0.5 <= ratio <= 2) != (case == ("+ ZeRO-3 offload (all)", 1, "128K")), (case, ratio)
 
 
 # USP (Fang & Zhao 2024, arXiv:2405.07719), Tables 5 and 6 as issue #28 quotes them (the tables themselves were not

@@ -3,8 +3,9 @@ planner's figure (the per-technique ablation of Arctic Long Sequence Training, A
 arXiv:2506.13996, Table 1, measured here on one process).
 
 Rows, each adding one switch to the one above (``activation_checkpointing`` in the training config): ``baseline``
-(nothing), ``+ checkpointing`` (``mode: full``), ``+ tiled MLP`` (``tiled_mlp: true``), ``+ host offload``
-(``cpu: true``). For each row, sequence length ``S`` and layer count ``L`` one fresh gloo process
+(nothing), ``+ tiled loss`` (``tiled_loss: true``; first after the baseline, as in ALST's runs, where every row after
+the baseline computes the loss over tiles), ``+ checkpointing`` (``mode: full``), ``+ tiled MLP`` (``tiled_mlp:
+true``), ``+ host offload`` (``cpu: true``). For each row, sequence length ``S`` and layer count ``L`` one fresh gloo process
 (:func:`ds4sci.spawn.run_workers`, DeepSpeed's CPU accelerator) builds a GenSLM, applies the switches as the trainer
 does (:func:`~ds4sci.train.activation_checkpointing.apply_activation_checkpointing`), runs a warm-up step at a tiny
 length and then one forward + cross-entropy + backward at ``S`` tokens, measuring:
@@ -32,9 +33,10 @@ from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyp
 
 ROWS = {  # name -> activation_checkpointing keys; each row adds one switch to the row above (ALST's ablation)
     "baseline": {"mode": "none"},
-    "+ checkpointing": {"mode": "full"},
-    "+ tiled MLP": {"mode": "full", "tiled_mlp": True},
-    "+ host offload": {"mode": "full", "tiled_mlp": True, "cpu": True},
+    "+ tiled loss": {"mode": "none", "tiled_loss": True},
+    "+ checkpointing": {"mode": "full", "tiled_loss": True},
+    "+ tiled MLP": {"mode": "full", "tiled_loss": True, "tiled_mlp": True},
+    "+ host offload": {"mode": "full", "tiled_loss": True, "tiled_mlp": True, "cpu": True},
 }
 VOCAB = 6
 _WARMUP_TOKENS = 64
@@ -48,10 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default: %(default)s)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
     parser.add_argument("--mlp-tile", type=int, default=1024, help="tokens per tiled-MLP tile (default: %(default)s)")
+    parser.add_argument("--loss-tile", type=int, default=1024,
+                        help="tokens per tiled-loss tile (default: %(default)s)")
     parser.add_argument("--budget-mib", type=float, default=1024.0,
                         help="per-rank budget for the longest-sequence column (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="S = 256, 512, L = 1, 2, hidden 32, 4 heads, tile 64 (a smoke test)")
+                        help="S = 256, 512, L = 1, 2, hidden 32, 4 heads, tiles 64 (a smoke test)")
 
 
 def _config(shape: dict, layers: int, seq_len: int):
@@ -75,8 +79,8 @@ def _worker(rank: int, world: int, switches: dict, shape: dict, layers: int, seq
     init_distributed()
     torch.manual_seed(0)
     model = GenSLM(_config(shape, layers, seq_len)).train()
-    offload = apply_activation_checkpointing(model, ActivationCheckpointingConfig(**switches,
-                                                                                  mlp_tile=shape["mlp_tile"]))
+    offload = apply_activation_checkpointing(model, ActivationCheckpointingConfig(
+        **switches, mlp_tile=shape["mlp_tile"], loss_tile=shape["loss_tile"]))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}  # storage object -> bytes; an offloaded storage keeps its object, not its memory
 
@@ -101,8 +105,11 @@ def _worker(rank: int, world: int, switches: dict, shape: dict, layers: int, seq
         g = torch.Generator().manual_seed(n)
         ids = torch.randint(0, VOCAB, (1, n + 1), generator=g)
         with torch.autograd.graph.saved_tensors_hooks(pack if hooks else (lambda t: t), lambda t: t):
-            logits = model(ids[:, :-1], torch.arange(n)[None])  # [1, n, V]
-            loss = F.cross_entropy(logits.float().flatten(0, 1), ids[0, 1:])
+            if switches.get("tiled_loss"):  # the head computes the summed loss tile by tile
+                loss = model(ids[:, :-1], torch.arange(n)[None], targets=ids[:, 1:]) / n
+            else:
+                logits = model(ids[:, :-1], torch.arange(n)[None])  # [1, n, V]
+                loss = F.cross_entropy(logits.float().flatten(0, 1), ids[0, 1:])
         out["host"] = offload.offloaded_bytes if offload is not None else 0
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -141,13 +148,15 @@ def planner(row: str, shape: dict, layers: int, seq_len: int) -> dict:
     switches = ROWS[row]
     w = plan.Workload(_config(shape, layers, seq_len), seq_len, dtype="fp32")
     strategy = plan.Strategy(checkpointing=switches["mode"], mlp_tile=shape["mlp_tile"] if switches.get(
-        "tiled_mlp") else 0, offload_activations=switches.get("cpu", False))
+        "tiled_mlp") else 0, offload_activations=switches.get("cpu", False),
+        loss_tile=shape["loss_tile"] if switches.get("tiled_loss") else 0)
     per_layer = plan.layer_activation_bytes(w, strategy, strategy.checkpointing) - plan.offloaded_layer_bytes(w, strategy)
     terms = plan.memory(w, strategy)
     peak = terms["activations"] + terms["workspace"] + terms["attention"] + terms["grads"]
-    # saved outside the layers (ids, final norm, logits): the plain model's activations less its layers'
-    outside = plan.memory(w, plan.Strategy())["activations"] / seq_len - layers * plan.layer_activation_bytes(
-        w, plan.Strategy(), "none")
+    # saved outside the layers (ids, final norm, logits or the tiled loss's targets): the activations without
+    # checkpointing less its layers'
+    plain = plan.Strategy(loss_tile=strategy.loss_tile)
+    outside = plan.memory(w, plain)["activations"] / seq_len - layers * plan.layer_activation_bytes(w, plain, "none")
     working = (terms["activations"] + terms["workspace"]) / seq_len - layers * per_layer - outside
     return {"per_layer": per_layer, "working_per_token": working, "host": terms["host_activations"], "peak": peak}
 
@@ -156,7 +165,7 @@ def summarize(report: dict) -> list[dict]:
     """Per row: measured and predicted per-layer device bytes and working set per token, in hidden vectors, and the
     longest sequence within the budget."""
     c = report["config"]
-    shape = {k: c[k] for k in ("hidden", "heads", "mlp_tile")}
+    shape = {k: c[k] for k in ("hidden", "heads", "mlp_tile", "loss_tile")}
     vector = c["hidden"] * 4  # one fp32 hidden vector
     small, large = min(c["layers"]), max(c["layers"])
     budget = c["budget_mib"] * MIB
@@ -188,7 +197,8 @@ def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"# ablation: what each memory switch leaves per token per layer (fp32, CPU, one process, hidden "
              f"{c['hidden']}, {plural(c['heads'], 'head')}, {plural(len(c['layers']), 'layer count')} "
-             f"{c['layers']}, tile {c['mlp_tile']}, chunked attention, rotary, causal)", "",
+             f"{c['layers']}, MLP tile {c['mlp_tile']}, loss tile {c['loss_tile']}, chunked attention, rotary, "
+             "causal)", "",
              f"Command: `{report['command']}`", "", report["allocator"], "",
              "Per row, each adding one switch to the row above; hidden vectors (`h e` bytes) per token; measured "
              "(saved-tensor hooks, HostOffload.offloaded_bytes, peak RSS) beside the planner's (`ds4sci plan`):", ""]
@@ -235,12 +245,12 @@ def run(args: argparse.Namespace) -> int:
     from ds4sci.bench.memory import allocator_settings, describe_allocator
 
     if args.quick:
-        seq_lens, layers, shape = (256, 512), (1, 2), {"hidden": 32, "heads": 4, "mlp_tile": 64}
+        seq_lens, layers, shape = (256, 512), (1, 2), {"hidden": 32, "heads": 4, "mlp_tile": 64, "loss_tile": 64}
     else:
         seq_lens, layers = args.seq_lens, args.layers
-        shape = {"hidden": args.hidden, "heads": args.heads, "mlp_tile": args.mlp_tile}
+        shape = {"hidden": args.hidden, "heads": args.heads, "mlp_tile": args.mlp_tile, "loss_tile": args.loss_tile}
     for name, value in (("--hidden", shape["hidden"]), ("--heads", shape["heads"]), ("--mlp-tile", shape["mlp_tile"]),
-                        ("--budget-mib", args.budget_mib)):
+                        ("--loss-tile", shape["loss_tile"]), ("--budget-mib", args.budget_mib)):
         if value <= 0:
             raise ValueError(f"{name}={value:g}: must be > 0")
     if shape["hidden"] % shape["heads"]:
@@ -249,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--layers {','.join(map(str, layers))}: give two layer counts, and at least two --seq-lens")
     command = "ds4sci bench ablation " + ("--quick" if args.quick else (
         f"--seq-lens {','.join(map(str, seq_lens))} --layers {','.join(map(str, layers))} --hidden {shape['hidden']} "
-        f"--heads {shape['heads']} --mlp-tile {shape['mlp_tile']}")) + f" --budget-mib {args.budget_mib:g}"
+        f"--heads {shape['heads']} --mlp-tile {shape['mlp_tile']} --loss-tile {shape['loss_tile']}")) + (
+        f" --budget-mib {args.budget_mib:g}")
     report = {"command": command, "allocator": describe_allocator(allocator_settings()),
               "config": {"seq_lens": list(seq_lens), "layers": list(layers), **shape, "budget_mib": args.budget_mib},
               "runs": []}

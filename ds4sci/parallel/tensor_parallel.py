@@ -83,6 +83,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ds4sci.kernels.tiled_loss import tiled_loss
 from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, token_loss
 from ds4sci.models.genslm.model import MLP, Attention, Block, RMSNorm, rms_norm
 from ds4sci.parallel.groups import SequenceParallelGroups
@@ -442,7 +443,13 @@ class VocabParallelOutput(nn.Module):
     """Output projection split on the vocabulary (column-parallel): hidden ``[B, T, hidden]``, the final norm's
     region gathered by ``source`` (a :class:`RegionGather`, whose backward sums the ranks' partial input gradients)
     -> this rank's logits ``[B, T, V_pad/tp]``; padded columns are ``-inf``. Saves the region, not the hidden
-    states, for backward."""
+    states, for backward.
+
+    With ``targets [B, T]``, :class:`~ds4sci.models.genslm.model.OutputHead`'s tiled loss on the vocabulary shards
+    (``tile`` tokens, :attr:`tile` set by ``activation_checkpointing.tiled_loss``): per tile this rank's logits and the
+    vocabulary-parallel cross entropy (:func:`vocab_parallel_token_loss`, whose max and sums are all-reduced over TP
+    per tile); the summed loss, the same on every TP rank. The tiled function saves the gathered hidden states
+    ``[B, T, hidden]`` (its tiles are pieces of them), not the region."""
 
     def __init__(self, linear: nn.Linear, tp: _TP, vocab_size: int, source: RegionGather):
         super().__init__()
@@ -456,14 +463,24 @@ class VocabParallelOutput(nn.Module):
         padding = torch.arange(self.start, self.start + rows) >= vocab_size
         device = "cpu" if self.weight.is_meta else self.weight.device  # a meta model's buffers stay real
         self.register_buffer("padding", padding.to(device), persistent=False)  # [V_pad/tp]
+        self.tile = 0  # tokens per tile of the loss (see the class docstring)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
         region = self.source.region(x, 0)
         self.source.release()  # the only reader of the final norm's region
-        logits = _ColumnParallelMatmul.apply(x, self.weight, None, region, 0)  # [B, T, V_pad/tp]
-        if bool(self.padding.any()):
-            logits = logits.masked_fill(self.padding, -math.inf)
-        return logits
+        if targets is not None:
+            if not self.tile:
+                raise ValueError("VocabParallelOutput: a loss needs a tile (activation_checkpointing.tiled_loss); "
+                                 "got tile=0")
+            loss_fn = functools.partial(vocab_parallel_token_loss, reduction="none", group=self.tp.group,
+                                        counter=self.tp.counter)
+            return tiled_loss(lambda piece: self._masked(F.linear(piece, self.weight)), loss_fn, x, targets,
+                              [self.weight], self.tile)
+        return self._masked(_ColumnParallelMatmul.apply(x, self.weight, None, region, 0))  # [B, T, V_pad/tp]
+
+    def _masked(self, logits: Tensor) -> Tensor:
+        """``logits [..., V_pad/tp]`` with the padded columns ``-inf``."""
+        return logits.masked_fill(self.padding, -math.inf) if bool(self.padding.any()) else logits
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, columns=[{self.start}, {self.start + self.weight.shape[0]})"
@@ -798,9 +815,10 @@ def vocab_parallel_token_loss(logits: Tensor, targets: Tensor, reduction: str = 
                               group: dist.ProcessGroup | None, counter: CommCounter | None = None) -> Tensor:
     """:func:`~ds4sci.models.genslm.token_loss` for vocabulary-sharded logits ``[B, T, V_pad/tp]`` (TP rank ``t``
     holds columns ``[t*V_pad/tp, (t+1)*V_pad/tp)``) against aligned ``targets [B, T]`` (-100 ignored): fp32, sum or
-    mean over the non-ignored targets, the same value on every TP rank. Collective over ``group``."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    mean over the non-ignored targets, or each token's ``[B, T]`` (``"none"``), the same value on every TP rank.
+    Collective over ``group``."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on [B, T]")
     world = group_size(group)
@@ -814,6 +832,8 @@ def vocab_parallel_token_loss(logits: Tensor, targets: Tensor, reduction: str = 
                          f"[{int(real.min())}, {int(real.max())}]")
     per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), group,
                                                  counter)
+    if reduction == "none":
+        return per_token.view(targets.shape)
     total = per_token.sum()
     return total if reduction == "sum" else total / valid.sum()
 

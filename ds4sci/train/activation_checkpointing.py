@@ -29,6 +29,19 @@ collectives run once per block, as without tiling. The tiled function saves that
 layers then read their tiles as plain linear layers), so under TP a tiled MLP keeps ``[B, T, hidden]`` where an untiled
 one keeps this rank's region ``[B, T/tp, hidden]`` and the ``[B, T, intermediate/tp]`` activations.
 
+Tiled loss (``tiled_loss: true``, with any mode; ALST's tiled loss): the output head computes the summed cross
+entropy itself over tiles of ``loss_tile`` tokens, recomputed in backward
+(:class:`~ds4sci.models.genslm.model.OutputHead`'s ``tile``; under TP
+:class:`~ds4sci.parallel.tensor_parallel.VocabParallelOutput`'s, with the vocabulary-parallel cross entropy per
+tile), so no ``[B, T, V]`` logits (or ``V/tp`` columns) and no fp32 log-softmax of them are saved, and none is alive
+for more than one tile; the trainer passes the targets into the model (``GenSLM.forward(..., targets=...)``) and gets
+the loss sum back. Only the final hidden states ``[B, T, hidden]`` and the targets are saved. The head's weight
+gradient (the embedding's, when tied) is summed over the tiles and accumulated once per backward, as the tiled MLP's.
+Under ZeRO-3 the head needs no leaf marking: it computes with its own weight, which ZeRO-3 gathers for its forward
+(all tiles) and, through the hook on its output (the loss), for its backward (every recomputed tile), with no
+submodule called per tile. Under pipeline parallelism the last stage returns the final hidden states and
+:class:`~ds4sci.train.pipeline.PipelineLoss` calls the head with the targets.
+
 Applied AFTER :func:`ds4sci.parallel.parallelize.parallelize`. Under tensor parallelism a full-mode block is a
 :class:`~ds4sci.parallel.tensor_parallel.TensorParallelBlock`, whose recomputation reruns its sequence-region
 all-gather and reduce-scatter over the TP group (every TP rank recomputes, in the same order); the selective core
@@ -72,7 +85,7 @@ from ds4sci.parallel.tensor_parallel import ColumnParallelLinear
 from ds4sci.train.activation_offload import HostOffload
 from ds4sci.train.config import ACTIVATION_CHECKPOINTING_MODES, ActivationCheckpointingConfig
 
-__all__ = ["CheckpointedCore", "apply_activation_checkpointing", "apply_tiled_mlp", "checkpoint"]
+__all__ = ["CheckpointedCore", "apply_activation_checkpointing", "apply_tiled_loss", "apply_tiled_mlp", "checkpoint"]
 
 
 def checkpoint(function, *args):
@@ -152,10 +165,18 @@ def apply_tiled_mlp(model: GenSLM, tile: int) -> None:
     set_z3_leaf_modules(model, [MLP])
 
 
+def apply_tiled_loss(model: GenSLM, tile: int) -> None:
+    """Compute the output head's loss over tiles of ``tile`` tokens, recomputed in backward (in place; see the module
+    docstring): ``model(..., targets=...)`` then returns the summed loss."""
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"activation_checkpointing.loss_tile={tile!r}: must be an integer >= 1 (tokens per tile)")
+    model.embed_out.tile = tile
+
+
 def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingConfig,
                                    device: torch.device | str = "cpu") -> HostOffload | None:
-    """Turn on ``cfg.mode`` activation checkpointing and, with ``cfg.tiled_mlp``, the tiled MLP in ``model`` (in
-    place; no-op for ``"none"`` without ``tiled_mlp``), with the checkpointed inputs in host memory when ``cfg.cpu``
+    """Turn on ``cfg.mode`` activation checkpointing and, with ``cfg.tiled_mlp`` / ``cfg.tiled_loss``, the tiled MLP /
+    loss in ``model`` (in place; no-op for ``"none"`` without either), with the checkpointed inputs in host memory when ``cfg.cpu``
     (:class:`~ds4sci.train.activation_offload.HostOffload` for ``device``, the device the model runs on; returned,
     else None).
 
@@ -166,6 +187,8 @@ def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingCo
         raise ValueError(f"activation_checkpointing.mode={cfg.mode!r}: expected none, full or selective")
     if cfg.tiled_mlp:
         apply_tiled_mlp(model, cfg.mlp_tile)
+    if cfg.tiled_loss:
+        apply_tiled_loss(model, cfg.loss_tile)
     if cfg.mode == "none":
         return None
     import deepspeed

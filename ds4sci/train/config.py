@@ -146,6 +146,13 @@ class ActivationCheckpointingConfig:
     # 1024 tokens: each tile's GEMMs keep 1024 rows per sequence (large matrix products, few launches), while the
     # live intermediate is 1024 x intermediate_size per sequence, 1/32 of the untiled one at 32K tokens per rank
     mlp_tile: int = _field(default=1024, help="tokens per tile of tiled_mlp, >= 1 (the last tile may be shorter)")
+    tiled_loss: bool = _field(default=False,
+                    help="compute the output projection and the cross entropy over tiles of loss_tile tokens and "
+                         "recompute them tile by tile in backward, so no [B, S/sp, vocab] logits are kept (ALST's "
+                         "tiled loss)")
+    # 1024 tokens: at a 128K vocabulary one tile's bf16 logits, their fp32 log-softmax and its gradient are ~1.3 GiB
+    # per sequence, 1/32 of the untiled ones at 32K tokens per rank; a 69-word codon vocabulary needs no smaller tile
+    loss_tile: int = _field(default=1024, help="tokens per tile of tiled_loss, >= 1 (the last tile may be shorter)")
 
 
 @dataclass
@@ -322,6 +329,8 @@ class Config:
               "keeps checkpoints on the CPU, but activation_checkpointing.mode=none checkpoints nothing")
         check(ac.mlp_tile >= 1, "activation_checkpointing.mlp_tile", ac.mlp_tile,
               "must be >= 1 token (the tile of activation_checkpointing.tiled_mlp)")
+        check(ac.loss_tile >= 1, "activation_checkpointing.loss_tile", ac.loss_tile,
+              "must be >= 1 token (the tile of activation_checkpointing.tiled_loss)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -8,6 +8,11 @@ taking and returning a tuple of tensors (what the engine passes between stages w
     BlockStage x L  (x, position_ids[, doc_ids])          -> (x, position_ids[, doc_ids])
     HeadStage       (x, position_ids[, doc_ids])          -> logits [B, T, V (/tp)]          last stage
 
+With the tiled loss (``activation_checkpointing.tiled_loss``: the model's head has a ``tile``) the last stage returns
+the final-normed hidden states ``[B, T, hidden]`` instead, and :class:`PipelineLoss` calls the head (this process's
+``model.embed_out``, a module of the last stage, the tied copy included) with them and the targets: the tiled loss
+runs on the last stage as without pipelining (ZeRO 0/1 here: nothing to gather).
+
 With ``tie_word_embeddings`` the head's matrix is the embedding's: the embedding stage is a DeepSpeed ``TiedLayerSpec``
 (key :data:`TIED_KEY`) used twice, as the first layer and, through :meth:`EmbeddingStage.logits`, as the last one
 after a :class:`HeadStage` that holds only the final norm. Each end stage builds its own copy (its engine names are
@@ -115,8 +120,9 @@ class EmbeddingStage(nn.Module):
         self.embed_out = model.embed_out if model.config.tie_word_embeddings else None
 
     def logits(self, x: Tensor) -> Tensor:
-        """The tied output layer: final-normed ``x [B, T, hidden]`` -> logits ``[B, T, V (/tp)]``."""
-        return self.embed_out(x)
+        """The tied output layer: final-normed ``x [B, T, hidden]`` -> logits ``[B, T, V (/tp)]`` (with a tiled loss,
+        ``x`` itself: :class:`PipelineLoss` calls the head)."""
+        return x if self.embed_out.tile else self.embed_out(x)
 
     def forward(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         input_ids, position_ids, *doc = inputs
@@ -146,7 +152,8 @@ class BlockStage(nn.Module):
 
 class HeadStage(nn.Module):
     """``(x [B, T(/tp), hidden], ...) -> logits [B, T, V (/tp)]``: GenSLM's final norm and output layer; with a tied
-    head, the final norm alone (``-> [B, T, hidden]``; the tied :class:`EmbeddingStage` follows)."""
+    head or a tiled loss, the final norm alone (``-> [B, T, hidden]``; the tied :class:`EmbeddingStage` follows, or
+    :class:`PipelineLoss` calls the head)."""
 
     def __init__(self, model: GenSLM):
         super().__init__()
@@ -155,7 +162,7 @@ class HeadStage(nn.Module):
 
     def forward(self, inputs: tuple[Tensor, ...]) -> Tensor:
         x = self.final_layer_norm(inputs[0])
-        return x if self.embed_out is None else self.embed_out(x)
+        return x if self.embed_out is None or self.embed_out.tile else self.embed_out(x)
 
 
 def pipeline_layers(model: GenSLM, position_table: Callable[[Tensor], Tensor] | None = None) -> list:
@@ -199,10 +206,12 @@ def genslm_name(pipe_name: str, num_layers: int) -> str:
 class PipelineLoss:
     """The last stage's ``loss_fn(logits, targets)``: the shard's token-loss sum, scaled like the trainer's loss
     (:func:`~ds4sci.train.loss.scaled_shard_loss`) while ``count`` is set (training), unscaled while it is None
-    (evaluation). ``total`` accumulates the unscaled sums (float64) for logging."""
+    (evaluation). ``total`` accumulates the unscaled sums (float64) for logging. With ``head`` (the model's output
+    head, when its loss is tiled) the stage output is the final hidden states and the sum is ``head(x, targets)``."""
 
-    def __init__(self, groups: SequenceParallelGroups):
+    def __init__(self, groups: SequenceParallelGroups, head: nn.Module | None = None):
         self.token_loss = token_loss_for(groups)
+        self.head = head
         self.count: Tensor | None = None
         self.factor = 1.0
         self.total = torch.zeros((), dtype=torch.float64)
@@ -212,8 +221,8 @@ class PipelineLoss:
         self.count, self.factor = count, factor
         self.total = torch.zeros((), dtype=torch.float64, device=count.device if count is not None else "cpu")
 
-    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
-        local = self.token_loss(logits, targets, "sum")
+    def __call__(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        local = self.token_loss(outputs, targets, "sum") if self.head is None else self.head(outputs, targets)
         self.total = self.total.to(local.device) + local.detach().double()
         return local if self.count is None else scaled_shard_loss(local, self.count, self.factor)
 
@@ -244,7 +253,8 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
     dims = groups.dims
     check_pipeline_gradient_reduction(cfg, groups, device)  # before the model's engine: fails fast
     pipe = StagePipeline(pipeline_layers(model, position_table), topology=pipeline_topology(dims),
-                         loss_fn=PipelineLoss(groups), partition_method="type:BlockStage")
+                         loss_fn=PipelineLoss(groups, model.embed_out if model.embed_out.tile else None),
+                         partition_method="type:BlockStage")
     pipe.to(device)
     if groups.tp_rank == 0:
         for p in pipe.parameters():

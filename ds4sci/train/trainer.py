@@ -14,8 +14,9 @@ undoes DeepSpeed's per-stage gradient reduction; the equivalence tests prove it 
 single-process training.
 
 Memory switches: ZeRO-Offload / ZeRO-Infinity (``zero.offload_*``) go into the DeepSpeed config
-(:mod:`ds4sci.train.engine`); activation checkpointing and the tiled MLP (``activation_checkpointing.*``) are applied
-to the model after sequence parallelism (:mod:`ds4sci.train.activation_checkpointing`). None changes the loss scale.
+(:mod:`ds4sci.train.engine`); activation checkpointing, the tiled MLP and the tiled loss (``activation_checkpointing.*``)
+are applied to the model after sequence parallelism (:mod:`ds4sci.train.activation_checkpointing`); with the tiled loss
+the model's head returns the loss sum (the targets go into the engine's forward). None changes the loss scale.
 
 The sequence-partitioned learned position table is kept OUT of the DeepSpeed engine and owned by
 :class:`ds4sci.train.position_table.PositionTable` (why: see there).
@@ -321,10 +322,14 @@ class Trainer:
 
     def _forward_sum(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         pos_embeds = self.pos_table(batch["position_ids"]) if self.pos_table is not None else None
-        logits = self.engine(batch["input_ids"], batch["position_ids"], batch.get("doc_ids"), position_embeds=pos_embeds)
-        self._shapes_checked()
         tgt = batch["targets"]
-        return self.loss_fn(logits, tgt, "sum"), (tgt != IGNORE_INDEX).sum()
+        inputs = (batch["input_ids"], batch["position_ids"], batch.get("doc_ids"))
+        if self.cfg.activation_checkpointing.tiled_loss:  # the head computes the loss sum itself, tile by tile
+            local_sum = self.engine(*inputs, position_embeds=pos_embeds, targets=tgt)
+        else:
+            local_sum = self.loss_fn(self.engine(*inputs, position_embeds=pos_embeds), tgt, "sum")
+        self._shapes_checked()
+        return local_sum, (tgt != IGNORE_INDEX).sum()
 
     def _all_sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the sequence x data group: every token of the global batch once (the TP ranks of a

@@ -14,6 +14,7 @@ tokens, labels and positions together.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping
 
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 
 from ds4sci.kernels.backends import LocalBackend, parse_backend
 from ds4sci.kernels.local_attention import memory_efficient_attention
+from ds4sci.kernels.tiled_loss import tiled_loss
 from ds4sci.kernels.tiled_mlp import tiled_mlp
 from ds4sci.models.genslm.config import GenSLMConfig
 from ds4sci.models.genslm.position import (LearnedPositionEmbedding, RotaryScaling, alibi_slopes, apply_rotary,
@@ -229,6 +231,30 @@ class MLP(nn.Module):
         return self.dense_4h_to_h(F.gelu(up, approximate=self.approximate))
 
 
+class OutputHead(nn.Linear):
+    """The output projection, a bias-free ``nn.Linear``: ``forward(x [B, T, hidden]) -> logits [B, T, V]``; with
+    ``targets [B, T]`` (aligned, -100 ignored), the summed token loss of those logits instead (fp32 scalar), computed
+    over tiles of :attr:`tile` tokens and recomputed in backward (:func:`~ds4sci.kernels.tiled_loss.tiled_loss`), so
+    no ``[B, T, V]`` tensor is alive.
+
+    :attr:`tile` (tokens, 0 by default: no loss here) is set from outside (``activation_checkpointing.tiled_loss``,
+    ``ds4sci.train.activation_checkpointing``). A subclass, not a wrapper module, so parameter names do not change; the
+    loss is computed inside this module's forward, where ZeRO-3 has gathered the weight.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, device: torch.device | str | None = None):
+        super().__init__(hidden_size, vocab_size, bias=False, device=device)
+        self.tile = 0  # see the class docstring
+
+    def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
+        if targets is None:
+            return super().forward(x)
+        if not self.tile:
+            raise ValueError("OutputHead: a loss needs a tile (activation_checkpointing.tiled_loss); got tile=0")
+        return tiled_loss(super().forward, functools.partial(token_loss, reduction="none"), x, targets, [self.weight],
+                          self.tile)
+
+
 class Block(nn.Module):
     """Pre-norm block: GPT-NeoX's parallel residual ``x + attn(ln1(x)) + mlp(ln2(x))``, or with
     ``parallel_residual=False`` Llama's sequential one, ``y = x + attn(ln1(x)); y + mlp(ln2(y))``."""
@@ -259,7 +285,9 @@ class GenSLM(nn.Module):
     before the final norm (0: the token and position embeddings): the layer ``ds4sci embed --layer`` reads.
     ``position_ids`` are global positions (under sequence parallelism: those of the local shard), never built
     inside. ``doc_ids`` restrict attention to the same document (packed windows). ``position_embeds [B, T, hidden]``
-    replaces the learned table's output after :meth:`pop_position_embedding`. ``cache`` (a :class:`KVCache`, eval
+    replaces the learned table's output after :meth:`pop_position_embedding`. ``targets [B, T]`` (aligned, -100
+    ignored; with a tiled output head, :class:`OutputHead`): returns the summed token loss (fp32 scalar) instead of the
+    logits, computed by the head. ``cache`` (a :class:`KVCache`, eval
     mode, no ``doc_ids``): cached decoding, the ``T`` tokens continuing the ``cache.length`` cached ones.
 
     ``device="meta"`` builds the parameters without storage; a trainer parallelizes the model and then draws only the
@@ -290,7 +318,7 @@ class GenSLM(nn.Module):
             self.emb_dropout = nn.Dropout(config.dropout)
             self.layers = nn.ModuleList(Block(config, device) for _ in range(config.num_layers))
             self.final_layer_norm = norm(config, device)
-            self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
+            self.embed_out = OutputHead(config.hidden_size, config.vocab_size, device=device)
             if config.tie_word_embeddings:  # one parameter, named embed_in.weight in named_parameters()
                 self.embed_out.weight = self.embed_in.weight
         self.checkpoint_fn = None  # see the class docstring
@@ -351,7 +379,8 @@ class GenSLM(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor | None = None,
                 return_hidden: bool = False, position_embeds: Tensor | None = None,
-                cache: KVCache | None = None, stop_after: int | None = None) -> Tensor:
+                cache: KVCache | None = None, stop_after: int | None = None,
+                targets: Tensor | None = None) -> Tensor:
         if input_ids.ndim != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and position_ids must both be [B, T], got {tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
@@ -383,6 +412,10 @@ class GenSLM(nn.Module):
         if stop_after is not None:
             return x  # [B, T, hidden], the output of block stop_after
         x = self.final_layer_norm(x)
+        if targets is not None:
+            if return_hidden:
+                raise ValueError("pass targets (the loss) or return_hidden (the hidden states), not both")
+            return self.embed_out(x, targets)  # the summed loss
         return x if return_hidden else self.embed_out(x)
 
 
@@ -401,8 +434,10 @@ def shift_labels(labels: Tensor) -> Tensor:
 
 
 def token_loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
-    """Cross entropy of ``logits [B, T, V]`` against already aligned ``targets [B, T]`` (-100 ignored)."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+    """Cross entropy of ``logits [B, T, V]`` against already aligned ``targets [B, T]`` (-100 ignored), in fp32: the
+    mean or sum over the real targets, or with ``reduction="none"`` each token's ``[B, T]`` (0 where ignored)."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction=reduction)
+    return loss.view(targets.shape) if reduction == "none" else loss

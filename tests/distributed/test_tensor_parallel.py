@@ -330,9 +330,10 @@ def test_tiled_mlp_saved_bytes_tp2():
 
 # ---------------------------------------------------------------------------- the loss's "mean" reduction, TP2
 def _worker_loss_reductions(rank, world):
-    """The vocabulary-parallel loss under TP2, "mean" and "sum", values and logit gradients, against
-    ``F.cross_entropy(ignore_index=-100)`` in fp64 on the full logits: "mean" divides by the 7 valid targets of 12
-    (dividing by all 12 would be 7/12 of the reference)."""
+    """The vocabulary-parallel loss under TP2, "mean", "sum" and "none" (per token, the tiled loss's), values and logit
+    gradients, against ``F.cross_entropy(ignore_index=-100)`` in fp64 on the full logits: "mean" divides by the 7
+    valid targets of 12 (dividing by all 12 would be 7/12 of the reference); "none" is back-propagated with distinct
+    weights per token."""
     groups = build_groups(ParallelDims(dp=1, tp=2))
     V = 10  # 5 columns per TP rank
     gen = torch.Generator().manual_seed(11)
@@ -344,19 +345,22 @@ def _worker_loss_reductions(rank, world):
     # both ranks' columns hold targets: the target logit comes from the other rank for some rows
     assert {int(t) // (V // 2) for t in targets[~ignored]} == {0, 1}, targets
     cols = slice(rank * V // 2, (rank + 1) * V // 2)
-    for reduction in ("mean", "sum"):
+    weights = torch.arange(1.0, 13.0).view(2, 6)  # per-token gradient weights for "none"
+    for reduction in ("mean", "sum", "none"):
         ref_logits = full.double().requires_grad_()
         ref = F.cross_entropy(ref_logits.reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                               reduction=reduction)
-        ref.backward()
+        ref = ref.view(2, 6) if reduction == "none" else ref
+        (ref * weights.double() if reduction == "none" else ref).sum().backward()
         mine = full[..., cols].clone().requires_grad_()
         loss = token_loss_for(groups)(mine, targets, reduction)
-        loss.backward()
-        assert loss.item() == pytest.approx(ref.item(), rel=RTOL), (reduction, loss.item(), ref.item())
+        (loss * weights if reduction == "none" else loss).sum().backward()
+        assert loss.shape == ref.shape, (reduction, loss.shape)
+        torch.testing.assert_close(loss.double(), ref.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"[{reduction}] {m}")
         torch.testing.assert_close(mine.grad.double(), ref_logits.grad[..., cols], rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"[{reduction}] logit gradient: {m}")
-    _expect_value_error("none", "reduction must be 'mean' or 'sum', got 'none'",
-                        lambda: token_loss_for(groups)(full[..., cols], targets, "none"))
+    _expect_value_error("avg", "reduction must be 'mean', 'sum' or 'none', got 'avg'",
+                        lambda: token_loss_for(groups)(full[..., cols], targets, "avg"))
     return True
 
 

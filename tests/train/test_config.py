@@ -205,6 +205,7 @@ NEW_KEYS = {  # every key of the zero / activation_checkpointing sections and th
     "zero.stage": 3, "zero.offload_optimizer": "cpu", "zero.offload_param": "cpu", "zero.pin_memory": False,
     "activation_checkpointing.mode": "selective", "activation_checkpointing.cpu": True,
     "activation_checkpointing.tiled_mlp": True, "activation_checkpointing.mlp_tile": 256,
+    "activation_checkpointing.tiled_loss": True, "activation_checkpointing.loss_tile": 512,
     "parallel.tp": 1, "parallel.pp": 1, "parallel.dp": 2,
 }
 
@@ -257,6 +258,8 @@ def test_zero_checkpointing_and_degree_keys_round_trip_through_yaml_set_and_prin
         (["activation_checkpointing.tiled_mlp=true", "activation_checkpointing.mlp_tile=0"],
          ["activation_checkpointing.mlp_tile=0", ">= 1 token"]),
         (["activation_checkpointing.mlp_tile=-8"], ["activation_checkpointing.mlp_tile=-8"]),
+        (["activation_checkpointing.tiled_loss=true", "activation_checkpointing.loss_tile=0"],
+         ["activation_checkpointing.loss_tile=0", ">= 1 token", "tiled_loss"]),
         (["parallel.tp=3", "data.seq_len=96"], ["parallel.tp=3", "tp=3 x ulysses=1 = 3 must divide the number of heads 4"]),
         (["parallel.tp=2", "model.overrides.intermediate_size=63"],
          ["parallel.tp=2", "tp=2 must divide the MLP width intermediate_size=63"]),
