@@ -171,17 +171,48 @@ def test_block_saved_equals_saved_tensors(name, dtype):
 def test_inference_live_peak_equals_measurement(name, dtype):
     """Inference: per sub-module, the peak of live tensors while it runs (what the block keeps alive around it and
     its residual add included) is exactly the planner's, unchunked and chunked by 1, 2 and 4 rows (the last chunk
-    shorter, or the only one), at crops of 6, 9 and 16 residues."""
+    shorter, or of 1 row), at crops of 6, 9 and 16 residues."""
     shape = SHAPES[name]
     block = _block(shape, dtype).eval()
-    for (n_res, n_seq) in ((6, 5), (9, 3), (16, 4)):
-        for chunk in (None, 1, 2, 4):
-            inputs = _inputs(shape, n_res, n_seq, dtype)
-            measured, block_peak = _live_by_submodule(block, shape, inputs, chunk)
-            w = pe.Workload(shape, n_res, n_seq if shape.evoformer else 0, dtype, "inference", chunk)
-            predicted = pe.block_live_bytes(w)
-            assert measured == {k: v for k, v in predicted.items() if k != "inside_ops"}, (n_res, n_seq, chunk)
-            assert block_peak == max(measured.values())
+    for (n_res, n_seq), chunk in (((6, 5), None), ((9, 3), None), ((16, 4), None), ((6, 5), 4), ((9, 3), 2),
+                                  ((16, 4), 1), ((16, 4), 4)):
+        inputs = _inputs(shape, n_res, n_seq, dtype)
+        measured, block_peak = _live_by_submodule(block, shape, inputs, chunk)
+        w = pe.Workload(shape, n_res, n_seq if shape.evoformer else 0, dtype, "inference", chunk)
+        predicted = pe.block_live_bytes(w)
+        assert measured == {k: v for k, v in predicted.items() if k != "inside_ops"}, (n_res, n_seq, chunk)
+        assert block_peak == max(measured.values())
+
+
+def _saved_on_rank(rank: int, world: int, name: str, n_res: int, n_seq: int) -> int:
+    """This rank's bytes saved for backward by one block under ds4sci.evoformer_context_parallel (1-D), fp32."""
+    from ds4sci import evoformer_context_parallel
+
+    shape = SHAPES[name]
+    block = _block(shape).train()
+    x, z, x_mask, pair_mask = _inputs(shape, n_res, n_seq, "fp32")
+    x.requires_grad_()
+    z.requires_grad_()
+    with SavedBytes(block) as saved:
+        evoformer_context_parallel(block)(x, z, x_mask, pair_mask)
+    return saved.total
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, P, n_res, n_seq", [("evoformer-af2-like", 2, 7, 5), ("pairformer-tiny", 3, 8, 0)])
+def test_1d_block_saved_equals_saved_tensors_per_rank(name, P, n_res, n_seq):
+    """1-D (gloo, P processes; N_res and N_seq padded to multiples of P): every rank saves the planner's block figure
+    (its rows of every sub-module, the padded masks whole) plus the gathered tensors whole, and, a lone block being
+    the stack's entry, the views its first norms keep of the whole padded inputs (the entry split is a view: inside a
+    sharded stack the all-to-alls give each block its own pieces)."""
+    from ds4sci.spawn import run_workers
+
+    shape = SHAPES[name]
+    w = pe.Workload(shape, n_res, n_seq, "fp32", "training", layout="1d", gpus=P)
+    n, s = -(-n_res // P) * P, -(-n_seq // P) * P
+    entry = (1 - 1 / P) * (n * n * shape.c_z + (s * n * shape.c_m if shape.evoformer else 0)) * 4
+    predicted = sum(pe.block_saved_bytes(w).values()) + sum(pe.gathered_bytes(w).values()) + entry
+    assert run_workers(_saved_on_rank, P, name, n_res, n_seq) == [predicted] * P
 
 
 @pytest.mark.parametrize("preset", sorted(pe.PRESETS))
