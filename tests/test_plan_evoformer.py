@@ -184,35 +184,42 @@ def test_inference_live_peak_equals_measurement(name, dtype):
         assert block_peak == max(measured.values())
 
 
-def _saved_on_rank(rank: int, world: int, name: str, n_res: int, n_seq: int) -> int:
-    """This rank's bytes saved for backward by one block under ds4sci.evoformer_context_parallel (1-D), fp32."""
+def _saved_on_rank(rank: int, world: int, cases: list) -> list[int]:
+    """This rank's bytes saved for backward by one block under ds4sci.evoformer_context_parallel (1-D), fp32, per
+    ``(shape name, n_res, n_seq)`` of ``cases``."""
     from ds4sci import evoformer_context_parallel
 
-    shape = SHAPES[name]
-    block = _block(shape).train()
-    x, z, x_mask, pair_mask = _inputs(shape, n_res, n_seq, "fp32")
-    x.requires_grad_()
-    z.requires_grad_()
-    with SavedBytes(block) as saved:
-        evoformer_context_parallel(block)(x, z, x_mask, pair_mask)
-    return saved.total
+    out = []
+    for name, n_res, n_seq in cases:
+        shape = SHAPES[name]
+        block = _block(shape).train()
+        x, z, x_mask, pair_mask = _inputs(shape, n_res, n_seq, "fp32")
+        x.requires_grad_()
+        z.requires_grad_()
+        with SavedBytes(block) as saved:
+            evoformer_context_parallel(block)(x, z, x_mask, pair_mask)
+        out.append(saved.total)
+    return out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name, P, n_res, n_seq", [("evoformer-af2-like", 2, 7, 5), ("pairformer-tiny", 3, 8, 0)])
-def test_1d_block_saved_equals_saved_tensors_per_rank(name, P, n_res, n_seq):
-    """1-D (gloo, P processes; N_res and N_seq padded to multiples of P): every rank saves the planner's block figure
-    (its rows of every sub-module, the padded masks whole) plus the gathered tensors whole, and, a lone block being
-    the stack's entry, the views its first norms keep of the whole padded inputs (the entry split is a view: inside a
+def test_1d_block_saved_equals_saved_tensors_per_rank():
+    """1-D (gloo, 2 processes; odd N_res and N_seq, padded to even): every rank saves the planner's block figure (its
+    rows of every sub-module, the padded masks whole) plus the gathered tensors whole, and, a lone block being the
+    stack's entry, the views its first norms keep of the whole padded inputs (the entry split is a view: inside a
     sharded stack the all-to-alls give each block its own pieces)."""
     from ds4sci.spawn import run_workers
 
-    shape = SHAPES[name]
-    w = pe.Workload(shape, n_res, n_seq, "fp32", "training", layout="1d", gpus=P)
-    n, s = -(-n_res // P) * P, -(-n_seq // P) * P
-    entry = (1 - 1 / P) * (n * n * shape.c_z + (s * n * shape.c_m if shape.evoformer else 0)) * 4
-    predicted = sum(pe.block_saved_bytes(w).values()) + sum(pe.gathered_bytes(w).values()) + entry
-    assert run_workers(_saved_on_rank, P, name, n_res, n_seq) == [predicted] * P
+    P, cases = 2, [("evoformer-af2-like", 7, 5), ("pairformer-tiny", 7, 0)]
+    predicted = []
+    for name, n_res, n_seq in cases:
+        shape = SHAPES[name]
+        w = pe.Workload(shape, n_res, n_seq, "fp32", "training", layout="1d", gpus=P)
+        n, s = -(-n_res // P) * P, -(-n_seq // P) * P
+        entry = (1 - 1 / P) * (n * n * shape.c_z + (s * n * shape.c_m if shape.evoformer else 0)) * 4
+        predicted.append(sum(pe.block_saved_bytes(w).values()) + sum(pe.gathered_bytes(w).values()) + entry)
+    assert run_workers(_saved_on_rank, P, cases) == [predicted] * P
 
 
 @pytest.mark.parametrize("preset", sorted(pe.PRESETS))
@@ -267,26 +274,30 @@ def test_max_crop_fits_and_one_more_does_not(argv, capsys):
     assert pe.memory(w)["total"] <= w.gpu_mem_gib * GIB < pe.memory(w.with_n_res(n + 1))["total"]
 
 
-# Published anchors: (argv, the published crop, what it is). Order of magnitude: the ratio predicted / published
-# must lie within ANCHOR_BAND (README's table says what the error is made of).
+# Published anchors (order of magnitude): argv, the published crop, and the band the ratio predicted / published must
+# lie in, with its reason (README's table says what the error is made of).
 ANCHORS = {
-    # FastFold's README: 10,000 residues in bf16 with 61 GB on one A100-80GB with --chunk_size (fp32: 8,000)
-    "fastfold-bf16": (["--preset", "af2", "--dtype", "bf16", "--chunk-size", "4", "--gpu-mem-gib", "80"], 10_000),
-    "fastfold-fp32": (["--preset", "af2", "--dtype", "fp32", "--chunk-size", "4", "--gpu-mem-gib", "80"], 8_000),
-    # Fold-CP (arXiv:2603.14806): more than 30,000 residues on 64 B300 GPUs (288 GB = 268 GiB each), Boltz's
-    # Pairformer on a 2-D 8 x 8 mesh
+    # FastFold's README: 10,000 residues in bf16 with 61 GB on one A100-80GB with --chunk_size (fp32: 8,000). ds4sci
+    # keeps more than FastFold at inference (its triangle multiplication is not chunked, its residual adds are not in
+    # place), so it must not predict a longer crop than FastFold ran, nor less than 0.4 of it.
+    "fastfold-bf16": (["--preset", "af2", "--dtype", "bf16", "--chunk-size", "4", "--gpu-mem-gib", "80"], 10_000,
+                      (0.4, 1.0)),
+    "fastfold-fp32": (["--preset", "af2", "--dtype", "fp32", "--chunk-size", "4", "--gpu-mem-gib", "80"], 8_000,
+                      (0.4, 1.0)),
+    # Fold-CP (arXiv:2603.14806): "exceeding 30,000 residues" on 64 B300 GPUs (288 GB = 268 GiB each), Boltz's
+    # Pairformer on a 2-D 8 x 8 mesh. A lower bound of what ran, of a whole model (MSA module, diffusion over atoms,
+    # confidence heads) beyond the trunk modelled here: the prediction must reach it, and stay within 3x.
     "fold-cp": (["--preset", "af3", "--dtype", "bf16", "--layout", "2d", "--gpus", "64", "--gpu-mem-gib", "268"],
-                30_000),
+                30_000, (1.0, 3.0)),
 }
-ANCHOR_BAND = (1 / 3, 3)
 
 
 @pytest.mark.parametrize("anchor", sorted(ANCHORS))
 def test_published_anchors_within_band(anchor, capsys):
-    argv, published = ANCHORS[anchor]
+    argv, published, (low, high) = ANCHORS[anchor]
     assert cli.main(["plan-evoformer", "--max-crop", *argv]) == 0
     predicted = int(capsys.readouterr().out.split("Longest crop that fits: ")[1].split()[0])
-    assert ANCHOR_BAND[0] <= predicted / published <= ANCHOR_BAND[1], predicted
+    assert low <= predicted / published <= high, predicted
 
 
 def test_command_writes_its_report(tmp_path, capsys):
