@@ -24,9 +24,9 @@ pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_
   ``o * g`` (``6 H c``), the kernel's fp32 softmax statistics (row max and row sum, ``8 H`` bytes: linear in the key
   length, no logits) and the mask bias (1); the pair bias ``H`` per pair; the ReLU transition ``(1 + n) C`` beside its
   norm, SwiGLU ``(1 + 4 n) C``; the outer product mean ``a``, ``b`` (``2 c_opm`` per MSA position) and the outer
-  products ``c_opm^2`` and count per pair; each triangle multiplication ``10 c_mul + 2 C_z`` per pair beside its
-  norm (gate, masked gate and projection of a and b, batched matmul's copies of a and b, p and its norm, the output
-  gate and projection); the masks once per block. The plain reference backend adds the softmax's saved
+  products ``c_opm^2`` and count per pair; each triangle multiplication, per pair beside its input norm, ``3 C_z``
+  (the normed x, the output gate and projection) and ``10 c_mul`` (gate, masked gate and projection of a and b,
+  batched matmul's copies of a and b, p, LN(p)) and p's norm statistics; the masks once per block. The plain reference backend adds the softmax's saved
   ``[rows, H, S, S]`` probabilities and exponentials (``2 H S`` per position, ``e`` each).
 - **working** set: training, the recomputed block's backward: the gradients of its outputs and inputs ``2 (z + m)``
   plus the largest sub-module's saved bytes (the gradients of its intermediates are at most as large); inference, the
@@ -48,9 +48,10 @@ pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_
   the einsum's b), so they are held together; inference holds the largest one, and its matmul copy, at a time.
 - **reserve**: ``--reserve-gib`` for the CUDA context, NCCL buffers and fragmentation.
 
-2-D (``p x p`` mesh, :mod:`ds4sci.parallel.evoformer_cp2d`): every activation term is a tile, ``1/p^2``; ring
-attention and Cannon's products hold the tile in use and the one arriving (counted as one more tile of each rotating
-operand); the masks are held whole (the mesh code slices tiles out of the whole padded masks). evoformer_cp2d runs
+2-D (``p x p`` mesh, :mod:`ds4sci.parallel.evoformer_cp2d`): every activation term is a tile, ``1/p^2``, at the
+tile's shape (keys of one tile per attention call); ring attention also saves the rotated key/value input tile
+(one more ``C_in`` tile per attention); tiles in flight are not counted; the masks are held whole (the mesh code
+slices tiles out of the whole padded masks). evoformer_cp2d runs
 an Evoformer block only: a Pairformer on a mesh is modelled with its pair stack tiled the same way and its s-side
 replicated, as the 1-D code runs it. Sharded figures (1-D and 2-D) are the single-device counts at the local shapes
 plus the gathers; they are not pinned by a measurement here.
