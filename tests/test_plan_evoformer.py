@@ -184,6 +184,35 @@ def test_inference_live_peak_equals_measurement(name, dtype):
         assert block_peak == max(measured.values())
 
 
+@pytest.mark.parametrize("name", ["evoformer-af2-like", "pairformer-af3-like"])
+def test_training_step_peak_is_bounded_by_the_model(name):
+    """Training, two blocks each checkpointed (torch.utils.checkpoint, non-reentrant) at 24 residues: the peak of live
+    tensors over forward and backward, less the parameter gradients (the planner's parameter term) and the inputs
+    (its representations), is at most the planner's checkpoints + block_saved + working, and at least 2/3 of it (the
+    working set is an upper bound, not a count)."""
+    from torch.utils.checkpoint import checkpoint
+
+    shape = SHAPES[name]
+    blocks = [_block(shape).train() for _ in range(2)]
+    x, z, x_mask, pair_mask = _inputs(shape, 24, 8, "fp32")
+    x.requires_grad_()
+    z.requires_grad_()
+    ignore = [p.untyped_storage().data_ptr() for b in blocks for p in b.parameters()]
+    live = LiveTensors(ignore + [t.untyped_storage().data_ptr() for t in (x, z, x_mask, pair_mask)])
+    with live:
+        a, b = x, z
+        for block in blocks:
+            a, b = checkpoint(block, a, b, x_mask, pair_mask, use_reentrant=False)
+        (a.square().sum() + b.square().sum()).backward()
+        del a, b
+    measured = live.peak - sum(4 * p.numel() for b in blocks for p in b.parameters())
+    w = pe.Workload(pe.EvoformerShape(**{**vars(shape), "blocks": 2}), 24, 8 if shape.evoformer else 0, "fp32",
+                    "training")
+    mem = pe.memory(w)
+    predicted = mem["checkpoints"] + mem["block_saved"] + mem["working"]
+    assert measured <= predicted <= 1.5 * measured
+
+
 def _saved_on_rank(rank: int, world: int, cases: list) -> list[int]:
     """This rank's bytes saved for backward by one block under ds4sci.evoformer_context_parallel (1-D), fp32, per
     ``(shape name, n_res, n_seq)`` of ``cases``."""
