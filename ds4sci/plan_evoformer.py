@@ -391,7 +391,7 @@ def block_live_bytes(w: Workload) -> dict[str, float]:
         # outer product mean: a, b and the count; per chunk of rows i: the einsum's copy of a's rows and its output,
         # the previous chunk's output still bound, the flattened copy, the projection; then the concatenation and
         # the division by the count
-        r, last, k = _chunks(rows_col, w.chunk_size if w.layout == "1" else None)
+        r, last, k = _chunks(rows_col, chunk)
         per_row = g.pairs / rows_col
         ab = g.msa * 2 * co * e + (g.msa_all * co * e if g.gathered else 0) + g.pairs * e
         chunk_outer = per_row * co * co * e
@@ -425,7 +425,7 @@ def block_live_bytes(w: Workload) -> dict[str, float]:
     inside = g.pairs * cz * e
     if sh.evoformer:
         inside = max(inside, g.msa * cm * (4 if e < 4 else e))
-    if w.backend == "kernel" and not ref:
+    if not ref:
         inside = max(inside, TORCH_LOGITS_BLOCK)
     out["inside_ops"] = inside
     return out
