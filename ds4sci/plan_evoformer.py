@@ -30,18 +30,19 @@ pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_
   reference backend saves the softmax's exponentials and probabilities (``2 H S`` per position, ``e`` each) instead
   of the statistics (modelled: within 1% of the measurement, not asserted).
 - **working** set: training, the recomputed block's backward: the gradients of its outputs and inputs ``2 (z + m)``
-  plus the largest sub-module's saved bytes (the gradients of its intermediates are at most as large): an upper
-  bound: checkpoints, block_saved and working together are 1.2-1.3x the measured peak of live tensors of a
-  checkpointed two-block training step at 24 residues, its inputs and the parameter gradients left out
-  (tests/test_plan_evoformer.py; not exact; without the largest sub-module's term, 0.96-1.01x); inference, the peak of live tensors of one block beyond its inputs (:func:`block_live_bytes`: per sub-module the intermediates
-  alive at its peak, read from its forward, on top of what the block keeps alive around it; e.g. the triangle
-  multiplication holds ``x``, ``a``, ``b``, ``p``, the gate, ``LN(p)`` and its projection, ``3 C_z + 4 c_mul`` per pair,
-  because ds4sci does not chunk it; the outer product mean its ``[i, N, c_opm^2]`` products twice (einsum's output
-  and the flattened copy); ``--chunk-size`` bounds the attentions, transitions and outer product rows as the modules
-  do). Checked exactly against the peak of live tensors returned by each op on the CPU (a
-  ``TorchDispatchMode`` that counts storages until their last tensor dies: tests/test_plan_evoformer.py); not seen
-  by it and so modelled only: scratch inside one op (the torch backend's logits blocks, at most 4 MiB; layer_norm's
-  contiguous copy of a transposed input, listed as ``inside_ops``).
+  plus the largest sub-module's saved bytes (the gradients of its intermediates are at most as large): an upper bound:
+  checkpoints, block_saved and working together are 1.2-1.3x the measured peak of live tensors of a checkpointed
+  two-block training step at 24 residues, its inputs and the parameter gradients left out
+  (tests/test_plan_evoformer.py; not exact; without the largest sub-module's term, 0.96-1.01x); inference, the peak of
+  live tensors of one block beyond its inputs (:func:`block_live_bytes`: per sub-module the intermediates alive at its
+  peak, read from its forward, on top of what the block keeps alive around it; e.g. the triangle multiplication holds
+  ``x``, ``a``, ``b``, ``p``, the gate, ``LN(p)`` and its projection, ``3 C_z + 4 c_mul`` per pair, because ds4sci
+  does not chunk it; the outer product mean its ``[i, N, c_opm^2]`` products twice (einsum's output and the flattened
+  copy); ``--chunk-size`` bounds the attentions, transitions and outer product rows as the modules do). Checked
+  exactly against the peak of live tensors returned by each op on the CPU (a ``TorchDispatchMode`` that counts
+  storages until their last tensor dies: tests/test_plan_evoformer.py); not seen by it and so modelled only: scratch
+  inside one op (the torch backend's logits blocks, at most 4 MiB; layer_norm's contiguous copy of a transposed input,
+  listed as ``inside_ops``).
 - **gathers** (1-D only, FastFold's all-gathers that do not shrink with P): from
   :mod:`ds4sci.parallel.evoformer_cp`, per Evoformer block the MSA pair bias ``N^2 H_msa``, the outer product's ``b``
   ``S N c_opm``, the triangle multiplications' ``b`` and ``a`` ``2 N^2 c_mul`` and the triangle biases ``2 N^2
@@ -51,15 +52,15 @@ pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_
   the einsum's b), so they are held together; inference holds the largest one, and its matmul copy, at a time.
 - **reserve**: ``--reserve-gib`` for the CUDA context, NCCL buffers and fragmentation.
 
-2-D (``p x p`` mesh, :mod:`ds4sci.parallel.evoformer_cp2d`): every activation term is a tile, ``1/p^2``, at the
-tile's shape (keys of one tile per attention call); ring attention also saves the rotated key/value input tile
-(one more ``C_in`` tile per attention); tiles in flight are not counted; the masks are held whole (the mesh code
-slices tiles out of the whole padded masks). evoformer_cp2d runs
-an Evoformer block only: a Pairformer on a mesh is modelled with its pair stack tiled the same way and its s-side
-replicated, as the 1-D code runs it. Sharded figures are the single-device counts at the local shapes plus the
-gathers: in 1-D every rank's bytes saved for backward equal them exactly, on a 2 x 2 mesh within 5% (a rank whose
-mesh offset is 0 keeps its own tile where the skew copies the others'), both on gloo (tests/test_plan_evoformer.py);
-the sharded inference peaks are not measured.
+2-D (``p x p`` mesh, :mod:`ds4sci.parallel.evoformer_cp2d`): every activation term is a tile, ``1/p^2``, at the tile's
+shape (keys of one tile per attention call); ring attention also saves the rotated key/value input tile (one more
+``C_in`` tile per attention); tiles in flight are not counted; the masks are held whole (the mesh code slices tiles
+out of the whole padded masks). evoformer_cp2d runs an Evoformer block only: a Pairformer on a mesh is modelled with
+its pair stack tiled the same way and its s-side replicated, as the 1-D code runs it. Sharded figures are the
+single-device counts at the local shapes plus the gathers: in 1-D every rank's bytes saved for backward equal them
+exactly, on a 2 x 2 mesh within 5% (a rank whose swap or skew leaves its own tile, on the diagonal or at offset 0,
+saves no received copy of it), both on gloo (tests/test_plan_evoformer.py); the sharded inference peaks are not
+measured.
 
 Anchors (order of magnitude, tests/test_plan_evoformer.py): FastFold (Cheng et al. 2022, arXiv:2203.00854; its
 README, "inference with lower memory usage": a 10,000-residue sequence in bf16 with 61 GB on one A100-80GB with

@@ -269,8 +269,9 @@ def _saved_on_mesh_rank(rank: int, world: int, name: str, n_res: int, n_seq: int
 @pytest.mark.distributed
 def test_2d_block_saved_within_5_percent_per_rank():
     """2-D (gloo, a 2 x 2 mesh, N_res 12, N_seq 6): every rank saves within 5% of the planner's tile figure plus the
-    entry views of the whole inputs (as in 1-D). Not exact: a rank whose mesh row or column offset is 0 keeps its own
-    tile where the skew moves the others' (a copy), so the ranks differ among themselves by a few percent."""
+    entry views of the whole inputs (as in 1-D). Not exact: the transpose swap and the skew hand a rank its own tile
+    (no copy) on the mesh diagonal or at offset 0 and a received copy elsewhere, so the ranks differ among themselves
+    by a few percent."""
     from ds4sci.spawn import run_workers
 
     name, n_res, n_seq = "evoformer-af2-like", 12, 6
