@@ -519,7 +519,9 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     if args.blocks:
         shape = replace(shape, blocks=args.blocks)
     n_seq = DEFAULT_N_SEQ[args.preset] if args.n_seq is None else args.n_seq
-    if n_seq < 0 or (n_seq == 0 and shape.evoformer):
+    if n_seq < 0:
+        raise CommandError(f"--n-seq={n_seq}: expected a number of MSA sequences >= 0")
+    if n_seq == 0 and shape.evoformer:
         raise CommandError(f"--n-seq={n_seq}: the Evoformer needs an MSA of at least one sequence")
     if n_seq and not shape.evoformer:
         raise CommandError(f"--n-seq={n_seq}: the Pairformer (--preset {args.preset}) has no MSA")

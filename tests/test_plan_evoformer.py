@@ -376,6 +376,7 @@ def test_command_writes_its_report(tmp_path, capsys):
     (["--gpus", "4", "--n-res", "64"], "--gpus=4 needs --layout 1d or 2d"),
     (["--preset", "af3", "--n-seq", "64", "--n-res", "64"], "--n-seq=64: the Pairformer"),
     (["--n-seq", "0", "--n-res", "64"], "--n-seq=0: the Evoformer needs an MSA"),
+    (["--preset", "af3", "--n-seq", "-1", "--n-res", "64"], "--n-seq=-1: expected a number of MSA sequences >= 0"),
     (["--mode", "training", "--chunk-size", "4", "--n-res", "64"], "--chunk-size=4 is inference chunking"),
     (["--gpu-mem-gib", "1", "--n-res", "64"], "--gpu-mem-gib=1 must exceed --reserve-gib=1"),
     ([], "give --n-res N or --max-crop"),
