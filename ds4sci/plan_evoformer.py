@@ -81,8 +81,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 MODES = ("training", "inference")
 BACKENDS = ("kernel", "reference")
 LAYOUTS = ("1", "1d", "2d")
-#: the torch backend's bound on one fp32 logits block (ds4sci.kernels.evoformer_chunked.LOGITS_CHUNK_BYTES), scratch
-#: inside the kernel op; the Triton kernel keeps none
+#: the torch backend's bound on one fp32 logits block, scratch inside the kernel op (the Triton kernel keeps none):
+#: ds4sci.kernels.evoformer_chunked.LOGITS_CHUNK_BYTES, which imports torch (a test checks they are equal)
 TORCH_LOGITS_BLOCK = 4 * 2**20
 
 
@@ -197,14 +197,14 @@ class Workload:
 
     @property
     def shards(self) -> int:
-        """Pieces of z and m per rank: 1, P, p^2."""
-        return {"1": 1, "1d": self.gpus, "2d": self.gpus}[self.layout]
+        """Pieces z and m are cut into, one per rank: 1, P, p^2 (the GPUs)."""
+        return self.gpus
 
 
 class _Grid:
-    """Local and whole element counts of one rank: ``pairs`` of z and ``msa`` positions of m it holds, the whole
-    padded ``N^2`` and ``S N`` (``pairs_all``, ``msa_all``), the ``tokens`` of s, and the rows each chunked module
-    walks."""
+    """Element counts of one rank: the padded sides ``n`` and ``s``, the ``pairs`` of z and ``msa`` positions of m it
+    holds, the whole padded ``N^2`` and ``S N`` (``pairs_all``, ``msa_all``), the ``tokens`` of s (replicated), and
+    whether the layout gathers (1-D)."""
 
     def __init__(self, w: Workload):
         q = w.side

@@ -141,6 +141,12 @@ def test_planner_imports_no_torch():
     assert result.returncode == 0, result.stderr
 
 
+def test_torch_logits_block_is_the_kernels():
+    from ds4sci.kernels.evoformer_chunked import LOGITS_CHUNK_BYTES
+
+    assert pe.TORCH_LOGITS_BLOCK == LOGITS_CHUNK_BYTES
+
+
 @pytest.mark.parametrize("preset", sorted(pe.PRESETS))
 def test_parameters_are_the_modules(preset):
     """The presets' parameter count is what ds4sci's block of that shape holds (OpenFold's convention for AF2's
