@@ -34,7 +34,7 @@ BIN = Path(sys.executable).parent
 GENOME = "examples/data/MN908947.3_sars_cov_2.fasta.gz"
 INLINE_STARTS = ("ds4sci ", "torchrun ", "deepspeed ", "python ", "pytest ", "TRITON_INTERPRET=0 pytest ",
                  ".venv/bin/pytest ", "make ")
-RUN = {"evaluate", "generate", "embed", "score", "score-variants", "plan", "info", "export-hf"}
+RUN = {"evaluate", "generate", "embed", "score", "score-variants", "plan", "plan-evoformer", "info", "export-hf"}
 
 
 def _blocks(lang: str) -> list[str]:

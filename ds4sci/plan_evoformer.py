@@ -1,0 +1,570 @@
+"""``ds4sci plan-evoformer``: how much memory one GPU needs to run an Evoformer (AlphaFold2) or Pairformer (AlphaFold3)
+trunk at a crop of ``N_res`` residues, on one GPU, by axial (1-D) context parallelism over P GPUs or on a p x p mesh
+(2-D), in training or inference; and the longest crop that fits (``--max-crop``).
+
+Everything here is arithmetic (no torch): every term is a count of the tensors ds4sci's code keeps, read from that
+code (:mod:`ds4sci.models.evoformer`, :mod:`ds4sci.kernels.evoformer`, :mod:`ds4sci.parallel.evoformer_cp`,
+:mod:`ds4sci.parallel.evoformer_cp2d`), never a fitted factor. Bytes per rank, with ``e`` bytes per element (4 fp32,
+2 bf16), ``N`` residues and ``S`` MSA sequences padded to multiples of the shard count (as the context-parallel code
+pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_m``/``C_s``, ``C_z``, per-head
+``c`` and ``H`` heads of each attention, ``c_opm``, ``c_mul``, transition factor ``n``):
+
+- **parameters** (:meth:`EvoformerShape.block_parameters`, equal to the modules' own count), on every rank (context
+  parallelism shards activations, not weights): inference ``e`` per parameter; training fp32 ``4 + 4 + 8`` or bf16
+  ``2 + 2 + 12`` (gradient, AdamW's moments and fp32 master copy: :data:`ds4sci.plan.STATE_BYTES`).
+- **representations** held between blocks: the pair ``z [N, N, C_z]`` and the MSA ``m [S, N, C_m]`` (the
+  Pairformer's single ``s [N, C_s]``), per rank ``1/P`` (1-D) or ``1/p^2`` (2-D) of each (``s`` replicated).
+- **checkpoints** (training, per-block activation checkpointing as OpenFold's ``blocks_per_ckpt=1``): each block's
+  output is the next block's checkpointed input, ``L`` more copies of the representations.
+- **block_saved** (training): what one block saves for backward while it is recomputed
+  (:func:`block_saved_bytes`, per sub-module; checked exactly against ``saved_tensors_hooks`` on the CPU:
+  tests/test_plan_evoformer.py). Per position of a sub-module's input: each LayerNorm its input (an fp32 copy in
+  bf16: :class:`~ds4sci.models.evoformer.primitives.LayerNorm` normalises in fp32) and fp32 mean and rstd (8 bytes),
+  and its output (the next linear's input); each gated attention q, k, v, the kernel's output o, the gate g and
+  ``o * g`` (``6 H c``), the kernel's fp32 softmax statistics (row max and row sum, ``8 H`` bytes: linear in the key
+  length, no logits) and the mask bias (1); the pair bias ``H`` per pair; the ReLU transition ``(1 + n) C`` beside its
+  norm, SwiGLU ``(1 + 4 n) C``; the outer product mean ``a``, ``b`` (``2 c_opm`` per MSA position) and the outer
+  products ``c_opm^2`` and count per pair; each triangle multiplication, per pair beside its input norm, ``3 C_z``
+  (the normed x, the output gate and projection) and ``10 c_mul`` (gate, masked gate and projection of a and b,
+  batched matmul's copies of a and b, p, LN(p)) and p's norm statistics; the masks once per block. The plain
+  reference backend saves the softmax's exponentials and probabilities (``2 H S`` per position, ``e`` each) instead
+  of the statistics (modelled: within 1% of the measurement, not asserted).
+- **working** set: training, the recomputed block's backward: the gradients of its outputs and inputs ``2 (z + m)``
+  plus the largest sub-module's saved bytes (the gradients of its intermediates are at most as large): an upper bound:
+  checkpoints, block_saved and working together are 1.2-1.3x the measured peak of live tensors of a checkpointed
+  two-block training step at 24 residues, its inputs and the parameter gradients left out
+  (tests/test_plan_evoformer.py; not exact; without the largest sub-module's term, 0.96-1.01x); inference, the peak of
+  live tensors of one block beyond its inputs (:func:`block_live_bytes`: per sub-module the intermediates alive at its
+  peak, read from its forward, on top of what the block keeps alive around it; e.g. the triangle multiplication holds
+  ``x``, ``a``, ``b``, ``p``, the gate, ``LN(p)`` and its projection, ``3 C_z + 4 c_mul`` per pair, because ds4sci
+  does not chunk it; the outer product mean its ``[i, N, c_opm^2]`` products twice (einsum's output and the flattened
+  copy); ``--chunk-size`` bounds the attentions, transitions and outer product rows as the modules do). Checked
+  exactly against the peak of live tensors returned by each op on the CPU (a ``TorchDispatchMode`` that counts
+  storages until their last tensor dies: tests/test_plan_evoformer.py); not seen by it and so modelled only: scratch
+  inside one op (the torch backend's logits blocks, at most 4 MiB; layer_norm's contiguous copy of a transposed input,
+  listed as ``inside_ops``).
+- **gathers** (1-D only, FastFold's all-gathers that do not shrink with P): from
+  :mod:`ds4sci.parallel.evoformer_cp`, per Evoformer block the MSA pair bias ``N^2 H_msa``, the outer product's ``b``
+  ``S N c_opm``, the triangle multiplications' ``b`` and ``a`` ``2 N^2 c_mul`` and the triangle biases ``2 N^2
+  H_pair``: ``(H_msa + 2 c_mul + 2 H_pair) N^2 = 272 N^2`` at AlphaFold2's shape (FastFold's figure) plus ``S N
+  c_opm``; the Pairformer ``(2 c_mul + 2 H_pair) N^2`` plus its replicated s-side bias ``N^2 H_s``. Training saves
+  them all (each is an input of a saved op: the kernel's pair bias, batched matmul's copy of the gathered operand,
+  the einsum's b), so they are held together; inference holds the largest one, and its matmul copy, at a time.
+- **reserve**: ``--reserve-gib`` for the CUDA context, NCCL buffers and fragmentation.
+
+2-D (``p x p`` mesh, :mod:`ds4sci.parallel.evoformer_cp2d`): every activation term is a tile, ``1/p^2``, at the tile's
+shape (keys of one tile per attention call); ring attention also saves the rotated key/value input tile (one more
+``C_in`` tile per attention); tiles in flight are not counted; the masks are held whole (the mesh code slices tiles
+out of the whole padded masks). evoformer_cp2d runs an Evoformer block only: a Pairformer on a mesh is modelled with
+its pair stack tiled the same way and its s-side replicated, as the 1-D code runs it. Sharded figures are the
+single-device counts at the local shapes plus the gathers: in 1-D every rank's bytes saved for backward equal them
+exactly, on a 2 x 2 mesh within 5% (a rank whose swap or skew leaves its own tile, on the diagonal or at offset 0,
+saves no received copy of it), both on gloo (tests/test_plan_evoformer.py); the sharded inference peaks are not
+measured.
+
+Anchors (order of magnitude, tests/test_plan_evoformer.py): FastFold (Cheng et al. 2022, arXiv:2203.00854; its
+README, "inference with lower memory usage": a 10,000-residue sequence in bf16 with 61 GB on one A100-80GB with
+``--chunk_size``, fp32 up to 8,000); Fold-CP (Lin et al. 2026, arXiv:2603.14806, NVIDIA BioNeMo: "assemblies
+exceeding 30,000 residues on 64 NVIDIA B300 GPUs", per-device memory ``O(N^2/P)``, Boltz's Pairformer).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass, replace
+
+from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
+from ds4sci.plan import GIB, STATE_BYTES
+from ds4sci.report import markdown_table, write_report
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+MODES = ("training", "inference")
+BACKENDS = ("kernel", "reference")
+LAYOUTS = ("1", "1d", "2d")
+#: the torch backend's bound on one fp32 logits block, scratch inside the kernel op (the Triton kernel keeps none):
+#: ds4sci.kernels.evoformer_chunked.LOGITS_CHUNK_BYTES, which imports torch (a test checks they are equal)
+TORCH_LOGITS_BLOCK = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class EvoformerShape:
+    """The constructor numbers of one block (``kind`` ``evoformer``: :class:`~ds4sci.models.evoformer.EvoformerBlock`,
+    OpenFold's convention, biases on gates and projections; ``pairformer``:
+    :class:`~ds4sci.models.evoformer.PairformerBlock`, OpenFold3's) and the number of blocks. For a Pairformer
+    ``c_m`` is ``c_s`` and the MSA attention fields are its single attention's (``c_hidden_pair_bias``,
+    ``no_heads_pair_bias``)."""
+
+    kind: str
+    blocks: int
+    c_m: int
+    c_z: int
+    c_hidden_msa_att: int
+    no_heads_msa: int
+    c_hidden_opm: int
+    c_hidden_mul: int
+    c_hidden_pair_att: int
+    no_heads_pair: int
+    transition_n: int
+    transition_type: str
+
+    @property
+    def evoformer(self) -> bool:
+        return self.kind == "evoformer"
+
+    def block_parameters(self) -> int:
+        """Parameters of one block (the module's own ``sum(p.numel())``; tests/test_plan_evoformer.py)."""
+        openfold = self.evoformer  # OpenFold's convention: biased gate, output and projections
+
+        def ln(c):
+            return 2 * c
+
+        def attention(c_in, c, h, q_bias=False):  # q, k, v, output and gate projections
+            hc = h * c
+            return 3 * c_in * hc + (hc if q_bias else 0) + 2 * c_in * hc + ((c_in + hc) if openfold else 0)
+
+        def transition(c, kind):
+            nc = self.transition_n * c
+            return ln(c) + (3 * c * nc if kind == "swiglu" else 2 * c * nc + nc + c)
+
+        def tri_mul():
+            cz, c, b = self.c_z, self.c_hidden_mul, openfold
+            return ln(cz) + ln(c) + cz * cz + c * cz + 4 * cz * c + (cz + cz + 4 * c if b else 0)
+
+        def tri_att():
+            return ln(self.c_z) + self.c_z * self.no_heads_pair + attention(self.c_z, self.c_hidden_pair_att,
+                                                                           self.no_heads_pair)
+
+        pair = 2 * tri_mul() + 2 * tri_att() + transition(self.c_z, self.transition_type)
+        cm, h = self.c_m, self.no_heads_msa
+        if not self.evoformer:  # AttentionPairBias (q with bias, OpenFold3: no gate/output bias) and SwiGLU
+            single = ln(cm) + ln(self.c_z) + self.c_z * h + 3 * cm * h * self.c_hidden_msa_att \
+                + h * self.c_hidden_msa_att + 2 * cm * h * self.c_hidden_msa_att
+            return pair + single + transition(cm, "swiglu")
+        c = self.c_hidden_opm
+        row = ln(cm) + ln(self.c_z) + self.c_z * h + attention(cm, self.c_hidden_msa_att, h)
+        col = ln(cm) + attention(cm, self.c_hidden_msa_att, h)
+        opm = ln(cm) + 2 * (cm * c + c) + c * c * self.c_z + self.c_z
+        return pair + row + col + transition(cm, self.transition_type) + opm
+
+
+#: AlphaFold2's Evoformer, OpenFold's ``config.model.evoformer_stack`` (aqlaboratory/openfold openfold/config.py:
+#: c_m 256, c_z 128, c_hidden_msa_att 32, c_hidden_opm 32, c_hidden_mul 128, c_hidden_pair_att 32, no_heads_msa 8,
+#: no_heads_pair 4, no_blocks 48, transition_n 4); AlphaFold3's Pairformer, OpenFold3 0.5's
+#: ``model.pairformer`` (openfold3/projects/of3_all_atom/config/model_config.py: c_s 384, c_z 128,
+#: c_hidden_pair_bias 24, no_heads_pair_bias 16, c_hidden_mul 128, c_hidden_pair_att 32, no_heads_pair 4, no_blocks
+#: 48, SwiGLU, transition_n 4).
+PRESETS = {
+    "af2": EvoformerShape("evoformer", 48, 256, 128, 32, 8, 32, 128, 32, 4, 4, "relu"),
+    "af3": EvoformerShape("pairformer", 48, 384, 128, 24, 16, 32, 128, 32, 4, 4, "swiglu"),
+}
+#: the MSA depth of each preset when --n-seq is not given: OpenFold's inference ``max_msa_clusters`` (512; the
+#: extra MSA stack and its 1024-5120 sequences are not modelled); the Pairformer has none
+DEFAULT_N_SEQ = {"af2": 512, "af3": 0}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What runs and where: the trunk shape, ``n_res`` residues, ``n_seq`` MSA sequences (Evoformer), ``dtype``,
+    ``mode`` (training with per-block checkpointing, or inference), ``chunk_size`` (inference chunking, None: off),
+    ``backend`` (``kernel``: ds4sci's Evoformer kernel, softmax statistics only; ``reference``: the plain S^2 path),
+    ``layout`` (``1`` GPU, ``1d`` axial over ``gpus``, ``2d`` a mesh of ``gpus = p^2``), GPU memory and reserve."""
+
+    shape: EvoformerShape
+    n_res: int
+    n_seq: int = 0
+    dtype: str = "bf16"
+    mode: str = "inference"
+    chunk_size: int | None = None
+    backend: str = "kernel"
+    layout: str = "1"
+    gpus: int = 1
+    gpu_mem_gib: float = 80.0
+    reserve_gib: float = 1.0
+
+    def __post_init__(self):
+        if self.layout == "1" and self.gpus != 1:
+            raise ValueError(f"layout 1 runs on one GPU, got gpus={self.gpus}: use layout 1d or 2d")
+        if self.layout == "2d" and math.isqrt(self.gpus) ** 2 != self.gpus:
+            raise ValueError(f"a 2-D mesh is p x p GPUs: gpus={self.gpus} is not a square")
+
+    def with_n_res(self, n_res: int) -> Workload:
+        return replace(self, n_res=n_res)
+
+    @property
+    def side(self) -> int:
+        """The shard count along one axis: 1, P (1-D) or p (2-D); N and S are padded to its multiples."""
+        return {"1": 1, "1d": self.gpus, "2d": math.isqrt(self.gpus)}[self.layout]
+
+    @property
+    def shards(self) -> int:
+        """Pieces z and m are cut into, one per rank: 1, P, p^2 (the GPUs)."""
+        return self.gpus
+
+
+class _Grid:
+    """Element counts of one rank: the padded sides ``n`` and ``s``, the ``pairs`` of z and ``msa`` positions of m it
+    holds, the whole padded ``N^2`` and ``S N`` (``pairs_all``, ``msa_all``), the ``tokens`` of s (replicated), and
+    whether the layout gathers (1-D)."""
+
+    def __init__(self, w: Workload):
+        q = w.side
+        self.n = -(-w.n_res // q) * q
+        self.s = -(-w.n_seq // q) * q if w.shape.evoformer else 0
+        self.pairs_all, self.msa_all = self.n * self.n, self.s * self.n
+        self.pairs, self.msa = self.pairs_all / w.shards, self.msa_all / w.shards
+        self.tokens = w.n_res
+        self.gathered = w.layout == "1d"
+
+
+def _ln_saved(c: int, e: int) -> float:
+    """Bytes a LayerNorm saves per position beside its output: its input (an fp32 copy when e < 4) and fp32 mean and
+    rstd."""
+    return (4 if e < 4 else e) * c + 8
+
+
+def _ln_const(c: int, e: int) -> float:
+    """Bytes per LayerNorm call independent of the positions: its weight and bias cast to fp32 when e < 4."""
+    return 8 * c if e < 4 else 0
+
+
+def block_saved_bytes(w: Workload) -> dict[str, float]:
+    """Bytes one block saves for backward on one rank, by sub-module (module docstring), and the masks; the 1-D
+    gathered tensors are in :func:`gathered_bytes`, not here."""
+    sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
+    ref = w.backend == "reference"
+    mesh_extra = 1 if w.layout == "2d" else 0  # the rotating key/value input's tile beside the query tile
+
+    def attention(positions, c_in, c, h, keys):
+        """LN (input, stats, output), q, k, v, o, g, o*g, softmax statistics, mask bias; the reference saves the
+        probabilities and exponentials instead of the statistics."""
+        core = 8 * h if not ref else 2 * h * keys * e
+        return positions * (_ln_saved(c_in, e) + (1 + mesh_extra) * c_in * e + 6 * h * c * e + core + e) \
+            + _ln_const(c_in, e)
+
+    def transition(positions, c, kind):
+        hidden = (4 if kind == "swiglu" else 1) * sh.transition_n * c
+        return positions * (_ln_saved(c, e) + (c + hidden) * e) + _ln_const(c, e)
+
+    keys_pair = g.n if w.layout != "2d" else g.n // w.side
+    cz, hp, cp = sh.c_z, sh.no_heads_pair, sh.c_hidden_pair_att
+    tri_mul = g.pairs * (_ln_saved(cz, e) + cz * e + 7 * sh.c_hidden_mul * e + _ln_saved(sh.c_hidden_mul, e)
+                         + sh.c_hidden_mul * e + 2 * cz * e) + _ln_const(cz, e) + _ln_const(sh.c_hidden_mul, e)
+    # the 1-D code computes the triangle bias through a second call of the layer norm (its own stats and output)
+    twice = (_ln_saved(cz, e) - (0 if e < 4 else cz * e) + cz * e) if g.gathered else 0
+    tri_att = attention(g.pairs, cz, cp, hp, keys_pair) + g.pairs * twice
+    out = {"tri_mul_out": tri_mul, "tri_mul_in": tri_mul, "tri_att_start": tri_att, "tri_att_end": tri_att,
+           "pair_transition": transition(g.pairs, cz, sh.transition_type)}
+    h, c = sh.no_heads_msa, sh.c_hidden_msa_att
+    bias_ln = _ln_saved(cz, e) + cz * e  # LN(z) and its output, the bias projection's input
+    if sh.evoformer:
+        keys_row = g.n if w.layout != "2d" else g.n // w.side
+        keys_col = g.s if w.layout != "2d" else g.s // w.side
+        out["msa_att_row"] = attention(g.msa, sh.c_m, c, h, keys_row) + g.pairs * bias_ln + _ln_const(cz, e)
+        out["msa_att_col"] = attention(g.msa, sh.c_m, c, h, keys_col)
+        out["msa_transition"] = transition(g.msa, sh.c_m, sh.transition_type)
+        co = sh.c_hidden_opm
+        out["outer_product_mean"] = (g.msa * (_ln_saved(sh.c_m, e) + sh.c_m * e + co * e) + g.pairs * (co * co + 1) * e
+                                     + _ln_const(sh.c_m, e))
+        if not g.gathered:  # on one device (and tiles on a mesh) b is the rank's own; in 1-D it is gathered
+            out["outer_product_mean"] += g.msa * co * e
+        masks = (g.pairs_all + g.msa_all) * e
+    else:
+        out["attn_pair_bias"] = attention(g.tokens, sh.c_m, c, h, g.tokens) + g.pairs * bias_ln + _ln_const(cz, e)
+        out["single_transition"] = transition(g.tokens, sh.c_m, "swiglu")
+        masks = (g.pairs_all + g.tokens) * e
+    if not g.gathered:  # the biases and the other triangle operand are the rank's own (a tile on a mesh)
+        out["tri_mul_out"] += g.pairs * sh.c_hidden_mul * e
+        out["tri_mul_in"] += g.pairs * sh.c_hidden_mul * e
+        out["tri_att_start"] += g.pairs * hp * e
+        out["tri_att_end"] += g.pairs * hp * e
+        if sh.evoformer:
+            out["msa_att_row"] += g.pairs * h * e
+        else:
+            out["attn_pair_bias"] += g.pairs_all * h * e  # the whole bias: the s-side is replicated
+    out["masks"] = masks
+    return out
+
+
+def gathered_bytes(w: Workload) -> dict[str, float]:
+    """1-D only (0 otherwise): the all-gathered tensors of one block that do not shrink with P (module docstring),
+    by name, whole size."""
+    if w.layout != "1d":
+        return {}
+    sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
+    out = {"tri_mul_out.b": g.pairs_all * sh.c_hidden_mul * e, "tri_mul_in.a": g.pairs_all * sh.c_hidden_mul * e,
+           "tri_att_start.bias": g.pairs_all * sh.no_heads_pair * e,
+           "tri_att_end.bias": g.pairs_all * sh.no_heads_pair * e}
+    if sh.evoformer:
+        out["msa_att_row.bias"] = g.pairs_all * sh.no_heads_msa * e
+        out["outer_product_mean.b"] = g.msa_all * sh.c_hidden_opm * e
+    else:
+        out["attn_pair_bias.bias"] = g.pairs_all * sh.no_heads_msa * e
+    return out
+
+
+def _chunks(rows: int, chunk: int | None) -> tuple[int, int, int]:
+    """(rows per full chunk, rows of the last chunk, chunks) of ``rows`` walked ``chunk`` at a time."""
+    if chunk is None or chunk >= rows:
+        return rows, rows, 1
+    k = -(-rows // chunk)
+    return chunk, rows - (k - 1) * chunk, k
+
+
+def _ln_peak(c: int, e: int) -> float:
+    """Live bytes per position while a LayerNorm runs, its output included: fp32, the output and fp32 mean and rstd;
+    bf16, the fp32 copy of the input, the fp32 output (and statistics), then the output cast back."""
+    return (e * c if e == 4 else 8 * c) + 8
+
+
+def block_live_bytes(w: Workload) -> dict[str, float]:
+    """Inference: the peak of live bytes beyond the block's inputs while each sub-module runs (what the block keeps
+    alive around it included), by sub-module; ``inside_ops`` the modelled scratch inside single ops (module
+    docstring)."""
+    sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
+    ref = w.backend == "reference"
+    chunk = w.chunk_size if w.layout != "2d" else None  # the mesh's attentions and products are tiles already
+
+    def attention(positions, rows, c_in, c, h, keys, held):
+        """``held``: bytes alive beside it (the layer-normed input, biases). q, k, v, the kernel's output and
+        statistics, the gate, ``o * g`` (the kernel's output then dropped), the output projection; chunked, the
+        output buffer and one chunk's."""
+        r, last, k = _chunks(rows, chunk)
+        per_row = positions / rows
+        hc = h * c * e
+        if ref:  # logits, with the mask, with the pair bias; then exp(s - max), exp, probabilities
+            core = 3 * h * keys * e
+        else:
+            core = 8 * h
+        inner = max(4 * hc + core, 6 * hc, 5 * hc + c_in * e) if not ref else max(3 * hc + core, 6 * hc,
+                                                                                   5 * hc + c_in * e)
+        if k == 1:
+            return held + positions * inner
+        # the output buffer exists from the second chunk on, beside the previous chunk's output, still bound
+        full, previous = positions * c_in * e, r * per_row * c_in * e
+        peaks = [r * per_row * inner, full + previous + last * per_row * inner]
+        if k > 2:
+            peaks.append(full + previous + r * per_row * inner)
+        return held + max(peaks)
+
+    def transition(positions, rows, c, kind):
+        hidden = sh.transition_n * c
+        inner = (c + 3 * hidden) if kind == "swiglu" else (c + 2 * hidden)
+        r, last, k = _chunks(rows, chunk)
+        per_row = positions / rows
+        ln = _ln_peak(c, e) + _ln_const(c, e) / positions
+        if k == 1:
+            return positions * max(inner * e, ln)
+        done = (k - 1) * r
+        return per_row * max(done * c * e + last * inner * e, (done - r) * c * e + r * inner * e if k > 1 else 0,
+                             2 * rows * c * e)
+
+    cz, cm, hp = sh.c_z, sh.c_m, sh.no_heads_pair
+    cmul = sh.c_hidden_mul
+    rows_pair = g.n if w.layout == "1" else g.n // w.side
+    steps = []  # (name, peak of the sub-module, output bytes, context alive around it)
+    # triangle multiplication: x, then a and b (3 c live while one is built), matmul's copies and p, then the gate,
+    # LN(p) and its projection, the product
+    mul = g.pairs * max(e * (cz + 4 * cmul), e * (cz + 5 * cmul), e * (3 * cz + 4 * cmul), e * (4 * cz + 3 * cmul),
+                        e * (2 * cz + 3 * cmul) + _ln_peak(cmul, e) + _ln_const(cmul, e) / g.pairs,
+                        _ln_peak(cz, e) + _ln_const(cz, e) / g.pairs)
+    if g.gathered:  # the gathered operand and its matmul copy, whole
+        mul += 2 * g.pairs_all * cmul * e
+    att_held = g.pairs * (cz + hp + 1) * e  # LN(z), its triangle bias, the mask bias
+    if g.gathered:
+        att_held += g.pairs_all * hp * e
+    keys = g.n if w.layout != "2d" else g.n // w.side
+    tri = max(attention(g.pairs, rows_pair, cz, sh.c_hidden_pair_att, hp, keys, att_held),
+              g.pairs * _ln_peak(cz, e) + _ln_const(cz, e))
+    z_out = g.pairs * cz * e
+    pair_steps = [("tri_mul_out", mul), ("tri_mul_in", mul), ("tri_att_start", tri), ("tri_att_end", tri),
+                  ("pair_transition", transition(g.pairs, rows_pair, cz, sh.transition_type))]
+    if sh.evoformer:
+        h, c, co = sh.no_heads_msa, sh.c_hidden_msa_att, sh.c_hidden_opm
+        m_out = g.msa * cm * e
+        rows_row = g.s if w.layout == "1" else g.s // w.side
+        rows_col = g.n if w.layout == "1" else g.n // w.side
+        keys_row = g.n if w.layout != "2d" else g.n // w.side
+        keys_col = g.s if w.layout != "2d" else g.s // w.side
+        bias = g.pairs_all * h * e if g.gathered else g.pairs * h * e
+        row = max(g.pairs * _ln_peak(cz, e) + _ln_const(cz, e), g.pairs * (cz + h) * e,
+                  bias + g.msa * _ln_peak(cm, e) + _ln_const(cm, e),
+                  attention(g.msa, rows_row, cm, c, h, keys_row, bias + g.msa * (cm + 1) * e))
+        col = max(g.msa * _ln_peak(cm, e) + _ln_const(cm, e),
+                  attention(g.msa, rows_col, cm, c, h, keys_col, g.msa * (cm + 1) * e))
+        # outer product mean: a, b and the count; per chunk of rows i: the einsum's copy of a's rows and its output,
+        # the previous chunk's output still bound, the flattened copy, the projection; then the concatenation and
+        # the division by the count
+        r, last, k = _chunks(rows_col, chunk)
+        per_row = g.pairs / rows_col
+        ab = g.msa * 2 * co * e + (g.msa_all * co * e if g.gathered else 0) + g.pairs * e
+        chunk_outer = per_row * co * co * e
+        peaks = [g.msa * (cm + 3 * co) * e, g.msa * _ln_peak(cm, e) + _ln_const(cm, e),
+                 ab + last * chunk_outer + 3 * g.pairs * cz * e]
+        for j in sorted({0, 1, k - 2, k - 1} & set(range(k))):
+            rj = last if j == k - 1 else r
+            done = j * r * per_row * cz * e
+            peaks.append(ab + done + (r * chunk_outer if j else 0) + rj * (g.msa / rows_col) * co * e
+                         + rj * chunk_outer)  # the einsum: a's rows copied, the previous chunk's output bound
+            peaks.append(ab + done + rj * (2 * chunk_outer + per_row * cz * e))  # the flattened copy, projection
+        opm = max(peaks)
+        steps += [("msa_att_row", row, m_out, 0), ("msa_att_col", col, m_out, m_out),
+                  ("msa_transition", transition(g.msa, rows_row, cm, sh.transition_type), m_out, m_out),
+                  ("outer_product_mean", opm, z_out, m_out)]
+        # the block keeps its MSA output and the pair input of its pair stack alive while the stack runs
+        steps += [(name, peak, z_out, m_out + z_out + (z_out if i else 0)) for i, (name, peak) in
+                  enumerate(pair_steps)]
+    else:
+        steps += [(name, peak, z_out, z_out if i else 0) for i, (name, peak) in enumerate(pair_steps)]
+        h, c = sh.no_heads_msa, sh.c_hidden_msa_att
+        s_out = g.tokens * cm * e
+        bias = g.pairs_all * h * e
+        apb = max(g.pairs * _ln_peak(cz, e) + _ln_const(cz, e) + (bias if g.gathered else 0),
+                  bias + g.tokens * _ln_peak(cm, e) + _ln_const(cm, e),
+                  attention(g.tokens, 1, cm, c, h, g.tokens, bias + g.tokens * (cm + 1) * e))
+        steps += [("attn_pair_bias", apb, s_out, z_out),
+                  ("single_transition", transition(g.tokens, 1, cm, "swiglu"), s_out, z_out + s_out)]
+    out = {name: context + max(peak, 2 * out_bytes) for name, peak, out_bytes, context in steps}
+    # layer_norm makes a transposed input contiguous inside the op: the column attention's MSA, the ending node's z
+    inside = g.pairs * cz * e
+    if sh.evoformer:
+        inside = max(inside, g.msa * cm * (4 if e < 4 else e))
+    if not ref:
+        inside = max(inside, TORCH_LOGITS_BLOCK)
+    out["inside_ops"] = inside
+    return out
+
+
+def memory(w: Workload) -> dict[str, float]:
+    """Bytes per rank by term (module docstring): parameters, representations, checkpoints, block_saved, gathers,
+    working, reserve and their total."""
+    sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
+    phi = sh.block_parameters() * sh.blocks
+    training = w.mode == "training"
+    params = phi * (sum(STATE_BYTES[w.dtype]) if training else e)
+    held = g.pairs * sh.c_z * e + (g.msa * sh.c_m * e if sh.evoformer else g.tokens * sh.c_m * e)
+    terms = {"parameters": params, "representations": held, "checkpoints": sh.blocks * held if training else 0.0}
+    gathers = gathered_bytes(w)
+    if training:
+        saved = block_saved_bytes(w)
+        terms["block_saved"] = sum(saved.values())
+        terms["gathers"] = sum(gathers.values())
+        terms["working"] = 2 * held + max(v for k, v in saved.items() if k != "masks")
+    else:
+        live = block_live_bytes(w)
+        terms["block_saved"] = 0.0
+        terms["gathers"] = 0.0  # inside the sub-modules' live peaks (one gathered tensor at a time)
+        terms["working"] = max(v for k, v in live.items() if k != "inside_ops") + live["inside_ops"]
+    terms["reserve"] = w.reserve_gib * GIB
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def max_crop(w: Workload, limit: int = 1 << 20) -> int:
+    """The longest ``n_res`` (up to ``limit``) whose total fits in ``gpu_mem_gib`` (memory grows with n_res), by
+    doubling then bisection; 0 if not even one residue fits."""
+    budget = w.gpu_mem_gib * GIB
+
+    def fits(n):
+        return memory(w.with_n_res(n))["total"] <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# ------------------------------------------------------------------------------------------------------------ command
+TERMS = ("parameters", "representations", "checkpoints", "block_saved", "gathers", "working", "reserve", "total")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Predict per-GPU memory of an Evoformer (AlphaFold2) or Pairformer (AlphaFold3) trunk at a "
+                          "crop of N_res residues on one GPU, by axial (1-D) context parallelism over P GPUs or on a "
+                          "p x p mesh (2-D), in training or inference; --max-crop finds the longest crop that fits.")
+    parser.epilog = "Terms and their sources: the docstring of ds4sci.plan_evoformer."
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="af2",
+                        help="af2: OpenFold's Evoformer (48 blocks, c_m 256, c_z 128, 8/4 heads of 32); af3: "
+                        "OpenFold3's Pairformer (48 blocks, c_s 384, c_z 128) (default: af2)")
+    parser.add_argument("--blocks", type=positive_int, help="blocks of the trunk (default: the preset's 48)")
+    parser.add_argument("--n-res", type=positive_int, help="residues (tokens) of the crop; needed without --max-crop")
+    parser.add_argument("--n-seq", type=int, help="MSA depth of the Evoformer (default: 512, OpenFold's inference "
+                        "max_msa_clusters; the extra MSA stack is not modelled)")
+    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="(default: bf16)")
+    parser.add_argument("--mode", choices=MODES, default="inference",
+                        help="training: per-block activation checkpointing, AdamW; inference (default: inference)")
+    parser.add_argument("--chunk-size", type=positive_int,
+                        help="inference chunking of the attentions, transitions and outer product mean (default: off)")
+    parser.add_argument("--backend", choices=BACKENDS, default="kernel",
+                        help="kernel: ds4sci's Evoformer attention (no logits stored); reference: the plain "
+                        "[rows, H, S, S] logits path (default: kernel)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="1",
+                        help="1: one GPU; 1d: axial over --gpus; 2d: a p x p mesh of --gpus (default: 1)")
+    parser.add_argument("--gpus", type=positive_int, default=1, help="GPUs of the layout (default: 1)")
+    parser.add_argument("--gpu-mem-gib", type=nonnegative_float, default=80.0, help="GiB per GPU (default: 80)")
+    parser.add_argument("--reserve-gib", type=nonnegative_float, default=1.0,
+                        help="GiB per GPU kept for the CUDA context and communication buffers (default: 1)")
+    parser.add_argument("--max-crop", action="store_true", help="find the longest N_res that fits")
+    parser.add_argument("--out", help="also write plan_evoformer.json and plan_evoformer.md to this folder")
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The :class:`Workload` the command line describes; a bad combination is one :class:`CommandError` line."""
+    shape = PRESETS[args.preset]
+    if args.blocks:
+        shape = replace(shape, blocks=args.blocks)
+    n_seq = DEFAULT_N_SEQ[args.preset] if args.n_seq is None else args.n_seq
+    if n_seq < 0:
+        raise CommandError(f"--n-seq={n_seq}: expected a number of MSA sequences >= 0")
+    if n_seq == 0 and shape.evoformer:
+        raise CommandError(f"--n-seq={n_seq}: the Evoformer needs an MSA of at least one sequence")
+    if n_seq and not shape.evoformer:
+        raise CommandError(f"--n-seq={n_seq}: the Pairformer (--preset {args.preset}) has no MSA")
+    if args.chunk_size and args.mode == "training":
+        raise CommandError(f"--chunk-size={args.chunk_size} is inference chunking; training checkpoints each block "
+                           "instead")
+    if args.layout == "1" and args.gpus != 1:
+        raise CommandError(f"--gpus={args.gpus} needs --layout 1d or 2d (--layout 1 is one GPU)")
+    if args.layout == "2d" and math.isqrt(args.gpus) ** 2 != args.gpus:
+        raise CommandError(f"--layout 2d needs a square number of GPUs (a p x p mesh), got --gpus={args.gpus}")
+    if args.gpu_mem_gib <= args.reserve_gib:
+        raise CommandError(f"--gpu-mem-gib={args.gpu_mem_gib:g} must exceed --reserve-gib={args.reserve_gib:g}")
+    if not args.max_crop and args.n_res is None:
+        raise CommandError("give --n-res N or --max-crop")
+    return Workload(shape, args.n_res or 1, n_seq, args.dtype, args.mode, args.chunk_size, args.backend, args.layout,
+                    args.gpus, args.gpu_mem_gib, args.reserve_gib)
+
+
+def run(args: argparse.Namespace) -> int:
+    w = workload_from_args(args)
+    if args.max_crop:
+        n = max_crop(w)
+        if n == 0:
+            need = memory(w.with_n_res(1))["total"] / GIB
+            raise CommandError(f"not even one residue fits in --gpu-mem-gib={w.gpu_mem_gib:g}: the parameters and "
+                               f"reserve alone need {need:.1f} GiB per GPU")
+        w = w.with_n_res(n)
+    mem = memory(w)
+    where = {"1": "1 GPU", "1d": f"1-D axial over {w.gpus} GPUs", "2d": f"a {w.side} x {w.side} mesh"}[w.layout]
+    msa = f", N_seq {w.n_seq}" if w.shape.evoformer else ""
+    chunk = f", chunk {w.chunk_size}" if w.chunk_size else ""
+    lines = [f"# plan-evoformer: {args.preset} ({w.shape.kind}, {w.shape.blocks} blocks, "
+             f"{w.shape.block_parameters() * w.shape.blocks:,} parameters), {w.mode}, {w.dtype}, {w.backend}{chunk}; "
+             f"N_res {w.n_res}{msa}; {where} of {w.gpu_mem_gib:g} GiB", ""]
+    if args.max_crop:
+        lines += [f"Longest crop that fits: {w.n_res} residues.", ""]
+    lines += ["GiB per GPU:", ""]
+    lines += markdown_table(TERMS, [[f"{mem[t] / GIB:.2f}" for t in TERMS]])
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        report = {"workload": {**asdict(w), "shape": asdict(w.shape)}, "memory": mem,
+                  "max_crop": w.n_res if args.max_crop else None}
+        path = write_report(args.out, "plan_evoformer", report, text)
+        print(f"plan-evoformer: wrote {path} and {path.with_suffix('.md')}")
+    return 0
