@@ -149,12 +149,17 @@ class _TensorGroupOfOne:
 _UNPARTITIONED = _TensorGroupOfOne()
 
 
+def _check_tile(key: str, tile) -> None:
+    """``activation_checkpointing.<key>``, a tile in tokens, is an integer >= 1 (a one-line error naming it)."""
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"activation_checkpointing.{key}={tile!r}: must be an integer >= 1 (tokens per tile)")
+
+
 def apply_tiled_mlp(model: GenSLM, tile: int) -> None:
     """Compute every block's MLP over tiles of ``tile`` tokens, recomputed in backward (in place; see the module
     docstring), each MLP a ZeRO-3 leaf module. Call before the DeepSpeed engine is built (ZeRO-3 registers its hooks
     then)."""
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
-        raise ValueError(f"activation_checkpointing.mlp_tile={tile!r}: must be an integer >= 1 (tokens per tile)")
+    _check_tile("mlp_tile", tile)
     from deepspeed.utils import set_z3_leaf_modules
 
     for block in model.layers:
@@ -168,17 +173,16 @@ def apply_tiled_mlp(model: GenSLM, tile: int) -> None:
 def apply_tiled_loss(model: GenSLM, tile: int) -> None:
     """Compute the output head's loss over tiles of ``tile`` tokens, recomputed in backward (in place; see the module
     docstring): ``model(..., targets=...)`` then returns the summed loss."""
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
-        raise ValueError(f"activation_checkpointing.loss_tile={tile!r}: must be an integer >= 1 (tokens per tile)")
+    _check_tile("loss_tile", tile)
     model.embed_out.tile = tile
 
 
 def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingConfig,
                                    device: torch.device | str = "cpu") -> HostOffload | None:
     """Turn on ``cfg.mode`` activation checkpointing and, with ``cfg.tiled_mlp`` / ``cfg.tiled_loss``, the tiled MLP /
-    loss in ``model`` (in place; no-op for ``"none"`` without either), with the checkpointed inputs in host memory when ``cfg.cpu``
-    (:class:`~ds4sci.train.activation_offload.HostOffload` for ``device``, the device the model runs on; returned,
-    else None).
+    loss in ``model`` (in place; no-op for ``"none"`` without either), with the checkpointed inputs in host memory
+    when ``cfg.cpu`` (:class:`~ds4sci.train.activation_offload.HostOffload` for ``device``, the device the model runs
+    on; returned, else None).
 
     Call after :func:`ds4sci.parallel.parallelize.parallelize` (any tensor, Ulysses and ring degrees) and before the DeepSpeed
     engine is built; torch.distributed must be initialised (DeepSpeed's ``configure`` logs on rank 0).

@@ -151,6 +151,31 @@ def check_saved_bytes(label, groups, config, *, S, B=2, tile=0):
     return per_token
 
 
+def check_tiled_loss_saved_bytes(label, groups, config, *, S, B=2, tile=5):
+    """The tiled loss on the vocabulary-parallel head saves, per local token, the planner's
+    :func:`~ds4sci.plan.loss_saved_bytes` more than the head alone computing logits: the SP shard's int64 targets (``8
+    tp``) and the gathered final-norm output (``tp h e``) in place of this rank's region (``h e``), which the head's
+    column-parallel matmul saves untiled; and no logits. (The untiled head also saves its padded-column mask, ``V_pad /
+    tp`` booleans for the ``-inf`` fill; the tiled one keeps none.)"""
+    from ds4sci.train.activation_checkpointing import apply_tiled_loss
+
+    saved = []
+    for loss_tile in (0, tile):
+        model = _model(config(num_layers=1, attention_backend="chunked"), 0)
+        parallelize(model, groups)
+        ids, pos, targets, _ = _batch(model.config, B, S, 0, False)
+        if loss_tile:
+            apply_tiled_loss(model, loss_tile)
+        with SavedBytes(model) as counted:
+            model(ids, pos, **({"targets": targets} if loss_tile else {}))
+        saved.append(counted.total)
+    w = planner.Workload(model.config, S, micro_batch=B, dtype="fp32")
+    per_token = planner.loss_saved_bytes(w, planner.Strategy(groups.dims, loss_tile=tile))
+    assert per_token == 8 * 2 + model.config.hidden_size * 4, (label, per_token)  # tp = 2, fp32
+    mask = model.embed_out.padding.numel() if bool(model.embed_out.padding.any()) else 0  # bool: a byte each
+    assert (saved[1] - saved[0] + mask) / (B * S // groups.dims.tp) == per_token, (label, saved, mask, per_token)
+
+
 def check_materialize(label, groups, cfg, seed=0):
     """A model built on the meta device, parallelized and materialized (the trainer's path: no rank ever holds the
     whole model) equals the whole model built and parallelized: every piece bitwise, the parameter marks, the
@@ -213,6 +238,7 @@ def _worker_tp2(rank, world):
         per_token = check_saved_bytes(label, groups, config, S=16)
         one = planner.layer_activation_bytes(planner.Workload(config(), 16, dtype="fp32"), planner.Strategy(), "none")
         assert per_token == one + 2 * config().rotary_dim * (2 - 1) * 4, (label, per_token, one)
+        check_tiled_loss_saved_bytes(label, groups, config, S=16)
 
     # communication: forward = 1 all-reduce (embedding), L reduce-scatters, L + 1 all-gathers; nothing else
     cfg = _config(num_layers=3)

@@ -1,9 +1,9 @@
-"""Tiled loss in training (``activation_checkpointing.tiled_loss``) is exact: in one process, under Ulysses 2 with
-ZeRO-3 (the head's weight gathered for the tiled forward and again for its recomputation), under TP 2 with a tied
-vocabulary-parallel head (each tile's cross entropy all-reduced over TP) and under PP 2 with a tied head (the last
-stage's copy; :class:`~ds4sci.train.pipeline.PipelineLoss` calls it), training equals training without it (losses and
-every parameter after three steps, fp32 ~1e-5); and the tiling demonstrably ran: the per-tile cross entropy is called
-once per tile in forward and once more per tile in backward."""
+"""Tiled loss in training (``activation_checkpointing.tiled_loss``) is exact: in one process, under Ulysses 2 and
+under ring 2 (zigzag shards) with ZeRO-3 (the head's weight gathered for the tiled forward and again for its
+recomputation), under TP 2 with a tied vocabulary-parallel head (each tile's cross entropy all-reduced over TP) and
+under PP 2 with a tied head (the last stage's copy; :class:`~ds4sci.train.pipeline.PipelineLoss` calls it), training
+equals training without it (losses and every parameter after three steps, fp32 ~1e-5); and the tiling demonstrably
+ran: the per-tile cross entropy is called once per tile in forward and once more per tile in backward."""
 import math
 
 import pytest
@@ -13,7 +13,7 @@ from test_train_equivalence import ENV, _compare, _overrides
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-TILE = 5  # divides neither the 16 local tokens (Ulysses 2 of 32) nor the 32 of a TP or pipeline rank
+TILE = 5  # divides neither the 16 local tokens (Ulysses or ring 2 of 32) nor the 32 of a TP or pipeline rank
 TILED = ["activation_checkpointing.tiled_loss=true", f"activation_checkpointing.loss_tile={TILE}"]
 LLAMA_TIED = ["model.preset=llama-debug", "model.overrides.tie_word_embeddings=true"]
 
@@ -47,7 +47,7 @@ def _train_counting_tiles(rank, world, cases):
     return results
 
 
-def test_tiled_loss_trains_like_untiled_in_one_process_and_under_zero3_ulysses_tp_and_pp(tmp_path):
+def test_tiled_loss_trains_like_untiled_in_one_process_and_under_zero3_ulysses_ring_tp_and_pp(tmp_path):
     cache = [f"data.cache_dir={tmp_path / 'token_cache'}"]  # one token cache for every run (built once)
     base = {"z3": _overrides(tmp_path / "b3", 3, extra=cache),
             "z1 tied": _overrides(tmp_path / "b1", 1, pe="rotary", extra=cache + LLAMA_TIED)}
@@ -56,6 +56,7 @@ def test_tiled_loss_trains_like_untiled_in_one_process_and_under_zero3_ulysses_t
               _overrides(tmp_path / "s", 1, pe="rotary", extra=cache + LLAMA_TIED + TILED), 32)
     cases = [
         ("ulysses=2 zero=3 tiled", "z3", _overrides(tmp_path / "u", 3, ulysses=2, extra=cache + TILED), 16),
+        ("ring=2 zero=3 tiled", "z3", _overrides(tmp_path / "r", 3, ring=2, extra=cache + TILED), 16),
         ("tp=2 zero=1 tied vocab-parallel head, tiled", "z1 tied",
          _overrides(tmp_path / "t", 1, pe="rotary", extra=cache + LLAMA_TIED + TILED + ["parallel.tp=2"]), 32),
         ("pp=2 zero=1 tied, tiled", "z1 tied",
