@@ -30,9 +30,11 @@ triangle attention, end         bias ``b[K_t, I_r]`` (swapped; ``b[I_r, K_t]`` t
 ==============================  =================================================================================
 
 The attentions are ring attention (Liu et al. 2023) on the Evoformer kernel (:class:`_RingAttention`): one kernel
-call per ``N/p x N/p`` tile, the bias tile rotating beside the key/value tile, the partial results merged by
-their log-sum-exp (:func:`ds4sci.sequence.attention._merge`); backward runs the kernel's backward per tile against
-the merged output and log-sum-exp, which gives each tile's exact share of the gradients.
+call per ``N/p x N/p`` tile, the bias tile rotating beside the key/value tile, the partial results merged by the
+kernel's row max and row sum kept apart (:func:`_merge_stats`: a log-sum-exp loses the row sum in fp32 on a row
+whose keys are all masked with OpenFold's -1e9); backward runs the kernel's backward per tile against the merged
+output and statistics, which gives each tile's exact share of the gradients. The padding keys are masked with
+-inf, so a real row whose keys are all masked attends over its real keys, as the single process does.
 
 Entry, exit, parameters, padding and dropout as the axial version (:mod:`ds4sci.parallel.evoformer_cp`): full
 tensors in and out on every rank (entry split, backward all-gather; exit gather, backward split), parameter
@@ -54,7 +56,6 @@ from ds4sci.models.evoformer import EvoformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
 from ds4sci.parallel.evoformer_cp import _gather_out
 from ds4sci.parallel.tensor_parallel import split_sequence_region, sync_grad
-from ds4sci.sequence.attention import _merge
 from ds4sci.sequence.comm import RingShift, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
 
@@ -189,43 +190,38 @@ class _RingAttention(torch.autograd.Function):
     ``kv_ring``; mask bias ``[*, N|1, 1, 1, p*s]`` (every key's, in key order, constant) or None; pair bias tile
     ``[*, 1, H, s, s]`` of the same key block (rotating around ``bias_ring``) or None; returns ``[*, N, s, H, D]``.
     Each step is one call of the Evoformer kernel (``evoformer_attention``'s custom op) on key block
-    ``t0 - step``, the next tiles in flight meanwhile; the partial results are merged by their log-sum-exp. Backward
-    rotates the tiles again and runs the kernel's backward per tile against the merged output and log-sum-exp (flash
-    attention's gradient of a tile needs only ``P = exp(logits - lse)`` and ``D = rowsum(dO * O)``); the tiles'
-    gradients travel with them and are home after p steps.
+    ``t0 - step``, the next tiles in flight meanwhile; the partial results are merged by the kernel's statistics,
+    row max and row sum kept apart (:func:`_merge_stats`). Backward rotates the tiles again and runs the kernel's
+    backward per tile against the merged output and statistics (flash attention's gradient of a tile needs only
+    ``P = exp(logits - max) / sum`` and ``D = rowsum(dO * O)``); the tiles' gradients travel with them and are home
+    after p steps.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, mask, pair, backend, kv_ring, bias_ring, t0):
-        *_, s, h, d = q.shape
+        *_, n, s, h, d = q.shape
         size, rings = group_size(kv_ring), [kv_ring, kv_ring, bias_ring]
-        out = lse = None
+        out = stats = None
         tiles = [k, v, pair]
         for step in range(size):
             pending = _Rotation(tiles, rings, _TILE_TAG) if step < size - 1 else None
             keys = _block((t0 - step) % size, s)
-            o_t, stats = _attention_fwd(q, tiles[0], tiles[1], None if mask is None else mask[..., keys], tiles[2],
-                                        backend)
-            row_max, row_sum = stats.unbind(-1)  # [Z, N, H, s]; (+inf, +inf) on rows with every key -inf
-            lse_t = torch.where(torch.isinf(row_max), -math.inf, row_max + torch.log(row_sum)).flatten(0, 1)
-            o_t = o_t.reshape(-1, s, h, d)  # [Z*N, s, H, D] and [Z*N, H, s]: ring attention's layout
-            out, lse = (o_t, lse_t) if out is None else _merge(out, lse, o_t, lse_t)
+            o_t, stats_t = _attention_fwd(q, tiles[0], tiles[1], None if mask is None else mask[..., keys],
+                                          tiles[2], backend)
+            o_t = o_t.reshape(-1, n, s, h, d)  # [Z, N, s, H, D], beside the statistics [Z, N, H, s, 2]
+            out, stats = (o_t, stats_t) if out is None else _merge_stats(out, stats, o_t, stats_t)
             if pending is not None:
                 tiles = pending.wait()
         out = out.reshape(q.shape)
-        ctx.save_for_backward(q, k, v, mask, pair, out, lse)
+        ctx.save_for_backward(q, k, v, mask, pair, out, stats)
         ctx.backend, ctx.rings, ctx.t0 = backend, rings, t0
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, mask, pair, out, lse = ctx.saved_tensors
-        *batch, n, s, h, d = q.shape
+        q, k, v, mask, pair, out, stats = ctx.saved_tensors  # the merged statistics: every key's row max and sum
+        *_, s, _, _ = q.shape
         size = group_size(ctx.rings[0])
-        lse = lse.reshape(math.prod(batch), n, h, s)
-        # the merged statistics in the kernel's form: row max lse, row sum 1; (+inf, +inf) where no key counts
-        stats = torch.stack([torch.where(torch.isinf(lse), math.inf, lse),
-                             torch.where(torch.isinf(lse), math.inf, 1.0)], dim=-1)
         need_pair = pair is not None and ctx.needs_input_grad[4]
         grad = grad.contiguous()
         dq = torch.zeros_like(q)
@@ -246,15 +242,41 @@ class _RingAttention(torch.autograd.Function):
         return dq, grads[0], grads[1], None, grads[2], None, None, None, None
 
 
+def _merge_stats(out: Tensor, stats: Tensor, o_t: Tensor, stats_t: Tensor) -> tuple[Tensor, Tensor]:
+    """Two partial softmax results over disjoint key sets as one: ``out``, ``o_t`` ``[Z, N, s, H, D]`` with the
+    kernel's statistics ``[Z, N, H, s, 2]`` (row max ``m``, row sum ``l = sum exp(logit - m)``; ``(+inf, +inf)`` on a
+    row with no key). ``M = max(m, m_t)``, ``L = l e^(m - M) + l_t e^(m_t - M)``, ``out = (out l e^(m - M) + o_t l_t
+    e^(m_t - M)) / L``: the one-pass kernel's ``(M, L)`` and output up to the order of the additions. Kept apart, not
+    as a log-sum-exp ``m + log l``: with OpenFold's finite mask ``-1e9``, a row whose keys are all masked has ``m``
+    near ``-1e9``, where fp32's spacing (64) swallows ``log l``, and the tiles would be weighted as if each held one
+    key."""
+    def parts(st):  # [Z, N, H, s] row max and row sum; a row with no key: (-inf, 0), which weighs nothing
+        empty = torch.isposinf(st[..., 0])
+        return torch.where(empty, -math.inf, st[..., 0]), torch.where(empty, 0.0, st[..., 1])
+
+    (m, l), (m_t, l_t) = parts(stats), parts(stats_t)
+    top = torch.maximum(m, m_t)
+    shift = torch.where(torch.isfinite(top), top, 0.0)
+    w, w_t = l * torch.exp(m - shift), l_t * torch.exp(m_t - shift)  # [Z, N, H, s]
+    total = w + w_t
+    seen = total > 0
+    safe = torch.where(seen, total, 1.0)
+    out = (out * (w / safe).transpose(-1, -2).unsqueeze(-1) + o_t * (w_t / safe).transpose(-1, -2).unsqueeze(-1))
+    return out, torch.stack([torch.where(seen, top, math.inf), torch.where(seen, total, math.inf)], dim=-1)
+
+
 def _block(t: int, size: int) -> slice:
     return slice(t * size, (t + 1) * size)
 
 
-def _attend(mha: GatedAttention, x: Tensor, mesh: _Mesh, kv_ring, key_mask: Tensor, pair: Tensor | None,
-            inf: float, backend) -> Tensor:
+def _attend(mha: GatedAttention, x: Tensor, mesh: _Mesh, kv_ring, key_mask: Tensor, real_keys: int,
+            pair: Tensor | None, inf: float, backend) -> Tensor:
     """``mha`` on this rank's queries ``x [*, N, s, C]`` (layer-normed) against the keys of every rank of
-    ``kv_ring`` (their tiles of x): ``key_mask [*, N, p*s]`` in key order; ``pair`` this rank's skewed bias tile
-    ``[*, s, s, H]`` (queries by keys of block ``t0``, rotating on the other ring) or None. Returns ``[*, N, s, C]``."""
+    ``kv_ring`` (their tiles of x): ``key_mask [*, N, p*s]`` in key order, of which the first ``real_keys`` are
+    real and the rest padding; ``pair`` this rank's skewed bias tile ``[*, s, s, H]`` (queries by keys of block
+    ``t0``, rotating on the other ring) or None. Returns ``[*, N, s, C]``. The padding keys are masked with -inf,
+    not the block's finite ``inf``: a real row whose real keys are all masked then attends over them as in the
+    single process, which has no padding keys."""
     heads = (mha.no_heads, mha.c_hidden)
     kv = _skewed(x, mesh, kv_ring)  # block t0's keys
     q, k, v = (lin(t).unflatten(-1, heads) for lin, t in ((mha.linear_q, x), (mha.linear_k, kv), (mha.linear_v, kv)))
@@ -262,8 +284,9 @@ def _attend(mha: GatedAttention, x: Tensor, mesh: _Mesh, kv_ring, key_mask: Tens
     pair = None if pair is None else pair.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, s, s]
     chosen = _choose_backend(backend, q)
     chosen = EvoformerBackend.TORCH if chosen is EvoformerBackend.REFERENCE else chosen  # the oracle has no op
-    o = _RingAttention.apply(q, k, v, mask_bias(key_mask, inf, x.dtype), pair, chosen.value, kv_ring, bias_ring,
-                             mesh.t0)
+    mask = mask_bias(key_mask, inf, x.dtype)  # [*, N, 1, 1, p*s]
+    mask[..., real_keys:] = -math.inf
+    o = _RingAttention.apply(q, k, v, mask, pair, chosen.value, kv_ring, bias_ring, mesh.t0)
     return mha.linear_o(o.flatten(-2) * torch.sigmoid(mha.linear_g(x)))
 
 
@@ -290,7 +313,7 @@ class _MeshEvoformer(nn.Module):
         seq_r, res_r, res_c = _block(r, s), _block(r, n), _block(c, n)
         # this call's masks (whole, padded; this rank's tiles) and blocks, read by the sub-module methods below
         self._masks = msa_mask, pair_mask, msa_mask[..., seq_r, res_c], pair_mask[..., res_r, res_c]
-        self._blocks = seq_r, res_r, res_c
+        self._blocks, self._real = (seq_r, res_r, res_c), (n_seq, n_res)
         # this rank's tiles: m[S_r, R_c] [*, S'/p, N'/p, C_m], z[I_r, J_c] [*, N'/p, N'/p, C_z]
         m = split_sequence_region(split_sequence_region(m, mesh.col, m.ndim - 3), mesh.row, m.ndim - 2)
         z = split_sequence_region(split_sequence_region(z, mesh.col, z.ndim - 3), mesh.row, z.ndim - 2)
@@ -325,15 +348,15 @@ class _MeshEvoformer(nn.Module):
         """Queries m[S_r, R_c] against the mesh row's keys m[S_r, R_t], bias b[R_c, R_t] (swapped tiles)."""
         att, (msa_mask, *_), (seq_r, *_) = self.block.msa_att_row, self._masks, self._blocks
         bias = _skewed(_swap(att.pair_bias_of(z), self.mesh), self.mesh, self.mesh.col)  # [*, n, n, H]
-        return _attend(att.mha, att.layer_norm_m(m), self.mesh, self.mesh.row, msa_mask[..., seq_r, :], bias,
-                       att.inf, att.backend)
+        return _attend(att.mha, att.layer_norm_m(m), self.mesh, self.mesh.row, msa_mask[..., seq_r, :],
+                       self._real[1], bias, att.inf, att.backend)
 
     def _msa_column_attention(self, m: Tensor) -> Tensor:
         """Queries m[S_r, R_c] (transposed) against the mesh column's keys m[S_t, R_c]."""
         att, (msa_mask, *_), (_, _, res_c) = self.block.msa_att_col._msa_att, self._masks, self._blocks
         x = att.layer_norm_m(m).transpose(-2, -3)  # [*, n, s, C_m]
-        out = _attend(att.mha, x, self.mesh, self.mesh.col, msa_mask[..., res_c].transpose(-1, -2), None, att.inf,
-                      att.backend)
+        out = _attend(att.mha, x, self.mesh, self.mesh.col, msa_mask[..., res_c].transpose(-1, -2), self._real[0],
+                      None, att.inf, att.backend)
         return out.transpose(-2, -3)
 
     def _triangle_attention(self, att, z: Tensor, transpose_bias: bool) -> Tensor:
@@ -352,7 +375,7 @@ class _MeshEvoformer(nn.Module):
             kv_ring, key_mask, x = mesh.col, pair_mask[..., res_c].transpose(-1, -2), x.transpose(-2, -3)
             bias = (_skewed(b, mesh, mesh.row) if transpose_bias
                     else _skewed(_swap(b, mesh), mesh, mesh.row).transpose(-2, -3))
-        out = _attend(att.mha, x, mesh, kv_ring, key_mask, bias, att.inf, att.backend)
+        out = _attend(att.mha, x, mesh, kv_ring, key_mask, self._real[1], bias, att.inf, att.backend)
         return out if att.starting else out.transpose(-2, -3)
 
     def _pair_stack(self, z: Tensor, chunk_size: int | None) -> Tensor:
