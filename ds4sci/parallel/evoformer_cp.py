@@ -301,16 +301,16 @@ def evoformer_context_parallel(block_or_stack, group=None, mesh: tuple[int, int]
                                sharded: bool = False, counter: CommCounter | None = None) -> nn.Module:
     """``block_or_stack`` (an Evoformer or Pairformer block, or a sequence of blocks of one kind) run across
     ``group`` (default: every rank of the default process group) by axial context parallelism:
-    :class:`EvoformerContextParallel` (module docstring: layouts, collectives, exactness); with ``mesh=(p, p)``, one
-    Evoformer block on a p x p mesh of the group's ranks by 2-D tiles:
-    :class:`~ds4sci.parallel.evoformer_cp2d.EvoformerContextParallel2D` (same call signature and semantics)."""
+    :class:`EvoformerContextParallel` (module docstring: layouts, collectives, exactness); with ``mesh=(p, p)``,
+    Evoformer blocks on a p x p mesh of the group's ranks by 2-D tiles:
+    :class:`~ds4sci.parallel.evoformer_cp2d.EvoformerContextParallel2D` (same call signature and semantics).
+    ``sharded``: a stack keeps m and z split (1-D) or tiled (2-D) between its blocks; ``counter`` records this
+    rank's collectives."""
     if mesh is None:
         return EvoformerContextParallel(block_or_stack, group, sharded=sharded, counter=counter)
     from ds4sci.parallel.evoformer_cp2d import EvoformerContextParallel2D, check_mesh
 
-    if sharded or counter is not None:
-        raise ValueError("evoformer_context_parallel: sharded= and counter= are axial (mesh=None) options")
     group = group if group is not None or not dist.is_initialized() else dist.group.WORLD
     p = check_mesh(mesh, group_size(group))
-    return (EvoformerContextParallel(block_or_stack, group) if p == 1
-            else EvoformerContextParallel2D(block_or_stack, group, p))
+    return (EvoformerContextParallel(block_or_stack, group, sharded=sharded, counter=counter) if p == 1
+            else EvoformerContextParallel2D(block_or_stack, group, p, sharded=sharded, counter=counter))

@@ -156,3 +156,48 @@ def test_2d_fully_masked_rows_equal_single_process():
     for rank, errors in enumerate(run_workers(_masked_worker, 4, 5, 9, timeout=600)):
         for dtype, tol in (("torch.float64", 1e-12), ("torch.float32", 1e-5)):
             assert errors[dtype][0] <= tol, f"rank {rank}, {dtype}: worst {errors[dtype]}"
+
+
+def _stack_worker(rank, world, n_seq, n_res):
+    """Per mode (sharded between blocks or block by block): the largest error of a 2-block stack against the
+    single process (outputs, input and parameter gradients), its parameter gradients as bytes, and the
+    all-gathers it ran (calls) beside a 1-block stack's."""
+    from torch import nn
+
+    from ds4sci.sequence import CommCounter
+
+    torch.manual_seed(0)
+    stack = nn.ModuleList(EvoformerBlock(**KW, backend="torch") for _ in range(2)).double().eval()
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+
+    def single(m, z, msa_mask, pair_mask):
+        for blk in stack:
+            m, z = blk(m, z, msa_mask, pair_mask)
+        return m, z
+
+    inputs = _inputs(n_seq, n_res)
+    want = _run(single, stack, *inputs)
+    results = {}
+    for sharded in (True, False):
+        counter = CommCounter()
+        got = _run(evoformer_context_parallel(stack, mesh=(2, 2), sharded=sharded, counter=counter), stack, *inputs)
+        one = CommCounter()
+        _run(evoformer_context_parallel(stack[:1], mesh=(2, 2), sharded=sharded, counter=one), stack[:1], *inputs)
+        error = max(((got[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k) for k, v in want.items())
+        results[sharded] = error, {n: got[n].numpy().tobytes() for n, _ in stack.named_parameters()}, \
+            (counter.calls["all_gather"], one.calls["all_gather"])
+    return results
+
+
+def test_2d_stack_tiles_between_blocks_equals_single_process():
+    """A 2-block stack on a 2 x 2 mesh, sharded (m and z stay this rank's tiles from the entry to the exit: as many
+    all-gathers as one block's, the entry's backward and the exit) and block by block (twice one block's), equals
+    the single process (fp64, to rounding); parameter gradients bitwise the same on every rank."""
+    results = run_workers(_stack_worker, 4, 5, 7, timeout=600)
+    for rank, per_mode in enumerate(results):
+        for sharded, (error, grads, (gathers, one_block)) in per_mode.items():
+            assert error[0] <= 1e-12, f"rank {rank}, sharded={sharded}: worst {error}"
+            assert grads == results[0][sharded][1], f"rank {rank}, sharded={sharded}: parameter gradients differ"
+            assert gathers == (one_block if sharded else 2 * one_block) > 0, (rank, sharded, gathers, one_block)
