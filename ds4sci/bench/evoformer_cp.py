@@ -15,13 +15,12 @@ activations a training step holds from its forward to its backward. (A peak RSS 
 that has run the step before, the allocator reuses freed memory and the RSS barely moves at these sizes.)
 
 The pair terms of that memory: with N_res multiples of P (no padding) the saved bytes are a quadratic in N_res at
-a fixed N_seq, ``alpha N^2 + beta N + gamma``; ``alpha`` (least squares over ``--n-res``, at least three) is set
-beside its closed form from the single process's ``alpha_1``: 2-D tiles every ``N^2`` tensor, ``alpha_1 / P``,
-except the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block), which fall as ``1/p``:
-``alpha_1 / P + 2 e (1/p - 1/P)``; 1-D splits z but saves the gathered tensors whole (the MSA pair bias, one
-operand of each triangle multiplication, the two triangle biases; the Pairformer's replicated pair bias):
-``G + (alpha_1 - G) / P``, ``G = e (H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``),
-which does not fall with P.
+a fixed N_seq, ``alpha N^2 + beta N + gamma``; ``alpha`` (least squares over ``--n-res``, at least three) is
+reported with ``alpha P`` (constant where the pair terms fall as 1/P) beside the closed form of its floor, the
+``N^2`` bytes per rank that do not fall as 1/P: 1-D saves the gathered tensors whole (the MSA pair bias, one
+operand of each triangle multiplication, the two triangle biases; the Pairformer's replicated pair bias), ``G = e
+(H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``) at any P; 2-D tiles every ``N^2``
+tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``.
 
 Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms; ``1d`` is the
 axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2; Evoformer blocks only).
@@ -59,13 +58,12 @@ def _axial_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, 
     return block_comm_bytes(block, p, n_res, n_seq)
 
 
-def _axial_pair_terms(block, p: int, alpha_1: float, itemsize: int = 4) -> float:
-    """1-D: the gathered ``N^2`` tensors saved whole, the rest split (module docstring)."""
+def _axial_floor(block, p: int, itemsize: int = 4) -> float:
+    """1-D: the gathered ``N^2`` tensors saved whole (module docstring), bytes per ``N_res^2``."""
     ps = block.pair_stack
     heads = (block.msa_att_row.no_heads if hasattr(block, "msa_att_row")
              else block.attn_pair_bias.linear_z.out_features)
-    whole = itemsize * (heads + 2 * ps.tri_mul_out.c_hidden + 2 * ps.tri_att_start.no_heads)
-    return whole + (alpha_1 - whole) / p
+    return float(itemsize * (heads + 2 * ps.tri_mul_out.c_hidden + 2 * ps.tri_att_start.no_heads)) if p > 1 else 0.0
 
 
 def _mesh(blocks, counter):
@@ -83,16 +81,16 @@ def _mesh_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, i
     return block_comm_bytes(block, math.isqrt(p), n_res, n_seq, rank)
 
 
-def _mesh_pair_terms(block, p: int, alpha_1: float, itemsize: int = 4) -> float:
-    """2-D: every ``N^2`` tensor tiled but the triangle attentions' key-mask rows (module docstring)."""
-    return alpha_1 / p + 2 * itemsize * (1 / math.isqrt(p) - 1 / p)
+def _mesh_floor(block, p: int, itemsize: int = 4) -> float:
+    """2-D: the triangle attentions' key-mask rows (module docstring), bytes per ``N_res^2``."""
+    return 2 * itemsize / math.isqrt(p) if p > 1 else 0.0
 
 
 #: ``--layout`` -> (make a stack parallel: ``(blocks, counter) -> module``, closed form of a rank's bytes per block
-#: per collective kind: ``(block, P, n_res, n_seq, rank) -> dict``, closed form of the saved bytes' ``N^2``
-#: coefficient: ``(block, P, alpha_1) -> float``, the block kinds it runs)
-LAYOUTS = {"1d": (_axial, _axial_bytes, _axial_pair_terms, KINDS),
-           "2d": (_mesh, _mesh_bytes, _mesh_pair_terms, ("evoformer",))}
+#: per collective kind: ``(block, P, n_res, n_seq, rank) -> dict``, closed form of the floor of the saved bytes'
+#: ``N^2`` coefficient: ``(block, P) -> float``, the block kinds it runs)
+LAYOUTS = {"1d": (_axial, _axial_bytes, _axial_floor, KINDS),
+           "2d": (_mesh, _mesh_bytes, _mesh_floor, ("evoformer",))}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -199,25 +197,22 @@ def measure(cfg: dict, p: int) -> list[dict]:
 
 def pair_terms(report: dict) -> list[dict]:
     """Per kind and P: the saved bytes' ``N^2`` coefficient, fitted (least squares of ``alpha N^2 + beta N +
-    gamma`` over the run's N_res) and its closed form from P = 1's (module docstring); empty with fewer than three
-    N_res or without P = 1."""
+    gamma`` over the run's N_res), ``alpha P``, and the closed form of its floor (module docstring); empty with
+    fewer than three N_res."""
     import numpy as np
 
     cfg, rows = report["config"], []
-    if len(cfg["n_res"]) < 3 or 1 not in cfg["degrees"]:
+    if len(cfg["n_res"]) < 3:
         return rows
-    closed_form = LAYOUTS[cfg["layout"]][2]
+    floor = LAYOUTS[cfg["layout"]][2]
     for kind in cfg["kinds"]:
         block = _blocks(kind, cfg, 1)[0]
-        alpha = {}
         for p in cfg["degrees"]:
             runs = [r for r in report["runs"] if r["kind"] == kind and r["P"] == p]
             n = np.array([r["n_res"] for r in runs], dtype=float)
-            fit = np.linalg.lstsq(np.stack([n * n, n, np.ones_like(n)], 1),
-                                  np.array([r["saved_bytes"] for r in runs], dtype=float), rcond=None)[0]
-            alpha[p] = float(fit[0])
-        rows += [{"kind": kind, "P": p, "alpha": alpha[p], "alpha_closed_form": closed_form(block, p, alpha[1]),
-                  "alpha_vs_P1": alpha[1] / alpha[p]} for p in cfg["degrees"]]
+            alpha = float(np.linalg.lstsq(np.stack([n * n, n, np.ones_like(n)], 1),
+                                          np.array([r["saved_bytes"] for r in runs], dtype=float), rcond=None)[0][0])
+            rows.append({"kind": kind, "P": p, "alpha": alpha, "alpha_times_P": alpha * p, "floor": floor(block, p)})
     return rows
 
 
@@ -237,8 +232,9 @@ def markdown(report: dict) -> str:
         f"C_m = C_s = {c['c_m']}, C_z = {c['c_z']}, {c['heads']} heads, {c['c_hidden']} hidden channels; sent: "
         "bytes per block inside a sharded stack (a two-block stack's minus a one-block stack's), all collectives "
         f"of forward and backward including the parameter-gradient all-reduce, the most any rank sends; closed "
-        f"form: ds4sci.parallel.{MODULES[c['layout']]}.block_comm_bytes (the same on every rank: "
-        f"{all(r['sent_by_rank'] == r['predicted_by_rank'] for r in report['runs'])}). Saved: what autograd keeps "
+        f"form: ds4sci.parallel.{MODULES[c['layout']]}.block_comm_bytes (measured == closed form on every rank "
+        f"and collective kind: {all(r['sent_by_rank'] == r['predicted_by_rank'] for r in report['runs'])}). "
+        "Saved: what autograd keeps "
         "for backward in a one-block stack, the most on any rank (vs P = 1: how much less).",
         "",
         *markdown_table(("block", "P", "N_res", "N_seq", "sent/block (KiB)", "closed form (KiB)",
@@ -246,11 +242,12 @@ def markdown(report: dict) -> str:
     ]
     fitted = report.get("pair_terms") or []
     if fitted:
-        lines += ["", "Pair terms of the saved bytes: the N_res^2 coefficient alpha (bytes per N_res^2; fitted "
-                  "over the N_res above) and its closed form from P = 1's (ds4sci.bench.evoformer_cp).", "",
-                  *markdown_table(("block", "P", "alpha fitted", "alpha closed form", "P=1 / alpha"),
-                                  [(f["kind"], f["P"], f"{f['alpha']:.2f}", f"{f['alpha_closed_form']:.2f}",
-                                    f"{f['alpha_vs_P1']:.2f}x") for f in fitted])]
+        lines += ["", "Pair terms of the saved bytes: their N_res^2 coefficient alpha (bytes per N_res^2 per rank, "
+                  "fitted over the N_res above), alpha x P (constant where they fall as 1/P) and the closed form of "
+                  "the part that does not fall as 1/P (ds4sci.bench.evoformer_cp).", "",
+                  *markdown_table(("block", "P", "alpha (B/N_res^2)", "alpha x P", "floor, closed form"),
+                                  [(f["kind"], f["P"], f"{f['alpha']:.1f}", f"{f['alpha_times_P']:.0f}",
+                                    f"{f['floor']:.1f}") for f in fitted])]
     lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"
 

@@ -4,10 +4,11 @@
 The oracle is the single process on an fp64 copy of the block and inputs. The serial error is ``|single fp32 -
 oracle|`` and the sharded error ``|rank's fp32 - oracle|``, elementwise, each element's divided by its tensor's
 ``max |oracle|``, at least ``FLOOR`` of its group's (the pair-bias LayerNorm's bias has a gradient of 0 up to
-rounding: it shifts every logit of a row by one constant, which the softmax ignores). Rule: at the 25th, 50th, 75th and 95th percentiles the sharded error is no larger than the
-serial one times ``1 + SLACK``, per group: each output, each input gradient, and every parameter's gradient pooled
-(one group; a tiny tensor's own percentiles, 8 elements of a LayerNorm bias, are noise: its 25th percentile moves
-by 3-5x between two equally good summation orders). And per tensor, every parameter gradient included, the sharded
+rounding: it shifts every logit of a row by one constant, which the softmax ignores). Rule: at the 25th, 50th,
+75th and 95th percentiles the sharded error is no larger than the serial one times ``1 + SLACK``, per group: each
+output, each input gradient, and every parameter's gradient pooled (one group; a tiny tensor's own percentiles, 8
+elements of a LayerNorm bias, are noise: its 25th percentile moves by 3-5x between two equally good summation
+orders). And per tensor, every parameter gradient included, the sharded
 fp32 result equals the oracle to ``TOL`` of its largest element (the repository's fp32 exactness), so a small wrong
 tensor cannot hide in its group; parameter gradients bitwise equal on every rank.
 
