@@ -302,7 +302,7 @@ def evoformer_context_parallel(block_or_stack, group=None, mesh: tuple[int, int]
     """``block_or_stack`` (an Evoformer or Pairformer block, or a sequence of blocks of one kind) run across
     ``group`` (default: every rank of the default process group) by axial context parallelism:
     :class:`EvoformerContextParallel` (module docstring: layouts, collectives, exactness); with ``mesh=(p, p)``,
-    Evoformer blocks on a p x p mesh of the group's ranks by 2-D tiles:
+    on a p x p mesh of the group's ranks by 2-D tiles:
     :class:`~ds4sci.parallel.evoformer_cp2d.EvoformerContextParallel2D` (same call signature and semantics).
     ``sharded``: a stack keeps m and z split (1-D) or tiled (2-D) between its blocks; ``counter`` records this
     rank's collectives."""

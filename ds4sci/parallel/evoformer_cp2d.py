@@ -1,4 +1,4 @@
-"""One Evoformer block on a p x p mesh of ranks: 2-D context parallelism with single-process semantics.
+"""Evoformer and Pairformer blocks on a p x p mesh of ranks: 2-D context parallelism with single-process semantics.
 
 Fold-CP's layout (NVIDIA's context parallelism for Boltz): the pair representation ``z [*, N_res, N_res, C_z]`` is
 cut into p x p tiles and rank (r, c) of the mesh (group rank ``r * p + c``) holds ``z[I_r, J_c]``, ``N_res/p`` by
@@ -35,6 +35,13 @@ kernel's row max and row sum kept apart (:func:`_merge_stats`: a log-sum-exp los
 whose keys are all masked with OpenFold's -1e9); backward runs the kernel's backward per tile against the merged
 output and statistics, which gives each tile's exact share of the gradients. The padding keys are masked with
 -inf, so a real row whose keys are all masked attends over its real keys, as the single process does.
+
+Pairformer block (AF3 supplement Algorithm 17): the pair stack on the z tiles as above, then the single
+representation ``s [*, N, C_s]`` replicated, as in the axial version: every rank holds all of s and runs the
+attention with pair bias and the single transition on it whole, the bias ``[*, N, N, H]`` gathered from the tiles
+(backward: this rank's tile of its gradient; every rank computes the same), and those replicated parameters'
+gradients are not all-reduced (``PAIRFORMER_REPLICATED``). That bias is the one ``N x N`` tensor a rank holds here,
+with ``H`` channels against z's ``C_z`` (its cost is ``O(N^2 H c)`` beside the pair stack's ``O(N^3 c)``).
 
 Entry, exit, parameters, padding and dropout as the axial version (:mod:`ds4sci.parallel.evoformer_cp`): full
 tensors in and out on every rank (entry split, backward all-gather; exit gather, backward split), parameter
@@ -83,9 +90,9 @@ from torch import Tensor, nn
 
 from ds4sci.kernels import EvoformerBackend
 from ds4sci.kernels.evoformer import _attention_bwd, _attention_fwd, _choose_backend
-from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
-from ds4sci.parallel.evoformer_cp import _gather_out
+from ds4sci.parallel.evoformer_cp import PAIRFORMER_REPLICATED, _gather_out
 from ds4sci.parallel.tensor_parallel import split_sequence_region, sync_grad
 from ds4sci.sequence.comm import CommCounter, RingShift, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
@@ -332,32 +339,44 @@ class _MeshStack(nn.Module):
         super().__init__()
         self.blocks, self.mesh = blocks, mesh
 
-    def forward(self, m: Tensor, z: Tensor, msa_mask: Tensor | None, pair_mask: Tensor | None,
+    def forward(self, x: Tensor, z: Tensor, x_mask: Tensor | None, pair_mask: Tensor | None,
                 chunk_size: int | None) -> tuple[Tensor, Tensor]:
+        """``x``: m ``[*, N_seq, N_res, C_m]`` (Evoformer) or s ``[*, N_res, C_s]`` (Pairformer, replicated);
+        ``x_mask`` its mask."""
         mesh, counter = self.mesh, self.mesh.counter
         p, r, c = mesh.p, mesh.r, mesh.c
-        n_seq, n_res = m.shape[-3], m.shape[-2]
-        msa_mask = m.new_ones(m.shape[:-1]) if msa_mask is None else msa_mask.to(m.dtype).expand(m.shape[:-1])
+        evoformer = isinstance(self.blocks[0], EvoformerBlock)
+        n_res = z.shape[-2]
+        n_seq = x.shape[-3] if evoformer else 0
         pair_mask = z.new_ones(z.shape[:-1]) if pair_mask is None else pair_mask.to(z.dtype).expand(z.shape[:-1])
-        m = pad_to_multiple(pad_to_multiple(m, -3, p), -2, p)  # [*, S', N', C_m], S' and N' multiples of p
-        z = pad_to_multiple(pad_to_multiple(z, -3, p), -2, p)  # [*, N', N', C_z]
-        msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, p), -1, p)  # [*, S', N']: the pad rows masked
-        pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, p), -1, p)  # [*, N', N']
-        s, n = msa_mask.shape[-2] // p, msa_mask.shape[-1] // p
-        seq_r, res_r, res_c = _block(r, s), _block(r, n), _block(c, n)
+        z = pad_to_multiple(pad_to_multiple(z, -3, p), -2, p)  # [*, N', N', C_z], N' a multiple of p
+        pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, p), -1, p)  # [*, N', N']: the pad rows masked
+        n = pair_mask.shape[-1] // p
+        res_r, res_c = _block(r, n), _block(c, n)
+        msa_mask = mask_t = seq_r = None
+        if evoformer:
+            msa_mask = x.new_ones(x.shape[:-1]) if x_mask is None else x_mask.to(x.dtype).expand(x.shape[:-1])
+            x = pad_to_multiple(pad_to_multiple(x, -3, p), -2, p)  # [*, S', N', C_m], S' a multiple of p
+            msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, p), -1, p)  # [*, S', N']
+            seq_r = _block(r, msa_mask.shape[-2] // p)
+            mask_t = msa_mask[..., seq_r, res_c]
         # this call's masks (whole, padded; this rank's tiles) and blocks, read by the sub-module methods below
-        self._masks = msa_mask, pair_mask, msa_mask[..., seq_r, res_c], pair_mask[..., res_r, res_c]
+        self._masks = msa_mask, pair_mask, mask_t, pair_mask[..., res_r, res_c]
         self._blocks, self._real = (seq_r, res_r, res_c), (n_seq, n_res)
-        # this rank's tiles: m[S_r, R_c] [*, S'/p, N'/p, C_m], z[I_r, J_c] [*, N'/p, N'/p, C_z]
-        m = split_sequence_region(split_sequence_region(m, mesh.col, m.ndim - 3, counter), mesh.row, m.ndim - 2,
-                                  counter)
+        # this rank's tiles: z[I_r, J_c] [*, N'/p, N'/p, C_z], m[S_r, R_c] [*, S'/p, N'/p, C_m]
         z = split_sequence_region(split_sequence_region(z, mesh.col, z.ndim - 3, counter), mesh.row, z.ndim - 2,
                                   counter)
+        if evoformer:
+            x = split_sequence_region(split_sequence_region(x, mesh.col, x.ndim - 3, counter), mesh.row, x.ndim - 2,
+                                      counter)
         for blk in self.blocks:  # each block maps the tile layout to itself: nothing moves between blocks
-            m, z = self._evoformer(blk, m, z, chunk_size)
-        m = _gather_out(_gather_out(m, mesh.row, m.ndim - 2, counter), mesh.col, m.ndim - 3, counter)
+            x, z = (self._evoformer(blk, x, z, chunk_size) if evoformer
+                    else self._pairformer(blk, x, z, x_mask, chunk_size))
         z = _gather_out(_gather_out(z, mesh.row, z.ndim - 2, counter), mesh.col, z.ndim - 3, counter)
-        return m[..., :n_seq, :n_res, :], z[..., :n_res, :n_res, :]
+        if evoformer:
+            x = _gather_out(_gather_out(x, mesh.row, x.ndim - 2, counter), mesh.col, x.ndim - 3, counter)
+            x = x[..., :n_seq, :n_res, :]
+        return x, z[..., :n_res, :n_res, :]
 
     def _evoformer(self, blk: EvoformerBlock, m: Tensor, z: Tensor, chunk_size: int | None) -> tuple[Tensor, Tensor]:
         """One block (AF2 Algorithm 6) on this rank's tiles m[S_r, R_c] ``[*, s, n, C_m]`` and z[I_r, J_c]
@@ -371,6 +390,19 @@ class _MeshStack(nn.Module):
         if not blk.opm_first:
             z = z + self._outer_product_mean(blk, m)
         return m, self._pair_stack(blk, z, chunk_size)
+
+    def _pairformer(self, blk: PairformerBlock, s: Tensor, z: Tensor, single_mask: Tensor | None,
+                    chunk_size: int | None) -> tuple[Tensor, Tensor]:
+        """One Pairformer block (AF3 Algorithm 17) on s whole ``[*, N, C_s]`` and this rank's z tile ``[*, n, n,
+        C_z]``: the pair stack on the tile, then the single representation's attention and transition replicated on
+        every rank (as the axial version's), with the pair bias gathered whole from the tiles (module docstring)."""
+        z = self._pair_stack(blk, z, chunk_size)
+        apb, mesh, n = blk.attn_pair_bias, self.mesh, s.shape[-2]
+        bias = apb.pair_bias_of(z)  # [*, n, n, H]
+        bias = _gather_out(_gather_out(bias, mesh.row, bias.ndim - 2, mesh.counter), mesh.col, bias.ndim - 3,
+                           mesh.counter)[..., :n, :n, :]  # [*, N, N, H], every rank the same
+        s = s + apb(s, None, single_mask, bias=bias)
+        return s + blk.single_transition(s, single_mask, chunk_size), z
 
     def _cannon(self, a: Tensor, b: Tensor, product: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
         """``sum_t product(a_t, b_t)``: ``a`` this rank's tile of the mesh row's blocks, ``b`` of the column's."""
@@ -438,23 +470,26 @@ class _MeshStack(nn.Module):
 
 
 class EvoformerContextParallel2D(nn.Module):
-    """An :class:`~ds4sci.models.evoformer.EvoformerBlock`, or a stack of them, run on a ``p x p`` mesh of
-    ``group``'s ranks (module docstring), with the block's call signature: ``forward(m [*, N_seq, N_res, C_m],
-    z [*, N_res, N_res, C_z], msa_mask=None [*, N_seq, N_res], pair_mask=None [*, N_res, N_res], chunk_size=None)
-    -> (m, z)``, full tensors in and out on every rank (each rank passes the same inputs). Holds the given block or
-    blocks (their parameters, not copies): ``block`` (one block) or ``blocks`` (a stack; the caller's
-    ``nn.ModuleList`` itself), so its state dict is theirs under that prefix. ``sharded``: a stack keeps m and z as
-    this rank's tiles between its blocks. ``counter`` records this rank's collectives. Every rank of ``group``
-    constructs it (it creates the mesh's row and column groups)."""
+    """An :class:`~ds4sci.models.evoformer.EvoformerBlock` or :class:`~ds4sci.models.evoformer.PairformerBlock`, or a
+    stack of blocks of one kind, run on a ``p x p`` mesh of ``group``'s ranks (module docstring), with the block's
+    call signature: ``forward(m [*, N_seq, N_res, C_m], z [*, N_res, N_res, C_z], msa_mask=None [*, N_seq, N_res],
+    pair_mask=None [*, N_res, N_res], chunk_size=None) -> (m, z)`` (Pairformer: ``forward(s [*, N, C_s], z,
+    single_mask=None [*, N], pair_mask=None, chunk_size=None) -> (s, z)``), full tensors in and out on every rank
+    (each rank passes the same inputs). Holds the given block or blocks (their parameters, not copies): ``block``
+    (one block) or ``blocks`` (a stack; the caller's ``nn.ModuleList`` itself), so its state dict is theirs under
+    that prefix. ``sharded``: a stack keeps m and z as this rank's tiles between its blocks (a Pairformer's s
+    whole). ``counter`` records this rank's collectives. Every rank of ``group`` constructs it (it creates the
+    mesh's row and column groups)."""
 
     def __init__(self, block_or_stack, group, p: int, *, sharded: bool = False, counter: CommCounter | None = None):
         super().__init__()
-        single = isinstance(block_or_stack, EvoformerBlock)
+        single = isinstance(block_or_stack, (EvoformerBlock, PairformerBlock))
         blocks = [block_or_stack] if single else list(block_or_stack)
-        if not blocks or not all(isinstance(b, EvoformerBlock) for b in blocks):
-            raise TypeError("evoformer_context_parallel: expected a ds4sci EvoformerBlock or a non-empty stack of them "
-                            f"on a mesh, got {type(block_or_stack).__name__} of "
-                            f"{sorted({type(b).__name__ for b in blocks})}")
+        kinds = {type(b) for b in blocks}
+        if not blocks or len(kinds) > 1 or not kinds <= {EvoformerBlock, PairformerBlock}:
+            raise TypeError("evoformer_context_parallel: expected a ds4sci EvoformerBlock or PairformerBlock or a "
+                            f"non-empty stack of one of them, got {type(block_or_stack).__name__} of "
+                            f"{sorted(k.__name__ for k in kinds)}")
         if single:
             self.block = block_or_stack
         else:
@@ -465,17 +500,26 @@ class EvoformerContextParallel2D(nn.Module):
         # a tuple: not a second path to the parameters
         self._regions = tuple(_MeshStack(nn.ModuleList(r), mesh) for r in regions)
 
-    def forward(self, m: Tensor, z: Tensor, msa_mask: Tensor | None = None, pair_mask: Tensor | None = None,
+    def forward(self, x: Tensor, z: Tensor, x_mask: Tensor | None = None, pair_mask: Tensor | None = None,
                 chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
-        unbatched = m.ndim == 3  # the kernel wants a batch dim
+        unbatched = z.ndim == 3  # the kernel wants a batch dim
         if unbatched:
-            m, z = m.unsqueeze(0), z.unsqueeze(0)
-            msa_mask = None if msa_mask is None else msa_mask.unsqueeze(0)
+            x, z = x.unsqueeze(0), z.unsqueeze(0)
+            x_mask = None if x_mask is None else x_mask.unsqueeze(0)
             pair_mask = None if pair_mask is None else pair_mask.unsqueeze(0)
         for region in self._regions:
-            synced = {name: sync_grad(p, self.group, self.counter) for name, p in region.named_parameters()}
-            m, z = torch.func.functional_call(region, synced, (m, z, msa_mask, pair_mask, chunk_size))
-        return (m.squeeze(0), z.squeeze(0)) if unbatched else (m, z)
+            x, z = torch.func.functional_call(region, self._synced(region), (x, z, x_mask, pair_mask, chunk_size))
+        return (x.squeeze(0), z.squeeze(0)) if unbatched else (x, z)
+
+    def _synced(self, region: _MeshStack) -> dict[str, Tensor]:
+        """``region``'s parameters, each through an identity whose backward all-reduces its gradient over the mesh,
+        except a Pairformer's replicated single-representation side (:data:`PAIRFORMER_REPLICATED`)."""
+        synced = {}
+        for name, p in region.named_parameters():
+            replicated = (isinstance(region.blocks[0], PairformerBlock)
+                          and name.split(".", 2)[2].startswith(PAIRFORMER_REPLICATED))
+            synced[name] = p if replicated else sync_grad(p, self.group, self.counter)
+        return synced
 
 
 def block_comm_bytes(block: EvoformerBlock, p: int, n_res: int, n_seq: int, rank: int, batch: int = 1,

@@ -1,5 +1,5 @@
 """Fold-CP's "no percentile upshift" rule in fp32, through ds4sci.evoformer_context_parallel: 1-D at 2 and 4 ranks
-(Evoformer and Pairformer blocks) and 2-D on a 2 x 2 mesh (Evoformer), N_seq and N_res odd (both padded).
+and 2-D on a 2 x 2 mesh, Evoformer and Pairformer blocks, N_seq and N_res odd (both padded).
 
 The oracle is the single process on an fp64 copy of the block and inputs. The serial error is ``|single fp32 -
 oracle|`` and the sharded error ``|rank's fp32 - oracle|``, elementwise, each element's divided by its tensor's
@@ -108,7 +108,7 @@ def _worker(rank, world, cases):
 @pytest.mark.parametrize("world, cases", [
     (2, [("evoformer 1-D", "evoformer", None), ("pairformer 1-D", "pairformer", None)]),
     (4, [("evoformer 1-D", "evoformer", None), ("pairformer 1-D", "pairformer", None),
-         ("evoformer 2-D", "evoformer", (2, 2))]),
+         ("evoformer 2-D", "evoformer", (2, 2)), ("pairformer 2-D", "pairformer", (2, 2))]),
 ], ids=["P2", "P4"])
 def test_fp32_sharded_error_no_larger_than_serial(world, cases):
     results = run_workers(_worker, world, cases, timeout=600)
