@@ -3,7 +3,8 @@ per rank: outputs, the gradients of m and z, and every parameter's .grad when ev
 the full outputs (fp64, to rounding); N_seq and N_res odd; both conventions of the ending-node triangle bias. And no
 sub-module (nor the attention kernel) of any rank ever sees a tensor with two dims of N_res or more. A 3 x 3 mesh
 (9 ranks) too, where the skews and the ring direction are not their own inverses as on 2 x 2. Fully masked real
-rows (a sequence, an MSA column, a pair row and column) in fp64 and fp32 as the single process attends them."""
+rows (a sequence, an MSA column, a pair row and column) in fp64 and fp32 as the single process attends them. Stacks
+of 2 blocks (block by block, and tiled between blocks) and Pairformer blocks on 2 x 2."""
 import pytest
 import torch
 
