@@ -45,8 +45,9 @@ whose backward all-reduces their gradient over the group (as DDP would), so when
 on the full outputs, every rank's input gradients and parameter ``.grad`` equal the single process's.
 
 N_seq and N_res of any length: both are padded at their end to a multiple of P with masked (zero-mask) rows,
-which no real position attends to or sums over (attention masks them, the outer product mean and the triangle
-multiplications multiply them by their zero mask), and cut off again at the exit. Dropout draws its masks per rank
+which no real position attends to or sums over (attention masks them with -inf, not the blocks' finite ``inf``, so
+that a real row whose real keys are all masked attends over them alone, as in the single process; the outer
+product mean and the triangle multiplications multiply them by their zero mask), and cut off again at the exit. Dropout draws its masks per rank
 in training; exact single-process equality holds in eval mode (or at rate 0).
 
 Bytes sent per rank per block inside a sharded stack (:func:`block_comm_bytes`; ``f = (P-1)/P``, ``N`` and
