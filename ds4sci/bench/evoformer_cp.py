@@ -1,20 +1,29 @@
-"""``ds4sci bench evoformer-cp``: bytes sent and memory per rank of Evoformer and Pairformer blocks under axial
-context parallelism as N_res and the group size P grow, beside the closed forms.
+"""``ds4sci bench evoformer-cp``: bytes sent and memory per rank of Evoformer and Pairformer blocks under context
+parallelism, axial (1-D) or on a p x p mesh (2-D), as N_res and the group size P grow, beside the closed forms.
 
 For each P of ``--degrees``, P gloo processes (:func:`ds4sci.spawn.run_workers`; P = 1 is the single process) run,
 per block kind and N_res, one training step (forward + backward of the mean square of both outputs, fp32, dropout 0)
 of a sharded stack of one and of two blocks (:func:`ds4sci.evoformer_context_parallel` with ``sharded=True``). A
 :class:`~ds4sci.sequence.CommCounter` records every collective; the bytes per block are the two-block stack's
-minus the one-block stack's, so the stack's entry and exit cancel and one switch between blocks is in (what a block
-costs inside a long stack). They are set beside :func:`ds4sci.parallel.evoformer_cp.block_comm_bytes`, whose
-derivation is :mod:`ds4sci.parallel.evoformer_cp`'s docstring. Memory per rank, of the one-block stack: the bytes
-autograd saves for backward (unique storages, :func:`ds4sci.bench.memory.saved_for_backward`): the activations a
-training step holds from its forward to its backward. (A peak RSS is not reported: in a gloo worker that has run
-the step before, the allocator reuses freed memory and the RSS barely moves at these sizes.)
+minus the one-block stack's, so the stack's entry and exit cancel and what a block costs inside a long stack
+remains (1-D: one switch between blocks is in; 2-D: nothing moves between blocks). They are set beside the
+layout's closed form, per rank: :func:`ds4sci.parallel.evoformer_cp.block_comm_bytes` (every rank the same) and
+:func:`ds4sci.parallel.evoformer_cp2d.block_comm_bytes` (the ranks on the mesh's diagonal, first row and first
+column move fewer tiles), each derived in its module's docstring. Memory per rank, of the one-block stack: the
+bytes autograd saves for backward (unique storages, :func:`ds4sci.bench.memory.saved_for_backward`): the
+activations a training step holds from its forward to its backward. (A peak RSS is not reported: in a gloo worker
+that has run the step before, the allocator reuses freed memory and the RSS barely moves at these sizes.)
 
-Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed form; ``1d`` is the
-axial layout. A 2-D layout adds its entry there (a wrapper taking ``(blocks, counter)`` and a closed form taking
-``(block, P, n_res, n_seq)``); the measurement, report and figure are shared.
+The pair terms of that memory: with N_res multiples of P (no padding) the saved bytes are a quadratic in N_res at
+a fixed N_seq, ``alpha N^2 + beta N + gamma``; ``alpha`` (least squares over ``--n-res``, at least three) is
+reported with ``alpha P`` (constant where the pair terms fall as 1/P) beside the closed form of its floor, the
+``N^2`` bytes per rank that do not fall as 1/P: 1-D saves the gathered tensors whole (the MSA pair bias, one
+operand of each triangle multiplication, the two triangle biases; the Pairformer's replicated pair bias), ``G = e
+(H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``) at any P; 2-D tiles every ``N^2``
+tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``.
+
+Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms; ``1d`` is the
+axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2; Evoformer blocks only).
 
 Writes ``evoformer_cp.json``, ``evoformer_cp.md`` and ``evoformer_cp.png`` to ``--out``.
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from pathlib import Path
 
 from ds4sci.bench.report import MIB, check_positive, command_line, markdown_table, parse_int_list, pyplot, \
@@ -30,8 +40,10 @@ from ds4sci.bench.report import MIB, check_positive, command_line, markdown_tabl
 logger = logging.getLogger(__name__)
 
 KINDS = ("evoformer", "pairformer")
-COUNTED = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+COUNTED = ("all_gather", "reduce_scatter", "all_to_all", "p2p", "all_reduce")
 KIB = 2.0**10
+LAYOUT_NAMES = {"1d": "axial (1d)", "2d": "2-D mesh (2d)"}
+MODULES = {"1d": "evoformer_cp", "2d": "evoformer_cp2d"}
 
 
 def _axial(blocks, counter):
@@ -40,25 +52,56 @@ def _axial(blocks, counter):
     return evoformer_context_parallel(blocks, sharded=True, counter=counter)
 
 
-def _axial_bytes(block, p: int, n_res: int, n_seq: int) -> dict[str, int]:
+def _axial_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, int]:
     from ds4sci.parallel.evoformer_cp import block_comm_bytes
 
     return block_comm_bytes(block, p, n_res, n_seq)
 
 
-#: ``--layout`` -> (make a stack parallel: ``(blocks, counter) -> module``, closed form of the bytes per block per
-#: collective kind: ``(block, P, n_res, n_seq) -> dict``)
-LAYOUTS = {"1d": (_axial, _axial_bytes)}
+def _axial_floor(block, p: int, itemsize: int = 4) -> float:
+    """1-D: the gathered ``N^2`` tensors saved whole (module docstring), bytes per ``N_res^2``."""
+    ps = block.pair_stack
+    heads = (block.msa_att_row.no_heads if hasattr(block, "msa_att_row")
+             else block.attn_pair_bias.linear_z.out_features)
+    return float(itemsize * (heads + 2 * ps.tri_mul_out.c_hidden + 2 * ps.tri_att_start.no_heads)) if p > 1 else 0.0
+
+
+def _mesh(blocks, counter):
+    import torch.distributed as dist
+
+    from ds4sci.parallel.evoformer_cp import evoformer_context_parallel
+
+    side = math.isqrt(dist.get_world_size()) if dist.is_initialized() else 1
+    return evoformer_context_parallel(blocks, mesh=(side, side), sharded=True, counter=counter)
+
+
+def _mesh_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, int]:
+    from ds4sci.parallel.evoformer_cp2d import block_comm_bytes
+
+    return block_comm_bytes(block, math.isqrt(p), n_res, n_seq, rank)
+
+
+def _mesh_floor(block, p: int, itemsize: int = 4) -> float:
+    """2-D: the triangle attentions' key-mask rows (module docstring), bytes per ``N_res^2``."""
+    return 2 * itemsize / math.isqrt(p) if p > 1 else 0.0
+
+
+#: ``--layout`` -> (make a stack parallel: ``(blocks, counter) -> module``, closed form of a rank's bytes per block
+#: per collective kind: ``(block, P, n_res, n_seq, rank) -> dict``, closed form of the floor of the saved bytes'
+#: ``N^2`` coefficient: ``(block, P) -> float``, the block kinds it runs)
+LAYOUTS = {"1d": (_axial, _axial_bytes, _axial_floor, KINDS),
+           "2d": (_mesh, _mesh_bytes, _mesh_floor, ("evoformer",))}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="1d", help="(default: %(default)s)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help="blocks measured (default: %(default)s)")
-    parser.add_argument("--degrees", type=parse_int_list, default=(1, 2, 4), metavar="P,P,...",
-                        help="group sizes, 1 = the single process (default: 1,2,4)")
+    parser.add_argument("--kinds", help="blocks measured (default: every kind the layout runs: 1d evoformer,"
+                                         "pairformer; 2d evoformer)")
+    parser.add_argument("--degrees", type=parse_int_list, metavar="P,P,...",
+                        help="group sizes, 1 = the single process (default: 1d 1,2,4; 2d 1,4)")
     parser.add_argument("--n-res", type=parse_int_list, default=(16, 32, 64), metavar="N,N,...",
-                        help="residues (tokens) N_res (default: 16,32,64)")
+                        help="residues (tokens) N_res; three or more for the memory's N^2 fit (default: 16,32,64)")
     parser.add_argument("--n-seq", type=int, default=16, help="MSA depth N_seq of the Evoformer (default: %(default)s)")
     parser.add_argument("--c-m", type=int, default=32, help="C_m, also the Pairformer's C_s (default: %(default)s)")
     parser.add_argument("--c-z", type=int, default=16, help="C_z (default: %(default)s)")
@@ -67,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--heads", type=int, default=4, help="heads of every attention (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="P = 1, 2 at N_res 6, 9, N_seq 5 and channels of 4 to 8 (a smoke test)")
+                        help="P = 1, 2 (2d: 1, 4) at N_res 6, 9, N_seq 5 and channels of 4 to 8 (a smoke test)")
 
 
 def _blocks(kind: str, cfg: dict, n_blocks: int):
@@ -138,14 +181,38 @@ def measure(cfg: dict, p: int) -> list[dict]:
     for i, first in enumerate(per_rank[0]):
         cases = [r[i] for r in per_rank]
         block = _blocks(first["kind"], cfg, 1)[0]
-        predicted = closed_form(block, p, first["n_res"], cfg["n_seq"]) if p > 1 else dict.fromkeys(COUNTED, 0)
+        predicted = [{k: v for k, v in closed_form(block, p, first["n_res"], cfg["n_seq"], rank).items() if v}
+                     if p > 1 else {} for rank in range(p)]
+        sent = [{k: v for k, v in c["sent"].items() if v} for c in cases]
         rows.append({"kind": first["kind"], "P": p, "n_res": first["n_res"],
                      "n_seq": cfg["n_seq"] if first["kind"] == "evoformer" else None,
-                     "sent_per_block": max(sum(c["sent"].values()) for c in cases),
-                     "sent_per_block_min": min(sum(c["sent"].values()) for c in cases),
-                     "sent_by_kind": first["sent"], "predicted": sum(predicted.values()),
-                     "predicted_by_kind": predicted,
+                     "sent_per_block": max(sum(c.values()) for c in sent),
+                     "sent_per_block_min": min(sum(c.values()) for c in sent),
+                     "predicted": max(sum(c.values()) for c in predicted),
+                     "predicted_min": min(sum(c.values()) for c in predicted),
+                     "sent_by_rank": sent, "predicted_by_rank": predicted,
                      "saved_bytes": max(c["saved_bytes"] for c in cases)})
+    return rows
+
+
+def pair_terms(report: dict) -> list[dict]:
+    """Per kind and P: the saved bytes' ``N^2`` coefficient, fitted (least squares of ``alpha N^2 + beta N +
+    gamma`` over the run's N_res), ``alpha P``, and the closed form of its floor (module docstring); empty with
+    fewer than three N_res."""
+    import numpy as np
+
+    cfg, rows = report["config"], []
+    if len(cfg["n_res"]) < 3:
+        return rows
+    floor = LAYOUTS[cfg["layout"]][2]
+    for kind in cfg["kinds"]:
+        block = _blocks(kind, cfg, 1)[0]
+        for p in cfg["degrees"]:
+            runs = [r for r in report["runs"] if r["kind"] == kind and r["P"] == p]
+            n = np.array([r["n_res"] for r in runs], dtype=float)
+            alpha = float(np.linalg.lstsq(np.stack([n * n, n, np.ones_like(n)], 1),
+                                          np.array([r["saved_bytes"] for r in runs], dtype=float), rcond=None)[0][0])
+            rows.append({"kind": kind, "P": p, "alpha": alpha, "alpha_times_P": alpha * p, "floor": floor(block, p)})
     return rows
 
 
@@ -160,19 +227,28 @@ def markdown(report: dict) -> str:
                      f"{r['saved_bytes'] / MIB:.2f}",
                      f"{single['saved_bytes'] / max(r['saved_bytes'], 1):.2f}x" if single else "-"))
     lines = [
-        f"# evoformer-cp: axial context parallelism ({c['layout']}), per rank, one training step, fp32",
+        f"# evoformer-cp: {LAYOUT_NAMES[c['layout']]} context parallelism, per rank, one training step, fp32",
         "",
         f"C_m = C_s = {c['c_m']}, C_z = {c['c_z']}, {c['heads']} heads, {c['c_hidden']} hidden channels; sent: "
         "bytes per block inside a sharded stack (a two-block stack's minus a one-block stack's), all collectives "
-        "of forward and backward including the parameter-gradient all-reduce; closed form: "
-        "ds4sci.parallel.evoformer_cp.block_comm_bytes. Saved: what autograd keeps for backward in a one-block "
-        "stack (vs P = 1: how much less).",
+        f"of forward and backward including the parameter-gradient all-reduce, the most any rank sends; closed "
+        f"form: ds4sci.parallel.{MODULES[c['layout']]}.block_comm_bytes (measured == closed form on every rank "
+        f"and collective kind: {all(r['sent_by_rank'] == r['predicted_by_rank'] for r in report['runs'])}). "
+        "Saved: what autograd keeps "
+        "for backward in a one-block stack, the most on any rank (vs P = 1: how much less).",
         "",
         *markdown_table(("block", "P", "N_res", "N_seq", "sent/block (KiB)", "closed form (KiB)",
                          "saved/rank (MiB)", "saved vs P=1"), rows),
-        "",
-        f"Command: `{report['command']}`",
     ]
+    fitted = report.get("pair_terms") or []
+    if fitted:
+        lines += ["", "Pair terms of the saved bytes: their N_res^2 coefficient alpha (bytes per N_res^2 per rank, "
+                  "fitted over the N_res above), alpha x P (constant where they fall as 1/P) and the closed form of "
+                  "the part that does not fall as 1/P (ds4sci.bench.evoformer_cp).", "",
+                  *markdown_table(("block", "P", "alpha (B/N_res^2)", "alpha x P", "floor, closed form"),
+                                  [(f["kind"], f["P"], f"{f['alpha']:.1f}", f"{f['alpha_times_P']:.0f}",
+                                    f"{f['floor']:.1f}") for f in fitted])]
+    lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -200,14 +276,22 @@ def plot(report: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = {"layout": args.layout, "kinds": [k.strip() for k in args.kinds.split(",")], "degrees": list(args.degrees),
+    runs_kinds = LAYOUTS[args.layout][3]
+    squares = args.layout == "2d"
+    cfg = {"layout": args.layout,
+           "kinds": list(runs_kinds) if args.kinds is None else [k.strip() for k in args.kinds.split(",")],
+           "degrees": list(args.degrees or ((1, 4) if squares else (1, 2, 4))),
            "n_res": list(args.n_res), "n_seq": args.n_seq, "c_m": args.c_m, "c_z": args.c_z,
            "c_hidden": args.c_hidden, "heads": args.heads}
     if args.quick:
-        cfg.update(degrees=[1, 2], n_res=[6, 9], n_seq=5, c_m=8, c_z=6, c_hidden=4, heads=2)
-    bad = [k for k in cfg["kinds"] if k not in KINDS]
+        cfg.update(degrees=[1, 4] if squares else [1, 2], n_res=[6, 9], n_seq=5, c_m=8, c_z=6, c_hidden=4, heads=2)
+    bad = [k for k in cfg["kinds"] if k not in runs_kinds]
     if bad or not cfg["kinds"]:
-        raise ValueError(f"--kinds={args.kinds}: expected some of {', '.join(KINDS)}")
+        raise ValueError(f"--kinds={args.kinds}: the {args.layout} layout runs some of {', '.join(runs_kinds)}")
+    not_square = [p for p in cfg["degrees"] if math.isqrt(p) ** 2 != p]
+    if squares and not_square:
+        raise ValueError(f"--degrees={','.join(map(str, cfg['degrees']))}: the 2d layout runs p x p meshes, "
+                         f"{not_square[0]} is not a square")
     check_positive(cfg, ("n_seq", "c_m", "c_z", "c_hidden", "heads"))
     report = {"config": cfg, "runs": [],
               "command": command_line("evoformer-cp", {k: ",".join(map(str, v)) if isinstance(v, list) else v
@@ -215,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
     for p in cfg["degrees"]:
         report["runs"] += measure(cfg, p)
         logger.info("evoformer-cp: P=%d done", p)
+    report["pair_terms"] = pair_terms(report)
     path = write_report(args.out, "evoformer_cp", report, markdown(report))
     plot(report, path.with_suffix(".png"))
     logger.info("evoformer-cp: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))

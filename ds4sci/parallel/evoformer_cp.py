@@ -45,8 +45,9 @@ whose backward all-reduces their gradient over the group (as DDP would), so when
 on the full outputs, every rank's input gradients and parameter ``.grad`` equal the single process's.
 
 N_seq and N_res of any length: both are padded at their end to a multiple of P with masked (zero-mask) rows,
-which no real position attends to or sums over (attention masks them, the outer product mean and the triangle
-multiplications multiply them by their zero mask), and cut off again at the exit. Dropout draws its masks per rank
+which no real position attends to or sums over (attention masks them with -inf, not the blocks' finite ``inf``, so
+that a real row whose real keys are all masked attends over them alone, as in the single process; the outer
+product mean and the triangle multiplications multiply them by their zero mask), and cut off again at the exit. Dropout draws its masks per rank
 in training; exact single-process equality holds in eval mode (or at rate 0).
 
 Bytes sent per rank per block inside a sharded stack (:func:`block_comm_bytes`; ``f = (P-1)/P``, ``N`` and
@@ -67,6 +68,7 @@ per block grow as ``N^2`` at any P; what P divides is the memory of z and m and 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -91,24 +93,38 @@ def _gather_out(x: Tensor, group, dim: int, counter: CommCounter | None = None) 
     return _SequenceRegion.apply(x, group, dim, counter, _all_gather, _split)
 
 
+def _padding_keys(mask: Tensor, dim: int, real: int) -> Tensor:
+    """``mask`` with its entries past the first ``real`` along ``dim`` (the padding keys) at -inf: the attention's
+    mask bias ``inf * (mask - 1)`` is then -inf there, not the block's finite ``-inf``, so a real row whose real
+    keys are all masked attends over them alone, as in the single process (which has no padding keys)."""
+    index = torch.arange(mask.shape[dim], device=mask.device).view(-1, *[1] * (-dim - 1))
+    return torch.where(index >= real, -math.inf, mask)
+
+
 class _Axes:
     """One call's group, padded masks and layout switches. ``msa_mask [*, S', N']`` (Evoformer) and
     ``pair_mask [*, N', N']`` are padded to multiples of P with zeros; ``mine_s``, ``mine_n``: this rank's
-    sequences and residues."""
+    sequences and residues; ``key_*``: the attentions' masks, padding keys at -inf (:func:`_padding_keys`)."""
 
     def __init__(self, group, counter: CommCounter | None, chunk_size: int | None, pair_mask: Tensor,
                  msa_mask: Tensor | None):
         self.group, self.counter, self.chunk_size = group, counter, chunk_size
         self.p, r = group_size(group), group_rank(group)
+        n_res = pair_mask.shape[-1]
         self.pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, self.p), -1, self.p)  # [*, N', N']
         res = self.pair_mask.shape[-1] // self.p
         self.mine_n = slice(r * res, (r + 1) * res)
         self.pm_rows, self.pm_cols = self.pair_mask[..., self.mine_n, :], self.pair_mask[..., self.mine_n]
+        # the triangle attentions' keys: along the rows (starting node), along the columns (ending node)
+        self.key_rows, self.key_cols = _padding_keys(self.pm_rows, -1, n_res), _padding_keys(self.pm_cols, -2, n_res)
         if msa_mask is not None:
+            n_seq = msa_mask.shape[-2]
             self.msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, self.p), -1, self.p)  # [*, S', N']
             seqs = self.msa_mask.shape[-2] // self.p
             self.mask_s = self.msa_mask[..., r * seqs:(r + 1) * seqs, :]  # [*, S'/p, N']
             self.mask_c = self.msa_mask[..., self.mine_n]  # [*, S', N'/p]
+            # MSA row attention's keys are residues, column attention's sequences
+            self.key_s, self.key_c = _padding_keys(self.mask_s, -1, n_res), _padding_keys(self.mask_c, -2, n_seq)
 
     def split(self, x: Tensor, dim: int) -> Tensor:
         """Entry: the full (padded) tensor -> this rank's piece along ``dim`` (backward: all-gather)."""
@@ -142,10 +158,10 @@ def _evoformer(blk: EvoformerBlock, m_s: Tensor, z_r: Tensor, ax: _Axes) -> tupl
     if blk.opm_first:
         z_r = opm(ax.rows_to_cols(m_s), z_r)
     bias = ax.gather(blk.msa_att_row.pair_bias_of(z_r), -3)  # [*, N', N', H]
-    m_s = m_s + blk.msa_dropout_layer(blk.msa_att_row(m_s, None, ax.mask_s, chunk_size, bias=bias))
+    m_s = m_s + blk.msa_dropout_layer(blk.msa_att_row(m_s, None, ax.key_s, chunk_size, bias=bias))
     m_c = ax.rows_to_cols(m_s)  # [*, S', N'/p, C_m]
     if not blk.no_column_attention:
-        m_c = m_c + blk.msa_att_col(m_c, ax.mask_c, chunk_size)
+        m_c = m_c + blk.msa_att_col(m_c, ax.key_c, chunk_size)
     m_c = m_c + blk.msa_transition(m_c, ax.mask_c, chunk_size)
     if not blk.opm_first:
         z_r = opm(m_c, z_r)
@@ -178,10 +194,10 @@ def _pair_stack(ps, z_r: Tensor, ax: _Axes) -> Tensor:
     z_c = z_c + ps.dropout_row(mul.finish(x, mul.combine(ax.gather(a, -2), b)))
     z_r = ax.cols_to_rows(z_c)
     bias = ax.gather(ps.tri_att_start.triangle_bias(z_r), -3)
-    z_r = z_r + ps.dropout_row(ps.tri_att_start(z_r, pm_rows, chunk_size, bias=bias))
+    z_r = z_r + ps.dropout_row(ps.tri_att_start(z_r, ax.key_rows, chunk_size, bias=bias))
     z_c = ax.rows_to_cols(z_r)
     bias = ax.gather(ps.tri_att_end.triangle_bias(z_c), -2)
-    z_c = z_c + ps.dropout_col(ps.tri_att_end(z_c, pm_cols, chunk_size, transpose_bias=ps.transpose_end_bias,
+    z_c = z_c + ps.dropout_col(ps.tri_att_end(z_c, ax.key_cols, chunk_size, transpose_bias=ps.transpose_end_bias,
                                               bias=bias))
     return z_c + ps.pair_transition(z_c, pm_cols, chunk_size)
 
@@ -301,16 +317,16 @@ def evoformer_context_parallel(block_or_stack, group=None, mesh: tuple[int, int]
                                sharded: bool = False, counter: CommCounter | None = None) -> nn.Module:
     """``block_or_stack`` (an Evoformer or Pairformer block, or a sequence of blocks of one kind) run across
     ``group`` (default: every rank of the default process group) by axial context parallelism:
-    :class:`EvoformerContextParallel` (module docstring: layouts, collectives, exactness); with ``mesh=(p, p)``, one
-    Evoformer block on a p x p mesh of the group's ranks by 2-D tiles:
-    :class:`~ds4sci.parallel.evoformer_cp2d.EvoformerContextParallel2D` (same call signature and semantics)."""
+    :class:`EvoformerContextParallel` (module docstring: layouts, collectives, exactness); with ``mesh=(p, p)``,
+    on a p x p mesh of the group's ranks by 2-D tiles:
+    :class:`~ds4sci.parallel.evoformer_cp2d.EvoformerContextParallel2D` (same call signature and semantics).
+    ``sharded``: a stack keeps m and z split (1-D) or tiled (2-D) between its blocks; ``counter`` records this
+    rank's collectives."""
     if mesh is None:
         return EvoformerContextParallel(block_or_stack, group, sharded=sharded, counter=counter)
     from ds4sci.parallel.evoformer_cp2d import EvoformerContextParallel2D, check_mesh
 
-    if sharded or counter is not None:
-        raise ValueError("evoformer_context_parallel: sharded= and counter= are axial (mesh=None) options")
     group = group if group is not None or not dist.is_initialized() else dist.group.WORLD
     p = check_mesh(mesh, group_size(group))
-    return (EvoformerContextParallel(block_or_stack, group) if p == 1
-            else EvoformerContextParallel2D(block_or_stack, group, p))
+    return (EvoformerContextParallel(block_or_stack, group, sharded=sharded, counter=counter) if p == 1
+            else EvoformerContextParallel2D(block_or_stack, group, p, sharded=sharded, counter=counter))

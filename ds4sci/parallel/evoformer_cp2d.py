@@ -1,4 +1,4 @@
-"""One Evoformer block on a p x p mesh of ranks: 2-D context parallelism with single-process semantics.
+"""Evoformer and Pairformer blocks on a p x p mesh of ranks: 2-D context parallelism with single-process semantics.
 
 Fold-CP's layout (NVIDIA's context parallelism for Boltz): the pair representation ``z [*, N_res, N_res, C_z]`` is
 cut into p x p tiles and rank (r, c) of the mesh (group rank ``r * p + c``) holds ``z[I_r, J_c]``, ``N_res/p`` by
@@ -30,14 +30,54 @@ triangle attention, end         bias ``b[K_t, I_r]`` (swapped; ``b[I_r, K_t]`` t
 ==============================  =================================================================================
 
 The attentions are ring attention (Liu et al. 2023) on the Evoformer kernel (:class:`_RingAttention`): one kernel
-call per ``N/p x N/p`` tile, the bias tile rotating beside the key/value tile, the partial results merged by
-their log-sum-exp (:func:`ds4sci.sequence.attention._merge`); backward runs the kernel's backward per tile against
-the merged output and log-sum-exp, which gives each tile's exact share of the gradients.
+call per ``N/p x N/p`` tile, the bias tile rotating beside the key/value tile, the partial results merged by the
+kernel's row max and row sum kept apart (:func:`_merge_stats`: a log-sum-exp loses the row sum in fp32 on a row
+whose keys are all masked with OpenFold's -1e9); backward runs the kernel's backward per tile against the merged
+output and statistics, which gives each tile's exact share of the gradients. The padding keys are masked with
+-inf, so a real row whose keys are all masked attends over its real keys, as the single process does.
+
+Pairformer block (AF3 supplement Algorithm 17): the pair stack on the z tiles as above, then the single
+representation ``s [*, N, C_s]`` replicated, as in the axial version: every rank holds all of s and runs the
+attention with pair bias and the single transition on it whole, the bias ``[*, N, N, H]`` gathered from the tiles
+(backward: this rank's tile of its gradient; every rank computes the same), and those replicated parameters'
+gradients are not all-reduced (``PAIRFORMER_REPLICATED``). That bias is the one ``N x N`` tensor a rank holds here,
+with ``H`` channels against z's ``C_z`` (its cost is ``O(N^2 H c)`` beside the pair stack's ``O(N^3 c)``).
 
 Entry, exit, parameters, padding and dropout as the axial version (:mod:`ds4sci.parallel.evoformer_cp`): full
 tensors in and out on every rank (entry split, backward all-gather; exit gather, backward split), parameter
 gradients all-reduced over the mesh, N_seq and N_res padded to multiples of p with masked rows; exact in eval mode.
 ``chunk_size`` bounds the transitions as in the block; the attentions and products are already tiled.
+
+Tile layout, and stacks. ``S'``, ``N'``: N_seq and N_res padded to multiples of p, ``s = S'/p``, ``n = N'/p``,
+``S_r`` the sequences ``r s .. (r+1) s - 1``, ``R_c`` (= ``I_c`` = ``J_c``) the residues ``c n .. (c+1) n - 1``. Rank
+(r, c) holds ``m[..., S_r, R_c, :]`` ``[*, s, n, C_m]`` and ``z[..., R_r, R_c, :]`` ``[*, n, n, C_z]`` (the padded
+sequences and residues at the ends of the last row and column of tiles), and a block maps this layout to itself.
+A stack (a sequence of Evoformer blocks, an ``nn.ModuleList``) runs block after block; by default each block is
+its own region (full tensors between blocks); ``sharded=True`` keeps the tiles from the stack's entry split to its
+exit gather, and nothing moves between blocks.
+
+Bytes sent per rank per block inside a sharded stack (:func:`block_comm_bytes`), training (forward and backward),
+as :class:`~ds4sci.sequence.CommCounter` records them (``p2p``: every tile a rank sends; ``all_reduce``: the
+parameter gradients, ``2 (P-1)/P |params|`` over the ``P = p^2`` ranks), in elements (times batch and bytes per
+element). A tile ``t`` that moves (swap or skew) sends ``|t|`` forward and its gradient backward, ``2 |t|``, and
+moves only where the permutation is not the identity: the swap off the diagonal (``X = [r != c]``), the row skew
+on rows ``r != 0`` (``R``), the column skew on columns ``c != 0`` (``C``). A tile rotating on a ring of p ranks is
+sent ``p - 1`` times forward, ``p - 1`` times again in backward and its gradient ``p`` times (home after the last
+step): ``(3p - 2) |t|``. With ``H``, ``c`` each attention's heads and channels per head::
+
+    outer product mean      a, b [s, n, c_opm]        (2X + 2R + 2C + 2(3p-2)) s n c_opm
+    MSA row attention       bias [n, n, H_msa]        (2X + 2C + (3p-2)) n^2 H_msa
+                            m (skew), k, v            2R s n C_m + 2(3p-2) s n H_msa c_msa
+    MSA column attention    m (skew), k, v            2C s n C_m + 2(3p-2) s n H_msa c_msa   (if present)
+    triangle mult. out, in  a, b [n, n, c_mul]        2 (2X + 2R + 2C + 2(3p-2)) n^2 c_mul
+    triangle att. start     bias, z (skew), k, v      (2X + 2C + (3p-2)) n^2 H_pair + 2R n^2 C_z
+                                                      + 2(3p-2) n^2 H_pair c_pair
+    triangle att. end       bias, z (skew), k, v      (2X' + 2R + (3p-2)) n^2 H_pair + 2C n^2 C_z
+                                                      + 2(3p-2) n^2 H_pair c_pair
+
+(``X' = X`` with OpenFold3's ending-node bias, 0 with OpenFold's, which needs no swap). Every term is ``n^2`` or
+``s n`` times ``O(p)``: with ``n = N'/p`` the bytes per rank fall as ``1/p = 1/sqrt(P)``, where the axial layout's
+stay ``O(N^2)`` at any P.
 """
 from __future__ import annotations
 
@@ -50,15 +90,14 @@ from torch import Tensor, nn
 
 from ds4sci.kernels import EvoformerBackend
 from ds4sci.kernels.evoformer import _attention_bwd, _attention_fwd, _choose_backend
-from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
-from ds4sci.parallel.evoformer_cp import _gather_out
+from ds4sci.parallel.evoformer_cp import PAIRFORMER_REPLICATED, _gather_out
 from ds4sci.parallel.tensor_parallel import split_sequence_region, sync_grad
-from ds4sci.sequence.attention import _merge
-from ds4sci.sequence.comm import RingShift, group_rank, group_size
+from ds4sci.sequence.comm import CommCounter, RingShift, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
 
-__all__ = ["EvoformerContextParallel2D", "check_mesh"]
+__all__ = ["block_comm_bytes", "EvoformerContextParallel2D", "check_mesh"]
 
 # RingShift tags: tiles and their gradients on the mesh row and column (distinct while in flight at once)
 _TILE_TAG, _GRAD_TAG = 0, 1
@@ -77,11 +116,12 @@ def check_mesh(mesh, ranks: int) -> int:
 
 class _Mesh:
     """The p x p mesh of ``group``'s ranks (group rank ``r * p + c`` at row r, column c): this rank's row group
-    (ranks (r, *), ordered by column) and column group (ranks (*, c), ordered by row)."""
+    (ranks (r, *), ordered by column) and column group (ranks (*, c), ordered by row); ``counter`` records this
+    rank's collectives (or None)."""
 
-    def __init__(self, group, p: int):
+    def __init__(self, group, p: int, counter: CommCounter | None):
         ranks = dist.get_process_group_ranks(group)
-        self.p, self.group = p, group
+        self.p, self.group, self.counter = p, group, counter
         self.r, self.c = divmod(group_rank(group), p)
         # every rank of a row (column) creates that group only: no call on the ranks outside it
         self.row = dist.new_group(ranks[self.r * p:(self.r + 1) * p], use_local_synchronization=True)
@@ -94,12 +134,14 @@ class _Mesh:
         return self.r if ring is self.row else self.c
 
 
-def _p2p(x: Tensor, dst: int, src: int, group) -> Tensor:
+def _p2p(x: Tensor, dst: int, src: int, group, counter: CommCounter | None) -> Tensor:
     """Send ``x`` to global rank ``dst`` and receive a tensor of its shape from ``src`` (``x`` itself if both are
     this rank)."""
     if dst == src == dist.get_rank():
         return x
     x = x.contiguous()
+    if counter is not None:
+        counter.record("p2p", x.numel() * x.element_size(), x.numel() * x.element_size())
     out = torch.empty_like(x)
     ops = [dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]
     for work in dist.batch_isend_irecv(ops):
@@ -111,35 +153,35 @@ class _Move(torch.autograd.Function):
     """A permutation of tiles in forward (``x`` to ``dst``, this rank's from ``src``) and its inverse in backward."""
 
     @staticmethod
-    def forward(ctx, x, dst, src, group):
-        ctx.dst, ctx.src, ctx.group = dst, src, group
-        return _p2p(x, dst, src, group)
+    def forward(ctx, x, dst, src, group, counter):
+        ctx.dst, ctx.src, ctx.group, ctx.counter = dst, src, group, counter
+        return _p2p(x, dst, src, group, counter)
 
     @staticmethod
     def backward(ctx, grad):
-        return _p2p(grad, ctx.src, ctx.dst, ctx.group), None, None, None
+        return _p2p(grad, ctx.src, ctx.dst, ctx.group, ctx.counter), None, None, None, None
 
 
 def _swap(x: Tensor, mesh: _Mesh) -> Tensor:
     """Rank (r, c) gets the tile of rank (c, r)."""
-    return _Move.apply(x, mesh.partner, mesh.partner, mesh.group)
+    return _Move.apply(x, mesh.partner, mesh.partner, mesh.group, mesh.counter)
 
 
 def _skewed(x: Tensor, mesh: _Mesh, ring) -> Tensor:
     """Rank (r, c) gets, on the row, the tile of (r, c + r); on the column, the tile of (r + c, c)."""
     by, me = mesh.skew(ring), group_rank(ring)
     dst, src = (dist.get_global_rank(ring, (me + step) % mesh.p) for step in (-by, by))
-    return _Move.apply(x, dst, src, ring)
+    return _Move.apply(x, dst, src, ring, mesh.counter)
 
 
 class _Rotation:
     """One step of the rings: each tile (None entries stay None) goes to the next rank of its ring and the previous
     rank's comes in; posted at construction, the received tiles returned by :meth:`wait` (compute in between)."""
 
-    def __init__(self, tiles: list, rings: list, tag: int):
+    def __init__(self, tiles: list, rings: list, tag: int, counter: CommCounter | None):
         self._tiles, self._rings = tiles, rings
         self._shifts = {id(ring): RingShift([t for t, g in zip(tiles, rings) if g is ring and t is not None], ring,
-                                            tag=tag)
+                                            counter, tag)
                         for ring in {id(g): g for g, t in zip(rings, tiles) if t is not None}.values()}
 
     def wait(self) -> list:
@@ -154,12 +196,12 @@ class _CannonSum(torch.autograd.Function):
     are home after p steps."""
 
     @staticmethod
-    def forward(ctx, a, b, product, ring_a, ring_b):
-        ctx.product, ctx.rings = product, [ring_a, ring_b]
+    def forward(ctx, a, b, product, ring_a, ring_b, counter):
+        ctx.product, ctx.rings, ctx.counter = product, [ring_a, ring_b], counter
         ctx.save_for_backward(a, b)
         size, tiles, total = group_size(ring_a), [a, b], None
         for step in range(size):
-            pending = _Rotation(tiles, ctx.rings, _TILE_TAG) if step < size - 1 else None
+            pending = _Rotation(tiles, ctx.rings, _TILE_TAG, counter) if step < size - 1 else None
             total = product(*tiles) if total is None else total + product(*tiles)
             if pending is not None:
                 tiles = pending.wait()
@@ -170,15 +212,15 @@ class _CannonSum(torch.autograd.Function):
         size, tiles = group_size(ctx.rings[0]), list(ctx.saved_tensors)
         grads = [torch.zeros_like(t) for t in tiles]  # the gradients travel with their tile
         for step in range(size):
-            pending = _Rotation(tiles, ctx.rings, _TILE_TAG) if step < size - 1 else None
+            pending = _Rotation(tiles, ctx.rings, _TILE_TAG, ctx.counter) if step < size - 1 else None
             with torch.enable_grad():
                 leaves = [t.detach().requires_grad_() for t in tiles]
                 step_grads = torch.autograd.grad(ctx.product(*leaves), leaves, grad)
             # on to the next rank, which holds these tiles next step; after the last step, home
-            grads = _Rotation([g + d for g, d in zip(grads, step_grads)], ctx.rings, _GRAD_TAG).wait()
+            grads = _Rotation([g + d for g, d in zip(grads, step_grads)], ctx.rings, _GRAD_TAG, ctx.counter).wait()
             if pending is not None:
                 tiles = pending.wait()
-        return grads[0], grads[1], None, None, None
+        return grads[0], grads[1], None, None, None, None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -189,50 +231,45 @@ class _RingAttention(torch.autograd.Function):
     ``kv_ring``; mask bias ``[*, N|1, 1, 1, p*s]`` (every key's, in key order, constant) or None; pair bias tile
     ``[*, 1, H, s, s]`` of the same key block (rotating around ``bias_ring``) or None; returns ``[*, N, s, H, D]``.
     Each step is one call of the Evoformer kernel (``evoformer_attention``'s custom op) on key block
-    ``t0 - step``, the next tiles in flight meanwhile; the partial results are merged by their log-sum-exp. Backward
-    rotates the tiles again and runs the kernel's backward per tile against the merged output and log-sum-exp (flash
-    attention's gradient of a tile needs only ``P = exp(logits - lse)`` and ``D = rowsum(dO * O)``); the tiles'
-    gradients travel with them and are home after p steps.
+    ``t0 - step``, the next tiles in flight meanwhile; the partial results are merged by the kernel's statistics,
+    row max and row sum kept apart (:func:`_merge_stats`). Backward rotates the tiles again and runs the kernel's
+    backward per tile against the merged output and statistics (flash attention's gradient of a tile needs only
+    ``P = exp(logits - max) / sum`` and ``D = rowsum(dO * O)``); the tiles' gradients travel with them and are home
+    after p steps.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, pair, backend, kv_ring, bias_ring, t0):
-        *_, s, h, d = q.shape
+    def forward(ctx, q, k, v, mask, pair, backend, kv_ring, bias_ring, t0, counter):
+        *_, n, s, h, d = q.shape
         size, rings = group_size(kv_ring), [kv_ring, kv_ring, bias_ring]
-        out = lse = None
+        out = stats = None
         tiles = [k, v, pair]
         for step in range(size):
-            pending = _Rotation(tiles, rings, _TILE_TAG) if step < size - 1 else None
+            pending = _Rotation(tiles, rings, _TILE_TAG, counter) if step < size - 1 else None
             keys = _block((t0 - step) % size, s)
-            o_t, stats = _attention_fwd(q, tiles[0], tiles[1], None if mask is None else mask[..., keys], tiles[2],
-                                        backend)
-            row_max, row_sum = stats.unbind(-1)  # [Z, N, H, s]; (+inf, +inf) on rows with every key -inf
-            lse_t = torch.where(torch.isinf(row_max), -math.inf, row_max + torch.log(row_sum)).flatten(0, 1)
-            o_t = o_t.reshape(-1, s, h, d)  # [Z*N, s, H, D] and [Z*N, H, s]: ring attention's layout
-            out, lse = (o_t, lse_t) if out is None else _merge(out, lse, o_t, lse_t)
+            o_t, stats_t = _attention_fwd(q, tiles[0], tiles[1], None if mask is None else mask[..., keys],
+                                          tiles[2], backend)
+            o_t = o_t.reshape(-1, n, s, h, d)  # [Z, N, s, H, D], beside the statistics [Z, N, H, s, 2]
+            out, stats = (o_t, stats_t) if out is None else _merge_stats(out, stats, o_t, stats_t)
             if pending is not None:
                 tiles = pending.wait()
         out = out.reshape(q.shape)
-        ctx.save_for_backward(q, k, v, mask, pair, out, lse)
-        ctx.backend, ctx.rings, ctx.t0 = backend, rings, t0
+        ctx.save_for_backward(q, k, v, mask, pair, out, stats)
+        ctx.backend, ctx.rings, ctx.t0, ctx.counter = backend, rings, t0, counter
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, mask, pair, out, lse = ctx.saved_tensors
-        *batch, n, s, h, d = q.shape
+        q, k, v, mask, pair, out, stats = ctx.saved_tensors  # the merged statistics: every key's row max and sum
+        *_, s, _, _ = q.shape
         size = group_size(ctx.rings[0])
-        lse = lse.reshape(math.prod(batch), n, h, s)
-        # the merged statistics in the kernel's form: row max lse, row sum 1; (+inf, +inf) where no key counts
-        stats = torch.stack([torch.where(torch.isinf(lse), math.inf, lse),
-                             torch.where(torch.isinf(lse), math.inf, 1.0)], dim=-1)
         need_pair = pair is not None and ctx.needs_input_grad[4]
         grad = grad.contiguous()
         dq = torch.zeros_like(q)
         tiles = [k, v, pair]
         grads = [torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(pair) if need_pair else None]
         for step in range(size):
-            pending = _Rotation(tiles, ctx.rings, _TILE_TAG) if step < size - 1 else None
+            pending = _Rotation(tiles, ctx.rings, _TILE_TAG, ctx.counter) if step < size - 1 else None
             keys = _block((ctx.t0 - step) % size, s)
             dq_t, dk_t, dv_t, *dpair_t = _attention_bwd(grad, q, tiles[0], tiles[1], out, stats,
                                                         None if mask is None else mask[..., keys], tiles[2], False,
@@ -240,21 +277,47 @@ class _RingAttention(torch.autograd.Function):
             dq += dq_t
             # on to the next rank, which holds these tiles next step; after the last step, home
             grads = _Rotation([grads[0] + dk_t, grads[1] + dv_t, grads[2] + dpair_t[0] if need_pair else None],
-                              ctx.rings, _GRAD_TAG).wait()
+                              ctx.rings, _GRAD_TAG, ctx.counter).wait()
             if pending is not None:
                 tiles = pending.wait()
-        return dq, grads[0], grads[1], None, grads[2], None, None, None, None
+        return dq, grads[0], grads[1], None, grads[2], None, None, None, None, None
+
+
+def _merge_stats(out: Tensor, stats: Tensor, o_t: Tensor, stats_t: Tensor) -> tuple[Tensor, Tensor]:
+    """Two partial softmax results over disjoint key sets as one: ``out``, ``o_t`` ``[Z, N, s, H, D]`` with the
+    kernel's statistics ``[Z, N, H, s, 2]`` (row max ``m``, row sum ``l = sum exp(logit - m)``; ``(+inf, +inf)`` on a
+    row with no key). ``M = max(m, m_t)``, ``L = l e^(m - M) + l_t e^(m_t - M)``, ``out = (out l e^(m - M) + o_t l_t
+    e^(m_t - M)) / L``: the one-pass kernel's ``(M, L)`` and output up to the order of the additions. Kept apart, not
+    as a log-sum-exp ``m + log l``: with OpenFold's finite mask ``-1e9``, a row whose keys are all masked has ``m``
+    near ``-1e9``, where fp32's spacing (64) swallows ``log l``, and the tiles would be weighted as if each held one
+    key."""
+    def parts(st):  # [Z, N, H, s] row max and row sum; a row with no key: (-inf, 0), which weighs nothing
+        empty = torch.isposinf(st[..., 0])
+        return torch.where(empty, -math.inf, st[..., 0]), torch.where(empty, 0.0, st[..., 1])
+
+    (m, l), (m_t, l_t) = parts(stats), parts(stats_t)
+    top = torch.maximum(m, m_t)
+    shift = torch.where(torch.isfinite(top), top, 0.0)
+    w, w_t = l * torch.exp(m - shift), l_t * torch.exp(m_t - shift)  # [Z, N, H, s]
+    total = w + w_t
+    seen = total > 0
+    safe = torch.where(seen, total, 1.0)
+    out = (out * (w / safe).transpose(-1, -2).unsqueeze(-1) + o_t * (w_t / safe).transpose(-1, -2).unsqueeze(-1))
+    return out, torch.stack([torch.where(seen, top, math.inf), torch.where(seen, total, math.inf)], dim=-1)
 
 
 def _block(t: int, size: int) -> slice:
     return slice(t * size, (t + 1) * size)
 
 
-def _attend(mha: GatedAttention, x: Tensor, mesh: _Mesh, kv_ring, key_mask: Tensor, pair: Tensor | None,
-            inf: float, backend) -> Tensor:
+def _attend(mha: GatedAttention, x: Tensor, mesh: _Mesh, kv_ring, key_mask: Tensor, real_keys: int,
+            pair: Tensor | None, inf: float, backend) -> Tensor:
     """``mha`` on this rank's queries ``x [*, N, s, C]`` (layer-normed) against the keys of every rank of
-    ``kv_ring`` (their tiles of x): ``key_mask [*, N, p*s]`` in key order; ``pair`` this rank's skewed bias tile
-    ``[*, s, s, H]`` (queries by keys of block ``t0``, rotating on the other ring) or None. Returns ``[*, N, s, C]``."""
+    ``kv_ring`` (their tiles of x): ``key_mask [*, N, p*s]`` in key order, of which the first ``real_keys`` are
+    real and the rest padding; ``pair`` this rank's skewed bias tile ``[*, s, s, H]`` (queries by keys of block
+    ``t0``, rotating on the other ring) or None. Returns ``[*, N, s, C]``. The padding keys are masked with -inf,
+    not the block's finite ``inf``: a real row whose real keys are all masked then attends over them as in the
+    single process, which has no padding keys."""
     heads = (mha.no_heads, mha.c_hidden)
     kv = _skewed(x, mesh, kv_ring)  # block t0's keys
     q, k, v = (lin(t).unflatten(-1, heads) for lin, t in ((mha.linear_q, x), (mha.linear_k, kv), (mha.linear_v, kv)))
@@ -262,78 +325,113 @@ def _attend(mha: GatedAttention, x: Tensor, mesh: _Mesh, kv_ring, key_mask: Tens
     pair = None if pair is None else pair.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, s, s]
     chosen = _choose_backend(backend, q)
     chosen = EvoformerBackend.TORCH if chosen is EvoformerBackend.REFERENCE else chosen  # the oracle has no op
-    o = _RingAttention.apply(q, k, v, mask_bias(key_mask, inf, x.dtype), pair, chosen.value, kv_ring, bias_ring,
-                             mesh.t0)
+    mask = mask_bias(key_mask, inf, x.dtype)  # [*, N, 1, 1, p*s]
+    mask[..., real_keys:] = -math.inf
+    o = _RingAttention.apply(q, k, v, mask, pair, chosen.value, kv_ring, bias_ring, mesh.t0, mesh.counter)
     return mha.linear_o(o.flatten(-2) * torch.sigmoid(mha.linear_g(x)))
 
 
-class _MeshEvoformer(nn.Module):
-    """The sharded computation of one :class:`EvoformerBlock` on a mesh (module docstring); ``block`` is the
-    caller's."""
+class _MeshStack(nn.Module):
+    """The sharded computation of :class:`EvoformerBlock` s run one after the other on a mesh, m and z this rank's
+    tiles from the entry to the exit (module docstring); ``blocks`` are the caller's."""
 
-    def __init__(self, block: EvoformerBlock, mesh: _Mesh):
+    def __init__(self, blocks: nn.ModuleList, mesh: _Mesh):
         super().__init__()
-        self.block, self.mesh = block, mesh
+        self.blocks, self.mesh = blocks, mesh
 
-    def forward(self, m: Tensor, z: Tensor, msa_mask: Tensor | None, pair_mask: Tensor | None,
+    def forward(self, x: Tensor, z: Tensor, x_mask: Tensor | None, pair_mask: Tensor | None,
                 chunk_size: int | None) -> tuple[Tensor, Tensor]:
-        mesh, blk = self.mesh, self.block
+        """``x``: m ``[*, N_seq, N_res, C_m]`` (Evoformer) or s ``[*, N_res, C_s]`` (Pairformer, replicated);
+        ``x_mask`` its mask."""
+        mesh, counter = self.mesh, self.mesh.counter
         p, r, c = mesh.p, mesh.r, mesh.c
-        n_seq, n_res = m.shape[-3], m.shape[-2]
-        msa_mask = m.new_ones(m.shape[:-1]) if msa_mask is None else msa_mask.to(m.dtype).expand(m.shape[:-1])
+        evoformer = isinstance(self.blocks[0], EvoformerBlock)
+        n_res = z.shape[-2]
+        n_seq = x.shape[-3] if evoformer else 0
         pair_mask = z.new_ones(z.shape[:-1]) if pair_mask is None else pair_mask.to(z.dtype).expand(z.shape[:-1])
-        m = pad_to_multiple(pad_to_multiple(m, -3, p), -2, p)  # [*, S', N', C_m], S' and N' multiples of p
-        z = pad_to_multiple(pad_to_multiple(z, -3, p), -2, p)  # [*, N', N', C_z]
-        msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, p), -1, p)  # [*, S', N']: the pad rows masked
-        pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, p), -1, p)  # [*, N', N']
-        s, n = msa_mask.shape[-2] // p, msa_mask.shape[-1] // p
-        seq_r, res_r, res_c = _block(r, s), _block(r, n), _block(c, n)
+        z = pad_to_multiple(pad_to_multiple(z, -3, p), -2, p)  # [*, N', N', C_z], N' a multiple of p
+        pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, p), -1, p)  # [*, N', N']: the pad rows masked
+        n = pair_mask.shape[-1] // p
+        res_r, res_c = _block(r, n), _block(c, n)
+        msa_mask = mask_t = seq_r = None
+        if evoformer:
+            msa_mask = x.new_ones(x.shape[:-1]) if x_mask is None else x_mask.to(x.dtype).expand(x.shape[:-1])
+            x = pad_to_multiple(pad_to_multiple(x, -3, p), -2, p)  # [*, S', N', C_m], S' a multiple of p
+            msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, p), -1, p)  # [*, S', N']
+            seq_r = _block(r, msa_mask.shape[-2] // p)
+            mask_t = msa_mask[..., seq_r, res_c]
         # this call's masks (whole, padded; this rank's tiles) and blocks, read by the sub-module methods below
-        self._masks = msa_mask, pair_mask, msa_mask[..., seq_r, res_c], pair_mask[..., res_r, res_c]
-        self._blocks = seq_r, res_r, res_c
-        # this rank's tiles: m[S_r, R_c] [*, S'/p, N'/p, C_m], z[I_r, J_c] [*, N'/p, N'/p, C_z]
-        m = split_sequence_region(split_sequence_region(m, mesh.col, m.ndim - 3), mesh.row, m.ndim - 2)
-        z = split_sequence_region(split_sequence_region(z, mesh.col, z.ndim - 3), mesh.row, z.ndim - 2)
+        self._masks = msa_mask, pair_mask, mask_t, pair_mask[..., res_r, res_c]
+        self._blocks, self._real = (seq_r, res_r, res_c), (n_seq, n_res)
+        # this rank's tiles: z[I_r, J_c] [*, N'/p, N'/p, C_z], m[S_r, R_c] [*, S'/p, N'/p, C_m]
+        z = split_sequence_region(split_sequence_region(z, mesh.col, z.ndim - 3, counter), mesh.row, z.ndim - 2,
+                                  counter)
+        if evoformer:
+            x = split_sequence_region(split_sequence_region(x, mesh.col, x.ndim - 3, counter), mesh.row, x.ndim - 2,
+                                      counter)
+        for blk in self.blocks:  # each block maps the tile layout to itself: nothing moves between blocks
+            x, z = (self._evoformer(blk, x, z, chunk_size) if evoformer
+                    else self._pairformer(blk, x, z, x_mask, chunk_size))
+        z = _gather_out(_gather_out(z, mesh.row, z.ndim - 2, counter), mesh.col, z.ndim - 3, counter)
+        if evoformer:
+            x = _gather_out(_gather_out(x, mesh.row, x.ndim - 2, counter), mesh.col, x.ndim - 3, counter)
+            x = x[..., :n_seq, :n_res, :]
+        return x, z[..., :n_res, :n_res, :]
+
+    def _evoformer(self, blk: EvoformerBlock, m: Tensor, z: Tensor, chunk_size: int | None) -> tuple[Tensor, Tensor]:
+        """One block (AF2 Algorithm 6) on this rank's tiles m[S_r, R_c] ``[*, s, n, C_m]`` and z[I_r, J_c]
+        ``[*, n, n, C_z]``; returns the same tiles of its outputs."""
         if blk.opm_first:
-            z = z + self._outer_product_mean(m)
-        m = m + blk.msa_dropout_layer(self._msa_row_attention(m, z))
+            z = z + self._outer_product_mean(blk, m)
+        m = m + blk.msa_dropout_layer(self._msa_row_attention(blk, m, z))
         if not blk.no_column_attention:
-            m = m + self._msa_column_attention(m)
+            m = m + self._msa_column_attention(blk, m)
         m = m + blk.msa_transition(m, self._masks[2], chunk_size)
         if not blk.opm_first:
-            z = z + self._outer_product_mean(m)
-        z = self._pair_stack(z, chunk_size)
-        m = _gather_out(_gather_out(m, mesh.row, m.ndim - 2), mesh.col, m.ndim - 3)[..., :n_seq, :n_res, :]
-        z = _gather_out(_gather_out(z, mesh.row, z.ndim - 2), mesh.col, z.ndim - 3)[..., :n_res, :n_res, :]
-        return m, z
+            z = z + self._outer_product_mean(blk, m)
+        return m, self._pair_stack(blk, z, chunk_size)
+
+    def _pairformer(self, blk: PairformerBlock, s: Tensor, z: Tensor, single_mask: Tensor | None,
+                    chunk_size: int | None) -> tuple[Tensor, Tensor]:
+        """One Pairformer block (AF3 Algorithm 17) on s whole ``[*, N, C_s]`` and this rank's z tile ``[*, n, n,
+        C_z]``: the pair stack on the tile, then the single representation's attention and transition replicated on
+        every rank (as the axial version's), with the pair bias gathered whole from the tiles (module docstring)."""
+        z = self._pair_stack(blk, z, chunk_size)
+        apb, mesh, n = blk.attn_pair_bias, self.mesh, s.shape[-2]
+        bias = apb.pair_bias_of(z)  # [*, n, n, H]
+        bias = _gather_out(_gather_out(bias, mesh.row, bias.ndim - 2, mesh.counter), mesh.col, bias.ndim - 3,
+                           mesh.counter)[..., :n, :n, :]  # [*, N, N, H], every rank the same
+        s = s + apb(s, None, single_mask, bias=bias)
+        return s + blk.single_transition(s, single_mask, chunk_size), z
 
     def _cannon(self, a: Tensor, b: Tensor, product: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
         """``sum_t product(a_t, b_t)``: ``a`` this rank's tile of the mesh row's blocks, ``b`` of the column's."""
         mesh = self.mesh
-        return _CannonSum.apply(_skewed(a, mesh, mesh.row), _skewed(b, mesh, mesh.col), product, mesh.row, mesh.col)
+        return _CannonSum.apply(_skewed(a, mesh, mesh.row), _skewed(b, mesh, mesh.col), product, mesh.row, mesh.col,
+                                mesh.counter)
 
-    def _outer_product_mean(self, m: Tensor) -> Tensor:
+    def _outer_product_mean(self, blk: EvoformerBlock, m: Tensor) -> Tensor:
         """z tile update ``[*, n, n, C_z]``: ``sum_s a_si b_sj`` over the sequence blocks t of ``a[S_t, I_r]`` (the
         swapped tiles of the mesh row) and ``b[S_t, J_c]`` (the mesh column's), then the output projection."""
-        opm, (msa_mask, _, mask_t, _), (_, res_r, res_c) = self.block.outer_product_mean, self._masks, self._blocks
+        opm, (msa_mask, _, mask_t, _), (_, res_r, res_c) = blk.outer_product_mean, self._masks, self._blocks
         a, b, _ = opm.project(m, mask_t)  # [*, s, n, c]
         outer = self._cannon(_swap(a, self.mesh), b, lambda a_t, b_t: torch.einsum("...sic,...sje->...ijce", a_t, b_t))
         count = torch.einsum("...si,...sj->...ij", msa_mask[..., res_r], msa_mask[..., res_c]).unsqueeze(-1)
         return opm.linear_out(outer.flatten(-2)) / (count + opm.eps)
 
-    def _msa_row_attention(self, m: Tensor, z: Tensor) -> Tensor:
+    def _msa_row_attention(self, blk: EvoformerBlock, m: Tensor, z: Tensor) -> Tensor:
         """Queries m[S_r, R_c] against the mesh row's keys m[S_r, R_t], bias b[R_c, R_t] (swapped tiles)."""
-        att, (msa_mask, *_), (seq_r, *_) = self.block.msa_att_row, self._masks, self._blocks
+        att, (msa_mask, *_), (seq_r, *_) = blk.msa_att_row, self._masks, self._blocks
         bias = _skewed(_swap(att.pair_bias_of(z), self.mesh), self.mesh, self.mesh.col)  # [*, n, n, H]
-        return _attend(att.mha, att.layer_norm_m(m), self.mesh, self.mesh.row, msa_mask[..., seq_r, :], bias,
-                       att.inf, att.backend)
+        return _attend(att.mha, att.layer_norm_m(m), self.mesh, self.mesh.row, msa_mask[..., seq_r, :],
+                       self._real[1], bias, att.inf, att.backend)
 
-    def _msa_column_attention(self, m: Tensor) -> Tensor:
+    def _msa_column_attention(self, blk: EvoformerBlock, m: Tensor) -> Tensor:
         """Queries m[S_r, R_c] (transposed) against the mesh column's keys m[S_t, R_c]."""
-        att, (msa_mask, *_), (_, _, res_c) = self.block.msa_att_col._msa_att, self._masks, self._blocks
+        att, (msa_mask, *_), (_, _, res_c) = blk.msa_att_col._msa_att, self._masks, self._blocks
         x = att.layer_norm_m(m).transpose(-2, -3)  # [*, n, s, C_m]
-        out = _attend(att.mha, x, self.mesh, self.mesh.col, msa_mask[..., res_c].transpose(-1, -2), None, att.inf,
-                      att.backend)
+        out = _attend(att.mha, x, self.mesh, self.mesh.col, msa_mask[..., res_c].transpose(-1, -2), self._real[0],
+                      None, att.inf, att.backend)
         return out.transpose(-2, -3)
 
     def _triangle_attention(self, att, z: Tensor, transpose_bias: bool) -> Tensor:
@@ -352,12 +450,12 @@ class _MeshEvoformer(nn.Module):
             kv_ring, key_mask, x = mesh.col, pair_mask[..., res_c].transpose(-1, -2), x.transpose(-2, -3)
             bias = (_skewed(b, mesh, mesh.row) if transpose_bias
                     else _skewed(_swap(b, mesh), mesh, mesh.row).transpose(-2, -3))
-        out = _attend(att.mha, x, mesh, kv_ring, key_mask, bias, att.inf, att.backend)
+        out = _attend(att.mha, x, mesh, kv_ring, key_mask, self._real[1], bias, att.inf, att.backend)
         return out if att.starting else out.transpose(-2, -3)
 
-    def _pair_stack(self, z: Tensor, chunk_size: int | None) -> Tensor:
+    def _pair_stack(self, blk: EvoformerBlock, z: Tensor, chunk_size: int | None) -> Tensor:
         """The pair stack on this rank's z tile ``[*, n, n, C_z]``."""
-        ps, pm, mesh = self.block.pair_stack, self._masks[3], self.mesh
+        ps, pm, mesh = blk.pair_stack, self._masks[3], self.mesh
         mul = ps.tri_mul_out  # p_ij = sum_k a_ik b_jk: the row's a[I_r, K_t], the column's swapped b[J_c, K_t]
         x = mul.layer_norm_in(z)
         a, b = mul.projections(x, pm.unsqueeze(-1))
@@ -372,27 +470,77 @@ class _MeshEvoformer(nn.Module):
 
 
 class EvoformerContextParallel2D(nn.Module):
-    """An :class:`~ds4sci.models.evoformer.EvoformerBlock` run on a ``p x p`` mesh of ``group``'s ranks (module
-    docstring), with the block's call signature: ``forward(m [*, N_seq, N_res, C_m], z [*, N_res, N_res, C_z],
-    msa_mask=None [*, N_seq, N_res], pair_mask=None [*, N_res, N_res], chunk_size=None) -> (m, z)``, full tensors
-    in and out on every rank (each rank passes the same inputs). Holds the given block (its parameters, not a copy):
-    its state dict is the block's. Every rank of ``group`` constructs it (it creates the mesh's row and column
-    groups)."""
+    """An :class:`~ds4sci.models.evoformer.EvoformerBlock` or :class:`~ds4sci.models.evoformer.PairformerBlock`, or a
+    stack of blocks of one kind, run on a ``p x p`` mesh of ``group``'s ranks (module docstring), with the block's
+    call signature: ``forward(m [*, N_seq, N_res, C_m], z [*, N_res, N_res, C_z], msa_mask=None [*, N_seq, N_res],
+    pair_mask=None [*, N_res, N_res], chunk_size=None) -> (m, z)`` (Pairformer: ``forward(s [*, N, C_s], z,
+    single_mask=None [*, N], pair_mask=None, chunk_size=None) -> (s, z)``), full tensors in and out on every rank
+    (each rank passes the same inputs). Holds the given block or blocks (their parameters, not copies): ``block``
+    (one block) or ``blocks`` (a stack; the caller's ``nn.ModuleList`` itself), so its state dict is theirs under
+    that prefix. ``sharded``: a stack keeps m and z as this rank's tiles between its blocks (a Pairformer's s
+    whole). ``counter`` records this rank's collectives. Every rank of ``group`` constructs it (it creates the
+    mesh's row and column groups)."""
 
-    def __init__(self, block: EvoformerBlock, group, p: int):
+    def __init__(self, block_or_stack, group, p: int, *, sharded: bool = False, counter: CommCounter | None = None):
         super().__init__()
-        if not isinstance(block, EvoformerBlock):
-            raise TypeError(f"evoformer_context_parallel: expected a ds4sci EvoformerBlock, got {type(block).__name__}")
-        self.block, self.group = block, group
-        self._sharded = (_MeshEvoformer(block, _Mesh(group, p)),)  # a tuple: not a second path to the parameters
+        single = isinstance(block_or_stack, (EvoformerBlock, PairformerBlock))
+        blocks = [block_or_stack] if single else list(block_or_stack)
+        kinds = {type(b) for b in blocks}
+        if not blocks or len(kinds) > 1 or not kinds <= {EvoformerBlock, PairformerBlock}:
+            raise TypeError("evoformer_context_parallel: expected a ds4sci EvoformerBlock or PairformerBlock or a "
+                            f"non-empty stack of one of them, got {type(block_or_stack).__name__} of "
+                            f"{sorted(k.__name__ for k in kinds)}")
+        if single:
+            self.block = block_or_stack
+        else:
+            self.blocks = block_or_stack if isinstance(block_or_stack, nn.ModuleList) else nn.ModuleList(blocks)
+        self.group, self.sharded, self.counter = group, sharded, counter
+        mesh = _Mesh(group, p, counter)
+        regions = [blocks] if sharded or single else [[b] for b in blocks]
+        # a tuple: not a second path to the parameters
+        self._regions = tuple(_MeshStack(nn.ModuleList(r), mesh) for r in regions)
 
-    def forward(self, m: Tensor, z: Tensor, msa_mask: Tensor | None = None, pair_mask: Tensor | None = None,
+    def forward(self, x: Tensor, z: Tensor, x_mask: Tensor | None = None, pair_mask: Tensor | None = None,
                 chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
-        unbatched = m.ndim == 3  # the kernel wants a batch dim
+        unbatched = z.ndim == 3  # the kernel wants a batch dim
         if unbatched:
-            m, z = m.unsqueeze(0), z.unsqueeze(0)
-            msa_mask = None if msa_mask is None else msa_mask.unsqueeze(0)
+            x, z = x.unsqueeze(0), z.unsqueeze(0)
+            x_mask = None if x_mask is None else x_mask.unsqueeze(0)
             pair_mask = None if pair_mask is None else pair_mask.unsqueeze(0)
-        synced = {f"block.{name}": sync_grad(p, self.group) for name, p in self.block.named_parameters()}
-        m, z = torch.func.functional_call(self._sharded[0], synced, (m, z, msa_mask, pair_mask, chunk_size))
-        return (m.squeeze(0), z.squeeze(0)) if unbatched else (m, z)
+        for region in self._regions:
+            x, z = torch.func.functional_call(region, self._synced(region), (x, z, x_mask, pair_mask, chunk_size))
+        return (x.squeeze(0), z.squeeze(0)) if unbatched else (x, z)
+
+    def _synced(self, region: _MeshStack) -> dict[str, Tensor]:
+        """``region``'s parameters, each through an identity whose backward all-reduces its gradient over the mesh,
+        except a Pairformer's replicated single-representation side (:data:`PAIRFORMER_REPLICATED`)."""
+        synced = {}
+        for name, p in region.named_parameters():
+            replicated = (isinstance(region.blocks[0], PairformerBlock)
+                          and name.split(".", 2)[2].startswith(PAIRFORMER_REPLICATED))
+            synced[name] = p if replicated else sync_grad(p, self.group, self.counter)
+        return synced
+
+
+def block_comm_bytes(block: EvoformerBlock, p: int, n_res: int, n_seq: int, rank: int, batch: int = 1,
+                     itemsize: int = 4) -> dict[str, int]:
+    """The closed form (module docstring) of the bytes that mesh rank ``rank`` (group rank ``r * p + c``) of a
+    ``p x p`` mesh sends for one Evoformer ``block`` inside a sharded stack, training (forward and backward), per
+    collective kind as :class:`~ds4sci.sequence.CommCounter` records them: ``p2p`` (tile moves and ring steps) and
+    ``all_reduce`` (the parameter gradients over the p^2 ranks); ``itemsize`` of the activations."""
+    r, c = divmod(rank, p)
+    s, n = -(-n_seq // p), -(-n_res // p)  # tile sides, padded
+    x, rr, cc, ring = int(r != c), int(r != 0), int(c != 0), 3 * p - 2
+    row, col, ps = block.msa_att_row.mha, block.msa_att_col._msa_att.mha, block.pair_stack
+    start, end = ps.tri_att_start.mha, ps.tri_att_end.mha
+    tiles = 2 * (x + rr + cc + ring) * (s * n * block.outer_product_mean.c_hidden + 2 * n * n * ps.tri_mul_out.c_hidden)
+    tiles += (2 * x + 2 * cc + ring) * n * n * row.no_heads + 2 * rr * s * n * block.c_m
+    tiles += 2 * ring * s * n * row.no_heads * row.c_hidden
+    if not block.no_column_attention:
+        tiles += 2 * cc * s * n * block.c_m + 2 * ring * s * n * col.no_heads * col.c_hidden
+    tiles += (2 * x + 2 * cc + ring) * n * n * start.no_heads + 2 * rr * n * n * block.c_z
+    tiles += (2 * x * (not ps.transpose_end_bias) + 2 * rr + ring) * n * n * end.no_heads + 2 * cc * n * n * block.c_z
+    tiles += 2 * ring * n * n * (start.no_heads * start.c_hidden + end.no_heads * end.c_hidden)
+    ranks = p * p
+    return {"p2p": tiles * batch * itemsize,
+            "all_reduce": sum(2 * q.numel() * q.element_size() * (ranks - 1) // ranks for q in block.parameters())}

@@ -106,3 +106,28 @@ def test_axial_equals_single_process_per_rank(world):
             assert not bad, f"rank {rank}, {case}: {len(bad)} tensors differ, the worst {bad[:3]}"
             differ = [n for n, g in grads[case].items() if g != results[0][1][case][n]]
             assert not differ, f"rank {rank}, {case}: parameter gradients differ from rank 0's: {differ[:3]}"
+
+
+def _masked_worker(rank, world, n_seq, n_res):
+    """Per dtype: the largest error against the single process (outputs, input and parameter gradients) of an
+    Evoformer block with fully masked real rows: a sequence, an MSA column, a pair row and a pair column."""
+    errors = {}
+    for dtype in (torch.float64, torch.float32):
+        block = _blocks("evoformer", {}, 1).to(dtype)
+        m, z, msa_mask, pair_mask, weights = _inputs("evoformer", n_seq, n_res)
+        m, z, msa_mask, pair_mask = (t.to(dtype) for t in (m, z, msa_mask, pair_mask))
+        weights = [w.to(dtype) for w in weights]
+        msa_mask[:, 1], msa_mask[:, :, 2], pair_mask[:, 3], pair_mask[:, :, 4] = 0, 0, 0, 0
+        want = _run(block, block, m, z, msa_mask, pair_mask, weights)
+        got = _run(evoformer_context_parallel(block), block, m, z, msa_mask, pair_mask, weights)
+        errors[str(dtype)] = max(((got[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k)
+                                 for k, v in want.items())
+    return errors
+
+
+def test_axial_fully_masked_rows_equal_single_process():
+    """A real row whose keys are all masked (OpenFold's finite -1e9) with N_seq and N_res padded: the padding keys
+    are at -inf, so it attends over its real keys as the single process does (fp64 to rounding, fp32 to 1e-5)."""
+    for rank, errors in enumerate(run_workers(_masked_worker, 2, 5, 7, timeout=600)):
+        for dtype, tol in (("torch.float64", 1e-12), ("torch.float32", 1e-5)):
+            assert errors[dtype][0] <= tol, f"rank {rank}, {dtype}: worst {errors[dtype]}"

@@ -2,7 +2,9 @@
 per rank: outputs, the gradients of m and z, and every parameter's .grad when every rank computes the same loss on
 the full outputs (fp64, to rounding); N_seq and N_res odd; both conventions of the ending-node triangle bias. And no
 sub-module (nor the attention kernel) of any rank ever sees a tensor with two dims of N_res or more. A 3 x 3 mesh
-(9 ranks) too, where the skews and the ring direction are not their own inverses as on 2 x 2."""
+(9 ranks) too, where the skews and the ring direction are not their own inverses as on 2 x 2. Fully masked real
+rows (a sequence, an MSA column, a pair row and column) in fp64 and fp32 as the single process attends them. Stacks
+of 2 blocks (block by block, and tiled between blocks) and Pairformer blocks on 2 x 2."""
 import pytest
 import torch
 
@@ -129,3 +131,123 @@ def test_mesh_argument_errors():
         for got, want in zip(evoformer_context_parallel(block, mesh=(1, 1))(m, z, msa_mask, pair_mask),
                              block(m, z, msa_mask, pair_mask)):
             assert torch.equal(got, want)
+
+
+def _masked_worker(rank, world, n_seq, n_res):
+    """Per dtype: the largest error relative to the single process, over outputs, input and parameter gradients, with
+    fully masked real rows: a sequence (MSA row attention), a residue column of the MSA (column attention) and a
+    row of the pair mask (triangle attention, starting node; its column for the ending node)."""
+    errors = {}
+    for dtype in (torch.float64, torch.float32):
+        block = _block({}).to(dtype)
+        m, z, msa_mask, pair_mask, weights = (t.to(dtype) if isinstance(t, torch.Tensor) else [w.to(dtype) for w in t]
+                                              for t in _inputs(n_seq, n_res))
+        msa_mask[:, 1], msa_mask[:, :, 2], pair_mask[:, 3], pair_mask[:, :, 4] = 0, 0, 0, 0
+        single = _run(block, block, m, z, msa_mask, pair_mask, weights)
+        parallel = _run(evoformer_context_parallel(block, mesh=(2, 2)), block, m, z, msa_mask, pair_mask, weights)
+        errors[str(dtype)] = max(((parallel[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k)
+                                 for k, v in single.items())
+    return errors
+
+
+def test_2d_fully_masked_rows_equal_single_process():
+    """A real row whose keys are all masked (OpenFold's finite -1e9) attends as the kernel does in one pass over the
+    real keys: fp64 to rounding, fp32 to 1e-5 (merging the tiles by row max and row sum kept apart, not by a
+    log-sum-exp that loses ``log l`` against 1e9 in fp32; the padding keys at -inf, so no real row sees them)."""
+    for rank, errors in enumerate(run_workers(_masked_worker, 4, 5, 9, timeout=600)):
+        for dtype, tol in (("torch.float64", 1e-12), ("torch.float32", 1e-5)):
+            assert errors[dtype][0] <= tol, f"rank {rank}, {dtype}: worst {errors[dtype]}"
+
+
+def _stack_worker(rank, world, n_seq, n_res):
+    """Per mode (sharded between blocks or block by block): the largest error of a 2-block stack against the
+    single process (outputs, input and parameter gradients), its parameter gradients as bytes, and the
+    all-gathers it ran (calls) beside a 1-block stack's."""
+    from torch import nn
+
+    from ds4sci.sequence import CommCounter
+
+    torch.manual_seed(0)
+    stack = nn.ModuleList(EvoformerBlock(**KW, backend="torch") for _ in range(2)).double().eval()
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+
+    def single(m, z, msa_mask, pair_mask):
+        for blk in stack:
+            m, z = blk(m, z, msa_mask, pair_mask)
+        return m, z
+
+    inputs = _inputs(n_seq, n_res)
+    want = _run(single, stack, *inputs)
+    results = {}
+    for sharded in (True, False):
+        counter = CommCounter()
+        got = _run(evoformer_context_parallel(stack, mesh=(2, 2), sharded=sharded, counter=counter), stack, *inputs)
+        one = CommCounter()
+        _run(evoformer_context_parallel(stack[:1], mesh=(2, 2), sharded=sharded, counter=one), stack[:1], *inputs)
+        error = max(((got[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k) for k, v in want.items())
+        results[sharded] = error, {n: got[n].numpy().tobytes() for n, _ in stack.named_parameters()}, \
+            (counter.calls["all_gather"], one.calls["all_gather"])
+    return results
+
+
+def test_2d_stack_tiles_between_blocks_equals_single_process():
+    """A 2-block stack on a 2 x 2 mesh, sharded (m and z stay this rank's tiles from the entry to the exit: as many
+    all-gathers as one block's, the entry's backward and the exit) and block by block (twice one block's), equals
+    the single process (fp64, to rounding); parameter gradients bitwise the same on every rank."""
+    results = run_workers(_stack_worker, 4, 5, 7, timeout=600)
+    for rank, per_mode in enumerate(results):
+        for sharded, (error, grads, (gathers, one_block)) in per_mode.items():
+            assert error[0] <= 1e-12, f"rank {rank}, sharded={sharded}: worst {error}"
+            assert grads == results[0][sharded][1], f"rank {rank}, sharded={sharded}: parameter gradients differ"
+            assert gathers == (one_block if sharded else 2 * one_block) > 0, (rank, sharded, gathers, one_block)
+
+
+PAIR_KW = dict(c_s=7, c_z=6, c_hidden_pair_bias=4, no_heads_pair_bias=2, c_hidden_mul=5, c_hidden_pair_att=4,
+               no_heads_pair=2, transition_n=2, pair_dropout=0.25)
+
+
+def _pairformer_worker(rank, world, n_res):
+    """Per case (one block; a 2-block stack tiled between blocks): the largest error against the single process
+    (outputs, input and parameter gradients, fp64) and the parameter gradients as bytes."""
+    from torch import nn
+
+    from ds4sci.models.evoformer import PairformerBlock
+
+    torch.manual_seed(0)
+    stack = nn.ModuleList(PairformerBlock(**PAIR_KW, backend="torch") for _ in range(2)).double().eval()
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(2, n_res, PAIR_KW["c_s"], generator=g, dtype=torch.float64)
+    z = torch.randn(2, n_res, n_res, PAIR_KW["c_z"], generator=g, dtype=torch.float64)
+    single_mask = (torch.rand(2, n_res, generator=g) > 0.2).double()
+    single_mask[..., 0] = 1.0  # every single row sees a key (a fully masked one is meaningless on every path)
+    pair_mask = (torch.rand(2, n_res, n_res, generator=g) > 0.2).double()
+    weights = [torch.randn(s.shape, generator=g, dtype=torch.float64),
+               torch.randn(z.shape, generator=g, dtype=torch.float64)]
+    results = {}
+    for name, blocks, sharded in (("one block", stack[0], False), ("2-block stack, tiled", stack, True)):
+        def single(s, z, single_mask, pair_mask, blocks=blocks):
+            for blk in (blocks if isinstance(blocks, nn.ModuleList) else [blocks]):
+                s, z = blk(s, z, single_mask, pair_mask)
+            return s, z
+        want = _run(single, blocks, s, z, single_mask, pair_mask, weights)
+        got = _run(evoformer_context_parallel(blocks, mesh=(2, 2), sharded=sharded), blocks, s, z, single_mask,
+                   pair_mask, weights)
+        error = max(((got[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k) for k, v in want.items())
+        results[name] = error, {n: got[n].numpy().tobytes() for n, _ in blocks.named_parameters()}
+    return results
+
+
+def test_2d_pairformer_equals_single_process():
+    """Pairformer blocks on a 2 x 2 mesh (z tiled, s replicated), one block and a 2-block stack tiled between
+    blocks, N_res odd: outputs, input and parameter gradients equal the single process (fp64, to rounding) on every
+    rank, parameter gradients bitwise the same on every rank."""
+    results = run_workers(_pairformer_worker, 4, 7, timeout=600)
+    for rank, per_case in enumerate(results):
+        for case, (error, grads) in per_case.items():
+            assert error[0] <= 1e-12, f"rank {rank}, {case}: worst {error}"
+            assert grads == results[0][case][1], f"rank {rank}, {case}: parameter gradients differ from rank 0's"
