@@ -262,13 +262,14 @@ def _sharing_block(block: nn.Module, backend: EvoformerBackend) -> nn.Module:
     return ours
 
 
-def context_parallel(model: nn.Module, group=None, *, sharded: bool = True,
+def context_parallel(model: nn.Module, group=None, mesh: Optional[tuple[int, int]] = None, *, sharded: bool = True,
                      backend: Union[str, EvoformerBackend] = EvoformerBackend.AUTO) -> list[str]:
     """Run every OpenFold3 ``EvoformerStack`` and ``PairFormerStack`` in ``model`` (``model`` itself included) by
-    axial context parallelism over ``group`` (default: the default process group): the stack's ``forward`` runs its
-    blocks as ds4sci blocks sharing its parameters, through :func:`ds4sci.evoformer_context_parallel` (``sharded``:
-    m and z stay split between the blocks), then its own wrap-up (the Evoformer's single projection). Every rank
-    passes the same inputs and gets the single process's outputs; parameter gradients are reduced over the group.
+    context parallelism over ``group`` (default: the default process group), axial or, with ``mesh=(p, p)``, by 2-D
+    tiles on a p x p mesh of the group's ranks: the stack's ``forward`` runs its blocks as ds4sci blocks sharing its
+    parameters, through :func:`ds4sci.evoformer_context_parallel` (``sharded``: m and z stay split or tiled between
+    the blocks), then its own wrap-up (the Evoformer's single projection). Every rank passes the same inputs and gets
+    the single process's outputs; parameter gradients are reduced over the group.
 
     OpenFold3's per-call options are ignored except ``chunk_size`` (attention runs on ds4sci's kernels with
     ``backend``; no activation checkpointing of blocks); ``_mask_trans=False`` is refused (ds4sci masks the
@@ -290,12 +291,13 @@ def context_parallel(model: nn.Module, group=None, *, sharded: bool = True,
         if not isinstance(stack, (EvoformerStack, PairFormerStack)):
             continue
         blocks = nn.ModuleList(_sharing_block(b, backend) for b in stack.blocks)
-        parallel = evoformer_context_parallel(blocks, group, sharded=sharded)
+        parallel = evoformer_context_parallel(blocks, group, mesh, sharded=sharded)
         stack.forward = _stack_forward(stack, parallel)  # an instance attribute: context_parallel_off deletes it
         switched.append(name or type(stack).__name__)
     if not switched:
         raise ValueError(f"context_parallel: no OpenFold3 EvoformerStack or PairFormerStack in {type(model).__name__}")
-    logger.info("ds4sci.integrations.openfold: %s run by axial context parallelism", ", ".join(switched))
+    logger.info("ds4sci.integrations.openfold: %s run by %s context parallelism", ", ".join(switched),
+                "axial" if mesh is None else f"{mesh[0]}x{mesh[1]} mesh")
     return switched
 
 

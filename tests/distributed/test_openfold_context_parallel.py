@@ -1,5 +1,6 @@
 """ds4sci.integrations.openfold.context_parallel: a tiny OpenFold3 EvoformerStack and PairFormerStack trained a few
-SGD steps through the switch on 2 ranks (N_res 5, which the group does not divide) give, on every rank, the losses
+SGD steps through the switch on 2 ranks, and on a 2 x 2 mesh of 4 (N_res 5, which neither divides) give, on every
+rank, the losses
 and final parameters of OpenFold3's own single-process stack (fp64, to rounding): the ds4sci blocks hold the OpenFold3
 parameters themselves (an optimizer step on them is seen by the next forward) and their gradients are reduced.
 In one process (a group of one runs the ds4sci blocks themselves): the switched stacks give OpenFold3's outputs,
@@ -60,13 +61,15 @@ def _train(stack, inputs):
     return losses, {n: p.detach().clone() for n, p in stack.named_parameters()}
 
 
-def _worker(rank, world, kinds):
+def _worker(rank, world, kinds, mesh=None):
     out = {}
     for kind in kinds:
         inputs = _inputs(kind)
         ref_losses, ref_params = _train(_stack(kind), inputs)
         stack = _stack(kind)
-        assert ds4sci_openfold.context_parallel(stack, backend="torch") == [type(stack).__name__]
+        assert ds4sci_openfold.context_parallel(stack, mesh=mesh, backend="torch") == [type(stack).__name__]
+        layout = type(stack.forward.context_parallel).__name__
+        assert layout == ("EvoformerContextParallel" if mesh is None else "EvoformerContextParallel2D"), layout
         losses, params = _train(stack, inputs)
         out[kind] = {"losses": (ref_losses, losses),
                      "params": max((params[n] - p).abs().max().item() for n, p in ref_params.items())}
@@ -75,8 +78,9 @@ def _worker(rank, world, kinds):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_openfold3_stacks_train_through_the_switch_with_single_process_losses():
-    for rank, result in enumerate(run_workers(_worker, 2, ["evoformer", "pairformer"], timeout=600)):
+@pytest.mark.parametrize("world, mesh", [(2, None), (4, (2, 2))], ids=["axial-2", "mesh-2x2"])
+def test_openfold3_stacks_train_through_the_switch_with_single_process_losses(world, mesh):
+    for rank, result in enumerate(run_workers(_worker, world, ["evoformer", "pairformer"], mesh, timeout=600)):
         for kind, r in result.items():
             ref, got = r["losses"]
             assert got == pytest.approx(ref, rel=1e-10, abs=0), f"rank {rank}, {kind}: losses {got} != {ref}"
