@@ -273,18 +273,22 @@ class EvoformerContextParallel(nn.Module):
                     x, z = blk(x, z, x_mask, pair_mask, chunk_size)
             return x, z
         for region in self._regions:
-            x, z = torch.func.functional_call(region, self._synced(region), (x, z, x_mask, pair_mask, chunk_size))
+            x, z = torch.func.functional_call(region, synced_parameters(region, self.group, self.counter),
+                                              (x, z, x_mask, pair_mask, chunk_size))
         return x, z
 
-    def _synced(self, region: _AxialStack) -> dict[str, Tensor]:
-        """``region``'s parameters, each through an identity whose backward all-reduces its gradient over the group,
-        except a Pairformer's replicated s-side (module docstring)."""
-        synced = {}
-        for name, p in region.named_parameters():
-            block_name = name.split(".", 2)[2]  # blocks.<i>.<name in the block>
-            replicated = isinstance(region.blocks[0], PairformerBlock) and block_name.startswith(PAIRFORMER_REPLICATED)
-            synced[name] = p if replicated else sync_grad(p, self.group, self.counter)
-        return synced
+
+
+def synced_parameters(region: nn.Module, group, counter: CommCounter | None) -> dict[str, Tensor]:
+    """The parameters of ``region`` (a stack holding ``blocks``, 1-D or 2-D), each through an identity whose backward
+    all-reduces its gradient over ``group``, except a Pairformer's replicated single-representation side
+    (:data:`PAIRFORMER_REPLICATED`), whose gradients every rank computes whole."""
+    synced = {}
+    for name, p in region.named_parameters():
+        block_name = name.split(".", 2)[2]  # <stack attribute>.<i>.<name in the block>
+        replicated = isinstance(region.blocks[0], PairformerBlock) and block_name.startswith(PAIRFORMER_REPLICATED)
+        synced[name] = p if replicated else sync_grad(p, group, counter)
+    return synced
 
 
 def block_comm_bytes(block: EvoformerBlock | PairformerBlock, p: int, n_res: int, n_seq: int = 0, batch: int = 1,

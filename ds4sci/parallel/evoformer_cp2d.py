@@ -92,8 +92,8 @@ from ds4sci.kernels import EvoformerBackend
 from ds4sci.kernels.evoformer import _attention_bwd, _attention_fwd, _choose_backend
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
-from ds4sci.parallel.evoformer_cp import PAIRFORMER_REPLICATED, _gather_out
-from ds4sci.parallel.tensor_parallel import split_sequence_region, sync_grad
+from ds4sci.parallel.evoformer_cp import _gather_out, synced_parameters
+from ds4sci.parallel.tensor_parallel import split_sequence_region
 from ds4sci.sequence.comm import CommCounter, RingShift, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
 
@@ -508,18 +508,10 @@ class EvoformerContextParallel2D(nn.Module):
             x_mask = None if x_mask is None else x_mask.unsqueeze(0)
             pair_mask = None if pair_mask is None else pair_mask.unsqueeze(0)
         for region in self._regions:
-            x, z = torch.func.functional_call(region, self._synced(region), (x, z, x_mask, pair_mask, chunk_size))
+            x, z = torch.func.functional_call(region, synced_parameters(region, self.group, self.counter),
+                                              (x, z, x_mask, pair_mask, chunk_size))
         return (x.squeeze(0), z.squeeze(0)) if unbatched else (x, z)
 
-    def _synced(self, region: _MeshStack) -> dict[str, Tensor]:
-        """``region``'s parameters, each through an identity whose backward all-reduces its gradient over the mesh,
-        except a Pairformer's replicated single-representation side (:data:`PAIRFORMER_REPLICATED`)."""
-        synced = {}
-        for name, p in region.named_parameters():
-            replicated = (isinstance(region.blocks[0], PairformerBlock)
-                          and name.split(".", 2)[2].startswith(PAIRFORMER_REPLICATED))
-            synced[name] = p if replicated else sync_grad(p, self.group, self.counter)
-        return synced
 
 
 def block_comm_bytes(block: EvoformerBlock, p: int, n_res: int, n_seq: int, rank: int, batch: int = 1,
