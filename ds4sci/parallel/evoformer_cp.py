@@ -248,17 +248,7 @@ class EvoformerContextParallel(nn.Module):
     def __init__(self, block_or_stack: EvoformerBlock | PairformerBlock | Sequence[EvoformerBlock | PairformerBlock],
                  group=None, *, sharded: bool = False, counter: CommCounter | None = None):
         super().__init__()
-        single = isinstance(block_or_stack, (EvoformerBlock, PairformerBlock))
-        blocks = [block_or_stack] if single else list(block_or_stack)
-        kinds = {type(b) for b in blocks}
-        if not blocks or len(kinds) > 1 or not kinds <= {EvoformerBlock, PairformerBlock}:
-            raise TypeError("evoformer_context_parallel: expected a ds4sci EvoformerBlock or PairformerBlock or a "
-                            f"non-empty stack of one of them, got {type(block_or_stack).__name__} of "
-                            f"{sorted(k.__name__ for k in kinds)}")
-        if single:
-            self.block = block_or_stack
-        else:
-            self.blocks = block_or_stack if isinstance(block_or_stack, nn.ModuleList) else nn.ModuleList(blocks)
+        single, blocks = hold_blocks(self, block_or_stack)
         self.group = group if group is not None or not dist.is_initialized() else dist.group.WORLD
         self.sharded, self.counter = sharded, counter
         regions = [blocks] if sharded or single else [[b] for b in blocks]
@@ -277,6 +267,25 @@ class EvoformerContextParallel(nn.Module):
                                               (x, z, x_mask, pair_mask, chunk_size))
         return x, z
 
+
+
+def hold_blocks(module: nn.Module, block_or_stack) -> tuple[bool, list]:
+    """Checks ``block_or_stack`` (one ds4sci Evoformer or Pairformer block, or a non-empty stack of one kind) and
+    registers it on ``module`` as ``block`` or ``blocks`` (its parameters keep their names under that prefix);
+    returns ``(single, blocks)``."""
+    single = isinstance(block_or_stack, (EvoformerBlock, PairformerBlock))
+    iterable = single or isinstance(block_or_stack, (list, tuple, nn.ModuleList, nn.Sequential))
+    blocks = [block_or_stack] if single else list(block_or_stack) if iterable else []
+    kinds = {type(b) for b in blocks}
+    if not blocks or len(kinds) > 1 or not kinds <= {EvoformerBlock, PairformerBlock}:
+        raise TypeError("evoformer_context_parallel: expected a ds4sci EvoformerBlock or PairformerBlock or a "
+                        f"non-empty stack of one of them, got {type(block_or_stack).__name__} of "
+                        f"{sorted(k.__name__ for k in kinds)}")
+    if single:
+        module.block = block_or_stack
+    else:
+        module.blocks = block_or_stack if isinstance(block_or_stack, nn.ModuleList) else nn.ModuleList(blocks)
+    return single, blocks
 
 
 def synced_parameters(region: nn.Module, group, counter: CommCounter | None) -> dict[str, Tensor]:

@@ -92,7 +92,7 @@ from ds4sci.kernels import EvoformerBackend
 from ds4sci.kernels.evoformer import _attention_bwd, _attention_fwd, _choose_backend
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
-from ds4sci.parallel.evoformer_cp import _gather_out, synced_parameters
+from ds4sci.parallel.evoformer_cp import _gather_out, hold_blocks, synced_parameters
 from ds4sci.parallel.tensor_parallel import split_sequence_region
 from ds4sci.sequence.comm import CommCounter, RingShift, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
@@ -483,17 +483,7 @@ class EvoformerContextParallel2D(nn.Module):
 
     def __init__(self, block_or_stack, group, p: int, *, sharded: bool = False, counter: CommCounter | None = None):
         super().__init__()
-        single = isinstance(block_or_stack, (EvoformerBlock, PairformerBlock))
-        blocks = [block_or_stack] if single else list(block_or_stack)
-        kinds = {type(b) for b in blocks}
-        if not blocks or len(kinds) > 1 or not kinds <= {EvoformerBlock, PairformerBlock}:
-            raise TypeError("evoformer_context_parallel: expected a ds4sci EvoformerBlock or PairformerBlock or a "
-                            f"non-empty stack of one of them, got {type(block_or_stack).__name__} of "
-                            f"{sorted(k.__name__ for k in kinds)}")
-        if single:
-            self.block = block_or_stack
-        else:
-            self.blocks = block_or_stack if isinstance(block_or_stack, nn.ModuleList) else nn.ModuleList(blocks)
+        single, blocks = hold_blocks(self, block_or_stack)
         self.group, self.sharded, self.counter = group, sharded, counter
         mesh = _Mesh(group, p, counter)
         regions = [blocks] if sharded or single else [[b] for b in blocks]

@@ -131,3 +131,13 @@ def test_axial_fully_masked_rows_equal_single_process():
     for rank, errors in enumerate(run_workers(_masked_worker, 2, 5, 7, timeout=600)):
         for dtype, tol in (("torch.float64", 1e-12), ("torch.float32", 1e-5)):
             assert errors[dtype][0] <= tol, f"rank {rank}, {dtype}: worst {errors[dtype]}"
+
+
+def test_not_a_block_or_a_mixed_stack_is_refused_by_name():
+    from torch import nn
+
+    from ds4sci import evoformer_context_parallel
+
+    for bad in (nn.Linear(2, 2), [], [nn.Linear(2, 2)]):
+        with pytest.raises(TypeError, match="expected a ds4sci EvoformerBlock or PairformerBlock"):
+            evoformer_context_parallel(bad)
