@@ -219,9 +219,9 @@ def test_training_step_peak_is_bounded_by_the_model(name):
     assert measured <= predicted <= 1.5 * measured
 
 
-def _saved_on_rank(rank: int, world: int, cases: list) -> list[int]:
-    """This rank's bytes saved for backward by one block under ds4sci.evoformer_context_parallel (1-D), fp32, per
-    ``(shape name, n_res, n_seq)`` of ``cases``."""
+def _saved_on_rank(rank: int, world: int, cases: list, mesh=None) -> list[int]:
+    """This rank's bytes saved for backward by one block under ds4sci.evoformer_context_parallel (1-D, or 2-D on
+    ``mesh``), fp32, per ``(shape name, n_res, n_seq)`` of ``cases``."""
     from ds4sci import evoformer_context_parallel
 
     out = []
@@ -232,7 +232,7 @@ def _saved_on_rank(rank: int, world: int, cases: list) -> list[int]:
         x.requires_grad_()
         z.requires_grad_()
         with SavedBytes(block) as saved:
-            evoformer_context_parallel(block)(x, z, x_mask, pair_mask)
+            evoformer_context_parallel(block, mesh=mesh)(x, z, x_mask, pair_mask)
         out.append(saved.total)
     return out
 
@@ -257,20 +257,6 @@ def test_1d_block_saved_equals_saved_tensors_per_rank():
     assert run_workers(_saved_on_rank, P, cases) == [predicted] * P
 
 
-def _saved_on_mesh_rank(rank: int, world: int, name: str, n_res: int, n_seq: int) -> int:
-    """This rank's bytes saved for backward by one Evoformer block on a 2 x 2 mesh (evoformer_cp2d), fp32."""
-    from ds4sci import evoformer_context_parallel
-
-    shape = SHAPES[name]
-    block = _block(shape).train()
-    x, z, x_mask, pair_mask = _inputs(shape, n_res, n_seq, "fp32")
-    x.requires_grad_()
-    z.requires_grad_()
-    with SavedBytes(block) as saved:
-        evoformer_context_parallel(block, mesh=(2, 2))(x, z, x_mask, pair_mask)
-    return saved.total
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_2d_block_saved_within_5_percent_per_rank():
@@ -285,7 +271,7 @@ def test_2d_block_saved_within_5_percent_per_rank():
     w = pe.Workload(shape, n_res, n_seq, "fp32", "training", layout="2d", gpus=4)
     entry = (1 - 1 / 4) * (n_res * n_res * shape.c_z + n_seq * n_res * shape.c_m) * 4
     predicted = sum(pe.block_saved_bytes(w).values()) + entry
-    for saved in run_workers(_saved_on_mesh_rank, 4, name, n_res, n_seq):
+    for (saved,) in run_workers(_saved_on_rank, 4, [(name, n_res, n_seq)], (2, 2)):
         assert abs(saved / predicted - 1) <= 0.05, (saved, predicted)
 
 
