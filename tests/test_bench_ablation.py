@@ -12,8 +12,8 @@ def _run(row, L, S, device_per_layer, working, host=0):
     """A run saving ``device_per_layer`` bytes per token per layer plus 100 bytes per token outside the layers, whose
     peak adds ``working`` bytes per token and 1 MiB."""
     device = S * (L * device_per_layer + 100)
-    return {"row": row, "layers": L, "seq_len": S, "saved": device + host, "host": host, "device": device,
-            "peak": device + working * S + MIB}
+    return {"layout": "1", "row": row, "layers": L, "seq_len": S, "saved": device + host, "host": host,
+            "device": device, "peak": device + working * S + MIB}
 
 
 def test_summary_reads_the_slopes_and_the_budget():
@@ -22,7 +22,8 @@ def test_summary_reads_the_slopes_and_the_budget():
             for row, d, w, h in (("baseline", 17, 17, 0), ("+ checkpointing", 1, 34, 0), ("+ host offload", 0, 20, 1))
             for L in (1, 2) for S in (256, 512, 1024)]
     report = {"command": "ds4sci bench ablation", "allocator": "Allocator: defaults.", "runs": runs,
-              "config": {"seq_lens": [256, 512, 1024], "layers": [1, 2], **SHAPE, "budget_mib": 2.0}}
+              "config": {"seq_lens": [256, 512, 1024], "layers": [1, 2], "layouts": ["1"], **SHAPE,
+                         "budget_mib": 2.0}}
     rows = {r["row"]: r for r in ablation.summarize(report)}
     assert set(rows) == {"baseline", "+ checkpointing", "+ host offload"}
     assert rows["+ host offload"]["per_layer_vectors"] == 0  # what went to the host is not on the device
@@ -38,7 +39,7 @@ def test_summary_reads_the_slopes_and_the_budget():
     assert rows["+ checkpointing"]["planner_per_layer_vectors"] == 1
     report["summary"] = list(rows.values())
     text = ablation.markdown(report)
-    assert "| baseline | 17.00 | 17.38 |" in text and "| + checkpointing | 2 | " in text
+    assert "| one process | baseline | 17.00 | 17.38 |" in text and "| one process | + checkpointing | 2 | " in text
 
 
 @pytest.mark.distributed
@@ -47,7 +48,7 @@ def test_host_offload_row_measures_what_the_planner_predicts():
     apply_activation_checkpointing at 1 and 2 layers: nothing per layer left on the device, one hidden vector per
     token per layer in host memory, the planner's host bytes."""
     S = 256
-    runs = [ablation.measure("+ host offload", SHAPE, L, S) for L in (1, 2)]
+    runs = ablation.measure("+ host offload", SHAPE, [(1, S), (2, S)])
     assert runs[1]["device"] == runs[0]["device"] > 0
     assert runs[1]["host"] - runs[0]["host"] == 32 * 4 * S
     assert runs[1]["host"] == ablation.planner("+ host offload", SHAPE, 2, S)["host"]
@@ -63,3 +64,57 @@ def test_the_tiled_loss_row_follows_the_baseline_and_stays_on():
     assert all(switches.get("tiled_loss") for _, switches in rows[1:])
     base, tiled = (ablation.planner(row, SHAPE, 2, 512) for row in ("baseline", "+ tiled loss"))
     assert base["per_layer"] == tiled["per_layer"] and tiled["peak"] != base["peak"]
+
+
+def _per_layer(runs, S):
+    """Bytes per token of the full sequence per layer left on the device, from runs at 1 and 2 layers."""
+    return (runs[1]["device"] - runs[0]["device"]) / S
+
+
+@pytest.mark.distributed
+def test_ulysses_2_ranks_keep_half_the_one_process_per_layer_bytes():
+    """Full checkpointing under Ulysses 2, through the trainer's parallelize and apply_activation_checkpointing: each
+    rank keeps its half of every block input, exactly half the one-process figure per token of the full sequence
+    (the planner's, exact against saved-tensor hooks on one process: tests/test_plan.py), and the planner's per-rank
+    figure."""
+    S = 256
+    runs = ablation.measure("+ checkpointing", SHAPE, [(1, S), (2, S)], "ulysses2")
+    assert [len(r["ranks"]) for r in runs] == [2, 2]
+    assert runs[1]["ranks"][0]["device"] == runs[1]["ranks"][1]["device"]
+    one = ablation.planner("+ checkpointing", SHAPE, 2, S)["per_layer"]
+    assert one == 32 * 4  # one hidden vector: the block input
+    assert _per_layer(runs, S) == one / 2 == ablation.planner("+ checkpointing", SHAPE, 2, S, "ulysses2")["per_layer"]
+
+
+@pytest.mark.distributed
+def test_tp_re_gather_row_saves_this_ranks_region():
+    """The TP re-gather row: TP 2 without checkpointing. The column-parallel layers save this rank's sequence region
+    of their inputs (re-gathered in backward), so a rank keeps half the one-process bytes per layer per token of the
+    full sequence, plus the rotary tables of the gathered positions (``2 rotary_dim (tp - 1)`` fp32 values per local
+    token); saving the gathered ``[B, S, h]`` inputs would add one hidden vector. The planner's per-rank figure."""
+    S = 256
+    runs = ablation.measure("baseline", SHAPE, [(1, S), (2, S)], "tp2")
+    one = ablation.planner("baseline", SHAPE, 2, S)["per_layer"]
+    rotary = 2 * ablation._config(SHAPE, 2, S).rotary_dim * (2 - 1) * 4
+    assert _per_layer(runs, S) == (one + rotary) / 2 == ablation.planner("baseline", SHAPE, 2, S, "tp2")["per_layer"]
+
+
+def test_planner_per_rank_figures_are_per_token_of_the_full_sequence():
+    """Under Ulysses 2 and TP 2 the planner's per-layer figure with checkpointing is half the one-process figure (the
+    block input of S / 2 tokens), and the working set shrinks with the rank's share."""
+    one, uly, tp = (ablation.planner("+ tiled MLP", SHAPE, 2, 512, layout) for layout in ("1", "ulysses2", "tp2"))
+    assert uly["per_layer"] == tp["per_layer"] == one["per_layer"] / 2
+    assert uly["working_per_token"] < one["working_per_token"] and tp["working_per_token"] < one["working_per_token"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quick", "--layouts", "1,ring2"], "'ring2': the ablation runs tp and ulysses degrees only, not ring2"),
+    (["--quick", "--layouts", "tp2xfoo"], "expected degrees like tp2xulysses2"),
+    (["--quick", "--rows", "baseline,tiled"], "--rows tiled: not a row"),
+    (["--quick", "--layouts", "ulysses8"], "ulysses"),
+    (["--layouts", "tp2xulysses2", "--seq-lens", "1K,2050", "--layers", "1,2"], "--seq-lens 2050: layout"),
+])
+def test_bad_option_one_line(argv, message, capsys):
+    from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
+
+    assert message in refused(capsys, ["bench", "ablation", *argv, "--out", "/nonexistent/never"])

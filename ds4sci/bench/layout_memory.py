@@ -52,9 +52,10 @@ DEFAULT_LAYOUTS = "dp4,ulysses4,ring4,ulysses2xring2,tp2xulysses2,tp4,pp2xulysse
 _AXIS = re.compile(r"(tp|ulysses|ring|pp|dp)([1-9][0-9]*)")
 
 
-def parse_layout(text: str, world: int) -> dict[str, int]:
+def parse_layout(text: str, world: int | None) -> dict[str, int]:
     """``"tp2xulysses2"`` -> ``{"tp": 2, "ulysses": 2, "ring": 1, "pp": 1, "dp": world / 4}``: degrees joined by
-    ``x``; data parallelism fills the rest of ``world`` unless given. ``ValueError`` naming ``text`` otherwise."""
+    ``x``; data parallelism fills the rest of ``world`` unless given (``world=None``: the world is the degrees'
+    product). ``ValueError`` naming ``text`` otherwise."""
     degrees = dict.fromkeys(AXES, 1)
     given = set()
     for part in text.split("x"):
@@ -64,6 +65,7 @@ def parse_layout(text: str, world: int) -> dict[str, int]:
         given.add(m.group(1))
         degrees[m.group(1)] = int(m.group(2))
     product = degrees["tp"] * degrees["ulysses"] * degrees["ring"] * degrees["pp"] * degrees["dp"]
+    world = product if world is None else world
     if "dp" not in given and world % product == 0:
         degrees["dp"] = world // product
     elif product != world:
