@@ -170,8 +170,11 @@ def _piece(x: Tensor, dim: int, rank: int, world: int) -> Tensor:
 
 
 def _split(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCounter | None) -> Tensor:
-    """This rank's contiguous ``1/P`` piece of ``x`` along ``dim`` (no communication)."""
-    return _piece(x, dim, dist.get_rank(group), dist.get_world_size(group))
+    """This rank's contiguous ``1/P`` piece of ``x`` along ``dim`` (no communication), a copy that owns its storage: a
+    view (the piece of a ``[1, T, hidden]`` embedding is one) would keep the whole of ``x`` alive wherever it is saved
+    for backward (the first block's norm, or its checkpointed input, which host offload then cannot move)."""
+    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].clone(
+        memory_format=torch.contiguous_format)
 
 
 class _SequenceRegion(torch.autograd.Function):
