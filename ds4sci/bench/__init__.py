@@ -47,8 +47,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "ablation": (
         "ds4sci.bench.ablation",
-        "bytes per token per layer left on the device, working set and peak memory of one GenSLM training step with "
-        "each long-sequence switch on in turn (full checkpointing, tiled MLP, host offload), beside the planner's",
+        "bytes per token per layer left on the device, working set and peak memory per rank of one GenSLM training "
+        "step with each long-sequence switch on in turn (tiled loss, full checkpointing, tiled MLP, host offload), on "
+        "one process or per rank under Ulysses and tensor parallelism (the TP re-gather), beside the planner's",
     ),
     "memory-breakdown": (
         "ds4sci.bench.memory_breakdown",
