@@ -17,8 +17,9 @@ lives): the bytes autograd saves for backward (:func:`ds4sci.bench.memory.saved_
 held from forward to backward, and the peak of live tensors over forward and backward. Both count what the step
 allocates, the parameter gradients included; the parameters and the inputs (full tensors on every rank, held before
 the step) are not. The loss is the sum of the outputs, whose gradient is a broadcast view: a loss of the full
-outputs that made whole ``[N, N, C_z]`` gradients (a mean square makes five at its peak) would add a term that no P
-divides to every rank's peak, a loss head's and not the block's. Beside them the planner's figure
+outputs whose backward makes whole ``[N, N, C_z]`` tensors (a mean square: its gradient and temporaries, up to five
+with the gathered output at once) would add to every rank's peak a term that no P divides, a loss head's and not
+the block's (tests/test_bench_evoformer_cp.py sees it). Beside them the planner's figure
 (:func:`planned_peak`: :func:`ds4sci.plan_evoformer.memory`'s training terms of one block). (A peak RSS is not
 reported: in a gloo worker that has run the step before, the allocator reuses freed memory and the RSS barely moves
 at these sizes.)
