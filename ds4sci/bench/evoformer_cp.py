@@ -30,12 +30,13 @@ as ``alpha P`` (constant where the pair terms fall as 1/P), for the saved bytes 
 floor, the ``N^2`` bytes per rank that do not fall as 1/P: 1-D saves the gathered tensors whole (the MSA pair bias,
 one operand of each triangle multiplication, the two triangle biases; the Pairformer's replicated pair bias), ``G =
 e (H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``) at any P; 2-D tiles every ``N^2``
-tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``. At
+tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``, and
+the Pairformer's replicated single-attention bias ``e H_s`` (the s-side runs whole on every rank in 2-D too). At
 the peak the whole padded pair mask is live as well, ``e`` per ``N^2`` on every rank (both layouts make it at the
 stack's entry and cut their pieces out of it).
 
 Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms; ``1d`` is the
-axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2; Evoformer blocks only).
+axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2).
 
 Writes ``evoformer_cp.json``, ``evoformer_cp.md`` and ``evoformer_cp.png`` to ``--out``.
 """
@@ -97,22 +98,24 @@ def _mesh_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, i
 
 
 def _mesh_floor(block, p: int, itemsize: int = 4) -> float:
-    """2-D: the triangle attentions' key-mask rows (module docstring), bytes per ``N_res^2``."""
-    return 2 * itemsize / math.isqrt(p) if p > 1 else 0.0
+    """2-D: the triangle attentions' key-mask rows and a Pairformer's replicated single-attention bias (module
+    docstring), bytes per ``N_res^2``."""
+    if p == 1:
+        return 0.0
+    replicated = 0 if hasattr(block, "msa_att_row") else block.attn_pair_bias.linear_z.out_features
+    return itemsize * (2 / math.isqrt(p) + replicated)
 
 
 #: ``--layout`` -> (make a stack parallel: ``(blocks, counter) -> module``, closed form of a rank's bytes per block
 #: per collective kind: ``(block, P, n_res, n_seq, rank) -> dict``, closed form of the floor of the saved bytes'
-#: ``N^2`` coefficient: ``(block, P) -> float``, the block kinds it runs)
-LAYOUTS = {"1d": (_axial, _axial_bytes, _axial_floor, KINDS),
-           "2d": (_mesh, _mesh_bytes, _mesh_floor, ("evoformer",))}
+#: ``N^2`` coefficient: ``(block, P) -> float``)
+LAYOUTS = {"1d": (_axial, _axial_bytes, _axial_floor), "2d": (_mesh, _mesh_bytes, _mesh_floor)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="1d", help="(default: %(default)s)")
-    parser.add_argument("--kinds", help="blocks measured (default: every kind the layout runs: 1d evoformer,"
-                                         "pairformer; 2d evoformer)")
+    parser.add_argument("--kinds", help="blocks measured, some of evoformer,pairformer (default: both)")
     parser.add_argument("--degrees", type=parse_int_list, metavar="P,P,...",
                         help="group sizes, 1 = the single process (default: 1d 1,2,4; 2d 1,4)")
     parser.add_argument("--n-res", type=parse_int_list, default=(16, 32, 64), metavar="N,N,...",
@@ -349,18 +352,17 @@ def plot(report: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    runs_kinds = LAYOUTS[args.layout][3]
     squares = args.layout == "2d"
     cfg = {"layout": args.layout,
-           "kinds": list(runs_kinds) if args.kinds is None else [k.strip() for k in args.kinds.split(",")],
+           "kinds": list(KINDS) if args.kinds is None else [k.strip() for k in args.kinds.split(",")],
            "degrees": list(args.degrees or ((1, 4) if squares else (1, 2, 4))),
            "n_res": list(args.n_res), "n_seq": args.n_seq, "c_m": args.c_m, "c_z": args.c_z,
            "c_hidden": args.c_hidden, "heads": args.heads}
     if args.quick:
         cfg.update(degrees=[1, 4] if squares else [1, 2], n_res=[6, 9], n_seq=5, c_m=8, c_z=6, c_hidden=4, heads=2)
-    bad = [k for k in cfg["kinds"] if k not in runs_kinds]
+    bad = [k for k in cfg["kinds"] if k not in KINDS]
     if bad or not cfg["kinds"]:
-        raise ValueError(f"--kinds={args.kinds}: the {args.layout} layout runs some of {', '.join(runs_kinds)}")
+        raise ValueError(f"--kinds={args.kinds}: expected some of {', '.join(KINDS)}")
     not_square = [p for p in cfg["degrees"] if math.isqrt(p) ** 2 != p]
     if squares and not_square:
         raise ValueError(f"--degrees={','.join(map(str, cfg['degrees']))}: the 2d layout runs p x p meshes, "
