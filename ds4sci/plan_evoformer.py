@@ -39,10 +39,10 @@ pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_
   ``x``, ``a``, ``b``, ``p``, the gate, ``LN(p)`` and its projection, ``3 C_z + 4 c_mul`` per pair, because ds4sci
   does not chunk it; the outer product mean its ``[i, N, c_opm^2]`` products twice (einsum's output and the flattened
   copy); ``--chunk-size`` bounds the attentions, transitions and outer product rows as the modules do). Checked
-  exactly against the peak of live tensors returned by each op on the CPU (a ``TorchDispatchMode`` that counts
-  storages until their last tensor dies: tests/test_plan_evoformer.py); not seen by it and so modelled only: scratch
-  inside one op (the torch backend's logits blocks, at most 4 MiB; layer_norm's contiguous copy of a transposed input,
-  listed as ``inside_ops``).
+  exactly against the peak of live tensors returned by each op on the CPU (:class:`ds4sci.bench.memory.LiveTensors`,
+  a ``TorchDispatchMode`` that counts storages until their last tensor dies: tests/test_plan_evoformer.py); not
+  seen by it and so modelled only: scratch inside one op (the torch backend's logits blocks, at most 4 MiB;
+  layer_norm's contiguous copy of a transposed input, listed as ``inside_ops``).
 - **gathers** (1-D only, FastFold's all-gathers that do not shrink with P): from
   :mod:`ds4sci.parallel.evoformer_cp`, per Evoformer block the MSA pair bias ``N^2 H_msa``, the outer product's ``b``
   ``S N c_opm``, the triangle multiplications' ``b`` and ``a`` ``2 N^2 c_mul`` and the triangle biases ``2 N^2

@@ -5,15 +5,13 @@ anchors (FastFold, Fold-CP) within a stated band, --max-crop and the command's o
 import json
 import subprocess
 import sys
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ds4sci import cli
 from ds4sci import plan_evoformer as pe
+from ds4sci.bench.memory import LiveTensors
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.plan import GIB
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
@@ -57,47 +55,6 @@ def _inputs(shape: pe.EvoformerShape, n_res: int, n_seq: int, dtype: str):
     z = torch.randn(1, n_res, n_res, shape.c_z, generator=g).to(d)
     x = torch.randn(*x_shape, generator=g).to(d)
     return x, z, torch.ones(x_shape[:-1], dtype=d), torch.ones(1, n_res, n_res, dtype=d)
-
-
-class LiveTensors(TorchDispatchMode):
-    """Live bytes of the tensors ops return while active: each storage counted from the first tensor an op returns on
-    it until the last of its tensors dies (storages in ``ignore``, the parameters and inputs, left out). ``peak``
-    is the largest total; :meth:`window` starts a new window whose peak is ``window_peak``. Scratch an op allocates
-    and frees inside itself is not seen."""
-
-    def __init__(self, ignore=()):
-        super().__init__()
-        self.ignore, self.owners, self.size = set(ignore), {}, {}
-        self.now = self.peak = self.window_peak = 0
-
-    def window(self) -> None:
-        self.window_peak = self.now
-
-    def _release(self, key: int, owner: int) -> None:
-        owners = self.owners.get(key)
-        if owners is not None:
-            owners.discard(owner)
-            if not owners:
-                del self.owners[key]
-                self.now -= self.size.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key in self.ignore:
-                continue
-            if key not in self.owners:
-                self.owners[key], self.size[key] = set(), storage.nbytes()
-                self.now += storage.nbytes()
-                self.peak, self.window_peak = max(self.peak, self.now), max(self.window_peak, self.now)
-            if id(t) not in self.owners[key]:
-                self.owners[key].add(id(t))
-                weakref.finalize(t, self._release, key, id(t))
-        return out
 
 
 def _live_by_submodule(block, shape, inputs, chunk_size):

@@ -2,28 +2,41 @@
 parallelism, axial (1-D) or on a p x p mesh (2-D), as N_res and the group size P grow, beside the closed forms.
 
 For each P of ``--degrees``, P gloo processes (:func:`ds4sci.spawn.run_workers`; P = 1 is the single process) run,
-per block kind and N_res, one training step (forward + backward of the mean square of both outputs, fp32, dropout 0)
+per block kind and N_res, one training step (forward + backward of the sum of both outputs, fp32, dropout 0)
 of a sharded stack of one and of two blocks (:func:`ds4sci.evoformer_context_parallel` with ``sharded=True``). A
 :class:`~ds4sci.sequence.CommCounter` records every collective; the bytes per block are the two-block stack's
 minus the one-block stack's, so the stack's entry and exit cancel and what a block costs inside a long stack
 remains (1-D: one switch between blocks is in; 2-D: nothing moves between blocks). They are set beside the
 layout's closed form, per rank: :func:`ds4sci.parallel.evoformer_cp.block_comm_bytes` (every rank the same) and
 :func:`ds4sci.parallel.evoformer_cp2d.block_comm_bytes` (the ranks on the mesh's diagonal, first row and first
-column move fewer tiles), each derived in its module's docstring. Memory per rank, of the one-block stack: the
-bytes autograd saves for backward (unique storages, :func:`ds4sci.bench.memory.saved_for_backward`): the
-activations a training step holds from its forward to its backward. (A peak RSS is not reported: in a gloo worker
-that has run the step before, the allocator reuses freed memory and the RSS barely moves at these sizes.)
+column move fewer tiles), each derived in its module's docstring.
 
-The pair terms of that memory: with N_res multiples of P (no padding) the saved bytes are a quadratic in N_res at
-a fixed N_seq, ``alpha N^2 + beta N + gamma``; ``alpha`` (least squares over ``--n-res``, at least three) is
-reported with ``alpha P`` (constant where the pair terms fall as 1/P) beside the closed form of its floor, the
-``N^2`` bytes per rank that do not fall as 1/P: 1-D saves the gathered tensors whole (the MSA pair bias, one
-operand of each triangle multiplication, the two triangle biases; the Pairformer's replicated pair bias), ``G = e
-(H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``) at any P; 2-D tiles every ``N^2``
-tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``.
+Memory per rank, of one training step of the one-block stack (:func:`_measure_memory`), counted by
+:class:`ds4sci.bench.memory.LiveTensors` (the tensors torch's ops return, each storage once while any of its tensors
+lives): the bytes autograd saves for backward (:func:`ds4sci.bench.memory.saved_for_backward`), the activations
+held from forward to backward, and the peak of live tensors over forward and backward. Both count what the step
+allocates, the parameter gradients included; the parameters and the inputs (full tensors on every rank, held before
+the step) are not. The loss is the sum of the outputs, whose gradient is a broadcast view: a loss of the full
+outputs whose backward makes whole ``[N, N, C_z]`` tensors (a mean square: its gradient and temporaries, up to five
+with the gathered output at once) would add to every rank's peak a term that no P divides, a loss head's and not
+the block's (tests/test_bench_evoformer_cp.py sees it). Beside them the planner's figure
+(:func:`planned_peak`: :func:`ds4sci.plan_evoformer.memory`'s training terms of one block). (A peak RSS is not
+reported: in a gloo worker that has run the step before, the allocator reuses freed memory and the RSS barely moves
+at these sizes.)
+
+The pair terms of that memory: with N_res multiples of P (no padding) each figure is a quadratic in N_res at a
+fixed N_seq, ``alpha N^2 + beta N + gamma``; ``alpha`` (least squares over ``--n-res``, at least three) is reported
+as ``alpha P`` (constant where the pair terms fall as 1/P), for the saved bytes beside the closed form of their
+floor, the ``N^2`` bytes per rank that do not fall as 1/P: 1-D saves the gathered tensors whole (the MSA pair bias,
+one operand of each triangle multiplication, the two triangle biases; the Pairformer's replicated pair bias), ``G =
+e (H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``) at any P; 2-D tiles every ``N^2``
+tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``, and
+the Pairformer's replicated single-attention bias ``e H_s`` (the s-side runs whole on every rank in 2-D too). At
+the peak the whole padded pair mask is live as well, ``e`` per ``N^2`` on every rank (both layouts make it at the
+stack's entry and cut their pieces out of it).
 
 Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms; ``1d`` is the
-axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2; Evoformer blocks only).
+axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2).
 
 Writes ``evoformer_cp.json``, ``evoformer_cp.md`` and ``evoformer_cp.png`` to ``--out``.
 """
@@ -44,6 +57,9 @@ COUNTED = ("all_gather", "reduce_scatter", "all_to_all", "p2p", "all_reduce")
 KIB = 2.0**10
 LAYOUT_NAMES = {"1d": "axial (1d)", "2d": "2-D mesh (2d)"}
 MODULES = {"1d": "evoformer_cp", "2d": "evoformer_cp2d"}
+TRANSITION_N = 2  # the transitions' hidden factor (AlphaFold's 4, halved with the bench's small channels)
+#: the memory figures per rank of a one-block stack's training step (:func:`_measure_memory`)
+MEMORY = ("saved_bytes", "peak_bytes")
 
 
 def _axial(blocks, counter):
@@ -82,22 +98,24 @@ def _mesh_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, i
 
 
 def _mesh_floor(block, p: int, itemsize: int = 4) -> float:
-    """2-D: the triangle attentions' key-mask rows (module docstring), bytes per ``N_res^2``."""
-    return 2 * itemsize / math.isqrt(p) if p > 1 else 0.0
+    """2-D: the triangle attentions' key-mask rows and a Pairformer's replicated single-attention bias (module
+    docstring), bytes per ``N_res^2``."""
+    if p == 1:
+        return 0.0
+    replicated = 0 if hasattr(block, "msa_att_row") else block.attn_pair_bias.linear_z.out_features
+    return itemsize * (2 / math.isqrt(p) + replicated)
 
 
 #: ``--layout`` -> (make a stack parallel: ``(blocks, counter) -> module``, closed form of a rank's bytes per block
 #: per collective kind: ``(block, P, n_res, n_seq, rank) -> dict``, closed form of the floor of the saved bytes'
-#: ``N^2`` coefficient: ``(block, P) -> float``, the block kinds it runs)
-LAYOUTS = {"1d": (_axial, _axial_bytes, _axial_floor, KINDS),
-           "2d": (_mesh, _mesh_bytes, _mesh_floor, ("evoformer",))}
+#: ``N^2`` coefficient: ``(block, P) -> float``)
+LAYOUTS = {"1d": (_axial, _axial_bytes, _axial_floor), "2d": (_mesh, _mesh_bytes, _mesh_floor)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="1d", help="(default: %(default)s)")
-    parser.add_argument("--kinds", help="blocks measured (default: every kind the layout runs: 1d evoformer,"
-                                         "pairformer; 2d evoformer)")
+    parser.add_argument("--kinds", help="blocks measured, some of evoformer,pairformer (default: both)")
     parser.add_argument("--degrees", type=parse_int_list, metavar="P,P,...",
                         help="group sizes, 1 = the single process (default: 1d 1,2,4; 2d 1,4)")
     parser.add_argument("--n-res", type=parse_int_list, default=(16, 32, 64), metavar="N,N,...",
@@ -125,8 +143,9 @@ def _blocks(kind: str, cfg: dict, n_blocks: int):
 
     def make():
         if kind == "evoformer":
-            return EvoformerBlock(cfg["c_m"], cfg["c_z"], c, c, c, c, h, h, 2, 0.0, 0.0, backend="torch")
-        return PairformerBlock(cfg["c_m"], cfg["c_z"], c, h, c, c, h, transition_n=2, pair_dropout=0.0,
+            return EvoformerBlock(cfg["c_m"], cfg["c_z"], c, c, c, c, h, h, TRANSITION_N, 0.0, 0.0,
+                                  backend="torch")
+        return PairformerBlock(cfg["c_m"], cfg["c_z"], c, h, c, c, h, transition_n=TRANSITION_N, pair_dropout=0.0,
                                backend="torch")
     return nn.ModuleList(make() for _ in range(n_blocks))
 
@@ -139,15 +158,37 @@ def _inputs(kind: str, n_res: int, cfg: dict):
     return torch.randn(*x_shape, generator=g), torch.randn(1, n_res, n_res, cfg["c_z"], generator=g)
 
 
+def _loss(out_x, out_z):
+    """The sum of both outputs: its gradient is a broadcast view of one number, so the loss allocates nothing of the
+    outputs' size in backward (a loss head's memory is not the block's)."""
+    return out_x.sum() + out_z.sum()
+
+
 def _step(module, x, z):
-    out_x, out_z = module(x, z)
-    (out_x.square().mean() + out_z.square().mean()).backward()
+    _loss(*module(x, z)).backward()
+
+
+def _measure_memory(module, x, z) -> dict[str, int]:
+    """One training step of ``module`` under :class:`~ds4sci.bench.memory.LiveTensors`: ``saved_bytes``, what
+    autograd saves for backward in forward (unique storages), and ``peak_bytes``, the peak of live tensors over
+    forward and backward. Both count what the step allocates: every tensor its ops return, the parameter gradients
+    included (set to None first, so that they are allocated in the step; the same at any N_res); the parameters and
+    the inputs, and views of them (the 1-D entry's pieces), are held before the step and left out."""
+    from ds4sci.bench import memory
+
+    module.zero_grad(set_to_none=True)
+    before = {t.untyped_storage().data_ptr() for t in (*module.parameters(), x, z)}
+    with memory.LiveTensors(before) as live:
+        with memory.saved_for_backward() as saved:
+            loss = _loss(*module(x, z))
+        loss.backward()
+        del loss
+    return {"saved_bytes": sum(n for key, n in saved.storages.items() if key not in before), "peak_bytes": live.peak}
 
 
 def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
-    """Per kind and N_res: this rank's bytes sent per collective kind by a one- and a two-block stack, and the bytes
-    the one-block stack saves for backward."""
-    from ds4sci.bench import memory
+    """Per kind and N_res: this rank's bytes sent per collective kind by a one- and a two-block stack, and the memory
+    of a training step of the one-block stack (:func:`_measure_memory`)."""
     from ds4sci.sequence import CommCounter
 
     wrap = LAYOUTS[cfg["layout"]][0]
@@ -160,11 +201,7 @@ def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
                 module = wrap(_blocks(kind, cfg, n_blocks), counter)
                 _step(module, *_inputs(kind, n_res, cfg))
                 sent[n_blocks] = dict(counter.bytes_sent)
-            x, z = _inputs(kind, n_res, cfg)
-            with memory.saved_for_backward() as saved:
-                out_x, out_z = module(x, z)
-            (out_x.square().mean() + out_z.square().mean()).backward()
-            rows.append({"kind": kind, "n_res": n_res, "saved_bytes": saved.bytes,
+            rows.append({"kind": kind, "n_res": n_res, **_measure_memory(module, *_inputs(kind, n_res, cfg)),
                          "sent": {k: sent[2].get(k, 0) - sent[1].get(k, 0) for k in COUNTED}})
             del module
     return rows
@@ -191,16 +228,43 @@ def measure(cfg: dict, p: int) -> list[dict]:
                      "predicted": max(sum(c.values()) for c in predicted),
                      "predicted_min": min(sum(c.values()) for c in predicted),
                      "sent_by_rank": sent, "predicted_by_rank": predicted,
-                     "saved_bytes": max(c["saved_bytes"] for c in cases)})
+                     **{k: max(c[k] for c in cases) for k in MEMORY},
+                     **{f"{k}_by_rank": [c[k] for c in cases] for k in MEMORY},
+                     "planned_peak": planned_peak(cfg, first["kind"], p, first["n_res"])})
     return rows
 
 
-def pair_terms(report: dict) -> list[dict]:
-    """Per kind and P: the saved bytes' ``N^2`` coefficient, fitted (least squares of ``alpha N^2 + beta N +
-    gamma`` over the run's N_res), ``alpha P``, and the closed form of its floor (module docstring); empty with
-    fewer than three N_res."""
+def planned_peak(cfg: dict, kind: str, p: int, n_res: int) -> float:
+    """The planner's bytes per rank of one block's training step at ``cfg``'s shape:
+    :func:`ds4sci.plan_evoformer.memory`'s ``block_saved + gathers + working`` (its training terms less the
+    checkpoints, which a stack without checkpointing does not keep), plus the block's parameter gradients in fp32
+    (counted by the measurement too)."""
+    from ds4sci import plan_evoformer as pe
+
+    evoformer = kind == "evoformer"
+    c, h = cfg["c_hidden"], cfg["heads"]
+    shape = pe.EvoformerShape(kind, 1, cfg["c_m"], cfg["c_z"], c, h, c if evoformer else 0, c, c, h, TRANSITION_N,
+                              "relu" if evoformer else "swiglu")
+    w = pe.Workload(shape, n_res, cfg["n_seq"] if evoformer else 0, "fp32", "training",
+                    layout=cfg["layout"] if p > 1 else "1", gpus=p)
+    mem = pe.memory(w)
+    gradients = 4 * sum(q.numel() for q in _blocks(kind, cfg, 1)[0].parameters())
+    return mem["block_saved"] + mem["gathers"] + mem["working"] + gradients
+
+
+def _n2_coefficient(n_res: list[int], values: list[float]) -> float:
+    """``alpha`` of the least-squares ``alpha N^2 + beta N + gamma`` through ``(n_res, values)``."""
     import numpy as np
 
+    n = np.array(n_res, dtype=float)
+    return float(np.linalg.lstsq(np.stack([n * n, n, np.ones_like(n)], 1), np.array(values, dtype=float),
+                                 rcond=None)[0][0])
+
+
+def pair_terms(report: dict) -> list[dict]:
+    """Per kind and P: the ``N^2`` coefficients ``alpha`` (least squares of ``alpha N^2 + beta N + gamma`` over the
+    run's N_res) of the saved bytes, of the peak and of the planner's figure, each with ``alpha P``, and the closed
+    form of the saved bytes' floor (module docstring); empty with fewer than three N_res."""
     cfg, rows = report["config"], []
     if len(cfg["n_res"]) < 3:
         return rows
@@ -209,10 +273,11 @@ def pair_terms(report: dict) -> list[dict]:
         block = _blocks(kind, cfg, 1)[0]
         for p in cfg["degrees"]:
             runs = [r for r in report["runs"] if r["kind"] == kind and r["P"] == p]
-            n = np.array([r["n_res"] for r in runs], dtype=float)
-            alpha = float(np.linalg.lstsq(np.stack([n * n, n, np.ones_like(n)], 1),
-                                          np.array([r["saved_bytes"] for r in runs], dtype=float), rcond=None)[0][0])
-            rows.append({"kind": kind, "P": p, "alpha": alpha, "alpha_times_P": alpha * p, "floor": floor(block, p)})
+            n = [r["n_res"] for r in runs]
+            alpha = {k: _n2_coefficient(n, [r[k] for r in runs]) for k in ("saved_bytes", "peak_bytes", "planned_peak")}
+            rows.append({"kind": kind, "P": p, "floor": floor(block, p),
+                         **{f"{k}_alpha": a for k, a in alpha.items()},
+                         **{f"{k}_alpha_times_P": a * p for k, a in alpha.items()}})
     return rows
 
 
@@ -224,8 +289,8 @@ def markdown(report: dict) -> str:
                       None)
         rows.append((r["kind"], r["P"], r["n_res"], "-" if r["n_seq"] is None else r["n_seq"],
                      f"{r['sent_per_block'] / KIB:.1f}", f"{r['predicted'] / KIB:.1f}",
-                     f"{r['saved_bytes'] / MIB:.2f}",
-                     f"{single['saved_bytes'] / max(r['saved_bytes'], 1):.2f}x" if single else "-"))
+                     f"{r['saved_bytes'] / MIB:.2f}", f"{r['peak_bytes'] / MIB:.2f}", f"{r['planned_peak'] / MIB:.2f}",
+                     f"{single['peak_bytes'] / max(r['peak_bytes'], 1):.2f}x" if single else "-"))
     lines = [
         f"# evoformer-cp: {LAYOUT_NAMES[c['layout']]} context parallelism, per rank, one training step, fp32",
         "",
@@ -234,26 +299,33 @@ def markdown(report: dict) -> str:
         f"of forward and backward including the parameter-gradient all-reduce, the most any rank sends; closed "
         f"form: ds4sci.parallel.{MODULES[c['layout']]}.block_comm_bytes (measured == closed form on every rank "
         f"and collective kind: {all(r['sent_by_rank'] == r['predicted_by_rank'] for r in report['runs'])}). "
-        "Saved: what autograd keeps "
-        "for backward in a one-block stack, the most on any rank (vs P = 1: how much less).",
+        "Memory of a one-block stack's training step (loss: the sum of the outputs), the most on any rank, counted "
+        "by ds4sci.bench.memory.LiveTensors (the tensors ops return; parameter gradients in, parameters and inputs "
+        "out): saved, what autograd keeps for backward; peak, of the live tensors over forward and backward (vs "
+        "P = 1: how much less); planner: ds4sci.plan_evoformer's block_saved + gathers + working, plus the "
+        "parameter gradients.",
         "",
         *markdown_table(("block", "P", "N_res", "N_seq", "sent/block (KiB)", "closed form (KiB)",
-                         "saved/rank (MiB)", "saved vs P=1"), rows),
+                         "saved/rank (MiB)", "peak/rank (MiB)", "planner (MiB)", "peak vs P=1"), rows),
     ]
     fitted = report.get("pair_terms") or []
     if fitted:
-        lines += ["", "Pair terms of the saved bytes: their N_res^2 coefficient alpha (bytes per N_res^2 per rank, "
-                  "fitted over the N_res above), alpha x P (constant where they fall as 1/P) and the closed form of "
-                  "the part that does not fall as 1/P (ds4sci.bench.evoformer_cp).", "",
-                  *markdown_table(("block", "P", "alpha (B/N_res^2)", "alpha x P", "floor, closed form"),
-                                  [(f["kind"], f["P"], f"{f['alpha']:.1f}", f"{f['alpha_times_P']:.0f}",
-                                    f"{f['floor']:.1f}") for f in fitted])]
+        lines += ["", "Pair terms: the N_res^2 coefficient alpha (bytes per N_res^2 per rank, fitted over the N_res "
+                  "above) of the saved bytes, of the peak and of the planner's figure, times P (constant where they "
+                  "fall as 1/P), and the closed form of the part of the saved bytes that does not fall as 1/P "
+                  "(ds4sci.bench.evoformer_cp).", "",
+                  *markdown_table(("block", "P", "saved alpha x P", "saved floor, closed form", "peak alpha x P",
+                                   "planner alpha x P"),
+                                  [(f["kind"], f["P"], f"{f['saved_bytes_alpha_times_P']:.0f}", f"{f['floor']:.1f}",
+                                    f"{f['peak_bytes_alpha_times_P']:.0f}", f"{f['planned_peak_alpha_times_P']:.0f}")
+                                   for f in fitted])]
     lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"
 
 
 def plot(report: dict, path: Path) -> None:
-    """Bytes sent per block (measured: markers; closed form: lines) and saved bytes per rank vs N_res, per P."""
+    """Bytes sent per block (measured: markers; closed form: lines) and, per rank vs N_res, the saved bytes (dashed),
+    the peak (solid) and the planner's figure (dotted), per P."""
     plt = pyplot()
     kinds = report["config"]["kinds"]
     fig, axes = plt.subplots(2, len(kinds), figsize=(5.5 * len(kinds), 8), squeeze=False)
@@ -265,9 +337,13 @@ def plot(report: dict, path: Path) -> None:
                 line, = axes[0][col].plot(n, [r["predicted"] / MIB for r in runs], label=f"P={p} closed form")
                 axes[0][col].plot(n, [r["sent_per_block"] / MIB for r in runs], "o", color=line.get_color(),
                                   label=f"P={p} measured")
-            axes[1][col].plot(n, [r["saved_bytes"] / MIB for r in runs], "o-", label=f"P={p}")
+            line, = axes[1][col].plot(n, [r["peak_bytes"] / MIB for r in runs], "o-", label=f"P={p} peak")
+            axes[1][col].plot(n, [r["saved_bytes"] / MIB for r in runs], "s--", color=line.get_color(),
+                              label=f"P={p} saved")
+            axes[1][col].plot(n, [r["planned_peak"] / MIB for r in runs], ":", color=line.get_color(),
+                              label=f"P={p} planner")
         axes[0][col].set_title(f"{kind}: bytes sent per rank per block", fontsize=9)
-        axes[1][col].set_title(f"{kind}: saved for backward per rank", fontsize=9)
+        axes[1][col].set_title(f"{kind}: training step memory per rank", fontsize=9)
         for ax in (axes[0][col], axes[1][col]):
             ax.set_xlabel("N_res")
             ax.set_ylabel("MiB")
@@ -276,18 +352,17 @@ def plot(report: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    runs_kinds = LAYOUTS[args.layout][3]
     squares = args.layout == "2d"
     cfg = {"layout": args.layout,
-           "kinds": list(runs_kinds) if args.kinds is None else [k.strip() for k in args.kinds.split(",")],
+           "kinds": list(KINDS) if args.kinds is None else [k.strip() for k in args.kinds.split(",")],
            "degrees": list(args.degrees or ((1, 4) if squares else (1, 2, 4))),
            "n_res": list(args.n_res), "n_seq": args.n_seq, "c_m": args.c_m, "c_z": args.c_z,
            "c_hidden": args.c_hidden, "heads": args.heads}
     if args.quick:
         cfg.update(degrees=[1, 4] if squares else [1, 2], n_res=[6, 9], n_seq=5, c_m=8, c_z=6, c_hidden=4, heads=2)
-    bad = [k for k in cfg["kinds"] if k not in runs_kinds]
+    bad = [k for k in cfg["kinds"] if k not in KINDS]
     if bad or not cfg["kinds"]:
-        raise ValueError(f"--kinds={args.kinds}: the {args.layout} layout runs some of {', '.join(runs_kinds)}")
+        raise ValueError(f"--kinds={args.kinds}: expected some of {', '.join(KINDS)}")
     not_square = [p for p in cfg["degrees"] if math.isqrt(p) ** 2 != p]
     if squares and not_square:
         raise ValueError(f"--degrees={','.join(map(str, cfg['degrees']))}: the 2d layout runs p x p meshes, "

@@ -3,6 +3,8 @@
 - :func:`saved_for_backward`: the bytes autograd saves for backward during a block of code, counted as the unique
   storages packed through ``torch.autograd.graph.saved_tensors_hooks`` (inputs such as q, k, v included when
   autograd saves them; a storage shared by several saved tensors counts once);
+- :class:`LiveTensors`: the live bytes and their peak of the tensors torch's ops return inside a block of code (a
+  ``TorchDispatchMode``; what the allocator's peak would be if nothing but those tensors were allocated);
 - :class:`PeakMemory`: the peak memory of a block of code above the memory held when it starts. On CUDA
   ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``; on the CPU the peak resident set of this
   process, ``VmHWM - VmRSS`` from ``/proc/self/status`` after resetting the high-water mark VmHWM to the current RSS
@@ -24,11 +26,14 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 #: how a subprocess runs a measurement: ``python -m`` of this module
 HARNESS_MODULE = "ds4sci.bench.memory"
@@ -69,6 +74,58 @@ def saved_for_backward() -> Iterator[SavedBytes]:
     saved = SavedBytes()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
         yield saved
+
+
+class LiveTensors(TorchDispatchMode):
+    """Live bytes of the tensors torch's ops return while the mode is active: each storage counted (its whole
+    ``nbytes``, once for all its views) from the first op that returns a tensor on it until the last of those tensors
+    dies, which is when autograd, a collective's work object and Python have all let go of it. :attr:`peak` is the
+    largest total; :meth:`window` starts a new window whose peak is :attr:`window_peak`.
+
+    Seen: every op's outputs, forward and backward (autograd runs CPU backward on the calling thread), the buffers
+    collectives are handed (allocated by ops), parameter gradients. Not seen: storages in ``ignore`` (data pointers,
+    e.g. the parameters and inputs, allocated before), tensors made outside the mode, scratch an op allocates and
+    frees inside itself (a matmul's packed copies, the torch attention backend's logits blocks, a collective
+    library's own buffers), and the allocator's caching and fragmentation: it is a count of tensors, not of a
+    device's memory.
+    """
+
+    def __init__(self, ignore: Iterable[int] = ()) -> None:
+        super().__init__()
+        self.ignore = set(ignore)
+        self.owners: dict[int, set[int]] = {}  # storage data pointer -> ids of its live tensors
+        self.size: dict[int, int] = {}  # storage data pointer -> its bytes
+        self.now = self.peak = self.window_peak = 0
+
+    def window(self) -> None:
+        """Start a new window: :attr:`window_peak` restarts from the bytes live now."""
+        self.window_peak = self.now
+
+    def _release(self, key: int, owner: int) -> None:
+        owners = self.owners.get(key)
+        if owners is not None:
+            owners.discard(owner)
+            if not owners:
+                del self.owners[key]
+                self.now -= self.size.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.ignore:
+                continue
+            if key not in self.owners:
+                self.owners[key], self.size[key] = set(), storage.nbytes()
+                self.now += storage.nbytes()
+                self.peak, self.window_peak = max(self.peak, self.now), max(self.window_peak, self.now)
+            if id(t) not in self.owners[key]:
+                self.owners[key].add(id(t))
+                weakref.finalize(t, self._release, key, id(t))
+        return out
 
 
 def proc_status_bytes(field: str) -> int:

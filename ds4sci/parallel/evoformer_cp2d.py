@@ -77,7 +77,10 @@ step): ``(3p - 2) |t|``. With ``H``, ``c`` each attention's heads and channels p
 
 (``X' = X`` with OpenFold3's ending-node bias, 0 with OpenFold's, which needs no swap). Every term is ``n^2`` or
 ``s n`` times ``O(p)``: with ``n = N'/p`` the bytes per rank fall as ``1/p = 1/sqrt(P)``, where the axial layout's
-stay ``O(N^2)`` at any P.
+stay ``O(N^2)`` at any P. A Pairformer block sends the pair stack's rows and, in forward only (its backward takes
+this rank's tile), the gather of the single attention's bias over the mesh row then the mesh column, ``(p - 1) n^2
+H_s + (p - 1) p n^2 H_s = (p^2 - 1) n^2 H_s`` (``all_gather``), the replicated s-side parameters left out of the
+all-reduce: the bias term does not fall with p.
 """
 from __future__ import annotations
 
@@ -92,7 +95,7 @@ from ds4sci.kernels import EvoformerBackend
 from ds4sci.kernels.evoformer import _attention_bwd, _attention_fwd, _choose_backend
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
-from ds4sci.parallel.evoformer_cp import _gather_out, hold_blocks, synced_parameters
+from ds4sci.parallel.evoformer_cp import PAIRFORMER_REPLICATED, _gather_out, hold_blocks, synced_parameters
 from ds4sci.parallel.tensor_parallel import split_sequence_region
 from ds4sci.sequence.comm import CommCounter, RingShift, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
@@ -504,25 +507,33 @@ class EvoformerContextParallel2D(nn.Module):
 
 
 
-def block_comm_bytes(block: EvoformerBlock, p: int, n_res: int, n_seq: int, rank: int, batch: int = 1,
-                     itemsize: int = 4) -> dict[str, int]:
+def block_comm_bytes(block: EvoformerBlock | PairformerBlock, p: int, n_res: int, n_seq: int, rank: int,
+                     batch: int = 1, itemsize: int = 4) -> dict[str, int]:
     """The closed form (module docstring) of the bytes that mesh rank ``rank`` (group rank ``r * p + c``) of a
-    ``p x p`` mesh sends for one Evoformer ``block`` inside a sharded stack, training (forward and backward), per
-    collective kind as :class:`~ds4sci.sequence.CommCounter` records them: ``p2p`` (tile moves and ring steps) and
-    ``all_reduce`` (the parameter gradients over the p^2 ranks); ``itemsize`` of the activations."""
+    ``p x p`` mesh sends for one Evoformer or Pairformer ``block`` inside a sharded stack, training (forward and
+    backward), per collective kind as :class:`~ds4sci.sequence.CommCounter` records them: ``p2p`` (tile moves and
+    ring steps), ``all_gather`` (a Pairformer's single-attention bias) and ``all_reduce`` (the parameter gradients
+    over the p^2 ranks); ``n_seq`` for an Evoformer block; ``itemsize`` of the activations."""
     r, c = divmod(rank, p)
     s, n = -(-n_seq // p), -(-n_res // p)  # tile sides, padded
     x, rr, cc, ring = int(r != c), int(r != 0), int(c != 0), 3 * p - 2
-    row, col, ps = block.msa_att_row.mha, block.msa_att_col._msa_att.mha, block.pair_stack
-    start, end = ps.tri_att_start.mha, ps.tri_att_end.mha
-    tiles = 2 * (x + rr + cc + ring) * (s * n * block.outer_product_mean.c_hidden + 2 * n * n * ps.tri_mul_out.c_hidden)
-    tiles += (2 * x + 2 * cc + ring) * n * n * row.no_heads + 2 * rr * s * n * block.c_m
-    tiles += 2 * ring * s * n * row.no_heads * row.c_hidden
-    if not block.no_column_attention:
-        tiles += 2 * cc * s * n * block.c_m + 2 * ring * s * n * col.no_heads * col.c_hidden
-    tiles += (2 * x + 2 * cc + ring) * n * n * start.no_heads + 2 * rr * n * n * block.c_z
-    tiles += (2 * x * (not ps.transpose_end_bias) + 2 * rr + ring) * n * n * end.no_heads + 2 * cc * n * n * block.c_z
+    ps = block.pair_stack
+    start, end, c_z = ps.tri_att_start.mha, ps.tri_att_end.mha, ps.tri_mul_out.c_z
+    tiles = 2 * (x + rr + cc + ring) * 2 * n * n * ps.tri_mul_out.c_hidden
+    tiles += (2 * x + 2 * cc + ring) * n * n * start.no_heads + 2 * rr * n * n * c_z
+    tiles += (2 * x * (not ps.transpose_end_bias) + 2 * rr + ring) * n * n * end.no_heads + 2 * cc * n * n * c_z
     tiles += 2 * ring * n * n * (start.no_heads * start.c_hidden + end.no_heads * end.c_hidden)
-    ranks = p * p
-    return {"p2p": tiles * batch * itemsize,
-            "all_reduce": sum(2 * q.numel() * q.element_size() * (ranks - 1) // ranks for q in block.parameters())}
+    gathered, params = 0, list(block.parameters())
+    if isinstance(block, EvoformerBlock):
+        row, col = block.msa_att_row.mha, block.msa_att_col._msa_att.mha
+        tiles += 2 * (x + rr + cc + ring) * s * n * block.outer_product_mean.c_hidden
+        tiles += (2 * x + 2 * cc + ring) * n * n * row.no_heads + 2 * rr * s * n * block.c_m
+        tiles += 2 * ring * s * n * row.no_heads * row.c_hidden
+        if not block.no_column_attention:
+            tiles += 2 * cc * s * n * block.c_m + 2 * ring * s * n * col.no_heads * col.c_hidden
+    else:
+        gathered = (p * p - 1) * n * n * block.attn_pair_bias.linear_z.out_features
+        params = [q for name, q in block.named_parameters() if not name.startswith(PAIRFORMER_REPLICATED)]
+    ranks, unit = p * p, batch * itemsize
+    return {"p2p": tiles * unit, "all_gather": gathered * unit,
+            "all_reduce": sum(2 * q.numel() * q.element_size() * (ranks - 1) // ranks for q in params)}
