@@ -1,4 +1,5 @@
 """The shared spawn helper: results by rank, worker exceptions re-raised with their traceback, no hang."""
+import os
 import time
 
 import pytest
@@ -53,3 +54,17 @@ def test_run_workers_lets_workers_exit_so_nothing_leaks():
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "[0, 1]", proc.stderr[-2000:]
     assert "leaked" not in proc.stderr, proc.stderr[-2000:]
+
+
+def _env_value(rank, world, name):
+    return os.environ.get(name)
+
+
+@pytest.mark.distributed
+def test_workers_see_the_callers_environment_at_the_call(monkeypatch):
+    """Workers are forked from a server started at the first call: each still sees the caller's environment as it is
+    at its own call, with ``env`` on top."""
+    assert run_workers(_rank_info, 1, 0) == [(0, 1, 1, 0)]  # the fork server is running from here on
+    monkeypatch.setenv("DS4SCI_SPAWN_PROBE", "set after the server started")
+    assert run_workers(_env_value, 2, "DS4SCI_SPAWN_PROBE") == ["set after the server started"] * 2
+    assert run_workers(_env_value, 1, "DS4SCI_SPAWN_PROBE", env={"DS4SCI_SPAWN_PROBE": "from env"}) == ["from env"]
