@@ -80,8 +80,8 @@ Memory model (bytes per GPU):
 - host offload of checkpointed inputs (``--offload-activations``, ``activation_checkpointing.cpu``,
   :class:`~ds4sci.train.activation_offload.HostOffload`): the inputs of each checkpointed region that own their
   storage go to host memory (:func:`offloaded_layer_bytes`: ``full``: the block input, ``h e``; ``selective``: the
-  query heads' copy of grouped-query attention, ``h e``, else none: q, k and v are views of the qkv buffer), leaving each
-  held layer's figure less that on the device, plus two regions' inputs in backward (the one refilled for its
+  query heads' copy of grouped-query attention, ``h e``, else none: q, k and v are views of the qkv buffer), leaving
+  each held layer's figure less that on the device, plus two regions' inputs in backward (the one refilled for its
   recomputation and the one fetched ahead); ``host_activations`` reports the host bytes (not in the total; measured
   with ``HostOffload.offloaded_bytes``: tests/test_plan.py).
 - backward working set: one layer's activation gradients, as large as what one layer saves without checkpointing,

@@ -188,7 +188,7 @@ class Attention(nn.Module):
                                       scaling=self.rotary_scaling)
             qkv = apply_rotary_qkv_(qkv, cos, sin, g, D)
         q, k, v = qkv.view(B, T, Hkv, (g + 2) * D).split((g * D, D, D), dim=-1)  # [B, T, Hkv, g*D], [B, T, Hkv, D] x 2
-        q = q.reshape(B, T, self.num_heads, D)  # [B, T, H, D]: query head j*g + i of group j (a copy when Hkv > 1)
+        q = q.reshape(B, T, self.num_heads, D)  # [B, T, H, D]: query head j*g + i of group j (a copy if Hkv, g > 1)
         if kv is None:
             out = self.core(q, k, v, q_doc=doc_ids, k_doc=doc_ids)  # [B, T, H, D]
         else:
