@@ -38,11 +38,12 @@ Memory model (bytes per GPU):
 
   - ``c_n = 3`` (block input, both norms' outputs), ``+ 2`` for RMSNorm (GenSLM's ``rms_norm`` keeps each norm's
     normalized input for the weight's gradient), ``+ 1`` for the sequential residual (the second norm's input);
-  - ``c_a`` the attention's: the fused qkv buffer ``h + 2 kv`` (v is a view of it), with rotary the rotated q and k
-    ``h + kv``, the attention output ``h`` (``6 h`` for GPT-NeoX with rotary, ``4 h`` without); under Ulysses the
-    head-sharded q, k, v and output and the output's sequence-sharded copy replace the rotated copies and the qkv
-    buffer, ``3 h + 2 kv'`` with ``kv'`` the key/value channels Ulysses moves (:func:`ds4sci.costs.ulysses_kv_heads`:
-    ``kv``, more where the degree does not divide ``Hkv``);
+  - ``c_a`` the attention's: the fused qkv buffer ``h + 2 kv`` (rotary rotates q and k in place in it, and q, k and
+    v are views of it: ``apply_rotary_qkv_``), with grouped-query attention over several key/value heads the query
+    heads' copy ``h`` (the reshape of the grouped q rows cannot be a view), the attention output ``h`` (``4 h`` for
+    GPT-NeoX); under Ulysses the head-sharded q, k, v and output and the output's sequence-sharded copy replace the
+    qkv buffer, ``3 h + 2 kv'`` with ``kv'`` the key/value channels Ulysses moves
+    (:func:`ds4sci.costs.ulysses_kv_heads`: ``kv``, more where the degree does not divide ``Hkv``);
   - ``c_f = 2`` (the GELU MLP's up projection and activation) or ``4`` (SwiGLU's gate, its SiLU, up and their
     product); ``r`` the rotary dims (cos and sin);
   - fp32: ``s = 4`` layer-norm statistics (mean and rstd of each norm; ``2`` for RMSNorm, rstd only) and ``H`` the
@@ -79,8 +80,8 @@ Memory model (bytes per GPU):
 - host offload of checkpointed inputs (``--offload-activations``, ``activation_checkpointing.cpu``,
   :class:`~ds4sci.train.activation_offload.HostOffload`): the inputs of each checkpointed region that own their
   storage go to host memory (:func:`offloaded_layer_bytes`: ``full``: the block input, ``h e``; ``selective``: the
-  rotated q and k, ``(h + kv) e``, none without rotary: q, k and v are then views of the qkv buffer), leaving each
-  held layer's figure less that on the device, plus two regions' inputs in backward (the one refilled for its
+  query heads' copy of grouped-query attention, ``h e``, else none: q, k and v are views of the qkv buffer), leaving
+  each held layer's figure less that on the device, plus two regions' inputs in backward (the one refilled for its
   recomputation and the one fetched ahead); ``host_activations`` reports the host bytes (not in the total; measured
   with ``HostOffload.offloaded_bytes``: tests/test_plan.py).
 - backward working set: one layer's activation gradients, as large as what one layer saves without checkpointing,
@@ -360,8 +361,9 @@ def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
         # all-gather buffer it is a slot of (both norms' outputs stacked: tensor_parallel's RegionGather), the
         # region staying saved in the attention's slot of the stacked regions
         mlp = (2 * d.tp * h if m.parallel_residual else (d.tp - 1) * h) if d.tp > 1 else 0
-    # one device: the fused qkv buffer (v is a view of it), the rotated q and k, the attention output
-    attention = h + 2 * kv + (h + kv if r else 0) + h
+    # one device: the fused qkv buffer (q, k and v are views of it, rotated in place), the query heads' copy of
+    # grouped-query attention, the attention output
+    attention = h + 2 * kv + (h if _query_copied(m, d.tp) else 0) + h
     if mode == "selective":
         return (norms + attention + mlp + rotary) * e + stats
     if d.ulysses > 1:  # head-sharded q, k, v, the core's output and its sequence-sharded copy
@@ -372,15 +374,21 @@ def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
 def offloaded_layer_bytes(w: Workload, strategy: Strategy) -> float:
     """Bytes per layer per local token that host offload (``activation_checkpointing.cpu``,
     :class:`~ds4sci.train.activation_offload.HostOffload`) moves off the device: the checkpointed region's inputs
-    that own their storage. ``full``: the block input, ``h e``; ``selective``: the attention core's q and k when
-    rotary embeddings made them new tensors, ``(h + kv) e`` (v, and q and k without rotary, are views of the fused
-    qkv buffer and stay); 0 without offload."""
+    that own their storage. ``full``: the block input, ``h e``; ``selective``: the attention core's q when grouped-query
+    attention copied it, ``h e`` (k and v, and q otherwise, are views of the fused qkv buffer, rotated in place, and
+    stay); 0 without offload."""
     if not strategy.offload_activations:
         return 0.0
     m, e = w.model, STATE_BYTES[w.dtype][0]
-    if strategy.checkpointing == "full":
+    if strategy.checkpointing == "full" or _query_copied(m, strategy.dims.tp):
         return m.hidden_size * e
-    return (m.hidden_size + m.num_kv_heads * m.head_dim) * e if m.rotary_dim else 0.0
+    return 0.0
+
+
+def _query_copied(m: GenSLMConfig, tp: int) -> bool:
+    """GenSLM's attention copies the query heads out of the fused qkv buffer (``[B, T, Hkv, g D] -> [B, T, H, D]`` is
+    no view) when a rank holds several key/value heads (``Hkv / tp``) each serving several query heads."""
+    return m.num_kv_heads < m.num_heads and m.num_kv_heads // tp > 1
 
 
 def _param_tensors(w: Workload, strategy: Strategy) -> tuple[list[float], list[float]]:

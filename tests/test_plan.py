@@ -134,8 +134,8 @@ def test_tiled_loss_activations_equal_saved_tensors(shape, checkpointing):
 def test_host_offload_equals_host_offload_measurement(shape, checkpointing):
     """Host offload of checkpointed inputs (HostOffload through ds4sci's checkpoint, the trainer's path; tiled MLP):
     per layer, what it holds in host memory (``HostOffload.offloaded_bytes``) is the planner's
-    :func:`~ds4sci.plan.offloaded_layer_bytes` (the block input under ``full``; under ``selective`` the rotated q and
-    k, none without rotary), the whole of it is the planner's ``host_activations``, and what stays on the device
+    :func:`~ds4sci.plan.offloaded_layer_bytes` (the block input under ``full``; under ``selective`` the query heads'
+    copy of grouped-query attention, none otherwise: q, k and v are views of the qkv buffer), the whole of it is the planner's ``host_activations``, and what stays on the device
     (saved for backward, checkpoint inputs included, less what went to the host) is the planner's per-layer figure
     less the offloaded bytes: under ``full`` nothing per layer."""
     S, tile = 256, 96
@@ -174,10 +174,11 @@ def test_a_tied_head_costs_the_flops_of_an_untied_one():
 
 
 # fp32 bytes per token of SMALL with rotary (h 64, f 256, 4 heads, rotary_dim 4), counted by hand:
-# one layer saves (9 h + 2 f + 2 r) e + (4 + H) 4 = (576 + 512 + 8) 4 + 32 (test_activations_equal_saved_tensors
-# measures this figure); outside the layers: token ids 8 + final layer norm input and output 2 h e + 8 + logits and
-# their log-softmax 8 V
-LAYER_BYTES_PER_TOKEN = 4416
+# one layer saves (7 h + 2 f + 2 r) e + (4 + H) 4 = (448 + 512 + 8) 4 + 32 (block input, both norms' outputs, the
+# fused qkv buffer rotated in place, the attention output; test_activations_equal_saved_tensors measures this
+# figure); outside the layers: token ids 8 + final layer norm input and output 2 h e + 8 + logits and their
+# log-softmax 8 V
+LAYER_BYTES_PER_TOKEN = 3904
 OUTSIDE_BYTES_PER_TOKEN = 8 + 2 * 64 * 4 + 8 + 8 * 6
 
 

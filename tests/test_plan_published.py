@@ -37,7 +37,7 @@ SWITCHES = {
 }
 # (row, GPUs, vocabulary) -> (published longest sequence, the planner's)
 CASES = {
-    ("baseline (ZeRO-3, no SP)", 8, "128K"): (32_768, 35_348),
+    ("baseline (ZeRO-3, no SP)", 8, "128K"): (32_768, 35_433),
     ("Ulysses SP 8", 8, "128K"): (1_100_000, 679_552),
     ("+ tiled MLP", 8, "128K"): (1_200_000, 1_014_088),
     ("+ checkpoint offload", 8, "128K"): (2_400_000, 2_175_624),
@@ -46,8 +46,8 @@ CASES = {
     ("+ tiled MLP", 8, "codon"): (1_200_000, 1_050_880),
     ("+ checkpoint offload", 8, "codon"): (2_400_000, 2_254_560),
     ("+ ZeRO-3 offload (all)", 8, "codon"): (3_700_000, 2_304_600),
-    ("+ ZeRO-3 offload (all)", 1, "128K"): (500_000, 243_433),
-    ("+ ZeRO-3 offload (all)", 1, "codon"): (500_000, 259_891),
+    ("+ ZeRO-3 offload (all)", 1, "128K"): (500_000, 248_464),
+    ("+ ZeRO-3 offload (all)", 1, "codon"): (500_000, 265_263),
 }
 
 
@@ -96,7 +96,7 @@ USP_SP_ONLY = {
     ("LLaMA3-8B", 16, 1): (120 * 1024, 99_552),
     ("LLaMA2-7B", 8, 1): (64 * 1024, 58_680),
     ("LLaMA2-7B", 4, 2): (64 * 1024, 58_144),
-    ("LLaMA2-7B", 1, 8): (64 * 1024, 55_520),
+    ("LLaMA2-7B", 1, 8): (64 * 1024, 60_512),
 }
 
 
@@ -122,12 +122,12 @@ def test_usp_sequence_parallelism_alone_runs_out_of_memory_where_the_paper_does(
 
 def test_usp_longest_llama3_8b_sequence_within_2x(capsys, monkeypatch, tmp_path):
     """LLaMA3-8B on 16 A800-80GB, every layout searched (TP hybrids included): the planner's longest sequence
-    (pinned: 139,056 tokens, TP 8 x Ulysses 2, where the model states shrink by TP) against USP's 208K: ratio 0.65,
+    (pinned: 144,928 tokens, TP 8 x ring 2, where the model states shrink by TP) against USP's 208K: ratio 0.68,
     within 2x. The remaining error is made of the assumed inputs above (no checkpointing; the paper's layout for 208K
     is not quoted) and the loss: ds4sci keeps fp32 logits and their log-softmax, 8 V / tp bytes per local token."""
     monkeypatch.chdir(tmp_path)
     predicted = _longest(["plan", *USP_MODELS["LLaMA3-8B"], *USP, "--max-seq", "--out", "."], capsys)
-    assert predicted == 139_056
+    assert predicted == 144_928
     assert 0.5 <= predicted / (208 * 1024) <= 2
     best = json.loads((tmp_path / "plan.json").read_text())["layouts"][0]["layout"]
-    assert (best["tp"], best["ulysses"], best["ring"]) == (8, 2, 1)
+    assert (best["tp"], best["ulysses"], best["ring"]) == (8, 1, 2)

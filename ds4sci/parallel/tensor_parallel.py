@@ -238,7 +238,16 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, bias, region, slot):
         ctx.save_for_backward(region.local, weight)
         ctx.region, ctx.slot, ctx.bias = region, slot, bias is not None
-        return F.linear(x, weight, bias)
+        # F.linear's product (its addmm on the folded 2-D input), written into a fresh [B, T, out] tensor: F.linear's
+        # own 3-D result is a view of its 2-D one, and autograd forbids the attention's in-place rotary of the fused
+        # qkv output (apply_rotary_qkv_) on a view made inside a custom Function
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])  # [B, T, out]
+        flat, x2 = out.view(-1, weight.shape[0]), x.reshape(-1, x.shape[-1])
+        if bias is None:
+            torch.mm(x2, weight.t(), out=flat)
+        else:
+            torch.addmm(bias, x2, weight.t(), out=flat)
+        return out
 
     @staticmethod
     def backward(ctx, grad):

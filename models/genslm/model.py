@@ -27,8 +27,8 @@ from ds4sci.kernels.local_attention import memory_efficient_attention
 from ds4sci.kernels.tiled_loss import tiled_loss
 from ds4sci.kernels.tiled_mlp import tiled_mlp
 from ds4sci.models.genslm.config import GenSLMConfig
-from ds4sci.models.genslm.position import (LearnedPositionEmbedding, RotaryScaling, alibi_slopes, apply_rotary,
-                                           rotary_cos_sin)
+from ds4sci.models.genslm.position import (LearnedPositionEmbedding, RotaryScaling, alibi_slopes,
+                                           apply_rotary_qkv_, rotary_cos_sin)
 
 IGNORE_INDEX = -100
 """Target id that the loss skips (padding, document starts, a shard's missing next token); PyTorch's default."""
@@ -182,13 +182,13 @@ class Attention(nn.Module):
         B, T, _ = x.shape  # batch, local tokens, hidden
         Hkv, D = self.num_kv_heads, self.head_dim
         g = self.num_heads // Hkv  # query heads per key/value head
-        qkv = self.query_key_value(x).view(B, T, Hkv, (g + 2) * D)  # [B, T, Hkv, (g+2)*D]
-        q, k, v = qkv.split((g * D, D, D), dim=-1)  # [B, T, Hkv, g*D], [B, T, Hkv, D] x 2
-        q = q.reshape(B, T, self.num_heads, D)  # [B, T, H, D]: query head j*g + i of group j
-        if self.rotary_dim:
-            cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, q.dtype,
+        qkv = self.query_key_value(x)  # [B, T, Hkv * (g+2) * D]
+        if self.rotary_dim:  # in place: the core saves views of this one buffer, not rotated copies
+            cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, qkv.dtype,
                                       scaling=self.rotary_scaling)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qkv = apply_rotary_qkv_(qkv, cos, sin, g, D)
+        q, k, v = qkv.view(B, T, Hkv, (g + 2) * D).split((g * D, D, D), dim=-1)  # [B, T, Hkv, g*D], [B, T, Hkv, D] x 2
+        q = q.reshape(B, T, self.num_heads, D)  # [B, T, H, D]: query head j*g + i of group j (a copy if Hkv, g > 1)
         if kv is None:
             out = self.core(q, k, v, q_doc=doc_ids, k_doc=doc_ids)  # [B, T, H, D]
         else:

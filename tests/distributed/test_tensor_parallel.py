@@ -233,11 +233,13 @@ def _worker_tp2(rank, world):
     check_model("TP2 llama kv2 tied", groups, _llama(), S=8, docs=True, seed=8)
     check_model("TP2 llama kv1 shared untied", groups, _llama(num_kv_heads=1, tie_word_embeddings=False), S=6, seed=9)
     # saved activations per layer and local token: the planner's, the single device's but for the rotary tables of
-    # the gathered positions (2 rotary_dim (tp - 1) fp32 values more)
-    for label, config in (("TP2 neox", _config), ("TP2 llama kv2", _llama)):
+    # the gathered positions (2 rotary_dim (tp - 1) fp32 values more) and, for the Llama shape's 2 key/value heads,
+    # the query heads' copy one device makes (h fp32 values) and a rank holding one key/value head does not
+    for label, config, q_copy in (("TP2 neox", _config, 0), ("TP2 llama kv2", _llama, 1)):
         per_token = check_saved_bytes(label, groups, config, S=16)
         one = planner.layer_activation_bytes(planner.Workload(config(), 16, dtype="fp32"), planner.Strategy(), "none")
-        assert per_token == one + 2 * config().rotary_dim * (2 - 1) * 4, (label, per_token, one)
+        expected = one + (2 * config().rotary_dim * (2 - 1) - q_copy * config().hidden_size) * 4
+        assert per_token == expected, (label, per_token, one)
         check_tiled_loss_saved_bytes(label, groups, config, S=16)
 
     # communication: forward = 1 all-reduce (embedding), L reduce-scatters, L + 1 all-gathers; nothing else

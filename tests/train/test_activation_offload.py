@@ -14,9 +14,9 @@ from ds4sci.train.activation_offload import HostOffload
 B, T = 2, 16
 
 
-def _model(layers=4):
+def _model(layers=4, **config):
     torch.manual_seed(0)
-    return GenSLM(GenSLMConfig.preset("debug", vocab_size=11, pad_token_id=3, num_layers=layers))
+    return GenSLM(GenSLMConfig.preset("debug", vocab_size=11, pad_token_id=3, num_layers=layers, **config))
 
 
 def _batch():
@@ -65,16 +65,18 @@ def test_full_checkpointing_with_host_offload_is_exact_and_releases_every_block_
 
 
 def test_selective_checkpointing_offloads_owned_inputs_and_keeps_views():
-    reference = _grads(_model(layers=2))
-    model = _model(layers=2)
+    """Grouped-query attention over 2 key/value heads: the core's q is a copy out of the fused qkv buffer (offloaded),
+    k and v are views of it (kept; without that copy, as for multi-head attention, nothing is offloaded)."""
+    reference = _grads(_model(layers=2, num_kv_heads=2))
+    model = _model(layers=2, num_kv_heads=2)
     offload = HostOffload("cpu")
     for block in model.layers:
         block.attention.core = CheckpointedCore(block.attention.core, functools.partial(offload.checkpoint, checkpoint))
     ids, pos = _batch()
     loss = model(ids, pos).float().pow(2).mean()
-    assert len(offload._pending) == 2 and offload.offloaded_bytes > 0
-    for entry in offload._pending:  # only whole storages were released
-        assert all(t.untyped_storage().nbytes() == 0 for t in entry.tensors)
+    assert len(offload._pending) == 2 and offload.offloaded_bytes == 2 * B * T * model.config.hidden_size * 4
+    for entry in offload._pending:  # only whole storages were released: q, not the buffer k and v are views of
+        assert len(entry.tensors) == 1 and all(t.untyped_storage().nbytes() == 0 for t in entry.tensors)
     loss.backward()
     assert not offload._pending
     for g, ref in zip([p.grad for p in model.parameters()], reference):
