@@ -50,6 +50,13 @@ pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_
   c_opm``; the Pairformer ``(2 c_mul + 2 H_pair) N^2`` plus its replicated s-side bias ``N^2 H_s``. Training saves
   them all (each is an input of a saved op: the kernel's pair bias, batched matmul's copy of the gathered operand,
   the einsum's b), so they are held together; inference holds the largest one, and its matmul copy, at a time.
+- **exit** (1-D only): the stack's exit all-gather (:mod:`ds4sci.parallel.evoformer_cp` returns full tensors on every
+  rank): at the end of forward every rank holds z's gathered pieces beside their concatenation, ``2 e N^2 C_z``, and
+  m whole, ``e S N C_m`` (a Pairformer's s is whole already, in the representations), which do not fall with P. They
+  are alive before backward starts, so this term is the exit's excess over the working set (the larger of the two is
+  the peak beside block_saved and gathers): 0 where the working set is larger, the term that sets the peak at large
+  P. Read from LiveTensors at the 1-D peak (tests/test_plan_evoformer.py: at the exit, beyond what forward saved,
+  each rank holds the exit plus at most its representations).
 - **reserve**: ``--reserve-gib`` for the CUDA context, NCCL buffers and fragmentation.
 
 2-D (``p x p`` mesh, :mod:`ds4sci.parallel.evoformer_cp2d`): every activation term is a tile, ``1/p^2``, at the tile's
@@ -302,6 +309,15 @@ def gathered_bytes(w: Workload) -> dict[str, float]:
     return out
 
 
+def exit_bytes(w: Workload) -> float:
+    """1-D only (0 otherwise): the bytes of the stack's exit all-gather on every rank (module docstring): z's gathered
+    pieces and their concatenation, ``2 e N^2 C_z``, and the Evoformer's m whole, ``e S N C_m``."""
+    if w.layout != "1d":
+        return 0.0
+    sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
+    return e * (2 * g.pairs_all * sh.c_z + (g.msa_all * sh.c_m if sh.evoformer else 0))
+
+
 def _chunks(rows: int, chunk: int | None) -> tuple[int, int, int]:
     """(rows per full chunk, rows of the last chunk, chunks) of ``rows`` walked ``chunk`` at a time."""
     if chunk is None or chunk >= rows:
@@ -436,7 +452,7 @@ def block_live_bytes(w: Workload) -> dict[str, float]:
 
 def memory(w: Workload) -> dict[str, float]:
     """Bytes per rank by term (module docstring): parameters, representations, checkpoints, block_saved, gathers,
-    working, reserve and their total."""
+    working, exit, reserve and their total."""
     sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
     phi = sh.block_parameters() * sh.blocks
     training = w.mode == "training"
@@ -454,6 +470,7 @@ def memory(w: Workload) -> dict[str, float]:
         terms["block_saved"] = 0.0
         terms["gathers"] = 0.0  # inside the sub-modules' live peaks (one gathered tensor at a time)
         terms["working"] = max(v for k, v in live.items() if k != "inside_ops") + live["inside_ops"]
+    terms["exit"] = max(0.0, exit_bytes(w) - terms["working"])
     terms["reserve"] = w.reserve_gib * GIB
     terms["total"] = sum(terms.values())
     return terms
@@ -480,7 +497,8 @@ def max_crop(w: Workload, limit: int = 1 << 20) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------------ command
-TERMS = ("parameters", "representations", "checkpoints", "block_saved", "gathers", "working", "reserve", "total")
+TERMS = ("parameters", "representations", "checkpoints", "block_saved", "gathers", "working", "exit", "reserve",
+         "total")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

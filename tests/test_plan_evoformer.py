@@ -232,6 +232,43 @@ def test_2d_block_saved_within_5_percent_per_rank():
         assert abs(saved / predicted - 1) <= 0.05, (saved, predicted)
 
 
+def _exit_on_rank(rank: int, world: int, cases: list) -> list[int]:
+    """This rank's peak of live tensors over one block's 1-D forward in training, less what the forward saved for
+    backward, fp32, per ``(shape name, n_res, n_seq)`` of ``cases`` (N_res and N_seq multiples of the group: the
+    entry pieces are views of the inputs, which are left out)."""
+    from ds4sci import evoformer_context_parallel
+    from ds4sci.bench.memory import saved_for_backward
+
+    out = []
+    for name, n_res, n_seq in cases:
+        shape = SHAPES[name]
+        block = _block(shape).train()
+        inputs = _inputs(shape, n_res, n_seq, "fp32")
+        before = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *inputs)}
+        with LiveTensors(before) as live, saved_for_backward() as saved:
+            evoformer_context_parallel(block)(*inputs)
+        out.append(live.peak - sum(n for key, n in saved.storages.items() if key not in before))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_1d_exit_gather_is_alive_beside_the_saved_tensors():
+    """1-D (gloo, 2 processes): the forward's peak of live tensors beyond what it saved is the stack's exit gather
+    (z's gathered pieces and their concatenation, m whole: pe.exit_bytes) plus at most the rank's representations (its
+    own output pieces, the exit gather's inputs), on every rank; whole-size, it does not fall with P."""
+    from ds4sci.spawn import run_workers
+
+    P, cases = 2, [("evoformer-af2-like", 8, 4), ("pairformer-tiny", 8, 0)]
+    bounds = []
+    for name, n_res, n_seq in cases:
+        w = pe.Workload(SHAPES[name], n_res, n_seq, "fp32", "training", layout="1d", gpus=P)
+        bounds.append((pe.exit_bytes(w), pe.exit_bytes(w) + pe.memory(w)["representations"]))
+    for beyond_saved in run_workers(_exit_on_rank, P, cases):
+        for measured, (low, high) in zip(beyond_saved, bounds):
+            assert low <= measured <= high, (measured, low, high)
+
+
 @pytest.mark.parametrize("preset", sorted(pe.PRESETS))
 def test_gathers_are_the_context_parallel_all_gathers(preset):
     """1-D: the gathered tensors are the all-gathers of ds4sci.parallel.evoformer_cp (its closed form, the bytes a rank

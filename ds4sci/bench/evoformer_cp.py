@@ -33,7 +33,9 @@ e (H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``) 
 tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``, and
 the Pairformer's replicated single-attention bias ``e H_s`` (the s-side runs whole on every rank in 2-D too). At
 the peak the whole padded pair mask is live as well, ``e`` per ``N^2`` on every rank (both layouts make it at the
-stack's entry and cut their pieces out of it).
+stack's entry and cut their pieces out of it). In 1-D the peak is at the end of forward, at the stack's exit gather:
+z's received pieces and their concatenation, ``2 e C_z`` per ``N^2`` more, beside everything forward saved
+(:func:`ds4sci.plan_evoformer.exit_bytes`).
 
 Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms; ``1d`` is the
 axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2).
@@ -236,7 +238,7 @@ def measure(cfg: dict, p: int) -> list[dict]:
 
 def planned_peak(cfg: dict, kind: str, p: int, n_res: int) -> float:
     """The planner's bytes per rank of one block's training step at ``cfg``'s shape:
-    :func:`ds4sci.plan_evoformer.memory`'s ``block_saved + gathers + working`` (its training terms less the
+    :func:`ds4sci.plan_evoformer.memory`'s ``block_saved + gathers + working + exit`` (its training terms less the
     checkpoints, which a stack without checkpointing does not keep), plus the block's parameter gradients in fp32
     (counted by the measurement too)."""
     from ds4sci import plan_evoformer as pe
@@ -249,7 +251,7 @@ def planned_peak(cfg: dict, kind: str, p: int, n_res: int) -> float:
                     layout=cfg["layout"] if p > 1 else "1", gpus=p)
     mem = pe.memory(w)
     gradients = 4 * sum(q.numel() for q in _blocks(kind, cfg, 1)[0].parameters())
-    return mem["block_saved"] + mem["gathers"] + mem["working"] + gradients
+    return mem["block_saved"] + mem["gathers"] + mem["working"] + mem["exit"] + gradients
 
 
 def _n2_coefficient(n_res: list[int], values: list[float]) -> float:
@@ -302,7 +304,7 @@ def markdown(report: dict) -> str:
         "Memory of a one-block stack's training step (loss: the sum of the outputs), the most on any rank, counted "
         "by ds4sci.bench.memory.LiveTensors (the tensors ops return; parameter gradients in, parameters and inputs "
         "out): saved, what autograd keeps for backward; peak, of the live tensors over forward and backward (vs "
-        "P = 1: how much less); planner: ds4sci.plan_evoformer's block_saved + gathers + working, plus the "
+        "P = 1: how much less); planner: ds4sci.plan_evoformer's block_saved + gathers + working + exit, plus the "
         "parameter gradients.",
         "",
         *markdown_table(("block", "P", "N_res", "N_seq", "sent/block (KiB)", "closed form (KiB)",
