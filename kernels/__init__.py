@@ -12,7 +12,8 @@ Two families, each laid out reference -> chunked PyTorch path -> Triton kernel -
 The MLP's memory-efficient path, :mod:`~ds4sci.kernels.tiled_mlp` (``tiled_mlp``: ALST's TiledMLP), and the output
 projection and loss's, :mod:`~ds4sci.kernels.tiled_loss` (``tiled_loss``: ALST's tiled loss), both token tiles
 recomputed in backward (:mod:`~ds4sci.kernels.token_tiles`), serve GenSLM's ``activation_checkpointing.tiled_mlp``
-and ``tiled_loss``.
+and ``tiled_loss``; :mod:`~ds4sci.kernels.rotary` (``apply_rotary_qkv_``) rotates the query and key heads of GenSLM's
+fused qkv projection in place, so attention saves no rotated copies.
 
 Backend enums, their parser and the plain limits are in :mod:`ds4sci.kernels.backends`; Triton helpers shared by both
 kernels in :mod:`ds4sci.kernels.triton_common`. Importing this package imports neither torch nor Triton: the names

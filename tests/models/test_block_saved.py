@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from activation_checks import SavedBytes
+from ds4sci.kernels.rotary import apply_rotary_qkv_
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.models.genslm.position import apply_rotary_qkv_, rotary_cos_sin
+from ds4sci.models.genslm.position import rotary_cos_sin
 
 H, HIDDEN = 4, 64
 SHAPES = {

@@ -1,0 +1,63 @@
+"""Rotary position embedding (RoPE: Su et al. 2021, RoFormer; GPT-NeoX's and Llama's half-split layout) applied in
+place to a fused query/key/value projection, so that attention saves views of that one buffer instead of rotated
+copies of q and k (a recomputed block's working set, issue #28). The rotation tables come from
+:func:`ds4sci.models.genslm.position.rotary_cos_sin`; the out-of-place rotation of the same values is the reference.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["apply_rotary_qkv_"]
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE's rotation of ``x [..., r]`` (half-split pairs ``(i, i + r/2)``) by the angles of ``cos``, ``sin``
+    ``[..., r]``: ``x * cos + cat(-x2, x1) * sin``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class _RotaryQKV(torch.autograd.Function):
+    """``forward(ctx, qkv [B, T, Hkv * (g + 2) * D], cos, sin, g, D) -> qkv`` rotated IN PLACE: in GenSLM's fused
+    layout (per key/value group ``[q of its g query heads | k | v]``, each head ``D`` rows) the first ``rotary_dim``
+    dims of the ``g + 1`` query and key heads of every group are rotated (RoFormer, Su et al. 2021), the value heads
+    and the unrotated dims untouched.
+
+    The rotation's backward needs only ``cos`` and ``sin`` (it is the transposed rotation, ``dy * cos + cat(dy2 *
+    sin, -(dy1 * sin))``: the gradient autograd forms for :func:`_rotate`, term for term, so bitwise the same), so the
+    projection's output, which nothing saves, is overwritten instead of copied: the attention core then saves views
+    of this one buffer, not rotated copies of q and k. Backward un-rotates the incoming gradient in place: it is the
+    one the q, k, v split's backward concatenated for this buffer, used nowhere else."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor, g: int, D: int) -> Tensor:
+        ctx.mark_dirty(qkv)
+        ctx.save_for_backward(cos, sin)
+        ctx.g, ctx.D = g, D
+        part = _rotated_part(qkv, g, D, cos.shape[-1])  # [B, T, Hkv, g + 1, r]
+        part.copy_(_rotate(part, cos.unsqueeze(3), sin.unsqueeze(3)))
+        return qkv
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cos, sin = ctx.saved_tensors
+        grad = grad.contiguous()
+        part = _rotated_part(grad, ctx.g, ctx.D, cos.shape[-1])  # [B, T, Hkv, g + 1, r]
+        g1, g2 = (part * sin.unsqueeze(3)).chunk(2, dim=-1)
+        part.copy_(part * cos.unsqueeze(3) + torch.cat((g2, -g1), dim=-1))
+        return grad, None, None, None, None
+
+
+def _rotated_part(qkv: Tensor, g: int, D: int, r: int) -> Tensor:
+    """The view ``[B, T, Hkv, g + 1, r]`` of a contiguous ``qkv [B, T, Hkv * (g + 2) * D]`` that :class:`_RotaryQKV`
+    rotates: the first ``r`` dims of each group's query and key heads."""
+    B, T, N = qkv.shape
+    return qkv.view(B, T, N // ((g + 2) * D), g + 2, D)[:, :, :, : g + 1, :r]
+
+
+def apply_rotary_qkv_(qkv: Tensor, cos: Tensor, sin: Tensor, g: int, D: int) -> Tensor:
+    """Rotate the query and key heads of a fused projection ``qkv [B, T, Hkv * (g + 2) * D]`` (``g`` query heads per
+    key/value group, head dim ``D``) in place by ``cos, sin [B, T, 1, rotary_dim]`` (:func:`ds4sci.models.genslm.position.rotary_cos_sin`) and
+    return it (:class:`_RotaryQKV`): the first ``rotary_dim`` dims of each head rotate, the rest pass through."""
+    return _RotaryQKV.apply(qkv, cos, sin, g, D)
