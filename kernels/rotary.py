@@ -58,6 +58,20 @@ def _rotated_part(qkv: Tensor, g: int, D: int, r: int) -> Tensor:
 
 def apply_rotary_qkv_(qkv: Tensor, cos: Tensor, sin: Tensor, g: int, D: int) -> Tensor:
     """Rotate the query and key heads of a fused projection ``qkv [B, T, Hkv * (g + 2) * D]`` (``g`` query heads per
-    key/value group, head dim ``D``) in place by ``cos, sin [B, T, 1, rotary_dim]`` (:func:`ds4sci.models.genslm.position.rotary_cos_sin`) and
-    return it (:class:`_RotaryQKV`): the first ``rotary_dim`` dims of each head rotate, the rest pass through."""
+    key/value group, head dim ``D``) in place by ``cos, sin [B, T, 1, rotary_dim]``
+    (:func:`ds4sci.models.genslm.position.rotary_cos_sin`) and return it (:class:`_RotaryQKV`): the first
+    ``rotary_dim`` dims of each head rotate, the rest pass through.
+
+    Raises:
+        ValueError: naming the shape or layout that does not fit (qkv not contiguous ``[B, T, Hkv * (g + 2) * D]``,
+            tables not ``[B, T, 1, r]`` with an even ``r <= D``).
+    """
+    if qkv.ndim != 3 or not qkv.is_contiguous() or qkv.shape[-1] % ((g + 2) * D):
+        raise ValueError(f"apply_rotary_qkv_: qkv must be a contiguous [B, T, Hkv * (g + 2) * D] tensor with g={g}, "
+                         f"D={D}; got shape {tuple(qkv.shape)}, contiguous={qkv.is_contiguous()}")
+    B, T, _ = qkv.shape
+    r = cos.shape[-1]
+    if cos.shape != sin.shape or cos.shape[:3] != (B, T, 1) or cos.ndim != 4 or r % 2 or r > D:
+        raise ValueError(f"apply_rotary_qkv_: cos and sin must be [B={B}, T={T}, 1, r] with an even r <= D={D}; got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     return _RotaryQKV.apply(qkv, cos, sin, g, D)

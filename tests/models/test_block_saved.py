@@ -79,3 +79,22 @@ def test_in_place_rotary_is_bitwise_the_out_of_place_one(Hkv, rotary_dim, dtype)
     for a, b, name in zip(out, ref, "qkv"):
         assert torch.equal(a, b), name
     assert torch.equal(new_in.grad, ref_in.grad)
+
+
+@pytest.mark.parametrize("qkv_shape, table_shape, message", [
+    ((2, 5, 3 * 16 + 1), (2, 5, 1, 16), "qkv must be a contiguous"),
+    ((2, 5, 3 * 16), (2, 4, 1, 16), "cos and sin must be"),
+    ((2, 5, 3 * 16), (2, 5, 1, 15), "cos and sin must be"),
+    ((2, 5, 3 * 16), (2, 5, 1, 32), "cos and sin must be"),
+])
+def test_in_place_rotary_names_a_bad_shape(qkv_shape, table_shape, message):
+    """apply_rotary_qkv_ refuses a qkv or table shape that does not fit its layout in one message naming the shapes
+    (g = 1, D = 16), instead of failing inside a view or rotating the wrong dims."""
+    with pytest.raises(ValueError, match=message):
+        apply_rotary_qkv_(torch.zeros(qkv_shape), torch.ones(table_shape), torch.zeros(table_shape), 1, 16)
+
+
+def test_in_place_rotary_refuses_a_non_contiguous_qkv():
+    qkv = torch.zeros(5, 2, 48).transpose(0, 1)  # [2, 5, 48], not contiguous
+    with pytest.raises(ValueError, match="contiguous=False"):
+        apply_rotary_qkv_(qkv, torch.ones(2, 5, 1, 16), torch.zeros(2, 5, 1, 16), 1, 16)
