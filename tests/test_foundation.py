@@ -117,7 +117,7 @@ def test_make_targets_install_then_run(target, last, tmp_path):
     run = next(line for line in lines if last in line).split(";")[0].strip()
     assert run.startswith(last), run
     # `make test`: pytest-xdist's workers and scheduling only, no file, -k or -m selection
-    assert run.removeprefix(last).split() in ([], ["-n", "2", "--dist", "loadscope"]), run
+    assert run.removeprefix(last).split() in ([], ["-n", "2", "--dist", "loadscope", "--no-loadscope-reorder"]), run
 
 
 def test_ci_runs_make_test(tmp_path):
