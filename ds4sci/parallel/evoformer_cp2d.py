@@ -457,7 +457,7 @@ class _MeshStack(nn.Module):
         q, k, v = (lin(padded).unflatten(-1, heads).unsqueeze(-4)  # [*, 1, N', H, D]: one row of N' positions
                    for lin in (apb.mha.linear_q, apb.mha.linear_k, apb.mha.linear_v))
         mask = (s.new_zeros((*s.shape[:-2], 1, 1, 1, n_res)) if single_mask is None
-                else mask_bias(single_mask.unsqueeze(-2), apb.inf, s.dtype))  # [*, 1, 1, 1, N]
+                else mask_bias(single_mask.expand(s.shape[:-1]).unsqueeze(-2), apb.inf, s.dtype))  # [*, 1, 1, 1, N]
         mask = pad_to_multiple(mask, -1, mesh.p, -math.inf)  # [*, 1, 1, 1, N']: the padding keys at -inf
         pair = apb.pair_bias_of(z).movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, n, n]: this rank's tile b[I_r, J_c]
         chosen = _choose_backend(apb.backend, q)
