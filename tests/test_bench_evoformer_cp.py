@@ -1,7 +1,7 @@
 """``ds4sci bench evoformer-cp``: the bytes counted at the collectives of Evoformer and Pairformer blocks inside a
-sharded stack at P = 2 (1-D) and on a 2 x 2 mesh (2-D, P = 4; odd N_res included) equal the
-closed forms of block_comm_bytes per rank and collective kind; every rank's peak of live tensors is at least what
-it saves for backward; in 2-D the peak's pair terms fall as 1/P; the command writes its three files; bad options are
+sharded stack at P = 2 (1-D) and on a 2 x 2 mesh (2-D, P = 4; odd N_res included) equal the closed forms of
+block_comm_bytes per rank and collective kind; every rank's peak of live tensors is at least what it saves for
+backward; in 2-D the peak's pair terms fall as 1/P (both kinds); the command writes its three files; bad options are
 one-line errors."""
 import json
 
