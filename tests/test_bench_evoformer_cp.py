@@ -1,7 +1,7 @@
 """``ds4sci bench evoformer-cp``: the bytes counted at the collectives of Evoformer and Pairformer blocks inside a
-sharded stack at P = 2 (1-D) and of Evoformer blocks on a 2 x 2 mesh (2-D, P = 4; odd N_res included) equal the
-closed forms of block_comm_bytes per rank and collective kind; every rank's peak of live tensors is at least what
-it saves for backward; in 2-D the peak's pair terms fall as 1/P; the command writes its three files; bad options are
+sharded stack at P = 2 (1-D) and on a 2 x 2 mesh (2-D, P = 4; odd N_res included) equal the closed forms of
+block_comm_bytes per rank and collective kind; every rank's peak of live tensors is at least what it saves for
+backward; in 2-D the peak's pair terms fall as 1/P (both kinds); the command writes its three files; bad options are
 one-line errors."""
 import json
 
@@ -64,20 +64,21 @@ def test_2d_measured_bytes_match_the_closed_forms_per_rank(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_2d_peak_pair_terms_fall_as_1_over_p(tmp_path):
-    """2-D, a block whose pair terms are mostly C_z-wide (C_z 16 against 2 hidden channels and 1 head), P = 1 and a
-    2 x 2 mesh at N_res 6, 8, 10 (no padding): the peak's fitted N_res^2 coefficient times P stays within 1.65x of
-    the single process's (measured 1.54x: the ring's rotating key, value and bias tiles and the Cannon products'
-    tiles, which the single process does not have; the counts are exact, so the margin is for later changes to the
-    mesh code). Whole [N_res, N_res, C_z] tensors alive on a rank at the peak do not fall with P: with the loss a
-    mean square of the full outputs, whose backward makes them, it is 1.81x (seen to fail)."""
+    """2-D, Evoformer and Pairformer blocks whose pair terms are mostly C_z-wide (C_z 16 against 2 hidden channels
+    and 1 head), P = 1 and a 2 x 2 mesh at N_res 6, 8, 10 (no padding): the peak's fitted N_res^2 coefficient times P
+    stays within 1.65x of the single process's, for each kind (measured 1.54x Evoformer, 1.47x Pairformer: the
+    ring's rotating key, value and bias tiles and the Cannon products' tiles, which the single process does not have;
+    the counts are exact, so the margin is for later changes to the mesh code). Whole [N_res, N_res, C_z] tensors
+    alive on a rank at the peak do not fall with P: with the loss a mean square of the full outputs, whose backward
+    makes them, it is 1.81x and 1.73x (seen to fail)."""
     out = tmp_path / "bench"
     assert cli.main(["bench", "evoformer-cp", "--layout", "2d", "--degrees", "1,4", "--n-res", "6,8,10", "--n-seq",
                      "2", "--c-m", "4", "--c-z", "16", "--c-hidden", "2", "--heads", "1", "--out", str(out)]) == 0
     report = json.loads((out / "evoformer_cp.json").read_text())
     _peak_at_least_saved(report)
-    fitted = {f["P"]: f for f in report["pair_terms"]}
-    single, mesh = fitted[1]["peak_bytes_alpha_times_P"], fitted[4]["peak_bytes_alpha_times_P"]
-    assert single < mesh <= 1.65 * single, (single, mesh)
+    fitted = {(f["kind"], f["P"]): f["peak_bytes_alpha_times_P"] for f in report["pair_terms"]}
+    ratios = {kind: fitted[kind, 4] / fitted[kind, 1] for kind in ("evoformer", "pairformer")}
+    assert all(1 < r <= 1.65 for r in ratios.values()), (ratios, fitted)
 
 
 @pytest.mark.parametrize("argv, message", [

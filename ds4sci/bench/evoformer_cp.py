@@ -30,8 +30,8 @@ as ``alpha P`` (constant where the pair terms fall as 1/P), for the saved bytes 
 floor, the ``N^2`` bytes per rank that do not fall as 1/P: 1-D saves the gathered tensors whole (the MSA pair bias,
 one operand of each triangle multiplication, the two triangle biases; the Pairformer's replicated pair bias), ``G =
 e (H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``) at any P; 2-D tiles every ``N^2``
-tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``, and
-the Pairformer's replicated single-attention bias ``e H_s`` (the s-side runs whole on every rank in 2-D too). At
+tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``
+(the Pairformer's single attention too: it runs on the bias tiles, its s-side ``O(N)`` replicated). At
 the peak the whole padded pair mask is live as well, ``e`` per ``N^2`` on every rank (both layouts make it at the
 stack's entry and cut their pieces out of it). In 1-D the peak is at the end of forward, at the stack's exit gather:
 z's received pieces and their concatenation, ``2 e C_z`` per ``N^2`` more, beside everything forward saved
@@ -100,12 +100,9 @@ def _mesh_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, i
 
 
 def _mesh_floor(block, p: int, itemsize: int = 4) -> float:
-    """2-D: the triangle attentions' key-mask rows and a Pairformer's replicated single-attention bias (module
-    docstring), bytes per ``N_res^2``."""
-    if p == 1:
-        return 0.0
-    replicated = 0 if hasattr(block, "msa_att_row") else block.attn_pair_bias.linear_z.out_features
-    return itemsize * (2 / math.isqrt(p) + replicated)
+    """2-D: the triangle attentions' key-mask rows (module docstring), bytes per ``N_res^2``, Evoformer and
+    Pairformer alike."""
+    return itemsize * 2 / math.isqrt(p) if p > 1 else 0.0
 
 
 #: ``--layout`` -> (make a stack parallel: ``(blocks, counter) -> module``, closed form of a rank's bytes per block

@@ -37,11 +37,15 @@ output and statistics, which gives each tile's exact share of the gradients. The
 -inf, so a real row whose keys are all masked attends over its real keys, as the single process does.
 
 Pairformer block (AF3 supplement Algorithm 17): the pair stack on the z tiles as above, then the single
-representation ``s [*, N, C_s]`` replicated, as in the axial version: every rank holds all of s and runs the
-attention with pair bias and the single transition on it whole, the bias ``[*, N, N, H]`` gathered from the tiles
-(backward: this rank's tile of its gradient; every rank computes the same), and those replicated parameters'
-gradients are not all-reduced (``PAIRFORMER_REPLICATED``). That bias is the one ``N x N`` tensor a rank holds here,
-with ``H`` channels against z's ``C_z`` (its cost is ``O(N^2 H c)`` beside the pair stack's ``O(N^3 c)``).
+representation ``s [*, N, C_s]`` replicated, as in the axial version (s is ``O(N)``: sharding it would save ``N
+C_s`` per rank and cost a layout switch per block), but its attention with pair bias (AF3 Algorithm 24) computed from
+the bias tiles (:class:`_TileAttention`): rank (r, c) projects its z tile to its bias tile ``b[I_r, J_c]`` ``[*, n,
+n, H]``, which never moves, and attends the queries ``I_r`` to the keys ``J_c`` with it; the mesh row's p partial
+results are merged by the ring attention's merge (:func:`_merge_stats`) and the query blocks gathered over the mesh
+column. No rank makes an ``N x N`` tensor (tested, forward and backward). Every per-token step of the s-side
+(layer norm, q, k, v, gate, output projection, transition) runs whole on every rank; the q, k, v gradients are
+summed over the mesh in backward, so every rank holds them whole and the s-side parameters' gradients are not
+all-reduced (``PAIRFORMER_REPLICATED``); the bias projection's are, as the pair stack's.
 
 Entry, exit, parameters, padding and dropout as the axial version (:mod:`ds4sci.parallel.evoformer_cp`): full
 tensors in and out on every rank (entry split, backward all-gather; exit gather, backward split), parameter
@@ -77,10 +81,12 @@ step): ``(3p - 2) |t|``. With ``H``, ``c`` each attention's heads and channels p
 
 (``X' = X`` with OpenFold3's ending-node bias, 0 with OpenFold's, which needs no swap). Every term is ``n^2`` or
 ``s n`` times ``O(p)``: with ``n = N'/p`` the bytes per rank fall as ``1/p = 1/sqrt(P)``, where the axial layout's
-stay ``O(N^2)`` at any P. A Pairformer block sends the pair stack's rows and, in forward only (its backward takes
-this rank's tile), the gather of the single attention's bias over the mesh row then the mesh column, ``(p - 1) n^2
-H_s + (p - 1) p n^2 H_s = (p^2 - 1) n^2 H_s`` (``all_gather``), the replicated s-side parameters left out of the
-all-reduce: the bias term does not fall with p.
+stay ``O(N^2)`` at any P. A Pairformer block sends the pair stack's rows and its single attention's (``H`` heads of
+``c`` channels, no ``N^2`` term): forward, the all-gather of the partial results ``[n, H, c]`` and statistics
+``[H, n, 2]`` (fp32, fp64 with fp64 activations: ``e'`` bytes) over the mesh row and of the merged queries' output
+over the mesh column, ``(p - 1) n H (2 c e + 2 e')`` bytes (``all_gather``); backward, the all-reduce over the p^2
+ranks of dq, dk, dv ``[3, N', H, c]``, ``2 (P-1)/P 3 N' H c`` (``all_reduce``, beside the parameters', the
+replicated s-side parameters left out).
 """
 from __future__ import annotations
 
@@ -96,8 +102,8 @@ from ds4sci.kernels.evoformer import _attention_bwd, _attention_fwd, _choose_bac
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
 from ds4sci.parallel.evoformer_cp import PAIRFORMER_REPLICATED, _gather_out, hold_blocks, synced_parameters
-from ds4sci.parallel.tensor_parallel import split_sequence_region
-from ds4sci.sequence.comm import CommCounter, RingShift, group_rank, group_size
+from ds4sci.parallel.tensor_parallel import _all_reduce, split_sequence_region
+from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, group_rank, group_size
 from ds4sci.sequence.sharding import pad_to_multiple
 
 __all__ = ["block_comm_bytes", "EvoformerContextParallel2D", "check_mesh"]
@@ -286,6 +292,50 @@ class _RingAttention(torch.autograd.Function):
         return dq, grads[0], grads[1], None, grads[2], None, None, None, None, None
 
 
+class _TileAttention(torch.autograd.Function):
+    """AF3 Algorithm 24's ``softmax_j(q_i . k_j / sqrt(D) + b_ij + mask_j) v_j`` over the whole single representation,
+    from the pair bias tiles: no rank holds more of ``b`` than its own tile and no ``N x N`` tensor is made.
+
+    q, k, v ``[*, 1, N', H, D]`` whole on every rank (the same on each); mask bias ``[*, 1, 1, 1, N']`` (the padding
+    keys at -inf); pair ``[*, 1, H, n, n]``: this rank's tile ``b[I_r, J_c]``; returns ``[*, 1, N', H, D]``, the same
+    on every rank. Rank (r, c) runs the Evoformer kernel once, queries ``I_r`` against keys ``J_c`` with its tile;
+    the mesh row's p partial results (the row's key blocks) are all-gathered and merged in column order
+    (:func:`_merge_stats`, the ring attention's merge: every rank of the row the same bits), and the column's
+    query blocks all-gathered. Backward: the kernel's backward of the tile against the merged output and statistics
+    (each tile's exact share, as in :class:`_RingAttention`), the pair gradient this rank's tile's (it goes back into
+    this rank's z tile), and ``dq`` (rows ``I_r``), ``dk``, ``dv`` (rows ``J_c``) summed over the mesh in one
+    all-reduce, so that every rank holds the whole gradients of q, k and v, as the replicated s-side expects.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, pair, backend, mesh):
+        n = pair.shape[-1]
+        rows, cols = _block(mesh.r, n), _block(mesh.c, n)
+        q_r, k_c, v_c, mask_c = (q[..., rows, :, :], k[..., cols, :, :], v[..., cols, :, :], mask[..., cols])
+        o_t, stats_t = _attention_fwd(q_r, k_c, v_c, mask_c, pair, backend)
+        parts = [all_gather_seq(t.reshape(1, -1, *t.shape[-4:]), mesh.row, 0, mesh.counter) for t in (o_t, stats_t)]
+        out, stats = parts[0][0], parts[1][0]  # [Z, 1, n, H, D], [Z, 1, H, n, 2]
+        for o_c, stats_c in zip(parts[0][1:], parts[1][1:]):  # the row's key blocks J_1 .. J_{p-1}, in order
+            out, stats = _merge_stats(out, stats, o_c, stats_c)
+        out = out.reshape(q_r.shape)
+        ctx.save_for_backward(q_r, k_c, v_c, mask_c, pair, out, stats)
+        ctx.backend, ctx.mesh, ctx.full = backend, mesh, q.shape
+        return all_gather_seq(out, mesh.col, -3, mesh.counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_r, k_c, v_c, mask_c, pair, out, stats = ctx.saved_tensors
+        mesh, n = ctx.mesh, pair.shape[-1]
+        rows, cols = _block(mesh.r, n), _block(mesh.c, n)
+        need_pair = ctx.needs_input_grad[4]
+        dq, dk, dv, *dpair = _attention_bwd(grad[..., rows, :, :].contiguous(), q_r, k_c, v_c, out, stats, mask_c,
+                                            pair, False, need_pair, ctx.backend)
+        whole = grad.new_zeros((3, *ctx.full))  # dq of rows I_r, dk and dv of rows J_c, summed over the mesh
+        whole[0][..., rows, :, :], whole[1][..., cols, :, :], whole[2][..., cols, :, :] = dq, dk, dv
+        whole = _all_reduce(whole, mesh.group, mesh.counter)
+        return whole[0], whole[1], whole[2], None, dpair[0] if need_pair else None, None, None
+
+
 def _merge_stats(out: Tensor, stats: Tensor, o_t: Tensor, stats_t: Tensor) -> tuple[Tensor, Tensor]:
     """Two partial softmax results over disjoint key sets as one: ``out``, ``o_t`` ``[Z, N, s, H, D]`` with the
     kernel's statistics ``[Z, N, H, s, 2]`` (row max ``m``, row sum ``l = sum exp(logit - m)``; ``(+inf, +inf)`` on a
@@ -397,14 +447,24 @@ class _MeshStack(nn.Module):
     def _pairformer(self, blk: PairformerBlock, s: Tensor, z: Tensor, single_mask: Tensor | None,
                     chunk_size: int | None) -> tuple[Tensor, Tensor]:
         """One Pairformer block (AF3 Algorithm 17) on s whole ``[*, N, C_s]`` and this rank's z tile ``[*, n, n,
-        C_z]``: the pair stack on the tile, then the single representation's attention and transition replicated on
-        every rank (as the axial version's), with the pair bias gathered whole from the tiles (module docstring)."""
+        C_z]``: the pair stack on the tile, then the single representation's attention with pair bias (AF3 Algorithm
+        24) from the bias tiles (:class:`_TileAttention`) and its transition, every per-token step replicated."""
         z = self._pair_stack(blk, z, chunk_size)
-        apb, mesh, n = blk.attn_pair_bias, self.mesh, s.shape[-2]
-        bias = apb.pair_bias_of(z)  # [*, n, n, H]
-        bias = _gather_out(_gather_out(bias, mesh.row, bias.ndim - 2, mesh.counter), mesh.col, bias.ndim - 3,
-                           mesh.counter)[..., :n, :n, :]  # [*, N, N, H], every rank the same
-        s = s + apb(s, None, single_mask, bias=bias)
+        apb, mesh, n_res = blk.attn_pair_bias, self.mesh, s.shape[-2]
+        heads = (apb.mha.no_heads, apb.mha.c_hidden)
+        x = apb.layer_norm_a(s)  # [*, N, C_s]
+        padded = pad_to_multiple(x, -2, mesh.p)  # [*, N', C_s]: the padding queries' rows are dropped below
+        q, k, v = (lin(padded).unflatten(-1, heads).unsqueeze(-4)  # [*, 1, N', H, D]: one row of N' positions
+                   for lin in (apb.mha.linear_q, apb.mha.linear_k, apb.mha.linear_v))
+        mask = (s.new_zeros((*s.shape[:-2], 1, 1, 1, n_res)) if single_mask is None
+                else mask_bias(single_mask.expand(s.shape[:-1]).unsqueeze(-2), apb.inf, s.dtype))  # [*, 1, 1, 1, N]
+        mask = pad_to_multiple(mask, -1, mesh.p, -math.inf)  # [*, 1, 1, 1, N']: the padding keys at -inf
+        pair = apb.pair_bias_of(z).movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, n, n]: this rank's tile b[I_r, J_c]
+        chosen = _choose_backend(apb.backend, q)
+        chosen = EvoformerBackend.TORCH if chosen is EvoformerBackend.REFERENCE else chosen  # the oracle has no op
+        o = _TileAttention.apply(q, k, v, mask, pair, chosen.value, mesh)
+        o = o.squeeze(-4)[..., :n_res, :, :].flatten(-2)  # [*, N, H * D]
+        s = s + apb.mha.linear_o(o * torch.sigmoid(apb.mha.linear_g(x)))
         return s + blk.single_transition(s, single_mask, chunk_size), z
 
     def _cannon(self, a: Tensor, b: Tensor, product: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
@@ -512,8 +572,9 @@ def block_comm_bytes(block: EvoformerBlock | PairformerBlock, p: int, n_res: int
     """The closed form (module docstring) of the bytes that mesh rank ``rank`` (group rank ``r * p + c``) of a
     ``p x p`` mesh sends for one Evoformer or Pairformer ``block`` inside a sharded stack, training (forward and
     backward), per collective kind as :class:`~ds4sci.sequence.CommCounter` records them: ``p2p`` (tile moves and
-    ring steps), ``all_gather`` (a Pairformer's single-attention bias) and ``all_reduce`` (the parameter gradients
-    over the p^2 ranks); ``n_seq`` for an Evoformer block; ``itemsize`` of the activations."""
+    ring steps), ``all_gather`` (a Pairformer's single-attention partial results and outputs) and ``all_reduce``
+    (the parameter gradients over the p^2 ranks, and a Pairformer's single-attention q, k, v gradients); ``n_seq``
+    for an Evoformer block; ``itemsize`` of the activations."""
     r, c = divmod(rank, p)
     s, n = -(-n_seq // p), -(-n_res // p)  # tile sides, padded
     x, rr, cc, ring = int(r != c), int(r != 0), int(c != 0), 3 * p - 2
@@ -523,7 +584,8 @@ def block_comm_bytes(block: EvoformerBlock | PairformerBlock, p: int, n_res: int
     tiles += (2 * x + 2 * cc + ring) * n * n * start.no_heads + 2 * rr * n * n * c_z
     tiles += (2 * x * (not ps.transpose_end_bias) + 2 * rr + ring) * n * n * end.no_heads + 2 * cc * n * n * c_z
     tiles += 2 * ring * n * n * (start.no_heads * start.c_hidden + end.no_heads * end.c_hidden)
-    gathered, params = 0, list(block.parameters())
+    ranks, unit = p * p, batch * itemsize
+    gathered, reduced, params = 0, 0, list(block.parameters())
     if isinstance(block, EvoformerBlock):
         row, col = block.msa_att_row.mha, block.msa_att_col._msa_att.mha
         tiles += 2 * (x + rr + cc + ring) * s * n * block.outer_product_mean.c_hidden
@@ -532,8 +594,10 @@ def block_comm_bytes(block: EvoformerBlock | PairformerBlock, p: int, n_res: int
         if not block.no_column_attention:
             tiles += 2 * cc * s * n * block.c_m + 2 * ring * s * n * col.no_heads * col.c_hidden
     else:
-        gathered = (p * p - 1) * n * n * block.attn_pair_bias.linear_z.out_features
+        single = block.attn_pair_bias.mha
+        heads, stats_itemsize = single.no_heads, 8 if itemsize == 8 else 4  # the kernel's statistics: fp32 or fp64
+        gathered = batch * (p - 1) * n * heads * (2 * single.c_hidden * itemsize + 2 * stats_itemsize)
+        reduced = 2 * (3 * p * n * heads * single.c_hidden * unit) * (ranks - 1) // ranks
         params = [q for name, q in block.named_parameters() if not name.startswith(PAIRFORMER_REPLICATED)]
-    ranks, unit = p * p, batch * itemsize
-    return {"p2p": tiles * unit, "all_gather": gathered * unit,
-            "all_reduce": sum(2 * q.numel() * q.element_size() * (ranks - 1) // ranks for q in params)}
+    return {"p2p": tiles * unit, "all_gather": gathered,
+            "all_reduce": reduced + sum(2 * q.numel() * q.element_size() * (ranks - 1) // ranks for q in params)}

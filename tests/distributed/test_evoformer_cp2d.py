@@ -4,9 +4,12 @@ the full outputs (fp64, to rounding); N_seq and N_res odd; both conventions of t
 sub-module (nor the attention kernel) of any rank ever sees a tensor with two dims of N_res or more. A 3 x 3 mesh
 (9 ranks) too, where the skews and the ring direction are not their own inverses as on 2 x 2. Fully masked real
 rows (a sequence, an MSA column, a pair row and column) in fp64 and fp32 as the single process attends them. Stacks
-of 2 blocks (block by block, and tiled between blocks) and Pairformer blocks on 2 x 2."""
+of 2 blocks (block by block, and tiled between blocks) and Pairformer blocks on 2 x 2 and 3 x 3, where no op
+(forward or backward) makes an N_res x N_res tensor but z and the pair mask themselves."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ds4sci import evoformer_context_parallel
 from ds4sci.models.evoformer import EvoformerBlock
@@ -204,13 +207,36 @@ def test_2d_stack_tiles_between_blocks_equals_single_process():
             assert gathers == (one_block if sharded else 2 * one_block) > 0, (rank, sharded, gathers, one_block)
 
 
-PAIR_KW = dict(c_s=7, c_z=6, c_hidden_pair_bias=4, no_heads_pair_bias=2, c_hidden_mul=5, c_hidden_pair_att=4,
-               no_heads_pair=2, transition_n=2, pair_dropout=0.25)
+# every channel count (and product: a SwiGLU transition's 2 n C, the attention's H c; flattened rows come with one)
+# below the tests' N_res 7: a tensor with two dims of N_res or more is a whole N_res x N_res one (_WholePairOps)
+PAIR_KW = dict(c_s=3, c_z=3, c_hidden_pair_bias=2, no_heads_pair_bias=2, c_hidden_mul=3, c_hidden_pair_att=2,
+               no_heads_pair=2, transition_n=1, pair_dropout=0.25)
 
 
-def _pairformer_worker(rank, world, n_res):
+class _WholePairOps(TorchDispatchMode):
+    """Every op's output (forward and backward) with two dims of ``n_res`` or more, as (op, shape), but z itself
+    ``[batch, N, N, C_z]`` and the pair mask ``[batch, N, N]`` (each N or its padding N'): the full tensors the call
+    takes and returns, split at the entry and gathered at the exit (the API's contract), which every rank holds."""
+
+    def __init__(self, batch, n_res, padded, c_z):
+        super().__init__()
+        self.n_res, self.seen = n_res, set()
+        self.allowed = {(batch, a, b, *c) for a in (n_res, padded) for b in (n_res, padded) for c in ((), (c_z,))}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and sum(d >= self.n_res for d in t.shape) >= 2
+                    and tuple(t.shape) not in self.allowed):
+                self.seen.add((str(func), tuple(t.shape)))
+        return out
+
+
+def _pairformer_worker(rank, world, p, n_res):
     """Per case (one block; a 2-block stack tiled between blocks): the largest error against the single process
-    (outputs, input and parameter gradients, fp64) and the parameter gradients as bytes."""
+    (outputs, input and parameter gradients, fp64), the parameter gradients as bytes, and the ops of the one-block
+    step (forward and backward) that made a whole ``N x N`` tensor other than z and the pair mask
+    (:class:`_WholePairOps`); the single process's too (the check sees its bias)."""
     from torch import nn
 
     from ds4sci.models.evoformer import PairformerBlock
@@ -218,8 +244,8 @@ def _pairformer_worker(rank, world, n_res):
     torch.manual_seed(0)
     stack = nn.ModuleList(PairformerBlock(**PAIR_KW, backend="torch") for _ in range(2)).double().eval()
     with torch.no_grad():
-        for p in stack.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
+        for q in stack.parameters():
+            q.copy_(torch.randn_like(q) * 0.3)
     g = torch.Generator().manual_seed(1)
     s = torch.randn(2, n_res, PAIR_KW["c_s"], generator=g, dtype=torch.float64)
     z = torch.randn(2, n_res, n_res, PAIR_KW["c_z"], generator=g, dtype=torch.float64)
@@ -228,26 +254,36 @@ def _pairformer_worker(rank, world, n_res):
     pair_mask = (torch.rand(2, n_res, n_res, generator=g) > 0.2).double()
     weights = [torch.randn(s.shape, generator=g, dtype=torch.float64),
                torch.randn(z.shape, generator=g, dtype=torch.float64)]
-    results = {}
+    results, seen = {}, {}
     for name, blocks, sharded in (("one block", stack[0], False), ("2-block stack, tiled", stack, True)):
         def single(s, z, single_mask, pair_mask, blocks=blocks):
             for blk in (blocks if isinstance(blocks, nn.ModuleList) else [blocks]):
                 s, z = blk(s, z, single_mask, pair_mask)
             return s, z
         want = _run(single, blocks, s, z, single_mask, pair_mask, weights)
-        got = _run(evoformer_context_parallel(blocks, mesh=(2, 2), sharded=sharded), blocks, s, z, single_mask,
-                   pair_mask, weights)
+        module = evoformer_context_parallel(blocks, mesh=(p, p), sharded=sharded)
+        with _WholePairOps(2, n_res, -(-n_res // p) * p, PAIR_KW["c_z"]) as ops:
+            got = _run(module, blocks, s, z, single_mask, pair_mask, weights)
         error = max(((got[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k) for k, v in want.items())
-        results[name] = error, {n: got[n].numpy().tobytes() for n, _ in blocks.named_parameters()}
-    return results
+        results[name], seen[name] = (error, {n: got[n].numpy().tobytes() for n, _ in blocks.named_parameters()}), \
+            ops.seen
+    with _WholePairOps(2, n_res, -(-n_res // p) * p, PAIR_KW["c_z"]) as ops:
+        _run(single, stack, s, z, single_mask, pair_mask, weights)
+    seen["single process"] = ops.seen
+    return results, seen
 
 
-def test_2d_pairformer_equals_single_process():
-    """Pairformer blocks on a 2 x 2 mesh (z tiled, s replicated), one block and a 2-block stack tiled between
-    blocks, N_res odd: outputs, input and parameter gradients equal the single process (fp64, to rounding) on every
-    rank, parameter gradients bitwise the same on every rank."""
-    results = run_workers(_pairformer_worker, 4, 7, timeout=600)
-    for rank, per_case in enumerate(results):
+@pytest.mark.parametrize("p, n_res", [(2, 7), (3, 7)], ids=["2x2", "3x3"])
+def test_2d_pairformer_equals_single_process(p, n_res):
+    """Pairformer blocks on a p x p mesh (z tiled, s replicated, its attention from the bias tiles), one block and a
+    2-block stack tiled between blocks, N_res 7 (padded to 8 on 2 x 2, to 9 on 3 x 3): outputs, input and parameter gradients equal the single process (fp64, to rounding) on every rank,
+    parameter gradients bitwise the same on every rank; and no op of any rank, forward or backward, makes a tensor
+    with two dims of N_res or more but z and the pair mask themselves (the single process does: its bias
+    ``[*, N, N, H_s]`` and the attention's ``[*, 1, H_s, N, N]``)."""
+    results = run_workers(_pairformer_worker, p * p, p, n_res, timeout=600)
+    for rank, (per_case, seen) in enumerate(results):
         for case, (error, grads) in per_case.items():
             assert error[0] <= 1e-12, f"rank {rank}, {case}: worst {error}"
-            assert grads == results[0][case][1], f"rank {rank}, {case}: parameter gradients differ from rank 0's"
+            assert grads == results[0][0][case][1], f"rank {rank}, {case}: parameter gradients differ from rank 0's"
+            assert not seen[case], f"rank {rank}, {case}: whole N_res x N_res tensors from {sorted(seen[case])[:4]}"
+        assert any(shape[-1] == PAIR_KW["no_heads_pair_bias"] for _, shape in seen["single process"]), seen
