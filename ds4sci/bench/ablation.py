@@ -280,7 +280,6 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
                         "held": held, "params": params, "grads": grads["bytes"]})
         if engine is not None:
             engine.destroy()
-        del model, offload, engine
     return results
 
 
