@@ -18,8 +18,8 @@ Memory model (bytes per GPU):
   phi_norm`` parameters per rank (``phi_layer``: one block's,
   :meth:`~ds4sci.models.genslm.GenSLMConfig.block_parameters`; ``phi_norm`` one norm's, ``2 h`` for LayerNorm, ``h`` for
   RMSNorm; the block's two norms and, with biases, its two row-parallel biases, ``n = 2 phi_norm + 2 h``, and the final
-  norm are replicated over TP; ``t = 2`` embedding and head matrices, ``1`` when tied with ``pp = 1`` (a pipeline
-  keeps a copy on each end stage); the vocabulary is padded to
+  norm are replicated over TP; ``t = 2`` embedding and head matrices, ``1`` when tied or with ``pp > 1`` (a pipeline's
+  first stage holds the embedding, its last the head or the tied copy); the vocabulary is padded to
   ``V_tp``, a multiple of ``tp``; at ``tp = pp = 1`` this is :meth:`~ds4sci.models.genslm.GenSLMConfig.num_parameters`
   less the position table), each with ``p`` bytes of parameter, ``g`` of gradient and ``k`` of optimizer state: fp32 ``4
   + 4 + 8`` (AdamW's two moments), bf16 ``2 + 2 + 12`` (fp32 master copy and moments). Stage 0 keeps all three; stages 1
@@ -395,7 +395,8 @@ def _param_tensors(w: Workload, strategy: Strategy) -> tuple[list[float], list[f
     """Elements of each parameter tensor on a rank: one block's (norms, fused q/k/v, attention output, MLP matrices,
     their biases; the matrices split over TP, the norms and the row-parallel biases whole) and those outside the
     blocks (final norm, embedding and head over the vocabulary padded to a multiple of ``tp``; a tied pair is one
-    matrix, except that a pipeline keeps a copy on each end stage)."""
+    matrix; a pipeline's end stages hold one each, the embedding on the first and the head, or the tied copy, with
+    the final norm on the last, which counts: measured per stage with ``ds4sci bench ablation --layouts pp2``)."""
     d, m = strategy.dims, w.model
     h, f, tp = m.hidden_size, m.intermediate_size, d.tp
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
@@ -405,7 +406,7 @@ def _param_tensors(w: Workload, strategy: Strategy) -> tuple[list[float], list[f
     if m.bias:
         layer += [qkv / tp, h, *[f / tp] * mlp_in, h]
     vocab = math.ceil(m.vocab_size / tp) * tp * h / tp
-    return layer, norm + [vocab] * (1 if m.tie_word_embeddings and d.pp == 1 else 2)
+    return layer, norm + [vocab] * (1 if m.tie_word_embeddings or d.pp > 1 else 2)
 
 
 def loss_saved_bytes(w: Workload, strategy: Strategy) -> float:

@@ -14,7 +14,7 @@ def _run(row, L, S, device_per_layer, working, host=0):
     peak adds ``working`` bytes per token and 1 MiB."""
     device = S * (L * device_per_layer + 100)
     return {"layout": "1", "row": row, "layers": L, "seq_len": S, "saved": device + host, "host": host,
-            "device": device, "peak": device + working * S + MIB}
+            "device": device, "peak": device + working * S + MIB, "held": L, "params": 1024 * L, "grads": 512 * L}
 
 
 def test_summary_reads_the_slopes_and_the_budget():
@@ -42,6 +42,7 @@ def test_summary_reads_the_slopes_and_the_budget():
     report["summary"] = list(rows.values())
     text = ablation.markdown(report)
     assert "| one process | baseline | 17.00 | 15.38 |" in text and "| one process | + checkpointing | 2 | " in text
+    assert "| one process | 2 | 2 | 2.0 | " in text  # blocks held, parameter KiB at L = 2
 
 
 @pytest.mark.distributed
@@ -112,8 +113,69 @@ def test_planner_per_rank_figures_are_per_token_of_the_full_sequence():
     assert uly["working_per_token"] < one["working_per_token"] and tp["working_per_token"] < one["working_per_token"]
 
 
+@pytest.mark.distributed
+def test_ring_pipeline_and_zero3_rows_measure_what_the_planner_predicts():
+    """The baseline row under ring 2 (zigzag), PP 2 and ZeRO-3 over 2 data ranks, in one process group, each through
+    the trainer's own path (parallelize; build_pipeline_engine and pipeline_train_batch; build_engine at ZeRO-3), at 2
+    and 4 layers. Ring 2: each rank saves exactly half the one-process bytes per layer per token of the full sequence
+    (the one-process figure is the planner's, exact against saved-tensor hooks: tests/test_plan.py). PP 2: each stage
+    holds L / 2 blocks and saves per block what one process does. ZeRO-3: a data rank saves per layer what one
+    process does, holds its parameter partitions beside the (all persistent, tiny) gathered tensors and is handed
+    half the gradients. Every figure equals the planner's per-rank one exactly."""
+    S, row = 256, "baseline"
+    layouts = ["ring2", "pp2", "dp2xzero3"]
+    runs = ablation.measure(row, SHAPE, [(2, S), (4, S)], layouts)
+    by = {layout: [r for r in runs if r["layout"] == layout] for layout in layouts}
+    one = ablation.planner(row, SHAPE, 4, S)
+    assert one["per_layer"] % 2 == 0
+
+    def per_layer(layout):
+        small, large = by[layout]
+        return (large["device"] - small["device"]) / ((large["held"] - small["held"]) * S)
+
+    assert per_layer("ring2") == one["per_layer"] / 2 == ablation.planner(row, SHAPE, 4, S, "ring2")["per_layer"]
+    assert [[r["held"] for r in run["ranks"]] for run in by["pp2"]] == [[1, 1], [2, 2]]  # L / 2 per stage
+    assert per_layer("pp2") == per_layer("dp2xzero3") == one["per_layer"]
+    for layout in layouts:
+        small, large = by[layout]
+        predicted = ablation.planner(row, SHAPE, 4, S, layout)
+        assert per_layer(layout) == predicted["per_layer"], layout
+        assert (large["held"], large["params"], large["grads"]) == (
+            predicted["held"], predicted["params"], predicted["grads"]), layout
+    assert by["dp2xzero3"][1]["grads"] * 2 == by["ring2"][1]["grads"]  # ring 2 keeps whole gradients
+
+
+@pytest.mark.distributed
+def test_host_offload_row_under_ring_pipeline_and_zero3():
+    """The last row (full checkpointing, tiled MLP, host offload) under ring 2, PP 2 and ZeRO-3, one process group:
+    nothing per layer left on the device, and the planner's host bytes on every rank (ring 2: this rank's S / 2
+    tokens of each block input; PP 2: its stage's L / 2 blocks; ZeRO-3: every block of its own sequence)."""
+    S = 256
+    layouts = ["ring2", "pp2", "dp2xzero3"]
+    runs = ablation.measure("+ host offload", SHAPE, [(2, S), (4, S)], layouts)
+    vector = 32 * 4
+    for layout, blocks, tokens in (("ring2", 4, S // 2), ("pp2", 2, S), ("dp2xzero3", 4, S)):
+        small, large = [r for r in runs if r["layout"] == layout]
+        assert large["device"] == small["device"] > 0, layout  # the same outside the layers, nothing per layer
+        assert [r["host"] for r in large["ranks"]] == [blocks * tokens * vector] * 2, layout
+        assert large["host"] == ablation.planner("+ host offload", SHAPE, 4, S, layout)["host"], layout
+
+
+def test_planner_under_pipeline_and_zero3():
+    """The planner's per-rank figures the ring, PP 2 and ZeRO-3 rows are held against: a stage holds L / 2 blocks
+    (one micro-batch in flight), each as on one process; ZeRO-3 over 2 data ranks keeps the per-layer bytes and halves
+    the gradients; ring 2 halves the per-layer bytes."""
+    one, ring, pp, zero = (ablation.planner("+ tiled MLP", SHAPE, 4, 512, layout)
+                           for layout in ("1", "ring2", "pp2", "dp2xzero3"))
+    assert (one["held"], pp["held"], zero["held"]) == (4, 2, 4)
+    assert pp["per_layer"] == zero["per_layer"] == one["per_layer"] == 2 * ring["per_layer"]
+    assert zero["grads"] == one["grads"] / 2
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--quick", "--layouts", "1,ring2"], "'ring2': the ablation runs tp and ulysses degrees only, not ring2"),
+    (["--quick", "--layouts", "1,zero3"], "'zero3': give the ranks ZeRO-3 partitions over, e.g. dp2xzero3"),
+    (["--quick", "--layouts", "pp2xzero3"], "'pp2xzero3': DeepSpeed's pipeline engine runs ZeRO stage 0 or 1"),
+    (["--quick", "--layouts", "pp2"], "pp=2 pipeline stages need at least 2 layers, the model has 1"),
     (["--quick", "--layouts", "tp2xfoo"], "expected degrees like tp2xulysses2"),
     (["--quick", "--rows", "baseline,tiled"], "--rows tiled: not a row"),
     (["--quick", "--layouts", "ulysses8"], "ulysses"),

@@ -1,15 +1,19 @@
 """``ds4sci bench ablation``: what each long-sequence memory switch leaves per token per layer on each rank, measured
 beside the planner's figure (the per-technique ablation of Arctic Long Sequence Training, ALST: Bekman et al. 2025,
-arXiv:2506.13996, Table 1, measured here on one process and per rank under Ulysses and tensor parallelism).
+arXiv:2506.13996, Table 1, measured here on one process and per rank under Ulysses, ring, tensor and pipeline
+parallelism and ZeRO-3).
 
 Rows, each adding one switch to the one above (``activation_checkpointing`` in the training config): ``baseline``
 (nothing), ``+ tiled loss`` (``tiled_loss: true``; first after the baseline, as in ALST's runs, where every row after
 the baseline computes the loss over tiles), ``+ checkpointing`` (``mode: full``), ``+ tiled MLP`` (``tiled_mlp:
 true``), ``+ host offload`` (``cpu: true``). Each row runs under each layout of ``--layouts``: ``1`` (one process),
-``ulysses2`` (Ulysses sequence parallelism over 2 ranks), ``tp2`` (tensor parallelism over 2 ranks, Megatron-LM's
-sequence-parallel regions), ``tp2xulysses2``... Under TP the column-parallel layers save this rank's sequence region
-of their inputs and all-gather it again in backward (the TP re-gather, :mod:`ds4sci.parallel.tensor_parallel`): the
-rows without checkpointing (``baseline``, ``+ tiled loss``) under ``tp2`` show what it leaves saved.
+``ulysses2`` (Ulysses sequence parallelism over 2 ranks), ``ring2`` (ring attention over 2 ranks, the trainer's
+zigzag sequence layout), ``tp2`` (tensor parallelism over 2 ranks, Megatron-LM's sequence-parallel regions),
+``pp2`` (two pipeline stages, DeepSpeed's pipeline engine, 1F1B over one micro-batch: one in flight),
+``dp2xzero3`` (ZeRO-3 over 2 data ranks, each with its own sequence), ``tp2xulysses2``... Under TP the
+column-parallel layers save this rank's sequence region of their inputs and all-gather it again in backward (the TP
+re-gather, :mod:`ds4sci.parallel.tensor_parallel`): the rows without checkpointing (``baseline``, ``+ tiled loss``)
+under ``tp2`` show what it leaves saved.
 
 For each layout, row, sequence length ``S`` and layer count ``L`` a fresh gloo process group
 (:func:`ds4sci.spawn.run_workers`, DeepSpeed's CPU accelerator, one process per rank) builds a GenSLM and applies the
@@ -17,29 +21,40 @@ layout and the switches with the trainer's own functions (:func:`~ds4sci.paralle
 :func:`~ds4sci.parallel.parallelize.parallelize`,
 :func:`~ds4sci.train.activation_checkpointing.apply_activation_checkpointing`, the batch cut by
 :func:`~ds4sci.sequence.shard_sequence` and the loss :func:`~ds4sci.parallel.tensor_parallel.token_loss_for`'s, as
-:class:`~ds4sci.train.trainer.Trainer` does), runs a warm-up step at a tiny length and then one forward + cross-entropy
-+ backward at ``S`` tokens, measuring on every rank:
+:class:`~ds4sci.train.trainer.Trainer` does; with data ranks or ZeRO-3 the model then goes into
+:func:`~ds4sci.train.engine.build_engine`'s DeepSpeed engine, with pipeline stages into
+:func:`~ds4sci.train.pipeline.build_pipeline_engine`'s, stepped by
+:func:`~ds4sci.train.pipeline.pipeline_train_batch`), runs a warm-up step at a tiny length and then one forward +
+cross-entropy + backward at ``S`` tokens (the pipeline's ``train_batch`` includes the optimizer step; the others'
+step follows outside the measurement), measuring on every rank:
 
-- ``saved``: the bytes autograd saves for backward in the forward, each storage once (``saved_tensors_hooks``; the
-  checkpoint's own inputs, which DeepSpeed's reentrant checkpoint keeps out of the hooks' sight, counted where the
-  checkpoint is called), and ``host``: what :class:`~ds4sci.train.activation_offload.HostOffload` holds in host
-  memory at the end of the forward (``offloaded_bytes``); ``device = saved - host``;
+- ``saved``: the bytes autograd saves for backward in the forward, each storage once (``saved_tensors_hooks``, over
+  the pipeline's forward passes only; parameters left out, ZeRO-3's gathered ones too; the checkpoint's own inputs,
+  which DeepSpeed's reentrant checkpoint keeps out of the hooks' sight, counted where the checkpoint is called), and
+  ``host``: the most :class:`~ds4sci.train.activation_offload.HostOffload` holds in host memory after a checkpointed
+  block's forward (``offloaded_bytes``; after the last, every block's); ``device = saved - host``;
 - ``peak``: the peak RSS of the step above its start (:class:`ds4sci.bench.memory.PeakMemory`; glibc's allocator,
-  whose settings the report records).
+  whose settings the report records);
+- ``held``: the blocks the rank holds (a pipeline stage's), ``params``: its parameter bytes after the step (ZeRO-3:
+  its partitions and the tensors kept gathered), ``grads``: the gradient bytes the optimizer is handed (ZeRO-3: its
+  partition; without an engine, the ``.grad`` after backward).
 
 A run records the largest of each over the ranks (the most loaded rank, as the planner reports). Per layout and row
 the report gives, in hidden vectors (``h e`` bytes) per token of the FULL sequence (a rank's bytes over ``S``, so
-1/P of the one-process figure where a layout divides everything by its P ranks): per layer on the device, the slope
-of ``device`` over ``S L`` (from the two layer counts); the working set, the slope over ``S`` of ``peak - device`` at
+1/P of the one-process figure where a layout divides everything by its P ranks; a data rank's own sequence under
+ZeRO-3): per layer on the device, the slope of ``device`` over ``S`` times the blocks held (from the two layer
+counts; per block a stage holds, ``L / pp`` of them); the working set, the slope over ``S`` of ``peak - device`` at
 the larger ``L`` (what backward adds above the saved tensors: the recomputed layer and its gradients); and the
 longest sequence within the per-rank ``--budget-mib`` from the fit ``peak = a + b S`` at the larger ``L``. Beside
 each the planner's figure for the same layout (:mod:`ds4sci.plan`, fp32, a ``Strategy`` with the layout's degrees:
 ``activations + workspace + attention + grads`` and the larger of the Ulysses all-to-all staging and the ring's
-buffers, the step's peak above the parameters and the optimizer state, as ``PeakMemory`` starts after them).
+buffers, plus ZeRO-3's gathered parameters, the step's peak above the parameters and the optimizer state, as
+``PeakMemory`` starts after them), and per layout the blocks, parameter and gradient bytes a rank holds.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 from ds4sci.bench.layout_memory import parse_layout
@@ -56,6 +71,8 @@ ROWS = {  # name -> activation_checkpointing keys; each row adds one switch to t
 VOCAB = 6
 _WARMUP_TOKENS = 64
 ONE = "1"  # the one-process layout
+ZERO3 = "zero3"  # the --layouts part for ZeRO stage 3
+RANK_KEYS = ("saved", "host", "device", "peak", "held", "params", "grads")  # measured per rank
 
 
 def row_key(row: str) -> str:
@@ -63,25 +80,49 @@ def row_key(row: str) -> str:
     return row.removeprefix("+ ").replace(" ", "-").lower()
 
 
+def _parts(layout: str) -> tuple[str, int]:
+    """``"dp2xzero3"`` -> ``("dp2", 3)``: the degrees and the ZeRO stage of a ``--layouts`` entry."""
+    parts = layout.split("x")
+    zero = 3 if ZERO3 in parts else 0
+    return "x".join(p for p in parts if p != ZERO3), zero
+
+
 def dims(layout: str) -> ParallelDims:
-    """The degrees of a ``--layouts`` entry: ``"1"`` (one process) or tensor and Ulysses degrees joined by ``x``
-    (``"tp2"``, ``"ulysses2"``, ``"tp2xulysses2"``; :func:`ds4sci.bench.layout_memory.parse_layout`'s syntax).
+    """The degrees of a ``--layouts`` entry: ``"1"`` (one process) or degrees joined by ``x``
+    (:func:`ds4sci.bench.layout_memory.parse_layout`'s syntax: ``"tp2"``, ``"ulysses2"``, ``"ring2"``, ``"pp2"``,
+    ``"tp2xulysses2"``), with ``zero3`` as one more part for ZeRO-3 over the sequence x data ranks (``"dp2xzero3"``).
     ``ValueError`` naming the entry otherwise."""
     if layout == ONE:
         return ParallelDims(dp=1)
-    degrees = parse_layout(layout, None)
-    other = [f"{axis}{degrees[axis]}" for axis in ("ring", "pp", "dp") if degrees[axis] > 1]
-    if other:
-        raise ValueError(f"--layouts entry {layout!r}: the ablation runs tp and ulysses degrees only, not "
-                         f"{', '.join(other)}")
-    return ParallelDims(dp=1, tp=degrees["tp"], ulysses=degrees["ulysses"])
+    degrees, zero = _parts(layout)
+    if not degrees:
+        raise ValueError(f"--layouts entry {layout!r}: give the ranks ZeRO-3 partitions over, e.g. dp2xzero3")
+    d = parse_layout(degrees, None)
+    if zero and d["pp"] > 1:
+        raise ValueError(f"--layouts entry {layout!r}: DeepSpeed's pipeline engine runs ZeRO stage 0 or 1, not zero3")
+    return ParallelDims(**d)
+
+
+def zero_stage(layout: str) -> int:
+    """3 for a ``--layouts`` entry with a ``zero3`` part, else 0."""
+    return 0 if layout == ONE else _parts(layout)[1]
+
+
+def uses_engine(layout: str) -> bool:
+    """Whether ``layout`` runs through the trainer's DeepSpeed engine (data ranks, ZeRO-3: ``build_engine``; pipeline
+    stages: ``build_pipeline_engine``); tensor and sequence layouts run the parallelized model itself."""
+    d = dims(layout)
+    return d.pp > 1 or d.dp > 1 or zero_stage(layout) > 0
 
 
 def layout_name(layout: str) -> str:
-    """``"tp2xulysses2"`` -> ``"TP 2 x Ulysses 2"``; ``"1"`` -> ``"one process"``."""
+    """``"tp2xulysses2"`` -> ``"TP 2 x Ulysses 2"``; ``"1"`` -> ``"one process"``; ``"dp2xzero3"`` -> ``"DP 2
+    (ZeRO-3)"``; ``"pp2"`` -> ``"PP 2 (1 micro-batch in flight)"``."""
     d = dims(layout)
-    parts = [f"{name} {n}" for name, n in (("TP", d.tp), ("Ulysses", d.ulysses)) if n > 1]
-    return " x ".join(parts) or "one process"
+    parts = [f"{name} {n}" for name, n in (("TP", d.tp), ("Ulysses", d.ulysses), ("Ring", d.ring), ("PP", d.pp),
+                                           ("DP", d.dp)) if n > 1]
+    notes = (["ZeRO-3"] if zero_stage(layout) else []) + (["1 micro-batch in flight"] if d.pp > 1 else [])
+    return (" x ".join(parts) or "one process") + (f" ({', '.join(notes)})" if notes else "")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,8 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=parse_int_list, default=(4, 8), metavar="L,L",
                         help="two layer counts; the per-layer figures are the difference (default: 4,8)")
     parser.add_argument("--layouts", default=ONE, metavar="LAYOUT,...",
-                        help="1 (one process) or tp and ulysses degrees joined by x, e.g. 1,ulysses2,tp2: every row "
-                             "runs under each, one process per rank (default: 1)")
+                        help="1 (one process) or degrees joined by x (tp, ulysses, ring, pp, dp), with zero3 for ZeRO "
+                             "stage 3, e.g. 1,ulysses2,tp2,ring2,pp2,dp2xzero3: every row runs under each, one process "
+                             "per rank (default: 1)")
     parser.add_argument("--rows", default=",".join(row_key(r) for r in ROWS), metavar="ROW,...",
                         help="rows to run (default: %(default)s)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default: %(default)s)")
@@ -112,11 +154,13 @@ def _config(shape: dict, layers: int, seq_len: int):
                         max_position_embeddings=seq_len, attention_backend="chunked")
 
 
-def _worker(rank: int, world: int, switches: dict, shape: dict, layout: str, runs: list[tuple[int, int]]
-            ) -> list[dict]:
-    """Each run's ``(L, S)`` saved, host and peak bytes on this rank, in order (module docstring)."""
+def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[int, int]]) -> list[dict]:
+    """Each run's ``(L, S)`` figures on this rank under ``layout``, in order (module docstring): ``saved``, ``host``,
+    ``device`` and ``peak`` bytes, the blocks this rank holds (``held``), its parameter and gradient bytes."""
     import torch
+    from deepspeed.runtime.pipe.schedule import ForwardPass
 
+    from ds4sci.bench.layout_memory import _distinct_bytes, _model_states
     from ds4sci.bench.memory import PeakMemory
     from ds4sci.models.genslm import GenSLM
     from ds4sci.parallel.groups import build_groups
@@ -124,12 +168,14 @@ def _worker(rank: int, world: int, switches: dict, shape: dict, layout: str, run
     from ds4sci.parallel.tensor_parallel import token_loss_for
     from ds4sci.sequence import shard_sequence
     from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
-    from ds4sci.train.config import ActivationCheckpointingConfig
-    from ds4sci.train.engine import init_distributed
+    from ds4sci.train.config import ActivationCheckpointingConfig, load_config
+    from ds4sci.train.engine import build_engine
+    from ds4sci.train.loss import global_target_count
+    from ds4sci.train.pipeline import BlockStage, build_pipeline_engine, pipeline_reduction_factor, pipeline_train_batch
 
-    init_distributed()
     groups = build_groups(dims(layout))
-    d = groups.dims
+    d, zero = groups.dims, zero_stage(layout)
+    engine_cfg = load_config(None, [f"zero.stage={zero}", f"parallel.pp={d.pp}"]) if uses_engine(layout) else None
     loss_fn = token_loss_for(groups)
     results = []
     for layers, seq_len in runs:
@@ -138,12 +184,14 @@ def _worker(rank: int, world: int, switches: dict, shape: dict, layout: str, run
         parallelize(model, groups)
         offload = apply_activation_checkpointing(model, ActivationCheckpointingConfig(
             **switches, mlp_tile=shape["mlp_tile"], loss_tile=shape["loss_tile"]))
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         storages: dict[int, int] = {}  # storage object -> bytes; an offloaded storage keeps its object, not its memory
+        host = [0]  # the most HostOffload held after a checkpointed block's forward (all of them after the last)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
+            # parameters, also ZeRO-3's gathered ones, whose storage changes from gather to gather
+            if not isinstance(t, torch.nn.Parameter) and storage.nbytes() and storage.data_ptr() not in {
+                    p.untyped_storage().data_ptr() for p in model.parameters()}:
                 storages[storage._cdata] = storage.nbytes()
             return t
 
@@ -154,9 +202,30 @@ def _worker(rank: int, world: int, switches: dict, shape: dict, layout: str, run
                 for a in args:
                     if isinstance(a, torch.Tensor):
                         pack(a)
-                return inner(block, *args)
+                out = inner(block, *args)
+                host[0] = max(host[0], offload.offloaded_bytes if offload is not None else 0)
+                return out
 
-            model.checkpoint_fn = counted
+            model.checkpoint_fn = counted  # before the pipeline's stages read it
+        grads = {}
+        if d.pp > 1:
+            engine = build_pipeline_engine(model, None, engine_cfg, groups, torch.device("cpu"))
+            held = sum(isinstance(f, BlockStage) for f in engine.module.forward_funcs)
+        elif engine_cfg is not None:
+            engine = build_engine(model, engine_cfg, groups, torch.device("cpu"))
+            held = layers
+        else:
+            engine, held = None, layers
+        if engine is not None:  # the gradients the optimizer is handed (ZeRO: this rank's partition)
+            opt = engine.basic_optimizer
+            original = opt.step
+
+            def step_counted(*args, _original=original, _opt=opt, _engine=engine, **kwargs):
+                grads["bytes"] = _distinct_bytes([p.grad for p in _engine.module.parameters()]
+                                                 + [q.grad for g in _opt.param_groups for q in g["params"]])
+                return _original(*args, **kwargs)
+
+            opt.step = step_counted
 
         def step(n: int, hooks: bool) -> None:
             g = torch.Generator().manual_seed(n)
@@ -164,41 +233,85 @@ def _worker(rank: int, world: int, switches: dict, shape: dict, layout: str, run
             batch = {"input_ids": ids[:, :-1], "position_ids": torch.arange(n)[None], "targets": ids[:, 1:]}
             batch = {k: shard_sequence(v, 1, groups.sp_rank, d.sp, d.layout) for k, v in batch.items()}  # [1, n/sp]
             inputs = (batch["input_ids"], batch["position_ids"])
-            with torch.autograd.graph.saved_tensors_hooks(pack if hooks else (lambda t: t), lambda t: t):
-                if switches.get("tiled_loss"):  # the head computes the summed loss tile by tile
-                    loss = model(*inputs, targets=batch["targets"])
-                else:
-                    loss = loss_fn(model(*inputs), batch["targets"], "sum")
-            out["host"] = offload.offloaded_bytes if offload is not None else 0
-            loss.backward()
-            model.zero_grad(set_to_none=True)
+            host[0] = 0
+            if d.pp > 1:  # the pipeline engine's 1F1B step over one micro-batch, optimizer step included; the hooks
+                # see its forward passes only (backward's recomputation saves what it frees at once)
+                engine.reset_activation_shape()  # the stages' send and receive buffers: new length
+                instructions = type(engine)._INSTRUCTION_MAP
+                forward_pass = instructions[ForwardPass]
 
-        out: dict = {}
+                def hooked(self, *args, **kwargs):
+                    with torch.autograd.graph.saved_tensors_hooks(pack if hooks else (lambda t: t), lambda t: t):
+                        return forward_pass(self, *args, **kwargs)
+
+                engine._INSTRUCTION_MAP = {**instructions, ForwardPass: hooked}  # the schedule's dispatch
+                count = global_target_count([batch["targets"]], groups.sdp)
+                pipeline_train_batch(engine, groups, [batch], count, pipeline_reduction_factor(d))
+                del engine._INSTRUCTION_MAP
+                return
+            with torch.autograd.graph.saved_tensors_hooks(pack if hooks else (lambda t: t), lambda t: t):
+                forward = model if engine is None else engine
+                if switches.get("tiled_loss"):  # the head computes the summed loss tile by tile
+                    loss = forward(*inputs, targets=batch["targets"])
+                else:
+                    loss = loss_fn(forward(*inputs), batch["targets"], "sum")
+            if engine is None:
+                loss.backward()
+            else:
+                engine.backward(loss)
+
+        def finish() -> None:  # the update, outside the measured step
+            if engine is None:
+                grads["bytes"] = _distinct_bytes([p.grad for p in model.parameters()])
+                model.zero_grad(set_to_none=True)
+            elif d.pp == 1:
+                engine.step()
+
         step(_WARMUP_TOKENS, hooks=False)
+        finish()
         storages.clear()
         with PeakMemory("cpu") as peak:
             step(seq_len, hooks=True)
+        finish()
         saved = sum(storages.values())
-        results.append({"saved": saved, "host": out["host"], "device": saved - out["host"], "peak": peak.bytes})
-        del model, offload
+        params = (_model_states(engine, {"grads": 0})["params"] if engine is not None
+                  else _distinct_bytes(list(model.parameters())))
+        results.append({"saved": saved, "host": host[0], "device": saved - host[0], "peak": peak.bytes,
+                        "held": held, "params": params, "grads": grads["bytes"]})
+        if engine is not None:
+            engine.destroy()
     return results
 
 
-def measure(row: str, shape: dict, runs: list[tuple[int, int]], layout: str = ONE) -> list[dict]:
-    """One process group of ``layout``'s ranks measures ``row`` at each ``(L, S)`` of ``runs`` in turn: per run the
-    largest ``saved``, ``host``, ``device`` and ``peak`` over the ranks and each rank's (``ranks``)."""
+def _worker(rank: int, world: int, switches: dict, shape: dict, layouts: list[str], runs: list[tuple[int, int]]
+            ) -> list[list[dict]]:
+    """Per layout (one world size), each run's figures on this rank (:func:`_measure_layout`)."""
+    from ds4sci.train.engine import init_distributed
+
+    init_distributed()
+    return [_measure_layout(switches, shape, layout, runs) for layout in layouts]
+
+
+def measure(row: str, shape: dict, runs: list[tuple[int, int]], layouts: str | list[str] = ONE) -> list[dict]:
+    """One process group measures ``row`` at each ``(L, S)`` of ``runs`` in turn under each of ``layouts`` (a
+    layout, or several of one world size, each with its own groups): per layout and run the largest ``saved``,
+    ``host``, ``device``, ``peak``, ``held``, ``params`` and ``grads`` over the ranks and each rank's (``ranks``)."""
     from ds4sci.spawn import run_workers
 
+    layouts = [layouts] if isinstance(layouts, str) else list(layouts)
+    worlds = {dims(layout).world_size for layout in layouts}
+    if len(worlds) != 1:
+        raise ValueError(f"layouts {', '.join(layouts)}: one process group runs layouts of one world size")
     start = time.perf_counter()
-    per_rank = run_workers(_worker, dims(layout).world_size, ROWS[row], shape, layout, list(runs), timeout=3600,
+    per_rank = run_workers(_worker, worlds.pop(), ROWS[row], shape, layouts, list(runs), timeout=3600,
                            env={"DS_ACCELERATOR": "cpu"})
     seconds = round(time.perf_counter() - start, 1)
     out = []
-    for i, (layers, seq_len) in enumerate(runs):
-        ranks = [r[i] for r in per_rank]
-        out.append({"layout": layout, "row": row, "layers": layers, "seq_len": seq_len,
-                    **{k: max(r[k] for r in ranks) for k in ("saved", "host", "device", "peak")},
-                    "ranks": ranks, "seconds": seconds})
+    for j, layout in enumerate(layouts):
+        for i, (layers, seq_len) in enumerate(runs):
+            ranks = [r[j][i] for r in per_rank]
+            out.append({"layout": layout, "row": row, "layers": layers, "seq_len": seq_len,
+                        **{k: max(r[k] for r in ranks) for k in RANK_KEYS}, "ranks": ranks, "seconds": seconds})
     return out
 
 
@@ -212,28 +325,33 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def planner(row: str, shape: dict, layers: int, seq_len: int, layout: str = ONE) -> dict:
     """The planner's figures for ``row`` under ``layout`` at one length, per rank: bytes per token of the full
     sequence per layer on the device, the working set per token (what backward adds above the saved tensors), host
-    bytes, and the step's peak (module docstring)."""
+    bytes, the step's peak, the blocks a rank holds (``held``: ``L / pp`` with one micro-batch in flight) and its
+    parameter and gradient bytes (module docstring)."""
     from ds4sci import plan
 
     switches = ROWS[row]
-    d = dims(layout)
-    w = plan.Workload(_config(shape, layers, seq_len), seq_len, dtype="fp32")
-    strategy = plan.Strategy(d, checkpointing=switches["mode"], mlp_tile=shape["mlp_tile"] if switches.get(
-        "tiled_mlp") else 0, offload_activations=switches.get("cpu", False),
-        loss_tile=shape["loss_tile"] if switches.get("tiled_loss") else 0)
+    d, zero = dims(layout), zero_stage(layout)
+    w = plan.Workload(_config(shape, layers, seq_len), seq_len, dtype="fp32")  # one micro-batch per step
+    strategy = plan.Strategy(d, zero_stage=zero, checkpointing=switches["mode"], mlp_tile=shape["mlp_tile"] if
+                             switches.get("tiled_mlp") else 0, offload_activations=switches.get("cpu", False),
+                             loss_tile=shape["loss_tile"] if switches.get("tiled_loss") else 0)
+    held = math.ceil(layers / d.pp) * min(d.pp, w.grad_accum)  # the planner's layers in flight on a rank
     local = d.sp * d.tp  # the planner counts per local token: S / (sp tp) of them on a rank
     per_layer = (plan.layer_activation_bytes(w, strategy, strategy.checkpointing)
                  - plan.offloaded_layer_bytes(w, strategy)) / local
     terms = plan.memory(w, strategy)
     buffers = max(terms["a2a_staging"], terms["ring_buffers"])  # alive one after the other: the larger counts
-    peak = terms["activations"] + terms["workspace"] + terms["attention"] + terms["grads"] + buffers
+    # ZeRO-3 gathers parameters during the step (its partitions and persistent ones exist before it)
+    peak = (terms["activations"] + terms["workspace"] + terms["attention"] + terms["grads"] + buffers
+            + terms["gathered_params"])
     # saved outside the layers (ids, final norm, logits or the tiled loss's targets): the activations without
     # checkpointing less its layers'
     plain = plan.Strategy(d, loss_tile=strategy.loss_tile)
     outside = (plan.memory(w, plain)["activations"] / seq_len
-               - layers * plan.layer_activation_bytes(w, plain, "none") / local)
-    working = (terms["activations"] + terms["workspace"] + buffers) / seq_len - layers * per_layer - outside
-    return {"per_layer": per_layer, "working_per_token": working, "host": terms["host_activations"], "peak": peak}
+               - held * plan.layer_activation_bytes(w, plain, "none") / local)
+    working = (terms["activations"] + terms["workspace"] + buffers) / seq_len - held * per_layer - outside
+    return {"per_layer": per_layer, "working_per_token": working, "host": terms["host_activations"], "peak": peak,
+            "held": held, "params": terms["params"] + terms["persistent_params"], "grads": terms["grads"]}
 
 
 def summarize(report: dict) -> list[dict]:
@@ -251,8 +369,9 @@ def summarize(report: dict) -> list[dict]:
             lengths = sorted(s for (L, s) in runs if L == large and (small, s) in runs)
             if len(lengths) < 2:
                 continue
-            per_layer = [(runs[large, s]["device"] - runs[small, s]["device"]) / ((large - small) * s)
-                         for s in lengths]
+            # per block a rank holds (a pipeline stage: L / pp of them)
+            per_layer = [(runs[large, s]["device"] - runs[small, s]["device"])
+                         / ((runs[large, s]["held"] - runs[small, s]["held"]) * s) for s in lengths]
             _, working = _fit(lengths, [runs[large, s]["peak"] - runs[large, s]["device"] for s in lengths])
             a, b = _fit(lengths, [runs[large, s]["peak"] for s in lengths])
             longest = int((budget - a) / b) if budget > a else 0
@@ -266,7 +385,9 @@ def summarize(report: dict) -> list[dict]:
                          "working_vectors": working / vector,
                          "planner_working_vectors": predicted["working_per_token"] / vector,
                          "host_bytes": runs[large, lengths[-1]]["host"], "planner_host_bytes": predicted["host"],
-                         "longest_within_budget": longest, "planner_longest_within_budget": lo})
+                         "longest_within_budget": longest, "planner_longest_within_budget": lo,
+                         **{k: runs[large, lengths[-1]][k] for k in ("held", "params", "grads")},
+                         **{f"planner_{k}": predicted[k] for k in ("held", "params", "grads")}})
     return rows
 
 
@@ -289,14 +410,24 @@ def markdown(report: dict) -> str:
     lines += markdown_table(["layout", "switches", "per layer on device", "planner", "working set", "planner",
                              f"host MiB (L={max(c['layers'])}, S={max(c['seq_lens'])})", "planner",
                              f"longest S in {c['budget_mib']:g} MiB (fit)", "planner"], rows)
-    lines += ["", "Per layer on device: the slope of saved-minus-offloaded bytes over S x L. Working set: the slope "
-              "over S of peak RSS minus the device-side saved bytes at the larger L. Longest S: the fit "
-              "`peak = a + b S` at the larger L extrapolated to the budget; the planner's: its activations + "
-              "workspace + attention + gradients + sequence-parallel buffers within the budget. Under TP the "
+    lines += ["", "Per layer on device: the slope of saved-minus-offloaded bytes over S x the blocks a rank holds "
+              "(L, or L / pp on a pipeline stage). Working set: the slope over S of peak RSS minus the device-side "
+              "saved bytes at the larger L. Longest S: the fit `peak = a + b S` at the larger L extrapolated to the "
+              "budget; the planner's: its activations + workspace + attention + gradients + sequence-parallel "
+              "buffers (+ ZeRO-3's gathered parameters) within the budget. Under TP the "
               "column-parallel layers save this rank's sequence region of their inputs and gather it again in "
               "backward (the rows without checkpointing show it). On a CPU the \"host\" copies of host offload are "
               "in the same process's RSS, so its peak does not fall here as it does on a GPU.", "",
-              "Peak MiB (RSS above the step's start, the most loaded rank):", ""]
+              f"Per rank at L={max(c['layers'])}: the blocks it holds (a pipeline stage's, with one micro-batch in "
+              "flight: 1F1B keeps up to `pp` on the first stage when a step has that many), its parameter bytes "
+              "(ZeRO-3: its partitions and the tensors kept gathered) and the gradient bytes handed to the optimizer "
+              "(ZeRO-3: its partition), measured beside the planner's:", ""]
+    states = {s["layout"]: s for s in report["summary"]}  # the same for every row of a layout
+    lines += markdown_table(["layout", "blocks held", "planner", "parameter KiB", "planner", "gradient KiB", "planner"],
+                            [[layout_name(layout), s["held"], s["planner_held"], f"{s['params'] / 1024:.1f}",
+                              f"{s['planner_params'] / 1024:.1f}", f"{s['grads'] / 1024:.1f}",
+                              f"{s['planner_grads'] / 1024:.1f}"] for layout, s in states.items()])
+    lines += ["", "Peak MiB (RSS above the step's start, the most loaded rank):", ""]
     keys = sorted({(r["layout"], r["row"], r["layers"]) for r in report["runs"]},
                   key=lambda k: (c["layouts"].index(k[0]), list(ROWS).index(k[1]), k[2]))
     table = []
@@ -359,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
     rows = _rows(args.rows)
     for layout in layouts:
         d = dims(layout)
-        cfg = _config(shape, max(layers), max(seq_lens))
+        cfg = _config(shape, min(layers), max(seq_lens))  # the fewer layers: enough for the pipeline's stages?
         d.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, num_layers=cfg.num_layers,
                       intermediate_size=cfg.intermediate_size)
         uneven = [s for s in (*seq_lens, _WARMUP_TOKENS) if s % d.sequence_multiple]
