@@ -134,10 +134,10 @@ _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 def _all_gather(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCounter | None) -> Tensor:
     """Concatenate every rank's ``x`` (one shape on every rank) along ``dim`` in group-rank order.
 
-    The pieces are received into one buffer, ``[P, *x.shape]`` viewed, (:data:`_gather_into`, gloo and NCCL alike: NCCL's
-    list ``all_gather`` would stage them in a flat buffer of its own and copy them out). When every dim before
+    The pieces are received into one buffer, viewed ``[P, *x.shape]`` (:data:`_gather_into`, gloo and NCCL alike:
+    NCCL's list ``all_gather`` would stage them in a flat buffer of its own and copy them out). When every dim before
     ``dim`` has size 1 (``dim`` leads in memory) the result is that buffer viewed as ``[..., P X, ...]``: nothing is
-    alive beside it but ``x``. Otherwise the view is not strided and is copied once into a contiguous result, so the
+    alive beside it but ``x``. Otherwise no strided view is the result: it is copied once into a contiguous result, so the
     buffer and the result are alive together, as the received pieces and their concatenation would be; a caller
     that can take a permuted result gathers along a leading dim instead (the Evoformer stack's exit,
     :func:`ds4sci.parallel.evoformer_cp.gather_leading`)."""
