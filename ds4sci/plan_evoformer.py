@@ -50,13 +50,14 @@ pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_
   c_opm``; the Pairformer ``(2 c_mul + 2 H_pair) N^2`` plus its replicated s-side bias ``N^2 H_s``. Training saves
   them all (each is an input of a saved op: the kernel's pair bias, batched matmul's copy of the gathered operand,
   the einsum's b), so they are held together; inference holds the largest one, and its matmul copy, at a time.
-- **exit** (1-D only): the stack's exit all-gather (:mod:`ds4sci.parallel.evoformer_cp` returns full tensors on every
-  rank): at the end of forward every rank holds z's gathered pieces beside their concatenation, ``2 e N^2 C_z``, and
-  m whole, ``e S N C_m`` (a Pairformer's s is whole already, in the representations), which do not fall with P. They
-  are alive before backward starts, so this term is the exit's excess over the working set (the larger of the two is
-  the peak beside block_saved and gathers): 0 where the working set is larger, the term that sets the peak at large
-  P. Read from LiveTensors at the 1-D peak (tests/test_plan_evoformer.py: at the exit, beyond what forward saved,
-  each rank holds the exit plus at most its representations).
+- **exit** (1-D only): the stack's exit all-gathers (:mod:`ds4sci.parallel.evoformer_cp` returns full tensors on every
+  rank; :func:`ds4sci.parallel.evoformer_cp.gather_leading` receives each into the tensor it returns): at the end of
+  forward every rank holds z whole, ``e N^2 C_z``, beside the copy of its own columns that the gather sends, ``e N^2
+  C_z / P``, and m whole, ``e S N C_m`` (a Pairformer's s is whole already, in the representations); all but the copy
+  do not fall with P. They are alive before backward starts, so this term is the exit's excess over the working set
+  (the larger of the two is the peak beside block_saved and gathers): 0 where the working set is larger, the term
+  that sets the peak at large P. Checked exactly against LiveTensors on every rank (tests/test_plan_evoformer.py:
+  from the exit's start to the end of forward, odd N_res and N_seq).
 - **reserve**: ``--reserve-gib`` for the CUDA context, NCCL buffers and fragmentation.
 
 2-D (``p x p`` mesh, :mod:`ds4sci.parallel.evoformer_cp2d`): every activation term is a tile, ``1/p^2``, at the tile's
@@ -310,12 +311,13 @@ def gathered_bytes(w: Workload) -> dict[str, float]:
 
 
 def exit_bytes(w: Workload) -> float:
-    """1-D only (0 otherwise): the bytes of the stack's exit all-gather on every rank (module docstring): z's gathered
-    pieces and their concatenation, ``2 e N^2 C_z``, and the Evoformer's m whole, ``e S N C_m``."""
+    """1-D only (0 otherwise): the bytes of the stack's exit all-gathers on every rank (module docstring): z whole,
+    ``e N^2 C_z``, beside the copy of the rank's own columns it sends, ``e N^2 C_z / P``, and the Evoformer's m whole,
+    ``e S N C_m``."""
     if w.layout != "1d":
         return 0.0
     sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
-    return e * (2 * g.pairs_all * sh.c_z + (g.msa_all * sh.c_m if sh.evoformer else 0))
+    return e * ((g.pairs_all + g.pairs) * sh.c_z + (g.msa_all * sh.c_m if sh.evoformer else 0))
 
 
 def _chunks(rows: int, chunk: int | None) -> tuple[int, int, int]:

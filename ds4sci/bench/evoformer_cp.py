@@ -33,9 +33,9 @@ e (H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``) 
 tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``
 (the Pairformer's single attention too: it runs on the bias tiles, its s-side ``O(N)`` replicated). At
 the peak the whole padded pair mask is live as well, ``e`` per ``N^2`` on every rank (both layouts make it at the
-stack's entry and cut their pieces out of it). In 1-D the peak is at the end of forward, at the stack's exit gather:
-z's received pieces and their concatenation, ``2 e C_z`` per ``N^2`` more, beside everything forward saved
-(:func:`ds4sci.plan_evoformer.exit_bytes`).
+stack's entry and cut their pieces out of it). In 1-D the exit gathers are alive at the end of forward beside
+everything forward saved: z received into the tensor returned, ``e C_z`` per ``N^2`` more, and the copy of the
+rank's own columns it sends, ``e C_z / P`` (:func:`ds4sci.plan_evoformer.exit_bytes`).
 
 Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms; ``1d`` is the
 axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2).

@@ -42,7 +42,10 @@ between blocks the all-to-alls m: residues -> sequences and z: columns -> rows (
 Entry and exit: the block (or stack) takes and returns full tensors on every rank. The entry split's backward
 all-gathers, the exit gather's backward takes this rank's piece, and the parameters are used through an identity
 whose backward all-reduces their gradient over the group (as DDP would), so when every rank computes the same loss
-on the full outputs, every rank's input gradients and parameter ``.grad`` equal the single process's.
+on the full outputs, every rank's input gradients and parameter ``.grad`` equal the single process's. The exit
+receives each gather into the tensor it returns (:func:`gather_leading`), so m and z come back as permuted views,
+not contiguous, and a rank holds each whole once at the end of forward, not its received pieces beside their
+concatenation.
 
 N_seq and N_res of any length: both are padded at their end to a multiple of P with masked (zero-mask) rows,
 which no real position attends to or sums over (attention masks them with -inf, not the blocks' finite ``inf``, so
@@ -91,6 +94,15 @@ def _gather_out(x: Tensor, group, dim: int, counter: CommCounter | None = None) 
     """A gather along ``dim`` whose every rank's use is the same (the exit; a replicated computation): backward keeps
     this rank's piece (the loss is every rank's)."""
     return _SequenceRegion.apply(x, group, dim, counter, _all_gather, _split)
+
+
+def gather_leading(x: Tensor, group, dim: int, counter: CommCounter | None = None) -> Tensor:
+    """:func:`_gather_out` received straight into the tensor it returns: ``dim`` is moved first (one copy of this
+    rank's piece), gathered there into one buffer (``tensor_parallel._all_gather``: no list of received pieces beside
+    their concatenation) and moved back, so the result is a permuted view of that buffer, not contiguous (z by
+    columns ``[*, N, N/P, C_z]`` comes back with its two residue strides swapped). The same values and the same bytes
+    sent; every rank holds one whole copy of the result instead of two at once."""
+    return _gather_out(x.movedim(dim, 0), group, 0, counter).movedim(0, dim)
 
 
 def _padding_keys(mask: Tensor, dim: int, real: int) -> Tensor:
@@ -230,8 +242,8 @@ class _AxialStack(nn.Module):
                 x = ax.cols_to_rows(x) if evoformer else x
             x, z_c = _evoformer(blk, x, z_r, ax) if evoformer else _pairformer(blk, x, z_r, x_mask, ax)
         if evoformer:
-            x = ax.gather_out(x, -2)[..., :n_seq, :n_res, :]
-        return x, ax.gather_out(z_c, -2)[..., :n_res, :n_res, :]
+            x = gather_leading(x, self.group, x.ndim - 2, self.counter)[..., :n_seq, :n_res, :]
+        return x, gather_leading(z_c, self.group, z_c.ndim - 2, self.counter)[..., :n_res, :n_res, :]
 
 
 class EvoformerContextParallel(nn.Module):

@@ -126,14 +126,28 @@ def _record(counter: CommCounter | None, kind: str, nbytes: int) -> None:
         counter.record(kind, nbytes, nbytes)
 
 
+#: every rank's tensor gathered into one output tensor: torch 2.13 names it ``all_gather_single`` (the old name,
+#: ``all_gather_into_tensor``, warns there); the torch versions before have the old name only
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _all_gather(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCounter | None) -> Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` in group-rank order."""
+    """Concatenate every rank's ``x`` (one shape on every rank) along ``dim`` in group-rank order.
+
+    The pieces are received into one buffer, viewed ``[P, *x.shape]`` (:data:`_gather_into`, gloo and NCCL alike:
+    NCCL's list ``all_gather`` would stage them in a flat buffer of its own and copy them out). When every dim before
+    ``dim`` has size 1 (``dim`` leads in memory) the result is that buffer viewed as ``[..., P X, ...]``: nothing is
+    alive beside it but ``x``. Otherwise no strided view is the result: it is copied once into a contiguous result, so the
+    buffer and the result are alive together, as the received pieces and their concatenation would be; a caller
+    that can take a permuted result gathers along a leading dim instead (the Evoformer stack's exit,
+    :func:`ds4sci.parallel.evoformer_cp.gather_leading`)."""
     world = dist.get_world_size(group)
+    dim = dim % x.ndim
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # the pieces stacked on dim 0 (gloo's one layout)
+    _gather_into(out, x, group=group)
     _record(counter, "all_gather", _nbytes(x) * (world - 1))
-    return torch.cat(parts, dim=dim)
+    return out.view(world, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _reduce_scatter(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCounter | None) -> Tensor:
