@@ -63,8 +63,8 @@ pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_
 2-D (``p x p`` mesh, :mod:`ds4sci.parallel.evoformer_cp2d`): every activation term is a tile, ``1/p^2``, at the tile's
 shape (keys of one tile per attention call); ring attention also saves the rotated key/value input tile (one more
 ``C_in`` tile per attention); tiles in flight are not counted; the masks are held whole (the mesh code slices tiles
-out of the whole padded masks). evoformer_cp2d runs an Evoformer block only: a Pairformer on a mesh is modelled with
-its pair stack tiled the same way and its s-side replicated, as the 1-D code runs it. Sharded figures are the
+out of the whole padded masks). A Pairformer's s is replicated on the mesh (``O(N)``) and its single attention's pair
+bias is the rank's own tile (evoformer_cp2d merges the tiles' partial attentions by log-sum-exp). Sharded figures are the
 single-device counts at the local shapes plus the gathers: in 1-D every rank's bytes saved for backward equal them
 exactly, on a 2 x 2 mesh within 5% (a rank whose swap or skew leaves its own tile, on the diagonal or at offset 0,
 saves no received copy of it), both on gloo (tests/test_plan_evoformer.py); the sharded inference peaks are not
@@ -285,10 +285,7 @@ def block_saved_bytes(w: Workload) -> dict[str, float]:
         out["tri_mul_in"] += g.pairs * sh.c_hidden_mul * e
         out["tri_att_start"] += g.pairs * hp * e
         out["tri_att_end"] += g.pairs * hp * e
-        if sh.evoformer:
-            out["msa_att_row"] += g.pairs * h * e
-        else:
-            out["attn_pair_bias"] += g.pairs_all * h * e  # the whole bias: the s-side is replicated
+        out["msa_att_row" if sh.evoformer else "attn_pair_bias"] += g.pairs * h * e
     out["masks"] = masks
     return out
 
@@ -435,7 +432,7 @@ def block_live_bytes(w: Workload) -> dict[str, float]:
         steps += [(name, peak, z_out, z_out if i else 0) for i, (name, peak) in enumerate(pair_steps)]
         h, c = sh.no_heads_msa, sh.c_hidden_msa_att
         s_out = g.tokens * cm * e
-        bias = g.pairs_all * h * e
+        bias = g.pairs_all * h * e if g.gathered else g.pairs * h * e  # 2-D: the rank's own bias tile
         apb = max(g.pairs * _ln_peak(cz, e) + _ln_const(cz, e) + (bias if g.gathered else 0),
                   bias + g.tokens * _ln_peak(cm, e) + _ln_const(cm, e),
                   attention(g.tokens, 1, cm, c, h, g.tokens, bias + g.tokens * (cm + 1) * e))
