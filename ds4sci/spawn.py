@@ -28,8 +28,11 @@ EXIT_GRACE_S = 30.0
 
 #: Modules the fork server imports before it forks any worker: what every worker imports first. Nothing that reads
 #: the environment at import (DeepSpeed picks its accelerator then, from ``DS_ACCELERATOR``): the server's environment
-#: is the caller's at the first call, while each worker must see the caller's at its own call.
-PRELOAD = ("torch", "torch.distributed")
+#: is the caller's at the first call, while each worker must see the caller's at its own call. ``torch._dynamo``: a
+#: model built on the meta device (the trainer's first step) initializes its weights through torch's reference
+#: implementations, which import it (about 3.5 s of CPU per process, more than torch itself); it imports Triton,
+#: whose settings (``TRITON_INTERPRET``) are read from the environment when used, not at import.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 
 
 def open_store(timeout: float = 180.0):

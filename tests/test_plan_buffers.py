@@ -46,9 +46,14 @@ def test_zero_buffer_sizes_are_deepspeeds_for_the_config_ds4sci_writes(stage):
 
 def _zero_step_buffers(rank, world, stage, dtype):
     """One forward + backward of a tiny GenSLM under DeepSpeed with ds4sci's config for ``stage``: the elements and
-    element size of each gradient-reduction buffer the ZeRO optimizer holds."""
+    element size of each gradient-reduction buffer the ZeRO optimizer holds. DeepSpeed's communication backend
+    comes up through ds4sci's ``init_distributed``, as in training: without it, ``deepspeed.initialize`` would
+    JIT-compile DeepSpeed's CPU shared-memory op first (minutes on 2 cores, no part of what is measured)."""
     import deepspeed
 
+    from ds4sci.train.engine import init_distributed
+
+    init_distributed()
     torch.manual_seed(0)
     model = GenSLM(GenSLMConfig.preset("debug"))
     config = _ds_config(stage, dtype)
@@ -100,10 +105,14 @@ GATHER_MODEL = dict(hidden_size=256, num_layers=6, intermediate_size=1024)  # ll
 def _zero3_gathered_peak(rank, world, reuse, prefetch):
     """Two ZeRO-3 steps (fp32, no checkpointing) of a 6-layer Llama-shaped GenSLM with ds4sci's config and the given
     ``stage3_max_reuse_distance`` and ``stage3_prefetch_bucket_size``: in the second (the parameter trace complete),
-    the most elements of non-persistent parameters gathered at once, sampled after each module's fetch."""
+    the most elements of non-persistent parameters gathered at once, sampled after each module's fetch. DeepSpeed's
+    communication backend comes up through ds4sci's ``init_distributed`` (see :func:`_zero_step_buffers`)."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+    from ds4sci.train.engine import init_distributed
+
+    init_distributed()
     torch.manual_seed(0)
     model = GenSLM(GenSLMConfig.preset("llama-debug", **GATHER_MODEL))
     config = _ds_config(3, "fp32")

@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ds4sci.spawn import run_workers
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +27,8 @@ def _train(launcher, out, single=False):
     """torchrun: nucleotide records of the CDS file (learned positions: the table split over the sequence ranks);
     deepspeed: the shipped codon example config as it is (packed genes, GenSLM-69 codons), whose validation set is
     smaller than one global micro-batch. Two processes, Ulysses SP=2, ZeRO over both; or (``single``) the same
-    configuration in one plain process with SP=1: the same global batches, the reference."""
+    configuration in one process with SP=1: the same global batches, the reference, run by ``cli.main`` in a
+    worker forked from :func:`ds4sci.spawn.run_workers`' server (torch imported once there, not per launch)."""
     run = [f"train.out_dir={out}", "train.steps=3", "train.log_every=1", "train.eval_every=0"]
     if launcher == "torchrun":
         cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29531", "-m", "ds4sci.cli", "train"]
@@ -36,10 +39,19 @@ def _train(launcher, out, single=False):
         cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29532", "--module", "ds4sci.cli", "train",
                str(ROOT / "examples" / "configs" / "codon_cds_sp2.yaml")]
     if single:
-        cmd = [str(BIN / "ds4sci"), *cmd[cmd.index("train"):]]
         run.append("parallel.ulysses=1")
     sets = [arg for item in run for arg in ("--set", item)]  # one KEY=VALUE per --set
-    subprocess.run(cmd + sets, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=400)
+    if single:
+        assert run_workers(_cli_main, 1, cmd[cmd.index("train"):] + sets, env=ENV, timeout=400) == [0]
+    else:
+        subprocess.run(cmd + sets, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=400)
+
+
+def _cli_main(rank, world, argv):
+    """``ds4sci ARGV`` in this worker (a world of one): its exit status."""
+    from ds4sci.cli import main
+
+    return main(argv)
 
 
 def _losses_and_weights(out):
@@ -48,7 +60,7 @@ def _losses_and_weights(out):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
-def test_train_writes_every_output_and_the_tools_read_the_export(launcher, tmp_path):
+def test_train_writes_every_output_and_the_tools_read_the_export(launcher, tmp_path, capsys):
     out = tmp_path / "run"
     _train(launcher, out)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -78,19 +90,20 @@ def test_train_writes_every_output_and_the_tools_read_the_export(launcher, tmp_p
     export = out / "export"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in export.iterdir()}
 
-    ds4sci = str(BIN / "ds4sci")
-    scored = subprocess.run([ds4sci, "evaluate", str(export), "--fasta", str(CDS), "--json"], check=True,
-                            capture_output=True, text=True, env=ENV)
-    result = json.loads(scored.stdout.strip().splitlines()[-1])
+    # The tools run in this process (``cli.main``, what the console script calls): each launched interpreter would
+    # cost a torch import, seconds of the suite per tool and launcher; their command lines are the tests' in infer/.
+    from ds4sci.cli import main
+
+    capsys.readouterr()
+    assert main(["evaluate", str(export), "--fasta", str(CDS), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["tokens"] > 0 and np.isfinite(result["bits_per_base"])
     fasta = tmp_path / "gen.fasta"
-    subprocess.run([ds4sci, "generate", str(export), "--prompt", "ATGAAA", "--num-tokens", "5", "--out", str(fasta)],
-                   check=True, capture_output=True, env=ENV)
+    assert main(["generate", str(export), "--prompt", "ATGAAA", "--num-tokens", "5", "--out", str(fasta)]) == 0
     text = fasta.read_text().splitlines()
     assert text[0].startswith(">") and text[1].startswith("ATGAAA")
     emb = tmp_path / "emb.npz"
-    subprocess.run([ds4sci, "embed", str(export), "--fasta", str(CDS), "--out", str(emb)], check=True,
-                   capture_output=True, env=ENV)
+    assert main(["embed", str(export), "--fasta", str(CDS), "--out", str(emb)]) == 0
     arrays = np.load(emb)
     assert len(arrays["ids"]) == 100 and arrays["embeddings"].shape[0] == 100
 
