@@ -5,7 +5,10 @@ Modes:
 
 - ``"full"``: every block is recomputed in backward; only each block's input ``[B, T/P, hidden]`` is kept. Set
   through the model's :attr:`~ds4sci.models.genslm.GenSLM.checkpoint_fn` hook (wrapping the blocks would rename
-  their parameters).
+  their parameters). Two things keep the recomputed block's working set down (issue #28): its output is freed when
+  its backward starts (:func:`checkpoint`; DeepSpeed keeps it referenced throughout), and on every ``Block`` (not a
+  ``TensorParallelBlock``) the first norm's output is rebuilt from the block input when the qkv projection's backward
+  needs it (``Block.recompute_norm``), each one hidden vector per token less at the peak.
 - ``"selective"``: only the attention core (``softmax(QK^T) V``: the part whose activations grow fastest and cost
   least to recompute) is recomputed; the projections and the MLP keep their activations (Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4.2). Each ``block.attention.core``
