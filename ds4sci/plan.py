@@ -53,7 +53,10 @@ Memory model (bytes per GPU):
   4 s`` with the single-device ``c_a``; under TP the column-parallel matmuls save their inputs as this rank's
   sequence regions (the norm outputs, ``h`` each per local token as on one device; Megatron-LM's choice: backward
   gathers them again) and the rotary tables cover ``tp`` local tokens (``2 r tp``); ``full``: ``h e`` (the block
-  input) per layer plus one layer of ``none`` being recomputed. A rank holds ``T = B S / (sp tp)`` local tokens
+  input) per layer plus one layer of ``none`` being recomputed, less the first norm's output, ``h e``, that the
+  recomputation rebuilds from the block input in the qkv projection's backward instead of keeping it
+  (:func:`rebuilt_norm_bytes`; GenSLM's ``Block.recompute_norm``; not under TP, whose projection keeps this rank's
+  region). A rank holds ``T = B S / (sp tp)`` local tokens
   (tensor parallelism's sequence-parallel regions divide them by ``tp``) for ``ceil(L/pp) * min(pp, m)`` layers (1F1B
   keeps ``min(pp, m)`` micro-batches in flight on the first stage, ``m`` micro-steps), plus outside the layers ``8``
   (token ids; ``16`` with the learned table's position ids) ``+ 2 h e + 8`` (final norm: its input, its output (under
@@ -371,6 +374,16 @@ def layer_activation_bytes(w: Workload, strategy: Strategy, mode: str) -> float:
     return (norms + attention + mlp + rotary) * e + stats + m.num_heads * 4
 
 
+def rebuilt_norm_bytes(w: Workload, strategy: Strategy) -> float:
+    """Bytes per local token that the layer being recomputed under ``full`` checkpointing does not keep: the first
+    norm's output, ``h e``, rebuilt from the block input when the qkv projection's backward needs it
+    (:func:`ds4sci.kernels.recompute.recompute_saved`, set by full checkpointing on every GenSLM ``Block``); 0 under
+    other modes and under TP (a ``TensorParallelBlock``'s projection keeps this rank's region and gathers it again)."""
+    if strategy.checkpointing != "full" or strategy.dims.tp > 1:
+        return 0.0
+    return w.model.hidden_size * STATE_BYTES[w.dtype][0]
+
+
 def offloaded_layer_bytes(w: Workload, strategy: Strategy) -> float:
     """Bytes per layer per local token that host offload (``activation_checkpointing.cpu``,
     :class:`~ds4sci.train.activation_offload.HostOffload`) moves off the device: the checkpointed region's inputs
@@ -522,8 +535,8 @@ def memory(w: Workload, strategy: Strategy, cluster: Cluster | None = None) -> d
     held = math.ceil(w.model.num_layers / d.pp) * min(d.pp, w.grad_accum)
     offloaded = offloaded_layer_bytes(w, strategy)
     per_token = held * (layer_activation_bytes(w, strategy, strategy.checkpointing) - offloaded)
-    if strategy.checkpointing == "full":
-        per_token += layer_activation_bytes(w, strategy, "none")  # the layer being recomputed
+    if strategy.checkpointing == "full":  # the layer being recomputed
+        per_token += layer_activation_bytes(w, strategy, "none") - rebuilt_norm_bytes(w, strategy)
     # host offload refills a region's inputs before its recomputation and fetches the previous region's: two on the
     # device at once in backward
     per_token += 2 * offloaded

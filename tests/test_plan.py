@@ -340,3 +340,18 @@ def test_tp_comm_of_a_sequential_residual_reduces_each_branch_apart():
     w, e = sequential, plan.STATE_BYTES[sequential.dtype][0]
     extra = w.model.num_layers * w.micro_batch * w.grad_accum * 2 * (1 / 2) * 64 * w.model.hidden_size * e
     assert plan.comm(sequential, strategy)["tp"] - plan.comm(parallel, strategy)["tp"] == pytest.approx(extra)
+
+
+def test_the_recomputed_layer_keeps_no_first_norm_output_under_full_checkpointing_off_tp():
+    """Full checkpointing rebuilds the first norm's output in the qkv projection's backward (``Block.recompute_norm``,
+    pinned against a live-tensor count in tests/train/test_activation_checkpointing.py): the recomputed layer's
+    figure is one ``h e`` less per local token; not under TP (the projection keeps its region) or other modes."""
+    w = _workload(4096)
+    full = plan.Strategy(ParallelDims(dp=1), checkpointing="full")
+    assert plan.rebuilt_norm_bytes(w, full) == 64 * 4
+    assert plan.rebuilt_norm_bytes(w, plan.Strategy(ParallelDims(dp=1), checkpointing="selective")) == 0
+    assert plan.rebuilt_norm_bytes(w, plan.Strategy(ParallelDims(dp=1, tp=2), checkpointing="full")) == 0
+    per_token = plan.memory(w, full)["activations"] / 4096
+    held = 2 * plan.layer_activation_bytes(w, full, "full")
+    outside = 8 + 2 * 64 * 4 + 8 + plan.loss_saved_bytes(w, full)  # ids, final norm, loss
+    assert per_token == held + plan.layer_activation_bytes(w, full, "none") - 64 * 4 + outside

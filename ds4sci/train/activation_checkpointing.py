@@ -5,7 +5,10 @@ Modes:
 
 - ``"full"``: every block is recomputed in backward; only each block's input ``[B, T/P, hidden]`` is kept. Set
   through the model's :attr:`~ds4sci.models.genslm.GenSLM.checkpoint_fn` hook (wrapping the blocks would rename
-  their parameters).
+  their parameters). Two things keep the recomputed block's working set down (issue #28): its output is freed when
+  its backward starts (:func:`checkpoint`; DeepSpeed keeps it referenced throughout), and on every ``Block`` (not a
+  ``TensorParallelBlock``) the first norm's output is rebuilt from the block input when the qkv projection's backward
+  needs it (``Block.recompute_norm``), each one hidden vector per token less at the peak.
 - ``"selective"``: only the attention core (``softmax(QK^T) V``: the part whose activations grow fastest and cost
   least to recompute) is recomputed; the projections and the MLP keep their activations (Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4.2). Each ``block.attention.core``
@@ -80,7 +83,7 @@ import torch
 from torch import nn
 
 from ds4sci.models.genslm import GenSLM
-from ds4sci.models.genslm.model import MLP
+from ds4sci.models.genslm.model import MLP, Block
 from ds4sci.parallel.tensor_parallel import ColumnParallelLinear
 from ds4sci.train.activation_offload import HostOffload
 from ds4sci.train.config import ACTIVATION_CHECKPOINTING_MODES, ActivationCheckpointingConfig
@@ -99,9 +102,27 @@ def checkpoint(function, *args):
         full = [None] * len(args)
         for i, a in zip(keep, given):
             full[i] = a
-        return function(*full)
+        out = function(*full)
+        if torch.is_grad_enabled():  # DeepSpeed's backward recomputing (its forward runs without autograd)
+            _release_at_backward(out)
+        return out
 
     return deepspeed.checkpointing.checkpoint(run, *(args[i] for i in keep))
+
+
+def _release_at_backward(out) -> None:
+    """Free the storage of a recomputed output ``out`` when autograd starts its backward through it, when ``out`` is
+    an addition's own result (a block's residual sum, ``[B, T, hidden]``): DeepSpeed's reentrant backward holds its
+    recomputed outputs for the whole backward it runs through them, one hidden vector per token at the working set's
+    peak, and an addition's backward reads neither its inputs nor its output. Anything else (a view, an attention
+    core's output, which its own backward reads) is left alone."""
+    if isinstance(out, torch.Tensor) and out._base is None and type(out.grad_fn).__name__ == "AddBackward0":
+        storage = out.untyped_storage()
+
+        def release(grad_outputs):
+            storage.resize_(0)
+
+        out.grad_fn.register_prehook(release)
 
 
 class CheckpointedCore(nn.Module):
@@ -203,6 +224,9 @@ def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingCo
     checkpoint_fn = functools.partial(offload.checkpoint, checkpoint) if offload is not None else checkpoint
     if cfg.mode == "full":
         model.checkpoint_fn = checkpoint_fn
+        for block in model.layers:  # a TensorParallelBlock's projection keeps only its region (the TP re-gather)
+            if isinstance(block, Block):
+                block.recompute_norm = True
     else:
         for block in model.layers:
             block.attention.core = CheckpointedCore(block.attention.core, checkpoint_fn)

@@ -14,6 +14,7 @@ tokens, labels and positions together.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from ds4sci.kernels.backends import LocalBackend, parse_backend
 from ds4sci.kernels.local_attention import memory_efficient_attention
+from ds4sci.kernels.recompute import recompute_saved
 from ds4sci.kernels.rotary import apply_rotary_qkv_
 from ds4sci.kernels.tiled_loss import tiled_loss
 from ds4sci.kernels.tiled_mlp import tiled_mlp
@@ -257,7 +259,14 @@ class OutputHead(nn.Linear):
 
 class Block(nn.Module):
     """Pre-norm block: GPT-NeoX's parallel residual ``x + attn(ln1(x)) + mlp(ln2(x))``, or with
-    ``parallel_residual=False`` Llama's sequential one, ``y = x + attn(ln1(x)); y + mlp(ln2(y))``."""
+    ``parallel_residual=False`` Llama's sequential one, ``y = x + attn(ln1(x)); y + mlp(ln2(y))``.
+
+    :attr:`recompute_norm` (False by default) is set from outside (full activation checkpointing,
+    ``ds4sci.train.activation_checkpointing``): the first norm's output ``[B, T, hidden]``, which the fused q/k/v
+    projection saves, is then rebuilt from the block input when backward needs it
+    (:func:`~ds4sci.kernels.recompute.recompute_saved`) instead of kept, one hidden vector per token less while the
+    attention's backward runs. An attribute, not a wrapper module, so parameter names do not change.
+    """
 
     def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
         super().__init__()
@@ -267,9 +276,14 @@ class Block(nn.Module):
         self.mlp = MLP(config, device)
         self.dropout = nn.Dropout(config.dropout)
         self.parallel_residual = config.parallel_residual
+        self.recompute_norm = False  # see the class docstring
 
     def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None, kv: LayerKV | None = None) -> Tensor:
-        attn = self.dropout(self.attention(self.input_layernorm(x), position_ids, doc_ids, kv))
+        normed = self.input_layernorm(x)  # [B, T, hidden]
+        recompute = (recompute_saved(normed, functools.partial(self.input_layernorm, x)) if self.recompute_norm
+                     else contextlib.nullcontext())
+        with recompute:
+            attn = self.dropout(self.attention(normed, position_ids, doc_ids, kv))
         if not self.parallel_residual:
             x = x + attn
             return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
