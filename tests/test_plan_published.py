@@ -37,17 +37,17 @@ SWITCHES = {
 }
 # (row, GPUs, vocabulary) -> (published longest sequence, the planner's)
 CASES = {
-    ("baseline (ZeRO-3, no SP)", 8, "128K"): (32_768, 35_433),
-    ("Ulysses SP 8", 8, "128K"): (1_100_000, 679_552),
-    ("+ tiled MLP", 8, "128K"): (1_200_000, 1_014_088),
-    ("+ checkpoint offload", 8, "128K"): (2_400_000, 2_175_624),
-    ("+ ZeRO-3 offload (all)", 8, "128K"): (3_700_000, 2_233_208),
-    ("Ulysses SP 8", 8, "codon"): (1_100_000, 704_112),
-    ("+ tiled MLP", 8, "codon"): (1_200_000, 1_050_880),
-    ("+ checkpoint offload", 8, "codon"): (2_400_000, 2_254_560),
-    ("+ ZeRO-3 offload (all)", 8, "codon"): (3_700_000, 2_304_600),
-    ("+ ZeRO-3 offload (all)", 1, "128K"): (500_000, 248_464),
-    ("+ ZeRO-3 offload (all)", 1, "codon"): (500_000, 265_263),
+    ("baseline (ZeRO-3, no SP)", 8, "128K"): (32_768, 35_605),
+    ("Ulysses SP 8", 8, "128K"): (1_100_000, 687_720),
+    ("+ tiled MLP", 8, "128K"): (1_200_000, 1_032_464),
+    ("+ checkpoint offload", 8, "128K"): (2_400_000, 2_261_992),
+    ("+ ZeRO-3 offload (all)", 8, "128K"): (3_700_000, 2_321_856),
+    ("Ulysses SP 8", 8, "codon"): (1_100_000, 712_576),
+    ("+ tiled MLP", 8, "codon"): (1_200_000, 1_069_920),
+    ("+ checkpoint offload", 8, "codon"): (2_400_000, 2_344_048),
+    ("+ ZeRO-3 offload (all)", 8, "codon"): (3_700_000, 2_396_080),
+    ("+ ZeRO-3 offload (all)", 1, "128K"): (500_000, 259_177),
+    ("+ ZeRO-3 offload (all)", 1, "codon"): (500_000, 276_700),
 }
 
 
@@ -67,9 +67,9 @@ def test_published_case(case, capsys, monkeypatch, tmp_path):
     predicted = int(re.search(r"Longest sequence that fits: (\d+) tokens", capsys.readouterr().out).group(1))
     assert predicted == pinned, (case, predicted, published)
     ratio = predicted / published
-    # every row within 2x of the published figure but one GPU with Llama's vocabulary (0.497): there the planner keeps
-    # the bf16 gradients (15 GiB) on the device, which ZeRO-Infinity moves to the host
-    assert (0.5 <= ratio <= 2) != (case == ("+ ZeRO-3 offload (all)", 1, "128K")), (case, ratio)
+    # every row within 2x of the published figure (the lowest, one GPU with Llama's vocabulary, 0.52: there the
+    # planner keeps the bf16 gradients, 15 GiB, on the device, which ZeRO-Infinity moves to the host)
+    assert 0.5 <= ratio <= 2, (case, ratio)
 
 
 # USP (Fang & Zhao 2024, arXiv:2405.07719), Tables 5 and 6 as issue #28 quotes them (the tables themselves were not
