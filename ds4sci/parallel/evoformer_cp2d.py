@@ -363,6 +363,21 @@ def _block(t: int, size: int) -> slice:
     return slice(t * size, (t + 1) * size)
 
 
+def _mask_strip(mask: Tensor, shape: torch.Size, dtype: torch.dtype, rows: slice, cols: slice) -> Tensor:
+    """``mask[..., rows, cols]`` in ``dtype`` of the caller's ``mask`` (broadcastable to ``shape`` ``[*, N, N]``)
+    padded to ``[*, N', N']`` (its rows and columns past N masked, 0, as :func:`pad_to_multiple` pads them), without
+    making the padded mask or the whole ``[*, N, N]``: only the strip's real part is cut, converted and expanded, then
+    padded to ``[*, len(rows), len(cols)]``."""
+    n_res = shape[-1]
+    if mask.ndim < 2:  # [N or 1, N or 1]
+        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    real_rows, real_cols = slice(rows.start, min(rows.stop, n_res)), slice(cols.start, min(cols.stop, n_res))
+    cut = mask[..., real_rows if mask.shape[-2] > 1 else slice(None), real_cols if mask.shape[-1] > 1 else slice(None)]
+    cut = cut.to(dtype).expand(*shape[:-2], max(real_rows.stop - rows.start, 0), max(real_cols.stop - cols.start, 0))
+    return torch.nn.functional.pad(cut, (0, cols.stop - cols.start - cut.shape[-1],
+                                         0, rows.stop - rows.start - cut.shape[-2]))
+
+
 def _attend(mha: GatedAttention, x: Tensor, mesh: _Mesh, kv_ring, key_mask: Tensor, real_keys: int,
             pair: Tensor | None, inf: float, backend) -> Tensor:
     """``mha`` on this rank's queries ``x [*, N, s, C]`` (layer-normed) against the keys of every rank of
@@ -401,11 +416,14 @@ class _MeshStack(nn.Module):
         evoformer = isinstance(self.blocks[0], EvoformerBlock)
         n_res = z.shape[-2]
         n_seq = x.shape[-3] if evoformer else 0
-        pair_mask = z.new_ones(z.shape[:-1]) if pair_mask is None else pair_mask.to(z.dtype).expand(z.shape[:-1])
-        z = pad_to_multiple(pad_to_multiple(z, -3, p), -2, p)  # [*, N', N', C_z], N' a multiple of p
-        pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, p), -1, p)  # [*, N', N']: the pad rows masked
-        n = pair_mask.shape[-1] // p
+        n = -(-n_res // p)  # the tile side: N' = p n
         res_r, res_c = _block(r, n), _block(c, n)
+        mask = z.new_ones((1, 1)) if pair_mask is None else pair_mask
+        # the strips this rank's sub-modules read, cut from the caller's mask: rows I_r [*, n, N'], columns J_c
+        # [*, N', n]; never the whole [*, N', N']
+        pair_rows = _mask_strip(mask, z.shape[:-1], z.dtype, res_r, slice(0, p * n))
+        pair_cols = _mask_strip(mask, z.shape[:-1], z.dtype, slice(0, p * n), res_c)
+        z = pad_to_multiple(pad_to_multiple(z, -3, p), -2, p)  # [*, N', N', C_z], N' a multiple of p
         msa_mask = mask_t = seq_r = None
         if evoformer:
             msa_mask = x.new_ones(x.shape[:-1]) if x_mask is None else x_mask.to(x.dtype).expand(x.shape[:-1])
@@ -413,8 +431,9 @@ class _MeshStack(nn.Module):
             msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, p), -1, p)  # [*, S', N']
             seq_r = _block(r, msa_mask.shape[-2] // p)
             mask_t = msa_mask[..., seq_r, res_c]
-        # this call's masks (whole, padded; this rank's tiles) and blocks, read by the sub-module methods below
-        self._masks = msa_mask, pair_mask, mask_t, pair_mask[..., res_r, res_c]
+        # this call's masks (the MSA mask whole, padded; the pair mask's strips; this rank's tiles) and blocks, read by
+        # the sub-module methods below
+        self._masks = msa_mask, (pair_rows, pair_cols), mask_t, pair_rows[..., res_c]
         self._blocks, self._real = (seq_r, res_r, res_c), (n_seq, n_res)
         # this rank's tiles: z[I_r, J_c] [*, N'/p, N'/p, C_z], m[S_r, R_c] [*, S'/p, N'/p, C_m]
         z = split_sequence_region(split_sequence_region(z, mesh.col, z.ndim - 3, counter), mesh.row, z.ndim - 2,
@@ -502,15 +521,15 @@ class _MeshStack(nn.Module):
         (the swapped tiles of the mesh column; ``b_kj``, transposed: the column's own tiles). Ending node (on z's
         transpose): the mesh column's keys z[K_t, J_c], bias ``b_ki`` of i in I_r (the swapped tiles of the mesh
         row; ``b_ik``, transposed: the row's own)."""
-        mesh, (_, pair_mask, *_), (_, res_r, res_c) = self.mesh, self._masks, self._blocks
+        mesh, (_, (pair_rows, pair_cols), *_) = self.mesh, self._masks
         b = att.triangle_bias(z)  # [*, n, n, H]
         x = att.layer_norm(z)
         if att.starting:  # bias [*, j, k, H]
-            kv_ring, key_mask = mesh.row, pair_mask[..., res_r, :]
+            kv_ring, key_mask = mesh.row, pair_rows
             bias = (_skewed(b, mesh, mesh.col).transpose(-2, -3) if transpose_bias
                     else _skewed(_swap(b, mesh), mesh, mesh.col))
         else:  # on z^T: bias [*, i, k, H]
-            kv_ring, key_mask, x = mesh.col, pair_mask[..., res_c].transpose(-1, -2), x.transpose(-2, -3)
+            kv_ring, key_mask, x = mesh.col, pair_cols.transpose(-1, -2), x.transpose(-2, -3)
             bias = (_skewed(b, mesh, mesh.row) if transpose_bias
                     else _skewed(_swap(b, mesh), mesh, mesh.row).transpose(-2, -3))
         out = _attend(att.mha, x, mesh, kv_ring, key_mask, self._real[1], bias, att.inf, att.backend)

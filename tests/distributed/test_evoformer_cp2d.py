@@ -215,13 +215,14 @@ PAIR_KW = dict(c_s=3, c_z=3, c_hidden_pair_bias=2, no_heads_pair_bias=2, c_hidde
 
 class _WholePairOps(TorchDispatchMode):
     """Every op's output (forward and backward) with two dims of ``n_res`` or more, as (op, shape), but z itself
-    ``[batch, N, N, C_z]`` and the pair mask ``[batch, N, N]`` (each N or its padding N'): the full tensors the call
-    takes and returns, split at the entry and gathered at the exit (the API's contract), which every rank holds."""
+    ``[batch, N, N, C_z]`` (each N or its padding N'): the full tensor the call takes and returns, split at the entry
+    and gathered at the exit (the API's contract), which every rank holds. The pair mask is not exempt: a rank cuts
+    the strips it reads out of the caller's mask, never making the whole ``[batch, N', N']``."""
 
     def __init__(self, batch, n_res, padded, c_z):
         super().__init__()
         self.n_res, self.seen = n_res, set()
-        self.allowed = {(batch, a, b, *c) for a in (n_res, padded) for b in (n_res, padded) for c in ((), (c_z,))}
+        self.allowed = {(batch, a, b, c_z) for a in (n_res, padded) for b in (n_res, padded)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -235,8 +236,7 @@ class _WholePairOps(TorchDispatchMode):
 def _pairformer_worker(rank, world, p, n_res):
     """Per case (one block; a 2-block stack tiled between blocks): the largest error against the single process
     (outputs, input and parameter gradients, fp64), the parameter gradients as bytes, and the ops of the one-block
-    step (forward and backward) that made a whole ``N x N`` tensor other than z and the pair mask
-    (:class:`_WholePairOps`); the single process's too (the check sees its bias)."""
+    step (forward and backward) that made a whole ``N x N`` tensor other than z (:class:`_WholePairOps`); the single process's too (the check sees its bias)."""
     from torch import nn
 
     from ds4sci.models.evoformer import PairformerBlock
@@ -278,7 +278,7 @@ def test_2d_pairformer_equals_single_process(p, n_res):
     """Pairformer blocks on a p x p mesh (z tiled, s replicated, its attention from the bias tiles), one block and a
     2-block stack tiled between blocks, N_res 7 (padded to 8 on 2 x 2, to 9 on 3 x 3): outputs, input and parameter gradients equal the single process (fp64, to rounding) on every rank,
     parameter gradients bitwise the same on every rank; and no op of any rank, forward or backward, makes a tensor
-    with two dims of N_res or more but z and the pair mask themselves (the single process does: its bias
+    with two dims of N_res or more but z itself, the pair mask included (the single process does: its bias
     ``[*, N, N, H_s]`` and the attention's ``[*, 1, H_s, N, N]``)."""
     results = run_workers(_pairformer_worker, p * p, p, n_res, timeout=600)
     for rank, (per_case, seen) in enumerate(results):
