@@ -62,8 +62,9 @@ pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_
 
 2-D (``p x p`` mesh, :mod:`ds4sci.parallel.evoformer_cp2d`): every activation term is a tile, ``1/p^2``, at the tile's
 shape (keys of one tile per attention call); ring attention also saves the rotated key/value input tile (one more
-``C_in`` tile per attention); tiles in flight are not counted; the masks are held whole (the mesh code slices tiles
-out of the whole padded masks). A Pairformer's s is replicated on the mesh (``O(N)``) and its single attention's pair
+``C_in`` tile per attention); tiles in flight are not counted; of the pair mask a rank holds its row and column
+strips, ``2 N'^2 / p`` (the mesh code cuts them out of the caller's mask, its tile a view of the row strip), the MSA
+mask whole. A Pairformer's s is replicated on the mesh (``O(N)``) and its single attention's pair
 bias is the rank's own tile (evoformer_cp2d merges the tiles' partial attentions by log-sum-exp). Sharded figures are the
 single-device counts at the local shapes plus the gathers: in 1-D every rank's bytes saved for backward equal them
 exactly, on a 2 x 2 mesh within 5% (a rank whose swap or skew leaves its own tile, on the diagonal or at offset 0,
@@ -263,6 +264,7 @@ def block_saved_bytes(w: Workload) -> dict[str, float]:
     out = {"tri_mul_out": tri_mul, "tri_mul_in": tri_mul, "tri_att_start": tri_att, "tri_att_end": tri_att,
            "pair_transition": transition(g.pairs, cz, sh.transition_type)}
     h, c = sh.no_heads_msa, sh.c_hidden_msa_att
+    pair_masks = g.pairs_all if w.layout != "2d" else 2 * g.pairs_all / w.side  # 2-D: the row and column strips
     bias_ln = _ln_saved(cz, e) + cz * e  # LN(z) and its output, the bias projection's input
     if sh.evoformer:
         keys_row = g.n if w.layout != "2d" else g.n // w.side
@@ -275,11 +277,11 @@ def block_saved_bytes(w: Workload) -> dict[str, float]:
                                      + _ln_const(sh.c_m, e))
         if not g.gathered:  # on one device (and tiles on a mesh) b is the rank's own; in 1-D it is gathered
             out["outer_product_mean"] += g.msa * co * e
-        masks = (g.pairs_all + g.msa_all) * e
+        masks = (pair_masks + g.msa_all) * e
     else:
         out["attn_pair_bias"] = attention(g.tokens, sh.c_m, c, h, g.tokens) + g.pairs * bias_ln + _ln_const(cz, e)
         out["single_transition"] = transition(g.tokens, sh.c_m, "swiglu")
-        masks = (g.pairs_all + g.tokens) * e
+        masks = (pair_masks + g.tokens) * e
     if not g.gathered:  # the biases and the other triangle operand are the rank's own (a tile on a mesh)
         out["tri_mul_out"] += g.pairs * sh.c_hidden_mul * e
         out["tri_mul_in"] += g.pairs * sh.c_hidden_mul * e

@@ -254,7 +254,7 @@ def _pairformer_worker(rank, world, p, n_res):
     pair_mask = (torch.rand(2, n_res, n_res, generator=g) > 0.2).double()
     weights = [torch.randn(s.shape, generator=g, dtype=torch.float64),
                torch.randn(z.shape, generator=g, dtype=torch.float64)]
-    results, seen = {}, {}
+    results, seen, held = {}, {}, {}
     for name, blocks, sharded in (("one block", stack[0], False), ("2-block stack, tiled", stack, True)):
         def single(s, z, single_mask, pair_mask, blocks=blocks):
             for blk in (blocks if isinstance(blocks, nn.ModuleList) else [blocks]):
@@ -267,10 +267,13 @@ def _pairformer_worker(rank, world, p, n_res):
         error = max(((got[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k) for k, v in want.items())
         results[name], seen[name] = (error, {n: got[n].numpy().tobytes() for n, _ in blocks.named_parameters()}), \
             ops.seen
+        _, strips, _, tile = module._regions[0]._masks  # the pair mask's row and column strips, this rank's tile
+        held[name] = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*strips, tile)}
+                         .values())
     with _WholePairOps(2, n_res, -(-n_res // p) * p, PAIR_KW["c_z"]) as ops:
         _run(single, stack, s, z, single_mask, pair_mask, weights)
     seen["single process"] = ops.seen
-    return results, seen
+    return results, seen, held
 
 
 @pytest.mark.parametrize("p, n_res", [(2, 7), (3, 7)], ids=["2x2", "3x3"])
@@ -279,11 +282,15 @@ def test_2d_pairformer_equals_single_process(p, n_res):
     2-block stack tiled between blocks, N_res 7 (padded to 8 on 2 x 2, to 9 on 3 x 3): outputs, input and parameter gradients equal the single process (fp64, to rounding) on every rank,
     parameter gradients bitwise the same on every rank; and no op of any rank, forward or backward, makes a tensor
     with two dims of N_res or more but z itself, the pair mask included (the single process does: its bias
-    ``[*, N, N, H_s]`` and the attention's ``[*, 1, H_s, N, N]``)."""
+    ``[*, N, N, H_s]`` and the attention's ``[*, 1, H_s, N, N]``): a rank holds of the pair mask its row and column
+    strips only, ``2 N'^2 / p`` per batch element (plan_evoformer's term)."""
     results = run_workers(_pairformer_worker, p * p, p, n_res, timeout=600)
-    for rank, (per_case, seen) in enumerate(results):
+    padded = -(-n_res // p) * p
+    for rank, (per_case, seen, held) in enumerate(results):
         for case, (error, grads) in per_case.items():
             assert error[0] <= 1e-12, f"rank {rank}, {case}: worst {error}"
             assert grads == results[0][0][case][1], f"rank {rank}, {case}: parameter gradients differ from rank 0's"
             assert not seen[case], f"rank {rank}, {case}: whole N_res x N_res tensors from {sorted(seen[case])[:4]}"
+            # plan_evoformer's 2-D pair mask term: the strips, 2 N'^2 / p per batch element (fp64), the tile a view
+            assert held[case] == 2 * 2 * padded * padded // p * 8, (rank, case, held[case])
         assert any(shape[-1] == PAIR_KW["no_heads_pair_bias"] for _, shape in seen["single process"]), seen
