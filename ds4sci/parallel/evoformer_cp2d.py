@@ -50,7 +50,9 @@ all-reduced (``PAIRFORMER_REPLICATED``); the bias projection's are, as the pair 
 Entry, exit, parameters, padding and dropout as the axial version (:mod:`ds4sci.parallel.evoformer_cp`): full
 tensors in and out on every rank (entry split, backward all-gather; exit gather, backward split), parameter
 gradients all-reduced over the mesh, N_seq and N_res padded to multiples of p with masked rows; exact in eval mode.
-``chunk_size`` bounds the transitions as in the block; the attentions and products are already tiled.
+Of the pair mask a rank holds only the strips it reads, rows ``I_r`` and columns ``J_c`` (``2 N'^2 / p``), cut out of
+the caller's mask before they are converted and padded: no rank makes an ``N' x N'`` mask (the MSA mask, ``S' x N'``,
+is padded whole). ``chunk_size`` bounds the transitions as in the block; the attentions and products are already tiled.
 
 Tile layout, and stacks. ``S'``, ``N'``: N_seq and N_res padded to multiples of p, ``s = S'/p``, ``n = N'/p``,
 ``S_r`` the sequences ``r s .. (r+1) s - 1``, ``R_c`` (= ``I_c`` = ``J_c``) the residues ``c n .. (c+1) n - 1``. Rank

@@ -5,7 +5,7 @@ sub-module (nor the attention kernel) of any rank ever sees a tensor with two di
 (9 ranks) too, where the skews and the ring direction are not their own inverses as on 2 x 2. Fully masked real
 rows (a sequence, an MSA column, a pair row and column) in fp64 and fp32 as the single process attends them. Stacks
 of 2 blocks (block by block, and tiled between blocks) and Pairformer blocks on 2 x 2 and 3 x 3, where no op
-(forward or backward) makes an N_res x N_res tensor but z and the pair mask themselves."""
+(forward or backward) makes an N_res x N_res tensor but z itself (the pair mask neither: a rank holds its strips)."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -236,7 +236,8 @@ class _WholePairOps(TorchDispatchMode):
 def _pairformer_worker(rank, world, p, n_res):
     """Per case (one block; a 2-block stack tiled between blocks): the largest error against the single process
     (outputs, input and parameter gradients, fp64), the parameter gradients as bytes, and the ops of the one-block
-    step (forward and backward) that made a whole ``N x N`` tensor other than z (:class:`_WholePairOps`); the single process's too (the check sees its bias)."""
+    step (forward and backward) that made a whole ``N x N`` tensor other than z (:class:`_WholePairOps`), the single
+    process's too (the check sees its bias), and per case the bytes of the pair mask's strips this rank holds."""
     from torch import nn
 
     from ds4sci.models.evoformer import PairformerBlock
