@@ -199,17 +199,20 @@ class _ChunkedAttention(torch.autograd.Function):
         B, Sq, H, D = q.shape
         Hkv = k.shape[2]
         G = H // Hkv
-        dq = torch.zeros(B, Sq, H, D, dtype=ct, device=q.device)
-        dk = torch.zeros(B, Hkv, k.shape[1], D, dtype=ct, device=q.device)  # [B, Hkv, Sk, D]
-        dv = torch.zeros(B, Hkv, v.shape[1], v.shape[-1], dtype=ct, device=q.device)
         if grad_out is None and grad_lse is None:
-            return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype), *([None] * 5)
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), *([None] * 5)
         grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(ct)  # [B, Sq, H, D]
         # delta - dlse per row: dS = P * (dP - (delta - dlse))
         corr = (grad_out * out).sum(-1).transpose(1, 2)  # [B, H, Sq]
         if grad_lse is not None:
             corr = corr - torch.where(torch.isneginf(lse), torch.zeros_like(grad_lse), grad_lse.to(ct))
+        # out is read only for delta: freed here when nothing else holds it (recompute_saved's hooks hand it over
+        # once), before the gradients are allocated (issue #28's working set)
+        del out
         lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # unseen rows: P = exp(-inf) = 0
+        dq = torch.zeros(B, Sq, H, D, dtype=ct, device=q.device)
+        dk = torch.zeros(B, Hkv, k.shape[1], D, dtype=ct, device=q.device)  # [B, Hkv, Sk, D]
+        dv = torch.zeros(B, Hkv, v.shape[1], v.shape[-1], dtype=ct, device=q.device)
         for blocks in spec.blocks:
             if not blocks:
                 continue

@@ -16,6 +16,15 @@ from torch import Tensor
 __all__ = ["recompute_saved"]
 
 
+class _Once:
+    """A saved tensor handed to backward once and then let go, so that a backward done with it can free it early."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, t: Tensor):
+        self.tensor = t
+
+
 class _Recipe:
     """A saved view of the recomputed tensor: its shape, strides and offset in the tensor's storage."""
 
@@ -37,14 +46,19 @@ def recompute_saved(tensor: Tensor, fn: Callable[[], Tensor]) -> Iterator[None]:
                          f"strides {tensor.stride()}")
     key, dtype = tensor.untyped_storage().data_ptr(), tensor.dtype  # not the tensor: autograd keeps these hooks
 
-    def pack(t: Tensor) -> Tensor | _Recipe:
+    def pack(t: Tensor) -> _Once | _Recipe:
         if t.untyped_storage().data_ptr() == key and t.dtype == dtype:
             return _Recipe(t)
-        return t
+        return _Once(t)
 
-    def unpack(saved: Tensor | _Recipe) -> Tensor:
-        if not isinstance(saved, _Recipe):
-            return saved
+    def unpack(saved: _Once | _Recipe) -> Tensor:
+        if isinstance(saved, _Once):
+            t, saved.tensor = saved.tensor, None
+            if t is None:
+                raise RuntimeError("recompute_saved: a tensor saved for backward was read twice; inside recompute_saved "
+                                   "backward runs once through the graph (a reentrant checkpoint's recomputation), "
+                                   "not with retain_graph")
+            return t
         with torch.no_grad():
             return fn().as_strided(saved.shape, saved.stride, saved.offset)
 

@@ -19,7 +19,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _RotaryQKV(torch.autograd.Function):
-    """``forward(ctx, qkv [B, T, Hkv * (g + 2) * D], cos, sin, g, D) -> qkv`` rotated IN PLACE: in GenSLM's fused
+    """``forward(ctx, qkv [..., Hkv * (g + 2) * D], cos, sin, g, D) -> qkv`` rotated IN PLACE: in GenSLM's fused
     layout (per key/value group ``[q of its g query heads | k | v]``, each head ``D`` rows) the first ``rotary_dim``
     dims of the ``g + 1`` query and key heads of every group are rotated (RoFormer, Su et al. 2021), the value heads
     and the unrotated dims untouched.
@@ -35,43 +35,46 @@ class _RotaryQKV(torch.autograd.Function):
         ctx.mark_dirty(qkv)
         ctx.save_for_backward(cos, sin)
         ctx.g, ctx.D = g, D
-        part = _rotated_part(qkv, g, D, cos.shape[-1])  # [B, T, Hkv, g + 1, r]
-        part.copy_(_rotate(part, cos.unsqueeze(3), sin.unsqueeze(3)))
+        part = _rotated_part(qkv, g, D, cos.shape[-1])  # [..., Hkv, g + 1, r]
+        part.copy_(_rotate(part, cos.unsqueeze(-2), sin.unsqueeze(-2)))
         return qkv
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         cos, sin = ctx.saved_tensors
         grad = grad.contiguous()
-        part = _rotated_part(grad, ctx.g, ctx.D, cos.shape[-1])  # [B, T, Hkv, g + 1, r]
-        g1, g2 = (part * sin.unsqueeze(3)).chunk(2, dim=-1)
-        part.copy_(part * cos.unsqueeze(3) + torch.cat((g2, -g1), dim=-1))
+        part = _rotated_part(grad, ctx.g, ctx.D, cos.shape[-1])  # [..., Hkv, g + 1, r]
+        g1, g2 = (part * sin.unsqueeze(-2)).chunk(2, dim=-1)
+        part.copy_(part * cos.unsqueeze(-2) + torch.cat((g2, -g1), dim=-1))
         return grad, None, None, None, None
 
 
 def _rotated_part(qkv: Tensor, g: int, D: int, r: int) -> Tensor:
-    """The view ``[B, T, Hkv, g + 1, r]`` of a contiguous ``qkv [B, T, Hkv * (g + 2) * D]`` that :class:`_RotaryQKV`
+    """The view ``[..., Hkv, g + 1, r]`` of a contiguous ``qkv [..., Hkv * (g + 2) * D]`` that :class:`_RotaryQKV`
     rotates: the first ``r`` dims of each group's query and key heads."""
-    B, T, N = qkv.shape
-    return qkv.view(B, T, N // ((g + 2) * D), g + 2, D)[:, :, :, : g + 1, :r]
+    *lead, N = qkv.shape
+    return qkv.view(*lead, N // ((g + 2) * D), g + 2, D)[..., : g + 1, :r]
 
 
 def apply_rotary_qkv_(qkv: Tensor, cos: Tensor, sin: Tensor, g: int, D: int) -> Tensor:
-    """Rotate the query and key heads of a fused projection ``qkv [B, T, Hkv * (g + 2) * D]`` (``g`` query heads per
-    key/value group, head dim ``D``) in place by ``cos, sin [B, T, 1, rotary_dim]``
-    (:func:`ds4sci.models.genslm.position.rotary_cos_sin`) and return it (:class:`_RotaryQKV`): the first
-    ``rotary_dim`` dims of each head rotate, the rest pass through.
+    """Rotate the query and key heads of a fused projection ``qkv [..., Hkv * (g + 2) * D]`` (``g`` query heads per
+    key/value group, head dim ``D``; leading dims the tokens, e.g. ``[B, T]`` or ``[B*T]``) in place by ``cos, sin
+    [..., 1, rotary_dim]`` with the same leading dims (:func:`ds4sci.models.genslm.position.rotary_cos_sin`) and
+    return it (:class:`_RotaryQKV`): the first ``rotary_dim`` dims of each head rotate, the rest pass through.
+
+    Pass the projection's own output, not a view of it (a linear layer on ``[B*T, hidden]``, not ``[B, T, hidden]``):
+    autograd records an in-place op on a view as a copy of the base's whole gradient in backward.
 
     Raises:
-        ValueError: naming the shape or layout that does not fit (qkv not contiguous ``[B, T, Hkv * (g + 2) * D]``,
-            tables not ``[B, T, 1, r]`` with an even ``r <= D``).
+        ValueError: naming the shape or layout that does not fit (qkv not a contiguous ``[..., Hkv * (g + 2) * D]``,
+            tables not ``[..., 1, r]`` with qkv's leading dims and an even ``r <= D``).
     """
-    if qkv.ndim != 3 or not qkv.is_contiguous() or qkv.shape[-1] % ((g + 2) * D):
-        raise ValueError(f"apply_rotary_qkv_: qkv must be a contiguous [B, T, Hkv * (g + 2) * D] tensor with g={g}, "
+    if qkv.ndim < 2 or not qkv.is_contiguous() or qkv.shape[-1] % ((g + 2) * D):
+        raise ValueError(f"apply_rotary_qkv_: qkv must be a contiguous [..., Hkv * (g + 2) * D] tensor with g={g}, "
                          f"D={D}; got shape {tuple(qkv.shape)}, contiguous={qkv.is_contiguous()}")
-    B, T, _ = qkv.shape
+    lead = tuple(qkv.shape[:-1])
     r = cos.shape[-1]
-    if cos.shape != sin.shape or cos.shape[:3] != (B, T, 1) or cos.ndim != 4 or r % 2 or r > D:
-        raise ValueError(f"apply_rotary_qkv_: cos and sin must be [B={B}, T={T}, 1, r] with an even r <= D={D}; got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.shape != sin.shape or tuple(cos.shape[:-1]) != (*lead, 1) or r % 2 or r > D:
+        raise ValueError(f"apply_rotary_qkv_: cos and sin must be [{', '.join(map(str, lead))}, 1, r] with an even "
+                         f"r <= D={D}; got {tuple(cos.shape)} and {tuple(sin.shape)}")
     return _RotaryQKV.apply(qkv, cos, sin, g, D)

@@ -252,10 +252,10 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, bias, region, slot):
         ctx.save_for_backward(region.local, weight)
         ctx.region, ctx.slot, ctx.bias = region, slot, bias is not None
-        # F.linear's product (its addmm on the folded 2-D input), written into a fresh [B, T, out] tensor: F.linear's
+        # F.linear's product (its addmm on the folded 2-D input), written into a fresh [..., out] tensor: F.linear's
         # own 3-D result is a view of its 2-D one, and autograd forbids the attention's in-place rotary of the fused
         # qkv output (apply_rotary_qkv_) on a view made inside a custom Function
-        out = x.new_empty(*x.shape[:-1], weight.shape[0])  # [B, T, out]
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])  # [..., out]
         flat, x2 = out.view(-1, weight.shape[0]), x.reshape(-1, x.shape[-1])
         if bias is None:
             torch.mm(x2, weight.t(), out=flat)
@@ -300,10 +300,11 @@ class RegionGather:
         self.current = None
 
     def region(self, x: Tensor, slot: int) -> _Region:
-        """The current region, checked against the reader's input ``x [B, T, in]``."""
+        """The current region, checked against the reader's input ``x [B, T, in]`` (or its tokens folded, ``[B*T,
+        in]``)."""
         region = self.current
         k, B, T_local, h = (0, 0, 0, 0) if region is None or region.local is None else region.local.shape
-        if (B, T_local * self.tp.size, h) != tuple(x.shape) or slot >= k:
+        if (B * T_local * self.tp.size, h) != (x.numel() // max(x.shape[-1], 1), x.shape[-1]) or slot >= k:
             raise ValueError(f"a column-parallel layer reads its block's gathered sequence region; got an input of "
                              f"shape {tuple(x.shape)}, not the block's last gathered region (slot {slot})")
         return region

@@ -184,11 +184,13 @@ class Attention(nn.Module):
         B, T, _ = x.shape  # batch, local tokens, hidden
         Hkv, D = self.num_kv_heads, self.head_dim
         g = self.num_heads // Hkv  # query heads per key/value head
-        qkv = self.query_key_value(x)  # [B, T, Hkv * (g+2) * D]
+        # [B*T, Hkv * (g+2) * D]: on the folded tokens, so that the layer's output is its own tensor, not a view (an
+        # in-place op on a view would make autograd copy the whole gradient buffer in backward)
+        qkv = self.query_key_value(x.flatten(0, 1))
         if self.rotary_dim:  # in place: the core saves views of this one buffer, not rotated copies
             cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, qkv.dtype,
-                                      scaling=self.rotary_scaling)
-            qkv = apply_rotary_qkv_(qkv, cos, sin, g, D)
+                                      scaling=self.rotary_scaling)  # [B, T, 1, rotary_dim]
+            qkv = apply_rotary_qkv_(qkv, cos.flatten(0, 1), sin.flatten(0, 1), g, D)
         q, k, v = qkv.view(B, T, Hkv, (g + 2) * D).split((g * D, D, D), dim=-1)  # [B, T, Hkv, g*D], [B, T, Hkv, D] x 2
         q = q.reshape(B, T, self.num_heads, D)  # [B, T, H, D]: query head j*g + i of group j (a copy if Hkv, g > 1)
         if kv is None:

@@ -98,3 +98,29 @@ def test_in_place_rotary_refuses_a_non_contiguous_qkv():
     qkv = torch.zeros(5, 2, 48).transpose(0, 1)  # [2, 5, 48], not contiguous
     with pytest.raises(ValueError, match="contiguous=False"):
         apply_rotary_qkv_(qkv, torch.ones(2, 5, 1, 16), torch.zeros(2, 5, 1, 16), 1, 16)
+
+
+def _graph_nodes(t: torch.Tensor) -> set[str]:
+    """Names of every autograd node behind ``t``."""
+    seen, stack, names = set(), [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(f for f, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_in_place_rotary_acts_on_the_projection_output_not_a_view(shape):
+    """The attention rotates the projection's own output (a linear layer on the folded tokens), so autograd records
+    the rotary Function itself, not a ``CopySlices`` around a view, whose backward clones the whole 3-hidden-vector
+    gradient buffer (issue #28: that moment peaked as high as the attention's backward)."""
+    config = GenSLMConfig(vocab_size=6, hidden_size=HIDDEN, num_layers=1, num_heads=H, max_position_embeddings=64,
+                          attention_backend="chunked", **SHAPES[shape][0])
+    block = GenSLM(config).layers[0]
+    out = block(torch.randn(2, 16, HIDDEN, requires_grad=True), torch.arange(16).expand(2, 16), None)
+    nodes = _graph_nodes(out)
+    assert "_RotaryQKVBackward" in nodes and "CopySlices" not in nodes, sorted(nodes)
