@@ -667,7 +667,7 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
     """Every strategy on all ``cluster.world`` GPUs that splits the model (and ``w.seq_len`` if ``split_seq``) evenly
     and respects ``fixed`` (``{"tp": 2, "zero_stage": 3, ...}``): degrees the model admits
     (:meth:`~ds4sci.parallel.dims.ParallelDims.check_model`: ``tp * ulysses`` divides the heads, ``tp`` the MLP width,
-    ``pp <= layers``), ``tp`` dividing the GPUs of a node, ZeRO 2/3 only without pipeline parallelism (DeepSpeed's
+    ``pp <= layers``), ``tp`` dividing the GPUs of a node (a fixed ``tp`` may also span whole nodes), ZeRO 2/3 only without pipeline parallelism (DeepSpeed's
     pipeline engine), optimizer offload with ZeRO >= 1 and parameter offload with ZeRO 3. The tiled MLP
     (``fixed["mlp_tile"]``), the tiled loss (``fixed["loss_tile"]``) and host offload of checkpointed inputs
     (``fixed["offload_activations"]``, with checkpointing only) are switched on when fixed, never searched."""
@@ -681,7 +681,7 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
                              intermediate_size=m.intermediate_size)
         except ValueError:  # these degrees do not split the GPUs or the model
             continue
-        if fixed.get("dp", dims.dp) != dims.dp or cluster.gpus_per_node % tp:
+        if fixed.get("dp", dims.dp) != dims.dp or (cluster.gpus_per_node % tp and "tp" not in fixed):
             continue
         if split_seq and w.seq_len % dims.sequence_multiple:
             continue
@@ -858,9 +858,9 @@ def _check_fixed(w: Workload, cluster: Cluster, fixed: dict) -> None:
     if m.num_kv_heads % tp and tp % m.num_kv_heads:
         raise CommandError(f"--tp={tp} and the model's {plural(m.num_kv_heads, 'key/value head')}: one must divide "
                            f"the other")
-    if cluster.gpus_per_node % tp or m.intermediate_size % tp:
-        raise CommandError(f"--tp={tp} must divide --gpus-per-node={cluster.gpus_per_node} and the MLP width "
-                           f"{m.intermediate_size}")
+    if (cluster.gpus_per_node % tp and tp % cluster.gpus_per_node) or m.intermediate_size % tp:
+        raise CommandError(f"--tp={tp} must divide the MLP width {m.intermediate_size} and either divide "
+                           f"--gpus-per-node={cluster.gpus_per_node} or span whole nodes (a multiple of it)")
     if fixed.get("pp", 1) > m.num_layers:
         raise CommandError(f"--pp={fixed['pp']}: the model has only {plural(m.num_layers, 'layer')}")
     z = fixed.get("zero_stage")

@@ -219,31 +219,46 @@ def test_python_blocks_run(scratch):
         assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def _plan_rows() -> dict[tuple[str, str], int]:
-    """README's planner table: ``(model, 'ds4sci' | 'baseline-like') -> predicted longest sequence``."""
-    rows = re.findall(r"^\| (25B|33B) \| (ds4sci|baseline-like) [^|]*\| ([\d,]+) \|", README, flags=re.M)
-    return {(model, layout): int(n.replace(",", "")) for model, layout, n in rows}
+def _plan_rows() -> dict[tuple[str, int, str], tuple[int, int, float]]:
+    """README's planner table: ``(model, GPUs, 'new' | 'old') -> (published K, predicted, ratio)``."""
+    rows = re.findall(r"^\| (25B|33B) \| (32|64) \| (new|old) Megatron-DeepSpeed \| (\d+)K \| ([\d,]+) \| ([\d.]+) \|",
+                      README, flags=re.M)
+    return {(model, int(gpus), release): (int(k), int(n.replace(",", "")), float(ratio))
+            for model, gpus, release, k, n, ratio in rows}
 
 
 def test_planner_table_is_what_the_command_prints(capsys, monkeypatch, tmp_path):
-    """Each predicted length in README's planner table is what README's plan command prints: as written for 25B,
-    with its comment's ``num_layers=80`` for 33B and its ``baseline-like: add ...`` flags for the baseline rows."""
+    """Each predicted length in README's DeepSpeed4Science table is what README's plan command prints: as written for
+    25B on 64 GPUs, with its comments' ``num_layers=80`` for 33B, ``--nodes 4 --tp 32`` for 32 GPUs and ``old
+    release: add ...`` flags for the old rows; each ratio is the prediction over the published length (K = 1024);
+    and the free search the last comment describes prints the lengths README's prose gives for ds4sci's own layout."""
     from ds4sci.cli import main
 
     monkeypatch.chdir(tmp_path)  # the plan writes its report into the working directory
     command = next(c for c in _bash_commands() if c.startswith("ds4sci plan --preset 25B"))
     block = next(b for b in _blocks("bash") if "ds4sci plan --preset 25B" in b)
-    baseline = shlex.split(re.search(r"# baseline-like: add (.*)", block).group(1))
-    assert re.search(r"# 33B: num_layers=80", block)
+    old = shlex.split(re.search(r"# old release: add (.*)", block).group(1))
+    assert re.search(r"# 33B: num_layers=80; 32 GPUs: --nodes 4 --tp 32", block)
     rows = _plan_rows()
-    assert len(rows) == 4
-    for (model, layout), predicted in rows.items():
-        argv = shlex.split(command)[1:] + (baseline if layout == "baseline-like" else [])
+    assert len(rows) == 8
+
+    def longest(argv: list[str], model: str) -> int:
         if model == "33B":
             argv = [w.replace("num_layers=64", "num_layers=80") for w in argv]
         assert main(argv) == 0
-        out = capsys.readouterr().out
-        assert f"Longest sequence that fits: {predicted} tokens" in out, (model, layout, out[:500])
+        return int(re.search(r"Longest sequence that fits: (\d+) tokens", capsys.readouterr().out).group(1))
+
+    for (model, gpus, release), (k, predicted, ratio) in rows.items():
+        argv = shlex.split(command)[1:] + (old if release == "old" else [])
+        if gpus == 32:
+            argv += ["--nodes", "4", "--tp", "32"]
+        assert longest(argv, model) == predicted, (model, gpus, release)
+        assert round(predicted / (k * 1024), 2) == ratio, (model, gpus, release)
+    argv = shlex.split(command)[1:]
+    free = argv[:argv.index("--tp")] + argv[argv.index("--position-table") + 2:]
+    prose = re.search(r"ds4sci's own layout on the same 64 GPUs \(the free search\) reaches ([\d,]+) tokens for 25B "
+                      r"and ([\d,]+) for 33B", " ".join(README.split()))
+    assert [longest(free, m) for m in ("25B", "33B")] == [int(n.replace(",", "")) for n in prose.groups()]
 
 
 def test_preset_counts():
