@@ -15,10 +15,10 @@ import os
 import signal
 import sys
 import time
-import warnings
 from pathlib import Path
 
 from ds4sci.cli_args import CommandError
+from ds4sci.progress import quiet_dependencies
 
 logger = logging.getLogger(__name__)
 
@@ -123,21 +123,6 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _errors_only(record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.ERROR
-
-
-def quiet_dependencies() -> None:
-    """Keep what DeepSpeed and torch print on their own out of a run's output (``--log-level DEBUG`` keeps it):
-    DeepSpeed's logger below ERROR (e.g. "Setting accelerator to CPU ...", logged as DeepSpeed is imported: a
-    filter, since DeepSpeed sets the level of its logger when it creates it) and torch's FutureWarning that
-    DeepSpeed's ZeRO calls the deprecated ``all_gather_into_tensor``. DeepSpeed's "... built successfully" print is
-    logged at DEBUG by :func:`ds4sci.train.engine.init_distributed`."""
-    logging.getLogger("DeepSpeed").addFilter(_errors_only)  # once: a logger keeps one of each filter
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
-
-
 def report_error(command: str, err: BaseException) -> None:
     """Print a user's error as ONE line, once per launch: ``ds4sci COMMAND: error: MESSAGE`` on stderr.
 
@@ -161,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     use) is one ``ds4sci COMMAND: error: ...`` line on stderr (once per launch: :func:`report_error`) and exit status
     2; ``--log-level DEBUG`` re-raises it with its traceback.
 
-    Below DEBUG, a run prints ds4sci's own lines only (:func:`quiet_dependencies`), and ranks other than 0 only
-    their warnings and errors (rank 0 speaks for the run)."""
+    Below DEBUG, a run prints ds4sci's own lines only (:func:`ds4sci.progress.quiet_dependencies`), and ranks other
+    than 0 only their warnings and errors (rank 0 speaks for the run)."""
     stop_with_launcher()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser([command_in(argv)]).parse_args(argv)

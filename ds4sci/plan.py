@@ -667,8 +667,8 @@ def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = Tru
     """Every strategy on all ``cluster.world`` GPUs that splits the model (and ``w.seq_len`` if ``split_seq``) evenly
     and respects ``fixed`` (``{"tp": 2, "zero_stage": 3, ...}``): degrees the model admits
     (:meth:`~ds4sci.parallel.dims.ParallelDims.check_model`: ``tp * ulysses`` divides the heads, ``tp`` the MLP width,
-    ``pp <= layers``), ``tp`` dividing the GPUs of a node (a fixed ``tp`` may also span whole nodes), ZeRO 2/3 only without pipeline parallelism (DeepSpeed's
-    pipeline engine), optimizer offload with ZeRO >= 1 and parameter offload with ZeRO 3. The tiled MLP
+    ``pp <= layers``), ``tp`` dividing the GPUs of a node (a fixed ``tp`` may also span whole nodes), ZeRO 2/3 only
+    without pipeline parallelism (DeepSpeed's pipeline engine), optimizer offload with ZeRO >= 1 and parameter offload with ZeRO 3. The tiled MLP
     (``fixed["mlp_tile"]``), the tiled loss (``fixed["loss_tile"]``) and host offload of checkpointed inputs
     (``fixed["offload_activations"]``, with checkpointing only) are switched on when fixed, never searched."""
     world, m = cluster.world, w.model

@@ -3,7 +3,8 @@ that lies in a given tensor's storage is packed as a recipe and rebuilt by calli
 unpacks it (``torch.autograd.graph.saved_tensors_hooks``; the selective recomputation of Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", applied to one cheap tensor). GenSLM's full
 checkpointing uses it for the first norm's output, which the fused q/k/v projection would otherwise keep through the
-whole recomputed block's backward (issue #28's working set).
+whole recomputed block's backward, and to hand the attention's other saved tensors over once (issue #28's working
+set).
 """
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ def recompute_saved(tensor: Tensor, fn: Callable[[], Tensor]) -> Iterator[None]:
     a linear layer's ``[B*T, hidden]`` input) is not kept: backward gets the same view of ``fn()``, run again without
     autograd when it is unpacked. ``fn`` must return ``tensor``'s values bitwise (a deterministic function of tensors
     that live on anyway, e.g. a norm of the block input) in a fresh contiguous tensor of its shape; ``tensor`` must be
-    contiguous. Other saved tensors pass through unchanged."""
+    contiguous. Every other saved tensor is handed to backward once and then let go by the hook, so that a backward
+    done with one can free it early (the chunked attention frees its output once it has formed ``rowsum(dO * O)``):
+    backward must run through the graph made inside once, as a reentrant checkpoint's recomputation does; a second
+    read raises ``RuntimeError``."""
     if not tensor.is_contiguous():
         raise ValueError(f"recompute_saved: the recomputed tensor must be contiguous; got shape {tuple(tensor.shape)}, "
                          f"strides {tensor.stride()}")
@@ -55,9 +59,9 @@ def recompute_saved(tensor: Tensor, fn: Callable[[], Tensor]) -> Iterator[None]:
         if isinstance(saved, _Once):
             t, saved.tensor = saved.tensor, None
             if t is None:
-                raise RuntimeError("recompute_saved: a tensor saved for backward was read twice; inside recompute_saved "
-                                   "backward runs once through the graph (a reentrant checkpoint's recomputation), "
-                                   "not with retain_graph")
+                raise RuntimeError("recompute_saved: a tensor saved for backward was read twice; inside "
+                                   "recompute_saved backward runs once through the graph (a reentrant checkpoint's "
+                                   "recomputation), not with retain_graph")
             return t
         with torch.no_grad():
             return fn().as_strided(saved.shape, saved.stride, saved.offset)

@@ -65,7 +65,7 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     _without_shm_op()
     if dist.is_initialized():  # DeepSpeed still needs its communication backend on top of the existing group
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count())))
-        with _printed_at_debug():
+        with printed_at_debug():
             deepspeed.init_distributed(dist_backend=dist.get_backend())
         return
     # Port 0: the lone process's store binds whatever port is free, with no window for another process to take a
@@ -73,7 +73,7 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "0")):
         os.environ.setdefault(key, value)
-    with _printed_at_debug():
+    with printed_at_debug():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                    timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -91,7 +91,7 @@ def _without_shm_op() -> None:
 
 
 @contextlib.contextmanager
-def _printed_at_debug():
+def printed_at_debug():
     """What Python code prints to stdout inside becomes one DEBUG log line (DeepSpeed's start-up prints there)."""
     printed = io.StringIO()
     try:

@@ -71,7 +71,7 @@ from ds4sci.parallel import ParallelDims
 from ds4sci.parallel.groups import SequenceParallelGroups
 from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, token_loss_for
 from ds4sci.train.config import Config
-from ds4sci.train.engine import deepspeed_config, make_optimizer
+from ds4sci.train.engine import deepspeed_config, make_optimizer, printed_at_debug
 from ds4sci.train.loss import scaled_shard_loss
 from ds4sci.train.sanity import refuse_mismatch
 
@@ -252,9 +252,10 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
 
     dims = groups.dims
     check_pipeline_gradient_reduction(cfg, groups, device)  # before the model's engine: fails fast
-    pipe = StagePipeline(pipeline_layers(model, position_table), topology=pipeline_topology(dims),
-                         loss_fn=PipelineLoss(groups, model.embed_out if model.embed_out.tile else None),
-                         partition_method="type:BlockStage")
+    with printed_at_debug():  # DeepSpeed prints the seeds, topology and stage layers
+        pipe = StagePipeline(pipeline_layers(model, position_table), topology=pipeline_topology(dims),
+                             loss_fn=PipelineLoss(groups, model.embed_out if model.embed_out.tile else None),
+                             partition_method="type:BlockStage")
     pipe.to(device)
     if groups.tp_rank == 0:
         for p in pipe.parameters():
@@ -308,8 +309,9 @@ def measure_pipeline_division(cfg: Config, groups: SequenceParallelGroups, devic
     from deepspeed.utils import safe_get_full_grad
 
     dims, accum = groups.dims, cfg.train.grad_accum
-    pipe = PipelineModule([_ProbeStage() for _ in range(dims.pp)], topology=pipeline_topology(dims),
-                          loss_fn=_probe_loss, partition_method="uniform")
+    with printed_at_debug():  # DeepSpeed prints the seeds, topology and stage layers
+        pipe = PipelineModule([_ProbeStage() for _ in range(dims.pp)], topology=pipeline_topology(dims),
+                              loss_fn=_probe_loss, partition_method="uniform")
     engine = _initialize(pipe.to(device), cfg, dims)
     (weight,) = engine.module.parameters()  # this stage's
     reduced = []

@@ -267,7 +267,9 @@ class Block(nn.Module):
     ``ds4sci.train.activation_checkpointing``): the first norm's output ``[B, T, hidden]``, which the fused q/k/v
     projection saves, is then rebuilt from the block input when backward needs it
     (:func:`~ds4sci.kernels.recompute.recompute_saved`) instead of kept, one hidden vector per token less while the
-    attention's backward runs. An attribute, not a wrapper module, so parameter names do not change.
+    attention's backward runs; the attention's other saved tensors are handed to backward once, so its backward frees
+    its output early (one more). Backward then runs once through the block's graph, as in a reentrant checkpoint's
+    recomputation. An attribute, not a wrapper module, so parameter names do not change.
     """
 
     def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):

@@ -97,6 +97,29 @@ def test_pp2_end_to_end(runs, references):
     _check(got[0], references[END_TO_END], "pp=2 zero=1 clipped, Trainer.train() export")
 
 
+def _printed_while_building(rank, world, overrides):
+    """What building a Trainer prints on this rank's stdout."""
+    import contextlib
+    import io
+
+    from ds4sci.train.config import load_config
+    from ds4sci.train.trainer import Trainer
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        Trainer(load_config(None, overrides))
+    return printed.getvalue()
+
+
+@pytest.mark.distributed
+def test_pipeline_build_prints_nothing(runs):
+    """DeepSpeed's pipeline prints (its seeds, topology and stage layers, from the start-up check's probe pipeline
+    and from the model's) stay out of a run's output: logged at DEBUG (``ds4sci.train.engine.printed_at_debug``)."""
+    printed = run_workers(_printed_while_building, 2, _case(runs / "pp-quiet", END_TO_END, extra=PP2), env=ENV,
+                          timeout=300)
+    assert printed == ["", ""], printed
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_pp2_with_ulysses_and_tensor_parallelism(runs, references):
