@@ -80,17 +80,14 @@ class _RingPlan:
                 yield qp, kp
 
     def attend(self, q, k, v, qp: Piece, kp: Piece, src: int):
+        """Local attention of query piece ``q`` (``qp``'s rows of this rank's queries) to key piece ``k``, ``v``
+        (``kp``'s rows of ring rank ``src``'s keys): (out, lse)."""
         q_doc = k_doc = None
         if self.q_doc is not None:
             q_doc = self.q_doc[:, qp.start : qp.start + qp.length]
             k_doc = self.k_docs[src][:, kp.start : kp.start + kp.length]
-        return self.local_attention(
-            q[:, qp.start : qp.start + qp.length],
-            k[:, kp.start : kp.start + kp.length],
-            v[:, kp.start : kp.start + kp.length],
-            q_offset=qp.offset, k_offset=kp.offset, head_offset=self.head_offset, q_doc=q_doc, k_doc=k_doc,
-            return_lse=True,
-        )
+        return self.local_attention(q, k, v, q_offset=qp.offset, k_offset=kp.offset, head_offset=self.head_offset,
+                                    q_doc=q_doc, k_doc=k_doc, return_lse=True)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -108,8 +105,9 @@ class _RingAttention(torch.autograd.Function):
             # post the next rotation first: it overlaps with this step's compute
             shift = RingShift(kv, plan.group, plan.counter, tag=_KV_TAG) if step < plan.ring - 1 else None
             for qp, kp in plan.blocks(Sq, k.shape[1], src):
-                o_blk, l_blk = plan.attend(q, kv[0], kv[1], qp, kp, src)
                 rows = slice(qp.start, qp.start + qp.length)
+                keys = slice(kp.start, kp.start + kp.length)
+                o_blk, l_blk = plan.attend(q[:, rows], kv[0][:, keys], kv[1][:, keys], qp, kp, src)
                 out[:, rows], lse[:, :, rows] = _merge(out[:, rows], lse[:, :, rows], o_blk, l_blk.to(ct))
             if shift is not None:
                 kv = shift.wait()
@@ -134,10 +132,10 @@ class _RingAttention(torch.autograd.Function):
             for qp, kp in plan.blocks(Sq, Sk, src):
                 rows = slice(qp.start, qp.start + qp.length)
                 keys = slice(kp.start, kp.start + kp.length)
-                with torch.enable_grad():
-                    qb = q.detach().requires_grad_()
-                    kb = kv[0].detach().requires_grad_()
-                    vb = kv[1].detach().requires_grad_()
+                with torch.enable_grad():  # on the pieces, so their gradients are piece-sized (issue #28)
+                    qb = q[:, rows].detach().requires_grad_()
+                    kb = kv[0][:, keys].detach().requires_grad_()
+                    vb = kv[1][:, keys].detach().requires_grad_()
                     o_blk, l_blk = plan.attend(qb, kb, vb, qp, kp, src)
                 if not o_blk.requires_grad:  # a block the mask empties: no contribution
                     continue
@@ -158,7 +156,7 @@ class _RingAttention(torch.autograd.Function):
                 )
                 for acc, g, sl in ((dq, grads[0], rows), (dkv[0], grads[1], keys), (dkv[1], grads[2], keys)):
                     if g is not None:
-                        acc[:, sl] += g[:, sl].to(ct)
+                        acc[:, sl] += g.to(ct)
             # the key/value gradients follow their block; after R shifts they are back with their owner
             dkv = RingShift(dkv, plan.group, plan.counter, tag=_GRAD_TAG).wait()
             if shift is not None:

@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4sci.kernels.local_attention import flex_attention, memory_efficient_attention
 from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
@@ -98,6 +99,18 @@ def _expect_value_error(label, match, fn):
 
 
 # ---------------------------------------------------------------------------- world size 2
+class _OpNames(TorchDispatchMode):
+    """The names of the ops dispatched inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def _worker_two(rank, world):
     W = dist.group.WORLD
 
@@ -167,6 +180,13 @@ def _worker_two(rank, world):
     attn(x, x, x).sum().backward()
     kv_bytes = 2 * x.numel() * 8
     assert counter.bytes_sent["p2p"] == (P - 1) * kv_bytes + (P - 1) * kv_bytes + P * kv_bytes, counter
+    # the ring's backward recomputes each block on its pieces of q, k, v (zigzag: two per rank), so their gradients
+    # are piece-sized: no gradient of a slice, whose backward makes a zero tensor of the whole local length
+    attn = DistributedAttention(CHUNKED, None, W, layout="zigzag", check_shapes=False)
+    out = attn(x, x, x)
+    with _OpNames() as ops:
+        out.sum().backward()
+    assert "aten.slice_backward.default" not in ops.names and "aten.zeros_like.default" in ops.names, ops.names
 
     # heads that the Ulysses degree does not divide
     x = torch.randn(1, 4, 3, 8)
