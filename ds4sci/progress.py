@@ -29,8 +29,8 @@ def quiet_dependencies() -> None:
     ZeRO calls the deprecated ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, and torch's warning that
     ``optimizer.step`` was wrapped after the scheduler was made (DeepSpeed's engine wraps it). DeepSpeed's prints
     ("... built successfully", the pipeline's seeds, topology and stage layers) are logged at DEBUG by
-    :func:`ds4sci.train.engine.init_distributed` and :func:`ds4sci.train.pipeline.build_pipeline_engine`. Bench
-    workers call it too (their processes start without the command's filters)."""
+    :func:`ds4sci.train.engine.init_distributed` and :func:`ds4sci.train.pipeline.build_pipeline_engine`. Every
+    :func:`ds4sci.spawn.run_workers` worker calls it too (a worker starts without the command's filters)."""
     logging.getLogger("DeepSpeed").addFilter(_errors_only)  # once: a logger keeps one of each filter
     collectives = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
     warnings.filterwarnings("ignore", category=FutureWarning, message=collectives)

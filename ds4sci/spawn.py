@@ -57,6 +57,9 @@ def _worker(fn, rank, world_size, port, args, env, threads, results) -> None:
         import torch
         import torch.distributed as dist
 
+        from ds4sci.progress import quiet_dependencies
+
+        quiet_dependencies()  # a worker shows what a ds4sci command would: not DeepSpeed's or torch's own notices
         torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", port, is_master=False)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)

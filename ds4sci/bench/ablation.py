@@ -286,10 +286,8 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
 def _worker(rank: int, world: int, switches: dict, shape: dict, layouts: list[str], runs: list[tuple[int, int]]
             ) -> list[list[dict]]:
     """Per layout (one world size), each run's figures on this rank (:func:`_measure_layout`)."""
-    from ds4sci.progress import quiet_dependencies
     from ds4sci.train.engine import init_distributed
 
-    quiet_dependencies()
     init_distributed()
     return [_measure_layout(switches, shape, layout, runs) for layout in layouts]
 

@@ -243,25 +243,18 @@ class _GatherRegion(torch.autograd.Function):
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
-    """``x [B, T, in] @ weight.T + bias`` for ``x`` the gathered slot ``slot`` of ``region``, saving the region
-    (``[k, B, T/tp, in]``, shared by its readers) instead of ``x``; backward re-gathers it for the weight gradient.
-    The gradients are computed as autograd computes ``F.linear``'s (folded to 2-D, the same ``mm`` calls), so they
-    equal those of a linear layer saving ``x``."""
+    """``x [B, T, in] @ weight.T + bias`` (or ``x [B*T, in]``) for ``x`` the gathered slot ``slot`` of ``region``,
+    saving the region (``[k, B, T/tp, in]``, shared by its readers) instead of ``x``; backward re-gathers it for the
+    weight gradient. The gradients are computed as autograd computes ``F.linear``'s (folded to 2-D, the same ``mm``
+    calls), so they equal those of a linear layer saving ``x``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, region, slot):
         ctx.save_for_backward(region.local, weight)
         ctx.region, ctx.slot, ctx.bias = region, slot, bias is not None
-        # F.linear's product (its addmm on the folded 2-D input), written into a fresh [..., out] tensor: F.linear's
-        # own 3-D result is a view of its 2-D one, and autograd forbids the attention's in-place rotary of the fused
-        # qkv output (apply_rotary_qkv_) on a view made inside a custom Function
-        out = x.new_empty(*x.shape[:-1], weight.shape[0])  # [..., out]
-        flat, x2 = out.view(-1, weight.shape[0]), x.reshape(-1, x.shape[-1])
-        if bias is None:
-            torch.mm(x2, weight.t(), out=flat)
-        else:
-            torch.addmm(bias, x2, weight.t(), out=flat)
-        return out
+        # [..., out]; the attention passes its tokens folded, [B*T, in], so the fused qkv output is addmm's own
+        # tensor, not a view, and the in-place rotary (apply_rotary_qkv_) may write it
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):

@@ -83,6 +83,8 @@ def test_in_place_rotary_is_bitwise_the_out_of_place_one(Hkv, rotary_dim, dtype)
 
 @pytest.mark.parametrize("qkv_shape, table_shape, message", [
     ((2, 5, 3 * 16 + 1), (2, 5, 1, 16), "qkv must be a contiguous"),
+    ((3 * 16,), (1, 16), "qkv must be a contiguous"),
+    ((10, 3 * 16), (10, 2, 16), "cos and sin must be"),
     ((2, 5, 3 * 16), (2, 4, 1, 16), "cos and sin must be"),
     ((2, 5, 3 * 16), (2, 5, 1, 15), "cos and sin must be"),
     ((2, 5, 3 * 16), (2, 5, 1, 32), "cos and sin must be"),
