@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "info": ("ds4sci.info", "show versions, devices and which attention backends are usable here"),
+    "info": ("ds4sci.commands.info", "show versions, devices and which attention backends are usable here"),
     "train": ("ds4sci.commands.train", "train a GenSLM on FASTA data (DeepSpeed, ZeRO, sequence parallelism)"),
     "evaluate": ("ds4sci.commands.evaluate", "loss, perplexity and bits per base of an exported model on FASTA"),
     "generate": ("ds4sci.commands.generate", "sample sequences from an exported model and write FASTA"),

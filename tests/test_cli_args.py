@@ -119,7 +119,7 @@ def test_missing_export_is_one_error(tmp_path, capsys):
 def test_info_lists_every_backend_of_each_component(monkeypatch, capsys):
     import json
 
-    from ds4sci import info
+    from ds4sci.commands import info
     from ds4sci.kernels import triton_evoformer, triton_local_attention  # noqa: F401
     from ds4sci.kernels.backends import EvoformerBackend, LocalBackend
 

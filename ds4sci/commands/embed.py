@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ds4sci.cli_args import (CommandError, add_device_argument, add_model_argument, add_parallel_arguments,
-                             add_window_arguments, check_parallel, check_windows, positive_int)
+from ds4sci.cli_args import CommandError, add_device_argument, add_model_argument
+from ds4sci.commands.inference import add_reading_arguments, load_reader
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(0: the token and position embeddings, num_layers: the last block's, before the final norm)")
     parser.add_argument("--per-token", action="store_true",
                         help="every token's state instead of the record's mean, written record by record")
-    add_window_arguments(parser)
-    add_parallel_arguments(parser)
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not "
-                        "a terminal)")
+    add_reading_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,15 +44,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ds4sci.data import read_fasta
     from ds4sci.infer.embed import embed_records, save_token_embeddings, token_embeddings
-    from ds4sci.infer.parallel import ShardedForward, inference_device, launch_world_size
-    from ds4sci.io.weights import load_model
 
-    model, config, tokenizer = load_model(args.export, inference_device(args.device))
-    check_windows(args, config)
-    check_parallel(args, config, launch_world_size())
-    if args.layer is not None and args.layer > config.num_layers:
-        raise CommandError(f"--layer {args.layer}: the model has blocks 0..{config.num_layers} (0: the embeddings)")
-    runner = ShardedForward.from_world(model, args.ulysses, args.ring)
+    def check_layer(config, tokenizer) -> None:
+        if args.layer is not None and args.layer > config.num_layers:
+            raise CommandError(f"--layer {args.layer}: the model has blocks 0..{config.num_layers} (0: the embeddings)")
+
+    model, config, tokenizer, runner = load_reader(args, check=check_layer)
     options = dict(stride=args.stride, batch_size=args.batch_size, progress=not args.no_progress, layer=args.layer,
                    runner=runner)
     what = "final norm" if args.layer is None else f"block {args.layer}"

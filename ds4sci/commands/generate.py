@@ -16,8 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
     add_device_argument(parser)
     parser.add_argument("--prompt", default="",
-                        help="nucleotide prompt (default: start from [CLS]); read as training data is (uppercased, U as "
-                        "T, IUPAC codes R Y S W K M B D H V as N). Codon models: the length must be a multiple of 3 "
+                        help="nucleotide prompt (default: start from [CLS]); read as training data is (uppercased, U "
+                        "as T, IUPAC codes R Y S W K M B D H V as N). Codon models: the length must be a multiple of 3 "
                         "(otherwise an error; it is never cut or completed), and a codon with N is [UNK] to the "
                         "model. The output starts with the prompt as read")
     parser.add_argument("--num-tokens", type=positive_int, default=100,

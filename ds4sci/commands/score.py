@@ -7,8 +7,8 @@ import csv
 import logging
 import sys
 
-from ds4sci.cli_args import (add_device_argument, add_model_argument, add_parallel_arguments, add_window_arguments,
-                             check_parallel, check_windows, positive_int)
+from ds4sci.cli_args import add_device_argument, add_model_argument
+from ds4sci.commands.inference import add_reading_arguments, load_reader
 
 logger = logging.getLogger(__name__)
 
@@ -23,23 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         " ('-': stdout)")
     parser.add_argument("--reverse-complement", action="store_true",
                         help="nucleotide models: average the log-likelihoods of both strands")
-    add_window_arguments(parser)
-    add_parallel_arguments(parser)
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not "
-                        "a terminal)")
+    add_reading_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from ds4sci.data import read_fasta
-    from ds4sci.infer.parallel import ShardedForward, inference_device, launch_world_size
     from ds4sci.infer.score import score_records
-    from ds4sci.io.weights import load_model
 
-    model, config, tokenizer = load_model(args.export, inference_device(args.device))
-    check_windows(args, config)
-    check_parallel(args, config, launch_world_size())
-    runner = ShardedForward.from_world(model, args.ulysses, args.ring)
+    model, _, tokenizer, runner = load_reader(args)
     rows = score_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, args.reverse_complement,
                          stride=args.stride, batch_size=args.batch_size, progress=not args.no_progress, runner=runner)
     if not runner.is_writer:

@@ -7,8 +7,8 @@ import csv
 import logging
 import sys
 
-from ds4sci.cli_args import (CommandError, add_device_argument, add_model_argument, add_parallel_arguments,
-                             check_parallel, positive_int)
+from ds4sci.cli_args import CommandError, add_device_argument, add_model_argument, positive_int
+from ds4sci.commands.inference import add_reading_arguments, load_reader
 
 logger = logging.getLogger(__name__)
 
@@ -22,18 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", required=True, help="reference FASTA (plain or .gz); VCF CHROM names its "
                         "record ids")
     parser.add_argument("--vcf", required=True, metavar="VARIANTS",
-                        help="variants: a VCF (.vcf or bgzipped .vcf.gz; one variant per ALT) or a TSV with a header naming "
-                        "chrom, pos (1-based), ref, alt and optionally id")
+                        help="variants: a VCF (.vcf or bgzipped .vcf.gz; one variant per ALT) or a TSV with a header "
+                        "naming chrom, pos (1-based), ref, alt and optionally id")
     parser.add_argument("--out", required=True, help="output TSV with a header line: " + ", ".join(COLUMNS) +
                         " (window_start/window_end: the REF window, 0-based half-open; '-': stdout)")
     parser.add_argument("--window", type=positive_int, default=None,
                         help="bases of the REF window centred on each variant (shifted inside the record near its "
                         "ends; the whole record when shorter) (default: the model's context minus the longest "
                         "insertion, so every ALT window fits one forward)")
-    add_parallel_arguments(parser)
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default: %(default)s)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not "
-                        "a terminal)")
+    add_reading_arguments(parser, windows=False)
 
 
 def write_rows(rows: list[dict], out: str) -> None:
@@ -53,20 +50,18 @@ def write_rows(rows: list[dict], out: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds4sci.data import read_fasta
-    from ds4sci.infer.parallel import ShardedForward, inference_device, launch_world_size
     from ds4sci.infer.variants import check_nucleotide, read_variants, score_variants
-    from ds4sci.io.weights import load_model
 
-    model, config, tokenizer = load_model(args.export, inference_device(args.device))
-    check_nucleotide(tokenizer)  # before the reference is read
-    check_parallel(args, config, launch_world_size())
+    def check(config, tokenizer) -> None:
+        check_nucleotide(tokenizer)  # before the reference is read
+
+    model, _, tokenizer, runner = load_reader(args, windows=False, check=check)
     reference = {}
     for rec in read_fasta(args.reference):
         if rec.id in reference:
             raise CommandError(f"{args.reference}: record id {rec.id!r} appears twice (line {rec.line})")
         reference[rec.id] = rec.sequence
     variants = read_variants(args.vcf, reference)
-    runner = ShardedForward.from_world(model, args.ulysses, args.ring)
     rows = score_variants(model, tokenizer, reference, variants, args.window, batch_size=args.batch_size,
                           progress=not args.no_progress, runner=runner)
     if not runner.is_writer:

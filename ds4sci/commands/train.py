@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="continue the run in train.out_dir from its newest complete checkpoint, or from "
                           "CHECKPOINT (.../checkpoints/stepN: the newest of train.out_dir's run, or any when "
                           "train.out_dir is empty); metrics.jsonl continues from the checkpoint's step. Only "
-                          f"{', '.join(MAY_CHANGE)} may change, at the same global batch (train.micro_batch_size x dp x "
-                          "train.grad_accum)")
+                          f"{', '.join(MAY_CHANGE)} may change, at the same global batch (train.micro_batch_size x dp "
+                          "x train.grad_accum)")
     existing.add_argument("--overwrite", action="store_true",
                           help="replace the run in train.out_dir: delete it (all but token_cache/) first; a folder "
                           "that holds no ds4sci run (config.yaml) is never deleted")

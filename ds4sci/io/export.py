@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from ds4sci.data import Tokenizer
-from ds4sci.io.weights import read_checked
+from ds4sci.io.tensors import read_checked
 from ds4sci.models.genslm import GenSLMConfig
 
 
@@ -94,7 +94,7 @@ def export_consolidated(state_dict: dict[str, torch.Tensor], config: GenSLMConfi
 def read_consolidated(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig, Tokenizer]:
     """``(state dict, config, tokenizer)`` of an export directory, checked against each other (the config against
     the tokenizer and against the tensors' shapes, read from the safetensors headers before any tensor:
-    :func:`ds4sci.io.weights.check_config`); no model built."""
+    :func:`ds4sci.io.tensors.check_config`); no model built."""
     path = Path(path)
     sharded = (path / INDEX).is_file() and not (path / "model.safetensors").is_file()
     for name in (INDEX if sharded else "model.safetensors", "config.json", "tokenizer.json"):

@@ -34,7 +34,7 @@ from pathlib import Path
 from ds4sci.data import Tokenizer
 from ds4sci.io.export import ExportWriter
 from ds4sci.io.hf import GPT_NEOX_ACTIVATIONS, LLAMA3_KEYS
-from ds4sci.io.weights import ARCHITECTURES, _config_from_hf_json, load_model
+from ds4sci.io.weights import ARCHITECTURES, config_from_hf_json, load_model
 from ds4sci.models.genslm import GenSLMConfig, to_gpt_neox_state_dict, to_llama_state_dict
 
 # GenSLMConfig fields that set how ds4sci trains or runs a model, not what it computes: written (dropout and init_std
@@ -81,11 +81,12 @@ def hf_config(config: GenSLMConfig, tokenizer: Tokenizer, where: str | Path) -> 
         if config.rotary_scaling_factor != 1.0:
             data["rope_scaling"] = {"rope_type": "llama3",
                                     **{key: getattr(config, field) for key, field in LLAMA3_KEYS.items()}}
-    back = _config_from_hf_json(copy.deepcopy(data), where, arch)  # transformers edits rope dicts in place
+    back = config_from_hf_json(copy.deepcopy(data), where, arch)  # transformers edits rope dicts in place
     for field in dataclasses.fields(config):
         if field.name not in NOT_COMPARED and getattr(back, field.name) != getattr(config, field.name):
             refuse(field.name, _WHY[model_type].get(field.name, "").format(arch.name))
-    rotated = int(config.head_dim * config.rotary_pct)  # transformers' count; ds4sci's rotary_dim rounds it down to even
+    # transformers' count; ds4sci's rotary_dim rounds it down to even
+    rotated = int(config.head_dim * config.rotary_pct)
     if rotated != config.rotary_dim:
         refuse("rotary_pct", f"it rotates {rotated} of each head's {config.head_dim} dims, an odd count that ds4sci "
                              f"rounds down to {config.rotary_dim} and transformers does not; rotary_pct="

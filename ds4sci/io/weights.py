@@ -15,15 +15,9 @@ Three sources, told apart by their files:
 
 A model folder is untrusted input. Its config's every value is checked for type and range
 (:func:`ds4sci.models.genslm.config.check_field`; a GPT-NeoX or Llama ``config.json`` under its own key names, before
-transformers reads it), then against the shapes of the tensors (:func:`check_config`: layer count, hidden, vocabulary
-and MLP sizes, learned position table; a safetensors file's shapes from its header, before any tensor is read), so
-a config that claims more than its weights hold is refused before any layer is built, naming the file, the key and
-the value.
-
-Names are GenSLM's, GPT-NeoX's or Llama's (:mod:`ds4sci.models.genslm.neox` and :mod:`ds4sci.models.genslm.llama`
-convert them; :data:`ARCHITECTURES` holds, per ``model_type``, its keys and converters). Nothing pickled is ever
-executed: safetensors, or ``torch.load(weights_only=True)``, which reads tensors and plain containers only
-(:data:`_SAFE_GLOBALS` adds the ``pathlib`` paths GenSLM's Lightning hyper-parameters hold).
+transformers reads it), then against the shapes of the tensors (:mod:`ds4sci.io.tensors`), and nothing pickled is
+ever executed. Names are GenSLM's, GPT-NeoX's or Llama's (:data:`ARCHITECTURES` holds, per ``model_type``, its keys
+and converters).
 
 Vocabularies: ds4sci's codon tokenizer has the ids of GenSLM's 69-word codon vocabulary
 (``codon_wordlevel_69vocab.json``), so GenSLM's 69-id models fine-tune on ``data.tokenizer=codon`` unchanged. A
@@ -34,28 +28,21 @@ refused, never re-mapped: e.g. GenSLM's 71-word codon vocabulary, whose ``[BOS]`
 from __future__ import annotations
 
 import json
-import pathlib
-import pickle
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 from ds4sci.data import Tokenizer
+from ds4sci.io.export import read_consolidated
 from ds4sci.io.hf import GPT_NEOX_KEYS, LLAMA_KEYS
+from ds4sci.io.tensors import check_config, read_checked, read_tensors, short_list
 from ds4sci.models.genslm import (GenSLM, GenSLMConfig, config_from_gpt_neox, config_from_llama,
                                   from_gpt_neox_state_dict, from_llama_state_dict)
 from ds4sci.models.genslm.config import check_field
 
 TOKENIZERS = ("codon", "nucleotide")
-# pathlib paths are plain values (constructing one runs no code); a checkpoint pickled by Python < 3.13 names them
-# pathlib.PosixPath, by 3.13 pathlib._local.PosixPath.
-_SAFE_GLOBALS = [(cls, f"pathlib.{cls.__name__}") for cls in
-                 (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)]
 _HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -113,13 +100,11 @@ def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLMConfi
     meta = _read_json(path / "config.json")
     arch = ARCHITECTURES.get(meta.get("model_type"))
     if arch is not None:
-        config = _config_from_hf_json(meta, path / "config.json", arch)
+        config = config_from_hf_json(meta, path / "config.json", arch)
         state = read_checked(_hf_weight_files(path), config, path / "config.json", arch.names,
                              lambda tensors: _genslm_names(tensors, path, arch, config))
         return state, config, _tokenizer_kind(config.vocab_size, path)
     if "model" in meta and "tokenizer" in meta:
-        from ds4sci.io.export import read_consolidated
-
         state, config, tokenizer = read_consolidated(path)
         return state, config, tokenizer.kind
     raise ValueError(f"{path / 'config.json'}: neither a ds4sci export config (keys model, tokenizer) nor a Hugging "
@@ -145,8 +130,8 @@ def check_weights(model: GenSLM, state_dict: dict[str, torch.Tensor], source: st
     missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
     if missing or unexpected:
         raise ValueError(f"{source}: the weights do not fit the model ({model.config.position_embedding} positions, "
-                         f"{model.config.num_layers} layers): missing {_names(missing)}, unexpected "
-                         f"{_names(unexpected)}")
+                         f"{model.config.num_layers} layers): missing {short_list(missing)}, unexpected "
+                         f"{short_list(unexpected)}")
     for name, want in own.items():  # the model's order: the first mismatch a reader meets
         got = state_dict[name]
         if got.shape != want.shape:
@@ -154,51 +139,6 @@ def check_weights(model: GenSLM, state_dict: dict[str, torch.Tensor], source: st
                      if name in ("embed_in.weight", "embed_out.weight") else "")
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(got.shape)} in the source but "
                              f"{tuple(want.shape)} in the model{vocab}")
-
-
-def check_config(config: GenSLMConfig, shapes: dict[str, tuple[int, ...]], config_file: str | Path, weights: str,
-                 names: dict[str, str] | None = None) -> None:
-    """``config`` (read from ``config_file``) has the layer count and sizes of the tensors ``shapes`` (GenSLM's names
-    -> shapes, of the weights described by ``weights``), checked from the shapes alone, before any model is built:
-    a config that claims more than its weights hold (a billion layers, a huge vocabulary) is refused at once
-    instead of building layers until memory runs out. Once it passes, the model is as large as the weights;
-    :func:`check_weights` then compares every tensor. ``names``: the file's names of the config's fields where they
-    differ (a GPT-NeoX config.json's ``num_hidden_layers``).
-
-    Raises:
-        ValueError: naming ``config_file``, the key and its value, and what the weights hold instead.
-    """
-    names = names or {}
-
-    def refuse(field: str, holds: str):
-        raise ValueError(f"{config_file}: {names.get(field, field)}={getattr(config, field)!r} but {weights} {holds}")
-
-    layers = sorted({int(m[1]) for name in shapes if (m := re.match(r"layers\.(\d+)\.", name))})
-    if len(layers) != config.num_layers or layers[-1] != len(layers) - 1:  # exactly 0 .. num_layers - 1
-        refuse("num_layers", f"holds {_layer_range(layers)}")
-    expected = {"embed_in.weight": ("vocab_size", "hidden_size"), "embed_out.weight": ("vocab_size", "hidden_size"),
-                "layers.0.mlp.dense_h_to_4h.weight": ("intermediate_size", "hidden_size")}
-    if config.position_embedding == "learned":
-        expected["embed_pos.weight"] = ("max_position_embeddings", "hidden_size")
-    for name, fields in expected.items():
-        if name not in shapes:
-            refuse("position_embedding" if name == "embed_pos.weight" else fields[0], f"holds no tensor {name!r}")
-        shape = tuple(shapes[name])
-        for i, field in enumerate(fields):
-            if len(shape) != len(fields) or shape[i] != getattr(config, field):
-                refuse(field, f"holds {name!r} of shape {shape}")
-    qkv = shapes.get("layers.0.attention.query_key_value.weight")
-    if qkv is not None and qkv[0] != (config.num_heads + 2 * config.num_kv_heads) * config.head_dim:
-        refuse("num_kv_heads", f"holds 'layers.0.attention.query_key_value.weight' of shape {tuple(qkv)}")
-
-
-def _layer_range(layers: list[int]) -> str:
-    """``"layers 0-1 (2 layers)"``: the layer indices a state dict holds."""
-    if not layers:
-        return "no layers"
-    if layers[-1] - layers[0] == len(layers) - 1:  # sorted, each once: no gap
-        return f"layers {layers[0]}-{layers[-1]} ({len(layers)} layers)"
-    return f"layers {_names([str(i) for i in layers])} ({len(layers)} layers)"
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GenSLM, GenSLMConfig, Tokenizer]:
@@ -224,7 +164,7 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _config_from_hf_json(data: dict, where: Path | str, arch: Architecture) -> GenSLMConfig:
+def config_from_hf_json(data: dict, where: Path | str, arch: Architecture) -> GenSLMConfig:
     """GenSLMConfig of a transformers ``config.json`` of architecture ``arch`` (read by its transformers config
     class: its defaults and key renames across versions)."""
     try:
@@ -265,82 +205,13 @@ def _hf_weight_files(path: Path) -> list[Path]:
                             f"{' or '.join(_HF_WEIGHTS)} (or a sharded *.index.json)")
 
 
-def read_checked(files: list[Path], config: GenSLMConfig, config_file: Path, names: dict[str, str] | None = None,
-                 rename=lambda tensors: tensors) -> dict[str, torch.Tensor]:
-    """The tensors of the weight ``files`` (safetensors, or PyTorch state dicts) under GenSLM's names (``rename``
-    maps the stored names), once ``config`` has passed :func:`check_config` against their shapes: a safetensors
-    file's shapes come from its header, before any tensor is read; a PyTorch file's from its tensors,
-    memory-mapped (read when used)."""
-    missing = [file for file in files if not file.is_file()]
-    if missing:
-        raise FileNotFoundError(f"{missing[0]}: no such file (named by the directory's index)")
-    torch_files = {file: _read_tensors(file) for file in files if file.suffix != ".safetensors"}
-    shapes = {}
-    for file in files:
-        if file in torch_files:
-            tensors = torch_files[file]
-            if not (isinstance(tensors, dict) and all(isinstance(t, torch.Tensor) for t in tensors.values())):
-                raise ValueError(f"{file}: not a state dict (names -> tensors)")
-            shapes.update({name: tuple(t.shape) for name, t in tensors.items()})
-        else:
-            shapes.update(_safetensors_shapes(file))
-    weights = files[0].name if len(files) == 1 else f"the shard set {files[0].name} .. {files[-1].name}"
-    check_config(config, rename(shapes), config_file, weights, names)
-    state = {}
-    for file in files:
-        state.update(torch_files[file] if file in torch_files else _read_tensors(file))
-    return rename(state)
-
-
-def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of the tensors in a safetensors ``file``, from its header (no tensor read)."""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except Exception as err:  # safetensors raises its own SafetensorError for a damaged file
-        raise ValueError(f"{file}: cannot be read, truncated or corrupt ({err})") from None
-
-
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    if file.suffix == ".safetensors":
-        try:
-            return load_file(str(file))
-        except Exception as err:  # safetensors raises its own SafetensorError for a damaged file
-            raise ValueError(f"{file}: cannot be read, truncated or corrupt ({err})") from None
-    return _torch_load(file)
-
-
-def _torch_load(file: Path):
-    """``torch.load(weights_only=True)``: a pickle that needs any other class is refused, never run."""
-    try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            try:  # memory-mapped: a rank reads only the pages of the pieces it keeps
-                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as err:
-                if "mmap" not in str(err):  # only the legacy (non-zip) format cannot be mapped
-                    raise
-                return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        culprit = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        if culprit is None:
-            detail = re.search(r"WeightsUnpickler error: \s*(.+)", str(err))
-            raise ValueError(f"{file}: not a readable PyTorch file ({detail[1] if detail else err})") from None
-        raise ValueError(
-            f"{file}: holds a {culprit[1]} object, which the safe loader (torch.load(weights_only=True)) refuses "
-            f"to construct; if you trust the file, save its tensors alone (a GenSLM checkpoint: 'state_dict' and "
-            f"'hyper_parameters': {{'model_architecture': ...}}) with torch.load(weights_only=False) and torch.save, "
-            f"and point to that file") from None
-    except (RuntimeError, EOFError, OSError) as err:
-        raise ValueError(f"{file}: not a readable PyTorch file ({err})") from None
-
-
 def _load_checkpoint_file(file: Path) -> tuple[dict[str, torch.Tensor], GenSLMConfig | None, str | None]:
-    obj = _read_tensors(file)
+    obj = read_tensors(file)
     config = None
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):  # a Lightning checkpoint
         arch = (obj.get("hyper_parameters") or {}).get("model_architecture")  # GenSLM's GPT-NeoX config.json
         if isinstance(arch, dict):
-            config = _config_from_hf_json(arch, f"{file} (hyper_parameters.model_architecture)",
+            config = config_from_hf_json(arch, f"{file} (hyper_parameters.model_architecture)",
                                           ARCHITECTURES["gpt_neox"])
         obj = obj["state_dict"]
     if not (isinstance(obj, dict) and obj and all(isinstance(k, str) and isinstance(v, torch.Tensor)
@@ -387,5 +258,3 @@ def _tokenizer_kind(vocab_size: int, where: Path) -> str:
     return kind
 
 
-def _names(keys: list[str], limit: int = 6) -> str:
-    return "none" if not keys else ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

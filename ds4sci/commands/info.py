@@ -93,10 +93,11 @@ def backends(cuda: bool | None = None) -> dict[str, dict[str, dict]]:
             "sdpa": (True, "usable (PyTorch SDPA, the O(S^2) reference)"),
         },
     }
+    unknown = (False, "not described by ds4sci info")
     names = {"evoformer_attention": [b.value for b in EvoformerBackend],
              "genslm_local_attention": [b.value for b in LocalBackend]}
     return {
-        component: {name: dict(zip(("usable", "why"), known[component].get(name, (False, "not described by ds4sci info"))))
+        component: {name: dict(zip(("usable", "why"), known[component].get(name, unknown)))
                     for name in names[component]}
         for component in names
     }
