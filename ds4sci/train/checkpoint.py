@@ -4,69 +4,23 @@ sequence shard (:meth:`ds4sci.train.position_table.PositionTable.shard_state`).
 
 Layout of ``train.out_dir/checkpoints``::
 
-    step4/                 a complete checkpoint: DeepSpeed's files (mp_rank_*_model_states.pt, under ZeRO
-                           zero_pp_rank_*_optim_states.pt, under PP layer_*-model_states.pt), portable/rank*.safetensors,
-                           position_table/sp*.pt, and checkpoint.json, written last
-    latest                 the newest complete tag (DeepSpeed's pointer; its tools, e.g. zero_to_fp32.py, read it)
-    .tmp-step6/            a save in progress, or one a killed process left behind (never loaded; removed by the
-                           next save)
+    step4/         a complete checkpoint: DeepSpeed's files, portable/rank*.safetensors, position_table/sp*.pt,
+                   and checkpoint.json, written last (:mod:`ds4sci.train.checkpoint_check` reads and verifies it)
+    latest         the newest complete tag (DeepSpeed's pointer; its tools, e.g. zero_to_fp32.py, read it)
+    .tmp-step6/    a save in progress, or one a killed process left behind (never loaded; removed by the next save)
 
-A save is atomic: every rank writes into ``.tmp-stepN`` (DeepSpeed with ``save_latest=False``) and takes the
-sha256 of each file it wrote; rank 0 gathers them, flushes the files to disk, writes ``checkpoint.json`` (format 2:
-step, model config, ZeRO stage, partitions, layout, micro-batch and accumulation, the portable record, each file's
-size and sha256, and the sha256 of the record itself), renames the folder to ``stepN`` and replaces ``latest``
-(write a temporary file, then ``os.replace``). A process killed at any moment leaves every earlier checkpoint and
-``latest`` as they were. Checkpoints live on a file system every rank sees (DeepSpeed's requirement as well).
+A save is atomic: every rank writes into ``.tmp-stepN`` and takes the sha256 of each file it wrote (while writing
+where it can); rank 0 gathers them, flushes the files, writes ``checkpoint.json``, renames the folder to ``stepN``
+and replaces ``latest``. A process killed at any moment leaves every earlier checkpoint and ``latest`` as they were.
 
-Digests: the files ``torch.save`` writes (DeepSpeed's, through :class:`SafeCheckpointEngine`, and the position
-table's) are hashed while written, nothing read back; the portable files (safetensors writes them itself) are read
-back once by their writer right after the write, from the page cache; rank 0 reads only what no rank reported
-(DeepSpeed's copy of NVMe-offloaded optimizer state, ``offloaded_tensors/``). Cost at save: sha256 over every byte
-once, spread over the writing ranks (~1-2 GB/s per core), beside the portable files' second read.
-
-Resuming at another layout (``parallel.*`` and ``zero.stage`` may change on resume). What DeepSpeed 0.19.8's engine
-checkpoint can do, checked here: its files are per TP rank (``mp_rank_XX``), per pipeline layer, and under ZeRO 1-3
-per partition of the sequence x data group (``zero_pp_rank_N``, flat fp32 partitions and AdamW moments); it loads
-into the same TP and PP degrees, ZeRO stage and, under ZeRO, partition count (at stage 0 the sequence and data
-degrees may change; under ZeRO ``dp x sp`` may be regrouped, e.g. SP1 x DP2 -> SP2 x DP1,
-``tests/distributed/test_resume_combinations.py``). DeepSpeed's answer to the rest is the universal checkpoint
-(``deepspeed/checkpoint/ds_to_universal.py``, then ``checkpoint.load_universal``): an offline conversion that
-expects Megatron-style files and per-parameter TP patterns (``UNIVERSAL_CHECKPOINT_INFO``: which parameters are
-split, on which dim, vocabulary padding), and knows nothing of our pipeline names or the position table kept out of
-the engine. Instead each save also writes the state layout-free, by GenSLM parameter name:
-
-- ``portable/rank{R}.safetensors``: ``param/NAME`` (the fp32 master), ``exp_avg/NAME``, ``exp_avg_sq/NAME`` (AdamW's
-  moments; none before the first update), each whole: assembled over ZeRO (``deepspeed.utils.safe_get_full_fp32_param``
-  / ``safe_get_full_optimizer_state``; at ZeRO-0 fp32 the parameter and the client AdamW's state), over TP
-  (:func:`~ds4sci.parallel.tensor_parallel.gather_tensor_parallel`, vocabulary padding cut off) and named across
-  pipeline stages (:func:`~ds4sci.train.pipeline.genslm_name`). Every rank of a stage assembles each tensor and one
-  of them keeps it, split by bytes (each parameter's tensors to the rank with the fewest bytes so far), so a rank
-  holds and writes ~1/world of the state (at most its stage's share plus one parameter's), never the whole.
-- ``checkpoint.json["portable"]``: AdamW's step count, the schedule's state, the engine's step counters.
-
-Loading uses DeepSpeed's engine checkpoint when it can (the fast path: the same TP and PP degrees, ZeRO stage and,
-under ZeRO, partition count) and the portable state otherwise: AdamW's state is created (torch AdamW creates it
-lazily; ZeRO-1/2 link it to their per-parameter views after the first step), then every engine parameter's model
-copy, fp32 master and moments are set from the whole tensors cut to this rank's TP piece
-(:func:`~ds4sci.parallel.tensor_parallel.shard_tensor_parallel`; ``safe_set_full_fp32_param`` /
-``safe_set_full_optimizer_state`` keep this rank's ZeRO partition), then the schedule and the counters. Exact: the
-resumed run's losses and parameters are those of an uninterrupted single process to fp32 rounding
-(``tests/distributed/test_resume_layouts.py``). The cost: every save writes the fp32 master and both moments once
-more (12 bytes per parameter beside the engine checkpoint's ~16 under ZeRO); the portable files are read only
-when the layout changes. A checkpoint without portable state (written before it existed) resumes only at its own
-layout, and loading it elsewhere is refused naming both layouts.
-
-Loading checks before DeepSpeed reads anything: the folder is complete (``checkpoint.json``, itself unchanged: its
-own sha256), no file is missing or of another size than the save wrote, every file's content is what the save
-wrote (its sha256; each rank reads a share, split by bytes, and every rank refuses naming the first file that
-differs: ``...: content differs from what the save wrote (sha256 mismatch); the checkpoint is corrupt. Resume from
-an earlier one: ...``), and the model config matches this run (each difference named: ``model.num_layers:
-checkpoint 4, this run 2``). A checkpoint saved before digests were recorded (no ``format`` in its record) is still
-loaded, checked by size only, with a warning. Every file is read with ``torch.load(weights_only=True)`` or
-safetensors (tensors and plain containers; no pickled code runs): DeepSpeed 0.19.8's own loader passes
-``weights_only=False``, so the engine is handed :class:`SafeCheckpointEngine` for the load, which allows, by name,
-the three DeepSpeed classes its ZeRO optimizer files hold (loss scaler, ZeRO stage enum, fragment address) and
-nothing else.
+DeepSpeed's engine checkpoint loads only into the same TP and PP degrees, ZeRO stage and, under ZeRO, partition
+count. So each save also writes the state by GenSLM parameter name, whole over ZeRO, TP and pipeline stages
+(``portable/``: the fp32 master and AdamW's moments, split by bytes over the ranks that assemble them, so no rank
+holds the whole), and the load uses it when the layout changed: every engine parameter, master and moment is set
+from the whole tensor cut to this rank's piece. Exact: the resumed losses and parameters are an uninterrupted
+single process's to fp32 rounding (``tests/distributed/test_resume_layouts.py``). DeepSpeed's loader is handed
+:class:`SafeCheckpointEngine`, which loads with ``weights_only=True`` plus, by name, the DeepSpeed classes its ZeRO
+files hold.
 """
 from __future__ import annotations
 
@@ -75,8 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
-import re
 import shutil
 from pathlib import Path
 
@@ -92,46 +44,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, shard_tensor_parallel
+from ds4sci.train.checkpoint_check import (DIGEST, FORMAT, META, PORTABLE, RECORD_DIGEST, Spread, check_checkpoint,
+                                           describe_layout, digest_file, engine_differences, find_checkpoint,
+                                           record_digest, safe_load, verify_checkpoint)
 from ds4sci.train.engine import bounded_collectives, write_error
 from ds4sci.train.pipeline import genslm_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "read_record", "check_checkpoint",
-           "verify_checkpoint", "SafeCheckpointEngine"]
+__all__ = ["save_checkpoint", "load_checkpoint", "SafeCheckpointEngine"]
 
-META = "checkpoint.json"
 TABLE = "position_table"  # the learned table: one file per sequence shard, sp{R}.pt (its rows, moments, positions)
-PORTABLE = "portable"  # the layout-free state: one safetensors file per rank that owns some of it
 _ADAM = ("exp_avg", "exp_avg_sq")  # torch AdamW's moments, beside the fp32 master ("param")
-_STEP_DIR = re.compile(r"step(\d+)")
-FORMAT = 2  # checkpoint.json's format: 2 records each file's sha256 and its own; 1 (no "format" key) sizes only
-DIGEST = "sha256"  # checkpoint.json's key of the files' digests (hashlib's name)
-RECORD_DIGEST = "record sha256"  # checkpoint.json's key of its own digest (of the rest, canonical JSON)
 _DEEPSPEED_SAFE_GLOBALS = [LossScaler, ZeroStageEnum, fragment_address]
-
-
-def safe_load(path: str | Path, map_location="cpu"):
-    """``torch.load(path, weights_only=True)`` with one-line errors naming the file.
-
-    Raises:
-        ValueError: the file needs a class the safe loader refuses, or cannot be read (truncated, corrupt).
-    """
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
-        raise ValueError(f"{path}: torch.load(weights_only=True) refuses it (it holds "
-                         f"{refused.group(1) if refused else 'a non-tensor object'}); only tensors and plain "
-                         f"containers are loaded from a checkpoint") from None
-    except (RuntimeError, EOFError) as err:
-        raise ValueError(f"{path}: cannot be read, truncated or corrupt ({str(err).splitlines()[0]})") from None
-
-
-def _digest_file(path: Path) -> str:
-    """The sha256 of the file ``path`` (read once, in chunks)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, DIGEST).hexdigest()
 
 
 class _DigestingWriter:
@@ -200,22 +125,7 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
             return safe_load(path, map_location)
 
 
-class _Spread:
-    """A split by bytes over ``n`` owners: :meth:`take` gives each item, in the order they come, to the owner with
-    the fewest bytes so far (the lowest on a tie). Deterministic: ranks that take the same sizes in the same order
-    agree. No owner ends with more than ``total / n + largest item`` (the owner of any item held at most the mean
-    before taking it)."""
-
-    def __init__(self, n: int):
-        self.loads = [0] * n
-
-    def take(self, size: int) -> int:
-        owner = min(range(len(self.loads)), key=self.loads.__getitem__)
-        self.loads[owner] += size
-        return owner
-
-
-def _fingerprint(trainer) -> dict:
+def fingerprint(trainer) -> dict:
     """What a checkpoint records of the run that saved it (compared by :func:`check_checkpoint`; its global batch,
     ``batch`` with the layout's ``dp``, by :func:`ds4sci.train.run_dir.check_resumed_config`)."""
     d, t = trainer.dims, trainer.cfg.train
@@ -225,26 +135,6 @@ def _fingerprint(trainer) -> dict:
                                              "ring": d.ring},
                                   "batch": {"micro_batch_size": t.micro_batch_size,
                                             "grad_accum": t.grad_accum}}))  # as stored
-
-
-def _describe(record: dict) -> str:
-    """``tp 2 x pp 1 x dp 1 x ulysses 1 x ring 1, ZeRO-1`` (the layout of a :func:`_fingerprint`)."""
-    layout = " x ".join(f"{k} {v}" for k, v in record["layout"].items()) if "layout" in record else "layout unrecorded"
-    return f"{layout}, ZeRO-{record['zero.stage']}"
-
-
-def _engine_differences(meta: dict, expected: dict) -> list[str]:
-    """What keeps DeepSpeed from loading the engine checkpoint of ``meta`` into the run of ``expected``: another
-    ZeRO stage, TP or PP degree (other per-rank files), or, under ZeRO, another partition count (sequence x data
-    ranks). Empty: the engine checkpoint loads as it is."""
-    saved, now = meta.get("layout"), expected.get("layout")
-    differ = [f"parallel.{k}: checkpoint {saved[k]}, this run {now[k]}" for k in ("tp", "pp")
-              if saved and now and saved[k] != now[k]]
-    differ += [f"zero.stage: checkpoint {meta['zero.stage']}, this run {expected['zero.stage']}"] * (
-        meta["zero.stage"] != expected["zero.stage"])
-    if meta["zero.stage"] == expected["zero.stage"] > 0 and meta["zero partitions"] != expected["zero partitions"]:
-        differ.append(f"zero partitions: checkpoint {meta['zero partitions']}, this run {expected['zero partitions']}")
-    return differ
 
 
 def _engine_params(trainer, replicas: bool = True) -> list[tuple[str, torch.nn.Parameter]]:
@@ -279,14 +169,14 @@ def _save_portable(trainer, folder: Path, digests: dict[str, str], failed: list[
 
     Each parameter's tensors (``param/NAME``, ``exp_avg/NAME``, ``exp_avg_sq/NAME`` by GenSLM name, TP- and
     ZeRO-whole) are assembled on every rank of its pipeline stage and kept by one of them, split by bytes
-    (:class:`_Spread`, in the engine's parameter order, the same on every rank of the stage), so each rank holds and
+    (:class:`Spread`, in the engine's parameter order, the same on every rank of the stage), so each rank holds and
     writes at most ``1 / ranks per stage`` of its stage's state plus one parameter's (``rank{R}.safetensors``;
     stages are not balanced against each other: a tensor stays on the stage that assembled it). The sha256 is
     read back right after the write (safetensors writes the file itself; its bytes are still in the page cache)."""
     engine, groups, dims = trainer.engine, trainer.groups, trainer.dims
     step = _adam_step(engine.basic_optimizer)
     keys = ("param", *_ADAM) if step else ("param",)  # no moments before the first update
-    spread = _Spread(dims.tp * dist.get_world_size(groups.sdp))
+    spread = Spread(dims.tp * dist.get_world_size(groups.sdp))
     me = groups.sdp_rank * dims.tp + groups.tp_rank
     mine = {}
     for name, p in _engine_params(trainer, replicas=False):
@@ -299,7 +189,7 @@ def _save_portable(trainer, folder: Path, digests: dict[str, str], failed: list[
         def write():
             file.parent.mkdir(exist_ok=True)
             save_file(mine, file)
-            digests[str(file.relative_to(folder))] = _digest_file(file)
+            digests[str(file.relative_to(folder))] = digest_file(file)
 
         _attempt(failed, where, file, write)
     return {"adam_step": step, "scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps,
@@ -356,7 +246,7 @@ def save_checkpoint(trainer) -> Path:
         if trainer.rank == 0:
             outcome[0] = next((failed[0] for _, failed in every if failed), None)
             if outcome[0] is None:
-                meta = {"step": trainer.step, **_fingerprint(trainer), PORTABLE: portable}
+                meta = {"step": trainer.step, **fingerprint(trainer), PORTABLE: portable}
                 try:
                     _commit(root, tmp, tag, meta, [written for written, _ in every])
                 except OSError as err:
@@ -394,8 +284,8 @@ def _commit(root: Path, tmp: Path, tag: str, meta: dict, written: list[dict[str,
     names = [str(p.relative_to(tmp)) for p in files]
     meta.update({"format": FORMAT, "files": {name: (tmp / name).stat().st_size for name in names},
                  DIGEST: {name: next(iter(reported[name])) if len(reported.get(name, ())) == 1
-                          else _digest_file(tmp / name) for name in names}})
-    _write_atomic(tmp / META, json.dumps({**meta, RECORD_DIGEST: _record_digest(meta)}, indent=1))
+                          else digest_file(tmp / name) for name in names}})
+    _write_atomic(tmp / META, json.dumps({**meta, RECORD_DIGEST: record_digest(meta)}, indent=1))
     final = root / tag
     if final.exists():  # the same step saved again (a resumed run that ends where it started)
         old = root / f".old-{tag}"
@@ -408,25 +298,6 @@ def _commit(root: Path, tmp: Path, tag: str, meta: dict, written: list[dict[str,
     _write_atomic(root / "latest", tag)
     for stale in root.glob(".tmp-*"):  # saves killed earlier
         shutil.rmtree(stale, ignore_errors=True)
-
-
-def _record_digest(meta: dict) -> str:
-    """The sha256 of a checkpoint record (without its own digest), as canonical JSON: the same after a round trip
-    through the file."""
-    return hashlib.new(DIGEST, json.dumps(meta, sort_keys=True).encode()).hexdigest()
-
-
-def _corrupt(file: Path, checkpoint: Path, why: str) -> str:
-    """The refusal of a corrupt ``file`` of ``checkpoint``, with the way on: the newest earlier checkpoint."""
-    def step(folder: Path) -> int | None:
-        return int(m.group(1)) if (m := _STEP_DIR.fullmatch(folder.name)) else None
-
-    this = step(checkpoint)
-    earlier = [(s, p) for p in checkpoint.parent.iterdir()
-               if (s := step(p)) is not None and (this is None or s < this) and (p / META).is_file()]
-    way = (f"rename {checkpoint} (e.g. to {checkpoint.name}.corrupt), then --resume continues from {max(earlier)[1]}"
-           if earlier else f"{checkpoint.parent} holds no earlier one: start the run again (--overwrite)")
-    return f"{file}: {why}; the checkpoint is corrupt. Resume from an earlier one: {way}"
 
 
 @contextlib.contextmanager
@@ -452,77 +323,6 @@ def _write_atomic(path: Path, text: str) -> None:
         os.fsync(fd)  # the rename itself
     finally:
         os.close(fd)
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder ``path`` names: a ``stepN`` folder itself, or the newest complete one of a
-    ``checkpoints`` folder or of a run folder (``train.out_dir``).
-
-    Raises:
-        FileNotFoundError: nothing there, or no complete checkpoint.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if (path / META).is_file() or _STEP_DIR.fullmatch(path.name) or path.name.startswith(".tmp-"):
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and (p / META).is_file()]
-    if not steps:
-        raise FileNotFoundError(f"{path}: no complete checkpoint (a folder stepN with {META}) in {root}")
-    return max(steps)[1]
-
-
-def read_record(path: Path) -> dict:
-    """The record (``checkpoint.json``) of the complete checkpoint folder ``path``, checked against its own sha256
-    (format 2).
-
-    Raises:
-        ValueError: the save did not finish, or the record is corrupt (naming it and an earlier checkpoint).
-    """
-    meta_file = path / META
-    if not meta_file.is_file():
-        raise ValueError(f"{path} is incomplete (no {META}: its save was interrupted); resume from the run folder "
-                         f"to take the newest complete checkpoint")
-    try:
-        meta = json.loads(meta_file.read_text(errors="replace"))
-    except json.JSONDecodeError as err:
-        raise ValueError(_corrupt(meta_file, path, f"not a ds4sci checkpoint record ({err})")) from None
-    if "format" in meta or RECORD_DIGEST in meta:  # format 2 on (format 1 had neither)
-        if meta.pop(RECORD_DIGEST, None) != _record_digest(meta):
-            raise ValueError(_corrupt(meta_file, path, f"content differs from what the save wrote ({DIGEST} "
-                                                       f"mismatch)"))
-    return meta
-
-
-def check_checkpoint(path: Path, expected: dict) -> dict:
-    """The record of the complete checkpoint folder ``path`` (:func:`read_record`), checked against ``expected``
-    (the loading run's :func:`_fingerprint`), and its files against the sizes the save wrote (their contents:
-    :func:`verify_checkpoint`).
-
-    Raises:
-        ValueError: the save did not finish, the record is corrupt, a file is missing or truncated, or a field
-            differs (each named).
-    """
-    meta = read_record(path)
-    for name, size in meta["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise ValueError(f"{file} is missing (the save wrote {size} bytes)")
-        if file.stat().st_size != size:
-            raise ValueError(f"{file} is truncated or changed: {file.stat().st_size} bytes, the save wrote {size}")
-    differ = [f"model.{k}: checkpoint {v!r}, this run {expected['model'].get(k)!r}"
-              for k, v in meta["model"].items() if expected["model"].get(k) != v]
-    differ += [f"model.{k}: checkpoint (none), this run {v!r}" for k, v in expected["model"].items()
-               if k not in meta["model"]]
-    if differ:
-        raise ValueError(f"{path} was saved by another configuration: {'; '.join(differ)}")
-    layout = _engine_differences(meta, expected)
-    if layout and PORTABLE not in meta:
-        raise ValueError(f"{path} was saved at {_describe(meta)}, this run is {_describe(expected)}: "
-                         f"{'; '.join(layout)}; it holds no portable state (saved by an older ds4sci), so it resumes "
-                         f"only at its own layout")
-    return meta
 
 
 def _prime_adam(engine, step: int) -> None:
@@ -581,45 +381,19 @@ def _load_portable(trainer, path: Path, record: dict) -> None:
     engine.skipped_steps = record["skipped_steps"]
 
 
-def verify_checkpoint(path: Path, meta: dict) -> None:
-    """Check every file of the checkpoint ``path`` against the sha256 its save recorded (``meta``: its
-    :func:`check_checkpoint`), before any is used. Collective: each rank reads a share, split by bytes
-    (:class:`_Spread`), so the checkpoint is read once more in all, ~1/world per rank; every rank raises the same
-    error. A format-1 checkpoint (saved before ds4sci recorded digests) is checked by size only, with a warning.
-
-    Raises:
-        ValueError: a file's content differs from what the save wrote (naming the file and the way on).
-    """
-    if DIGEST not in meta:
-        if dist.get_rank() == 0:
-            logger.warning("%s records no file digests (saved by an older ds4sci): its files are checked by size "
-                           "only", path / META)
-        return
-    spread, rank, problem = _Spread(dist.get_world_size()), dist.get_rank(), None
-    for name in sorted(meta["files"], key=lambda n: (-meta["files"][n], n)):  # largest first: an even split
-        if spread.take(meta["files"][name]) == rank and problem is None and (
-                _digest_file(path / name) != meta[DIGEST][name]):
-            problem = _corrupt(path / name, path, f"content differs from what the save wrote ({DIGEST} mismatch)")
-    problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    problem = next((p for p in problems if p is not None), None)
-    if problem is not None:
-        raise ValueError(problem)
-
-
 def load_checkpoint(trainer, path: str | Path) -> Path:
     """Resume from a checkpoint (a ``stepN`` folder, or the newest complete one of a run or ``checkpoints``
     folder; see :func:`find_checkpoint`), at the layout that saved it or any other (module docstring). Returns the
     folder loaded."""
     path = find_checkpoint(path)
-    expected = _fingerprint(trainer)
+    expected = fingerprint(trainer)
     meta = check_checkpoint(path, expected)
     verify_checkpoint(path, meta)
     engine = trainer.engine
-    differ = _engine_differences(meta, expected)
+    differ = engine_differences(meta, expected)
     if differ:
-        logger.info("%s was saved at %s, this run is %s (%s): loading its portable state", path, _describe(meta),
-                    _describe(expected), "; ".join(differ))
+        logger.info("%s was saved at %s, this run is %s (%s): loading its portable state", path, describe_layout(meta),
+                    describe_layout(expected), "; ".join(differ))
         _load_portable(trainer, path, meta[PORTABLE])
         trainer.step = meta["step"]
     else:

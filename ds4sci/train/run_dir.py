@@ -88,7 +88,7 @@ def check_resumed_config(saved_file: Path, checkpoint: Path, cfg: Config, world_
         ValueError: naming every other key that differs, old and new value, and a changed global batch, old and new
             and what to set.
     """
-    from ds4sci.train.checkpoint import read_record
+    from ds4sci.train.checkpoint_check import read_record
 
     saved = load_config(saved_file)
     old, new = _flat(saved), _flat(cfg)
@@ -114,7 +114,7 @@ def prepare_run_dir(cfg: Config, resume: str | None = None, overwrite: bool = Fa
     Raises:
         ValueError / FileNotFoundError: the folder cannot be used so (one line naming it and the way on).
     """
-    from ds4sci.train.checkpoint import find_checkpoint
+    from ds4sci.train.checkpoint_check import find_checkpoint
 
     if overwrite and resume is not None:
         raise ValueError("--overwrite and --resume exclude each other: replace the run, or continue it")

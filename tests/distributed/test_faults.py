@@ -35,7 +35,7 @@ def _fake_checkpoint(folder: Path, step: int, model: dict, stage: int = 0, compl
 
 
 def test_checkpoint_records_name_what_is_wrong(tmp_path):
-    from ds4sci.train.checkpoint import check_checkpoint, find_checkpoint
+    from ds4sci.train.checkpoint_check import check_checkpoint, find_checkpoint
 
     model = {"num_layers": 2, "hidden_size": 32}
     this_run = {"model": model, "zero.stage": 1, "zero partitions": 2}
@@ -71,7 +71,7 @@ def test_checkpoint_records_name_what_is_wrong(tmp_path):
 
 
 def test_safe_load_refuses_pickled_code_and_names_a_truncated_file(tmp_path):
-    from ds4sci.train.checkpoint import safe_load
+    from ds4sci.train.checkpoint_check import safe_load
 
     good = tmp_path / "table.pt"
     torch.save({"weight": torch.ones(3), "scheduler": {"last_epoch": 2}}, good)

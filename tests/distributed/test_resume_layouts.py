@@ -110,7 +110,7 @@ def test_resume_at_another_layout_trains_like_one_process(tmp_path):
 
 
 def test_a_checkpoint_without_portable_state_resumes_only_at_its_own_layout(tmp_path):
-    from ds4sci.train.checkpoint import check_checkpoint
+    from ds4sci.train.checkpoint_check import check_checkpoint
 
     model = {"num_layers": 2}
     saved = {"model": model, "zero.stage": 1, "zero partitions": 1,

@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from ds4sci.train.checkpoint import _commit, _Spread, check_checkpoint
+from ds4sci.train.checkpoint import _commit
+from ds4sci.train.checkpoint_check import Spread, check_checkpoint
 from ds4sci.train.run_dir import keep_metrics_until
 
 FINGERPRINT = {"model": {"num_layers": 2}, "zero.stage": 1, "zero partitions": 1,
@@ -34,12 +35,12 @@ def test_a_torn_final_metrics_line_is_dropped_and_damage_elsewhere_is_refused(tm
 
 def test_the_portable_split_by_bytes_gives_each_rank_about_one_share():
     # by hand: each item to the owner with the fewest bytes so far, the lowest on a tie
-    spread = _Spread(2)
+    spread = Spread(2)
     assert [spread.take(size) for size in (5, 3, 3, 1)] == [0, 1, 1, 0] and spread.loads == [6, 6]
     # a model's parameters, weight and bias alternating (a split by index put every weight on one rank)
     sizes = [64 * 64 * 12, 64 * 12] * 6 + [10 * 64 * 12]
     for n in (2, 3, 4):
-        spread = _Spread(n)
+        spread = Spread(n)
         owners = [spread.take(size) for size in sizes]
         loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(n)]
         assert max(loads) <= sum(sizes) / n + max(sizes), (n, loads)
