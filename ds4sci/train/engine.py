@@ -20,7 +20,7 @@ here with DeepSpeed 0.19.8 on the CPU (gloo, ``DS_ACCELERATOR=cpu``):
   ``cpu_offload``), so the config refuses nvme below stage 3 rather than silently ignore it.
 - NVMe (ZeRO-Infinity) needs DeepSpeed's ``async_io`` op, which needs libaio (``apt install libaio-dev``); here it
   is not compatible (no libaio headers), so :func:`check_offload_support` refuses nvme before the run starts
-  (:func:`ds4sci.train.trainer.check_launch`) with that reason instead of DeepSpeed's build failure inside
+  (:func:`ds4sci.train.launch.check_launch`) with that reason instead of DeepSpeed's build failure inside
   ``deepspeed.initialize``.
 - ``pin_memory`` is DeepSpeed's (default true): page-locked host buffers for fast GPU<->CPU copies; the CPU
   accelerator ignores it.

@@ -14,9 +14,10 @@ undoes DeepSpeed's per-stage gradient reduction; the equivalence tests prove it 
 single-process training.
 
 Memory switches: ZeRO-Offload / ZeRO-Infinity (``zero.offload_*``) go into the DeepSpeed config
-(:mod:`ds4sci.train.engine`); activation checkpointing, the tiled MLP and the tiled loss (``activation_checkpointing.*``)
-are applied to the model after sequence parallelism (:mod:`ds4sci.train.activation_checkpointing`); with the tiled loss
-the model's head returns the loss sum (the targets go into the engine's forward). None changes the loss scale.
+(:mod:`ds4sci.train.engine`); activation checkpointing, the tiled MLP and the tiled loss
+(``activation_checkpointing.*``) are applied to the model after sequence parallelism
+(:mod:`ds4sci.train.activation_checkpointing`); with the tiled loss the model's head returns the loss sum (the
+targets go into the engine's forward). None changes the loss scale.
 
 The sequence-partitioned learned position table is kept OUT of the DeepSpeed engine and owned by
 :class:`ds4sci.train.position_table.PositionTable` (why: see there).
@@ -36,11 +37,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds4sci.data import PackedDataset, RecordDataset, Tokenizer, WindowDataset, collate, read_fasta, split_records, split_region
+from ds4sci.data import collate
 from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
 from ds4sci.parallel.groups import build_groups
 from ds4sci.parallel.parallelize import materialize_, parallelize
@@ -49,95 +49,19 @@ from ds4sci.progress import progress_bar
 from ds4sci.sequence import DistributedAttention, shard_sequence
 from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
 from ds4sci.train.checkpoint import load_checkpoint
-from ds4sci.parallel import ParallelDims
-from ds4sci.train.config import Config, DataConfig
-from ds4sci.train.engine import (build_engine, check_offload_support, collective_error, init_distributed,
-                                 set_deterministic, writing)
+from ds4sci.train.config import Config
+from ds4sci.train.data_order import train_samples
+from ds4sci.train.engine import build_engine, collective_error, init_distributed, set_deterministic, writing
 from ds4sci.train.init_from import initial_model
+from ds4sci.train.launch import check_launch, launch_world_size, load_data
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 from ds4sci.train.pipeline import (build_pipeline_engine, pipeline_eval_sum, pipeline_reduction_factor,
                                    pipeline_state_items, pipeline_train_batch)
+from ds4sci.train.plot import plot_metrics
 from ds4sci.train.position_table import PositionTable
 from ds4sci.train.run_dir import keep_metrics_until, open_run_dir
 
 logger = logging.getLogger(__name__)
-
-
-def launch_world_size() -> int:
-    """The number of processes of this launch: the process group's size, else the launcher's ``WORLD_SIZE`` (1 in a
-    lone process)."""
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE") or 1)
-
-
-def check_launch(cfg: Config, world_size: int) -> ParallelDims:
-    """Everything about ``cfg`` that can be known before any work, checked before any: the parallel degrees against
-    ``world_size`` processes, an offload this machine can run (:func:`~ds4sci.train.engine.check_offload_support`)
-    and FASTA files that ``data.fasta`` names. So a run that cannot start stops before the run folder is touched
-    (``--overwrite`` deletes in it) and before the token cache is built.
-
-    Returns:
-        the run's :class:`~ds4sci.parallel.ParallelDims`.
-    Raises:
-        ValueError / FileNotFoundError: one line naming the key and the value.
-    """
-    from ds4sci.data.corpus import resolve_sources
-
-    dims = cfg.parallel.dims(world_size)
-    check_offload_support(cfg)
-    try:
-        resolve_sources(cfg.data.fasta)
-    except FileNotFoundError as err:
-        if cfg.data.fasta == DataConfig().fasta:  # no config, no --set data.fasta: the bundled genome is missing
-            raise FileNotFoundError(f"data.fasta: {err}: the default data is the E. coli genome of a ds4sci source "
-                                    f"checkout, absent from this installation; pass a YAML config (such as "
-                                    f"examples/configs/demo_ecoli_sp2.yaml) or --set data.fasta=FILE (ds4sci train "
-                                    f"--print-config lists every key)") from None
-        raise FileNotFoundError(f"data.fasta: {err} (a relative path in a config file is read from its folder; one "
-                                f"given with --set, from the working directory)") from None
-    return dims
-
-
-def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.utils.data.Dataset, str]:
-    """Tokenizer, training and validation datasets for ``cfg.data``, read from the token cache of ``data.fasta``
-    (built on first use by rank 0; :mod:`ds4sci.data.corpus`), and a line naming the split ``data.split`` chose
-    (:func:`ds4sci.data.datasets.describe_split`). Every rank must call it."""
-    from ds4sci.data.corpus import load_datasets, open_corpus
-    from ds4sci.data.datasets import describe_split
-
-    d = cfg.data
-    tok = Tokenizer.from_name(d.tokenizer)
-    cache_dir = d.cache_dir or os.path.join(cfg.train.out_dir, "token_cache")
-    corpus = open_corpus(d.fasta, tok, cache_dir=cache_dir, iupac=d.iupac, progress=cfg.train.progress)
-    train, val = load_datasets(corpus, tok, dataset=d.dataset, seq_len=d.seq_len, stride=d.stride,
-                               val_fraction=d.val_fraction, split=d.split, max_train_tokens=d.max_train_tokens,
-                               reverse_complement=d.reverse_complement, seed=cfg.train.seed)
-    return tok, train, val, describe_split(corpus.id_hash, d.val_fraction, d.split)
-
-
-@functools.lru_cache(maxsize=2)
-def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The training sample order of ``epoch``: a seeded permutation of ``n`` samples, computed once per epoch (not
-    once per micro-batch: at 40M windows a permutation takes about 0.5 s)."""
-    order = np.random.default_rng((seed, epoch)).permutation(n)
-    order.flags.writeable = False
-    return order
-
-
-def _train_samples(seed: int, n: int, index: int, micro_batch_size: int, dp: int, grad_accum: int,
-                   dp_rank: int) -> tuple[int, np.ndarray]:
-    """The epoch and the training samples (positions in the dataset) that data rank ``dp_rank`` reads for global
-    micro-batch ``index`` (micro-step ``index % grad_accum`` of step ``index // grad_accum``).
-
-    An epoch is a seeded permutation of the ``n`` samples cut into global batches of ``micro_batch_size x dp x
-    grad_accum`` (the remainder is dropped); step ``s`` reads batch ``s`` of it, micro-step by micro-step, each data
-    rank its ``micro_batch_size`` consecutive samples. So a step's samples depend on the global batch only, not on how
-    it is split into micro-batch, data ranks and accumulation: a run resumed at another split reads the same data.
-    """
-    per_micro, per_step = micro_batch_size * dp, micro_batch_size * dp * grad_accum
-    step, micro = divmod(index, grad_accum)
-    epoch, slot = divmod(step, n // per_step)
-    first = slot * per_step + micro * per_micro + dp_rank * micro_batch_size
-    return epoch, _epoch_order(seed, epoch, n)[first:first + micro_batch_size]
 
 
 def _ignored(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -226,7 +150,8 @@ class StepResult:
 class Trainer:
     """Builds groups, data, model, DeepSpeed engine; runs ``train()``.
 
-    Launch with ``torchrun --nproc-per-node N -m ds4sci.cli train CONFIG`` (N = dp x tp x ulysses x ring x pp) or in one process.
+    Launch with ``torchrun --nproc-per-node N -m ds4sci.cli train CONFIG`` (N = dp x tp x ulysses x ring x pp) or in
+    one process.
     """
 
     @_bounded_collectives(lambda self: f"start-up ({self.cfg.train.out_dir})")
@@ -240,7 +165,8 @@ class Trainer:
         init_distributed(cfg.train.timeout_s)
         self.rank = dist.get_rank()
         self.groups = build_groups(self.dims, timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
         self.out = Path(cfg.train.out_dir)
         # locked (rank 0, held to the end of train()) before anything there is read or written
         resume_from, self.run_lock = open_run_dir(cfg, resume, overwrite, self.device)
@@ -285,8 +211,8 @@ class Trainer:
     def _micro_batch(self, dataset, index: int, shuffle: bool) -> dict[str, torch.Tensor]:
         """Global micro-batch ``index``: this data-parallel rank's samples, this sequence rank's shard.
 
-        Training (``shuffle``) reads the samples :func:`_train_samples` assigns: full global batches from a seeded
-        permutation per epoch (the remainder of an epoch is dropped). Evaluation reads the dataset in order and fills
+        Training (``shuffle``) reads the samples :func:`~ds4sci.train.data_order.train_samples` assigns: full global
+        batches from a seeded permutation per epoch (the remainder of an epoch is dropped). Evaluation reads the dataset in order and fills
         the last micro-batch with samples whose targets are all ignored, so every validation sample counts once and
         nothing else does.
         """
@@ -298,7 +224,7 @@ class Trainer:
                 raise ValueError(f"the training set has {n} samples, fewer than one global batch of "
                                  f"{per_micro * t.grad_accum} (train.micro_batch_size={t.micro_batch_size} x "
                                  f"{self.dims.dp} data ranks x train.grad_accum={t.grad_accum})")
-            epoch, positions = _train_samples(t.seed, n, index, t.micro_batch_size, self.dims.dp, t.grad_accum,
+            epoch, positions = train_samples(t.seed, n, index, t.micro_batch_size, self.dims.dp, t.grad_accum,
                                               self.groups.dp_rank)
             if hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(epoch)
@@ -342,7 +268,8 @@ class Trainer:
     @_bounded_collectives(lambda self: f"step {self.step + 1}")
     def train_step(self) -> StepResult:
         t = self.cfg.train
-        batches = [self._micro_batch(self.train_ds, self.step * t.grad_accum + a, shuffle=True) for a in range(t.grad_accum)]
+        batches = [self._micro_batch(self.train_ds, self.step * t.grad_accum + a, shuffle=True)
+                   for a in range(t.grad_accum)]
         count = global_target_count([b["targets"] for b in batches], self.groups.sdp)
         # engine.backward divides by the accumulation steps: multiply them back in
         pipe = self.dims.pp > 1
@@ -586,35 +513,3 @@ def _split_tokens(dataset) -> int:
     """Tokens of the split a dataset reads (its documents' lengths: overlapping windows count each token once)."""
     spans = getattr(dataset, "spans", None)  # WindowDataset, RecordDataset
     return int(spans.lengths.sum() if spans is not None else dataset._len.sum())  # PackedDataset: its pieces
-
-
-#: Up to this many points a curve of :func:`plot_metrics` is drawn with markers (validation always is).
-FEW_POINTS = 20
-
-
-def plot_metrics(metrics_path: Path, png_path: Path) -> None:
-    """Loss curve (training loss and validation bits per base) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    val = [(r["step"], r["val_bits_per_base"]) for r in rows if "val_bits_per_base" in r]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    if train:  # markers while there are few points: one point alone draws no line
-        ax[0].plot(*zip(*train), marker="o" if len(train) <= FEW_POINTS else None, label="train loss (nats/token)")
-    ax[0].set_xlabel("step")
-    ax[0].set_ylabel("loss")
-    ax[0].legend()
-    if val:
-        ax[1].plot(*zip(*val), marker="o", label="validation")
-    ax[1].axhline(2.0, color="gray", linestyle="--", label="uniform (2 bits/base)")
-    ax[1].set_xlabel("step")
-    ax[1].set_ylabel("bits per base")
-    ax[1].legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-

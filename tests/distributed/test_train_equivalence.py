@@ -76,7 +76,7 @@ def _plain_torch_losses(rank, world, overrides):
     from ds4sci.models.genslm import GenSLM, lm_loss
     from ds4sci.train.config import load_config
     from ds4sci.train.engine import make_optimizer
-    from ds4sci.train.trainer import load_data
+    from ds4sci.train.launch import load_data
 
     cfg = load_config(None, overrides)
     tokenizer, train_ds, *_ = load_data(cfg)

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from ds4sci.train.trainer import _train_samples
+from ds4sci.train.data_order import train_samples
 
 SPLITS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 4, 1), (1, 1, 4)]  # micro-batch, dp, accumulation: 4
 
@@ -14,7 +14,7 @@ def _step(n: int, step: int, micro: int, dp: int, accum: int) -> Counter:
     read = Counter()
     for a in range(accum):
         for rank in range(dp):
-            epoch, positions = _train_samples(7, n, step * accum + a, micro, dp, accum, rank)
+            epoch, positions = train_samples(7, n, step * accum + a, micro, dp, accum, rank)
             read.update((epoch, int(i)) for i in positions)
     return read
 

@@ -264,7 +264,7 @@ def test_fine_tune_from_a_hugging_face_directory_through_the_cli(tmp_path):
     holds the same weights."""
     from ds4sci.data import collate
     from ds4sci.models.genslm import from_gpt_neox_state_dict, shift_labels, token_loss
-    from ds4sci.train.trainer import load_data
+    from ds4sci.train.launch import load_data
 
     out, hf_dir = tmp_path / "ft", tmp_path / "hf"
     sets = [f"data.fasta={CDS}", "data.tokenizer=codon", "data.split=region", f"data.seq_len={SEQ}",

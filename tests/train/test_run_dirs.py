@@ -184,11 +184,11 @@ def test_what_can_be_checked_is_checked_before_any_work(tmp_path, capsys, monkey
             assert needle in err and err.count("error:") == 1, err
             assert not new.exists() and _files(old) == before
     # the world size is the launcher's before the process group exists
-    from ds4sci.train import trainer
+    from ds4sci.train import launch
 
-    monkeypatch.setattr(trainer.dist, "is_initialized", lambda: False)  # an earlier test's group may still be up
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)  # an earlier test's group may still be up
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert trainer.launch_world_size() == 4
+    assert launch.launch_world_size() == 4
 
 
 def test_train_without_a_config_runs_from_any_directory_and_its_redirected_output_reads_like_a_log(tmp_path):
@@ -211,7 +211,7 @@ def test_train_without_a_config_runs_from_any_directory_and_its_redirected_outpu
 def test_the_default_data_missing_says_how_to_start(tmp_path, monkeypatch):
     """An installation without the repository's examples/: ``ds4sci train`` with no config says how to start."""
     from ds4sci.train.config import BUNDLED_GENOME
-    from ds4sci.train.trainer import check_launch
+    from ds4sci.train.launch import check_launch
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config()
@@ -231,7 +231,7 @@ def test_the_default_data_missing_says_how_to_start(tmp_path, monkeypatch):
 ])
 def test_the_defaults_and_the_codon_example_split_the_bundled_data(tmp_path, config, sets, split):
     """The defaults split both bundled files; the codon example holds out the 5 genes its comment says."""
-    from ds4sci.train.trainer import load_data
+    from ds4sci.train.launch import load_data
 
     cfg = load_config(config, [f"train.out_dir={tmp_path}", *sets])
     _, train, val, chosen = load_data(cfg)
@@ -247,7 +247,7 @@ def test_loss_plot_marks_the_points_of_a_short_curve(tmp_path, monkeypatch):
     """A curve of few points is drawn with markers (one point alone draws no line); a long one as a line."""
     import matplotlib.pyplot as plt
 
-    from ds4sci.train.trainer import FEW_POINTS, plot_metrics
+    from ds4sci.train.plot import FEW_POINTS, plot_metrics
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
