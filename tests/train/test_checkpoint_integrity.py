@@ -1,6 +1,6 @@
 """Checkpoint integrity without processes: checkpoint.json records each file's sha256 and its own, the portable
 state is split by bytes, and a torn final line of metrics.jsonl is dropped (issue #25). The flipped bytes of a real
-checkpoint, refused at resume naming the file, are in tests/distributed/test_faults.py."""
+checkpoint, refused at resume naming the file, are in tests/distributed/test_checkpoint_faults.py."""
 import hashlib
 import json
 import logging
