@@ -1,29 +1,15 @@
 """DeepSpeed set-up: process-group initialisation, the engine config, AdamW with warmup + cosine decay, and the
-engine over the sequence x data group (ZeRO 0-3, ZeRO-Offload / ZeRO-Infinity, fp32 or bf16).
+engine over the sequence x data group (ZeRO 0-3, ZeRO-Offload / ZeRO-Infinity, fp32 or bf16), and the one-line
+errors a run stops with when a write fails or another rank dies or hangs.
 
-Offload (``zero.offload_optimizer`` / ``zero.offload_param``) goes through DeepSpeed's own config,
-``zero_optimization.offload_optimizer`` / ``offload_param`` ``{device, pin_memory, nvme_path}``. Facts checked
-here with DeepSpeed 0.19.8 on the CPU (gloo, ``DS_ACCELERATOR=cpu``):
-
-- The engine is handed torch AdamW. With offload on, DeepSpeed refuses a client optimizer that is not its
-  ``DeepSpeedCPUAdam`` (a C++ op) unless ``zero_force_ds_cpu_optimizer`` is false; with it false, DeepSpeed keeps
-  the fp32 master weights and optimizer state on the CPU and runs torch AdamW's step there. The results are exact:
-  ZeRO-2 + optimizer offload and ZeRO-3 + optimizer + parameter offload match single-process training to fp32
-  rounding, gradient clipping on, under Ulysses SP (``tests/distributed/test_train_offload_checkpointing.py``).
-  DeepSpeed warns that a client optimizer under offload "in most cases will yield poor performance": its
-  DeepSpeedCPUAdam (SIMD C++; ``CPUAdamBuilder`` reports itself compatible here, not built or timed) is the
-  faster choice for large models, at the cost of results that are no longer torch AdamW's.
-- Offloading does not change how gradients are reduced over the sequence x data group, so the loss scale of
-  :func:`ds4sci.train.loss.grad_reduction_factor` holds unchanged.
-- ``offload_optimizer`` is accepted at stages 1-3, ``offload_param`` only at stage 3. At stages 1/2, DeepSpeed
-  treats ``device: nvme`` for the optimizer exactly like ``cpu`` (``stage_1_and_2.py``: any device but none sets
-  ``cpu_offload``), so the config refuses nvme below stage 3 rather than silently ignore it.
-- NVMe (ZeRO-Infinity) needs DeepSpeed's ``async_io`` op, which needs libaio (``apt install libaio-dev``); here it
-  is not compatible (no libaio headers), so :func:`check_offload_support` refuses nvme before the run starts
-  (:func:`ds4sci.train.launch.check_launch`) with that reason instead of DeepSpeed's build failure inside
-  ``deepspeed.initialize``.
-- ``pin_memory`` is DeepSpeed's (default true): page-locked host buffers for fast GPU<->CPU copies; the CPU
-  accelerator ignores it.
+Offload (``zero.offload_optimizer`` / ``zero.offload_param``) goes through DeepSpeed's own config
+(``zero_optimization.offload_*``). The engine is handed torch AdamW, also under offload
+(``zero_force_ds_cpu_optimizer`` false), so offloaded runs give torch AdamW's results: they match single-process
+training to fp32 rounding (``tests/distributed/test_train_offload_checkpointing.py``); DeepSpeedCPUAdam would be
+faster for large models, at the cost of results that are no longer torch AdamW's. Offloading does not change how
+gradients are reduced, so :func:`ds4sci.train.loss.grad_reduction_factor` holds unchanged. What DeepSpeed would
+ignore or fail on late is refused before the run starts: nvme optimizer offload below ZeRO-3 (DeepSpeed treats it
+as cpu) by the config, NVMe without DeepSpeed's ``async_io`` op by :func:`check_offload_support`.
 """
 from __future__ import annotations
 
@@ -79,11 +65,10 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
 
 
 def _without_shm_op() -> None:
-    """Keep DeepSpeed's CPU backend from building its shared-memory all-reduce: on the CPU, ``deepspeed.init_distributed``
-    JIT-compiles that C++ op (60-90 s on 2 cores, again whenever the build's paths change, e.g. another virtual
-    environment), and only DeepSpeed's inference all-reduce (``module_inject``) calls it; ds4sci's collectives are
-    torch.distributed's. DeepSpeed reads ``deepspeed.ops.__compatible_ops__`` to decide, a dict it keeps once built.
-    On CUDA the op does not exist and nothing is changed."""
+    """Keep DeepSpeed's CPU backend from building its shared-memory all-reduce: on the CPU,
+    ``deepspeed.init_distributed`` JIT-compiles that C++ op (a minute or more), and only DeepSpeed's inference
+    all-reduce calls it; ds4sci's collectives are torch.distributed's. DeepSpeed reads
+    ``deepspeed.ops.__compatible_ops__`` to decide, a dict it keeps once built. On CUDA nothing is changed."""
     if not torch.cuda.is_available():
         import deepspeed.ops
 
@@ -121,16 +106,22 @@ def collective_error(err: RuntimeError, where: str, timeout_s: float) -> OSError
 
 
 @contextlib.contextmanager
-def bounded_collectives(where: str, timeout_s: float):
-    """Inside, a collective that fails because another rank died or hangs raises the one-line error of
-    :func:`collective_error` naming ``where`` (the phase, with the path it writes where it writes one)."""
+def one_line_errors(caught: type[BaseException], convert: Callable[[BaseException], BaseException | None]):
+    """Inside, an error of type ``caught`` that ``convert`` turns into a one-line error is raised as that error
+    (chained to the original); ``convert`` returning ``None`` lets the original through unchanged."""
     try:
         yield
-    except RuntimeError as err:
-        error = collective_error(err, where, timeout_s)
+    except caught as err:
+        error = convert(err)
         if error is None:
             raise
         raise error from err
+
+
+def bounded_collectives(where: str, timeout_s: float):
+    """Inside, a collective that fails because another rank died or hangs raises the one-line error of
+    :func:`collective_error` naming ``where`` (the phase, with the path it writes where it writes one)."""
+    return one_line_errors(RuntimeError, lambda err: collective_error(err, where, timeout_s))
 
 
 def write_error(where: str, path, err: BaseException) -> OSError | None:
@@ -150,17 +141,10 @@ def write_error(where: str, path, err: BaseException) -> OSError | None:
     return OSError(f"{where}: cannot write {path}: {reason}")
 
 
-@contextlib.contextmanager
 def writing(where: str, path):
     """Inside, a failed write raises the one-line error of :func:`write_error` (``path``: what is written inside).
     For code that writes without collectives: a collective's failure is :func:`bounded_collectives`'."""
-    try:
-        yield
-    except Exception as err:
-        error = write_error(where, path, err)
-        if error is None:
-            raise
-        raise error from err
+    return one_line_errors(Exception, lambda err: write_error(where, path, err))
 
 
 def set_deterministic() -> None:

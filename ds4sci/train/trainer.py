@@ -51,7 +51,8 @@ from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
 from ds4sci.train.checkpoint import load_checkpoint
 from ds4sci.train.config import Config
 from ds4sci.train.data_order import train_samples
-from ds4sci.train.engine import build_engine, collective_error, init_distributed, set_deterministic, writing
+from ds4sci.train.engine import (build_engine, collective_error, init_distributed, one_line_errors, set_deterministic,
+                                 writing)
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.launch import check_launch, launch_world_size, load_data
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
@@ -77,13 +78,9 @@ def _bounded_collectives(where: Callable[[Trainer], str]):
     def decorate(method):
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
-            try:
+            timeout_s = self.cfg.train.timeout_s
+            with one_line_errors(RuntimeError, lambda err: collective_error(err, where(self), timeout_s)):
                 return method(self, *args, **kwargs)
-            except RuntimeError as err:
-                error = collective_error(err, where(self), self.cfg.train.timeout_s)
-                if error is None:
-                    raise
-                raise error from err
 
         return wrapper
 
@@ -212,9 +209,9 @@ class Trainer:
         """Global micro-batch ``index``: this data-parallel rank's samples, this sequence rank's shard.
 
         Training (``shuffle``) reads the samples :func:`~ds4sci.train.data_order.train_samples` assigns: full global
-        batches from a seeded permutation per epoch (the remainder of an epoch is dropped). Evaluation reads the dataset in order and fills
-        the last micro-batch with samples whose targets are all ignored, so every validation sample counts once and
-        nothing else does.
+        batches from a seeded permutation per epoch (the remainder of an epoch is dropped). Evaluation reads the
+        dataset in order and fills the last micro-batch with samples whose targets are all ignored, so every
+        validation sample counts once and nothing else does.
         """
         t = self.cfg.train
         per_micro = t.micro_batch_size * self.dims.dp
