@@ -78,8 +78,10 @@ def _bounded_collectives(where: Callable[[Trainer], str]):
     def decorate(method):
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
-            timeout_s = self.cfg.train.timeout_s
-            with one_line_errors(RuntimeError, lambda err: collective_error(err, where(self), timeout_s)):
+            def convert(err):  # read when it fails: __init__ sets cfg
+                return collective_error(err, where(self), self.cfg.train.timeout_s)
+
+            with one_line_errors(RuntimeError, convert):
                 return method(self, *args, **kwargs)
 
         return wrapper
