@@ -1,9 +1,11 @@
 """`ds4sci train` end to end under both launchers (torchrun and DeepSpeed's), Ulysses SP=2 on gloo: the run's logged
 losses and exported weights are those of the same configuration trained in one plain process, every output of a
 run is written (metrics, validation, loss plot, config, TensorBoard, checkpoints, export), and `ds4sci evaluate` /
-`generate` / `embed` read the export."""
+`generate` / `embed` read the export. The torchrun run is trained once (:func:`torchrun_run`) for the tests that read
+it."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +25,13 @@ CDS = ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna"
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
-def _train(launcher, out, single=False):
+def _train(launcher, out, single=False) -> subprocess.CompletedProcess | None:
     """torchrun: nucleotide records of the CDS file (learned positions: the table split over the sequence ranks);
     deepspeed: the shipped codon example config as it is (packed genes, GenSLM-69 codons), whose validation set is
     smaller than one global micro-batch. Two processes, Ulysses SP=2, ZeRO over both; or (``single``) the same
     configuration in one process with SP=1: the same global batches, the reference, run by ``cli.main`` in a
-    worker forked from :func:`ds4sci.spawn.run_workers`' server (torch imported once there, not per launch)."""
+    worker forked from :func:`ds4sci.spawn.run_workers`' server (torch imported once there, not per launch).
+    Returns the launched run's process (its output as text); None for ``single``."""
     run = [f"train.out_dir={out}", "train.steps=3", "train.log_every=1", "train.eval_every=0"]
     if launcher == "torchrun":
         cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29531", "-m", "ds4sci.cli", "train"]
@@ -43,8 +46,18 @@ def _train(launcher, out, single=False):
     sets = [arg for item in run for arg in ("--set", item)]  # one KEY=VALUE per --set
     if single:
         assert run_workers(_cli_main, 1, cmd[cmd.index("train"):] + sets, env=ENV, timeout=400) == [0]
-    else:
-        subprocess.run(cmd + sets, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=400)
+        return None
+    done = subprocess.run(cmd + sets, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The torchrun run of :func:`_train` (two processes, Ulysses 2, ZeRO-1, 3 steps, validation at the end): its
+    folder and its process, trained once for the tests of this module that only read them."""
+    out = tmp_path_factory.mktemp("torchrun") / "run"
+    return out, _train("torchrun", out)
 
 
 def _cli_main(rank, world, argv):
@@ -60,9 +73,12 @@ def _losses_and_weights(out):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
-def test_train_writes_every_output_and_the_tools_read_the_export(launcher, tmp_path, capsys):
-    out = tmp_path / "run"
-    _train(launcher, out)
+def test_train_writes_every_output_and_the_tools_read_the_export(launcher, tmp_path, capsys, request):
+    if launcher == "torchrun":
+        out = request.getfixturevalue("torchrun_run")[0]
+    else:
+        out = tmp_path / "run"
+        _train(launcher, out)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -108,24 +124,26 @@ def test_train_writes_every_output_and_the_tools_read_the_export(launcher, tmp_p
     assert len(arrays["ids"]) == 100 and arrays["embeddings"].shape[0] == 100
 
 
-def test_torchrun_prints_ds4sci_lines_only_and_a_refusal_once(tmp_path):
+def test_torchrun_prints_ds4sci_lines_only_and_a_refusal_once(torchrun_run, tmp_path):
     """Two processes under torchrun, ZeRO-1 (whose all-gathers make torch warn), output redirected: the run prints
     ds4sci's lines only, from rank 0 (no DeepSpeed start-up print or warning, no FutureWarning, no bar frames: a loss
-    line per train.log_every steps). A second run into the same folder is refused in ONE line (rank 0's; rank 1 says
-    nothing) and exits non-zero: torchrun's own report of the failed worker follows, its exit status is 1."""
+    line per train.log_every steps). A second run into the same folder (a copy of the shared run's) is refused in
+    ONE line (rank 0's; rank 1 says nothing) and exits non-zero: torchrun's own report of the failed worker follows,
+    its exit status is 1."""
     from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
 
+    shared, first = torchrun_run
+    messages = log_messages(first.stdout + first.stderr)
+    assert [m.split(":")[0] for m in messages if m.startswith("step ")] == ["step 1/3", "step 2/3", "step 3/3",
+                                                                            "step 3/3"]
+    assert sum(m.startswith("ds4sci train") for m in messages) == 1  # the start-up block, once
     out = tmp_path / "run"
+    shutil.copytree(shared, out)
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29533", "-m", "ds4sci.cli", "train"]
     sets = [f"train.out_dir={out}", f"data.fasta={CDS}", "data.dataset=records", "data.seq_len=64",
             "data.val_fraction=0.1", "parallel.ulysses=2", "zero.stage=1", "train.steps=2", "train.log_every=1",
             "train.eval_batches=1", "train.micro_batch_size=2"]
     cmd += [arg for item in sets for arg in ("--set", item)]
-    first = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
-    assert first.returncode == 0, first.stderr[-3000:]
-    messages = log_messages(first.stdout + first.stderr)
-    assert [m.split(":")[0] for m in messages if m.startswith("step ")] == ["step 1/2", "step 2/2", "step 2/2"]
-    assert sum(m.startswith("ds4sci train") for m in messages) == 1  # the start-up block, once
     second = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
     output = second.stdout + second.stderr
     refusals = [line for line in output.splitlines() if "error:" in line]
