@@ -160,8 +160,7 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
     import torch
     from deepspeed.runtime.pipe.schedule import ForwardPass
 
-    from ds4sci.bench.layout_memory import _distinct_bytes, _model_states
-    from ds4sci.bench.memory import PeakMemory
+    from ds4sci.bench.memory import PeakMemory, distinct_bytes, model_states
     from ds4sci.models.genslm import GenSLM
     from ds4sci.parallel.groups import build_groups
     from ds4sci.parallel.parallelize import parallelize
@@ -221,7 +220,7 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
             original = opt.step
 
             def step_counted(*args, _original=original, _opt=opt, _engine=engine, **kwargs):
-                grads["bytes"] = _distinct_bytes([p.grad for p in _engine.module.parameters()]
+                grads["bytes"] = distinct_bytes([p.grad for p in _engine.module.parameters()]
                                                  + [q.grad for g in _opt.param_groups for q in g["params"]])
                 return _original(*args, **kwargs)
 
@@ -262,7 +261,7 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
 
         def finish() -> None:  # the update, outside the measured step
             if engine is None:
-                grads["bytes"] = _distinct_bytes([p.grad for p in model.parameters()])
+                grads["bytes"] = distinct_bytes([p.grad for p in model.parameters()])
                 model.zero_grad(set_to_none=True)
             elif d.pp == 1:
                 engine.step()
@@ -274,8 +273,8 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
             step(seq_len, hooks=True)
         finish()
         saved = sum(storages.values())
-        params = (_model_states(engine, {"grads": 0})["params"] if engine is not None
-                  else _distinct_bytes(list(model.parameters())))
+        params = (model_states(engine, {"grads": 0})["params"] if engine is not None
+                  else distinct_bytes(list(model.parameters())))
         results.append({"saved": saved, "host": host[0], "device": saved - host[0], "peak": peak.bytes,
                         "held": held, "params": params, "grads": grads["bytes"]})
         if engine is not None:

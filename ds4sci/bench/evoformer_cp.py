@@ -19,7 +19,7 @@ allocates, the parameter gradients included; the parameters and the inputs (full
 the step) are not. The loss is the sum of the outputs, whose gradient is a broadcast view: a loss of the full
 outputs whose backward makes whole ``[N, N, C_z]`` tensors (a mean square: its gradient and temporaries, up to five
 with the gathered output at once) would add to every rank's peak a term that no P divides, a loss head's and not
-the block's (tests/test_bench_evoformer_cp.py sees it). Beside them the planner's figure
+the block's (tests/bench/test_bench_evoformer_cp.py sees it). Beside them the planner's figure
 (:func:`planned_peak`: :func:`ds4sci.plan_evoformer.memory`'s training terms of one block). (A peak RSS is not
 reported: in a gloo worker that has run the step before, the allocator reuses freed memory and the RSS barely moves
 at these sizes.)

@@ -237,51 +237,11 @@ class _Box:
         self.tensor = tensor
 
 
-def _tensors(x):
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensors(v)
-
-
-def _distinct_bytes(tensors) -> int:
-    """Bytes of ``tensors``, each (data pointer, size) once: views of one flat buffer add up, repeats do not."""
-    seen = {}
-    for t in tensors:
-        if t is not None and t.numel():
-            seen[(t.data_ptr(), t.numel() * t.element_size())] = t.numel() * t.element_size()
-    return sum(seen.values())
-
-
-def _model_states(engine, at_step: dict) -> dict[str, int]:
-    """params and optimizer bytes now (the optimizer's split into AdamW's ``moments`` and DeepSpeed's fp32
-    ``master`` copies), grads as recorded when the optimizer stepped (``at_step``), and ``tp_split``: the bytes of
-    the parameters split over TP (``tensor_model_parallel``), by name, before any ZeRO-3 partitioning."""
-    # ZeRO-3: each rank's partition ds_tensor, plus the full data of parameters kept gathered (DeepSpeed persists
-    # parameters below stage3_param_persistence_threshold elements); others hold an empty tensor between uses
-    params = [p for p in engine.module.parameters()] + [p.ds_tensor for p in engine.module.parameters()
-                                                         if hasattr(p, "ds_tensor")]
-    model_ptrs = {p.untyped_storage().data_ptr() for p in params if p.numel()}
-    opt = engine.basic_optimizer
-    masters = [q for g in opt.param_groups for q in g["params"] if q.untyped_storage().data_ptr() not in model_ptrs]
-    moments = _distinct_bytes([t for s in opt.state.values() for t in _tensors(s)])
-    master = _distinct_bytes(masters)
-    split = {n: getattr(p, "ds_numel", p.numel()) * p.element_size() for n, p in engine.module.named_parameters()
-             if getattr(p, "tensor_model_parallel", False)}
-    return {"params": _distinct_bytes(params), "grads": at_step["grads"], "optimizer": moments + master,
-            "moments": moments, "master": master, "tp_split": split}
-
-
 def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict]:
     """Every case in this process group: a Trainer, one unmeasured step, one measured step."""
     import torch
 
+    from ds4sci.bench.memory import distinct_bytes, model_states
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 
@@ -308,7 +268,7 @@ def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict
         def step(*args, _original=original_step, **kwargs):
             grads = [p.grad for p in engine.module.parameters()]
             grads += [q.grad for g in opt.param_groups for q in g["params"]]
-            at_step["grads"] = _distinct_bytes(grads)
+            at_step["grads"] = distinct_bytes(grads)
             return _original(*args, **kwargs)
 
         opt.step = step
@@ -320,7 +280,7 @@ def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict
             trainer.train_step()
         seconds = time.perf_counter() - start
         del opt.step
-        results.append({**_model_states(engine, at_step), "activations": saved.peak, "sent": sent.sent,
+        results.append({**model_states(engine, at_step), "activations": saved.peak, "sent": sent.sent,
                         "coords": trainer.groups.coords._asdict(), "step_seconds": seconds})
         del trainer, engine
     return results

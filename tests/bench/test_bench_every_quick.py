@@ -1,6 +1,6 @@
 """README's promise for every ``ds4sci bench NAME``: it takes ``--quick`` (the CI smoke test) and draws a PNG beside
 its JSON and Markdown (``plot(report, path)``). Each benchmark's own test runs its ``--quick`` and checks the three
-files (tests/test_bench_*.py, tests/kernels/test_kernels_aot_quick.py; evoformer-speed's needs CUDA:
+files (tests/bench/test_bench_*.py, tests/kernels/test_kernels_aot_quick.py; evoformer-speed's needs CUDA:
 tests/kernels/test_gpu.py)."""
 import importlib
 
