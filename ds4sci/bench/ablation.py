@@ -58,7 +58,7 @@ import math
 import time
 
 from ds4sci.bench.layout_memory import parse_layout
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_files
 from ds4sci.parallel import ParallelDims
 
 ROWS = {  # name -> activation_checkpointing keys; each row adds one switch to the row above (ALST's ablation)
@@ -511,7 +511,5 @@ def run(args: argparse.Namespace) -> int:
     for layout, row, L, s in tqdm(jobs, desc="ablation", unit="run"):
         report["runs"] += measure(row, shape, [(L, s)], layout)  # a fresh process group per run: its own peak
     report["summary"] = summarize(report)
-    path = write_report(args.out, "ablation", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(f"ablation: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    write_files(args.out, "ablation", report, markdown(report), plot)
     return 0

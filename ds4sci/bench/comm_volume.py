@@ -25,7 +25,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_files
 from ds4sci.costs import COMM_SCHEMES, layer_comm_bytes
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,5 @@ def run(args: argparse.Namespace) -> int:
     for P in tqdm(degrees, desc="comm-volume", unit="degree"):
         schemes = [s for s in COMM_SCHEMES if _dims_kwargs(s, P) is not None]
         report["runs"] += measure(schemes, P, tokens, args.hidden, args.heads)
-    path = write_report(args.out, "comm_volume", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(f"comm-volume: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    write_files(args.out, "comm_volume", report, markdown(report), plot)
     return 0

@@ -49,8 +49,8 @@ import logging
 import math
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, check_positive, command_line, markdown_table, parse_int_list, pyplot, \
-    save_figure, write_report
+from ds4sci.bench.report import (MIB, check_positive, command_line, markdown_table, parse_int_list, pyplot, save_figure,
+                                 write_files)
 
 logger = logging.getLogger(__name__)
 
@@ -374,7 +374,5 @@ def run(args: argparse.Namespace) -> int:
         report["runs"] += measure(cfg, p)
         logger.info("evoformer-cp: P=%d done", p)
     report["pair_terms"] = pair_terms(report)
-    path = write_report(args.out, "evoformer_cp", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    logger.info("evoformer-cp: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    write_files(args.out, "evoformer_cp", report, markdown(report), plot)
     return 0

@@ -49,7 +49,7 @@ import torch
 
 from ds4sci.bench import memory
 from ds4sci.bench.report import (MIB, check_positive, markdown_table, missing_dependency, pyplot, save_figure,
-                                  write_report)
+                                 write_files)
 from ds4sci.kernels import evoformer_attention
 
 logger = logging.getLogger(__name__)
@@ -287,7 +287,5 @@ def run(args: argparse.Namespace) -> int:
         r["peak_ratio_vs_reference"] = ref["peak_bytes"] / max(r["peak_bytes"], 1)
         r["saved_ratio_vs_reference"] = ref["saved_bytes"] / max(r["saved_bytes"], 1)
         r["meets_target"] = r["peak_ratio_vs_reference"] >= TARGET_PEAK_RATIO
-    path = write_report(args.out, "evoformer_memory", report, _markdown(report))
-    plot(report, path.with_suffix(".png"))
-    logger.info("evoformer-memory: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    write_files(args.out, "evoformer_memory", report, _markdown(report), plot)
     return 0

@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from ds4sci.bench.report import MIB, markdown_table, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, pyplot, save_figure, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -292,9 +292,7 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "results": results,
     }
-    path = write_report(args.out, "evoformer_speed", report, _markdown(report))
-    plot(report, path.with_suffix(".png"))
-    logger.info("evoformer-speed: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    write_files(args.out, "evoformer_speed", report, _markdown(report), plot)
     # ds4sci's own failures fail the command; another package's kernel failing (say DeepSpeed's JIT build) is reported
     failed = [r for r in results if "error" in r and r["impl"].startswith("ds4sci")]
     return 1 if failed else 0

@@ -32,7 +32,7 @@ from ds4sci.bench.aot.pool import compile_all
 from ds4sci.bench.aot.ptxas import ptxas_versions
 from ds4sci.bench.aot.variants import (DTYPES, LOCAL_DTYPES, LOCAL_REPRESENTATIVE, QUICK, REPRESENTATIVE, SETS,
                                        quick_variants, variants_for)
-from ds4sci.bench.report import plural, pyplot, save_figure, write_report
+from ds4sci.bench.report import plural, pyplot, save_figure, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +204,7 @@ def run(args: argparse.Namespace) -> int:
         "all_ok": all(r["ok"] for r in results),
         "results": results,
     }
-    path = write_report(args.out, "kernels_aot", report, _markdown(report))
-    plot(report, path.with_suffix(".png"))
+    write_files(args.out, "kernels_aot", report, _markdown(report), plot)
     bad = [r for r in results if not r["ok"]]
     for r in bad:
         if r["error"]:
@@ -215,6 +214,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             why = f"{len(r['unsafe_ex2'])} of {r['ex2']} exponents from a fused multiply-add, e.g. {r['unsafe_ex2'][0]}"
         logger.error("kernels-aot: %s: %s", _where(r), why)
-    logger.info("kernels-aot: %s in %.0f s, %d not ok; wrote %s, %s and %s", plural(len(results), "compilation"),
-                report["wall_s"], len(bad), path, path.with_suffix(".md"), path.with_suffix(".png"))
+    logger.info("kernels-aot: %s in %.0f s, %d not ok", plural(len(results), "compilation"), report["wall_s"],
+                len(bad))
     return 0 if not bad else 1

@@ -42,7 +42,7 @@ import time
 import weakref
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, plural, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, plural, pyplot, save_figure, write_files
 from ds4sci.parallel import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
@@ -265,8 +265,8 @@ def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict
         opt = engine.basic_optimizer
         original_step = opt.step
 
-        def step(*args, _original=original_step, **kwargs):
-            grads = [p.grad for p in engine.module.parameters()]
+        def step(*args, _original=original_step, _engine=engine, **kwargs):
+            grads = [p.grad for p in _engine.module.parameters()]
             grads += [q.grad for g in opt.param_groups for q in g["params"]]
             at_step["grads"] = distinct_bytes(grads)
             return _original(*args, **kwargs)
@@ -328,9 +328,9 @@ def comm_terms(sent: dict[str, dict[str, int]]) -> dict[str, int]:
 
 def run_cases(cases: list[dict], common: dict, world: int, threads: int) -> list[dict]:
     """Measure ``cases`` (``{"layout", "degrees", "zero"}``) in one group of ``world`` processes; one row per case."""
-    from ds4sci.spawn import run_workers
-
     import numpy as np
+
+    from ds4sci.spawn import run_workers
 
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)
@@ -445,8 +445,5 @@ def run(args: argparse.Namespace) -> int:
     report = {"command": command, "config": {**common, "world": world, "zero_stages": list(stages),
                                              "layouts": list(names), "threads": args.threads},
               "seconds": round(time.perf_counter() - start, 1), "runs": runs}
-    path = write_report(args.out, "layouts", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(markdown(report), end="")
-    print(f"layouts: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    write_files(args.out, "layouts", report, markdown(report), plot)
     return 0

@@ -24,7 +24,7 @@ import argparse
 
 import torch
 
-from ds4sci.bench.report import markdown_table, parse_int_list, pyplot, save_figure, write_report
+from ds4sci.bench.report import markdown_table, parse_int_list, pyplot, save_figure, write_files
 from ds4sci.costs import MASK_POLICIES, mask_bytes, position_table_bytes
 
 GIB = 2.0**30
@@ -147,7 +147,5 @@ def run(args: argparse.Namespace) -> int:
         for policy in MASK_POLICIES:
             report["masks"].append({"seq_len": S, "policy": policy, "measured": measure_mask(policy, S),
                                     "formula": mask_bytes(policy, S)})
-    path = write_report(args.out, "memory_breakdown", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(f"memory-breakdown: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    write_files(args.out, "memory_breakdown", report, markdown(report), plot)
     return 0

@@ -41,8 +41,8 @@ import torch
 
 from ds4sci.bench import memory
 from ds4sci.bench.report import (MIB, add_int_options, check_positive, command_line, describe_load, describe_machine,
-                                  load_average, machine, markdown_table, missing_dependency, option, plural,
-                                  pyplot, save_figure, write_report)
+                                 load_average, machine, markdown_table, missing_dependency, plural, pyplot, save_figure,
+                                 write_files)
 from ds4sci.kernels import EvoformerBackend
 
 logger = logging.getLogger(__name__)
@@ -68,14 +68,12 @@ _QUICK = {"n_seq": 17, "n_res": 20, "blocks": 1}  # above OpenFold's 16-residue 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
-    add_int_options(parser, _INT_OPTIONS)
+    add_int_options(parser, _INT_OPTIONS, _QUICK)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="(default: %(default)s)")
     parser.add_argument("--backend", choices=[b.value for b in EvoformerBackend], default="auto",
                         help="ds4sci kernel backend (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="(default: %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in _QUICK.items()))
 
 
 def default_config(**overrides) -> dict:
@@ -310,9 +308,5 @@ def run(args: argparse.Namespace) -> int:
         logger.error(missing)
         return 1
     report = {"config": cfg, "command": command_line("openfold-stack", cfg, args.out)} | compare(cfg)
-    text = markdown(report)
-    path = write_report(args.out, "openfold_stack", report, text)
-    plot(report, path.with_suffix(".png"))
-    print(text)
-    logger.info("openfold-stack: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    write_files(args.out, "openfold_stack", report, markdown(report), plot)
     return 0

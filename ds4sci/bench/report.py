@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: list and integer options, optional dependencies, and their report files,
 ``NAME.json`` (the figures) and ``NAME.md`` (a readable table), written by :mod:`ds4sci.report` (re-exported here with
-the rest, as is its :func:`~ds4sci.report.plural`)."""
+the rest, as is its :func:`~ds4sci.report.plural`), beside ``NAME.png`` (:func:`write_files`)."""
 from __future__ import annotations
 
 import argparse
@@ -13,11 +13,13 @@ from pathlib import Path
 
 from ds4sci.report import markdown_table, plural, write_report
 
-__all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
-           "option", "add_int_options", "check_positive", "command_line", "missing_dependency",
-           "pyplot", "save_figure", "markdown_table", "plural", "write_report"]
+__all__ = ["MIB", "THREADS_OPTION", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
+           "option", "shape_options", "add_int_options", "int_config", "check_positive", "command_line",
+           "missing_dependency", "pyplot", "save_figure", "markdown_table", "plural", "write_report", "write_files"]
 
 MIB = 2.0**20
+#: the ``threads`` entry of the ``add_int_options`` table of a benchmark that compares two timings in one process
+THREADS_OPTION = (1, "torch threads (1 keeps other processes on a shared machine from skewing the ratio)")
 
 
 def machine() -> dict:
@@ -71,10 +73,26 @@ def option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_int_options(parser: argparse.ArgumentParser, options: dict[str, tuple[int, str]]) -> None:
-    """One ``type=int`` option per ``name -> (default, help)`` of ``options``, spelled by :func:`option`."""
+def shape_options(hidden: int, layers: int, heads: int) -> dict[str, tuple[int, str]]:
+    """The ``add_int_options`` entries of a GenSLM shape: ``hidden``, ``layers`` and ``heads`` with their defaults."""
+    return {"hidden": (hidden, "hidden size"), "layers": (layers, "transformer layers"),
+            "heads": (heads, "attention heads")}
+
+
+def add_int_options(parser: argparse.ArgumentParser, options: dict[str, tuple[int, str]],
+                    quick: dict[str, int]) -> None:
+    """One ``type=int`` option per ``name -> (default, help)`` of ``options``, spelled by :func:`option`, and
+    ``--quick``, a smoke test that sets the options of ``quick`` to its values (:func:`int_config`)."""
     for name, (default, help_text) in options.items():
         parser.add_argument(option(name), type=int, default=default, help=f"{help_text} (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in quick.items()))
+
+
+def int_config(args: argparse.Namespace, options: Iterable[str], quick: dict[str, int]) -> dict:
+    """The values of ``options`` parsed into ``args`` (:func:`add_int_options`), ``quick`` over them under
+    ``--quick``."""
+    return {name: getattr(args, name) for name in options} | (quick if args.quick else {})
 
 
 def check_positive(cfg: dict, names: Iterable[str]) -> None:
@@ -118,3 +136,13 @@ def save_figure(fig, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     pyplot().close(fig)
+
+
+def write_files(out: str | Path, name: str, report: dict, markdown: str, plot) -> Path:
+    """Write ``out/NAME.json`` and ``out/NAME.md`` (:func:`write_report`) and ``out/NAME.png`` (``plot(report,
+    path)``), print ``markdown`` and then the three paths; the JSON path."""
+    path = write_report(out, name, report, markdown)
+    plot(report, path.with_suffix(".png"))
+    print(markdown, end="" if markdown.endswith("\n") else "\n")
+    print(f"{name}: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    return path

@@ -17,7 +17,7 @@ import argparse
 import logging
 import time
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,5 @@ def run(args: argparse.Namespace) -> int:
     for scheme, P, s in tqdm(jobs, desc="seq-scaling", unit="run"):
         report["runs"].append(measure(scheme, P, s, shape))
     report["summary"] = summarize(report)
-    path = write_report(args.out, "seq_scaling", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(f"seq-scaling: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    write_files(args.out, "seq_scaling", report, markdown(report), plot)
     return 0

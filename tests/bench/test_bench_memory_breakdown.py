@@ -2,8 +2,6 @@
 the closed forms the report evaluates at the paper's lengths."""
 import json
 
-import pytest
-
 from ds4sci import cli
 from ds4sci.bench import memory_breakdown as bench
 
