@@ -58,7 +58,7 @@ import math
 import time
 
 from ds4sci.bench.layout_memory import parse_layout
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_files
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, save_figure, subplots, write_files
 from ds4sci.parallel import ParallelDims
 
 ROWS = {  # name -> activation_checkpointing keys; each row adds one switch to the row above (ALST's ablation)
@@ -440,8 +440,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = subplots(figsize=(7, 5))
     L = max(report["config"]["layers"])
     for layout in report["config"]["layouts"]:
         for row in ROWS:

@@ -25,7 +25,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_files
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, save_figure, subplots, write_files
 from ds4sci.costs import COMM_SCHEMES, layer_comm_bytes
 
 logger = logging.getLogger(__name__)
@@ -146,9 +146,8 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     c = report["config"]
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = subplots(figsize=(7, 5))
     for scheme in COMM_SCHEMES:
         runs = [r for r in report["runs"] if r["scheme"] == scheme]
         if runs:

@@ -49,8 +49,8 @@ import logging
 import math
 from pathlib import Path
 
-from ds4sci.bench.report import (MIB, check_positive, command_line, markdown_table, parse_int_list, pyplot, save_figure,
-                                 write_files)
+from ds4sci.bench.report import (MIB, check_positive, command_line, markdown_table, parse_int_list, save_figure,
+                                 subplots, write_files)
 
 logger = logging.getLogger(__name__)
 
@@ -325,9 +325,8 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path: Path) -> None:
     """Bytes sent per block (measured: markers; closed form: lines) and, per rank vs N_res, the saved bytes (dashed),
     the peak (solid) and the planner's figure (dotted), per P."""
-    plt = pyplot()
     kinds = report["config"]["kinds"]
-    fig, axes = plt.subplots(2, len(kinds), figsize=(5.5 * len(kinds), 8), squeeze=False)
+    fig, axes = subplots(2, len(kinds), figsize=(5.5 * len(kinds), 8), squeeze=False)
     for col, kind in enumerate(kinds):
         for p in report["config"]["degrees"]:
             runs = [r for r in report["runs"] if r["kind"] == kind and r["P"] == p]

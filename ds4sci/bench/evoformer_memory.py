@@ -48,7 +48,7 @@ from collections.abc import Iterator
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import (MIB, check_positive, markdown_table, missing_dependency, pyplot, save_figure,
+from ds4sci.bench.report import (MIB, check_positive, markdown_table, missing_dependency, save_figure, subplots,
                                  write_files)
 from ds4sci.kernels import evoformer_attention
 
@@ -227,10 +227,9 @@ def _markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Bars of the bytes saved for backward and of the peak of forward+backward per path (MiB)."""
-    plt = pyplot()
     rows = report["backends"] | report["openfold3"]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
+    fig, ax = subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
     ax.bar([i - 0.2 for i in x], [r["saved_bytes"] / MIB for r in rows.values()], 0.4, label="saved for backward")
     ax.bar([i + 0.2 for i in x], [r["peak_bytes"] / MIB for r in rows.values()], 0.4, label="peak fwd+bwd")
     ax.set_xticks(list(x), list(rows), rotation=15)

@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from ds4sci.bench.report import MIB, markdown_table, pyplot, save_figure, write_files
+from ds4sci.bench.report import MIB, markdown_table, save_figure, subplots, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -225,10 +225,9 @@ def _markdown(report: dict) -> str:
 def plot(report: dict, path) -> None:
     """One panel per dtype: forward+backward milliseconds (log scale) per shape, a bar per implementation that ran
     (implementations skipped or failed at a shape leave a gap)."""
-    plt = pyplot()
     results = [r for r in report["results"] if "fwd_bwd_ms" in r]
     dtypes = list(dict.fromkeys(r["dtype"] for r in report["results"]))
-    fig, axes = plt.subplots(1, max(1, len(dtypes)), figsize=(7 * max(1, len(dtypes)), 4.5), squeeze=False)
+    fig, axes = subplots(1, max(1, len(dtypes)), figsize=(7 * max(1, len(dtypes)), 4.5), squeeze=False)
     impls = [name for name in IMPLEMENTATIONS if any(r["impl"] == name for r in results)]
     width = 0.8 / max(1, len(impls))
     for ax, dtype in zip(axes[0], dtypes):

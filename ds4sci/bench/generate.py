@@ -40,10 +40,10 @@ import statistics
 import torch
 
 from ds4sci.bench import throughput
-from ds4sci.bench.report import (THREADS_OPTION, add_int_options, check_positive, command_line, describe_load,
-                                 describe_machine, int_config, load_average, machine, markdown_table,
-                                 missing_dependency, plural, pyplot, save_figure, shape_options, write_files)
-from ds4sci.bench.rounds import CLOCKS, alternate, torch_threads
+from ds4sci.bench.report import (add_int_options, check_positive, command_line, describe_load, describe_machine,
+                                 int_config, load_average, machine, markdown_table, missing_dependency, plural,
+                                 save_figure, shape_options, subplots, write_files)
+from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import CodonTokenizer
 from ds4sci.infer.generate import sample
 
@@ -59,9 +59,7 @@ _INT_OPTIONS = shape_options(hidden=256, layers=4, heads=4) | {
     "new_tokens": (256, "tokens generated per sequence by ds4sci and Hugging Face"),
     "num_sequences": (4, "sequences decoded together (the batch)"),
     "uncached_tokens": (16, "tokens generated per sequence by the uncached loop (O(L^2) per token)"),
-    "rounds": (5, "timed rounds (each runs the three once)"),
-    "threads": THREADS_OPTION,
-}
+} | round_options(5, "each runs the three once")
 _QUICK = {"hidden": 64, "layers": 2, "heads": 4, "prompt_len": 8, "new_tokens": 12, "num_sequences": 2,
           "uncached_tokens": 4, "rounds": 3}
 _WARMUP_TOKENS = 4  # tokens of each method's untimed first run
@@ -194,10 +192,7 @@ def markdown(report: dict) -> str:
         return [f"{r['wall'][m]:.1f}" for m in METHODS] + [f"{r[clock]['ratio']:.3f}" for clock in CLOCKS]
 
     rows = [[i, *cells(r)] for i, r in enumerate(report["rounds"])]
-    rows.append(["median", *cells({clock: {"ds4sci": s[clock]["ds4sci_tokens_per_s_median"],
-                                           "hf": s[clock]["hf_tokens_per_s_median"],
-                                           "uncached": s[clock]["uncached_tokens_per_s_median"],
-                                           "ratio": s[clock]["ratio_median"]} for clock in CLOCKS})])
+    rows.append(["median", *cells(median_round(s, METHODS, "tokens"))])
     lines = [
         f"# Generation: ds4sci cached decoding vs Hugging Face {report['hf_model']}.generate",
         "",
@@ -231,9 +226,8 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path) -> None:
     """Left: tokens/s (wall clock) of each method per round, log scale; right: the per-round ratios ds4sci / HF on
     both clocks as box plots with their points."""
-    plt = pyplot()
-    rounds = report["rounds"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    rounds, c = report["rounds"], report["config"]
+    fig, (left, right) = subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     labels = {"ds4sci": "ds4sci cached (sample)", "hf": f"HF {report['hf_model']}.generate", "uncached":
               "ds4sci uncached loop"}
     for name, label in labels.items():
@@ -244,7 +238,6 @@ def plot(report: dict, path) -> None:
     left.set_yscale("log")
     left.legend()
     throughput.plot_ratios(right, rounds)
-    c = report["config"]
     fig.suptitle(f"hidden {c['hidden']}, {c['layers']} layers, {c['num_sequences']} sequences, prompt "
                  f"{c['prompt_len']} + {c['new_tokens']} new tokens, {plural(c['threads'], 'thread')}")
     save_figure(fig, path)

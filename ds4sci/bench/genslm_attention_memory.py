@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, save_figure, subplots, write_report
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -444,9 +444,8 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Log-log peak and saved bytes vs S per mode and path, with slope-1 and slope-2 references, to ``path``."""
-    plt = pyplot()
     cfg = report["config"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    fig, axes = subplots(1, 2, figsize=(12, 5))
     colors = dict(zip(MODES, ("tab:blue", "tab:orange", "tab:green")))
     for ax, key, title in ((axes[0], "peak", "peak memory of forward + backward"),
                            (axes[1], "saved", "saved for backward")):

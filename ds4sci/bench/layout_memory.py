@@ -42,7 +42,7 @@ import time
 import weakref
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, plural, pyplot, save_figure, write_files
+from ds4sci.bench.report import MIB, markdown_table, plural, save_figure, subplots, write_files
 from ds4sci.parallel import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
@@ -389,10 +389,9 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     runs = report["runs"]
     names = [f"{r['layout']} z{r['zero']}" for r in runs]
-    fig, axes = plt.subplots(2, 1, figsize=(max(7, 0.6 * len(runs)), 9))
+    fig, axes = subplots(2, 1, figsize=(max(7, 0.6 * len(runs)), 9))
     for ax, key, terms, title in ((axes[0], "measured", MEMORY_TERMS, "MiB per rank (most loaded)"),
                                   (axes[1], "measured_sent", COMM_TERMS, "MiB sent per rank per step")):
         bottom = [0.0] * len(runs)

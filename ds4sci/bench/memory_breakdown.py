@@ -24,7 +24,7 @@ import argparse
 
 import torch
 
-from ds4sci.bench.report import markdown_table, parse_int_list, pyplot, save_figure, write_files
+from ds4sci.bench.report import markdown_table, parse_int_list, save_figure, subplots, write_files
 from ds4sci.costs import MASK_POLICIES, mask_bytes, position_table_bytes
 
 GIB = 2.0**30
@@ -105,10 +105,9 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """GiB per rank vs S at the paper's scale (formula), log-log."""
-    plt = pyplot()
     c = report["config"]
     S = [int(s) for s in torch.logspace(4, 6, 9).tolist()]
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = subplots(figsize=(7, 5))
     ax.plot(S, [position_table_bytes(s, c["paper_hidden"]) / GIB for s in S], label="position table, unpartitioned")
     ax.plot(S, [position_table_bytes(s // c["paper_degree"], c["paper_hidden"]) / GIB for s in S],
             label=f"position table, partitioned (P = {c['paper_degree']})")

@@ -41,8 +41,8 @@ import torch
 
 from ds4sci.bench import memory
 from ds4sci.bench.report import (MIB, add_int_options, check_positive, command_line, describe_load, describe_machine,
-                                 load_average, machine, markdown_table, missing_dependency, plural, pyplot, save_figure,
-                                 write_files)
+                                 load_average, machine, markdown_table, missing_dependency, plural, save_figure,
+                                 subplots, write_files)
 from ds4sci.kernels import EvoformerBackend
 
 logger = logging.getLogger(__name__)
@@ -279,9 +279,8 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Bars per path: peak memory and bytes saved for backward (MiB, left), step time (s, right)."""
-    plt = pyplot()
     r = report["results"]
-    fig, (mem, secs) = plt.subplots(1, 2, figsize=(9, 4), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (mem, secs) = subplots(1, 2, figsize=(9, 4), gridspec_kw={"width_ratios": [2, 1]})
     x = range(len(MODES))
     mem.bar([i - 0.2 for i in x], [r[m]["peak_bytes"] / MIB for m in MODES], 0.4, label="peak of the step")
     mem.bar([i + 0.2 for i in x], [r[m]["saved_bytes"] / MIB for m in MODES], 0.4, label="saved for backward")

@@ -13,13 +13,11 @@ from pathlib import Path
 
 from ds4sci.report import markdown_table, plural, write_report
 
-__all__ = ["MIB", "THREADS_OPTION", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
+__all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
            "option", "shape_options", "add_int_options", "int_config", "check_positive", "command_line",
-           "missing_dependency", "pyplot", "save_figure", "markdown_table", "plural", "write_report", "write_files"]
+           "missing_dependency", "subplots", "save_figure", "markdown_table", "plural", "write_report", "write_files"]
 
 MIB = 2.0**20
-#: the ``threads`` entry of the ``add_int_options`` table of a benchmark that compares two timings in one process
-THREADS_OPTION = (1, "torch threads (1 keeps other processes on a shared machine from skewing the ratio)")
 
 
 def machine() -> dict:
@@ -120,9 +118,7 @@ def missing_dependency(module: str, why: str, name: str | None = None) -> str | 
     return None
 
 
-def pyplot():
-    """``matplotlib.pyplot`` on the Agg backend: the benchmarks write PNG files and never open a window
-    (``ImportError`` when matplotlib is missing)."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,11 +127,17 @@ def pyplot():
     return plt
 
 
+def subplots(*args, **kwargs):
+    """``matplotlib.pyplot.subplots(*args, **kwargs)`` on the Agg backend: the benchmarks write PNG files and never
+    open a window (``ImportError`` when matplotlib is missing)."""
+    return _pyplot().subplots(*args, **kwargs)
+
+
 def save_figure(fig, path: str | Path) -> None:
     """Lay ``fig`` out, write it to ``path`` (PNG, 100 dpi) and close it."""
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    pyplot().close(fig)
+    _pyplot().close(fig)
 
 
 def write_files(out: str | Path, name: str, report: dict, markdown: str, plot) -> Path:

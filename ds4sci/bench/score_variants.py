@@ -30,10 +30,9 @@ from pathlib import Path
 
 import torch
 
-from ds4sci.bench.report import (THREADS_OPTION, add_int_options, check_positive, command_line, describe_machine,
-                                 int_config, machine, markdown_table, plural, pyplot, save_figure, shape_options,
-                                 write_files)
-from ds4sci.bench.rounds import CLOCKS, alternate, torch_threads
+from ds4sci.bench.report import (add_int_options, check_positive, command_line, describe_machine, int_config, machine,
+                                 markdown_table, plural, save_figure, shape_options, subplots, write_files)
+from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import FastaRecord, NucleotideTokenizer, read_fasta
 from ds4sci.infer.score import score_records
 from ds4sci.infer.variants import read_variants, score_variants, variant_windows
@@ -50,9 +49,7 @@ _INT_OPTIONS = {
     "context": (256, "model context in tokens, and the REF window in bases"),
 } | shape_options(hidden=128, layers=4, heads=4) | {
     "batch_size": (8, "windows per forward"),
-    "rounds": (3, "timed rounds (each times both modes)"),
-    "threads": THREADS_OPTION,
-}
+} | round_options(3, "each times both modes")
 _QUICK = {"positions": 6, "context": 64, "hidden": 32, "layers": 1, "heads": 2, "batch_size": 8, "rounds": 2}
 
 
@@ -148,8 +145,7 @@ def markdown(report: dict) -> str:
             f"{r[clock]['ratio']:.3f}" for clock in CLOCKS]
 
     rows = [[i, *cells(r)] for i, r in enumerate(report["rounds"])]
-    rows.append(["median", *cells({clock: {mode: s[clock][f"{mode}_variants_per_s_median"] for mode in MODES}
-                                   | {"ratio": s[clock]["ratio_median"]} for clock in CLOCKS})])
+    rows.append(["median", *cells(median_round(s, MODES, "variants"))])
     windows_ratio = w["unshared"] / w["shared"]
     lines = [
         "# score-variants: variants per second, REF windows shared and not",
@@ -176,9 +172,8 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Left: variants/s of each mode per round on both clocks; right: windows scored by each mode."""
-    plt = pyplot()
-    rounds = report["rounds"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    rounds, c = report["rounds"], report["config"]
+    fig, (left, right) = subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     for mode in MODES:
         for clock, style in (("wall", "-"), ("cpu", "--")):
             left.plot(range(len(rounds)), [r[clock][mode] for r in rounds], marker="o", linestyle=style,
@@ -190,7 +185,6 @@ def plot(report: dict, path) -> None:
     left.legend()
     right.bar(MODES, [report["windows"][mode] for mode in MODES], color=["tab:blue", "tab:orange"])
     right.set_ylabel("windows scored (each on both strands)")
-    c = report["config"]
     fig.suptitle(f"{plural(report['variants'], 'SNV')} (3 per position), window {c['context']}, hidden {c['hidden']}, "
                  f"{plural(c['layers'], 'layer')}")
     save_figure(fig, path)

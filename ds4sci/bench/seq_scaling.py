@@ -17,7 +17,7 @@ import argparse
 import logging
 import time
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_files
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, save_figure, subplots, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +150,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = subplots(figsize=(7, 5))
     for scheme, P in sorted({(r["scheme"], r["P"]) for r in report["runs"]}, key=lambda k: (k[1], k[0])):
         runs = sorted((r for r in report["runs"] if r["scheme"] == scheme and r["P"] == P), key=lambda r: r["seq_len"])
         ax.plot([r["seq_len"] for r in runs], [r["peak_bytes_max"] / MIB for r in runs], marker="o",

@@ -32,10 +32,9 @@ import statistics
 
 import torch
 
-from ds4sci.bench.report import (THREADS_OPTION, add_int_options, check_positive, command_line, int_config,
-                                 markdown_table, missing_dependency, plural, pyplot, save_figure, shape_options,
-                                 write_files)
-from ds4sci.bench.rounds import CLOCKS, alternate, torch_threads
+from ds4sci.bench.report import (add_int_options, check_positive, command_line, int_config, markdown_table,
+                                 missing_dependency, plural, save_figure, shape_options, subplots, write_files)
+from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import CodonTokenizer
 from ds4sci.io.export_hf import hf_config as transformers_config
 from ds4sci.kernels.backends import LocalBackend
@@ -51,11 +50,9 @@ LOGIT_RTOL = 1e-4
 _INT_OPTIONS = shape_options(hidden=512, layers=8, heads=8) | {
     "seq_len": (512, "tokens per sequence"),
     "batch": (2, "sequences per step"),
-    "rounds": (9, "timed rounds (each times both models)"),
     "steps": (1, "timed training steps per model per round (1 pairs the two models' steps most closely)"),
     "warmup": (1, "untimed training steps per model before the first round"),
-    "threads": THREADS_OPTION,
-}
+} | round_options(9, "each times both models")
 _QUICK = {"hidden": 64, "layers": 2, "heads": 4, "seq_len": 64, "batch": 2, "rounds": 3, "steps": 1, "warmup": 1}
 _VOCAB = 69  # GenSLM's codon vocabulary
 
@@ -227,9 +224,7 @@ def markdown(report: dict) -> str:
     llama = c["shape"] == "llama"
     shape = "Llama shape (SwiGLU, RMSNorm, no biases, sequential residual)" if llama else "GPT-NeoX shape"
     kv = f" ({c['kv_heads'] or c['heads']} key/value)" if llama else ""
-    rows.append(["median", *cells({clock: {"ds4sci": s[clock]["ds4sci_tokens_per_s_median"],
-                                           "hf": s[clock]["hf_tokens_per_s_median"],
-                                           "ratio": s[clock]["ratio_median"]} for clock in CLOCKS})])
+    rows.append(["median", *cells(median_round(s, MODELS, "tokens"))])
     lines = [
         f"# Training throughput: ds4sci GenSLM vs Hugging Face {report['hf_model']}",
         "",
@@ -258,9 +253,8 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path) -> None:
     """Left: tokens/s (wall clock) of each model per round; right: the per-round ratios on both clocks as box
     plots with their points."""
-    plt = pyplot()
     rounds = report["rounds"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (left, right) = subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     for name, label in (("ds4sci", "ds4sci GenSLM"), ("hf", f"HF {report['hf_model']}")):
         left.plot(range(len(rounds)), [r["wall"][name] for r in rounds], marker="o", label=label)
     left.set_xticks(range(len(rounds)))

@@ -1,6 +1,5 @@
 """``ds4sci bench generate``: the files of a --quick run (ds4sci's cached decoding, Hugging Face's cached generate
 and the uncached loop on the same weights), the greedy-agreement check refusing different tokens, bad options."""
-import argparse
 import json
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 from ds4sci import cli
 from ds4sci.bench import generate
 from ds4sci.data import CodonTokenizer
+from bench_checks import bench_args, refused_in_one_line  # tests/bench/ is on sys.path
 
 pytest.importorskip("transformers")  # the dev extra installs it
 
@@ -42,7 +42,7 @@ def test_quick_run_writes_the_report(tmp_path):
 def test_greedy_check_refuses_different_tokens():
     """The check is computed from the tokens each method generated: a Hugging Face model whose head row of ds4sci's
     first token is negated generates another token and is refused; so is an uncached loop that drifts."""
-    cfg = generate.config_from_args(_args("--quick"))
+    cfg = generate.config_from_args(bench_args(generate, "--quick"))
     tok = CodonTokenizer()
     ours, hf = generate.build_models(cfg)
     text, ids = generate.make_prompt(cfg, tok)
@@ -71,12 +71,4 @@ def test_greedy_check_refuses_different_tokens():
                                                      "tokens are checked against ds4sci's)"),
 ])
 def test_bad_options_give_one_line(argv, message, tmp_path, capsys):
-    assert cli.main(["bench", "generate", *argv, "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.strip() == f"ds4sci bench: error: {message}" and not (tmp_path / "out").exists()
-
-
-def _args(*argv):
-    parser = argparse.ArgumentParser()
-    generate.add_arguments(parser)
-    return parser.parse_args(argv)
+    assert refused_in_one_line(capsys, tmp_path, "generate", argv) == message

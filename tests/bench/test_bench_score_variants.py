@@ -6,6 +6,7 @@ import pytest
 
 from ds4sci import cli
 from ds4sci.bench import score_variants
+from bench_checks import bench_args, refused_in_one_line  # tests/bench/ is on sys.path
 
 
 def test_quick_run_writes_the_report(tmp_path):
@@ -35,7 +36,7 @@ def test_guard_refuses_different_llrs(monkeypatch):
     """A way of scoring that changed the LLRs is no speed-up: the run stops before timing it."""
     original = score_variants.unshared_llrs
     monkeypatch.setattr(score_variants, "unshared_llrs", lambda *a: [x + 0.01 for x in original(*a)])
-    cfg = score_variants.config_from_args(_args("--quick", "--positions", "2"))
+    cfg = score_variants.config_from_args(bench_args(score_variants, "--quick", "--positions", "2"))
     with pytest.raises(RuntimeError, match=r"shared and unshared REF windows give different LLRs: max \|difference\| "
                                            r"= 0.01 nats > 0.001"):
         score_variants.measure(cfg)
@@ -48,14 +49,4 @@ def test_guard_refuses_different_llrs(monkeypatch):
                                                  "bases)"),
 ])
 def test_bad_options_give_one_line(argv, message, tmp_path, capsys):
-    assert cli.main(["bench", "score-variants", *argv, "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.strip() == f"ds4sci bench: error: {message}" and not (tmp_path / "out").exists()
-
-
-def _args(*argv):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    score_variants.add_arguments(parser)
-    return parser.parse_args(argv)
+    assert refused_in_one_line(capsys, tmp_path, "score-variants", argv) == message

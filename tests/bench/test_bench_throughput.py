@@ -7,6 +7,7 @@ import torch
 
 from ds4sci import cli
 from ds4sci.bench import throughput
+from bench_checks import bench_args, refused_in_one_line  # tests/bench/ is on sys.path
 
 pytest.importorskip("transformers")  # the dev extra installs it
 
@@ -56,7 +57,7 @@ def test_quick_llama_run_compares_against_llama_for_causal_lm(tmp_path):
     (["--quick", "--shape", "llama", "--kv-heads", "1"], lambda hf: hf.model.layers[1].mlp.down_proj.weight),
 ])
 def test_guard_refuses_models_that_differ(argv, weight):
-    cfg = throughput.config_from_args(_args(*argv))
+    cfg = throughput.config_from_args(bench_args(throughput, *argv))
     ours, hf = throughput.build_models(cfg)
     ids, pos = throughput.make_batch(cfg)
     assert throughput.check_same_function(ours, hf, ids, pos) < 1e-5
@@ -83,14 +84,4 @@ def test_summary_statistics():
     (["--shape", "llama", "--rotary-pct", "0.25"], "--rotary-pct=0.25: LlamaForCausalLM rotates every head dim (1.0)"),
 ])
 def test_bad_options_give_one_line(argv, message, tmp_path, capsys):
-    assert cli.main(["bench", "throughput", *argv, "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.strip() == f"ds4sci bench: error: {message}" and not (tmp_path / "out").exists()
-
-
-def _args(*argv):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    throughput.add_arguments(parser)
-    return parser.parse_args(argv)
+    assert refused_in_one_line(capsys, tmp_path, "throughput", argv) == message
