@@ -1,55 +1,25 @@
 """``ds4sci bench ablation``: what each long-sequence memory switch leaves per token per layer on each rank, measured
 beside the planner's figure (the per-technique ablation of Arctic Long Sequence Training, ALST: Bekman et al. 2025,
-arXiv:2506.13996, Table 1, measured here on one process and per rank under Ulysses, ring, tensor and pipeline
-parallelism and ZeRO-3).
+arXiv:2506.13996, Table 1, here on one process and per rank under Ulysses, ring, tensor and pipeline parallelism and
+ZeRO-3).
 
-Rows, each adding one switch to the one above (``activation_checkpointing`` in the training config): ``baseline``
-(nothing), ``+ tiled loss`` (``tiled_loss: true``; first after the baseline, as in ALST's runs, where every row after
-the baseline computes the loss over tiles), ``+ checkpointing`` (``mode: full``), ``+ tiled MLP`` (``tiled_mlp:
-true``), ``+ host offload`` (``cpu: true``). Each row runs under each layout of ``--layouts``: ``1`` (one process),
-``ulysses2`` (Ulysses sequence parallelism over 2 ranks), ``ring2`` (ring attention over 2 ranks, the trainer's
-zigzag sequence layout), ``tp2`` (tensor parallelism over 2 ranks, Megatron-LM's sequence-parallel regions),
-``pp2`` (two pipeline stages, DeepSpeed's pipeline engine, 1F1B over one micro-batch: one in flight),
-``dp2xzero3`` (ZeRO-3 over 2 data ranks, each with its own sequence), ``tp2xulysses2``... Under TP the
-column-parallel layers save this rank's sequence region of their inputs and all-gather it again in backward (the TP
-re-gather, :mod:`ds4sci.parallel.tensor_parallel`): the rows without checkpointing (``baseline``, ``+ tiled loss``)
-under ``tp2`` show what it leaves saved.
+Rows, each adding one switch to the one above (``activation_checkpointing`` in the training config): ``baseline``,
+``+ tiled loss`` (first after the baseline, as in ALST's runs), ``+ checkpointing`` (``mode: full``), ``+ tiled MLP``,
+``+ host offload``. Each row runs under each layout of ``--layouts`` (:func:`parse_layout`: ``1``, ``ulysses2``,
+``ring2``, ``tp2``, ``pp2``, ``dp2xzero3``, ...); under TP the rows without checkpointing show the column-parallel
+layers' re-gathered inputs.
 
 For each layout, row, sequence length ``S`` and layer count ``L`` a fresh gloo process group
-(:func:`ds4sci.spawn.run_workers`, DeepSpeed's CPU accelerator, one process per rank) builds a GenSLM and applies the
-layout and the switches with the trainer's own functions (:func:`~ds4sci.parallel.groups.build_groups`,
-:func:`~ds4sci.parallel.parallelize.parallelize`,
-:func:`~ds4sci.train.activation_checkpointing.apply_activation_checkpointing`, the batch cut by
-:func:`~ds4sci.sequence.shard_sequence` and the loss :func:`~ds4sci.parallel.tensor_parallel.token_loss_for`'s, as
-:class:`~ds4sci.train.trainer.Trainer` does; with data ranks or ZeRO-3 the model then goes into
-:func:`~ds4sci.train.engine.build_engine`'s DeepSpeed engine, with pipeline stages into
-:func:`~ds4sci.train.pipeline.build_pipeline_engine`'s, stepped by
-:func:`~ds4sci.train.pipeline.pipeline_train_batch`), runs a warm-up step at a tiny length and then one forward +
-cross-entropy + backward at ``S`` tokens (the pipeline's ``train_batch`` includes the optimizer step; the others'
-step follows outside the measurement), measuring on every rank:
+(:func:`ds4sci.spawn.run_workers`) builds a GenSLM and applies the layout and the switches with the trainer's own
+functions (as :class:`~ds4sci.train.trainer.Trainer` does, DeepSpeed's engines where the layout needs one), runs a
+warm-up step and then one training step at ``S`` tokens, measuring on every rank: ``saved`` (bytes autograd saves
+for backward, each storage once), ``host`` (what host offload holds), ``device = saved - host``, ``peak`` (peak RSS
+of the step, :class:`ds4sci.bench.memory.PeakMemory`), the blocks held, and the parameter and gradient bytes.
 
-- ``saved``: the bytes autograd saves for backward in the forward, each storage once (``saved_tensors_hooks``, over
-  the pipeline's forward passes only; parameters left out, ZeRO-3's gathered ones too; the checkpoint's own inputs,
-  which DeepSpeed's reentrant checkpoint keeps out of the hooks' sight, counted where the checkpoint is called), and
-  ``host``: the most :class:`~ds4sci.train.activation_offload.HostOffload` holds in host memory after a checkpointed
-  block's forward (``offloaded_bytes``; after the last, every block's); ``device = saved - host``;
-- ``peak``: the peak RSS of the step above its start (:class:`ds4sci.bench.memory.PeakMemory`; glibc's allocator,
-  whose settings the report records);
-- ``held``: the blocks the rank holds (a pipeline stage's), ``params``: its parameter bytes after the step (ZeRO-3:
-  its partitions and the tensors kept gathered), ``grads``: the gradient bytes the optimizer is handed (ZeRO-3: its
-  partition; without an engine, the ``.grad`` after backward).
-
-A run records the largest of each over the ranks (the most loaded rank, as the planner reports). Per layout and row
-the report gives, in hidden vectors (``h e`` bytes) per token of the FULL sequence (a rank's bytes over ``S``, so
-1/P of the one-process figure where a layout divides everything by its P ranks; a data rank's own sequence under
-ZeRO-3): per layer on the device, the slope of ``device`` over ``S`` times the blocks held (from the two layer
-counts; per block a stage holds, ``L / pp`` of them); the working set, the slope over ``S`` of ``peak - device`` at
-the larger ``L`` (what backward adds above the saved tensors: the recomputed layer and its gradients); and the
-longest sequence within the per-rank ``--budget-mib`` from the fit ``peak = a + b S`` at the larger ``L``. Beside
-each the planner's figure for the same layout (:mod:`ds4sci.plan`, fp32, a ``Strategy`` with the layout's degrees:
-``activations + workspace + attention + grads`` and the larger of the Ulysses all-to-all staging and the ring's
-buffers, plus ZeRO-3's gathered parameters, the step's peak above the parameters and the optimizer state, as
-``PeakMemory`` starts after them), and per layout the blocks, parameter and gradient bytes a rank holds.
+The most loaded rank is reported, in hidden vectors (``h e`` bytes) per token of the full sequence: per layer on the
+device (the slope of ``device`` over ``S`` from the two layer counts), the working set (the slope of ``peak -
+device`` at the larger ``L``) and the longest sequence within ``--budget-mib`` (from the fit ``peak = a + b S``),
+each beside the planner's figure for the same layout (:mod:`ds4sci.plan`, fp32, the layout's degrees).
 """
 from __future__ import annotations
 

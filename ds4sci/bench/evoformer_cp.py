@@ -2,45 +2,24 @@
 parallelism, axial (1-D) or on a p x p mesh (2-D), as N_res and the group size P grow, beside the closed forms.
 
 For each P of ``--degrees``, P gloo processes (:func:`ds4sci.spawn.run_workers`; P = 1 is the single process) run,
-per block kind and N_res, one training step (forward + backward of the sum of both outputs, fp32, dropout 0)
-of a sharded stack of one and of two blocks (:func:`ds4sci.evoformer_context_parallel` with ``sharded=True``). A
-:class:`~ds4sci.sequence.CommCounter` records every collective; the bytes per block are the two-block stack's
-minus the one-block stack's, so the stack's entry and exit cancel and what a block costs inside a long stack
-remains (1-D: one switch between blocks is in; 2-D: nothing moves between blocks). They are set beside the
-layout's closed form, per rank: :func:`ds4sci.parallel.evoformer_cp.block_comm_bytes` (every rank the same) and
-:func:`ds4sci.parallel.evoformer_cp2d.block_comm_bytes` (the ranks on the mesh's diagonal, first row and first
-column move fewer tiles), each derived in its module's docstring.
+per block kind and N_res, one training step (forward + backward of the sum of both outputs, fp32, dropout 0) of a
+sharded stack of one and of two blocks (:func:`ds4sci.evoformer_context_parallel`, ``sharded=True``). A
+:class:`~ds4sci.sequence.CommCounter` records every collective; the bytes per block are the two-block stack's minus
+the one-block stack's (entry and exit cancel), set beside the layout's closed form per rank
+(``block_comm_bytes`` of :mod:`ds4sci.parallel.evoformer_cp` and :mod:`ds4sci.parallel.evoformer_cp2d`).
 
-Memory per rank, of one training step of the one-block stack (:func:`_measure_memory`), counted by
-:class:`ds4sci.bench.memory.LiveTensors` (the tensors torch's ops return, each storage once while any of its tensors
-lives): the bytes autograd saves for backward (:func:`ds4sci.bench.memory.saved_for_backward`), the activations
-held from forward to backward, and the peak of live tensors over forward and backward. Both count what the step
-allocates, the parameter gradients included; the parameters and the inputs (full tensors on every rank, held before
-the step) are not. The loss is the sum of the outputs, whose gradient is a broadcast view: a loss of the full
-outputs whose backward makes whole ``[N, N, C_z]`` tensors (a mean square: its gradient and temporaries, up to five
-with the gathered output at once) would add to every rank's peak a term that no P divides, a loss head's and not
-the block's (tests/bench/test_bench_evoformer_cp.py sees it). Beside them the planner's figure
-(:func:`planned_peak`: :func:`ds4sci.plan_evoformer.memory`'s training terms of one block). (A peak RSS is not
-reported: in a gloo worker that has run the step before, the allocator reuses freed memory and the RSS barely moves
-at these sizes.)
+Memory per rank of one step of the one-block stack, counted by :class:`ds4sci.bench.memory.LiveTensors`: the bytes
+saved for backward, the activations held from forward to backward and the peak of live tensors; parameters and
+inputs are left out. The loss is the sum of the outputs, whose gradient is a broadcast view, so no loss head adds a
+term that no P divides. Beside them the planner's figure (:func:`planned_peak`).
 
-The pair terms of that memory: with N_res multiples of P (no padding) each figure is a quadratic in N_res at a
-fixed N_seq, ``alpha N^2 + beta N + gamma``; ``alpha`` (least squares over ``--n-res``, at least three) is reported
-as ``alpha P`` (constant where the pair terms fall as 1/P), for the saved bytes beside the closed form of their
-floor, the ``N^2`` bytes per rank that do not fall as 1/P: 1-D saves the gathered tensors whole (the MSA pair bias,
-one operand of each triangle multiplication, the two triangle biases; the Pairformer's replicated pair bias), ``G =
-e (H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``) at any P; 2-D tiles every ``N^2``
-tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``
-(the Pairformer's single attention too: it runs on the bias tiles, its s-side ``O(N)`` replicated). At
-the peak the whole padded pair mask is live as well, ``e`` per ``N^2`` on every rank (both layouts make it at the
-stack's entry and cut their pieces out of it). In 1-D the exit gathers are alive at the end of forward beside
-everything forward saved: z received into the tensor returned, ``e C_z`` per ``N^2`` more, and the copy of the
-rank's own columns it sends, ``e C_z / P`` (:func:`ds4sci.plan_evoformer.exit_bytes`).
+The pair terms: with N_res multiples of P each figure is a quadratic ``alpha N^2 + beta N + gamma`` at a fixed N_seq;
+``alpha P`` (least squares over ``--n-res``, three or more) is constant where the pair terms fall as 1/P, and the
+saved bytes' ``alpha`` is set beside the closed form of the ``N^2`` bytes per rank that do not fall as 1/P (1-D: the
+gathered tensors; 2-D: the triangle attentions' key-mask rows), see :func:`pair_terms`.
 
-Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms; ``1d`` is the
-axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2).
-
-Writes ``evoformer_cp.json``, ``evoformer_cp.md`` and ``evoformer_cp.png`` to ``--out``.
+Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms (``1d`` axial,
+``2d`` the p x p mesh, ``--degrees`` squares). Writes ``evoformer_cp.json``, ``.md`` and ``.png`` to ``--out``.
 """
 from __future__ import annotations
 

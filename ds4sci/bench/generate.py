@@ -2,34 +2,24 @@
 Hugging Face's ``GPTNeoXForCausalLM.generate`` with its cache, on the same weights, and against the uncached loop
 ``ds4sci generate`` ran before the cache.
 
-The models: one GPT-NeoX configuration (rotary positions on ``rotary_pct`` of each head, parallel residual, GELU,
-untied head; the shape ``ds4sci export-hf`` writes as ``GPTNeoXForCausalLM``) builds both, GenSLM's initial weights
-copied into Hugging Face's model (:func:`ds4sci.bench.throughput.build_models`), the 69-word codon vocabulary. Random
-weights give nearly uniform logits, where a rounding difference of 1e-6 could flip a greedy choice between two
-near-tied tokens; so the output head of both models is scaled by :data:`HEAD_SCALE` (the same function on both
-sides), which makes the greedy outputs a sharp check. Before anything is timed the logits of both on the prompt must
-agree (:func:`ds4sci.bench.throughput.check_same_function`).
+The models: one GPT-NeoX configuration builds both, GenSLM's initial weights copied into Hugging Face's model
+(:func:`ds4sci.bench.throughput.build_models`), the 69-word codon vocabulary. Random weights give nearly uniform
+logits, where a rounding difference could flip a greedy choice between near-tied tokens, so both output heads are
+scaled by :data:`HEAD_SCALE`, which makes the greedy outputs a sharp check. Before anything is timed the logits of
+both on the prompt must agree (:func:`ds4sci.bench.throughput.check_same_function`).
 
-The work, greedy (temperature 0) on ``--num-sequences`` sequences continuing one random codon prompt of
-``--prompt-len`` tokens, special tokens never generated:
-
-- ``ds4sci``: ``sample(model, tokenizer, prompt, --new-tokens, num_sequences=..., temperature=0)``: one prefill,
-  then one cached forward of one token per sequence per step (:class:`~ds4sci.models.genslm.model.KVCache`).
-- ``hf``: ``model.generate(input_ids, max_new_tokens=--new-tokens, do_sample=False, use_cache=True,
-  suppress_tokens=<the special ids>, eos_token_id=None)``: no early stop, so exactly ``--new-tokens`` tokens.
-- ``uncached``: the loop before the cache, one forward over the whole prefix per new token (O(L^2) per token), batched
-  over the sequences, for ``--uncached-tokens`` tokens only.
-
-Each is checked, every round: ds4sci's and Hugging Face's tokens equal token for token, and the uncached loop's equal
-the first ``--uncached-tokens`` of ds4sci's (:func:`check_greedy_agreement`; ``RuntimeError`` otherwise).
+The work, greedy on ``--num-sequences`` sequences continuing one random codon prompt, special tokens never generated:
+``ds4sci`` (``sample``: one prefill, then one cached forward per token), ``hf`` (``model.generate(...,
+do_sample=False, use_cache=True, eos_token_id=None)``: exactly ``--new-tokens`` tokens) and ``uncached`` (one forward
+over the whole prefix per new token, for ``--uncached-tokens`` only). Every round checks that the tokens agree
+(:func:`check_greedy_agreement`).
 
 Timing, in one process (:mod:`ds4sci.bench.rounds`): each round runs the three once, the order reversed every
-round, after one untimed run each (a few tokens). tokens/s = sequences x new tokens / seconds of the whole call
-(prefill included), on the wall and CPU clocks; :func:`ds4sci.bench.throughput.summarize` gives the ratio ds4sci /
-Hugging Face (median, quartiles, min/max over the rounds).
+round, after one untimed run each. tokens/s = sequences x new tokens / seconds of the whole call (prefill included),
+on the wall and CPU clocks; :func:`ds4sci.bench.throughput.summarize` gives the ratio ds4sci / Hugging Face.
 
-Writes ``generate.json``, ``generate.md`` and ``generate.png`` to ``--out``. Needs transformers
-(``pip install 'ds4sci[dev]'``); without it the command says so and exits with 1.
+Writes ``generate.json``, ``.md`` and ``.png`` to ``--out``. Needs transformers (``pip install 'ds4sci[dev]'``);
+without it the command says so and exits with 1.
 """
 from __future__ import annotations
 

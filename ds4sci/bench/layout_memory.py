@@ -3,33 +3,21 @@ layout, beside :mod:`ds4sci.plan`'s prediction of each term.
 
 For each layout (``tp2xulysses2``, ``pp2xring2``, ...; data parallelism fills the rest of ``--world``) and ZeRO stage,
 ``--world`` gloo processes (:func:`ds4sci.spawn.run_workers`) build the real training stack,
-:class:`ds4sci.train.trainer.Trainer` (DeepSpeed engine, ZeRO over the sequence x data group, DeepSpeed's pipeline
-engine for ``pp > 1``), on a synthetic nucleotide FASTA, fp32, one sequence of ``--seq-len`` tokens per data rank
-per step, rotary positions, no activation checkpointing. Step 1 runs unmeasured (DeepSpeed and AdamW allocate their
-state lazily); step 2 is measured on every rank:
+:class:`ds4sci.train.trainer.Trainer`, on a synthetic nucleotide FASTA (fp32, one sequence of ``--seq-len`` tokens
+per data rank, rotary positions, no activation checkpointing). Step 1 runs unmeasured (DeepSpeed and AdamW allocate
+their state lazily); step 2 is measured on every rank:
 
-- ``params``: bytes of the model's parameter storage this rank holds after the step (ZeRO-3: its partitions
-  ``ds_tensor`` plus the parameters DeepSpeed keeps gathered, those under ``stage3_param_persistence_threshold``
-  elements; the other gathered copies exist only around a module's forward and backward and are not counted);
-- ``grads``: bytes of the gradient tensors alive when DeepSpeed calls the optimizer's ``step``: the ``.grad`` of the
-  model's parameters and of the optimizer's (DeepSpeed's fp32 partitions at ZeRO >= 1), distinct storages once;
-- ``optimizer``: AdamW's state tensors (two moments and the step count per parameter tensor) plus the fp32 master
-  copies DeepSpeed keeps, i.e. the optimizer's parameters whose storage is not the model's (ZeRO 1-3: a partition);
-- ``activations``: the peak, over the step, of the bytes saved for backward and not yet released: every storage
-  packed through ``torch.autograd.graph.saved_tensors_hooks`` (parameters left out) counts from its packing until
-  autograd drops it, so 1F1B's micro-batches in flight count as they overlap;
-- bytes sent per process group (``tp``, ``ulysses``, ``ring``, ``sdp``, ``pp``...) and collective kind, counted
-  where every library's collective passes: the methods of ``torch.distributed.ProcessGroup`` (ds4sci's tensor and
-  sequence parallel collectives, DeepSpeed's gradient reduction and parameter gathering, the pipeline's send/recv,
-  the trainer's loss sums), with :class:`~ds4sci.sequence.CommCounter`'s conventions: an all-to-all sends
-  ``(P-1)/P`` of its input, an all-gather its input to ``P-1`` peers, a reduce-scatter ``(P-1)/P`` of its input,
-  an all-reduce ``2 (P-1)/P`` of its tensor (a ring's), a send its tensor; a broadcast ``P-1`` copies from the root.
+- ``params``, ``grads`` (when the optimizer steps) and ``optimizer`` (AdamW's moments plus DeepSpeed's fp32 master
+  copies): :func:`ds4sci.bench.memory.model_states`, each storage once;
+- ``activations``: the peak over the step of the bytes saved for backward and not yet released (every storage
+  packed through ``saved_tensors_hooks``, parameters left out, from its packing until autograd drops it, so 1F1B's
+  micro-batches in flight count as they overlap);
+- bytes sent per process group and collective kind, counted at the methods of ``torch.distributed.ProcessGroup``
+  (every library's collectives pass there) with :class:`~ds4sci.sequence.CommCounter`'s conventions.
 
-The prediction is :func:`ds4sci.plan.memory` (``params``, ``grads``, ``optimizer``, ``activations``) and
-:func:`ds4sci.plan.comm` (``tp``, ``ulysses``, ``ring``, ``pp``, ``dp``) for the same model and layout, fp32; the
+The prediction is :func:`ds4sci.plan.memory` and :func:`ds4sci.plan.comm` for the same model and layout, fp32; the
 report gives measured / predicted per term for the most loaded rank. Measured ``dp`` is everything sent over the
-sequence x data group (ds4sci's, or the pipeline engine's own over the same ranks), ``pp`` the pipeline's sends
-(DeepSpeed sends on the default group), ``other`` what fits no term (a few kB of pipeline bookkeeping and ZeRO-3
+sequence x data group, ``pp`` the pipeline's sends, ``other`` what fits no term (pipeline bookkeeping and ZeRO-3
 broadcasts on the default group).
 """
 from __future__ import annotations
