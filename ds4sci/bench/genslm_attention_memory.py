@@ -257,7 +257,8 @@ def analytic_peak_bytes(cfg: dict, path: str, seq_len: int) -> int:
     elem = torch.finfo(_DTYPES[cfg["dtype"]]).bits // 8
     logits_elem = max(elem, 4)  # the explicit softmax runs in promote_types(dtype, float32)
     B, H = cfg["batch"], cfg["heads"]
-    linear = _LINEAR_FACTOR * B * seq_len * cfg["hidden"] * elem + _QUADRATIC_FACTOR * B * H * LOCAL_CHUNK_SIZE**2 * logits_elem
+    linear = (_LINEAR_FACTOR * B * seq_len * cfg["hidden"] * elem
+              + _QUADRATIC_FACTOR * B * H * LOCAL_CHUNK_SIZE**2 * logits_elem)
     if path == "before":
         return linear + _QUADRATIC_FACTOR * B * H * seq_len**2 * logits_elem
     return linear
