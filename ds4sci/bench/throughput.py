@@ -11,8 +11,8 @@ GPT-NeoX-20B); GenSLM's initial weights are copied into Hugging Face's model wit
 RMSNorm, no biases, sequential residual, rotary on every head dim) builds a ``LlamaConfig`` of the same shape
 (the config ``ds4sci export-hf`` writes for it: :func:`ds4sci.io.export_hf.hf_config`), and Hugging Face's initial
 weights are copied into GenSLM with :func:`~ds4sci.models.genslm.llama.from_llama_state_dict`. Both shapes use
-an MLP of ``4 x hidden`` and the 69-word codon vocabulary. Before anything is timed the logits of both on the benchmark batch must agree
-(:func:`check_same_function`), so a converter bug cannot pass for a speed-up.
+an MLP of ``4 x hidden`` and the 69-word codon vocabulary. Before anything is timed the logits of both on the
+benchmark batch must agree (:func:`check_same_function`), so a converter bug cannot pass for a speed-up.
 
 Timing, in one process (:mod:`ds4sci.bench.rounds`): each round times ``--steps`` training steps (forward,
 next-token cross entropy :func:`~ds4sci.models.genslm.lm_loss`, backward, ``torch.optim.AdamW`` step) of each model,
