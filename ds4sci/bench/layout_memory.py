@@ -369,9 +369,9 @@ def markdown(report: dict) -> str:
     lines += markdown_table(["layout", "ZeRO", *COMM_TERMS, "other"], rows)
     lines += ["", "How each term is measured: the docstring of ds4sci.bench.layout_memory. `-`: both zero; `inf`: "
               "measured where the planner predicts nothing. params are counted after the step: ZeRO-3's gathered "
-              "copies in flight during forward and backward (the planner's two layers) are not. dp: everything sent over the "
-              "sequence x data group (ZeRO's reductions and gathers, the trainer's loss sums); pp: the pipeline's "
-              "sends; other: small collectives on other groups (the pipeline engine's bookkeeping, ZeRO-3's "
+              "copies in flight during forward and backward (the planner's two layers) are not. dp: everything sent "
+              "over the sequence x data group (ZeRO's reductions and gathers, the trainer's loss sums); pp: the "
+              "pipeline's sends; other: small collectives on other groups (the pipeline engine's bookkeeping, ZeRO-3's "
               "broadcasts on the default group)."]
     return "\n".join(lines) + "\n"
 
