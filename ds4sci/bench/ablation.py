@@ -28,7 +28,8 @@ import math
 import time
 
 from ds4sci.bench.layout_memory import parse_layout
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, save_figure, subplots, write_files
+from ds4sci.bench.report import (MIB, add_int_options, markdown_table, parse_int_list, plot_peaks, plural,
+                                 write_files)
 from ds4sci.parallel import ParallelDims
 
 ROWS = {  # name -> activation_checkpointing keys; each row adds one switch to the row above (ALST's ablation)
@@ -106,11 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "per rank (default: 1)")
     parser.add_argument("--rows", default=",".join(row_key(r) for r in ROWS), metavar="ROW,...",
                         help="rows to run (default: %(default)s)")
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
-    parser.add_argument("--mlp-tile", type=int, default=1024, help="tokens per tiled-MLP tile (default: %(default)s)")
-    parser.add_argument("--loss-tile", type=int, default=1024,
-                        help="tokens per tiled-loss tile (default: %(default)s)")
+    add_int_options(parser, {"hidden": (256, "hidden size"), "heads": (8, "attention heads"),
+                             "mlp_tile": (1024, "tokens per tiled-MLP tile"),
+                             "loss_tile": (1024, "tokens per tiled-loss tile")})
     parser.add_argument("--budget-mib", type=float, default=1024.0,
                         help="per-rank budget for the longest-sequence column (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
@@ -410,22 +409,17 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path) -> None:
-    fig, ax = subplots(figsize=(7, 5))
+    """Peak MiB per rank against S at the larger layer count, one line per layout and row."""
     L = max(report["config"]["layers"])
+    curves = {}
     for layout in report["config"]["layouts"]:
         for row in ROWS:
             runs = sorted((r for r in report["runs"] if r["layout"] == layout and r["row"] == row and r["layers"] == L),
                           key=lambda r: r["seq_len"])
             if runs:
-                ax.plot([r["seq_len"] for r in runs], [r["peak"] / MIB for r in runs], marker="o",
-                        label=f"{layout_name(layout)}: {row}")
-    ax.axhline(report["config"]["budget_mib"], color="gray", linestyle="--", label="budget")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length S (tokens)")
-    ax.set_ylabel(f"peak MiB per rank, {L} layers (forward + backward)")
-    ax.legend(fontsize="small")
-    save_figure(fig, path)
+                curves[f"{layout_name(layout)}: {row}"] = ([r["seq_len"] for r in runs],
+                                                           [r["peak"] / MIB for r in runs])
+    plot_peaks(path, curves, report["config"]["budget_mib"], f"peak MiB per rank, {L} layers (forward + backward)")
 
 
 def _rows(text: str) -> list[str]:

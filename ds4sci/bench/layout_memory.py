@@ -30,7 +30,8 @@ import time
 import weakref
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, plural, save_figure, subplots, write_files
+from ds4sci.bench.report import (MIB, add_int_options, markdown_table, plural, save_figure, shape_options, subplots,
+                                 write_files)
 from ds4sci.parallel import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
@@ -78,11 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stages", type=_stages, default=(0, 1, 2, 3), metavar="Z,Z,...",
                         help="ZeRO stages 0-3; with pp > 1 only 0 and 1 run (default: 0,1,2,3)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default: %(default)s)")
-    parser.add_argument("--hidden", type=int, default=256,
-                        help="hidden size; at 256 the block's matrices exceed ZeRO-3's persistence threshold (1e5 "
-                             "elements), so ZeRO-3 gathers them per layer as at scale (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=4, help="layers (default: %(default)s)")
+    # at hidden 256 the block's matrices exceed ZeRO-3's persistence threshold: gathered per layer, as at scale
+    add_int_options(parser, shape_options(hidden=256, layers=4, heads=8))
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help="world 2: dp2 at ZeRO 1, tp2 at ZeRO 0; S = 64, hidden 32, 2 layers (a smoke test)")

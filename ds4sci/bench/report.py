@@ -15,7 +15,8 @@ from ds4sci.report import markdown_table, plural, write_report
 
 __all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
            "option", "shape_options", "add_int_options", "int_config", "check_positive", "command_line",
-           "missing_dependency", "subplots", "save_figure", "markdown_table", "plural", "write_report", "write_files"]
+           "missing_dependency", "subplots", "plot_peaks", "save_figure", "markdown_table", "plural", "write_report",
+           "write_files"]
 
 MIB = 2.0**20
 
@@ -78,13 +79,14 @@ def shape_options(hidden: int, layers: int, heads: int) -> dict[str, tuple[int, 
 
 
 def add_int_options(parser: argparse.ArgumentParser, options: dict[str, tuple[int, str]],
-                    quick: dict[str, int]) -> None:
-    """One ``type=int`` option per ``name -> (default, help)`` of ``options``, spelled by :func:`option`, and
-    ``--quick``, a smoke test that sets the options of ``quick`` to its values (:func:`int_config`)."""
+                    quick: dict[str, int] | None = None) -> None:
+    """One ``type=int`` option per ``name -> (default, help)`` of ``options``, spelled by :func:`option`; with
+    ``quick``, also ``--quick``, a smoke test that sets the options of ``quick`` to its values (:func:`int_config`)."""
     for name, (default, help_text) in options.items():
         parser.add_argument(option(name), type=int, default=default, help=f"{help_text} (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in quick.items()))
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true",
+                            help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in quick.items()))
 
 
 def int_config(args: argparse.Namespace, options: Iterable[str], quick: dict[str, int]) -> dict:
@@ -131,6 +133,22 @@ def subplots(*args, **kwargs):
     """``matplotlib.pyplot.subplots(*args, **kwargs)`` on the Agg backend: the benchmarks write PNG files and never
     open a window (``ImportError`` when matplotlib is missing)."""
     return _pyplot().subplots(*args, **kwargs)
+
+
+def plot_peaks(path: str | Path, curves: dict[str, tuple[list[int], list[float]]], budget_mib: float,
+               ylabel: str) -> None:
+    """Peak memory against sequence length, log-log, one line per curve (label -> (lengths, MiB)), the per-rank budget
+    dashed, written to ``path``."""
+    fig, ax = subplots(figsize=(7, 5))
+    for label, (seq_lens, mib) in curves.items():
+        ax.plot(seq_lens, mib, marker="o", label=label)
+    ax.axhline(budget_mib, color="gray", linestyle="--", label="budget")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length S (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize="small")
+    save_figure(fig, path)
 
 
 def save_figure(fig, path: str | Path) -> None:
