@@ -31,6 +31,14 @@ from ds4sci.costs import COMM_SCHEMES, layer_comm_bytes
 logger = logging.getLogger(__name__)
 
 TP_SCHEMES = ("megatron-sp", "tp-sp")
+#: the report's closing paragraph: what the schemes are and what the closed forms leave out
+NOTES = ("Ulysses stays flat as N and P grow together; ring and Megatron-LM SP grow with N. megatron-sp: ds4sci's "
+         "tensor-parallel layers with sequence-parallel regions (TP degree P, dropout 0.1); tp-sp: the same without "
+         "dropout (one shared reduce-scatter); both all-gather the column-parallel inputs again in backward (their "
+         "weight gradients: only the sequence region is saved). On gloo a reduce-scatter runs as an all-to-all plus a "
+         "local sum, the same bytes. The small all_gather of the SP schemes is DistributedAttention's check that every "
+         "rank holds the same local shapes (8 integers per group per layer); the small all_reduce of the TP schemes "
+         "sums the LayerNorm gradients over TP (4 h values per layer); the closed forms leave both out.")
 
 
 def _degrees(text: str) -> tuple[int, ...]:
@@ -133,16 +141,7 @@ def markdown(report: dict) -> str:
                      "all-gather + reduce-scatter"])
     lines += markdown_table(["scheme", "P", "N", "MiB sent / rank / layer", "measured / (N h)",
                              "closed form / (N h)", "by collective (MiB)"], rows)
-    lines += ["", "Ulysses stays flat as N and P grow together; ring and Megatron-LM SP grow with N. megatron-sp: "
-              "ds4sci's tensor-parallel layers with sequence-parallel regions (TP degree P, dropout 0.1); tp-sp: the "
-              "same without dropout (one shared reduce-scatter); both all-gather the column-parallel inputs again in "
-              "backward (their weight gradients: only the sequence region is saved). On gloo a reduce-scatter runs as "
-              "an all-to-all plus a local sum, the same bytes. The small all_gather of the SP schemes is "
-              "DistributedAttention's check that every rank holds the same local shapes (8 integers per group per "
-              "layer); the small "
-              "all_reduce of the TP schemes sums the LayerNorm gradients over TP (4 h values per layer); the closed "
-              "forms leave both out."]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", NOTES]) + "\n"
 
 
 def plot(report: dict, path: Path) -> None:
