@@ -8,6 +8,7 @@ import json
 import pytest
 
 from ds4sci import cli
+from bench_checks import quick_report  # tests/bench/ is on sys.path
 from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 
 
@@ -25,8 +26,7 @@ def _peak_at_least_saved(report: dict) -> None:
 @pytest.mark.slow
 def test_measured_bytes_match_the_closed_forms(tmp_path):
     out = tmp_path / "bench"
-    assert cli.main(["bench", "evoformer-cp", "--quick", "--out", str(out)]) == 0
-    report = json.loads((out / "evoformer_cp.json").read_text())
+    report = quick_report(out, "evoformer-cp")
     runs = [r for r in report["runs"] if r["P"] == 2]
     assert {(r["kind"], r["n_res"]) for r in runs} == {(k, n) for k in ("evoformer", "pairformer") for n in (6, 9)}
     for r in runs:
@@ -45,8 +45,7 @@ def test_measured_bytes_match_the_closed_forms(tmp_path):
 @pytest.mark.slow
 def test_2d_measured_bytes_match_the_closed_forms_per_rank(tmp_path):
     out = tmp_path / "bench"
-    assert cli.main(["bench", "evoformer-cp", "--layout", "2d", "--quick", "--out", str(out)]) == 0
-    report = json.loads((out / "evoformer_cp.json").read_text())
+    report = quick_report(out, "evoformer-cp", "--layout", "2d")
     runs = [r for r in report["runs"] if r["P"] == 4]
     assert {(r["kind"], r["n_res"]) for r in runs} == {(k, n) for k in ("evoformer", "pairformer") for n in (6, 9)}
     for r in runs:

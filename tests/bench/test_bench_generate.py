@@ -1,26 +1,19 @@
 """``ds4sci bench generate``: the files of a --quick run (ds4sci's cached decoding, Hugging Face's cached generate
 and the uncached loop on the same weights), the greedy-agreement check refusing different tokens, bad options."""
-import json
-
 import pytest
 import torch
 
-from ds4sci import cli
 from ds4sci.bench import generate
 from ds4sci.data import CodonTokenizer
-from bench_checks import bench_args, refused_in_one_line  # tests/bench/ is on sys.path
+from bench_checks import bench_args, quick_report, refused_in_one_line  # tests/bench/ is on sys.path
 
 pytest.importorskip("transformers")  # the dev extra installs it
 
 
 def test_quick_run_writes_the_report(tmp_path):
-    threads = torch.get_num_threads()
-    assert cli.main(["bench", "generate", "--quick", "--threads", str(threads + 1), "--out", str(tmp_path)]) == 0
-    assert torch.get_num_threads() == threads  # restored after the run
-    report = json.loads((tmp_path / "generate.json").read_text())
+    report = quick_report(tmp_path, "generate", more_threads=True)
     c = report["config"]
-    assert (c["hidden"], c["prompt_len"], c["new_tokens"], c["uncached_tokens"], c["rounds"], c["threads"]) == (
-        64, 8, 12, 4, 3, threads + 1)
+    assert (c["hidden"], c["prompt_len"], c["new_tokens"], c["uncached_tokens"], c["rounds"]) == (64, 8, 12, 4, 3)
     assert report["command"].startswith("ds4sci bench generate --hidden 64 --layers 2 --heads 4 --prompt-len 8 ")
     assert report["hf_model"] == "GPTNeoXForCausalLM"
     assert 0 <= report["check"]["max_abs_logit_diff"] < 1e-4 and report["check"]["greedy_tokens_agree"] is True

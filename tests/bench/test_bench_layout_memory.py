@@ -6,20 +6,18 @@ fp32 master copy) over the two data ranks, i.e. 1/2 of ZeRO-0's ``8 x parameters
 parameter, data parallelism all-reduces exactly the gradients (plus the trainer's loss sums), and the
 saved-for-backward peak of the dp2 step is the planner's activation term to within 1 %.
 """
-import json
 
 import pytest
 
-from ds4sci import cli
 from ds4sci.bench import layout_memory
+from bench_checks import quick_report  # tests/bench/ is on sys.path
 from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert cli.main(["bench", "layouts", "--quick", "--out", str(out)]) == 0
-    return out, json.loads((out / "layouts.json").read_text())
+    return out, quick_report(out, "layouts")
 
 
 @pytest.mark.distributed

@@ -1,15 +1,14 @@
 """``ds4sci bench memory-breakdown``: the bytes ds4sci's position table and masks really allocate equal
 the closed forms the report evaluates at the paper's lengths."""
-import json
 
 from ds4sci import cli
 from ds4sci.bench import memory_breakdown as bench
+from bench_checks import quick_report  # tests/bench/ is on sys.path
 
 
 def test_measured_equals_formula(tmp_path):
     out = tmp_path / "bench"
-    assert cli.main(["bench", "memory-breakdown", "--quick", "--out", str(out)]) == 0
-    report = json.loads((out / "memory_breakdown.json").read_text())
+    report = quick_report(out, "memory-breakdown")
     assert [(r["seq_len"], r["P"]) for r in report["table"]] == [(256, 1), (256, 4), (512, 1), (512, 4)]
     for r in report["table"]:
         assert r["measured"] == r["formula"] == 16 * r["seq_len"] // r["P"] * 64, r

@@ -1,17 +1,13 @@
 """``ds4sci bench score-variants``: the files of a --quick run, the windows each mode scores, the same-LLR guard, bad
 options."""
-import json
-
 import pytest
 
-from ds4sci import cli
 from ds4sci.bench import score_variants
-from bench_checks import bench_args, refused_in_one_line  # tests/bench/ is on sys.path
+from bench_checks import bench_args, quick_report, refused_in_one_line  # tests/bench/ is on sys.path
 
 
 def test_quick_run_writes_the_report(tmp_path):
-    assert cli.main(["bench", "score-variants", "--quick", "--out", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "score_variants.json").read_text())
+    report = quick_report(tmp_path, "score-variants")
     c = report["config"]
     assert (c["positions"], c["context"], c["rounds"]) == (6, 64, 2)
     assert report["command"].startswith("ds4sci bench score-variants --positions 6 --start 100000 --context 64 ")

@@ -1,9 +1,9 @@
 """``ds4sci bench seq-scaling``: the fit, the budget column, the report, and one real measurement."""
 import pytest
 
-from ds4sci import cli
 from ds4sci.bench import seq_scaling
 from ds4sci.bench.report import MIB
+from bench_checks import quick_report  # tests/bench/ is on sys.path
 from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 
 
@@ -33,10 +33,8 @@ def test_fit_and_longest_within_budget():
 @pytest.mark.distributed
 def test_quick_run_measures_every_rank_and_writes_the_three_files(tmp_path):
     """The CI smoke run: real gloo measurements (one peak per rank), then JSON, Markdown and PNG."""
-    import json
 
-    assert cli.main(["bench", "seq-scaling", "--quick", "--out", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "seq_scaling.json").read_text())
+    report = quick_report(tmp_path, "seq-scaling")
     runs = {(r["scheme"], r["P"], r["seq_len"]): r for r in report["runs"]}
     assert set(runs) == {(scheme, P, S) for scheme, P in (("baseline", 1), ("ulysses", 2), ("ring", 2))
                          for S in (256, 512)}

@@ -1,24 +1,18 @@
 """``ds4sci bench throughput``: the files of a --quick run (GPT-NeoX's shape against GPTNeoXForCausalLM, Llama's
 against LlamaForCausalLM), the same-function guard, the summary, bad options."""
-import json
-
 import pytest
 import torch
 
-from ds4sci import cli
 from ds4sci.bench import throughput
-from bench_checks import bench_args, refused_in_one_line  # tests/bench/ is on sys.path
+from bench_checks import bench_args, quick_report, refused_in_one_line  # tests/bench/ is on sys.path
 
 pytest.importorskip("transformers")  # the dev extra installs it
 
 
 def test_quick_run_writes_the_report(tmp_path):
-    threads = torch.get_num_threads()
-    assert cli.main(["bench", "throughput", "--quick", "--threads", str(threads + 1), "--out", str(tmp_path)]) == 0
-    assert torch.get_num_threads() == threads  # restored after the run
-    report = json.loads((tmp_path / "throughput.json").read_text())
+    report = quick_report(tmp_path, "throughput", more_threads=True)
     c = report["config"]
-    assert (c["hidden"], c["layers"], c["seq_len"], c["rounds"], c["threads"]) == (64, 2, 64, 3, threads + 1)
+    assert (c["hidden"], c["layers"], c["seq_len"], c["rounds"]) == (64, 2, 64, 3)
     assert report["command"].startswith("ds4sci bench throughput --hidden 64 --layers 2 --heads 4 --seq-len 64 ")
     assert report["hf_model"] == "GPTNeoXForCausalLM"
     assert 0 <= report["check"]["max_abs_logit_diff"] < 1e-5  # the two models compute the same function
@@ -38,9 +32,7 @@ def test_quick_run_writes_the_report(tmp_path):
 def test_quick_llama_run_compares_against_llama_for_causal_lm(tmp_path):
     """Llama's shape with grouped-query attention (4 heads, 2 key/value) against transformers' LlamaForCausalLM
     holding the same weights."""
-    assert cli.main(["bench", "throughput", "--quick", "--shape", "llama", "--kv-heads", "2", "--out",
-                     str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "throughput.json").read_text())
+    report = quick_report(tmp_path, "throughput", "--shape", "llama", "--kv-heads", "2")
     assert (report["config"]["shape"], report["config"]["kv_heads"], report["config"]["heads"]) == ("llama", 2, 4)
     assert report["hf_model"] == "LlamaForCausalLM"  # the class built and timed
     assert "--shape llama --kv-heads 2 --rotary-pct 1.0 " in report["command"]
