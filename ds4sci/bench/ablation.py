@@ -28,7 +28,7 @@ import math
 import time
 
 from ds4sci.bench.layout_memory import parse_layout
-from ds4sci.bench.report import (MIB, add_int_options, markdown_table, parse_int_list, plot_peaks, plural,
+from ds4sci.bench.report import (MIB, add_int_options, check_heads, markdown_table, parse_int_list, plot_peaks, plural,
                                  write_files)
 from ds4sci.parallel import ParallelDims
 
@@ -444,8 +444,7 @@ def run(args: argparse.Namespace) -> int:
                         ("--loss-tile", shape["loss_tile"]), ("--budget-mib", args.budget_mib)):
         if value <= 0:
             raise ValueError(f"{name}={value:g}: must be > 0")
-    if shape["hidden"] % shape["heads"]:
-        raise ValueError(f"--hidden={shape['hidden']} is not divisible by --heads={shape['heads']}")
+    check_heads(shape["hidden"], shape["heads"])
     if len(layers) != 2 or len(seq_lens) < 2:
         raise ValueError(f"--layers {','.join(map(str, layers))}: give two layer counts, and at least two --seq-lens")
     layouts = list(dict.fromkeys(t.strip() for t in args.layouts.split(",")))

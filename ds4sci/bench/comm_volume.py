@@ -25,7 +25,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, save_figure, subplots, write_files
+from ds4sci.bench.report import (MIB, check_heads, markdown_table, parse_int_list, plural, save_figure, subplots,
+                                 write_files)
 from ds4sci.costs import COMM_SCHEMES, layer_comm_bytes
 
 logger = logging.getLogger(__name__)
@@ -168,8 +169,7 @@ def run(args: argparse.Namespace) -> int:
     for value, name in ((tokens, "--tokens-per-rank"), (args.hidden, "--hidden"), (args.heads, "--heads")):
         if value < 1:
             raise ValueError(f"{name}={value}: must be >= 1")
-    if args.hidden % args.heads:
-        raise ValueError(f"--hidden={args.hidden} is not divisible by --heads={args.heads}")
+    check_heads(args.hidden, args.heads)
     for P in degrees:
         if args.heads % P:
             raise ValueError(f"--heads={args.heads}: the Ulysses and TP degree P={P} must divide the heads")

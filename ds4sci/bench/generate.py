@@ -30,9 +30,9 @@ import statistics
 import torch
 
 from ds4sci.bench import throughput
-from ds4sci.bench.report import (add_int_options, check_positive, command_line, describe_load, describe_machine,
-                                 int_config, load_average, machine, markdown_table, missing_dependency, plural,
-                                 save_figure, shape_options, subplots, write_files)
+from ds4sci.bench.report import (add_int_options, check_heads, check_positive, command_line, describe_load,
+                                 describe_machine, int_config, load_average, machine, markdown_table,
+                                 missing_dependency, plural, save_figure, shape_options, subplots, write_files)
 from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import CodonTokenizer
 from ds4sci.infer.generate import sample
@@ -70,8 +70,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "rotary_pct": args.rotary_pct, "attention_backend": args.attention_backend,
         "hf_attention": args.hf_attention, "seed": args.seed}
     check_positive(cfg, _INT_OPTIONS)
-    if cfg["hidden"] % cfg["heads"]:
-        raise ValueError(f"--hidden={cfg['hidden']} is not divisible by --heads={cfg['heads']}")
+    check_heads(cfg["hidden"], cfg["heads"])
     if cfg["uncached_tokens"] > cfg["new_tokens"]:
         raise ValueError(f"--uncached-tokens={cfg['uncached_tokens']}: must be at most --new-tokens="
                          f"{cfg['new_tokens']} (its tokens are checked against ds4sci's)")

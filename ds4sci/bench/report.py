@@ -14,7 +14,7 @@ from pathlib import Path
 from ds4sci.report import markdown_table, plural, write_report
 
 __all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
-           "option", "shape_options", "add_int_options", "int_config", "check_positive", "command_line",
+           "option", "shape_options", "add_int_options", "int_config", "check_positive", "check_heads", "command_line",
            "missing_dependency", "subplots", "plot_peaks", "save_figure", "markdown_table", "plural", "write_report",
            "write_files"]
 
@@ -100,6 +100,12 @@ def check_positive(cfg: dict, names: Iterable[str]) -> None:
     for name in names:
         if cfg[name] < 1:
             raise ValueError(f"{option(name)}={cfg[name]}: must be >= 1")
+
+
+def check_heads(hidden: int, heads: int) -> None:
+    """``ValueError`` when ``--heads`` does not divide ``--hidden`` (a GenSLM's head size is their quotient)."""
+    if hidden % heads:
+        raise ValueError(f"--hidden={hidden} is not divisible by --heads={heads}")
 
 
 def command_line(benchmark: str, cfg: dict, out: str) -> str:

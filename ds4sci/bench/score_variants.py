@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from ds4sci.bench.report import (add_int_options, check_positive, command_line, describe_machine, int_config, machine,
-                                 markdown_table, plural, save_figure, shape_options, subplots, write_files)
+from ds4sci.bench.report import (add_int_options, check_heads, check_positive, command_line, describe_machine,
+                                 int_config, machine, markdown_table, plural, save_figure, shape_options, subplots,
+                                 write_files)
 from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import FastaRecord, NucleotideTokenizer, read_fasta
 from ds4sci.infer.score import score_records
@@ -65,8 +66,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
     """The run configuration: the options (``--quick`` overriding them), checked; ``ValueError`` names a bad value."""
     cfg = int_config(args, _INT_OPTIONS, _QUICK) | {"reference": args.reference, "seed": args.seed}
     check_positive(cfg, _INT_OPTIONS)
-    if cfg["hidden"] % cfg["heads"]:
-        raise ValueError(f"--hidden={cfg['hidden']} is not divisible by --heads={cfg['heads']}")
+    check_heads(cfg["hidden"], cfg["heads"])
     return cfg
 
 

@@ -17,7 +17,7 @@ import argparse
 import logging
 import time
 
-from ds4sci.bench.report import (MIB, add_int_options, markdown_table, parse_int_list, plot_peaks, plural,
+from ds4sci.bench.report import (MIB, add_int_options, check_heads, markdown_table, parse_int_list, plot_peaks, plural,
                                  shape_options, write_files)
 
 logger = logging.getLogger(__name__)
@@ -167,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
                         ("--budget-mib", args.budget_mib)):
         if value <= 0:
             raise ValueError(f"{name}={value:g}: must be > 0")
-    if shape["hidden"] % shape["heads"]:
-        raise ValueError(f"--hidden={shape['hidden']} is not divisible by --heads={shape['heads']}")
+    check_heads(shape["hidden"], shape["heads"])
     for P in degrees:
         for scheme in SCHEMES:
             kwargs = _dims_kwargs(scheme, P)

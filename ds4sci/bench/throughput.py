@@ -32,7 +32,7 @@ import statistics
 
 import torch
 
-from ds4sci.bench.report import (add_int_options, check_positive, command_line, int_config, markdown_table,
+from ds4sci.bench.report import (add_int_options, check_heads, check_positive, command_line, int_config, markdown_table,
                                  missing_dependency, plural, save_figure, shape_options, subplots, write_files)
 from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import CodonTokenizer
@@ -91,8 +91,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
         "shape": args.shape, "kv_heads": args.kv_heads, "rotary_pct": rotary_pct,
         "attention_backend": args.attention_backend, "hf_attention": args.hf_attention, "seed": args.seed}
     check_positive(cfg, _INT_OPTIONS)
-    if cfg["hidden"] % cfg["heads"]:
-        raise ValueError(f"--hidden={cfg['hidden']} is not divisible by --heads={cfg['heads']}")
+    check_heads(cfg["hidden"], cfg["heads"])
     if cfg["kv_heads"] < 0 or (cfg["kv_heads"] and cfg["heads"] % cfg["kv_heads"]):
         raise ValueError(f"--kv-heads={cfg['kv_heads']}: must divide --heads={cfg['heads']} (or be 0)")
     if not llama and cfg["kv_heads"] not in (0, cfg["heads"]):

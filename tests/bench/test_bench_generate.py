@@ -58,8 +58,6 @@ def test_greedy_check_refuses_different_tokens():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rounds", "0"], "--rounds=0: must be >= 1"),
-    (["--hidden", "60", "--heads", "8"], "--hidden=60 is not divisible by --heads=8"),
     (["--new-tokens", "8", "--uncached-tokens", "9"], "--uncached-tokens=9: must be at most --new-tokens=8 (its "
                                                      "tokens are checked against ds4sci's)"),
 ])

@@ -68,8 +68,6 @@ def test_summary_statistics():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rounds", "0"], "--rounds=0: must be >= 1"),
-    (["--hidden", "60", "--heads", "8"], "--hidden=60 is not divisible by --heads=8"),
     (["--kv-heads", "2"], "--kv-heads=2: GPT-NeoX has one key/value head per query head; grouped-query attention "
                           "needs --shape llama"),
     (["--shape", "llama", "--kv-heads", "3"], "--kv-heads=3: must divide --heads=8 (or be 0)"),
