@@ -2,7 +2,8 @@
 
 Each benchmark is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; results go under
 ``--out`` (default ``runs/bench``). Speed and memory targets are shown here, never by timed tests. The memory
-benchmarks measure through :mod:`ds4sci.bench.memory`; :mod:`ds4sci.bench.report` writes the files.
+benchmarks measure through :mod:`ds4sci.bench.memory`, the speed comparisons time through
+:mod:`ds4sci.bench.rounds`; :mod:`ds4sci.bench.report` declares the shared options and writes the files.
 """
 from __future__ import annotations
 
