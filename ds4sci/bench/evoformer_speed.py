@@ -13,14 +13,13 @@ Every implementation gets the same call: q, k, v ``[1, N, S, H, D]`` contiguous 
 bias ``1e9 * (mask - 1)`` ``[1, N, 1, 1, S]`` (about 10% of the keys masked) and a pair bias ``[1, 1, H, S, S]``,
 both in q's dtype; q, k, v and the pair bias require grad (a training step), the mask bias does not.
 
-Shapes are OpenFold's (AlphaFold2 / OpenFold3 configs): MSA row attention with pair bias (N = N_seq, S = N_res,
-H = 8, D = 32), triangle attention (N = S = N_res, H = 4, D = 32), extra-MSA row attention (N = 1024 and more,
-H = 8, D = 8). ``--quick`` runs small shapes (a smoke test of the command, not a measurement).
+Shapes are OpenFold's: MSA row attention with pair bias (N = N_seq, S = N_res, H = 8, D = 32), triangle attention
+(N = S = N_res, H = 4, D = 32), extra-MSA row attention (N >= 1024, H = 8, D = 8); ``--quick`` runs small ones.
 
-Timing: CUDA events around each call, ``--warmup`` calls first, then the median of ``--repeats``; "fwd" is the forward
-alone (inputs requiring grad, the graph discarded), "fwd+bwd" the forward and the backward of ``sum(o * do)``. Also
-recorded: the peak CUDA memory of one forward+backward above what the inputs hold, and the largest difference of the
-implementation's output from the ``ds4sci-torch`` output (a fast kernel that computes something else shows here).
+Timing: CUDA events, ``--warmup`` calls, then the median of ``--repeats``; "fwd" is the forward alone, "fwd+bwd" the
+forward and the backward of ``sum(o * do)``. Also recorded: the peak CUDA memory of one forward+backward above what
+the inputs hold, and the largest difference from the ``ds4sci-torch`` output (a fast kernel that computes something
+else shows here).
 
 Needs a CUDA GPU and compiled kernels: without CUDA (or with ``TRITON_INTERPRET=1``) it prints one line saying so and
 returns 1. Writes ``evoformer_speed.json``, ``evoformer_speed.md`` and ``evoformer_speed.png`` (forward+backward time
