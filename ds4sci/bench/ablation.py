@@ -17,10 +17,10 @@ under ``tp2`` show what it leaves saved.
 
 For each layout, row, sequence length ``S`` and layer count ``L`` a fresh gloo process group
 (:func:`ds4sci.spawn.run_workers`, DeepSpeed's CPU accelerator, one process per rank) builds a GenSLM and applies the
-layout and the switches with the trainer's own functions (:func:`~ds4sci.parallel.groups.build_groups`,
+layout and the switches with the trainer's own functions (:func:`~ds4sci.distributed.groups.build_groups`,
 :func:`~ds4sci.parallel.parallelize.parallelize`,
 :func:`~ds4sci.train.activation_checkpointing.apply_activation_checkpointing`, the batch cut by
-:func:`~ds4sci.sequence.shard_sequence` and the loss :func:`~ds4sci.parallel.tensor_parallel.token_loss_for`'s, as
+:func:`~ds4sci.sequence.shard_sequence` and the loss :func:`~ds4sci.parallel.genslm_tp.token_loss_for`'s, as
 :class:`~ds4sci.train.trainer.Trainer` does; with data ranks or ZeRO-3 the model then goes into
 :func:`~ds4sci.train.engine.build_engine`'s DeepSpeed engine, with pipeline stages into
 :func:`~ds4sci.train.pipeline.build_pipeline_engine`'s, stepped by
@@ -59,7 +59,7 @@ import time
 
 from ds4sci.bench.layout_memory import parse_layout
 from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
-from ds4sci.parallel import ParallelDims
+from ds4sci.distributed import ParallelDims
 
 ROWS = {  # name -> activation_checkpointing keys; each row adds one switch to the row above (ALST's ablation)
     "baseline": {"mode": "none"},
@@ -163,9 +163,9 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
     from ds4sci.bench.layout_memory import _distinct_bytes, _model_states
     from ds4sci.bench.memory import PeakMemory
     from ds4sci.models.genslm import GenSLM
-    from ds4sci.parallel.groups import build_groups
+    from ds4sci.distributed.groups import build_groups
     from ds4sci.parallel.parallelize import parallelize
-    from ds4sci.parallel.tensor_parallel import token_loss_for
+    from ds4sci.parallel.genslm_tp import token_loss_for
     from ds4sci.sequence import shard_sequence
     from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
     from ds4sci.train.config import ActivationCheckpointingConfig, load_config

@@ -21,7 +21,7 @@ state lazily); step 2 is measured on every rank:
 - bytes sent per process group (``tp``, ``ulysses``, ``ring``, ``sdp``, ``pp``...) and collective kind, counted
   where every library's collective passes: the methods of ``torch.distributed.ProcessGroup`` (ds4sci's tensor and
   sequence parallel collectives, DeepSpeed's gradient reduction and parameter gathering, the pipeline's send/recv,
-  the trainer's loss sums), with :class:`~ds4sci.sequence.CommCounter`'s conventions: an all-to-all sends
+  the trainer's loss sums), with :class:`~ds4sci.distributed.comm.CommCounter`'s conventions: an all-to-all sends
   ``(P-1)/P`` of its input, an all-gather its input to ``P-1`` peers, a reduce-scatter ``(P-1)/P`` of its input,
   an all-reduce ``2 (P-1)/P`` of its tensor (a ring's), a send its tensor; a broadcast ``P-1`` copies from the root.
 
@@ -43,7 +43,7 @@ import weakref
 from pathlib import Path
 
 from ds4sci.bench.report import MIB, markdown_table, plural, pyplot, save_figure, write_report
-from ds4sci.parallel import ParallelDims
+from ds4sci.distributed import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
 COMM_TERMS = ("tp", "ulysses", "ring", "pp", "dp")

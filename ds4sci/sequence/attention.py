@@ -27,30 +27,34 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, all_to_all, group_rank, group_size
-from ds4sci.parallel.dims import Layout, Piece
+from ds4sci.distributed.comm import CommCounter, RingShift, all_gather, all_to_all, group_rank, group_size
+from ds4sci.distributed.dims import Layout, Piece
 from ds4sci.sequence.sharding import regroup
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedAttention"]
+__all__ = ["DistributedAttention", "merge_attention"]
 
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
-def _merge(acc_out, acc_lse, out, lse):
-    """Merge two partial softmax results over disjoint key sets by their log-sum-exp.
+def merge_attention(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                    block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial softmax results over disjoint key sets as one, weighted by their log-sum-exp (the online softmax,
+    Milakov & Gimelshein 2018; ring attention's merge, Liu et al. 2023): ``(out, lse)`` of the keys of both.
 
-    out ``[B, S, H, D]``, lse ``[B, H, S]``; rows with ``lse = -inf`` on both sides stay ``out = 0, lse = -inf``.
+    ``out``, ``block_out`` ``[*, S, H, D]`` (any leading dims), ``lse``, ``block_lse`` ``[*, H, S]``; the result
+    has ``out``'s dtype. Rows with ``lse = -inf`` on both sides (no key) stay ``out = 0, lse = -inf``.
     """
-    m = torch.maximum(acc_lse, lse)
+    m = torch.maximum(lse, block_lse)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    wa, wb = torch.exp(acc_lse - m), torch.exp(lse - m)  # [B, H, S]
+    wa, wb = torch.exp(lse - m), torch.exp(block_lse - m)  # [*, H, S]
     total = wa + wb
     seen = total > 0
     total = torch.where(seen, total, torch.ones_like(total))
-    wa_, wb_ = (wa / total).transpose(1, 2).unsqueeze(-1), (wb / total).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
-    new_out = wa_ * acc_out + wb_ * out.to(acc_out.dtype)
+    wa_ = (wa / total).transpose(-1, -2).unsqueeze(-1)  # [*, S, H, 1]
+    wb_ = (wb / total).transpose(-1, -2).unsqueeze(-1)
+    new_out = wa_ * out + wb_ * block_out.to(out.dtype)
     new_lse = torch.where(seen, m + torch.log(total), torch.full_like(m, -math.inf))
     return new_out, new_lse
 
@@ -108,7 +112,7 @@ class _RingAttention(torch.autograd.Function):
                 rows = slice(qp.start, qp.start + qp.length)
                 keys = slice(kp.start, kp.start + kp.length)
                 o_blk, l_blk = plan.attend(q[:, rows], kv[0][:, keys], kv[1][:, keys], qp, kp, src)
-                out[:, rows], lse[:, :, rows] = _merge(out[:, rows], lse[:, :, rows], o_blk, l_blk.to(ct))
+                out[:, rows], lse[:, :, rows] = merge_attention(out[:, rows], lse[:, :, rows], o_blk, l_blk.to(ct))
             if shift is not None:
                 kv = shift.wait()
         ctx.plan = plan
@@ -175,16 +179,16 @@ class DistributedAttention(torch.nn.Module):
             ``sdpa_attention``; flash-attn's does not, so ``"auto"`` does not route ring training to it).
         ulysses_group: the Ulysses (all-to-all) group; ``None`` or a group of one for ring attention alone.
         ring_group: the ring group; ``None`` or a group of one for Ulysses alone. With both, the groups must meet
-            only in this rank (as :func:`~ds4sci.parallel.groups.build_groups` makes them); passing the whole
+            only in this rank (as :func:`~ds4sci.distributed.groups.build_groups` makes them); passing the whole
             sequence-parallel group as ``ulysses_group`` together with a ring group is rejected.
         layout: the :class:`~ds4sci.sequence.Layout` (or its name) the inputs were sharded with.
-        counter: optional :class:`~ds4sci.sequence.CommCounter` recording this layer's communication.
+        counter: optional :class:`~ds4sci.distributed.comm.CommCounter` recording this layer's communication.
         check_shapes: all-gather the local shapes first (a few bytes, recorded as ``"all_gather"``) and raise a
             ``ValueError`` if the ranks disagree (unevenly sharded sequences), instead of a hang or a silently
             wrong result.
 
     Sharding: rank ``(ring_rank, ulysses_rank)`` must hold sequence shard ``ring_rank * U + ulysses_rank`` of
-    ``U * R`` (:meth:`ParallelDims.sp_rank <ds4sci.parallel.ParallelDims.sp_rank>`).
+    ``U * R`` (:meth:`ParallelDims.sp_rank <ds4sci.distributed.ParallelDims.sp_rank>`).
 
     Heads: Ulysses needs ``H % U == 0`` (else ``ValueError`` naming heads, KV heads and degrees; a ring degree
     can carry the parallelism instead). GQA/MQA key/value heads are split over the Ulysses group when ``U``
@@ -257,7 +261,7 @@ class DistributedAttention(torch.nn.Module):
         if self.check_shapes:
             mine = torch.tensor([*q.shape, *k.shape], dtype=torch.int64, device=q.device)  # [8]
             for group in (self.ulysses_group, self.ring_group):
-                shapes = all_gather_seq(mine[None], group, dim=0, counter=self.counter)  # [P, 8]
+                shapes = all_gather(mine[None], group, dim=0, counter=self.counter)  # [P, 8]
                 if not bool((shapes == mine).all()):
                     raise ValueError(
                         "ranks hold different local shapes (q then k, per rank): "
@@ -277,7 +281,7 @@ class DistributedAttention(torch.nn.Module):
 
     def _block_docs(self, doc: torch.Tensor) -> torch.Tensor:
         """Document ids of the post all-to-all block: ``[B, s] -> [B, U*s]`` (gathered, zigzag-reordered)."""
-        doc = all_gather_seq(doc, self.ulysses_group, dim=1, counter=self.counter)  # [B, U*s]
+        doc = all_gather(doc, self.ulysses_group, dim=1, counter=self.counter)  # [B, U*s]
         return regroup(doc, self.layout, self.ulysses_size)
 
     def forward(
@@ -321,7 +325,7 @@ class DistributedAttention(torch.nn.Module):
         else:
             k_docs = None
             if k_blk_doc is not None:
-                k_docs = all_gather_seq(k_blk_doc[None], self.ring_group, dim=0, counter=self.counter)  # [R, B, U*s]
+                k_docs = all_gather(k_blk_doc[None], self.ring_group, dim=0, counter=self.counter)  # [R, B, U*s]
             plan = _RingPlan(self.local_attention, self.ring_group, self.counter, self.layout, head_offset,
                              q_blk_doc, k_docs)
             out = _RingAttention.apply(q, k, v, plan)  # [B, U*s, H/U, D]

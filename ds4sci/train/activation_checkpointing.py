@@ -25,7 +25,7 @@ gradient hooks fire once per backward, as without tiling (ZeRO-2 refuses a gradi
 (``deepspeed.utils.set_z3_leaf_modules``): its parameters are gathered for the whole MLP forward (all tiles) and
 again for its whole backward (every recomputed tile), not once per tile, and are full-shaped when the tiled function
 takes them as inputs; DeepSpeed reduces a leaf module's gradients in its backward hook, once. Under tensor
-parallelism the MLP holds no collective (:class:`~ds4sci.parallel.tensor_parallel.TensorParallelBlock` all-gathers
+parallelism the MLP holds no collective (:class:`~ds4sci.parallel.genslm_tp.TensorParallelBlock` all-gathers
 its input and reduce-scatters its partial sums outside it), so the tiles cut the gathered ``[B, T, hidden]`` input
 of the full SP shard after the all-gather, each tile computing this rank's ``intermediate/tp`` columns; the
 collectives run once per block, as without tiling. The tiled function saves that gathered input (its column-parallel
@@ -46,7 +46,7 @@ submodule called per tile. Under pipeline parallelism the last stage returns the
 :class:`~ds4sci.train.pipeline.PipelineLoss` calls the head with the targets.
 
 Applied AFTER :func:`ds4sci.parallel.parallelize.parallelize`. Under tensor parallelism a full-mode block is a
-:class:`~ds4sci.parallel.tensor_parallel.TensorParallelBlock`, whose recomputation reruns its sequence-region
+:class:`~ds4sci.parallel.genslm_tp.TensorParallelBlock`, whose recomputation reruns its sequence-region
 all-gather and reduce-scatter over the TP group (every TP rank recomputes, in the same order); the selective core
 holds this TP rank's heads. Under sequence parallelism the checkpointed core is the whole
 :class:`~ds4sci.sequence.DistributedAttention`: backward reruns its forward communication (Ulysses: the q, k, v and
@@ -84,7 +84,6 @@ from torch import nn
 
 from ds4sci.models.genslm import GenSLM
 from ds4sci.models.genslm.model import MLP, Block
-from ds4sci.parallel.tensor_parallel import ColumnParallelLinear
 from ds4sci.train.activation_offload import HostOffload
 from ds4sci.train.config import ACTIVATION_CHECKPOINTING_MODES, ActivationCheckpointingConfig
 
@@ -185,9 +184,6 @@ def apply_tiled_mlp(model: GenSLM, tile: int) -> None:
 
     for block in model.layers:
         block.mlp.tile = tile
-        for layer in block.mlp.modules():  # under TP: the tiles are pieces of the gathered region, which the tiled
-            if isinstance(layer, ColumnParallelLinear):  # function saves itself, so the layer reads its input as is
-                layer.reads_region = False
     set_z3_leaf_modules(model, [MLP])
 
 
@@ -224,9 +220,8 @@ def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingCo
     checkpoint_fn = functools.partial(offload.checkpoint, checkpoint) if offload is not None else checkpoint
     if cfg.mode == "full":
         model.checkpoint_fn = checkpoint_fn
-        for block in model.layers:  # a TensorParallelBlock's projection keeps only its region (the TP re-gather)
-            if isinstance(block, Block):
-                block.recompute_norm = True
+        for block in model.layers:
+            block.recompute_norm = True
     else:
         for block in model.layers:
             block.attention.core = CheckpointedCore(block.attention.core, checkpoint_fn)

@@ -19,18 +19,14 @@ from ds4sci import plan as planner
 from ds4sci.costs import tp_forward_comm_bytes
 from ds4sci.spawn import run_workers
 from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, GenSLMConfig, shift_labels, token_loss
-from ds4sci.parallel import ParallelDims
-from ds4sci.parallel.groups import build_groups
+from ds4sci.distributed import ParallelDims
+from ds4sci.distributed.groups import build_groups
 from ds4sci.parallel.parallelize import materialize_, parallelize
-from ds4sci.parallel.tensor_parallel import (
-    gather_tensor_parallel,
-    gather_vocab,
-    load_full_state_dict,
-    shard_tensor_parallel,
-    tensor_parallel_plan,
-    token_loss_for,
-)
-from ds4sci.sequence import CommCounter, gather_sequence, shard_sequence
+from ds4sci.parallel.genslm_tp import token_loss_for
+from ds4sci.parallel.tensor_parallel import gather_vocab, tensor_parallel_plan
+from ds4sci.train.consolidate import gather_tensor_parallel, load_full_state_dict, shard_tensor_parallel
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.sequence import gather_sequence, shard_sequence
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -461,7 +457,7 @@ def _worker_engine(rank, world, stage):
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     import deepspeed
 
-    from ds4sci.parallel.groups import DeepSpeedMPU
+    from ds4sci.distributed.groups import DeepSpeedMPU
     from ds4sci.train.engine import init_distributed
     from ds4sci.train.loss import grad_reduction_factor
 
