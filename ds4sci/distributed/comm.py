@@ -181,7 +181,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # The inverse all-to-all: scatter along the gathered dim, gather along the scattered dim.
-        return _all_to_all_forward(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim, ctx.counter), None, None, None, None
+        grad = _all_to_all_forward(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim, ctx.counter)
+        return grad, None, None, None, None
 
 
 def all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gather_dim: int,

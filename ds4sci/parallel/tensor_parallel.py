@@ -1,4 +1,4 @@
-"""Megatron-LM tensor-parallel layers with sequence-parallel regions, and a vocabulary-parallel embedding, output and loss.
+"""Megatron-LM tensor-parallel layers with sequence-parallel regions; a vocabulary-parallel embedding, output and loss.
 
 - Megatron-LM tensor parallelism (Shoeybi et al. 2019, arXiv:1909.08053): column-parallel projections
   (:class:`ColumnParallelLinear`; the fused QKV, :class:`QKVParallelLinear`, TP rank ``t`` holding query heads
@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -83,7 +82,8 @@ class TPShard:
     order: tuple[int, ...] | None = None
 
     def arrange(self, full: Tensor) -> Tensor:
-        """The single-device tensor in the pieces' order, padded: ``[.., size, ..] -> [.., padded, ..]`` along ``dim``."""
+        """The single-device tensor in the pieces' order, padded: ``[.., size, ..] -> [.., padded, ..]`` along
+        ``dim``."""
         if full.shape[self.dim] != self.size:
             raise ValueError(f"full size {full.shape[self.dim]} along dim {self.dim}, expected {self.size}")
         if self.order is not None:
@@ -428,7 +428,8 @@ class RowParallelLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}/{self.tp.size}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}/{self.tp.size}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
 
 
 def _qkv_order(num_heads: int, num_kv_heads: int, head_dim: int, tp: int) -> tuple[int, ...] | None:

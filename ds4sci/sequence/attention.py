@@ -13,8 +13,8 @@
 
 Sharding contract: rank ``(ring_rank, ulysses_rank)`` holds sequence shard
 ``sp_rank = ring_rank * U + ulysses_rank`` of ``U * R`` (``shard_sequence(x, 1, dims.sp_rank(rank), dims.sp,
-dims.layout)``), contiguous or zigzag (:class:`~ds4sci.sequence.Layout`). After the all-to-all a ring rank then holds a contiguous
-block (contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag); each piece is passed to the local attention with
+dims.layout)``), contiguous or zigzag (:class:`~ds4sci.sequence.Layout`). After the all-to-all a ring rank then holds a
+contiguous block (contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag); each piece is passed to the local attention with
 its own global offsets, so causal, window and document masks stay exact.
 """
 from __future__ import annotations

@@ -62,7 +62,8 @@ def _split(x: torch.Tensor, dim: int, world: int, layout: Layout) -> tuple[torch
     return x.chunk(multiple, dim=dim)
 
 
-def shard_sequence(x: torch.Tensor, dim: int, rank: int, world: int, layout: str | Layout = Layout.CONTIGUOUS) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, dim: int, rank: int, world: int,
+                   layout: str | Layout = Layout.CONTIGUOUS) -> torch.Tensor:
     """The shard of ``x`` that sequence rank ``rank`` of ``world`` holds along ``dim``.
 
     Example: q ``[B, S, H, D]`` with ``dim=1`` -> ``[B, S/W, H, D]``; positions ``[S]`` with ``dim=0`` -> ``[S/W]``.

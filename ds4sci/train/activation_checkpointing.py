@@ -83,7 +83,7 @@ import torch
 from torch import nn
 
 from ds4sci.models.genslm import GenSLM
-from ds4sci.models.genslm.model import MLP, Block
+from ds4sci.models.genslm.model import MLP
 from ds4sci.train.activation_offload import HostOffload
 from ds4sci.train.config import ACTIVATION_CHECKPOINTING_MODES, ActivationCheckpointingConfig
 
@@ -201,8 +201,8 @@ def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingCo
     when ``cfg.cpu`` (:class:`~ds4sci.train.activation_offload.HostOffload` for ``device``, the device the model runs
     on; returned, else None).
 
-    Call after :func:`ds4sci.parallel.parallelize.parallelize` (any tensor, Ulysses and ring degrees) and before the DeepSpeed
-    engine is built; torch.distributed must be initialised (DeepSpeed's ``configure`` logs on rank 0).
+    Call after :func:`ds4sci.parallel.parallelize.parallelize` (any tensor, Ulysses and ring degrees) and before the
+    DeepSpeed engine is built; torch.distributed must be initialised (DeepSpeed's ``configure`` logs on rank 0).
     """
     if cfg.mode not in ACTIVATION_CHECKPOINTING_MODES:
         raise ValueError(f"activation_checkpointing.mode={cfg.mode!r}: expected none, full or selective")

@@ -53,7 +53,8 @@ def test_counter_sums_bytes_and_calls_per_kind():
 
 
 def _close(actual, expected, what):
-    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-12, msg=lambda m: f"rank {dist.get_rank()} {what}: {m}")
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-12,
+                               msg=lambda m: f"rank {dist.get_rank()} {what}: {m}")
 
 
 def _worker(rank, world):

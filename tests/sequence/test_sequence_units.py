@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from ds4sci.distributed.comm import CommCounter, all_to_all
 from ds4sci.kernels.local_chunked import chunked_attention
 from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
-from ds4sci.distributed.comm import CommCounter, all_to_all
 from ds4sci.sequence import (
     DistributedAttention,
     merge_attention,
