@@ -3,7 +3,8 @@
 Where each concept lives:
 
 - :mod:`~ds4sci.sequence.attention`: :class:`DistributedAttention` around any local attention
-  (:mod:`ds4sci.kernels.local_attention`) and ring attention's merge, :func:`merge_attention`;
+  (:mod:`ds4sci.kernels.local_attention`) and ring attention's merge (:func:`merge_attention`,
+  :func:`merge_softmax`);
 - :mod:`~ds4sci.sequence.sharding`: the sharding of tokens, labels and positions by a sequence :class:`Layout`
   (contiguous / zigzag; its arithmetic lives with the parallel degrees in :mod:`ds4sci.distributed.dims`).
 
@@ -13,7 +14,7 @@ process groups in :mod:`ds4sci.distributed`; tensor parallelism and applying par
 
 Importing this package has no side effects (no process group, no environment edits).
 """
-from ds4sci.sequence.attention import DistributedAttention, merge_attention
+from ds4sci.sequence.attention import DistributedAttention, merge_attention, merge_softmax
 from ds4sci.sequence.sharding import (
     Layout,
     gather_sequence,
@@ -26,6 +27,7 @@ from ds4sci.sequence.sharding import (
 __all__ = [
     "DistributedAttention",
     "merge_attention",
+    "merge_softmax",
     "Layout",
     "gather_sequence",
     "pad_to_multiple",

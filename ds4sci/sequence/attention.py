@@ -33,30 +33,41 @@ from ds4sci.sequence.sharding import regroup
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedAttention", "merge_attention"]
+__all__ = ["DistributedAttention", "merge_attention", "merge_softmax"]
 
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
+def merge_softmax(out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor | float, block_out: torch.Tensor,
+                  block_max: torch.Tensor, block_sum: torch.Tensor | float):
+    """Two partial softmax results over disjoint key sets as one (the online softmax, Milakov & Gimelshein 2018; ring
+    attention's merge, Liu et al. 2023), each given by its row max and its row sum of ``exp(logit - max)``.
+
+    ``out``, ``block_out`` ``[*, S, H, D]`` (any leading dims); ``row_max``, ``row_sum``, ``block_max``,
+    ``block_sum`` ``[*, H, S]`` (a row with no key: max ``-inf``, sum 0; a sum may be the number 1, when its max is a
+    log-sum-exp). Returns ``(out, row_max, row_sum)`` of both key sets, ``out`` in ``out``'s dtype; a row no key
+    reached: out 0, max ``-inf``, sum 0. Kept apart, max and sum survive a finite mask bias (OpenFold's ``-1e9``) where
+    fp32's spacing (64) would swallow ``log(sum)`` in a log-sum-exp.
+    """
+    top = torch.maximum(row_max, block_max)
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w, w_blk = row_sum * torch.exp(row_max - shift), block_sum * torch.exp(block_max - shift)  # [*, H, S]
+    total = w + w_blk
+    seen = total > 0
+    safe = torch.where(seen, total, torch.ones_like(total))
+    w_ = (w / safe).transpose(-1, -2).unsqueeze(-1)  # [*, S, H, 1]
+    w_blk_ = (w_blk / safe).transpose(-1, -2).unsqueeze(-1)
+    merged = w_ * out + w_blk_ * block_out.to(out.dtype)
+    return merged, torch.where(seen, shift, torch.full_like(shift, -math.inf)), total
+
+
 def merge_attention(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
                     block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial softmax results over disjoint key sets as one, weighted by their log-sum-exp (the online softmax,
-    Milakov & Gimelshein 2018; ring attention's merge, Liu et al. 2023): ``(out, lse)`` of the keys of both.
-
-    ``out``, ``block_out`` ``[*, S, H, D]`` (any leading dims), ``lse``, ``block_lse`` ``[*, H, S]``; the result
-    has ``out``'s dtype. Rows with ``lse = -inf`` on both sides (no key) stay ``out = 0, lse = -inf``.
-    """
-    m = torch.maximum(lse, block_lse)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    wa, wb = torch.exp(lse - m), torch.exp(block_lse - m)  # [*, H, S]
-    total = wa + wb
-    seen = total > 0
-    total = torch.where(seen, total, torch.ones_like(total))
-    wa_ = (wa / total).transpose(-1, -2).unsqueeze(-1)  # [*, S, H, 1]
-    wb_ = (wb / total).transpose(-1, -2).unsqueeze(-1)
-    new_out = wa_ * out + wb_ * block_out.to(out.dtype)
-    new_lse = torch.where(seen, m + torch.log(total), torch.full_like(m, -math.inf))
-    return new_out, new_lse
+    """:func:`merge_softmax` of two results given by their log-sum-exp: ``out``, ``block_out`` ``[*, S, H, D]``,
+    ``lse``, ``block_lse`` ``[*, H, S]`` -> ``(out, lse)`` of both key sets. Rows with ``lse = -inf`` on both sides
+    (no key) stay ``out = 0, lse = -inf``."""
+    merged, row_max, row_sum = merge_softmax(out, lse, 1.0, block_out, block_lse, 1.0)
+    return merged, torch.where(row_sum > 0, row_max + torch.log(row_sum), torch.full_like(row_max, -math.inf))
 
 
 @dataclass

@@ -11,6 +11,7 @@ from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
 from ds4sci.sequence import (
     DistributedAttention,
     merge_attention,
+    merge_softmax,
     pad_to_multiple,
     shard_positions,
     shard_sequence,
@@ -111,6 +112,21 @@ def test_merge_attention_takes_any_leading_dims():
     weight = torch.sigmoid(lse - block_lse).transpose(-1, -2).unsqueeze(-1)  # [Z, N, S, H, 1]: e^a / (e^a + e^b)
     torch.testing.assert_close(merged[..., 1:, :, :], (weight * out + (1 - weight) * block)[..., 1:, :, :])
     torch.testing.assert_close(merged_lse[..., 1:], torch.logaddexp(lse, block_lse)[..., 1:])
+
+
+def test_merge_softmax_keeps_max_and_sum_apart_under_a_finite_mask():
+    """Two fp32 blocks whose row maxima sit near OpenFold's finite mask bias ``-1e9`` (every key masked) and whose row
+    sums are 1 and 3 weigh 1/4 and 3/4, as the key counts say; their log-sum-exps would round to the same number
+    (fp32's spacing there is 64) and weigh 1/2 each."""
+    out, block = torch.zeros(1, 1, 1, 2), torch.ones(1, 1, 1, 2)  # [B, S, H, D]
+    top = torch.full((1, 1, 1), -1e9)  # [B, H, S]
+    merged, row_max, row_sum = merge_softmax(out, top, torch.ones(1, 1, 1), block, top, torch.full((1, 1, 1), 3.0))
+    torch.testing.assert_close(merged, torch.full((1, 1, 1, 2), 0.75))
+    assert (row_max.item(), row_sum.item()) == (-1e9, 4.0)
+    assert (top + math.log(1.0)).item() == (top + math.log(3.0)).item()  # what a log-sum-exp would have kept
+    empty = torch.full((1, 1, 1), -math.inf)
+    merged, row_max, row_sum = merge_softmax(out, empty, 0.0, block, empty, 0.0)  # no key on either side
+    assert bool((merged == 0).all()) and row_max.item() == -math.inf and row_sum.item() == 0
 
 
 # ---------------------------------------------------------------- world size 1
