@@ -7,6 +7,7 @@ from setuptools import setup
 
 PACKAGES = {
     "ds4sci": "ds4sci",
+    "ds4sci.distributed": "ds4sci/distributed",
     "ds4sci.sequence": "ds4sci/sequence",
     "ds4sci.parallel": "ds4sci/parallel",
     "ds4sci.data": "ds4sci/data",

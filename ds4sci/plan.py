@@ -4,7 +4,7 @@ memory each GPU needs, how many bytes each GPU sends, and which layout should be
 Everything here is arithmetic (no tensors, no processes, no torch) on definitions shared with the code it models,
 never on copies: the shapes and parameter counts come from the model's :class:`~ds4sci.models.genslm.GenSLMConfig`
 (``block_parameters``, ``num_parameters``), the degrees, the sequence multiple and the rank order from
-:class:`~ds4sci.parallel.dims.ParallelDims`, the per-layer communication and the table and mask bytes from
+:class:`~ds4sci.distributed.dims.ParallelDims`, the per-layer communication and the table and mask bytes from
 :mod:`ds4sci.costs`, closed forms that ``ds4sci bench`` measures. A layout is a :class:`Strategy`: the dims plus
 the ZeRO stage, offload and checkpointing. All byte counts are per GPU, for the most loaded rank (the first
 pipeline stage), with ``B`` sequences of ``S`` tokens per micro-step, ``h`` hidden, ``f`` MLP width, ``H`` heads,
@@ -118,10 +118,10 @@ Memory model (bytes per GPU):
     ``stage3_param_persistence_threshold = 1e5`` elements gathered (norms and biases; every tensor of a tiny model),
     times ``p``;
   - ``a2a_staging``: Ulysses' all-to-all copies the tensor it moves into a contiguous send buffer and receives into
-    another (:func:`ds4sci.sequence.comm.all_to_all`), ``2 T h e`` for the queries or the attention output, the
+    another (:func:`ds4sci.distributed.comm.all_to_all`), ``2 T h e`` for the queries or the attention output, the
     largest it moves (measured: tests/test_plan_buffers.py);
   - ``ring_buffers``: the ring's forward holds the received key/value block in use, the one arriving and, while the
-    next is posted, the previous one (:class:`ds4sci.sequence.comm.RingShift`'s receive buffers), ``min(ring - 1, 3)
+    next is posted, the previous one (:class:`ds4sci.distributed.comm.RingShift`'s receive buffers), ``min(ring - 1, 3)
     2 T kv' e`` (measured; backward's blocks are the working set's ``6 kv' e``). It and the all-to-all staging are
     alive one after the other within a layer: the total counts the larger.
 
@@ -171,9 +171,9 @@ over the ``H`` query heads of ``h / H`` dims, whatever ``Hkv``) per step, ``phi_
 the position table with a tied head counted twice (the head's matmul runs all the same), plus one forward (a third)
 for ``full`` checkpointing and the attention's forward for ``selective``;
 ``bubble = (pp - 1) / (m + pp - 1)``. A group's bandwidth is ``--intra-gbps`` when it lies inside one node,
-``--inter-gbps`` otherwise; in the rank order of :class:`~ds4sci.parallel.dims.ParallelDims` (TP < Ulysses < Ring < DP <
+``--inter-gbps`` otherwise; in the rank order of :class:`~ds4sci.distributed.dims.ParallelDims` (TP < Ulysses < Ring < DP <
 PP, innermost first) a group of degree ``d`` along an axis of stride ``i`` (the product of the inner degrees,
-:meth:`~ds4sci.parallel.dims.ParallelDims.stride`) lies inside a node when ``i * d`` divides ``--gpus-per-node``.
+:meth:`~ds4sci.distributed.dims.ParallelDims.stride`) lies inside a node when ``i * d`` divides ``--gpus-per-node``.
 Offload traffic runs at ``--pcie-gbps``. Layouts are ranked by tokens per second (``B m dp S / step time``), fastest
 first.
 
@@ -195,7 +195,7 @@ from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
 from ds4sci.costs import layer_comm_bytes, mask_bytes, position_table_bytes, tp_forward_comm_bytes, ulysses_kv_heads
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 from ds4sci.models.genslm.config import GenSLMConfig, describe_preset, describe_presets, format_parameters
-from ds4sci.parallel.dims import ParallelDims
+from ds4sci.distributed.dims import ParallelDims
 from ds4sci.report import markdown_table, plural, write_report
 
 GIB = 2.0**30
@@ -303,7 +303,7 @@ class Workload:
 @dataclass(frozen=True)
 class Strategy:
     """How a workload is spread over the GPUs and what it keeps in GPU memory: the parallel degrees
-    (:class:`~ds4sci.parallel.dims.ParallelDims`, with the trainer's default sequence layout, zigzag with a ring),
+    (:class:`~ds4sci.distributed.dims.ParallelDims`, with the trainer's default sequence layout, zigzag with a ring),
     the ZeRO stage, offload and activation checkpointing."""
 
     dims: ParallelDims = ParallelDims(dp=1)
@@ -568,7 +568,7 @@ def memory(w: Workload, strategy: Strategy, cluster: Cluster | None = None) -> d
     if w.learned_table:
         table = position_table_bytes(S // d.sp if w.position_table == "partitioned" else S, h)
     mask = 0.0 if w.mask == "none" else B * mask_bytes(w.mask, S // d.ring)["device"]
-    # Ulysses' all-to-all (ds4sci.sequence.comm._all_to_all_forward) stages the largest tensor it moves, the queries
+    # Ulysses' all-to-all (ds4sci.distributed.comm._all_to_all_forward) stages the largest tensor it moves, the queries
     # or the attention output, T h e, in a contiguous send buffer and a receive buffer; the ring's forward
     # (ds4sci.sequence.attention._RingAttention) holds received key/value blocks (RingShift's receive buffers): the
     # one in use, the one arriving and, while the next shift is posted, the one before (the previous shift's send
@@ -666,7 +666,7 @@ def _divisors(n: int) -> list[int]:
 def strategies(w: Workload, cluster: Cluster, fixed: dict, split_seq: bool = True) -> list[Strategy]:
     """Every strategy on all ``cluster.world`` GPUs that splits the model (and ``w.seq_len`` if ``split_seq``) evenly
     and respects ``fixed`` (``{"tp": 2, "zero_stage": 3, ...}``): degrees the model admits
-    (:meth:`~ds4sci.parallel.dims.ParallelDims.check_model`: ``tp * ulysses`` divides the heads, ``tp`` the MLP width,
+    (:meth:`~ds4sci.distributed.dims.ParallelDims.check_model`: ``tp * ulysses`` divides the heads, ``tp`` the MLP width,
     ``pp <= layers``), ``tp`` dividing the GPUs of a node (a fixed ``tp`` may also span whole nodes), ZeRO 2/3 only
     without pipeline parallelism (DeepSpeed's pipeline engine), optimizer offload with ZeRO >= 1 and parameter offload with ZeRO 3. The tiled MLP
     (``fixed["mlp_tile"]``), the tiled loss (``fixed["loss_tile"]``) and host offload of checkpointed inputs
@@ -727,7 +727,7 @@ def plan(w: Workload, cluster: Cluster, fixed: dict, fill_pipeline: bool = False
 def max_seq_len(w: Workload, cluster: Cluster, fixed: dict, limit: int = 1 << 34, fill_pipeline: bool = False) -> int:
     """The longest S (up to ``limit``) at which some layout fits: per layout (with ``fill_pipeline``, at
     :func:`filled`'s micro-batches), the largest multiple of its
-    :attr:`~ds4sci.parallel.dims.ParallelDims.sequence_multiple` within the budget (memory grows with S), then the
+    :attr:`~ds4sci.distributed.dims.ParallelDims.sequence_multiple` within the budget (memory grows with S), then the
     maximum; 0 if none."""
     budget = budget_bytes(cluster)
     best = 0

@@ -11,7 +11,7 @@ from ds4sci import cli, plan
 from ds4sci.bench import memory_breakdown, seq_scaling
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.models.genslm.config import PRESETS
-from ds4sci.parallel import ParallelDims
+from ds4sci.distributed import ParallelDims
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
 def test_planner_imports_neither_torch_nor_the_benchmarks():
@@ -331,7 +331,7 @@ def test_rank_params_are_what_a_tensor_parallel_rank_holds(preset, overrides):
     """The planner's parameters per rank (TP 4, no pipeline) are those a TP rank of the parallelized model holds:
     LayerNorm or RMSNorm, biases or none, key/value heads split or shared, a tied head counted once (meta device, no
     processes: splitting draws nothing and sends nothing)."""
-    from ds4sci.parallel.groups import SequenceParallelGroups
+    from ds4sci.distributed.groups import SequenceParallelGroups
     from ds4sci.parallel.parallelize import parallelize
 
     config = GenSLMConfig.preset(preset, **overrides)

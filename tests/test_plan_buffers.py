@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from ds4sci import cli, plan
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.parallel import ParallelDims
+from ds4sci.distributed import ParallelDims
 from ds4sci.spawn import run_workers
 
 
@@ -243,7 +243,7 @@ def test_a2a_staging_is_what_the_all_to_all_allocates(P, direction, monkeypatch)
     """Ulysses' all-to-all of the queries (``[B, S/P, H, D] -> [B, S, H/P, D]``) or of the attention output (the
     inverse) allocates, besides its result, a send and a receive buffer of the tensor's size: the planner's
     ``a2a_staging``, ``2 T h e`` (fp32, hidden 64, 4 heads, S = 256)."""
-    from ds4sci.sequence.comm import _all_to_all_forward
+    from ds4sci.distributed.comm import all_to_all
 
     group = _Group(P)
     _stand_in_dist(monkeypatch, group)
@@ -251,8 +251,8 @@ def test_a2a_staging_is_what_the_all_to_all_allocates(P, direction, monkeypatch)
     shape = (1, S // P, H, D) if direction == "to heads" else (1, S, H // P, D)
     x = torch.randn(shape)
     dims = (2, 1) if direction == "to heads" else (1, 2)
-    with LiveStorages() as live:
-        y = _all_to_all_forward(x, group, *dims, None)
+    with torch.no_grad(), LiveStorages() as live:
+        y = all_to_all(x, group, *dims)
     assert y.shape == ((1, S, H // P, D) if direction == "to heads" else (1, S // P, H, D))
     staging = live.peak - y.untyped_storage().nbytes()
     w = plan.Workload(GenSLMConfig(vocab_size=6, hidden_size=H * D, num_layers=2, num_heads=H), S, dtype="fp32")
@@ -268,9 +268,9 @@ def test_ring_forward_buffers_are_the_received_blocks_alive_at_once(R, blocks, m
     import functools
 
     from ds4sci.kernels.local_attention import chunked_attention
-    from ds4sci.parallel.dims import Layout
+    from ds4sci.distributed.dims import Layout
     from ds4sci.sequence import attention as ring_attention
-    from ds4sci.sequence.comm import RingShift
+    from ds4sci.distributed.comm import RingShift
 
     group = _Group(R)
     _stand_in_dist(monkeypatch, group)

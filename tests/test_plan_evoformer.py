@@ -199,7 +199,7 @@ def _saved_on_rank(rank: int, world: int, cases: list, mesh=None) -> list[int]:
 def test_1d_block_saved_equals_saved_tensors_per_rank():
     """1-D (gloo, 2 processes; odd N_res and N_seq, padded to even): every rank saves the planner's block figure (its
     rows of every sub-module, the padded masks whole) plus the gathered tensors whole: the entry split hands each
-    rank a copy of its piece (``tensor_parallel._split``), so a lone block keeps no view of the whole padded inputs."""
+    rank a copy of its piece (``ds4sci.distributed.comm.split``), so a lone block keeps no view of the whole padded inputs."""
     from ds4sci.spawn import run_workers
 
     P, cases = 2, [("evoformer-af2-like", 7, 5), ("pairformer-tiny", 7, 0)]

@@ -4,7 +4,7 @@ beside the closed forms of :func:`ds4sci.costs.layer_comm_bytes`, which the plan
 For each degree ``P``, ``P`` gloo processes (:func:`ds4sci.spawn.run_workers`) run, scheme after scheme, one
 training step (forward + backward) of a GenSLM made sequence- or tensor-parallel by
 :func:`~ds4sci.parallel.parallelize.parallelize`, with the sequence growing with ``P`` (``N = tokens_per_rank * P``).
-A :class:`~ds4sci.sequence.CommCounter` records the bytes every collective call sends; the figure per layer is the
+A :class:`~ds4sci.distributed.comm.CommCounter` records the bytes every collective call sends; the figure per layer is the
 difference between a 2-layer and a 1-layer model, so embedding, head and loss traffic cannot leak in.
 
 Schemes (the closed forms and their derivations: :mod:`ds4sci.costs`): ``ulysses`` (Jacobs et al. 2023,
@@ -82,10 +82,11 @@ def _scheme_bytes(scheme: str, P: int, tokens: int, hidden: int, heads: int) -> 
     import torch
 
     from ds4sci.models.genslm import GenSLM, GenSLMConfig
-    from ds4sci.parallel import ParallelDims
-    from ds4sci.parallel.groups import build_groups
+    from ds4sci.distributed import ParallelDims
+    from ds4sci.distributed.groups import build_groups
     from ds4sci.parallel.parallelize import parallelize
-    from ds4sci.sequence import CommCounter, shard_sequence
+    from ds4sci.distributed.comm import CommCounter
+    from ds4sci.sequence import shard_sequence
 
     dims = ParallelDims(dp=1, **_dims_kwargs(scheme, P))
     groups = build_groups(dims)

@@ -4,7 +4,7 @@ parallelism, axial (1-D) or on a p x p mesh (2-D), as N_res and the group size P
 For each P of ``--degrees``, P gloo processes (:func:`ds4sci.spawn.run_workers`; P = 1 is the single process) run,
 per block kind and N_res, one training step (forward + backward of the sum of both outputs, fp32, dropout 0) of a
 sharded stack of one and of two blocks (:func:`ds4sci.evoformer_context_parallel`, ``sharded=True``). A
-:class:`~ds4sci.sequence.CommCounter` records every collective; the bytes per block are the two-block stack's minus
+:class:`~ds4sci.distributed.comm.CommCounter` records every collective; the bytes per block are the two-block stack's minus
 the one-block stack's (entry and exit cancel), set beside the layout's closed form per rank
 (``block_comm_bytes`` of :mod:`ds4sci.parallel.evoformer_cp` and :mod:`ds4sci.parallel.evoformer_cp2d`).
 
@@ -167,7 +167,7 @@ def _measure_memory(module, x, z) -> dict[str, int]:
 def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
     """Per kind and N_res: this rank's bytes sent per collective kind by a one- and a two-block stack, and the memory
     of a training step of the one-block stack (:func:`_measure_memory`)."""
-    from ds4sci.sequence import CommCounter
+    from ds4sci.distributed.comm import CommCounter
 
     wrap = LAYOUTS[cfg["layout"]][0]
     rows = []

@@ -13,7 +13,7 @@ their state lazily); step 2 is measured on every rank:
   packed through ``saved_tensors_hooks``, parameters left out, from its packing until autograd drops it, so 1F1B's
   micro-batches in flight count as they overlap);
 - bytes sent per process group and collective kind, counted at the methods of ``torch.distributed.ProcessGroup``
-  (every library's collectives pass there) with :class:`~ds4sci.sequence.CommCounter`'s conventions.
+  (every library's collectives pass there) with :class:`~ds4sci.distributed.comm.CommCounter`'s conventions.
 
 The prediction is :func:`ds4sci.plan.memory` and :func:`ds4sci.plan.comm` for the same model and layout, fp32; the
 report gives measured / predicted per term for the most loaded rank. Measured ``dp`` is everything sent over the
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ds4sci.bench.report import (MIB, add_int_options, markdown_table, plural, save_figure, shape_options, subplots,
                                  write_files)
-from ds4sci.parallel import ParallelDims
+from ds4sci.distributed import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
 COMM_TERMS = ("tp", "ulysses", "ring", "pp", "dp")

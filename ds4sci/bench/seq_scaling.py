@@ -55,8 +55,8 @@ def _worker(rank: int, world: int, dims_kwargs: dict, seq_len: int, shape: dict)
 
     from ds4sci.bench.memory import PeakMemory
     from ds4sci.models.genslm import GenSLM, GenSLMConfig
-    from ds4sci.parallel import ParallelDims
-    from ds4sci.parallel.groups import build_groups
+    from ds4sci.distributed import ParallelDims
+    from ds4sci.distributed.groups import build_groups
     from ds4sci.parallel.parallelize import parallelize
     from ds4sci.sequence import shard_sequence
 

@@ -79,9 +79,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
-from ds4sci.parallel.tensor_parallel import _all_gather, _reduce_scatter, _SequenceRegion, _split, \
-    split_sequence_region, sync_grad
-from ds4sci.sequence.comm import CommCounter, all_to_all, group_rank, group_size
+from ds4sci.distributed.comm import CommCounter, all_to_all, group_rank, group_size, split_sequence_region, sync_grad
+from ds4sci.distributed.comm import SequenceRegion as _SequenceRegion
+from ds4sci.distributed.comm import all_gather as _all_gather
+from ds4sci.distributed.comm import reduce_scatter as _reduce_scatter
+from ds4sci.distributed.comm import split as _split
 from ds4sci.sequence.sharding import pad_to_multiple
 
 __all__ = ["block_comm_bytes", "evoformer_context_parallel", "EvoformerContextParallel"]

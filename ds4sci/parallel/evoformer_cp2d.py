@@ -104,8 +104,9 @@ from ds4sci.kernels.evoformer import _attention_bwd, _attention_fwd, _choose_bac
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
 from ds4sci.parallel.evoformer_cp import PAIRFORMER_REPLICATED, _gather_out, hold_blocks, synced_parameters
-from ds4sci.parallel.tensor_parallel import _all_reduce, split_sequence_region
-from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, group_rank, group_size
+from ds4sci.distributed.comm import CommCounter, RingShift, group_rank, group_size, split_sequence_region
+from ds4sci.distributed.comm import all_gather as all_gather_seq
+from ds4sci.distributed.comm import all_reduce as _all_reduce
 from ds4sci.sequence.sharding import pad_to_multiple
 
 __all__ = ["block_comm_bytes", "EvoformerContextParallel2D", "check_mesh"]

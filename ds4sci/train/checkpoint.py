@@ -38,7 +38,7 @@ the engine. Instead each save also writes the state layout-free, by GenSLM param
 - ``portable/rank{R}.safetensors``: ``param/NAME`` (the fp32 master), ``exp_avg/NAME``, ``exp_avg_sq/NAME`` (AdamW's
   moments; none before the first update), each whole: assembled over ZeRO (``deepspeed.utils.safe_get_full_fp32_param``
   / ``safe_get_full_optimizer_state``; at ZeRO-0 fp32 the parameter and the client AdamW's state), over TP
-  (:func:`~ds4sci.parallel.tensor_parallel.gather_tensor_parallel`, vocabulary padding cut off) and named across
+  (:func:`~ds4sci.train.consolidate.gather_tensor_parallel`, vocabulary padding cut off) and named across
   pipeline stages (:func:`~ds4sci.train.pipeline.genslm_name`). Every rank of a stage assembles each tensor and one
   of them keeps it, split by bytes (each parameter's tensors to the rank with the fewest bytes so far), so a rank
   holds and writes ~1/world of the state (at most its stage's share plus one parameter's), never the whole.
@@ -48,7 +48,7 @@ Loading uses DeepSpeed's engine checkpoint when it can (the fast path: the same 
 under ZeRO, partition count) and the portable state otherwise: AdamW's state is created (torch AdamW creates it
 lazily; ZeRO-1/2 link it to their per-parameter views after the first step), then every engine parameter's model
 copy, fp32 master and moments are set from the whole tensors cut to this rank's TP piece
-(:func:`~ds4sci.parallel.tensor_parallel.shard_tensor_parallel`; ``safe_set_full_fp32_param`` /
+(:func:`~ds4sci.train.consolidate.shard_tensor_parallel`; ``safe_set_full_fp32_param`` /
 ``safe_set_full_optimizer_state`` keep this rank's ZeRO partition), then the schedule and the counters. Exact: the
 resumed run's losses and parameters are those of an uninterrupted single process to fp32 rounding
 (``tests/distributed/test_resume_layouts.py``). The cost: every save writes the fp32 master and both moments once
@@ -91,7 +91,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, shard_tensor_parallel
+from ds4sci.train.consolidate import gather_tensor_parallel, shard_tensor_parallel
 from ds4sci.train.engine import bounded_collectives, write_error
 from ds4sci.train.pipeline import genslm_name
 

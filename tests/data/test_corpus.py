@@ -368,7 +368,7 @@ def test_cache_build_shows_a_progress_bar_only_when_asked_on_a_terminal(tmp_path
 # --------------------------------------------------------------------------------------------- data-parallel ranks
 def _micro_batches(ds, dp, micro, indices, seed=7):
     """Run the trainer's own sampler (Trainer._micro_batch) for each data-parallel rank, without a Trainer."""
-    from ds4sci.parallel import ParallelDims
+    from ds4sci.distributed import ParallelDims
     from ds4sci.train.trainer import Trainer
 
     out = []

@@ -168,7 +168,7 @@ def _stack_worker(rank, world, n_seq, n_res):
     all-gathers it ran (calls) beside a 1-block stack's."""
     from torch import nn
 
-    from ds4sci.sequence import CommCounter
+    from ds4sci.distributed.comm import CommCounter
 
     torch.manual_seed(0)
     stack = nn.ModuleList(EvoformerBlock(**KW, backend="torch") for _ in range(2)).double().eval()

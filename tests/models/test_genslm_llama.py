@@ -6,8 +6,8 @@ import pytest
 from ds4sci import cli, plan
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.models.genslm.config import PRESETS, describe_preset
-from ds4sci.parallel import ParallelDims
-from ds4sci.parallel.groups import SequenceParallelGroups
+from ds4sci.distributed import ParallelDims
+from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.parallel.parallelize import parallelize
 from ds4sci.train.config import load_config
 

@@ -1,7 +1,7 @@
-"""ds4sci.parallel.dims without processes: dims validation, rank coordinates, group layout."""
+"""ds4sci.distributed.dims without processes: dims validation, rank coordinates, group layout."""
 import pytest
 
-from ds4sci.parallel.dims import Coords, Layout, ParallelDims
+from ds4sci.distributed.dims import Coords, Layout, ParallelDims
 
 
 def test_parallel_dims_valid():

@@ -1,10 +1,10 @@
-"""Process groups of a :class:`~ds4sci.parallel.dims.ParallelDims`: tensor (Megatron), Ulysses, ring, data and
+"""Process groups of a :class:`~ds4sci.distributed.dims.ParallelDims`: tensor (Megatron), Ulysses, ring, data and
 pipeline parallelism.
 
 :func:`build_groups` turns the dims into explicit process groups (no global singleton: callers pass the returned
 :class:`SequenceParallelGroups` where it is needed), and :class:`DeepSpeedMPU` exposes them through the ``mpu``
 interface that ``deepspeed.initialize(mpu=...)`` reads. Which ranks form each group, and every rank coordinate, is
-the dims' arithmetic (:meth:`~ds4sci.parallel.dims.ParallelDims.group_ranks`; rank order TP < Ulysses < Ring < DP <
+the dims' arithmetic (:meth:`~ds4sci.distributed.dims.ParallelDims.group_ranks`; rank order TP < Ulysses < Ring < DP <
 PP, innermost first).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ds4sci.parallel.dims import Coords, ParallelDims
+from ds4sci.distributed.dims import Coords, ParallelDims
 
 logger = logging.getLogger(__name__)
 
