@@ -408,6 +408,77 @@ def _attention(
     return o
 
 
+def _stats_backend(backend: Union[str, EvoformerBackend], q: Tensor) -> str:
+    """The custom op's backend for :func:`evoformer_attention_fwd` / ``_bwd``: the reference runs as torch (its
+    backward recomputes the softmax from q and k alone, so it cannot honour statistics merged over key tiles)."""
+    chosen = _choose_backend(backend, q)
+    return (EvoformerBackend.TORCH if chosen is EvoformerBackend.REFERENCE else chosen).value
+
+
+def _check_roles(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> None:
+    """q, k, v as :func:`evoformer_attention` checks them; ``mask`` and ``pair`` of their role's form at q's rank."""
+    _check_qkv(q, k, v)
+    for name, bias, fits, form in (("mask", mask, _is_mask, "[*, N|1, 1, 1, S]"), ("pair", pair, _is_pair,
+                                                                                   "[*, 1, H, S, S]")):
+        if bias is None:
+            continue
+        _check_bias(name, bias, q)
+        if bias.ndim != q.ndim or not fits(bias.shape, q.shape):
+            raise ValueError(f"evoformer_attention_fwd: {name} must be {form} of q's rank, got {tuple(bias.shape)} "
+                             f"(q {tuple(q.shape)})")
+
+
+def evoformer_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, pair: Optional[Tensor] = None, *,
+    backend: Union[str, EvoformerBackend] = "auto",
+) -> tuple[Tensor, Tensor]:
+    """The kernel's forward with its softmax statistics, for callers that split the keys into tiles and merge the
+    partial results themselves (ring attention, Liu et al. 2023; the statistics are FlashAttention-2's, Dao 2023,
+    and Rabe & Staats 2021's running max and sum).
+
+    Args:
+        q, k, v: ``[*, N, S, H, D]`` as for :func:`evoformer_attention`.
+        mask: mask bias ``[*, N|1, 1, 1, S]`` of q's rank, or None.
+        pair: pair bias ``[*, 1, H, S, S]`` of q's rank, or None.
+        backend: as for :func:`evoformer_attention`; ``"reference"`` runs the torch backend (its backward, not the
+            oracle's, uses the statistics it is given).
+
+    Returns:
+        ``o [*, N, S, H, D]`` in q's dtype and ``stats [Z, N, H, S, 2]`` (Z the leading dims flattened; fp32, fp64
+        for fp64 inputs): per query row the max ``m`` of the biased logits and the sum ``l = sum_j exp(s_j - m)``,
+        kept apart rather than as the log-sum-exp ``m + log l``, which fp32 rounds away when ``|m|`` is huge (rows
+        masked with OpenFold's -1e9); ``(+inf, +inf)`` on rows whose keys are all -inf. Not differentiable: the
+        gradients come from :func:`evoformer_attention_bwd`.
+    """
+    _check_roles(q, k, v, mask, pair)
+    with torch.no_grad():
+        return _attention_fwd(q, k, v, mask, pair, _stats_backend(backend, q))
+
+
+def evoformer_attention_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, mask: Optional[Tensor] = None,
+    pair: Optional[Tensor] = None, *, need_mask_grad: bool = False, need_pair_grad: bool = False,
+    backend: Union[str, EvoformerBackend] = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The kernel's backward against an output ``o`` and its statistics ``stats`` (:func:`evoformer_attention_fwd`'s
+    layouts): recomputes ``P = exp(s - m) / l`` and ``D = rowsum(do * o)`` (FlashAttention-2), so with the
+    statistics and output of a softmax over more keys than ``k`` holds (merged over tiles), it returns this tile's
+    exact share of the gradients. Returns ``(dq, dk, dv, dmask, dpair)``: dq, dk, dv ``[*, N, S, H, D]`` in q's
+    dtype; dmask (mask's shape) and dpair (pair's shape, summed over N) in their bias's dtype, each None unless
+    requested."""
+    _check_roles(q, k, v, mask, pair)
+    *batch, n, s, h, _ = q.shape
+    if do.shape != q.shape or o.shape != q.shape or stats.shape != (math.prod(batch), n, h, s, 2):
+        raise ValueError(f"evoformer_attention_bwd: do and o must be q's shape {tuple(q.shape)} and stats "
+                         f"[Z, N, H, S, 2], got do {tuple(do.shape)}, o {tuple(o.shape)}, stats {tuple(stats.shape)}")
+    need_mask_grad, need_pair_grad = need_mask_grad and mask is not None, need_pair_grad and pair is not None
+    with torch.no_grad():
+        dq, dk, dv, *rest = _attention_bwd(do.contiguous(), q, k, v, o, stats, mask, pair, need_mask_grad,
+                                           need_pair_grad, _stats_backend(backend, q))
+    dmask = rest.pop(0) if need_mask_grad else None
+    return dq, dk, dv, dmask, rest.pop(0) if need_pair_grad else None
+
+
 def evoformer_attention(
     q: Tensor,
     k: Tensor,

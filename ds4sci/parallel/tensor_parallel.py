@@ -140,7 +140,7 @@ def _all_gather(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCoun
     alive beside it but ``x``. Otherwise no strided view is the result: it is copied once into a contiguous result, so the
     buffer and the result are alive together, as the received pieces and their concatenation would be; a caller
     that can take a permuted result gathers along a leading dim instead (the Evoformer stack's exit,
-    :func:`ds4sci.parallel.evoformer_cp.gather_leading`)."""
+    :func:`ds4sci.parallel.evoformer.common.gather_leading`)."""
     world = dist.get_world_size(group)
     dim = dim % x.ndim
     x = x.contiguous()
