@@ -43,7 +43,8 @@ __all__ = ["block_comm_bytes", "EvoformerContextParallel"]
 class _Axes:
     """One call's group, padded masks and layout switches. ``msa_mask [*, S', N']`` (Evoformer) and
     ``pair_mask [*, N', N']`` are padded to multiples of P with zeros; ``mine_s``, ``mine_n``: this rank's
-    sequences and residues; ``key_*``: the attentions' masks, padding keys at -inf (:func:`~ds4sci.parallel.evoformer.common.padding_keys`)."""
+    sequences and residues; ``key_*``: the attentions' masks, padding keys at -inf
+    (:func:`~ds4sci.parallel.evoformer.common.padding_keys`)."""
 
     def __init__(self, group, counter: CommCounter | None, chunk_size: int | None, pair_mask: Tensor,
                  msa_mask: Tensor | None):

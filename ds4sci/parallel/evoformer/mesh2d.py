@@ -188,7 +188,8 @@ class _MeshStack(nn.Module):
                     chunk_size: int | None) -> tuple[Tensor, Tensor]:
         """One Pairformer block (AF3 Algorithm 17) on s whole ``[*, N, C_s]`` and this rank's z tile ``[*, n, n,
         C_z]``: the pair stack on the tile, then the single representation's attention with pair bias (AF3 Algorithm
-        24) from the bias tiles (:class:`~ds4sci.parallel.evoformer.ring.TileAttention`) and its transition, every per-token step replicated."""
+        24) from the bias tiles (:class:`~ds4sci.parallel.evoformer.ring.TileAttention`) and its transition, every
+        per-token step replicated."""
         z = self._pair_stack(blk, z, chunk_size)
         apb, mesh, n_res = blk.attn_pair_bias, self.mesh, s.shape[-2]
         heads = (apb.mha.no_heads, apb.mha.c_hidden)

@@ -4,8 +4,8 @@ single representation's attention from pair-bias tiles, the partial softmax resu
 statistics (:func:`ds4sci.kernels.evoformer.evoformer_attention_fwd`: FlashAttention-2's row max and row sum, kept
 apart).
 
-Every function here is an autograd.Function whose backward moves the gradients back the way the tiles came: the
-gradients of a rotating tile travel with it and are home after p steps. ``mesh`` arguments are
+Each autograd.Function here moves the gradients back the way its tiles came: the gradients of a rotating tile
+travel with it and are home after p steps. ``mesh`` arguments are
 :class:`~ds4sci.parallel.evoformer.mesh2d.Mesh` objects (``p``, ``r``, ``c``, ``row``, ``col``, ``group``,
 ``counter``).
 """
