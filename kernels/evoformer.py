@@ -384,7 +384,7 @@ def _stats_backend(backend: Union[str, EvoformerBackend], q: Tensor) -> str:
     return (EvoformerBackend.TORCH if chosen is EvoformerBackend.REFERENCE else chosen).value
 
 
-def _check_roles(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> None:
+def _check_roles(who: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> None:
     """q, k, v as :func:`evoformer_attention` checks them; ``mask`` and ``pair`` of their role's form at q's rank."""
     _check_qkv(q, k, v)
     for name, bias, fits, form in (("mask", mask, _is_mask, "[*, N|1, 1, 1, S]"), ("pair", pair, _is_pair,
@@ -393,7 +393,7 @@ def _check_roles(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: 
             continue
         _check_bias(name, bias, q)
         if bias.ndim != q.ndim or not fits(bias.shape, q.shape):
-            raise ValueError(f"evoformer_attention_fwd: {name} must be {form} of q's rank, got {tuple(bias.shape)} "
+            raise ValueError(f"{who}: {name} must be {form} of q's rank, got {tuple(bias.shape)} "
                              f"(q {tuple(q.shape)})")
 
 
@@ -419,7 +419,7 @@ def evoformer_attention_fwd(
         masked with OpenFold's -1e9); ``(+inf, +inf)`` on rows whose keys are all -inf. Not differentiable: the
         gradients come from :func:`evoformer_attention_bwd`.
     """
-    _check_roles(q, k, v, mask, pair)
+    _check_roles("evoformer_attention_fwd", q, k, v, mask, pair)
     with torch.no_grad():
         return _attention_fwd(q, k, v, mask, pair, _stats_backend(backend, q))
 
@@ -435,7 +435,7 @@ def evoformer_attention_bwd(
     exact share of the gradients. Returns ``(dq, dk, dv, dmask, dpair)``: dq, dk, dv ``[*, N, S, H, D]`` in q's
     dtype; dmask (mask's shape) and dpair (pair's shape, summed over N) in their bias's dtype, each None unless
     requested."""
-    _check_roles(q, k, v, mask, pair)
+    _check_roles("evoformer_attention_bwd", q, k, v, mask, pair)
     *batch, n, s, h, _ = q.shape
     if do.shape != q.shape or o.shape != q.shape or stats.shape != (math.prod(batch), n, h, s, 2):
         raise ValueError(f"evoformer_attention_bwd: do and o must be q's shape {tuple(q.shape)} and stats "
