@@ -10,6 +10,7 @@ PACKAGES = {
     "ds4sci.distributed": "ds4sci/distributed",
     "ds4sci.sequence": "ds4sci/sequence",
     "ds4sci.parallel": "ds4sci/parallel",
+    "ds4sci.parallel.evoformer": "ds4sci/parallel/evoformer",
     "ds4sci.data": "ds4sci/data",
     "ds4sci.train": "ds4sci/train",
     "ds4sci.infer": "ds4sci/infer",

@@ -231,12 +231,12 @@ def test_2d_block_saved_within_5_percent_per_rank():
 
 def _exit_on_rank(rank: int, world: int, cases: list) -> list[int]:
     """This rank's peak of live tensors over a 1-D block's exit gathers in a training forward (from the first call of
-    ``evoformer_cp.gather_leading`` to the end of the forward) above what was live when they started; fp32, per
+    ``axial.gather_leading`` to the end of the forward) above what was live when they started; fp32, per
     ``(shape name, n_res, n_seq)`` of ``cases``."""
     from ds4sci import evoformer_context_parallel
-    from ds4sci.parallel import evoformer_cp
+    from ds4sci.parallel.evoformer import axial
 
-    gather, out = evoformer_cp.gather_leading, []
+    gather, out = axial.gather_leading, []
     for name, n_res, n_seq in cases:
         shape = SHAPES[name]
         block = _block(shape).train()
@@ -250,12 +250,12 @@ def _exit_on_rank(rank: int, world: int, cases: list) -> list[int]:
                 at_exit.append(live.now)
             return gather(*args)
 
-        evoformer_cp.gather_leading = opening
+        axial.gather_leading = opening
         try:
             with live:
                 evoformer_context_parallel(block)(*inputs)
         finally:
-            evoformer_cp.gather_leading = gather
+            axial.gather_leading = gather
         out.append(live.window_peak - at_exit[0])
     return out
 
@@ -277,10 +277,10 @@ def test_1d_exit_gather_peak_per_rank():
 
 @pytest.mark.parametrize("preset", sorted(pe.PRESETS))
 def test_gathers_are_the_context_parallel_all_gathers(preset):
-    """1-D: the gathered tensors are the all-gathers of ds4sci.parallel.evoformer_cp (its closed form, the bytes a rank
+    """1-D: the gathered tensors are the all-gathers of ds4sci.parallel.evoformer.axial (its closed form, the bytes a rank
     sends to gather them, over (P - 1) / P); at AlphaFold2's shape FastFold's 272 N^2 plus the outer product's
     S N c_opm."""
-    from ds4sci.parallel.evoformer_cp import block_comm_bytes
+    from ds4sci.parallel.evoformer.axial import block_comm_bytes
 
     shape, P, n_res, n_seq = pe.PRESETS[preset], 4, 64, 16
     w = pe.Workload(shape, n_res, n_seq if shape.evoformer else 0, "fp32", "training", layout="1d", gpus=P)

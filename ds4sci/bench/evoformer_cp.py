@@ -2,11 +2,14 @@
 parallelism, axial (1-D) or on a p x p mesh (2-D), as N_res and the group size P grow, beside the closed forms.
 
 For each P of ``--degrees``, P gloo processes (:func:`ds4sci.spawn.run_workers`; P = 1 is the single process) run,
-per block kind and N_res, one training step (forward + backward of the sum of both outputs, fp32, dropout 0) of a
-sharded stack of one and of two blocks (:func:`ds4sci.evoformer_context_parallel`, ``sharded=True``). A
-:class:`~ds4sci.distributed.comm.CommCounter` records every collective; the bytes per block are the two-block stack's minus
-the one-block stack's (entry and exit cancel), set beside the layout's closed form per rank
-(``block_comm_bytes`` of :mod:`ds4sci.parallel.evoformer_cp` and :mod:`ds4sci.parallel.evoformer_cp2d`).
+per block kind and N_res, one training step (forward + backward of the sum of both outputs, fp32, dropout 0)
+of a sharded stack of one and of two blocks (:func:`ds4sci.evoformer_context_parallel` with ``sharded=True``). A
+:class:`~ds4sci.distributed.comm.CommCounter` records every collective; the bytes per block are the two-block stack's
+minus the one-block stack's, so the stack's entry and exit cancel and what a block costs inside a long stack
+remains (1-D: one switch between blocks is in; 2-D: nothing moves between blocks). They are set beside the
+layout's closed form, per rank: :func:`ds4sci.parallel.evoformer.axial.block_comm_bytes` (every rank the same) and
+:func:`ds4sci.parallel.evoformer.mesh2d.block_comm_bytes` (the ranks on the mesh's diagonal, first row and first
+column move fewer tiles).
 
 Memory per rank of one step of the one-block stack, counted by :class:`ds4sci.bench.memory.LiveTensors`: the bytes
 saved for backward, the activations held from forward to backward and the peak of live tensors; parameters and
@@ -37,20 +40,20 @@ KINDS = ("evoformer", "pairformer")
 COUNTED = ("all_gather", "reduce_scatter", "all_to_all", "p2p", "all_reduce")
 KIB = 2.0**10
 LAYOUT_NAMES = {"1d": "axial (1d)", "2d": "2-D mesh (2d)"}
-MODULES = {"1d": "evoformer_cp", "2d": "evoformer_cp2d"}
+MODULES = {"1d": "evoformer.axial", "2d": "evoformer.mesh2d"}
 TRANSITION_N = 2  # the transitions' hidden factor (AlphaFold's 4, halved with the bench's small channels)
 #: the memory figures per rank of a one-block stack's training step (:func:`_measure_memory`)
 MEMORY = ("saved_bytes", "peak_bytes")
 
 
 def _axial(blocks, counter):
-    from ds4sci.parallel.evoformer_cp import evoformer_context_parallel
+    from ds4sci.parallel.evoformer import evoformer_context_parallel
 
     return evoformer_context_parallel(blocks, sharded=True, counter=counter)
 
 
 def _axial_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, int]:
-    from ds4sci.parallel.evoformer_cp import block_comm_bytes
+    from ds4sci.parallel.evoformer.axial import block_comm_bytes
 
     return block_comm_bytes(block, p, n_res, n_seq)
 
@@ -66,14 +69,14 @@ def _axial_floor(block, p: int, itemsize: int = 4) -> float:
 def _mesh(blocks, counter):
     import torch.distributed as dist
 
-    from ds4sci.parallel.evoformer_cp import evoformer_context_parallel
+    from ds4sci.parallel.evoformer import evoformer_context_parallel
 
     side = math.isqrt(dist.get_world_size()) if dist.is_initialized() else 1
     return evoformer_context_parallel(blocks, mesh=(side, side), sharded=True, counter=counter)
 
 
 def _mesh_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, int]:
-    from ds4sci.parallel.evoformer_cp2d import block_comm_bytes
+    from ds4sci.parallel.evoformer.mesh2d import block_comm_bytes
 
     return block_comm_bytes(block, math.isqrt(p), n_res, n_seq, rank)
 

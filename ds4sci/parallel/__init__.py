@@ -6,7 +6,7 @@
   block and its loss, ``token_loss_for``);
 - :mod:`~ds4sci.parallel.parallelize`: ``parallelize``, applying tensor parallelism and the sequence-parallel
   attention of :mod:`ds4sci.sequence` to a GenSLM, and ``materialize_``;
-- ``evoformer_cp`` / ``evoformer_cp2d``: context parallelism of Evoformer and Pairformer blocks.
+- ``evoformer``: context parallelism of Evoformer and Pairformer blocks.
 
 The degrees, process groups and collectives they build on live in :mod:`ds4sci.distributed`. Import the modules by
 name; importing has no side effects (no process group, no environment edits).
