@@ -20,7 +20,7 @@ the step) are not. The loss is the sum of the outputs, whose gradient is a broad
 outputs whose backward makes whole ``[N, N, C_z]`` tensors (a mean square: its gradient and temporaries, up to five
 with the gathered output at once) would add to every rank's peak a term that no P divides, a loss head's and not
 the block's (tests/test_bench_evoformer_cp.py sees it). Beside them the planner's figure
-(:func:`planned_peak`: :func:`ds4sci.plan_evoformer.memory`'s training terms of one block). (A peak RSS is not
+(:func:`planned_peak`: :func:`ds4sci.planning.evoformer.memory`'s training terms of one block). (A peak RSS is not
 reported: in a gloo worker that has run the step before, the allocator reuses freed memory and the RSS barely moves
 at these sizes.)
 
@@ -35,7 +35,7 @@ tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each
 the peak the whole padded pair mask is live as well, ``e`` per ``N^2`` on every rank (both layouts make it at the
 stack's entry and cut their pieces out of it). In 1-D the exit gathers are alive at the end of forward beside
 everything forward saved: z received into the tensor returned, ``e C_z`` per ``N^2`` more, and the copy of the
-rank's own columns it sends, ``e C_z / P`` (:func:`ds4sci.plan_evoformer.exit_bytes`).
+rank's own columns it sends, ``e C_z / P`` (:func:`ds4sci.planning.evoformer.exit_bytes`).
 
 Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms; ``1d`` is the
 axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2).
@@ -235,10 +235,10 @@ def measure(cfg: dict, p: int) -> list[dict]:
 
 def planned_peak(cfg: dict, kind: str, p: int, n_res: int) -> float:
     """The planner's bytes per rank of one block's training step at ``cfg``'s shape:
-    :func:`ds4sci.plan_evoformer.memory`'s ``block_saved + gathers + working + exit`` (its training terms less the
+    :func:`ds4sci.planning.evoformer.memory`'s ``block_saved + gathers + working + exit`` (its training terms less the
     checkpoints, which a stack without checkpointing does not keep), plus the block's parameter gradients in fp32
     (counted by the measurement too)."""
-    from ds4sci import plan_evoformer as pe
+    from ds4sci.planning import evoformer as pe
 
     evoformer = kind == "evoformer"
     c, h = cfg["c_hidden"], cfg["heads"]
@@ -248,7 +248,7 @@ def planned_peak(cfg: dict, kind: str, p: int, n_res: int) -> float:
                     layout=cfg["layout"] if p > 1 else "1", gpus=p)
     mem = pe.memory(w)
     gradients = 4 * sum(q.numel() for q in _blocks(kind, cfg, 1)[0].parameters())
-    return mem["block_saved"] + mem["gathers"] + mem["working"] + mem["exit"] + gradients
+    return mem.block_saved + mem.gathers + mem.working + mem.exit + gradients
 
 
 def _n2_coefficient(n_res: list[int], values: list[float]) -> float:
@@ -301,7 +301,7 @@ def markdown(report: dict) -> str:
         "Memory of a one-block stack's training step (loss: the sum of the outputs), the most on any rank, counted "
         "by ds4sci.bench.memory.LiveTensors (the tensors ops return; parameter gradients in, parameters and inputs "
         "out): saved, what autograd keeps for backward; peak, of the live tensors over forward and backward (vs "
-        "P = 1: how much less); planner: ds4sci.plan_evoformer's block_saved + gathers + working + exit, plus the "
+        "P = 1: how much less); planner: ds4sci.planning.evoformer's block_saved + gathers + working + exit, plus the "
         "parameter gradients.",
         "",
         *markdown_table(("block", "P", "N_res", "N_seq", "sent/block (KiB)", "closed form (KiB)",

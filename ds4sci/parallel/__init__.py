@@ -5,7 +5,7 @@ Where each concept lives:
 
 - :mod:`~ds4sci.parallel.dims`: :class:`ParallelDims` (every degree, the sequence layout, every rank coordinate)
   and the sequence layout's arithmetic (:class:`~ds4sci.parallel.dims.Layout`: contiguous / zigzag, exported as
-  ``ds4sci.sequence.Layout``); no torch, so the planner (:mod:`ds4sci.plan`) computes with the same definitions
+  ``ds4sci.sequence.Layout``); no torch, so the planner (:mod:`ds4sci.planning`) computes with the same definitions
   as the trainer;
 - :mod:`~ds4sci.parallel.groups`: :func:`~ds4sci.parallel.groups.build_groups` (explicit process groups, no global
   singleton) and DeepSpeed's ``mpu`` adapter;

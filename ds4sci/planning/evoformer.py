@@ -54,7 +54,7 @@ class EvoformerShape:
         return self.kind == "evoformer"
 
     def block_parameters(self) -> int:
-        """Parameters of one block (the module's own ``sum(p.numel())``; tests/test_plan_evoformer.py)."""
+        """Parameters of one block (the module's own ``sum(p.numel())``; tests/planning/test_evoformer_plan.py)."""
         openfold = self.evoformer  # OpenFold's convention: biased gate, output and projections
 
         def ln(c):

@@ -288,7 +288,7 @@ def zero3_gathered_params(w: Workload, strategy: Strategy, zero: ZeroBuffers = Z
     2 head`` (the layers after it in forward, the head twice and ``r`` backward visits of each later layer: 2 under
     ``full`` checkpointing, the recomputed forward and the backward, 1 otherwise); plus the prefetch bucket; at most
     the rank's parameters. Whole layers where DeepSpeed keeps modules: measured in ZeRO-3 steps on the CPU, over by
-    less than one layer (tests/test_plan_buffers.py)."""
+    less than one layer (tests/planning/test_genslm_plan_buffers.py)."""
     layer_tensors, outside = _param_tensors(w, strategy)
 
     def big(sizes: list[float]) -> float:
