@@ -46,8 +46,8 @@ ZeRO-3): per layer on the device, the slope of ``device`` over ``S`` times the b
 counts; per block a stage holds, ``L / pp`` of them); the working set, the slope over ``S`` of ``peak - device`` at
 the larger ``L`` (what backward adds above the saved tensors: the recomputed layer and its gradients); and the
 longest sequence within the per-rank ``--budget-mib`` from the fit ``peak = a + b S`` at the larger ``L``. Beside
-each the planner's figure for the same layout (:mod:`ds4sci.planning.genslm`, fp32, a ``Strategy`` with the layout's degrees:
-``activations + workspace + attention + grads`` and the larger of the Ulysses all-to-all staging and the ring's
+each the planner's figure for the same layout (:mod:`ds4sci.planning.genslm`, fp32, a ``Strategy`` with the layout's
+degrees: ``activations + workspace + attention + grads`` and the larger of the Ulysses all-to-all staging and the ring's
 buffers, plus ZeRO-3's gathered parameters, the step's peak above the parameters and the optimizer state, as
 ``PeakMemory`` starts after them), and per layout the blocks, parameter and gradient bytes a rank holds.
 """

@@ -16,8 +16,8 @@ separately, as in Megatron-LM; the formula row stays beside it, labelled formula
 without dropout, ds4sci's training default: one shared reduce-scatter). No activation checkpointing: the TP closed
 forms count one forward, its backward and backward's all-gathers that rebuild the column-parallel matmuls' inputs
 (the layers save only this rank's sequence region); full checkpointing would add the forward's collectives again
-(:func:`ds4sci.planning.costs.tp_forward_comm_bytes`). The TP layers' small all-reduce of the LayerNorm gradients is left out
-of both TP closed forms.
+(:func:`ds4sci.planning.costs.tp_forward_comm_bytes`). The TP layers' small all-reduce of the LayerNorm gradients is
+left out of both TP closed forms.
 """
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ state lazily); step 2 is measured on every rank:
   an all-reduce ``2 (P-1)/P`` of its tensor (a ring's), a send its tensor; a broadcast ``P-1`` copies from the root.
 
 The prediction is :func:`ds4sci.planning.genslm.memory` (``params``, ``grads``, ``optimizer``, ``activations``) and
-:func:`ds4sci.planning.genslm.comm` (``tp``, ``ulysses``, ``ring``, ``pp``, ``dp``) for the same model and layout, fp32; the
-report gives measured / predicted per term for the most loaded rank. Measured ``dp`` is everything sent over the
+:func:`ds4sci.planning.genslm.comm` (``tp``, ``ulysses``, ``ring``, ``pp``, ``dp``) for the same model and layout, fp32;
+the report gives measured / predicted per term for the most loaded rank. Measured ``dp`` is everything sent over the
 sequence x data group (ds4sci's, or the pipeline engine's own over the same ranks), ``pp`` the pipeline's sends
 (DeepSpeed sends on the default group), ``other`` what fits no term (a few kB of pipeline bookkeeping and ZeRO-3
 broadcasts on the default group).

@@ -2,8 +2,8 @@
 DeepSpeed4Science paper (Song et al. 2023, "DeepSpeed4Science Initiative", GenSLM section) singles out: the learned
 position table's state and the attention mask.
 
-Measured here, at small sizes on this machine, from the tensors ds4sci really allocates (``nbytes`` of every
-tensor, exact), then compared with the closed forms the planner uses (:func:`ds4sci.planning.costs.position_table_bytes`,
+Measured here, at small sizes on this machine, from the tensors ds4sci really allocates (``nbytes`` of every tensor,
+exact), then compared with the closed forms the planner uses (:func:`ds4sci.planning.costs.position_table_bytes`,
 :func:`ds4sci.planning.costs.mask_bytes`), which the report evaluates at the paper's sequence lengths:
 
 - position table (learned, fp32): parameter, gradient and AdamW's two moments of ``S`` rows unpartitioned, ``S/P``

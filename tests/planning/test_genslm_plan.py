@@ -14,6 +14,7 @@ from ds4sci.models.genslm.config import PRESETS
 from ds4sci.parallel import ParallelDims
 from ds4sci.planning import genslm as plan
 from ds4sci.planning import genslm_search as search
+from ds4sci.planning.common import STATE_BYTES
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
 def test_planner_imports_neither_torch_nor_the_benchmarks():
@@ -137,10 +138,11 @@ def test_tiled_loss_activations_equal_saved_tensors(shape, checkpointing):
 def test_host_offload_equals_host_offload_measurement(shape, checkpointing):
     """Host offload of checkpointed inputs (HostOffload through ds4sci's checkpoint, the trainer's path; tiled MLP):
     per layer, what it holds in host memory (``HostOffload.offloaded_bytes``) is the planner's
-    :func:`~ds4sci.plan.offloaded_layer_bytes` (the block input under ``full``; under ``selective`` the query heads'
-    copy of grouped-query attention, none otherwise: q, k and v are views of the qkv buffer), the whole of it is the planner's ``host_activations``, and what stays on the device
-    (saved for backward, checkpoint inputs included, less what went to the host) is the planner's per-layer figure
-    less the offloaded bytes: under ``full`` nothing per layer."""
+    :func:`~ds4sci.planning.genslm.offloaded_layer_bytes` (the block input under ``full``; under ``selective`` the query
+    heads' copy of grouped-query attention, none otherwise: q, k and v are views of the qkv buffer), the whole of it is
+    the planner's ``host_activations``, and what stays on the device (saved for backward, checkpoint inputs included,
+    less what went to the host) is the planner's per-layer figure less the offloaded bytes: under ``full`` nothing per
+    layer."""
     S, tile = 256, 96
     configs = [GenSLMConfig(**{**SHAPES[shape], "num_layers": L, "max_position_embeddings": S}) for L in (1, 2)]
     runs = [_saved_activation_bytes(c, S, checkpointing, tile, offload=True) for c in configs]
@@ -213,8 +215,9 @@ def test_peak_memory_matches_seq_scaling_measurement():
     S, P = 4096, 2
     measured = seq_scaling.measure("ulysses", P, S, {"hidden": 64, "heads": 4, "layers": 2})["peak_bytes_max"]
     terms = plan.memory(_workload(S, rotary_pct=0.25), plan.Strategy(ParallelDims(dp=1, ulysses=P)))
+    # the step starts with parameters and optimizer allocated
     predicted = sum(getattr(terms, k) for k in ("activations", "workspace", "attention", "position_table", "mask",
-                                                "grads", "a2a_staging"))  # the step starts with parameters and optimizer allocated
+                                                "grads", "a2a_staging"))
     assert abs(predicted - measured) / measured < 0.3, (predicted, measured)
 
 
@@ -349,12 +352,13 @@ def test_rank_params_are_what_a_tensor_parallel_rank_holds(preset, overrides):
 
 def test_tp_comm_of_a_sequential_residual_reduces_each_branch_apart():
     """Llama's sequential residual reduce-scatters the attention and the MLP partial sums apart (the per-layer
-    ``megatron-sp`` form, ``10 (tp-1)/tp N h e``; the collectives are counted in tests/distributed/test_tensor_parallel.py),
-    where GPT-NeoX's parallel residual shares one (``8 (tp-1)/tp N h e``)."""
+    ``megatron-sp`` form, ``10 (tp-1)/tp N h e``; the collectives are counted in
+    tests/distributed/test_tensor_parallel.py), where GPT-NeoX's parallel residual shares one
+    (``8 (tp-1)/tp N h e``)."""
     strategy = plan.Strategy(ParallelDims(dp=1, tp=2))
     sequential = plan.Workload(GenSLMConfig.preset("llama-debug"), 64)
     parallel = plan.Workload(GenSLMConfig.preset("llama-debug", parallel_residual=True), 64)
-    w, e = sequential, plan.STATE_BYTES[sequential.dtype][0]
+    w, e = sequential, STATE_BYTES[sequential.dtype][0]
     extra = w.model.num_layers * w.micro_batch * w.grad_accum * 2 * (1 / 2) * 64 * w.model.hidden_size * e
     assert plan.comm(sequential, strategy).tp - plan.comm(parallel, strategy).tp == pytest.approx(extra)
 
