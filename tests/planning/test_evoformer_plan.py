@@ -299,10 +299,10 @@ def test_shards_divide_the_pair_terms():
     one = pe.memory(pe.Workload(af2, 4096, 512, mode="training"))
     for P in (4, 16):
         d1 = pe.memory(pe.Workload(af2, 4096, 512, mode="training", layout="1d", gpus=P))
-        assert d1["representations"] == pytest.approx(one["representations"] / P)
-        assert d1["gathers"] > 0
+        assert d1.representations == pytest.approx(one.representations / P)
+        assert d1.gathers > 0
     d2 = pe.memory(pe.Workload(af2, 4096, 512, mode="training", layout="2d", gpus=16))
-    assert d2["representations"] == pytest.approx(one["representations"] / 16) and d2["gathers"] == 0
+    assert d2.representations == pytest.approx(one.representations / 16) and d2.gathers == 0
     crops = {layout: pe.max_crop(pe.Workload(af2, 1, 512, mode="training", layout=layout, gpus=64))
              for layout in ("1d", "2d")}
     assert crops["2d"] > crops["1d"] > pe.max_crop(pe.Workload(af2, 1, 512, mode="training"))
