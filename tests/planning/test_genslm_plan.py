@@ -67,8 +67,6 @@ def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str, ti
     ``tile`` tokens (0: untiled); of those, the bytes left on the device after it; and the bytes :class:`HostOffload`
     holds in host memory (``offload``). With ``loss_tile`` the forward also computes the tiled loss (the head with
     targets); without, it stops at the logits."""
-    import functools
-
     from ds4sci.train.activation_checkpointing import CheckpointedCore, checkpoint
     from ds4sci.train.activation_offload import HostOffload
 
