@@ -15,6 +15,7 @@ PACKAGES = {
     "ds4sci.train": "ds4sci/train",
     "ds4sci.infer": "ds4sci/infer",
     "ds4sci.io": "ds4sci/io",
+    "ds4sci.planning": "ds4sci/planning",
     "ds4sci.commands": "ds4sci/commands",
     "ds4sci.integrations": "ds4sci/integrations",
     "ds4sci.bench": "ds4sci/bench",

@@ -113,8 +113,10 @@ def test_layering_check_sees_bad_imports(tmp_path):
 def test_backend_names_and_genslm_config_import_without_torch():
     """ds4sci.kernels.backends and ds4sci.models.genslm.config (and the package inits above them) load neither torch
     nor Triton, so torch-free tools (``ds4sci plan``, config validation) can use the backend enums and limits; nor
-    do the planners built on them (``ds4sci.plan_evoformer``, which imports ``ds4sci.plan``)."""
-    code = ("import sys, ds4sci.kernels.backends, ds4sci.models.genslm.config, ds4sci.plan_evoformer; "
+    do the planners built on them (every module of ``ds4sci.planning``) or their commands' modules."""
+    code = ("import sys, ds4sci.kernels.backends, ds4sci.models.genslm.config, ds4sci.planning.common, "
+            "ds4sci.planning.costs, ds4sci.planning.genslm, ds4sci.planning.genslm_search, "
+            "ds4sci.planning.evoformer, ds4sci.commands.plan, ds4sci.commands.plan_evoformer; "
             "heavy = sorted(m for m in sys.modules if m in ('torch', 'triton') or m.startswith(('torch.', 'triton.'))); "
             "print(heavy[:5]); sys.exit(bool(heavy))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

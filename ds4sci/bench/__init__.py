@@ -75,7 +75,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "layouts": (
         "ds4sci.bench.layout_memory",
         "per-rank parameter, gradient, optimizer-state and activation bytes and bytes sent per group of real "
-        "training steps for each parallel layout and ZeRO stage, beside ds4sci.plan's prediction of each term",
+        "training steps for each parallel layout and ZeRO stage, beside ds4sci.planning's prediction of each term",
     ),
     "score-variants": (
         "ds4sci.bench.score_variants",

@@ -19,7 +19,7 @@ of the step, :class:`ds4sci.bench.memory.PeakMemory`), the blocks held, and the 
 The most loaded rank is reported, in hidden vectors (``h e`` bytes) per token of the full sequence: per layer on the
 device (the slope of ``device`` over ``S`` from the two layer counts), the working set (the slope of ``peak -
 device`` at the larger ``L``) and the longest sequence within ``--budget-mib`` (from the fit ``peak = a + b S``),
-each beside the planner's figure for the same layout (:mod:`ds4sci.plan`, fp32, the layout's degrees).
+each beside the planner's figure for the same layout (:mod:`ds4sci.planning.genslm`, fp32, the layout's degrees).
 """
 from __future__ import annotations
 
@@ -295,7 +295,7 @@ def planner(row: str, shape: dict, layers: int, seq_len: int, layout: str = ONE)
     sequence per layer on the device, the working set per token (what backward adds above the saved tensors), host
     bytes, the step's peak, the blocks a rank holds (``held``: ``L / pp`` with one micro-batch in flight) and its
     parameter and gradient bytes (module docstring)."""
-    from ds4sci import plan
+    from ds4sci.planning import genslm as plan
 
     switches = ROWS[row]
     d, zero = dims(layout), zero_stage(layout)
@@ -308,18 +308,17 @@ def planner(row: str, shape: dict, layers: int, seq_len: int, layout: str = ONE)
     per_layer = (plan.layer_activation_bytes(w, strategy, strategy.checkpointing)
                  - plan.offloaded_layer_bytes(w, strategy)) / local
     terms = plan.memory(w, strategy)
-    buffers = max(terms["a2a_staging"], terms["ring_buffers"])  # alive one after the other: the larger counts
+    buffers = max(terms.a2a_staging, terms.ring_buffers)  # alive one after the other: the larger counts
     # ZeRO-3 gathers parameters during the step (its partitions and persistent ones exist before it)
-    peak = (terms["activations"] + terms["workspace"] + terms["attention"] + terms["grads"] + buffers
-            + terms["gathered_params"])
+    peak = terms.activations + terms.workspace + terms.attention + terms.grads + buffers + terms.gathered_params
     # saved outside the layers (ids, final norm, logits or the tiled loss's targets): the activations without
     # checkpointing less its layers'
     plain = plan.Strategy(d, loss_tile=strategy.loss_tile)
-    outside = (plan.memory(w, plain)["activations"] / seq_len
+    outside = (plan.memory(w, plain).activations / seq_len
                - held * plan.layer_activation_bytes(w, plain, "none") / local)
-    working = (terms["activations"] + terms["workspace"] + buffers) / seq_len - held * per_layer - outside
-    return {"per_layer": per_layer, "working_per_token": working, "host": terms["host_activations"], "peak": peak,
-            "held": held, "params": terms["params"] + terms["persistent_params"], "grads": terms["grads"]}
+    working = (terms.activations + terms.workspace + buffers) / seq_len - held * per_layer - outside
+    return {"per_layer": per_layer, "working_per_token": working, "host": terms.host_activations, "peak": peak,
+            "held": held, "params": terms.params + terms.persistent_params, "grads": terms.grads}
 
 
 def summarize(report: dict) -> list[dict]:

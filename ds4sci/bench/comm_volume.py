@@ -1,5 +1,5 @@
 """``ds4sci bench comm-volume``: bytes each rank sends per GenSLM layer under sequence and tensor parallelism,
-beside the closed forms of :func:`ds4sci.costs.layer_comm_bytes`, which the planner uses.
+beside the closed forms of :func:`ds4sci.planning.costs.layer_comm_bytes`, which the planner uses.
 
 For each degree ``P``, ``P`` gloo processes (:func:`ds4sci.spawn.run_workers`) run, scheme after scheme, one
 training step (forward + backward) of a GenSLM made sequence- or tensor-parallel by
@@ -7,7 +7,7 @@ training step (forward + backward) of a GenSLM made sequence- or tensor-parallel
 A :class:`~ds4sci.distributed.comm.CommCounter` records the bytes every collective call sends; the figure per layer is the
 difference between a 2-layer and a 1-layer model, so embedding, head and loss traffic cannot leak in.
 
-Schemes (the closed forms and their derivations: :mod:`ds4sci.costs`): ``ulysses`` (Jacobs et al. 2023,
+Schemes (the closed forms and their derivations: :mod:`ds4sci.planning.costs`): ``ulysses`` (Jacobs et al. 2023,
 all-to-all of q, k, v and the output), ``ring`` (Liu et al. 2023, key/value blocks around a ring, zigzag layout),
 ``hybrid`` (USP, Fang & Zhao 2024: Ulysses ``P/2`` x ring 2), ``megatron-sp`` (Megatron-LM sequence parallelism,
 Korthikanti et al. 2022, measured on ds4sci's tensor-parallel layers, :mod:`ds4sci.parallel.tensor_parallel`, TP
@@ -16,8 +16,8 @@ separately, as in Megatron-LM; the formula row stays beside it, labelled formula
 without dropout, ds4sci's training default: one shared reduce-scatter). No activation checkpointing: the TP closed
 forms count one forward, its backward and backward's all-gathers that rebuild the column-parallel matmuls' inputs
 (the layers save only this rank's sequence region); full checkpointing would add the forward's collectives again
-(:func:`ds4sci.costs.tp_forward_comm_bytes`). The TP layers' small all-reduce of the LayerNorm gradients is left out
-of both TP closed forms.
+(:func:`ds4sci.planning.costs.tp_forward_comm_bytes`). The TP layers' small all-reduce of the LayerNorm gradients is
+left out of both TP closed forms.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ds4sci.bench.report import (MIB, check_heads, markdown_table, parse_int_list, plural, save_figure, subplots,
                                  write_files)
-from ds4sci.costs import COMM_SCHEMES, layer_comm_bytes
+from ds4sci.planning.costs import COMM_SCHEMES, layer_comm_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -217,10 +217,10 @@ def measure(cfg: dict, p: int) -> list[dict]:
 
 def planned_peak(cfg: dict, kind: str, p: int, n_res: int) -> float:
     """The planner's bytes per rank of one block's training step at ``cfg``'s shape:
-    :func:`ds4sci.plan_evoformer.memory`'s ``block_saved + gathers + working + exit`` (its training terms less the
+    :func:`ds4sci.planning.evoformer.memory`'s ``block_saved + gathers + working + exit`` (its training terms less the
     checkpoints, which a stack without checkpointing does not keep), plus the block's parameter gradients in fp32
     (counted by the measurement too)."""
-    from ds4sci import plan_evoformer as pe
+    from ds4sci.planning import evoformer as pe
 
     evoformer = kind == "evoformer"
     c, h = cfg["c_hidden"], cfg["heads"]
@@ -230,7 +230,7 @@ def planned_peak(cfg: dict, kind: str, p: int, n_res: int) -> float:
                     layout=cfg["layout"] if p > 1 else "1", gpus=p)
     mem = pe.memory(w)
     gradients = 4 * sum(q.numel() for q in _blocks(kind, cfg, 1)[0].parameters())
-    return mem["block_saved"] + mem["gathers"] + mem["working"] + mem["exit"] + gradients
+    return mem.block_saved + mem.gathers + mem.working + mem.exit + gradients
 
 
 def _n2_coefficient(n_res: list[int], values: list[float]) -> float:
@@ -283,7 +283,7 @@ def markdown(report: dict) -> str:
         "Memory of a one-block stack's training step (loss: the sum of the outputs), the most on any rank, counted "
         "by ds4sci.bench.memory.LiveTensors (the tensors ops return; parameter gradients in, parameters and inputs "
         "out): saved, what autograd keeps for backward; peak, of the live tensors over forward and backward (vs "
-        "P = 1: how much less); planner: ds4sci.plan_evoformer's block_saved + gathers + working + exit, plus the "
+        "P = 1: how much less); planner: ds4sci.planning.evoformer's block_saved + gathers + working + exit, plus the "
         "parameter gradients.",
         "",
         *markdown_table(("block", "P", "N_res", "N_seq", "sent/block (KiB)", "closed form (KiB)",

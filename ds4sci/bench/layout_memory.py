@@ -1,5 +1,5 @@
 """``ds4sci bench layouts``: per-rank model states, activations and bytes sent of real training steps, layout by
-layout, beside :mod:`ds4sci.plan`'s prediction of each term.
+layout, beside :mod:`ds4sci.planning.genslm`'s prediction of each term.
 
 For each layout (``tp2xulysses2``, ``pp2xring2``, ...; data parallelism fills the rest of ``--world``) and ZeRO stage,
 ``--world`` gloo processes (:func:`ds4sci.spawn.run_workers`) build the real training stack,
@@ -15,7 +15,7 @@ their state lazily); step 2 is measured on every rank:
 - bytes sent per process group and collective kind, counted at the methods of ``torch.distributed.ProcessGroup``
   (every library's collectives pass there) with :class:`~ds4sci.distributed.comm.CommCounter`'s conventions.
 
-The prediction is :func:`ds4sci.plan.memory` and :func:`ds4sci.plan.comm` for the same model and layout, fp32; the
+The prediction is :func:`ds4sci.planning.genslm.memory` and :func:`ds4sci.planning.genslm.comm` for the same model and layout, fp32; the
 report gives measured / predicted per term for the most loaded rank. Measured ``dp`` is everything sent over the
 sequence x data group, ``pp`` the pipeline's sends, ``other`` what fits no term (pipeline bookkeeping and ZeRO-3
 broadcasts on the default group).
@@ -28,6 +28,7 @@ import re
 import tempfile
 import time
 import weakref
+from dataclasses import asdict
 from pathlib import Path
 
 from ds4sci.bench.report import (MIB, add_int_options, markdown_table, plural, save_figure, shape_options, subplots,
@@ -273,8 +274,9 @@ def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict
 
 
 def predicted(common: dict, degrees: dict, zero: int) -> tuple[dict, dict]:
-    """:func:`ds4sci.plan.memory` and :func:`ds4sci.plan.comm` of the benchmarked model and layout (fp32)."""
-    from ds4sci import plan
+    """:func:`ds4sci.planning.genslm.memory` and :func:`~ds4sci.planning.genslm.comm` of the benchmarked model and
+    layout (fp32), as dicts by term and by group."""
+    from ds4sci.planning import genslm as plan
     from ds4sci.data import NucleotideTokenizer
     from ds4sci.models.genslm import GenSLMConfig
 
@@ -283,10 +285,10 @@ def predicted(common: dict, degrees: dict, zero: int) -> tuple[dict, dict]:
                                 max_position_embeddings=common["seq_len"])
     w = plan.Workload(model, common["seq_len"], dtype="fp32")
     strategy = plan.Strategy(ParallelDims(**degrees), zero_stage=zero)
-    mem = plan.memory(w, strategy)
+    mem = asdict(plan.memory(w, strategy))
     # measured between steps: ZeRO-3's partitions and the parameters it keeps gathered (persistent), not the ones
     # it gathers for a module's use
-    return {**mem, "params": mem["params"] + mem["persistent_params"]}, plan.comm(w, strategy)
+    return {**mem, "params": mem["params"] + mem["persistent_params"]}, asdict(plan.comm(w, strategy))
 
 
 def _term(label: str, kind: str) -> str:
@@ -352,7 +354,7 @@ def markdown(report: dict) -> str:
              f"{plural(c['heads'], 'head')}, {plural(c['layers'], 'layer')}, S = {c['seq_len']}, fp32, "
              f"world {c['world']}", "",
              f"Command: `{report['command']}`", "",
-             "Memory (MiB per rank, most loaded rank; in brackets measured / ds4sci.plan's prediction):", ""]
+             "Memory (MiB per rank, most loaded rank; in brackets measured / ds4sci.planning's prediction):", ""]
     rows = []
     for r in report["runs"]:
         m, p = r["measured"], r["predicted"]

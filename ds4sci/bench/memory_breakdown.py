@@ -2,9 +2,9 @@
 DeepSpeed4Science paper (Song et al. 2023, "DeepSpeed4Science Initiative", GenSLM section) singles out: the learned
 position table's state and the attention mask.
 
-Measured here, at small sizes on this machine, from the tensors ds4sci really allocates (``nbytes`` of every
-tensor, exact), then compared with the closed forms the planner uses (:func:`ds4sci.costs.position_table_bytes`,
-:func:`ds4sci.costs.mask_bytes`), which the report evaluates at the paper's sequence lengths:
+Measured here, at small sizes on this machine, from the tensors ds4sci really allocates (``nbytes`` of every tensor,
+exact), then compared with the closed forms the planner uses (:func:`ds4sci.planning.costs.position_table_bytes`,
+:func:`ds4sci.planning.costs.mask_bytes`), which the report evaluates at the paper's sequence lengths:
 
 - position table (learned, fp32): parameter, gradient and AdamW's two moments of ``S`` rows unpartitioned, ``S/P``
   with ds4sci's sequence-partitioned table (:func:`ds4sci.sequence.shard_positions`).
@@ -25,7 +25,7 @@ import argparse
 import torch
 
 from ds4sci.bench.report import markdown_table, parse_int_list, save_figure, subplots, write_files
-from ds4sci.costs import MASK_POLICIES, mask_bytes, position_table_bytes
+from ds4sci.planning.costs import MASK_POLICIES, mask_bytes, position_table_bytes
 
 GIB = 2.0**30
 PAPER_SEQ_LENS = (50_000, 100_000, 200_000, 500_000)

@@ -3,7 +3,7 @@
 One validated object, :class:`ParallelDims`, holds the five degrees (tensor, Ulysses, ring, data, pipeline) and the
 sequence :class:`Layout`, and derives every rank coordinate; their product is the world size. The process groups
 (:mod:`ds4sci.distributed.groups`), the sequence-parallel layers (:mod:`ds4sci.sequence`) and the planner
-(:mod:`ds4sci.plan`) all read it, so this module imports nothing heavier than the standard library.
+(:mod:`ds4sci.planning`) all read it, so this module imports nothing heavier than the standard library.
 
 Rank layout, innermost first, in the order of the USP paper (Fang & Zhao 2024, "USP: A Unified Sequence
 Parallelism Approach for Long Context Generative AI", section 5): TP < Ulysses < Ring < DP < PP, so the

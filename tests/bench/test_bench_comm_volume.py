@@ -1,4 +1,4 @@
-"""``ds4sci bench comm-volume``: the bytes counted at the collectives match the closed forms of ds4sci.costs
+"""``ds4sci bench comm-volume``: the bytes counted at the collectives match the closed forms of ds4sci.planning.costs
 (Ulysses, ring, and Megatron-LM sequence parallelism measured on ds4sci's tensor-parallel layers), and the command
 writes its three files."""
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ds4sci import cli
-from ds4sci.costs import layer_comm_bytes
+from ds4sci.planning.costs import layer_comm_bytes
 from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 
 

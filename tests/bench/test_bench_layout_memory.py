@@ -69,7 +69,7 @@ def test_dp_all_reduces_the_gradients_and_activations_match_the_planner(quick):
 
 @pytest.mark.distributed
 def test_planner_predicts_the_quick_layouts_model_states_and_bytes_sent(quick):
-    """ds4sci.plan against DeepSpeed 0.19.8's real steps: ZeRO-1 hands the optimizer 1/2 of the gradients, keeps an
+    """ds4sci.planning against DeepSpeed 0.19.8's real steps: ZeRO-1 hands the optimizer 1/2 of the gradients, keeps an
     fp32 master copy beside the moments and all-reduces then all-gathers; TP2 without dropout sends 8 (P-1)/P N h e
     per layer (backward's re-gather of the column-parallel inputs included) plus the embedding's, the final layer
     norm's and the loss's collectives. Activations under TP within 1% (the region the embedding is split to owns

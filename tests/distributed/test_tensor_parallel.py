@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ds4sci import plan as planner
-from ds4sci.costs import tp_forward_comm_bytes
+from ds4sci.planning import genslm as planner
+from ds4sci.planning.costs import tp_forward_comm_bytes
 from ds4sci.distributed import ParallelDims
 from ds4sci.distributed.comm import CommCounter
 from ds4sci.distributed.groups import build_groups
@@ -150,7 +150,7 @@ def check_saved_bytes(label, groups, config, *, S, B=2, tile=0):
 
 def check_tiled_loss_saved_bytes(label, groups, config, *, S, B=2, tile=5):
     """The tiled loss on the vocabulary-parallel head saves, per local token, the planner's
-    :func:`~ds4sci.plan.loss_saved_bytes` more than the head alone computing logits: the SP shard's int64 targets (``8
+    :func:`~ds4sci.planning.genslm.loss_saved_bytes` more than the head alone computing logits: the SP shard's int64 targets (``8
     tp``) and the gathered final-norm output (``tp h e``) in place of this rank's region (``h e``), which the head's
     column-parallel matmul saves untiled; and no logits. (The untiled head also saves its padded-column mask, ``V_pad /
     tp`` booleans for the ``-inf`` fill; the tiled one keeps none.)"""
@@ -273,7 +273,7 @@ def _worker_tp2(rank, world):
         counter
 
     # full activation checkpointing (a reentrant recomputation, as DeepSpeed's) sends each layer's forward
-    # collectives once more (ds4sci.costs.tp_forward_comm_bytes) and its backward still re-gathers the regions
+    # collectives once more (ds4sci.planning.costs.tp_forward_comm_bytes) and its backward still re-gathers the regions
     sent = []
     for recompute in (False, True):
         counter = CommCounter()

@@ -3,12 +3,14 @@ them, checked field by field, named by the presets; tensor parallelism (item 2) 
 key/value heads divide one another, and ``parallelize``, the run config and the planner refuse the rest alike."""
 import pytest
 
-from ds4sci import cli, plan
+from ds4sci import cli
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.models.genslm.config import PRESETS, describe_preset
 from ds4sci.distributed import ParallelDims
 from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.parallel.parallelize import parallelize
+from ds4sci.planning.genslm import Cluster, Workload
+from ds4sci.planning.genslm_search import strategies
 from ds4sci.train.config import load_config
 
 
@@ -66,7 +68,7 @@ def test_run_config_refuses_what_its_layout_cannot_split():
 
 
 def test_planner_offers_tensor_parallel_layouts_for_a_llama_shape(capsys):
-    layouts = plan.strategies(plan.Workload(GenSLMConfig.preset("llama3-8B"), 8192), plan.Cluster(), {})
+    layouts = strategies(Workload(GenSLMConfig.preset("llama3-8B"), 8192), Cluster())
     assert {s.dims.tp for s in layouts} == {1, 2, 4, 8}  # 8 key/value heads: tp 8 gives one to each rank
     assert cli.main(["plan", "--preset", "llama-100M", "--seq-len", "8192", "--gpus-per-node", "6", "--tp", "6"]) == 2
     assert capsys.readouterr().err == ("ds4sci plan: error: --tp=6 and the model's 4 key/value heads: one must divide "

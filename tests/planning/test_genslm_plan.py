@@ -7,22 +7,26 @@ import sys
 import pytest
 import torch
 
-from ds4sci import cli, plan
+from ds4sci import cli
 from ds4sci.bench import memory_breakdown, seq_scaling
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.models.genslm.config import PRESETS
 from ds4sci.distributed import ParallelDims
+from ds4sci.planning import genslm as plan
+from ds4sci.planning import genslm_search as search
+from ds4sci.planning.common import STATE_BYTES
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
 def test_planner_imports_neither_torch_nor_the_benchmarks():
-    """The planner is arithmetic on definitions it shares with the code (ParallelDims, ds4sci.costs, the model
-    config's methods): importing it and computing a plan pull in no torch (so no torch.distributed) and nothing from
-    ds4sci.bench."""
-    code = ("import sys, ds4sci.plan as plan\n"
+    """The planner is arithmetic on definitions it shares with the code (ParallelDims, ds4sci.planning.costs, the
+    model config's methods): importing it and computing a plan pull in no torch (so no torch.distributed) and nothing
+    from ds4sci.bench."""
+    code = ("import sys, ds4sci.planning.genslm as plan, ds4sci.planning.genslm_search as search\n"
             "from ds4sci.models.genslm.config import GenSLMConfig\n"
-            "from ds4sci.parallel import ParallelDims\n"
+            "from ds4sci.distributed import ParallelDims\n"
             "w = plan.Workload(GenSLMConfig.preset('debug'), 4096)\n"
-            "assert plan.memory(w, plan.Strategy(ParallelDims(dp=1, ulysses=2)))['total'] > 0\n"
+            "assert plan.memory(w, plan.Strategy(ParallelDims(dp=1, ulysses=2))).total > 0\n"
+            "assert search.plan(w, plan.Cluster())\n"
             "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('ds4sci.bench')]\n"
             "sys.exit(f'imported {bad}' if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
@@ -46,15 +50,15 @@ def test_position_table_equals_memory_breakdown_measurement(S, P):
     """memory-breakdown's configurations (hidden 64, P = 1 and 4): the planner's table term is the bytes ds4sci's
     partitioned table, its gradient and AdamW state really take."""
     w = _workload(S, position_embedding="learned", max_position_embeddings=S)
-    predicted = plan.memory(w, plan.Strategy(ParallelDims(dp=1, ulysses=P)))["position_table"]
+    predicted = plan.memory(w, plan.Strategy(ParallelDims(dp=1, ulysses=P))).position_table
     assert predicted == memory_breakdown.measure_table(S, 64, P)
 
 
 @pytest.mark.parametrize("policy", plan.MASKS[1:])
 def test_mask_equals_memory_breakdown_measurement(policy):
     w = plan.Workload(**{**vars(_workload(512)), "mask": policy})
-    assert plan.memory(w, plan.Strategy())["mask"] == memory_breakdown.measure_mask(policy, 512)["device"]
-    assert plan.memory(_workload(512), plan.Strategy())["mask"] == 0  # causal: evaluated inside the kernel
+    assert plan.memory(w, plan.Strategy()).mask == memory_breakdown.measure_mask(policy, 512)["device"]
+    assert plan.memory(_workload(512), plan.Strategy()).mask == 0  # causal: evaluated inside the kernel
 
 
 def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str, tile: int = 0,
@@ -63,8 +67,6 @@ def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str, ti
     ``tile`` tokens (0: untiled); of those, the bytes left on the device after it; and the bytes :class:`HostOffload`
     holds in host memory (``offload``). With ``loss_tile`` the forward also computes the tiled loss (the head with
     targets); without, it stops at the logits."""
-    import functools
-
     from ds4sci.train.activation_checkpointing import CheckpointedCore, checkpoint
     from ds4sci.train.activation_offload import HostOffload
 
@@ -111,7 +113,7 @@ def test_activations_equal_saved_tensors(shape, checkpointing, tile):
     w = plan.Workload(configs[1], S, dtype="fp32")
     strategy = plan.Strategy(checkpointing=checkpointing, mlp_tile=tile)
     assert saved[1] - saved[0] == plan.layer_activation_bytes(w, strategy, checkpointing) * S
-    assert saved[1] == plan.memory(w, strategy)["activations"] - 8 * SMALL["vocab_size"] * S
+    assert saved[1] == plan.memory(w, strategy).activations - 8 * SMALL["vocab_size"] * S
 
 
 @pytest.mark.parametrize("shape", ["neox-rotary", "llama-mqa-tied"])
@@ -126,7 +128,7 @@ def test_tiled_loss_activations_equal_saved_tensors(shape, checkpointing):
     w = plan.Workload(config, S, dtype="fp32")
     strategy = plan.Strategy(checkpointing=checkpointing, mlp_tile=tile, loss_tile=tile)
     assert plan.loss_saved_bytes(w, strategy) == 8
-    assert saved == plan.memory(w, strategy)["activations"]
+    assert saved == plan.memory(w, strategy).activations
 
 
 @pytest.mark.parametrize("shape", ["neox-rotary", "neox-learned", "llama-gqa"])
@@ -134,10 +136,11 @@ def test_tiled_loss_activations_equal_saved_tensors(shape, checkpointing):
 def test_host_offload_equals_host_offload_measurement(shape, checkpointing):
     """Host offload of checkpointed inputs (HostOffload through ds4sci's checkpoint, the trainer's path; tiled MLP):
     per layer, what it holds in host memory (``HostOffload.offloaded_bytes``) is the planner's
-    :func:`~ds4sci.plan.offloaded_layer_bytes` (the block input under ``full``; under ``selective`` the query heads'
-    copy of grouped-query attention, none otherwise: q, k and v are views of the qkv buffer), the whole of it is the planner's ``host_activations``, and what stays on the device
-    (saved for backward, checkpoint inputs included, less what went to the host) is the planner's per-layer figure
-    less the offloaded bytes: under ``full`` nothing per layer."""
+    :func:`~ds4sci.planning.genslm.offloaded_layer_bytes` (the block input under ``full``; under ``selective`` the query
+    heads' copy of grouped-query attention, none otherwise: q, k and v are views of the qkv buffer), the whole of it is
+    the planner's ``host_activations``, and what stays on the device (saved for backward, checkpoint inputs included,
+    less what went to the host) is the planner's per-layer figure less the offloaded bytes: under ``full`` nothing per
+    layer."""
     S, tile = 256, 96
     configs = [GenSLMConfig(**{**SHAPES[shape], "num_layers": L, "max_position_embeddings": S}) for L in (1, 2)]
     runs = [_saved_activation_bytes(c, S, checkpointing, tile, offload=True) for c in configs]
@@ -145,7 +148,7 @@ def test_host_offload_equals_host_offload_measurement(shape, checkpointing):
     strategy = plan.Strategy(checkpointing=checkpointing, mlp_tile=tile, offload_activations=True)
     offloaded = plan.offloaded_layer_bytes(w, strategy)
     assert runs[1][2] - runs[0][2] == offloaded * S
-    assert runs[1][2] == plan.memory(w, strategy)["host_activations"]
+    assert runs[1][2] == plan.memory(w, strategy).host_activations
     device = [on_device for _, on_device, _ in runs]
     assert all(total - on_device == host for total, on_device, host in runs)
     assert device[1] - device[0] == (plan.layer_activation_bytes(w, strategy, checkpointing) - offloaded) * S
@@ -169,8 +172,8 @@ def test_a_tied_head_costs_the_flops_of_an_untied_one():
     compute is the untied model's, and its 6 N FLOPs per token count the embedding and head matrices twice."""
     w, tied = (plan.Workload(GenSLMConfig.preset("llama-debug", tie_word_embeddings=t), 512) for t in (False, True))
     assert tied.model_params == w.model_params - 69 * 64
-    assert plan.step_time(tied, plan.Strategy(), plan.Cluster())["compute_s"] == \
-        plan.step_time(w, plan.Strategy(), plan.Cluster())["compute_s"]
+    assert plan.step_time(tied, plan.Strategy(), plan.Cluster()).compute_s == \
+        plan.step_time(w, plan.Strategy(), plan.Cluster()).compute_s
 
 
 # fp32 bytes per token of SMALL with rotary (h 64, f 256, 4 heads, rotary_dim 4), counted by hand:
@@ -195,7 +198,7 @@ def test_pipeline_first_stage_holds_min_pp_grad_accum_micro_batches(pp, grad_acc
     stage_layers = {2: 3, 4: 2}[pp]
     assert plan.layer_activation_bytes(w, plan.Strategy(), "none") == LAYER_BYTES_PER_TOKEN
     expected = S * (stage_layers * in_flight * LAYER_BYTES_PER_TOKEN + OUTSIDE_BYTES_PER_TOKEN)
-    assert plan.memory(w, plan.Strategy(ParallelDims(dp=1, pp=pp)))["activations"] == expected
+    assert plan.memory(w, plan.Strategy(ParallelDims(dp=1, pp=pp))).activations == expected
 
 
 @pytest.mark.slow
@@ -210,8 +213,9 @@ def test_peak_memory_matches_seq_scaling_measurement():
     S, P = 4096, 2
     measured = seq_scaling.measure("ulysses", P, S, {"hidden": 64, "heads": 4, "layers": 2})["peak_bytes_max"]
     terms = plan.memory(_workload(S, rotary_pct=0.25), plan.Strategy(ParallelDims(dp=1, ulysses=P)))
-    predicted = sum(terms[k] for k in ("activations", "workspace", "attention", "position_table", "mask", "grads",
-                                       "a2a_staging"))  # the step starts with parameters and optimizer allocated
+    # the step starts with parameters and optimizer allocated
+    predicted = sum(getattr(terms, k) for k in ("activations", "workspace", "attention", "position_table", "mask",
+                                                "grads", "a2a_staging"))
     assert abs(predicted - measured) / measured < 0.3, (predicted, measured)
 
 
@@ -224,7 +228,7 @@ def _debug(seq_len, **kw):
 
 def test_layouts_never_split_heads_they_cannot():
     w = _debug(8192)  # 4 heads on 8 GPUs
-    found = plan.strategies(w, CLUSTER, {})
+    found = search.strategies(w, CLUSTER)
     dims = [s.dims for s in found]
     assert found and all(w.model.num_heads % (d.tp * d.ulysses) == 0 for d in dims)
     assert {d.tp * d.ulysses for d in dims} == {1, 2, 4}
@@ -235,38 +239,38 @@ def test_layouts_never_split_heads_they_cannot():
 def test_strategies_split_the_sequence_as_the_trainer_does():
     """A ring cuts the sequence as the trainer does, into 2 x sp zigzag chunks (ParallelDims' default layout): four
     ring ranks need a multiple of 8, and the longest sequence found is one."""
-    fixed = {"tp": 1, "ulysses": 1, "ring": 4, "checkpointing": "full"}
+    fixed = search.Constraints(tp=1, ulysses=1, ring=4, checkpointing="full")
     assert ParallelDims.for_world(CLUSTER.world, ring=4).sequence_multiple == 8
-    assert not plan.strategies(_debug(8196), CLUSTER, fixed) and plan.strategies(_debug(8200), CLUSTER, fixed)
-    S = plan.max_seq_len(_debug(1), CLUSTER, fixed)
-    assert S > 0 and S % 8 == 0 and plan.plan(_debug(S), CLUSTER, fixed)
+    assert not search.strategies(_debug(8196), CLUSTER, fixed) and search.strategies(_debug(8200), CLUSTER, fixed)
+    S = search.max_seq_len(_debug(1), CLUSTER, fixed)
+    assert S > 0 and S % 8 == 0 and search.plan(_debug(S), CLUSTER, fixed)
 
 
 def test_fixed_degrees_are_respected():
     fixed = {"tp": 2, "ring": 2, "zero_stage": 1, "checkpointing": "full"}
-    rows = plan.plan(_debug(8192), CLUSTER, fixed)
+    rows = search.plan(_debug(8192), CLUSTER, search.Constraints(**fixed))
     assert rows
-    assert all(all(r["layout"][k] == v for k, v in fixed.items()) for r in rows)
-    speeds = [r["time"]["tokens_per_s"] for r in rows]
+    assert all(all(r.strategy.to_dict()[k] == v for k, v in fixed.items()) for r in rows)
+    speeds = [r.time.tokens_per_s for r in rows]
     assert speeds == sorted(speeds, reverse=True)
 
 
 def test_more_memory_per_gpu_is_never_a_shorter_max_seq():
     w = _debug(1)
-    fixed = {"checkpointing": "full", "offload": "none"}
-    lengths = [plan.max_seq_len(w, plan.Cluster(4, 2, mem, reserve_gib=0.0), fixed) for mem in (0.5, 1.0, 2.0)]
+    fixed = search.Constraints(checkpointing="full", offload="none")
+    lengths = [search.max_seq_len(w, plan.Cluster(4, 2, mem, reserve_gib=0.0), fixed) for mem in (0.5, 1.0, 2.0)]
     assert 0 < lengths[0] <= lengths[1] <= lengths[2]
 
 
-@pytest.mark.parametrize("fixed", [{}, {"ulysses": 2, "checkpointing": "none"}])
+@pytest.mark.parametrize("fixed", [search.Constraints(), search.Constraints(ulysses=2, checkpointing="none")])
 def test_max_seq_fits_and_the_next_length_does_not(fixed):
     w = _debug(1)
-    S = plan.max_seq_len(w, CLUSTER, fixed)
-    assert plan.plan(w.with_seq_len(S), CLUSTER, fixed)
-    budget = plan.budget_bytes(CLUSTER)
-    for strategy in plan.strategies(w, CLUSTER, fixed, split_seq=False):
+    S = search.max_seq_len(w, CLUSTER, fixed)
+    assert search.plan(w.with_seq_len(S), CLUSTER, fixed)
+    budget = search.budget_bytes(CLUSTER)
+    for strategy in search.strategies(w, CLUSTER, fixed, split_seq=False):
         q = strategy.dims.sequence_multiple
-        assert plan.memory(w.with_seq_len((S // q + 1) * q), strategy, CLUSTER)["total"] > budget, strategy
+        assert plan.memory(w.with_seq_len((S // q + 1) * q), strategy, CLUSTER).total > budget, strategy
 
 
 def test_command_lists_fitting_layouts_fastest_first(tmp_path, capsys):
@@ -346,14 +350,15 @@ def test_rank_params_are_what_a_tensor_parallel_rank_holds(preset, overrides):
 
 def test_tp_comm_of_a_sequential_residual_reduces_each_branch_apart():
     """Llama's sequential residual reduce-scatters the attention and the MLP partial sums apart (the per-layer
-    ``megatron-sp`` form, ``10 (tp-1)/tp N h e``; the collectives are counted in tests/distributed/test_tensor_parallel.py),
-    where GPT-NeoX's parallel residual shares one (``8 (tp-1)/tp N h e``)."""
+    ``megatron-sp`` form, ``10 (tp-1)/tp N h e``; the collectives are counted in
+    tests/distributed/test_tensor_parallel.py), where GPT-NeoX's parallel residual shares one
+    (``8 (tp-1)/tp N h e``)."""
     strategy = plan.Strategy(ParallelDims(dp=1, tp=2))
     sequential = plan.Workload(GenSLMConfig.preset("llama-debug"), 64)
     parallel = plan.Workload(GenSLMConfig.preset("llama-debug", parallel_residual=True), 64)
-    w, e = sequential, plan.STATE_BYTES[sequential.dtype][0]
+    w, e = sequential, STATE_BYTES[sequential.dtype][0]
     extra = w.model.num_layers * w.micro_batch * w.grad_accum * 2 * (1 / 2) * 64 * w.model.hidden_size * e
-    assert plan.comm(sequential, strategy)["tp"] - plan.comm(parallel, strategy)["tp"] == pytest.approx(extra)
+    assert plan.comm(sequential, strategy).tp - plan.comm(parallel, strategy).tp == pytest.approx(extra)
 
 
 def test_the_recomputed_layer_keeps_no_first_norm_output_under_full_checkpointing_off_tp():
@@ -365,7 +370,7 @@ def test_the_recomputed_layer_keeps_no_first_norm_output_under_full_checkpointin
     assert plan.rebuilt_norm_bytes(w, full) == 64 * 4
     assert plan.rebuilt_norm_bytes(w, plan.Strategy(ParallelDims(dp=1), checkpointing="selective")) == 0
     assert plan.rebuilt_norm_bytes(w, plan.Strategy(ParallelDims(dp=1, tp=2), checkpointing="full")) == 0
-    per_token = plan.memory(w, full)["activations"] / 4096
+    per_token = plan.memory(w, full).activations / 4096
     held = 2 * plan.layer_activation_bytes(w, full, "full")
     outside = 8 + 2 * 64 * 4 + 8 + plan.loss_saved_bytes(w, full)  # ids, final norm, loss
     assert per_token == held + plan.layer_activation_bytes(w, full, "none") - 64 * 4 + outside

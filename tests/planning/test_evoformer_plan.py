@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from ds4sci import cli
-from ds4sci import plan_evoformer as pe
 from ds4sci.bench.memory import LiveTensors
+from ds4sci.commands.plan_evoformer import workload_from_args
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
-from ds4sci.plan import GIB
+from ds4sci.planning import evoformer as pe
+from ds4sci.planning.common import GIB
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -90,8 +91,8 @@ def _live_by_submodule(block, shape, inputs, chunk_size):
 def test_planner_imports_no_torch():
     """Arithmetic only: importing the planner and computing a memory figure pulls in no torch and nothing of
     ds4sci.bench."""
-    code = ("import sys, ds4sci.plan_evoformer as pe\n"
-            "assert pe.memory(pe.Workload(pe.PRESETS['af2'], 256, 128))['total'] > 0\n"
+    code = ("import sys, ds4sci.planning.evoformer as pe\n"
+            "assert pe.memory(pe.Workload(pe.PRESETS['af2'], 256, 128)).total > 0\n"
             "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('ds4sci.bench')]\n"
             "sys.exit(f'imported {bad}' if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
@@ -172,7 +173,7 @@ def test_training_step_peak_is_bounded_by_the_model(name):
     w = pe.Workload(pe.EvoformerShape(**{**vars(shape), "blocks": 2}), 24, 8 if shape.evoformer else 0, "fp32",
                     "training")
     mem = pe.memory(w)
-    predicted = mem["checkpoints"] + mem["block_saved"] + mem["working"]
+    predicted = mem.checkpoints + mem.block_saved + mem.working
     assert measured <= predicted <= 1.5 * measured
 
 
@@ -298,10 +299,10 @@ def test_shards_divide_the_pair_terms():
     one = pe.memory(pe.Workload(af2, 4096, 512, mode="training"))
     for P in (4, 16):
         d1 = pe.memory(pe.Workload(af2, 4096, 512, mode="training", layout="1d", gpus=P))
-        assert d1["representations"] == pytest.approx(one["representations"] / P)
-        assert d1["gathers"] > 0
+        assert d1.representations == pytest.approx(one.representations / P)
+        assert d1.gathers > 0
     d2 = pe.memory(pe.Workload(af2, 4096, 512, mode="training", layout="2d", gpus=16))
-    assert d2["representations"] == pytest.approx(one["representations"] / 16) and d2["gathers"] == 0
+    assert d2.representations == pytest.approx(one.representations / 16) and d2.gathers == 0
     crops = {layout: pe.max_crop(pe.Workload(af2, 1, 512, mode="training", layout=layout, gpus=64))
              for layout in ("1d", "2d")}
     assert crops["2d"] > crops["1d"] > pe.max_crop(pe.Workload(af2, 1, 512, mode="training"))
@@ -311,8 +312,8 @@ def test_reference_backend_costs_the_logits():
     """The plain reference path stores the logits: at 1,024 residues it needs more memory than the kernel, by more
     than an [N_res, H, N_res, N_res] tensor of the pair attention."""
     af2 = pe.PRESETS["af2"]
-    kernel = pe.memory(pe.Workload(af2, 1024, 128, "fp32"))["total"]
-    reference = pe.memory(pe.Workload(af2, 1024, 128, "fp32", backend="reference"))["total"]
+    kernel = pe.memory(pe.Workload(af2, 1024, 128, "fp32")).total
+    reference = pe.memory(pe.Workload(af2, 1024, 128, "fp32", backend="reference")).total
     assert reference - kernel > 1024**3 * af2.no_heads_pair * 4
 
 
@@ -323,8 +324,8 @@ def test_max_crop_fits_and_one_more_does_not(argv, capsys):
     assert cli.main(["plan-evoformer", "--max-crop", *argv]) == 0
     n = int(capsys.readouterr().out.split("Longest crop that fits: ")[1].split()[0])
     args = cli.build_parser(["plan-evoformer"]).parse_args(["plan-evoformer", "--n-res", str(n), *argv])
-    w = pe.workload_from_args(args)
-    assert pe.memory(w)["total"] <= w.gpu_mem_gib * GIB < pe.memory(w.with_n_res(n + 1))["total"]
+    w = workload_from_args(args)
+    assert pe.memory(w).total <= w.gpu_mem_gib * GIB < pe.memory(w.with_n_res(n + 1)).total
 
 
 # Published anchors (order of magnitude): argv, the published crop, and the band the ratio predicted / published must

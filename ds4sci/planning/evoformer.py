@@ -1,92 +1,25 @@
-"""``ds4sci plan-evoformer``: how much memory one GPU needs to run an Evoformer (AlphaFold2) or Pairformer (AlphaFold3)
-trunk at a crop of ``N_res`` residues, on one GPU, by axial (1-D) context parallelism over P GPUs or on a p x p mesh
-(2-D), in training or inference; and the longest crop that fits (``--max-crop``).
+"""Memory per GPU of an Evoformer (AlphaFold2) or Pairformer (AlphaFold3) trunk (``ds4sci plan-evoformer``'s model).
 
-Everything here is arithmetic (no torch): every term is a count of the tensors ds4sci's code keeps, read from that
-code (:mod:`ds4sci.models.evoformer`, :mod:`ds4sci.kernels.evoformer`, :mod:`ds4sci.parallel.evoformer_cp`,
-:mod:`ds4sci.parallel.evoformer_cp2d`), never a fitted factor. Bytes per rank, with ``e`` bytes per element (4 fp32,
-2 bf16), ``N`` residues and ``S`` MSA sequences padded to multiples of the shard count (as the context-parallel code
-pads them), ``L`` blocks, and a block of the shape :class:`EvoformerShape` (``C_m``/``C_s``, ``C_z``, per-head
-``c`` and ``H`` heads of each attention, ``c_opm``, ``c_mul``, transition factor ``n``):
+A crop of ``N_res`` residues on one GPU, by axial (1-D) context parallelism over P GPUs or on a p x p mesh (2-D),
+in training (per-block checkpointing) or inference. Arithmetic only (no torch): every term counts the tensors
+ds4sci's code keeps (:mod:`ds4sci.models.evoformer`, :mod:`ds4sci.kernels.evoformer`, the Evoformer context
+parallelism), never a fitted factor. Bytes per rank, with ``e`` bytes per element, ``N`` residues and ``S`` MSA
+sequences padded to multiples of the shard count, ``L`` blocks of an :class:`EvoformerShape`. The terms
+(:class:`EvoformerMemory`): parameters on every rank; the representations ``z [N, N, C_z]`` and ``m [S, N, C_m]``
+(the Pairformer's ``s [N, C_s]``), ``1/P`` or ``1/p^2`` of each; per-block checkpoints; what one block saves for
+backward; the 1-D all-gathers that do not shrink with P (FastFold's); the working set; the 1-D exit gathers; a
+reserve.
 
-- **parameters** (:meth:`EvoformerShape.block_parameters`, equal to the modules' own count), on every rank (context
-  parallelism shards activations, not weights): inference ``e`` per parameter; training fp32 ``4 + 4 + 8`` or bf16
-  ``2 + 2 + 12`` (gradient, AdamW's moments and fp32 master copy: :data:`ds4sci.plan.STATE_BYTES`).
-- **representations** held between blocks: the pair ``z [N, N, C_z]`` and the MSA ``m [S, N, C_m]`` (the
-  Pairformer's single ``s [N, C_s]``), per rank ``1/P`` (1-D) or ``1/p^2`` (2-D) of each (``s`` replicated).
-- **checkpoints** (training, per-block activation checkpointing as OpenFold's ``blocks_per_ckpt=1``): each block's
-  output is the next block's checkpointed input, ``L`` more copies of the representations.
-- **block_saved** (training): what one block saves for backward while it is recomputed
-  (:func:`block_saved_bytes`, per sub-module; checked exactly against ``saved_tensors_hooks`` on the CPU:
-  tests/test_plan_evoformer.py). Per position of a sub-module's input: each LayerNorm its input (an fp32 copy in
-  bf16: :class:`~ds4sci.models.evoformer.primitives.LayerNorm` normalises in fp32) and fp32 mean and rstd (8 bytes),
-  and its output (the next linear's input); each gated attention q, k, v, the kernel's output o, the gate g and
-  ``o * g`` (``6 H c``), the kernel's fp32 softmax statistics (row max and row sum, ``8 H`` bytes: linear in the key
-  length, no logits) and the mask bias (1); the pair bias ``H`` per pair; the ReLU transition ``(1 + n) C`` beside its
-  norm, SwiGLU ``(1 + 4 n) C``; the outer product mean ``a``, ``b`` (``2 c_opm`` per MSA position) and the outer
-  products ``c_opm^2`` and count per pair; each triangle multiplication, per pair beside its input norm, ``3 C_z``
-  (the normed x, the output gate and projection) and ``10 c_mul`` (gate, masked gate and projection of a and b,
-  batched matmul's copies of a and b, p, LN(p)) and p's norm statistics; the masks once per block. The plain
-  reference backend saves the softmax's exponentials and probabilities (``2 H S`` per position, ``e`` each) instead
-  of the statistics (modelled: within 1% of the measurement, not asserted).
-- **working** set: training, the recomputed block's backward: the gradients of its outputs and inputs ``2 (z + m)``
-  plus the largest sub-module's saved bytes (the gradients of its intermediates are at most as large): an upper bound:
-  checkpoints, block_saved and working together are 1.2-1.3x the measured peak of live tensors of a checkpointed
-  two-block training step at 24 residues, its inputs and the parameter gradients left out
-  (tests/test_plan_evoformer.py; not exact; without the largest sub-module's term, 0.96-1.01x); inference, the peak of
-  live tensors of one block beyond its inputs (:func:`block_live_bytes`: per sub-module the intermediates alive at its
-  peak, read from its forward, on top of what the block keeps alive around it; e.g. the triangle multiplication holds
-  ``x``, ``a``, ``b``, ``p``, the gate, ``LN(p)`` and its projection, ``3 C_z + 4 c_mul`` per pair, because ds4sci
-  does not chunk it; the outer product mean its ``[i, N, c_opm^2]`` products twice (einsum's output and the flattened
-  copy); ``--chunk-size`` bounds the attentions, transitions and outer product rows as the modules do). Checked
-  exactly against the peak of live tensors returned by each op on the CPU (:class:`ds4sci.bench.memory.LiveTensors`,
-  a ``TorchDispatchMode`` that counts storages until their last tensor dies: tests/test_plan_evoformer.py); not
-  seen by it and so modelled only: scratch inside one op (the torch backend's logits blocks, at most 4 MiB;
-  layer_norm's contiguous copy of a transposed input, listed as ``inside_ops``).
-- **gathers** (1-D only, FastFold's all-gathers that do not shrink with P): from
-  :mod:`ds4sci.parallel.evoformer_cp`, per Evoformer block the MSA pair bias ``N^2 H_msa``, the outer product's ``b``
-  ``S N c_opm``, the triangle multiplications' ``b`` and ``a`` ``2 N^2 c_mul`` and the triangle biases ``2 N^2
-  H_pair``: ``(H_msa + 2 c_mul + 2 H_pair) N^2 = 272 N^2`` at AlphaFold2's shape (FastFold's figure) plus ``S N
-  c_opm``; the Pairformer ``(2 c_mul + 2 H_pair) N^2`` plus its replicated s-side bias ``N^2 H_s``. Training saves
-  them all (each is an input of a saved op: the kernel's pair bias, batched matmul's copy of the gathered operand,
-  the einsum's b), so they are held together; inference holds the largest one, and its matmul copy, at a time.
-- **exit** (1-D only): the stack's exit all-gathers (:mod:`ds4sci.parallel.evoformer_cp` returns full tensors on every
-  rank; :func:`ds4sci.parallel.evoformer_cp.gather_leading` receives each into the tensor it returns): at the end of
-  forward every rank holds z whole, ``e N^2 C_z``, beside the copy of its own columns that the gather sends, ``e N^2
-  C_z / P``, and m whole, ``e S N C_m`` (a Pairformer's s is whole already, in the representations); all but the copy
-  do not fall with P. They are alive before backward starts, so this term is the exit's excess over the working set
-  (the larger of the two is the peak beside block_saved and gathers): 0 where the working set is larger, the term
-  that sets the peak at large P. Checked exactly against LiveTensors on every rank (tests/test_plan_evoformer.py:
-  from the exit's start to the end of forward, odd N_res and N_seq).
-- **reserve**: ``--reserve-gib`` for the CUDA context, NCCL buffers and fragmentation.
-
-2-D (``p x p`` mesh, :mod:`ds4sci.parallel.evoformer_cp2d`): every activation term is a tile, ``1/p^2``, at the tile's
-shape (keys of one tile per attention call); ring attention also saves the rotated key/value input tile (one more
-``C_in`` tile per attention); tiles in flight are not counted; of the pair mask a rank holds its row and column
-strips, ``2 N'^2 / p`` (the mesh code cuts them out of the caller's mask, its tile a view of the row strip), the MSA
-mask whole. A Pairformer's s is replicated on the mesh (``O(N)``) and its single attention's pair
-bias is the rank's own tile (evoformer_cp2d merges the tiles' partial attentions by log-sum-exp). Sharded figures are the
-single-device counts at the local shapes plus the gathers: in 1-D every rank's bytes saved for backward equal them
-exactly, on a 2 x 2 mesh within 5% (a rank whose swap or skew leaves its own tile, on the diagonal or at offset 0,
-saves no received copy of it), both on gloo (tests/test_plan_evoformer.py); the sharded inference peaks are not
-measured.
-
-Anchors (order of magnitude, tests/test_plan_evoformer.py): FastFold (Cheng et al. 2022, arXiv:2203.00854; its
-README, "inference with lower memory usage": a 10,000-residue sequence in bf16 with 61 GB on one A100-80GB with
-``--chunk_size``, fp32 up to 8,000); Fold-CP (Lin et al. 2026, arXiv:2603.14806, NVIDIA BioNeMo: "assemblies
-exceeding 30,000 residues on 64 NVIDIA B300 GPUs", per-device memory ``O(N^2/P)``, Boltz's Pairformer).
+Anchors: FastFold (Cheng et al. 2022, arXiv:2203.00854), Fold-CP (Lin et al. 2026, arXiv:2603.14806). The
+derivation of each term and what it was measured against are in ``docs/explanation/planner.md``.
 """
 from __future__ import annotations
 
-import argparse
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
-from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
-from ds4sci.plan import GIB, STATE_BYTES
-from ds4sci.report import markdown_table, write_report
+from ds4sci.planning.common import DTYPE_BYTES, GIB, STATE_BYTES
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 MODES = ("training", "inference")
 BACKENDS = ("kernel", "reference")
 LAYOUTS = ("1", "1d", "2d")
@@ -121,7 +54,7 @@ class EvoformerShape:
         return self.kind == "evoformer"
 
     def block_parameters(self) -> int:
-        """Parameters of one block (the module's own ``sum(p.numel())``; tests/test_plan_evoformer.py)."""
+        """Parameters of one block (the module's own ``sum(p.numel())``; tests/planning/test_evoformer_plan.py)."""
         openfold = self.evoformer  # OpenFold's convention: biased gate, output and projections
 
         def ln(c):
@@ -237,8 +170,12 @@ def _ln_const(c: int, e: int) -> float:
 
 
 def block_saved_bytes(w: Workload) -> dict[str, float]:
-    """Bytes one block saves for backward on one rank, by sub-module (module docstring), and the masks; the 1-D
-    gathered tensors are in :func:`gathered_bytes`, not here."""
+    """Bytes one block saves for backward on one rank, by sub-module, and the masks; the 1-D gathered tensors are in
+    :func:`gathered_bytes`, not here. Per position of a sub-module's input: each LayerNorm its input (fp32 in bf16)
+    and fp32 statistics and its output; each gated attention q, k, v, o, g, ``o * g`` (``6 H c``), the kernel's fp32
+    softmax statistics (``8 H`` bytes; the reference backend its ``2 H S`` exponentials and probabilities) and the
+    mask bias; transitions, the outer product mean and triangle multiplications their intermediates
+    (docs/explanation/planner.md)."""
     sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
     ref = w.backend == "reference"
     mesh_extra = 1 if w.layout == "2d" else 0  # the rotating key/value input's tile beside the query tile
@@ -293,8 +230,10 @@ def block_saved_bytes(w: Workload) -> dict[str, float]:
 
 
 def gathered_bytes(w: Workload) -> dict[str, float]:
-    """1-D only (0 otherwise): the all-gathered tensors of one block that do not shrink with P (module docstring),
-    by name, whole size."""
+    """1-D only (empty otherwise): the all-gathered tensors of one block that do not shrink with P, by name, whole
+    size: the MSA pair bias ``N^2 H_msa``, the outer product's ``b`` ``S N c_opm``, the triangle multiplications'
+    ``a`` and ``b`` ``2 N^2 c_mul`` and the triangle biases ``2 N^2 H_pair`` (Evoformer; the Pairformer has its single
+    attention's bias in place of the MSA's and no outer product)."""
     if w.layout != "1d":
         return {}
     sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
@@ -310,7 +249,7 @@ def gathered_bytes(w: Workload) -> dict[str, float]:
 
 
 def exit_bytes(w: Workload) -> float:
-    """1-D only (0 otherwise): the bytes of the stack's exit all-gathers on every rank (module docstring): z whole,
+    """1-D only (0 otherwise): the bytes of the stack's exit all-gathers on every rank: z whole,
     ``e N^2 C_z``, beside the copy of the rank's own columns it sends, ``e N^2 C_z / P``, and the Evoformer's m whole,
     ``e S N C_m``."""
     if w.layout != "1d":
@@ -451,9 +390,28 @@ def block_live_bytes(w: Workload) -> dict[str, float]:
     return out
 
 
-def memory(w: Workload) -> dict[str, float]:
-    """Bytes per rank by term (module docstring): parameters, representations, checkpoints, block_saved, gathers,
-    working, exit, reserve and their total."""
+@dataclass(frozen=True)
+class EvoformerMemory:
+    """Bytes per rank by term, in the order the command lists them, and their total."""
+
+    parameters: float  # on every rank: e per parameter (inference), 16 bytes with gradient and AdamW (training)
+    representations: float  # z, m (or s) held between blocks, this rank's share
+    checkpoints: float  # training: each block's checkpointed input
+    block_saved: float  # training: what the recomputed block saves for backward
+    gathers: float  # training, 1-D: the all-gathered tensors that do not shrink with P
+    working: float  # training: gradients of the block's outputs and inputs and the largest sub-module; inference:
+    # the peak of live tensors of one block
+    exit: float  # 1-D: the stack's exit all-gathers beyond the working set
+    reserve: float
+    total: float
+
+
+def memory(w: Workload) -> EvoformerMemory:
+    """Bytes per rank by term: parameters ``phi (p + g + k)`` (training) or ``phi e``; representations ``e (N^2 C_z
+    + S N C_m) / shards``; ``L`` checkpoints of them in training; :func:`block_saved_bytes` and
+    :func:`gathered_bytes` in training; the working set, ``2 (z + m)`` plus the largest sub-module's saved bytes
+    (training) or :func:`block_live_bytes`'s largest peak plus the scratch inside ops (inference);
+    :func:`exit_bytes` beyond the working set; the reserve."""
     sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
     phi = sh.block_parameters() * sh.blocks
     training = w.mode == "training"
@@ -473,8 +431,7 @@ def memory(w: Workload) -> dict[str, float]:
         terms["working"] = max(v for k, v in live.items() if k != "inside_ops") + live["inside_ops"]
     terms["exit"] = max(0.0, exit_bytes(w) - terms["working"])
     terms["reserve"] = w.reserve_gib * GIB
-    terms["total"] = sum(terms.values())
-    return terms
+    return EvoformerMemory(**terms, total=sum(terms.values()))
 
 
 def max_crop(w: Workload, limit: int = 1 << 20) -> int:
@@ -483,7 +440,7 @@ def max_crop(w: Workload, limit: int = 1 << 20) -> int:
     budget = w.gpu_mem_gib * GIB
 
     def fits(n):
-        return memory(w.with_n_res(n))["total"] <= budget
+        return memory(w.with_n_res(n)).total <= budget
 
     if not fits(1):
         return 0
@@ -497,93 +454,3 @@ def max_crop(w: Workload, limit: int = 1 << 20) -> int:
     return lo
 
 
-# ------------------------------------------------------------------------------------------------------------ command
-TERMS = ("parameters", "representations", "checkpoints", "block_saved", "gathers", "working", "exit", "reserve",
-         "total")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Predict per-GPU memory of an Evoformer (AlphaFold2) or Pairformer (AlphaFold3) trunk at a "
-                          "crop of N_res residues on one GPU, by axial (1-D) context parallelism over P GPUs or on a "
-                          "p x p mesh (2-D), in training or inference; --max-crop finds the longest crop that fits.")
-    parser.epilog = "Terms and their sources: the docstring of ds4sci.plan_evoformer."
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="af2",
-                        help="af2: OpenFold's Evoformer (48 blocks, c_m 256, c_z 128, 8/4 heads of 32); af3: "
-                        "OpenFold3's Pairformer (48 blocks, c_s 384, c_z 128) (default: af2)")
-    parser.add_argument("--blocks", type=positive_int, help="blocks of the trunk (default: the preset's 48)")
-    parser.add_argument("--n-res", type=positive_int, help="residues (tokens) of the crop; needed without --max-crop")
-    parser.add_argument("--n-seq", type=int, help="MSA depth of the Evoformer (default: 512, OpenFold's inference "
-                        "max_msa_clusters; the extra MSA stack is not modelled)")
-    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="(default: bf16)")
-    parser.add_argument("--mode", choices=MODES, default="inference",
-                        help="training: per-block activation checkpointing, AdamW; inference (default: inference)")
-    parser.add_argument("--chunk-size", type=positive_int,
-                        help="inference chunking of the attentions, transitions and outer product mean (default: off)")
-    parser.add_argument("--backend", choices=BACKENDS, default="kernel",
-                        help="kernel: ds4sci's Evoformer attention (no logits stored); reference: the plain "
-                        "[rows, H, S, S] logits path (default: kernel)")
-    parser.add_argument("--layout", choices=LAYOUTS, default="1",
-                        help="1: one GPU; 1d: axial over --gpus; 2d: a p x p mesh of --gpus (default: 1)")
-    parser.add_argument("--gpus", type=positive_int, default=1, help="GPUs of the layout (default: 1)")
-    parser.add_argument("--gpu-mem-gib", type=nonnegative_float, default=80.0, help="GiB per GPU (default: 80)")
-    parser.add_argument("--reserve-gib", type=nonnegative_float, default=1.0,
-                        help="GiB per GPU kept for the CUDA context and communication buffers (default: 1)")
-    parser.add_argument("--max-crop", action="store_true", help="find the longest N_res that fits")
-    parser.add_argument("--out", help="also write plan_evoformer.json and plan_evoformer.md to this folder")
-
-
-def workload_from_args(args: argparse.Namespace) -> Workload:
-    """The :class:`Workload` the command line describes; a bad combination is one :class:`CommandError` line."""
-    shape = PRESETS[args.preset]
-    if args.blocks:
-        shape = replace(shape, blocks=args.blocks)
-    n_seq = DEFAULT_N_SEQ[args.preset] if args.n_seq is None else args.n_seq
-    if n_seq < 0:
-        raise CommandError(f"--n-seq={n_seq}: expected a number of MSA sequences >= 0")
-    if n_seq == 0 and shape.evoformer:
-        raise CommandError(f"--n-seq={n_seq}: the Evoformer needs an MSA of at least one sequence")
-    if n_seq and not shape.evoformer:
-        raise CommandError(f"--n-seq={n_seq}: the Pairformer (--preset {args.preset}) has no MSA")
-    if args.chunk_size and args.mode == "training":
-        raise CommandError(f"--chunk-size={args.chunk_size} is inference chunking; training checkpoints each block "
-                           "instead")
-    if args.layout == "1" and args.gpus != 1:
-        raise CommandError(f"--gpus={args.gpus} needs --layout 1d or 2d (--layout 1 is one GPU)")
-    if args.layout == "2d" and math.isqrt(args.gpus) ** 2 != args.gpus:
-        raise CommandError(f"--layout 2d needs a square number of GPUs (a p x p mesh), got --gpus={args.gpus}")
-    if args.gpu_mem_gib <= args.reserve_gib:
-        raise CommandError(f"--gpu-mem-gib={args.gpu_mem_gib:g} must exceed --reserve-gib={args.reserve_gib:g}")
-    if not args.max_crop and args.n_res is None:
-        raise CommandError("give --n-res N or --max-crop")
-    return Workload(shape, args.n_res or 1, n_seq, args.dtype, args.mode, args.chunk_size, args.backend, args.layout,
-                    args.gpus, args.gpu_mem_gib, args.reserve_gib)
-
-
-def run(args: argparse.Namespace) -> int:
-    w = workload_from_args(args)
-    if args.max_crop:
-        n = max_crop(w)
-        if n == 0:
-            need = memory(w.with_n_res(1))["total"] / GIB
-            raise CommandError(f"not even one residue fits in --gpu-mem-gib={w.gpu_mem_gib:g}: the parameters and "
-                               f"reserve alone need {need:.1f} GiB per GPU")
-        w = w.with_n_res(n)
-    mem = memory(w)
-    where = {"1": "1 GPU", "1d": f"1-D axial over {w.gpus} GPUs", "2d": f"a {w.side} x {w.side} mesh"}[w.layout]
-    msa = f", N_seq {w.n_seq}" if w.shape.evoformer else ""
-    chunk = f", chunk {w.chunk_size}" if w.chunk_size else ""
-    lines = [f"# plan-evoformer: {args.preset} ({w.shape.kind}, {w.shape.blocks} blocks, "
-             f"{w.shape.block_parameters() * w.shape.blocks:,} parameters), {w.mode}, {w.dtype}, {w.backend}{chunk}; "
-             f"N_res {w.n_res}{msa}; {where} of {w.gpu_mem_gib:g} GiB", ""]
-    if args.max_crop:
-        lines += [f"Longest crop that fits: {w.n_res} residues.", ""]
-    lines += ["GiB per GPU:", ""]
-    lines += markdown_table(TERMS, [[f"{mem[t] / GIB:.2f}" for t in TERMS]])
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if args.out:
-        report = {"workload": {**asdict(w), "shape": asdict(w.shape)}, "memory": mem,
-                  "max_crop": w.n_res if args.max_crop else None}
-        path = write_report(args.out, "plan_evoformer", report, text)
-        print(f"plan-evoformer: wrote {path} and {path.with_suffix('.md')}")
-    return 0

@@ -12,9 +12,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ds4sci import cli, plan
+from ds4sci import cli
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.distributed import ParallelDims
+from ds4sci.planning import genslm as plan
+from ds4sci.planning.common import STATE_BYTES
 from ds4sci.spawn import run_workers
 
 
@@ -92,10 +94,10 @@ def test_a_zero_step_allocates_the_planned_reduce_bucket(stage, dtype):
                           env={"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0"})[0]
     w = plan.Workload(GenSLMConfig.preset("debug"), 32, dtype=dtype)
     strategy = plan.Strategy(zero_stage=stage)
-    p, g, _ = plan.STATE_BYTES[dtype]
+    p, g, _ = STATE_BYTES[dtype]
     assert buffers == [(plan.ZERO.reduce_bucket_size, g if stage < 3 else p)]
     phi = plan.rank_params(w, strategy)
-    assert plan.memory(w, strategy)["reduce_bucket"] == (
+    assert plan.memory(w, strategy).reduce_bucket == (
         plan.ZERO.reduce_bucket_size * g if stage < 3 else (plan.ZERO.reduce_bucket_size + phi) * p)
 
 
@@ -256,7 +258,7 @@ def test_a2a_staging_is_what_the_all_to_all_allocates(P, direction, monkeypatch)
     assert y.shape == ((1, S, H // P, D) if direction == "to heads" else (1, S // P, H, D))
     staging = live.peak - y.untyped_storage().nbytes()
     w = plan.Workload(GenSLMConfig(vocab_size=6, hidden_size=H * D, num_layers=2, num_heads=H), S, dtype="fp32")
-    assert staging == plan.memory(w, plan.Strategy(ParallelDims(dp=1, ulysses=P)))["a2a_staging"] == 2 * x.nbytes
+    assert staging == plan.memory(w, plan.Strategy(ParallelDims(dp=1, ulysses=P))).a2a_staging == 2 * x.nbytes
 
 
 @pytest.mark.parametrize("R, blocks", [(2, 1), (3, 2), (4, 3), (8, 3)])
@@ -302,7 +304,7 @@ def test_ring_forward_buffers_are_the_received_blocks_alive_at_once(R, blocks, m
     w = plan.Workload(GenSLMConfig(vocab_size=6, hidden_size=H * D, num_layers=2, num_heads=H, num_kv_heads=Hkv),
                       S, dtype="fp32")
     assert live["peak"] == blocks * (k.nbytes + v.nbytes)
-    assert plan.memory(w, plan.Strategy(ParallelDims(dp=1, ring=R)))["ring_buffers"] == live["peak"]
+    assert plan.memory(w, plan.Strategy(ParallelDims(dp=1, ring=R))).ring_buffers == live["peak"]
 
 
 def test_max_seq_fills_the_pipeline(tmp_path, capsys):

@@ -1,6 +1,6 @@
-"""ds4sci.costs: the closed forms the planner composes (measured against by ds4sci bench comm-volume and
+"""ds4sci.planning.costs: the closed forms the planner composes (measured against by ds4sci bench comm-volume and
 memory-breakdown)."""
-from ds4sci.costs import layer_comm_bytes
+from ds4sci.planning.costs import layer_comm_bytes
 
 
 def test_closed_forms_ulysses_flat_ring_and_megatron_grow():
@@ -13,8 +13,8 @@ def test_closed_forms_ulysses_flat_ring_and_megatron_grow():
 
 
 def test_mask_policies_cover_the_planners():
-    from ds4sci.costs import MASK_POLICIES, mask_bytes
-    from ds4sci.plan import MASKS
+    from ds4sci.planning.costs import MASK_POLICIES, mask_bytes
+    from ds4sci.planning.genslm import MASKS
 
     assert set(MASKS) - {"none"} <= set(MASK_POLICIES)  # the planner's "none": causal inside the kernel, no mask
     assert [mask_bytes(p, 8)["device"] for p in MASK_POLICIES] == [256, 64, 64, 64]
