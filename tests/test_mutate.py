@@ -1,10 +1,11 @@
 """``make mutate``'s file selection (tests/mutate.py): which files are mutated and which tests run against them.
 Nothing here runs mutmut."""
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from mutate import changed_files, main, module_name, stage, staged_path, related_tests
+from mutate import ROOT, changed_files, main, module_name, related_tests, stage, staged_path
 
 
 @pytest.mark.parametrize("path, module, staged", [
@@ -94,3 +95,19 @@ def test_dry_run_lists_files_and_tests_and_refuses_an_empty_selection(capsys):
     assert "tests/test_cli_args.py" in capsys.readouterr().out.split(":", 1)[1].split()
     assert main(["--dry-run", "README.md"]) == 1
     assert "no package source file" in capsys.readouterr().err
+
+
+def _make_dry_run(tmp_path: Path, *args: str) -> list[str]:
+    """The commands ``make ARGS`` would run on a fresh clone (``make -n``, a .venv that does not exist yet)."""
+    venv = tmp_path / "fresh-venv"
+    out = subprocess.run(["make", "-n", *args, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True)
+    return [line.replace(str(venv), ".venv") for line in out.stdout.splitlines()]
+
+
+def test_make_test_runs_ruff_before_pytest_and_make_mutate_passes_base_and_files(tmp_path):
+    lines = _make_dry_run(tmp_path, "test")
+    lint = lines.index(".venv/bin/python -m ruff check .")
+    assert lint < next(i for i, line in enumerate(lines) if ".venv/bin/python -m pytest" in line), lines
+    assert _make_dry_run(tmp_path, "lint")[-1] == ".venv/bin/python -m ruff check ."
+    mutate = _make_dry_run(tmp_path, "mutate", "BASE=HEAD~2", "FILES=kernels/rotary.py", "MUTATE_TIMEOUT=60")[-1]
+    assert mutate.split() == ".venv/bin/python tests/mutate.py --base HEAD~2 --timeout 60 kernels/rotary.py".split()
