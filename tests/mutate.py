@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -128,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     if not files:
         print("make mutate: no package source file to mutate", file=sys.stderr)
         return 1
-    tests = sorted({t for f in files for t in related_tests(f)})
-    for f in files:
-        print(f"{f}: {' '.join(related_tests(f)) or 'NO TESTS'}")
+    by_file = {f: related_tests(f) for f in files}
+    for f, tests in by_file.items():
+        print(f"{f}: {' '.join(tests) or 'NO TESTS'}")
+    tests = sorted({t for tests in by_file.values() for t in tests})
     if args.dry_run:
         return 0
     if not tests:
@@ -139,13 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     stage_dir = ROOT / ".mutate"
     stage(files, tests, shlex.split(args.pytest_args), stage_dir)
     mutmut = [sys.executable, "-m", "mutmut"]
+    # its own session, so that a timeout stops mutmut's fork server and the test processes with it
+    run = subprocess.Popen([*mutmut, "run", "--max-children", str(args.max_children)], cwd=stage_dir,
+                           start_new_session=True)
     try:
-        subprocess.run([*mutmut, "run", "--max-children", str(args.max_children)], cwd=stage_dir,
-                       timeout=args.timeout)
+        run.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
         print(f"make mutate: stopped after {args.timeout:.0f} s; the results so far:")
-    # mutmut results lists the mutants not killed (survived, timed out, not checked) by name
-    return subprocess.run([*mutmut, "results"], cwd=stage_dir).returncode
+    # the mutants not killed (survived, timed out, not checked yet), by name
+    done = subprocess.run([*mutmut, "results"], cwd=stage_dir)
+    print(f"a mutant's diff: (cd {stage_dir.relative_to(ROOT)} && {sys.executable} -m mutmut show NAME)")
+    return done.returncode
 
 
 if __name__ == "__main__":
