@@ -147,7 +147,8 @@ def _import_target(package: str) -> Optional[ModuleType]:
         return None
     if not hasattr(module, attr):
         logger.warning(
-            "ds4sci.integrations.openfold: %s has no %s (an unsupported %s version); left alone", module_name, attr, package
+            "ds4sci.integrations.openfold: %s has no %s (an unsupported %s version); left alone",
+            module_name, attr, package,
         )
         return None
     return module

@@ -61,8 +61,9 @@ def test_config_refuses_inconsistent_llama_fields():
 def test_run_config_refuses_what_its_layout_cannot_split():
     load_config(overrides=["model.preset=llama-debug", "parallel.tp=2"]).validate()
     with pytest.raises(ValueError, match=r"parallel.tp=4, .*: tp=4 and num_kv_heads=6: one must divide the other"):
-        load_config(overrides=["model.preset=llama-debug", "model.overrides.hidden_size=96", "model.overrides.num_heads=12",
-                               "model.overrides.num_kv_heads=6", "parallel.tp=4"]).validate()
+        load_config(overrides=["model.preset=llama-debug", "model.overrides.hidden_size=96",
+                               "model.overrides.num_heads=12", "model.overrides.num_kv_heads=6",
+                               "parallel.tp=4"]).validate()
     load_config(overrides=["model.preset=llama-debug", "model.overrides.tie_word_embeddings=true",
                            "parallel.pp=2"]).validate()  # DeepSpeed's tied layers keep the two stages' copies equal
 
