@@ -1,4 +1,5 @@
-# Two entry points: `make demo` and `make test`. Both create .venv when missing and are idempotent.
+# Entry points: `make demo`, `make test` (ruff, then pytest), `make lint` and `make mutate`. Each creates .venv when
+# missing and is idempotent.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -6,7 +7,7 @@ STAMP  := $(VENV)/.ds4sci-installed
 # Extras installed for tests: dev (pytest, hypothesis, transformers) and openfold (openfold3, ~1 minute).
 EXTRAS ?= dev,openfold
 
-.PHONY: install demo test clean
+.PHONY: install demo lint test mutate clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,15 +24,28 @@ install: $(STAMP)
 demo: install
 	$(PY) examples/demo.py
 
+# ruff's rules are in pyproject.toml ([tool.ruff]); a finding fails `make test` before pytest starts.
+lint: install
+	$(PY) -m ruff check .
+
 # Two pytest workers (pytest-xdist), one test module at a time each, so a module's fixtures are built once: much of
 # the suite is single-threaded (the Triton interpreter, subprocess start-up). JOBS=0 runs it in this process.
 # --no-loadscope-reorder keeps the collection order (tests/conftest.py puts the compile gates first); by default
 # pytest-xdist (>= 3.8, which has the option) orders modules by their number of tests, which started the gates last.
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 JOBS ?= 2
-test: install
+test: lint
 	@$(PY) -m pytest -n $(JOBS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
+# Mutation testing of the package source files changed against BASE (commits and uncommitted edits), or of FILES,
+# with the tests that import them (tests/mutate.py); prints the mutants no test killed. MUTATE_TIMEOUT bounds the run
+# in seconds; MUTATE_ARGS=--dry-run lists the files and their tests only.
+BASE ?= main
+FILES ?=
+MUTATE_TIMEOUT ?= 1800
+mutate: install
+	$(PY) tests/mutate.py --base $(BASE) --timeout $(MUTATE_TIMEOUT) $(MUTATE_ARGS) $(FILES)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mutate

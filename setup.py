@@ -7,12 +7,15 @@ from setuptools import setup
 
 PACKAGES = {
     "ds4sci": "ds4sci",
+    "ds4sci.distributed": "ds4sci/distributed",
     "ds4sci.sequence": "ds4sci/sequence",
     "ds4sci.parallel": "ds4sci/parallel",
+    "ds4sci.parallel.evoformer": "ds4sci/parallel/evoformer",
     "ds4sci.data": "ds4sci/data",
     "ds4sci.train": "ds4sci/train",
     "ds4sci.infer": "ds4sci/infer",
     "ds4sci.io": "ds4sci/io",
+    "ds4sci.planning": "ds4sci/planning",
     "ds4sci.commands": "ds4sci/commands",
     "ds4sci.integrations": "ds4sci/integrations",
     "ds4sci.bench": "ds4sci/bench",
@@ -54,7 +57,9 @@ setup(
         # ds4sci.integrations.openfold replaces a private function of openfold3 0.5 (_deepspeed_evo_attn)
         "openfold": ["openfold3>=0.5,<0.6"],
         "gpu": ["flash-attn"],
-        "dev": ["pytest>=7.4", "pytest-timeout>=2.2", "pytest-xdist>=3.8", "hypothesis>=6.80", "transformers>=4.40"],
+        "dev": ["pytest>=7.4", "pytest-timeout>=2.2", "pytest-xdist>=3.8", "hypothesis>=6.80", "transformers>=4.40",
+                # ruff: `make lint` (its rules change between minor releases); mutmut: `make mutate`
+                "ruff>=0.17,<0.18", "mutmut>=3.8,<4"],
     },
     entry_points={"console_scripts": ["ds4sci=ds4sci.cli:main"]},
 )

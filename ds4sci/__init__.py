@@ -29,7 +29,7 @@ def evoformer_context_parallel(block_or_stack, group=None, mesh=None, *, sharded
     ``group`` (default: the default process group) by axial context parallelism, or, with ``mesh=(p, p)``, one
     Evoformer block by 2-D tiles on a p x p mesh of them; the block's call signature and single-process semantics in
     outputs and gradients; ``sharded``: an axial stack keeps m and z split between its blocks
-    (:mod:`ds4sci.parallel.evoformer_cp`, :mod:`ds4sci.parallel.evoformer_cp2d`)."""
-    from ds4sci.parallel.evoformer_cp import evoformer_context_parallel as _cp
+    (:mod:`ds4sci.parallel.evoformer`)."""
+    from ds4sci.parallel.evoformer import evoformer_context_parallel as _cp
 
     return _cp(block_or_stack, group, mesh, sharded=sharded, counter=counter)

@@ -35,9 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export-hf": ("ds4sci.commands.export_hf", "write a model as a Hugging Face transformers directory "
                   "(GPTNeoXForCausalLM or LlamaForCausalLM, and its tokenizer)"),
     "bench": ("ds4sci.bench", "run a benchmark and write its results (JSON + Markdown) to --out"),
-    "plan": ("ds4sci.plan", "predict per-GPU memory and communication of parallel layouts; list those that fit"),
-    "plan-evoformer": ("ds4sci.plan_evoformer", "predict per-GPU memory of an Evoformer / Pairformer trunk on 1 GPU, "
-                       "1-D axial or a 2-D mesh; --max-crop: the longest crop that fits"),
+    "plan": ("ds4sci.commands.plan", "predict per-GPU memory and communication of parallel layouts; list those "
+             "that fit"),
+    "plan-evoformer": ("ds4sci.commands.plan_evoformer", "predict per-GPU memory of an Evoformer / Pairformer trunk "
+                       "on 1 GPU, 1-D axial or a 2-D mesh; --max-crop: the longest crop that fits"),
 }
 
 

@@ -101,8 +101,10 @@ def main() -> int:
         return 1
 
     step("summary")
-    print(f"  genome LM: final validation {final:.4f} bits/base (< {TARGET_BITS}), SP=2 x ZeRO-1, export in {OUT / 'export'}")
-    print(f"  Evoformer attention: {', '.join(b for b, r in check.items() if not isinstance(r, str))} backend(s) match the reference")
+    print(f"  genome LM: final validation {final:.4f} bits/base (< {TARGET_BITS}), SP=2 x ZeRO-1, "
+          f"export in {OUT / 'export'}")
+    matching = ", ".join(b for b, r in check.items() if not isinstance(r, str))
+    print(f"  Evoformer attention: {matching} backend(s) match the reference")
     return 0
 
 

@@ -1,62 +1,29 @@
 """Evoformer attention: public API, input validation, backend dispatch and the ``torch.library`` custom op.
 
-Where things live: backend names and head-dim limits are in :mod:`ds4sci.kernels.backends` (:class:`EvoformerBackend`,
-parsed by :func:`~ds4sci.kernels.backends.parse_backend`, the one parser); this module validates every call once
-(:func:`_check_qkv`, :func:`_classify_biases`, :func:`_choose_backend`) and dispatches; the
-backend modules (:mod:`~ds4sci.kernels.evoformer_chunked`, :mod:`~ds4sci.kernels.evoformer_reference`,
-:mod:`~ds4sci.kernels.triton_evoformer`) compute on already validated canonical inputs and do not re-check them.
-
 ``evoformer_attention(q, k, v, biases)`` computes, with scale ``1/sqrt(D)``::
 
     o[..., n, i, h, :] = sum_j softmax_j(q[..., n, i, h, :] . k[..., n, j, h, :] / sqrt(D)
                                          + mask[..., n, 0, 0, j] + pair[..., 0, h, i, j]) * v[..., n, j, h, :]
 
-the attention core of AlphaFold2's Evoformer (Jumper et al. 2021, supplement Algorithms 7, 8, 13 and 14)
-in DeepSpeed4Science's ``DS4Sci_EvoformerAttention`` layout ``[B, N, S, H, D]``.
+the attention core of AlphaFold2's Evoformer (Jumper et al. 2021, supplement Algorithms 7, 8, 13 and 14) in
+DeepSpeed4Science's ``DS4Sci_EvoformerAttention`` layout ``[B, N, S, H, D]``: MSA row attention (N = N_seq, S = N_res,
+pair bias from z), column attention (on the transposed MSA), triangle attention starting / ending node (N = I, S =
+J, on z or its transpose), all by strided views. ``biases`` holds at most two tensors, classified by shape
+(:func:`_classify_biases`): a mask bias ``[*, N|1, 1, 1, S]`` and a pair bias ``[*, 1, H, S, S]``; a bias matching
+both (H == S == 1) takes the role the other leaves, else its position, as DeepSpeed does.
 
-How the four Evoformer variants map onto ``[*, N, S, H, D]`` (all by strided views, no copies):
-
-- MSA row-wise attention with pair bias (Alg. 7): MSA ``m [*, N_seq, N_res, C_m]``, so N = N_seq,
-  S = N_res; mask bias from the MSA mask ``[*, N_seq, 1, 1, N_res]``; pair bias from ``z [*, N_res, N_res, H]``
-  (after its linear layer) permuted to ``[*, 1, H, N_res, N_res]``.
-- MSA column-wise attention (Alg. 8): the transposed MSA ``m.transpose(-2, -3) [*, N_res, N_seq, C_m]``,
-  so N = N_res, S = N_seq; mask bias ``[*, N_res, 1, 1, N_seq]``; no pair bias.
-- Triangle attention around the starting node (Alg. 13): pair representation ``z [*, I, J, C_z]``, so N = I,
-  S = J; mask bias ``[*, I, 1, 1, J]``; triangle bias ``linear(z) [*, J, K, H]`` permuted to ``[*, 1, H, J, K]``.
-- Triangle attention around the ending node (Alg. 14): the same on ``z.transpose(-2, -3)``, with the output
-  transposed back.
-
-Bias classification (``biases`` holds at most two tensors; ``None`` entries are skipped). With q of shape
-``[*batch, N, S, H, D]``, a bias of rank 4..q.ndim whose leading dims broadcast to ``batch`` (each 1 or equal,
-aligned from the right) is
-
-- a *mask bias* if its last four dims are ``(N or 1, 1, 1, S)``;
-- a *pair bias* if its last four dims are ``(1, H, S, S)``.
-
-A bias matching both forms (only possible when H == 1 and S == 1) is ambiguous: when the other bias is
-unambiguous it takes the remaining role, otherwise it is resolved by position as DeepSpeed does
-(``biases[0]`` mask, ``biases[1]`` pair). A bias matching neither form, or two biases of the same role, is a
-``ValueError``.
-
-Backends (:class:`EvoformerBackend`): ``"triton"`` (fused kernel, CUDA; CPU only under ``TRITON_INTERPRET=1``),
-``"torch"`` (:mod:`ds4sci.kernels.evoformer_chunked`: chunked over queries, recomputing backward, any device),
-``"reference"`` (:mod:`ds4sci.kernels.evoformer_reference`: plain PyTorch autograd, materialises the logits),
-``"auto"`` (triton for fp16/bf16/fp32 CUDA tensors with D <= ``TRITON_MAX_HEAD_DIM`` = 128 when Triton imports,
-torch otherwise). The triton module is imported on first use (:func:`_triton_backend`), so ``import ds4sci.kernels``
-imports neither it nor Triton. The triton and torch backends run through one ``torch.library`` custom op pair,
-``ds4sci::evoformer_attention_fwd`` / ``_bwd``, so ``torch.compile`` sees a single opaque op with a registered fake
-and autograd formula; the op's ``backend`` string is mapped to its module by :func:`_backend_module`.
-
-Backend contract (canonical shapes, Z = flattened batch): every backend module exposes
-``forward(q, k, v, mask, pair) -> (o, lse)`` and ``backward(do, q, k, v, o, lse, mask, pair, need_mask_grad,
-need_pair_grad) -> (dq, dk, dv, dmask, dpair)`` with q, k, v, o, do ``[Z, N, S, H, D]``, mask ``[Z, N, S]`` or
-None, pair ``[Z, H, S, S]`` or None (stride 0 on broadcast dims); dq, dk, dv in q's dtype; dmask ``[Z, N, S]`` per n
-(not reduced over the mask's broadcast dims) and dpair ``[Z, H, S, S]`` summed over N, fp32 (fp64 for fp64 inputs),
-each None unless requested (``need_mask_grad``, ``need_pair_grad``); and the softmax statistics saved for backward
-(named ``lse`` in the signatures) ``[Z, N, H, S, 2]`` fp32 (fp64 for fp64 inputs): the row max m of the biased logits
-and the row sum ``l = sum_j exp(s_j - m)``, kept apart (the log-sum-exp ``m + log l`` in fp32 loses ``log l`` when
-|m| is huge, e.g. rows fully masked with -1e9); ``(+inf, +inf)`` on rows whose keys are all ``-inf``. Bias gradients
-are reduced over their broadcast dims here, in fp32, then cast to the bias dtype.
+Backends (:class:`~ds4sci.kernels.backends.EvoformerBackend`): ``"triton"`` (:mod:`~ds4sci.kernels.triton_evoformer`,
+CUDA, or the CPU under ``TRITON_INTERPRET=1``; imported on first use), ``"torch"``
+(:mod:`~ds4sci.kernels.evoformer_chunked`, any device), ``"reference"`` (:mod:`~ds4sci.kernels.evoformer_reference`,
+plain autograd), ``"auto"`` (triton for CUDA tensors with D <= 128 when Triton imports, torch otherwise). The triton
+and torch backends run through one custom op pair, ``ds4sci::evoformer_attention_fwd`` / ``_bwd``, which
+``torch.compile`` sees as one opaque op. Each backend module exposes, on canonical inputs (Z the flattened batch),
+``forward(q, k, v, mask, pair) -> (o, stats)`` and ``backward(do, q, k, v, o, stats, mask, pair, need_mask_grad,
+need_pair_grad) -> (dq, dk, dv, dmask, dpair)``, q, k, v ``[Z, N, S, H, D]``, mask ``[Z, N, S]``, pair ``[Z, H, S,
+S]``, and the softmax statistics ``stats [Z, N, H, S, 2]`` (row max and row sum, kept apart: the log-sum-exp loses
+the row sum in fp32 on rows masked with -1e9). :func:`evoformer_attention_fwd` and :func:`evoformer_attention_bwd`
+expose them to callers that tile the keys themselves (ring attention over a mesh of ranks); FlashAttention-2 (Dao
+2023) and Rabe & Staats (2021) for the online softmax and the backward that recomputes it.
 """
 from __future__ import annotations
 
@@ -99,12 +66,9 @@ def _backend_module(backend: str) -> ModuleType:
 
 @functools.lru_cache(maxsize=None)
 def _triton_import_error() -> str:
-    """Empty if the triton backend imports, else the import error (logged once as a warning).
-
-    Not marked ``torch.compiler.assume_constant_result``: that decorator imports ``torch._dynamo`` (and with it
-    Triton, about 1.8 s) when this module is imported, and Dynamo ignores the mark on an ``lru_cache`` wrapper
-    anyway (torch 2.13 traces the wrapped function, with a warning; ``fullgraph=True`` compiles either way).
-    """
+    """Empty if the triton backend imports, else the import error (logged once as a warning). Not marked
+    ``torch.compiler.assume_constant_result``: that decorator would import ``torch._dynamo`` (and Triton) with this
+    module."""
     return import_error(_triton_backend, logger, "evoformer_attention: the triton backend",
                         "auto uses the torch backend")
 
@@ -182,7 +146,9 @@ def _check_bias(name: str, bias: Tensor, q: Tensor) -> None:
         raise ValueError(f"evoformer_attention: {name} is on {bias.device} but q is on {q.device}")
 
 
-def _classify_biases(biases: Optional[Sequence[Optional[Tensor]]], q: Tensor) -> tuple[Optional[Tensor], Optional[Tensor]]:
+def _classify_biases(
+    biases: Optional[Sequence[Optional[Tensor]]], q: Tensor
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Split ``biases`` into (mask, pair) by shape; see the module docstring for the rule."""
     if biases is None:
         return None, None
@@ -199,7 +165,8 @@ def _classify_biases(biases: Optional[Sequence[Optional[Tensor]]], q: Tensor) ->
         if bias is None:
             continue
         _check_bias(f"biases[{pos}]", bias, q)
-        kinds = {kind for kind, ok in (("mask", _is_mask(bias.shape, q.shape)), ("pair", _is_pair(bias.shape, q.shape))) if ok}
+        kinds = {kind for kind, ok in (("mask", _is_mask(bias.shape, q.shape)), ("pair", _is_pair(bias.shape, q.shape)))
+                 if ok}
         if not kinds:
             raise ValueError(
                 f"evoformer_attention: biases[{pos}] has shape {tuple(bias.shape)}, which is neither a mask bias "
@@ -245,7 +212,9 @@ def _choose_backend(backend: Union[str, EvoformerBackend], q: Tensor) -> Evoform
         chosen = EvoformerBackend.TRITON if use_triton else EvoformerBackend.TORCH
     elif chosen is EvoformerBackend.TRITON:
         if q.dtype == torch.float64:
-            raise TypeError("evoformer_attention: the triton backend supports float16, bfloat16 and float32, not float64")
+            raise TypeError(
+                "evoformer_attention: the triton backend supports float16, bfloat16 and float32, not float64"
+            )
         if q.shape[-1] > TRITON_MAX_HEAD_DIM:
             raise ValueError(
                 f"evoformer_attention: the triton backend supports head dims up to {TRITON_MAX_HEAD_DIM}, "
@@ -406,6 +375,77 @@ def _attention(
         return o.reshape(q.shape)
     o, _ = _attention_fwd(q, k, v, mask, pair, chosen.value)
     return o
+
+
+def _stats_backend(backend: Union[str, EvoformerBackend], q: Tensor) -> str:
+    """The custom op's backend for :func:`evoformer_attention_fwd` / ``_bwd``: the reference runs as torch (its
+    backward recomputes the softmax from q and k alone, so it cannot honour statistics merged over key tiles)."""
+    chosen = _choose_backend(backend, q)
+    return (EvoformerBackend.TORCH if chosen is EvoformerBackend.REFERENCE else chosen).value
+
+
+def _check_roles(who: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> None:
+    """q, k, v as :func:`evoformer_attention` checks them; ``mask`` and ``pair`` of their role's form at q's rank."""
+    _check_qkv(q, k, v)
+    for name, bias, fits, form in (("mask", mask, _is_mask, "[*, N|1, 1, 1, S]"), ("pair", pair, _is_pair,
+                                                                                   "[*, 1, H, S, S]")):
+        if bias is None:
+            continue
+        _check_bias(name, bias, q)
+        if bias.ndim != q.ndim or not fits(bias.shape, q.shape):
+            raise ValueError(f"{who}: {name} must be {form} of q's rank, got {tuple(bias.shape)} "
+                             f"(q {tuple(q.shape)})")
+
+
+def evoformer_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, pair: Optional[Tensor] = None, *,
+    backend: Union[str, EvoformerBackend] = "auto",
+) -> tuple[Tensor, Tensor]:
+    """The kernel's forward with its softmax statistics, for callers that split the keys into tiles and merge the
+    partial results themselves (ring attention, Liu et al. 2023; the statistics are FlashAttention-2's, Dao 2023,
+    and Rabe & Staats 2021's running max and sum).
+
+    Args:
+        q, k, v: ``[*, N, S, H, D]`` as for :func:`evoformer_attention`.
+        mask: mask bias ``[*, N|1, 1, 1, S]`` of q's rank, or None.
+        pair: pair bias ``[*, 1, H, S, S]`` of q's rank, or None.
+        backend: as for :func:`evoformer_attention`; ``"reference"`` runs the torch backend (its backward, not the
+            oracle's, uses the statistics it is given).
+
+    Returns:
+        ``o [*, N, S, H, D]`` in q's dtype and ``stats [Z, N, H, S, 2]`` (Z the leading dims flattened; fp32, fp64
+        for fp64 inputs): per query row the max ``m`` of the biased logits and the sum ``l = sum_j exp(s_j - m)``,
+        kept apart rather than as the log-sum-exp ``m + log l``, which fp32 rounds away when ``|m|`` is huge (rows
+        masked with OpenFold's -1e9); ``(+inf, +inf)`` on rows whose keys are all -inf. Not differentiable: the
+        gradients come from :func:`evoformer_attention_bwd`.
+    """
+    _check_roles("evoformer_attention_fwd", q, k, v, mask, pair)
+    with torch.no_grad():
+        return _attention_fwd(q, k, v, mask, pair, _stats_backend(backend, q))
+
+
+def evoformer_attention_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, mask: Optional[Tensor] = None,
+    pair: Optional[Tensor] = None, *, need_mask_grad: bool = False, need_pair_grad: bool = False,
+    backend: Union[str, EvoformerBackend] = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The kernel's backward against an output ``o`` and its statistics ``stats`` (:func:`evoformer_attention_fwd`'s
+    layouts): recomputes ``P = exp(s - m) / l`` and ``D = rowsum(do * o)`` (FlashAttention-2), so with the
+    statistics and output of a softmax over more keys than ``k`` holds (merged over tiles), it returns this tile's
+    exact share of the gradients. Returns ``(dq, dk, dv, dmask, dpair)``: dq, dk, dv ``[*, N, S, H, D]`` in q's
+    dtype; dmask (mask's shape) and dpair (pair's shape, summed over N) in their bias's dtype, each None unless
+    requested."""
+    _check_roles("evoformer_attention_bwd", q, k, v, mask, pair)
+    *batch, n, s, h, _ = q.shape
+    if do.shape != q.shape or o.shape != q.shape or stats.shape != (math.prod(batch), n, h, s, 2):
+        raise ValueError(f"evoformer_attention_bwd: do and o must be q's shape {tuple(q.shape)} and stats "
+                         f"[Z, N, H, S, 2], got do {tuple(do.shape)}, o {tuple(o.shape)}, stats {tuple(stats.shape)}")
+    need_mask_grad, need_pair_grad = need_mask_grad and mask is not None, need_pair_grad and pair is not None
+    with torch.no_grad():
+        dq, dk, dv, *rest = _attention_bwd(do.contiguous(), q, k, v, o, stats, mask, pair, need_mask_grad,
+                                           need_pair_grad, _stats_backend(backend, q))
+    dmask = rest.pop(0) if need_mask_grad else None
+    return dq, dk, dv, dmask, rest.pop(0) if need_pair_grad else None
 
 
 def evoformer_attention(

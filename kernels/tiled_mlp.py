@@ -18,7 +18,8 @@ __all__ = ["tiled_mlp"]
 def tiled_mlp(fn: Callable[[Tensor], Tensor], x: Tensor, params: Sequence[Tensor], tile: int) -> Tensor:
     """``fn(x)`` for ``x [B, T, hidden]``, computed over tiles of ``tile`` tokens along T and recomputed in backward
     (:func:`~ds4sci.kernels.token_tiles.token_tiles`); ``params``: every tensor ``fn`` computes with that may need a
-    gradient (its module's parameters), at full shape. ``fn`` must act on each token alone and be deterministic (no dropout)."""
+    gradient (its module's parameters), at full shape. ``fn`` must act on each token alone and be deterministic
+    (no dropout)."""
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ValueError(f"tiled_mlp: tile must be an integer >= 1 (tokens), got {tile!r}")
     if x.ndim < 2:

@@ -9,7 +9,7 @@ Every command in README (fenced ``bash`` blocks and inline ``ds4sci ...``, ``tor
 - training runs (minutes each): the launcher's process count, the config file, every ``--set`` and every path
   it names are resolved as ``ds4sci train`` resolves them before any work (``load_config``, then
   ``parallel.dims(world size)``), so a key, a value, a file or a process count that would stop the run fails here;
-- benchmarks (minutes to hours; their ``--quick`` forms are run by ``tests/test_bench_*.py``): parsed by the
+- benchmarks (minutes to hours; their ``--quick`` forms are run by ``tests/bench/test_bench_*.py``): parsed by the
   ``ds4sci`` parser, so every option and value must exist;
 - pytest invocations: the named test files exist; ``make demo`` / ``make test``: ``tests/test_foundation.py``.
 

@@ -2,7 +2,8 @@
 
 Each benchmark is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; results go under
 ``--out`` (default ``runs/bench``). Speed and memory targets are shown here, never by timed tests. The memory
-benchmarks measure through :mod:`ds4sci.bench.memory`; :mod:`ds4sci.bench.report` writes the files.
+benchmarks measure through :mod:`ds4sci.bench.memory`, the speed comparisons time through
+:mod:`ds4sci.bench.rounds`; :mod:`ds4sci.bench.report` declares the shared options and writes the files.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "layouts": (
         "ds4sci.bench.layout_memory",
         "per-rank parameter, gradient, optimizer-state and activation bytes and bytes sent per group of real "
-        "training steps for each parallel layout and ZeRO stage, beside ds4sci.plan's prediction of each term",
+        "training steps for each parallel layout and ZeRO stage, beside ds4sci.planning's prediction of each term",
     ),
     "score-variants": (
         "ds4sci.bench.score_variants",

@@ -1,55 +1,25 @@
 """``ds4sci bench ablation``: what each long-sequence memory switch leaves per token per layer on each rank, measured
 beside the planner's figure (the per-technique ablation of Arctic Long Sequence Training, ALST: Bekman et al. 2025,
-arXiv:2506.13996, Table 1, measured here on one process and per rank under Ulysses, ring, tensor and pipeline
-parallelism and ZeRO-3).
+arXiv:2506.13996, Table 1, here on one process and per rank under Ulysses, ring, tensor and pipeline parallelism and
+ZeRO-3).
 
-Rows, each adding one switch to the one above (``activation_checkpointing`` in the training config): ``baseline``
-(nothing), ``+ tiled loss`` (``tiled_loss: true``; first after the baseline, as in ALST's runs, where every row after
-the baseline computes the loss over tiles), ``+ checkpointing`` (``mode: full``), ``+ tiled MLP`` (``tiled_mlp:
-true``), ``+ host offload`` (``cpu: true``). Each row runs under each layout of ``--layouts``: ``1`` (one process),
-``ulysses2`` (Ulysses sequence parallelism over 2 ranks), ``ring2`` (ring attention over 2 ranks, the trainer's
-zigzag sequence layout), ``tp2`` (tensor parallelism over 2 ranks, Megatron-LM's sequence-parallel regions),
-``pp2`` (two pipeline stages, DeepSpeed's pipeline engine, 1F1B over one micro-batch: one in flight),
-``dp2xzero3`` (ZeRO-3 over 2 data ranks, each with its own sequence), ``tp2xulysses2``... Under TP the
-column-parallel layers save this rank's sequence region of their inputs and all-gather it again in backward (the TP
-re-gather, :mod:`ds4sci.parallel.tensor_parallel`): the rows without checkpointing (``baseline``, ``+ tiled loss``)
-under ``tp2`` show what it leaves saved.
+Rows, each adding one switch to the one above (``activation_checkpointing`` in the training config): ``baseline``,
+``+ tiled loss`` (first after the baseline, as in ALST's runs), ``+ checkpointing`` (``mode: full``), ``+ tiled MLP``,
+``+ host offload``. Each row runs under each layout of ``--layouts`` (:func:`parse_layout`: ``1``, ``ulysses2``,
+``ring2``, ``tp2``, ``pp2``, ``dp2xzero3``, ...); under TP the rows without checkpointing show the column-parallel
+layers' re-gathered inputs.
 
 For each layout, row, sequence length ``S`` and layer count ``L`` a fresh gloo process group
-(:func:`ds4sci.spawn.run_workers`, DeepSpeed's CPU accelerator, one process per rank) builds a GenSLM and applies the
-layout and the switches with the trainer's own functions (:func:`~ds4sci.parallel.groups.build_groups`,
-:func:`~ds4sci.parallel.parallelize.parallelize`,
-:func:`~ds4sci.train.activation_checkpointing.apply_activation_checkpointing`, the batch cut by
-:func:`~ds4sci.sequence.shard_sequence` and the loss :func:`~ds4sci.parallel.tensor_parallel.token_loss_for`'s, as
-:class:`~ds4sci.train.trainer.Trainer` does; with data ranks or ZeRO-3 the model then goes into
-:func:`~ds4sci.train.engine.build_engine`'s DeepSpeed engine, with pipeline stages into
-:func:`~ds4sci.train.pipeline.build_pipeline_engine`'s, stepped by
-:func:`~ds4sci.train.pipeline.pipeline_train_batch`), runs a warm-up step at a tiny length and then one forward +
-cross-entropy + backward at ``S`` tokens (the pipeline's ``train_batch`` includes the optimizer step; the others'
-step follows outside the measurement), measuring on every rank:
+(:func:`ds4sci.spawn.run_workers`) builds a GenSLM and applies the layout and the switches with the trainer's own
+functions (as :class:`~ds4sci.train.trainer.Trainer` does, DeepSpeed's engines where the layout needs one), runs a
+warm-up step and then one training step at ``S`` tokens, measuring on every rank: ``saved`` (bytes autograd saves
+for backward, each storage once), ``host`` (what host offload holds), ``device = saved - host``, ``peak`` (peak RSS
+of the step, :class:`ds4sci.bench.memory.PeakMemory`), the blocks held, and the parameter and gradient bytes.
 
-- ``saved``: the bytes autograd saves for backward in the forward, each storage once (``saved_tensors_hooks``, over
-  the pipeline's forward passes only; parameters left out, ZeRO-3's gathered ones too; the checkpoint's own inputs,
-  which DeepSpeed's reentrant checkpoint keeps out of the hooks' sight, counted where the checkpoint is called), and
-  ``host``: the most :class:`~ds4sci.train.activation_offload.HostOffload` holds in host memory after a checkpointed
-  block's forward (``offloaded_bytes``; after the last, every block's); ``device = saved - host``;
-- ``peak``: the peak RSS of the step above its start (:class:`ds4sci.bench.memory.PeakMemory`; glibc's allocator,
-  whose settings the report records);
-- ``held``: the blocks the rank holds (a pipeline stage's), ``params``: its parameter bytes after the step (ZeRO-3:
-  its partitions and the tensors kept gathered), ``grads``: the gradient bytes the optimizer is handed (ZeRO-3: its
-  partition; without an engine, the ``.grad`` after backward).
-
-A run records the largest of each over the ranks (the most loaded rank, as the planner reports). Per layout and row
-the report gives, in hidden vectors (``h e`` bytes) per token of the FULL sequence (a rank's bytes over ``S``, so
-1/P of the one-process figure where a layout divides everything by its P ranks; a data rank's own sequence under
-ZeRO-3): per layer on the device, the slope of ``device`` over ``S`` times the blocks held (from the two layer
-counts; per block a stage holds, ``L / pp`` of them); the working set, the slope over ``S`` of ``peak - device`` at
-the larger ``L`` (what backward adds above the saved tensors: the recomputed layer and its gradients); and the
-longest sequence within the per-rank ``--budget-mib`` from the fit ``peak = a + b S`` at the larger ``L``. Beside
-each the planner's figure for the same layout (:mod:`ds4sci.plan`, fp32, a ``Strategy`` with the layout's degrees:
-``activations + workspace + attention + grads`` and the larger of the Ulysses all-to-all staging and the ring's
-buffers, plus ZeRO-3's gathered parameters, the step's peak above the parameters and the optimizer state, as
-``PeakMemory`` starts after them), and per layout the blocks, parameter and gradient bytes a rank holds.
+The most loaded rank is reported, in hidden vectors (``h e`` bytes) per token of the full sequence: per layer on the
+device (the slope of ``device`` over ``S`` from the two layer counts), the working set (the slope of ``peak -
+device`` at the larger ``L``) and the longest sequence within ``--budget-mib`` (from the fit ``peak = a + b S``),
+each beside the planner's figure for the same layout (:mod:`ds4sci.planning.genslm`, fp32, the layout's degrees).
 """
 from __future__ import annotations
 
@@ -58,8 +28,9 @@ import math
 import time
 
 from ds4sci.bench.layout_memory import parse_layout
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
-from ds4sci.parallel import ParallelDims
+from ds4sci.bench.report import (MIB, add_int_options, check_heads, markdown_table, parse_int_list, plot_peaks, plural,
+                                 write_files)
+from ds4sci.distributed import ParallelDims
 
 ROWS = {  # name -> activation_checkpointing keys; each row adds one switch to the row above (ALST's ablation)
     "baseline": {"mode": "none"},
@@ -136,11 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "per rank (default: 1)")
     parser.add_argument("--rows", default=",".join(row_key(r) for r in ROWS), metavar="ROW,...",
                         help="rows to run (default: %(default)s)")
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
-    parser.add_argument("--mlp-tile", type=int, default=1024, help="tokens per tiled-MLP tile (default: %(default)s)")
-    parser.add_argument("--loss-tile", type=int, default=1024,
-                        help="tokens per tiled-loss tile (default: %(default)s)")
+    add_int_options(parser, {"hidden": (256, "hidden size"), "heads": (8, "attention heads"),
+                             "mlp_tile": (1024, "tokens per tiled-MLP tile"),
+                             "loss_tile": (1024, "tokens per tiled-loss tile")})
     parser.add_argument("--budget-mib", type=float, default=1024.0,
                         help="per-rank budget for the longest-sequence column (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
@@ -160,12 +129,11 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
     import torch
     from deepspeed.runtime.pipe.schedule import ForwardPass
 
-    from ds4sci.bench.layout_memory import _distinct_bytes, _model_states
-    from ds4sci.bench.memory import PeakMemory
+    from ds4sci.bench.memory import PeakMemory, distinct_bytes, model_states
     from ds4sci.models.genslm import GenSLM
-    from ds4sci.parallel.groups import build_groups
+    from ds4sci.distributed.groups import build_groups
     from ds4sci.parallel.parallelize import parallelize
-    from ds4sci.parallel.tensor_parallel import token_loss_for
+    from ds4sci.parallel.genslm_tp import token_loss_for
     from ds4sci.sequence import shard_sequence
     from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
     from ds4sci.train.config import ActivationCheckpointingConfig, load_config
@@ -221,7 +189,7 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
             original = opt.step
 
             def step_counted(*args, _original=original, _opt=opt, _engine=engine, **kwargs):
-                grads["bytes"] = _distinct_bytes([p.grad for p in _engine.module.parameters()]
+                grads["bytes"] = distinct_bytes([p.grad for p in _engine.module.parameters()]
                                                  + [q.grad for g in _opt.param_groups for q in g["params"]])
                 return _original(*args, **kwargs)
 
@@ -262,7 +230,7 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
 
         def finish() -> None:  # the update, outside the measured step
             if engine is None:
-                grads["bytes"] = _distinct_bytes([p.grad for p in model.parameters()])
+                grads["bytes"] = distinct_bytes([p.grad for p in model.parameters()])
                 model.zero_grad(set_to_none=True)
             elif d.pp == 1:
                 engine.step()
@@ -274,8 +242,8 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
             step(seq_len, hooks=True)
         finish()
         saved = sum(storages.values())
-        params = (_model_states(engine, {"grads": 0})["params"] if engine is not None
-                  else _distinct_bytes(list(model.parameters())))
+        params = (model_states(engine, {"grads": 0})["params"] if engine is not None
+                  else distinct_bytes(list(model.parameters())))
         results.append({"saved": saved, "host": host[0], "device": saved - host[0], "peak": peak.bytes,
                         "held": held, "params": params, "grads": grads["bytes"]})
         if engine is not None:
@@ -327,7 +295,7 @@ def planner(row: str, shape: dict, layers: int, seq_len: int, layout: str = ONE)
     sequence per layer on the device, the working set per token (what backward adds above the saved tensors), host
     bytes, the step's peak, the blocks a rank holds (``held``: ``L / pp`` with one micro-batch in flight) and its
     parameter and gradient bytes (module docstring)."""
-    from ds4sci import plan
+    from ds4sci.planning import genslm as plan
 
     switches = ROWS[row]
     d, zero = dims(layout), zero_stage(layout)
@@ -340,18 +308,17 @@ def planner(row: str, shape: dict, layers: int, seq_len: int, layout: str = ONE)
     per_layer = (plan.layer_activation_bytes(w, strategy, strategy.checkpointing)
                  - plan.offloaded_layer_bytes(w, strategy)) / local
     terms = plan.memory(w, strategy)
-    buffers = max(terms["a2a_staging"], terms["ring_buffers"])  # alive one after the other: the larger counts
+    buffers = max(terms.a2a_staging, terms.ring_buffers)  # alive one after the other: the larger counts
     # ZeRO-3 gathers parameters during the step (its partitions and persistent ones exist before it)
-    peak = (terms["activations"] + terms["workspace"] + terms["attention"] + terms["grads"] + buffers
-            + terms["gathered_params"])
+    peak = terms.activations + terms.workspace + terms.attention + terms.grads + buffers + terms.gathered_params
     # saved outside the layers (ids, final norm, logits or the tiled loss's targets): the activations without
     # checkpointing less its layers'
     plain = plan.Strategy(d, loss_tile=strategy.loss_tile)
-    outside = (plan.memory(w, plain)["activations"] / seq_len
+    outside = (plan.memory(w, plain).activations / seq_len
                - held * plan.layer_activation_bytes(w, plain, "none") / local)
-    working = (terms["activations"] + terms["workspace"] + buffers) / seq_len - held * per_layer - outside
-    return {"per_layer": per_layer, "working_per_token": working, "host": terms["host_activations"], "peak": peak,
-            "held": held, "params": terms["params"] + terms["persistent_params"], "grads": terms["grads"]}
+    working = (terms.activations + terms.workspace + buffers) / seq_len - held * per_layer - outside
+    return {"per_layer": per_layer, "working_per_token": working, "host": terms.host_activations, "peak": peak,
+            "held": held, "params": terms.params + terms.persistent_params, "grads": terms.grads}
 
 
 def summarize(report: dict) -> list[dict]:
@@ -441,23 +408,17 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 5))
+    """Peak MiB per rank against S at the larger layer count, one line per layout and row."""
     L = max(report["config"]["layers"])
+    curves = {}
     for layout in report["config"]["layouts"]:
         for row in ROWS:
             runs = sorted((r for r in report["runs"] if r["layout"] == layout and r["row"] == row and r["layers"] == L),
                           key=lambda r: r["seq_len"])
             if runs:
-                ax.plot([r["seq_len"] for r in runs], [r["peak"] / MIB for r in runs], marker="o",
-                        label=f"{layout_name(layout)}: {row}")
-    ax.axhline(report["config"]["budget_mib"], color="gray", linestyle="--", label="budget")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length S (tokens)")
-    ax.set_ylabel(f"peak MiB per rank, {L} layers (forward + backward)")
-    ax.legend(fontsize="small")
-    save_figure(fig, path)
+                curves[f"{layout_name(layout)}: {row}"] = ([r["seq_len"] for r in runs],
+                                                           [r["peak"] / MIB for r in runs])
+    plot_peaks(path, curves, report["config"]["budget_mib"], f"peak MiB per rank, {L} layers (forward + backward)")
 
 
 def _rows(text: str) -> list[str]:
@@ -482,8 +443,7 @@ def run(args: argparse.Namespace) -> int:
                         ("--loss-tile", shape["loss_tile"]), ("--budget-mib", args.budget_mib)):
         if value <= 0:
             raise ValueError(f"{name}={value:g}: must be > 0")
-    if shape["hidden"] % shape["heads"]:
-        raise ValueError(f"--hidden={shape['hidden']} is not divisible by --heads={shape['heads']}")
+    check_heads(shape["hidden"], shape["heads"])
     if len(layers) != 2 or len(seq_lens) < 2:
         raise ValueError(f"--layers {','.join(map(str, layers))}: give two layer counts, and at least two --seq-lens")
     layouts = list(dict.fromkeys(t.strip() for t in args.layouts.split(",")))
@@ -512,7 +472,5 @@ def run(args: argparse.Namespace) -> int:
     for layout, row, L, s in tqdm(jobs, desc="ablation", unit="run"):
         report["runs"] += measure(row, shape, [(L, s)], layout)  # a fresh process group per run: its own peak
     report["summary"] = summarize(report)
-    path = write_report(args.out, "ablation", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(f"ablation: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    write_files(args.out, "ablation", report, markdown(report), plot)
     return 0

@@ -1,13 +1,13 @@
 """``ds4sci bench comm-volume``: bytes each rank sends per GenSLM layer under sequence and tensor parallelism,
-beside the closed forms of :func:`ds4sci.costs.layer_comm_bytes`, which the planner uses.
+beside the closed forms of :func:`ds4sci.planning.costs.layer_comm_bytes`, which the planner uses.
 
 For each degree ``P``, ``P`` gloo processes (:func:`ds4sci.spawn.run_workers`) run, scheme after scheme, one
 training step (forward + backward) of a GenSLM made sequence- or tensor-parallel by
 :func:`~ds4sci.parallel.parallelize.parallelize`, with the sequence growing with ``P`` (``N = tokens_per_rank * P``).
-A :class:`~ds4sci.sequence.CommCounter` records the bytes every collective call sends; the figure per layer is the
+A :class:`~ds4sci.distributed.comm.CommCounter` records the bytes every collective call sends; the figure per layer is the
 difference between a 2-layer and a 1-layer model, so embedding, head and loss traffic cannot leak in.
 
-Schemes (the closed forms and their derivations: :mod:`ds4sci.costs`): ``ulysses`` (Jacobs et al. 2023,
+Schemes (the closed forms and their derivations: :mod:`ds4sci.planning.costs`): ``ulysses`` (Jacobs et al. 2023,
 all-to-all of q, k, v and the output), ``ring`` (Liu et al. 2023, key/value blocks around a ring, zigzag layout),
 ``hybrid`` (USP, Fang & Zhao 2024: Ulysses ``P/2`` x ring 2), ``megatron-sp`` (Megatron-LM sequence parallelism,
 Korthikanti et al. 2022, measured on ds4sci's tensor-parallel layers, :mod:`ds4sci.parallel.tensor_parallel`, TP
@@ -16,8 +16,8 @@ separately, as in Megatron-LM; the formula row stays beside it, labelled formula
 without dropout, ds4sci's training default: one shared reduce-scatter). No activation checkpointing: the TP closed
 forms count one forward, its backward and backward's all-gathers that rebuild the column-parallel matmuls' inputs
 (the layers save only this rank's sequence region); full checkpointing would add the forward's collectives again
-(:func:`ds4sci.costs.tp_forward_comm_bytes`). The TP layers' small all-reduce of the LayerNorm gradients is left out
-of both TP closed forms.
+(:func:`ds4sci.planning.costs.tp_forward_comm_bytes`). The TP layers' small all-reduce of the LayerNorm gradients is
+left out of both TP closed forms.
 """
 from __future__ import annotations
 
@@ -25,12 +25,21 @@ import argparse
 import logging
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
-from ds4sci.costs import COMM_SCHEMES, layer_comm_bytes
+from ds4sci.bench.report import (MIB, check_heads, markdown_table, parse_int_list, plural, save_figure, subplots,
+                                 write_files)
+from ds4sci.planning.costs import COMM_SCHEMES, layer_comm_bytes
 
 logger = logging.getLogger(__name__)
 
 TP_SCHEMES = ("megatron-sp", "tp-sp")
+#: the report's closing paragraph: what the schemes are and what the closed forms leave out
+NOTES = ("Ulysses stays flat as N and P grow together; ring and Megatron-LM SP grow with N. megatron-sp: ds4sci's "
+         "tensor-parallel layers with sequence-parallel regions (TP degree P, dropout 0.1); tp-sp: the same without "
+         "dropout (one shared reduce-scatter); both all-gather the column-parallel inputs again in backward (their "
+         "weight gradients: only the sequence region is saved). On gloo a reduce-scatter runs as an all-to-all plus a "
+         "local sum, the same bytes. The small all_gather of the SP schemes is DistributedAttention's check that every "
+         "rank holds the same local shapes (8 integers per group per layer); the small all_reduce of the TP schemes "
+         "sums the LayerNorm gradients over TP (4 h values per layer); the closed forms leave both out.")
 
 
 def _degrees(text: str) -> tuple[int, ...]:
@@ -73,10 +82,11 @@ def _scheme_bytes(scheme: str, P: int, tokens: int, hidden: int, heads: int) -> 
     import torch
 
     from ds4sci.models.genslm import GenSLM, GenSLMConfig
-    from ds4sci.parallel import ParallelDims
-    from ds4sci.parallel.groups import build_groups
+    from ds4sci.distributed import ParallelDims
+    from ds4sci.distributed.groups import build_groups
     from ds4sci.parallel.parallelize import parallelize
-    from ds4sci.sequence import CommCounter, shard_sequence
+    from ds4sci.distributed.comm import CommCounter
+    from ds4sci.sequence import shard_sequence
 
     dims = ParallelDims(dp=1, **_dims_kwargs(scheme, P))
     groups = build_groups(dims)
@@ -133,22 +143,12 @@ def markdown(report: dict) -> str:
                      "all-gather + reduce-scatter"])
     lines += markdown_table(["scheme", "P", "N", "MiB sent / rank / layer", "measured / (N h)",
                              "closed form / (N h)", "by collective (MiB)"], rows)
-    lines += ["", "Ulysses stays flat as N and P grow together; ring and Megatron-LM SP grow with N. megatron-sp: "
-              "ds4sci's tensor-parallel layers with sequence-parallel regions (TP degree P, dropout 0.1); tp-sp: the "
-              "same without dropout (one shared reduce-scatter); both all-gather the column-parallel inputs again in "
-              "backward (their weight gradients: only the sequence region is saved). On gloo a reduce-scatter runs as "
-              "an all-to-all plus a local sum, the same bytes. The small all_gather of the SP schemes is "
-              "DistributedAttention's check that every rank holds the same local shapes (8 integers per group per "
-              "layer); the small "
-              "all_reduce of the TP schemes sums the LayerNorm gradients over TP (4 h values per layer); the closed "
-              "forms leave both out."]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", NOTES]) + "\n"
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     c = report["config"]
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = subplots(figsize=(7, 5))
     for scheme in COMM_SCHEMES:
         runs = [r for r in report["runs"] if r["scheme"] == scheme]
         if runs:
@@ -170,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
     for value, name in ((tokens, "--tokens-per-rank"), (args.hidden, "--hidden"), (args.heads, "--heads")):
         if value < 1:
             raise ValueError(f"{name}={value}: must be >= 1")
-    if args.hidden % args.heads:
-        raise ValueError(f"--hidden={args.hidden} is not divisible by --heads={args.heads}")
+    check_heads(args.hidden, args.heads)
     for P in degrees:
         if args.heads % P:
             raise ValueError(f"--heads={args.heads}: the Ulysses and TP degree P={P} must divide the heads")
@@ -188,7 +187,5 @@ def run(args: argparse.Namespace) -> int:
     for P in tqdm(degrees, desc="comm-volume", unit="degree"):
         schemes = [s for s in COMM_SCHEMES if _dims_kwargs(s, P) is not None]
         report["runs"] += measure(schemes, P, tokens, args.hidden, args.heads)
-    path = write_report(args.out, "comm_volume", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(f"comm-volume: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    write_files(args.out, "comm_volume", report, markdown(report), plot)
     return 0

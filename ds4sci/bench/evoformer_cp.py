@@ -4,43 +4,25 @@ parallelism, axial (1-D) or on a p x p mesh (2-D), as N_res and the group size P
 For each P of ``--degrees``, P gloo processes (:func:`ds4sci.spawn.run_workers`; P = 1 is the single process) run,
 per block kind and N_res, one training step (forward + backward of the sum of both outputs, fp32, dropout 0)
 of a sharded stack of one and of two blocks (:func:`ds4sci.evoformer_context_parallel` with ``sharded=True``). A
-:class:`~ds4sci.sequence.CommCounter` records every collective; the bytes per block are the two-block stack's
+:class:`~ds4sci.distributed.comm.CommCounter` records every collective; the bytes per block are the two-block stack's
 minus the one-block stack's, so the stack's entry and exit cancel and what a block costs inside a long stack
 remains (1-D: one switch between blocks is in; 2-D: nothing moves between blocks). They are set beside the
-layout's closed form, per rank: :func:`ds4sci.parallel.evoformer_cp.block_comm_bytes` (every rank the same) and
-:func:`ds4sci.parallel.evoformer_cp2d.block_comm_bytes` (the ranks on the mesh's diagonal, first row and first
-column move fewer tiles), each derived in its module's docstring.
+layout's closed form, per rank: :func:`ds4sci.parallel.evoformer.axial.block_comm_bytes` (every rank the same) and
+:func:`ds4sci.parallel.evoformer.mesh2d.block_comm_bytes` (the ranks on the mesh's diagonal, first row and first
+column move fewer tiles).
 
-Memory per rank, of one training step of the one-block stack (:func:`_measure_memory`), counted by
-:class:`ds4sci.bench.memory.LiveTensors` (the tensors torch's ops return, each storage once while any of its tensors
-lives): the bytes autograd saves for backward (:func:`ds4sci.bench.memory.saved_for_backward`), the activations
-held from forward to backward, and the peak of live tensors over forward and backward. Both count what the step
-allocates, the parameter gradients included; the parameters and the inputs (full tensors on every rank, held before
-the step) are not. The loss is the sum of the outputs, whose gradient is a broadcast view: a loss of the full
-outputs whose backward makes whole ``[N, N, C_z]`` tensors (a mean square: its gradient and temporaries, up to five
-with the gathered output at once) would add to every rank's peak a term that no P divides, a loss head's and not
-the block's (tests/test_bench_evoformer_cp.py sees it). Beside them the planner's figure
-(:func:`planned_peak`: :func:`ds4sci.plan_evoformer.memory`'s training terms of one block). (A peak RSS is not
-reported: in a gloo worker that has run the step before, the allocator reuses freed memory and the RSS barely moves
-at these sizes.)
+Memory per rank of one step of the one-block stack, counted by :class:`ds4sci.bench.memory.LiveTensors`: the bytes
+saved for backward, the activations held from forward to backward and the peak of live tensors; parameters and
+inputs are left out. The loss is the sum of the outputs, whose gradient is a broadcast view, so no loss head adds a
+term that no P divides. Beside them the planner's figure (:func:`planned_peak`).
 
-The pair terms of that memory: with N_res multiples of P (no padding) each figure is a quadratic in N_res at a
-fixed N_seq, ``alpha N^2 + beta N + gamma``; ``alpha`` (least squares over ``--n-res``, at least three) is reported
-as ``alpha P`` (constant where the pair terms fall as 1/P), for the saved bytes beside the closed form of their
-floor, the ``N^2`` bytes per rank that do not fall as 1/P: 1-D saves the gathered tensors whole (the MSA pair bias,
-one operand of each triangle multiplication, the two triangle biases; the Pairformer's replicated pair bias), ``G =
-e (H_msa + 2 c_mul + 2 H_pair)`` (Pairformer: ``e (2 c_mul + 2 H_pair + H_s)``) at any P; 2-D tiles every ``N^2``
-tensor but the triangle attentions' key-mask rows ``[N/p, N]`` (one channel each, two per block): ``2 e / p``
-(the Pairformer's single attention too: it runs on the bias tiles, its s-side ``O(N)`` replicated). At
-the peak the whole padded pair mask is live as well, ``e`` per ``N^2`` on every rank (both layouts make it at the
-stack's entry and cut their pieces out of it). In 1-D the exit gathers are alive at the end of forward beside
-everything forward saved: z received into the tensor returned, ``e C_z`` per ``N^2`` more, and the copy of the
-rank's own columns it sends, ``e C_z / P`` (:func:`ds4sci.plan_evoformer.exit_bytes`).
+The pair terms: with N_res multiples of P each figure is a quadratic ``alpha N^2 + beta N + gamma`` at a fixed N_seq;
+``alpha P`` (least squares over ``--n-res``, three or more) is constant where the pair terms fall as 1/P, and the
+saved bytes' ``alpha`` is set beside the closed form of the ``N^2`` bytes per rank that do not fall as 1/P (1-D: the
+gathered tensors; 2-D: the triangle attentions' key-mask rows), see :func:`pair_terms`.
 
-Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms; ``1d`` is the
-axial layout, ``2d`` the p x p mesh (``--degrees`` squares: 4 ranks for 2 x 2).
-
-Writes ``evoformer_cp.json``, ``evoformer_cp.md`` and ``evoformer_cp.png`` to ``--out``.
+Layouts: :data:`LAYOUTS` maps ``--layout`` to how a stack is made parallel and to its closed forms (``1d`` axial,
+``2d`` the p x p mesh, ``--degrees`` squares). Writes ``evoformer_cp.json``, ``.md`` and ``.png`` to ``--out``.
 """
 from __future__ import annotations
 
@@ -49,8 +31,8 @@ import logging
 import math
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, check_positive, command_line, markdown_table, parse_int_list, pyplot, \
-    save_figure, write_report
+from ds4sci.bench.report import (MIB, check_positive, command_line, markdown_table, parse_int_list, save_figure,
+                                 subplots, write_files)
 
 logger = logging.getLogger(__name__)
 
@@ -58,20 +40,20 @@ KINDS = ("evoformer", "pairformer")
 COUNTED = ("all_gather", "reduce_scatter", "all_to_all", "p2p", "all_reduce")
 KIB = 2.0**10
 LAYOUT_NAMES = {"1d": "axial (1d)", "2d": "2-D mesh (2d)"}
-MODULES = {"1d": "evoformer_cp", "2d": "evoformer_cp2d"}
+MODULES = {"1d": "evoformer.axial", "2d": "evoformer.mesh2d"}
 TRANSITION_N = 2  # the transitions' hidden factor (AlphaFold's 4, halved with the bench's small channels)
 #: the memory figures per rank of a one-block stack's training step (:func:`_measure_memory`)
 MEMORY = ("saved_bytes", "peak_bytes")
 
 
 def _axial(blocks, counter):
-    from ds4sci.parallel.evoformer_cp import evoformer_context_parallel
+    from ds4sci.parallel.evoformer import evoformer_context_parallel
 
     return evoformer_context_parallel(blocks, sharded=True, counter=counter)
 
 
 def _axial_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, int]:
-    from ds4sci.parallel.evoformer_cp import block_comm_bytes
+    from ds4sci.parallel.evoformer.axial import block_comm_bytes
 
     return block_comm_bytes(block, p, n_res, n_seq)
 
@@ -87,14 +69,14 @@ def _axial_floor(block, p: int, itemsize: int = 4) -> float:
 def _mesh(blocks, counter):
     import torch.distributed as dist
 
-    from ds4sci.parallel.evoformer_cp import evoformer_context_parallel
+    from ds4sci.parallel.evoformer import evoformer_context_parallel
 
     side = math.isqrt(dist.get_world_size()) if dist.is_initialized() else 1
     return evoformer_context_parallel(blocks, mesh=(side, side), sharded=True, counter=counter)
 
 
 def _mesh_bytes(block, p: int, n_res: int, n_seq: int, rank: int) -> dict[str, int]:
-    from ds4sci.parallel.evoformer_cp2d import block_comm_bytes
+    from ds4sci.parallel.evoformer.mesh2d import block_comm_bytes
 
     return block_comm_bytes(block, math.isqrt(p), n_res, n_seq, rank)
 
@@ -188,7 +170,7 @@ def _measure_memory(module, x, z) -> dict[str, int]:
 def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
     """Per kind and N_res: this rank's bytes sent per collective kind by a one- and a two-block stack, and the memory
     of a training step of the one-block stack (:func:`_measure_memory`)."""
-    from ds4sci.sequence import CommCounter
+    from ds4sci.distributed.comm import CommCounter
 
     wrap = LAYOUTS[cfg["layout"]][0]
     rows = []
@@ -235,10 +217,10 @@ def measure(cfg: dict, p: int) -> list[dict]:
 
 def planned_peak(cfg: dict, kind: str, p: int, n_res: int) -> float:
     """The planner's bytes per rank of one block's training step at ``cfg``'s shape:
-    :func:`ds4sci.plan_evoformer.memory`'s ``block_saved + gathers + working + exit`` (its training terms less the
+    :func:`ds4sci.planning.evoformer.memory`'s ``block_saved + gathers + working + exit`` (its training terms less the
     checkpoints, which a stack without checkpointing does not keep), plus the block's parameter gradients in fp32
     (counted by the measurement too)."""
-    from ds4sci import plan_evoformer as pe
+    from ds4sci.planning import evoformer as pe
 
     evoformer = kind == "evoformer"
     c, h = cfg["c_hidden"], cfg["heads"]
@@ -248,7 +230,7 @@ def planned_peak(cfg: dict, kind: str, p: int, n_res: int) -> float:
                     layout=cfg["layout"] if p > 1 else "1", gpus=p)
     mem = pe.memory(w)
     gradients = 4 * sum(q.numel() for q in _blocks(kind, cfg, 1)[0].parameters())
-    return mem["block_saved"] + mem["gathers"] + mem["working"] + mem["exit"] + gradients
+    return mem.block_saved + mem.gathers + mem.working + mem.exit + gradients
 
 
 def _n2_coefficient(n_res: list[int], values: list[float]) -> float:
@@ -301,7 +283,7 @@ def markdown(report: dict) -> str:
         "Memory of a one-block stack's training step (loss: the sum of the outputs), the most on any rank, counted "
         "by ds4sci.bench.memory.LiveTensors (the tensors ops return; parameter gradients in, parameters and inputs "
         "out): saved, what autograd keeps for backward; peak, of the live tensors over forward and backward (vs "
-        "P = 1: how much less); planner: ds4sci.plan_evoformer's block_saved + gathers + working + exit, plus the "
+        "P = 1: how much less); planner: ds4sci.planning.evoformer's block_saved + gathers + working + exit, plus the "
         "parameter gradients.",
         "",
         *markdown_table(("block", "P", "N_res", "N_seq", "sent/block (KiB)", "closed form (KiB)",
@@ -325,9 +307,8 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path: Path) -> None:
     """Bytes sent per block (measured: markers; closed form: lines) and, per rank vs N_res, the saved bytes (dashed),
     the peak (solid) and the planner's figure (dotted), per P."""
-    plt = pyplot()
     kinds = report["config"]["kinds"]
-    fig, axes = plt.subplots(2, len(kinds), figsize=(5.5 * len(kinds), 8), squeeze=False)
+    fig, axes = subplots(2, len(kinds), figsize=(5.5 * len(kinds), 8), squeeze=False)
     for col, kind in enumerate(kinds):
         for p in report["config"]["degrees"]:
             runs = [r for r in report["runs"] if r["kind"] == kind and r["P"] == p]
@@ -374,7 +355,5 @@ def run(args: argparse.Namespace) -> int:
         report["runs"] += measure(cfg, p)
         logger.info("evoformer-cp: P=%d done", p)
     report["pair_terms"] = pair_terms(report)
-    path = write_report(args.out, "evoformer_cp", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    logger.info("evoformer-cp: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    write_files(args.out, "evoformer_cp", report, markdown(report), plot)
     return 0

@@ -1,41 +1,23 @@
 """``ds4sci bench evoformer-memory``: memory of Evoformer attention forward+backward per backend.
 
-At OpenFold-like MSA row attention shapes (Jumper et al. 2021, Alg. 7; OpenFold's initial training uses
-N_res = 256 crops, 8 heads of 32 channels) it measures, for the reference / torch (and triton on CUDA)
-backends:
+At OpenFold-like MSA row attention shapes (Jumper et al. 2021, Alg. 7; N_res = 256 crops, 8 heads of 32 channels)
+it measures, for the reference / torch (and triton on CUDA) backends:
 
-- bytes saved for backward: unique storages packed by autograd, counted with
-  ``torch.autograd.graph.saved_tensors_hooks`` during the forward (q, k, v included);
-- peak memory of one forward+backward above the memory held before it (inputs and the output gradient
-  already allocated): on CUDA ``torch.cuda.max_memory_allocated``, on the CPU the peak RSS (``VmHWM - VmRSS``)
-  of a fresh subprocess per backend, so one backend's allocations never hide another's (both measured by
-  :mod:`ds4sci.bench.memory`);
-- the max abs difference of the output and of every gradient (q, k, v, pair bias) from the reference backend run
-  in float64 on the same inputs (:func:`fp64_reference`, computed once, apart from the memory measurements): the
-  error of each path itself, the fp32 reference's included (an fp32 reference can itself be about 1e-4 off, which
-  would hide a path's own 4e-6).
+- bytes saved for backward (:func:`ds4sci.bench.memory.saved_for_backward`, q, k, v included);
+- peak memory of one forward+backward above what is held before it (:class:`ds4sci.bench.memory.PeakMemory`, one
+  fresh subprocess per backend on the CPU, so one backend's allocations never hide another's);
+- the max abs difference of the output and of every gradient from the reference run in float64 on the same inputs
+  (:func:`fp64_reference`): the error of each path itself, the fp32 reference's included.
 
-When OpenFold3 is importable, its own attention paths (``openfold3.core.model.primitives.attention``, 0.5) run
-the same inputs in its layout ``[B, N_seq, H, N_res, D]`` with queries pre-scaled, as ``Attention.forward`` does:
+When OpenFold3 is importable, its own attention paths run the same inputs in its layout ``[B, N_seq, H, N_res, D]``
+with queries pre-scaled, as its ``Attention.forward`` does: ``openfold3-default`` (the plain path),
+``openfold3-chunked`` (``attention_chunked_trainable`` over ``--openfold-chunk`` MSA rows, each chunk recomputed in
+backward) and ``openfold3-lma`` (its low-memory attention, Rabe & Staats 2021, ``--lma-chunk`` queries per block and
+OpenFold3's default key block). Otherwise, or with ``--no-openfold``, the report says why they are missing.
 
-- ``openfold3-default``: ``_attention``, the plain path (logits ``[B, N_seq, H, N_res, N_res]`` saved for
-  backward);
-- ``openfold3-chunked``: ``attention_chunked_trainable`` over ``--openfold-chunk`` MSA rows at a time with
-  ``checkpoint=True`` (each chunk recomputed in backward), the training-time chunking of its MSA row attention
-  (``MSARowAttentionWithPairBias._chunked_msa_attn``);
-- ``openfold3-lma``: ``_lma``, its low-memory attention (Rabe & Staats 2021, ``use_lma=True``) with
-  ``--lma-chunk`` queries per block and OpenFold3's default key block (``DEFAULT_LMA_KV_CHUNK_SIZE`` = 4096, all
-  keys at these shapes). Autograd still saves every block's probabilities, so LMA saves memory in inference only.
-  With more than one key block OpenFold3 0.5's ``_lma`` has wrong gradients for q, k and the biases (output right): it
-  subtracts the block maximum without detaching it inside ``exp`` but rescales the blocks by the detached copy,
-  so gradient flows through the maximum; one key block keeps the function invariant to that shift.
-
-Otherwise, or with ``--no-openfold`` (each path is a subprocess that imports OpenFold3), the report says why they
-are missing.
-
-Writes ``evoformer_memory.json``, ``evoformer_memory.md`` and ``evoformer_memory.png`` (saved and peak bytes per
-path) to ``--out``. DeepSpeed4Science reports 13x lower peak memory for OpenFold training with its fused kernel;
-the JSON records the ratios against that target.
+Writes ``evoformer_memory.json``, ``.md`` and ``.png`` (saved and peak bytes per path) to ``--out``.
+DeepSpeed4Science reports 13x lower peak memory for OpenFold training with its fused kernel; the JSON records the
+ratios against that target.
 """
 from __future__ import annotations
 
@@ -48,8 +30,8 @@ from collections.abc import Iterator
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import (MIB, check_positive, markdown_table, missing_dependency, pyplot, save_figure,
-                                  write_report)
+from ds4sci.bench.report import (MIB, check_positive, markdown_table, missing_dependency, save_figure, subplots,
+                                 write_files)
 from ds4sci.kernels import evoformer_attention
 
 logger = logging.getLogger(__name__)
@@ -227,10 +209,9 @@ def _markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Bars of the bytes saved for backward and of the peak of forward+backward per path (MiB)."""
-    plt = pyplot()
     rows = report["backends"] | report["openfold3"]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
+    fig, ax = subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
     ax.bar([i - 0.2 for i in x], [r["saved_bytes"] / MIB for r in rows.values()], 0.4, label="saved for backward")
     ax.bar([i + 0.2 for i in x], [r["peak_bytes"] / MIB for r in rows.values()], 0.4, label="peak fwd+bwd")
     ax.set_xticks(list(x), list(rows), rotation=15)
@@ -287,7 +268,5 @@ def run(args: argparse.Namespace) -> int:
         r["peak_ratio_vs_reference"] = ref["peak_bytes"] / max(r["peak_bytes"], 1)
         r["saved_ratio_vs_reference"] = ref["saved_bytes"] / max(r["saved_bytes"], 1)
         r["meets_target"] = r["peak_ratio_vs_reference"] >= TARGET_PEAK_RATIO
-    path = write_report(args.out, "evoformer_memory", report, _markdown(report))
-    plot(report, path.with_suffix(".png"))
-    logger.info("evoformer-memory: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    write_files(args.out, "evoformer_memory", report, _markdown(report), plot)
     return 0

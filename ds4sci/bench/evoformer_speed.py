@@ -13,14 +13,13 @@ Every implementation gets the same call: q, k, v ``[1, N, S, H, D]`` contiguous 
 bias ``1e9 * (mask - 1)`` ``[1, N, 1, 1, S]`` (about 10% of the keys masked) and a pair bias ``[1, 1, H, S, S]``,
 both in q's dtype; q, k, v and the pair bias require grad (a training step), the mask bias does not.
 
-Shapes are OpenFold's (AlphaFold2 / OpenFold3 configs): MSA row attention with pair bias (N = N_seq, S = N_res,
-H = 8, D = 32), triangle attention (N = S = N_res, H = 4, D = 32), extra-MSA row attention (N = 1024 and more,
-H = 8, D = 8). ``--quick`` runs small shapes (a smoke test of the command, not a measurement).
+Shapes are OpenFold's: MSA row attention with pair bias (N = N_seq, S = N_res, H = 8, D = 32), triangle attention
+(N = S = N_res, H = 4, D = 32), extra-MSA row attention (N >= 1024, H = 8, D = 8); ``--quick`` runs small ones.
 
-Timing: CUDA events around each call, ``--warmup`` calls first, then the median of ``--repeats``; "fwd" is the forward
-alone (inputs requiring grad, the graph discarded), "fwd+bwd" the forward and the backward of ``sum(o * do)``. Also
-recorded: the peak CUDA memory of one forward+backward above what the inputs hold, and the largest difference of the
-implementation's output from the ``ds4sci-torch`` output (a fast kernel that computes something else shows here).
+Timing: CUDA events, ``--warmup`` calls, then the median of ``--repeats``; "fwd" is the forward alone, "fwd+bwd" the
+forward and the backward of ``sum(o * do)``. Also recorded: the peak CUDA memory of one forward+backward above what
+the inputs hold, and the largest difference from the ``ds4sci-torch`` output (a fast kernel that computes something
+else shows here).
 
 Needs a CUDA GPU and compiled kernels: without CUDA (or with ``TRITON_INTERPRET=1``) it prints one line saying so and
 returns 1. Writes ``evoformer_speed.json``, ``evoformer_speed.md`` and ``evoformer_speed.png`` (forward+backward time
@@ -38,7 +37,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from ds4sci.bench.report import MIB, markdown_table, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, save_figure, subplots, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -225,10 +224,9 @@ def _markdown(report: dict) -> str:
 def plot(report: dict, path) -> None:
     """One panel per dtype: forward+backward milliseconds (log scale) per shape, a bar per implementation that ran
     (implementations skipped or failed at a shape leave a gap)."""
-    plt = pyplot()
     results = [r for r in report["results"] if "fwd_bwd_ms" in r]
     dtypes = list(dict.fromkeys(r["dtype"] for r in report["results"]))
-    fig, axes = plt.subplots(1, max(1, len(dtypes)), figsize=(7 * max(1, len(dtypes)), 4.5), squeeze=False)
+    fig, axes = subplots(1, max(1, len(dtypes)), figsize=(7 * max(1, len(dtypes)), 4.5), squeeze=False)
     impls = [name for name in IMPLEMENTATIONS if any(r["impl"] == name for r in results)]
     width = 0.8 / max(1, len(impls))
     for ax, dtype in zip(axes[0], dtypes):
@@ -292,9 +290,7 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "results": results,
     }
-    path = write_report(args.out, "evoformer_speed", report, _markdown(report))
-    plot(report, path.with_suffix(".png"))
-    logger.info("evoformer-speed: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    write_files(args.out, "evoformer_speed", report, _markdown(report), plot)
     # ds4sci's own failures fail the command; another package's kernel failing (say DeepSpeed's JIT build) is reported
     failed = [r for r in results if "error" in r and r["impl"].startswith("ds4sci")]
     return 1 if failed else 0

@@ -2,35 +2,24 @@
 Hugging Face's ``GPTNeoXForCausalLM.generate`` with its cache, on the same weights, and against the uncached loop
 ``ds4sci generate`` ran before the cache.
 
-The models: one GPT-NeoX configuration (rotary positions on ``rotary_pct`` of each head, parallel residual, GELU,
-untied head; the shape ``ds4sci export-hf`` writes as ``GPTNeoXForCausalLM``) builds both, GenSLM's initial weights
-copied into Hugging Face's model (:func:`ds4sci.bench.throughput.build_models`), the 69-word codon vocabulary. Random
-weights give nearly uniform logits, where a rounding difference of 1e-6 could flip a greedy choice between two
-near-tied tokens; so the output head of both models is scaled by :data:`HEAD_SCALE` (the same function on both
-sides), which makes the greedy outputs a sharp check. Before anything is timed the logits of both on the prompt must
-agree (:func:`ds4sci.bench.throughput.check_same_function`).
+The models: one GPT-NeoX configuration builds both, GenSLM's initial weights copied into Hugging Face's model
+(:func:`ds4sci.bench.throughput.build_models`), the 69-word codon vocabulary. Random weights give nearly uniform
+logits, where a rounding difference could flip a greedy choice between near-tied tokens, so both output heads are
+scaled by :data:`HEAD_SCALE`, which makes the greedy outputs a sharp check. Before anything is timed the logits of
+both on the prompt must agree (:func:`ds4sci.bench.throughput.check_same_function`).
 
-The work, greedy (temperature 0) on ``--num-sequences`` sequences continuing one random codon prompt of
-``--prompt-len`` tokens, special tokens never generated:
+The work, greedy on ``--num-sequences`` sequences continuing one random codon prompt, special tokens never generated:
+``ds4sci`` (``sample``: one prefill, then one cached forward per token), ``hf`` (``model.generate(...,
+do_sample=False, use_cache=True, eos_token_id=None)``: exactly ``--new-tokens`` tokens) and ``uncached`` (one forward
+over the whole prefix per new token, for ``--uncached-tokens`` only). Every round checks that the tokens agree
+(:func:`check_greedy_agreement`).
 
-- ``ds4sci``: ``sample(model, tokenizer, prompt, --new-tokens, num_sequences=..., temperature=0)``: one prefill,
-  then one cached forward of one token per sequence per step (:class:`~ds4sci.models.genslm.model.KVCache`).
-- ``hf``: ``model.generate(input_ids, max_new_tokens=--new-tokens, do_sample=False, use_cache=True,
-  suppress_tokens=<the special ids>, eos_token_id=None)``: no early stop, so exactly ``--new-tokens`` tokens.
-- ``uncached``: the loop before the cache, one forward over the whole prefix per new token (O(L^2) per token), batched
-  over the sequences, for ``--uncached-tokens`` tokens only.
+Timing, in one process (:mod:`ds4sci.bench.rounds`): each round runs the three once, the order reversed every
+round, after one untimed run each. tokens/s = sequences x new tokens / seconds of the whole call (prefill included),
+on the wall and CPU clocks; :func:`ds4sci.bench.throughput.summarize` gives the ratio ds4sci / Hugging Face.
 
-Each is checked, every round: ds4sci's and Hugging Face's tokens equal token for token, and the uncached loop's equal
-the first ``--uncached-tokens`` of ds4sci's (:func:`check_greedy_agreement`; ``RuntimeError`` otherwise).
-
-Timing, in one process: each round runs the three once, in an order reversed every round, so that drift falls on
-all; each first runs once untimed (a few tokens). tokens/s = sequences x new tokens / seconds of the whole call
-(prefill included), on two clocks, ``wall`` and ``cpu`` (this process's CPU seconds), as in
-:mod:`ds4sci.bench.throughput`, whose :func:`~ds4sci.bench.throughput.summarize` gives the ratio ds4sci / Hugging Face
-(median, quartiles, min/max over the rounds).
-
-Writes ``generate.json``, ``generate.md`` and ``generate.png`` to ``--out``. Needs transformers
-(``pip install 'ds4sci[dev]'``); without it the command says so and exits with 1.
+Writes ``generate.json``, ``.md`` and ``.png`` to ``--out``. Needs transformers (``pip install 'ds4sci[dev]'``);
+without it the command says so and exits with 1.
 """
 from __future__ import annotations
 
@@ -41,12 +30,12 @@ import statistics
 import torch
 
 from ds4sci.bench import throughput
-from ds4sci.bench.report import (add_int_options, check_positive, command_line, describe_load, describe_machine,
-                                  load_average, machine, markdown_table, missing_dependency, option, plural, pyplot,
-                                  save_figure, write_report)
+from ds4sci.bench.report import (add_int_options, check_heads, check_positive, command_line, describe_load,
+                                 describe_machine, int_config, load_average, machine, markdown_table,
+                                 missing_dependency, plural, save_figure, shape_options, subplots, write_files)
+from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import CodonTokenizer
 from ds4sci.infer.generate import sample
-from ds4sci.kernels.backends import LocalBackend
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +44,12 @@ METHODS = ("ds4sci", "hf", "uncached")
 HEAD_SCALE = 20.0
 #: option -> (default, help); every one must be >= 1. Defaults: a short prompt continued at length (how GenSLM
 #: generates genes), decoding-dominated, about a minute on 2 shared cores
-_INT_OPTIONS = {
-    "hidden": (256, "hidden size"),
-    "layers": (4, "transformer layers"),
-    "heads": (4, "attention heads"),
+_INT_OPTIONS = shape_options(hidden=256, layers=4, heads=4) | {
     "prompt_len": (64, "prompt tokens (random codons)"),
     "new_tokens": (256, "tokens generated per sequence by ds4sci and Hugging Face"),
     "num_sequences": (4, "sequences decoded together (the batch)"),
     "uncached_tokens": (16, "tokens generated per sequence by the uncached loop (O(L^2) per token)"),
-    "rounds": (5, "timed rounds (each runs the three once)"),
-    "threads": (1, "torch threads (1 keeps other processes on a shared machine from skewing the ratio)"),
-}
+} | round_options(5, "each runs the three once")
 _QUICK = {"hidden": 64, "layers": 2, "heads": 4, "prompt_len": 8, "new_tokens": 12, "num_sequences": 2,
           "uncached_tokens": 4, "rounds": 3}
 _WARMUP_TOKENS = 4  # tokens of each method's untimed first run
@@ -73,29 +57,20 @@ _WARMUP_TOKENS = 4  # tokens of each method's untimed first run
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
-    add_int_options(parser, _INT_OPTIONS)
+    add_int_options(parser, _INT_OPTIONS, _QUICK)
+    throughput.add_model_options(parser, "seed of the weights and prompt")
     parser.add_argument("--rotary-pct", type=float, default=0.25,
                         help="fraction of each head's dims rotated (default: GPT-NeoX's %(default)s)")
-    parser.add_argument("--attention-backend", choices=[b.value for b in LocalBackend], default="auto",
-                        help="ds4sci GenSLM attention backend (default: %(default)s)")
-    parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
-                        help="Hugging Face attn_implementation (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and prompt (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in _QUICK.items()))
 
 
 def config_from_args(args: argparse.Namespace) -> dict:
     """The run configuration: the options (``--quick`` overriding the shape and lengths), checked; ``ValueError``
     names a bad value."""
-    cfg = {name: getattr(args, name) for name in _INT_OPTIONS}
-    cfg |= {"rotary_pct": args.rotary_pct, "attention_backend": args.attention_backend,
-            "hf_attention": args.hf_attention, "seed": args.seed}
-    if args.quick:
-        cfg |= _QUICK
+    cfg = int_config(args, _INT_OPTIONS, _QUICK) | {
+        "rotary_pct": args.rotary_pct, "attention_backend": args.attention_backend,
+        "hf_attention": args.hf_attention, "seed": args.seed}
     check_positive(cfg, _INT_OPTIONS)
-    if cfg["hidden"] % cfg["heads"]:
-        raise ValueError(f"--hidden={cfg['hidden']} is not divisible by --heads={cfg['heads']}")
+    check_heads(cfg["hidden"], cfg["heads"])
     if cfg["uncached_tokens"] > cfg["new_tokens"]:
         raise ValueError(f"--uncached-tokens={cfg['uncached_tokens']}: must be at most --new-tokens="
                          f"{cfg['new_tokens']} (its tokens are checked against ds4sci's)")
@@ -169,40 +144,21 @@ def check_greedy_agreement(tokens: dict[str, torch.Tensor]) -> None:
 
 
 def measure(cfg: dict) -> dict:
-    """Build both models, check they agree, time the three methods alternately: the report's ``hf_model``,
-    ``check``, ``rounds`` and ``load``. Runs with ``cfg["threads"]`` torch threads, then restores the caller's
-    number."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg["threads"])
-    try:
-        return _measure(cfg)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _measure(cfg: dict) -> dict:
-    tokenizer = CodonTokenizer()
-    ours, hf = build_models(cfg)
-    text, ids = make_prompt(cfg, tokenizer)
-    x = torch.tensor([ids])
-    diff = throughput.check_same_function(ours, hf, x, torch.arange(len(ids))[None])
-    run = runners(ours, hf, tokenizer, text, ids, cfg)
-    for fn in run.values():
-        fn(min(_WARMUP_TOKENS, cfg["uncached_tokens"]))
-    new = {"ds4sci": cfg["new_tokens"], "hf": cfg["new_tokens"], "uncached": cfg["uncached_tokens"]}
-    rounds, start_load = [], load_average()
-    for r in range(cfg["rounds"]):
-        tps: dict[str, dict[str, float]] = {clock: {} for clock in throughput.CLOCKS}
-        tokens = {}
-        for name in (METHODS if r % 2 == 0 else METHODS[::-1]):
-            start = {clock: now() for clock, now in throughput.CLOCKS.items()}
-            tokens[name] = run[name](new[name])
-            for clock, now in throughput.CLOCKS.items():
-                tps[clock][name] = cfg["num_sequences"] * new[name] / (now() - start[clock])
-        check_greedy_agreement(tokens)
-        rounds.append({clock: t | {"ratio": t["ds4sci"] / t["hf"]} for clock, t in tps.items()})
-        logger.info("generate round %d: ds4sci %.0f tokens/s, hf %.0f tokens/s (ratio %.3f), uncached %.1f tokens/s",
-                    r, tps["wall"]["ds4sci"], tps["wall"]["hf"], rounds[-1]["wall"]["ratio"], tps["wall"]["uncached"])
+    """Build both models, check they agree, time the three methods alternately with ``cfg["threads"]`` torch
+    threads: the report's ``hf_model``, ``check``, ``rounds`` and ``load``."""
+    with torch_threads(cfg["threads"]):
+        tokenizer = CodonTokenizer()
+        ours, hf = build_models(cfg)
+        text, ids = make_prompt(cfg, tokenizer)
+        diff = throughput.check_same_function(ours, hf, torch.tensor([ids]), torch.arange(len(ids))[None])
+        run = runners(ours, hf, tokenizer, text, ids, cfg)
+        for fn in run.values():
+            fn(min(_WARMUP_TOKENS, cfg["uncached_tokens"]))
+        new = {"ds4sci": cfg["new_tokens"], "hf": cfg["new_tokens"], "uncached": cfg["uncached_tokens"]}
+        start_load = load_average()
+        rounds = alternate({name: lambda name=name: run[name](new[name]) for name in METHODS},
+                           {name: cfg["num_sequences"] * new[name] for name in METHODS}, cfg["rounds"], "tokens",
+                           check=check_greedy_agreement)
     return {"hf_model": type(hf).__name__,
             "check": {"max_abs_logit_diff": diff, "logit_rtol": throughput.LOGIT_RTOL, "greedy_tokens_agree": True},
             "rounds": rounds, "load": {"start": start_load, "end": load_average()}}
@@ -222,13 +178,10 @@ def markdown(report: dict) -> str:
     c, s = report["config"], report["summary"]
 
     def cells(r: dict) -> list[str]:
-        return [f"{r['wall'][m]:.1f}" for m in METHODS] + [f"{r[clock]['ratio']:.3f}" for clock in throughput.CLOCKS]
+        return [f"{r['wall'][m]:.1f}" for m in METHODS] + [f"{r[clock]['ratio']:.3f}" for clock in CLOCKS]
 
     rows = [[i, *cells(r)] for i, r in enumerate(report["rounds"])]
-    rows.append(["median", *cells({clock: {"ds4sci": s[clock]["ds4sci_tokens_per_s_median"],
-                                           "hf": s[clock]["hf_tokens_per_s_median"],
-                                           "uncached": s[clock]["uncached_tokens_per_s_median"],
-                                           "ratio": s[clock]["ratio_median"]} for clock in throughput.CLOCKS})])
+    rows.append(["median", *cells(median_round(s, METHODS, "tokens"))])
     lines = [
         f"# Generation: ds4sci cached decoding vs Hugging Face {report['hf_model']}.generate",
         "",
@@ -262,9 +215,8 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path) -> None:
     """Left: tokens/s (wall clock) of each method per round, log scale; right: the per-round ratios ds4sci / HF on
     both clocks as box plots with their points."""
-    plt = pyplot()
-    rounds = report["rounds"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    rounds, c = report["rounds"], report["config"]
+    fig, (left, right) = subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     labels = {"ds4sci": "ds4sci cached (sample)", "hf": f"HF {report['hf_model']}.generate", "uncached":
               "ds4sci uncached loop"}
     for name, label in labels.items():
@@ -275,7 +227,6 @@ def plot(report: dict, path) -> None:
     left.set_yscale("log")
     left.legend()
     throughput.plot_ratios(right, rounds)
-    c = report["config"]
     fig.suptitle(f"hidden {c['hidden']}, {c['layers']} layers, {c['num_sequences']} sequences, prompt "
                  f"{c['prompt_len']} + {c['new_tokens']} new tokens, {plural(c['threads'], 'thread')}")
     save_figure(fig, path)
@@ -293,9 +244,6 @@ def run(args: argparse.Namespace) -> int:
 
     report = {"command": command_line("generate", cfg, args.out), "config": cfg, "machine": machine(),
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}} | measure(cfg)
-    report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in throughput.CLOCKS}
-    path = write_report(args.out, "generate", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(markdown(report))
-    logger.info("generate: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in CLOCKS}
+    write_files(args.out, "generate", report, markdown(report), plot)
     return 0

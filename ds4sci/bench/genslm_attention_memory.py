@@ -1,43 +1,25 @@
 """``ds4sci bench genslm-attention-memory``: memory of one GenSLM attention layer vs sequence length.
 
-One :class:`ds4sci.models.genslm.model.Attention` layer (fused QKV, the attention core, the output projection; by
-default hidden 256 = 4 heads of 64, batch 1, fp32) runs forward and the backward of a scalar loss
-``mean(out^2)`` for every sequence length S of ``--seq-lens`` (4K to 64K by default), in three modes:
+One :class:`ds4sci.models.genslm.model.Attention` layer (by default hidden 256 = 4 heads of 64, batch 1, fp32) runs
+forward and the backward of ``mean(out^2)`` for every sequence length S of ``--seq-lens``, in three modes:
+``causal`` (rotary positions; ``--position learned`` without), ``alibi`` (Press et al. 2022) and ``documents``
+(packed documents of lengths drawn from ``[doc_len/2, 3*doc_len/2]``, positions restarting in each, the document ids
+passed to the core as ``ds4sci.data`` packs windows). Each mode runs on two paths, GenSLM's ``attention_backend``:
 
-- ``causal``: causal attention with rotary positions (GenSLM's released models; ``--position learned`` runs the
-  layer without rotary, as under a learned absolute table, which the model adds before the first layer);
-- ``alibi``: causal attention with ALiBi head biases (Press et al. 2022);
-- ``documents``: packed documents: document lengths drawn uniformly from ``[doc_len/2, 3*doc_len/2]`` fill the
-  window, positions restart at 0 in every document, and the layer gets the document ids (``Attention.forward(x,
-  position_ids, doc_ids)`` passes them to its core as ``q_doc = k_doc``), as ``ds4sci.data`` packs windows.
+- ``before`` = ``"sdpa"``: :func:`ds4sci.kernels.local_reference.sdpa_attention`, an explicit ``S x S`` softmax or
+  mask where ALiBi or documents need one;
+- ``after`` = ``"auto"``: :func:`ds4sci.kernels.local_attention.memory_efficient_attention` (chunked
+  FlashAttention-2 on the CPU, O(S * chunk) memory; the Triton kernel or flash-attn on CUDA).
 
-Each mode runs on two paths, GenSLM's ``attention_backend``:
+Every run is one fresh subprocess (:func:`ds4sci.bench.memory.run_in_subprocess`) measuring, after a warm-up, the
+peak memory of forward+backward (:class:`~ds4sci.bench.memory.PeakMemory`), the bytes saved for backward and the
+wall time. Runs predicted to need more than ``--memory-limit-gib`` (quadratic extrapolation from the largest smaller
+S measured, or :func:`analytic_peak_bytes` before any) are skipped; on the CPU each subprocess also caps its address
+space, so a run let through fails with an allocation error and is reported as failed.
 
-- ``before`` = ``"sdpa"``: :func:`ds4sci.kernels.local_reference.sdpa_attention`, the path GenSLM took before the
-  memory-efficient core: an explicit ``[B, H, S, S]`` fp32 softmax with ALiBi; a boolean ``S x S`` document mask for
-  SDPA; PyTorch's fused causal kernel (no ``S x S`` tensor) for pure causal attention;
-- ``after`` = ``"auto"``: :func:`ds4sci.kernels.local_attention.memory_efficient_attention` (on the CPU the chunked
-  FlashAttention-2 path, O(S * chunk) memory; the Triton kernel or flash-attn on CUDA).
-
-Every run is one fresh ``python -m ds4sci.bench.memory`` subprocess (:func:`ds4sci.bench.memory.run_in_subprocess`)
-that measures, after a warm-up at a small S:
-
-- the peak memory of forward+backward above what the layer and its inputs hold (:class:`~ds4sci.bench.memory.
-  PeakMemory`: the subprocess's ``VmHWM - VmRSS`` on the CPU, ``torch.cuda.max_memory_allocated`` on CUDA);
-- the bytes autograd saves for backward (:func:`~ds4sci.bench.memory.saved_for_backward`);
-- the wall time of the forward+backward.
-
-Runs predicted to need more than ``--memory-limit-gib`` (default: 3/4 of the memory available when the command
-starts) are not launched: the prediction is the quadratic extrapolation of the same mode and path's peak at the
-largest smaller S already measured (exact for an ``S x S`` path, an overestimate for a linear one), or, before
-any, :func:`analytic_peak_bytes`. On the CPU each subprocess also caps its address space at the limit (above what
-it holds before the measured step), so a run the prediction let through fails with an allocation error instead of
-exhausting the machine; it is reported as failed.
-
-Writes ``genslm_attention_memory.json``, ``genslm_attention_memory.md`` (tables per S, mode and path, and the
-growth exponent p of ``c + a * S^p`` fitted to the peak and to the saved bytes: 1 is linear, 2 quadratic) and
-``genslm_attention_memory.png`` (log-log peak and saved bytes vs S with slope-1 and slope-2 references) to ``--out``.
-``--quick`` (the CI smoke test) runs S = 256 and 512 instead of ``--seq-lens``.
+Writes ``genslm_attention_memory.json``, ``.md`` (tables per S, mode and path, and the growth exponent p of ``c + a
+* S^p`` fitted to peak and saved bytes) and ``.png`` (log-log, with slope-1 and slope-2 references) to ``--out``.
+``--quick`` runs S = 256 and 512.
 """
 from __future__ import annotations
 
@@ -53,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
+from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, save_figure, subplots, write_report
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -275,7 +257,8 @@ def analytic_peak_bytes(cfg: dict, path: str, seq_len: int) -> int:
     elem = torch.finfo(_DTYPES[cfg["dtype"]]).bits // 8
     logits_elem = max(elem, 4)  # the explicit softmax runs in promote_types(dtype, float32)
     B, H = cfg["batch"], cfg["heads"]
-    linear = _LINEAR_FACTOR * B * seq_len * cfg["hidden"] * elem + _QUADRATIC_FACTOR * B * H * LOCAL_CHUNK_SIZE**2 * logits_elem
+    linear = (_LINEAR_FACTOR * B * seq_len * cfg["hidden"] * elem
+              + _QUADRATIC_FACTOR * B * H * LOCAL_CHUNK_SIZE**2 * logits_elem)
     if path == "before":
         return linear + _QUADRATIC_FACTOR * B * H * seq_len**2 * logits_elem
     return linear
@@ -444,9 +427,8 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Log-log peak and saved bytes vs S per mode and path, with slope-1 and slope-2 references, to ``path``."""
-    plt = pyplot()
     cfg = report["config"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    fig, axes = subplots(1, 2, figsize=(12, 5))
     colors = dict(zip(MODES, ("tab:blue", "tab:orange", "tab:green")))
     for ax, key, title in ((axes[0], "peak", "peak memory of forward + backward"),
                            (axes[1], "saved", "saved for backward")):

@@ -32,7 +32,7 @@ from ds4sci.bench.aot.pool import compile_all
 from ds4sci.bench.aot.ptxas import ptxas_versions
 from ds4sci.bench.aot.variants import (DTYPES, LOCAL_DTYPES, LOCAL_REPRESENTATIVE, QUICK, REPRESENTATIVE, SETS,
                                        quick_variants, variants_for)
-from ds4sci.bench.report import plural, pyplot, save_figure, write_report
+from ds4sci.bench.report import plural, save_figure, subplots, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,8 @@ def plot(report: dict, path) -> None:
     compilation, coloured by kernel family, with the target's shared-memory limit and the 255-register ceiling;
     compilations that spill or take an exponent from a fused multiply-add are circled in red, errors are counted in the
     title."""
-    plt = pyplot()
     targets = sorted({r["target"] for r in report["results"]})
-    fig, axes = plt.subplots(1, max(1, len(targets)), figsize=(6 * max(1, len(targets)), 4.5), squeeze=False)
+    fig, axes = subplots(1, max(1, len(targets)), figsize=(6 * max(1, len(targets)), 4.5), squeeze=False)
     for ax, target in zip(axes[0], targets):
         results = [r for r in report["results"] if r["target"] == target]
         compiled = [r for r in results if r["error"] is None]
@@ -204,8 +203,7 @@ def run(args: argparse.Namespace) -> int:
         "all_ok": all(r["ok"] for r in results),
         "results": results,
     }
-    path = write_report(args.out, "kernels_aot", report, _markdown(report))
-    plot(report, path.with_suffix(".png"))
+    write_files(args.out, "kernels_aot", report, _markdown(report), plot)
     bad = [r for r in results if not r["ok"]]
     for r in bad:
         if r["error"]:
@@ -215,6 +213,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             why = f"{len(r['unsafe_ex2'])} of {r['ex2']} exponents from a fused multiply-add, e.g. {r['unsafe_ex2'][0]}"
         logger.error("kernels-aot: %s: %s", _where(r), why)
-    logger.info("kernels-aot: %s in %.0f s, %d not ok; wrote %s, %s and %s", plural(len(results), "compilation"),
-                report["wall_s"], len(bad), path, path.with_suffix(".md"), path.with_suffix(".png"))
+    logger.info("kernels-aot: %s in %.0f s, %d not ok", plural(len(results), "compilation"), report["wall_s"],
+                len(bad))
     return 0 if not bad else 1

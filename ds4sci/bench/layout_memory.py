@@ -1,35 +1,23 @@
 """``ds4sci bench layouts``: per-rank model states, activations and bytes sent of real training steps, layout by
-layout, beside :mod:`ds4sci.plan`'s prediction of each term.
+layout, beside :mod:`ds4sci.planning.genslm`'s prediction of each term.
 
 For each layout (``tp2xulysses2``, ``pp2xring2``, ...; data parallelism fills the rest of ``--world``) and ZeRO stage,
 ``--world`` gloo processes (:func:`ds4sci.spawn.run_workers`) build the real training stack,
-:class:`ds4sci.train.trainer.Trainer` (DeepSpeed engine, ZeRO over the sequence x data group, DeepSpeed's pipeline
-engine for ``pp > 1``), on a synthetic nucleotide FASTA, fp32, one sequence of ``--seq-len`` tokens per data rank
-per step, rotary positions, no activation checkpointing. Step 1 runs unmeasured (DeepSpeed and AdamW allocate their
-state lazily); step 2 is measured on every rank:
+:class:`ds4sci.train.trainer.Trainer`, on a synthetic nucleotide FASTA (fp32, one sequence of ``--seq-len`` tokens
+per data rank, rotary positions, no activation checkpointing). Step 1 runs unmeasured (DeepSpeed and AdamW allocate
+their state lazily); step 2 is measured on every rank:
 
-- ``params``: bytes of the model's parameter storage this rank holds after the step (ZeRO-3: its partitions
-  ``ds_tensor`` plus the parameters DeepSpeed keeps gathered, those under ``stage3_param_persistence_threshold``
-  elements; the other gathered copies exist only around a module's forward and backward and are not counted);
-- ``grads``: bytes of the gradient tensors alive when DeepSpeed calls the optimizer's ``step``: the ``.grad`` of the
-  model's parameters and of the optimizer's (DeepSpeed's fp32 partitions at ZeRO >= 1), distinct storages once;
-- ``optimizer``: AdamW's state tensors (two moments and the step count per parameter tensor) plus the fp32 master
-  copies DeepSpeed keeps, i.e. the optimizer's parameters whose storage is not the model's (ZeRO 1-3: a partition);
-- ``activations``: the peak, over the step, of the bytes saved for backward and not yet released: every storage
-  packed through ``torch.autograd.graph.saved_tensors_hooks`` (parameters left out) counts from its packing until
-  autograd drops it, so 1F1B's micro-batches in flight count as they overlap;
-- bytes sent per process group (``tp``, ``ulysses``, ``ring``, ``sdp``, ``pp``...) and collective kind, counted
-  where every library's collective passes: the methods of ``torch.distributed.ProcessGroup`` (ds4sci's tensor and
-  sequence parallel collectives, DeepSpeed's gradient reduction and parameter gathering, the pipeline's send/recv,
-  the trainer's loss sums), with :class:`~ds4sci.sequence.CommCounter`'s conventions: an all-to-all sends
-  ``(P-1)/P`` of its input, an all-gather its input to ``P-1`` peers, a reduce-scatter ``(P-1)/P`` of its input,
-  an all-reduce ``2 (P-1)/P`` of its tensor (a ring's), a send its tensor; a broadcast ``P-1`` copies from the root.
+- ``params``, ``grads`` (when the optimizer steps) and ``optimizer`` (AdamW's moments plus DeepSpeed's fp32 master
+  copies): :func:`ds4sci.bench.memory.model_states`, each storage once;
+- ``activations``: the peak over the step of the bytes saved for backward and not yet released (every storage
+  packed through ``saved_tensors_hooks``, parameters left out, from its packing until autograd drops it, so 1F1B's
+  micro-batches in flight count as they overlap);
+- bytes sent per process group and collective kind, counted at the methods of ``torch.distributed.ProcessGroup``
+  (every library's collectives pass there) with :class:`~ds4sci.distributed.comm.CommCounter`'s conventions.
 
-The prediction is :func:`ds4sci.plan.memory` (``params``, ``grads``, ``optimizer``, ``activations``) and
-:func:`ds4sci.plan.comm` (``tp``, ``ulysses``, ``ring``, ``pp``, ``dp``) for the same model and layout, fp32; the
+The prediction is :func:`ds4sci.planning.genslm.memory` and :func:`ds4sci.planning.genslm.comm` for the same model and layout, fp32; the
 report gives measured / predicted per term for the most loaded rank. Measured ``dp`` is everything sent over the
-sequence x data group (ds4sci's, or the pipeline engine's own over the same ranks), ``pp`` the pipeline's sends
-(DeepSpeed sends on the default group), ``other`` what fits no term (a few kB of pipeline bookkeeping and ZeRO-3
+sequence x data group, ``pp`` the pipeline's sends, ``other`` what fits no term (pipeline bookkeeping and ZeRO-3
 broadcasts on the default group).
 """
 from __future__ import annotations
@@ -40,10 +28,12 @@ import re
 import tempfile
 import time
 import weakref
+from dataclasses import asdict
 from pathlib import Path
 
-from ds4sci.bench.report import MIB, markdown_table, plural, pyplot, save_figure, write_report
-from ds4sci.parallel import ParallelDims
+from ds4sci.bench.report import (MIB, add_int_options, markdown_table, plural, save_figure, shape_options, subplots,
+                                 write_files)
+from ds4sci.distributed import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
 COMM_TERMS = ("tp", "ulysses", "ring", "pp", "dp")
@@ -90,11 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stages", type=_stages, default=(0, 1, 2, 3), metavar="Z,Z,...",
                         help="ZeRO stages 0-3; with pp > 1 only 0 and 1 run (default: 0,1,2,3)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default: %(default)s)")
-    parser.add_argument("--hidden", type=int, default=256,
-                        help="hidden size; at 256 the block's matrices exceed ZeRO-3's persistence threshold (1e5 "
-                             "elements), so ZeRO-3 gathers them per layer as at scale (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=4, help="layers (default: %(default)s)")
+    # at hidden 256 the block's matrices exceed ZeRO-3's persistence threshold: gathered per layer, as at scale
+    add_int_options(parser, shape_options(hidden=256, layers=4, heads=8))
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help="world 2: dp2 at ZeRO 1, tp2 at ZeRO 0; S = 64, hidden 32, 2 layers (a smoke test)")
@@ -237,51 +224,11 @@ class _Box:
         self.tensor = tensor
 
 
-def _tensors(x):
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensors(v)
-
-
-def _distinct_bytes(tensors) -> int:
-    """Bytes of ``tensors``, each (data pointer, size) once: views of one flat buffer add up, repeats do not."""
-    seen = {}
-    for t in tensors:
-        if t is not None and t.numel():
-            seen[(t.data_ptr(), t.numel() * t.element_size())] = t.numel() * t.element_size()
-    return sum(seen.values())
-
-
-def _model_states(engine, at_step: dict) -> dict[str, int]:
-    """params and optimizer bytes now (the optimizer's split into AdamW's ``moments`` and DeepSpeed's fp32
-    ``master`` copies), grads as recorded when the optimizer stepped (``at_step``), and ``tp_split``: the bytes of
-    the parameters split over TP (``tensor_model_parallel``), by name, before any ZeRO-3 partitioning."""
-    # ZeRO-3: each rank's partition ds_tensor, plus the full data of parameters kept gathered (DeepSpeed persists
-    # parameters below stage3_param_persistence_threshold elements); others hold an empty tensor between uses
-    params = [p for p in engine.module.parameters()] + [p.ds_tensor for p in engine.module.parameters()
-                                                         if hasattr(p, "ds_tensor")]
-    model_ptrs = {p.untyped_storage().data_ptr() for p in params if p.numel()}
-    opt = engine.basic_optimizer
-    masters = [q for g in opt.param_groups for q in g["params"] if q.untyped_storage().data_ptr() not in model_ptrs]
-    moments = _distinct_bytes([t for s in opt.state.values() for t in _tensors(s)])
-    master = _distinct_bytes(masters)
-    split = {n: getattr(p, "ds_numel", p.numel()) * p.element_size() for n, p in engine.module.named_parameters()
-             if getattr(p, "tensor_model_parallel", False)}
-    return {"params": _distinct_bytes(params), "grads": at_step["grads"], "optimizer": moments + master,
-            "moments": moments, "master": master, "tp_split": split}
-
-
 def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict]:
     """Every case in this process group: a Trainer, one unmeasured step, one measured step."""
     import torch
 
+    from ds4sci.bench.memory import distinct_bytes, model_states
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 
@@ -305,10 +252,10 @@ def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict
         opt = engine.basic_optimizer
         original_step = opt.step
 
-        def step(*args, _original=original_step, **kwargs):
-            grads = [p.grad for p in engine.module.parameters()]
+        def step(*args, _original=original_step, _engine=engine, **kwargs):
+            grads = [p.grad for p in _engine.module.parameters()]
             grads += [q.grad for g in opt.param_groups for q in g["params"]]
-            at_step["grads"] = _distinct_bytes(grads)
+            at_step["grads"] = distinct_bytes(grads)
             return _original(*args, **kwargs)
 
         opt.step = step
@@ -320,15 +267,16 @@ def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict
             trainer.train_step()
         seconds = time.perf_counter() - start
         del opt.step
-        results.append({**_model_states(engine, at_step), "activations": saved.peak, "sent": sent.sent,
+        results.append({**model_states(engine, at_step), "activations": saved.peak, "sent": sent.sent,
                         "coords": trainer.groups.coords._asdict(), "step_seconds": seconds})
         del trainer, engine
     return results
 
 
 def predicted(common: dict, degrees: dict, zero: int) -> tuple[dict, dict]:
-    """:func:`ds4sci.plan.memory` and :func:`ds4sci.plan.comm` of the benchmarked model and layout (fp32)."""
-    from ds4sci import plan
+    """:func:`ds4sci.planning.genslm.memory` and :func:`~ds4sci.planning.genslm.comm` of the benchmarked model and
+    layout (fp32), as dicts by term and by group."""
+    from ds4sci.planning import genslm as plan
     from ds4sci.data import NucleotideTokenizer
     from ds4sci.models.genslm import GenSLMConfig
 
@@ -337,10 +285,10 @@ def predicted(common: dict, degrees: dict, zero: int) -> tuple[dict, dict]:
                                 max_position_embeddings=common["seq_len"])
     w = plan.Workload(model, common["seq_len"], dtype="fp32")
     strategy = plan.Strategy(ParallelDims(**degrees), zero_stage=zero)
-    mem = plan.memory(w, strategy)
+    mem = asdict(plan.memory(w, strategy))
     # measured between steps: ZeRO-3's partitions and the parameters it keeps gathered (persistent), not the ones
     # it gathers for a module's use
-    return {**mem, "params": mem["params"] + mem["persistent_params"]}, plan.comm(w, strategy)
+    return {**mem, "params": mem["params"] + mem["persistent_params"]}, asdict(plan.comm(w, strategy))
 
 
 def _term(label: str, kind: str) -> str:
@@ -368,9 +316,9 @@ def comm_terms(sent: dict[str, dict[str, int]]) -> dict[str, int]:
 
 def run_cases(cases: list[dict], common: dict, world: int, threads: int) -> list[dict]:
     """Measure ``cases`` (``{"layout", "degrees", "zero"}``) in one group of ``world`` processes; one row per case."""
-    from ds4sci.spawn import run_workers
-
     import numpy as np
+
+    from ds4sci.spawn import run_workers
 
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)
@@ -406,7 +354,7 @@ def markdown(report: dict) -> str:
              f"{plural(c['heads'], 'head')}, {plural(c['layers'], 'layer')}, S = {c['seq_len']}, fp32, "
              f"world {c['world']}", "",
              f"Command: `{report['command']}`", "",
-             "Memory (MiB per rank, most loaded rank; in brackets measured / ds4sci.plan's prediction):", ""]
+             "Memory (MiB per rank, most loaded rank; in brackets measured / ds4sci.planning's prediction):", ""]
     rows = []
     for r in report["runs"]:
         m, p = r["measured"], r["predicted"]
@@ -419,20 +367,19 @@ def markdown(report: dict) -> str:
         rows.append([r["layout"], r["zero"]] + [f"{m[k] / MIB:.3f} ({_ratio(m[k], p[k])})" for k in COMM_TERMS]
                     + [f"{m['other']:,} B"])
     lines += markdown_table(["layout", "ZeRO", *COMM_TERMS, "other"], rows)
-    lines += ["", "How each term is measured: the docstring of ds4sci.bench.layout_memory. `-`: both zero; `inf`: measured "
-              "where the planner predicts nothing. params are counted after the step: ZeRO-3's gathered copies in "
-              "flight during forward and backward (the planner's two layers) are not. dp: everything sent over the "
-              "sequence x data group (ZeRO's reductions and gathers, the trainer's loss sums); pp: the pipeline's "
-              "sends; other: small collectives on other groups (the pipeline engine's bookkeeping, ZeRO-3's "
+    lines += ["", "How each term is measured: the docstring of ds4sci.bench.layout_memory. `-`: both zero; `inf`: "
+              "measured where the planner predicts nothing. params are counted after the step: ZeRO-3's gathered "
+              "copies in flight during forward and backward (the planner's two layers) are not. dp: everything sent "
+              "over the sequence x data group (ZeRO's reductions and gathers, the trainer's loss sums); pp: the "
+              "pipeline's sends; other: small collectives on other groups (the pipeline engine's bookkeeping, ZeRO-3's "
               "broadcasts on the default group)."]
     return "\n".join(lines) + "\n"
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     runs = report["runs"]
     names = [f"{r['layout']} z{r['zero']}" for r in runs]
-    fig, axes = plt.subplots(2, 1, figsize=(max(7, 0.6 * len(runs)), 9))
+    fig, axes = subplots(2, 1, figsize=(max(7, 0.6 * len(runs)), 9))
     for ax, key, terms, title in ((axes[0], "measured", MEMORY_TERMS, "MiB per rank (most loaded)"),
                                   (axes[1], "measured_sent", COMM_TERMS, "MiB sent per rank per step")):
         bottom = [0.0] * len(runs)
@@ -485,8 +432,5 @@ def run(args: argparse.Namespace) -> int:
     report = {"command": command, "config": {**common, "world": world, "zero_stages": list(stages),
                                              "layouts": list(names), "threads": args.threads},
               "seconds": round(time.perf_counter() - start, 1), "runs": runs}
-    path = write_report(args.out, "layouts", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(markdown(report), end="")
-    print(f"layouts: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    write_files(args.out, "layouts", report, markdown(report), plot)
     return 0

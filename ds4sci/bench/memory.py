@@ -15,7 +15,9 @@
   after them, never hide another's;
 - :func:`allocator_settings`: the allocator variables of the environment (glibc ``MALLOC_*_``, ``GLIBC_TUNABLES``,
   ``PYTORCH_CUDA_ALLOC_CONF``). The harness sets none of them; reports record what was in force, since they change
-  how much freed memory stays resident.
+  how much freed memory stays resident;
+- :func:`distinct_bytes`, :func:`model_states`: the bytes of tensors counted once per buffer, and of a DeepSpeed
+  engine's parameters, gradients and optimizer state on this rank.
 """
 from __future__ import annotations
 
@@ -182,6 +184,35 @@ class PeakMemory:
             self.bytes = torch.cuda.max_memory_allocated() - self.before
         else:
             self.bytes = proc_status_bytes("VmHWM") - self.before
+
+
+def distinct_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of ``tensors``, each (data pointer, size) once: views of one flat buffer add up, repeats do not."""
+    seen = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            seen[(t.data_ptr(), t.numel() * t.element_size())] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def model_states(engine, at_step: dict) -> dict[str, int]:
+    """Bytes of a DeepSpeed engine's model states on this rank: params and optimizer bytes now (the optimizer's split
+    into AdamW's ``moments`` and DeepSpeed's fp32 ``master`` copies), grads as recorded when the optimizer stepped
+    (``at_step``), and ``tp_split``: the bytes of the parameters split over TP (``tensor_model_parallel``), by name,
+    before any ZeRO-3 partitioning."""
+    # ZeRO-3: each rank's partition ds_tensor, plus the full data of parameters kept gathered (DeepSpeed persists
+    # parameters below stage3_param_persistence_threshold elements); others hold an empty tensor between uses
+    params = [p for p in engine.module.parameters()] + [p.ds_tensor for p in engine.module.parameters()
+                                                         if hasattr(p, "ds_tensor")]
+    model_ptrs = {p.untyped_storage().data_ptr() for p in params if p.numel()}
+    opt = engine.basic_optimizer
+    masters = [q for g in opt.param_groups for q in g["params"] if q.untyped_storage().data_ptr() not in model_ptrs]
+    moments = distinct_bytes(t for t in tree_leaves(list(opt.state.values())) if isinstance(t, torch.Tensor))
+    master = distinct_bytes(masters)
+    split = {n: getattr(p, "ds_numel", p.numel()) * p.element_size() for n, p in engine.module.named_parameters()
+             if getattr(p, "tensor_model_parallel", False)}
+    return {"params": distinct_bytes(params), "grads": at_step["grads"], "optimizer": moments + master,
+            "moments": moments, "master": master, "tp_split": split}
 
 
 def allocator_settings() -> dict[str, str]:

@@ -2,9 +2,9 @@
 DeepSpeed4Science paper (Song et al. 2023, "DeepSpeed4Science Initiative", GenSLM section) singles out: the learned
 position table's state and the attention mask.
 
-Measured here, at small sizes on this machine, from the tensors ds4sci really allocates (``nbytes`` of every
-tensor, exact), then compared with the closed forms the planner uses (:func:`ds4sci.costs.position_table_bytes`,
-:func:`ds4sci.costs.mask_bytes`), which the report evaluates at the paper's sequence lengths:
+Measured here, at small sizes on this machine, from the tensors ds4sci really allocates (``nbytes`` of every tensor,
+exact), then compared with the closed forms the planner uses (:func:`ds4sci.planning.costs.position_table_bytes`,
+:func:`ds4sci.planning.costs.mask_bytes`), which the report evaluates at the paper's sequence lengths:
 
 - position table (learned, fp32): parameter, gradient and AdamW's two moments of ``S`` rows unpartitioned, ``S/P``
   with ds4sci's sequence-partitioned table (:func:`ds4sci.sequence.shard_positions`).
@@ -24,8 +24,8 @@ import argparse
 
 import torch
 
-from ds4sci.bench.report import markdown_table, parse_int_list, pyplot, save_figure, write_report
-from ds4sci.costs import MASK_POLICIES, mask_bytes, position_table_bytes
+from ds4sci.bench.report import markdown_table, parse_int_list, save_figure, subplots, write_files
+from ds4sci.planning.costs import MASK_POLICIES, mask_bytes, position_table_bytes
 
 GIB = 2.0**30
 PAPER_SEQ_LENS = (50_000, 100_000, 200_000, 500_000)
@@ -105,10 +105,9 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """GiB per rank vs S at the paper's scale (formula), log-log."""
-    plt = pyplot()
     c = report["config"]
     S = [int(s) for s in torch.logspace(4, 6, 9).tolist()]
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = subplots(figsize=(7, 5))
     ax.plot(S, [position_table_bytes(s, c["paper_hidden"]) / GIB for s in S], label="position table, unpartitioned")
     ax.plot(S, [position_table_bytes(s // c["paper_degree"], c["paper_hidden"]) / GIB for s in S],
             label=f"position table, partitioned (P = {c['paper_degree']})")
@@ -147,7 +146,5 @@ def run(args: argparse.Namespace) -> int:
         for policy in MASK_POLICIES:
             report["masks"].append({"seq_len": S, "policy": policy, "measured": measure_mask(policy, S),
                                     "formula": mask_bytes(policy, S)})
-    path = write_report(args.out, "memory_breakdown", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(f"memory-breakdown: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    write_files(args.out, "memory_breakdown", report, markdown(report), plot)
     return 0

@@ -1,33 +1,23 @@
 """``ds4sci bench openfold-stack``: memory of an OpenFold3 ``EvoformerStack`` training step, with and without ds4sci.
 
-Builds OpenFold3's own ``EvoformerStack`` (MSA row attention with pair bias, MSA column attention, outer product
-mean, triangle multiplications, triangle attention around both nodes, transitions; AF2 Algorithm 6) and runs one
-training step (forward, then backward of a scalar loss) on each path, each in a fresh subprocess
-(:func:`ds4sci.bench.memory.run_in_subprocess`):
+Builds OpenFold3's own ``EvoformerStack`` (AF2 Algorithm 6) and runs one training step (forward, then backward of a
+scalar loss) on each path, each in a fresh subprocess (:func:`ds4sci.bench.memory.run_in_subprocess`):
 
-- ``default``: OpenFold3's default attention path (``use_deepspeed_evo_attention=False``), which materialises the
-  logits ``[*, N, H, S, S]`` of every attention and saves the softmax for backward;
+- ``default``: OpenFold3's default attention path, which materialises the logits ``[*, N, H, S, S]`` of every
+  attention and saves the softmax for backward;
 - ``ds4sci``: ``ds4sci.integrations.openfold.enable()`` and ``use_deepspeed_evo_attention=True``, so every attention
-  runs ds4sci's kernel in the caller's dtype (no DeepSpeed, no CUTLASS build).
+  runs ds4sci's kernel in the caller's dtype.
 
-For each it measures, with :mod:`ds4sci.bench.memory`,
+For each it measures (:mod:`ds4sci.bench.memory`) the peak memory of the step above what is held before it, the
+bytes saved for backward, the wall time, and the relative difference of the outputs and parameter gradients vs
+``default``. Wall times depend on the machine and its load, so the report carries the machine, the date and the load
+average at the start and end of each path's run beside each time.
 
-- the peak memory of the step above the memory held before it (on the CPU the subprocess's ``VmHWM - VmRSS``, on
-  CUDA ``torch.cuda.max_memory_allocated``);
-- the bytes autograd saves for backward (unique storages seen by ``torch.autograd.graph.saved_tensors_hooks``);
-- the wall time of the step, and the relative difference of the outputs (real positions) and of the parameter
-  gradients vs ``default``.
+At the default shape (N_seq=32, N_res=128, 2 blocks) the logits dominate: a triangle attention's softmax alone is
+N_res * H * N_res^2 * 4 B = 32 MiB, against 1 MiB for the pair representation.
 
-Wall times depend on the machine and on what else runs on it, so the report carries the machine (CPU model, cores,
-GPU on CUDA), the date and the 1/5/15-minute load average at the start and at the end of each path's run
-(:func:`ds4sci.bench.report.machine`, :func:`~ds4sci.bench.report.load_average`), beside each time.
-
-At the default shape (N_seq=32, N_res=128, 2 blocks, 8 MSA heads, 4 pair heads) the logits dominate: a triangle
-attention's softmax alone is N_res * H * N_res^2 * 4 B = 32 MiB, against 1 MiB for the pair representation.
-
-Writes ``openfold_stack.json``, ``openfold_stack.md`` and ``openfold_stack.png`` (peak, saved bytes and time per
-path) to ``--out``; ``--quick`` is a smoke test at N_seq=17, N_res=20, one block. Needs OpenFold3 (``pip install
-'ds4sci[openfold]'``); without it the command says so and exits with status 1.
+Writes ``openfold_stack.json``, ``.md`` and ``.png`` to ``--out``; ``--quick`` is a smoke test at N_seq=17, N_res=20,
+one block. Needs OpenFold3 (``pip install 'ds4sci[openfold]'``); without it the command exits with status 1.
 """
 from __future__ import annotations
 
@@ -41,8 +31,8 @@ import torch
 
 from ds4sci.bench import memory
 from ds4sci.bench.report import (MIB, add_int_options, check_positive, command_line, describe_load, describe_machine,
-                                  load_average, machine, markdown_table, missing_dependency, option, plural,
-                                  pyplot, save_figure, write_report)
+                                 load_average, machine, markdown_table, missing_dependency, plural, save_figure,
+                                 subplots, write_files)
 from ds4sci.kernels import EvoformerBackend
 
 logger = logging.getLogger(__name__)
@@ -68,14 +58,12 @@ _QUICK = {"n_seq": 17, "n_res": 20, "blocks": 1}  # above OpenFold's 16-residue 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
-    add_int_options(parser, _INT_OPTIONS)
+    add_int_options(parser, _INT_OPTIONS, _QUICK)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="(default: %(default)s)")
     parser.add_argument("--backend", choices=[b.value for b in EvoformerBackend], default="auto",
                         help="ds4sci kernel backend (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="(default: %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in _QUICK.items()))
 
 
 def default_config(**overrides) -> dict:
@@ -281,9 +269,8 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Bars per path: peak memory and bytes saved for backward (MiB, left), step time (s, right)."""
-    plt = pyplot()
     r = report["results"]
-    fig, (mem, secs) = plt.subplots(1, 2, figsize=(9, 4), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (mem, secs) = subplots(1, 2, figsize=(9, 4), gridspec_kw={"width_ratios": [2, 1]})
     x = range(len(MODES))
     mem.bar([i - 0.2 for i in x], [r[m]["peak_bytes"] / MIB for m in MODES], 0.4, label="peak of the step")
     mem.bar([i + 0.2 for i in x], [r[m]["saved_bytes"] / MIB for m in MODES], 0.4, label="saved for backward")
@@ -310,9 +297,5 @@ def run(args: argparse.Namespace) -> int:
         logger.error(missing)
         return 1
     report = {"config": cfg, "command": command_line("openfold-stack", cfg, args.out)} | compare(cfg)
-    text = markdown(report)
-    path = write_report(args.out, "openfold_stack", report, text)
-    plot(report, path.with_suffix(".png"))
-    print(text)
-    logger.info("openfold-stack: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    write_files(args.out, "openfold_stack", report, markdown(report), plot)
     return 0

@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: list and integer options, optional dependencies, and their report files,
 ``NAME.json`` (the figures) and ``NAME.md`` (a readable table), written by :mod:`ds4sci.report` (re-exported here with
-the rest, as is its :func:`~ds4sci.report.plural`)."""
+the rest, as is its :func:`~ds4sci.report.plural`), beside ``NAME.png`` (:func:`write_files`)."""
 from __future__ import annotations
 
 import argparse
@@ -14,8 +14,9 @@ from pathlib import Path
 from ds4sci.report import markdown_table, plural, write_report
 
 __all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
-           "option", "add_int_options", "check_positive", "command_line", "missing_dependency",
-           "pyplot", "save_figure", "markdown_table", "plural", "write_report"]
+           "option", "shape_options", "add_int_options", "int_config", "check_positive", "check_heads", "command_line",
+           "missing_dependency", "subplots", "plot_peaks", "save_figure", "markdown_table", "plural", "write_report",
+           "write_files"]
 
 MIB = 2.0**20
 
@@ -71,10 +72,27 @@ def option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_int_options(parser: argparse.ArgumentParser, options: dict[str, tuple[int, str]]) -> None:
-    """One ``type=int`` option per ``name -> (default, help)`` of ``options``, spelled by :func:`option`."""
+def shape_options(hidden: int, layers: int, heads: int) -> dict[str, tuple[int, str]]:
+    """The ``add_int_options`` entries of a GenSLM shape: ``hidden``, ``layers`` and ``heads`` with their defaults."""
+    return {"hidden": (hidden, "hidden size"), "layers": (layers, "transformer layers"),
+            "heads": (heads, "attention heads")}
+
+
+def add_int_options(parser: argparse.ArgumentParser, options: dict[str, tuple[int, str]],
+                    quick: dict[str, int] | None = None) -> None:
+    """One ``type=int`` option per ``name -> (default, help)`` of ``options``, spelled by :func:`option`; with
+    ``quick``, also ``--quick``, a smoke test that sets the options of ``quick`` to its values (:func:`int_config`)."""
     for name, (default, help_text) in options.items():
         parser.add_argument(option(name), type=int, default=default, help=f"{help_text} (default: %(default)s)")
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true",
+                            help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in quick.items()))
+
+
+def int_config(args: argparse.Namespace, options: Iterable[str], quick: dict[str, int]) -> dict:
+    """The values of ``options`` parsed into ``args`` (:func:`add_int_options`), ``quick`` over them under
+    ``--quick``."""
+    return {name: getattr(args, name) for name in options} | (quick if args.quick else {})
 
 
 def check_positive(cfg: dict, names: Iterable[str]) -> None:
@@ -82,6 +100,12 @@ def check_positive(cfg: dict, names: Iterable[str]) -> None:
     for name in names:
         if cfg[name] < 1:
             raise ValueError(f"{option(name)}={cfg[name]}: must be >= 1")
+
+
+def check_heads(hidden: int, heads: int) -> None:
+    """``ValueError`` when ``--heads`` does not divide ``--hidden`` (a GenSLM's head size is their quotient)."""
+    if hidden % heads:
+        raise ValueError(f"--hidden={hidden} is not divisible by --heads={heads}")
 
 
 def command_line(benchmark: str, cfg: dict, out: str) -> str:
@@ -102,9 +126,7 @@ def missing_dependency(module: str, why: str, name: str | None = None) -> str | 
     return None
 
 
-def pyplot():
-    """``matplotlib.pyplot`` on the Agg backend: the benchmarks write PNG files and never open a window
-    (``ImportError`` when matplotlib is missing)."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,8 +135,40 @@ def pyplot():
     return plt
 
 
+def subplots(*args, **kwargs):
+    """``matplotlib.pyplot.subplots(*args, **kwargs)`` on the Agg backend: the benchmarks write PNG files and never
+    open a window (``ImportError`` when matplotlib is missing)."""
+    return _pyplot().subplots(*args, **kwargs)
+
+
+def plot_peaks(path: str | Path, curves: dict[str, tuple[list[int], list[float]]], budget_mib: float,
+               ylabel: str) -> None:
+    """Peak memory against sequence length, log-log, one line per curve (label -> (lengths, MiB)), the per-rank budget
+    dashed, written to ``path``."""
+    fig, ax = subplots(figsize=(7, 5))
+    for label, (seq_lens, mib) in curves.items():
+        ax.plot(seq_lens, mib, marker="o", label=label)
+    ax.axhline(budget_mib, color="gray", linestyle="--", label="budget")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length S (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize="small")
+    save_figure(fig, path)
+
+
 def save_figure(fig, path: str | Path) -> None:
     """Lay ``fig`` out, write it to ``path`` (PNG, 100 dpi) and close it."""
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    pyplot().close(fig)
+    _pyplot().close(fig)
+
+
+def write_files(out: str | Path, name: str, report: dict, markdown: str, plot) -> Path:
+    """Write ``out/NAME.json`` and ``out/NAME.md`` (:func:`write_report`) and ``out/NAME.png`` (``plot(report,
+    path)``), print ``markdown`` and then the three paths; the JSON path."""
+    path = write_report(out, name, report, markdown)
+    plot(report, path.with_suffix(".png"))
+    print(markdown, end="" if markdown.endswith("\n") else "\n")
+    print(f"{name}: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    return path

@@ -14,37 +14,33 @@ Two ways to score the same variants, each one :func:`~ds4sci.infer.score.score_r
 - ``unshared``: each variant's REF window scored for it alone, 2 windows per variant.
 
 The LLRs of both must agree (``max_abs_llr_diff``, a guard: a speed-up that changed the numbers says nothing).
-Each round times both, the order swapped every round; variants/s = variants / seconds on two clocks: ``wall``
-(``time.perf_counter``) and ``cpu`` (``time.process_time``: this process's CPU seconds, so time other processes take
-from a shared machine does not count; with one thread, the compute time). Reported per round and clock with the
-median and the median per-round ratio shared / unshared, beside the ratio of windows
-scored (``2 / (4/3) = 1.5`` away from the record ends), the speed-up were time proportional to windows.
+Each round times both (:mod:`ds4sci.bench.rounds`), the order swapped every round; variants/s = variants / seconds
+on the wall and CPU clocks, reported per round and clock with the median and the median per-round ratio shared /
+unshared, beside the ratio of windows scored (``2 / (4/3) = 1.5`` away from the record ends), the speed-up were time
+proportional to windows.
 
 Writes ``score_variants.json``, ``score_variants.md`` and ``score_variants.png`` to ``--out``.
 """
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from ds4sci.bench.report import (add_int_options, check_positive, command_line, describe_machine, machine,
-                                  markdown_table, option, plural, pyplot, save_figure, write_report)
+from ds4sci.bench.report import (add_int_options, check_heads, check_positive, command_line, describe_machine,
+                                 int_config, machine, markdown_table, plural, save_figure, shape_options, subplots,
+                                 write_files)
+from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import FastaRecord, NucleotideTokenizer, read_fasta
 from ds4sci.infer.score import score_records
 from ds4sci.infer.variants import read_variants, score_variants, variant_windows
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.train.config import BUNDLED_GENOME
 
-logger = logging.getLogger(__name__)
-
 MODES = ("shared", "unshared")
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 #: guard: the two modes' LLRs may differ by float rounding only (their windows are batched differently), nats
 LLR_ATOL = 1e-3
 #: option -> (default, help); every one must be >= 1
@@ -52,34 +48,25 @@ _INT_OPTIONS = {
     "positions": (64, "consecutive reference positions mutated, 3 SNVs each"),
     "start": (100_000, "1-based position of the first"),
     "context": (256, "model context in tokens, and the REF window in bases"),
-    "hidden": (128, "hidden size"),
-    "layers": (4, "transformer layers"),
-    "heads": (4, "attention heads"),
+} | shape_options(hidden=128, layers=4, heads=4) | {
     "batch_size": (8, "windows per forward"),
-    "rounds": (3, "timed rounds (each times both modes)"),
-    "threads": (1, "torch threads (1 keeps other processes on a shared machine from skewing the ratio)"),
-}
+} | round_options(3, "each times both modes")
 _QUICK = {"positions": 6, "context": 64, "hidden": 32, "layers": 1, "heads": 2, "batch_size": 8, "rounds": 2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload, shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
-    add_int_options(parser, _INT_OPTIONS)
+    add_int_options(parser, _INT_OPTIONS, _QUICK)
     parser.add_argument("--reference", default=BUNDLED_GENOME,
                         help="FASTA whose first record is mutated (default: the bundled E. coli K-12 genome)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in _QUICK.items()))
 
 
 def config_from_args(args: argparse.Namespace) -> dict:
     """The run configuration: the options (``--quick`` overriding them), checked; ``ValueError`` names a bad value."""
-    cfg = {name: getattr(args, name) for name in _INT_OPTIONS} | {"reference": args.reference, "seed": args.seed}
-    if args.quick:
-        cfg |= _QUICK
+    cfg = int_config(args, _INT_OPTIONS, _QUICK) | {"reference": args.reference, "seed": args.seed}
     check_positive(cfg, _INT_OPTIONS)
-    if cfg["hidden"] % cfg["heads"]:
-        raise ValueError(f"--hidden={cfg['hidden']} is not divisible by --heads={cfg['heads']}")
+    check_heads(cfg["hidden"], cfg["heads"])
     return cfg
 
 
@@ -130,28 +117,13 @@ def measure(cfg: dict) -> dict:
     runs = {"shared": lambda: [r["llr"] for r in score_variants(model, tok, reference, variants, context,
                                                                 batch_size=cfg["batch_size"])],
             "unshared": lambda: unshared_llrs(model, tok, reference, variants, cfg["batch_size"])}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg["threads"])
-    try:
+    with torch_threads(cfg["threads"]):
         llrs = {mode: run() for mode, run in runs.items()}  # warm-up, and the guard's numbers
         diff = max(abs(a - b) for a, b in zip(llrs["shared"], llrs["unshared"]))
         if diff > LLR_ATOL:
             raise RuntimeError(f"shared and unshared REF windows give different LLRs: max |difference| = {diff:.3g} "
                                f"nats > {LLR_ATOL}")
-        rounds = []
-        for r in range(cfg["rounds"]):
-            per_s: dict[str, dict[str, float]] = {clock: {} for clock in CLOCKS}
-            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                start = {clock: now() for clock, now in CLOCKS.items()}
-                runs[mode]()
-                for clock, now in CLOCKS.items():
-                    per_s[clock][mode] = len(variants) / (now() - start[clock])
-            rounds.append({clock: v | {"ratio": v["shared"] / v["unshared"]} for clock, v in per_s.items()})
-            logger.info("score-variants round %d: shared %.1f variants/s, unshared %.1f, ratio %.3f (CPU time: "
-                        "%.3f)", r, per_s["wall"]["shared"], per_s["wall"]["unshared"], rounds[-1]["wall"]["ratio"],
-                        rounds[-1]["cpu"]["ratio"])
-    finally:
-        torch.set_num_threads(threads)
+        rounds = alternate(runs, dict.fromkeys(MODES, len(variants)), cfg["rounds"], "variants")
     return {"chrom": record.id, "variants": len(variants), "windows": {"shared": len(windows.keys) + len(variants),
                                                    "unshared": 2 * len(variants)},
             "check": {"max_abs_llr_diff": diff, "llr_atol": LLR_ATOL}, "rounds": rounds}
@@ -173,8 +145,7 @@ def markdown(report: dict) -> str:
             f"{r[clock]['ratio']:.3f}" for clock in CLOCKS]
 
     rows = [[i, *cells(r)] for i, r in enumerate(report["rounds"])]
-    rows.append(["median", *cells({clock: {mode: s[clock][f"{mode}_variants_per_s_median"] for mode in MODES}
-                                   | {"ratio": s[clock]["ratio_median"]} for clock in CLOCKS})])
+    rows.append(["median", *cells(median_round(s, MODES, "variants"))])
     windows_ratio = w["unshared"] / w["shared"]
     lines = [
         "# score-variants: variants per second, REF windows shared and not",
@@ -201,9 +172,8 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Left: variants/s of each mode per round on both clocks; right: windows scored by each mode."""
-    plt = pyplot()
-    rounds = report["rounds"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    rounds, c = report["rounds"], report["config"]
+    fig, (left, right) = subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     for mode in MODES:
         for clock, style in (("wall", "-"), ("cpu", "--")):
             left.plot(range(len(rounds)), [r[clock][mode] for r in rounds], marker="o", linestyle=style,
@@ -215,7 +185,6 @@ def plot(report: dict, path) -> None:
     left.legend()
     right.bar(MODES, [report["windows"][mode] for mode in MODES], color=["tab:blue", "tab:orange"])
     right.set_ylabel("windows scored (each on both strands)")
-    c = report["config"]
     fig.suptitle(f"{plural(report['variants'], 'SNV')} (3 per position), window {c['context']}, hidden {c['hidden']}, "
                  f"{plural(c['layers'], 'layer')}")
     save_figure(fig, path)
@@ -226,8 +195,5 @@ def run(args: argparse.Namespace) -> int:
     report = {"command": command_line("score-variants", cfg, args.out), "config": cfg, "machine": machine(),
               "versions": {"torch": torch.__version__}} | measure(cfg)
     report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in CLOCKS}
-    path = write_report(args.out, "score_variants", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(markdown(report))
-    logger.info("score-variants: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    write_files(args.out, "score_variants", report, markdown(report), plot)
     return 0

@@ -17,7 +17,8 @@ import argparse
 import logging
 import time
 
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, pyplot, save_figure, write_report
+from ds4sci.bench.report import (MIB, add_int_options, check_heads, markdown_table, parse_int_list, plot_peaks, plural,
+                                 shape_options, write_files)
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequence lengths, K = 1024 (default: 2K,4K,8K,16K)")
     parser.add_argument("--degrees", type=parse_int_list, default=(1, 2, 4), metavar="P,P,...",
                         help="sequence-parallel degrees; 1 is the single-process baseline (default: 1,2,4)")
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=2, help="GenSLM blocks (default: %(default)s)")
+    add_int_options(parser, shape_options(hidden=256, layers=2, heads=8))
     parser.add_argument("--budget-mib", type=float, default=256.0,
                         help="per-rank memory budget for the longest-sequence column (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
@@ -56,8 +55,8 @@ def _worker(rank: int, world: int, dims_kwargs: dict, seq_len: int, shape: dict)
 
     from ds4sci.bench.memory import PeakMemory
     from ds4sci.models.genslm import GenSLM, GenSLMConfig
-    from ds4sci.parallel import ParallelDims
-    from ds4sci.parallel.groups import build_groups
+    from ds4sci.distributed import ParallelDims
+    from ds4sci.distributed.groups import build_groups
     from ds4sci.parallel.parallelize import parallelize
     from ds4sci.sequence import shard_sequence
 
@@ -150,19 +149,12 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 5))
+    """Peak MiB of the most loaded rank against S, one line per scheme and P."""
+    curves = {}
     for scheme, P in sorted({(r["scheme"], r["P"]) for r in report["runs"]}, key=lambda k: (k[1], k[0])):
         runs = sorted((r for r in report["runs"] if r["scheme"] == scheme and r["P"] == P), key=lambda r: r["seq_len"])
-        ax.plot([r["seq_len"] for r in runs], [r["peak_bytes_max"] / MIB for r in runs], marker="o",
-                label=f"{scheme} P={P}")
-    ax.axhline(report["config"]["budget_mib"], color="gray", linestyle="--", label="budget")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length S (tokens)")
-    ax.set_ylabel("peak MiB per rank (forward + backward)")
-    ax.legend()
-    save_figure(fig, path)
+        curves[f"{scheme} P={P}"] = ([r["seq_len"] for r in runs], [r["peak_bytes_max"] / MIB for r in runs])
+    plot_peaks(path, curves, report["config"]["budget_mib"], "peak MiB per rank (forward + backward)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
                         ("--budget-mib", args.budget_mib)):
         if value <= 0:
             raise ValueError(f"{name}={value:g}: must be > 0")
-    if shape["hidden"] % shape["heads"]:
-        raise ValueError(f"--hidden={shape['hidden']} is not divisible by --heads={shape['heads']}")
+    check_heads(shape["hidden"], shape["heads"])
     for P in degrees:
         for scheme in SCHEMES:
             kwargs = _dims_kwargs(scheme, P)
@@ -201,7 +192,5 @@ def run(args: argparse.Namespace) -> int:
     for scheme, P, s in tqdm(jobs, desc="seq-scaling", unit="run"):
         report["runs"].append(measure(scheme, P, s, shape))
     report["summary"] = summarize(report)
-    path = write_report(args.out, "seq_scaling", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(f"seq-scaling: wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    write_files(args.out, "seq_scaling", report, markdown(report), plot)
     return 0

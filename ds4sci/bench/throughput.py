@@ -9,19 +9,16 @@ GPT-NeoX-20B); GenSLM's initial weights are copied into Hugging Face's model wit
 :func:`~ds4sci.models.genslm.to_gpt_neox_state_dict`. ``llama``: the GenSLM of the Llama-shaped presets' block
 (Touvron et al. 2023: ``--kv-heads`` key/value heads, grouped-query attention when fewer than ``--heads``; SwiGLU,
 RMSNorm, no biases, sequential residual, rotary on every head dim) builds a ``LlamaConfig`` of the same shape
-(the config ``ds4sci export-hf`` writes for it: :func:`ds4sci.io.export_hf.hf_config`), and Hugging Face's initial weights are copied into GenSLM with
-:func:`~ds4sci.models.genslm.llama.from_llama_state_dict`. Both shapes use an MLP of ``4 x hidden`` and the 69-word
-codon vocabulary. Before anything is timed the logits of both on the benchmark batch must agree
-(:func:`check_same_function`), so a converter bug cannot pass for a speed-up.
+(the config ``ds4sci export-hf`` writes for it: :func:`ds4sci.io.export_hf.hf_config`), and Hugging Face's initial
+weights are copied into GenSLM with :func:`~ds4sci.models.genslm.llama.from_llama_state_dict`. Both shapes use
+an MLP of ``4 x hidden`` and the 69-word codon vocabulary. Before anything is timed the logits of both on the
+benchmark batch must agree (:func:`check_same_function`), so a converter bug cannot pass for a speed-up.
 
-Timing, in one process: each round times ``--steps`` training steps (forward, next-token cross entropy
-:func:`~ds4sci.models.genslm.lm_loss` on both, backward, ``torch.optim.AdamW`` step) of one model, then of the
-other, the order swapped every round so that drift (other processes, thermal, allocator) falls on both; each model
-first runs ``--warmup`` untimed steps. tokens/s = batch x sequence length x steps / seconds, on two clocks:
-``wall`` (``time.perf_counter``, the throughput) and ``cpu`` (``time.process_time``: the CPU seconds this process
-used, so time other processes take from a shared machine does not count; with one thread, the compute time). The
-ratio ds4sci / Hugging Face is taken per round and clock and reported as its median, quartiles and min/max over the
-rounds.
+Timing, in one process (:mod:`ds4sci.bench.rounds`): each round times ``--steps`` training steps (forward,
+next-token cross entropy :func:`~ds4sci.models.genslm.lm_loss`, backward, ``torch.optim.AdamW`` step) of each model,
+the order swapped every round, after ``--warmup`` untimed steps each. tokens/s = batch x sequence length x steps /
+seconds, on the wall and CPU clocks; the ratio ds4sci / Hugging Face per round and clock is reported as its median,
+quartiles and min/max over the rounds.
 
 Writes ``throughput.json``, ``throughput.md`` and ``throughput.png`` (tokens/s per round and the ratio's spread) to
 ``--out``. Needs transformers (``pip install 'ds4sci[dev]'``); without it the command says so and exits with 1.
@@ -32,12 +29,12 @@ import argparse
 import dataclasses
 import logging
 import statistics
-import time
 
 import torch
 
-from ds4sci.bench.report import (add_int_options, check_positive, command_line, markdown_table, missing_dependency,
-                                  option, plural, pyplot, save_figure, write_report)
+from ds4sci.bench.report import (add_int_options, check_heads, check_positive, command_line, int_config, markdown_table,
+                                 missing_dependency, plural, save_figure, shape_options, subplots, write_files)
+from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import CodonTokenizer
 from ds4sci.io.export_hf import hf_config as transformers_config
 from ds4sci.kernels.backends import LocalBackend
@@ -47,28 +44,23 @@ from ds4sci.models.genslm.llama import from_llama_state_dict
 logger = logging.getLogger(__name__)
 
 MODELS = ("ds4sci", "hf")
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 #: guard of :func:`check_same_function`: max |logits_ds4sci - logits_hf| <= LOGIT_RTOL * max(1, max |logits_hf|)
 LOGIT_RTOL = 1e-4
 #: option -> (default, help); every one must be >= 1. Defaults: GenSLM's 25M shape (hidden 512, 8 layers, 8 heads)
-_INT_OPTIONS = {
-    "hidden": (512, "hidden size"),
-    "layers": (8, "transformer layers"),
-    "heads": (8, "attention heads"),
+_INT_OPTIONS = shape_options(hidden=512, layers=8, heads=8) | {
     "seq_len": (512, "tokens per sequence"),
     "batch": (2, "sequences per step"),
-    "rounds": (9, "timed rounds (each times both models)"),
     "steps": (1, "timed training steps per model per round (1 pairs the two models' steps most closely)"),
     "warmup": (1, "untimed training steps per model before the first round"),
-    "threads": (1, "torch threads (1 keeps other processes on a shared machine from skewing the ratio)"),
-}
+} | round_options(9, "each times both models")
 _QUICK = {"hidden": 64, "layers": 2, "heads": 4, "seq_len": 64, "batch": 2, "rounds": 3, "steps": 1, "warmup": 1}
 _VOCAB = 69  # GenSLM's codon vocabulary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
-    add_int_options(parser, _INT_OPTIONS)
+    add_int_options(parser, _INT_OPTIONS, _QUICK)
+    add_model_options(parser, "seed of the weights and tokens")
     parser.add_argument("--shape", choices=("gpt-neox", "llama"), default="gpt-neox",
                         help="gpt-neox: against GPTNeoXForCausalLM; llama: Llama's block (grouped-query attention, "
                              "SwiGLU, RMSNorm, no biases, sequential residual) against LlamaForCausalLM "
@@ -78,28 +70,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: %(default)s)")
     parser.add_argument("--rotary-pct", type=float,
                         help="fraction of each head's dims rotated (default: GPT-NeoX's 0.25; Llama rotates all, 1.0)")
+
+
+def add_model_options(parser: argparse.ArgumentParser, seed_help: str) -> None:
+    """``--attention-backend`` (ds4sci's), ``--hf-attention`` (Hugging Face's) and ``--seed`` (``seed_help``): the
+    options of a benchmark that compares GenSLM with Hugging Face's model of the same weights."""
     parser.add_argument("--attention-backend", choices=[b.value for b in LocalBackend], default="auto",
                         help="ds4sci GenSLM attention backend (default: %(default)s)")
     parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
                         help="Hugging Face attn_implementation (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: " + ", ".join(f"{option(k)} {v}" for k, v in _QUICK.items()))
+    parser.add_argument("--seed", type=int, default=0, help=f"{seed_help} (default: %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> dict:
     """The run configuration: the options (``--quick`` overriding the shape), checked; ``ValueError`` names a bad
     value."""
-    cfg = {name: getattr(args, name) for name in _INT_OPTIONS}
     llama = args.shape == "llama"
     rotary_pct = (1.0 if llama else 0.25) if args.rotary_pct is None else args.rotary_pct
-    cfg |= {"shape": args.shape, "kv_heads": args.kv_heads, "rotary_pct": rotary_pct,
-            "attention_backend": args.attention_backend, "hf_attention": args.hf_attention, "seed": args.seed}
-    if args.quick:
-        cfg |= _QUICK
+    cfg = int_config(args, _INT_OPTIONS, _QUICK) | {
+        "shape": args.shape, "kv_heads": args.kv_heads, "rotary_pct": rotary_pct,
+        "attention_backend": args.attention_backend, "hf_attention": args.hf_attention, "seed": args.seed}
     check_positive(cfg, _INT_OPTIONS)
-    if cfg["hidden"] % cfg["heads"]:
-        raise ValueError(f"--hidden={cfg['hidden']} is not divisible by --heads={cfg['heads']}")
+    check_heads(cfg["hidden"], cfg["heads"])
     if cfg["kv_heads"] < 0 or (cfg["kv_heads"] and cfg["heads"] % cfg["kv_heads"]):
         raise ValueError(f"--kv-heads={cfg['kv_heads']}: must divide --heads={cfg['heads']} (or be 0)")
     if not llama and cfg["kv_heads"] not in (0, cfg["heads"]):
@@ -191,38 +183,19 @@ def _trainer(name: str, model: torch.nn.Module, ids: torch.Tensor, pos: torch.Te
 
 
 def measure(cfg: dict) -> dict:
-    """Build both models, check they agree, time them alternately: the report's ``hf_model`` (the class timed
-    against), ``check`` and ``rounds``. Runs with ``cfg["threads"]`` torch threads, then restores the caller's
-    number."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg["threads"])
-    try:
-        return _measure(cfg)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _measure(cfg: dict) -> dict:
-    ours, hf = build_models(cfg)
-    ids, pos = make_batch(cfg)
-    diff = check_same_function(ours, hf, ids, pos)
-    steps = {"ds4sci": _trainer("ds4sci", ours, ids, pos), "hf": _trainer("hf", hf, ids, pos)}
-    for train_step in steps.values():
-        for _ in range(cfg["warmup"]):
-            train_step()
-    tokens = cfg["batch"] * cfg["seq_len"] * cfg["steps"]
-    rounds = []
-    for r in range(cfg["rounds"]):
-        tps: dict[str, dict[str, float]] = {clock: {} for clock in CLOCKS}
-        for name in (MODELS if r % 2 == 0 else MODELS[::-1]):
-            start = {clock: now() for clock, now in CLOCKS.items()}
-            for _ in range(cfg["steps"]):
-                steps[name]()
-            for clock, now in CLOCKS.items():
-                tps[clock][name] = tokens / (now() - start[clock])
-        rounds.append({clock: t | {"ratio": t["ds4sci"] / t["hf"]} for clock, t in tps.items()})
-        logger.info("throughput round %d: ds4sci %.0f tokens/s, hf %.0f tokens/s, ratio %.3f (CPU time: %.3f)", r,
-                    tps["wall"]["ds4sci"], tps["wall"]["hf"], rounds[-1]["wall"]["ratio"], rounds[-1]["cpu"]["ratio"])
+    """Build both models, check they agree, time them alternately with ``cfg["threads"]`` torch threads: the
+    report's ``hf_model`` (the class timed against), ``check`` and ``rounds``."""
+    with torch_threads(cfg["threads"]):
+        ours, hf = build_models(cfg)
+        ids, pos = make_batch(cfg)
+        diff = check_same_function(ours, hf, ids, pos)
+        steps = {"ds4sci": _trainer("ds4sci", ours, ids, pos), "hf": _trainer("hf", hf, ids, pos)}
+        tokens = cfg["batch"] * cfg["seq_len"] * cfg["steps"]
+        for train_step in steps.values():
+            for _ in range(cfg["warmup"]):
+                train_step()
+        rounds = alternate({name: lambda step=step: [step() for _ in range(cfg["steps"])]
+                            for name, step in steps.items()}, dict.fromkeys(MODELS, tokens), cfg["rounds"], "tokens")
     return {"hf_model": type(hf).__name__, "check": {"max_abs_logit_diff": diff, "logit_rtol": LOGIT_RTOL},
             "rounds": rounds}
 
@@ -250,9 +223,7 @@ def markdown(report: dict) -> str:
     llama = c["shape"] == "llama"
     shape = "Llama shape (SwiGLU, RMSNorm, no biases, sequential residual)" if llama else "GPT-NeoX shape"
     kv = f" ({c['kv_heads'] or c['heads']} key/value)" if llama else ""
-    rows.append(["median", *cells({clock: {"ds4sci": s[clock]["ds4sci_tokens_per_s_median"],
-                                           "hf": s[clock]["hf_tokens_per_s_median"],
-                                           "ratio": s[clock]["ratio_median"]} for clock in CLOCKS})])
+    rows.append(["median", *cells(median_round(s, MODELS, "tokens"))])
     lines = [
         f"# Training throughput: ds4sci GenSLM vs Hugging Face {report['hf_model']}",
         "",
@@ -281,9 +252,8 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path) -> None:
     """Left: tokens/s (wall clock) of each model per round; right: the per-round ratios on both clocks as box
     plots with their points."""
-    plt = pyplot()
     rounds = report["rounds"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (left, right) = subplots(1, 2, figsize=(10, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     for name, label in (("ds4sci", "ds4sci GenSLM"), ("hf", f"HF {report['hf_model']}")):
         left.plot(range(len(rounds)), [r["wall"][name] for r in rounds], marker="o", label=label)
     left.set_xticks(range(len(rounds)))
@@ -322,8 +292,5 @@ def run(args: argparse.Namespace) -> int:
     report = {"command": command_line("throughput", cfg, args.out), "config": cfg,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}} | measure(cfg)
     report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in CLOCKS}
-    path = write_report(args.out, "throughput", report, markdown(report))
-    plot(report, path.with_suffix(".png"))
-    print(markdown(report))
-    logger.info("throughput: wrote %s, %s and %s", path, path.with_suffix(".md"), path.with_suffix(".png"))
+    write_files(args.out, "throughput", report, markdown(report), plot)
     return 0

@@ -31,8 +31,8 @@ import torch
 from torch.utils.data import Dataset
 
 from ds4sci.data.tokenizers import NucleotideTokenizer, Tokenizer
-from ds4sci.models.genslm import IGNORE_INDEX
 from ds4sci.kernels.local_reference import PAD_DOC_ID
+from ds4sci.models.genslm import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ runs a batch of windows through, on one process or sequence-parallel across rank
 One process is the degree-1 case of the same code: ``ShardedForward(model)`` has no groups, every shard is the whole
 window and every reduction is the identity. :meth:`ShardedForward.from_world` starts (under ``torchrun``) or joins
 the process group, splits the world into ``dp = world / (ulysses * ring)`` data ranks of ``ulysses * ring``
-sequence ranks (:class:`~ds4sci.parallel.dims.ParallelDims`, ``tp = 1``) and makes the model sequence-parallel with
+sequence ranks (:class:`~ds4sci.distributed.dims.ParallelDims`, ``tp = 1``) and makes the model sequence-parallel with
 :func:`~ds4sci.parallel.parallelize.parallelize` (DeepSpeed-Ulysses, ring attention or both, USP). Each window is
 then read as training reads it (:meth:`ds4sci.train.trainer.Trainer._micro_batch`): labels shifted on the full
 window, the window padded at its end to ``dims.sequence_multiple`` (padding is causal attention's future: no real
@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ds4sci.data import collate
 from ds4sci.models.genslm import IGNORE_INDEX, shift_labels, token_loss
-from ds4sci.parallel.dims import Coords, ParallelDims
-from ds4sci.parallel.groups import SequenceParallelGroups, build_groups
+from ds4sci.distributed.dims import Coords, ParallelDims
+from ds4sci.distributed.groups import SequenceParallelGroups, build_groups
 from ds4sci.parallel.parallelize import parallelize
 from ds4sci.sequence.attention import DistributedAttention
 from ds4sci.sequence.sharding import gather_sequence, pad_to_multiple, shard_sequence

@@ -25,7 +25,7 @@ Patching is process-global (it edits the OpenFold modules); the record of what w
 
 :func:`context_parallel` is the same kind of switch for axial context parallelism (issue #29): every OpenFold3
 ``EvoformerStack`` and ``PairFormerStack`` in a model runs its blocks as ds4sci blocks across a process group
-(:mod:`ds4sci.parallel.evoformer_cp`), on the OpenFold3 parameters themselves; :func:`context_parallel_off` undoes
+(:mod:`ds4sci.parallel.evoformer`), on the OpenFold3 parameters themselves; :func:`context_parallel_off` undoes
 it. Unlike :func:`enable` it edits the given model's stacks only (their ``forward``), not OpenFold3's modules::
 
     ds4sci_openfold.context_parallel(model, group)     # every rank: the same inputs, the same outputs and .grad
@@ -147,7 +147,8 @@ def _import_target(package: str) -> Optional[ModuleType]:
         return None
     if not hasattr(module, attr):
         logger.warning(
-            "ds4sci.integrations.openfold: %s has no %s (an unsupported %s version); left alone", module_name, attr, package
+            "ds4sci.integrations.openfold: %s has no %s (an unsupported %s version); left alone",
+            module_name, attr, package,
         )
         return None
     return module
@@ -283,7 +284,7 @@ def context_parallel(model: nn.Module, group=None, mesh: Optional[tuple[int, int
     from openfold3.core.model.latent.evoformer import EvoformerStack
     from openfold3.core.model.latent.pairformer import PairFormerStack
 
-    from ds4sci.parallel.evoformer_cp import evoformer_context_parallel
+    from ds4sci.parallel.evoformer import evoformer_context_parallel
 
     backend = parse_backend(backend, EvoformerBackend)
     switched = []

@@ -1,23 +1,24 @@
 """Apply tensor and sequence parallelism to a single-device GenSLM from outside (torchtitan's ``parallelize`` step).
 
 The model in :mod:`ds4sci.models.genslm` knows nothing of process groups. :func:`parallelize` is the one place
-that changes it: tensor parallelism first (:func:`~ds4sci.parallel.tensor_parallel.apply_tensor_parallel`: Megatron
+that changes it: tensor parallelism first (:func:`~ds4sci.parallel.genslm_tp.apply_tensor_parallel`: Megatron
 column/row-parallel layers with sequence-parallel norms, vocabulary-parallel embedding and output), then every
 block's attention core is wrapped in :class:`~ds4sci.sequence.DistributedAttention` over the Ulysses and ring groups,
 and the learned position table is taken out and keeps only the rows of the positions this rank's sequence shard
 holds. The caller (the trainer) shards tokens, targets, positions and document ids over SP with the same ``dims``
-and, under TP, uses :func:`~ds4sci.parallel.tensor_parallel.token_loss_for` as the loss.
+and, under TP, uses :func:`~ds4sci.parallel.genslm_tp.token_loss_for` as the loss.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.models.genslm import GenSLM, LearnedPositionEmbedding
-from ds4sci.parallel.groups import SequenceParallelGroups
-from ds4sci.parallel.tensor_parallel import apply_tensor_parallel, shard_tensor_parallel, tensor_parallel_plan
+from ds4sci.parallel.genslm_tp import apply_tensor_parallel
+from ds4sci.parallel.tensor_parallel import tensor_parallel_plan
 from ds4sci.sequence.attention import DistributedAttention
-from ds4sci.sequence.comm import CommCounter
 from ds4sci.sequence.sharding import shard_positions
 
 __all__ = ["parallelize", "materialize_"]
@@ -29,7 +30,7 @@ def parallelize(
 ) -> LearnedPositionEmbedding | None:
     """Make ``model`` tensor- and sequence-parallel over ``groups`` in place; return its learned position table, if any.
 
-    - ``groups.dims.tp > 1``: :func:`~ds4sci.parallel.tensor_parallel.apply_tensor_parallel` (the model's logits become
+    - ``groups.dims.tp > 1``: :func:`~ds4sci.parallel.genslm_tp.apply_tensor_parallel` (the model's logits become
       vocabulary-sharded ``[B, T, V_pad/tp]``; parameter names are unchanged, split ones carry
       ``tensor_model_parallel = True``). Every rank must have built the model with the same seed, whole or on the
       meta device (then :func:`materialize_` draws this rank's pieces).
@@ -101,7 +102,7 @@ def materialize_(model: GenSLM, table: LearnedPositionEmbedding | None, groups: 
         # the position table: only this SP shard's rows [R, hidden] are drawn
         value = model.initial_value(name, shape, rows=table.rows if name == "embed_pos.weight" else None)
         if name in plan:
-            value = shard_tensor_parallel({name: value}, plan, groups.tp_rank, groups.dims.tp)[name]
+            value = plan[name].piece(value, groups.tp_rank, groups.dims.tp)
         param = nn.Parameter(value, requires_grad=p.requires_grad)
         param.__dict__.update(p.__dict__)
         new[id(p)] = param

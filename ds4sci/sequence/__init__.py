@@ -3,19 +3,18 @@
 Where each concept lives:
 
 - :mod:`~ds4sci.sequence.attention`: :class:`DistributedAttention` around any local attention
-  (:mod:`ds4sci.kernels.local_attention`);
-- :mod:`~ds4sci.sequence.comm`: the differentiable all-to-all, ring shifts, byte counting;
+  (:mod:`ds4sci.kernels.local_attention`) and ring attention's merge (:func:`merge_attention`,
+  :func:`merge_softmax`);
 - :mod:`~ds4sci.sequence.sharding`: the sharding of tokens, labels and positions by a sequence :class:`Layout`
-  (contiguous / zigzag; its arithmetic lives with the parallel degrees in :mod:`ds4sci.parallel.dims`).
+  (contiguous / zigzag; its arithmetic lives with the parallel degrees in :mod:`ds4sci.distributed.dims`).
 
-The rest of parallelism lives in :mod:`ds4sci.parallel`: the degrees and rank arithmetic (``ParallelDims``), the
-process groups, Megatron tensor parallelism and ``parallelize``, which applies tensor and sequence parallelism to a
-GenSLM from outside.
+The collectives (all-to-all, ring shifts, byte counting) live in :mod:`ds4sci.distributed.comm`, the degrees and
+process groups in :mod:`ds4sci.distributed`; tensor parallelism and applying parallelism to a GenSLM in
+:mod:`ds4sci.parallel`.
 
 Importing this package has no side effects (no process group, no environment edits).
 """
-from ds4sci.sequence.attention import DistributedAttention
-from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, all_to_all
+from ds4sci.sequence.attention import DistributedAttention, merge_attention, merge_softmax
 from ds4sci.sequence.sharding import (
     Layout,
     gather_sequence,
@@ -27,10 +26,8 @@ from ds4sci.sequence.sharding import (
 
 __all__ = [
     "DistributedAttention",
-    "CommCounter",
-    "RingShift",
-    "all_gather_seq",
-    "all_to_all",
+    "merge_attention",
+    "merge_softmax",
     "Layout",
     "gather_sequence",
     "pad_to_multiple",

@@ -13,8 +13,8 @@
 
 Sharding contract: rank ``(ring_rank, ulysses_rank)`` holds sequence shard
 ``sp_rank = ring_rank * U + ulysses_rank`` of ``U * R`` (``shard_sequence(x, 1, dims.sp_rank(rank), dims.sp,
-dims.layout)``), contiguous or zigzag (:class:`~ds4sci.sequence.Layout`). After the all-to-all a ring rank then holds a contiguous
-block (contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag); each piece is passed to the local attention with
+dims.layout)``), contiguous or zigzag (:class:`~ds4sci.sequence.Layout`). After the all-to-all a ring rank then holds a
+contiguous block (contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag); each piece is passed to the local attention with
 its own global offsets, so causal, window and document masks stay exact.
 """
 from __future__ import annotations
@@ -27,32 +27,47 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ds4sci.sequence.comm import CommCounter, RingShift, all_gather_seq, all_to_all, group_rank, group_size
-from ds4sci.parallel.dims import Layout, Piece
+from ds4sci.distributed.comm import CommCounter, RingShift, all_gather, all_to_all, group_rank, group_size
+from ds4sci.distributed.dims import Layout, Piece
 from ds4sci.sequence.sharding import regroup
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedAttention"]
+__all__ = ["DistributedAttention", "merge_attention", "merge_softmax"]
 
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
-def _merge(acc_out, acc_lse, out, lse):
-    """Merge two partial softmax results over disjoint key sets by their log-sum-exp.
+def merge_softmax(out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor | float, block_out: torch.Tensor,
+                  block_max: torch.Tensor, block_sum: torch.Tensor | float):
+    """Two partial softmax results over disjoint key sets as one (the online softmax, Milakov & Gimelshein 2018; ring
+    attention's merge, Liu et al. 2023), each given by its row max and its row sum of ``exp(logit - max)``.
 
-    out ``[B, S, H, D]``, lse ``[B, H, S]``; rows with ``lse = -inf`` on both sides stay ``out = 0, lse = -inf``.
+    ``out``, ``block_out`` ``[*, S, H, D]`` (any leading dims); ``row_max``, ``row_sum``, ``block_max``,
+    ``block_sum`` ``[*, H, S]`` (a row with no key: max ``-inf``, sum 0; a sum may be the number 1, when its max is a
+    log-sum-exp). Returns ``(out, row_max, row_sum)`` of both key sets, ``out`` in ``out``'s dtype; a row no key
+    reached: out 0, max ``-inf``, sum 0. Kept apart, max and sum survive a finite mask bias (OpenFold's ``-1e9``) where
+    fp32's spacing (64) would swallow ``log(sum)`` in a log-sum-exp.
     """
-    m = torch.maximum(acc_lse, lse)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    wa, wb = torch.exp(acc_lse - m), torch.exp(lse - m)  # [B, H, S]
-    total = wa + wb
+    top = torch.maximum(row_max, block_max)
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w, w_blk = row_sum * torch.exp(row_max - shift), block_sum * torch.exp(block_max - shift)  # [*, H, S]
+    total = w + w_blk
     seen = total > 0
-    total = torch.where(seen, total, torch.ones_like(total))
-    wa_, wb_ = (wa / total).transpose(1, 2).unsqueeze(-1), (wb / total).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
-    new_out = wa_ * acc_out + wb_ * out.to(acc_out.dtype)
-    new_lse = torch.where(seen, m + torch.log(total), torch.full_like(m, -math.inf))
-    return new_out, new_lse
+    safe = torch.where(seen, total, torch.ones_like(total))
+    w_ = (w / safe).transpose(-1, -2).unsqueeze(-1)  # [*, S, H, 1]
+    w_blk_ = (w_blk / safe).transpose(-1, -2).unsqueeze(-1)
+    merged = w_ * out + w_blk_ * block_out.to(out.dtype)
+    return merged, torch.where(seen, shift, torch.full_like(shift, -math.inf)), total
+
+
+def merge_attention(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                    block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_softmax` of two results given by their log-sum-exp: ``out``, ``block_out`` ``[*, S, H, D]``,
+    ``lse``, ``block_lse`` ``[*, H, S]`` -> ``(out, lse)`` of both key sets. Rows with ``lse = -inf`` on both sides
+    (no key) stay ``out = 0, lse = -inf``."""
+    merged, row_max, row_sum = merge_softmax(out, lse, 1.0, block_out, block_lse, 1.0)
+    return merged, torch.where(row_sum > 0, row_max + torch.log(row_sum), torch.full_like(row_max, -math.inf))
 
 
 @dataclass
@@ -108,7 +123,7 @@ class _RingAttention(torch.autograd.Function):
                 rows = slice(qp.start, qp.start + qp.length)
                 keys = slice(kp.start, kp.start + kp.length)
                 o_blk, l_blk = plan.attend(q[:, rows], kv[0][:, keys], kv[1][:, keys], qp, kp, src)
-                out[:, rows], lse[:, :, rows] = _merge(out[:, rows], lse[:, :, rows], o_blk, l_blk.to(ct))
+                out[:, rows], lse[:, :, rows] = merge_attention(out[:, rows], lse[:, :, rows], o_blk, l_blk.to(ct))
             if shift is not None:
                 kv = shift.wait()
         ctx.plan = plan
@@ -175,16 +190,16 @@ class DistributedAttention(torch.nn.Module):
             ``sdpa_attention``; flash-attn's does not, so ``"auto"`` does not route ring training to it).
         ulysses_group: the Ulysses (all-to-all) group; ``None`` or a group of one for ring attention alone.
         ring_group: the ring group; ``None`` or a group of one for Ulysses alone. With both, the groups must meet
-            only in this rank (as :func:`~ds4sci.parallel.groups.build_groups` makes them); passing the whole
+            only in this rank (as :func:`~ds4sci.distributed.groups.build_groups` makes them); passing the whole
             sequence-parallel group as ``ulysses_group`` together with a ring group is rejected.
         layout: the :class:`~ds4sci.sequence.Layout` (or its name) the inputs were sharded with.
-        counter: optional :class:`~ds4sci.sequence.CommCounter` recording this layer's communication.
+        counter: optional :class:`~ds4sci.distributed.comm.CommCounter` recording this layer's communication.
         check_shapes: all-gather the local shapes first (a few bytes, recorded as ``"all_gather"``) and raise a
             ``ValueError`` if the ranks disagree (unevenly sharded sequences), instead of a hang or a silently
             wrong result.
 
     Sharding: rank ``(ring_rank, ulysses_rank)`` must hold sequence shard ``ring_rank * U + ulysses_rank`` of
-    ``U * R`` (:meth:`ParallelDims.sp_rank <ds4sci.parallel.ParallelDims.sp_rank>`).
+    ``U * R`` (:meth:`ParallelDims.sp_rank <ds4sci.distributed.ParallelDims.sp_rank>`).
 
     Heads: Ulysses needs ``H % U == 0`` (else ``ValueError`` naming heads, KV heads and degrees; a ring degree
     can carry the parallelism instead). GQA/MQA key/value heads are split over the Ulysses group when ``U``
@@ -257,7 +272,7 @@ class DistributedAttention(torch.nn.Module):
         if self.check_shapes:
             mine = torch.tensor([*q.shape, *k.shape], dtype=torch.int64, device=q.device)  # [8]
             for group in (self.ulysses_group, self.ring_group):
-                shapes = all_gather_seq(mine[None], group, dim=0, counter=self.counter)  # [P, 8]
+                shapes = all_gather(mine[None], group, dim=0, counter=self.counter)  # [P, 8]
                 if not bool((shapes == mine).all()):
                     raise ValueError(
                         "ranks hold different local shapes (q then k, per rank): "
@@ -277,7 +292,7 @@ class DistributedAttention(torch.nn.Module):
 
     def _block_docs(self, doc: torch.Tensor) -> torch.Tensor:
         """Document ids of the post all-to-all block: ``[B, s] -> [B, U*s]`` (gathered, zigzag-reordered)."""
-        doc = all_gather_seq(doc, self.ulysses_group, dim=1, counter=self.counter)  # [B, U*s]
+        doc = all_gather(doc, self.ulysses_group, dim=1, counter=self.counter)  # [B, U*s]
         return regroup(doc, self.layout, self.ulysses_size)
 
     def forward(
@@ -321,7 +336,7 @@ class DistributedAttention(torch.nn.Module):
         else:
             k_docs = None
             if k_blk_doc is not None:
-                k_docs = all_gather_seq(k_blk_doc[None], self.ring_group, dim=0, counter=self.counter)  # [R, B, U*s]
+                k_docs = all_gather(k_blk_doc[None], self.ring_group, dim=0, counter=self.counter)  # [R, B, U*s]
             plan = _RingPlan(self.local_attention, self.ring_group, self.counter, self.layout, head_offset,
                              q_blk_doc, k_docs)
             out = _RingAttention.apply(q, k, v, plan)  # [B, U*s, H/U, D]

@@ -1,9 +1,9 @@
 """Sequence sharding: tokens, labels and positions are cut the same way, by a sequence :class:`Layout`.
 
 :class:`Layout` (contiguous / zigzag) and its chunk arithmetic live with the parallel degrees in
-:mod:`ds4sci.parallel.dims` (they are torch-free there, for the planner); this module applies a layout to tensors.
+:mod:`ds4sci.distributed.dims` (they are torch-free there, for the planner); this module applies a layout to tensors.
 Under Unified SP the shard index is ``sp_rank = ring_rank * ulysses + ulysses_rank`` of ``world = ulysses * ring``
-(:class:`~ds4sci.parallel.dims.ParallelDims`). After the Ulysses all-to-all a ring rank holds a contiguous block
+(:class:`~ds4sci.distributed.dims.ParallelDims`). After the Ulysses all-to-all a ring rank holds a contiguous block
 (contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag): :func:`regroup` puts the gathered rows in that order and
 :meth:`Layout.pieces` says which global positions each run of rows holds.
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ds4sci.parallel.dims import Layout
-from ds4sci.sequence.comm import CommCounter, all_gather_seq, group_size
+from ds4sci.distributed.comm import CommCounter, all_gather, group_size
+from ds4sci.distributed.dims import Layout
 
 __all__ = [
     "Layout",
@@ -62,7 +62,8 @@ def _split(x: torch.Tensor, dim: int, world: int, layout: Layout) -> tuple[torch
     return x.chunk(multiple, dim=dim)
 
 
-def shard_sequence(x: torch.Tensor, dim: int, rank: int, world: int, layout: str | Layout = Layout.CONTIGUOUS) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, dim: int, rank: int, world: int,
+                   layout: str | Layout = Layout.CONTIGUOUS) -> torch.Tensor:
     """The shard of ``x`` that sequence rank ``rank`` of ``world`` holds along ``dim``.
 
     Example: q ``[B, S, H, D]`` with ``dim=1`` -> ``[B, S/W, H, D]``; positions ``[S]`` with ``dim=0`` -> ``[S/W]``.
@@ -100,7 +101,7 @@ def gather_sequence(
     """
     if group_size(group) == 1:
         return x
-    stacked = all_gather_seq(x.unsqueeze(0), group, dim=0, counter=counter)  # [W, *x.shape]
+    stacked = all_gather(x.unsqueeze(0), group, dim=0, counter=counter)  # [W, *x.shape]
     return unshard_sequence(list(stacked.unbind(0)), dim=dim, layout=layout)
 
 

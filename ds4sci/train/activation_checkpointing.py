@@ -1,79 +1,29 @@
 """Activation checkpointing for GenSLM through DeepSpeed's own API (``deepspeed.checkpointing``), applied from
-outside the model (``activation_checkpointing:`` in the training config).
+outside the model (``activation_checkpointing:`` in the training config) after
+:func:`ds4sci.parallel.parallelize.parallelize`.
 
-Modes:
+- ``"full"``: every block is recomputed in backward; only each block's input ``[B, T/P, hidden]`` is kept (through
+  the model's :attr:`~ds4sci.models.genslm.GenSLM.checkpoint_fn` hook: wrapping the blocks would rename their
+  parameters). The recomputed block's output is freed when its backward starts (:func:`checkpoint`) and the first
+  norm's output is rebuilt when the qkv projection's backward needs it (``Block.recompute_norm``; issue #28). Under
+  TP the recomputation reruns the block's sequence-region collectives, on every TP rank in the same order.
+- ``"selective"``: only the attention core (``softmax(QK^T) V``, whose activations grow fastest and cost least to
+  recompute) is recomputed (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", section 4.2), each ``block.attention.core`` wrapped in the parameterless :class:`CheckpointedCore`. Under
+  SP the core is the whole ``DistributedAttention``, whose all-to-alls and ring rotations backward reruns: ring
+  attention's backward calls ``torch.autograd.grad``, which a reentrant checkpoint inside it would refuse.
+- Tiled MLP (``tiled_mlp``; ALST's TiledMLP, Bekman et al. 2025, arXiv:2506.13996): every MLP runs over tiles of
+  ``mlp_tile`` tokens recomputed in backward, so no ``[B, T, intermediate]`` activation is saved; gradients are
+  accumulated once per backward (ZeRO's hooks fire once) and under ZeRO-3 each MLP is a leaf module. Under TP the
+  tiles cut the gathered input after the all-gather, so the collectives run once per block.
+- Tiled loss (``tiled_loss``; ALST's tiled loss): the output head computes the summed cross entropy over tiles of
+  ``loss_tile`` tokens, so no ``[B, T, V]`` logits (or ``V/tp`` columns) are saved; the trainer passes the targets
+  into the model.
 
-- ``"full"``: every block is recomputed in backward; only each block's input ``[B, T/P, hidden]`` is kept. Set
-  through the model's :attr:`~ds4sci.models.genslm.GenSLM.checkpoint_fn` hook (wrapping the blocks would rename
-  their parameters). Two things keep the recomputed block's working set down (issue #28): its output is freed when
-  its backward starts (:func:`checkpoint`; DeepSpeed keeps it referenced throughout), and on every ``Block`` (not a
-  ``TensorParallelBlock``) the first norm's output is rebuilt from the block input when the qkv projection's backward
-  needs it (``Block.recompute_norm``), each one hidden vector per token less at the peak.
-- ``"selective"``: only the attention core (``softmax(QK^T) V``: the part whose activations grow fastest and cost
-  least to recompute) is recomputed; the projections and the MLP keep their activations (Korthikanti et al. 2022,
-  "Reducing Activation Recomputation in Large Transformer Models", section 4.2). Each ``block.attention.core``
-  is wrapped in :class:`CheckpointedCore`, a module without parameters or persistent buffers, so parameter and
-  state-dict names do not change.
-
-Tiled MLP (``tiled_mlp: true``, with any mode; ALST's TiledMLP, Bekman et al. 2025, arXiv:2506.13996): every
-block's MLP runs over tiles of ``mlp_tile`` tokens and is recomputed tile by tile in backward
-(:class:`~ds4sci.models.genslm.model.MLP`'s ``tile``), so its ``[B, T, intermediate]`` activations (two of them, three
-with SwiGLU) are never saved, and never alive for more than one tile; only its input is saved. Under full
-checkpointing the block's recomputation calls the tiled MLP again, whose backward then recomputes each tile once
-more. Parameter gradients are summed over the tiles and accumulated once per backward, so DeepSpeed's ZeRO 1/2
-gradient hooks fire once per backward, as without tiling (ZeRO-2 refuses a gradient reduced twice). Under ZeRO-3 each MLP is made a ZeRO-3 leaf module
-(``deepspeed.utils.set_z3_leaf_modules``): its parameters are gathered for the whole MLP forward (all tiles) and
-again for its whole backward (every recomputed tile), not once per tile, and are full-shaped when the tiled function
-takes them as inputs; DeepSpeed reduces a leaf module's gradients in its backward hook, once. Under tensor
-parallelism the MLP holds no collective (:class:`~ds4sci.parallel.tensor_parallel.TensorParallelBlock` all-gathers
-its input and reduce-scatters its partial sums outside it), so the tiles cut the gathered ``[B, T, hidden]`` input
-of the full SP shard after the all-gather, each tile computing this rank's ``intermediate/tp`` columns; the
-collectives run once per block, as without tiling. The tiled function saves that gathered input (its column-parallel
-layers then read their tiles as plain linear layers), so under TP a tiled MLP keeps ``[B, T, hidden]`` where an untiled
-one keeps this rank's region ``[B, T/tp, hidden]`` and the ``[B, T, intermediate/tp]`` activations.
-
-Tiled loss (``tiled_loss: true``, with any mode; ALST's tiled loss): the output head computes the summed cross
-entropy itself over tiles of ``loss_tile`` tokens, recomputed in backward
-(:class:`~ds4sci.models.genslm.model.OutputHead`'s ``tile``; under TP
-:class:`~ds4sci.parallel.tensor_parallel.VocabParallelOutput`'s, with the vocabulary-parallel cross entropy per
-tile), so no ``[B, T, V]`` logits (or ``V/tp`` columns) and no fp32 log-softmax of them are saved, and none is alive
-for more than one tile; the trainer passes the targets into the model (``GenSLM.forward(..., targets=...)``) and gets
-the loss sum back. Only the final hidden states ``[B, T, hidden]`` and the targets are saved. The head's weight
-gradient (the embedding's, when tied) is summed over the tiles and accumulated once per backward, as the tiled MLP's.
-Under ZeRO-3 the head needs no leaf marking: it computes with its own weight, which ZeRO-3 gathers for its forward
-(all tiles) and, through the hook on its output (the loss), for its backward (every recomputed tile), with no
-submodule called per tile. Under pipeline parallelism the last stage returns the final hidden states and
-:class:`~ds4sci.train.pipeline.PipelineLoss` calls the head with the targets.
-
-Applied AFTER :func:`ds4sci.parallel.parallelize.parallelize`. Under tensor parallelism a full-mode block is a
-:class:`~ds4sci.parallel.tensor_parallel.TensorParallelBlock`, whose recomputation reruns its sequence-region
-all-gather and reduce-scatter over the TP group (every TP rank recomputes, in the same order); the selective core
-holds this TP rank's heads. Under sequence parallelism the checkpointed core is the whole
-:class:`~ds4sci.sequence.DistributedAttention`: backward reruns its forward communication (Ulysses: the q, k, v and
-output all-to-alls; ring: the key/value rotations), as Megatron-LM's selective recompute does with context
-parallelism. Checkpointing only the local attention inside it would save that traffic, but ring attention's
-backward already recomputes its local blocks with ``torch.autograd.grad``, which DeepSpeed's (reentrant)
-checkpoint refuses ("Checkpointing is not compatible with .grad()").
-Note that the memory-efficient local attention backends (``chunked``, ``triton``, ``flash``) already save only
-q, k, v, the output and the log-sum-exp; selective checkpointing then saves the output and the log-sum-exp (and
-the SP layout changes); with ``attention_backend="sdpa"`` it saves the ``S x S`` mask and probabilities.
-
-DeepSpeed 0.19.8 facts (``deepspeed/runtime/activation_checkpointing/checkpointing.py``, checked here on the CPU):
-
-- ``deepspeed.checkpointing.configure`` sets module-level state (DeepSpeed's API has no object): the trainer calls
-  :func:`apply_activation_checkpointing` once per model, which re-configures every option explicitly.
-- ``activation_checkpointing.cpu`` does not use DeepSpeed's ``checkpoint_in_cpu``: that copy is synchronous and works
-  only with ``partition_activations``, which splits each checkpointed input over the ``mpu``'s tensor-parallel group
-  and all-gathers it in backward, assuming the input is REPLICATED over that group (Megatron-LM without sequence
-  parallelism); under :mod:`ds4sci.parallel.tensor_parallel` no checkpointed input is (a block's input is this TP
-  rank's sequence region, an attention core's q, k, v hold this rank's heads). The checkpoint call is wrapped in
-  :class:`ds4sci.train.activation_offload.HostOffload` instead (side-stream copies, fetched one region ahead), and
-  DeepSpeed is configured with :data:`_UNPARTITIONED`, a tensor-parallel group of one, and no partitioning.
-- With ``partition_activations`` DeepSpeed miscounts non-tensor arguments (a ``None`` becomes two entries:
-  "run() takes 5 positional arguments but 7 were given"); :func:`checkpoint` passes only the non-``None``
-  arguments through DeepSpeed and binds the others in a closure, so none reach it whatever the setting.
-- The forward's CPU and accelerator RNG states are restored for the recomputation (dropout masks are redrawn
-  identically), and the recomputation runs ZeRO-3's parameter gathering hooks again.
+Checkpointed inputs differ across TP ranks (a block's input is this rank's sequence region), so DeepSpeed is
+configured with a tensor-parallel group of one and no activation partitioning, and host offload (``cpu``) is
+:class:`~ds4sci.train.activation_offload.HostOffload` around the checkpoint (side-stream copies), not DeepSpeed's
+``checkpoint_in_cpu``, which needs partitioning. ``None`` arguments never reach DeepSpeed (:func:`checkpoint`).
 """
 from __future__ import annotations
 
@@ -83,8 +33,7 @@ import torch
 from torch import nn
 
 from ds4sci.models.genslm import GenSLM
-from ds4sci.models.genslm.model import MLP, Block
-from ds4sci.parallel.tensor_parallel import ColumnParallelLinear
+from ds4sci.models.genslm.model import MLP
 from ds4sci.train.activation_offload import HostOffload
 from ds4sci.train.config import ACTIVATION_CHECKPOINTING_MODES, ActivationCheckpointingConfig
 
@@ -92,8 +41,8 @@ __all__ = ["CheckpointedCore", "apply_activation_checkpointing", "apply_tiled_lo
 
 
 def checkpoint(function, *args):
-    """``deepspeed.checkpointing.checkpoint(function, *args)``, with ``None`` arguments kept out of DeepSpeed
-    (bound in a closure; see the module docstring). ``function``'s activations are recomputed in backward."""
+    """``deepspeed.checkpointing.checkpoint(function, *args)``, with ``None`` arguments kept out of DeepSpeed (bound
+    in a closure), whatever its settings. ``function``'s activations are recomputed in backward."""
     import deepspeed
 
     keep = [i for i, a in enumerate(args) if a is not None]
@@ -155,7 +104,8 @@ class CheckpointedCore(nn.Module):
 
 class _TensorGroupOfOne:
     """The ``mpu`` DeepSpeed's activation checkpointing reads: a tensor-parallel group of one, so checkpointed
-    inputs are never split over TP ranks (they differ across them; see the module docstring)."""
+    inputs are never split over TP ranks (they differ across them; see the module docstring). ``configure`` sets
+    module-level state (DeepSpeed's API has no object), so every option is set again for each model."""
 
     def get_tensor_model_parallel_rank(self) -> int:
         return 0
@@ -185,9 +135,6 @@ def apply_tiled_mlp(model: GenSLM, tile: int) -> None:
 
     for block in model.layers:
         block.mlp.tile = tile
-        for layer in block.mlp.modules():  # under TP: the tiles are pieces of the gathered region, which the tiled
-            if isinstance(layer, ColumnParallelLinear):  # function saves itself, so the layer reads its input as is
-                layer.reads_region = False
     set_z3_leaf_modules(model, [MLP])
 
 
@@ -205,8 +152,8 @@ def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingCo
     when ``cfg.cpu`` (:class:`~ds4sci.train.activation_offload.HostOffload` for ``device``, the device the model runs
     on; returned, else None).
 
-    Call after :func:`ds4sci.parallel.parallelize.parallelize` (any tensor, Ulysses and ring degrees) and before the DeepSpeed
-    engine is built; torch.distributed must be initialised (DeepSpeed's ``configure`` logs on rank 0).
+    Call after :func:`ds4sci.parallel.parallelize.parallelize` (any tensor, Ulysses and ring degrees) and before the
+    DeepSpeed engine is built; torch.distributed must be initialised (DeepSpeed's ``configure`` logs on rank 0).
     """
     if cfg.mode not in ACTIVATION_CHECKPOINTING_MODES:
         raise ValueError(f"activation_checkpointing.mode={cfg.mode!r}: expected none, full or selective")
@@ -224,9 +171,8 @@ def apply_activation_checkpointing(model: GenSLM, cfg: ActivationCheckpointingCo
     checkpoint_fn = functools.partial(offload.checkpoint, checkpoint) if offload is not None else checkpoint
     if cfg.mode == "full":
         model.checkpoint_fn = checkpoint_fn
-        for block in model.layers:  # a TensorParallelBlock's projection keeps only its region (the TP re-gather)
-            if isinstance(block, Block):
-                block.recompute_norm = True
+        for block in model.layers:
+            block.recompute_norm = True
     else:
         for block in model.layers:
             block.attention.core = CheckpointedCore(block.attention.core, checkpoint_fn)

@@ -43,10 +43,10 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, shard_tensor_parallel
 from ds4sci.train.checkpoint_check import (DIGEST, FORMAT, META, PORTABLE, RECORD_DIGEST, Spread, check_checkpoint,
                                            describe_layout, digest_file, engine_differences, find_checkpoint,
                                            record_digest, safe_load, verify_checkpoint)
+from ds4sci.train.consolidate import gather_tensor_parallel, shard_tensor_parallel
 from ds4sci.train.engine import bounded_collectives, write_error
 from ds4sci.train.pipeline import genslm_name
 

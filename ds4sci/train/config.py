@@ -16,7 +16,7 @@ import yaml
 
 from ds4sci.data.datasets import SPLITS
 from ds4sci.models.genslm import GenSLMConfig
-from ds4sci.parallel import ParallelDims
+from ds4sci.distributed import ParallelDims
 
 
 def _field(*, help: str, path: bool = False, **kw):

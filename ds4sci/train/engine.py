@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds4sci.parallel.groups import DeepSpeedMPU, SequenceParallelGroups
+from ds4sci.distributed.groups import DeepSpeedMPU, SequenceParallelGroups
 from ds4sci.train.config import Config
 from ds4sci.train.sanity import check_gradient_reduction
 
@@ -44,7 +44,7 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     ``timeout_s`` (``train.timeout_s``) bounds every collective of the default group: on gloo a rank whose peer
     died fails at once ("Connection reset by peer"), one whose peer hangs after ``timeout_s`` ("Timed out waiting
     ...ms"); on nccl, the watchdog aborts the process after ``timeout_s``. The groups built on top need the same
-    bound passed to them (:func:`ds4sci.parallel.groups.build_groups`): ``new_group`` does not inherit it.
+    bound passed to them (:func:`ds4sci.distributed.groups.build_groups`): ``new_group`` does not inherit it.
     """
     import deepspeed
 

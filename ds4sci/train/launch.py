@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ds4sci.data import Tokenizer
-from ds4sci.parallel import ParallelDims
+from ds4sci.distributed import ParallelDims
 from ds4sci.train.config import Config, DataConfig
 from ds4sci.train.engine import check_offload_support
 
@@ -27,7 +27,7 @@ def check_launch(cfg: Config, world_size: int) -> ParallelDims:
     (``--overwrite`` deletes in it) and before the token cache is built.
 
     Returns:
-        the run's :class:`~ds4sci.parallel.ParallelDims`.
+        the run's :class:`~ds4sci.distributed.ParallelDims`.
     Raises:
         ValueError / FileNotFoundError: one line naming the key and the value.
     """

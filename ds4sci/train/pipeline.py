@@ -26,7 +26,7 @@ balanced over the stages (:func:`build_pipeline_engine`).
 
 Rank layout: :func:`pipeline_topology` is DeepSpeed's ``PipeModelDataParallelTopology`` with axes
 ``pipe, data, model`` = ``pp, dp x sp, tp``, which numbers ranks exactly as
-:class:`~ds4sci.parallel.ParallelDims` does (TP < Ulysses < Ring < DP < PP): the engine's "data" group is our
+:class:`~ds4sci.distributed.ParallelDims` does (TP < Ulysses < Ring < DP < PP): the engine's "data" group is our
 sequence x data group (where gradients are reduced and ZeRO-1 partitions), its "model" axis our TP group.
 
 Facts checked with DeepSpeed 0.19.8 on the CPU (gloo; ``tests/distributed/test_train_pipeline.py``):
@@ -67,9 +67,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ds4sci.models.genslm import GenSLM
-from ds4sci.parallel import ParallelDims
-from ds4sci.parallel.groups import SequenceParallelGroups
-from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, token_loss_for
+from ds4sci.distributed import ParallelDims
+from ds4sci.distributed.groups import SequenceParallelGroups
+from ds4sci.parallel.genslm_tp import token_loss_for
+from ds4sci.train.consolidate import gather_tensor_parallel
 from ds4sci.train.config import Config
 from ds4sci.train.engine import deepspeed_config, make_optimizer, printed_at_debug
 from ds4sci.train.loss import scaled_shard_loss

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds4sci.parallel.groups import SequenceParallelGroups
+from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.train.config import Config
 from ds4sci.train.loss import grad_reduction_factor
 

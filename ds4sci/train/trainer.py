@@ -1,12 +1,13 @@
 """Training GenSLM with DeepSpeed (ZeRO 0-3), Ulysses / ring / Unified sequence parallelism and tensor parallelism.
 
-Sequence parallelism is applied from outside the model (:func:`~ds4sci.parallel.parallelize.parallelize`): every block's
-attention core is wrapped in ``ds4sci.sequence.DistributedAttention`` and tokens, targets, positions (and document ids)
-are sharded together with the same :class:`~ds4sci.parallel.ParallelDims`. Tensor parallelism (``parallel.tp``, applied
-by the same call) leaves the batch sharding unchanged: the TP ranks of a sequence shard read the same tokens, the loss
-is the vocabulary-parallel cross entropy (:func:`~ds4sci.parallel.tensor_parallel.token_loss_for`), sums are taken over
-the sequence x data group only, and :meth:`Trainer.full_state_dict` gathers the single-device model. Targets are shifted
-on the full window BEFORE sharding, so the label of a shard's last token (which lives on the next shard) is never lost.
+Sequence parallelism is applied from outside the model (:func:`~ds4sci.parallel.parallelize.parallelize`): every
+block's attention core is wrapped in ``ds4sci.sequence.DistributedAttention`` and tokens, targets, positions (and
+document ids) are sharded together with the same :class:`~ds4sci.distributed.ParallelDims`. Tensor parallelism
+(``parallel.tp``, applied by the same call) leaves the batch sharding unchanged: the TP ranks of a sequence shard read
+the same tokens, the loss is the vocabulary-parallel cross entropy (:func:`~ds4sci.parallel.genslm_tp.token_loss_for`),
+sums are taken over the sequence x data group only, and :meth:`Trainer.full_state_dict` gathers the single-device
+model. Targets are shifted on the full window BEFORE sharding, so the label of a shard's last token (which lives on
+the next shard) is never lost.
 
 Loss normalisation (:mod:`ds4sci.train.loss`): the loss is the mean over every real (non ``IGNORE_INDEX``) target of the
 global batch (all data-parallel ranks, all sequence shards, all accumulation micro-batches), with the scale that
@@ -41,15 +42,17 @@ import torch
 import torch.distributed as dist
 
 from ds4sci.data import collate
+from ds4sci.distributed.groups import build_groups
 from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
-from ds4sci.parallel.groups import build_groups
+from ds4sci.parallel.genslm_tp import token_loss_for
 from ds4sci.parallel.parallelize import materialize_, parallelize
-from ds4sci.parallel.tensor_parallel import gather_tensor_parallel, tensor_parallel_plan, token_loss_for
+from ds4sci.parallel.tensor_parallel import tensor_parallel_plan
 from ds4sci.progress import progress_bar
 from ds4sci.sequence import DistributedAttention, shard_sequence
 from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
 from ds4sci.train.checkpoint import load_checkpoint
 from ds4sci.train.config import Config
+from ds4sci.train.consolidate import gather_tensor_parallel
 from ds4sci.train.data_order import train_samples
 from ds4sci.train.engine import (build_engine, collective_error, init_distributed, one_line_errors, set_deterministic,
                                  writing)

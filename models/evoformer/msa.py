@@ -71,7 +71,7 @@ class MSAAttention(GatedAttentionLayer):
             m: ``[*, N_seq, N_res, C_m]`` MSA representation (rows attend along N_res).
             z: ``[*, N_res, N_res, C_z]`` pair representation; with ``pair_bias``, it or ``bias`` is required.
             bias: instead of z, its pair bias ``[*, N_res, N_res, H]`` (:meth:`pair_bias_of`), computed by a caller
-                that holds z in pieces (context parallelism: :mod:`ds4sci.parallel.evoformer_cp`).
+                that holds z in pieces (context parallelism: :mod:`ds4sci.parallel.evoformer`).
             mask: ``[*, N_seq, N_res]`` MSA mask (1 keep, 0 pad) or None.
             chunk_size: rows (along N_seq) per chunk for inference on very long inputs, or None.
 

@@ -78,7 +78,7 @@ class TriangleAttention(GatedAttentionLayer):
             bias: the whole pair representation's triangle bias ``[*, N, N, H]`` (:meth:`triangle_bias` of z, in z's
                 orientation), computed by the caller; then ``x`` may be any rows (starting node) or columns (ending
                 node) of z, ``[*, I', N, C_z]`` or ``[*, N, J', C_z]``, and ``mask`` the same slab of the pair mask
-                (context parallelism: :mod:`ds4sci.parallel.evoformer_cp`).
+                (context parallelism: :mod:`ds4sci.parallel.evoformer`).
 
         Returns:
             ``[*, I, J, C_z]`` update (to be added to ``x`` by the caller).

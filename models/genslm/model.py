@@ -270,6 +270,10 @@ class Block(nn.Module):
     attention's backward runs; the attention's other saved tensors are handed to backward once, so its backward frees
     its output early (one more). Backward then runs once through the block's graph, as in a reentrant checkpoint's
     recomputation. An attribute, not a wrapper module, so parameter names do not change.
+
+    :meth:`forward` composes the residual from :meth:`attention_branch`, :meth:`mlp_branch` and, for the parallel
+    residual, :meth:`parallel_residual_sum`: a parallelised block (tensor parallelism) overrides those, not the
+    composition.
     """
 
     def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
@@ -283,15 +287,28 @@ class Block(nn.Module):
         self.recompute_norm = False  # see the class docstring
 
     def forward(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None, kv: LayerKV | None = None) -> Tensor:
+        if self.parallel_residual:
+            return self.parallel_residual_sum(x, position_ids, doc_ids, kv)
+        x = x + self.attention_branch(x, position_ids, doc_ids, kv)
+        return x + self.mlp_branch(x)
+
+    def attention_branch(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None,
+                         kv: LayerKV | None = None) -> Tensor:
+        """``dropout(attn(ln1(x)))`` ``[B, T, hidden]``, the residual's first branch."""
         normed = self.input_layernorm(x)  # [B, T, hidden]
         recompute = (recompute_saved(normed, functools.partial(self.input_layernorm, x)) if self.recompute_norm
                      else contextlib.nullcontext())
         with recompute:
-            attn = self.dropout(self.attention(normed, position_ids, doc_ids, kv))
-        if not self.parallel_residual:
-            x = x + attn
-            return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
-        return x + attn + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+            return self.dropout(self.attention(normed, position_ids, doc_ids, kv))
+
+    def mlp_branch(self, x: Tensor) -> Tensor:
+        """``dropout(mlp(ln2(x)))`` ``[B, T, hidden]``, the residual's second branch."""
+        return self.dropout(self.mlp(self.post_attention_layernorm(x)))
+
+    def parallel_residual_sum(self, x: Tensor, position_ids: Tensor, doc_ids: Tensor | None,
+                              kv: LayerKV | None = None) -> Tensor:
+        """GPT-NeoX's ``x + attn(ln1(x)) + mlp(ln2(x))``, both branches reading the block input."""
+        return x + self.attention_branch(x, position_ids, doc_ids, kv) + self.mlp_branch(x)
 
 
 class GenSLM(nn.Module):

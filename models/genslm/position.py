@@ -62,7 +62,8 @@ class LearnedPositionEmbedding(nn.Module):
     def load_full_table_(self, table: Tensor) -> None:
         """Copy this module's rows out of a full table ``[max_positions, hidden]``."""
         if table.shape != (self.max_positions, self.weight.shape[1]):
-            raise ValueError(f"full table must be {(self.max_positions, self.weight.shape[1])}, got {tuple(table.shape)}")
+            raise ValueError(f"full table must be {(self.max_positions, self.weight.shape[1])}, "
+                             f"got {tuple(table.shape)}")
         self.weight.copy_(table.to(self.weight)[self.rows])
 
     @staticmethod
@@ -95,7 +96,8 @@ class LearnedPositionEmbedding(nn.Module):
         slot = self._slot[position_ids]
         if self.sharded and bool((slot < 0).any()):
             missing = torch.unique(position_ids[slot < 0])[:8].tolist()
-            raise ValueError(f"positions {missing} are not held by this sequence shard (it holds {self.rows.numel()} rows)")
+            raise ValueError(f"positions {missing} are not held by this sequence shard "
+                             f"(it holds {self.rows.numel()} rows)")
         return self.weight[slot]
 
 

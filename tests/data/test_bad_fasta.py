@@ -29,7 +29,8 @@ BAD = [
     ("bad char", b">r1\nACGT\n>r2 two\nACGT\nAC.T\n", r"x.fa: record 'r2' \(header line 3\): invalid nucleotide "
      r"character '\.' at line 5, column 3 \(position 7 in the record; 1 invalid character\(s\)"),
     ("space inside", b">r1\nAC GT\n", r"invalid nucleotide character ' ' at line 2, column 3"),
-    ("non-ascii", ">r1\nACGÄ\n".encode(), r"record 'r1' \(header line 1\): invalid nucleotide character byte 0xc3 at line 2"),
+    ("non-ascii", ">r1\nACGÄ\n".encode(),
+     r"record 'r1' \(header line 1\): invalid nucleotide character byte 0xc3 at line 2"),
 ]
 
 

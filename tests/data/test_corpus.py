@@ -10,11 +10,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ds4sci.data import NucleotideTokenizer, CodonTokenizer, Spans, WindowDataset, open_corpus, resolve_sources
+from ds4sci.data import CodonTokenizer, NucleotideTokenizer, Spans, WindowDataset, open_corpus, resolve_sources
 from ds4sci.data import corpus as corpus_mod
 from ds4sci.data.corpus import load_datasets
-from ds4sci.data.datasets import (auto_min_records, choose_split, describe_split, record_hash, split_records,
-                                  split_region, split_spans, val_mask)
+from ds4sci.data.datasets import (
+    auto_min_records,
+    choose_split,
+    describe_split,
+    record_hash,
+    split_records,
+    split_region,
+    split_spans,
+    val_mask,
+)
 from ds4sci.spawn import run_workers
 
 NUC = NucleotideTokenizer()
@@ -161,7 +169,8 @@ def test_datasets_index_the_memmap_with_bounded_memory(tmp_path):
     assert len(tr) == 1 and NUC.decode(tr[0]["input_ids"]) == genome[:64]
     tr, va = load_datasets(corpus, NUC, dataset="packed", seq_len=64, val_fraction=0.1)
     assert len(tr) == 180_000 // 64 + 1 and tr._heads.nbytes < 8 * 3000  # O(pieces) int64, no Python list
-    assert NUC.decode(tr[1]["input_ids"]) == genome[64:128] and NUC.decode(va[0]["input_ids"]) == genome[180_000:180_064]
+    assert NUC.decode(tr[1]["input_ids"]) == genome[64:128]
+    assert NUC.decode(va[0]["input_ids"]) == genome[180_000:180_064]
 
 
 # ---------------------------------------------------------------------------------------------------------- split
@@ -212,7 +221,8 @@ def test_duplicate_ids_are_kept_named_and_never_straddle_the_split(tmp_path, cap
 
 
 def _val_files(corpus, val_fraction=0.3):
-    """The source files each side of a file split draws from, by basename: ``(train, val)``; checks no file straddles."""
+    """The source files each side of a file split draws from, by basename: ``(train, val)``; checks no file
+    straddles."""
     train, val = corpus.split(val_fraction, "files")
     first = {int(s): r for r, s in enumerate(corpus.offsets[:-1])}
     record_file = np.memmap(corpus.root / "record_file.bin", dtype=np.uint32, mode="r")
@@ -368,7 +378,7 @@ def test_cache_build_shows_a_progress_bar_only_when_asked_on_a_terminal(tmp_path
 # --------------------------------------------------------------------------------------------- data-parallel ranks
 def _micro_batches(ds, dp, micro, indices, seed=7):
     """Run the trainer's own sampler (Trainer._micro_batch) for each data-parallel rank, without a Trainer."""
-    from ds4sci.parallel import ParallelDims
+    from ds4sci.distributed import ParallelDims
     from ds4sci.train.trainer import Trainer
 
     out = []

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from ds4sci.models.genslm import IGNORE_INDEX
 from ds4sci.data import (
     CodonTokenizer,
     NucleotideTokenizer,
@@ -21,6 +20,7 @@ from ds4sci.data import (
     split_region,
     split_spans,
 )
+from ds4sci.models.genslm import IGNORE_INDEX
 
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
 
@@ -144,7 +144,10 @@ def test_reverse_complement_augmentation_is_seeded_and_nucleotide_only():
     arr = tok.encode("ACGTTGCAAC" * 4)
     ds = WindowDataset([arr], tok, seq_len=8, reverse_complement=1.0, seed=1)
     assert tok.decode(ds[0]["input_ids"]) == "TGCAACGT" and ds[0]["labels"].tolist() == ds[0]["input_ids"].tolist()
-    windows = lambda d: [d[i]["input_ids"].tolist() for i in range(len(d))]
+
+    def windows(d):
+        return [d[i]["input_ids"].tolist() for i in range(len(d))]
+
     half = windows(WindowDataset([arr], tok, seq_len=8, stride=2, reverse_complement=0.5, seed=3))
     assert half == windows(WindowDataset([arr], tok, seq_len=8, stride=2, reverse_complement=0.5, seed=3))
     plain = windows(WindowDataset([arr], tok, seq_len=8, stride=2))

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from ds4sci import evoformer_context_parallel
 from ds4sci.models.evoformer import EvoformerBlock
-from ds4sci.parallel import evoformer_cp2d
+from ds4sci.parallel.evoformer import ring
 from ds4sci.spawn import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -67,12 +67,12 @@ def _whole_pair_seen(block, n_res, run):
                                                        *(out if isinstance(out, tuple) else (out,)))
 
     handles = [mod.register_forward_hook(hook(name), with_kwargs=True) for name, mod in block.named_modules() if name]
-    kernel = evoformer_cp2d._attention_fwd
-    evoformer_cp2d._attention_fwd = lambda *args: (check("kernel", *args), kernel(*args))[1]
+    kernel = ring.evoformer_attention_fwd
+    ring.evoformer_attention_fwd = lambda *args, **kwargs: (check("kernel", *args), kernel(*args, **kwargs))[1]
     try:
         run()
     finally:
-        evoformer_cp2d._attention_fwd = kernel
+        ring.evoformer_attention_fwd = kernel
         for h in handles:
             h.remove()
     return seen
@@ -168,7 +168,7 @@ def _stack_worker(rank, world, n_seq, n_res):
     all-gathers it ran (calls) beside a 1-block stack's."""
     from torch import nn
 
-    from ds4sci.sequence import CommCounter
+    from ds4sci.distributed.comm import CommCounter
 
     torch.manual_seed(0)
     stack = nn.ModuleList(EvoformerBlock(**KW, backend="torch") for _ in range(2)).double().eval()

@@ -4,12 +4,13 @@ one-process logits and gradients (gloo; the attention core's GQA handling is tes
 and saves and sends what ``ds4sci plan`` predicts."""
 import torch
 
-from ds4sci import plan
+from ds4sci.planning import genslm as plan
 from ds4sci.models.genslm import GenSLM, GenSLMConfig, lm_loss
-from ds4sci.parallel import ParallelDims
-from ds4sci.parallel.groups import build_groups
+from ds4sci.distributed import ParallelDims
+from ds4sci.distributed.groups import build_groups
 from ds4sci.parallel.parallelize import parallelize
-from ds4sci.sequence import CommCounter, shard_sequence
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.sequence import shard_sequence
 from ds4sci.spawn import run_workers
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
@@ -76,7 +77,7 @@ def test_llama_shape_under_ulysses_and_ring_matches_one_process():
             w = plan.Workload(config, S, micro_batch=2, dtype="fp32")
             strategy = plan.Strategy(ParallelDims(dp=1, **degrees))
             logits = 8 * config.vocab_size * 2 * S // 2  # fp32 logits and log-softmax of the local tokens
-            assert saved == plan.memory(w, strategy)["activations"] - logits, (degrees, kv_heads)
+            assert saved == plan.memory(w, strategy).activations - logits, (degrees, kv_heads)
             comm = plan.comm(w, strategy)
             assert {k: v for k, v in sent.items() if k != "all_gather"} == {
-                k: b for k, b in (("all_to_all", comm["ulysses"]), ("p2p", comm["ring"])) if b}, (degrees, kv_heads)
+                k: b for k, b in (("all_to_all", comm.ulysses), ("p2p", comm.ring)) if b}, (degrees, kv_heads)

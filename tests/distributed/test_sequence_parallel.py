@@ -12,21 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ds4sci.distributed import ParallelDims
+from ds4sci.distributed.comm import CommCounter, all_to_all, group_rank, group_size
+from ds4sci.distributed.groups import DeepSpeedMPU, build_groups
 from ds4sci.kernels.local_attention import flex_attention, memory_efficient_attention
 from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
 from ds4sci.models.genslm import AttentionCore
-from ds4sci.parallel import ParallelDims
-from ds4sci.parallel.groups import DeepSpeedMPU, build_groups
-from ds4sci.sequence import (
-    CommCounter,
-    DistributedAttention,
-    all_to_all,
-    Layout,
-    gather_sequence,
-    pad_to_multiple,
-    shard_sequence,
-)
-from ds4sci.sequence.comm import group_rank, group_size
+from ds4sci.sequence import DistributedAttention, Layout, gather_sequence, pad_to_multiple, shard_sequence
 from ds4sci.spawn import run_workers
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -194,7 +186,8 @@ def _worker_two(rank, world):
                         lambda: DistributedAttention(CAUSAL, W)(x, x, x))
     # uneven shards (a length P does not divide, sharded by hand): an error on every rank, no hang
     y = torch.randn(1, 5 if rank == 0 else 4, 4, 8)
-    _expect_value_error("U2 uneven", "ranks hold different local shapes", lambda: DistributedAttention(CAUSAL, W)(y, y, y))
+    _expect_value_error("U2 uneven", "ranks hold different local shapes",
+                        lambda: DistributedAttention(CAUSAL, W)(y, y, y))
     _expect_value_error("R2 uneven", "ranks hold different local shapes",
                         lambda: DistributedAttention(CAUSAL, None, W)(y, y, y))
     # ... or padded and masked: S=10 padded to 12, padding in its own document

@@ -11,26 +11,23 @@ import functools
 
 import pytest
 import torch
-import torch.utils.checkpoint
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
-from ds4sci import plan as planner
-from ds4sci.costs import tp_forward_comm_bytes
-from ds4sci.spawn import run_workers
+from ds4sci.planning import genslm as planner
+from ds4sci.planning.costs import tp_forward_comm_bytes
+from ds4sci.distributed import ParallelDims
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.groups import build_groups
 from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, GenSLMConfig, shift_labels, token_loss
-from ds4sci.parallel import ParallelDims
-from ds4sci.parallel.groups import build_groups
+from ds4sci.parallel.genslm_tp import token_loss_for
 from ds4sci.parallel.parallelize import materialize_, parallelize
-from ds4sci.parallel.tensor_parallel import (
-    gather_tensor_parallel,
-    gather_vocab,
-    load_full_state_dict,
-    shard_tensor_parallel,
-    tensor_parallel_plan,
-    token_loss_for,
-)
-from ds4sci.sequence import CommCounter, gather_sequence, shard_sequence
+from ds4sci.parallel.tensor_parallel import gather_vocab, tensor_parallel_plan
+from ds4sci.sequence import gather_sequence, shard_sequence
+from ds4sci.spawn import run_workers
+from ds4sci.train.consolidate import gather_tensor_parallel, load_full_state_dict, shard_tensor_parallel
+
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -153,7 +150,7 @@ def check_saved_bytes(label, groups, config, *, S, B=2, tile=0):
 
 def check_tiled_loss_saved_bytes(label, groups, config, *, S, B=2, tile=5):
     """The tiled loss on the vocabulary-parallel head saves, per local token, the planner's
-    :func:`~ds4sci.plan.loss_saved_bytes` more than the head alone computing logits: the SP shard's int64 targets (``8
+    :func:`~ds4sci.planning.genslm.loss_saved_bytes` more than the head alone computing logits: the SP shard's int64 targets (``8
     tp``) and the gathered final-norm output (``tp h e``) in place of this rank's region (``h e``), which the head's
     column-parallel matmul saves untiled; and no logits. (The untiled head also saves its padded-column mask, ``V_pad /
     tp`` booleans for the ``-inf`` fill; the tiled one keeps none.)"""
@@ -276,7 +273,7 @@ def _worker_tp2(rank, world):
         counter
 
     # full activation checkpointing (a reentrant recomputation, as DeepSpeed's) sends each layer's forward
-    # collectives once more (ds4sci.costs.tp_forward_comm_bytes) and its backward still re-gathers the regions
+    # collectives once more (ds4sci.planning.costs.tp_forward_comm_bytes) and its backward still re-gathers the regions
     sent = []
     for recompute in (False, True):
         counter = CommCounter()
@@ -309,7 +306,8 @@ def _worker_tp2(rank, world):
     # errors name the bad value
     _expect_value_error("heads", "must divide the number of heads 3",
                         lambda: parallelize(_model(_config(hidden_size=24, num_heads=3), 0), groups))
-    _expect_value_error("mlp", "intermediate_size=41", lambda: parallelize(_model(_config(intermediate_size=41), 0), groups))
+    _expect_value_error("mlp", "intermediate_size=41",
+                        lambda: parallelize(_model(_config(intermediate_size=41), 0), groups))
     model = _parallel(_config(), 0, groups)
     ids, pos, _, _ = _batch(_config(), 1, 9, 0, False)
     _expect_value_error("sequence", "has 9 tokens, not divisible by tp=2", lambda: model(ids, pos))
@@ -384,7 +382,8 @@ def _worker_loss_reductions(rank, world):
         loss = token_loss_for(groups)(mine, targets, reduction)
         (loss * weights if reduction == "none" else loss).sum().backward()
         assert loss.shape == ref.shape, (reduction, loss.shape)
-        torch.testing.assert_close(loss.double(), ref.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"[{reduction}] {m}")
+        torch.testing.assert_close(loss.double(), ref.detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"[{reduction}] {m}")
         torch.testing.assert_close(mine.grad.double(), ref_logits.grad[..., cols], rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"[{reduction}] logit gradient: {m}")
     _expect_value_error("avg", "reduction must be 'mean', 'sum' or 'none', got 'avg'",
@@ -407,7 +406,8 @@ def _worker_four(rank, world):
     check_model("TP2xU2 llama kv2", g, _llama(), S=8, seed=10)
     # TP2 x Ring2, zigzag (the learned table is sharded over its max_positions: the trainer's window length)
     g = build_groups(ParallelDims(dp=1, tp=2, ring=2, layout="zigzag"))
-    check_model("TP2xR2 zigzag learned docs", g, _config(position_embedding="learned", max_position_embeddings=16), S=16, docs=True, seed=2)
+    check_model("TP2xR2 zigzag learned docs", g, _config(position_embedding="learned", max_position_embeddings=16),
+                S=16, docs=True, seed=2)
     check_model("TP2xR2 zigzag alibi", g, _config(position_embedding="alibi"), S=8, seed=3)
     check_model("TP2xR2 zigzag llama kv1", g, _llama(num_kv_heads=1), S=8, docs=True, seed=11)
     # TP4: vocabulary 69 -> 72 (15 real columns on TP rank 3); vocabulary 5 -> 8 (TP rank 3 holds only padding)
@@ -461,7 +461,7 @@ def _worker_engine(rank, world, stage):
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     import deepspeed
 
-    from ds4sci.parallel.groups import DeepSpeedMPU
+    from ds4sci.distributed.groups import DeepSpeedMPU
     from ds4sci.train.engine import init_distributed
     from ds4sci.train.loss import grad_reduction_factor
 

@@ -54,7 +54,7 @@ def references(runs):
 def test_topology_numbers_ranks_like_parallel_dims():
     """The pipeline engine builds its groups from DeepSpeed's topology: rank by rank and group by group it must
     be ParallelDims' layout (pipe = pp, data = sequence x data, model = tp)."""
-    from ds4sci.parallel import ParallelDims
+    from ds4sci.distributed import ParallelDims
     from ds4sci.train.pipeline import pipeline_topology
 
     for tp, ulysses, ring, dp, pp in itertools.product((1, 2), (1, 2), (1, 2), (1, 3), (2, 3)):
@@ -156,7 +156,7 @@ PROBES = [(["parallel.ulysses=2", "zero.stage=0"], 2.0),
 def _pipeline_divisions(rank, world):
     """``measure_pipeline_division`` per setting of ``PROBES``, and the error of ``build_pipeline_engine`` (its
     start-up check, before it reads the model) when ``pipeline_reduction_factor`` is wrong (1 under Ulysses 2)."""
-    from ds4sci.parallel.groups import build_groups
+    from ds4sci.distributed.groups import build_groups
     from ds4sci.train import pipeline
     from ds4sci.train.config import load_config
     from ds4sci.train.engine import init_distributed

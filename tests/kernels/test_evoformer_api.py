@@ -543,7 +543,7 @@ def test_evoformer_memory_bench_quick(tmp_path):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     evoformer_memory.add_arguments(parser)
-    # OpenFold3's paths: tests/test_bench_evoformer_memory.py (each would be a subprocess importing OpenFold3)
+    # OpenFold3's paths: tests/bench/test_bench_evoformer_memory.py (each would be a subprocess importing OpenFold3)
     args = parser.parse_args(["--quick", "--no-openfold", "--device", "cpu", "--out", str(tmp_path)])
     assert evoformer_memory.run(args) == 0
     report = json.loads((tmp_path / "evoformer_memory.json").read_text())

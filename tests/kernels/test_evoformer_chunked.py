@@ -1,4 +1,5 @@
-"""The "torch" backend (ds4sci.kernels.evoformer_chunked) against the reference, through the backend contract directly."""
+"""The "torch" backend (ds4sci.kernels.evoformer_chunked) against the reference, through the backend contract
+directly."""
 import math
 
 import pytest
@@ -47,7 +48,8 @@ def test_matches_reference_fp64(monkeypatch, queries, use_mask, use_pair):
 def test_error_within_3x_pytorch_same_dtype(monkeypatch, dtype):
     q, k, v, mask, pair, do = _inputs(s=17, d=24)
     _queries_per_chunk(monkeypatch, 5, 2, 3, 17)
-    ref = evoformer_reference.forward(q, k, v, mask, pair)[0], *evoformer_reference.backward(do, q, k, v, None, None, mask, pair, True, True)
+    ref = (evoformer_reference.forward(q, k, v, mask, pair)[0],
+           *evoformer_reference.backward(do, q, k, v, None, None, mask, pair, True, True))
     low = [t.to(dtype) for t in (q, k, v, mask, pair, do)]
     o, lse = evoformer_chunked.forward(*low[:5])
     assert o.dtype == dtype and lse.dtype == torch.float32

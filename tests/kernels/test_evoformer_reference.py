@@ -1,4 +1,5 @@
-"""The oracle itself: ds4sci.kernels.evoformer_reference against a loop-by-loop formula, -inf rows, LSE, backward contract."""
+"""The oracle itself: ds4sci.kernels.evoformer_reference against a loop-by-loop formula, -inf rows, LSE, backward
+contract."""
 import math
 
 import pytest

@@ -22,7 +22,6 @@ from ds4sci.kernels.local_chunked import chunked_attention
 from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Hundreds of tiny cases: one intra-op thread avoids OpenMP hand-offs that cost more than the arithmetic

@@ -119,7 +119,8 @@ def test_core_matches_naive_formula(alibi, docs, offsets, return_lse, backend):
 def test_core_grads_flow_through_lse():
     q, k, v = (torch.randn(1, 4, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     core = AttentionCore(2)
-    assert torch.autograd.gradcheck(lambda a, b, c: core(a, b, c, return_lse=True)[1].sum() + core(a, b, c).sum(), (q, k, v))
+    assert torch.autograd.gradcheck(lambda a, b, c: core(a, b, c, return_lse=True)[1].sum() + core(a, b, c).sum(),
+                                    (q, k, v))
 
 
 def test_model_attention_saves_nothing_s_by_s():
@@ -161,6 +162,7 @@ def test_alibi_slopes_follow_the_paper():
 
 def test_gpt_neox_logits_equivalence_and_export():
     import transformers  # the dev extra installs it
+
     from ds4sci.models.genslm import config_from_gpt_neox
 
     hf_cfg = transformers.GPTNeoXConfig(
@@ -333,5 +335,6 @@ def test_initial_values_are_per_name_and_rows_can_be_drawn_alone():
     full = model.initial_value("embed_pos.weight", (10, 8))
     rows = torch.tensor([9, 0, 4, 3, 8])
     assert torch.equal(model.initial_value("embed_pos.weight", (10, 8), rows=rows), full[rows])
-    assert not torch.equal(full[:4], full[4:8]) and not torch.equal(full, model.initial_value("embed_in.weight", (10, 8)))
+    assert not torch.equal(full[:4], full[4:8])
+    assert not torch.equal(full, model.initial_value("embed_in.weight", (10, 8)))
     assert abs(float(full.std()) - cfg.init_std) < 0.01

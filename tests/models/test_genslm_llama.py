@@ -3,12 +3,14 @@ them, checked field by field, named by the presets; tensor parallelism (item 2) 
 key/value heads divide one another, and ``parallelize``, the run config and the planner refuse the rest alike."""
 import pytest
 
-from ds4sci import cli, plan
+from ds4sci import cli
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.models.genslm.config import PRESETS, describe_preset
-from ds4sci.parallel import ParallelDims
-from ds4sci.parallel.groups import SequenceParallelGroups
+from ds4sci.distributed import ParallelDims
+from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.parallel.parallelize import parallelize
+from ds4sci.planning.genslm import Cluster, Workload
+from ds4sci.planning.genslm_search import strategies
 from ds4sci.train.config import load_config
 
 
@@ -59,14 +61,15 @@ def test_config_refuses_inconsistent_llama_fields():
 def test_run_config_refuses_what_its_layout_cannot_split():
     load_config(overrides=["model.preset=llama-debug", "parallel.tp=2"]).validate()
     with pytest.raises(ValueError, match=r"parallel.tp=4, .*: tp=4 and num_kv_heads=6: one must divide the other"):
-        load_config(overrides=["model.preset=llama-debug", "model.overrides.hidden_size=96", "model.overrides.num_heads=12",
-                               "model.overrides.num_kv_heads=6", "parallel.tp=4"]).validate()
+        load_config(overrides=["model.preset=llama-debug", "model.overrides.hidden_size=96",
+                               "model.overrides.num_heads=12", "model.overrides.num_kv_heads=6",
+                               "parallel.tp=4"]).validate()
     load_config(overrides=["model.preset=llama-debug", "model.overrides.tie_word_embeddings=true",
                            "parallel.pp=2"]).validate()  # DeepSpeed's tied layers keep the two stages' copies equal
 
 
 def test_planner_offers_tensor_parallel_layouts_for_a_llama_shape(capsys):
-    layouts = plan.strategies(plan.Workload(GenSLMConfig.preset("llama3-8B"), 8192), plan.Cluster(), {})
+    layouts = strategies(Workload(GenSLMConfig.preset("llama3-8B"), 8192), Cluster())
     assert {s.dims.tp for s in layouts} == {1, 2, 4, 8}  # 8 key/value heads: tp 8 gives one to each rank
     assert cli.main(["plan", "--preset", "llama-100M", "--seq-len", "8192", "--gpus-per-node", "6", "--tp", "6"]) == 2
     assert capsys.readouterr().err == ("ds4sci plan: error: --tp=6 and the model's 4 key/value heads: one must divide "

@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 
-from ds4sci.models.genslm import GenSLM, GenSLMConfig, IGNORE_INDEX, token_loss
+from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, GenSLMConfig, token_loss
 from ds4sci.models.genslm.model import OutputHead
 
 B, T, H, V = 2, 13, 8, 11

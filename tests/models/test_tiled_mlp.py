@@ -9,9 +9,10 @@ import functools
 import pytest
 import torch
 
-from activation_checks import SavedBytes
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.models.genslm.model import MLP, Block
+
+from activation_checks import SavedBytes
 
 B, T = 2, 13
 

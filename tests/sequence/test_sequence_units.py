@@ -5,18 +5,18 @@ import math
 import pytest
 import torch
 
+from ds4sci.distributed.comm import CommCounter, all_to_all
 from ds4sci.kernels.local_chunked import chunked_attention
 from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
 from ds4sci.sequence import (
-    CommCounter,
     DistributedAttention,
-    all_to_all,
+    merge_attention,
+    merge_softmax,
     pad_to_multiple,
     shard_positions,
     shard_sequence,
     unshard_sequence,
 )
-from ds4sci.sequence.attention import _merge
 
 
 # ---------------------------------------------------------------- sharding
@@ -84,7 +84,7 @@ def test_lse_merge_over_key_blocks_equals_full(name):
     for start in (8, 0, 4):  # any order
         o, l = local(q, k[:, start:start + 4], v[:, start:start + 4], k_offset=start, q_doc=doc,
                      k_doc=doc[:, start:start + 4], return_lse=True)
-        out, lse = _merge(out, lse, o, l)
+        out, lse = merge_attention(out, lse, o, l)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-13)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-13)
     g = torch.randn_like(ref)
@@ -92,6 +92,41 @@ def test_lse_merge_over_key_blocks_equals_full(name):
     got = torch.autograd.grad((out * g).sum(), (q, k, v))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_merge_attention_takes_any_leading_dims():
+    """``merge_attention`` on ``[Z, N, S, H, D]`` (the Evoformer's layout) equals the merge of each ``[N, S, H, D]``
+    slice; rows no key reached (``lse = -inf`` on both sides) stay ``out = 0, lse = -inf``."""
+    torch.manual_seed(2)
+    Z, N, S, H, D = 2, 3, 5, 2, 4
+    out, block = torch.randn(Z, N, S, H, D), torch.randn(Z, N, S, H, D)
+    lse, block_lse = torch.randn(Z, N, H, S), torch.randn(Z, N, H, S)
+    lse[..., 0] = block_lse[..., 0] = -math.inf
+    out[..., 0, :, :] = 0
+    merged, merged_lse = merge_attention(out, lse, block, block_lse)
+    for z in range(Z):
+        o, m = merge_attention(out[z], lse[z], block[z], block_lse[z])
+        torch.testing.assert_close(merged[z], o, rtol=0, atol=0)
+        torch.testing.assert_close(merged_lse[z], m, rtol=0, atol=0)
+    assert bool((merged[..., 0, :, :] == 0).all()) and bool(torch.isneginf(merged_lse[..., 0]).all())
+    weight = torch.sigmoid(lse - block_lse).transpose(-1, -2).unsqueeze(-1)  # [Z, N, S, H, 1]: e^a / (e^a + e^b)
+    torch.testing.assert_close(merged[..., 1:, :, :], (weight * out + (1 - weight) * block)[..., 1:, :, :])
+    torch.testing.assert_close(merged_lse[..., 1:], torch.logaddexp(lse, block_lse)[..., 1:])
+
+
+def test_merge_softmax_keeps_max_and_sum_apart_under_a_finite_mask():
+    """Two fp32 blocks whose row maxima sit near OpenFold's finite mask bias ``-1e9`` (every key masked) and whose row
+    sums are 1 and 3 weigh 1/4 and 3/4, as the key counts say; their log-sum-exps would round to the same number
+    (fp32's spacing there is 64) and weigh 1/2 each."""
+    out, block = torch.zeros(1, 1, 1, 2), torch.ones(1, 1, 1, 2)  # [B, S, H, D]
+    top = torch.full((1, 1, 1), -1e9)  # [B, H, S]
+    merged, row_max, row_sum = merge_softmax(out, top, torch.ones(1, 1, 1), block, top, torch.full((1, 1, 1), 3.0))
+    torch.testing.assert_close(merged, torch.full((1, 1, 1, 2), 0.75))
+    assert (row_max.item(), row_sum.item()) == (-1e9, 4.0)
+    assert (top + math.log(1.0)).item() == (top + math.log(3.0)).item()  # what a log-sum-exp would have kept
+    empty = torch.full((1, 1, 1), -math.inf)
+    merged, row_max, row_sum = merge_softmax(out, empty, 0.0, block, empty, 0.0)  # no key on either side
+    assert bool((merged == 0).all()) and row_max.item() == -math.inf and row_sum.item() == 0
 
 
 # ---------------------------------------------------------------- world size 1

@@ -22,7 +22,7 @@ def _measure_deepspeed(rank, world):
     the loss scale is wrong (ZeRO-3 under SP=2 scaled by the factor of stages 0-2, ``dp = 1``)."""
     import functools
 
-    from ds4sci.parallel.groups import build_groups
+    from ds4sci.distributed.groups import build_groups
     from ds4sci.train import sanity
     from ds4sci.train.config import load_config
     from ds4sci.train.engine import _initialize, init_distributed

@@ -1,0 +1,68 @@
+"""Timed rounds shared by the benchmarks that compare two ways of doing one piece of work in one process
+(``throughput``, ``generate``, ``score-variants``): each round runs every way once, the order reversed every round so
+that drift (other processes, thermal, the allocator) falls on all; rates are work / seconds on two clocks, ``wall``
+(``time.perf_counter``) and ``cpu`` (``time.process_time``: this process's CPU seconds, so time other processes take
+from a shared machine does not count; with one thread, the compute time)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def round_options(rounds: int, each: str) -> dict[str, tuple[int, str]]:
+    """The ``add_int_options`` entries (:mod:`ds4sci.bench.report`) of a benchmark timed in rounds: ``rounds`` (its
+    default, each round doing ``each``) and ``threads`` (default 1)."""
+    return {"rounds": (rounds, f"timed rounds ({each})"),
+            "threads": (1, "torch threads (1 keeps other processes on a shared machine from skewing the ratio)")}
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch threads, then restore the caller's number."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def alternate(runs: dict[str, Callable[[], Any]], work: dict[str, float], rounds: int, unit: str,
+              check: Callable[[dict[str, Any]], None] | None = None) -> list[dict]:
+    """Time ``runs`` (name -> function) ``rounds`` times, in their order on even rounds and reversed on odd ones.
+    Each round is ``{clock: {name: work[name] / seconds, ..., "ratio": rate of the first run / rate of the
+    second}}``; ``check`` (if given) sees each round's results, name -> what the function returned, and raises when
+    they disagree. One log line per round names the rates in ``unit`` per second."""
+    names = list(runs)
+    timed = []
+    for r in range(rounds):
+        rates: dict[str, dict[str, float]] = {clock: {} for clock in CLOCKS}
+        results = {}
+        for name in (names if r % 2 == 0 else names[::-1]):
+            start = {clock: now() for clock, now in CLOCKS.items()}
+            results[name] = runs[name]()
+            for clock, now in CLOCKS.items():
+                rates[clock][name] = work[name] / (now() - start[clock])
+        if check is not None:
+            check(results)
+        timed.append({clock: v | {"ratio": v[names[0]] / v[names[1]]} for clock, v in rates.items()})
+        logger.info("round %d: %s %s/s; ratio %.3f (CPU time: %.3f)", r,
+                    ", ".join(f"{name} {rates['wall'][name]:.1f}" for name in names), unit,
+                    timed[-1]["wall"]["ratio"], timed[-1]["cpu"]["ratio"])
+    return timed
+
+
+def median_round(summary: dict[str, dict], names: tuple[str, ...], unit: str) -> dict:
+    """A round (as :func:`alternate` times it) of the medians in ``summary`` (clock -> ``{"NAME_UNIT_per_s_median":
+    ..., "ratio_median": ...}``): the last row of a benchmark's table of rounds."""
+    return {clock: {name: s[f"{name}_{unit}_per_s_median"] for name in names} | {"ratio": s["ratio_median"]}
+            for clock, s in summary.items()}
