@@ -10,8 +10,10 @@ attention per pair of sequence pieces), the 2-D Evoformer's ring and Cannon sums
 The merge: partial softmax results over disjoint key sets as one (online softmax, Milakov & Gimelshein 2018), kept
 as row max and row sum (:func:`merge_softmax`) or as log-sum-exp (:func:`merge_attention`).
 
-The sequence ring's backward recomputes each block on its pieces of q, k, v and weighs it by its share of the
-merged softmax, ``exp(lse_blk - lse)``; only q, k, v, out and lse are saved.
+The steps stay with their users because their backwards differ: the sequence ring's recomputes each block of any
+local attention through autograd on its pieces of q, k, v and weighs it by its share of the merged softmax,
+``exp(lse_blk - lse)`` (only q, k, v, out and lse are saved); the Evoformer's calls the kernel's own backward against
+the merged statistics, and its bias tile rotates on a second ring.
 """
 from __future__ import annotations
 
@@ -80,11 +82,11 @@ class Rotation:
         return [None if t is None else next(received[id(g)]) for t, g in zip(self._tiles, self._rings)]
 
 
-def ring_forward(tiles: list, rings: list, counter: CommCounter | None, step: Callable, state=None):
-    """``state = step(i, tiles_i, state)`` for the p steps ``i`` of the rings (p: the size of ``rings[0]``), where
-    ``tiles_i`` are the tiles this rank holds at step i (its own at 0, then those ``i`` ranks back); the next step's
-    tiles are in flight while ``step`` computes. Returns the last state."""
-    size = group_size(rings[0])
+def ring_forward(tiles: list, rings: list, counter: CommCounter | None, step: Callable):
+    """``state = step(i, tiles_i, state)`` (None at first) for the p steps ``i`` of the rings (p: the size of
+    ``rings[0]``), where ``tiles_i`` are the tiles this rank holds at step i (its own at 0, then those ``i`` ranks
+    back); the next step's tiles are in flight while ``step`` computes. Returns the last state."""
+    size, state = group_size(rings[0]), None
     for i in range(size):
         pending = Rotation(tiles, rings, TILE_TAG, counter) if i < size - 1 else None  # overlaps this step
         state = step(i, tiles, state)
