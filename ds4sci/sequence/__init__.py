@@ -3,8 +3,10 @@
 Where each concept lives:
 
 - :mod:`~ds4sci.sequence.attention`: :class:`DistributedAttention` around any local attention
-  (:mod:`ds4sci.kernels.local_attention`) and ring attention's merge (:func:`merge_attention`,
-  :func:`merge_softmax`);
+  (:mod:`ds4sci.kernels.local_attention`);
+- :mod:`~ds4sci.sequence.ring`: the one ring driver (:func:`~ds4sci.sequence.ring.ring_forward`,
+  :func:`~ds4sci.sequence.ring.ring_backward`) of the sequence ring and the 2-D Evoformer's rings, and ring
+  attention's merge (:func:`merge_attention`, :func:`merge_softmax`);
 - :mod:`~ds4sci.sequence.sharding`: the sharding of tokens, labels and positions by a sequence :class:`Layout`
   (contiguous / zigzag; its arithmetic lives with the parallel degrees in :mod:`ds4sci.distributed.dims`).
 
@@ -14,7 +16,8 @@ process groups in :mod:`ds4sci.distributed`; tensor parallelism and applying par
 
 Importing this package has no side effects (no process group, no environment edits).
 """
-from ds4sci.sequence.attention import DistributedAttention, merge_attention, merge_softmax
+from ds4sci.sequence.attention import DistributedAttention
+from ds4sci.sequence.ring import merge_attention, merge_softmax
 from ds4sci.sequence.sharding import (
     Layout,
     gather_sequence,

@@ -4,179 +4,34 @@
   sequence-sharded ``[B, S/P, H, D]`` to head-sharded ``[B, S, H/P, D]``, local attention runs over the full
   sequence on ``H/P`` heads, an inverse all-to-all brings the output back. Per rank and layer it moves 4 tensors
   of ``B*S*H*D/P`` elements, ``(P-1)/P`` of each leaving the rank.
-- Ring attention (Liu et al. 2023, arXiv:2310.01889): key/value blocks travel around a ring of ``R`` ranks while
-  each rank keeps its queries; block results are merged with their log-sum-exp (online softmax, Milakov &
-  Gimelshein 2018). Backward recomputes each block and sends the key/value gradients around the ring with the
-  blocks, so only q, k, v, out and lse are saved.
+- Ring attention (Liu et al. 2023, arXiv:2310.01889; :mod:`ds4sci.sequence.ring`): key/value blocks travel around
+  a ring of ``R`` ranks while each rank keeps its queries; block results are merged with their log-sum-exp.
 - Unified SP (Fang & Zhao 2024, USP, arXiv:2405.07719): Ulysses inside the Ulysses group, ring across the ring
   group on the head-sharded tensors, inverse all-to-all. The ring degree carries what the head count cannot.
 
 Sharding contract: rank ``(ring_rank, ulysses_rank)`` holds sequence shard
 ``sp_rank = ring_rank * U + ulysses_rank`` of ``U * R`` (``shard_sequence(x, 1, dims.sp_rank(rank), dims.sp,
-dims.layout)``), contiguous or zigzag (:class:`~ds4sci.sequence.Layout`). After the all-to-all a ring rank then holds a
-contiguous block (contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag); each piece is passed to the local attention with
-its own global offsets, so causal, window and document masks stay exact.
+dims.layout)``), contiguous or zigzag (:class:`~ds4sci.sequence.Layout`). After the all-to-all a ring rank then
+holds a contiguous block (contiguous) or ring chunks ``r`` and ``2R-1-r`` (zigzag); each piece is passed to the local
+attention with its own global offsets, so causal, window and document masks stay exact.
 """
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ds4sci.distributed.comm import CommCounter, RingShift, all_gather, all_to_all, group_rank, group_size
-from ds4sci.distributed.dims import Layout, Piece
+from ds4sci.distributed.comm import CommCounter, all_gather, all_to_all, group_rank, group_size
+from ds4sci.distributed.dims import Layout
+from ds4sci.sequence.ring import RingAttention, RingPlan
 from ds4sci.sequence.sharding import regroup
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedAttention", "merge_attention", "merge_softmax"]
-
-_KV_TAG, _GRAD_TAG = 0, 1
-
-
-def merge_softmax(out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor | float, block_out: torch.Tensor,
-                  block_max: torch.Tensor, block_sum: torch.Tensor | float):
-    """Two partial softmax results over disjoint key sets as one (the online softmax, Milakov & Gimelshein 2018; ring
-    attention's merge, Liu et al. 2023), each given by its row max and its row sum of ``exp(logit - max)``.
-
-    ``out``, ``block_out`` ``[*, S, H, D]`` (any leading dims); ``row_max``, ``row_sum``, ``block_max``,
-    ``block_sum`` ``[*, H, S]`` (a row with no key: max ``-inf``, sum 0; a sum may be the number 1, when its max is a
-    log-sum-exp). Returns ``(out, row_max, row_sum)`` of both key sets, ``out`` in ``out``'s dtype; a row no key
-    reached: out 0, max ``-inf``, sum 0. Kept apart, max and sum survive a finite mask bias (OpenFold's ``-1e9``) where
-    fp32's spacing (64) would swallow ``log(sum)`` in a log-sum-exp.
-    """
-    top = torch.maximum(row_max, block_max)
-    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w, w_blk = row_sum * torch.exp(row_max - shift), block_sum * torch.exp(block_max - shift)  # [*, H, S]
-    total = w + w_blk
-    seen = total > 0
-    safe = torch.where(seen, total, torch.ones_like(total))
-    w_ = (w / safe).transpose(-1, -2).unsqueeze(-1)  # [*, S, H, 1]
-    w_blk_ = (w_blk / safe).transpose(-1, -2).unsqueeze(-1)
-    merged = w_ * out + w_blk_ * block_out.to(out.dtype)
-    return merged, torch.where(seen, shift, torch.full_like(shift, -math.inf)), total
-
-
-def merge_attention(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                    block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`merge_softmax` of two results given by their log-sum-exp: ``out``, ``block_out`` ``[*, S, H, D]``,
-    ``lse``, ``block_lse`` ``[*, H, S]`` -> ``(out, lse)`` of both key sets. Rows with ``lse = -inf`` on both sides
-    (no key) stay ``out = 0, lse = -inf``."""
-    merged, row_max, row_sum = merge_softmax(out, lse, 1.0, block_out, block_lse, 1.0)
-    return merged, torch.where(row_sum > 0, row_max + torch.log(row_sum), torch.full_like(row_max, -math.inf))
-
-
-@dataclass
-class _RingPlan:
-    local_attention: Callable
-    group: dist.ProcessGroup
-    counter: CommCounter | None
-    layout: Layout
-    head_offset: int
-    q_doc: torch.Tensor | None  # [B, Sq_blk] ids of the local queries
-    k_docs: torch.Tensor | None  # [R, B, Sk_blk] ids of every ring rank's keys
-
-    @property
-    def ring(self) -> int:
-        return dist.get_world_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    def blocks(self, q_len: int, k_len: int, src: int):
-        """(query piece, key piece) pairs between this rank's queries and ring rank ``src``'s keys."""
-        for qp in self.layout.pieces(self.rank, self.ring, q_len):
-            for kp in self.layout.pieces(src, self.ring, k_len):
-                yield qp, kp
-
-    def attend(self, q, k, v, qp: Piece, kp: Piece, src: int):
-        """Local attention of query piece ``q`` (``qp``'s rows of this rank's queries) to key piece ``k``, ``v``
-        (``kp``'s rows of ring rank ``src``'s keys): (out, lse)."""
-        q_doc = k_doc = None
-        if self.q_doc is not None:
-            q_doc = self.q_doc[:, qp.start : qp.start + qp.length]
-            k_doc = self.k_docs[src][:, kp.start : kp.start + kp.length]
-        return self.local_attention(q, k, v, q_offset=qp.offset, k_offset=kp.offset, head_offset=self.head_offset,
-                                    q_doc=q_doc, k_doc=k_doc, return_lse=True)
-
-
-class _RingAttention(torch.autograd.Function):
-    """Ring attention over ``plan.group`` on local blocks q ``[B, Sq, h, D]``, k and v ``[B, Sk, hkv, D]``."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, plan: _RingPlan):
-        ct = torch.promote_types(q.dtype, torch.float32)
-        B, Sq, h, _ = q.shape
-        out = torch.zeros(B, Sq, h, v.shape[-1], dtype=ct, device=q.device)  # [B, Sq, h, D]
-        lse = torch.full((B, h, Sq), -math.inf, dtype=ct, device=q.device)  # [B, h, Sq]
-        kv = [k, v]
-        for step in range(plan.ring):
-            src = (plan.rank - step) % plan.ring
-            # post the next rotation first: it overlaps with this step's compute
-            shift = RingShift(kv, plan.group, plan.counter, tag=_KV_TAG) if step < plan.ring - 1 else None
-            for qp, kp in plan.blocks(Sq, k.shape[1], src):
-                rows = slice(qp.start, qp.start + qp.length)
-                keys = slice(kp.start, kp.start + kp.length)
-                o_blk, l_blk = plan.attend(q[:, rows], kv[0][:, keys], kv[1][:, keys], qp, kp, src)
-                out[:, rows], lse[:, :, rows] = merge_attention(out[:, rows], lse[:, :, rows], o_blk, l_blk.to(ct))
-            if shift is not None:
-                kv = shift.wait()
-        ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan: _RingPlan = ctx.plan
-        ct = out.dtype
-        Sq, Sk = q.shape[1], k.shape[1]
-        grad_out = grad_out.to(ct)
-        dq = torch.zeros_like(q, dtype=ct)
-        dkv = [torch.zeros_like(k, dtype=ct), torch.zeros_like(v, dtype=ct)]  # travel with their key block
-        kv = [k, v]
-        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # [B, h, Sq]
-        for step in range(plan.ring):
-            src = (plan.rank - step) % plan.ring
-            shift = RingShift(kv, plan.group, plan.counter, tag=_KV_TAG) if step < plan.ring - 1 else None
-            for qp, kp in plan.blocks(Sq, Sk, src):
-                rows = slice(qp.start, qp.start + qp.length)
-                keys = slice(kp.start, kp.start + kp.length)
-                with torch.enable_grad():  # on the pieces, so their gradients are piece-sized (issue #28)
-                    qb = q[:, rows].detach().requires_grad_()
-                    kb = kv[0][:, keys].detach().requires_grad_()
-                    vb = kv[1][:, keys].detach().requires_grad_()
-                    o_blk, l_blk = plan.attend(qb, kb, vb, qp, kp, src)
-                if not o_blk.requires_grad:  # a block the mask empties: no contribution
-                    continue
-                if not l_blk.requires_grad:
-                    raise RuntimeError(
-                        "ring attention backpropagates through the block log-sum-exp, but local_attention "
-                        f"{plan.local_attention!r} returned an lse without autograd history"
-                    )
-                # The block's share of the merged softmax: w = exp(lse_blk - lse) [B, h, rows].
-                w = torch.exp(l_blk.detach().to(ct) - lse_safe[:, :, rows])
-                w_ = w.transpose(1, 2).unsqueeze(-1)  # [B, rows, h, 1]
-                g_out = grad_out[:, rows]  # [B, rows, h, D]
-                # d loss / d o_blk = w dO;  d loss / d lse_blk = w * <dO, o_blk - out>  (per row and head)
-                g_o = (w_ * g_out).to(o_blk.dtype)
-                g_l = w * (g_out * (o_blk.detach().to(ct) - out[:, rows])).sum(-1).transpose(1, 2)
-                grads = torch.autograd.grad(
-                    (o_blk, l_blk), (qb, kb, vb), (g_o, g_l.to(l_blk.dtype)), allow_unused=True
-                )
-                for acc, g, sl in ((dq, grads[0], rows), (dkv[0], grads[1], keys), (dkv[1], grads[2], keys)):
-                    if g is not None:
-                        acc[:, sl] += g.to(ct)
-            # the key/value gradients follow their block; after R shifts they are back with their owner
-            dkv = RingShift(dkv, plan.group, plan.counter, tag=_GRAD_TAG).wait()
-            if shift is not None:
-                kv = shift.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+__all__ = ["DistributedAttention"]
 
 
 class DistributedAttention(torch.nn.Module):
@@ -337,7 +192,7 @@ class DistributedAttention(torch.nn.Module):
             k_docs = None
             if k_blk_doc is not None:
                 k_docs = all_gather(k_blk_doc[None], self.ring_group, dim=0, counter=self.counter)  # [R, B, U*s]
-            plan = _RingPlan(self.local_attention, self.ring_group, self.counter, self.layout, head_offset,
-                             q_blk_doc, k_docs)
-            out = _RingAttention.apply(q, k, v, plan)  # [B, U*s, H/U, D]
+            plan = RingPlan(self.local_attention, self.ring_group, self.counter, self.layout, head_offset,
+                            q_blk_doc, k_docs)
+            out = RingAttention.apply(q, k, v, plan)  # [B, U*s, H/U, D]
         return self._from_heads(out)  # [B, U*s, H/U, D] -> [B, s, H, D]

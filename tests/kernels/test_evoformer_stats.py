@@ -88,6 +88,29 @@ def test_tile_backward_against_the_whole_statistics_is_the_tiles_share(backend):
     torch.testing.assert_close(dq, whole[0], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_merged_statistics_of_two_key_tiles_are_the_whole_softmax(backend):
+    """The 2-D ring's merge (``merge_stats``, the kernel's statistics given to ``merge_softmax``): two key tiles'
+    outputs and statistics merge into the whole softmax's, also where one tile's keys are all masked with -inf (its
+    rows have no key: statistics ``(+inf, +inf)``, weighing nothing)."""
+    from ds4sci.parallel.evoformer.ring import merge_stats
+
+    q, k, v, mask, pair, _ = _inputs()
+    mask[0, 0, ..., :4] = -torch.inf  # (b 0, n 0): the first tile's keys all masked
+    o, stats = evoformer_attention_fwd(q, k, v, mask, pair, backend=backend)
+    parts = []
+    for keys in (slice(0, 4), slice(4, 9)):  # padded to q's length with -inf keys, as above
+        width = keys.stop - keys.start
+        k_t, v_t = (torch.cat([t[..., keys, :, :], torch.zeros_like(t[..., width:, :, :])], dim=-3) for t in (k, v))
+        mask_t = torch.cat([mask[..., keys], torch.full_like(mask[..., width:], -torch.inf)], dim=-1)
+        pair_t = torch.cat([pair[..., keys], torch.zeros_like(pair[..., width:])], dim=-1)
+        parts.append(evoformer_attention_fwd(q, k_t, v_t, mask_t, pair_t, backend=backend))
+    assert bool(torch.isposinf(parts[0][1][0, 0]).all())
+    merged, merged_stats = merge_stats(*parts[0], *parts[1])
+    torch.testing.assert_close(merged, o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(merged_stats, stats, rtol=1e-10, atol=1e-10)
+
+
 def test_bad_biases_and_statistics_are_refused():
     q, k, v, mask, pair, do = _inputs()
     with pytest.raises(ValueError, match=r"mask must be \[\*, N\|1, 1, 1, S\] of q's rank"):

@@ -263,16 +263,16 @@ def test_a2a_staging_is_what_the_all_to_all_allocates(P, direction, monkeypatch)
 
 @pytest.mark.parametrize("R, blocks", [(2, 1), (3, 2), (4, 3), (8, 3)])
 def test_ring_forward_buffers_are_the_received_blocks_alive_at_once(R, blocks, monkeypatch):
-    """The ring's forward (``_RingAttention``, zigzag) holds received key/value blocks: the one in use, the one
+    """The ring's forward (``RingAttention``, zigzag) holds received key/value blocks: the one in use, the one
     arriving, and for a moment at the next post the one before (the previous shift still refers to it as its send
     buffer), so ``min(R - 1, 3)`` blocks of k and v; the planner's ``ring_buffers`` (fp32, hidden 64, 4 heads,
     2 key/value heads)."""
     import functools
 
-    from ds4sci.kernels.local_attention import chunked_attention
-    from ds4sci.distributed.dims import Layout
-    from ds4sci.sequence import attention as ring_attention
     from ds4sci.distributed.comm import RingShift
+    from ds4sci.distributed.dims import Layout
+    from ds4sci.kernels.local_attention import chunked_attention
+    from ds4sci.sequence import ring
 
     group = _Group(R)
     _stand_in_dist(monkeypatch, group)
@@ -289,18 +289,18 @@ def test_ring_forward_buffers_are_the_received_blocks_alive_at_once(R, blocks, m
                 weakref.finalize(t, drop, t.nbytes)
             live["peak"] = max(live["peak"], live["now"])
 
-    monkeypatch.setattr(ring_attention, "RingShift", CountedShift)
+    monkeypatch.setattr(ring, "RingShift", CountedShift)
     S, H, Hkv, D = 32 * R, 4, 2, 16
     T = S // R  # local tokens
     q, k, v = torch.randn(1, T, H, D), torch.randn(1, T, Hkv, D), torch.randn(1, T, Hkv, D)
-    ring_plan = ring_attention._RingPlan(functools.partial(chunked_attention, causal=True), group, None,
-                                         Layout("zigzag"), 0, None, None)
+    ring_plan = ring.RingPlan(functools.partial(chunked_attention, causal=True), group, None, Layout("zigzag"), 0,
+                              None, None)
     class Ctx:  # what autograd's context offers the forward
         def save_for_backward(self, *tensors):
             self.saved = tensors
 
     with torch.no_grad():
-        ring_attention._RingAttention.forward(Ctx(), q, k, v, ring_plan)
+        ring.RingAttention.forward(Ctx(), q, k, v, ring_plan)
     w = plan.Workload(GenSLMConfig(vocab_size=6, hidden_size=H * D, num_layers=2, num_heads=H, num_kv_heads=Hkv),
                       S, dtype="fp32")
     assert live["peak"] == blocks * (k.nbytes + v.nbytes)

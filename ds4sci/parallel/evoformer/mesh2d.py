@@ -31,12 +31,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ds4sci.distributed.comm import CommCounter, group_rank, split_sequence_region
+from ds4sci.distributed.comm import CommCounter, group_rank, move, split_sequence_region
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
-from ds4sci.parallel.evoformer.common import Blocks, HeldBlocks, block_slice, ceil_div, gather_out, \
-    param_grad_bytes, synced_parameters
-from ds4sci.parallel.evoformer.ring import CannonSum, Move, RingAttention, TileAttention
+from ds4sci.parallel.evoformer.common import (
+    Blocks,
+    HeldBlocks,
+    block_slice,
+    ceil_div,
+    gather_out,
+    param_grad_bytes,
+    synced_parameters,
+)
+from ds4sci.parallel.evoformer.ring import CannonSum, EvoformerRingAttention, TileAttention
 from ds4sci.sequence.sharding import pad_to_multiple
 
 __all__ = ["block_comm_bytes", "check_mesh", "EvoformerContextParallel2D", "Mesh"]
@@ -75,14 +82,14 @@ class Mesh:
 
 def _swap(x: Tensor, mesh: Mesh) -> Tensor:
     """Rank (r, c) gets the tile of rank (c, r)."""
-    return Move.apply(x, mesh.partner, mesh.partner, mesh.group, mesh.counter)
+    return move(x, mesh.partner, mesh.partner, mesh.group, mesh.counter)
 
 
 def _skewed(x: Tensor, mesh: Mesh, ring) -> Tensor:
     """Rank (r, c) gets, on the row, the tile of (r, c + r); on the column, the tile of (r + c, c)."""
     by, me = mesh.skew(ring), group_rank(ring)
     dst, src = (dist.get_global_rank(ring, (me + step) % mesh.p) for step in (-by, by))
-    return Move.apply(x, dst, src, ring, mesh.counter)
+    return move(x, dst, src, ring, mesh.counter)
 
 
 def _mask_strip(mask: Tensor, shape: torch.Size, dtype: torch.dtype, rows: slice, cols: slice) -> Tensor:
@@ -115,7 +122,7 @@ def _attend(mha: GatedAttention, x: Tensor, mesh: Mesh, kv_ring, key_mask: Tenso
     pair = None if pair is None else pair.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, s, s]
     mask = mask_bias(key_mask, inf, x.dtype)  # [*, N, 1, 1, p*s]
     mask[..., real_keys:] = -math.inf
-    o = RingAttention.apply(q, k, v, mask, pair, backend, kv_ring, bias_ring, mesh.t0, mesh.counter)
+    o = EvoformerRingAttention.apply(q, k, v, mask, pair, backend, kv_ring, bias_ring, mesh.t0, mesh.counter)
     return mha.linear_o(o.flatten(-2) * torch.sigmoid(mha.linear_g(x)))
 
 
