@@ -431,7 +431,7 @@ def memory(w: Workload, strategy: Strategy, cluster: Cluster | None = None) -> M
     mask = 0.0 if w.mask == "none" else B * mask_bytes(w.mask, S // d.ring)["device"]
     # Ulysses' all-to-all (ds4sci.sequence.comm._all_to_all_forward) stages the largest tensor it moves, the queries
     # or the attention output, T h e, in a contiguous send buffer and a receive buffer; the ring's forward
-    # (ds4sci.sequence.attention._RingAttention) holds received key/value blocks (RingShift's receive buffers): the
+    # (ds4sci.sequence.ring.RingAttention) holds received key/value blocks (RingShift's receive buffers): the
     # one in use, the one arriving and, while the next shift is posted, the one before (the previous shift's send
     # buffer), min(ring - 1, 3) blocks of k and v, 2 kv' e per local token each; they are alive one after the other
     # within a layer, so the total counts the larger
