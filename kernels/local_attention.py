@@ -48,8 +48,14 @@ import logging
 import torch
 from torch import Tensor
 
-from .backends import (FLASH_MAX_HEAD_DIM, LOCAL_CHUNK_SIZE, TRITON_MAX_HEAD_DIM, LocalBackend, import_error,
-                       parse_backend)
+from .backends import (
+    FLASH_MAX_HEAD_DIM,
+    LOCAL_CHUNK_SIZE,
+    TRITON_MAX_HEAD_DIM,
+    LocalBackend,
+    import_error,
+    parse_backend,
+)
 from .local_chunked import chunked_attention
 from .local_reference import check_qkv, empty_result, sdpa_attention
 

@@ -28,8 +28,16 @@ import math
 import time
 
 from ds4sci.bench.layout_memory import parse_layout
-from ds4sci.bench.report import (MIB, add_int_options, check_heads, markdown_table, parse_int_list, plot_peaks, plural,
-                                 write_files)
+from ds4sci.bench.report import (
+    MIB,
+    add_int_options,
+    check_heads,
+    markdown_table,
+    parse_int_list,
+    plot_peaks,
+    plural,
+    write_files,
+)
 from ds4sci.distributed import ParallelDims
 
 ROWS = {  # name -> activation_checkpointing keys; each row adds one switch to the row above (ALST's ablation)
@@ -130,10 +138,10 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
     from deepspeed.runtime.pipe.schedule import ForwardPass
 
     from ds4sci.bench.memory import PeakMemory, distinct_bytes, model_states
-    from ds4sci.models.genslm import GenSLM
     from ds4sci.distributed.groups import build_groups
-    from ds4sci.parallel.parallelize import parallelize
+    from ds4sci.models.genslm import GenSLM
     from ds4sci.parallel.genslm_tp import token_loss_for
+    from ds4sci.parallel.parallelize import parallelize
     from ds4sci.sequence import shard_sequence
     from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
     from ds4sci.train.config import ActivationCheckpointingConfig, load_config

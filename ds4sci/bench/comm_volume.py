@@ -25,8 +25,16 @@ import argparse
 import logging
 from pathlib import Path
 
-from ds4sci.bench.report import (MIB, check_heads, markdown_table, parse_int_list, plural, save_figure, subplots,
-                                 write_files)
+from ds4sci.bench.report import (
+    MIB,
+    check_heads,
+    markdown_table,
+    parse_int_list,
+    plural,
+    save_figure,
+    subplots,
+    write_files,
+)
 from ds4sci.planning.costs import COMM_SCHEMES, layer_comm_bytes
 
 logger = logging.getLogger(__name__)
@@ -81,11 +89,11 @@ def _worker(rank: int, world: int, schemes: list[str], tokens: int, hidden: int,
 def _scheme_bytes(scheme: str, P: int, tokens: int, hidden: int, heads: int) -> dict[int, dict]:
     import torch
 
-    from ds4sci.models.genslm import GenSLM, GenSLMConfig
     from ds4sci.distributed import ParallelDims
-    from ds4sci.distributed.groups import build_groups
-    from ds4sci.parallel.parallelize import parallelize
     from ds4sci.distributed.comm import CommCounter
+    from ds4sci.distributed.groups import build_groups
+    from ds4sci.models.genslm import GenSLM, GenSLMConfig
+    from ds4sci.parallel.parallelize import parallelize
     from ds4sci.sequence import shard_sequence
 
     dims = ParallelDims(dp=1, **_dims_kwargs(scheme, P))

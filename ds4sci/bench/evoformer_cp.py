@@ -31,8 +31,16 @@ import logging
 import math
 from pathlib import Path
 
-from ds4sci.bench.report import (MIB, check_positive, command_line, markdown_table, parse_int_list, save_figure,
-                                 subplots, write_files)
+from ds4sci.bench.report import (
+    MIB,
+    check_positive,
+    command_line,
+    markdown_table,
+    parse_int_list,
+    save_figure,
+    subplots,
+    write_files,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,15 @@ from collections.abc import Iterator
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import (MIB, check_positive, markdown_table, missing_dependency, save_figure, subplots,
-                                 write_files)
+from ds4sci.bench.report import (
+    MIB,
+    check_positive,
+    markdown_table,
+    missing_dependency,
+    save_figure,
+    subplots,
+    write_files,
+)
 from ds4sci.kernels import evoformer_attention
 
 logger = logging.getLogger(__name__)

@@ -30,9 +30,24 @@ import statistics
 import torch
 
 from ds4sci.bench import throughput
-from ds4sci.bench.report import (add_int_options, check_heads, check_positive, command_line, describe_load,
-                                 describe_machine, int_config, load_average, machine, markdown_table,
-                                 missing_dependency, plural, save_figure, shape_options, subplots, write_files)
+from ds4sci.bench.report import (
+    add_int_options,
+    check_heads,
+    check_positive,
+    command_line,
+    describe_load,
+    describe_machine,
+    int_config,
+    load_average,
+    machine,
+    markdown_table,
+    missing_dependency,
+    plural,
+    save_figure,
+    shape_options,
+    subplots,
+    write_files,
+)
 from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import CodonTokenizer
 from ds4sci.infer.generate import sample

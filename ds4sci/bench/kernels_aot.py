@@ -30,8 +30,16 @@ from ds4sci.bench.aot.calls import CALLERS
 from ds4sci.bench.aot.compile import TARGETS
 from ds4sci.bench.aot.pool import compile_all
 from ds4sci.bench.aot.ptxas import ptxas_versions
-from ds4sci.bench.aot.variants import (DTYPES, LOCAL_DTYPES, LOCAL_REPRESENTATIVE, QUICK, REPRESENTATIVE, SETS,
-                                       quick_variants, variants_for)
+from ds4sci.bench.aot.variants import (
+    DTYPES,
+    LOCAL_DTYPES,
+    LOCAL_REPRESENTATIVE,
+    QUICK,
+    REPRESENTATIVE,
+    SETS,
+    quick_variants,
+    variants_for,
+)
 from ds4sci.bench.report import plural, save_figure, subplots, write_files
 
 logger = logging.getLogger(__name__)

@@ -31,8 +31,16 @@ import weakref
 from dataclasses import asdict
 from pathlib import Path
 
-from ds4sci.bench.report import (MIB, add_int_options, markdown_table, plural, save_figure, shape_options, subplots,
-                                 write_files)
+from ds4sci.bench.report import (
+    MIB,
+    add_int_options,
+    markdown_table,
+    plural,
+    save_figure,
+    shape_options,
+    subplots,
+    write_files,
+)
 from ds4sci.distributed import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
@@ -276,9 +284,9 @@ def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict
 def predicted(common: dict, degrees: dict, zero: int) -> tuple[dict, dict]:
     """:func:`ds4sci.planning.genslm.memory` and :func:`~ds4sci.planning.genslm.comm` of the benchmarked model and
     layout (fp32), as dicts by term and by group."""
-    from ds4sci.planning import genslm as plan
     from ds4sci.data import NucleotideTokenizer
     from ds4sci.models.genslm import GenSLMConfig
+    from ds4sci.planning import genslm as plan
 
     model = GenSLMConfig.preset("debug", vocab_size=NucleotideTokenizer().vocab_size, hidden_size=common["hidden"],
                                 num_heads=common["heads"], num_layers=common["layers"], position_embedding="rotary",

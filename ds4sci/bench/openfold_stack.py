@@ -30,9 +30,22 @@ import time
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import (MIB, add_int_options, check_positive, command_line, describe_load, describe_machine,
-                                 load_average, machine, markdown_table, missing_dependency, plural, save_figure,
-                                 subplots, write_files)
+from ds4sci.bench.report import (
+    MIB,
+    add_int_options,
+    check_positive,
+    command_line,
+    describe_load,
+    describe_machine,
+    load_average,
+    machine,
+    markdown_table,
+    missing_dependency,
+    plural,
+    save_figure,
+    subplots,
+    write_files,
+)
 from ds4sci.kernels import EvoformerBackend
 
 logger = logging.getLogger(__name__)

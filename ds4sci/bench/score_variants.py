@@ -30,9 +30,21 @@ from pathlib import Path
 
 import torch
 
-from ds4sci.bench.report import (add_int_options, check_heads, check_positive, command_line, describe_machine,
-                                 int_config, machine, markdown_table, plural, save_figure, shape_options, subplots,
-                                 write_files)
+from ds4sci.bench.report import (
+    add_int_options,
+    check_heads,
+    check_positive,
+    command_line,
+    describe_machine,
+    int_config,
+    machine,
+    markdown_table,
+    plural,
+    save_figure,
+    shape_options,
+    subplots,
+    write_files,
+)
 from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import FastaRecord, NucleotideTokenizer, read_fasta
 from ds4sci.infer.score import score_records

@@ -17,8 +17,17 @@ import argparse
 import logging
 import time
 
-from ds4sci.bench.report import (MIB, add_int_options, check_heads, markdown_table, parse_int_list, plot_peaks, plural,
-                                 shape_options, write_files)
+from ds4sci.bench.report import (
+    MIB,
+    add_int_options,
+    check_heads,
+    markdown_table,
+    parse_int_list,
+    plot_peaks,
+    plural,
+    shape_options,
+    write_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +63,9 @@ def _worker(rank: int, world: int, dims_kwargs: dict, seq_len: int, shape: dict)
     import torch
 
     from ds4sci.bench.memory import PeakMemory
-    from ds4sci.models.genslm import GenSLM, GenSLMConfig
     from ds4sci.distributed import ParallelDims
     from ds4sci.distributed.groups import build_groups
+    from ds4sci.models.genslm import GenSLM, GenSLMConfig
     from ds4sci.parallel.parallelize import parallelize
     from ds4sci.sequence import shard_sequence
 

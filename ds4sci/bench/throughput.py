@@ -32,8 +32,20 @@ import statistics
 
 import torch
 
-from ds4sci.bench.report import (add_int_options, check_heads, check_positive, command_line, int_config, markdown_table,
-                                 missing_dependency, plural, save_figure, shape_options, subplots, write_files)
+from ds4sci.bench.report import (
+    add_int_options,
+    check_heads,
+    check_positive,
+    command_line,
+    int_config,
+    markdown_table,
+    missing_dependency,
+    plural,
+    save_figure,
+    shape_options,
+    subplots,
+    write_files,
+)
 from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
 from ds4sci.data import CodonTokenizer
 from ds4sci.io.export_hf import hf_config as transformers_config

@@ -6,8 +6,14 @@ import argparse
 import logging
 import sys
 
-from ds4sci.cli_args import (add_device_argument, add_model_argument, nonnegative_float, nonnegative_int, positive_int,
-                             probability)
+from ds4sci.cli_args import (
+    add_device_argument,
+    add_model_argument,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+    probability,
+)
 
 logger = logging.getLogger(__name__)
 

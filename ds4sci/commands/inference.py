@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from ds4sci.cli_args import (add_parallel_arguments, add_window_arguments, check_parallel, check_windows,
-                             positive_int)
+from ds4sci.cli_args import add_parallel_arguments, add_window_arguments, check_parallel, check_windows, positive_int
 
 
 def add_reading_arguments(parser: argparse.ArgumentParser, *, windows: bool = True, progress: bool = True) -> None:

@@ -16,7 +16,6 @@ from ds4sci.data import Tokenizer
 from ds4sci.io.tensors import read_checked
 from ds4sci.models.genslm import GenSLMConfig
 
-
 MAX_SHARD_BYTES = 4 * 1024**3  # per safetensors file of an export
 INDEX = "model.safetensors.index.json"
 

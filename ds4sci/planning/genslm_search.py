@@ -12,8 +12,19 @@ from dataclasses import dataclass, replace
 
 from ds4sci.distributed.dims import ParallelDims
 from ds4sci.planning.common import GIB
-from ds4sci.planning.genslm import (CHECKPOINTING, OFFLOADS, Cluster, Comm, Memory, StepTime, Strategy, Workload,
-                                    comm, memory, step_time)
+from ds4sci.planning.genslm import (
+    CHECKPOINTING,
+    OFFLOADS,
+    Cluster,
+    Comm,
+    Memory,
+    StepTime,
+    Strategy,
+    Workload,
+    comm,
+    memory,
+    step_time,
+)
 
 
 @dataclass(frozen=True)

@@ -37,15 +37,32 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
-                             safe_set_full_optimizer_state)
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
 from deepspeed.utils.tensor_fragment import fragment_address
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ds4sci.train.checkpoint_check import (DIGEST, FORMAT, META, PORTABLE, RECORD_DIGEST, Spread, check_checkpoint,
-                                           describe_layout, digest_file, engine_differences, find_checkpoint,
-                                           record_digest, safe_load, verify_checkpoint)
+from ds4sci.train.checkpoint_check import (
+    DIGEST,
+    FORMAT,
+    META,
+    PORTABLE,
+    RECORD_DIGEST,
+    Spread,
+    check_checkpoint,
+    describe_layout,
+    digest_file,
+    engine_differences,
+    find_checkpoint,
+    record_digest,
+    safe_load,
+    verify_checkpoint,
+)
 from ds4sci.train.consolidate import gather_tensor_parallel, shard_tensor_parallel
 from ds4sci.train.engine import bounded_collectives, write_error
 from ds4sci.train.pipeline import genslm_name

@@ -15,8 +15,8 @@ from typing import Any, get_type_hints
 import yaml
 
 from ds4sci.data.datasets import SPLITS
-from ds4sci.models.genslm import GenSLMConfig
 from ds4sci.distributed import ParallelDims
+from ds4sci.models.genslm import GenSLMConfig
 
 
 def _field(*, help: str, path: bool = False, **kw):

@@ -91,7 +91,7 @@ _LOST_PEER = re.compile(r"timed out|connection (reset|closed)|broken pipe", re.I
 
 
 def collective_error(err: RuntimeError, where: str, timeout_s: float) -> OSError | None:
-    """The one-line error for a collective that failed because another rank died (gloo: "Connection reset by
+    r"""The one-line error for a collective that failed because another rank died (gloo: "Connection reset by
     peer", at once) or hangs (gloo: "Timed out waiting ...", after ``train.timeout_s``); ``None`` for any other
     error. ``TimeoutError`` / ``ConnectionError`` are ``OSError``\ s: ``ds4sci train`` prints them as one line and
     exits with status 2."""

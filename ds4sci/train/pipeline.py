@@ -66,12 +66,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ds4sci.models.genslm import GenSLM
 from ds4sci.distributed import ParallelDims
 from ds4sci.distributed.groups import SequenceParallelGroups
+from ds4sci.models.genslm import GenSLM
 from ds4sci.parallel.genslm_tp import token_loss_for
-from ds4sci.train.consolidate import gather_tensor_parallel
 from ds4sci.train.config import Config
+from ds4sci.train.consolidate import gather_tensor_parallel
 from ds4sci.train.engine import deepspeed_config, make_optimizer, printed_at_debug
 from ds4sci.train.loss import scaled_shard_loss
 from ds4sci.train.sanity import refuse_mismatch

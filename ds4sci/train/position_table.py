@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ds4sci.models.genslm import LearnedPositionEmbedding
 from ds4sci.distributed.groups import SequenceParallelGroups
+from ds4sci.models.genslm import LearnedPositionEmbedding
 from ds4sci.train.config import Config
 from ds4sci.train.engine import make_optimizer
 

@@ -54,13 +54,24 @@ from ds4sci.train.checkpoint import load_checkpoint
 from ds4sci.train.config import Config
 from ds4sci.train.consolidate import gather_tensor_parallel
 from ds4sci.train.data_order import train_samples
-from ds4sci.train.engine import (build_engine, collective_error, init_distributed, one_line_errors, set_deterministic,
-                                 writing)
+from ds4sci.train.engine import (
+    build_engine,
+    collective_error,
+    init_distributed,
+    one_line_errors,
+    set_deterministic,
+    writing,
+)
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.launch import check_launch, launch_world_size, load_data
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
-from ds4sci.train.pipeline import (build_pipeline_engine, pipeline_eval_sum, pipeline_reduction_factor,
-                                   pipeline_state_items, pipeline_train_batch)
+from ds4sci.train.pipeline import (
+    build_pipeline_engine,
+    pipeline_eval_sum,
+    pipeline_reduction_factor,
+    pipeline_state_items,
+    pipeline_train_batch,
+)
 from ds4sci.train.plot import plot_metrics
 from ds4sci.train.position_table import PositionTable
 from ds4sci.train.run_dir import keep_metrics_until, open_run_dir

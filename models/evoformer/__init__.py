@@ -15,12 +15,12 @@ from ds4sci.models.evoformer.blocks import AttentionPairBias, EvoformerBlock, Pa
 from ds4sci.models.evoformer.msa import MSAAttention, MSAColumnAttention, MSARowAttentionWithPairBias
 from ds4sci.models.evoformer.outer_product_mean import OuterProductMean
 from ds4sci.models.evoformer.primitives import Convention, GatedAttention, LayerNorm
+from ds4sci.models.evoformer.transition import SharedDropout, Transition
 from ds4sci.models.evoformer.triangular_attention import (
     TriangleAttention,
     TriangleAttentionEndingNode,
     TriangleAttentionStartingNode,
 )
-from ds4sci.models.evoformer.transition import SharedDropout, Transition
 from ds4sci.models.evoformer.triangular_multiplicative_update import (
     TriangleMultiplicationIncoming,
     TriangleMultiplicationOutgoing,

@@ -23,12 +23,23 @@ from torch import Tensor, nn
 from ds4sci.kernels import EvoformerBackend, parse_backend
 from ds4sci.models.evoformer.msa import MSAColumnAttention, MSARowAttentionWithPairBias
 from ds4sci.models.evoformer.outer_product_mean import OuterProductMean
-from ds4sci.models.evoformer.primitives import Convention, GatedAttention, GatedAttentionLayer, LayerNorm, check_broadcasts, \
-    check_channels, init_linear, mask_bias, resolve_convention
+from ds4sci.models.evoformer.primitives import (
+    Convention,
+    GatedAttention,
+    GatedAttentionLayer,
+    LayerNorm,
+    check_broadcasts,
+    check_channels,
+    init_linear,
+    mask_bias,
+    resolve_convention,
+)
 from ds4sci.models.evoformer.transition import SharedDropout, Transition
 from ds4sci.models.evoformer.triangular_attention import TriangleAttentionEndingNode, TriangleAttentionStartingNode
-from ds4sci.models.evoformer.triangular_multiplicative_update import TriangleMultiplicationIncoming, \
-    TriangleMultiplicationOutgoing
+from ds4sci.models.evoformer.triangular_multiplicative_update import (
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
 
 
 class _Block(nn.Module):

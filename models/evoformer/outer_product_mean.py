@@ -13,8 +13,15 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ds4sci.models.evoformer.primitives import Convention, LayerNorm, check_broadcasts, check_channels, \
-    check_chunk_size, init_linear, resolve_convention
+from ds4sci.models.evoformer.primitives import (
+    Convention,
+    LayerNorm,
+    check_broadcasts,
+    check_channels,
+    check_chunk_size,
+    init_linear,
+    resolve_convention,
+)
 
 
 class OuterProductMean(nn.Module):

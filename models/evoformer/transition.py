@@ -17,8 +17,14 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ds4sci.models.evoformer.primitives import Convention, LayerNorm, check_channels, check_chunk_size, init_linear, \
-    resolve_convention
+from ds4sci.models.evoformer.primitives import (
+    Convention,
+    LayerNorm,
+    check_channels,
+    check_chunk_size,
+    init_linear,
+    resolve_convention,
+)
 
 TRANSITION_TYPES = ("relu", "swiglu")
 

@@ -18,8 +18,14 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ds4sci.models.evoformer.primitives import Convention, LayerNorm, check_broadcasts, check_channels, init_linear, \
-    resolve_convention
+from ds4sci.models.evoformer.primitives import (
+    Convention,
+    LayerNorm,
+    check_broadcasts,
+    check_channels,
+    init_linear,
+    resolve_convention,
+)
 
 
 class TriangleMultiplicativeUpdate(nn.Module):

@@ -7,6 +7,7 @@ import pytest
 
 from ds4sci import cli
 from ds4sci.planning.costs import layer_comm_bytes
+
 from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from ds4sci import cli
+
 from bench_checks import quick_report  # tests/bench/ is on sys.path
 from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 

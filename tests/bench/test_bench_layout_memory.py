@@ -10,6 +10,7 @@ saved-for-backward peak of the dp2 step is the planner's activation term to with
 import pytest
 
 from ds4sci.bench import layout_memory
+
 from bench_checks import quick_report  # tests/bench/ is on sys.path
 from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 

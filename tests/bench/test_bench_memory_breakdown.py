@@ -3,6 +3,7 @@ the closed forms the report evaluates at the paper's lengths."""
 
 from ds4sci import cli
 from ds4sci.bench import memory_breakdown as bench
+
 from bench_checks import quick_report  # tests/bench/ is on sys.path
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ds4sci.bench import rounds
+
 from bench_checks import refused_in_one_line  # tests/bench/ is on sys.path
 
 

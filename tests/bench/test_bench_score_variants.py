@@ -3,6 +3,7 @@ options."""
 import pytest
 
 from ds4sci.bench import score_variants
+
 from bench_checks import bench_args, quick_report, refused_in_one_line  # tests/bench/ is on sys.path
 
 

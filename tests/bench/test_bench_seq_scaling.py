@@ -3,6 +3,7 @@ import pytest
 
 from ds4sci.bench import seq_scaling
 from ds4sci.bench.report import MIB
+
 from bench_checks import quick_report  # tests/bench/ is on sys.path
 from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 

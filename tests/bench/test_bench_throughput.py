@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ds4sci.bench import throughput
+
 from bench_checks import bench_args, quick_report, refused_in_one_line  # tests/bench/ is on sys.path
 
 pytest.importorskip("transformers")  # the dev extra installs it

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ds4sci.spawn import run_workers
+
 from test_train_equivalence import ENV, _overrides
 
 ROOT = Path(__file__).resolve().parents[2]

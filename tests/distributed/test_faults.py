@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ds4sci.spawn import run_workers
+
 from test_train_equivalence import ENV, GENOME, _overrides
 
 ROOT = Path(__file__).resolve().parents[2]

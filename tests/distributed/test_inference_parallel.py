@@ -7,6 +7,7 @@ import csv
 import os
 import subprocess
 import sys
+
 import numpy as np
 import pytest
 import torch

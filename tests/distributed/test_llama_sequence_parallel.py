@@ -4,14 +4,15 @@ one-process logits and gradients (gloo; the attention core's GQA handling is tes
 and saves and sends what ``ds4sci plan`` predicts."""
 import torch
 
-from ds4sci.planning import genslm as plan
-from ds4sci.models.genslm import GenSLM, GenSLMConfig, lm_loss
 from ds4sci.distributed import ParallelDims
-from ds4sci.distributed.groups import build_groups
-from ds4sci.parallel.parallelize import parallelize
 from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.groups import build_groups
+from ds4sci.models.genslm import GenSLM, GenSLMConfig, lm_loss
+from ds4sci.parallel.parallelize import parallelize
+from ds4sci.planning import genslm as plan
 from ds4sci.sequence import shard_sequence
 from ds4sci.spawn import run_workers
+
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
 S = 32

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ds4sci.spawn import run_workers
+
 from test_train_equivalence import CLIP, ENV, _overrides
 
 pytestmark = pytest.mark.distributed

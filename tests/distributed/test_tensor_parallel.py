@@ -15,8 +15,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ds4sci.planning import genslm as planner
-from ds4sci.planning.costs import tp_forward_comm_bytes
 from ds4sci.distributed import ParallelDims
 from ds4sci.distributed.comm import CommCounter
 from ds4sci.distributed.groups import build_groups
@@ -24,6 +22,8 @@ from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, GenSLMConfig, shift_label
 from ds4sci.parallel.genslm_tp import token_loss_for
 from ds4sci.parallel.parallelize import materialize_, parallelize
 from ds4sci.parallel.tensor_parallel import gather_vocab, tensor_parallel_plan
+from ds4sci.planning import genslm as planner
+from ds4sci.planning.costs import tp_forward_comm_bytes
 from ds4sci.sequence import gather_sequence, shard_sequence
 from ds4sci.spawn import run_workers
 from ds4sci.train.consolidate import gather_tensor_parallel, load_full_state_dict, shard_tensor_parallel

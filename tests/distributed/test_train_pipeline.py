@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from ds4sci.spawn import run_workers
+
 from test_train_equivalence import CLIP, ENV, _overrides
 from test_train_tensor_parallel import _cases, _check, runs  # noqa: F401 (runs: the module's run folder fixture)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ds4sci.spawn import run_workers
+
 from test_train_equivalence import ENV, _overrides
 
 pytestmark = pytest.mark.distributed

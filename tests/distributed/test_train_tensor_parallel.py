@@ -16,6 +16,7 @@ The helpers (config overrides, the per-case worker, the comparison) are those of
 import pytest
 
 from ds4sci.spawn import run_workers
+
 from test_train_equivalence import CLIP, ENV, _compare, _overrides, _train_cases
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

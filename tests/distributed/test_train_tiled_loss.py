@@ -9,6 +9,7 @@ import math
 import pytest
 
 from ds4sci.spawn import run_workers
+
 from test_train_equivalence import ENV, _compare, _overrides
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -9,7 +9,6 @@ import pytest
 import torch
 from Bio import bgzf
 
-from cli_checks import refused
 from ds4sci.cli import main
 from ds4sci.data import CodonTokenizer, FastaRecord, NucleotideTokenizer
 from ds4sci.infer import variants as variants_module
@@ -18,6 +17,8 @@ from ds4sci.infer.variants import Variant, default_window, read_variants, refere
 from ds4sci.io.export import export_consolidated
 from ds4sci.io.weights import load_model
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
+
+from cli_checks import refused
 
 ECOLI = Path(__file__).resolve().parents[2] / "examples/data/NC_007779.1_ecoli_K12_W3110.fasta.gz"
 CONTEXT = 32
@@ -182,7 +183,7 @@ def test_every_bad_line_is_named(data, tmp_path, capsys):
     ref = data["reference"][CHROM]
     bad = VCF_HEADER + "".join([
         f"{CHROM}\t5\t.\t{ref[4]}\t{'ACGT'[('ACGT'.index(ref[4]) + 1) % 4]}\t.\t.\t.\n",  # line 5: good
-        f"chrX\t5\t.\tA\tG\t.\t.\t.\n",  # 6
+        "chrX\t5\t.\tA\tG\t.\t.\t.\n",  # 6
         f"{CHROM}\t10\t.\t{'C' if ref[9] != 'C' else 'G'}\tA\t.\t.\t.\n",  # 7: REF mismatch
         f"{CHROM}\t12\t.\t{ref[11]}\t<DEL>\t.\t.\t.\n",  # 8
         f"{CHROM}\t13\t.\t{ref[12]}\tN[{CHROM}:40[\t.\t.\t.\n",  # 9

@@ -20,7 +20,6 @@ import openfold3.core.model.latent.evoformer  # noqa: F401  (the EvoformerStack 
 import openfold3.core.model.primitives.attention as of3_attention
 import pytest
 import torch
-from evoformer_checks import TRITON, assert_within_pytorch_error, randomize_
 from openfold3.core.model.layers.msa import MSAColumnAttention as OF3MSAColumnAttention
 from openfold3.core.model.layers.msa import MSARowAttentionWithPairBias as OF3MSARowAttentionWithPairBias
 from openfold3.core.model.layers.triangular_attention import TriangleAttention as OF3TriangleAttention
@@ -32,6 +31,8 @@ import ds4sci.integrations.openfold as ds4sci_openfold
 from ds4sci.integrations.openfold import EvoAttentionAdapter
 from ds4sci.kernels import EvoformerBackend
 from ds4sci.models import evoformer
+
+from evoformer_checks import TRITON, assert_within_pytorch_error, randomize_
 
 # OpenFold3's default path enters torch.amp.autocast("cuda"), which warns on a machine without CUDA
 pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")

@@ -46,6 +46,7 @@ from aot_checks import (  # tests/ is on sys.path (its conftest.py)
     compiles,
     gate_fixture,
 )
+
 NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 def test_targets_and_limits():

@@ -25,9 +25,9 @@ import torch
 
 from ds4sci.bench.aot.calls import kernel_name, record_launches
 from ds4sci.kernels import triton_local_attention as tla
+from ds4sci.kernels.local_reference import PAD_DOC_ID, attention_mask, sdpa_attention
 from ds4sci.kernels.triton_evoformer import Tiles
 from ds4sci.kernels.triton_local_attention import triton_attention
-from ds4sci.kernels.local_reference import PAD_DOC_ID, attention_mask, sdpa_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

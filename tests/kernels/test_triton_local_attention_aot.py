@@ -21,6 +21,11 @@ import itertools
 import pytest
 import torch
 
+from ds4sci.bench.aot.calls import LocalCall, kernel_name, record_launches
+from ds4sci.bench.aot.specialise import specialisation, specialisation_key
+from ds4sci.bench.aot.variants import LOCAL_DTYPES, LOCAL_KERNELS, LocalVariant, variants_for
+from ds4sci.kernels.triton_local_attention import triton_attention
+
 from aot_checks import (  # tests/ is on sys.path (its conftest.py)
     assert_exponents,
     assert_gate_compiled,
@@ -28,11 +33,6 @@ from aot_checks import (  # tests/ is on sys.path (its conftest.py)
     compiles,
     gate_fixture,
 )
-
-from ds4sci.bench.aot.calls import LocalCall, kernel_name, record_launches
-from ds4sci.bench.aot.specialise import specialisation, specialisation_key
-from ds4sci.bench.aot.variants import LOCAL_DTYPES, LOCAL_KERNELS, LocalVariant, variants_for
-from ds4sci.kernels.triton_local_attention import triton_attention
 
 NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 

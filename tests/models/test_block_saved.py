@@ -4,10 +4,11 @@ recomputed block's share of the working set), and the in-place rotary of the fus
 import pytest
 import torch
 
-from activation_checks import SavedBytes
 from ds4sci.kernels.rotary import apply_rotary_qkv_
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.models.genslm.position import rotary_cos_sin
+
+from activation_checks import SavedBytes
 
 H, HIDDEN = 4, 64
 SHAPES = {

@@ -9,10 +9,11 @@ import itertools
 
 import pytest
 import torch
-from evoformer_checks import TRITON, assert_within_pytorch_error
 
 from ds4sci.models import evoformer
 from ds4sci.models.evoformer import EvoformerBlock, OuterProductMean, PairformerBlock, SharedDropout, Transition
+
+from evoformer_checks import TRITON, assert_within_pytorch_error
 
 of3_evoformer = pytest.importorskip("openfold3.core.model.latent.evoformer")
 of3_pairformer = pytest.importorskip("openfold3.core.model.latent.pairformer")

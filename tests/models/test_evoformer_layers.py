@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from evoformer_checks import HAS_TRITON_BACKEND, TRITON, assert_within_pytorch_error, randomize_
 
 from ds4sci.kernels import EvoformerBackend
 from ds4sci.models.evoformer import (
@@ -21,6 +20,8 @@ from ds4sci.models.evoformer import (
     TriangleAttentionEndingNode,
     TriangleAttentionStartingNode,
 )
+
+from evoformer_checks import HAS_TRITON_BACKEND, TRITON, assert_within_pytorch_error, randomize_
 
 # The triton backend runs here on CPU tensors, i.e. under the interpreter (TRITON_INTERPRET=0 skips it).
 BACKENDS = ["torch", TRITON, "reference"]

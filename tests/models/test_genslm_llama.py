@@ -4,10 +4,10 @@ key/value heads divide one another, and ``parallelize``, the run config and the 
 import pytest
 
 from ds4sci import cli
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.models.genslm.config import PRESETS, describe_preset
 from ds4sci.distributed import ParallelDims
 from ds4sci.distributed.groups import SequenceParallelGroups
+from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm.config import PRESETS, describe_preset
 from ds4sci.parallel.parallelize import parallelize
 from ds4sci.planning.genslm import Cluster, Workload
 from ds4sci.planning.genslm_search import strategies

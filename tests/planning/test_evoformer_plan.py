@@ -15,6 +15,7 @@ from ds4sci.commands.plan_evoformer import workload_from_args
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
 from ds4sci.planning import evoformer as pe
 from ds4sci.planning.common import GIB
+
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

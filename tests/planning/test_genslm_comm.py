@@ -2,8 +2,8 @@
 closed form written out from what the ranks send, so a changed factor in ``comm`` or ``step_time`` fails here."""
 import pytest
 
-from ds4sci.models.genslm.config import GenSLMConfig
 from ds4sci.distributed import ParallelDims
+from ds4sci.models.genslm.config import GenSLMConfig
 from ds4sci.planning.costs import layer_comm_bytes, tp_forward_comm_bytes
 from ds4sci.planning.genslm import Cluster, Strategy, Workload, comm, rank_params, step_time
 

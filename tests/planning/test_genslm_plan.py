@@ -9,13 +9,15 @@ import torch
 
 from ds4sci import cli
 from ds4sci.bench import memory_breakdown, seq_scaling
+from ds4sci.distributed import ParallelDims
 from ds4sci.models.genslm import GenSLM, GenSLMConfig
 from ds4sci.models.genslm.config import PRESETS
-from ds4sci.distributed import ParallelDims
 from ds4sci.planning import genslm as plan
 from ds4sci.planning import genslm_search as search
 from ds4sci.planning.common import STATE_BYTES
+
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
+
 
 def test_planner_imports_neither_torch_nor_the_benchmarks():
     """The planner is arithmetic on definitions it shares with the code (ParallelDims, ds4sci.planning.costs, the

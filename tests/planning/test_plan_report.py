@@ -4,6 +4,7 @@ import pytest
 
 from ds4sci import cli
 from ds4sci.models.genslm.config import PRESETS, GenSLMConfig, describe_preset, describe_presets
+
 from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 
 

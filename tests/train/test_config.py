@@ -2,6 +2,7 @@
 import os
 
 import pytest
+
 from ds4sci.train.config import Config, load_config
 from ds4sci.train.engine import deepspeed_config, lr_lambda
 
@@ -184,6 +185,7 @@ def test_example_configs_point_at_the_bundled_files(monkeypatch, tmp_path):
 
 def test_cli_print_config_round_trips_and_set_goes_before_the_path(tmp_path, capsys):
     import yaml
+
     from ds4sci.cli import main
 
     path = tmp_path / "c.yaml"
@@ -212,6 +214,7 @@ NEW_KEYS = {  # every key of the zero / activation_checkpointing sections and th
 
 def test_zero_checkpointing_and_degree_keys_round_trip_through_yaml_set_and_print_config(tmp_path, capsys):
     import yaml
+
     from ds4sci.cli import main
 
     sections: dict = {}

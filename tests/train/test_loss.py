@@ -11,7 +11,6 @@ from ds4sci.sequence import shard_sequence
 from ds4sci.spawn import run_workers
 from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
 
-
 STAGES = (0, 1, 2, 3)
 DEGREES = ((1, 2), (2, 1))  # (dp, sp) of a world of 2: sum-vs-mean over the sequence ranks and over the data ranks
 

@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
 
 from ds4sci.train.config import load_config
 from ds4sci.train.run_dir import prepare_run_dir
+
+from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 CDS = ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna"

@@ -23,8 +23,15 @@ import dataclasses
 import itertools
 from typing import Optional
 
-from ds4sci.bench.aot.calls import (CALLERS, Call, LocalCall, call_launches, kernel_name, launch_flags,
-                                    local_call_launches)
+from ds4sci.bench.aot.calls import (
+    CALLERS,
+    Call,
+    LocalCall,
+    call_launches,
+    kernel_name,
+    launch_flags,
+    local_call_launches,
+)
 from ds4sci.bench.aot.specialise import specialisation_key
 
 DTYPES = ("fp16", "bf16", "fp32")

@@ -30,11 +30,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ds4sci.distributed.comm import (CommCounter, SequenceRegion, all_gather, all_to_all, group_rank, group_size, reduce_scatter,
-                                     split_sequence_region)
+from ds4sci.distributed.comm import (
+    CommCounter,
+    SequenceRegion,
+    all_gather,
+    all_to_all,
+    group_rank,
+    group_size,
+    reduce_scatter,
+    split_sequence_region,
+)
 from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
-from ds4sci.parallel.evoformer.common import Blocks, HeldBlocks, ceil_div, default_group, gather_leading, \
-    gather_out, padding_keys, param_grad_bytes, synced_parameters
+from ds4sci.parallel.evoformer.common import (
+    Blocks,
+    HeldBlocks,
+    ceil_div,
+    default_group,
+    gather_leading,
+    gather_out,
+    padding_keys,
+    param_grad_bytes,
+    synced_parameters,
+)
 from ds4sci.sequence.sharding import pad_to_multiple
 
 __all__ = ["block_comm_bytes", "EvoformerContextParallel"]
