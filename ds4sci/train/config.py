@@ -302,8 +302,8 @@ class Config:
             raise ValueError(f"parallel.tp={p.tp!r}, parallel.ulysses={p.ulysses!r}, parallel.pp={p.pp!r}: {err}") from None
 
     def _validate_zero_and_checkpointing(self, check) -> None:
-        """The ``zero.*`` and ``activation_checkpointing.*`` rules DeepSpeed 0.19.8 imposes (see
-        :mod:`ds4sci.train.engine` for what was checked), so a combination it cannot run fails here, not at step 1."""
+        """The ``zero.*`` and ``activation_checkpointing.*`` rules DeepSpeed imposes, so a combination it cannot run
+        fails here, not at step 1."""
         z, ac, p = self.zero, self.activation_checkpointing, self.parallel
         check(z.stage in (0, 1, 2, 3), "zero.stage", z.stage, "expected 0, 1, 2 or 3")
         for key in ("offload_optimizer", "offload_param"):

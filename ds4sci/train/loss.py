@@ -8,22 +8,13 @@ Each rank computes the SUM of its shard's token losses; targets are shifted on t
 next shard, is never lost. A rank then back-propagates ``local_sum / global_count * K`` where ``K`` undoes the
 gradient reduction DeepSpeed applies over the sequence x data group (:func:`grad_reduction_factor`).
 
-Tensor parallelism (``parallel.tp``, :mod:`ds4sci.parallel.tensor_parallel`) changes neither the count nor ``K``
-(DeepSpeed 0.19.8, read in its source and proven by ``tests/distributed/test_train_tensor_parallel.py`` against
-single-process training, ZeRO 0-3, clipped and unclipped):
-
-- The TP ranks of a sequence shard hold the same tokens and compute the same (vocabulary-parallel) loss, so the
-  global count and the logged sums run over the sequence x data group ``groups.sdp``, never over the TP ranks.
-- The engine reduces and partitions over the mpu's ``get_sequence_data_parallel_group()`` (``engine.py``:
-  ``seq_data_parallel_group``), which :class:`~ds4sci.distributed.groups.DeepSpeedMPU` makes the ``sdp`` group of this TP
-  rank: TP ranks never mix gradients, so the per-stage reduction, and ``K``, are the ones without TP.
-- A TP-split parameter's gradient is complete on its rank. A replicated one (LayerNorms, row-parallel biases) is
-  used on sequence regions, so each TP rank's autograd gradient would be partial; the model makes it whole before
-  DeepSpeed sees it (``sync_grad`` all-reduces LayerNorm gradients over TP, a row-parallel bias enters each partial
-  sum as ``bias/tp`` with its gradient passed through whole), so every TP rank holds the same full gradient.
-- Gradient clipping needs no change: the norms (``runtime/utils.py`` ``clip_grad_norm_`` at stage 0,
-  ``stage_1_and_2.py`` / ``stage3.py`` ``get_grad_norm_direct``) count a parameter marked ``tensor_model_parallel``
-  on every TP rank and the others on TP rank 0 only, then sum over the mpu's model-parallel group (the TP group).
+Tensor parallelism (``parallel.tp``) changes neither the count nor ``K``: the TP ranks of a sequence shard hold the
+same tokens and loss, so counts and logged sums run over the sequence x data group ``groups.sdp``; DeepSpeed reduces
+over the mpu's sequence x data group, so TP ranks never mix gradients; replicated parameters used on sequence regions
+are made whole over TP by the model (``sync_grad``, row-parallel biases as ``bias/tp``) before DeepSpeed sees them;
+and clipping counts a ``tensor_model_parallel`` parameter on every TP rank, the others once. Each of these is pinned
+against single-process training (ZeRO 0-3, clipped and unclipped) by
+``tests/distributed/test_train_tensor_parallel.py``.
 """
 from __future__ import annotations
 
@@ -38,8 +29,8 @@ def grad_reduction_factor(stage: int, dp: int, sp: int) -> float:
     gradient of the global mean loss.
 
     The reduction over the sequence x data group (``dp * sp`` ranks) depends on the ZeRO ``stage``
-    (``zero.stage``); offloading (``zero.offload_*``) does not change it. Measured with
-    DeepSpeed 0.19.8 on gloo (per-parameter gradient ratios against one process) and proven per stage by
+    (``zero.stage``); offloading (``zero.offload_*``) does not change it. Measured on gloo (per-parameter gradient
+    ratios against one process), checked at start-up (:mod:`ds4sci.train.sanity`) and pinned per stage by
     ``tests/distributed/test_train_equivalence.py``:
 
     - stages 0, 1, 2: gradients are divided by ``dp`` and summed over the group: SUM over the sequence ranks,

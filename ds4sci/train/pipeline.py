@@ -29,29 +29,13 @@ Rank layout: :func:`pipeline_topology` is DeepSpeed's ``PipeModelDataParallelTop
 :class:`~ds4sci.distributed.ParallelDims` does (TP < Ulysses < Ring < DP < PP): the engine's "data" group is our
 sequence x data group (where gradients are reduced and ZeRO-1 partitions), its "model" axis our TP group.
 
-Facts checked with DeepSpeed 0.19.8 on the CPU (gloo; ``tests/distributed/test_train_pipeline.py``):
-
-- Gradient reduction: the engine averages gradients over its data group (``dp * sp`` ranks) at ZeRO 0 and 1, so
-  the loss scale is :func:`pipeline_reduction_factor` ``= dp * sp`` (not the ``dp`` of the non-pipeline engine,
-  whose mpu tells it about the sequence ranks). :func:`build_pipeline_engine` measures it at start-up on a probe
-  pipeline (:func:`check_pipeline_gradient_reduction`), as the non-pipeline engine does
-  (:func:`ds4sci.train.sanity.check_gradient_reduction`).
-- Gradient clipping at ZeRO 0 (``deepspeed.runtime.utils.clip_grad_norm_``) counts a parameter only on the
-  rank whose *pipe x model* index is 0 unless it is marked model-parallel, so the norm would be stage 0's alone;
-  :func:`build_pipeline_engine` marks the parameters of every TP-rank-0 process ``model_parallel`` so each
-  parameter counts exactly once in the global norm (ZeRO-1 counts by TP rank and needs no mark), except the last
-  stage's copy of a tied embedding, which that function does not skip (ZeRO-1's norm does): left unmarked, it is
-  not counted twice (found by resuming a tied model at PP2 ZeRO-0 with clipping).
-- ``pipeline.pipe_partitioned`` / ``grad_partitioned`` (DeepSpeed's default under a model axis) split stage
-  outputs over the TP group assuming they are replicated there; ours are sequence-sharded over TP, so both are off.
-- ZeRO-2/3 are refused by the engine ("incompatible with pipeline parallelism"); the config refuses them first.
-- ZeRO-Offload of the optimizer at ZeRO-1 (``zero.offload_optimizer=cpu``: DeepSpeed's ZeRO-1 optimizer with
-  ``cpu_offload``) reduces gradients like ZeRO-1 (same loss scale) and trains exactly like one process (PP2 x DP2;
-  PP2 alone with clipping measured too).
-- bf16 (``train.dtype=bf16``): at ZeRO-0 the engine uses DeepSpeed's ``BF16_Optimizer`` (bf16 gradients, fp32
-  master weights; its clipping norm counts every stage without the ``model_parallel`` mark: measured), at ZeRO-1
-  its ZeRO-1 optimizer in bf16; both keep the loss scale, and every parameter's update follows the fp32
-  single-process run's to < 1% of its size (PP2 x Ulysses2). Stage outputs travel between stages in bf16.
+How DeepSpeed's engine treats these stages, as ds4sci relies on it (each pinned by
+``tests/distributed/test_train_pipeline.py``): gradients are averaged over its data group, so the loss scale is
+:func:`pipeline_reduction_factor` ``= dp * sp``, measured again at start-up on a probe pipeline
+(:func:`check_pipeline_gradient_reduction`); ZeRO-0 clipping counts a parameter once only when every TP-rank-0
+process marks its parameters ``model_parallel`` (:func:`build_pipeline_engine`; the last stage's tied copy is left
+unmarked); stage outputs are sequence-sharded over TP, so ``pipe_partitioned`` / ``grad_partitioned`` are off;
+ZeRO-2/3 are refused (the config refuses them first).
 
 The learned position table stays out of the engine as without pipelining
 (:class:`~ds4sci.train.position_table.PositionTable`); the embedding stage looks it up, so its gradient exists on
