@@ -65,16 +65,11 @@ class KernelConfig:
 
 
 # (fp32?, BLOCK_D) -> (forward, dQ, dK/dV tiles), every entry compiled by ``ds4sci bench kernels-aot --set local`` for
-# sm_80 and sm_90 within shared memory and without spills (flags all off and all on; ``--set local-full``: every flag
-# combination).
-# - fp16/bf16 run tl.dot on tensor cores. The backward keeps four fp32 [BLOCK_M, BLOCK_N] tiles live (s, p, dp, ds)
-#   besides its resident tiles, hence fewer query rows than the forward from D = 32 on. At D = 64 the dK/dV kernel
-#   with 64 resident keys spilled on sm_80 (1 KB with documents: their branch in the tile loop stops software
-#   pipelining), so both backward kernels take 32 x 32 tiles there.
-# - fp32 is IEEE (no TF32): Triton lowers it to FMA loops in which a thread holds whole K-rows of an operand, so
-#   registers grow with BLOCK * D: small tiles, one pipeline stage (the loop is FMA-bound). At D = 128 the dQ kernel
-#   holds two loop-invariant operand rows (q and dO, 128 floats each): with one stage and 4 or 8 warps it spilled,
-#   with two stages it does not; the dK/dV kernel spilled with two stages and 4 warps, not with one stage and 8 warps.
+# sm_80 and sm_90 within shared memory and without spills (``--set local-full``: every flag combination).
+# - fp16/bf16 (tensor cores): the backward keeps four fp32 [BLOCK_M, BLOCK_N] tiles live (s, p, dp, ds), hence fewer
+#   query rows than the forward from D = 32 on, and 32 x 32 backward tiles at D = 64 (64 resident keys spilled).
+# - fp32 is IEEE (no TF32), FMA loops in which a thread holds whole operand rows: registers grow with BLOCK * D, so
+#   small tiles and one pipeline stage, except where ptxas spilled at D = 128 (dQ: two stages; dK/dV: 8 warps).
 _TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles, Tiles]] = {
     (False, 16): (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
     (False, 32): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2), Tiles(32, 64, 4, 2)),
@@ -451,8 +446,10 @@ def _tile_doc_ranges(doc: Tensor, block: int) -> Tensor:
     return torch.stack([doc.amin(dim=-1), doc.amax(dim=-1)], dim=-1).contiguous()  # [B, tiles, (min, max)]
 
 
-def _flag_args(vis: Visibility) -> dict:
-    return dict(HAS_DOCS=vis.q_doc is not None, HAS_ALIBI=vis.slopes is not None)
+def _meta(vis: Visibility, block_d: int, t: Tiles) -> dict:
+    """Constexpr and launch keyword arguments of a kernel with tiles ``t``."""
+    return dict(HAS_DOCS=vis.q_doc is not None, HAS_ALIBI=vis.slopes is not None, BLOCK_M=t.block_m,
+                BLOCK_N=t.block_n, BLOCK_D=block_d, **t.launch_options())
 
 
 def fwd_launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, vis: Visibility, scale: float):
@@ -462,39 +459,32 @@ def fwd_launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, vis: Vis
     cfg = _config(q.dtype, d)
     t = cfg.fwd
     k_tiles = _tile_doc_ranges(vis.k_doc, t.block_n) if vis.q_doc is not None else None
-    args = (
-        q, k, v, o, lse, vis.q_doc, vis.k_doc, k_tiles, vis.slopes,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        heads, heads // kv_heads, q_len, k_len, d, vis.diag_lo, vis.diag_hi, vis.shift, scale,
-    )
-    meta = dict(**_flag_args(vis), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=cfg.block_d, **t.launch_options())
-    return (triton.cdiv(q_len, t.block_m) * batch * heads,), args, meta
+    args = (q, k, v, o, lse, vis.q_doc, vis.k_doc, k_tiles, vis.slopes, *q.stride(), *k.stride(), *v.stride(),
+            *o.stride(), heads, heads // kv_heads, q_len, k_len, d, vis.diag_lo, vis.diag_hi, vis.shift, scale)
+    return (triton.cdiv(q_len, t.block_m) * batch * heads,), args, _meta(vis, cfg.block_d, t)
 
 
 def bwd_launches(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor, delta: Tensor,
     dq: Tensor, dk: Tensor, dv: Tensor, vis: Visibility, scale: float,
 ) -> list:
-    """[(kernel, grid, args, meta)] of the backward in launch order (dQ first: it writes delta); shared with the AOT
-    compile gate."""
+    """[(kernel, grid, args, meta)] of the backward in launch order (dQ writes delta); shared with the AOT gate."""
     batch, q_len, heads, d = q.shape
     k_len, kv_heads = k.shape[1], k.shape[2]
     cfg = _config(q.dtype, d)
     docs = vis.q_doc is not None
     dims = (heads, heads // kv_heads, q_len, k_len, d, vis.diag_lo, vis.diag_hi, vis.shift, scale)
-
-    def meta(t: Tiles) -> dict:
-        return dict(**_flag_args(vis), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=cfg.block_d, **t.launch_options())
-
     k_tiles = _tile_doc_ranges(vis.k_doc, cfg.dq.block_n) if docs else None  # key tiles the dQ kernel loops over
     q_tiles = _tile_doc_ranges(vis.q_doc, cfg.dkdv.block_m) if docs else None  # query tiles of the dK/dV loop
     return [
         (_bwd_dq_kernel, (triton.cdiv(q_len, cfg.dq.block_m) * batch * heads,),
          (q, k, v, o, do, lse, dlse, delta, dq, vis.q_doc, vis.k_doc, k_tiles, vis.slopes,
-          *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *dims), meta(cfg.dq)),
+          *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *dims),
+         _meta(vis, cfg.block_d, cfg.dq)),
         (_bwd_dkdv_kernel, (triton.cdiv(k_len, cfg.dkdv.block_n) * batch * kv_heads,),
          (q, k, v, do, lse, delta, dk, dv, vis.q_doc, vis.k_doc, q_tiles, vis.slopes,
-          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dims), meta(cfg.dkdv)),
+          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dims),
+         _meta(vis, cfg.block_d, cfg.dkdv)),
     ]
 
 
