@@ -46,8 +46,7 @@ from .triton_common import (BLOCK_D_BUCKETS, LOG2E, SUPPORTED_DTYPES, Tiles, cas
 __all__ = ["triton_attention", "SUPPORTED_DTYPES", "BLOCK_D_BUCKETS"]
 
 _INT32_MAX = 2**31 - 1
-# Integer arguments that change from block to block of one sequence (ring attention steps, offsets) are neither
-# specialised on == 1 nor on divisibility by 16: Triton would otherwise compile a kernel per class of each of them.
+# Integers that change from block to block (ring steps, offsets): not specialised, one kernel serves every block.
 _PER_BLOCK = ("diag_lo", "diag_hi", "shift")
 
 
@@ -161,8 +160,7 @@ def _key_range(start_m, Sq, Sk, diag_lo, diag_hi, BLOCK_M: tl.constexpr, BLOCK_N
     Query rows a of the tile ``[start_m, min(start_m + BLOCK_M, Sq))`` see key rows c with ``a - diag_hi <= c <=
     a - diag_lo``: so ``c`` in ``[start_m - diag_hi, last_row - diag_lo]`` clipped to ``[0, Sk)``, the start rounded
     down to a tile boundary. A tile the band misses entirely gives ``lo == hi``: no iteration (rounding ``lo`` down
-    alone could reopen a range that is empty). With the roles swapped (``-diag_hi``, ``-diag_lo``) it gives a key
-    tile's query rows.
+    alone could reopen a range that is empty). Swapped (``-diag_hi``, ``-diag_lo``): a key tile's query rows.
     """
     first = tl.maximum(start_m - diag_hi, 0)
     last_row = tl.minimum(start_m + BLOCK_M, Sq) - 1
@@ -248,11 +246,11 @@ def _fwd_kernel(
     offs_m, offs_n, offs_d, d_ok = tile_offsets(D, BLOCK_M, BLOCK_N, BLOCK_D)
     rows = start_m + offs_m  # local query rows
     query_ok, qd_ok = tile_bounds(rows, Sq, d_ok)  # [BLOCK_M], [BLOCK_M, BLOCK_D]
-    slope = _slope(Slopes, h, HAS_ALIBI)
-    q_doc, doc_lo, doc_hi = _tile_docs(QDoc, b * Sq, rows, query_ok, HAS_DOCS)
     # q[b, start_m:, h, :] as a [BLOCK_M, BLOCK_D] tile, resident for the whole loop
     q_ptr, q_offs = _tile(Q, b, h, start_m, stride_qb, stride_qh, stride_qs, stride_qd, offs_m, offs_d)
     q = tl.load(q_ptr + q_offs, mask=qd_ok, other=0.0)
+    slope = _slope(Slopes, h, HAS_ALIBI)
+    q_doc, doc_lo, doc_hi = _tile_docs(QDoc, b * Sq, rows, query_ok, HAS_DOCS)
     n_lo, n_hi, k_ptr, k_offs, v_ptr, v_offs = _key_loop(
         K, V, b, h, GROUP, start_m, Sq, Sk, diag_lo, diag_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d, BLOCK_M, BLOCK_N)
@@ -297,19 +295,21 @@ def _bwd_dq_kernel(
     offs_m, offs_n, offs_d, d_ok = tile_offsets(D, BLOCK_M, BLOCK_N, BLOCK_D)
     rows = start_m + offs_m
     query_ok, qd_ok = tile_bounds(rows, Sq, d_ok)
-    slope = _slope(Slopes, h, HAS_ALIBI)
-    q_doc, doc_lo, doc_hi = _tile_docs(QDoc, b * Sq, rows, query_ok, HAS_DOCS)
-    # q, O, dO [BLOCK_M, BLOCK_D] tiles of row start_m of (b, h); lse, dlse, delta rows [BLOCK_M]
-    q_ptr, q_offs = _tile(Q, b, h, start_m, stride_qb, stride_qh, stride_qs, stride_qd, offs_m, offs_d)
-    o_ptr, o_offs = _tile(O, b, h, start_m, stride_ob, stride_oh, stride_os, stride_od, offs_m, offs_d)
-    do_ptr, do_offs = _tile(DO, b, h, start_m, stride_dob, stride_doh, stride_dos, stride_dod, offs_m, offs_d)
-    q = tl.load(q_ptr + q_offs, mask=qd_ok, other=0.0)
-    o = tl.load(o_ptr + o_offs, mask=qd_ok, other=0.0)
-    do = tl.load(do_ptr + do_offs, mask=qd_ok, other=0.0)
+    # q, O, dO [BLOCK_M, BLOCK_D] tiles of row start_m of (b, h); lse, dlse, delta rows [BLOCK_M]. Rows and columns
+    # are added to the bases one at a time (with _tile's offsets, fp32 D = 128 with documents and ALiBi spills)
+    q_ptr, _ = _tile(Q, b, h, start_m, stride_qb, stride_qh, stride_qs, stride_qd, offs_m, offs_d)
+    o_ptr, _ = _tile(O, b, h, start_m, stride_ob, stride_oh, stride_os, stride_od, offs_m, offs_d)
+    do_ptr, _ = _tile(DO, b, h, start_m, stride_dob, stride_doh, stride_dos, stride_dod, offs_m, offs_d)
+    tile = offs_m[:, None]
+    q = tl.load(q_ptr + tile * stride_qs + offs_d[None, :] * stride_qd, mask=qd_ok, other=0.0)
+    o = tl.load(o_ptr + tile * stride_os + offs_d[None, :] * stride_od, mask=qd_ok, other=0.0)
+    do = tl.load(do_ptr + tile * stride_dos + offs_d[None, :] * stride_dod, mask=qd_ok, other=0.0)
     row_ptr = (b * H + h) * Sq + rows  # rows of [B, H, Sq] (contiguous)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - tl.load(DLSE + row_ptr, mask=query_ok, other=0.0)
     tl.store(Delta + row_ptr, delta, mask=query_ok)
     lse = _load_lse(LSE + row_ptr, query_ok)
+    slope = _slope(Slopes, h, HAS_ALIBI)
+    q_doc, doc_lo, doc_hi = _tile_docs(QDoc, b * Sq, rows, query_ok, HAS_DOCS)
     n_lo, n_hi, k_ptr, k_offs, v_ptr, v_offs = _key_loop(
         K, V, b, h, GROUP, start_m, Sq, Sk, diag_lo, diag_hi, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d, BLOCK_M, BLOCK_N)
@@ -326,8 +326,9 @@ def _bwd_dq_kernel(
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
 
-    dq_ptr, dq_offs = _tile(DQ, b, h, start_m, stride_dqb, stride_dqh, stride_dqs, stride_dqd, offs_m, offs_d)
-    tl.store(dq_ptr + dq_offs, cast(dq * sm_scale, DQ.dtype.element_ty), mask=qd_ok)
+    dq_ptr, _ = _tile(DQ, b, h, start_m, stride_dqb, stride_dqh, stride_dqs, stride_dqd, offs_m, offs_d)
+    tl.store(dq_ptr + tile * stride_dqs + offs_d[None, :] * stride_dqd, cast(dq * sm_scale, DQ.dtype.element_ty),
+             mask=qd_ok)
 
 
 @triton.jit(do_not_specialize=_PER_BLOCK, do_not_specialize_on_alignment=_PER_BLOCK)
