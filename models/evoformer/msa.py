@@ -101,7 +101,6 @@ class MSAAttention(GatedAttentionLayer):
         # bias is [*, N_seq, 1, 1, N_res]
         return self._attend_rows(m, mask, pair, chunk_size)  # [*, N_seq, N_res, C_m]
 
-
     def pair_bias_of(self, z: Tensor) -> Tensor:
         """``b_ij^h = LinearNoBias(LayerNorm(z_ij))`` ``[*, I, J, H]`` (Alg. 7 line 3) of any slab of z (pointwise)."""
         return self.linear_z(self.layer_norm_z(z))

@@ -110,7 +110,6 @@ class TriangleAttention(GatedAttentionLayer):
             out = out.transpose(-2, -3)
         return out
 
-
     def triangle_bias(self, z: Tensor) -> Tensor:
         """``b = LinearNoBias(LayerNorm(z))`` ``[*, I, J, H]`` (Alg. 13/14 line 3) of any slab of z (it is pointwise),
         in z's orientation: the ``bias`` a caller holding only part of z gathers and passes to :meth:`forward`."""
