@@ -37,12 +37,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_common import (BLOCK_D_BUCKETS, LOG2E, Tiles, cast, dot, online_softmax_update, table_entry,
-                            tile_bounds, tile_offsets)
+from .triton_common import (
+    BLOCK_D_BUCKETS,
+    LOG2E,
+    Tiles,
+    cast,
+    dot,
+    online_softmax_update,
+    table_entry,
+    tile_bounds,
+    tile_offsets,
+)
 
-# ----------------------------------------------------------------------------------------------------------
-# Tile configuration
-# ----------------------------------------------------------------------------------------------------------
+# ---- Tile configuration ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -79,9 +86,7 @@ def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     return KernelConfig(block_d=block_d, fwd=fwd, bwd=bwd)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# @triton.jit helpers
-# ----------------------------------------------------------------------------------------------------------
+# ---- @triton.jit helpers -----------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -205,9 +210,7 @@ def _probs(s, row_max, inv_sum):
     return tl.math.exp2((s - row_max[:, None]) * LOG2E) * inv_sum[:, None]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------------------
+# ---- Kernels -----------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -469,9 +472,7 @@ def _bwd_dpair_kernel(
     tl.store(DPair + out_base + rows[:, None] * S + cols[None, :], dpair, mask=query_ok[:, None] & key_ok[None, :])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Launchers: tile configuration, grids and arguments
-# ----------------------------------------------------------------------------------------------------------
+# ---- Launchers: tile configuration, grids and arguments ----------------------------------------------------
 
 
 def _bias_strides(mask: Optional[Tensor], pair: Optional[Tensor]) -> tuple[int, ...]:
@@ -556,9 +557,7 @@ def bwd_launches(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: 
     return launches
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Backend contract (see ds4sci.kernels.evoformer)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Backend contract (see ds4sci.kernels.evoformer) -------------------------------------------------------
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pair: Optional[Tensor]) -> tuple[Tensor, Tensor]:

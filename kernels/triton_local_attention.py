@@ -40,8 +40,18 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .local_reference import check_qkv
-from .triton_common import (BLOCK_D_BUCKETS, LOG2E, SUPPORTED_DTYPES, Tiles, cast, dot, online_softmax_update,
-                            table_entry, tile_bounds, tile_offsets)
+from .triton_common import (
+    BLOCK_D_BUCKETS,
+    LOG2E,
+    SUPPORTED_DTYPES,
+    Tiles,
+    cast,
+    dot,
+    online_softmax_update,
+    table_entry,
+    tile_bounds,
+    tile_offsets,
+)
 
 __all__ = ["triton_attention", "SUPPORTED_DTYPES", "BLOCK_D_BUCKETS"]
 
@@ -50,9 +60,7 @@ _INT32_MAX = 2**31 - 1
 _PER_BLOCK = ("diag_lo", "diag_hi", "shift")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Tile configuration
-# ----------------------------------------------------------------------------------------------------------
+# ---- Tile configuration ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -88,9 +96,7 @@ def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     return KernelConfig(block_d, *tiles)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# @triton.jit helpers: the per-program set-up and per-tile steps the forward, dQ and dK/dV kernels share
-# ----------------------------------------------------------------------------------------------------------
+# ---- @triton.jit helpers: the per-program set-up and per-tile steps the forward, dQ and dK/dV kernels share ----
 
 
 @triton.jit
@@ -225,9 +231,7 @@ def _load_lse(lse_ptrs, ok):
     return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------------------
+# ---- Kernels -----------------------------------------------------------------------------------------------
 
 
 @triton.jit(do_not_specialize=_PER_BLOCK, do_not_specialize_on_alignment=_PER_BLOCK)
@@ -393,9 +397,7 @@ def _bwd_dkdv_kernel(
     tl.store(dv_ptr + dv_offs, cast(dv, DV.dtype.element_ty), mask=kd_ok)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Launchers: visibility band, document tile ranges, grids and arguments
-# ----------------------------------------------------------------------------------------------------------
+# ---- Launchers: visibility band, document tile ranges, grids and arguments ---------------------------------
 
 
 @dataclass(frozen=True)
@@ -539,9 +541,7 @@ class _TritonAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Public function
-# ----------------------------------------------------------------------------------------------------------
+# ---- Public function ---------------------------------------------------------------------------------------
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, q_doc, k_doc, window, alibi_slopes, head_offset) -> None:
