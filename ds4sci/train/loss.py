@@ -15,8 +15,8 @@ single-process training, ZeRO 0-3, clipped and unclipped):
 - The TP ranks of a sequence shard hold the same tokens and compute the same (vocabulary-parallel) loss, so the
   global count and the logged sums run over the sequence x data group ``groups.sdp``, never over the TP ranks.
 - The engine reduces and partitions over the mpu's ``get_sequence_data_parallel_group()`` (``engine.py``:
-  ``seq_data_parallel_group``), which :class:`~ds4sci.distributed.groups.DeepSpeedMPU` makes the ``sdp`` group of this TP
-  rank: TP ranks never mix gradients, so the per-stage reduction, and ``K``, are the ones without TP.
+  ``seq_data_parallel_group``), which :class:`~ds4sci.distributed.groups.DeepSpeedMPU` makes the ``sdp`` group of this
+  TP rank: TP ranks never mix gradients, so the per-stage reduction, and ``K``, are the ones without TP.
 - A TP-split parameter's gradient is complete on its rank. A replicated one (LayerNorms, row-parallel biases) is
   used on sequence regions, so each TP rank's autograd gradient would be partial; the model makes it whole before
   DeepSpeed sees it (``sync_grad`` all-reduces LayerNorm gradients over TP, a row-parallel bias enters each partial
