@@ -8,9 +8,11 @@ import torch
 
 # The triton backend runs on CPU tensors only under the interpreter (tests/conftest.py sets it; =0 skips these).
 HAS_TRITON_BACKEND = (
-    importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+    importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None
+    and os.environ.get("TRITON_INTERPRET") == "1"
 )
-TRITON = pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="no triton backend or interpreter"))
+TRITON = pytest.param("triton",
+                      marks=pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="no triton backend or interpreter"))
 
 
 def randomize_(module, seed):

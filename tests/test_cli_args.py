@@ -167,7 +167,8 @@ def test_help_imports_no_heavy_module():
     import sys
 
     code = ("import sys\nfrom ds4sci.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
-            "    assert e.code == 0\nheavy = sorted(m for m in ('torch', 'deepspeed', 'triton', 'numpy') if m in sys.modules)\n"
+            "    assert e.code == 0\n"
+            "heavy = sorted(m for m in ('torch', 'deepspeed', 'triton', 'numpy') if m in sys.modules)\n"
             "print(heavy)\nsys.exit(bool(heavy))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -59,7 +59,8 @@ def test_cds_file_is_in_frame():
 def test_vocab_69_layout():
     rows = [line.split("\t") for line in (DATA / "genslm_codon_vocab_69.tsv").read_text().splitlines()[1:]]
     ids = {tok: int(i) for tok, i in rows}
-    assert [t for t, i in sorted(ids.items(), key=lambda kv: kv[1])][:5] == ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    first = [t for t, i in sorted(ids.items(), key=lambda kv: kv[1])][:5]
+    assert first == ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
     codons = [t for t in ids if not t.startswith("[")]
     assert len(codons) == 64 and sorted(ids.values()) == list(range(69))
 
@@ -93,7 +94,8 @@ def test_cli_help_lists_commands():
 def test_cli_info_json():
     import json
 
-    out = subprocess.run([sys.executable, "-m", "ds4sci.cli", "info", "--json"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "ds4sci.cli", "info", "--json"], capture_output=True, text=True,
+                         check=True)
     info = json.loads(out.stdout)
     assert info["torch"].startswith("2.")
 

@@ -214,7 +214,8 @@ def test_python_blocks_run(scratch):
                "q, k, v = (torch.randn(B, N, S, H, D) for _ in range(3))\n"
                "mask_bias = torch.zeros(B, N, 1, 1, S)\npair_bias = torch.randn(B, 1, H, S, S)\n")
     for code in (prelude + evoformer + "assert o.shape == q.shape\n",
-                 load_model + "assert logits.shape[:2] == ids.shape and hidden.shape[-1] == model.config.hidden_size\n"):
+                 load_model
+                 + "assert logits.shape[:2] == ids.shape and hidden.shape[-1] == model.config.hidden_size\n"):
         proc = _run([sys.executable, "-c", code], scratch)
         assert proc.returncode == 0, proc.stderr[-3000:]
 

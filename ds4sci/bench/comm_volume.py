@@ -4,8 +4,8 @@ beside the closed forms of :func:`ds4sci.planning.costs.layer_comm_bytes`, which
 For each degree ``P``, ``P`` gloo processes (:func:`ds4sci.spawn.run_workers`) run, scheme after scheme, one
 training step (forward + backward) of a GenSLM made sequence- or tensor-parallel by
 :func:`~ds4sci.parallel.parallelize.parallelize`, with the sequence growing with ``P`` (``N = tokens_per_rank * P``).
-A :class:`~ds4sci.distributed.comm.CommCounter` records the bytes every collective call sends; the figure per layer is the
-difference between a 2-layer and a 1-layer model, so embedding, head and loss traffic cannot leak in.
+A :class:`~ds4sci.distributed.comm.CommCounter` records the bytes every collective call sends; the figure per layer is
+the difference between a 2-layer and a 1-layer model, so embedding, head and loss traffic cannot leak in.
 
 Schemes (the closed forms and their derivations: :mod:`ds4sci.planning.costs`): ``ulysses`` (Jacobs et al. 2023,
 all-to-all of q, k, v and the output), ``ring`` (Liu et al. 2023, key/value blocks around a ring, zigzag layout),

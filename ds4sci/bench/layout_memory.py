@@ -15,10 +15,10 @@ their state lazily); step 2 is measured on every rank:
 - bytes sent per process group and collective kind, counted at the methods of ``torch.distributed.ProcessGroup``
   (every library's collectives pass there) with :class:`~ds4sci.distributed.comm.CommCounter`'s conventions.
 
-The prediction is :func:`ds4sci.planning.genslm.memory` and :func:`ds4sci.planning.genslm.comm` for the same model and layout, fp32; the
-report gives measured / predicted per term for the most loaded rank. Measured ``dp`` is everything sent over the
-sequence x data group, ``pp`` the pipeline's sends, ``other`` what fits no term (pipeline bookkeeping and ZeRO-3
-broadcasts on the default group).
+The prediction is :func:`ds4sci.planning.genslm.memory` and :func:`ds4sci.planning.genslm.comm` for the same model and
+layout, fp32; the report gives measured / predicted per term for the most loaded rank. Measured ``dp`` is everything
+sent over the sequence x data group, ``pp`` the pipeline's sends, ``other`` what fits no term (pipeline bookkeeping and
+ZeRO-3 broadcasts on the default group).
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Keep the ``top_k`` largest logits and the smallest set whose probability reaches ``top_p``; ``[V]`` -> ``[V]``."""
+    """Keep the ``top_k`` largest logits and the smallest set whose probability reaches ``top_p``;
+    ``[V]`` -> ``[V]``."""
     if top_k < 0 or not 0.0 < top_p <= 1.0:
         raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={top_k}, top_p={top_p}")
     logits = logits.clone()

@@ -18,12 +18,12 @@ Every window must fit the model's context (one window of ``score_records``): the
 the longest insertion's net length.
 
 Variants come from a VCF (read with pysam; ``.vcf`` or a bgzipped ``.vcf.gz``; a record with several ALTs is one
-variant per ALT) or from a TSV with a header naming the columns ``chrom pos ref alt`` and optionally ``id`` (1-based ``pos``, as
-in a VCF; comma-separated ALTs as in a VCF). Every line is checked before anything is scored, and one ``ValueError``
-names each bad line with its line number in the file: an unknown chromosome, a position past the record, a REF that
-does not match the reference, an allele that is no sequence of A/C/G/T (symbolic ``<DEL>``, breakends ``N[chr:1[``,
-``*``, ``.``, ``N`` or other codes), ALT equal to REF, an allele longer than :data:`MAX_ALLELE` bases. No line is
-skipped.
+variant per ALT) or from a TSV with a header naming the columns ``chrom pos ref alt`` and optionally ``id`` (1-based
+``pos``, as in a VCF; comma-separated ALTs as in a VCF). Every line is checked before anything is scored, and one
+``ValueError`` names each bad line with its line number in the file: an unknown chromosome, a position past the record,
+a REF that does not match the reference, an allele that is no sequence of A/C/G/T (symbolic ``<DEL>``, breakends
+``N[chr:1[``, ``*``, ``.``, ``N`` or other codes), ALT equal to REF, an allele longer than :data:`MAX_ALLELE` bases. No
+line is skipped.
 
 Codon models are refused: a window around a variant has no reading frame of its own (the frame of the gene it falls
 in is not in a VCF), and an indel whose length is not a multiple of 3 shifts the frame of everything after it, so

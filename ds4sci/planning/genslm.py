@@ -161,7 +161,8 @@ class Strategy:
         d = self.dims
         return (f"tp{d.tp} u{d.ulysses} r{d.ring} pp{d.pp} dp{d.dp} z{self.zero_stage} "
                 f"off:{self.offload} ckpt:{self.checkpointing}"
-                + (f" tile:{self.mlp_tile}" if self.mlp_tile else "") + (" ckpt-cpu" if self.offload_activations else "")
+                + (f" tile:{self.mlp_tile}" if self.mlp_tile else "")
+                + (" ckpt-cpu" if self.offload_activations else "")
                 + (f" loss-tile:{self.loss_tile}" if self.loss_tile else ""))
 
 
@@ -254,9 +255,9 @@ def _param_tensors(w: Workload, strategy: Strategy) -> tuple[list[float], list[f
 
 
 def loss_saved_bytes(w: Workload, strategy: Strategy) -> float:
-    """Bytes the output projection and the loss save per local token beyond the final norm's: untiled, the fp32 logits and their log-softmax, ``8 V / tp``; tiled (``strategy.loss_tile``), the int64 targets of
-    the SP shard, ``8 tp``, and under TP the gathered final norm output in place of this rank's region,
-    ``(tp - 1) h e``."""
+    """Bytes the output projection and the loss save per local token beyond the final norm's: untiled, the fp32 logits
+    and their log-softmax, ``8 V / tp``; tiled (``strategy.loss_tile``), the int64 targets of the SP shard, ``8 tp``,
+    and under TP the gathered final norm output in place of this rank's region, ``(tp - 1) h e``."""
     tp = strategy.dims.tp
     if not strategy.loss_tile:
         return 8 * w.model.vocab_size / tp

@@ -69,9 +69,9 @@ def strategies(w: Workload, cluster: Cluster, fixed: Constraints = Constraints()
                split_seq: bool = True) -> list[Strategy]:
     """Every strategy on all ``cluster.world`` GPUs that splits the model (and ``w.seq_len`` if ``split_seq``) evenly
     and respects ``fixed``: degrees the model admits
-    (:meth:`~ds4sci.distributed.dims.ParallelDims.check_model`: ``tp * ulysses`` divides the heads, ``tp`` the MLP width,
-    ``pp <= layers``), ``tp`` dividing the GPUs of a node (a fixed ``tp`` may also span whole nodes), ZeRO 2/3 only
-    without pipeline parallelism (DeepSpeed's pipeline engine), optimizer offload with ZeRO >= 1 and parameter
+    (:meth:`~ds4sci.distributed.dims.ParallelDims.check_model`: ``tp * ulysses`` divides the heads, ``tp`` the MLP
+    width, ``pp <= layers``), ``tp`` dividing the GPUs of a node (a fixed ``tp`` may also span whole nodes), ZeRO 2/3
+    only without pipeline parallelism (DeepSpeed's pipeline engine), optimizer offload with ZeRO >= 1 and parameter
     offload with ZeRO 3; host offload of checkpointed inputs with checkpointing only."""
     world, m = cluster.world, w.model
     out = []

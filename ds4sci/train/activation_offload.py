@@ -125,4 +125,5 @@ class HostOffload:
 
 def _owns_storage(t: Tensor) -> bool:
     """``t`` alone spans its storage (no view of a larger tensor), so releasing the storage releases only ``t``."""
-    return t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())

@@ -41,7 +41,8 @@ class DataConfig:
     tokenizer: str = _field(default="nucleotide",
                     help='"nucleotide" (one token per base) or "codon" (GenSLM\'s 69 ids)')
     dataset: str = _field(default="windows",
-                    help='"windows" (long genomes), "records" (one gene per sample) or "packed" (document-masked genes)')
+                    help='"windows" (long genomes), "records" (one gene per sample) '
+                         'or "packed" (document-masked genes)')
     seq_len: int = _field(default=256, help='tokens per training sequence (divisible by the sequence-parallel degree)')
     stride: int = _field(default=0, help='window stride in tokens; 0 -> seq_len (non-overlapping windows)')
     val_fraction: float = _field(default=0.05,
@@ -77,10 +78,12 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    ulysses: int = _field(default=1, help='Ulysses (all-to-all) sequence-parallel degree; tp x ulysses must divide the heads')
+    ulysses: int = _field(default=1,
+                          help='Ulysses (all-to-all) sequence-parallel degree; tp x ulysses must divide the heads')
     ring: int = _field(default=1, help='ring-attention sequence-parallel degree')
-    tp: int = _field(default=1, help='tensor-parallel degree (Megatron-LM with sequence-parallel regions): splits heads, '
-                    'MLP width and vocabulary; tp x ulysses must divide the heads, tp the MLP width')
+    tp: int = _field(default=1,
+                     help='tensor-parallel degree (Megatron-LM with sequence-parallel regions): splits heads, '
+                          'MLP width and vocabulary; tp x ulysses must divide the heads, tp the MLP width')
     pp: int = _field(default=1, help="pipeline-parallel degree (DeepSpeed's pipeline engine, 1F1B; ZeRO stage 0 or 1)")
     dp: int = _field(default=0,
                     help='data-parallel degree; 0 -> what the world size leaves (world / (tp x ulysses x ring x pp)), '
@@ -246,7 +249,8 @@ class Config:
 
         d, p, t, o = self.data, self.parallel, self.train, self.optim
         check(d.tokenizer in ("nucleotide", "codon"), "data.tokenizer", d.tokenizer, "expected nucleotide or codon")
-        check(d.dataset in ("windows", "records", "packed"), "data.dataset", d.dataset, "expected windows, records or packed")
+        check(d.dataset in ("windows", "records", "packed"), "data.dataset", d.dataset,
+              "expected windows, records or packed")
         check(d.split in SPLITS, "data.split", d.split, f"expected {', '.join(SPLITS[:-1])} or {SPLITS[-1]}")
         check(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2")
         check(0 <= d.stride <= d.seq_len, "data.stride", d.stride, f"must be in [0, seq_len={d.seq_len}]")
@@ -299,7 +303,8 @@ class Config:
             dims.check_model(num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, num_layers=model.num_layers,
                              intermediate_size=model.intermediate_size)
         except ValueError as err:
-            raise ValueError(f"parallel.tp={p.tp!r}, parallel.ulysses={p.ulysses!r}, parallel.pp={p.pp!r}: {err}") from None
+            raise ValueError(f"parallel.tp={p.tp!r}, parallel.ulysses={p.ulysses!r}, "
+                             f"parallel.pp={p.pp!r}: {err}") from None
 
     def _validate_zero_and_checkpointing(self, check) -> None:
         """The ``zero.*`` and ``activation_checkpointing.*`` rules DeepSpeed imposes, so a combination it cannot run

@@ -29,8 +29,8 @@ def initial_model(cfg: Config, tokenizer: Tokenizer, device: torch.device | str 
     ``cfg.genslm_config`` checks the result against the run.
 
     ``device="meta"`` (the trainer's path): parameters without storage, drawn after parallelization by
-    :func:`ds4sci.parallel.parallelize.materialize_`, so no rank ever holds the whole model; with ``model.init_from`` the
-    source's weights (memory-mapped where the format allows) are checked against the model and kept as
+    :func:`ds4sci.parallel.parallelize.materialize_`, so no rank ever holds the whole model; with ``model.init_from``
+    the source's weights (memory-mapped where the format allows) are checked against the model and kept as
     :attr:`GenSLM.init_source`, from which each rank copies only its pieces."""
     state = base = None
     source = f"model.init_from={cfg.model.init_from}"

@@ -91,7 +91,8 @@ TIED_KEY = "embed"  # the TiedLayerSpec key of a tied embedding and head
 
 
 class EmbeddingStage(nn.Module):
-    """``(input_ids [B, T], position_ids [B, T][, doc_ids [B, T]]) -> (x [B, T(/tp), hidden], position_ids[, doc_ids])``:
+    """``(input_ids [B, T], position_ids [B, T][, doc_ids [B, T]])``
+    -> ``(x [B, T(/tp), hidden], position_ids[, doc_ids])``:
     GenSLM's token embedding, the learned position table when there is one, and the embedding dropout (under TP,
     the split into the sequence-parallel region). Submodule names are GenSLM's (``embed_in``, ``embed_pos``; with a
     tied head also ``embed_out``, whose weight is ``embed_in``'s: :meth:`logits`)."""
@@ -160,7 +161,8 @@ def pipeline_layers(model: GenSLM, position_table: Callable[[Tensor], Tensor] | 
     from deepspeed.runtime.pipe import TiedLayerSpec
 
     def tied(**kw):
-        return TiedLayerSpec(TIED_KEY, EmbeddingStage, model, position_table, tied_weight_attr=["embed_in.weight"], **kw)
+        return TiedLayerSpec(TIED_KEY, EmbeddingStage, model, position_table,
+                             tied_weight_attr=["embed_in.weight"], **kw)
 
     return [tied(), *blocks, HeadStage(model), tied(forward_fn=EmbeddingStage.logits)]
 

@@ -122,7 +122,8 @@ class PositionTable:
         for shard, source in shards:
             if int(shard["max_positions"]) != self.module.max_positions or shard["weight"].shape[1] != w.shape[1]:
                 raise ValueError(f"{source}: position table of {int(shard['max_positions'])} x "
-                                 f"{shard['weight'].shape[1]}, this model needs {self.module.max_positions} x {w.shape[1]}")
+                                 f"{shard['weight'].shape[1]}, this model needs {self.module.max_positions} x "
+                                 f"{w.shape[1]}")
             local = slot[shard["rows"]]
             keep = local >= 0
             for dst, key in ((weight, "weight"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):

@@ -44,8 +44,8 @@ def measure_division(initialize: Callable[[nn.Module], object], groups: Sequence
 
     Rank ``r`` of the group (``W`` ranks) back-propagates gradient ``c_r = r + 1`` (exact in bf16) through
     ``engine.backward`` in each of the ``grad_accum`` micro-steps (``engine.step`` between them, as in training);
-    the reduced gradient ``G`` is read after the last backward, before its step. Returns ``grad_accum * sum(c) / G`` (float64 scalar): ``K * grad_accum`` when DeepSpeed behaves as
-    :func:`grad_reduction_factor` says.
+    the reduced gradient ``G`` is read after the last backward, before its step. Returns ``grad_accum * sum(c) / G``
+    (float64 scalar): ``K * grad_accum`` when DeepSpeed behaves as :func:`grad_reduction_factor` says.
 
     Args:
         initialize: builds an engine the way the model's is built (``module -> engine``).

@@ -94,7 +94,8 @@ class LayerNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype in (torch.float16, torch.bfloat16):
             with torch.autocast(x.device.type, enabled=False):
-                out = nn.functional.layer_norm(x.float(), (self.c_in,), self.weight.float(), self.bias.float(), self.eps)
+                out = nn.functional.layer_norm(x.float(), (self.c_in,), self.weight.float(), self.bias.float(),
+                                               self.eps)
             return out.to(x.dtype)
         return nn.functional.layer_norm(x, (self.c_in,), self.weight, self.bias, self.eps)
 
@@ -132,8 +133,8 @@ class GatedAttention(nn.Module):
     query projection has a bias (AF3 supplement Algorithm 24, "q = Linear(a)", as in OpenFold3's AttentionPairBias).
     """
 
-    def __init__(self, c_in: int, c_hidden: int, no_heads: int, convention: Union[str, Convention] = Convention.OPENFOLD3,
-                 q_bias: bool = False):
+    def __init__(self, c_in: int, c_hidden: int, no_heads: int,
+                 convention: Union[str, Convention] = Convention.OPENFOLD3, q_bias: bool = False):
         super().__init__()
         convention = resolve_convention(convention)
         for name, value in (("c_in", c_in), ("c_hidden", c_hidden), ("no_heads", no_heads)):
@@ -178,7 +179,8 @@ class GatedAttention(nn.Module):
         for start in range(0, n, chunk_size):
             rows = slice(start, min(start + chunk_size, n))
             # a mask bias broadcast over N ([*, 1, 1, 1, S]) is shared by all chunks
-            mask_rows = None if mask_bias is None else (mask_bias if mask_bias.shape[-4] == 1 else mask_bias[..., rows, :, :, :])
+            mask_rows = None if mask_bias is None else (
+                mask_bias if mask_bias.shape[-4] == 1 else mask_bias[..., rows, :, :, :])
             chunk = self._attend(x[..., rows, :, :], mask_rows, pair_bias, backend)  # [*, n_chunk, S, C_in]
             if out is None:
                 out = chunk.new_empty(chunk.shape[:-3] + (n,) + chunk.shape[-2:])

@@ -69,8 +69,8 @@ class AttentionCore(nn.Module):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """:class:`RMSNorm`'s computation, ``[..., hidden] -> [..., hidden]`` in ``x``'s dtype, for the modules that hold the
-    weight elsewhere (tensor parallelism's sequence-region norm)."""
+    """:class:`RMSNorm`'s computation, ``[..., hidden] -> [..., hidden]`` in ``x``'s dtype, for the modules that hold
+    the weight elsewhere (tensor parallelism's sequence-region norm)."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., hidden], fp32
     return (weight * normed.to(x.dtype)).to(x.dtype)
@@ -209,8 +209,8 @@ class MLP(nn.Module):
 
     :attr:`tile` (tokens, 0 by default: untiled) is set from outside (``activation_checkpointing.tiled_mlp``,
     ``ds4sci.train.activation_checkpointing``): a positive tile computes the MLP over tiles of that many tokens and
-    recomputes them in backward (:func:`~ds4sci.kernels.tiled_mlp.tiled_mlp`), so no ``[B, T, intermediate]`` activation is saved. An
-    attribute, not a wrapper module, so parameter names do not change.
+    recomputes them in backward (:func:`~ds4sci.kernels.tiled_mlp.tiled_mlp`), so no ``[B, T, intermediate]`` activation
+    is saved. An attribute, not a wrapper module, so parameter names do not change.
     """
 
     def __init__(self, config: GenSLMConfig, device: torch.device | str | None = None):
@@ -408,7 +408,8 @@ class GenSLM(nn.Module):
         the DeepSpeed engine (which would broadcast and reduce it as if it were replicated) and adds its output.
         """
         if self.embed_pos is None:
-            raise ValueError(f"this model has no learned position table (position_embedding={self.config.position_embedding!r})")
+            raise ValueError("this model has no learned position table "
+                             f"(position_embedding={self.config.position_embedding!r})")
         table, self.embed_pos = self.embed_pos, None
         return table
 
@@ -418,7 +419,8 @@ class GenSLM(nn.Module):
                 targets: Tensor | None = None) -> Tensor:
         if input_ids.ndim != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(
-                f"input_ids and position_ids must both be [B, T], got {tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
+                f"input_ids and position_ids must both be [B, T], got {tuple(input_ids.shape)} and "
+                f"{tuple(position_ids.shape)}"
             )
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
             raise ValueError(f"doc_ids must be [B, T] = {tuple(input_ids.shape)}, got {tuple(doc_ids.shape)}")

@@ -35,8 +35,8 @@ def test_summary_reads_the_slopes_and_the_budget():
     assert rows["+ checkpointing"]["working_vectors"] == pytest.approx(34)
     per_token = 2 * 17 * vector + 100 + 17 * vector  # peak = 1 MiB + S x per_token at L = 2
     assert rows["baseline"]["longest_within_budget"] == int(MIB / per_token)
-    # the planner's figures for the same shape (exact per-layer terms: tests/planning/test_genslm_plan.py; 15 hidden vectors, the
-    # rotary tables, the norms' statistics and the lse)
+    # the planner's figures for the same shape (exact per-layer terms: tests/planning/test_genslm_plan.py; 15 hidden
+    # vectors, the rotary tables, the norms' statistics and the lse)
     assert rows["baseline"]["planner_per_layer_vectors"] == pytest.approx(15.375)
     assert rows["+ checkpointing"]["planner_per_layer_vectors"] == 1
     report["summary"] = list(rows.values())
@@ -81,8 +81,8 @@ def _per_layer(runs, S):
 def test_ulysses_2_ranks_keep_half_the_one_process_per_layer_bytes():
     """Full checkpointing under Ulysses 2, through the trainer's parallelize and apply_activation_checkpointing: each
     rank keeps its half of every block input, exactly half the one-process figure per token of the full sequence
-    (the planner's, exact against saved-tensor hooks on one process: tests/planning/test_genslm_plan.py), and the planner's per-rank
-    figure."""
+    (the planner's, exact against saved-tensor hooks on one process: tests/planning/test_genslm_plan.py), and the
+    planner's per-rank figure."""
     S = 256
     runs = ablation.measure("+ checkpointing", SHAPE, [(1, S), (2, S)], "ulysses2")
     assert [len(r["ranks"]) for r in runs] == [2, 2]
@@ -118,10 +118,10 @@ def test_ring_pipeline_and_zero3_rows_measure_what_the_planner_predicts():
     """The baseline row under ring 2 (zigzag), PP 2 and ZeRO-3 over 2 data ranks, in one process group, each through
     the trainer's own path (parallelize; build_pipeline_engine and pipeline_train_batch; build_engine at ZeRO-3), at 2
     and 4 layers. Ring 2: each rank saves exactly half the one-process bytes per layer per token of the full sequence
-    (the one-process figure is the planner's, exact against saved-tensor hooks: tests/planning/test_genslm_plan.py). PP 2: each stage
-    holds L / 2 blocks and saves per block what one process does. ZeRO-3: a data rank saves per layer what one
-    process does, holds its parameter partitions beside the (all persistent, tiny) gathered tensors and is handed
-    half the gradients. Every figure equals the planner's per-rank one exactly."""
+    (the one-process figure is the planner's, exact against saved-tensor hooks: tests/planning/test_genslm_plan.py).
+    PP 2: each stage holds L / 2 blocks and saves per block what one process does. ZeRO-3: a data rank saves per layer
+    what one process does, holds its parameter partitions beside the (all persistent, tiny) gathered tensors and is
+    handed half the gradients. Every figure equals the planner's per-rank one exactly."""
     S, row = 256, "baseline"
     layouts = ["ring2", "pp2", "dp2xzero3"]
     runs = ablation.measure(row, SHAPE, [(2, S), (4, S)], layouts)

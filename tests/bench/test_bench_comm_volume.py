@@ -40,7 +40,8 @@ def test_measured_bytes_match_the_closed_forms(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--degrees", "3"], "powers of two"),
-    (["--heads", "3", "--hidden", "12", "--degrees", "2"], "--heads=3: the Ulysses and TP degree P=2 must divide the heads"),
+    (["--heads", "3", "--hidden", "12", "--degrees", "2"],
+     "--heads=3: the Ulysses and TP degree P=2 must divide the heads"),
     (["--tokens-per-rank", "5"], "must be even"),
 ])
 def test_bad_arguments_one_line(argv, message, capsys):

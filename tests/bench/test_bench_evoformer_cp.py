@@ -72,7 +72,8 @@ def test_2d_peak_pair_terms_fall_as_1_over_p(tmp_path):
     alive on a rank at the peak do not fall with P: with the loss a mean square of the full outputs, whose backward
     makes them, it is 1.74-1.78x for both kinds (seen to fail). The peaks themselves are compared, not their fitted
     N_res^2 coefficients: at these sizes a fit through three points moves by a quarter when the peak's place in the
-    step moves (a change that lowered every 2 x 2 peak raised the Evoformer's fitted coefficient from 1.54x to 1.74x)."""
+    step moves (a change that lowered every 2 x 2 peak raised the Evoformer's fitted coefficient from 1.54x to
+    1.74x)."""
     out = tmp_path / "bench"
     assert cli.main(["bench", "evoformer-cp", "--layout", "2d", "--degrees", "1,4", "--n-res", "6,8,10", "--n-seq",
                      "2", "--c-m", "4", "--c-z", "16", "--c-hidden", "2", "--heads", "1", "--out", str(out)]) == 0

@@ -20,7 +20,8 @@ TINY = {"hidden": 32, "heads": 4, "batch": 1, "position": "rotary", "doc_len": 1
 
 
 def test_alibi_saved_bytes_linear_after_quadratic_before(tmp_path):
-    """The memory-efficient core's claim at tiny sizes: with ALiBi the old path saves an S x S softmax, the default core O(S)."""
+    """The memory-efficient core's claim at tiny sizes: with ALiBi the old path saves an S x S softmax, the default
+    core O(S)."""
     out = tmp_path / "bench"
     assert cli.main(["bench", "genslm-attention-memory", "--seq-lens", "256,512,1K", "--modes", "alibi",
                      "--hidden", "32", "--heads", "4", "--threads", "1", "--device", "cpu", "--out", str(out)]) == 0

@@ -48,7 +48,8 @@ def test_zero1_partitions_the_adam_moments_and_tp2_halves_the_split_parameters(q
 
     c = report["config"]
     full = GenSLM(GenSLMConfig.preset("debug", vocab_size=NucleotideTokenizer().vocab_size, hidden_size=c["hidden"],
-                                      num_heads=c["heads"], num_layers=c["layers"], max_position_embeddings=c["seq_len"]))
+                                      num_heads=c["heads"], num_layers=c["layers"],
+                                      max_position_embeddings=c["seq_len"]))
     sizes = {n: p.numel() * 4 for n, p in full.named_parameters()}
     for rank in tp2["ranks"]:
         split = rank["tp_split"]

@@ -280,11 +280,12 @@ def _pairformer_worker(rank, world, p, n_res):
 @pytest.mark.parametrize("p, n_res", [(2, 7), (3, 7)], ids=["2x2", "3x3"])
 def test_2d_pairformer_equals_single_process(p, n_res):
     """Pairformer blocks on a p x p mesh (z tiled, s replicated, its attention from the bias tiles), one block and a
-    2-block stack tiled between blocks, N_res 7 (padded to 8 on 2 x 2, to 9 on 3 x 3): outputs, input and parameter gradients equal the single process (fp64, to rounding) on every rank,
-    parameter gradients bitwise the same on every rank; and no op of any rank, forward or backward, makes a tensor
-    with two dims of N_res or more but z itself, the pair mask included (the single process does: its bias
-    ``[*, N, N, H_s]`` and the attention's ``[*, 1, H_s, N, N]``): a rank holds of the pair mask its row and column
-    strips only, ``2 N'^2 / p`` per batch element (plan_evoformer's term)."""
+    2-block stack tiled between blocks, N_res 7 (padded to 8 on 2 x 2, to 9 on 3 x 3): outputs, input and parameter
+    gradients equal the single process (fp64, to rounding) on every rank, parameter gradients bitwise the same on every
+    rank; and no op of any rank, forward or backward, makes a tensor with two dims of N_res or more but z itself, the
+    pair mask included (the single process does: its bias ``[*, N, N, H_s]`` and the attention's ``[*, 1, H_s, N, N]``):
+    a rank holds of the pair mask its row and column strips only, ``2 N'^2 / p`` per batch element (plan_evoformer's
+    term)."""
     results = run_workers(_pairformer_worker, p * p, p, n_res, timeout=600)
     padded = -(-n_res // p) * p
     for rank, (per_case, seen, held) in enumerate(results):

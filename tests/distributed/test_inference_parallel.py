@@ -1,7 +1,8 @@
 """Sequence-parallel inference equals one process: per-record log-likelihoods (score), evaluate's loss, mean and
-per-token embeddings, variant log-likelihood ratios (score-variants), under Ulysses, ring, hybrid Ulysses x ring and Ulysses x data ranks, with learned, rotary and
-ALiBi positions and grouped-query attention, on records of uneven lengths (one shorter than the layout's multiple,
-one longer than a window read with a stride); and ``torchrun ... score --ulysses 2`` writes the single process's TSV.
+per-token embeddings, variant log-likelihood ratios (score-variants), under Ulysses, ring, hybrid Ulysses x ring and
+Ulysses x data ranks, with learned, rotary and ALiBi positions and grouped-query attention, on records of uneven lengths
+(one shorter than the layout's multiple, one longer than a window read with a stride); and
+``torchrun ... score --ulysses 2`` writes the single process's TSV.
 """
 import csv
 import os

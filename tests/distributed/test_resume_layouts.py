@@ -7,8 +7,9 @@ PP2 ZeRO-0 -> DP2 ZeRO-2 and Ring2 zigzag ZeRO-1 with optimizer offload -> Ulyss
 layout, ZeRO stage, offload and partition count all change). A Llama-shaped model (one key/value head shared by both
 TP ranks, head tied to the embedding) has its own one-process reference and resumes at PP2 (the checkpoint's tied
 matrix read into both end stages' copies), then saves there (once) and resumes at TP2 (the fused QKV's permuted
-shards) and at PP2 again (DeepSpeed's own checkpoint files, the engine's path at an unchanged layout). Each resumed run's steps 3-4 have its reference's losses and parameters (fp32 rounding). The helpers are
-those of ``test_train_equivalence``.
+shards) and at PP2 again (DeepSpeed's own checkpoint files, the engine's path at an unchanged layout). Each resumed
+run's steps 3-4 have its reference's losses and parameters (fp32 rounding). The helpers are those of
+``test_train_equivalence``.
 """
 import json
 from pathlib import Path

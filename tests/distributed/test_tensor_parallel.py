@@ -150,10 +150,10 @@ def check_saved_bytes(label, groups, config, *, S, B=2, tile=0):
 
 def check_tiled_loss_saved_bytes(label, groups, config, *, S, B=2, tile=5):
     """The tiled loss on the vocabulary-parallel head saves, per local token, the planner's
-    :func:`~ds4sci.planning.genslm.loss_saved_bytes` more than the head alone computing logits: the SP shard's int64 targets (``8
-    tp``) and the gathered final-norm output (``tp h e``) in place of this rank's region (``h e``), which the head's
-    column-parallel matmul saves untiled; and no logits. (The untiled head also saves its padded-column mask, ``V_pad /
-    tp`` booleans for the ``-inf`` fill; the tiled one keeps none.)"""
+    :func:`~ds4sci.planning.genslm.loss_saved_bytes` more than the head alone computing logits: the SP shard's int64
+    targets (``8 tp``) and the gathered final-norm output (``tp h e``) in place of this rank's region (``h e``), which
+    the head's column-parallel matmul saves untiled; and no logits. (The untiled head also saves its padded-column mask,
+    ``V_pad / tp`` booleans for the ``-inf`` fill; the tiled one keeps none.)"""
     from ds4sci.train.activation_checkpointing import apply_tiled_loss
 
     saved = []

@@ -186,7 +186,8 @@ def _master_updates(rank, world, cases):
     from ds4sci.train.trainer import Trainer
 
     def masters(trainer):
-        state = {n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in trainer.engine.module.named_parameters()}
+        state = {n: safe_get_full_fp32_param(p).detach().cpu().clone()
+                 for n, p in trainer.engine.module.named_parameters()}
         if trainer.pos_table is not None:
             state["embed_pos.weight"] = trainer.pos_table.gather().float()
         return state

@@ -28,8 +28,11 @@ import torch
 
 from ds4sci.spawn import run_workers
 
+import test_train_tensor_parallel
 from test_train_equivalence import CLIP, ENV, _overrides
-from test_train_tensor_parallel import _cases, _check, runs  # noqa: F401 (runs: the module's run folder fixture)
+from test_train_tensor_parallel import _cases, _check
+
+runs = test_train_tensor_parallel.runs  # the module-scoped run folder fixture, shared
 
 PP2 = ["parallel.pp=2"]
 

@@ -2,10 +2,10 @@
 ZeRO-3 leaf module), under TP 2 with ZeRO-2 (whose gradient hook refuses a parameter reduced twice in one step) and
 clipping, under Ulysses 2 with ZeRO-3 and DeepSpeed's full checkpointing, under TP 2 with ZeRO-3 (the leaf MLP
 holding row-parallel layers) and selective checkpointing, and under ring 2 (zigzag) with ZeRO-3, full checkpointing and
-the checkpointed inputs in host memory (``activation_checkpointing.cpu``), training equals single-process training without it (losses
-and parameters after three steps, fp32 ~1e-5); and the tiling demonstrably ran: each MLP's output projection is called
-once per tile in forward and once more per tile in backward (twice more with full checkpointing, whose recomputed
-block runs the tiled MLP again)."""
+the checkpointed inputs in host memory (``activation_checkpointing.cpu``), training equals single-process training
+without it (losses and parameters after three steps, fp32 ~1e-5); and the tiling demonstrably ran: each MLP's output
+projection is called once per tile in forward and once more per tile in backward (twice more with full checkpointing,
+whose recomputed block runs the tiled MLP again)."""
 import math
 
 import pytest
@@ -53,7 +53,8 @@ def test_tiled_mlp_trains_like_one_process_under_zero3_ulysses_tp_ring_and_check
         ("ring=2 zero=3 full checkpointing in host memory, tiled", 3, {"ring": 2}, TILED + FULL + HOST, 16, 3),
     ]
     cache = [f"data.cache_dir={tmp_path / 'token_cache'}"]  # one token cache for every run (built once)
-    overrides = [_overrides(tmp_path / f"c{i}", z, **deg, extra=cache + x) for i, (_, z, deg, x, _, _) in enumerate(cases)]
+    overrides = [_overrides(tmp_path / f"c{i}", z, **deg, extra=cache + x)
+                 for i, (_, z, deg, x, _, _) in enumerate(cases)]
     got = run_workers(_train_counting_tiles, 2, overrides, env=ENV, timeout=400)[0]
     want = _baseline([_overrides(tmp_path / "b2", 2, extra=cache + CLIP), _overrides(tmp_path / "b3", 3, extra=cache)])
     references = {2: want[0], 3: want[1]}

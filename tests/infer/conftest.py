@@ -11,6 +11,7 @@ def tiny():
     """``(model, config, tokenizer)``: a 32-token context, so a 40-token sequence needs two windows."""
     torch.manual_seed(0)
     tok = NucleotideTokenizer()
-    cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=32, position_embedding="learned")
+    cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=32,
+                              position_embedding="learned")
     model = GenSLM(cfg).eval()
     return model, cfg, tok

@@ -247,7 +247,8 @@ def test_ds4sci_layer_bf16_and_chunked_from_openfold3_state_dict(variant):
     x, z, mask = (None if t is None else t.float() for t in inputs)
     with torch.no_grad():
         torch.testing.assert_close(
-            call(variant, ours.float(), x, z, mask, chunk_size=2), call(variant, of3_module.float(), x, z, mask, chunk_size=2),
+            call(variant, ours.float(), x, z, mask, chunk_size=2),
+            call(variant, of3_module.float(), x, z, mask, chunk_size=2),
             rtol=1e-5, atol=2e-6,
         )
 

@@ -78,7 +78,8 @@ def test_export_loading_names_the_missing_truncated_or_mismatched_file(tmp_path)
 
 def test_export_round_trip_same_logits(tmp_path):
     torch.manual_seed(0)
-    cfg = GenSLMConfig.preset("debug", vocab_size=TOK.vocab_size, max_position_embeddings=32, position_embedding="learned")
+    cfg = GenSLMConfig.preset("debug", vocab_size=TOK.vocab_size, max_position_embeddings=32,
+                              position_embedding="learned")
     model = GenSLM(cfg).eval()
     export_consolidated(model.state_dict(), cfg, TOK, tmp_path / "ex")
     again, cfg2, tok2 = load_model(tmp_path / "ex")

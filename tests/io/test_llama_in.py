@@ -92,7 +92,8 @@ def test_llama_refusals_name_key_and_sizes(tmp_path):
         load_weights(tmp_path / "bias")
     (tmp_path / "kv").mkdir()
     (tmp_path / "kv" / "config.json").write_text(
-        (tmp_path / "gelu" / "config.json").read_text().replace('"num_key_value_heads": 2', '"num_key_value_heads": 2.0'))
+        (tmp_path / "gelu" / "config.json").read_text().replace('"num_key_value_heads": 2',
+                                                                '"num_key_value_heads": 2.0'))
     with pytest.raises(ValueError, match=r"kv/config.json: num_key_value_heads=2.0: expected an integer, got float"):
         load_weights(tmp_path / "kv")
     _hf_llama(tmp_path / "partial", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,

@@ -58,7 +58,8 @@ def _evaluate_error(export, capsys) -> str:
     ({"hidden_size": 0}, "hidden_size=0: must be >= 1"),
     ({"num_heads": -4}, "num_heads=-4: must be >= 1"),
     ({"num_heads": 3}, "hidden_size=64 is not divisible by num_heads=3"),
-    ({"position_embedding": "sinusoid"}, "position_embedding='sinusoid': expected one of ('learned', 'rotary', 'alibi')"),
+    ({"position_embedding": "sinusoid"},
+     "position_embedding='sinusoid': expected one of ('learned', 'rotary', 'alibi')"),
     ({"vocab_size": 11}, "vocab_size=11 but tokenizer.json has 10 ids"),
     # sizes the tensors contradict, read from the safetensors header
     ({"num_layers": 3}, "num_layers=3 but model.safetensors holds layers 0-1 (2 layers)"),

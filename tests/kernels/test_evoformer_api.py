@@ -219,7 +219,8 @@ def test_biases_classified_by_shape_in_any_order():
     only_pair = evoformer_attention(q, k, v, [None, tensors[4]], backend="torch")
     pair_first = evoformer_attention(q, k, v, [tensors[4]], backend="torch")
     assert torch.equal(only_pair, pair_first)
-    assert torch.equal(evoformer_attention(q, k, v, [], backend="torch"), evoformer_attention(q, k, v, None, backend="torch"))
+    assert torch.equal(evoformer_attention(q, k, v, [], backend="torch"),
+                       evoformer_attention(q, k, v, None, backend="torch"))
 
 
 def test_ambiguous_single_bias_resolved_by_position():
@@ -249,7 +250,8 @@ def test_ds4sci_drop_in_mutates_list_and_matches():
     DS4Sci_EvoformerAttention(q, k, v, empty)
     assert empty == [None, None]
     full = [mask, pair]
-    torch.testing.assert_close(DS4Sci_EvoformerAttention(q, k, v, full), evoformer_attention(q, k, v, [mask, pair], backend="torch"))
+    torch.testing.assert_close(DS4Sci_EvoformerAttention(q, k, v, full),
+                               evoformer_attention(q, k, v, [mask, pair], backend="torch"))
     assert len(full) == 2
     # fp32 and S <= 16 are accepted (DeepSpeed rejects both)
     small = torch.randn(1, 2, 5, 2, 8)
@@ -404,7 +406,8 @@ def test_only_some_inputs_require_grad(backend):
     torch.testing.assert_close(q.grad, ref[1], rtol=0, atol=1e-12)
     torch.testing.assert_close(pair.grad, ref[5], rtol=0, atol=1e-12)
     with torch.no_grad():  # inference: no graph, same output
-        torch.testing.assert_close(evoformer_attention(q, k, v, [mask, pair], backend=backend), ref[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(evoformer_attention(q, k, v, [mask, pair], backend=backend), ref[0],
+                                   rtol=0, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -441,7 +444,8 @@ def _variant(name, backend, p):
         mask_bias = (inf * (msa_mask - 1))[..., :, None, None, :]  # [B, N_seq, 1, 1, N_res]
         pair_bias = torch.einsum("bijc,ch->bhij", z, w_b)[:, None]  # [B, 1, H, N_res, N_res]
         want = _openfold_attention(m, m, w_q, w_k, w_v, [mask_bias, pair_bias])
-        got = evoformer_attention(_project(m, w_q), _project(m, w_k), _project(m, w_v), [mask_bias, pair_bias], backend=backend)
+        got = evoformer_attention(_project(m, w_q), _project(m, w_k), _project(m, w_v), [mask_bias, pair_bias],
+                                  backend=backend)
         return got, want
     if name == "msa_col":  # transposed MSA: N = N_res, S = N_seq, mask only
         m_t = m.transpose(-2, -3)  # [B, N_res, N_seq, C_m]

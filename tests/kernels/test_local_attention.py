@@ -254,8 +254,8 @@ def test_mask_construction_peak_memory_is_near_one_mask():
 
     def grow(how):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no thread stacks appearing mid-measurement
-        out = subprocess.run([sys.executable, "-c", _MASK_PEAK, str(S), how], capture_output=True, text=True, check=True,
-                             env=env)
+        out = subprocess.run([sys.executable, "-c", _MASK_PEAK, str(S), how], capture_output=True, text=True,
+                             check=True, env=env)
         return int(out.stdout.strip().splitlines()[-1])
 
     ours, naive = grow("ours"), grow("naive")
@@ -291,7 +291,8 @@ def test_threshold_rule_builds_where_it_says(monkeypatch):
         assert built_on == [where], (limit, built_on)
     # on CUDA the threshold comes from the device's memory: 16K for 40 GiB
     monkeypatch.undo()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=40 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=40 * 2**30))
     assert local_reference.mask_threshold("cuda:0") == 16384
     assert local_reference.mask_threshold("cpu") is None
 

@@ -16,7 +16,8 @@ from ds4sci.kernels.triton_common import cast, online_softmax_update  # noqa: E4
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs TRITON_INTERPRET=1 or CUDA")
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or CUDA")
 
 
 @triton.jit

@@ -146,7 +146,8 @@ def test_fully_masked_rows_give_zeros_inf_lse_and_finite_grads(dtype):
     # everything else against the fp64 reference, with PyTorch's own error in this dtype as the yardstick
     cast = [t.double().cpu() for t in (q, k, v, do, mask, pair)]
     o_ref, lse_ref = evoformer_reference.forward(*cast[:3], cast[4], cast[5])
-    want = (o_ref, lse_ref, *evoformer_reference.backward(cast[3], *cast[:3], o_ref, lse_ref, cast[4], cast[5], True, True))
+    want = (o_ref, lse_ref,
+            *evoformer_reference.backward(cast[3], *cast[:3], o_ref, lse_ref, cast[4], cast[5], True, True))
     low = [t.cpu() for t in (q, k, v, do, mask, pair)]
     o_pt, lse_pt = evoformer_reference.forward(*low[:3], low[4], low[5])
     pt = (o_pt, lse_pt, *evoformer_reference.backward(low[3], *low[:3], o_pt, lse_pt, low[4], low[5], True, True))
@@ -208,7 +209,8 @@ def test_strided_views_give_bitwise_the_same_result_as_contiguous_copies():
     # and the per-n mask gradient is the reference's (not reduced over the broadcast N)
     cast = [t.double().cpu() for t in (q, k, v, do, mask, pair)]
     o_ref, lse_ref = evoformer_reference.forward(*cast[:3], cast[4], cast[5])
-    _, _, _, dmask_ref, dpair_ref = evoformer_reference.backward(cast[3], *cast[:3], o_ref, lse_ref, cast[4], cast[5], True, True)
+    _, _, _, dmask_ref, dpair_ref = evoformer_reference.backward(cast[3], *cast[:3], o_ref, lse_ref, cast[4], cast[5],
+                                                                 True, True)
     torch.testing.assert_close(strided[5].double().cpu(), dmask_ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(strided[6].double().cpu(), dpair_ref, rtol=0, atol=1e-5)
 

@@ -284,7 +284,8 @@ def test_fresh_layer_is_zero_update(variant):
 # Parameter layout and configuration
 # ----------------------------------------------------------------------------------------------------------
 
-_MHA = ["mha.linear_q.weight", "mha.linear_k.weight", "mha.linear_v.weight", "mha.linear_o.weight", "mha.linear_g.weight"]
+_MHA = ["mha.linear_q.weight", "mha.linear_k.weight", "mha.linear_v.weight", "mha.linear_o.weight",
+        "mha.linear_g.weight"]
 _MHA_AF2 = _MHA + ["mha.linear_o.bias", "mha.linear_g.bias"]
 # Parameter names of the same modules in OpenFold3 (openfold3 0.5.0) and OpenFold (aqlaboratory/openfold):
 # in OpenFold, Attention's linear_g and linear_o carry a bias and the triangle bias projection is `linear`.
@@ -322,7 +323,8 @@ def test_state_dict_layout(variant, convention):
 
 def test_triangle_attention_generic_class():
     """TriangleAttention(starting=...) is the OpenFold3 class; the two named classes fix `starting`."""
-    start, end = TriangleAttention(C_Z, C_HIDDEN, HEADS, starting=True), TriangleAttention(C_Z, C_HIDDEN, HEADS, starting=False)
+    start = TriangleAttention(C_Z, C_HIDDEN, HEADS, starting=True)
+    end = TriangleAttention(C_Z, C_HIDDEN, HEADS, starting=False)
     assert start.starting and not end.starting
     assert TriangleAttentionStartingNode(C_Z, C_HIDDEN, HEADS).starting
     assert not TriangleAttentionEndingNode(C_Z, C_HIDDEN, HEADS).starting
@@ -372,7 +374,8 @@ def test_bad_shapes_raise_value_errors_naming_shapes():
         col(m, mask.T)
     tri = make_layer("tri_end")
     x, _, pmask = (None if t is None else t.float() for t in make_inputs("tri_end"))
-    with pytest.raises(ValueError, match=r"TriangleAttentionEndingNode: the pair representation must be square .*\(7, 5, 6\)"):
+    with pytest.raises(ValueError,
+                       match=r"TriangleAttentionEndingNode: the pair representation must be square .*\(7, 5, 6\)"):
         tri(x[:, :5])
     with pytest.raises(ValueError, match=r"x must have shape \[\*, I, J, 6\], got \(7, 7\)"):
         tri(x[..., 0])

@@ -201,7 +201,8 @@ def _saved_on_rank(rank: int, world: int, cases: list, mesh=None) -> list[int]:
 def test_1d_block_saved_equals_saved_tensors_per_rank():
     """1-D (gloo, 2 processes; odd N_res and N_seq, padded to even): every rank saves the planner's block figure (its
     rows of every sub-module, the padded masks whole) plus the gathered tensors whole: the entry split hands each
-    rank a copy of its piece (``ds4sci.distributed.comm.split``), so a lone block keeps no view of the whole padded inputs."""
+    rank a copy of its piece (``ds4sci.distributed.comm.split``), so a lone block keeps no view of the whole padded
+    inputs."""
     from ds4sci.spawn import run_workers
 
     P, cases = 2, [("evoformer-af2-like", 7, 5), ("pairformer-tiny", 7, 0)]
@@ -279,8 +280,8 @@ def test_1d_exit_gather_peak_per_rank():
 
 @pytest.mark.parametrize("preset", sorted(pe.PRESETS))
 def test_gathers_are_the_context_parallel_all_gathers(preset):
-    """1-D: the gathered tensors are the all-gathers of ds4sci.parallel.evoformer.axial (its closed form, the bytes a rank
-    sends to gather them, over (P - 1) / P); at AlphaFold2's shape FastFold's 272 N^2 plus the outer product's
+    """1-D: the gathered tensors are the all-gathers of ds4sci.parallel.evoformer.axial (its closed form, the bytes a
+    rank sends to gather them, over (P - 1) / P); at AlphaFold2's shape FastFold's 272 N^2 plus the outer product's
     S N c_opm."""
     from ds4sci.parallel.evoformer.axial import block_comm_bytes
 

@@ -9,7 +9,8 @@ from ds4sci.train.engine import deepspeed_config, lr_lambda
 
 def test_defaults_are_valid_and_yaml_plus_overrides_apply(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("data:\n  seq_len: 64\ntrain:\n  steps: 7\nzero:\n  stage: 2\nmodel:\n  overrides: {num_layers: 3}\n")
+    path.write_text("data:\n  seq_len: 64\ntrain:\n  steps: 7\nzero:\n  stage: 2\n"
+                    "model:\n  overrides: {num_layers: 3}\n")
     cfg = load_config(path, ["train.steps=9", "optim.betas=[0.8, 0.9]", "parallel.ulysses=2", "train.progress=false",
                              "model.overrides.position_embedding=learned", "optim.lr=3e-3"])
     assert cfg.data.seq_len == 64 and cfg.zero.stage == 2
@@ -263,7 +264,8 @@ def test_zero_checkpointing_and_degree_keys_round_trip_through_yaml_set_and_prin
         (["activation_checkpointing.mlp_tile=-8"], ["activation_checkpointing.mlp_tile=-8"]),
         (["activation_checkpointing.tiled_loss=true", "activation_checkpointing.loss_tile=0"],
          ["activation_checkpointing.loss_tile=0", ">= 1 token", "tiled_loss"]),
-        (["parallel.tp=3", "data.seq_len=96"], ["parallel.tp=3", "tp=3 x ulysses=1 = 3 must divide the number of heads 4"]),
+        (["parallel.tp=3", "data.seq_len=96"],
+         ["parallel.tp=3", "tp=3 x ulysses=1 = 3 must divide the number of heads 4"]),
         (["parallel.tp=2", "model.overrides.intermediate_size=63"],
          ["parallel.tp=2", "tp=2 must divide the MLP width intermediate_size=63"]),
         (["parallel.pp=3"], ["parallel.pp=3", "pp=3 pipeline stages need at least 3 layers, the model has 2"]),

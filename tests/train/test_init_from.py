@@ -227,8 +227,8 @@ def test_refusals_name_the_cause(trained, tmp_path, capsys):
                       CodonTokenizer())
     with pytest.raises(ValueError, match=r"'embed_in.weight' has shape \(10, 64\).*vocabulary: 10 ids in the source, "
                                          r"69 in the model"):
-        load_into(GenSLM(GenSLMConfig.preset("debug")), GenSLM(GenSLMConfig.preset("debug", vocab_size=10)).state_dict(),
-                  "src")
+        load_into(GenSLM(GenSLMConfig.preset("debug")),
+                  GenSLM(GenSLMConfig.preset("debug", vocab_size=10)).state_dict(), "src")
     _hf_model({**GENSLM_ARCH, "vocab_size": 71}).save_pretrained(tmp_path / "v71")
     with pytest.raises(ValueError, match="a vocabulary of 71 ids matches no ds4sci tokenizer"):
         load_weights(tmp_path / "v71")

@@ -181,11 +181,15 @@ class _AxialStack(nn.Module):
         z_r = ax.split(pad_to_multiple(pad_to_multiple(z, -3, ax.p), -2, ax.p), -3)
         if evoformer:  # [*, S, N, C_m] -> [*, S', N', C_m] -> m by sequences [*, S'/p, N', C_m]
             x = ax.split(pad_to_multiple(pad_to_multiple(x, -3, ax.p), -2, ax.p), -3)
-        for i, blk in enumerate(self.blocks):
-            if i:  # z by columns -> by rows; m by residues -> by sequences
-                z_r = ax.cols_to_rows(z_c)
-                x = ax.cols_to_rows(x) if evoformer else x
-            x, z_c = _evoformer(blk, x, z_r, ax) if evoformer else _pairformer(blk, x, z_r, x_mask, ax)
+
+        def run(blk, x, z_r):
+            return _evoformer(blk, x, z_r, ax) if evoformer else _pairformer(blk, x, z_r, x_mask, ax)
+
+        x, z_c = run(self.blocks[0], x, z_r)
+        for blk in self.blocks[1:]:  # z by columns -> by rows; m by residues -> by sequences
+            z_r = ax.cols_to_rows(z_c)
+            x = ax.cols_to_rows(x) if evoformer else x
+            x, z_c = run(blk, x, z_r)
         if evoformer:
             x = gather_leading(x, self.group, x.ndim - 2, self.counter)[..., :n_seq, :n_res, :]
         return x, gather_leading(z_c, self.group, z_c.ndim - 2, self.counter)[..., :n_res, :n_res, :]
