@@ -3,7 +3,8 @@ figures) and ``NAME.md`` (a readable table). Standard library only, so any comma
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["plural", "markdown_table", "write_report"]

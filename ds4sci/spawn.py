@@ -19,7 +19,8 @@ import os
 import queue
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 __all__ = ["run_workers", "open_store"]
 

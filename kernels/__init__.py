@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import importlib
 
-from .backends import EvoformerBackend, LocalBackend, parse_backend
+from .backends import EvoformerBackend
+from .backends import LocalBackend
+from .backends import parse_backend
 
 __all__ = ["DS4Sci_EvoformerAttention", "EvoformerBackend", "LocalBackend", "evoformer_attention", "parse_backend"]
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
-from typing import TypeVar, Union
+from typing import TypeVar
+from typing import Union
 
 __all__ = [
     "EvoformerBackend",

@@ -33,13 +33,19 @@ import math
 import os
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Optional, Union
+from typing import Optional
+from typing import Union
 
 import torch
 from torch import Tensor
 
-from . import evoformer_chunked, evoformer_reference
-from .backends import EVOFORMER_MAX_HEAD_DIM, TRITON_MAX_HEAD_DIM, EvoformerBackend, import_error, parse_backend
+from . import evoformer_chunked
+from . import evoformer_reference
+from .backends import EVOFORMER_MAX_HEAD_DIM
+from .backends import TRITON_MAX_HEAD_DIM
+from .backends import EvoformerBackend
+from .backends import import_error
+from .backends import parse_backend
 
 logger = logging.getLogger(__name__)
 

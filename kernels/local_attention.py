@@ -48,16 +48,16 @@ import logging
 import torch
 from torch import Tensor
 
-from .backends import (
-    FLASH_MAX_HEAD_DIM,
-    LOCAL_CHUNK_SIZE,
-    TRITON_MAX_HEAD_DIM,
-    LocalBackend,
-    import_error,
-    parse_backend,
-)
+from .backends import FLASH_MAX_HEAD_DIM
+from .backends import LOCAL_CHUNK_SIZE
+from .backends import TRITON_MAX_HEAD_DIM
+from .backends import LocalBackend
+from .backends import import_error
+from .backends import parse_backend
 from .local_chunked import chunked_attention
-from .local_reference import check_qkv, empty_result, sdpa_attention
+from .local_reference import check_qkv
+from .local_reference import empty_result
+from .local_reference import sdpa_attention
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offs
     runs eagerly on the CPU (where FlexAttention has no backward: PyTorch raises ``NotImplementedError``).
     ``head_offset`` is accepted for the protocol; these masks do not depend on the head.
     """
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+    from torch.nn.attention.flex_attention import AuxRequest
+    from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as _flex
 
     check_qkv(q, k, v, q_doc, k_doc, window=window)

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backends import LOCAL_CHUNK_SIZE
-from .local_reference import attention_mask, check_qkv, empty_result
+from .local_reference import attention_mask
+from .local_reference import check_qkv
+from .local_reference import empty_result
 
 __all__ = ["chunked_attention"]
 

@@ -9,7 +9,8 @@ set).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor

@@ -10,7 +10,8 @@ smaller matrix products in place of one.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
+from typing import Sequence
 
 from torch import Tensor
 

@@ -6,7 +6,8 @@ MLP, as :mod:`~ds4sci.kernels.local_chunked` is of attention: the untiled call i
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
+from typing import Sequence
 
 from torch import Tensor
 

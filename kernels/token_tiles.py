@@ -9,7 +9,8 @@ place of one.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
+from typing import Sequence
 
 import torch
 from torch import Tensor

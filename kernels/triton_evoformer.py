@@ -37,17 +37,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_common import (
-    BLOCK_D_BUCKETS,
-    LOG2E,
-    Tiles,
-    cast,
-    dot,
-    online_softmax_update,
-    table_entry,
-    tile_bounds,
-    tile_offsets,
-)
+from .triton_common import BLOCK_D_BUCKETS
+from .triton_common import LOG2E
+from .triton_common import Tiles
+from .triton_common import cast
+from .triton_common import dot
+from .triton_common import online_softmax_update
+from .triton_common import table_entry
+from .triton_common import tile_bounds
+from .triton_common import tile_offsets
 
 # ---- Tile configuration ------------------------------------------------------------------------------------
 

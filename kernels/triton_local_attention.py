@@ -40,18 +40,16 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .local_reference import check_qkv
-from .triton_common import (
-    BLOCK_D_BUCKETS,
-    LOG2E,
-    SUPPORTED_DTYPES,
-    Tiles,
-    cast,
-    dot,
-    online_softmax_update,
-    table_entry,
-    tile_bounds,
-    tile_offsets,
-)
+from .triton_common import BLOCK_D_BUCKETS
+from .triton_common import LOG2E
+from .triton_common import SUPPORTED_DTYPES
+from .triton_common import Tiles
+from .triton_common import cast
+from .triton_common import dot
+from .triton_common import online_softmax_update
+from .triton_common import table_entry
+from .triton_common import tile_bounds
+from .triton_common import tile_offsets
 
 __all__ = ["triton_attention", "SUPPORTED_DTYPES", "BLOCK_D_BUCKETS"]
 

@@ -3,10 +3,13 @@ import pytest
 import torch
 
 from ds4sci.cli import main
-from ds4sci.data import CodonTokenizer, NucleotideTokenizer, read_fasta
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.data import read_fasta
 from ds4sci.infer.generate import read_prompt
 from ds4sci.io.export import export_consolidated
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 
 CONTEXT = 32
 
@@ -120,8 +123,10 @@ def test_info_lists_every_backend_of_each_component(monkeypatch, capsys):
     import json
 
     from ds4sci.commands import info
-    from ds4sci.kernels import triton_evoformer, triton_local_attention  # noqa: F401
-    from ds4sci.kernels.backends import EvoformerBackend, LocalBackend
+    from ds4sci.kernels import triton_evoformer  # noqa: F401
+    from ds4sci.kernels import triton_local_attention  # noqa: F401
+    from ds4sci.kernels.backends import EvoformerBackend
+    from ds4sci.kernels.backends import LocalBackend
 
     # The kernel modules are imported above, under conftest's TRITON_INTERPRET=1: @triton.jit reads the variable when a
     # kernel is defined, so a first import by info.backends() below, with the variable unset, would leave compiled
@@ -176,7 +181,8 @@ def test_help_imports_no_heavy_module():
 
 
 def test_command_in_skips_top_level_option_values():
-    from ds4sci.cli import build_parser, command_in
+    from ds4sci.cli import build_parser
+    from ds4sci.cli import command_in
 
     assert command_in(["--log-level", "info", "generate", "x"]) == "generate"
     assert command_in(["--log-level=debug", "info"]) == "info"

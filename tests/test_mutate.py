@@ -5,7 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from mutate import ROOT, changed_files, main, module_name, related_tests, stage, staged_path
+from mutate import ROOT
+from mutate import changed_files
+from mutate import main
+from mutate import module_name
+from mutate import related_tests
+from mutate import stage
+from mutate import staged_path
 
 
 @pytest.mark.parametrize("path, module, staged", [

@@ -130,7 +130,8 @@ def scratch(tmp_path_factory) -> Path:
 
     from ds4sci.data import NucleotideTokenizer
     from ds4sci.io.export import export_consolidated
-    from ds4sci.models.genslm import GenSLM, GenSLMConfig
+    from ds4sci.models.genslm import GenSLM
+    from ds4sci.models.genslm import GenSLMConfig
 
     root = tmp_path_factory.mktemp("readme")
     (root / "examples").symlink_to(ROOT / "examples")
@@ -264,7 +265,9 @@ def test_planner_table_is_what_the_command_prints(capsys, monkeypatch, tmp_path)
 
 def test_preset_counts():
     """README's parameter count of each preset is the model's own count."""
-    from ds4sci.models.genslm.config import PRESETS, GenSLMConfig, format_parameters
+    from ds4sci.models.genslm.config import PRESETS
+    from ds4sci.models.genslm.config import GenSLMConfig
+    from ds4sci.models.genslm.config import format_parameters
 
     sentence = " ".join(README[README.index("Presets (`--preset`"):].split("\n\n")[0].split())
     for name in PRESETS:

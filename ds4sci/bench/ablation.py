@@ -28,16 +28,14 @@ import math
 import time
 
 from ds4sci.bench.layout_memory import parse_layout
-from ds4sci.bench.report import (
-    MIB,
-    add_int_options,
-    check_heads,
-    markdown_table,
-    parse_int_list,
-    plot_peaks,
-    plural,
-    write_files,
-)
+from ds4sci.bench.report import MIB
+from ds4sci.bench.report import add_int_options
+from ds4sci.bench.report import check_heads
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import parse_int_list
+from ds4sci.bench.report import plot_peaks
+from ds4sci.bench.report import plural
+from ds4sci.bench.report import write_files
 from ds4sci.distributed import ParallelDims
 
 ROWS = {  # name -> activation_checkpointing keys; each row adds one switch to the row above (ALST's ablation)
@@ -137,17 +135,23 @@ def _measure_layout(switches: dict, shape: dict, layout: str, runs: list[tuple[i
     import torch
     from deepspeed.runtime.pipe.schedule import ForwardPass
 
-    from ds4sci.bench.memory import PeakMemory, distinct_bytes, model_states
+    from ds4sci.bench.memory import PeakMemory
+    from ds4sci.bench.memory import distinct_bytes
+    from ds4sci.bench.memory import model_states
     from ds4sci.distributed.groups import build_groups
     from ds4sci.models.genslm import GenSLM
     from ds4sci.parallel.genslm_tp import token_loss_for
     from ds4sci.parallel.parallelize import parallelize
     from ds4sci.sequence import shard_sequence
     from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
-    from ds4sci.train.config import ActivationCheckpointingConfig, load_config
+    from ds4sci.train.config import ActivationCheckpointingConfig
+    from ds4sci.train.config import load_config
     from ds4sci.train.engine import build_engine
     from ds4sci.train.loss import global_target_count
-    from ds4sci.train.pipeline import BlockStage, build_pipeline_engine, pipeline_reduction_factor, pipeline_train_batch
+    from ds4sci.train.pipeline import BlockStage
+    from ds4sci.train.pipeline import build_pipeline_engine
+    from ds4sci.train.pipeline import pipeline_reduction_factor
+    from ds4sci.train.pipeline import pipeline_train_batch
 
     groups = build_groups(dims(layout))
     d, zero = groups.dims, zero_stage(layout)
@@ -440,7 +444,8 @@ def _rows(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds4sci.bench.memory import allocator_settings, describe_allocator
+    from ds4sci.bench.memory import allocator_settings
+    from ds4sci.bench.memory import describe_allocator
 
     if args.quick:
         seq_lens, layers, shape = (256, 512), (1, 2), {"hidden": 32, "heads": 4, "mlp_tile": 64, "loss_tile": 64}

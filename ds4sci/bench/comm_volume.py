@@ -25,17 +25,16 @@ import argparse
 import logging
 from pathlib import Path
 
-from ds4sci.bench.report import (
-    MIB,
-    check_heads,
-    markdown_table,
-    parse_int_list,
-    plural,
-    save_figure,
-    subplots,
-    write_files,
-)
-from ds4sci.planning.costs import COMM_SCHEMES, layer_comm_bytes
+from ds4sci.bench.report import MIB
+from ds4sci.bench.report import check_heads
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import parse_int_list
+from ds4sci.bench.report import plural
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
+from ds4sci.planning.costs import COMM_SCHEMES
+from ds4sci.planning.costs import layer_comm_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +91,8 @@ def _scheme_bytes(scheme: str, P: int, tokens: int, hidden: int, heads: int) -> 
     from ds4sci.distributed import ParallelDims
     from ds4sci.distributed.comm import CommCounter
     from ds4sci.distributed.groups import build_groups
-    from ds4sci.models.genslm import GenSLM, GenSLMConfig
+    from ds4sci.models.genslm import GenSLM
+    from ds4sci.models.genslm import GenSLMConfig
     from ds4sci.parallel.parallelize import parallelize
     from ds4sci.sequence import shard_sequence
 

@@ -31,16 +31,14 @@ import logging
 import math
 from pathlib import Path
 
-from ds4sci.bench.report import (
-    MIB,
-    check_positive,
-    command_line,
-    markdown_table,
-    parse_int_list,
-    save_figure,
-    subplots,
-    write_files,
-)
+from ds4sci.bench.report import MIB
+from ds4sci.bench.report import check_positive
+from ds4sci.bench.report import command_line
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import parse_int_list
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +123,8 @@ def _blocks(kind: str, cfg: dict, n_blocks: int):
     import torch
     from torch import nn
 
-    from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
+    from ds4sci.models.evoformer import EvoformerBlock
+    from ds4sci.models.evoformer import PairformerBlock
 
     torch.manual_seed(0)
     c, h = cfg["c_hidden"], cfg["heads"]

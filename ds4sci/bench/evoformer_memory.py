@@ -30,15 +30,13 @@ from collections.abc import Iterator
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import (
-    MIB,
-    check_positive,
-    markdown_table,
-    missing_dependency,
-    save_figure,
-    subplots,
-    write_files,
-)
+from ds4sci.bench.report import MIB
+from ds4sci.bench.report import check_positive
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import missing_dependency
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
 from ds4sci.kernels import evoformer_attention
 
 logger = logging.getLogger(__name__)

@@ -35,9 +35,14 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable
+from typing import Optional
 
-from ds4sci.bench.report import MIB, markdown_table, save_figure, subplots, write_files
+from ds4sci.bench.report import MIB
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
 
 logger = logging.getLogger(__name__)
 

@@ -30,25 +30,27 @@ import statistics
 import torch
 
 from ds4sci.bench import throughput
-from ds4sci.bench.report import (
-    add_int_options,
-    check_heads,
-    check_positive,
-    command_line,
-    describe_load,
-    describe_machine,
-    int_config,
-    load_average,
-    machine,
-    markdown_table,
-    missing_dependency,
-    plural,
-    save_figure,
-    shape_options,
-    subplots,
-    write_files,
-)
-from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
+from ds4sci.bench.report import add_int_options
+from ds4sci.bench.report import check_heads
+from ds4sci.bench.report import check_positive
+from ds4sci.bench.report import command_line
+from ds4sci.bench.report import describe_load
+from ds4sci.bench.report import describe_machine
+from ds4sci.bench.report import int_config
+from ds4sci.bench.report import load_average
+from ds4sci.bench.report import machine
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import missing_dependency
+from ds4sci.bench.report import plural
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import shape_options
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
+from ds4sci.bench.rounds import CLOCKS
+from ds4sci.bench.rounds import alternate
+from ds4sci.bench.rounds import median_round
+from ds4sci.bench.rounds import round_options
+from ds4sci.bench.rounds import torch_threads
 from ds4sci.data import CodonTokenizer
 from ds4sci.infer.generate import sample
 

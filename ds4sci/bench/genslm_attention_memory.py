@@ -35,7 +35,13 @@ from pathlib import Path
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import MIB, markdown_table, parse_int_list, plural, save_figure, subplots, write_report
+from ds4sci.bench.report import MIB
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import parse_int_list
+from ds4sci.bench.report import plural
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_report
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 
 logger = logging.getLogger(__name__)

@@ -30,17 +30,18 @@ from ds4sci.bench.aot.calls import CALLERS
 from ds4sci.bench.aot.compile import TARGETS
 from ds4sci.bench.aot.pool import compile_all
 from ds4sci.bench.aot.ptxas import ptxas_versions
-from ds4sci.bench.aot.variants import (
-    DTYPES,
-    LOCAL_DTYPES,
-    LOCAL_REPRESENTATIVE,
-    QUICK,
-    REPRESENTATIVE,
-    SETS,
-    quick_variants,
-    variants_for,
-)
-from ds4sci.bench.report import plural, save_figure, subplots, write_files
+from ds4sci.bench.aot.variants import DTYPES
+from ds4sci.bench.aot.variants import LOCAL_DTYPES
+from ds4sci.bench.aot.variants import LOCAL_REPRESENTATIVE
+from ds4sci.bench.aot.variants import QUICK
+from ds4sci.bench.aot.variants import REPRESENTATIVE
+from ds4sci.bench.aot.variants import SETS
+from ds4sci.bench.aot.variants import quick_variants
+from ds4sci.bench.aot.variants import variants_for
+from ds4sci.bench.report import plural
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
 
 logger = logging.getLogger(__name__)
 

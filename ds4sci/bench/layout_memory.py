@@ -31,16 +31,14 @@ import weakref
 from dataclasses import asdict
 from pathlib import Path
 
-from ds4sci.bench.report import (
-    MIB,
-    add_int_options,
-    markdown_table,
-    plural,
-    save_figure,
-    shape_options,
-    subplots,
-    write_files,
-)
+from ds4sci.bench.report import MIB
+from ds4sci.bench.report import add_int_options
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import plural
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import shape_options
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
 from ds4sci.distributed import ParallelDims
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
@@ -236,7 +234,8 @@ def _worker(rank: int, world: int, cases: list[dict], common: dict) -> list[dict
     """Every case in this process group: a Trainer, one unmeasured step, one measured step."""
     import torch
 
-    from ds4sci.bench.memory import distinct_bytes, model_states
+    from ds4sci.bench.memory import distinct_bytes
+    from ds4sci.bench.memory import model_states
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 

@@ -29,7 +29,8 @@ import subprocess
 import sys
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 

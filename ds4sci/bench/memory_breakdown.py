@@ -24,8 +24,14 @@ import argparse
 
 import torch
 
-from ds4sci.bench.report import markdown_table, parse_int_list, save_figure, subplots, write_files
-from ds4sci.planning.costs import MASK_POLICIES, mask_bytes, position_table_bytes
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import parse_int_list
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
+from ds4sci.planning.costs import MASK_POLICIES
+from ds4sci.planning.costs import mask_bytes
+from ds4sci.planning.costs import position_table_bytes
 
 GIB = 2.0**30
 PAPER_SEQ_LENS = (50_000, 100_000, 200_000, 500_000)

@@ -30,22 +30,20 @@ import time
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import (
-    MIB,
-    add_int_options,
-    check_positive,
-    command_line,
-    describe_load,
-    describe_machine,
-    load_average,
-    machine,
-    markdown_table,
-    missing_dependency,
-    plural,
-    save_figure,
-    subplots,
-    write_files,
-)
+from ds4sci.bench.report import MIB
+from ds4sci.bench.report import add_int_options
+from ds4sci.bench.report import check_positive
+from ds4sci.bench.report import command_line
+from ds4sci.bench.report import describe_load
+from ds4sci.bench.report import describe_machine
+from ds4sci.bench.report import load_average
+from ds4sci.bench.report import machine
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import missing_dependency
+from ds4sci.bench.report import plural
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
 from ds4sci.kernels import EvoformerBackend
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,9 @@ import platform
 from collections.abc import Iterable
 from pathlib import Path
 
-from ds4sci.report import markdown_table, plural, write_report
+from ds4sci.report import markdown_table
+from ds4sci.report import plural
+from ds4sci.report import write_report
 
 __all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
            "option", "shape_options", "add_int_options", "int_config", "check_positive", "check_heads", "command_line",

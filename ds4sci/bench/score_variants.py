@@ -30,26 +30,33 @@ from pathlib import Path
 
 import torch
 
-from ds4sci.bench.report import (
-    add_int_options,
-    check_heads,
-    check_positive,
-    command_line,
-    describe_machine,
-    int_config,
-    machine,
-    markdown_table,
-    plural,
-    save_figure,
-    shape_options,
-    subplots,
-    write_files,
-)
-from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
-from ds4sci.data import FastaRecord, NucleotideTokenizer, read_fasta
+from ds4sci.bench.report import add_int_options
+from ds4sci.bench.report import check_heads
+from ds4sci.bench.report import check_positive
+from ds4sci.bench.report import command_line
+from ds4sci.bench.report import describe_machine
+from ds4sci.bench.report import int_config
+from ds4sci.bench.report import machine
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import plural
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import shape_options
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
+from ds4sci.bench.rounds import CLOCKS
+from ds4sci.bench.rounds import alternate
+from ds4sci.bench.rounds import median_round
+from ds4sci.bench.rounds import round_options
+from ds4sci.bench.rounds import torch_threads
+from ds4sci.data import FastaRecord
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.data import read_fasta
 from ds4sci.infer.score import score_records
-from ds4sci.infer.variants import read_variants, score_variants, variant_windows
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.infer.variants import read_variants
+from ds4sci.infer.variants import score_variants
+from ds4sci.infer.variants import variant_windows
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 from ds4sci.train.config import BUNDLED_GENOME
 
 MODES = ("shared", "unshared")

@@ -17,17 +17,15 @@ import argparse
 import logging
 import time
 
-from ds4sci.bench.report import (
-    MIB,
-    add_int_options,
-    check_heads,
-    markdown_table,
-    parse_int_list,
-    plot_peaks,
-    plural,
-    shape_options,
-    write_files,
-)
+from ds4sci.bench.report import MIB
+from ds4sci.bench.report import add_int_options
+from ds4sci.bench.report import check_heads
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import parse_int_list
+from ds4sci.bench.report import plot_peaks
+from ds4sci.bench.report import plural
+from ds4sci.bench.report import shape_options
+from ds4sci.bench.report import write_files
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +63,8 @@ def _worker(rank: int, world: int, dims_kwargs: dict, seq_len: int, shape: dict)
     from ds4sci.bench.memory import PeakMemory
     from ds4sci.distributed import ParallelDims
     from ds4sci.distributed.groups import build_groups
-    from ds4sci.models.genslm import GenSLM, GenSLMConfig
+    from ds4sci.models.genslm import GenSLM
+    from ds4sci.models.genslm import GenSLMConfig
     from ds4sci.parallel.parallelize import parallelize
     from ds4sci.sequence import shard_sequence
 

@@ -32,25 +32,31 @@ import statistics
 
 import torch
 
-from ds4sci.bench.report import (
-    add_int_options,
-    check_heads,
-    check_positive,
-    command_line,
-    int_config,
-    markdown_table,
-    missing_dependency,
-    plural,
-    save_figure,
-    shape_options,
-    subplots,
-    write_files,
-)
-from ds4sci.bench.rounds import CLOCKS, alternate, median_round, round_options, torch_threads
+from ds4sci.bench.report import add_int_options
+from ds4sci.bench.report import check_heads
+from ds4sci.bench.report import check_positive
+from ds4sci.bench.report import command_line
+from ds4sci.bench.report import int_config
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import missing_dependency
+from ds4sci.bench.report import plural
+from ds4sci.bench.report import save_figure
+from ds4sci.bench.report import shape_options
+from ds4sci.bench.report import subplots
+from ds4sci.bench.report import write_files
+from ds4sci.bench.rounds import CLOCKS
+from ds4sci.bench.rounds import alternate
+from ds4sci.bench.rounds import median_round
+from ds4sci.bench.rounds import round_options
+from ds4sci.bench.rounds import torch_threads
 from ds4sci.data import CodonTokenizer
 from ds4sci.io.export_hf import hf_config as transformers_config
 from ds4sci.kernels.backends import LocalBackend
-from ds4sci.models.genslm import GenSLM, GenSLMConfig, config_from_gpt_neox, lm_loss, to_gpt_neox_state_dict
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm import config_from_gpt_neox
+from ds4sci.models.genslm import lm_loss
+from ds4sci.models.genslm import to_gpt_neox_state_dict
 from ds4sci.models.genslm.llama import from_llama_state_dict
 
 logger = logging.getLogger(__name__)

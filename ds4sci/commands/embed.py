@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ds4sci.cli_args import CommandError, add_device_argument, add_model_argument
-from ds4sci.commands.inference import add_reading_arguments, load_reader
+from ds4sci.cli_args import CommandError
+from ds4sci.cli_args import add_device_argument
+from ds4sci.cli_args import add_model_argument
+from ds4sci.commands.inference import add_reading_arguments
+from ds4sci.commands.inference import load_reader
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ds4sci.data import read_fasta
-    from ds4sci.infer.embed import embed_records, save_token_embeddings, token_embeddings
+    from ds4sci.infer.embed import embed_records
+    from ds4sci.infer.embed import save_token_embeddings
+    from ds4sci.infer.embed import token_embeddings
 
     def check_layer(config, tokenizer) -> None:
         if args.layer is not None and args.layer > config.num_layers:

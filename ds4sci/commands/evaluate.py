@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from ds4sci.cli_args import add_device_argument, add_model_argument
-from ds4sci.commands.inference import add_reading_arguments, load_reader
+from ds4sci.cli_args import add_device_argument
+from ds4sci.cli_args import add_model_argument
+from ds4sci.commands.inference import add_reading_arguments
+from ds4sci.commands.inference import load_reader
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds4sci.infer.evaluate import evaluate, windows
+    from ds4sci.infer.evaluate import evaluate
+    from ds4sci.infer.evaluate import windows
 
     model, config, tokenizer, runner = load_reader(args)
     dataset = windows(config, tokenizer, args.fasta, args.seq_len, args.stride)

@@ -6,14 +6,12 @@ import argparse
 import logging
 import sys
 
-from ds4sci.cli_args import (
-    add_device_argument,
-    add_model_argument,
-    nonnegative_float,
-    nonnegative_int,
-    positive_int,
-    probability,
-)
+from ds4sci.cli_args import add_device_argument
+from ds4sci.cli_args import add_model_argument
+from ds4sci.cli_args import nonnegative_float
+from ds4sci.cli_args import nonnegative_int
+from ds4sci.cli_args import positive_int
+from ds4sci.cli_args import probability
 
 logger = logging.getLogger(__name__)
 

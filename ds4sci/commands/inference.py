@@ -7,7 +7,11 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from ds4sci.cli_args import add_parallel_arguments, add_window_arguments, check_parallel, check_windows, positive_int
+from ds4sci.cli_args import add_parallel_arguments
+from ds4sci.cli_args import add_window_arguments
+from ds4sci.cli_args import check_parallel
+from ds4sci.cli_args import check_windows
+from ds4sci.cli_args import positive_int
 
 
 def add_reading_arguments(parser: argparse.ArgumentParser, *, windows: bool = True, progress: bool = True) -> None:
@@ -31,7 +35,9 @@ def load_reader(args: argparse.Namespace, *, windows: bool = True, check: Callab
     Raises:
         CommandError: (:mod:`ds4sci.cli_args`) a window or a parallel degree the model or launch cannot take.
     """
-    from ds4sci.infer.parallel import ShardedForward, inference_device, launch_world_size
+    from ds4sci.infer.parallel import ShardedForward
+    from ds4sci.infer.parallel import inference_device
+    from ds4sci.infer.parallel import launch_world_size
     from ds4sci.io.weights import load_model
 
     model, config, tokenizer = load_model(args.export, inference_device(args.device))

@@ -64,7 +64,8 @@ def backends(cuda: bool | None = None) -> dict[str, dict[str, dict]]:
     """``{component: {backend: {"usable": bool, "why": str}}}`` for this environment (``cuda`` overrides detection)."""
     import torch
 
-    from ds4sci.kernels.backends import EvoformerBackend, LocalBackend
+    from ds4sci.kernels.backends import EvoformerBackend
+    from ds4sci.kernels.backends import LocalBackend
 
     if cuda is None:
         cuda = torch.cuda.is_available()

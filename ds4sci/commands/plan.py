@@ -15,12 +15,30 @@ import argparse
 import math
 from dataclasses import asdict
 
-from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
-from ds4sci.models.genslm.config import GenSLMConfig, describe_preset, describe_presets, format_parameters
-from ds4sci.planning.common import GIB, STATE_BYTES
-from ds4sci.planning.genslm import CHECKPOINTING, CUDA_CONTEXT_BYTES, MASKS, OFFLOADS, Cluster, Workload, memory
-from ds4sci.planning.genslm_search import Constraints, LayoutPlan, max_seq_len, plan, strategies
-from ds4sci.report import markdown_table, plural, write_report
+from ds4sci.cli_args import CommandError
+from ds4sci.cli_args import nonnegative_float
+from ds4sci.cli_args import positive_int
+from ds4sci.models.genslm.config import GenSLMConfig
+from ds4sci.models.genslm.config import describe_preset
+from ds4sci.models.genslm.config import describe_presets
+from ds4sci.models.genslm.config import format_parameters
+from ds4sci.planning.common import GIB
+from ds4sci.planning.common import STATE_BYTES
+from ds4sci.planning.genslm import CHECKPOINTING
+from ds4sci.planning.genslm import CUDA_CONTEXT_BYTES
+from ds4sci.planning.genslm import MASKS
+from ds4sci.planning.genslm import OFFLOADS
+from ds4sci.planning.genslm import Cluster
+from ds4sci.planning.genslm import Workload
+from ds4sci.planning.genslm import memory
+from ds4sci.planning.genslm_search import Constraints
+from ds4sci.planning.genslm_search import LayoutPlan
+from ds4sci.planning.genslm_search import max_seq_len
+from ds4sci.planning.genslm_search import plan
+from ds4sci.planning.genslm_search import strategies
+from ds4sci.report import markdown_table
+from ds4sci.report import plural
+from ds4sci.report import write_report
 
 _FIXERS = ("tp", "ulysses", "ring", "pp", "dp")
 
@@ -96,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workload(args: argparse.Namespace) -> tuple[Workload, dict]:
-    from ds4sci.data.tokenizers import CodonTokenizer, NucleotideTokenizer
+    from ds4sci.data.tokenizers import CodonTokenizer
+    from ds4sci.data.tokenizers import NucleotideTokenizer
     from ds4sci.train.config import load_config
 
     if args.preset and args.config:

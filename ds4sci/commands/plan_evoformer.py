@@ -9,12 +9,24 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, replace
+from dataclasses import asdict
+from dataclasses import replace
 
-from ds4sci.cli_args import CommandError, nonnegative_float, positive_int
-from ds4sci.planning.common import DTYPE_BYTES, GIB
-from ds4sci.planning.evoformer import BACKENDS, DEFAULT_N_SEQ, LAYOUTS, MODES, PRESETS, Workload, max_crop, memory
-from ds4sci.report import markdown_table, write_report
+from ds4sci.cli_args import CommandError
+from ds4sci.cli_args import nonnegative_float
+from ds4sci.cli_args import positive_int
+from ds4sci.planning.common import DTYPE_BYTES
+from ds4sci.planning.common import GIB
+from ds4sci.planning.evoformer import BACKENDS
+from ds4sci.planning.evoformer import DEFAULT_N_SEQ
+from ds4sci.planning.evoformer import LAYOUTS
+from ds4sci.planning.evoformer import MODES
+from ds4sci.planning.evoformer import PRESETS
+from ds4sci.planning.evoformer import Workload
+from ds4sci.planning.evoformer import max_crop
+from ds4sci.planning.evoformer import memory
+from ds4sci.report import markdown_table
+from ds4sci.report import write_report
 
 TERMS = ("parameters", "representations", "checkpoints", "block_saved", "gathers", "working", "exit", "reserve",
          "total")

@@ -7,8 +7,10 @@ import csv
 import logging
 import sys
 
-from ds4sci.cli_args import add_device_argument, add_model_argument
-from ds4sci.commands.inference import add_reading_arguments, load_reader
+from ds4sci.cli_args import add_device_argument
+from ds4sci.cli_args import add_model_argument
+from ds4sci.commands.inference import add_reading_arguments
+from ds4sci.commands.inference import load_reader
 
 logger = logging.getLogger(__name__)
 

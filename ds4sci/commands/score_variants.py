@@ -7,8 +7,12 @@ import csv
 import logging
 import sys
 
-from ds4sci.cli_args import CommandError, add_device_argument, add_model_argument, positive_int
-from ds4sci.commands.inference import add_reading_arguments, load_reader
+from ds4sci.cli_args import CommandError
+from ds4sci.cli_args import add_device_argument
+from ds4sci.cli_args import add_model_argument
+from ds4sci.cli_args import positive_int
+from ds4sci.commands.inference import add_reading_arguments
+from ds4sci.commands.inference import load_reader
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,9 @@ def write_rows(rows: list[dict], out: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds4sci.data import read_fasta
-    from ds4sci.infer.variants import check_nucleotide, read_variants, score_variants
+    from ds4sci.infer.variants import check_nucleotide
+    from ds4sci.infer.variants import read_variants
+    from ds4sci.infer.variants import score_variants
 
     def check(config, tokenizer) -> None:
         check_nucleotide(tokenizer)  # before the reference is read

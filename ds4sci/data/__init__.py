@@ -5,18 +5,22 @@ The token-cache names (:mod:`ds4sci.data.corpus`) are imported on first use, not
 ``python -m ds4sci.data.corpus`` runs that module as ``__main__`` without a copy already imported by the package
 (which Python warns about, and which would hold a second set of its globals).
 """
-from ds4sci.data.datasets import (
-    PackedDataset,
-    RecordDataset,
-    Spans,
-    WindowDataset,
-    collate,
-    split_records,
-    split_region,
-    split_spans,
-)
-from ds4sci.data.fasta import FastaRecord, normalize_sequence, read_fasta
-from ds4sci.data.tokenizers import SPECIALS, STOP_CODONS, CodonTokenizer, NucleotideTokenizer, Tokenizer
+from ds4sci.data.datasets import PackedDataset
+from ds4sci.data.datasets import RecordDataset
+from ds4sci.data.datasets import Spans
+from ds4sci.data.datasets import WindowDataset
+from ds4sci.data.datasets import collate
+from ds4sci.data.datasets import split_records
+from ds4sci.data.datasets import split_region
+from ds4sci.data.datasets import split_spans
+from ds4sci.data.fasta import FastaRecord
+from ds4sci.data.fasta import normalize_sequence
+from ds4sci.data.fasta import read_fasta
+from ds4sci.data.tokenizers import SPECIALS
+from ds4sci.data.tokenizers import STOP_CODONS
+from ds4sci.data.tokenizers import CodonTokenizer
+from ds4sci.data.tokenizers import NucleotideTokenizer
+from ds4sci.data.tokenizers import Tokenizer
 
 _CORPUS_NAMES = ("Corpus", "load_datasets", "open_corpus", "resolve_sources")
 

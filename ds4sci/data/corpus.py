@@ -56,15 +56,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4sci.data.datasets import (
-    PackedDataset,
-    RecordDataset,
-    Spans,
-    WindowDataset,
-    record_hash,
-    split_spans,
-)
-from ds4sci.data.fasta import IUPAC_POLICIES, iter_raw_records
+from ds4sci.data.datasets import PackedDataset
+from ds4sci.data.datasets import RecordDataset
+from ds4sci.data.datasets import Spans
+from ds4sci.data.datasets import WindowDataset
+from ds4sci.data.datasets import record_hash
+from ds4sci.data.datasets import split_spans
+from ds4sci.data.fasta import IUPAC_POLICIES
+from ds4sci.data.fasta import iter_raw_records
 from ds4sci.data.tokenizers import Tokenizer
 from ds4sci.progress import progress_bar
 

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ds4sci.data.tokenizers import NucleotideTokenizer, Tokenizer
+from ds4sci.data.tokenizers import NucleotideTokenizer
+from ds4sci.data.tokenizers import Tokenizer
 from ds4sci.kernels.local_reference import PAD_DOC_ID
 from ds4sci.models.genslm import IGNORE_INDEX
 

@@ -32,7 +32,8 @@ import logging
 import os
 import zlib
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np

@@ -12,6 +12,7 @@ This package's own import is torch-free (it exports only the dims); import the o
 ``from ds4sci.distributed.groups import build_groups``. Importing has no side effects (no process group, no
 environment edits).
 """
-from ds4sci.distributed.dims import Coords, ParallelDims
+from ds4sci.distributed.dims import Coords
+from ds4sci.distributed.dims import ParallelDims
 
 __all__ = ["Coords", "ParallelDims"]

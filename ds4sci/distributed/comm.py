@@ -16,7 +16,8 @@ MPI all implement it (gloo's list form ``all_to_all`` does not take equal-size l
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Callable
 
 import torch

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ds4sci.distributed.dims import Coords, ParallelDims
+from ds4sci.distributed.dims import Coords
+from ds4sci.distributed.dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 

@@ -21,12 +21,16 @@ process's.
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from ds4sci.infer.evaluate import RecordWindows, Window, record_windows, window_length
+from ds4sci.infer.evaluate import RecordWindows
+from ds4sci.infer.evaluate import Window
+from ds4sci.infer.evaluate import record_windows
+from ds4sci.infer.evaluate import window_length
 from ds4sci.infer.parallel import ShardedForward
 from ds4sci.progress import progress_bar
 

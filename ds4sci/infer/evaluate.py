@@ -23,7 +23,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ds4sci.data import RecordDataset, read_fasta
+from ds4sci.data import RecordDataset
+from ds4sci.data import read_fasta
 from ds4sci.infer.parallel import ShardedForward
 from ds4sci.models.genslm import IGNORE_INDEX
 

@@ -10,7 +10,8 @@ import logging
 
 import torch
 
-from ds4sci.data import CodonTokenizer, normalize_sequence
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import normalize_sequence
 from ds4sci.models.genslm import KVCache
 
 logger = logging.getLogger(__name__)

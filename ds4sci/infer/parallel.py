@@ -26,12 +26,18 @@ import torch
 import torch.distributed as dist
 
 from ds4sci.data import collate
-from ds4sci.distributed.dims import Coords, ParallelDims
-from ds4sci.distributed.groups import SequenceParallelGroups, build_groups
-from ds4sci.models.genslm import IGNORE_INDEX, shift_labels, token_loss
+from ds4sci.distributed.dims import Coords
+from ds4sci.distributed.dims import ParallelDims
+from ds4sci.distributed.groups import SequenceParallelGroups
+from ds4sci.distributed.groups import build_groups
+from ds4sci.models.genslm import IGNORE_INDEX
+from ds4sci.models.genslm import shift_labels
+from ds4sci.models.genslm import token_loss
 from ds4sci.parallel.parallelize import parallelize
 from ds4sci.sequence.attention import DistributedAttention
-from ds4sci.sequence.sharding import gather_sequence, pad_to_multiple, shard_sequence
+from ds4sci.sequence.sharding import gather_sequence
+from ds4sci.sequence.sharding import pad_to_multiple
+from ds4sci.sequence.sharding import shard_sequence
 
 __all__ = ["ShardedForward", "inference_device", "launch_world_size"]
 

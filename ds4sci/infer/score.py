@@ -18,7 +18,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ds4sci.infer.evaluate import RecordWindows, record_windows, window_length, window_losses
+from ds4sci.infer.evaluate import RecordWindows
+from ds4sci.infer.evaluate import record_windows
+from ds4sci.infer.evaluate import window_length
+from ds4sci.infer.evaluate import window_losses
 from ds4sci.infer.parallel import ShardedForward
 from ds4sci.progress import progress_bar
 

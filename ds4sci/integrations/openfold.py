@@ -37,14 +37,20 @@ import contextlib
 import dataclasses
 import importlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Optional, Union
+from typing import Any
+from typing import Optional
+from typing import Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.kernels import EvoformerBackend, evoformer_attention, parse_backend
+from ds4sci.kernels import EvoformerBackend
+from ds4sci.kernels import evoformer_attention
+from ds4sci.kernels import parse_backend
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +233,8 @@ def _is_swiglu(transition: nn.Module) -> bool:
 def _block_args(block: nn.Module) -> tuple[type, dict[str, Any]]:
     """The ds4sci block class and constructor arguments of an OpenFold3 ``EvoformerBlock`` or ``PairFormerBlock``,
     read from its sub-modules' attributes (OpenFold3 keeps no constructor record)."""
-    from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
+    from ds4sci.models.evoformer import EvoformerBlock
+    from ds4sci.models.evoformer import PairformerBlock
 
     ps = block.pair_stack
     pair = dict(c_hidden_mul=ps.tri_mul_out.c_hidden, c_hidden_pair_att=ps.tri_att_start.c_hidden,

@@ -33,9 +33,14 @@ from pathlib import Path
 
 from ds4sci.data import Tokenizer
 from ds4sci.io.export import ExportWriter
-from ds4sci.io.hf import GPT_NEOX_ACTIVATIONS, LLAMA3_KEYS
-from ds4sci.io.weights import ARCHITECTURES, config_from_hf_json, load_model
-from ds4sci.models.genslm import GenSLMConfig, to_gpt_neox_state_dict, to_llama_state_dict
+from ds4sci.io.hf import GPT_NEOX_ACTIVATIONS
+from ds4sci.io.hf import LLAMA3_KEYS
+from ds4sci.io.weights import ARCHITECTURES
+from ds4sci.io.weights import config_from_hf_json
+from ds4sci.io.weights import load_model
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm import to_gpt_neox_state_dict
+from ds4sci.models.genslm import to_llama_state_dict
 
 # GenSLMConfig fields that set how ds4sci trains or runs a model, not what it computes: written (dropout and init_std
 # under transformers' names, pad_token_id as the tokenizer's) but not read back, so not compared
@@ -97,8 +102,11 @@ def hf_config(config: GenSLMConfig, tokenizer: Tokenizer, where: str | Path) -> 
 def write_hf_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     """``tokenizer`` as a transformers ``PreTrainedTokenizerFast`` in ``out`` (``save_pretrained``'s files): the same
     ids for every sequence of bases (codons: of a multiple of 3 bases; module docstring)."""
-    from tokenizers import Regex, models, normalizers, pre_tokenizers
+    from tokenizers import Regex
     from tokenizers import Tokenizer as WordLevelTokenizer
+    from tokenizers import models
+    from tokenizers import normalizers
+    from tokenizers import pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     unk, cls, sep, pad, mask = (tokenizer.vocab[i] for i in (tokenizer.unk_id, tokenizer.cls_id, tokenizer.sep_id,

@@ -36,16 +36,18 @@ import torch
 
 from ds4sci.data import Tokenizer
 from ds4sci.io.export import read_consolidated
-from ds4sci.io.hf import GPT_NEOX_KEYS, LLAMA_KEYS
-from ds4sci.io.tensors import check_config, read_checked, read_tensors, short_list
-from ds4sci.models.genslm import (
-    GenSLM,
-    GenSLMConfig,
-    config_from_gpt_neox,
-    config_from_llama,
-    from_gpt_neox_state_dict,
-    from_llama_state_dict,
-)
+from ds4sci.io.hf import GPT_NEOX_KEYS
+from ds4sci.io.hf import LLAMA_KEYS
+from ds4sci.io.tensors import check_config
+from ds4sci.io.tensors import read_checked
+from ds4sci.io.tensors import read_tensors
+from ds4sci.io.tensors import short_list
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm import config_from_gpt_neox
+from ds4sci.models.genslm import config_from_llama
+from ds4sci.models.genslm import from_gpt_neox_state_dict
+from ds4sci.models.genslm import from_llama_state_dict
 from ds4sci.models.genslm.config import check_field
 
 TOKENIZERS = ("codon", "nucleotide")

@@ -26,24 +26,28 @@ import functools
 from typing import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.distributed.comm import CommCounter, reduce_scatter_sequence_region
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import reduce_scatter_sequence_region
 from ds4sci.distributed.groups import SequenceParallelGroups
-from ds4sci.models.genslm import GenSLM, token_loss
-from ds4sci.models.genslm.model import MLP, Attention, Block, LayerKV
-from ds4sci.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    QKVParallelLinear,
-    RegionGather,
-    RowParallelLinear,
-    SequenceParallelNorm,
-    SequenceRegionSplit,
-    TPGroup,
-    VocabParallelEmbedding,
-    VocabParallelOutput,
-    vocab_parallel_token_loss,
-)
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import token_loss
+from ds4sci.models.genslm.model import MLP
+from ds4sci.models.genslm.model import Attention
+from ds4sci.models.genslm.model import Block
+from ds4sci.models.genslm.model import LayerKV
+from ds4sci.parallel.tensor_parallel import ColumnParallelLinear
+from ds4sci.parallel.tensor_parallel import QKVParallelLinear
+from ds4sci.parallel.tensor_parallel import RegionGather
+from ds4sci.parallel.tensor_parallel import RowParallelLinear
+from ds4sci.parallel.tensor_parallel import SequenceParallelNorm
+from ds4sci.parallel.tensor_parallel import SequenceRegionSplit
+from ds4sci.parallel.tensor_parallel import TPGroup
+from ds4sci.parallel.tensor_parallel import VocabParallelEmbedding
+from ds4sci.parallel.tensor_parallel import VocabParallelOutput
+from ds4sci.parallel.tensor_parallel import vocab_parallel_token_loss
 
 __all__ = ["TensorParallelCore", "TensorParallelBlock", "apply_tensor_parallel", "token_loss_for"]
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from ds4sci.distributed.comm import CommCounter
 from ds4sci.distributed.groups import SequenceParallelGroups
-from ds4sci.models.genslm import GenSLM, LearnedPositionEmbedding
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import LearnedPositionEmbedding
 from ds4sci.parallel.genslm_tp import apply_tensor_parallel
 from ds4sci.parallel.tensor_parallel import tensor_parallel_plan
 from ds4sci.sequence.attention import DistributedAttention

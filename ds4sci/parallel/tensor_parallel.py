@@ -33,22 +33,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.distributed.comm import (
-    CommCounter,
-    SequenceRegion,
-    all_gather,
-    all_reduce,
-    group_size,
-    reduce_from_tensor_region,
-    reduce_scatter,
-    split_sequence_region,
-    sync_grad,
-)
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import SequenceRegion
+from ds4sci.distributed.comm import all_gather
+from ds4sci.distributed.comm import all_reduce
+from ds4sci.distributed.comm import group_size
+from ds4sci.distributed.comm import reduce_from_tensor_region
+from ds4sci.distributed.comm import reduce_scatter
+from ds4sci.distributed.comm import split_sequence_region
+from ds4sci.distributed.comm import sync_grad
 from ds4sci.kernels.tiled_loss import tiled_loss
-from ds4sci.models.genslm import IGNORE_INDEX, token_loss
-from ds4sci.models.genslm.model import RMSNorm, rms_norm
+from ds4sci.models.genslm import IGNORE_INDEX
+from ds4sci.models.genslm import token_loss
+from ds4sci.models.genslm.model import RMSNorm
+from ds4sci.models.genslm.model import rms_norm
 
 __all__ = [
     "TPShard",

@@ -16,9 +16,12 @@ derivation of each term and what it was measured against are in ``docs/explanati
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from dataclasses import replace
 
-from ds4sci.planning.common import DTYPE_BYTES, GIB, STATE_BYTES
+from ds4sci.planning.common import DTYPE_BYTES
+from ds4sci.planning.common import GIB
+from ds4sci.planning.common import STATE_BYTES
 
 MODES = ("training", "inference")
 BACKENDS = ("kernel", "reference")

@@ -17,19 +17,21 @@ term was measured against are in ``docs/explanation/planner.md``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
+from dataclasses import dataclass
+from dataclasses import replace
 
 from ds4sci.distributed.dims import ParallelDims
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 from ds4sci.models.genslm.config import GenSLMConfig
-from ds4sci.planning.common import GIB, MIB, STATE_BYTES
-from ds4sci.planning.costs import (
-    layer_comm_bytes,
-    mask_bytes,
-    position_table_bytes,
-    tp_forward_comm_bytes,
-    ulysses_kv_heads,
-)
+from ds4sci.planning.common import GIB
+from ds4sci.planning.common import MIB
+from ds4sci.planning.common import STATE_BYTES
+from ds4sci.planning.costs import layer_comm_bytes
+from ds4sci.planning.costs import mask_bytes
+from ds4sci.planning.costs import position_table_bytes
+from ds4sci.planning.costs import tp_forward_comm_bytes
+from ds4sci.planning.costs import ulysses_kv_heads
 
 CUDA_CONTEXT_BYTES = 287_047_680
 """GPU memory of a process that has initialised CUDA, with lazy module loading (CUDA_MODULE_LOADING=LAZY, PyTorch's

@@ -8,23 +8,22 @@ splits the model and the sequence evenly and honours the user's :class:`Constrai
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from dataclasses import replace
 
 from ds4sci.distributed.dims import ParallelDims
 from ds4sci.planning.common import GIB
-from ds4sci.planning.genslm import (
-    CHECKPOINTING,
-    OFFLOADS,
-    Cluster,
-    Comm,
-    Memory,
-    StepTime,
-    Strategy,
-    Workload,
-    comm,
-    memory,
-    step_time,
-)
+from ds4sci.planning.genslm import CHECKPOINTING
+from ds4sci.planning.genslm import OFFLOADS
+from ds4sci.planning.genslm import Cluster
+from ds4sci.planning.genslm import Comm
+from ds4sci.planning.genslm import Memory
+from ds4sci.planning.genslm import StepTime
+from ds4sci.planning.genslm import Strategy
+from ds4sci.planning.genslm import Workload
+from ds4sci.planning.genslm import comm
+from ds4sci.planning.genslm import memory
+from ds4sci.planning.genslm import step_time
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,14 @@ process groups in :mod:`ds4sci.distributed`; tensor parallelism and applying par
 Importing this package has no side effects (no process group, no environment edits).
 """
 from ds4sci.sequence.attention import DistributedAttention
-from ds4sci.sequence.ring import merge_attention, merge_softmax
-from ds4sci.sequence.sharding import (
-    Layout,
-    gather_sequence,
-    pad_to_multiple,
-    shard_positions,
-    shard_sequence,
-    unshard_sequence,
-)
+from ds4sci.sequence.ring import merge_attention
+from ds4sci.sequence.ring import merge_softmax
+from ds4sci.sequence.sharding import Layout
+from ds4sci.sequence.sharding import gather_sequence
+from ds4sci.sequence.sharding import pad_to_multiple
+from ds4sci.sequence.sharding import shard_positions
+from ds4sci.sequence.sharding import shard_sequence
+from ds4sci.sequence.sharding import unshard_sequence
 
 __all__ = [
     "DistributedAttention",

@@ -24,9 +24,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ds4sci.distributed.comm import CommCounter, all_gather, all_to_all, group_rank, group_size
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import all_gather
+from ds4sci.distributed.comm import all_to_all
+from ds4sci.distributed.comm import group_rank
+from ds4sci.distributed.comm import group_size
 from ds4sci.distributed.dims import Layout
-from ds4sci.sequence.ring import RingAttention, RingPlan
+from ds4sci.sequence.ring import RingAttention
+from ds4sci.sequence.ring import RingPlan
 from ds4sci.sequence.sharding import regroup
 
 logger = logging.getLogger(__name__)

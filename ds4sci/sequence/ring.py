@@ -24,8 +24,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ds4sci.distributed.comm import CommCounter, RingShift, group_size
-from ds4sci.distributed.dims import Layout, Piece
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import RingShift
+from ds4sci.distributed.comm import group_size
+from ds4sci.distributed.dims import Layout
+from ds4sci.distributed.dims import Piece
 
 __all__ = ["RingAttention", "RingPlan", "Rotation", "merge_attention", "merge_softmax", "ring_backward",
            "ring_forward"]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ds4sci.distributed.comm import CommCounter, all_gather, group_size
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import all_gather
+from ds4sci.distributed.comm import group_size
 from ds4sci.distributed.dims import Layout
 
 __all__ = [

@@ -35,7 +35,8 @@ from torch import nn
 from ds4sci.models.genslm import GenSLM
 from ds4sci.models.genslm.model import MLP
 from ds4sci.train.activation_offload import HostOffload
-from ds4sci.train.config import ACTIVATION_CHECKPOINTING_MODES, ActivationCheckpointingConfig
+from ds4sci.train.config import ACTIVATION_CHECKPOINTING_MODES
+from ds4sci.train.config import ActivationCheckpointingConfig
 
 __all__ = ["CheckpointedCore", "apply_activation_checkpointing", "apply_tiled_loss", "apply_tiled_mlp", "checkpoint"]
 

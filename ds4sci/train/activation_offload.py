@@ -27,7 +27,8 @@ exactness, what is released); overlap and speed need a GPU.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 import torch
 from torch import Tensor

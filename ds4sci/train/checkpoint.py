@@ -37,34 +37,32 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils import (
-    safe_get_full_fp32_param,
-    safe_get_full_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_optimizer_state,
-)
+from deepspeed.utils import safe_get_full_fp32_param
+from deepspeed.utils import safe_get_full_optimizer_state
+from deepspeed.utils import safe_set_full_fp32_param
+from deepspeed.utils import safe_set_full_optimizer_state
 from deepspeed.utils.tensor_fragment import fragment_address
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ds4sci.train.checkpoint_check import (
-    DIGEST,
-    FORMAT,
-    META,
-    PORTABLE,
-    RECORD_DIGEST,
-    Spread,
-    check_checkpoint,
-    describe_layout,
-    digest_file,
-    engine_differences,
-    find_checkpoint,
-    record_digest,
-    safe_load,
-    verify_checkpoint,
-)
-from ds4sci.train.consolidate import gather_tensor_parallel, shard_tensor_parallel
-from ds4sci.train.engine import bounded_collectives, write_error
+from ds4sci.train.checkpoint_check import DIGEST
+from ds4sci.train.checkpoint_check import FORMAT
+from ds4sci.train.checkpoint_check import META
+from ds4sci.train.checkpoint_check import PORTABLE
+from ds4sci.train.checkpoint_check import RECORD_DIGEST
+from ds4sci.train.checkpoint_check import Spread
+from ds4sci.train.checkpoint_check import check_checkpoint
+from ds4sci.train.checkpoint_check import describe_layout
+from ds4sci.train.checkpoint_check import digest_file
+from ds4sci.train.checkpoint_check import engine_differences
+from ds4sci.train.checkpoint_check import find_checkpoint
+from ds4sci.train.checkpoint_check import record_digest
+from ds4sci.train.checkpoint_check import safe_load
+from ds4sci.train.checkpoint_check import verify_checkpoint
+from ds4sci.train.consolidate import gather_tensor_parallel
+from ds4sci.train.consolidate import shard_tensor_parallel
+from ds4sci.train.engine import bounded_collectives
+from ds4sci.train.engine import write_error
 from ds4sci.train.pipeline import genslm_name
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,10 @@ import dataclasses
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import get_type_hints
 
 import yaml
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.distributed.comm import all_gather, group_rank, group_size
+from ds4sci.distributed.comm import all_gather
+from ds4sci.distributed.comm import group_rank
+from ds4sci.distributed.comm import group_size
 from ds4sci.distributed.groups import SequenceParallelGroups
-from ds4sci.parallel.tensor_parallel import TPShard, tensor_parallel_plan
+from ds4sci.parallel.tensor_parallel import TPShard
+from ds4sci.parallel.tensor_parallel import tensor_parallel_plan
 
 __all__ = ["gather_tensor_parallel", "shard_tensor_parallel", "load_full_state_dict"]
 

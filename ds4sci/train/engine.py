@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds4sci.distributed.groups import DeepSpeedMPU, SequenceParallelGroups
+from ds4sci.distributed.groups import DeepSpeedMPU
+from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.train.config import Config
 from ds4sci.train.sanity import check_gradient_reduction
 

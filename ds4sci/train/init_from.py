@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds4sci.data import Tokenizer
-from ds4sci.io.weights import check_weights, load_into, load_weights
+from ds4sci.io.weights import check_weights
+from ds4sci.io.weights import load_into
+from ds4sci.io.weights import load_weights
 from ds4sci.models.genslm import GenSLM
 
 if TYPE_CHECKING:

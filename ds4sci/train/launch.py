@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from ds4sci.data import Tokenizer
 from ds4sci.distributed import ParallelDims
-from ds4sci.train.config import Config, DataConfig
+from ds4sci.train.config import Config
+from ds4sci.train.config import DataConfig
 from ds4sci.train.engine import check_offload_support
 
 
@@ -52,7 +53,8 @@ def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.u
     """Tokenizer, training and validation datasets for ``cfg.data``, read from the token cache of ``data.fasta``
     (built on first use by rank 0; :mod:`ds4sci.data.corpus`), and a line naming the split ``data.split`` chose
     (:func:`ds4sci.data.datasets.describe_split`). Every rank must call it."""
-    from ds4sci.data.corpus import load_datasets, open_corpus
+    from ds4sci.data.corpus import load_datasets
+    from ds4sci.data.corpus import open_corpus
     from ds4sci.data.datasets import describe_split
 
     d = cfg.data

@@ -44,11 +44,13 @@ the first stage only.
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterator
+from typing import Callable
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
 from ds4sci.distributed import ParallelDims
 from ds4sci.distributed.groups import SequenceParallelGroups
@@ -56,7 +58,9 @@ from ds4sci.models.genslm import GenSLM
 from ds4sci.parallel.genslm_tp import token_loss_for
 from ds4sci.train.config import Config
 from ds4sci.train.consolidate import gather_tensor_parallel
-from ds4sci.train.engine import deepspeed_config, make_optimizer, printed_at_debug
+from ds4sci.train.engine import deepspeed_config
+from ds4sci.train.engine import make_optimizer
+from ds4sci.train.engine import printed_at_debug
 from ds4sci.train.loss import scaled_shard_loss
 from ds4sci.train.sanity import refuse_mismatch
 

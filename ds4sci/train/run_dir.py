@@ -27,8 +27,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ds4sci.train.config import Config, load_config
-from ds4sci.train.run_lock import LOCK_FILE, RunLock, lock_run_dir
+from ds4sci.train.config import Config
+from ds4sci.train.config import load_config
+from ds4sci.train.run_lock import LOCK_FILE
+from ds4sci.train.run_lock import RunLock
+from ds4sci.train.run_lock import lock_run_dir
 
 logger = logging.getLogger(__name__)
 

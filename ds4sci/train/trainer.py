@@ -34,7 +34,8 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,38 +44,42 @@ import torch.distributed as dist
 
 from ds4sci.data import collate
 from ds4sci.distributed.groups import build_groups
-from ds4sci.models.genslm import IGNORE_INDEX, shift_labels
+from ds4sci.models.genslm import IGNORE_INDEX
+from ds4sci.models.genslm import shift_labels
 from ds4sci.parallel.genslm_tp import token_loss_for
-from ds4sci.parallel.parallelize import materialize_, parallelize
+from ds4sci.parallel.parallelize import materialize_
+from ds4sci.parallel.parallelize import parallelize
 from ds4sci.parallel.tensor_parallel import tensor_parallel_plan
 from ds4sci.progress import progress_bar
-from ds4sci.sequence import DistributedAttention, shard_sequence
+from ds4sci.sequence import DistributedAttention
+from ds4sci.sequence import shard_sequence
 from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
 from ds4sci.train.checkpoint import load_checkpoint
 from ds4sci.train.config import Config
 from ds4sci.train.consolidate import gather_tensor_parallel
 from ds4sci.train.data_order import train_samples
-from ds4sci.train.engine import (
-    build_engine,
-    collective_error,
-    init_distributed,
-    one_line_errors,
-    set_deterministic,
-    writing,
-)
+from ds4sci.train.engine import build_engine
+from ds4sci.train.engine import collective_error
+from ds4sci.train.engine import init_distributed
+from ds4sci.train.engine import one_line_errors
+from ds4sci.train.engine import set_deterministic
+from ds4sci.train.engine import writing
 from ds4sci.train.init_from import initial_model
-from ds4sci.train.launch import check_launch, launch_world_size, load_data
-from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
-from ds4sci.train.pipeline import (
-    build_pipeline_engine,
-    pipeline_eval_sum,
-    pipeline_reduction_factor,
-    pipeline_state_items,
-    pipeline_train_batch,
-)
+from ds4sci.train.launch import check_launch
+from ds4sci.train.launch import launch_world_size
+from ds4sci.train.launch import load_data
+from ds4sci.train.loss import global_target_count
+from ds4sci.train.loss import grad_reduction_factor
+from ds4sci.train.loss import scaled_shard_loss
+from ds4sci.train.pipeline import build_pipeline_engine
+from ds4sci.train.pipeline import pipeline_eval_sum
+from ds4sci.train.pipeline import pipeline_reduction_factor
+from ds4sci.train.pipeline import pipeline_state_items
+from ds4sci.train.pipeline import pipeline_train_batch
 from ds4sci.train.plot import plot_metrics
 from ds4sci.train.position_table import PositionTable
-from ds4sci.train.run_dir import keep_metrics_until, open_run_dir
+from ds4sci.train.run_dir import keep_metrics_until
+from ds4sci.train.run_dir import open_run_dir
 
 logger = logging.getLogger(__name__)
 

@@ -11,21 +11,25 @@ OpenFold3 (default) or OpenFold state dict of the same module loads with ``load_
     m = m + layer(m, z, mask=msa_mask)                  # [*, N_seq, N_res, C_m]
     m = m + layer(m, z, mask=msa_mask, chunk_size=64)   # inference on very deep MSAs
 """
-from ds4sci.models.evoformer.blocks import AttentionPairBias, EvoformerBlock, PairformerBlock, PairStack
-from ds4sci.models.evoformer.msa import MSAAttention, MSAColumnAttention, MSARowAttentionWithPairBias
+from ds4sci.models.evoformer.blocks import AttentionPairBias
+from ds4sci.models.evoformer.blocks import EvoformerBlock
+from ds4sci.models.evoformer.blocks import PairformerBlock
+from ds4sci.models.evoformer.blocks import PairStack
+from ds4sci.models.evoformer.msa import MSAAttention
+from ds4sci.models.evoformer.msa import MSAColumnAttention
+from ds4sci.models.evoformer.msa import MSARowAttentionWithPairBias
 from ds4sci.models.evoformer.outer_product_mean import OuterProductMean
-from ds4sci.models.evoformer.primitives import Convention, GatedAttention, LayerNorm
-from ds4sci.models.evoformer.transition import SharedDropout, Transition
-from ds4sci.models.evoformer.triangular_attention import (
-    TriangleAttention,
-    TriangleAttentionEndingNode,
-    TriangleAttentionStartingNode,
-)
-from ds4sci.models.evoformer.triangular_multiplicative_update import (
-    TriangleMultiplicationIncoming,
-    TriangleMultiplicationOutgoing,
-    TriangleMultiplicativeUpdate,
-)
+from ds4sci.models.evoformer.primitives import Convention
+from ds4sci.models.evoformer.primitives import GatedAttention
+from ds4sci.models.evoformer.primitives import LayerNorm
+from ds4sci.models.evoformer.transition import SharedDropout
+from ds4sci.models.evoformer.transition import Transition
+from ds4sci.models.evoformer.triangular_attention import TriangleAttention
+from ds4sci.models.evoformer.triangular_attention import TriangleAttentionEndingNode
+from ds4sci.models.evoformer.triangular_attention import TriangleAttentionStartingNode
+from ds4sci.models.evoformer.triangular_multiplicative_update import TriangleMultiplicationIncoming
+from ds4sci.models.evoformer.triangular_multiplicative_update import TriangleMultiplicationOutgoing
+from ds4sci.models.evoformer.triangular_multiplicative_update import TriangleMultiplicativeUpdate
 
 __all__ = [
     "AttentionPairBias",

@@ -16,30 +16,32 @@ runs on :func:`ds4sci.kernels.evoformer_attention` with the ``backend`` given (c
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
+from typing import Union
 
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.kernels import EvoformerBackend, parse_backend
-from ds4sci.models.evoformer.msa import MSAColumnAttention, MSARowAttentionWithPairBias
+from ds4sci.kernels import EvoformerBackend
+from ds4sci.kernels import parse_backend
+from ds4sci.models.evoformer.msa import MSAColumnAttention
+from ds4sci.models.evoformer.msa import MSARowAttentionWithPairBias
 from ds4sci.models.evoformer.outer_product_mean import OuterProductMean
-from ds4sci.models.evoformer.primitives import (
-    Convention,
-    GatedAttention,
-    GatedAttentionLayer,
-    LayerNorm,
-    check_broadcasts,
-    check_channels,
-    init_linear,
-    mask_bias,
-    resolve_convention,
-)
-from ds4sci.models.evoformer.transition import SharedDropout, Transition
-from ds4sci.models.evoformer.triangular_attention import TriangleAttentionEndingNode, TriangleAttentionStartingNode
-from ds4sci.models.evoformer.triangular_multiplicative_update import (
-    TriangleMultiplicationIncoming,
-    TriangleMultiplicationOutgoing,
-)
+from ds4sci.models.evoformer.primitives import Convention
+from ds4sci.models.evoformer.primitives import GatedAttention
+from ds4sci.models.evoformer.primitives import GatedAttentionLayer
+from ds4sci.models.evoformer.primitives import LayerNorm
+from ds4sci.models.evoformer.primitives import check_broadcasts
+from ds4sci.models.evoformer.primitives import check_channels
+from ds4sci.models.evoformer.primitives import init_linear
+from ds4sci.models.evoformer.primitives import mask_bias
+from ds4sci.models.evoformer.primitives import resolve_convention
+from ds4sci.models.evoformer.transition import SharedDropout
+from ds4sci.models.evoformer.transition import Transition
+from ds4sci.models.evoformer.triangular_attention import TriangleAttentionEndingNode
+from ds4sci.models.evoformer.triangular_attention import TriangleAttentionStartingNode
+from ds4sci.models.evoformer.triangular_multiplicative_update import TriangleMultiplicationIncoming
+from ds4sci.models.evoformer.triangular_multiplicative_update import TriangleMultiplicationOutgoing
 
 
 class _Block(nn.Module):

@@ -7,20 +7,21 @@ wraps its attention in ``_msa_att``), so an OpenFold or OpenFold3 state dict of 
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
+from typing import Union
 
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.kernels import EvoformerBackend, parse_backend
-from ds4sci.models.evoformer.primitives import (
-    Convention,
-    GatedAttention,
-    GatedAttentionLayer,
-    LayerNorm,
-    check_broadcasts,
-    check_channels,
-    init_linear,
-)
+from ds4sci.kernels import EvoformerBackend
+from ds4sci.kernels import parse_backend
+from ds4sci.models.evoformer.primitives import Convention
+from ds4sci.models.evoformer.primitives import GatedAttention
+from ds4sci.models.evoformer.primitives import GatedAttentionLayer
+from ds4sci.models.evoformer.primitives import LayerNorm
+from ds4sci.models.evoformer.primitives import check_broadcasts
+from ds4sci.models.evoformer.primitives import check_channels
+from ds4sci.models.evoformer.primitives import init_linear
 
 
 class MSAAttention(GatedAttentionLayer):

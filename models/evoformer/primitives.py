@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Optional, Union
+from typing import Optional
+from typing import Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.kernels import EvoformerBackend, evoformer_attention, parse_backend
+from ds4sci.kernels import EvoformerBackend
+from ds4sci.kernels import evoformer_attention
+from ds4sci.kernels import parse_backend
 
 
 class Convention(str, enum.Enum):

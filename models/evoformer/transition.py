@@ -12,19 +12,19 @@ SwiGLU: ``swiglu.linear_a``, ``swiglu.linear_b``, ``linear_out``) or OpenFold (`
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
+from typing import Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.models.evoformer.primitives import (
-    Convention,
-    LayerNorm,
-    check_channels,
-    check_chunk_size,
-    init_linear,
-    resolve_convention,
-)
+from ds4sci.models.evoformer.primitives import Convention
+from ds4sci.models.evoformer.primitives import LayerNorm
+from ds4sci.models.evoformer.primitives import check_channels
+from ds4sci.models.evoformer.primitives import check_chunk_size
+from ds4sci.models.evoformer.primitives import init_linear
+from ds4sci.models.evoformer.primitives import resolve_convention
 
 TRANSITION_TYPES = ("relu", "swiglu")
 

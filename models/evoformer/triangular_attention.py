@@ -7,19 +7,19 @@ The ending-node layer is the starting-node layer applied to the transposed pair 
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
+from typing import Union
 
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
 from ds4sci.kernels import EvoformerBackend
-from ds4sci.models.evoformer.primitives import (
-    Convention,
-    GatedAttention,
-    GatedAttentionLayer,
-    LayerNorm,
-    init_linear,
-    resolve_convention,
-)
+from ds4sci.models.evoformer.primitives import Convention
+from ds4sci.models.evoformer.primitives import GatedAttention
+from ds4sci.models.evoformer.primitives import GatedAttentionLayer
+from ds4sci.models.evoformer.primitives import LayerNorm
+from ds4sci.models.evoformer.primitives import init_linear
+from ds4sci.models.evoformer.primitives import resolve_convention
 
 
 class TriangleAttention(GatedAttentionLayer):

@@ -13,19 +13,19 @@ OpenFold3's projections have no bias, OpenFold's have one (:class:`~ds4sci.model
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
+from typing import Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.models.evoformer.primitives import (
-    Convention,
-    LayerNorm,
-    check_broadcasts,
-    check_channels,
-    init_linear,
-    resolve_convention,
-)
+from ds4sci.models.evoformer.primitives import Convention
+from ds4sci.models.evoformer.primitives import LayerNorm
+from ds4sci.models.evoformer.primitives import check_broadcasts
+from ds4sci.models.evoformer.primitives import check_channels
+from ds4sci.models.evoformer.primitives import init_linear
+from ds4sci.models.evoformer.primitives import resolve_convention
 
 
 class TriangleMultiplicativeUpdate(nn.Module):

@@ -8,7 +8,8 @@ import numbers
 import re
 from dataclasses import dataclass
 
-from ds4sci.kernels.backends import LocalBackend, parse_backend  # torch-free: this module imports no torch
+from ds4sci.kernels.backends import LocalBackend  # torch-free: this module imports no torch
+from ds4sci.kernels.backends import parse_backend  # torch-free: this module imports no torch
 
 POSITION_EMBEDDINGS = ("learned", "rotary", "alibi")
 # The GELU MLP's activation. "gelu": exact (erf) GELU, GPT-NeoX's default; "gelu_tanh": its tanh approximation

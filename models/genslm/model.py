@@ -21,16 +21,21 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.kernels.backends import LocalBackend, parse_backend
+from ds4sci.kernels.backends import LocalBackend
+from ds4sci.kernels.backends import parse_backend
 from ds4sci.kernels.local_attention import memory_efficient_attention
 from ds4sci.kernels.recompute import recompute_saved
 from ds4sci.kernels.rotary import apply_rotary_qkv_
 from ds4sci.kernels.tiled_loss import tiled_loss
 from ds4sci.kernels.tiled_mlp import tiled_mlp
 from ds4sci.models.genslm.config import GenSLMConfig
-from ds4sci.models.genslm.position import LearnedPositionEmbedding, RotaryScaling, alibi_slopes, rotary_cos_sin
+from ds4sci.models.genslm.position import LearnedPositionEmbedding
+from ds4sci.models.genslm.position import RotaryScaling
+from ds4sci.models.genslm.position import alibi_slopes
+from ds4sci.models.genslm.position import rotary_cos_sin
 
 IGNORE_INDEX = -100
 """Target id that the loss skips (padding, document starts, a shard's missing next token); PyTorch's default."""

@@ -10,7 +10,8 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
 
 class LearnedPositionEmbedding(nn.Module):

@@ -6,7 +6,9 @@ import torch
 from ds4sci.bench import generate
 from ds4sci.data import CodonTokenizer
 
-from bench_checks import bench_args, quick_report, refused_in_one_line  # tests/bench/ is on sys.path
+from bench_checks import bench_args  # tests/bench/ is on sys.path
+from bench_checks import quick_report  # tests/bench/ is on sys.path
+from bench_checks import refused_in_one_line  # tests/bench/ is on sys.path
 
 pytest.importorskip("transformers")  # the dev extra installs it
 

@@ -44,7 +44,8 @@ def test_zero1_partitions_the_adam_moments_and_tp2_halves_the_split_parameters(q
         assert rank["master"] == pytest.approx(rank["params"] / 2, rel=1e-3)  # the fp32 partition DeepSpeed copies
         assert rank["grads"] == pytest.approx(rank["params"] / 2, rel=1e-3)  # what the optimizer is handed
     from ds4sci.data import NucleotideTokenizer
-    from ds4sci.models.genslm import GenSLM, GenSLMConfig
+    from ds4sci.models.genslm import GenSLM
+    from ds4sci.models.genslm import GenSLMConfig
 
     c = report["config"]
     full = GenSLM(GenSLMConfig.preset("debug", vocab_size=NucleotideTokenizer().vocab_size, hidden_size=c["hidden"],

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from ds4sci.bench import memory
-from ds4sci.bench.report import markdown_table, write_report
+from ds4sci.bench.report import markdown_table
+from ds4sci.bench.report import write_report
 
 
 def test_saved_for_backward_counts_unique_storages():

@@ -4,7 +4,11 @@ tests/integrations/test_openfold.py."""
 import datetime
 
 from ds4sci.bench import openfold_stack
-from ds4sci.bench.report import MIB, describe_load, describe_machine, load_average, machine
+from ds4sci.bench.report import MIB
+from ds4sci.bench.report import describe_load
+from ds4sci.bench.report import describe_machine
+from ds4sci.bench.report import load_average
+from ds4sci.bench.report import machine
 
 
 def test_machine_and_load():

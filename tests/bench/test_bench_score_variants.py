@@ -4,7 +4,9 @@ import pytest
 
 from ds4sci.bench import score_variants
 
-from bench_checks import bench_args, quick_report, refused_in_one_line  # tests/bench/ is on sys.path
+from bench_checks import bench_args  # tests/bench/ is on sys.path
+from bench_checks import quick_report  # tests/bench/ is on sys.path
+from bench_checks import refused_in_one_line  # tests/bench/ is on sys.path
 
 
 def test_quick_run_writes_the_report(tmp_path):

@@ -5,7 +5,9 @@ import torch
 
 from ds4sci.bench import throughput
 
-from bench_checks import bench_args, quick_report, refused_in_one_line  # tests/bench/ is on sys.path
+from bench_checks import bench_args  # tests/bench/ is on sys.path
+from bench_checks import quick_report  # tests/bench/ is on sys.path
+from bench_checks import refused_in_one_line  # tests/bench/ is on sys.path
 
 pytest.importorskip("transformers")  # the dev extra installs it
 

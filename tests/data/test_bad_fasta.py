@@ -5,7 +5,10 @@ import os
 
 import pytest
 
-from ds4sci.data import CodonTokenizer, NucleotideTokenizer, open_corpus, read_fasta
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.data import open_corpus
+from ds4sci.data import read_fasta
 
 NUC = NucleotideTokenizer()
 

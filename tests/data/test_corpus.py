@@ -10,19 +10,22 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ds4sci.data import CodonTokenizer, NucleotideTokenizer, Spans, WindowDataset, open_corpus, resolve_sources
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.data import Spans
+from ds4sci.data import WindowDataset
 from ds4sci.data import corpus as corpus_mod
+from ds4sci.data import open_corpus
+from ds4sci.data import resolve_sources
 from ds4sci.data.corpus import load_datasets
-from ds4sci.data.datasets import (
-    auto_min_records,
-    choose_split,
-    describe_split,
-    record_hash,
-    split_records,
-    split_region,
-    split_spans,
-    val_mask,
-)
+from ds4sci.data.datasets import auto_min_records
+from ds4sci.data.datasets import choose_split
+from ds4sci.data.datasets import describe_split
+from ds4sci.data.datasets import record_hash
+from ds4sci.data.datasets import split_records
+from ds4sci.data.datasets import split_region
+from ds4sci.data.datasets import split_spans
+from ds4sci.data.datasets import val_mask
 from ds4sci.spawn import run_workers
 
 NUC = NucleotideTokenizer()

@@ -6,20 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from ds4sci.data import (
-    CodonTokenizer,
-    NucleotideTokenizer,
-    PackedDataset,
-    RecordDataset,
-    Spans,
-    Tokenizer,
-    WindowDataset,
-    collate,
-    read_fasta,
-    split_records,
-    split_region,
-    split_spans,
-)
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.data import PackedDataset
+from ds4sci.data import RecordDataset
+from ds4sci.data import Spans
+from ds4sci.data import Tokenizer
+from ds4sci.data import WindowDataset
+from ds4sci.data import collate
+from ds4sci.data import read_fasta
+from ds4sci.data import split_records
+from ds4sci.data import split_region
+from ds4sci.data import split_spans
 from ds4sci.models.genslm import IGNORE_INDEX
 
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data"

@@ -7,10 +7,14 @@ from pathlib import Path
 
 import numpy as np
 from Bio import SeqIO
-from hypothesis import given, settings
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
-from ds4sci.data import CodonTokenizer, NucleotideTokenizer, open_corpus, read_fasta
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.data import open_corpus
+from ds4sci.data import read_fasta
 
 BASES = "ACGTNUacgtnu"
 IUPAC = "RYSWKMBDHVryswkmbdhv"

@@ -13,7 +13,8 @@ import torch
 
 from ds4sci.spawn import run_workers
 
-from test_train_equivalence import ENV, _overrides
+from test_train_equivalence import ENV
+from test_train_equivalence import _overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,8 @@ def _fake_checkpoint(folder: Path, step: int, model: dict, stage: int = 0, compl
 
 
 def test_checkpoint_records_name_what_is_wrong(tmp_path):
-    from ds4sci.train.checkpoint_check import check_checkpoint, find_checkpoint
+    from ds4sci.train.checkpoint_check import check_checkpoint
+    from ds4sci.train.checkpoint_check import find_checkpoint
 
     model = {"num_layers": 2, "hidden_size": 32}
     this_run = {"model": model, "zero.stage": 1, "zero partitions": 2}
@@ -99,7 +101,8 @@ def _corrupt_each_file(rank, world, out):
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from ds4sci.train.checkpoint import load_checkpoint, save_checkpoint
+    from ds4sci.train.checkpoint import load_checkpoint
+    from ds4sci.train.checkpoint import save_checkpoint
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 

@@ -7,24 +7,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds4sci.distributed.comm import (
-    CommCounter,
-    RingShift,
-    all_gather,
-    all_reduce,
-    all_to_all,
-    group_rank,
-    group_size,
-    move,
-    nbytes,
-    reduce_from_tensor_region,
-    reduce_scatter,
-    reduce_scatter_sequence_region,
-    send_recv,
-    split,
-    split_sequence_region,
-    sync_grad,
-)
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import RingShift
+from ds4sci.distributed.comm import all_gather
+from ds4sci.distributed.comm import all_reduce
+from ds4sci.distributed.comm import all_to_all
+from ds4sci.distributed.comm import group_rank
+from ds4sci.distributed.comm import group_size
+from ds4sci.distributed.comm import move
+from ds4sci.distributed.comm import nbytes
+from ds4sci.distributed.comm import reduce_from_tensor_region
+from ds4sci.distributed.comm import reduce_scatter
+from ds4sci.distributed.comm import reduce_scatter_sequence_region
+from ds4sci.distributed.comm import send_recv
+from ds4sci.distributed.comm import split
+from ds4sci.distributed.comm import split_sequence_region
+from ds4sci.distributed.comm import sync_grad
 from ds4sci.spawn import run_workers
 
 

@@ -1,7 +1,9 @@
 """ds4sci.distributed.dims without processes: dims validation, rank coordinates, group layout."""
 import pytest
 
-from ds4sci.distributed.dims import Coords, Layout, ParallelDims
+from ds4sci.distributed.dims import Coords
+from ds4sci.distributed.dims import Layout
+from ds4sci.distributed.dims import ParallelDims
 
 
 def test_parallel_dims_valid():

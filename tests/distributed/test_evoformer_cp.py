@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ds4sci import evoformer_context_parallel
-from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
+from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import PairformerBlock
 from ds4sci.spawn import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

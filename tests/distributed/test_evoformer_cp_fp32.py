@@ -26,15 +26,15 @@ import pytest
 import torch
 
 from ds4sci import evoformer_context_parallel
-from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
+from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import PairformerBlock
 from ds4sci.spawn import run_workers
+
+import test_evoformer_cp  # the fp64 tests' block shapes and inputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-KW = dict(c_m=8, c_z=6, c_hidden_msa_att=4, c_hidden_opm=3, c_hidden_mul=5, c_hidden_pair_att=4, no_heads_msa=2,
-          no_heads_pair=2, transition_n=2, msa_dropout=0.15, pair_dropout=0.25)
-PAIR_KW = dict(c_s=7, c_z=6, c_hidden_pair_bias=4, no_heads_pair_bias=2, c_hidden_mul=5, c_hidden_pair_att=4,
-               no_heads_pair=2, transition_n=2, pair_dropout=0.25)
+KW, PAIR_KW = test_evoformer_cp.KW, test_evoformer_cp.PAIR_KW  # the same shapes as the fp64 tests
 PERCENTILES = (0.25, 0.50, 0.75, 0.95)
 SLACK = 0.6
 TOL = 1e-5
@@ -55,17 +55,7 @@ def _block(kind):
 
 def _inputs(kind):
     """fp64 (x, z, x_mask, pair_mask, loss weights): x is m ``[2, N_seq, N_res, C_m]`` or s ``[2, N_res, C_s]``."""
-    g = torch.Generator().manual_seed(1)
-    x_shape = (2, N_SEQ, N_RES, KW["c_m"]) if kind == "evoformer" else (2, N_RES, PAIR_KW["c_s"])
-    x = torch.randn(*x_shape, generator=g, dtype=torch.float64)
-    z = torch.randn(2, N_RES, N_RES, KW["c_z"], generator=g, dtype=torch.float64)
-    x_mask = (torch.rand(*x_shape[:-1], generator=g) > 0.2).double()
-    if kind == "pairformer":
-        x_mask[..., 0] = 1.0  # every single row sees a key (a fully masked one is meaningless on every path)
-    pair_mask = (torch.rand(2, N_RES, N_RES, generator=g) > 0.2).double()
-    weights = [torch.randn(x.shape, generator=g, dtype=torch.float64),
-               torch.randn(z.shape, generator=g, dtype=torch.float64)]
-    return x, z, x_mask, pair_mask, weights
+    return test_evoformer_cp._inputs(kind, N_SEQ, N_RES)
 
 
 def _run(module, block, dtype, x, z, x_mask, pair_mask, weights):

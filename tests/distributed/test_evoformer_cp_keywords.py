@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ds4sci import evoformer_context_parallel
-from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
+from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import PairformerBlock
 from ds4sci.spawn import run_workers
 
 EVO = dict(c_m=8, c_z=6, c_hidden_msa_att=4, c_hidden_opm=3, c_hidden_mul=5, c_hidden_pair_att=4, no_heads_msa=2,

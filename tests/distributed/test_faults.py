@@ -16,7 +16,9 @@ import torch
 
 from ds4sci.spawn import run_workers
 
-from test_train_equivalence import ENV, GENOME, _overrides
+from test_train_equivalence import ENV
+from test_train_equivalence import GENOME
+from test_train_equivalence import _overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,13 +13,19 @@ import numpy as np
 import pytest
 import torch
 
-from ds4sci.data import FastaRecord, NucleotideTokenizer
-from ds4sci.infer.embed import embed_records, token_embeddings
-from ds4sci.infer.evaluate import RecordWindows, evaluate, record_windows
+from ds4sci.data import FastaRecord
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.infer.embed import embed_records
+from ds4sci.infer.embed import token_embeddings
+from ds4sci.infer.evaluate import RecordWindows
+from ds4sci.infer.evaluate import evaluate
+from ds4sci.infer.evaluate import record_windows
 from ds4sci.infer.parallel import ShardedForward
 from ds4sci.infer.score import score_records
-from ds4sci.infer.variants import Variant, score_variants
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.infer.variants import Variant
+from ds4sci.infer.variants import score_variants
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 from ds4sci.spawn import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

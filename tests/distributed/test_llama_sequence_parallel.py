@@ -7,7 +7,9 @@ import torch
 from ds4sci.distributed import ParallelDims
 from ds4sci.distributed.comm import CommCounter
 from ds4sci.distributed.groups import build_groups
-from ds4sci.models.genslm import GenSLM, GenSLMConfig, lm_loss
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm import lm_loss
 from ds4sci.parallel.parallelize import parallelize
 from ds4sci.planning import genslm as plan
 from ds4sci.sequence import shard_sequence

@@ -9,7 +9,9 @@ import torch
 
 from ds4sci.spawn import run_workers
 
-from test_train_equivalence import CLIP, ENV, _overrides
+from test_train_equivalence import CLIP
+from test_train_equivalence import ENV
+from test_train_equivalence import _overrides
 
 pytestmark = pytest.mark.distributed
 
@@ -19,7 +21,8 @@ STAGES = (2, 3)
 def _resume_at_sp2(rank, world, out):
     """Per ZeRO stage: the SP=1 run's 3 losses and final state, and the SP=2 run's step after loading, its loss and
     final state (one process group for both stages: the start-up of a process costs more than the runs)."""
-    from ds4sci.train.checkpoint import load_checkpoint, save_checkpoint
+    from ds4sci.train.checkpoint import load_checkpoint
+    from ds4sci.train.checkpoint import save_checkpoint
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 

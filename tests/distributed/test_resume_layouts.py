@@ -19,7 +19,9 @@ import torch
 
 from ds4sci.spawn import run_workers
 
-from test_train_equivalence import CLIP, ENV, _overrides
+from test_train_equivalence import CLIP
+from test_train_equivalence import ENV
+from test_train_equivalence import _overrides
 
 pytestmark = pytest.mark.distributed
 
@@ -73,7 +75,8 @@ def _references(rank, world, root):
 def _resumes(rank, world, root, references):
     """Per case: the losses of the saving run's first 2 steps (None: the reference saved), the resumed run's step
     after loading, its 2 losses and final state."""
-    from ds4sci.train.checkpoint import load_checkpoint, save_checkpoint
+    from ds4sci.train.checkpoint import load_checkpoint
+    from ds4sci.train.checkpoint import save_checkpoint
 
     results = {}
     for i, (name, model, saver, resumer) in enumerate(CASES):

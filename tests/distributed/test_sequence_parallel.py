@@ -13,12 +13,22 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4sci.distributed import ParallelDims
-from ds4sci.distributed.comm import CommCounter, all_to_all, group_rank, group_size
-from ds4sci.distributed.groups import DeepSpeedMPU, build_groups
-from ds4sci.kernels.local_attention import flex_attention, memory_efficient_attention
-from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import all_to_all
+from ds4sci.distributed.comm import group_rank
+from ds4sci.distributed.comm import group_size
+from ds4sci.distributed.groups import DeepSpeedMPU
+from ds4sci.distributed.groups import build_groups
+from ds4sci.kernels.local_attention import flex_attention
+from ds4sci.kernels.local_attention import memory_efficient_attention
+from ds4sci.kernels.local_reference import PAD_DOC_ID
+from ds4sci.kernels.local_reference import sdpa_attention
 from ds4sci.models.genslm import AttentionCore
-from ds4sci.sequence import DistributedAttention, Layout, gather_sequence, pad_to_multiple, shard_sequence
+from ds4sci.sequence import DistributedAttention
+from ds4sci.sequence import Layout
+from ds4sci.sequence import gather_sequence
+from ds4sci.sequence import pad_to_multiple
+from ds4sci.sequence import shard_sequence
 from ds4sci.spawn import run_workers
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}

@@ -18,15 +18,24 @@ import torch.utils.checkpoint
 from ds4sci.distributed import ParallelDims
 from ds4sci.distributed.comm import CommCounter
 from ds4sci.distributed.groups import build_groups
-from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, GenSLMConfig, shift_labels, token_loss
+from ds4sci.models.genslm import IGNORE_INDEX
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm import shift_labels
+from ds4sci.models.genslm import token_loss
 from ds4sci.parallel.genslm_tp import token_loss_for
-from ds4sci.parallel.parallelize import materialize_, parallelize
-from ds4sci.parallel.tensor_parallel import gather_vocab, tensor_parallel_plan
+from ds4sci.parallel.parallelize import materialize_
+from ds4sci.parallel.parallelize import parallelize
+from ds4sci.parallel.tensor_parallel import gather_vocab
+from ds4sci.parallel.tensor_parallel import tensor_parallel_plan
 from ds4sci.planning import genslm as planner
 from ds4sci.planning.costs import tp_forward_comm_bytes
-from ds4sci.sequence import gather_sequence, shard_sequence
+from ds4sci.sequence import gather_sequence
+from ds4sci.sequence import shard_sequence
 from ds4sci.spawn import run_workers
-from ds4sci.train.consolidate import gather_tensor_parallel, load_full_state_dict, shard_tensor_parallel
+from ds4sci.train.consolidate import gather_tensor_parallel
+from ds4sci.train.consolidate import load_full_state_dict
+from ds4sci.train.consolidate import shard_tensor_parallel
 
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
 

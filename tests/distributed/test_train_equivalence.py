@@ -73,7 +73,8 @@ def _plain_torch_losses(rank, world, overrides):
     import numpy as np
 
     from ds4sci.data import collate
-    from ds4sci.models.genslm import GenSLM, lm_loss
+    from ds4sci.models.genslm import GenSLM
+    from ds4sci.models.genslm import lm_loss
     from ds4sci.train.config import load_config
     from ds4sci.train.engine import make_optimizer
     from ds4sci.train.launch import load_data

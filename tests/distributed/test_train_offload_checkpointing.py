@@ -9,7 +9,11 @@ import torch
 
 from ds4sci.spawn import run_workers
 
-from test_train_equivalence import CLIP, ENV, _baseline, _compare, _overrides
+from test_train_equivalence import CLIP
+from test_train_equivalence import ENV
+from test_train_equivalence import _baseline
+from test_train_equivalence import _compare
+from test_train_equivalence import _overrides
 
 pytestmark = pytest.mark.distributed
 

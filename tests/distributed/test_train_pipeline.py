@@ -29,8 +29,11 @@ import torch
 from ds4sci.spawn import run_workers
 
 import test_train_tensor_parallel
-from test_train_equivalence import CLIP, ENV, _overrides
-from test_train_tensor_parallel import _cases, _check
+from test_train_equivalence import CLIP
+from test_train_equivalence import ENV
+from test_train_equivalence import _overrides
+from test_train_tensor_parallel import _cases
+from test_train_tensor_parallel import _check
 
 runs = test_train_tensor_parallel.runs  # the module-scoped run folder fixture, shared
 

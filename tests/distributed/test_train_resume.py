@@ -7,13 +7,15 @@ import torch
 
 from ds4sci.spawn import run_workers
 
-from test_train_equivalence import ENV, _overrides
+from test_train_equivalence import ENV
+from test_train_equivalence import _overrides
 
 pytestmark = pytest.mark.distributed
 
 
 def _resume_cases(rank, world, out):
-    from ds4sci.train.checkpoint import load_checkpoint, save_checkpoint
+    from ds4sci.train.checkpoint import load_checkpoint
+    from ds4sci.train.checkpoint import save_checkpoint
     from ds4sci.train.config import load_config
     from ds4sci.train.trainer import Trainer
 

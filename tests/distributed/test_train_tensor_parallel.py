@@ -17,7 +17,11 @@ import pytest
 
 from ds4sci.spawn import run_workers
 
-from test_train_equivalence import CLIP, ENV, _compare, _overrides, _train_cases
+from test_train_equivalence import CLIP
+from test_train_equivalence import ENV
+from test_train_equivalence import _compare
+from test_train_equivalence import _overrides
+from test_train_equivalence import _train_cases
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

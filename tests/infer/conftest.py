@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from ds4sci.data import NucleotideTokenizer
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 
 
 @pytest.fixture

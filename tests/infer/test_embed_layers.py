@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from ds4sci.cli import main
-from ds4sci.cli_args import CommandError, check_parallel
+from ds4sci.cli_args import CommandError
+from ds4sci.cli_args import check_parallel
 from ds4sci.data import FastaRecord
-from ds4sci.infer.embed import embed_records, save_token_embeddings, token_embeddings
+from ds4sci.infer.embed import embed_records
+from ds4sci.infer.embed import save_token_embeddings
+from ds4sci.infer.embed import token_embeddings
 
 SEQ = "ACGTTGCA" * 5  # 40 tokens: windows [0, 32) and, with stride 8, [8, 40) owning tokens 32-39
 

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from ds4sci.infer.evaluate import evaluate, windows
+from ds4sci.infer.evaluate import evaluate
+from ds4sci.infer.evaluate import windows
 
 
 def test_evaluate_counts_real_tokens_only(tmp_path, tiny):

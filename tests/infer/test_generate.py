@@ -3,10 +3,13 @@ batched sequences equal to each decoded alone, stop codons per sequence, and the
 import pytest
 import torch
 
-from ds4sci.data import CodonTokenizer, NucleotideTokenizer
-from ds4sci.infer.generate import filter_logits, sample
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.infer.generate import filter_logits
+from ds4sci.infer.generate import sample
 from ds4sci.io.export import export_consolidated
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 
 
 def test_generate_reproducible_greedy_and_fasta(tmp_path, tiny):

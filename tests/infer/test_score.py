@@ -13,12 +13,15 @@ import torch
 from Bio.Seq import Seq
 
 from ds4sci.cli import main
-from ds4sci.data import CodonTokenizer, NucleotideTokenizer, read_fasta
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.data import read_fasta
 from ds4sci.infer.evaluate import record_windows
 from ds4sci.infer.score import score_records
 from ds4sci.io.export import export_consolidated
 from ds4sci.io.weights import load_model
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 
 CONTEXT = 32
 BIN = Path(sys.executable).parent

@@ -10,13 +10,20 @@ import torch
 from Bio import bgzf
 
 from ds4sci.cli import main
-from ds4sci.data import CodonTokenizer, FastaRecord, NucleotideTokenizer
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import FastaRecord
+from ds4sci.data import NucleotideTokenizer
 from ds4sci.infer import variants as variants_module
 from ds4sci.infer.score import score_records
-from ds4sci.infer.variants import Variant, default_window, read_variants, reference_window, score_variants
+from ds4sci.infer.variants import Variant
+from ds4sci.infer.variants import default_window
+from ds4sci.infer.variants import read_variants
+from ds4sci.infer.variants import reference_window
+from ds4sci.infer.variants import score_variants
 from ds4sci.io.export import export_consolidated
 from ds4sci.io.weights import load_model
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 
 from cli_checks import refused
 

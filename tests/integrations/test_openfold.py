@@ -32,7 +32,9 @@ from ds4sci.integrations.openfold import EvoAttentionAdapter
 from ds4sci.kernels import EvoformerBackend
 from ds4sci.models import evoformer
 
-from evoformer_checks import TRITON, assert_within_pytorch_error, randomize_
+from evoformer_checks import TRITON
+from evoformer_checks import assert_within_pytorch_error
+from evoformer_checks import randomize_
 
 # OpenFold3's default path enters torch.amp.autocast("cuda"), which warns on a machine without CUDA
 pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")

@@ -6,9 +6,13 @@ import pytest
 import torch
 
 from ds4sci.data import Tokenizer
-from ds4sci.io.export import INDEX, ExportWriter, export_consolidated, read_consolidated
+from ds4sci.io.export import INDEX
+from ds4sci.io.export import ExportWriter
+from ds4sci.io.export import export_consolidated
+from ds4sci.io.export import read_consolidated
 from ds4sci.io.weights import load_model
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 
 TOK = Tokenizer.from_name("nucleotide")
 CFG = GenSLMConfig.preset("debug", vocab_size=TOK.vocab_size, pad_token_id=TOK.pad_id)

@@ -13,7 +13,8 @@ from ds4sci.cli import main
 from ds4sci.data import Tokenizer
 from ds4sci.io.export import export_consolidated
 from ds4sci.io.weights import load_model
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 
 transformers = pytest.importorskip("transformers")
 SEQ = "ACGTTGCAacgtNNAGGCTAGGCAXT"  # lower case, N and another letter; 8 codons and a partial one

@@ -12,9 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 from ds4sci.cli import main
-from ds4sci.data import CodonTokenizer, NucleotideTokenizer
-from ds4sci.io.export import export_consolidated, read_consolidated
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.io.export import export_consolidated
+from ds4sci.io.export import read_consolidated
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 
 FASTA = ">a\nACGTTGCAAGGCTTACACGTTG\n"
 

@@ -10,19 +10,18 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
-from ds4sci.kernels import (
-    DS4Sci_EvoformerAttention,
-    EvoformerBackend,
-    LocalBackend,
-    evoformer_attention,
-    evoformer_chunked,
-    evoformer_reference,
-    parse_backend,
-)
+from ds4sci.kernels import DS4Sci_EvoformerAttention
+from ds4sci.kernels import EvoformerBackend
+from ds4sci.kernels import LocalBackend
 from ds4sci.kernels import evoformer as evo
+from ds4sci.kernels import evoformer_attention
+from ds4sci.kernels import evoformer_chunked
+from ds4sci.kernels import evoformer_reference
+from ds4sci.kernels import parse_backend
 
 HAS_TRITON_BACKEND = importlib.util.find_spec("ds4sci.kernels.triton_evoformer") is not None
 CPU_BACKENDS = ["torch", "reference"]

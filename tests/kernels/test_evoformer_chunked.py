@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from ds4sci.kernels import evoformer_chunked, evoformer_reference
+from ds4sci.kernels import evoformer_chunked
+from ds4sci.kernels import evoformer_reference
 
 
 def _inputs(z=2, n=3, s=7, h=2, d=8, dtype=torch.float64, seed=0):

@@ -28,9 +28,13 @@ import os
 import pytest
 import torch
 
-from ds4sci.kernels import evoformer_attention, evoformer_chunked, evoformer_reference
+from ds4sci.kernels import evoformer_attention
+from ds4sci.kernels import evoformer_chunked
+from ds4sci.kernels import evoformer_reference
 
-from evoformer_checks import HAS_TRITON_BACKEND, TRITON, assert_within_pytorch_error
+from evoformer_checks import HAS_TRITON_BACKEND
+from evoformer_checks import TRITON
+from evoformer_checks import assert_within_pytorch_error
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -8,8 +8,10 @@ import os
 import pytest
 import torch
 
-from ds4sci.kernels import evoformer_attention, evoformer_reference
-from ds4sci.kernels.evoformer import evoformer_attention_bwd, evoformer_attention_fwd
+from ds4sci.kernels import evoformer_attention
+from ds4sci.kernels import evoformer_reference
+from ds4sci.kernels.evoformer import evoformer_attention_bwd
+from ds4sci.kernels.evoformer import evoformer_attention_fwd
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch", "reference"] + (["triton"] if HAS_TRITON else [])

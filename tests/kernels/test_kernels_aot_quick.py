@@ -6,7 +6,10 @@ test_triton_local_attention_aot.py.
 import json
 
 from ds4sci import cli
-from ds4sci.bench.aot.variants import KERNELS, LOCAL_KERNELS, QUICK, quick_variants
+from ds4sci.bench.aot.variants import KERNELS
+from ds4sci.bench.aot.variants import LOCAL_KERNELS
+from ds4sci.bench.aot.variants import QUICK
+from ds4sci.bench.aot.variants import quick_variants
 
 
 def test_quick_variants_are_one_entry_per_family_with_every_flag_on():

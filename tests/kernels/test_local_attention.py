@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from ds4sci.kernels import local_reference
-from ds4sci.kernels.local_attention import flash_causal_mode, flex_attention
+from ds4sci.kernels.local_attention import flash_causal_mode
+from ds4sci.kernels.local_attention import flex_attention
 from ds4sci.kernels.local_chunked import chunked_attention
-from ds4sci.kernels.local_reference import attention_mask, sdpa_attention, threshold_for_memory
+from ds4sci.kernels.local_reference import attention_mask
+from ds4sci.kernels.local_reference import sdpa_attention
+from ds4sci.kernels.local_reference import threshold_for_memory
 
 
 def naive_attention(q, k, v, visible):

@@ -17,9 +17,11 @@ import torch
 from ds4sci.kernels import local_attention as la
 from ds4sci.kernels import local_chunked
 from ds4sci.kernels.backends import LocalBackend
-from ds4sci.kernels.local_attention import memory_efficient_attention, select_backend
+from ds4sci.kernels.local_attention import memory_efficient_attention
+from ds4sci.kernels.local_attention import select_backend
 from ds4sci.kernels.local_chunked import chunked_attention
-from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
+from ds4sci.kernels.local_reference import PAD_DOC_ID
+from ds4sci.kernels.local_reference import sdpa_attention
 
 
 @pytest.fixture(autouse=True, scope="module")

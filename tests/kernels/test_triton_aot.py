@@ -29,23 +29,28 @@ import textwrap
 import pytest
 import torch
 
-from ds4sci.bench.aot.calls import CALLERS, kernel_name, launch_flags, record_launches
+from ds4sci.bench.aot.calls import CALLERS
+from ds4sci.bench.aot.calls import kernel_name
+from ds4sci.bench.aot.calls import launch_flags
+from ds4sci.bench.aot.calls import record_launches
 from ds4sci.bench.aot.compile import TARGETS
-from ds4sci.bench.aot.ptx import parse_ptx, unsafe_exponents
-from ds4sci.bench.aot.specialise import describe_specialisation, specialisation, specialisation_key
-from ds4sci.bench.aot.variants import caller_variants, shipped_variants
+from ds4sci.bench.aot.ptx import parse_ptx
+from ds4sci.bench.aot.ptx import unsafe_exponents
+from ds4sci.bench.aot.specialise import describe_specialisation
+from ds4sci.bench.aot.specialise import specialisation
+from ds4sci.bench.aot.specialise import specialisation_key
+from ds4sci.bench.aot.variants import caller_variants
+from ds4sci.bench.aot.variants import shipped_variants
 from ds4sci.kernels import evoformer_attention
 
-from aot_checks import (  # tests/ is on sys.path (its conftest.py)
-    SM80_SMEM,
-    SM90_SMEM,
-    assert_compiled_within_smem,
-    assert_exponents,
-    assert_gate_compiled,
-    assert_spill_free,
-    compiles,
-    gate_fixture,
-)
+from aot_checks import SM80_SMEM  # tests/ is on sys.path (its conftest.py)
+from aot_checks import SM90_SMEM  # tests/ is on sys.path (its conftest.py)
+from aot_checks import assert_compiled_within_smem  # tests/ is on sys.path (its conftest.py)
+from aot_checks import assert_exponents  # tests/ is on sys.path (its conftest.py)
+from aot_checks import assert_gate_compiled  # tests/ is on sys.path (its conftest.py)
+from aot_checks import assert_spill_free  # tests/ is on sys.path (its conftest.py)
+from aot_checks import compiles  # tests/ is on sys.path (its conftest.py)
+from aot_checks import gate_fixture  # tests/ is on sys.path (its conftest.py)
 
 NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 

@@ -8,13 +8,11 @@ flag-off variants were seen to spill where the all-flags one did not.
 """
 from ds4sci.bench.aot.variants import shipped_variants
 
-from aot_checks import (  # tests/ is on sys.path (its conftest.py)
-    assert_exponents,
-    assert_gate_compiled,
-    assert_resources,
-    compiles,
-    gate_fixture,
-)
+from aot_checks import assert_exponents  # tests/ is on sys.path (its conftest.py)
+from aot_checks import assert_gate_compiled  # tests/ is on sys.path (its conftest.py)
+from aot_checks import assert_resources  # tests/ is on sys.path (its conftest.py)
+from aot_checks import compiles  # tests/ is on sys.path (its conftest.py)
+from aot_checks import gate_fixture  # tests/ is on sys.path (its conftest.py)
 
 shipped_gate = gate_fixture("shipped")
 

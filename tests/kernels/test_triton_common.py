@@ -12,7 +12,8 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from ds4sci.kernels.triton_common import cast, online_softmax_update  # noqa: E402
+from ds4sci.kernels.triton_common import cast  # noqa: E402
+from ds4sci.kernels.triton_common import online_softmax_update  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -13,16 +13,26 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds4sci.kernels import EvoformerBackend, evoformer_attention, evoformer_reference
+from ds4sci.kernels import EvoformerBackend
 from ds4sci.kernels import evoformer as evo
+from ds4sci.kernels import evoformer_attention
+from ds4sci.kernels import evoformer_reference
 from ds4sci.kernels.backends import TRITON_MAX_HEAD_DIM
 
 from test_evoformer_api import (  # shared helpers (tests/kernels is on sys.path under pytest's rootdir import mode)
     HAS_TRITON_BACKEND,
+)
+from test_evoformer_api import (  # shared helpers (tests/kernels is on sys.path under pytest's rootdir import mode)
     _assert_within_3x_pytorch,
+)
+from test_evoformer_api import (  # shared helpers (tests/kernels is on sys.path under pytest's rootdir import mode)
     _leaves,
-    _run,
+)
+from test_evoformer_api import _run  # shared helpers (tests/kernels is on sys.path under pytest's rootdir import mode)
+from test_evoformer_api import (  # shared helpers (tests/kernels is on sys.path under pytest's rootdir import mode)
     _variant,
+)
+from test_evoformer_api import (  # shared helpers (tests/kernels is on sys.path under pytest's rootdir import mode)
     _variant_params,
 )
 

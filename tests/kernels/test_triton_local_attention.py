@@ -23,9 +23,12 @@ import os
 import pytest
 import torch
 
-from ds4sci.bench.aot.calls import kernel_name, record_launches
+from ds4sci.bench.aot.calls import kernel_name
+from ds4sci.bench.aot.calls import record_launches
 from ds4sci.kernels import triton_local_attention as tla
-from ds4sci.kernels.local_reference import PAD_DOC_ID, attention_mask, sdpa_attention
+from ds4sci.kernels.local_reference import PAD_DOC_ID
+from ds4sci.kernels.local_reference import attention_mask
+from ds4sci.kernels.local_reference import sdpa_attention
 from ds4sci.kernels.triton_evoformer import Tiles
 from ds4sci.kernels.triton_local_attention import triton_attention
 

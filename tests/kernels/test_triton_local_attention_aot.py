@@ -21,18 +21,22 @@ import itertools
 import pytest
 import torch
 
-from ds4sci.bench.aot.calls import LocalCall, kernel_name, record_launches
-from ds4sci.bench.aot.specialise import specialisation, specialisation_key
-from ds4sci.bench.aot.variants import LOCAL_DTYPES, LOCAL_KERNELS, LocalVariant, variants_for
+from ds4sci.bench.aot.calls import LocalCall
+from ds4sci.bench.aot.calls import kernel_name
+from ds4sci.bench.aot.calls import record_launches
+from ds4sci.bench.aot.specialise import specialisation
+from ds4sci.bench.aot.specialise import specialisation_key
+from ds4sci.bench.aot.variants import LOCAL_DTYPES
+from ds4sci.bench.aot.variants import LOCAL_KERNELS
+from ds4sci.bench.aot.variants import LocalVariant
+from ds4sci.bench.aot.variants import variants_for
 from ds4sci.kernels.triton_local_attention import triton_attention
 
-from aot_checks import (  # tests/ is on sys.path (its conftest.py)
-    assert_exponents,
-    assert_gate_compiled,
-    assert_resources,
-    compiles,
-    gate_fixture,
-)
+from aot_checks import assert_exponents  # tests/ is on sys.path (its conftest.py)
+from aot_checks import assert_gate_compiled  # tests/ is on sys.path (its conftest.py)
+from aot_checks import assert_resources  # tests/ is on sys.path (its conftest.py)
+from aot_checks import compiles  # tests/ is on sys.path (its conftest.py)
+from aot_checks import gate_fixture  # tests/ is on sys.path (its conftest.py)
 
 NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from ds4sci.kernels.rotary import apply_rotary_qkv_
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 from ds4sci.models.genslm.position import rotary_cos_sin
 
 from activation_checks import SavedBytes

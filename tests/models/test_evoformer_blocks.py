@@ -11,9 +11,14 @@ import pytest
 import torch
 
 from ds4sci.models import evoformer
-from ds4sci.models.evoformer import EvoformerBlock, OuterProductMean, PairformerBlock, SharedDropout, Transition
+from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import OuterProductMean
+from ds4sci.models.evoformer import PairformerBlock
+from ds4sci.models.evoformer import SharedDropout
+from ds4sci.models.evoformer import Transition
 
-from evoformer_checks import TRITON, assert_within_pytorch_error
+from evoformer_checks import TRITON
+from evoformer_checks import assert_within_pytorch_error
 
 of3_evoformer = pytest.importorskip("openfold3.core.model.latent.evoformer")
 of3_pairformer = pytest.importorskip("openfold3.core.model.latent.pairformer")

@@ -12,16 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from ds4sci.kernels import EvoformerBackend
-from ds4sci.models.evoformer import (
-    Convention,
-    MSAColumnAttention,
-    MSARowAttentionWithPairBias,
-    TriangleAttention,
-    TriangleAttentionEndingNode,
-    TriangleAttentionStartingNode,
-)
+from ds4sci.models.evoformer import Convention
+from ds4sci.models.evoformer import MSAColumnAttention
+from ds4sci.models.evoformer import MSARowAttentionWithPairBias
+from ds4sci.models.evoformer import TriangleAttention
+from ds4sci.models.evoformer import TriangleAttentionEndingNode
+from ds4sci.models.evoformer import TriangleAttentionStartingNode
 
-from evoformer_checks import HAS_TRITON_BACKEND, TRITON, assert_within_pytorch_error, randomize_
+from evoformer_checks import HAS_TRITON_BACKEND
+from evoformer_checks import TRITON
+from evoformer_checks import assert_within_pytorch_error
+from evoformer_checks import randomize_
 
 # The triton backend runs here on CPU tensors, i.e. under the interpreter (TRITON_INTERPRET=0 skips it).
 BACKENDS = ["torch", TRITON, "reference"]

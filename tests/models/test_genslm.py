@@ -7,19 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from ds4sci.models.genslm import (
-    AttentionCore,
-    GenSLM,
-    GenSLMConfig,
-    KVCache,
-    LearnedPositionEmbedding,
-    alibi_slopes,
-    from_gpt_neox_state_dict,
-    lm_loss,
-    shift_labels,
-    to_gpt_neox_state_dict,
-    token_loss,
-)
+from ds4sci.models.genslm import AttentionCore
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm import KVCache
+from ds4sci.models.genslm import LearnedPositionEmbedding
+from ds4sci.models.genslm import alibi_slopes
+from ds4sci.models.genslm import from_gpt_neox_state_dict
+from ds4sci.models.genslm import lm_loss
+from ds4sci.models.genslm import shift_labels
+from ds4sci.models.genslm import to_gpt_neox_state_dict
+from ds4sci.models.genslm import token_loss
 
 
 def _inputs(B=2, T=12, V=69, seed=0):

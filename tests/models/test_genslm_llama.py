@@ -6,10 +6,13 @@ import pytest
 from ds4sci import cli
 from ds4sci.distributed import ParallelDims
 from ds4sci.distributed.groups import SequenceParallelGroups
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.models.genslm.config import PRESETS, describe_preset
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm.config import PRESETS
+from ds4sci.models.genslm.config import describe_preset
 from ds4sci.parallel.parallelize import parallelize
-from ds4sci.planning.genslm import Cluster, Workload
+from ds4sci.planning.genslm import Cluster
+from ds4sci.planning.genslm import Workload
 from ds4sci.planning.genslm_search import strategies
 from ds4sci.train.config import load_config
 

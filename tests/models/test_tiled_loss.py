@@ -10,7 +10,10 @@ import functools
 import pytest
 import torch
 
-from ds4sci.models.genslm import IGNORE_INDEX, GenSLM, GenSLMConfig, token_loss
+from ds4sci.models.genslm import IGNORE_INDEX
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm import token_loss
 from ds4sci.models.genslm.model import OutputHead
 
 B, T, H, V = 2, 13, 8, 11

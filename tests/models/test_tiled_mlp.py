@@ -9,8 +9,10 @@ import functools
 import pytest
 import torch
 
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.models.genslm.model import MLP, Block
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm.model import MLP
+from ds4sci.models.genslm.model import Block
 
 from activation_checks import SavedBytes
 

@@ -5,15 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-from ds4sci.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RegionGather,
-    RowParallelLinear,
-    TPGroup,
-    TPShard,
-    VocabParallelEmbedding,
-    tensor_parallel_plan,
-)
+from ds4sci.parallel.tensor_parallel import ColumnParallelLinear
+from ds4sci.parallel.tensor_parallel import RegionGather
+from ds4sci.parallel.tensor_parallel import RowParallelLinear
+from ds4sci.parallel.tensor_parallel import TPGroup
+from ds4sci.parallel.tensor_parallel import TPShard
+from ds4sci.parallel.tensor_parallel import VocabParallelEmbedding
+from ds4sci.parallel.tensor_parallel import tensor_parallel_plan
 
 
 def _layers(rank: int, tp: int = 2) -> nn.ModuleDict:

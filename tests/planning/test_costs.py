@@ -13,7 +13,8 @@ def test_closed_forms_ulysses_flat_ring_and_megatron_grow():
 
 
 def test_mask_policies_cover_the_planners():
-    from ds4sci.planning.costs import MASK_POLICIES, mask_bytes
+    from ds4sci.planning.costs import MASK_POLICIES
+    from ds4sci.planning.costs import mask_bytes
     from ds4sci.planning.genslm import MASKS
 
     assert set(MASKS) - {"none"} <= set(MASK_POLICIES)  # the planner's "none": causal inside the kernel, no mask

@@ -12,7 +12,8 @@ import torch
 from ds4sci import cli
 from ds4sci.bench.memory import LiveTensors
 from ds4sci.commands.plan_evoformer import workload_from_args
-from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
+from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import PairformerBlock
 from ds4sci.planning import evoformer as pe
 from ds4sci.planning.common import GIB
 

@@ -4,8 +4,14 @@ import pytest
 
 from ds4sci.distributed import ParallelDims
 from ds4sci.models.genslm.config import GenSLMConfig
-from ds4sci.planning.costs import layer_comm_bytes, tp_forward_comm_bytes
-from ds4sci.planning.genslm import Cluster, Strategy, Workload, comm, rank_params, step_time
+from ds4sci.planning.costs import layer_comm_bytes
+from ds4sci.planning.costs import tp_forward_comm_bytes
+from ds4sci.planning.genslm import Cluster
+from ds4sci.planning.genslm import Strategy
+from ds4sci.planning.genslm import Workload
+from ds4sci.planning.genslm import comm
+from ds4sci.planning.genslm import rank_params
+from ds4sci.planning.genslm import step_time
 
 S, B, M = 4096, 2, 3  # tokens per sequence, sequences per micro-step, micro-steps per optimizer step
 

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from ds4sci import cli
-from ds4sci.bench import memory_breakdown, seq_scaling
+from ds4sci.bench import memory_breakdown
+from ds4sci.bench import seq_scaling
 from ds4sci.distributed import ParallelDims
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 from ds4sci.models.genslm.config import PRESETS
 from ds4sci.planning import genslm as plan
 from ds4sci.planning import genslm_search as search
@@ -69,7 +71,8 @@ def _saved_activation_bytes(config: GenSLMConfig, S: int, checkpointing: str, ti
     ``tile`` tokens (0: untiled); of those, the bytes left on the device after it; and the bytes :class:`HostOffload`
     holds in host memory (``offload``). With ``loss_tile`` the forward also computes the tiled loss (the head with
     targets); without, it stops at the logits."""
-    from ds4sci.train.activation_checkpointing import CheckpointedCore, checkpoint
+    from ds4sci.train.activation_checkpointing import CheckpointedCore
+    from ds4sci.train.activation_checkpointing import checkpoint
     from ds4sci.train.activation_offload import HostOffload
 
     torch.manual_seed(0)

@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_leaves
 
 from ds4sci import cli
 from ds4sci.distributed import ParallelDims
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
 from ds4sci.planning import genslm as plan
 from ds4sci.planning.common import STATE_BYTES
 from ds4sci.spawn import run_workers

@@ -3,7 +3,10 @@ GPT-NeoX's 4x MLP), ``--preset``'s help lists every count, and counts are plural
 import pytest
 
 from ds4sci import cli
-from ds4sci.models.genslm.config import PRESETS, GenSLMConfig, describe_preset, describe_presets
+from ds4sci.models.genslm.config import PRESETS
+from ds4sci.models.genslm.config import GenSLMConfig
+from ds4sci.models.genslm.config import describe_preset
+from ds4sci.models.genslm.config import describe_presets
 
 from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 

@@ -5,18 +5,18 @@ import math
 import pytest
 import torch
 
-from ds4sci.distributed.comm import CommCounter, all_to_all
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import all_to_all
 from ds4sci.kernels.local_chunked import chunked_attention
-from ds4sci.kernels.local_reference import PAD_DOC_ID, sdpa_attention
-from ds4sci.sequence import (
-    DistributedAttention,
-    merge_attention,
-    merge_softmax,
-    pad_to_multiple,
-    shard_positions,
-    shard_sequence,
-    unshard_sequence,
-)
+from ds4sci.kernels.local_reference import PAD_DOC_ID
+from ds4sci.kernels.local_reference import sdpa_attention
+from ds4sci.sequence import DistributedAttention
+from ds4sci.sequence import merge_attention
+from ds4sci.sequence import merge_softmax
+from ds4sci.sequence import pad_to_multiple
+from ds4sci.sequence import shard_positions
+from ds4sci.sequence import shard_sequence
+from ds4sci.sequence import unshard_sequence
 
 
 # ---------------------------------------------------------------- sharding

@@ -10,8 +10,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.train.activation_checkpointing import CheckpointedCore, apply_activation_checkpointing
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.train.activation_checkpointing import CheckpointedCore
+from ds4sci.train.activation_checkpointing import apply_activation_checkpointing
 from ds4sci.train.config import ActivationCheckpointingConfig
 
 

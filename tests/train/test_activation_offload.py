@@ -7,8 +7,10 @@ import functools
 
 import torch
 
-from ds4sci.models.genslm import GenSLM, GenSLMConfig
-from ds4sci.train.activation_checkpointing import CheckpointedCore, checkpoint
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.train.activation_checkpointing import CheckpointedCore
+from ds4sci.train.activation_checkpointing import checkpoint
 from ds4sci.train.activation_offload import HostOffload
 
 B, T = 2, 16

@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from ds4sci.train.checkpoint import _commit
-from ds4sci.train.checkpoint_check import Spread, check_checkpoint
+from ds4sci.train.checkpoint_check import Spread
+from ds4sci.train.checkpoint_check import check_checkpoint
 from ds4sci.train.run_dir import keep_metrics_until
 
 FINGERPRINT = {"model": {"num_layers": 2}, "zero.stage": 1, "zero partitions": 1,

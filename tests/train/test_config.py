@@ -3,8 +3,10 @@ import os
 
 import pytest
 
-from ds4sci.train.config import Config, load_config
-from ds4sci.train.engine import deepspeed_config, lr_lambda
+from ds4sci.train.config import Config
+from ds4sci.train.config import load_config
+from ds4sci.train.engine import deepspeed_config
+from ds4sci.train.engine import lr_lambda
 
 
 def test_defaults_are_valid_and_yaml_plus_overrides_apply(tmp_path):

@@ -14,11 +14,15 @@ from safetensors.torch import load_file
 
 import ds4sci
 from ds4sci.cli import main
-from ds4sci.data import CodonTokenizer, NucleotideTokenizer
+from ds4sci.data import CodonTokenizer
+from ds4sci.data import NucleotideTokenizer
 from ds4sci.infer.evaluate import windows
 from ds4sci.io.export import export_consolidated
-from ds4sci.io.weights import load_into, load_weights
-from ds4sci.models.genslm import GenSLM, GenSLMConfig, lm_loss
+from ds4sci.io.weights import load_into
+from ds4sci.io.weights import load_weights
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm import lm_loss
 from ds4sci.train.config import load_config
 from ds4sci.train.init_from import initial_model
 
@@ -263,7 +267,9 @@ def test_fine_tune_from_a_hugging_face_directory_through_the_cli(tmp_path):
     trainer's sample order does not matter), far below a fresh model's, and at a negligible learning rate the export
     holds the same weights."""
     from ds4sci.data import collate
-    from ds4sci.models.genslm import from_gpt_neox_state_dict, shift_labels, token_loss
+    from ds4sci.models.genslm import from_gpt_neox_state_dict
+    from ds4sci.models.genslm import shift_labels
+    from ds4sci.models.genslm import token_loss
     from ds4sci.train.launch import load_data
 
     out, hf_dir = tmp_path / "ft", tmp_path / "hf"

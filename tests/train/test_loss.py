@@ -6,10 +6,15 @@ from unittest import mock
 import pytest
 import torch
 
-from ds4sci.models.genslm import IGNORE_INDEX, lm_loss, shift_labels, token_loss
+from ds4sci.models.genslm import IGNORE_INDEX
+from ds4sci.models.genslm import lm_loss
+from ds4sci.models.genslm import shift_labels
+from ds4sci.models.genslm import token_loss
 from ds4sci.sequence import shard_sequence
 from ds4sci.spawn import run_workers
-from ds4sci.train.loss import global_target_count, grad_reduction_factor, scaled_shard_loss
+from ds4sci.train.loss import global_target_count
+from ds4sci.train.loss import grad_reduction_factor
+from ds4sci.train.loss import scaled_shard_loss
 
 STAGES = (0, 1, 2, 3)
 DEGREES = ((1, 2), (2, 1))  # (dp, sp) of a world of 2: sum-vs-mean over the sequence ranks and over the data ranks
@@ -24,7 +29,8 @@ def _measure_deepspeed(rank, world):
     from ds4sci.distributed.groups import build_groups
     from ds4sci.train import sanity
     from ds4sci.train.config import load_config
-    from ds4sci.train.engine import _initialize, init_distributed
+    from ds4sci.train.engine import _initialize
+    from ds4sci.train.engine import init_distributed
 
     init_distributed()
     from deepspeed.comm import comm

@@ -238,7 +238,8 @@ def test_the_defaults_and_the_codon_example_split_the_bundled_data(tmp_path, con
     _, train, val, chosen = load_data(cfg)
     assert chosen.startswith(split) and len(train) and len(val)
     if config is not None:
-        from ds4sci.data import Tokenizer, open_corpus
+        from ds4sci.data import Tokenizer
+        from ds4sci.data import open_corpus
 
         corpus = open_corpus(cfg.data.fasta, Tokenizer.from_name("codon"), cache_dir=tmp_path / "token_cache")
         assert "5 of these 100 genes" in config.read_text() and len(corpus.split(0.1, "auto")[1]) == 5
@@ -248,7 +249,8 @@ def test_loss_plot_marks_the_points_of_a_short_curve(tmp_path, monkeypatch):
     """A curve of few points is drawn with markers (one point alone draws no line); a long one as a line."""
     import matplotlib.pyplot as plt
 
-    from ds4sci.train.plot import FEW_POINTS, plot_metrics
+    from ds4sci.train.plot import FEW_POINTS
+    from ds4sci.train.plot import plot_metrics
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from ds4sci.train import run_lock
-from ds4sci.train.run_lock import LOCK_FILE, lock_run_dir
+from ds4sci.train.run_lock import LOCK_FILE
+from ds4sci.train.run_lock import lock_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

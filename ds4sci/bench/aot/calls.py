@@ -123,7 +123,8 @@ def _triton_backend_on_cpu() -> Iterator[None]:
     The kernels were defined when the backend was imported (before this), so they stay what they were (JIT functions
     in the compile workers); with :func:`record_launches` active nothing runs.
     """
-    from ds4sci.kernels import triton_evoformer, triton_local_attention  # noqa: F401  (defines the kernels first)
+    from ds4sci.kernels import triton_evoformer  # noqa: F401  (defines the kernels first)
+    from ds4sci.kernels import triton_local_attention  # noqa: F401  (defines the kernels first)
 
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"

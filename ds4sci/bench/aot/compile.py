@@ -21,10 +21,13 @@ from typing import TYPE_CHECKING
 
 from ds4sci.bench.aot.ptx import unsafe_exponents
 from ds4sci.bench.aot.ptxas import ptxas_usage
-from ds4sci.bench.aot.specialise import ast_source, describe_specialisation, specialisation
+from ds4sci.bench.aot.specialise import ast_source
+from ds4sci.bench.aot.specialise import describe_specialisation
+from ds4sci.bench.aot.specialise import specialisation
 
 if TYPE_CHECKING:
-    from ds4sci.bench.aot.variants import LocalVariant, Variant
+    from ds4sci.bench.aot.variants import LocalVariant
+    from ds4sci.bench.aot.variants import Variant
 
 #: compute capability -> (ptxas --gpu-name, max dynamic shared memory per block in bytes)
 TARGETS: dict[int, tuple[str, int]] = {

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from ds4sci.bench.aot.compile import compile_variant
 
 if TYPE_CHECKING:
-    from ds4sci.bench.aot.variants import LocalVariant, Variant
+    from ds4sci.bench.aot.variants import LocalVariant
+    from ds4sci.bench.aot.variants import Variant
 
 
 def _worker_init() -> None:

@@ -23,15 +23,13 @@ import dataclasses
 import itertools
 from typing import Optional
 
-from ds4sci.bench.aot.calls import (
-    CALLERS,
-    Call,
-    LocalCall,
-    call_launches,
-    kernel_name,
-    launch_flags,
-    local_call_launches,
-)
+from ds4sci.bench.aot.calls import CALLERS
+from ds4sci.bench.aot.calls import Call
+from ds4sci.bench.aot.calls import LocalCall
+from ds4sci.bench.aot.calls import call_launches
+from ds4sci.bench.aot.calls import kernel_name
+from ds4sci.bench.aot.calls import launch_flags
+from ds4sci.bench.aot.calls import local_call_launches
 from ds4sci.bench.aot.specialise import specialisation_key
 
 DTYPES = ("fp16", "bf16", "fp32")

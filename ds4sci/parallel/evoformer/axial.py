@@ -28,30 +28,28 @@ Bytes sent per rank per block inside a sharded stack, training (:func:`block_com
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.distributed.comm import (
-    CommCounter,
-    SequenceRegion,
-    all_gather,
-    all_to_all,
-    group_rank,
-    group_size,
-    reduce_scatter,
-    split_sequence_region,
-)
-from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
-from ds4sci.parallel.evoformer.common import (
-    Blocks,
-    HeldBlocks,
-    ceil_div,
-    default_group,
-    gather_leading,
-    gather_out,
-    padding_keys,
-    param_grad_bytes,
-    synced_parameters,
-)
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import SequenceRegion
+from ds4sci.distributed.comm import all_gather
+from ds4sci.distributed.comm import all_to_all
+from ds4sci.distributed.comm import group_rank
+from ds4sci.distributed.comm import group_size
+from ds4sci.distributed.comm import reduce_scatter
+from ds4sci.distributed.comm import split_sequence_region
+from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import PairformerBlock
+from ds4sci.parallel.evoformer.common import Blocks
+from ds4sci.parallel.evoformer.common import HeldBlocks
+from ds4sci.parallel.evoformer.common import ceil_div
+from ds4sci.parallel.evoformer.common import default_group
+from ds4sci.parallel.evoformer.common import gather_leading
+from ds4sci.parallel.evoformer.common import gather_out
+from ds4sci.parallel.evoformer.common import padding_keys
+from ds4sci.parallel.evoformer.common import param_grad_bytes
+from ds4sci.parallel.evoformer.common import synced_parameters
 from ds4sci.sequence.sharding import pad_to_multiple
 
 __all__ = ["block_comm_bytes", "EvoformerContextParallel"]

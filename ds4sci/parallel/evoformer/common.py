@@ -14,10 +14,16 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.distributed.comm import CommCounter, SequenceRegion, all_gather, split, sync_grad
-from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import SequenceRegion
+from ds4sci.distributed.comm import all_gather
+from ds4sci.distributed.comm import split
+from ds4sci.distributed.comm import sync_grad
+from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import PairformerBlock
 
 #: Parameters of a Pairformer block whose work is replicated on every rank: their gradients are not all-reduced.
 PAIRFORMER_REPLICATED = ("attn_pair_bias.layer_norm_a.", "attn_pair_bias.mha.", "single_transition.")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from ds4sci.distributed.comm import CommCounter, group_size
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import group_size
 from ds4sci.parallel.evoformer.axial import EvoformerContextParallel
-from ds4sci.parallel.evoformer.common import Blocks, default_group
-from ds4sci.parallel.evoformer.mesh2d import EvoformerContextParallel2D, check_mesh
+from ds4sci.parallel.evoformer.common import Blocks
+from ds4sci.parallel.evoformer.common import default_group
+from ds4sci.parallel.evoformer.mesh2d import EvoformerContextParallel2D
+from ds4sci.parallel.evoformer.mesh2d import check_mesh
 
 __all__ = ["evoformer_context_parallel"]
 

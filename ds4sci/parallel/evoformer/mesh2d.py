@@ -29,21 +29,27 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from ds4sci.distributed.comm import CommCounter, group_rank, move, split_sequence_region
-from ds4sci.models.evoformer import EvoformerBlock, PairformerBlock
-from ds4sci.models.evoformer.primitives import GatedAttention, mask_bias
-from ds4sci.parallel.evoformer.common import (
-    Blocks,
-    HeldBlocks,
-    block_slice,
-    ceil_div,
-    gather_out,
-    param_grad_bytes,
-    synced_parameters,
-)
-from ds4sci.parallel.evoformer.ring import CannonSum, EvoformerRingAttention, TileAttention
+from ds4sci.distributed.comm import CommCounter
+from ds4sci.distributed.comm import group_rank
+from ds4sci.distributed.comm import move
+from ds4sci.distributed.comm import split_sequence_region
+from ds4sci.models.evoformer import EvoformerBlock
+from ds4sci.models.evoformer import PairformerBlock
+from ds4sci.models.evoformer.primitives import GatedAttention
+from ds4sci.models.evoformer.primitives import mask_bias
+from ds4sci.parallel.evoformer.common import Blocks
+from ds4sci.parallel.evoformer.common import HeldBlocks
+from ds4sci.parallel.evoformer.common import block_slice
+from ds4sci.parallel.evoformer.common import ceil_div
+from ds4sci.parallel.evoformer.common import gather_out
+from ds4sci.parallel.evoformer.common import param_grad_bytes
+from ds4sci.parallel.evoformer.common import synced_parameters
+from ds4sci.parallel.evoformer.ring import CannonSum
+from ds4sci.parallel.evoformer.ring import EvoformerRingAttention
+from ds4sci.parallel.evoformer.ring import TileAttention
 from ds4sci.sequence.sharding import pad_to_multiple
 
 __all__ = ["block_comm_bytes", "check_mesh", "EvoformerContextParallel2D", "Mesh"]

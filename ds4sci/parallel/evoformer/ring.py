@@ -18,10 +18,15 @@ import math
 import torch
 from torch import Tensor
 
-from ds4sci.distributed.comm import all_gather, all_reduce, group_size
-from ds4sci.kernels.evoformer import evoformer_attention_bwd, evoformer_attention_fwd
+from ds4sci.distributed.comm import all_gather
+from ds4sci.distributed.comm import all_reduce
+from ds4sci.distributed.comm import group_size
+from ds4sci.kernels.evoformer import evoformer_attention_bwd
+from ds4sci.kernels.evoformer import evoformer_attention_fwd
 from ds4sci.parallel.evoformer.common import block_slice
-from ds4sci.sequence.ring import merge_softmax, ring_backward, ring_forward
+from ds4sci.sequence.ring import merge_softmax
+from ds4sci.sequence.ring import ring_backward
+from ds4sci.sequence.ring import ring_forward
 
 __all__ = ["CannonSum", "EvoformerRingAttention", "TileAttention", "merge_stats"]
 
