@@ -149,3 +149,15 @@ def test_an_empty_pbs_nodefile_is_named(tmp_path):
     nodefile.write_text("\n")
     with pytest.raises(LaunchError, match=f"mpi launch: PBS_NODEFILE='{nodefile}' names no host"):
         resolve_launch({**PALS, "PBS_NODEFILE": str(nodefile)}, _no_mpi)
+
+
+def test_info_shows_the_resolved_launch_or_its_error(monkeypatch):
+    from ds4sci.commands import info
+
+    for name in [*SLURM, *TORCHRUN, *PALS, *OPENMPI, "SLURM_STEP_NUM_TASKS", "SLURM_TASKS_PER_NODE"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in OPENMPI.items():
+        monkeypatch.setenv(name, value)
+    assert info.launch() == dataclasses.asdict(Launch("mpi", 1, 2, 1, 2, 1, "host0", 1234))
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "")
+    assert info.launch() == "error: mpi launch: OMPI_COMM_WORLD_LOCAL_SIZE is not set"

@@ -188,7 +188,9 @@ def test_what_can_be_checked_is_checked_before_any_work(tmp_path, capsys, monkey
     from ds4sci.train import launch
 
     monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)  # an earlier test's group may still be up
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    for key, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():  # torchrun's
+        monkeypatch.setenv(key, value)
     assert launch.launch_world_size() == 4
 
 
