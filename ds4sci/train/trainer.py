@@ -168,7 +168,8 @@ class Trainer:
 
     @_bounded_collectives(lambda self: f"start-up ({self.cfg.train.out_dir})")
     def __init__(self, cfg: Config, *, resume: str | None = None, overwrite: bool = False):
-        """``resume``: None (a new run), ``""`` (continue the run in ``train.out_dir``) or a checkpoint folder;
+        """``resume``: None (a new run), ``""`` (continue the run in ``train.out_dir``), ``"auto"`` (continue it if it
+        has a checkpoint, else start) or a checkpoint folder;
         ``overwrite``: replace the run in ``train.out_dir`` (:mod:`ds4sci.train.run_dir` has the rules)."""
         self.cfg = cfg
         self.dims = check_launch(cfg, launch_world_size())
