@@ -20,7 +20,8 @@ import re
 import socket
 from typing import Callable, Mapping
 
-__all__ = ["Launch", "LaunchError", "expand_nodelist", "expand_tasks_per_node", "master_over_mpi", "resolve_launch"]
+__all__ = ["Launch", "LaunchError", "expand_nodelist", "expand_tasks_per_node", "launch_rank", "master_over_mpi",
+           "resolve_launch"]
 
 #: torch's default rendezvous port, used where a launcher names no port.
 DEFAULT_PORT = 29500
@@ -169,6 +170,18 @@ def resolve_launch(environ: Mapping[str, str] | None = None,
         if any(environ.get(name, "").strip() for name in names):
             return _mpi(_Env(environ, "mpi"), *names, mpi_master)
     return Launch("none", 0, 1, 0, 1, 1, "127.0.0.1", 0)
+
+
+#: Each launcher's rank variable, in :func:`resolve_launch`'s order.
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def launch_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank as its launcher names it (the first of :data:`RANK_VARIABLES` set), read before anything
+    is checked, for who speaks for a launch and who reports its errors; 0 alone, or when the value is malformed."""
+    environ = os.environ if environ is None else environ
+    value = next((environ[name].strip() for name in RANK_VARIABLES if environ.get(name, "").strip()), "0")
+    return int(value) if value.isdigit() else 0
 
 
 def _torchrun(env: _Env) -> Launch:

@@ -4,7 +4,14 @@ import dataclasses
 
 import pytest
 
-from ds4sci.distributed.launch import Launch, LaunchError, expand_nodelist, expand_tasks_per_node, resolve_launch
+from ds4sci.distributed.launch import (
+    Launch,
+    LaunchError,
+    expand_nodelist,
+    expand_tasks_per_node,
+    launch_rank,
+    resolve_launch,
+)
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2",
             "MASTER_ADDR": "node01", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "job"}
@@ -161,3 +168,9 @@ def test_info_shows_the_resolved_launch_or_its_error(monkeypatch):
     assert info.launch() == dataclasses.asdict(Launch("mpi", 1, 2, 1, 2, 1, "host0", 1234))
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "")
     assert info.launch() == "error: mpi launch: OMPI_COMM_WORLD_LOCAL_SIZE is not set"
+
+
+def test_the_rank_that_speaks_is_read_before_anything_is_checked():
+    assert launch_rank({}) == 0 and launch_rank({"RANK": "3"}) == 3 and launch_rank({"RANK": "x"}) == 0
+    assert [launch_rank(env) for env in (TORCHRUN, {**SLURM, **TORCHRUN}, SLURM, MPICH, PALS, OPENMPI)] == [5, 5, 6, 3,
+                                                                                                             3, 1]
