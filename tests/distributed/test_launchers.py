@@ -1,4 +1,5 @@
-"""`ds4sci train` end to end under both launchers (torchrun and DeepSpeed's), Ulysses SP=2 on gloo: the run's logged
+"""`ds4sci train` end to end under torchrun and DeepSpeed's launcher, Ulysses SP=2 on gloo (and under `mpiexec` and a
+faked `srun`, without torchrun: torchrun's losses and weights): the run's logged
 losses and exported weights are those of the same configuration trained in one plain process, every output of a
 run is written (metrics, validation, loss plot, config, TensorBoard, checkpoints, export), and `ds4sci evaluate` /
 `generate` / `embed` read the export. The torchrun run is trained once (:func:`torchrun_run`) for the tests that read
@@ -161,6 +162,19 @@ def test_mpiexec_and_srun_without_torchrun_train_as_torchrun_does(launcher, torc
     for key, value in ref_weights.items():
         torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=key)
     assert len(list((tmp_path / "run" / "checkpoints" / "step3").glob("*optim_states.pt"))) == 2
+    if launcher == "mpiexec":  # and evaluate's ranks, ulysses 2, write the single process's numbers, once
+        export = tmp_path / "run" / "export"
+        cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "ds4sci.cli", "evaluate", str(export), "--fasta",
+               str(CDS), "--json", "--ulysses", "2"]
+        done = subprocess.run(cmd, cwd=ROOT, env={**ENV, "MASTER_PORT": "29536"}, capture_output=True, text=True,
+                              timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        [line] = done.stdout.strip().splitlines()
+        alone = subprocess.run(cmd[3:-2], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        parallel, single = json.loads(line), json.loads(alone.stdout)
+        assert parallel["tokens"] == single["tokens"]
+        assert parallel["loss"] == pytest.approx(single["loss"], rel=1e-7)
 
 
 def test_torchrun_prints_ds4sci_lines_only_and_a_refusal_once(torchrun_run, tmp_path):
