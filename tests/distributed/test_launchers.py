@@ -1,9 +1,8 @@
-"""`ds4sci train` end to end under torchrun and DeepSpeed's launcher, Ulysses SP=2 on gloo (and under `mpiexec` and a
-faked `srun`, without torchrun: torchrun's losses and weights): the run's logged
-losses and exported weights are those of the same configuration trained in one plain process, every output of a
-run is written (metrics, validation, loss plot, config, TensorBoard, checkpoints, export), and `ds4sci evaluate` /
-`generate` / `embed` read the export. The torchrun run is trained once (:func:`torchrun_run`) for the tests that read
-it."""
+"""`ds4sci train` end to end under torchrun and DeepSpeed's launcher, Ulysses SP=2 on gloo: the run's logged losses and
+exported weights are those of the same configuration trained in one plain process, every output of a run is written
+(metrics, validation, loss plot, config, TensorBoard, checkpoints, export), and `ds4sci evaluate` / `generate` /
+`embed` read the export. `mpiexec` and a faked `srun`, without torchrun, train as torchrun does (its losses and
+weights). The torchrun run is trained once (:func:`torchrun_run`) for the tests that read it."""
 import json
 import os
 import shutil
