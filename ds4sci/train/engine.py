@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds4sci.distributed.groups import DeepSpeedMPU, SequenceParallelGroups
-from ds4sci.distributed.launch import Launch, resolve_launch
+from ds4sci.distributed.launch import Launch, LaunchError, resolve_launch
 from ds4sci.train.config import Config
 from ds4sci.train.sanity import check_gradient_reduction
 
@@ -60,9 +60,12 @@ def init_distributed(timeout_s: float = 1800.0) -> Launch:
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count())))
         with printed_at_debug():
             deepspeed.init_distributed(dist_backend=dist.get_backend())
-        launch = resolve_launch()
-        if launch.world_size == dist.get_world_size():
-            return launch
+        try:
+            launch = resolve_launch()
+            if launch.world_size == dist.get_world_size():
+                return launch
+        except LaunchError:
+            pass
         local = int(os.environ["LOCAL_RANK"])  # a group formed without a launcher: its processes, on this machine
         return Launch("process group", dist.get_rank(), dist.get_world_size(), local, dist.get_world_size(), 1, "", 0)
     # Port 0 (a lone process): the store binds whatever port is free, with no window for another process to take a
