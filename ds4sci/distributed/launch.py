@@ -34,7 +34,8 @@ class LaunchError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """This process's place in the launch. ``launcher``: ``torchrun`` (also DeepSpeed's launcher and any ``RANK`` /
-    ``WORLD_SIZE`` environment), ``slurm``, ``mpi`` or ``none`` (a lone process); ``master_port`` 0 lets a lone
+    ``WORLD_SIZE`` environment), ``slurm``, ``mpi``, ``none`` (a lone process), or ``process group`` (one formed
+    before, by a test harness: :func:`ds4sci.train.engine.init_distributed`); ``master_port`` 0 lets a lone
     process's store bind any free port."""
 
     launcher: str
