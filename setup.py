@@ -59,7 +59,9 @@ setup(
         "gpu": ["flash-attn"],
         "dev": ["pytest>=7.4", "pytest-timeout>=2.2", "pytest-xdist>=3.8", "hypothesis>=6.80", "transformers>=4.40",
                 # ruff: `make lint` (its rules change between minor releases); mutmut: `make mutate`
-                "ruff>=0.17,<0.18", "mutmut>=3.8,<4"],
+                "ruff>=0.17,<0.18", "mutmut>=3.8,<4",
+                # mpiexec (MPICH) and mpi4py: the `mpiexec -n 2 ds4sci train` test (tests/distributed/test_launchers.py)
+                "mpich>=4.2", "mpi4py>=4.0"],
     },
     entry_points={"console_scripts": ["ds4sci=ds4sci.cli:main"]},
 )

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ds4sci.cli_args import CommandError
+from ds4sci.distributed.launch import launch_rank
 from ds4sci.progress import quiet_dependencies
 
 logger = logging.getLogger(__name__)
@@ -82,11 +83,6 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
 #: Seconds a rank other than 0 waits, after a user's error, before it reports the error itself
 #: (see :func:`report_error`).
 ERROR_WAIT_S = 20.0
-
-
-def launch_rank() -> int:
-    """This process's rank under a launcher (``torchrun`` and ``deepspeed`` set ``RANK``); 0 in a lone process."""
-    return int(os.environ.get("RANK") or 0)
 
 
 #: How a launcher's process shows in its command line (``/proc/PID/cmdline``): torchrun (its script, or ``python -m

@@ -35,9 +35,9 @@ def load_reader(args: argparse.Namespace, *, windows: bool = True, check: Callab
     Raises:
         CommandError: (:mod:`ds4sci.cli_args`) a window or a parallel degree the model or launch cannot take.
     """
+    from ds4sci.distributed.launch import resolve_launch
     from ds4sci.infer.parallel import ShardedForward
     from ds4sci.infer.parallel import inference_device
-    from ds4sci.infer.parallel import launch_world_size
     from ds4sci.io.weights import load_model
 
     model, config, tokenizer = load_model(args.export, inference_device(args.device))
@@ -45,5 +45,5 @@ def load_reader(args: argparse.Namespace, *, windows: bool = True, check: Callab
         check_windows(args, config)
     if check is not None:
         check(config, tokenizer)
-    check_parallel(args, config, launch_world_size())
+    check_parallel(args, config, resolve_launch().world_size)
     return model, config, tokenizer, ShardedForward.from_world(model, args.ulysses, args.ring)

@@ -1,4 +1,5 @@
-"""``ds4sci info``: versions, devices and, per component, each attention backend and whether it is usable here.
+"""``ds4sci info``: versions, devices, the launch this process is part of (launcher, rank/world, local rank/size,
+nodes, master) and, per component, each attention backend and whether it is usable here.
 
 Components: ``evoformer_attention`` (:mod:`ds4sci.kernels.evoformer`, ``backend=``) and ``genslm_local_attention``
 (GenSLM's ``attention_backend``, :mod:`ds4sci.kernels.local_attention`). Backend names come from their enums in
@@ -8,11 +9,16 @@ Components: ``evoformer_attention`` (:mod:`ds4sci.kernels.evoformer`, ``backend=
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
 import os
 import platform
+
+from ds4sci.distributed.launch import Launch
+from ds4sci.distributed.launch import LaunchError
+from ds4sci.distributed.launch import resolve_launch
 
 
 def collect() -> dict:
@@ -39,7 +45,17 @@ def collect() -> dict:
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
         "cpu_threads": torch.get_num_threads(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "launch": launch(),
     }
+
+
+def launch() -> dict | str:
+    """What :func:`~ds4sci.distributed.launch.resolve_launch` reads here (launcher, rank/world, local rank/size,
+    nodes, master), or its one-line error."""
+    try:
+        return dataclasses.asdict(resolve_launch())
+    except LaunchError as err:
+        return f"error: {err}"
 
 
 def _triton_status(module: str, cuda: bool) -> tuple[bool, str]:
@@ -116,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         width = max(map(len, info))
         for key, value in info.items():
+            if key == "launch" and isinstance(value, dict):
+                value = Launch(**value).describe()
             print(f"{key:<{width}}  {value}")
         for component, rows in table.items():
             print(f"\n{component} backends:")

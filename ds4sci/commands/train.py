@@ -1,4 +1,4 @@
-"""``ds4sci train [CONFIG.yaml] [--set key=value ...] [--print-config] [--resume [CHECKPOINT] | --overwrite]``.
+"""``ds4sci train [CONFIG.yaml] [--set key=value ...] [--print-config] [--resume [CHECKPOINT | auto] | --overwrite]``.
 
 A run never mixes with another in ``train.out_dir``: a folder that holds a run is refused unless ``--resume``
 continues it or ``--overwrite`` replaces it (:mod:`ds4sci.train.run_dir` has the rules)."""
@@ -25,9 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     existing.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
                           help="continue the run in train.out_dir from its newest complete checkpoint, or from "
                           "CHECKPOINT (.../checkpoints/stepN: the newest of train.out_dir's run, or any when "
-                          "train.out_dir is empty); metrics.jsonl continues from the checkpoint's step. Only "
-                          f"{', '.join(MAY_CHANGE)} may change, at the same global batch (train.micro_batch_size x dp "
-                          "x train.grad_accum)")
+                          "train.out_dir is empty); metrics.jsonl continues from the checkpoint's step. --resume auto: "
+                          "continue when the run has a checkpoint, else start it (the one command line for a job that "
+                          "restarts: torchrun --max-restarts, a scheduler's requeue; a folder named auto: ./auto). "
+                          f"Only {', '.join(MAY_CHANGE)} may change, at the same global batch "
+                          "(train.micro_batch_size x dp x train.grad_accum)")
     existing.add_argument("--overwrite", action="store_true",
                           help="replace the run in train.out_dir: delete it (all but token_cache/) first; a folder "
                           "that holds no ds4sci run (config.yaml) is never deleted")

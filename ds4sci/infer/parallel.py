@@ -30,6 +30,7 @@ from ds4sci.distributed.dims import Coords
 from ds4sci.distributed.dims import ParallelDims
 from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.distributed.groups import build_groups
+from ds4sci.distributed.launch import resolve_launch
 from ds4sci.models.genslm import IGNORE_INDEX
 from ds4sci.models.genslm import shift_labels
 from ds4sci.models.genslm import token_loss
@@ -39,17 +40,12 @@ from ds4sci.sequence.sharding import gather_sequence
 from ds4sci.sequence.sharding import pad_to_multiple
 from ds4sci.sequence.sharding import shard_sequence
 
-__all__ = ["ShardedForward", "inference_device", "launch_world_size"]
+__all__ = ["ShardedForward", "inference_device"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds a collective waits for a peer before it fails (torch's default for gloo).
 TIMEOUT_S = 1800.0
-
-
-def launch_world_size() -> int:
-    """The number of processes a launcher (``torchrun``, ``deepspeed``) started, from ``WORLD_SIZE``; 1 alone."""
-    return int(os.environ.get("WORLD_SIZE") or 1)
 
 
 def inference_device(spec: str = "auto") -> torch.device:
@@ -61,7 +57,7 @@ def inference_device(spec: str = "auto") -> torch.device:
     Raises:
         ValueError: an unknown name, or a GPU asked for where CUDA has none (naming the spec and what there is).
     """
-    local = int(os.environ.get("LOCAL_RANK") or 0)
+    local = int(os.environ.get("LOCAL_RANK") or resolve_launch().local_rank)  # torchrun's, else srun's or mpiexec's
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec == "cpu":
@@ -107,13 +103,14 @@ class ShardedForward:
             ValueError: ``ulysses * ring > 1`` in a lone process, a world size that ``ulysses * ring`` does not divide,
                 or a degree that cannot split the model's heads (each naming the numbers).
         """
-        world = dist.get_world_size() if dist.is_initialized() else launch_world_size()
+        world = dist.get_world_size() if dist.is_initialized() else resolve_launch().world_size
         dims = ParallelDims.for_world(world, ulysses=ulysses, ring=ring)
         dims.check_heads(model.config.num_heads)
         if world == 1:
             return cls(model)
         if not dist.is_initialized():
             backend = "nccl" if next(model.parameters()).is_cuda else "gloo"
+            resolve_launch().export()  # srun's and mpiexec's ranks as env:// reads them
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         groups = build_groups(dims, timeout=datetime.timedelta(seconds=timeout_s))
         parallelize(model, groups, keep_position_table=True)

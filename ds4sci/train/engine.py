@@ -29,23 +29,32 @@ from torch import nn
 
 from ds4sci.distributed.groups import DeepSpeedMPU
 from ds4sci.distributed.groups import SequenceParallelGroups
+from ds4sci.distributed.launch import Launch
+from ds4sci.distributed.launch import LaunchError
+from ds4sci.distributed.launch import resolve_launch
 from ds4sci.train.config import Config
 from ds4sci.train.sanity import check_gradient_reduction
 
 logger = logging.getLogger(__name__)
 
 
-def init_distributed(timeout_s: float = 1800.0) -> None:
-    """Initialise torch.distributed through DeepSpeed (nccl on CUDA, gloo on the CPU).
+def init_distributed(timeout_s: float = 1800.0) -> Launch:
+    """Initialise torch.distributed through DeepSpeed (nccl on CUDA, gloo on the CPU), for the launch that
+    :func:`~ds4sci.distributed.launch.resolve_launch` reads (torchrun, DeepSpeed's launcher, ``srun``, ``mpiexec``,
+    or a lone process), and return it.
 
-    Under ``torchrun`` / the deepspeed launcher the environment names the rank and world; a lone process gets a
-    world of one whose store listens on a port the system picks (``MASTER_PORT=0``). A process group created
-    before (e.g. by a test harness) is kept, with its own timeout.
+    The resolved rank, world and rendezvous address are exported as ``env://`` variables before DeepSpeed reads them,
+    so ``srun`` and ``mpiexec`` processes form one group; a lone process gets a world of one whose store listens on
+    a port the system picks (``MASTER_PORT=0``). A process group created before (e.g. by a test harness) is kept,
+    with its own timeout.
 
     ``timeout_s`` (``train.timeout_s``) bounds every collective of the default group: on gloo a rank whose peer
     died fails at once ("Connection reset by peer"), one whose peer hangs after ``timeout_s`` ("Timed out waiting
     ...ms"); on nccl, the watchdog aborts the process after ``timeout_s``. The groups built on top need the same
     bound passed to them (:func:`ds4sci.distributed.groups.build_groups`): ``new_group`` does not inherit it.
+
+    Raises:
+        LaunchError: the launcher's environment cannot form the group (one line naming the variable).
     """
     import deepspeed
 
@@ -54,15 +63,22 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count())))
         with printed_at_debug():
             deepspeed.init_distributed(dist_backend=dist.get_backend())
-        return
-    # Port 0: the lone process's store binds whatever port is free, with no window for another process to take a
+        try:
+            launch = resolve_launch()
+            if launch.world_size == dist.get_world_size():
+                return launch
+        except LaunchError:
+            pass
+        local = int(os.environ["LOCAL_RANK"])  # a group formed without a launcher: its processes, on this machine
+        return Launch("process group", dist.get_rank(), dist.get_world_size(), local, dist.get_world_size(), 1, "", 0)
+    # Port 0 (a lone process): the store binds whatever port is free, with no window for another process to take a
     # port probed beforehand (a probed port was once taken by another test before the store could listen on it).
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", "0")):
-        os.environ.setdefault(key, value)
+    launch = resolve_launch()
+    launch.export()
     with printed_at_debug():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                    timeout=datetime.timedelta(seconds=timeout_s))
+    return launch
 
 
 def _without_shm_op() -> None:

@@ -10,15 +10,16 @@ import torch.distributed as dist
 
 from ds4sci.data import Tokenizer
 from ds4sci.distributed import ParallelDims
+from ds4sci.distributed.launch import resolve_launch
 from ds4sci.train.config import Config
 from ds4sci.train.config import DataConfig
 from ds4sci.train.engine import check_offload_support
 
 
 def launch_world_size() -> int:
-    """The number of processes of this launch: the process group's size, else the launcher's ``WORLD_SIZE`` (1 in a
-    lone process)."""
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE") or 1)
+    """The number of processes of this launch: the process group's size, else the launcher's
+    (:func:`~ds4sci.distributed.launch.resolve_launch`; 1 in a lone process)."""
+    return dist.get_world_size() if dist.is_initialized() else resolve_launch().world_size
 
 
 def check_launch(cfg: Config, world_size: int) -> ParallelDims:

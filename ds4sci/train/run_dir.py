@@ -16,6 +16,10 @@
   (``train.micro_batch_size x dp x train.grad_accum``: at another process count or layout, set the micro-batch or
   the accumulation to keep it). The trainer then drops the metrics the stopped run logged after its checkpoint, so
   ``metrics.jsonl`` and ``loss.png`` continue the curve.
+* ``--resume auto``: one command line for every start of a job, so a restart (``torchrun --max-restarts``, a
+  scheduler's requeue) continues: it resumes as ``--resume`` when ``out_dir``'s run has a complete checkpoint, starts
+  a new run when ``out_dir`` is empty or missing, and starts again (deleting what the stopped run wrote) when the run
+  stopped before its first checkpoint. A run of another config is refused, as ``--resume`` refuses it.
 """
 from __future__ import annotations
 
@@ -93,23 +97,29 @@ def check_resumed_config(saved_file: Path, checkpoint: Path, cfg: Config, world_
     """
     from ds4sci.train.checkpoint_check import read_record
 
-    saved = load_config(saved_file)
-    old, new = _flat(saved), _flat(cfg)
+    problems = [config_change(saved_file, cfg)]
+    problems.append(_batch_change(load_config(saved_file), read_record(checkpoint), cfg, world_size))
+    if any(problems):
+        raise ValueError(f"--resume: {'. '.join(filter(None, problems))}")
+
+
+def config_change(saved_file: Path, cfg: Config) -> str | None:
+    """How ``cfg`` differs from the config a run was trained with (``saved_file``) in keys a resume may not change
+    (every key but :data:`MAY_CHANGE`), each named with its old and new value; None when it does not."""
+    old, new = _flat(load_config(saved_file)), _flat(cfg)
     differ = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in old.keys() | new.keys()
               if old.get(k) != new.get(k) and not _may_change(k)]
-    problems = [f"the config differs from the one the run was trained with ({saved_file}): "
-                f"{'; '.join(sorted(differ))}; only {', '.join(MAY_CHANGE)} may change on resume"] if differ else []
-    batch = _batch_change(saved, read_record(checkpoint), cfg, world_size)
-    if batch:
-        problems.append(batch)
-    if problems:
-        raise ValueError(f"--resume: {'. '.join(problems)}")
+    if not differ:
+        return None
+    return (f"the config differs from the one the run was trained with ({saved_file}): {'; '.join(sorted(differ))}; "
+            f"only {', '.join(MAY_CHANGE)} may change on resume")
 
 
 def prepare_run_dir(cfg: Config, resume: str | None = None, overwrite: bool = False,
                     world_size: int = 1) -> Path | None:
     """Check (and with ``overwrite`` empty) ``train.out_dir`` by the rules of this module, before anything is written
-    there. ``resume``: None (a new run), ``""`` (continue ``out_dir``'s run) or a checkpoint folder.
+    there. ``resume``: None (a new run), ``""`` (continue ``out_dir``'s run), ``"auto"`` (continue it if it has a
+    checkpoint, else start) or a checkpoint folder.
 
     Returns:
         the checkpoint folder to resume from, or None for a new run.
@@ -130,15 +140,20 @@ def prepare_run_dir(cfg: Config, resume: str | None = None, overwrite: bool = Fa
         raise ValueError(f"train.out_dir {out} is not empty and holds no ds4sci run (no {RUN_MARK}; it holds "
                          f"{_names(entries)}): choose another train.out_dir (ds4sci deletes only its own runs)")
     if overwrite:
-        for name in entries:
-            path = out / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        if entries:
-            logger.warning("--overwrite: deleted the run in %s (%s)", out, _names(entries))
+        _delete_run(out, entries, "--overwrite")
         return None
+    if resume == "auto":
+        if not holds_run:
+            return None  # nothing there yet: the first start of the job
+        try:
+            find_checkpoint(out)
+        except FileNotFoundError:  # stopped before its first save: start it again, if it is this config's run
+            change = config_change(out / RUN_MARK, cfg)
+            if change:
+                raise ValueError(f"--resume auto: train.out_dir {out} holds another run: {change}") from None
+            _delete_run(out, entries, "--resume auto: no complete checkpoint, starting again")
+            return None
+        resume = ""
     if resume is None:
         if entries:
             raise ValueError(f"train.out_dir {out} already holds a run ({_names(entries)}): continue it with "
@@ -165,6 +180,18 @@ def prepare_run_dir(cfg: Config, resume: str | None = None, overwrite: bool = Fa
     if saved.is_file():
         check_resumed_config(saved, checkpoint, cfg, world_size)
     return checkpoint
+
+
+def _delete_run(out: Path, entries: list[str], why: str) -> None:
+    """Delete ``entries`` of ``out`` (a run's files: all but the token cache and the lock), saying ``why``."""
+    for name in entries:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if entries:
+        logger.warning("%s: deleted the run in %s (%s)", why, out, _names(entries))
 
 
 def open_run_dir(cfg: Config, resume: str | None, overwrite: bool, device) -> tuple[Path | None, RunLock | None]:

@@ -16,8 +16,8 @@ Across hosts the lock holds where the filesystem propagates ``flock``: local dis
 emulates ``flock`` with POSIX locks that the server arbitrates; not under the ``nolock`` or ``local_lock=flock``
 mount options, whose locks are node-local), Lustre mounted with ``flock`` (``localflock``: node-local), GPFS.
 Where the filesystem refuses ``flock`` (Lustre mounted without either option: ``ENOSYS``; NFS without a lock
-manager: ``ENOLCK``; ``EOPNOTSUPP``), refusing would make ds4sci unusable there, so the run goes on unlocked after one
-warning that names the folder and the filesystem.
+manager: ``ENOLCK``; ``EOPNOTSUPP``), refusing would make ds4sci unusable there, so the run goes on unlocked after
+one warning that names the folder and the filesystem.
 
 Within one process the lock is re-entrant: a second :func:`lock_run_dir` of a folder this process holds shares the
 lock (a process is one holder: it may build a second trainer on its own folder), released with the last holder.

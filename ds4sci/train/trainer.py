@@ -31,7 +31,6 @@ import functools
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -174,16 +173,17 @@ class Trainer:
 
     @_bounded_collectives(lambda self: f"start-up ({self.cfg.train.out_dir})")
     def __init__(self, cfg: Config, *, resume: str | None = None, overwrite: bool = False):
-        """``resume``: None (a new run), ``""`` (continue the run in ``train.out_dir``) or a checkpoint folder;
+        """``resume``: None (a new run), ``""`` (continue the run in ``train.out_dir``), ``"auto"`` (continue it if it
+        has a checkpoint, else start) or a checkpoint folder;
         ``overwrite``: replace the run in ``train.out_dir`` (:mod:`ds4sci.train.run_dir` has the rules)."""
         self.cfg = cfg
         self.dims = check_launch(cfg, launch_world_size())
         if cfg.train.deterministic:
             set_deterministic()
-        init_distributed(cfg.train.timeout_s)
+        self.launch = init_distributed(cfg.train.timeout_s)
         self.rank = dist.get_rank()
         self.groups = build_groups(self.dims, timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local = self.launch.local_rank
         self.device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
         self.out = Path(cfg.train.out_dir)
         # locked (rank 0, held to the end of train()) before anything there is read or written
@@ -462,7 +462,8 @@ class Trainer:
             ("split", self.split),
             ("layout", f"dp {dims.dp} x tp {dims.tp} x ulysses {dims.ulysses} x ring {dims.ring} x pp {dims.pp} "
                        f"({dims.layout.value} sequence layout), {dist.get_world_size()} process(es) on "
-                       f"{self.device.type}"),
+                       f"{self.device.type}: {self.launch.nodes} node(s) x {self.launch.local_world_size} per node "
+                       f"({self.launch.launcher})"),
             ("precision", ", ".join([f"{t.dtype}, ZeRO stage {z.stage}", *offload])),
             ("batch", f"{t.micro_batch_size} x {dims.dp} data ranks x {t.grad_accum} accumulation = {per_step} "
                       f"sequences ({per_step * d.seq_len:,} tokens) per step; steps {self.step + 1}..{t.steps}"),

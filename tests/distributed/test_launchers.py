@@ -1,8 +1,8 @@
-"""`ds4sci train` end to end under both launchers (torchrun and DeepSpeed's), Ulysses SP=2 on gloo: the run's logged
-losses and exported weights are those of the same configuration trained in one plain process, every output of a
-run is written (metrics, validation, loss plot, config, TensorBoard, checkpoints, export), and `ds4sci evaluate` /
-`generate` / `embed` read the export. The torchrun run is trained once (:func:`torchrun_run`) for the tests that read
-it."""
+"""`ds4sci train` end to end under torchrun and DeepSpeed's launcher, Ulysses SP=2 on gloo: the run's logged losses and
+exported weights are those of the same configuration trained in one plain process, every output of a run is written
+(metrics, validation, loss plot, config, TensorBoard, checkpoints, export), and `ds4sci evaluate` / `generate` /
+`embed` read the export. `mpiexec` and a faked `srun`, without torchrun, train as torchrun does (its losses and
+weights). The torchrun run is trained once (:func:`torchrun_run`) for the tests that read it."""
 import json
 import os
 import shutil
@@ -26,30 +26,50 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
 def _train(launcher, out, single=False) -> subprocess.CompletedProcess | None:
-    """torchrun: nucleotide records of the CDS file (learned positions: the table split over the sequence ranks);
-    deepspeed: the shipped codon example config as it is (packed genes, GenSLM-69 codons), whose validation set is
-    smaller than one global micro-batch. Two processes, Ulysses SP=2, ZeRO over both; or (``single``) the same
-    configuration in one process with SP=1: the same global batches, the reference, run by ``cli.main`` in a
-    worker forked from :func:`ds4sci.spawn.run_workers`' server (torch imported once there, not per launch).
+    """torchrun, mpiexec and srun: nucleotide records of the CDS file (learned positions: the table split over the
+    sequence ranks); deepspeed: the shipped codon example config as it is (packed genes, GenSLM-69 codons), whose
+    validation set is smaller than one global micro-batch. Two processes, Ulysses SP=2, ZeRO over both; or
+    (``single``) the same configuration in one process with SP=1: the same global batches, the reference, run by
+    ``cli.main`` in a worker forked from :func:`ds4sci.spawn.run_workers`' server (torch imported once there, not per
+    launch). ``srun`` is faked: two processes started with the ``SLURM_*`` variables srun gives them, no torchrun.
     Returns the launched run's process (its output as text); None for ``single``."""
     run = [f"train.out_dir={out}", "train.steps=3", "train.log_every=1", "train.eval_every=0"]
-    if launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29531", "-m", "ds4sci.cli", "train"]
+    cli = [sys.executable, "-m", "ds4sci.cli", "train"]
+    if launcher == "deepspeed":
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29532", "--module", "ds4sci.cli", "train",
+               str(ROOT / "examples" / "configs" / "codon_cds_sp2.yaml")]
+    else:
+        cmd = {"torchrun": [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29531", *cli[1:]],
+               "mpiexec": [str(BIN / "mpiexec"), "-n", "2", *cli], "srun": cli}[launcher]
         run += [f"data.fasta={CDS}", "data.dataset=records", "data.seq_len=64", "data.val_fraction=0.1",
                 "model.overrides.position_embedding=learned", "parallel.ulysses=2", "train.micro_batch_size=2",
                 "zero.stage=1"]
-    else:
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29532", "--module", "ds4sci.cli", "train",
-               str(ROOT / "examples" / "configs" / "codon_cds_sp2.yaml")]
     if single:
         run.append("parallel.ulysses=1")
     sets = [arg for item in run for arg in ("--set", item)]  # one KEY=VALUE per --set
     if single:
         assert run_workers(_cli_main, 1, cmd[cmd.index("train"):] + sets, env=ENV, timeout=400) == [0]
         return None
-    done = subprocess.run(cmd + sets, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    if launcher == "srun":
+        return _fake_srun(cmd + sets)
+    # mpiexec: no MASTER_ADDR, so rank 0's host name is agreed over MPI (mpi4py); a port of its own
+    env = {**ENV, "MASTER_PORT": "29534"} if launcher == "mpiexec" else ENV
+    done = subprocess.run(cmd + sets, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+def _fake_srun(cmd) -> subprocess.CompletedProcess:
+    """``srun -n 2 CMD`` on one node, as SLURM starts it: two processes whose environment is srun's (the host list
+    is this machine's name), no torchrun. Returns rank 0's process, the output of both."""
+    slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": "77",
+             "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": "29535"}
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**ENV, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
+             for rank in range(2)]
+    outputs = [proc.communicate(timeout=400)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    return subprocess.CompletedProcess(cmd, 0, "".join(outputs), "")
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +142,38 @@ def test_train_writes_every_output_and_the_tools_read_the_export(launcher, tmp_p
     assert main(["embed", str(export), "--fasta", str(CDS), "--out", str(emb)]) == 0
     arrays = np.load(emb)
     assert len(arrays["ids"]) == 100 and arrays["embeddings"].shape[0] == 100
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_mpiexec_and_srun_without_torchrun_train_as_torchrun_does(launcher, torchrun_run, tmp_path):
+    """``mpiexec -n 2`` (MPICH, a dev extra) and a faked ``srun`` (SLURM_* variables, no torchrun) form one world of
+    two, not two worlds of one: the same layout as the torchrun run, so its losses and weights; the start-up block
+    names the launcher, its node and processes per node."""
+    if launcher == "mpiexec" and not (BIN / "mpiexec").exists():
+        pytest.skip("no mpiexec beside this interpreter (pip install mpich mpi4py: the dev extra)")
+    done = _train(launcher, tmp_path / "run")
+    assert f"2 process(es) on cpu: 1 node(s) x 2 per node ({'slurm' if launcher == 'srun' else 'mpi'})" in (
+        done.stdout + done.stderr)
+    (losses, weights), (ref_losses, ref_weights) = _losses_and_weights(tmp_path / "run"), _losses_and_weights(
+        torchrun_run[0])
+    assert len(losses) == 3 and losses == ref_losses
+    assert weights.keys() == ref_weights.keys()
+    for key, value in ref_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=key)
+    assert len(list((tmp_path / "run" / "checkpoints" / "step3").glob("*optim_states.pt"))) == 2
+    if launcher == "mpiexec":  # and evaluate's ranks, ulysses 2, write the single process's numbers, once
+        export = tmp_path / "run" / "export"
+        cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "ds4sci.cli", "evaluate", str(export), "--fasta",
+               str(CDS), "--json", "--ulysses", "2"]
+        done = subprocess.run(cmd, cwd=ROOT, env={**ENV, "MASTER_PORT": "29536"}, capture_output=True, text=True,
+                              timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        [line] = done.stdout.strip().splitlines()
+        alone = subprocess.run(cmd[3:-2], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        parallel, single = json.loads(line), json.loads(alone.stdout)
+        assert parallel["tokens"] == single["tokens"]
+        assert parallel["loss"] == pytest.approx(single["loss"], rel=1e-7)
 
 
 def test_torchrun_prints_ds4sci_lines_only_and_a_refusal_once(torchrun_run, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ds4sci.train.config import load_config
+from ds4sci.train.run_dir import MAY_CHANGE
 from ds4sci.train.run_dir import prepare_run_dir
 
 from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
@@ -126,6 +127,55 @@ def test_run_folder_rules(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["token_cache"]
 
 
+def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(tmp_path):
+    """One command line for every start of a job: a missing or empty folder (a token cache and a lock are no run)
+    starts a run; a run stopped before its first checkpoint starts again, its files deleted but the cache; a run with
+    a checkpoint continues from its newest; another config's run is refused with or without a checkpoint, untouched."""
+    from ds4sci.train.run_lock import LOCK_FILE
+
+    out = tmp_path / "run"
+    cfg = load_config(None, [f"train.out_dir={out}", f"data.fasta={CDS}"])
+    other = load_config(None, [f"train.out_dir={out}", f"data.fasta={CDS}", "optim.lr=0.5"])
+    assert prepare_run_dir(cfg, resume="auto") is None
+    (out / "token_cache").mkdir(parents=True)
+    (out / LOCK_FILE).write_text("")
+    assert prepare_run_dir(cfg, resume="auto") is None
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=f"{out} is not empty and holds no ds4sci run.*notes.txt"):
+        prepare_run_dir(cfg, resume="auto")
+    (out / "notes.txt").unlink()
+    _fake_run(out, cfg, steps=())
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    before = _files(out)
+    with pytest.raises(ValueError, match=rf"^--resume auto: train.out_dir {out} holds another run: the config "
+                                         r"differs .*optim.lr: 0.001 -> 0.5; only .* may change on resume$"):
+        prepare_run_dir(other, resume="auto")
+    assert _files(out) == before
+    assert prepare_run_dir(cfg, resume="auto") is None  # stopped before its first save: started again
+    assert sorted(p.name for p in out.iterdir()) == sorted([LOCK_FILE, "token_cache"])
+    _fake_run(out, cfg)
+    assert prepare_run_dir(cfg, resume="auto") == out / "checkpoints" / "step4"
+    before = _files(out)
+    with pytest.raises(ValueError, match=r"^--resume: the config differs .*optim.lr: 0.001 -> 0.5"):
+        prepare_run_dir(other, resume="auto")
+    assert _files(out) == before
+
+
+def test_the_same_command_line_with_resume_auto_starts_then_continues(tmp_path):
+    """``ds4sci train CONFIG --resume auto``, as a restarted job runs it: the first start trains from step 1, the
+    next continues from the newest checkpoint; another config into that folder is refused in one line."""
+    config, out = tmp_path / "tiny.yaml", tmp_path / "run"
+    config.write_text(json.dumps(TINY))
+    first = _train(config, out, "--resume", "auto", "--set", "train.steps=2")
+    assert first.returncode == 0 and "resumed from" not in first.stderr, first.stderr[-3000:]
+    again = _train(config, out, "--resume", "auto")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'step2'} at step 2" in again.stderr
+    assert _metrics(out) == ([1, 2, 3, 4], [2, 4]) and _checkpoints(out) == ({"step2", "step4"}, "step4")
+    line = _error_line(_train(config, out, "--resume", "auto", "--set", "optim.lr=0.5", "--set", "train.steps=6"))
+    assert line.endswith("optim.lr: 0.001 -> 0.5; only " + ", ".join(MAY_CHANGE) + " may change on resume"), line
+
+
 def test_a_resume_at_any_process_count_keeps_the_global_batch(tmp_path):
     """The global batch (micro-batch x dp x accumulation) of the checkpoint's run, at this launch's world size: any
     split of it resumes, another size is named with what to set (the saved config's layout never meets the new
@@ -188,7 +238,9 @@ def test_what_can_be_checked_is_checked_before_any_work(tmp_path, capsys, monkey
     from ds4sci.train import launch
 
     monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)  # an earlier test's group may still be up
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    for key, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():  # torchrun's
+        monkeypatch.setenv(key, value)
     assert launch.launch_world_size() == 4
 
 

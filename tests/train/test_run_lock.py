@@ -6,6 +6,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -190,3 +191,30 @@ def test_a_filesystem_that_cannot_lock_runs_unlocked_with_one_warning(tmp_path, 
     assert message.startswith(f"train.out_dir {tmp_path / 'run'} is on {run_lock.filesystem(tmp_path)}, which "
                               f"cannot lock files (flock: Function not implemented): this run goes on unlocked")
     assert " mounted at /" in message
+
+
+def test_a_takeover_from_a_longer_stale_record_leaves_exactly_the_new_holders_record(tmp_path, caplog):
+    """The lock file after a takeover holds the new holder's record and nothing else, byte for byte: a stale record
+    longer than the new one (a long command line) must not leave its tail behind, which would make the file no
+    longer read as its holder (a refusal could not name it)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    stale = {"host": "gone-node", "pid": 1, "command": "ds4sci train " + "--set train.steps=1 " * 40,
+             "started": "2020-01-01T00:00:00+00:00"}
+    (out / LOCK_FILE).write_text(json.dumps(stale) + "\n")
+    with caplog.at_level(logging.WARNING, logger="ds4sci.train.run_lock"):
+        lock = lock_run_dir(out, "ds4sci train --resume auto")
+    try:
+        assert "took over the lock left by pid 1 on host gone-node" in caplog.text
+        content = (out / LOCK_FILE).read_bytes()
+        started = re.search(rb'"started": "([^"]+)"', content)[1].decode()
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "command": "ds4sci train --resume auto",
+                  "started": started}
+        assert content == json.dumps(record).encode() + b"\n"
+        fd = os.open(out / LOCK_FILE, os.O_RDONLY)
+        try:
+            assert run_lock._read_record(fd) == record  # what a refused second run names
+        finally:
+            os.close(fd)
+    finally:
+        lock.release()
