@@ -106,7 +106,9 @@ def test_dry_run_lists_files_and_tests_and_refuses_an_empty_selection(capsys):
 def _make_dry_run(tmp_path: Path, *args: str) -> list[str]:
     """The commands ``make ARGS`` would run on a fresh clone (``make -n``, a .venv that does not exist yet)."""
     venv = tmp_path / "fresh-venv"
-    out = subprocess.run(["make", "-n", *args, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True)
+    # --no-print-directory: under `make test` (MAKELEVEL set) a nested make would print "Leaving directory" lines
+    out = subprocess.run(["make", "--no-print-directory", "-n", *args, f"VENV={venv}"], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
     return [line.replace(str(venv), ".venv") for line in out.stdout.splitlines()]
 
 
