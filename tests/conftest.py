@@ -12,6 +12,8 @@ import importlib
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Modules defining @triton.jit functions, each before the modules that import from it -> one of its jit functions
@@ -38,3 +40,17 @@ def pytest_collection_modifyitems(items):
     suite instead of keeping one worker busy after the other has finished."""
     first = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("first")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in first)  # stable: each part keeps its order
+
+
+def _restore_environ():
+    """Put ``os.environ`` back as it was once the test (or module) is done: code under test exports what it resolved
+    (``Launch.export`` writes ``RANK``, ``LOCAL_WORLD_SIZE``, ... as torchrun would), and a later test in the same
+    worker that starts ranks by hand would otherwise inherit another launch's variables."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+module_environ = pytest.fixture(scope="module", autouse=True)(_restore_environ)
+test_environ = pytest.fixture(autouse=True)(_restore_environ)
