@@ -1,7 +1,8 @@
 """What the commands that read sequences through a trained model share (``evaluate``, ``score``, ``embed``,
 ``score-variants``): their common arguments, and the model loaded, checked against them and made ready to read
-windows on this launch (one process, or sequence-parallel ranks under ``torchrun``). Library imports stay inside
-:func:`load_reader` so ``ds4sci COMMAND --help`` imports no torch."""
+windows on this launch (one process, or sequence-parallel ranks under ``torchrun``, DeepSpeed's launcher, ``srun`` or
+``mpiexec``: :func:`~ds4sci.distributed.launch.resolve_launch`). Library imports stay inside :func:`load_reader` so
+``ds4sci COMMAND --help`` imports no torch."""
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,14 @@ def add_reading_arguments(parser: argparse.ArgumentParser, *, windows: bool = Tr
 
 
 def load_reader(args: argparse.Namespace, *, windows: bool = True, check: Callable | None = None) -> tuple:
-    """``(model, config, tokenizer, runner)``: the model of ``args.export`` on ``--device``, checked against
-    ``--seq-len``/``--stride`` (``windows``), the command's own ``check(config, tokenizer)`` and the launch's
-    ``--ulysses``/``--ring``, all before any process group starts; then its
-    :class:`~ds4sci.infer.parallel.ShardedForward` (collective under ``torchrun``: every rank calls it).
+    """``(model, config, tokenizer, runner)``: the launch resolved, then the model of ``args.export`` on ``--device``,
+    checked against ``--seq-len``/``--stride`` (``windows``), the command's own ``check(config, tokenizer)`` and the
+    launch's ``--ulysses``/``--ring``, all before any process group starts; then its
+    :class:`~ds4sci.infer.parallel.ShardedForward` (collective under a launcher: every rank calls it).
 
     Raises:
+        LaunchError: (a ``ValueError``) the launcher's environment cannot form the group (naming the variable), before
+            the export is read.
         CommandError: (:mod:`ds4sci.cli_args`) a window or a parallel degree the model or launch cannot take.
     """
     from ds4sci.distributed.launch import resolve_launch
@@ -40,10 +43,11 @@ def load_reader(args: argparse.Namespace, *, windows: bool = True, check: Callab
     from ds4sci.infer.parallel import inference_device
     from ds4sci.io.weights import load_model
 
+    world = resolve_launch().world_size
     model, config, tokenizer = load_model(args.export, inference_device(args.device))
     if windows:
         check_windows(args, config)
     if check is not None:
         check(config, tokenizer)
-    check_parallel(args, config, resolve_launch().world_size)
+    check_parallel(args, config, world)
     return model, config, tokenizer, ShardedForward.from_world(model, args.ulysses, args.ring)
