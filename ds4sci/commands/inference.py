@@ -6,6 +6,7 @@ windows on this launch (one process, or sequence-parallel ranks under ``torchrun
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Callable
 
 from ds4sci.cli_args import add_parallel_arguments
@@ -13,6 +14,8 @@ from ds4sci.cli_args import add_window_arguments
 from ds4sci.cli_args import check_parallel
 from ds4sci.cli_args import check_windows
 from ds4sci.cli_args import positive_int
+
+logger = logging.getLogger(__name__)
 
 
 def add_reading_arguments(parser: argparse.ArgumentParser, *, windows: bool = True, progress: bool = True) -> None:
@@ -28,7 +31,8 @@ def add_reading_arguments(parser: argparse.ArgumentParser, *, windows: bool = Tr
 
 
 def load_reader(args: argparse.Namespace, *, windows: bool = True, check: Callable | None = None) -> tuple:
-    """``(model, config, tokenizer, runner)``: the launch resolved, then the model of ``args.export`` on ``--device``,
+    """``(model, config, tokenizer, runner)``: the launch resolved (logged when it has several processes: by every
+    rank, shown by rank 0 alone, :func:`ds4sci.cli.main`), then the model of ``args.export`` on ``--device``,
     checked against ``--seq-len``/``--stride`` (``windows``), the command's own ``check(config, tokenizer)`` and the
     launch's ``--ulysses``/``--ring``, all before any process group starts; then its
     :class:`~ds4sci.infer.parallel.ShardedForward` (collective under a launcher: every rank calls it).
@@ -43,11 +47,13 @@ def load_reader(args: argparse.Namespace, *, windows: bool = True, check: Callab
     from ds4sci.infer.parallel import inference_device
     from ds4sci.io.weights import load_model
 
-    world = resolve_launch().world_size
+    launch = resolve_launch()
+    if launch.world_size > 1:
+        logger.info("%s", launch.describe())
     model, config, tokenizer = load_model(args.export, inference_device(args.device))
     if windows:
         check_windows(args, config)
     if check is not None:
         check(config, tokenizer)
-    check_parallel(args, config, world)
+    check_parallel(args, config, launch.world_size)
     return model, config, tokenizer, ShardedForward.from_world(model, args.ulysses, args.ring)
