@@ -39,6 +39,16 @@ def files(tmp_path_factory):
     return {"export": str(export), "fasta": str(root / "x.fa"), "vcf": str(root / "x.vcf"), "out": str(root / "out")}
 
 
+@pytest.fixture
+def started(monkeypatch):
+    """The benchmark ``ds4sci bench comm-volume`` runs, replaced by a list of its starts (none is expected)."""
+    from ds4sci.bench import comm_volume
+
+    starts = []
+    monkeypatch.setattr(comm_volume, "run", starts.append)
+    return starts
+
+
 def _argv(command, files):
     export, fasta, out = files["export"], files["fasta"], files["out"]
     return {"evaluate": ["evaluate", export, "--fasta", fasta],
@@ -50,7 +60,8 @@ def _argv(command, files):
 
 
 @pytest.mark.parametrize("environment", list(ENVIRONMENTS))
-def test_a_bad_launch_environment_is_one_line_naming_launcher_and_variable(environment, files, monkeypatch, capsys):
+def test_a_bad_launch_environment_is_one_line_naming_launcher_and_variable(environment, files, started, monkeypatch,
+                                                                          capsys):
     variables, message = ENVIRONMENTS[environment]
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
@@ -62,14 +73,17 @@ def test_a_bad_launch_environment_is_one_line_naming_launcher_and_variable(envir
             assert f"error: {message}" in captured.out
         else:
             assert captured.out == ""
+    assert started == []
 
 
-def test_bench_under_a_launch_of_several_processes_is_refused(files, monkeypatch, capsys):
+def test_bench_under_a_launch_of_several_processes_is_refused(files, started, monkeypatch, capsys):
     """``ds4sci bench`` starts its own processes: under ``mpiexec -n 2`` (rank 0's environment, the master agreed
-    without MPI) it would run twice into one ``--out``, so it is refused in one line naming the launch."""
+    without MPI) it would run twice into one ``--out``, so it is refused in one line naming the launch, before the
+    benchmark starts."""
     for name, value in {"PMI_RANK": "0", "PMI_SIZE": "2", "PALS_LOCAL_RANKID": "0", "PALS_LOCAL_SIZE": "2",
                         "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(name, value)
     assert main(_argv("bench", files)) == 2
     assert capsys.readouterr().err == ("ds4sci bench: error: this mpi launch has 2 processes: ds4sci bench starts the "
                                        "processes a benchmark needs itself, run it as one process\n")
+    assert started == []
