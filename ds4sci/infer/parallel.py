@@ -31,6 +31,7 @@ from ds4sci.distributed.dims import ParallelDims
 from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.distributed.groups import build_groups
 from ds4sci.distributed.launch import resolve_launch
+from ds4sci.distributed.nodes import cross_node_error
 from ds4sci.models.genslm import IGNORE_INDEX
 from ds4sci.models.genslm import shift_labels
 from ds4sci.models.genslm import token_loss
@@ -101,7 +102,9 @@ class ShardedForward:
 
         Raises:
             ValueError: ``ulysses * ring > 1`` in a lone process, a world size that ``ulysses * ring`` does not divide,
-                or a degree that cannot split the model's heads (each naming the numbers).
+                a degree that cannot split the model's heads, or Ulysses groups that would span nodes
+                (:func:`~ds4sci.distributed.nodes.cross_node_error`: the ``--ulysses``/``--ring`` that fit), each
+                naming the numbers.
         """
         world = dist.get_world_size() if dist.is_initialized() else resolve_launch().world_size
         dims = ParallelDims.for_world(world, ulysses=ulysses, ring=ring)
@@ -109,8 +112,13 @@ class ShardedForward:
         if world == 1:
             return cls(model)
         if not dist.is_initialized():
+            launch = resolve_launch()
+            crossing = cross_node_error(dims, launch.nodes, launch.local_world_size,
+                                        option=lambda key, value: f"--{key} {value}")
+            if crossing:
+                raise ValueError(crossing)
             backend = "nccl" if next(model.parameters()).is_cuda else "gloo"
-            resolve_launch().export()  # srun's and mpiexec's ranks as env:// reads them
+            launch.export()  # srun's and mpiexec's ranks as env:// reads them
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         groups = build_groups(dims, timeout=datetime.timedelta(seconds=timeout_s))
         parallelize(model, groups, keep_position_table=True)
