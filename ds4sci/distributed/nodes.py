@@ -20,17 +20,17 @@ from typing import Callable
 
 from ds4sci.distributed.dims import ParallelDims
 
-__all__ = ["AXES", "cross_node_error", "describe_nodes", "inside_node", "node_of", "node_safe_dims"]
+__all__ = ["cross_node_error", "describe_nodes", "inside_node", "node_of", "node_safe_dims"]
 
 #: Parallel dimensions, innermost first (the rank order), as the start-up block names them.
-AXES = ("tp", "ulysses", "ring", "dp", "pp")
+_DIMENSIONS = ("tp", "ulysses", "ring", "dp", "pp")
 
 #: Each group kind's axes, outermost first (:meth:`ParallelDims.group_ranks`'s kinds).
 _SPANS = {"tp": ("tp",), "ulysses": ("ulysses",), "ring": ("ring",), "sp": ("ring", "ulysses"), "dp": ("dp",),
           "sdp": ("dp", "ring", "ulysses"), "pp": ("pp",)}
 
 #: The dimensions whose groups must stay inside a node unless allowed: their collectives run every layer.
-NODE_LOCAL = ("tp", "ulysses")
+_NODE_LOCAL = ("tp", "ulysses")
 
 
 def node_of(rank: int, per_node: int) -> int:
@@ -61,7 +61,7 @@ def describe_nodes(dims: ParallelDims, per_node: int) -> str:
     """Each dimension of degree > 1, innermost first, and where its groups lie: ``tp 2 inside a node, ulysses 2
     across nodes``; ``no parallel dimension`` in a world of one."""
     parts = [f"{axis} {getattr(dims, axis)} {'inside a node' if inside_node(dims, axis, per_node) else 'across nodes'}"
-             for axis in AXES if getattr(dims, axis) > 1]
+             for axis in _DIMENSIONS if getattr(dims, axis) > 1]
     return ", ".join(parts) or "no parallel dimension"
 
 
@@ -70,7 +70,7 @@ def node_safe_dims(dims: ParallelDims, per_node: int) -> ParallelDims:
     ``tp`` lowered to its largest divisor that divides ``per_node`` (the rest of it goes to ``dp``), then ``ulysses``
     lowered to its largest divisor ``u`` with ``tp * u`` dividing ``per_node`` (the rest goes to ``ring``). ``dims``
     itself when they already do. The heads that ``tp * ulysses`` divided, the smaller degrees divide too."""
-    if all(inside_node(dims, axis, per_node) for axis in NODE_LOCAL):
+    if all(inside_node(dims, axis, per_node) for axis in _NODE_LOCAL):
         return dims
     tp = max(d for d in _divisors(dims.tp) if per_node % d == 0)
     ulysses = max(d for d in _divisors(dims.ulysses) if per_node % (tp * d) == 0)
@@ -85,7 +85,7 @@ def cross_node_error(dims: ParallelDims, nodes: int, per_node: int, *,
     one: it names the dimensions, ``nodes x per_node``, and the :func:`node_safe_dims` settings (``option(key,
     value)`` spells each changed one, ``parallel.ring=2`` by default) that keep them inside a node; ``force``, when
     given, is how to go on anyway (``or set parallel.allow_cross_node=true``)."""
-    crossing = [axis for axis in NODE_LOCAL if getattr(dims, axis) > 1 and not inside_node(dims, axis, per_node)]
+    crossing = [axis for axis in _NODE_LOCAL if getattr(dims, axis) > 1 and not inside_node(dims, axis, per_node)]
     if not crossing:
         return None
     safe = node_safe_dims(dims, per_node)
