@@ -31,6 +31,7 @@ from ds4sci.distributed.dims import ParallelDims
 from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.distributed.groups import build_groups
 from ds4sci.distributed.launch import resolve_launch
+from ds4sci.distributed.nodes import cross_node_error
 from ds4sci.models.genslm import IGNORE_INDEX
 from ds4sci.models.genslm import shift_labels
 from ds4sci.models.genslm import token_loss
@@ -104,7 +105,9 @@ class ShardedForward:
         Raises:
             LaunchError: (a ``ValueError``) the launcher's environment cannot form the group (naming the variable).
             ValueError: ``ulysses * ring > 1`` in a lone process, a world size that ``ulysses * ring`` does not divide,
-                or a degree that cannot split the model's heads (each naming the numbers).
+                a degree that cannot split the model's heads, or Ulysses groups that would span nodes
+                (:func:`~ds4sci.distributed.nodes.cross_node_error`: the ``--ulysses``/``--ring`` that fit), each
+                naming the numbers.
         """
         launch = None if dist.is_initialized() else resolve_launch()
         world = dist.get_world_size() if launch is None else launch.world_size
@@ -113,6 +116,10 @@ class ShardedForward:
         if world == 1:
             return cls(model)
         if launch is not None:
+            crossing = cross_node_error(dims, launch.nodes, launch.local_world_size,
+                                        option=lambda key, value: f"--{key} {value}")
+            if crossing:
+                raise ValueError(crossing)
             backend = "nccl" if next(model.parameters()).is_cuda else "gloo"
             launch.export()  # srun's and mpiexec's ranks as env:// reads them
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
