@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
+import json
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ds4sci.bench.aot.ptx import unsafe_exponents
@@ -36,8 +40,14 @@ TARGETS: dict[int, tuple[str, int]] = {
 }
 
 
-def compile_variant(variant: Variant | LocalVariant, capability: int) -> dict:
-    """Compile one variant for one target; a record of its tiles, resource usage and exponents (or its error)."""
+#: the fields of a record that come from the compiled code (what ``cache_dir`` keeps)
+COMPILED_FIELDS = ("shared_bytes", "registers", "stack_bytes", "spill_stores", "spill_loads", "ex2", "unsafe_ex2")
+
+
+def compile_variant(variant: Variant | LocalVariant, capability: int, cache_dir: str | None = None) -> dict:
+    """Compile one variant for one target; a record of its tiles, resource usage and exponents (or its error).
+    ``cache_dir``: a folder of earlier compilations' figures to read this one's from when there, and to add it to when
+    not (``record["cached"]`` says which); errors are never kept."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -54,12 +64,24 @@ def compile_variant(variant: Variant | LocalVariant, capability: int) -> dict:
         backend = triton.compiler.make_backend(target)
         signature, constexprs, attrs, _ = specialisation(kernel, args, meta, backend)
         record["specialisation"] = describe_specialisation(kernel, signature, constexprs, attrs)
-        src, options = ast_source(kernel, args, meta, backend)
-        with contextlib.redirect_stdout(io.StringIO()) as log:  # Triton prints ptxas's -v log here
-            compiled = triton.compile(src, target=target, options=options)
-        record["shared_bytes"] = int(compiled.metadata.shared)
-        record |= ptxas_usage(log.getvalue())
-        record["ex2"], record["unsafe_ex2"] = unsafe_exponents(compiled.asm["ptx"])
+        cached = None
+        if cache_dir is not None:
+            key = repr((kernel.cache_key, triton.__version__, signature, constexprs, attrs, meta, capability))
+            cached = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+        record["cached"] = cached is not None and cached.exists()
+        if record["cached"]:
+            record |= json.loads(cached.read_text())
+        else:
+            src, options = ast_source(kernel, args, meta, backend)
+            with contextlib.redirect_stdout(io.StringIO()) as log:  # Triton prints ptxas's -v log here
+                compiled = triton.compile(src, target=target, options=options)
+            record["shared_bytes"] = int(compiled.metadata.shared)
+            record |= ptxas_usage(log.getvalue())
+            record["ex2"], record["unsafe_ex2"] = unsafe_exponents(compiled.asm["ptx"])
+            if cached is not None:  # written whole, then renamed: a reader never sees half a record
+                part = cached.with_suffix(f".{os.getpid()}.part")
+                part.write_text(json.dumps({field: record[field] for field in COMPILED_FIELDS}))
+                os.replace(part, cached)
         record["error"] = None
     except Exception as err:  # recorded and reported; the gate fails on any error
         record["error"] = f"{type(err).__name__}: {err}"
