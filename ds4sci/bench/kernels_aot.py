@@ -189,9 +189,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile processes (default: %(default)s)")
     parser.add_argument("--cache-dir", default=None,
                         help="a folder (created if missing) keeping the figures of each compilation under its kernel "
-                             "source, Triton version, specialisation and target: one found there is read instead of "
-                             "compiled, so runs sharing the folder compile each distinct kernel once (default: none, "
-                             "compile everything)")
+                             "source, Triton version, specialisation, target and ds4sci's checks: one found there is "
+                             "read instead of compiled, so runs sharing the folder compile each distinct kernel once "
+                             "(default: none, compile everything)")
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke test instead of --set, --dtypes, --block-d and --worst-case-only: "
                              f"{_quick_entries()}, every kernel with every flag on (16 compilations for both "

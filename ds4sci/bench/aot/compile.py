@@ -10,12 +10,19 @@ runs ptxas with ``-v`` and prints its log under ``TRITON_DUMP_PTXAS_LOG=1``, whi
 ``TRITON_ALWAYS_COMPILE=1``, so a cache hit never skips ptxas; :mod:`.pool`). So the figures come from the ptxas and
 flags Triton itself uses for each target (the wheel's ``ptxas`` for sm_80, its ``ptxas-blackwell`` for sm_90a, with
 Triton's ``--regAllocOptLevel=2``), i.e. what a launch on that GPU would load.
+
+Given a ``cache_dir``, the figures of each compilation are kept there under a key of what determines them (the
+kernel's source and the sources it calls, Triton's version, the specialisation, the target, and the source of what
+reads the figures: this module, the PTX check, the ptxas log), and a compilation whose key is there is read instead of
+compiled: variants of different sets or calls that specialise identically (an OpenFold launch that is also a table
+entry, ``--quick``'s entries) are compiled once.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -66,7 +73,10 @@ def compile_variant(variant: Variant | LocalVariant, capability: int, cache_dir:
         record["specialisation"] = describe_specialisation(kernel, signature, constexprs, attrs)
         cached = None
         if cache_dir is not None:
-            key = repr((kernel.cache_key, triton.__version__, signature, constexprs, attrs, meta, capability))
+            readers = b"".join(Path(inspect.getsourcefile(f)).read_bytes()  # what reads the figures: this file, ...
+                               for f in (compile_variant, unsafe_exponents, ptxas_usage))  # ... the PTX check, ptxas's
+            key = repr((kernel.cache_key, triton.__version__, signature, constexprs, attrs, meta, capability,
+                        hashlib.sha256(readers).hexdigest()))
             cached = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
         record["cached"] = cached is not None and cached.exists()
         if record["cached"]:
