@@ -201,14 +201,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import triton
 
+    if args.cache_dir is not None:
+        os.makedirs(args.cache_dir, exist_ok=True)
     if args.quick:
         variants = quick_variants()
     else:
         variants = variants_for(args.variant_set, tuple(args.dtypes) if args.dtypes else None,
                                 tuple(args.block_d) if args.block_d else None, args.worst_case_only)
     compiles_callers = not args.quick and args.variant_set in ("callers", "all")
-    if args.cache_dir is not None:
-        os.makedirs(args.cache_dir, exist_ok=True)
     start = time.perf_counter()
     results = compile_all(variants, tuple(args.targets), args.jobs, args.cache_dir)
     report = {

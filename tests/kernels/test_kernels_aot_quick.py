@@ -52,3 +52,12 @@ def test_cache_dir_serves_a_compilation_only_to_the_same_specialisation(tmp_path
     assert {f: again[f] for f in COMPILED_FIELDS} == {f: first[f] for f in COMPILED_FIELDS}
     assert (first["dtype"], again["dtype"], other["dtype"]) == ("bf16", "bf16", "fp16")
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".json"]  # no half-written record left
+
+
+def test_a_cache_dir_that_cannot_be_a_folder_is_one_line_before_any_compile(tmp_path, capsys):
+    taken = tmp_path / "a file"
+    taken.write_text("")
+    assert cli.main(["bench", "kernels-aot", "--quick", "--out", str(tmp_path), "--cache-dir", str(taken / "c")]) == 2
+    err = capsys.readouterr().err
+    assert str(taken / "c") in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "kernels_aot.json").exists()
