@@ -30,8 +30,9 @@ lint: install
 
 # Two pytest workers (pytest-xdist), one test module at a time each, so a module's fixtures are built once: much of
 # the suite is single-threaded (the Triton interpreter, subprocess start-up). JOBS=0 runs it in this process.
-# --no-loadscope-reorder keeps the collection order (tests/conftest.py puts the compile gates first); by default
-# pytest-xdist (>= 3.8, which has the option) orders modules by their number of tests, which started the gates last.
+# --no-loadscope-reorder keeps the collection order (tests/conftest.py puts the compile gates first, then the modules
+# with a slow or distributed test, so the suite ends on short modules); by default pytest-xdist (>= 3.8, which has the
+# option) orders modules by their number of tests, which started the gates last.
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 JOBS ?= 2
 test: lint

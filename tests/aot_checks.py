@@ -1,6 +1,7 @@
 """Checks of ``ds4sci bench kernels-aot`` results shared by the Evoformer and local-attention AOT tests."""
 import argparse
 import json
+import os
 
 import pytest
 
@@ -19,12 +20,21 @@ def compiles(test):
     return pytest.mark.first(pytest.mark.slow(pytest.mark.timeout(COMPILE_TIMEOUT)(test)))
 
 
-def gate(tmp_path, *argv):
-    """``ds4sci bench kernels-aot --out tmp_path --jobs 2 *argv``: ``(exit status, JSON report, Markdown table)``."""
+def shared_cache(tmp_path_factory) -> str:
+    """The ``--cache-dir`` of every gate in this pytest run, shared by pytest-xdist's workers (their temporary
+    folders lie side by side in the run's own): a kernel two gates compile (an OpenFold launch that is a table entry,
+    the ``--quick`` entries) is compiled once in the run, never across runs."""
+    base = tmp_path_factory.getbasetemp()
+    return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kernels-aot-cache")
+
+
+def gate(tmp_path, cache_dir, *argv):
+    """``ds4sci bench kernels-aot --out tmp_path --jobs 2 --cache-dir cache_dir *argv``: ``(exit status, JSON
+    report, Markdown table)``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     kernels_aot.add_arguments(parser)
-    rc = kernels_aot.run(parser.parse_args(["--out", str(tmp_path), "--jobs", "2", *argv]))
+    rc = kernels_aot.run(parser.parse_args(["--out", str(tmp_path), "--jobs", "2", "--cache-dir", cache_dir, *argv]))
     report = json.loads((tmp_path / "kernels_aot.json").read_text())
     return rc, report, (tmp_path / "kernels_aot.md").read_text()
 
@@ -34,7 +44,7 @@ def gate_fixture(variant_set: str):
     a module (minutes on 2 cores)."""
     @pytest.fixture(scope="module", name=f"{variant_set.replace('-', '_')}_gate")
     def compiled(tmp_path_factory):
-        return gate(tmp_path_factory.mktemp(variant_set), "--set", variant_set)
+        return gate(tmp_path_factory.mktemp(variant_set), shared_cache(tmp_path_factory), "--set", variant_set)
     return compiled
 
 

@@ -43,6 +43,7 @@ def _error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # a training in a new process through the command line
 def test_a_second_run_never_mixes_with_the_first(tmp_path):
     config, out = tmp_path / "tiny.yaml", tmp_path / "run"
     config.write_text(json.dumps(TINY))  # JSON is YAML
@@ -161,6 +162,7 @@ def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(tm
     assert _files(out) == before
 
 
+@pytest.mark.slow  # a training in a new process through the command line
 def test_the_same_command_line_with_resume_auto_starts_then_continues(tmp_path):
     """``ds4sci train CONFIG --resume auto``, as a restarted job runs it: the first start trains from step 1, the
     next continues from the newest checkpoint; another config into that folder is refused in one line."""
@@ -244,6 +246,7 @@ def test_what_can_be_checked_is_checked_before_any_work(tmp_path, capsys, monkey
     assert launch.current_launch().world_size == 4
 
 
+@pytest.mark.slow  # a training in a new process through the command line
 def test_train_without_a_config_runs_from_any_directory_and_its_redirected_output_reads_like_a_log(tmp_path):
     """No config: the bundled genome, from any working directory. Output redirected (no terminal), progress on (the
     default): no bar frames and nothing but ds4sci's lines: the start-up block, a loss line per train.log_every steps
