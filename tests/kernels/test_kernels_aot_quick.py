@@ -1,8 +1,9 @@
 """``ds4sci bench kernels-aot --quick``: the CI smoke run of the compile gate through the command line (16
 compilations, about 40 s of CPU time, 1.5 minutes on 2 busy cores; worker processes compile without
 ``TRITON_INTERPRET``, :mod:`ds4sci.bench.aot.pool`). The gate itself: tests/kernels/test_triton_aot.py and
-test_triton_local_attention_aot.py. It reads what the gates compiled from their shared ``--cache-dir`` when they ran
-before it in the same pytest run (all 16 are gate compilations), and compiles them otherwise.
+test_triton_local_attention_aot.py. It reads what a gate (or an earlier run) compiled
+from the shared ``--cache-dir`` (:func:`aot_checks.shared_cache`; all 16 are gate compilations), and compiles it
+otherwise.
 """
 import json
 
@@ -29,8 +30,8 @@ def test_quick_variants_are_one_entry_per_family_with_every_flag_on():
     assert all(v.has_mask and v.has_pair for v in evoformer if v.kernel != "bwd_preprocess")
 
 
-def test_quick_run_writes_json_markdown_and_png(tmp_path, tmp_path_factory):
-    cache = shared_cache(tmp_path_factory)
+def test_quick_run_writes_json_markdown_and_png(tmp_path):
+    cache = shared_cache()
     assert cli.main(["bench", "kernels-aot", "--quick", "--out", str(tmp_path), "--cache-dir", cache]) == 0
     report = json.loads((tmp_path / "kernels_aot.json").read_text())
     assert report["quick"] is True and report["set"] is None and report["callers"] == []
