@@ -19,6 +19,7 @@ given a check here. The Python blocks run, with inputs of the shapes their comme
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shlex
@@ -217,10 +218,15 @@ def test_python_blocks_run(scratch):
     checks = {evoformer[0]: (prelude, "assert o.shape == q.shape\n"),
               load_model[0]: ("", "assert logits.shape[:2] == ids.shape\n"
                                   "assert hidden.shape[-1] == model.config.hidden_size\n")}
+    # One interpreter (torch imported once), each block in a namespace of its own
+    programs = []
     for block in blocks:
         before, after = checks.get(block, ("", ""))
-        proc = _run([sys.executable, "-c", before + block + after], scratch)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        programs.append(before + block + after)
+    runner = ("import json, sys\nfor i, code in enumerate(json.loads(sys.argv[1])):\n"
+              "    exec(compile(code, f'<python block {i}>', 'exec'), {'__name__': '__main__'})\n")
+    proc = _run([sys.executable, "-c", runner, json.dumps(programs)], scratch)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _plan_rows() -> dict[tuple[str, int, str], tuple[int, int, float]]:
