@@ -28,7 +28,9 @@ CONFIG = ROOT / "examples" / "configs" / "codon_cds_sp2.yaml"
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 #: ``srun`` faked for one node (no SLURM here): a directory holding only ``srun``, put first on the templates' PATH.
 FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
-SLURM_JOB = {"SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1"}
+#: The job's host list, compressed: its first host (the rendezvous and master) is this machine, the only one that
+#: resolves here; the job runs on that node alone.
+SLURM_JOB = {"SLURM_JOB_NODELIST": "localhost,node[02-03]", "SLURM_NNODES": "1"}
 #: Each template: the scheduler's environment (each its own rendezvous port, 29531-29537 in this module: srun's ports
 #: are 20000 + job id % 10000) and the launcher the start-up block names.
 TEMPLATES = {
