@@ -9,7 +9,8 @@
 # the scheduler's node list (SLURM: `scontrol show hostnames | sed 's/$/ slots=4/' > hostfile`). Change HOSTFILE,
 # the environment activation, and CONFIG; pass extra `--set KEY=VALUE` overrides in DS4SCI_ARGS, e.g.
 #   HOSTFILE=hostfile CONFIG=my.yaml DS4SCI_ARGS="--set train.out_dir=/scratch/me/run1" bash deepspeed_hostfile.sh
-# Tensor- and Ulysses-parallel groups must fit inside one node (parallel.tp x parallel.ulysses <= slots): ds4sci refuses them otherwise.
+# Tensor- and Ulysses-parallel groups must fit inside one node (parallel.tp x parallel.ulysses <= slots):
+# ds4sci refuses them otherwise.
 set -euo pipefail
 
 # Change: load your environment (the same path on every node: the launcher runs this interpreter there).

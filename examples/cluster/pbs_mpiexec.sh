@@ -9,7 +9,8 @@
 # Change the #PBS lines (project, queue, nodes, file systems, time), NRANKS_PER_NODE (GPUs per node: 4 on Polaris),
 # the environment activation, and CONFIG; pass extra `--set KEY=VALUE` overrides in DS4SCI_ARGS, e.g.
 #   qsub -v CONFIG=my.yaml,DS4SCI_ARGS="--set train.out_dir=/eagle/me/run1" pbs_mpiexec.sh
-# Tensor- and Ulysses-parallel groups must fit inside one node (parallel.tp x parallel.ulysses <= NRANKS_PER_NODE): ds4sci refuses them otherwise.
+# Tensor- and Ulysses-parallel groups must fit inside one node (parallel.tp x parallel.ulysses <= NRANKS_PER_NODE):
+# ds4sci refuses them otherwise.
 #PBS -N ds4sci
 #PBS -A CHANGE_ME
 #PBS -q debug

@@ -10,7 +10,8 @@
 # partition, nodes, tasks = GPUs per node, time), the environment activation, and CONFIG; pass extra
 # `--set KEY=VALUE` overrides in DS4SCI_ARGS, e.g.
 #   sbatch --export=ALL,CONFIG=my.yaml,DS4SCI_ARGS="--set train.out_dir=/scratch/me/run1" slurm_srun.sh
-# Tensor- and Ulysses-parallel groups must fit inside one node (parallel.tp x parallel.ulysses <= tasks per node): ds4sci refuses them otherwise.
+# Tensor- and Ulysses-parallel groups must fit inside one node (parallel.tp x parallel.ulysses <= tasks per node):
+# ds4sci refuses them otherwise.
 #SBATCH --job-name=ds4sci
 #SBATCH --account=CHANGE_ME
 #SBATCH --partition=gpu

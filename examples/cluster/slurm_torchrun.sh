@@ -9,7 +9,8 @@
 # partition, nodes, GPUs per node, time), GPUS_PER_NODE to match, the environment activation, and CONFIG; pass
 # extra `--set KEY=VALUE` overrides in DS4SCI_ARGS, e.g.
 #   sbatch --export=ALL,CONFIG=my.yaml,DS4SCI_ARGS="--set train.out_dir=/scratch/me/run1" slurm_torchrun.sh
-# Tensor- and Ulysses-parallel groups must fit inside one node (parallel.tp x parallel.ulysses <= GPUS_PER_NODE): ds4sci refuses them otherwise.
+# Tensor- and Ulysses-parallel groups must fit inside one node (parallel.tp x parallel.ulysses <= GPUS_PER_NODE):
+# ds4sci refuses them otherwise.
 #SBATCH --job-name=ds4sci
 #SBATCH --account=CHANGE_ME
 #SBATCH --partition=gpu
