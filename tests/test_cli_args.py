@@ -236,3 +236,22 @@ def test_device_without_cuda_is_one_error(exports, capsys, command):
              "score-variants": ["--reference", exports["fasta"], "--vcf", "v.vcf", "--out", "-"]}[command]
     assert main([command, exports["nucleotide"], "--device", "cuda", *extra]) == 2
     one_error(capsys, ["--device cuda: this machine has 0 CUDA device"])
+
+
+def test_number_checks_at_their_bounds_and_their_messages():
+    """The argparse ``type=`` checks at the edge of their range, and the words they answer a bad value with."""
+    import argparse
+
+    from ds4sci.cli_args import nonnegative_int
+    from ds4sci.cli_args import positive_int
+    from ds4sci.cli_args import probability
+
+    assert nonnegative_int("0") == 0 and positive_int("1") == 1 and probability("1") == 1.0
+    for check, text, message in ((positive_int, "0", "expected a positive integer, got 0"),
+                                 (positive_int, "x", "expected a positive integer, got 'x'"),
+                                 (nonnegative_int, "-1", "expected an integer >= 0, got -1"),
+                                 (probability, "0", "expected a number in (0, 1], got 0"),
+                                 (probability, "1.5", "expected a number in (0, 1], got 1.5")):
+        with pytest.raises(argparse.ArgumentTypeError) as err:
+            check(text)
+        assert str(err.value) == message
