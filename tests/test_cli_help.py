@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 HELP_IMPORTS = """
 import sys
 from ds4sci.cli import COMMANDS, main
@@ -24,3 +26,28 @@ def test_every_command_help_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", HELP_IMPORTS], capture_output=True, text=True, cwd="/")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "commands:" in proc.stdout
+
+
+def test_preset_help_lists_every_preset_with_the_count_plan_prints(capsys, monkeypatch):
+    """``--print-config``'s model.preset and ``plan --help`` list the whole presets table, and the count they give a
+    preset is the one ``plan`` prints for it (both at the nucleotide vocabulary a run uses by default)."""
+    from ds4sci.cli import main
+    from ds4sci.data import NucleotideTokenizer
+    from ds4sci.models.genslm.config import NUCLEOTIDE_VOCAB_SIZE
+    from ds4sci.models.genslm.config import PRESETS
+
+    assert NUCLEOTIDE_VOCAB_SIZE == NucleotideTokenizer().vocab_size
+    assert main(["train", "--print-config"]) == 0
+    preset_line = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("preset:"))
+    monkeypatch.setenv("COLUMNS", "10000")  # argparse would wrap "llama-debug" at its hyphen
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    plan_help = " ".join(capsys.readouterr().out.split())
+    for text in (preset_line, plan_help):
+        assert all(f'"{name}" (' in text for name in PRESETS), text
+    argv = ["plan", "--preset", "25M", "--seq-len", "1024", "--gpus-per-node", "1", "--zero-stage", "0",
+            "--offload", "none", "--checkpointing", "none"]
+    assert main(argv) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    count = title.split("): ")[1].split(" parameters")[0]
+    assert f'"25M" ({count})' in preset_line and f'"25M" ({count})' in plan_help, (title, plan_help)

@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "overlap; FLOPs = 6 x tokens x params + 6 B L h S^2 (causal attention) + recomputation; bubble = "
                      "(pp-1)/(m+pp-1). Memory and byte formulas: docs/explanation/planner.md.")
     model = parser.add_argument_group("model (--preset, or a training config's model and data.seq_len)")
-    model.add_argument("--preset", help=f"GenSLM shape: {describe_presets()}")
+    model.add_argument("--preset",
+                       help=f"model shape (parameters with the nucleotide vocabulary): {describe_presets()}")
     model.add_argument("--config", help="training config YAML; its model.* and data.seq_len are used (the layout "
                        "keys are searched, fix them with the options below)")
     model.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
