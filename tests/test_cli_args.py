@@ -255,3 +255,22 @@ def test_number_checks_at_their_bounds_and_their_messages():
         with pytest.raises(argparse.ArgumentTypeError) as err:
             check(text)
         assert str(err.value) == message
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["evaluate", "EXPORT", "--fasta", "MISSING"], "--fasta MISSING"),
+    (["score", "EXPORT", "--fasta", "MISSING", "--out", "OUT"], "--fasta MISSING"),
+    (["embed", "EXPORT", "--fasta", "MISSING", "--out", "OUT"], "--fasta MISSING"),
+    (["score-variants", "EXPORT", "--reference", "FASTA", "--vcf", "MISSING", "--out", "OUT"], "--vcf MISSING"),
+    (["score", "EXPORT", "--fasta", "FASTA", "--out", "MISSING/scores.tsv"], "--out MISSING/scores.tsv"),
+    (["train", "MISSING"], "CONFIG MISSING"),
+    (["plan", "--config=MISSING"], "--config MISSING"),
+])
+def test_a_missing_file_names_its_option_and_path(exports, tmp_path, capsys, argv, needle):
+    """Every command that reads (or writes) a file the user names: one line with the option and the path."""
+    names = {"EXPORT": exports["nucleotide"], "FASTA": exports["fasta"], "MISSING": str(tmp_path / "nope"),
+             "OUT": str(tmp_path / "out")}
+    argv = [names.get(a, a).replace("MISSING", names["MISSING"]) if "MISSING" in a else names.get(a, a)
+            for a in argv]
+    assert main(argv) == 2
+    one_error(capsys, [needle.replace("MISSING", names["MISSING"]) + ": no such file or directory"])
