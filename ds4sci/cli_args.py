@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 
 
 class CommandError(Exception):
@@ -126,3 +127,16 @@ class LazyParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         self.load()
         return super().parse_known_args(args, namespace)
+
+
+def add_out_argument(parser: argparse.ArgumentParser, command: str, name: str, what: str) -> None:
+    """``--out`` of a command that writes one file, by default ``runs/COMMAND/NAME``: ``runs/`` is git-ignored, so a
+    workflow run in a clone leaves no untracked file in it. :func:`out_folder` makes the file's folder."""
+    parser.add_argument("--out", default=f"runs/{command}/{name}", help=f"{what} (default: %(default)s; its folder "
+                        "is made)")
+
+
+def out_folder(out: str) -> None:
+    """Make the folder of output file ``out`` (``'-'``, stdout: nothing), before the work that fills it."""
+    if out != "-":
+        Path(out).parent.mkdir(parents=True, exist_ok=True)

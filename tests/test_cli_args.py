@@ -262,7 +262,6 @@ def test_number_checks_at_their_bounds_and_their_messages():
     (["score", "EXPORT", "--fasta", "MISSING", "--out", "OUT"], "--fasta MISSING"),
     (["embed", "EXPORT", "--fasta", "MISSING", "--out", "OUT"], "--fasta MISSING"),
     (["score-variants", "EXPORT", "--reference", "FASTA", "--vcf", "MISSING", "--out", "OUT"], "--vcf MISSING"),
-    (["score", "EXPORT", "--fasta", "FASTA", "--out", "MISSING/scores.tsv"], "--out MISSING/scores.tsv"),
     (["train", "MISSING"], "CONFIG MISSING"),
     (["plan", "--config=MISSING"], "--config MISSING"),
 ])
@@ -274,3 +273,20 @@ def test_a_missing_file_names_its_option_and_path(exports, tmp_path, capsys, arg
             for a in argv]
     assert main(argv) == 2
     one_error(capsys, [needle.replace("MISSING", names["MISSING"]) + ": no such file or directory"])
+
+
+def test_outputs_default_to_the_ignored_runs_folder(exports, tmp_path, monkeypatch, capsys):
+    """score, score-variants and embed write under runs/COMMAND/ when --out is left out (runs/ is git-ignored: a
+    workflow run in a clone leaves nothing untracked), making the folder."""
+    from pathlib import Path
+
+    from ds4sci.cli import build_parser
+
+    ignored = (Path(__file__).parents[1] / ".gitignore").read_text().splitlines()
+    for argv in (["score", "E", "--fasta", "F"], ["embed", "E", "--fasta", "F"],
+                 ["score-variants", "E", "--reference", "F", "--vcf", "V"]):
+        out = build_parser(argv[:1]).parse_args(argv).out
+        assert out.startswith(f"runs/{argv[0]}/") and "/runs/" in ignored, out
+    monkeypatch.chdir(tmp_path)
+    assert main(["score", exports["nucleotide"], "--fasta", exports["fasta"]]) == 0
+    assert (tmp_path / "runs" / "score" / "scores.tsv").read_text().startswith("id\t")
