@@ -1,4 +1,5 @@
-"""What a newcomer meets first: every ``ds4sci COMMAND --help`` is quick (imports no torch) and tells the truth
+"""What a newcomer meets first: `make demo` says what it installs and runs, every ``ds4sci COMMAND --help`` is quick
+(imports no torch) and tells the truth
 (the presets listed from the presets table)."""
 import subprocess
 import sys
@@ -51,3 +52,20 @@ def test_preset_help_lists_every_preset_with_the_count_plan_prints(capsys, monke
     title = capsys.readouterr().out.splitlines()[0]
     count = title.split("): ")[1].split(" parameters")[0]
     assert f'"25M" ({count})' in preset_line and f'"25M" ({count})' in plan_help, (title, plan_help)
+
+
+def test_make_install_and_demo_say_what_they_do(tmp_path):
+    """``make demo`` on a fresh clone (``make -n``, a virtual environment that does not exist yet): pip is never
+    quiet (a line per package, no progress bar for CI logs) and each long step is announced by a ``make:`` line."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=root,
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    steps = [i for i, line in enumerate(lines) if " -m pip install" in line or line.endswith("examples/demo.py")]
+    assert len(steps) == 4, lines
+    for before, i in zip([-1] + steps, steps):
+        assert " -q" not in lines[i] and ("--progress-bar off" in lines[i]) != lines[i].endswith("demo.py"), lines[i]
+        assert any(line.startswith('echo "make: ') for line in lines[before + 1:i]), lines[before + 1:i + 1]
