@@ -1,6 +1,5 @@
-"""What a newcomer meets first: `make demo` says what it installs and runs, every ``ds4sci COMMAND --help`` is quick
-(imports no torch) and tells the truth
-(the presets listed from the presets table)."""
+"""What a newcomer meets first: ``make demo`` says what it installs and runs, every ``ds4sci COMMAND --help`` is
+quick (imports no torch) and tells the truth (the presets listed from the presets table)."""
 import subprocess
 import sys
 
