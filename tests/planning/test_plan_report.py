@@ -42,7 +42,7 @@ def test_one_layout_is_singular(capsys):
             "--offload", "none", "--checkpointing", "none"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "\n1 layout fits (GiB per GPU" in out and "layouts fit" not in out
+    assert "\n1 layout fits (GiB: total per GPU" in out and "layouts fit" not in out
 
 
 def test_errors_pluralise_layers(capsys):
