@@ -9,19 +9,27 @@ EXTRAS ?= dev,openfold
 
 .PHONY: install demo lint test mutate docs docs-serve clean
 
+# pip prints a line per package it collects and installs (no -q: a fresh install takes minutes), without the
+# progress bar a CI log cannot bear; each step first says what it installs.
+PIP := $(PY) -m pip install --progress-bar off
+
 $(PY):
+	@echo "make: creating the virtual environment $(VENV) and updating pip, setuptools and wheel"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PIP) --upgrade pip setuptools wheel
 
 # torch first, pinned to the CPU wheel on local disk: a bare `torch` would pull a multi-GB CUDA build.
 $(STAMP): $(PY) setup.py pyproject.toml Makefile
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@echo "make: installing torch 2.13.0 (CPU)"
+	$(PIP) torch==2.13.0
+	@echo "make: installing ds4sci (editable) with the extras $(EXTRAS) and their dependencies (a few minutes)"
+	$(PIP) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: install
+	@echo "make: running examples/demo.py (a few minutes on a 2-core CPU; each step says what it does)"
 	$(PY) examples/demo.py
 
 # ruff's rules are in pyproject.toml ([tool.ruff]); a finding fails `make test` before pytest starts.

@@ -120,7 +120,7 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def report_error(command: str, err: BaseException) -> None:
+def report_error(command: str, err: BaseException | str) -> None:
     """Print a user's error as ONE line, once per launch: ``ds4sci COMMAND: error: MESSAGE`` on stderr.
 
     Under a launcher every rank usually meets the same error (a config, a run folder or data that rank 0 checked
@@ -138,10 +138,29 @@ def report_error(command: str, err: BaseException) -> None:
     sys.stderr.flush()
 
 
+def path_error(err: OSError, args: argparse.Namespace, argv: list[str]) -> str:
+    """The line for an ``OSError`` on a file (``err.filename``): the option (``--vcf``) or positional argument
+    (``CONFIG``) the user gave that path with, the path, and the reason in words, e.g.
+    ``--fasta genes.fa: no such file or directory``; a path no argument names is shown alone. An error without a
+    file name (``err.filename`` None) keeps its message."""
+    if err.filename is None:
+        return str(err)
+    path = os.fspath(err.filename)
+    reason = (err.strerror or str(err)).lower()
+    for dest, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        if not any(isinstance(v, str) and os.path.abspath(v) == os.path.abspath(path) for v in values):
+            continue
+        option = "--" + dest.replace("_", "-")
+        given = option if any(a == option or a.startswith(option + "=") for a in argv) else dest.upper()
+        return f"{given} {path}: {reason}"
+    return f"{path}: {reason}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one command. A user's mistake (a bad option, a missing file, an export or FASTA the command cannot
-    use) is one ``ds4sci COMMAND: error: ...`` line on stderr (once per launch: :func:`report_error`) and exit status
-    2; ``--log-level DEBUG`` re-raises it with its traceback.
+    """Run one command. A user's mistake (a bad option, a missing file: :func:`path_error`, an export or FASTA the
+    command cannot use) is one ``ds4sci COMMAND: error: ...`` line on stderr (once per launch:
+    :func:`report_error`) and exit status 2; ``--log-level DEBUG`` re-raises it with its traceback.
 
     Below DEBUG, a run prints ds4sci's own lines only (:func:`ds4sci.progress.quiet_dependencies`), and ranks other
     than 0 only their warnings and errors (rank 0 speaks for the run)."""
@@ -160,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CommandError, ValueError, OSError) as err:
         if debug:
             raise
-        report_error(args.command, err)
+        report_error(args.command, path_error(err, args, argv) if isinstance(err, OSError) else err)
         return 2
 
 

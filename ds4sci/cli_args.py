@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+from pathlib import Path
 
 
 class CommandError(Exception):
@@ -103,3 +105,39 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
                         help="where the model runs: auto (this process's GPU, cuda:LOCAL under torchrun, srun or "
                         "mpiexec with LOCAL its local rank, when CUDA is available, else the CPU), cpu, cuda or cuda:N "
                         "(default: %(default)s)")
+
+
+class LazyParser(argparse.ArgumentParser):
+    """The parser of a subcommand whose options come from a module (``add_arguments(parser)``, ``run(args)``) that
+    is imported only when this subcommand is parsed or its help shown: ``parser_class=`` of ``add_subparsers``, with
+    ``add_parser(name, module=MODULE_NAME, ...)``. Listing the subcommands (``ds4sci bench --help``) then imports
+    none of their modules (nor torch); ``run`` is set as the ``run_key`` default."""
+
+    def __init__(self, *args, module: str | None = None, run_key: str = "_run", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.module, self.run_key = module, run_key
+
+    def load(self) -> None:
+        """Import the module and add its options (once; a reference generator calls it to see every option)."""
+        if self.module is None:
+            return
+        module, self.module = importlib.import_module(self.module), None
+        module.add_arguments(self)
+        self.set_defaults(**{self.run_key: module.run})
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.load()
+        return super().parse_known_args(args, namespace)
+
+
+def add_out_argument(parser: argparse.ArgumentParser, command: str, name: str, what: str) -> None:
+    """``--out`` of a command that writes one file, by default ``runs/COMMAND/NAME``: ``runs/`` is git-ignored, so a
+    workflow run in a clone leaves no untracked file in it. :func:`out_folder` makes the file's folder."""
+    parser.add_argument("--out", default=f"runs/{command}/{name}", help=f"{what} (default: %(default)s; its folder "
+                        "is made)")
+
+
+def out_folder(out: str) -> None:
+    """Make the folder of output file ``out`` (``'-'``, stdout: nothing), before the work that fills it."""
+    if out != "-":
+        Path(out).parent.mkdir(parents=True, exist_ok=True)

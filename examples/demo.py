@@ -23,7 +23,7 @@ OUT = ROOT / "runs" / "demo"
 TARGET_BITS = 1.95  # "clearly below" the uniform 2.0 bits per base
 
 EVOFORMER_CHECK = r"""
-import json, torch
+import json, sys, torch
 from ds4sci.kernels import evoformer_attention
 torch.manual_seed(0)
 B, N, S, H, D = 1, 3, 33, 4, 32   # MSA row attention: N sequences, S residues (unaligned length)
@@ -32,6 +32,7 @@ mask = torch.where(torch.rand(B, N, 1, 1, S) < 0.2, -1e9, 0.0)
 pair = torch.randn(B, 1, H, S, S, requires_grad=True)
 result = {}
 for backend in ("triton", "torch"):
+    print(f"  checking the {backend} backend (forward and backward against fp64)...", file=sys.stderr, flush=True)
     try:
         out = evoformer_attention(q, k, v, [mask, pair], backend=backend)
     except (RuntimeError, TypeError) as err:
@@ -82,8 +83,9 @@ def main() -> int:
     print(generated.read_text())
 
     step("4. Evoformer attention check (MSA row attention, mask + pair bias) against the fp64 reference")
+    print("  about a minute on a 2-core CPU: the Triton interpreter runs the kernel in Python", flush=True)
     out = run([sys.executable, "-c", EVOFORMER_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
-              capture_output=True, text=True)
+              stdout=subprocess.PIPE, text=True)  # its progress lines (stderr) show as it runs
     check = json.loads(out.stdout.strip().splitlines()[-1])
     ok = False
     for backend, res in check.items():

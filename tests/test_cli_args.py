@@ -245,3 +245,57 @@ def test_device_without_cuda_is_one_error(exports, capsys, command):
              "score-variants": ["--reference", exports["fasta"], "--vcf", "v.vcf", "--out", "-"]}[command]
     assert main([command, exports["nucleotide"], "--device", "cuda", *extra]) == 2
     one_error(capsys, ["--device cuda: this machine has 0 CUDA device"])
+
+
+def test_number_checks_at_their_bounds_and_their_messages():
+    """The argparse ``type=`` checks at the edge of their range, and the words they answer a bad value with."""
+    import argparse
+
+    from ds4sci.cli_args import nonnegative_int
+    from ds4sci.cli_args import positive_int
+    from ds4sci.cli_args import probability
+
+    assert nonnegative_int("0") == 0 and positive_int("1") == 1 and probability("1") == 1.0
+    for check, text, message in ((positive_int, "0", "expected a positive integer, got 0"),
+                                 (positive_int, "x", "expected a positive integer, got 'x'"),
+                                 (nonnegative_int, "-1", "expected an integer >= 0, got -1"),
+                                 (probability, "0", "expected a number in (0, 1], got 0"),
+                                 (probability, "1.5", "expected a number in (0, 1], got 1.5")):
+        with pytest.raises(argparse.ArgumentTypeError) as err:
+            check(text)
+        assert str(err.value) == message
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["evaluate", "EXPORT", "--fasta", "MISSING"], "--fasta MISSING"),
+    (["score", "EXPORT", "--fasta", "MISSING", "--out", "OUT"], "--fasta MISSING"),
+    (["embed", "EXPORT", "--fasta", "MISSING", "--out", "OUT"], "--fasta MISSING"),
+    (["score-variants", "EXPORT", "--reference", "FASTA", "--vcf", "MISSING", "--out", "OUT"], "--vcf MISSING"),
+    (["train", "MISSING"], "CONFIG MISSING"),
+    (["plan", "--config=MISSING"], "--config MISSING"),
+])
+def test_a_missing_file_names_its_option_and_path(exports, tmp_path, capsys, argv, needle):
+    """Every command that reads (or writes) a file the user names: one line with the option and the path."""
+    names = {"EXPORT": exports["nucleotide"], "FASTA": exports["fasta"], "MISSING": str(tmp_path / "nope"),
+             "OUT": str(tmp_path / "out")}
+    argv = [names.get(a, a).replace("MISSING", names["MISSING"]) if "MISSING" in a else names.get(a, a)
+            for a in argv]
+    assert main(argv) == 2
+    one_error(capsys, [needle.replace("MISSING", names["MISSING"]) + ": no such file or directory"])
+
+
+def test_outputs_default_to_the_ignored_runs_folder(exports, tmp_path, monkeypatch, capsys):
+    """score, score-variants and embed write under runs/COMMAND/ when --out is left out (runs/ is git-ignored: a
+    workflow run in a clone leaves nothing untracked), making the folder."""
+    from pathlib import Path
+
+    from ds4sci.cli import build_parser
+
+    ignored = (Path(__file__).parents[1] / ".gitignore").read_text().splitlines()
+    for argv in (["score", "E", "--fasta", "F"], ["embed", "E", "--fasta", "F"],
+                 ["score-variants", "E", "--reference", "F", "--vcf", "V"]):
+        out = build_parser(argv[:1]).parse_args(argv).out
+        assert out.startswith(f"runs/{argv[0]}/") and "/runs/" in ignored, out
+    monkeypatch.chdir(tmp_path)
+    assert main(["score", exports["nucleotide"], "--fasta", exports["fasta"]]) == 0
+    assert (tmp_path / "runs" / "score" / "scores.tsv").read_text().startswith("id\t")

@@ -13,7 +13,8 @@ once per process into one ``--out``, and it is refused (the launch read by
 from __future__ import annotations
 
 import argparse
-import importlib
+
+from ds4sci.cli_args import LazyParser
 
 from ds4sci.cli_args import CommandError
 from ds4sci.distributed.launch import resolve_launch
@@ -94,13 +95,12 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    """One subcommand per benchmark; its module is imported only when it runs or shows its help
+    (:class:`ds4sci.cli_args.LazyParser`), so ``ds4sci bench --help`` imports no torch."""
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True, parser_class=LazyParser)
     for name, (module_name, help_text) in BENCHMARKS.items():
-        module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, module=module_name, run_key="_bench_run")
         p.add_argument("--out", default="runs/bench", help="output directory (default: %(default)s)")
-        module.add_arguments(p)
-        p.set_defaults(_bench_run=module.run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ each beside the planner's figure for the same layout (:mod:`ds4sci.planning.gens
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import time
 
@@ -37,6 +38,9 @@ from ds4sci.bench.report import plot_peaks
 from ds4sci.bench.report import plural
 from ds4sci.bench.report import write_files
 from ds4sci.distributed import ParallelDims
+from ds4sci.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 ROWS = {  # name -> activation_checkpointing keys; each row adds one switch to the row above (ALST's ablation)
     "baseline": {"mode": "none"},
@@ -479,11 +483,16 @@ def run(args: argparse.Namespace) -> int:
               "config": {"seq_lens": list(seq_lens), "layers": list(layers), "layouts": layouts, **shape,
                          "budget_mib": args.budget_mib},
               "runs": []}
-    from tqdm import tqdm
-
     jobs = [(layout, row, L, s) for layout in layouts for row in rows for L in layers for s in seq_lens]
-    for layout, row, L, s in tqdm(jobs, desc="ablation", unit="run"):
+    bar = progress_bar(True, total=len(jobs), desc="ablation", unit="run")
+    for i, (layout, row, L, s) in enumerate(jobs, 1):
+        what = f"{layout}, {row_key(row)}, {L} layers, S = {s}"
+        if bar.disable:  # a log, not a terminal: one line per run (each takes seconds to a minute)
+            logger.info("ablation: run %d of %d: %s", i, len(jobs), what)
+        bar.set_postfix_str(what)
         report["runs"] += measure(row, shape, [(L, s)], layout)  # a fresh process group per run: its own peak
+        bar.update()
+    bar.close()
     report["summary"] = summarize(report)
     write_files(args.out, "ablation", report, markdown(report), plot)
     return 0

@@ -8,6 +8,8 @@ import logging
 from ds4sci.cli_args import CommandError
 from ds4sci.cli_args import add_device_argument
 from ds4sci.cli_args import add_model_argument
+from ds4sci.cli_args import add_out_argument
+from ds4sci.cli_args import out_folder
 from ds4sci.commands.inference import add_reading_arguments
 from ds4sci.commands.inference import load_reader
 
@@ -31,9 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
     add_device_argument(parser)
     parser.add_argument("--fasta", required=True, help="FASTA file whose records are embedded (ids must be unique)")
-    parser.add_argument("--out", required=True,
-                        help="output .npz: arrays ids [R] and embeddings [R, hidden] (float32); with --per-token, one "
-                        "float32 array [tokens, hidden] per record, named by its id")
+    add_out_argument(parser, "embed", "embeddings.npz", "output .npz: arrays ids [R] and embeddings [R, hidden] "
+                     "(float32); with --per-token, one float32 array [tokens, hidden] per record, named by its id")
     parser.add_argument("--layer", type=layer, default=None, metavar="K",
                         help="the states embedded: 'final' (the final norm's output, the default), or block K's output "
                         "(0: the token and position embeddings, num_layers: the last block's, before the final norm)")
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         if args.layer is not None and args.layer > config.num_layers:
             raise CommandError(f"--layer {args.layer}: the model has blocks 0..{config.num_layers} (0: the embeddings)")
 
+    out_folder(args.out)
     model, config, tokenizer, runner = load_reader(args, check=check_layer)
     options = dict(stride=args.stride, batch_size=args.batch_size, progress=not args.no_progress, layer=args.layer,
                    runner=runner)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 from dataclasses import asdict
 
 from ds4sci.cli_args import CommandError
@@ -53,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "overlap; FLOPs = 6 x tokens x params + 6 B L h S^2 (causal attention) + recomputation; bubble = "
                      "(pp-1)/(m+pp-1). Memory and byte formulas: docs/explanation/planner.md.")
     model = parser.add_argument_group("model (--preset, or a training config's model and data.seq_len)")
-    model.add_argument("--preset", help=f"GenSLM shape: {describe_presets()}")
+    model.add_argument("--preset",
+                       help=f"model shape (parameters with the nucleotide vocabulary): {describe_presets()}")
     model.add_argument("--config", help="training config YAML; its model.* and data.seq_len are used (the layout "
                        "keys are searched, fix them with the options below)")
     model.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -206,22 +208,33 @@ def layout_record(row: LayoutPlan) -> dict:
 
 
 def markdown_rows(rows: list[LayoutPlan]) -> tuple[list[str], list[list]]:
-    """Header and rows of the layout table (GiB per GPU, GiB sent per GPU per step, seconds per step); ``buffers``:
-    the framework's buffers as the total counts them, ``device``: the CUDA context, cuBLAS, NCCL, fragmentation and
-    the reserve (:data:`TERMS`)."""
-    header = ["#", "tp", "ulysses", "ring", "pp", "dp", "m", "zero", "offload", "ckpt", "params", "grads", "optim",
-              "activ", "bwd ws", "attn", "pos table", "mask", "buffers", "device", "total GiB", "sent GiB/step",
-              "step s", "tokens/s", "rel. time"]
+    """Header and rows of the layout table: degrees, switches, GiB per GPU (the total), GiB sent per GPU per step,
+    seconds per step, tokens/s and the time per token over the fastest's (:func:`memory_rows` has the memory terms:
+    two tables, so each fits 120 columns)."""
+    header = ["#", "tp", "ulysses", "ring", "pp", "dp", "m", "zero", "offload", "ckpt", "GiB", "sent GiB", "step s",
+              "tokens/s", "rel. time"]
     best = rows[0].time.tokens_per_s if rows else 1.0
     out = []
     for i, r in enumerate(rows, 1):
-        s, d, mem = r.strategy, r.strategy.dims, r.memory
-        out.append([i, d.tp, d.ulysses, d.ring, d.pp, d.dp, r.grad_accum, s.zero_stage, s.offload, s.checkpointing]
-                   + [f"{b / GIB:.2f}" for b in (mem.params, mem.grads, mem.optimizer, mem.activations, mem.workspace,
-                                                 mem.attention, mem.position_table, mem.mask)]
-                   + [f"{mem.buffers / GIB:.2f}", f"{mem.device / GIB:.2f}", f"{mem.total / GIB:.2f}"]
-                   + [f"{r.comm.total / GIB:.2f}", f"{r.time.total_s:.3g}", f"{r.time.tokens_per_s:.4g}",
-                      f"{best / r.time.tokens_per_s:.2f}"])
+        s, d = r.strategy, r.strategy.dims
+        out.append([i, d.tp, d.ulysses, d.ring, d.pp, d.dp, r.grad_accum, s.zero_stage, s.offload, s.checkpointing,
+                    f"{r.memory.total / GIB:.2f}", f"{r.comm.total / GIB:.2f}", f"{r.time.total_s:.3g}",
+                    f"{r.time.tokens_per_s:.4g}", f"{best / r.time.tokens_per_s:.2f}"])
+    return header, out
+
+
+def memory_rows(rows: list[LayoutPlan]) -> tuple[list[str], list[list]]:
+    """Header and rows of the layouts' memory terms, GiB per GPU, numbered as in :func:`markdown_rows`;
+    ``buffers``: the framework's buffers as the total counts them, ``device``: the CUDA context, cuBLAS, NCCL,
+    fragmentation and the reserve (:data:`TERMS`)."""
+    header = ["#", "params", "grads", "optim", "activ", "bwd ws", "attn", "pos table", "mask", "buffers", "device",
+              "total GiB"]
+    out = []
+    for i, r in enumerate(rows, 1):
+        mem = r.memory
+        out.append([i] + [f"{b / GIB:.2f}" for b in (mem.params, mem.grads, mem.optimizer, mem.activations,
+                                                     mem.workspace, mem.attention, mem.position_table, mem.mask,
+                                                     mem.buffers, mem.device, mem.total)])
     return header, out
 
 
@@ -260,18 +273,19 @@ def run(args: argparse.Namespace) -> int:
     preset, overrides = model_info["preset"], model_info["overrides"]
     model = (f"GenSLM's {preset} preset with overrides {overrides}: {format_parameters(w.model.num_parameters())} "
              "parameters" if overrides else describe_preset(preset, w.model))
-    title = (f"# plan: {model}; S = {w.seq_len}, {cluster.nodes} x {cluster.gpus_per_node} GPUs of "
-             f"{cluster.gpu_mem_gib:g} GiB, {w.dtype}")
-    lines = [title, ""]
+    lines = [f"# plan: {model}", "", f"S = {w.seq_len}, {cluster.nodes} x {cluster.gpus_per_node} GPUs of "
+             f"{cluster.gpu_mem_gib:g} GiB, {w.dtype}.", ""]
     if args.max_seq:
         lines += [f"Longest sequence that fits: {w.seq_len} tokens.", ""]
     if fill and any(r.strategy.dims.pp > 1 for r in rows):
         lines += ["Pipeline layouts run m = pp micro-batches per step (1F1B's first stage holds pp; --grad-accum "
                   "fixes m).", ""]
     listed = ("" if len(rows) == 1 else f"; the {args.top} fastest" if args.top < len(rows) else ", fastest first")
-    lines += [f"{plural(len(rows), 'layout fits', 'layouts fit')}{listed} (GiB per GPU; rel. time: time per token "
-              "over the fastest's):", ""]
+    lines += [*textwrap.wrap(f"{plural(len(rows), 'layout fits', 'layouts fit')}{listed} (GiB: total per GPU; sent "
+                             "GiB: per GPU per step; rel. time: time per token over the fastest's):", 120), ""]
     lines += markdown_table(*markdown_rows(rows[: args.top]))
+    lines += ["", "Their memory by term (GiB per GPU; buffers and device: their terms in the breakdown below):", ""]
+    lines += markdown_table(*memory_rows(rows[: args.top]))
     lines += ["", "Memory of layout #1 by term (GiB per GPU; the total counts the larger of a2a_staging and "
               "ring_buffers):", ""]
     lines += markdown_table(*breakdown_rows(rows[0]))

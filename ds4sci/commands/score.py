@@ -9,6 +9,8 @@ import sys
 
 from ds4sci.cli_args import add_device_argument
 from ds4sci.cli_args import add_model_argument
+from ds4sci.cli_args import add_out_argument
+from ds4sci.cli_args import out_folder
 from ds4sci.commands.inference import add_reading_arguments
 from ds4sci.commands.inference import load_reader
 
@@ -21,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
     add_device_argument(parser)
     parser.add_argument("--fasta", required=True, help="FASTA file whose records are scored")
-    parser.add_argument("--out", required=True, help="output TSV with a header line: " + ", ".join(COLUMNS) +
-                        " ('-': stdout)")
+    add_out_argument(parser, "score", "scores.tsv", "output TSV with a header line: " + ", ".join(COLUMNS) +
+                     " ('-': stdout)")
     parser.add_argument("--reverse-complement", action="store_true",
                         help="nucleotide models: average the log-likelihoods of both strands")
     add_reading_arguments(parser)
@@ -32,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from ds4sci.data import read_fasta
     from ds4sci.infer.score import score_records
 
+    out_folder(args.out)
     model, _, tokenizer, runner = load_reader(args)
     rows = score_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, args.reverse_complement,
                          stride=args.stride, batch_size=args.batch_size, progress=not args.no_progress, runner=runner)

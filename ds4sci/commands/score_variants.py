@@ -10,6 +10,8 @@ import sys
 from ds4sci.cli_args import CommandError
 from ds4sci.cli_args import add_device_argument
 from ds4sci.cli_args import add_model_argument
+from ds4sci.cli_args import add_out_argument
+from ds4sci.cli_args import out_folder
 from ds4sci.cli_args import positive_int
 from ds4sci.commands.inference import add_reading_arguments
 from ds4sci.commands.inference import load_reader
@@ -28,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vcf", required=True, metavar="VARIANTS",
                         help="variants: a VCF (.vcf or bgzipped .vcf.gz; one variant per ALT) or a TSV with a header "
                         "naming chrom, pos (1-based), ref, alt and optionally id")
-    parser.add_argument("--out", required=True, help="output TSV with a header line: " + ", ".join(COLUMNS) +
-                        " (window_start/window_end: the REF window, 0-based half-open; '-': stdout)")
+    add_out_argument(parser, "score-variants", "variant_scores.tsv", "output TSV with a header line: " +
+                     ", ".join(COLUMNS) + " (window_start/window_end: the REF window, 0-based half-open; '-': stdout)")
     parser.add_argument("--window", type=positive_int, default=None,
                         help="bases of the REF window centred on each variant (shifted inside the record near its "
                         "ends; the whole record when shorter) (default: the model's context minus the longest "
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     def check(config, tokenizer) -> None:
         check_nucleotide(tokenizer)  # before the reference is read
 
+    out_folder(args.out)
     model, _, tokenizer, runner = load_reader(args, windows=False, check=check)
     reference = {}
     for rec in read_fasta(args.reference):

@@ -9,7 +9,7 @@ import logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ds4sci.train.run_dir import MAY_CHANGE  # the --resume rule, stated where it is enforced
+    from ds4sci.train.resume_keys import MAY_CHANGE  # the --resume rule, stated where it is enforced
 
     parser.epilog = ("Every key, its default and its meaning: ds4sci train --print-config. Relative paths in a "
                      "config file are taken from that file's folder; those given with --set from the working "

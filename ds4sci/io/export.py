@@ -7,6 +7,7 @@ fills, so the writer never holds more than one shard. Read back with :func:`ds4s
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -53,7 +54,13 @@ class ExportWriter:
         self.total += nbytes
 
     def _flush(self) -> None:
-        save_file(self.pending, str(self.out / f"shard-{len(self.shards):05d}.tmp"))
+        shard = self.out / f"shard-{len(self.shards):05d}.tmp"
+        save_file(self.pending, str(shard))
+        # safetensors writes its files owner-only (0600); an export follows the umask like every other file (a
+        # published folder on a shared cluster is readable by the group under umask 0002 or 0022)
+        umask = os.umask(0)
+        os.umask(umask)
+        shard.chmod(0o666 & ~umask)
         self.shards.append(set(self.pending))
         self.pending, self.pending_bytes = {}, 0
 

@@ -19,6 +19,7 @@ import yaml
 from ds4sci.data.datasets import SPLITS
 from ds4sci.distributed import ParallelDims
 from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.models.genslm.config import describe_presets
 
 
 def _field(*, help: str, path: bool = False, **kw):
@@ -67,8 +68,8 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    preset: str = _field(default="debug", help='GenSLM shape: "debug", "25M", "250M", "2.5B" or "25B" (unused with '
-                    'model.init_from: its config gives the shape)')
+    preset: str = _field(default="debug", help=f"model shape (parameters with the nucleotide vocabulary): "
+                         f"{describe_presets()} (unused with model.init_from: its config gives the shape)")
     overrides: dict = _field(default_factory=dict,
                     help='any GenSLMConfig field, e.g. {position_embedding: learned, num_layers: 4}')
     init_from: str = _field(default="",

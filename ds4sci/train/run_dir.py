@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ds4sci.train.config import Config
 from ds4sci.train.config import load_config
+from ds4sci.train.resume_keys import MAY_CHANGE
 from ds4sci.train.run_lock import LOCK_FILE
 from ds4sci.train.run_lock import RunLock
 from ds4sci.train.run_lock import lock_run_dir
@@ -41,11 +42,6 @@ logger = logging.getLogger(__name__)
 
 RUN_MARK = "config.yaml"
 CACHE = "token_cache"
-# Keys a resumed run may change: its length, cadences and console, where things are written, and how the same
-# computation is laid out (parallel degrees, the split of the same global batch, and recomputation).
-MAY_CHANGE = ("train.steps", "train.log_every", "train.eval_every", "train.save_every", "train.progress",
-              "train.out_dir", "data.cache_dir", "train.micro_batch_size", "train.grad_accum", "train.timeout_s",
-              "train.nonfinite", "train.deterministic", "parallel.*", "zero.*", "activation_checkpointing.*")
 
 
 def _may_change(key: str) -> bool:

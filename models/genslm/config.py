@@ -241,6 +241,11 @@ class GenSLMConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
+# The vocabulary of ds4sci's nucleotide tokenizer (5 specials + A C G T N), data.tokenizer's default: the vocabulary
+# a preset's parameters are counted with where a user picks one (a test pins it to NucleotideTokenizer's). GenSLM's
+# 25M shape counts 25.2M with it, 25.3M (25,290,752) with GenSLM's 69 codon ids.
+NUCLEOTIDE_VOCAB_SIZE = 10
+
 # What every Llama-shaped preset shares (see GenSLMConfig's docstring)
 _LLAMA = dict(mlp="swiglu", norm="rmsnorm", bias=False, parallel_residual=False, rotary_pct=1.0,
               rotary_base=500000.0, layer_norm_eps=1e-5)
@@ -290,10 +295,10 @@ def _named_count(name: str) -> float | None:
 def describe_preset(name: str, config: GenSLMConfig | None = None) -> str:
     """What preset ``name`` is, for a user choosing one: its shape and the parameters it really has, counted by
     :meth:`GenSLMConfig.num_parameters` of ``config`` (the preset as built, e.g. with a tokenizer's vocabulary;
-    default ``GenSLMConfig.preset(name)``), and why that is not the named size where it is not, e.g.
+    default: the preset at :data:`NUCLEOTIDE_VOCAB_SIZE`), and why that is not the named size where it is not, e.g.
     ``"GenSLM's 25B shape (hidden 8192, 64 layers, 64 heads): 51.5B parameters with GPT-NeoX's 4x MLP, not 25B"``.
     ``ValueError`` names an unknown preset."""
-    config = config or GenSLMConfig.preset(name)
+    config = config or GenSLMConfig.preset(name, vocab_size=NUCLEOTIDE_VOCAB_SIZE)
     count = config.num_parameters()
     shape = f"hidden {config.hidden_size}, {config.num_layers} layers, {config.num_heads} heads"
     if config.num_kv_heads != config.num_heads:
@@ -316,11 +321,12 @@ def describe_preset(name: str, config: GenSLMConfig | None = None) -> str:
     return text
 
 
-def describe_presets() -> str:
-    """Every preset and its real parameter count, for an option's help: ``'"debug" (109K parameters), "25M" (25.3M),
-    ... "25B" (51.5B): GenSLM's listed shapes with GPT-NeoX's 4x MLP, so 250M, 2.5B and 25B count more than their
-    names'``."""
-    counts = {name: GenSLMConfig.preset(name).num_parameters() for name in PRESETS}
+def describe_presets(vocab_size: int = NUCLEOTIDE_VOCAB_SIZE) -> str:
+    """Every preset (the :data:`PRESETS` table) and its real parameter count at ``vocab_size`` (default: the
+    nucleotide tokenizer's, as ``ds4sci train`` and ``ds4sci plan`` build it by default), for an option's help:
+    ``'"debug" (101K parameters), "25M" (25.2M), ... "25B" (51.5B), ...: GenSLM's listed shapes with GPT-NeoX's 4x
+    MLP, so 250M, 2.5B and 25B count more than their names'``."""
+    counts = {name: GenSLMConfig.preset(name, vocab_size=vocab_size).num_parameters() for name in PRESETS}
     listed = ", ".join(f'"{name}" ({format_parameters(n)}{" parameters" if i == 0 else ""})'
                        for i, (name, n) in enumerate(counts.items()))
     larger = [name for name, n in counts.items() if _named_count(name) and n / _named_count(name) > 1.25]

@@ -185,3 +185,25 @@ def test_bad_option_one_line(argv, message, capsys):
     from cli_checks import refused  # tests/ is on sys.path (its conftest.py)
 
     assert message in refused(capsys, ["bench", "ablation", *argv, "--out", "/nonexistent/never"])
+
+
+def test_each_run_is_announced_before_it_is_measured(monkeypatch, caplog, tmp_path):
+    """``ds4sci bench ablation`` runs for minutes: in a log (no terminal, so no bar) each run gets a line naming it
+    before its measurement starts."""
+    import logging
+
+    from ds4sci.cli import main
+
+    class Started(Exception):
+        pass
+
+    def measure(row, shape, runs, layout):
+        raise Started(row, runs, layout)
+
+    monkeypatch.setattr(ablation, "measure", measure)
+    caplog.set_level(logging.INFO, logger="ds4sci.bench.ablation")
+    with pytest.raises(Started):
+        main(["--log-level", "DEBUG", "bench", "ablation", "--quick", "--out", str(tmp_path)])
+    lines = [r.getMessage() for r in caplog.records if r.name == "ds4sci.bench.ablation"]
+    assert len(lines) == 1 and lines[0].startswith("ablation: run 1 of "), lines
+    assert "baseline" in lines[0] and "layers, S = " in lines[0], lines[0]

@@ -94,3 +94,23 @@ def test_export_round_trip_same_logits(tmp_path):
     (tmp_path / "ex" / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError, match="tokenizer.json is missing"):
         load_model(tmp_path / "ex")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_export_files_follow_the_umask(tmp_path, umask):
+    """safetensors writes 0600; every file of an export (both writers, one shard or several) is 0666 & ~umask."""
+    import os
+
+    from ds4sci.io.export_hf import export_hf
+
+    old = os.umask(umask)
+    try:
+        src = export_consolidated(_state(), CFG, TOK, tmp_path / "one")
+        sharded = export_consolidated(_state(), CFG, TOK, tmp_path / "sharded", max_shard_bytes=4096)
+        hf = export_hf(src, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    files = [p for d in (src, sharded, hf) for p in d.iterdir()]
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1 and any(p.parent == hf for p in files)
+    modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes

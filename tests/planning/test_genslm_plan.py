@@ -284,7 +284,9 @@ def test_command_lists_fitting_layouts_fastest_first(tmp_path, capsys):
             "--top", "3", "--out", str(tmp_path)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| # | tp | ulysses | ring | pp | dp | m | zero | offload | ckpt | params |" in out
+    assert "| # | tp | ulysses | ring | pp | dp | m | zero | offload | ckpt | GiB |" in out
+    assert ("| # | params | grads | optim | activ | bwd ws | attn | pos table | mask | buffers | device | total GiB |"
+            in out)
     report = json.loads((tmp_path / "plan.json").read_text())
     rows = report["layouts"]
     assert len(rows) == 3 and report["fitting"] >= 3

@@ -42,9 +42,24 @@ def test_one_layout_is_singular(capsys):
             "--offload", "none", "--checkpointing", "none"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "\n1 layout fits (GiB per GPU" in out and "layouts fit" not in out
+    assert "\n1 layout fits (GiB: total per GPU" in out and "layouts fit" not in out
 
 
 def test_errors_pluralise_layers(capsys):
     argv = ["plan", "--preset", "debug", "--set", "model.overrides.num_layers=1", "--pp", "2", "--gpus-per-node", "2"]
     assert "--pp=2: the model has only 1 layer\n" in refused(capsys, argv)
+
+
+def test_plan_fits_120_columns_and_keeps_every_number(capsys):
+    """A wide plan (25B on 64 GPUs: offload names, long step times) prints no line over 120 characters, and each
+    listed layout's memory terms, total, bytes sent and time all appear in its two rows."""
+    from ds4sci.commands.plan import markdown_rows
+    from ds4sci.commands.plan import memory_rows
+
+    assert cli.main(["plan", "--preset", "25B", "--seq-len", "65536", "--nodes", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 120, out
+    layouts = [line for line in out.splitlines() if line.startswith("| 1 |")]
+    assert len(layouts) == 2  # layout #1 in the layout table and in the memory table
+    cells = [cell.strip() for line in layouts for cell in line.strip("|").split("|")]
+    assert len(cells) == len(markdown_rows([])[0]) + len(memory_rows([])[0]) == 27
