@@ -52,12 +52,15 @@ def option_rows(parser: argparse.ArgumentParser, name: str) -> list[str]:
 def cli_page() -> str:
     """Markdown for every command and option of ``ds4sci`` (raises ``ValueError`` on an option without help)."""
     from ds4sci.cli import build_parser
+    from ds4sci.cli_args import LazyParser
 
     lines = ["# Command line", "",
              "Generated from `ds4sci.cli.build_parser` when the site is built: every command, every option, its help "
              "and its default (`ds4sci COMMAND --help` prints the same).", ""]
 
     def walk(parser: argparse.ArgumentParser, name: str, depth: int) -> None:
+        if isinstance(parser, LazyParser):
+            parser.load()  # a benchmark's options are added when its module is imported
         lines.extend([f"{'#' * depth} `{name}`", "", _cell(parser.description or ""), "",
                       "```text", parser.format_usage().strip(), "```", ""])
         rows = option_rows(parser, name)
