@@ -65,6 +65,7 @@ from ds4sci.train.engine import set_deterministic
 from ds4sci.train.engine import writing
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.launch import check_launch
+from ds4sci.train.launch import fit_global_batch
 from ds4sci.train.launch import launch_world_size
 from ds4sci.train.launch import load_data
 from ds4sci.train.loss import global_target_count
@@ -178,6 +179,7 @@ class Trainer:
         ``overwrite``: replace the run in ``train.out_dir`` (:mod:`ds4sci.train.run_dir` has the rules)."""
         self.cfg = cfg
         self.dims = check_launch(cfg, launch_world_size())
+        self.cfg = cfg = fit_global_batch(cfg, self.dims)  # train.global_batch_size: the accumulation at this dp
         if cfg.train.deterministic:
             set_deterministic()
         self.launch = init_distributed(cfg.train.timeout_s)
