@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -170,7 +169,6 @@ def test_a_job_that_loses_one_of_two_nodes_finishes_on_one_with_the_same_losses(
     ref, cache = reference
     rdzv = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "lose-a-node"]
-    began = time.time()
     kept, lost = _agents(planted, tmp_path / "run", cache,
                          [[*rdzv, "--rdzv-conf", "is_host=true,last_call_timeout=15"],
                           [*rdzv, "--rdzv-conf", "is_host=false,last_call_timeout=15"]],
@@ -189,4 +187,3 @@ def test_a_job_that_loses_one_of_two_nodes_finishes_on_one_with_the_same_losses(
     assert export.keys() == ref_export.keys()
     for key, value in ref_export.items():
         torch.testing.assert_close(export[key], value, rtol=1e-4, atol=1e-6, msg=key)
-    print(f"lose a node: {time.time() - began:.0f} s")
