@@ -182,6 +182,10 @@ class TrainConfig:
     steps: int = _field(default=100, help='optimizer steps')
     micro_batch_size: int = _field(default=4, help='sequences per data-parallel rank per micro-step')
     grad_accum: int = _field(default=1, help='micro-steps accumulated per optimizer step')
+    global_batch_size: int = _field(default=0, help='sequences per optimizer step; 0 -> micro_batch_size x dp x '
+                    'grad_accum. Set, it gives grad_accum at each start (global_batch_size / (micro_batch_size '
+                    'x dp)), so one command line keeps the batch when a restart has fewer processes (a lost '
+                    'node under torchrun --nnodes MIN:MAX)')
     dtype: str = _field(default="fp32", help='"fp32" or "bf16"')
     seed: int = _field(default=1234, help='random seed (model init, data order)')
     log_every: int = _field(default=10,
@@ -269,6 +273,8 @@ class Config:
         check(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
         check(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "must be >= 1")
         check(t.grad_accum >= 1, "train.grad_accum", t.grad_accum, "must be >= 1")
+        check(t.global_batch_size >= 0, "train.global_batch_size", t.global_batch_size,
+              "must be >= 0 (0: micro_batch_size x dp x grad_accum)")
         check(t.dtype in ("fp32", "bf16"), "train.dtype", t.dtype, "expected fp32 or bf16")
         check(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
         check(o.lr > 0, "optim.lr", o.lr, "must be > 0")

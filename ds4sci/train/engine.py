@@ -75,10 +75,25 @@ def init_distributed(timeout_s: float = 1800.0) -> Launch:
     # port probed beforehand (a probed port was once taken by another test before the store could listen on it).
     launch = resolve_launch()
     launch.export()
+    backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", datetime.timedelta(seconds=timeout_s)
+    _init_restarted_torchrun_worker(launch, backend, timeout)
     with printed_at_debug():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                                   timeout=datetime.timedelta(seconds=timeout_s))
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     return launch
+
+
+def _init_restarted_torchrun_worker(launch: Launch, backend: str, timeout: datetime.timedelta) -> None:
+    """A worker that torchrun started again (``TORCHELASTIC_RESTART_COUNT`` > 0) joins its default group through the
+    agent's store under a prefix of its own attempt. torch's ``env://`` store for torchrun workers adds none, on the
+    grounds that each rendezvous round makes a new store; the static rendezvous (``--master-port`` without
+    ``--rdzv-backend``) keeps one store across restarts, so gloo read the dead attempt's addresses from it and failed
+    with "Connection refused". A first attempt is left to ``env://``."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ds4sci/attempt_{restart}", store), rank=launch.rank,
+                            world_size=launch.world_size, timeout=timeout)
 
 
 def _without_shm_op() -> None:

@@ -1,8 +1,10 @@
 """What a run checks and reads before its trainer is built: the launch (:func:`current_launch`), everything about the
 config that can be known before any work (:func:`check_launch`: so a run that cannot start stops before its run folder
-is touched, and before its process group forms), and the tokenizer and datasets (:func:`load_data`)."""
+is touched, and before its process group forms), the accumulation that keeps ``train.global_batch_size`` at this
+launch's data-parallel degree (:func:`fit_global_batch`), and the tokenizer and datasets (:func:`load_data`)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -70,6 +72,26 @@ def check_launch(cfg: Config, launch: Launch) -> ParallelDims:
         raise FileNotFoundError(f"data.fasta: {err} (a relative path in a config file is read from its folder; one "
                                 f"given with --set, from the working directory)") from None
     return dims
+
+
+def fit_global_batch(cfg: Config, dims: ParallelDims) -> Config:
+    """``cfg`` with ``train.grad_accum`` set so that ``micro_batch_size x dp x grad_accum`` is
+    ``train.global_batch_size`` at ``dims.dp``; ``cfg`` itself when that key is 0 (unset). One command line then
+    trains at one global batch on any process count that divides it: a torchrun restart on fewer nodes continues
+    the run (``--resume auto``) with the samples per step it saved with.
+
+    Raises:
+        ValueError: the global batch is not a multiple of micro_batch_size x dp (naming the three numbers).
+    """
+    t = cfg.train
+    if t.global_batch_size == 0:
+        return cfg
+    per_micro_step = t.micro_batch_size * dims.dp
+    if t.global_batch_size % per_micro_step:
+        raise ValueError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+                         f"{t.micro_batch_size} x dp={dims.dp} (the sequences of one micro-step on this launch): set "
+                         f"a micro-batch that divides global_batch_size / dp")
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=t.global_batch_size // per_micro_step))
 
 
 def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.utils.data.Dataset, str]:

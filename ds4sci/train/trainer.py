@@ -67,6 +67,7 @@ from ds4sci.train.engine import writing
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.launch import check_launch
 from ds4sci.train.launch import current_launch
+from ds4sci.train.launch import fit_global_batch
 from ds4sci.train.launch import load_data
 from ds4sci.train.loss import global_target_count
 from ds4sci.train.loss import grad_reduction_factor
@@ -179,6 +180,7 @@ class Trainer:
         ``overwrite``: replace the run in ``train.out_dir`` (:mod:`ds4sci.train.run_dir` has the rules)."""
         self.cfg = cfg
         self.dims = check_launch(cfg, current_launch())
+        self.cfg = cfg = fit_global_batch(cfg, self.dims)  # train.global_batch_size: the accumulation at this dp
         if cfg.train.deterministic:
             set_deterministic()
         self.launch = init_distributed(cfg.train.timeout_s)

@@ -318,3 +318,22 @@ def test_loss_plot_marks_the_points_of_a_short_curve(tmp_path, monkeypatch):
         assert (tmp_path / f"loss{steps}.png").stat().st_size > 0
     (short, _), (long, _) = (figure.axes for figure in figures)
     assert short.lines[0].get_marker() == "o" and long.lines[0].get_marker() in ("None", None, "")
+
+
+def test_a_global_batch_gives_the_accumulation_at_each_process_count():
+    """``train.global_batch_size`` fixes micro_batch_size x dp x grad_accum: the accumulation follows dp (2 nodes,
+    then the 1 left after losing one, as a torchrun restart sees them); a batch that dp x micro-batch does not divide
+    is refused in one line naming the numbers; 0 leaves grad_accum as set."""
+    from ds4sci.distributed import ParallelDims
+    from ds4sci.train.launch import fit_global_batch
+
+    cfg = load_config(None, ["train.micro_batch_size=2", "train.global_batch_size=8", "train.grad_accum=3"])
+    assert [fit_global_batch(cfg, ParallelDims(dp=dp)).train.grad_accum for dp in (1, 2, 4)] == [4, 2, 1]
+    assert cfg.train.grad_accum == 3  # the caller's config is not changed
+    with pytest.raises(ValueError, match=r"^train.global_batch_size=8 is not a multiple of train.micro_batch_size=2 x "
+                                         r"dp=8 \(the sequences of one micro-step on this launch\)"):
+        fit_global_batch(cfg, ParallelDims(dp=8))
+    unset = load_config(None, ["train.grad_accum=3"])
+    assert fit_global_batch(unset, ParallelDims(dp=2)) is unset
+    with pytest.raises(ValueError, match=r"train.global_batch_size.*-1.*must be >= 0"):
+        load_config(None, ["train.global_batch_size=-1"])
