@@ -185,6 +185,8 @@ class Trainer:
         self.groups = build_groups(self.dims, timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
         local = self.launch.local_rank
         self.device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":  # the device of NCCL's object collectives at start-up (run folder, token cache)
+            torch.cuda.set_device(self.device)
         self.out = Path(cfg.train.out_dir)
         # locked (rank 0, held to the end of train()) before anything there is read or written
         resume_from, self.run_lock = open_run_dir(cfg, resume, overwrite, self.device, self.launch)
