@@ -348,7 +348,8 @@ def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iu
     Under ``torch.distributed`` every rank must call this. ``launch`` (this process's place: rank, local rank, local
     world size) lets each node's first process check whether it sees ``cache_dir`` as rank 0 does: rank 0 builds for
     the nodes that do, the first process of each node that does not builds its own, and the others wait and map
-    their node's. Without ``launch`` every rank is taken to see rank 0's ``cache_dir``.
+    their node's. Without ``launch``, or where rank 0 cannot write into ``cache_dir`` (a read-only cache built
+    beforehand), every rank is taken to see rank 0's ``cache_dir``.
     ``progress``: a bar while the cache is built, on a terminal only.
 
     Raises:
@@ -360,7 +361,10 @@ def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iu
         root, files = _prepare(fasta, tokenizer, iupac, cache_dir, progress)
         return dataclasses.replace(Corpus.open(root), paths=tuple(files))
     node, first = (node_index(launch), launch.local_rank == 0) if launch is not None else (0, dist.get_rank() == 0)
-    shared = launch is None or {v.node: v.sees for v in nodes_seeing(cache_dir, launch)}[node]
+    try:
+        shared = launch is None or {v.node: v.sees for v in nodes_seeing(cache_dir, launch)}[node]
+    except OSError:  # on every rank: rank 0 cannot write there (a read-only cache built beforehand), so it is shared
+        shared = True
     mine = None  # this rank's build: ("ok", (root, files)) or (error class name, message)
     if dist.get_rank() == 0 or (first and not shared):
         try:

@@ -163,6 +163,7 @@ def test_a_node_that_sees_another_run_folder_is_refused_naming_it(two_node_runs)
     ranks, builds = done["split"]
     assert [code for code, _ in ranks] == [2, 2] and builds == [], ranks
     lines = [line for _, err in ranks for line in err.splitlines() if "error:" in line]
-    assert lines == [f"ds4sci train: error: {_refusal(tmp / 'split' / 'node0' / 'run')}"], ranks
+    assert lines == [f"ds4sci train: error: {_refusal(tmp / 'split' / 'node0' / 'run')}",  # each its own folder
+                     f"ds4sci train (rank 1): error: {_refusal(tmp / 'split' / 'node1' / 'run')}"], lines
     assert not (tmp / "split" / "node0" / "run").exists()  # the refused launch leaves nothing (its lock released)
     assert not (tmp / "split" / "node1" / "run").exists()
