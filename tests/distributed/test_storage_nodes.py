@@ -2,7 +2,8 @@
 folder, so a relative path names another folder on each node, as a node-local path does on a cluster.
 
 - 4 gloo ranks as 2 nodes x 2 (``run_workers``): a shared token cache is built once (rank 0), a node-local one once
-  per node (by its first process; the other reads it), and a run folder that node 1 does not see is refused naming
+  per node (by its first process; the other reads it), one rank 0 cannot write into is taken as shared (read-only,
+  built beforehand), and a run folder that node 1 does not see is refused naming
   node 1; no marker is left behind.
 - ``ds4sci train`` as 2 processes with torchrun's variables set by hand (one per node, each in its own working
   directory): with a shared ``train.out_dir`` and a relative ``data.cache_dir`` it trains, building the cache twice;
@@ -42,6 +43,7 @@ def _two_nodes_of_two(rank, world, root):
     caches it mapped (shared, then node-local ``cache``), the nodes that see ``cache``, and the refusal of ``run``."""
     from ds4sci.data import Tokenizer
     from ds4sci.data import corpus
+    from ds4sci.distributed import storage
     from ds4sci.distributed.launch import Launch
     from ds4sci.distributed.storage import check_same_folder
     from ds4sci.distributed.storage import nodes_seeing
@@ -59,12 +61,19 @@ def _two_nodes_of_two(rank, world, root):
     shared = corpus.open_corpus(CDS, tok, cache_dir=Path(root) / "shared", launch=launch)
     local = corpus.open_corpus(CDS, tok, cache_dir="cache", launch=launch)
     views = [(v.node, v.sees) for v in nodes_seeing("cache", launch)]
+    if rank == 0:  # rank 0 cannot write its marker into the shared cache (as in a read-only one built beforehand)
+        storage.secrets.token_hex = lambda nbytes: "blocked"
+        (Path(root) / "shared" / f"{MARKER_PREFIX}blocked").mkdir()
+    read_only = corpus.open_corpus(CDS, tok, cache_dir=Path(root) / "shared", launch=launch)  # mapped, not rebuilt
+    if rank == 0:
+        (Path(root) / "shared" / f"{MARKER_PREFIX}blocked").rmdir()
     check_same_folder(Path(root) / "out", "train.out_dir", launch)  # one folder on every node: no error
     try:
         check_same_folder("run", "train.out_dir", launch)
         refusal = None
     except ValueError as err:
         refusal = str(err)
+    assert read_only.root == shared.root
     return builds, str(shared.root.parent), str(local.root.parent.resolve()), local.meta["n_tokens"], views, refusal
 
 
