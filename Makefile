@@ -1,13 +1,13 @@
-# Entry points: `make demo`, `make test` (ruff, then pytest), `make lint` and `make mutate`. Each creates .venv when
-# missing and is idempotent.
+# Entry points: `make demo`, `make test` (ruff, then pytest), `make lint`, `make mutate`, `make docs` and
+# `make docs-serve`. Each creates .venv when missing and is idempotent.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ds4sci-installed
-# Extras installed for tests: dev (pytest, hypothesis, transformers) and openfold (openfold3, ~1 minute).
+# Extras installed for tests: dev (pytest, hypothesis, transformers, mkdocs) and openfold (openfold3, ~1 minute).
 EXTRAS ?= dev,openfold
 
-.PHONY: install demo lint test mutate clean
+.PHONY: install demo lint test mutate docs docs-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,9 @@ lint: install
 
 # Two pytest workers (pytest-xdist), one test module at a time each, so a module's fixtures are built once: much of
 # the suite is single-threaded (the Triton interpreter, subprocess start-up). JOBS=0 runs it in this process.
-# --no-loadscope-reorder keeps the collection order (tests/conftest.py puts the compile gates first); by default
-# pytest-xdist (>= 3.8, which has the option) orders modules by their number of tests, which started the gates last.
+# --no-loadscope-reorder keeps the collection order (tests/conftest.py puts the compile gates first, then the modules
+# with a slow or distributed test, so the suite ends on short modules); by default pytest-xdist (>= 3.8, which has the
+# option) orders modules by their number of tests, which started the gates last.
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 JOBS ?= 2
 test: lint
@@ -47,5 +48,13 @@ MUTATE_TIMEOUT ?= 1800
 mutate: install
 	$(PY) tests/mutate.py --base $(BASE) --timeout $(MUTATE_TIMEOUT) $(MUTATE_ARGS) $(FILES)
 
+# The documentation site (mkdocs.yml, docs/): built strictly into site/ (no broken link, no unresolved API reference,
+# no page outside the navigation; the CLI and config references generated from the code by docs/hooks.py).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
 clean:
-	rm -rf $(VENV) build *.egg-info .mutate
+	rm -rf $(VENV) build *.egg-info .mutate site

@@ -61,7 +61,9 @@ setup(
                 # ruff: `make lint` (its rules change between minor releases); mutmut: `make mutate`
                 "ruff>=0.17,<0.18", "mutmut>=3.8,<4",
                 # mpiexec (MPICH) and mpi4py: the `mpiexec -n 2 ds4sci train` test (tests/distributed/test_launchers.py)
-                "mpich>=4.2", "mpi4py>=4.0"],
+                "mpich>=4.2", "mpi4py>=4.0",
+                # the documentation site: `make docs` (mkdocs build --strict), tests/test_docs.py
+                "mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings-python>=1.10"],
     },
     entry_points={"console_scripts": ["ds4sci=ds4sci.cli:main"]},
 )

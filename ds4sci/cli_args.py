@@ -100,5 +100,6 @@ def check_parallel(args: argparse.Namespace, model_config, world_size: int) -> N
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     """``--device`` of the commands that run a model (:func:`ds4sci.infer.parallel.inference_device`)."""
     parser.add_argument("--device", default="auto",
-                        help="where the model runs: auto (this process's GPU, cuda:LOCAL_RANK under torchrun, when "
-                        "CUDA is available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")
+                        help="where the model runs: auto (this process's GPU, cuda:LOCAL under torchrun, srun or "
+                        "mpiexec with LOCAL its local rank, when CUDA is available, else the CPU), cpu, cuda or cuda:N "
+                        "(default: %(default)s)")

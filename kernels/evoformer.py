@@ -465,10 +465,12 @@ def evoformer_attention(
     """Evoformer attention with a key-wise mask bias and a pair bias (AlphaFold2 supplement Alg. 7/8/13/14).
 
     Args:
-        q, k, v: ``[*, N, S, H, D]`` (DeepSpeed4Science's layout; any number of leading batch dims, flattened
+        q: ``[*, N, S, H, D]`` (DeepSpeed4Science's layout; any number of leading batch dims, flattened
             internally), same shape, dtype (fp16, bf16, fp32; fp64 on the torch and reference backends) and
             device; arbitrary strides. The logits are scaled by ``1/sqrt(D)``, D in 1..256 (``EVOFORMER_MAX_HEAD_DIM``;
             1..128 on the triton backend).
+        k: the keys, as ``q``.
+        v: the values, as ``q``.
         biases: a list/tuple of at most two tensors (``None`` entries and ``None`` itself allowed): a mask bias
             broadcastable as ``[*, N, 1, 1, S]`` and a pair bias ``[*, 1, H, S, S]`` (leading dims may be 1 to
             broadcast). Roles are assigned by shape; see the module docstring for the ambiguous case. Any

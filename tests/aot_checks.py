@@ -1,6 +1,7 @@
 """Checks of ``ds4sci bench kernels-aot`` results shared by the Evoformer and local-attention AOT tests."""
 import argparse
 import json
+import os
 
 import pytest
 
@@ -19,12 +20,23 @@ def compiles(test):
     return pytest.mark.first(pytest.mark.slow(pytest.mark.timeout(COMPILE_TIMEOUT)(test)))
 
 
-def gate(tmp_path, *argv):
-    """``ds4sci bench kernels-aot --out tmp_path --jobs 2 *argv``: ``(exit status, JSON report, Markdown table)``."""
+def shared_cache() -> str:
+    """The ``--cache-dir`` of every gate: ``$XDG_CACHE_HOME/ds4sci/kernels-aot`` (``~/.cache`` by default), kept
+    across runs and clones on this machine like Triton's own cache. A record is keyed by everything that decides its
+    figures (the kernel's source and what it calls, Triton's version, the specialisation, the target and ds4sci's
+    checking code), so a run compiles exactly what changed since a run before it; a first run (a fresh machine)
+    compiles all of it (about 15 worker-minutes)."""
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(home, "ds4sci", "kernels-aot")
+
+
+def gate(tmp_path, cache_dir, *argv):
+    """``ds4sci bench kernels-aot --out tmp_path --jobs 2 --cache-dir cache_dir *argv``: ``(exit status, JSON
+    report, Markdown table)``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     kernels_aot.add_arguments(parser)
-    rc = kernels_aot.run(parser.parse_args(["--out", str(tmp_path), "--jobs", "2", *argv]))
+    rc = kernels_aot.run(parser.parse_args(["--out", str(tmp_path), "--jobs", "2", "--cache-dir", cache_dir, *argv]))
     report = json.loads((tmp_path / "kernels_aot.json").read_text())
     return rc, report, (tmp_path / "kernels_aot.md").read_text()
 
@@ -34,7 +46,7 @@ def gate_fixture(variant_set: str):
     a module (minutes on 2 cores)."""
     @pytest.fixture(scope="module", name=f"{variant_set.replace('-', '_')}_gate")
     def compiled(tmp_path_factory):
-        return gate(tmp_path_factory.mktemp(variant_set), "--set", variant_set)
+        return gate(tmp_path_factory.mktemp(variant_set), shared_cache(), "--set", variant_set)
     return compiled
 
 

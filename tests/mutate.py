@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> its package: kernels/ and models/ are installed inside ds4sci (setup.py's package_dir)
 PACKAGE_DIRS = {"ds4sci": ("ds4sci",), "kernels": ("ds4sci", "kernels"), "models": ("ds4sci", "models")}
-# Copied beside the staged package so that tests which read them (examples/data, README.md) find them
-ALSO_COPY = ["examples", "README.md", "setup.py", "Makefile"]
+# Copied beside the staged package so that tests which read them (examples/data, README.md, docs/) find them
+ALSO_COPY = ["examples", "README.md", "docs", "mkdocs.yml", "setup.py", "Makefile"]
 
 
 def module_name(path: str) -> str | None:

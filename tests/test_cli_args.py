@@ -218,10 +218,19 @@ def test_device_auto_is_this_process_gpu_when_cuda_is_there(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
     assert parallel.inference_device("auto") == torch.device("cuda", 1)  # torchrun's local rank
     assert parallel.inference_device("cuda:0") == torch.device("cuda", 0)
     assert chosen == [torch.device("cuda", 1), torch.device("cuda", 0)]  # made current, as NCCL needs
+    for name in torchrun:
+        monkeypatch.delenv(name)
+    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1",
+             "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "node[1-2]"}
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    assert parallel.inference_device("auto") == torch.device("cuda", 1)  # srun's local rank, not its global one
     with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 2 CUDA device\(s\)"):
         parallel.inference_device("cuda:2")
     for bad in ("gpu", "cuda:x", "mps"):

@@ -136,19 +136,26 @@ def test_ci_runs_make_test(tmp_path):
 
 
 def test_modules_marked_first_are_scheduled_first():
-    """tests/conftest.py moves every test of a module with a ``first``-marked test ahead of the rest, keeping the
-    order within each part (what lets ``make test``'s two workers overlap the compile gates with the suite)."""
+    """tests/conftest.py moves every test of a module with a ``first``-marked test ahead of the rest, then those of
+    modules with a ``slow`` or ``distributed`` test, keeping the order within each part (what lets ``make test``'s two
+    workers overlap the compile gates and the long modules with the suite)."""
     spec = importlib.util.spec_from_file_location("suite_conftest", ROOT / "tests" / "conftest.py")
     conftest = importlib.util.module_from_spec(spec)  # not `import conftest`: each test folder has one of that name
     spec.loader.exec_module(conftest)
 
     class Item:
-        def __init__(self, nodeid, first=False):
-            self.nodeid, self.first = nodeid, first
+        def __init__(self, nodeid, first=False, *markers):
+            self.nodeid, self.markers = nodeid, {*markers, *(["first"] if first else [])}
 
         def get_closest_marker(self, name):
-            return name == "first" and self.first or None
+            return name in self.markers or None
 
     items = [Item("a.py::x"), Item("b.py::x"), Item("b.py::y", first=True), Item("c.py::x"), Item("d.py::x", True)]
     conftest.pytest_collection_modifyitems(items)
     assert [i.nodeid for i in items] == ["b.py::x", "b.py::y", "d.py::x", "a.py::x", "c.py::x"]
+
+    # then modules with a slow or distributed test (the long ones), so that the suite ends on short modules
+    items = [Item("a.py::x"), Item("b.py::x"), Item("b.py::y", False, "slow"), Item("c.py::x", False, "distributed"),
+             Item("d.py::x", True, "slow"), Item("e.py::x")]
+    conftest.pytest_collection_modifyitems(items)
+    assert [i.nodeid for i in items] == ["d.py::x", "b.py::x", "b.py::y", "c.py::x", "a.py::x", "e.py::x"]

@@ -1,7 +1,7 @@
-"""README's commands and code, as written.
+"""The commands and code of README and of every page of the documentation site (``docs/``), as written.
 
-Every command in README (fenced ``bash`` blocks and inline ``ds4sci ...``, ``torchrun ...``, ``deepspeed ...``,
-``python ...``, ``pytest ...`` spans) is collected and handled by what it costs:
+Every command in README.md and ``docs/**/*.md`` (fenced ``bash`` blocks and inline ``ds4sci ...``, ``torchrun ...``,
+``deepspeed ...``, ``python ...``, ``pytest ...``, ``make ...`` spans) is collected and handled by what it costs:
 
 - run as written in a scratch folder that holds ``examples/`` and a small export at ``runs/demo/export`` (what
   ``make demo`` leaves): ``evaluate``, ``generate``, ``embed``, ``score``, ``plan``, ``info``, ``--help``,
@@ -13,12 +13,13 @@ Every command in README (fenced ``bash`` blocks and inline ``ds4sci ...``, ``tor
   ``ds4sci`` parser, so every option and value must exist;
 - pytest invocations: the named test files exist; ``make demo`` / ``make test``: ``tests/test_foundation.py``.
 
-A command that fits none of these fails :func:`test_every_command_is_checked`, so a new README command must be
-given a check here. The Python blocks run with inputs of the shapes their comments state.
+A command that fits none of these fails :func:`test_every_command_is_checked`, so a new command on any page must be
+given a check here. The Python blocks run, with inputs of the shapes their comments state where they take inputs.
 """
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shlex
@@ -29,7 +30,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+TEXT = "\n".join(page.read_text() for page in PAGES)
+PLANNER = (ROOT / "docs" / "performance" / "planner.md").read_text()  # the planner table and the presets' sizes
 BIN = Path(sys.executable).parent
 GENOME = "examples/data/MN908947.3_sars_cov_2.fasta.gz"
 INLINE_STARTS = ("ds4sci ", "torchrun ", "deepspeed ", "python ", "pytest ", "TRITON_INTERPRET=0 pytest ",
@@ -38,11 +41,11 @@ RUN = {"evaluate", "generate", "embed", "score", "score-variants", "plan", "plan
 
 
 def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+    return re.findall(rf"```{lang}\n(.*?)```", TEXT, flags=re.S)
 
 
 def _bash_commands() -> list[str]:
-    """The commands of README's bash blocks: continuations joined, comments dropped."""
+    """The commands of the bash blocks: continuations joined, comments dropped."""
     commands = []
     for block in _blocks("bash"):
         for line in block.replace("\\\n", " ").splitlines():
@@ -54,7 +57,7 @@ def _bash_commands() -> list[str]:
 
 def _inline_commands() -> list[str]:
     """Inline code spans that are commands (``ds4sci plan`` alone names a command; it is not one to run)."""
-    spans = {" ".join(s.split()) for s in re.findall(r"(?<!`)`([^`]+)`(?!`)", README)}
+    spans = {" ".join(s.split()) for s in re.findall(r"(?<!`)`([^`]+)`(?!`)", TEXT)}
     commands = []
     for span in sorted(spans):
         words = span.split()
@@ -107,7 +110,7 @@ def _kind(command: str) -> str:
 
 
 def test_readme_commands_found():
-    """The extraction works: the commands README is known to show are among those collected."""
+    """The extraction works: commands README and the pages are known to show are among those collected."""
     assert any(c.startswith("ds4sci evaluate runs/demo/export") for c in COMMANDS)
     assert any(c.startswith("torchrun --nproc-per-node 4 -m ds4sci.cli train") for c in COMMANDS)
     assert any(c.startswith("ds4sci bench layouts --layouts") for c in COMMANDS)
@@ -117,15 +120,14 @@ def test_readme_commands_found():
 
 def test_every_command_is_checked():
     unchecked = [c for c in COMMANDS if _kind(c) == "unknown"]
-    assert not unchecked, f"README commands with no check in {__file__}: {unchecked}"
+    assert not unchecked, f"commands in README or docs/ with no check in {__file__}: {unchecked}"
 
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> Path:
     """A working folder like a fresh clone after ``make demo``: ``examples/`` and a small nucleotide export at
-    ``runs/demo/export`` (and a Llama-shaped one where ``ecoli_llama_u2.yaml`` exports); ``variants.fasta`` and
-    ``variants.vcf`` (on the bundled E. coli genome: two ALTs at one site, a deletion, an insertion) are the user's
-    files the score and score-variants examples read."""
+    ``runs/demo/export`` (and a Llama-shaped one where ``ecoli_llama_u2.yaml`` exports); ``runs/my_genomes`` stands
+    for the run the genome-LM tutorial trains."""
     import torch
 
     from ds4sci.data import NucleotideTokenizer
@@ -141,10 +143,7 @@ def scratch(tmp_path_factory) -> Path:
     export_consolidated(GenSLM(cfg).state_dict(), cfg, tok, root / "runs" / "demo" / "export")
     cfg = GenSLMConfig.preset("llama-debug", vocab_size=tok.vocab_size)
     export_consolidated(GenSLM(cfg).state_dict(), cfg, tok, root / "runs" / "ecoli_llama_u2" / "export")
-    (root / "variants.fasta").write_text(">ref\nATGAAACGCATTAGCACCACC\n>alt\nATGAAACGCATTAGTACCACC\n")
-    (root / "variants.vcf").write_text("##fileformat=VCFv4.2\n#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO\n"
-                                       "NC_007779.1\t1\t.\tA\tG,C\t.\t.\t.\nNC_007779.1\t4\t.\tTTTT\tT\t.\t.\t.\n"
-                                       "NC_007779.1\t10\t.\tT\tTGA\t.\t.\t.\n")
+    (root / "runs" / "my_genomes").symlink_to(root / "runs" / "demo")
     return root
 
 
@@ -207,33 +206,42 @@ def test_named_files_exist(command):
 
 
 def test_python_blocks_run(scratch):
-    """README's Python blocks, with inputs of the shapes their comments give (B=1, N=3, S=20, H=2, D=16)."""
+    """Every Python block: the Evoformer call with inputs of the shapes its comments give (B=1, N=3, S=20, H=2,
+    D=16), ``load_model`` on the scratch export, the others as written (they make their own inputs)."""
     blocks = _blocks("python")
-    assert len(blocks) == 2
-    evoformer, load_model = blocks
+    evoformer = [b for b in blocks if "evoformer_attention(q, k, v" in b]
+    load_model = [b for b in blocks if "ds4sci.load_model(" in b]
+    assert len(evoformer) == len(load_model) == 1 and len(blocks) >= 3
     prelude = ("import torch\nB, N, S, H, D = 1, 3, 20, 2, 16\n"
                "q, k, v = (torch.randn(B, N, S, H, D) for _ in range(3))\n"
                "mask_bias = torch.zeros(B, N, 1, 1, S)\npair_bias = torch.randn(B, 1, H, S, S)\n")
-    for code in (prelude + evoformer + "assert o.shape == q.shape\n",
-                 load_model
-                 + "assert logits.shape[:2] == ids.shape and hidden.shape[-1] == model.config.hidden_size\n"):
-        proc = _run([sys.executable, "-c", code], scratch)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = {evoformer[0]: (prelude, "assert o.shape == q.shape\n"),
+              load_model[0]: ("", "assert logits.shape[:2] == ids.shape\n"
+                                  "assert hidden.shape[-1] == model.config.hidden_size\n")}
+    # One interpreter (torch imported once), each block in a namespace of its own
+    programs = []
+    for block in blocks:
+        before, after = checks.get(block, ("", ""))
+        programs.append(before + block + after)
+    runner = ("import json, sys\nfor i, code in enumerate(json.loads(sys.argv[1])):\n"
+              "    exec(compile(code, f'<python block {i}>', 'exec'), {'__name__': '__main__'})\n")
+    proc = _run([sys.executable, "-c", runner, json.dumps(programs)], scratch)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _plan_rows() -> dict[tuple[str, int, str], tuple[int, int, float]]:
-    """README's planner table: ``(model, GPUs, 'new' | 'old') -> (published K, predicted, ratio)``."""
+    """The planner page's table: ``(model, GPUs, 'new' | 'old') -> (published K, predicted, ratio)``."""
     rows = re.findall(r"^\| (25B|33B) \| (32|64) \| (new|old) Megatron-DeepSpeed \| (\d+)K \| ([\d,]+) \| ([\d.]+) \|",
-                      README, flags=re.M)
+                      PLANNER, flags=re.M)
     return {(model, int(gpus), release): (int(k), int(n.replace(",", "")), float(ratio))
             for model, gpus, release, k, n, ratio in rows}
 
 
 def test_planner_table_is_what_the_command_prints(capsys, monkeypatch, tmp_path):
-    """Each predicted length in README's DeepSpeed4Science table is what README's plan command prints: as written for
-    25B on 64 GPUs, with its comments' ``num_layers=80`` for 33B, ``--nodes 4 --tp 32`` for 32 GPUs and ``old
+    """Each predicted length in the planner page's DeepSpeed4Science table is what its plan command prints: as written
+    for 25B on 64 GPUs, with its comments' ``num_layers=80`` for 33B, ``--nodes 4 --tp 32`` for 32 GPUs and ``old
     release: add ...`` flags for the old rows; each ratio is the prediction over the published length (K = 1024);
-    and the free search the last comment describes prints the lengths README's prose gives for ds4sci's own layout."""
+    and the free search the last comment describes prints the lengths the page's prose gives for ds4sci's own layout."""
     from ds4sci.cli import main
 
     monkeypatch.chdir(tmp_path)  # the plan writes its report into the working directory
@@ -259,16 +267,16 @@ def test_planner_table_is_what_the_command_prints(capsys, monkeypatch, tmp_path)
     argv = shlex.split(command)[1:]
     free = argv[:argv.index("--tp")] + argv[argv.index("--position-table") + 2:]
     prose = re.search(r"ds4sci's own layout on the same 64 GPUs \(the free search\) reaches ([\d,]+) tokens for 25B "
-                      r"and ([\d,]+) for 33B", " ".join(README.split()))
+                      r"and ([\d,]+) for 33B", " ".join(PLANNER.split()))
     assert [longest(free, m) for m in ("25B", "33B")] == [int(n.replace(",", "")) for n in prose.groups()]
 
 
 def test_preset_counts():
-    """README's parameter count of each preset is the model's own count."""
+    """The parameter count the planner page gives for each preset is the model's own count."""
     from ds4sci.models.genslm.config import PRESETS
     from ds4sci.models.genslm.config import GenSLMConfig
     from ds4sci.models.genslm.config import format_parameters
 
-    sentence = " ".join(README[README.index("Presets (`--preset`"):].split("\n\n")[0].split())
+    sentence = " ".join(PLANNER[PLANNER.index("Presets (`--preset`"):].split("\n\n")[0].split())
     for name in PRESETS:
         assert f"`{name}` {format_parameters(GenSLMConfig.preset(name).num_parameters())}" in sentence, name

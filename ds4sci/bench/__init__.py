@@ -4,11 +4,19 @@ Each benchmark is a module exposing ``add_arguments(parser)`` and ``run(args) ->
 ``--out`` (default ``runs/bench``). Speed and memory targets are shown here, never by timed tests. The memory
 benchmarks measure through :mod:`ds4sci.bench.memory`, the speed comparisons time through
 :mod:`ds4sci.bench.rounds`; :mod:`ds4sci.bench.report` declares the shared options and writes the files.
+
+A benchmark that needs several processes starts its own (:func:`ds4sci.spawn.run_workers`, a group of the given size
+on a private store), so ``ds4sci bench`` itself runs as one process: under a launcher of more than one it would run
+once per process into one ``--out``, and it is refused (the launch read by
+:func:`~ds4sci.distributed.launch.resolve_launch`, a malformed one named in one line as for every command).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+
+from ds4sci.cli_args import CommandError
+from ds4sci.distributed.launch import resolve_launch
 
 # name -> (module, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -96,4 +104,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the benchmark ``args.benchmark``, as one process.
+
+    Raises:
+        LaunchError: a launcher's environment that cannot form its group (naming the variable).
+        CommandError: a launch of more than one process (naming the launcher and the count).
+    """
+    launch = resolve_launch()
+    if launch.world_size > 1:
+        raise CommandError(f"this {launch.launcher} launch has {launch.world_size} processes: ds4sci bench starts "
+                           "the processes a benchmark needs itself, run it as one process")
     return int(args._bench_run(args) or 0)

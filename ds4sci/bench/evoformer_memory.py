@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="(default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="(default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random inputs and weights (default: %(default)s)")
     parser.add_argument("--openfold-chunk", type=int, default=4,
                         help="MSA rows per chunk of OpenFold3's chunked path (default: %(default)s)")
     parser.add_argument("--lma-chunk", type=int, default=64,

@@ -108,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit-s", type=float, default=None,
                         help="runs predicted (time at a smaller S times (S/S0)^2) to take longer than this many "
                              "seconds are not launched (default: no limit)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random inputs and weights (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke test: --seq-lens {','.join(map(str, QUICK_SEQ_LENS))} (seconds per run)")
 

@@ -11,6 +11,10 @@ memory request, the registers, stack frame and spills of Triton's own ``ptxas -v
 and whether every ``ex2.approx`` in the PTX takes a scaled difference ``(s - m) * log2 e`` rather than a fused
 multiply-add of a separately scaled maximum (:mod:`ds4sci.bench.aot.ptx`).
 
+``--cache-dir DIR`` keeps each compilation's figures under what determines its code and reads them back in later runs
+(:mod:`ds4sci.bench.aot.compile`): the test suite's gates share one folder, so a kernel two of them compile is
+compiled once.
+
 ``--quick`` compiles :func:`~ds4sci.bench.aot.variants.quick_variants` instead (one tile-table entry per kernel
 family, every flag on: 16 compilations, a smoke test of the command).
 
@@ -98,7 +102,9 @@ def _markdown(report: dict) -> str:
     errors = [r for r in results if r["error"]]
     unsafe = [r for r in results if r["error"] is None and r["unsafe_ex2"]]
     unsafe_text = f"NO ({plural(len(unsafe), 'compilation')})" if unsafe else "yes"
-    lines += ["", f"{plural(len(results), 'compilation')} ({report['wall_s']} s), {plural(len(errors), 'error')}; "
+    cached = sum(bool(r.get("cached")) for r in results)
+    lines += ["", f"{plural(len(results), 'compilation')} ({report['wall_s']} s"
+              + (f"; {cached} read from `--cache-dir`" if cached else "") + f"), {plural(len(errors), 'error')}; "
               f"within limits and spill-free: {'yes' if all(r['resources_ok'] for r in results) else 'NO'}; exponents "
               f"from scaled differences only: {unsafe_text}."]
     for r in errors:
@@ -181,6 +187,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "not complete)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="compile processes (default: %(default)s)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="a folder (created if missing) keeping the figures of each compilation under its kernel "
+                             "source, Triton version, specialisation, target and ds4sci's checks: one found there is "
+                             "read instead of compiled, so runs sharing the folder compile each distinct kernel once "
+                             "(default: none, compile everything)")
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke test instead of --set, --dtypes, --block-d and --worst-case-only: "
                              f"{_quick_entries()}, every kernel with every flag on (16 compilations for both "
@@ -190,6 +201,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import triton
 
+    if args.cache_dir is not None:
+        os.makedirs(args.cache_dir, exist_ok=True)
     if args.quick:
         variants = quick_variants()
     else:
@@ -197,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
                                 tuple(args.block_d) if args.block_d else None, args.worst_case_only)
     compiles_callers = not args.quick and args.variant_set in ("callers", "all")
     start = time.perf_counter()
-    results = compile_all(variants, tuple(args.targets), args.jobs)
+    results = compile_all(variants, tuple(args.targets), args.jobs, args.cache_dir)
     report = {
         "triton_version": triton.__version__,
         "ptxas": ptxas_versions(TARGETS),
@@ -208,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         "set": None if args.quick else args.variant_set,
         "callers": [dataclasses.asdict(call) for call in CALLERS] if compiles_callers else [],
         "worst_case_only": bool(args.worst_case_only),
+        "cache_dir": args.cache_dir,
         "wall_s": round(time.perf_counter() - start, 1),
         "all_ok": all(r["ok"] for r in results),
         "results": results,

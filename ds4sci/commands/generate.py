@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=nonnegative_float, default=1.0, help="0 = greedy (default: %(default)s)")
     parser.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = no top-k filter (default: %(default)s)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="in (0, 1]; 1 = no nucleus filter")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed of the first sequence (sequence i uses seed + i) (default: %(default)s)")
     parser.add_argument("--stop-at-stop-codon", action="store_true", help="codon models: stop at TAA/TAG/TGA")
     parser.add_argument("--out", default="-", help="FASTA output file (default: stdout)")
 

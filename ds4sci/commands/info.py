@@ -1,5 +1,6 @@
 """``ds4sci info``: versions, devices, the launch this process is part of (launcher, rank/world, local rank/size,
-nodes, master) and, per component, each attention backend and whether it is usable here.
+nodes, master) and, per component, each attention backend and whether it is usable here. A launcher's environment
+that cannot form its group is shown in the report, then stops the command as any command's: its one line, exit 2.
 
 Components: ``evoformer_attention`` (:mod:`ds4sci.kernels.evoformer`, ``backend=``) and ``genslm_local_attention``
 (GenSLM's ``attention_backend``, :mod:`ds4sci.kernels.local_attention`). Backend names come from their enums in
@@ -140,4 +141,5 @@ def run(args: argparse.Namespace) -> int:
             name_width = max(map(len, rows))
             for name, row in rows.items():
                 print(f"  {name:<{name_width}}  {'yes' if row['usable'] else 'no ':<3}  {row['why']}")
+    resolve_launch()  # an environment that cannot form its group: after the report, its one line and exit 2
     return 0

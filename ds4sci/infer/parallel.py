@@ -2,14 +2,15 @@
 runs a batch of windows through, on one process or sequence-parallel across ranks.
 
 One process is the degree-1 case of the same code: ``ShardedForward(model)`` has no groups, every shard is the whole
-window and every reduction is the identity. :meth:`ShardedForward.from_world` starts (under ``torchrun``) or joins
-the process group, splits the world into ``dp = world / (ulysses * ring)`` data ranks of ``ulysses * ring``
+window and every reduction is the identity. :meth:`ShardedForward.from_world` starts the process group of the launch
+:func:`~ds4sci.distributed.launch.resolve_launch` reads (``torchrun``, DeepSpeed's launcher, ``srun``, ``mpiexec``), or
+joins one formed before, splits the world into ``dp = world / (ulysses * ring)`` data ranks of ``ulysses * ring``
 sequence ranks (:class:`~ds4sci.distributed.dims.ParallelDims`, ``tp = 1``) and makes the model sequence-parallel with
-:func:`~ds4sci.parallel.parallelize.parallelize` (DeepSpeed-Ulysses, ring attention or both, USP). Each window is
-then read as training reads it (:meth:`ds4sci.train.trainer.Trainer._micro_batch`): labels shifted on the full
-window, the window padded at its end to ``dims.sequence_multiple`` (padding is causal attention's future: no real
-token sees it, and it is never scored or embedded), tokens, targets and positions sharded together in the layout
-``ParallelDims`` chooses (zigzag with a ring, contiguous without), sums reduced over the sequence group in float64.
+:func:`~ds4sci.parallel.parallelize.parallelize` (DeepSpeed-Ulysses, ring attention or both, USP). Each window is then
+read as training reads it (:meth:`ds4sci.train.trainer.Trainer._micro_batch`): labels shifted on the full window, the
+window padded at its end to ``dims.sequence_multiple`` (padding is causal attention's future: no real token sees it, and
+it is never scored or embedded), tokens, targets and positions sharded together in the layout ``ParallelDims`` chooses
+(zigzag with a ring, contiguous without), sums reduced over the sequence group in float64.
 
 Work is dealt over the data ranks: item ``i`` (a window, or a whole record for per-token states) to data rank
 ``i % dp`` (:meth:`share`). :meth:`reduce_data` sums a rank's disjoint part into the full array on every rank and
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from ds4sci.distributed.dims import ParallelDims
 from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.distributed.groups import build_groups
 from ds4sci.distributed.launch import resolve_launch
+from ds4sci.distributed.nodes import cross_node_error
 from ds4sci.models.genslm import IGNORE_INDEX
 from ds4sci.models.genslm import shift_labels
 from ds4sci.models.genslm import token_loss
@@ -50,14 +51,15 @@ TIMEOUT_S = 1800.0
 
 def inference_device(spec: str = "auto") -> torch.device:
     """The device a command's model runs on (``--device``): ``auto`` is this process's GPU when CUDA is available
-    (``cuda:LOCAL_RANK``, ``LOCAL_RANK`` set by torchrun, 0 alone) and the CPU otherwise; ``cpu``; ``cuda`` (this
-    process's GPU) or ``cuda:N``. A GPU is made this process's current device (NCCL needs it before the first
-    collective).
+    (``cuda:L``, ``L`` the local rank that :func:`~ds4sci.distributed.launch.resolve_launch` reads from torchrun,
+    ``srun`` or ``mpiexec``; 0 alone) and the CPU otherwise; ``cpu``; ``cuda`` (this process's GPU) or ``cuda:N``.
+    A GPU is made this process's current device (NCCL needs it before the first collective).
 
     Raises:
+        LaunchError: (a ``ValueError``) the launcher's environment cannot form its group (naming the variable).
         ValueError: an unknown name, or a GPU asked for where CUDA has none (naming the spec and what there is).
     """
-    local = int(os.environ.get("LOCAL_RANK") or resolve_launch().local_rank)  # torchrun's, else srun's or mpiexec's
+    local = resolve_launch().local_rank
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec == "cpu":
@@ -69,7 +71,7 @@ def inference_device(spec: str = "auto") -> torch.device:
     device = torch.device("cuda", int(index) if index else local)
     if device.index >= count:
         raise ValueError(f"--device {spec}: this machine has {count} CUDA device(s)"
-                         + (f" (LOCAL_RANK={local})" if not index else ""))
+                         + (f" (local rank {local})" if not index else ""))
     torch.cuda.set_device(device)
     return device
 
@@ -96,21 +98,30 @@ class ShardedForward:
     @classmethod
     def from_world(cls, model, ulysses: int = 1, ring: int = 1, timeout_s: float = TIMEOUT_S) -> ShardedForward:
         """The runner of this launch: one process (``ulysses = ring = 1`` and no launcher), or every process of the
-        world, whose process group is started here (``env://``: nccl when the model is on a GPU, else gloo) unless
-        one exists. Collective: every rank calls it.
+        world, whose process group is started here unless one exists: the launch that
+        :func:`~ds4sci.distributed.launch.resolve_launch` reads, exported as ``env://`` variables (nccl when the model
+        is on a GPU, else gloo). Collective: every rank calls it.
 
         Raises:
+            LaunchError: (a ``ValueError``) the launcher's environment cannot form the group (naming the variable).
             ValueError: ``ulysses * ring > 1`` in a lone process, a world size that ``ulysses * ring`` does not divide,
-                or a degree that cannot split the model's heads (each naming the numbers).
+                a degree that cannot split the model's heads, or Ulysses groups that would span nodes
+                (:func:`~ds4sci.distributed.nodes.cross_node_error`: the ``--ulysses``/``--ring`` that fit), each
+                naming the numbers.
         """
-        world = dist.get_world_size() if dist.is_initialized() else resolve_launch().world_size
+        launch = None if dist.is_initialized() else resolve_launch()
+        world = dist.get_world_size() if launch is None else launch.world_size
         dims = ParallelDims.for_world(world, ulysses=ulysses, ring=ring)
         dims.check_heads(model.config.num_heads)
         if world == 1:
             return cls(model)
-        if not dist.is_initialized():
+        if launch is not None:
+            crossing = cross_node_error(dims, launch.nodes, launch.local_world_size,
+                                        option=lambda key, value: f"--{key} {value}")
+            if crossing:
+                raise ValueError(crossing)
             backend = "nccl" if next(model.parameters()).is_cuda else "gloo"
-            resolve_launch().export()  # srun's and mpiexec's ranks as env:// reads them
+            launch.export()  # srun's and mpiexec's ranks as env:// reads them
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         groups = build_groups(dims, timeout=datetime.timedelta(seconds=timeout_s))
         parallelize(model, groups, keep_position_table=True)

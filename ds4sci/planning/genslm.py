@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from dataclasses import replace
 
 from ds4sci.distributed.dims import ParallelDims
+from ds4sci.distributed.nodes import inside_node
 from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 from ds4sci.models.genslm.config import GenSLMConfig
 from ds4sci.planning.common import GIB
@@ -535,8 +536,9 @@ def step_time(w: Workload, strategy: Strategy, cluster: Cluster) -> StepTime:
     """Seconds per optimizer step, no overlap: ``compute / (1 - bubble) + sum over groups of bytes / bandwidth``,
     ``compute = FLOPs / (world peak efficiency)``, ``FLOPs = 6 N_tok phi_model + 6 B m dp L h S^2`` (causal
     attention) plus a forward for ``full`` checkpointing or the attention's for ``selective``, ``bubble = (pp - 1)
-    / (m + pp - 1)``; a group of degree ``d`` along an axis of stride ``i`` is intra-node when ``i d`` divides the
-    GPUs of a node; offload runs at PCIe bandwidth."""
+    / (m + pp - 1)``; a group runs at intra-node bandwidth when its ranks share a node
+    (:func:`~ds4sci.distributed.nodes.inside_node`, the trainer's mapping), else inter-node; offload runs at PCIe
+    bandwidth."""
     d = strategy.dims
     S, B, m = w.seq_len, w.micro_batch, w.grad_accum
     tokens = B * S * m * d.dp
@@ -556,9 +558,8 @@ def step_time(w: Workload, strategy: Strategy, cluster: Cluster) -> StepTime:
         if group == "pcie":
             bw = cluster.pcie_gbps
         else:
-            # ZeRO's sdp group spans Ulysses x Ring x DP, from the Ulysses axis outwards
-            degree, stride = (d.sdp, d.stride("ulysses")) if group == "dp" else (getattr(d, group), d.stride(group))
-            bw = cluster.intra_gbps if cluster.gpus_per_node % (stride * degree) == 0 else cluster.inter_gbps
+            kind = "sdp" if group == "dp" else group  # ZeRO's group spans Ulysses x Ring x DP
+            bw = cluster.intra_gbps if inside_node(d, kind, cluster.gpus_per_node) else cluster.inter_gbps
         seconds += sent / (bw * 1e9)
     total = compute + seconds
     return StepTime(compute, bubble, seconds, total, tokens / total)

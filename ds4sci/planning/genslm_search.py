@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from dataclasses import replace
 
 from ds4sci.distributed.dims import ParallelDims
+from ds4sci.distributed.nodes import inside_node
 from ds4sci.planning.common import GIB
 from ds4sci.planning.genslm import CHECKPOINTING
 from ds4sci.planning.genslm import OFFLOADS
@@ -69,9 +70,10 @@ def strategies(w: Workload, cluster: Cluster, fixed: Constraints = Constraints()
     """Every strategy on all ``cluster.world`` GPUs that splits the model (and ``w.seq_len`` if ``split_seq``) evenly
     and respects ``fixed``: degrees the model admits
     (:meth:`~ds4sci.distributed.dims.ParallelDims.check_model`: ``tp * ulysses`` divides the heads, ``tp`` the MLP
-    width, ``pp <= layers``), ``tp`` dividing the GPUs of a node (a fixed ``tp`` may also span whole nodes), ZeRO 2/3
-    only without pipeline parallelism (DeepSpeed's pipeline engine), optimizer offload with ZeRO >= 1 and parameter
-    offload with ZeRO 3; host offload of checkpointed inputs with checkpointing only."""
+    width, ``pp <= layers``), tensor-parallel groups inside a node (:func:`~ds4sci.distributed.nodes.inside_node`; a
+    fixed ``tp`` may span nodes), ZeRO 2/3 only without pipeline parallelism (DeepSpeed's pipeline engine), optimizer
+    offload with ZeRO >= 1 and parameter offload with ZeRO 3; host offload of checkpointed inputs with checkpointing
+    only."""
     world, m = cluster.world, w.model
     out = []
     for tp, u, r, pp in itertools.product(*([v] if (v := getattr(fixed, a)) else _divisors(world)
@@ -82,7 +84,8 @@ def strategies(w: Workload, cluster: Cluster, fixed: Constraints = Constraints()
                              intermediate_size=m.intermediate_size)
         except ValueError:  # these degrees do not split the GPUs or the model
             continue
-        if (fixed.dp is not None and fixed.dp != dims.dp) or (cluster.gpus_per_node % tp and fixed.tp is None):
+        if (fixed.dp is not None and fixed.dp != dims.dp) or (fixed.tp is None and
+                                                              not inside_node(dims, "tp", cluster.gpus_per_node)):
             continue
         if split_seq and w.seq_len % dims.sequence_multiple:
             continue

@@ -169,7 +169,8 @@ class DistributedAttention(torch.nn.Module):
         Args:
             q: ``[B, S/P, H, D]``, k and v: ``[B, S/P, Hkv, D]``, this rank's sequence shard
                 (``P = U * R``, shard ``ring_rank * U + ulysses_rank``, layout :attr:`layout`).
-            q_doc, k_doc: optional ``[B, S/P]`` document ids of the same shards.
+            q_doc: optional ``[B, S/P]`` document ids of the query shard.
+            k_doc: optional ``[B, S/P]`` document ids of the key shard.
         Returns:
             ``[B, S/P, H, D]``: this rank's shard of the attention output.
         """

@@ -92,6 +92,9 @@ class ParallelConfig:
                          '> 0 -> must be exactly that')
     layout: str = _field(default="auto",
                     help='"contiguous", "zigzag" or "auto" (zigzag when ring > 1: balances causal work)')
+    allow_cross_node: bool = _field(default=False,
+                    help='let tensor- and Ulysses-parallel groups span nodes (a warning instead of a refusal at '
+                         'launch; their per-layer collectives then cross the network)')
 
     def _degrees(self) -> str:
         return (f"parallel.tp={self.tp!r}, parallel.ulysses={self.ulysses!r}, parallel.ring={self.ring!r}, "

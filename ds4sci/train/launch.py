@@ -1,8 +1,9 @@
-"""What a run checks and reads before its trainer is built: the launch's world size, everything about the config
-that can be known before any work (:func:`check_launch`: so a run that cannot start stops before its run folder is
-touched), and the tokenizer and datasets (:func:`load_data`)."""
+"""What a run checks and reads before its trainer is built: the launch (:func:`current_launch`), everything about the
+config that can be known before any work (:func:`check_launch`: so a run that cannot start stops before its run folder
+is touched, and before its process group forms), and the tokenizer and datasets (:func:`load_data`)."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -12,22 +13,35 @@ from ds4sci.data import Tokenizer
 from ds4sci.distributed import ParallelDims
 from ds4sci.distributed.launch import Launch
 from ds4sci.distributed.launch import resolve_launch
+from ds4sci.distributed.nodes import cross_node_error
 from ds4sci.train.config import Config
 from ds4sci.train.config import DataConfig
 from ds4sci.train.engine import check_offload_support
 
-
-def launch_world_size() -> int:
-    """The number of processes of this launch: the process group's size, else the launcher's
-    (:func:`~ds4sci.distributed.launch.resolve_launch`; 1 in a lone process)."""
-    return dist.get_world_size() if dist.is_initialized() else resolve_launch().world_size
+logger = logging.getLogger(__name__)
 
 
-def check_launch(cfg: Config, world_size: int) -> ParallelDims:
+def current_launch() -> Launch:
+    """This launch, before the trainer's process group forms: the launcher's
+    (:func:`~ds4sci.distributed.launch.resolve_launch`; a lone process alone), or, in a process group formed before
+    (a test harness), that group's processes on one node.
+
+    Raises:
+        LaunchError: the launcher's environment cannot form the group (one line naming the variable).
+    """
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        return Launch("process group", dist.get_rank(), world, dist.get_rank(), world, 1, "", 0)
+    return resolve_launch()
+
+
+def check_launch(cfg: Config, launch: Launch) -> ParallelDims:
     """Everything about ``cfg`` that can be known before any work, checked before any: the parallel degrees against
-    ``world_size`` processes, an offload this machine can run (:func:`~ds4sci.train.engine.check_offload_support`)
-    and FASTA files that ``data.fasta`` names. So a run that cannot start stops before the run folder is touched
-    (``--overwrite`` deletes in it) and before the token cache is built.
+    the launch's processes, tensor- and Ulysses-parallel groups inside a node
+    (:func:`~ds4sci.distributed.nodes.cross_node_error`; with ``parallel.allow_cross_node`` rank 0 warns instead),
+    an offload this machine can run (:func:`~ds4sci.train.engine.check_offload_support`) and FASTA files that
+    ``data.fasta`` names. So a run that cannot start stops before its process group forms, before the run folder is
+    touched (``--overwrite`` deletes in it) and before the token cache is built.
 
     Returns:
         the run's :class:`~ds4sci.distributed.ParallelDims`.
@@ -36,7 +50,14 @@ def check_launch(cfg: Config, world_size: int) -> ParallelDims:
     """
     from ds4sci.data.corpus import resolve_sources
 
-    dims = cfg.parallel.dims(world_size)
+    dims = cfg.parallel.dims(launch.world_size)
+    allowed = cfg.parallel.allow_cross_node
+    crossing = cross_node_error(dims, launch.nodes, launch.local_world_size,
+                                force="" if allowed else "or set parallel.allow_cross_node=true")
+    if crossing and not allowed:
+        raise ValueError(f"parallel: {crossing}")
+    if crossing and launch.rank == 0:
+        logger.warning("parallel: %s; going on (parallel.allow_cross_node=true)", crossing)
     check_offload_support(cfg)
     try:
         resolve_sources(cfg.data.fasta)

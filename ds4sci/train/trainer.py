@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ds4sci.data import collate
 from ds4sci.distributed.groups import build_groups
+from ds4sci.distributed.nodes import describe_nodes
 from ds4sci.models.genslm import IGNORE_INDEX
 from ds4sci.models.genslm import shift_labels
 from ds4sci.parallel.genslm_tp import token_loss_for
@@ -65,7 +66,7 @@ from ds4sci.train.engine import set_deterministic
 from ds4sci.train.engine import writing
 from ds4sci.train.init_from import initial_model
 from ds4sci.train.launch import check_launch
-from ds4sci.train.launch import launch_world_size
+from ds4sci.train.launch import current_launch
 from ds4sci.train.launch import load_data
 from ds4sci.train.loss import global_target_count
 from ds4sci.train.loss import grad_reduction_factor
@@ -177,7 +178,7 @@ class Trainer:
         has a checkpoint, else start) or a checkpoint folder;
         ``overwrite``: replace the run in ``train.out_dir`` (:mod:`ds4sci.train.run_dir` has the rules)."""
         self.cfg = cfg
-        self.dims = check_launch(cfg, launch_world_size())
+        self.dims = check_launch(cfg, current_launch())
         if cfg.train.deterministic:
             set_deterministic()
         self.launch = init_distributed(cfg.train.timeout_s)
@@ -466,6 +467,7 @@ class Trainer:
                        f"({dims.layout.value} sequence layout), {dist.get_world_size()} process(es) on "
                        f"{self.device.type}: {self.launch.nodes} node(s) x {self.launch.local_world_size} per node "
                        f"({self.launch.launcher})"),
+            ("nodes", describe_nodes(dims, self.launch.local_world_size)),
             ("precision", ", ".join([f"{t.dtype}, ZeRO stage {z.stage}", *offload])),
             ("batch", f"{t.micro_batch_size} x {dims.dp} data ranks x {t.grad_accum} accumulation = {per_step} "
                       f"sequences ({per_step * d.seq_len:,} tokens) per step; steps {self.step + 1}..{t.steps}"),

@@ -159,7 +159,7 @@ class GenSLMConfig:
 
         Raises:
             ValueError: ``"{field}={value}: {what} GPT-NeoX-shaped GenSLMs only ({field}={GPT-NeoX's value})"`` for
-            the first field that differs.
+                the first field that differs.
         """
         self._check_shape("GPT-NeoX", what, num_kv_heads=self.num_heads, mlp="gelu", norm="layernorm", bias=True,
                           parallel_residual=True, tie_word_embeddings=False, rotary_scaling_factor=1.0)
@@ -170,7 +170,7 @@ class GenSLMConfig:
 
         Raises:
             ValueError: ``"{field}={value}: {what} Llama-shaped GenSLMs only ({field}={Llama's value})"`` for the
-            first field that differs.
+                first field that differs.
         """
         self._check_shape("Llama", what, position_embedding="rotary", rotary_pct=1.0, mlp="swiglu", norm="rmsnorm",
                           parallel_residual=False)

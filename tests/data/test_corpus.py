@@ -344,6 +344,7 @@ def test_auto_splits_records_from_five_expected_validation_records_on():
         choose_split(at, 0.1, "random")
 
 
+@pytest.mark.slow  # a training in a new process through the command line
 def test_training_start_up_names_the_split_auto_chose(tmp_path):
     """``ds4sci train`` on a glob of two genomes: trains (was: stopped with "cannot be split by records"), and its
     start-up block says which split ``data.split: auto`` chose and why."""

@@ -2,12 +2,17 @@
 per-token embeddings, variant log-likelihood ratios (score-variants), under Ulysses, ring, hybrid Ulysses x ring and
 Ulysses x data ranks, with learned, rotary and ALiBi positions and grouped-query attention, on records of uneven lengths
 (one shorter than the layout's multiple, one longer than a window read with a stride); and
-``torchrun ... score --ulysses 2`` writes the single process's TSV.
+``torchrun ... score --ulysses 2``, ``mpiexec -n 2 ... score --ulysses 2`` and ``mpiexec -n 2 ... evaluate --ulysses 2``
+write the single process's numbers.
 """
+import contextlib
 import csv
+import io
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +35,7 @@ from ds4sci.spawn import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
+BIN = Path(sys.executable).parent
 SEQ_LEN, STRIDE = 16, 6
 # 3 tokens (below the zigzag multiple 8 of U2 x R2), 1 (nothing to score), 13 (one window), 40 (windows at
 # 0, 6, ..., 24)
@@ -122,23 +128,67 @@ def test_four_ranks_hybrid_and_data_ranks_equal_one_process():
     _run(4, [("alibi", 2, 2, 2, None), ("rotary", 0, 2, 1, 0)])
 
 
-def test_torchrun_score_ulysses_writes_the_single_process_tsv(tmp_path):
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """An export of the learned-position model, the records as FASTA and what one process writes for them through
+    the command line (``cli.main`` in this process, what the console script calls): score's TSV and evaluate's
+    JSON line."""
+    from ds4sci.cli import main
     from ds4sci.io.export import export_consolidated
 
+    root = tmp_path_factory.mktemp("commands")
     model, tok = _model("learned")
-    export = export_consolidated(model.state_dict(), model.config, tok, tmp_path / "export")
-    fasta = tmp_path / "x.fa"
+    export = export_consolidated(model.state_dict(), model.config, tok, root / "export")
+    fasta = root / "x.fa"
     fasta.write_text("".join(f">{name}\n{seq}\n" for name, seq in SEQUENCES.items()))
-    tsv = tmp_path / "scores.tsv"
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "ds4sci.cli", "score", str(export), "--fasta", str(fasta), "--seq-len", str(SEQ_LEN),
-                          "--stride", str(STRIDE), "--ulysses", "2", "--out", str(tsv)],
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "reading windows on 2 processes: 1 data rank(s) of ulysses 2 x ring 1 (contiguous layout)" in two.stderr
-    got = list(csv.DictReader(tsv.open(), delimiter="\t"))
-    want = score_records(model, tok, _records(), SEQ_LEN, stride=STRIDE)  # one process
-    assert [(r["id"], int(r["length"]), int(r["tokens"])) for r in got] == [(r["id"], r["length"], r["tokens"])
-                                                                            for r in want]
-    np.testing.assert_allclose([float(r["log_likelihood"]) for r in got], [r["log_likelihood"] for r in want],
-                               rtol=1e-5)
+    common = [str(export), "--fasta", str(fasta), "--seq-len", str(SEQ_LEN), "--stride", str(STRIDE)]
+    assert main(["score", *common, "--out", str(root / "single.tsv")]) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert main(["evaluate", *common, "--json"]) == 0
+    return {"common": common, "score": root / "single.tsv", "evaluate": printed.getvalue()}
+
+
+def _numbers(command, written):
+    """What a command wrote, as exact fields and floats: score's TSV rows, evaluate's JSON line."""
+    if command == "score":
+        rows = list(csv.DictReader(io.StringIO(written), delimiter="\t"))
+        return ([(r["id"], r["length"], r["tokens"]) for r in rows],
+                [float(r[key]) for r in rows for key in ("log_likelihood", "bits_per_base")])
+    [line] = written.strip().splitlines()
+    result = json.loads(line)
+    return result["tokens"], [result[key] for key in ("loss", "perplexity", "bits_per_base")]
+
+
+@pytest.mark.parametrize("launcher, command", [("torchrun", "score"), ("mpiexec", "score"), ("mpiexec", "evaluate")])
+def test_a_launched_command_with_ulysses_writes_the_single_process_numbers(launcher, command, single, tmp_path):
+    """Two processes under torchrun or ``mpiexec`` (MPICH, the dev extra; rank 0's host agreed over mpi4py, a port
+    of its own), ``--ulysses 2``: the same records, windows and token counts as one process, and the same numbers up
+    to float32 rounding (each rank sums its half of a window's token losses, then the halves are added: another
+    order than one process's, 2e-8 apart when measured; a token or position out of place moves them by far more than
+    the tolerance). The launch is logged once, by rank 0 (rank 1's INFO lines are not shown), as is every line."""
+    from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
+
+    if launcher == "mpiexec" and not (BIN / "mpiexec").exists():
+        pytest.skip("no mpiexec beside this interpreter (pip install mpich mpi4py: the dev extra)")
+    out = tmp_path / "scores.tsv"
+    argv = [sys.executable, "-m", "ds4sci.cli", command, *single["common"], "--ulysses", "2"]
+    argv += ["--out", str(out)] if command == "score" else ["--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if launcher == "torchrun":
+        argv[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    else:
+        argv[:0] = [str(BIN / "mpiexec"), "-n", "2"]
+        env["MASTER_PORT"] = {"score": "29537", "evaluate": "29538"}[command]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    messages = log_messages(done.stderr)
+    assert "reading windows on 2 processes: 1 data rank(s) of ulysses 2 x ring 1 (contiguous layout)" in messages
+    assert len(messages) == len(set(messages)), messages  # nothing said twice
+    name = "mpi" if launcher == "mpiexec" else "torchrun"
+    launches = [m.split(", master ")[0] for m in messages if m.startswith(f"{name}: rank ")]
+    assert launches == [f"{name}: rank 0 of 2, local 0 of 2, 1 node(s)"], messages
+    written = out.read_text() if command == "score" else done.stdout
+    want = single["score"].read_text() if command == "score" else single["evaluate"]
+    (exact, numbers), (want_exact, want_numbers) = _numbers(command, written), _numbers(command, want)
+    assert exact == want_exact
+    np.testing.assert_allclose(numbers, want_numbers, rtol=1e-5)

@@ -1,8 +1,10 @@
-"""`ds4sci train` end to end under torchrun and DeepSpeed's launcher, Ulysses SP=2 on gloo: the run's logged losses and
-exported weights are those of the same configuration trained in one plain process, every output of a run is written
-(metrics, validation, loss plot, config, TensorBoard, checkpoints, export), and `ds4sci evaluate` / `generate` /
-`embed` read the export. `mpiexec` and a faked `srun`, without torchrun, train as torchrun does (its losses and
-weights). The torchrun run is trained once (:func:`torchrun_run`) for the tests that read it."""
+"""`ds4sci train` end to end under every launcher, Ulysses SP=2 on gloo, on the shipped codon config
+(``examples/configs/codon_cds_sp2.yaml``, 3 steps): torchrun's run (:func:`torchrun_run`, trained once for the module)
+logs the losses and exports the weights of the same configuration trained in one plain process, and writes every
+output of a run (metrics, validation, loss plot, config, TensorBoard, checkpoints, export) that `ds4sci evaluate` /
+`generate` / `embed` read. The job templates of ``examples/cluster/`` (SLURM with ``srun torchrun`` and with ``srun``
+alone, PBS with ``mpiexec``, DeepSpeed's launcher with a hostfile) run as written, with bash, the scheduler faked by
+its environment (one node: this machine), and train as torchrun does: its losses and weights, bitwise."""
 import json
 import os
 import shutil
@@ -22,62 +24,59 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CDS = ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna"
+CONFIG = ROOT / "examples" / "configs" / "codon_cds_sp2.yaml"
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+#: ``srun`` faked for one node (no SLURM here): a directory holding only ``srun``, put first on the templates' PATH.
+FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
+#: The job's host list, compressed: its first host (the rendezvous and master) is this machine, the only one that
+#: resolves here; the job runs on that node alone.
+SLURM_JOB = {"SLURM_JOB_NODELIST": "localhost,node[02-03]", "SLURM_NNODES": "1"}
+#: Each template: the scheduler's environment (each its own rendezvous port, 29531-29537 in this module: srun's ports
+#: are 20000 + job id % 10000) and the launcher the start-up block names.
+TEMPLATES = {
+    "slurm_torchrun.sh": ({**SLURM_JOB, "SLURM_NTASKS": "1", "SLURM_JOB_ID": "9537", "GPUS_PER_NODE": "2"},
+                          "torchrun"),
+    "slurm_srun.sh": ({**SLURM_JOB, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "9535"},
+                      "slurm"),
+    "pbs_mpiexec.sh": ({"PBS_JOBID": "9534.pbs", "PBS_O_WORKDIR": str(ROOT), "NRANKS_PER_NODE": "2",
+                        "MASTER_PORT": "29534"}, "mpi"),
+    "deepspeed_hostfile.sh": ({"MASTER_PORT": "29532"}, "torchrun"),
+}
 
 
-def _train(launcher, out, single=False) -> subprocess.CompletedProcess | None:
-    """torchrun, mpiexec and srun: nucleotide records of the CDS file (learned positions: the table split over the
-    sequence ranks); deepspeed: the shipped codon example config as it is (packed genes, GenSLM-69 codons), whose
-    validation set is smaller than one global micro-batch. Two processes, Ulysses SP=2, ZeRO over both; or
-    (``single``) the same configuration in one process with SP=1: the same global batches, the reference, run by
-    ``cli.main`` in a worker forked from :func:`ds4sci.spawn.run_workers`' server (torch imported once there, not per
-    launch). ``srun`` is faked: two processes started with the ``SLURM_*`` variables srun gives them, no torchrun.
-    Returns the launched run's process (its output as text); None for ``single``."""
+def _sets(out) -> list[str]:
+    """The shipped config as it is, for 3 steps into ``out``, a loss line per step and validation at the end."""
     run = [f"train.out_dir={out}", "train.steps=3", "train.log_every=1", "train.eval_every=0"]
-    cli = [sys.executable, "-m", "ds4sci.cli", "train"]
-    if launcher == "deepspeed":
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29532", "--module", "ds4sci.cli", "train",
-               str(ROOT / "examples" / "configs" / "codon_cds_sp2.yaml")]
-    else:
-        cmd = {"torchrun": [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29531", *cli[1:]],
-               "mpiexec": [str(BIN / "mpiexec"), "-n", "2", *cli], "srun": cli}[launcher]
-        run += [f"data.fasta={CDS}", "data.dataset=records", "data.seq_len=64", "data.val_fraction=0.1",
-                "model.overrides.position_embedding=learned", "parallel.ulysses=2", "train.micro_batch_size=2",
-                "zero.stage=1"]
-    if single:
-        run.append("parallel.ulysses=1")
-    sets = [arg for item in run for arg in ("--set", item)]  # one KEY=VALUE per --set
-    if single:
-        assert run_workers(_cli_main, 1, cmd[cmd.index("train"):] + sets, env=ENV, timeout=400) == [0]
-        return None
-    if launcher == "srun":
-        return _fake_srun(cmd + sets)
-    # mpiexec: no MASTER_ADDR, so rank 0's host name is agreed over MPI (mpi4py); a port of its own
-    env = {**ENV, "MASTER_PORT": "29534"} if launcher == "mpiexec" else ENV
-    done = subprocess.run(cmd + sets, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
-
-
-def _fake_srun(cmd) -> subprocess.CompletedProcess:
-    """``srun -n 2 CMD`` on one node, as SLURM starts it: two processes whose environment is srun's (the host list
-    is this machine's name), no torchrun. Returns rank 0's process, the output of both."""
-    slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": "77",
-             "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": "29535"}
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**ENV, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
-             for rank in range(2)]
-    outputs = [proc.communicate(timeout=400)[0] for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    return subprocess.CompletedProcess(cmd, 0, "".join(outputs), "")
+    return [arg for item in run for arg in ("--set", item)]  # one KEY=VALUE per --set
 
 
 @pytest.fixture(scope="module")
 def torchrun_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The torchrun run of :func:`_train` (two processes, Ulysses 2, ZeRO-1, 3 steps, validation at the end): its
-    folder and its process, trained once for the tests of this module that only read them."""
+    """``torchrun --nproc-per-node 2 -m ds4sci.cli train CONFIG``: two processes, Ulysses 2, ZeRO-2 over both, 3
+    steps, validation at the end (the codon config's validation set is smaller than one global micro-batch): its
+    folder and its process (output as text), trained once for the tests of this module, the reference of the
+    templates."""
     out = tmp_path_factory.mktemp("torchrun") / "run"
-    return out, _train("torchrun", out)
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29531", "-m", "ds4sci.cli", "train",
+           str(CONFIG), *_sets(out)]
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done
+
+
+def _run_template(script: str, out: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``bash examples/cluster/SCRIPT`` with CONFIG and DS4SCI_ARGS pointing it at :func:`_sets`' run into ``out``,
+    the scheduler's variables of :data:`TEMPLATES`, this environment's launchers first on PATH (the fake ``srun``
+    before them), and the files a job would be given: ``$PBS_NODEFILE`` naming localhost twice (two ranks, one
+    node), DeepSpeed's ``hostfile`` naming localhost with 2 slots (launched locally: no ssh)."""
+    (nodefile := tmp_path / "nodefile").write_text("localhost\nlocalhost\n")
+    (hostfile := tmp_path / "hostfile").write_text("# one node, two processes\nlocalhost slots=2\n")
+    env = {**ENV, **TEMPLATES[script][0], "PATH": f"{FAKE_SLURM}:{BIN}:{ENV['PATH']}", "CONFIG": str(CONFIG),
+           "DS4SCI_ARGS": " ".join(_sets(out)), "PBS_NODEFILE": str(nodefile), "HOSTFILE": str(hostfile)}
+    done = subprocess.run(["bash", str(ROOT / "examples" / "cluster" / script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
 
 
 def _cli_main(rank, world, argv):
@@ -92,31 +91,13 @@ def _losses_and_weights(out):
     return [r["loss"] for r in rows if "loss" in r], load_file(str(out / "export" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
-def test_train_writes_every_output_and_the_tools_read_the_export(launcher, tmp_path, capsys, request):
-    if launcher == "torchrun":
-        out = request.getfixturevalue("torchrun_run")[0]
-    else:
-        out = tmp_path / "run"
-        _train(launcher, out)
+def _check_outputs(out: Path, tmp_path: Path, capsys) -> None:
+    """Every output of the run in ``out`` is written, and the tools read its export."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all({"loss", "tokens", "lr"} <= set(r) for r in steps)
-    # The launched run is the single-process run: same losses, same exported weights. fp32; the layouts round apart,
-    # and Adam (eps 1e-8) amplifies that for the few weights of near-zero gradient (1.2e-5 seen on one of 65,536),
-    # where a wrong run moves every weight by about the learning rate per step (1e-4 and more here). So each tensor's
-    # root-mean-square difference must stay 100x below that, and no single weight may be off by a whole step.
-    _train(launcher, tmp_path / "single", single=True)
-    (losses, weights), (ref_losses, ref_weights) = _losses_and_weights(out), _losses_and_weights(tmp_path / "single")
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    assert abs(ref_losses[-1] - ref_losses[0]) > 1e-4  # it learned
-    assert set(weights) == set(ref_weights)
-    for key, value in ref_weights.items():
-        diff = (weights[key].double() - value.double()).abs()
-        rms, worst = diff.pow(2).mean().sqrt().item(), diff.max().item()
-        assert rms <= 1e-6 and worst <= 1e-4, f"{key}: rms difference {rms:.2e}, largest {worst:.2e}"
-    # ... and it ran as 2 processes: ZeRO partitioned the optimizer state in two
+    # ... it ran as 2 processes: ZeRO partitioned the optimizer state in two
     assert len(list((out / "checkpoints" / "step3").glob("*optim_states.pt"))) == 2
     val = [r for r in rows if "val_bits_per_base" in r]
     assert val and {"val_loss", "val_bits_per_base"} <= set(val[-1])
@@ -144,27 +125,52 @@ def test_train_writes_every_output_and_the_tools_read_the_export(launcher, tmp_p
     assert len(arrays["ids"]) == 100 and arrays["embeddings"].shape[0] == 100
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
-def test_mpiexec_and_srun_without_torchrun_train_as_torchrun_does(launcher, torchrun_run, tmp_path):
-    """``mpiexec -n 2`` (MPICH, a dev extra) and a faked ``srun`` (SLURM_* variables, no torchrun) form one world of
-    two, not two worlds of one: the same layout as the torchrun run, so its losses and weights; the start-up block
-    names the launcher, its node and processes per node."""
-    if launcher == "mpiexec" and not (BIN / "mpiexec").exists():
+def test_torchrun_trains_as_one_process_and_writes_every_output(torchrun_run, tmp_path, capsys):
+    """The launched run is the single-process run (the same configuration with SP=1: the same global batches, run by
+    ``cli.main`` in a worker forked from :func:`ds4sci.spawn.run_workers`' server, torch imported once there): same
+    losses, same exported weights; and it writes every output, which the tools read."""
+    out = torchrun_run[0]
+    # fp32; the layouts round apart, and Adam (eps 1e-8) amplifies that for the few weights of near-zero gradient
+    # (1.2e-5 seen on one of 65,536), where a wrong run moves every weight by about the learning rate per step (1e-4
+    # and more here). So each tensor's root-mean-square difference must stay 100x below that, and no single weight
+    # may be off by a whole step.
+    single = tmp_path / "single"
+    argv = ["train", str(CONFIG), *_sets(single), "--set", "parallel.ulysses=1"]
+    assert run_workers(_cli_main, 1, argv, env=ENV, timeout=400) == [0]
+    (losses, weights), (ref_losses, ref_weights) = _losses_and_weights(out), _losses_and_weights(single)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert abs(ref_losses[-1] - ref_losses[0]) > 1e-4  # it learned
+    assert set(weights) == set(ref_weights)
+    for key, value in ref_weights.items():
+        diff = (weights[key].double() - value.double()).abs()
+        rms, worst = diff.pow(2).mean().sqrt().item(), diff.max().item()
+        assert rms <= 1e-6 and worst <= 1e-4, f"{key}: rms difference {rms:.2e}, largest {worst:.2e}"
+    _check_outputs(out, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("script", sorted(TEMPLATES))
+def test_job_template_trains_as_torchrun(script, torchrun_run, tmp_path, capsys):
+    """Each job template of examples/cluster, run as written with its scheduler faked, forms one world of two (not
+    two worlds of one): torchrun's layout, so its losses and weights, bitwise; the start-up block names the launcher,
+    its node and processes per node. DeepSpeed's launcher's run also writes every output the tools read; ``mpiexec
+    -n 2 evaluate --ulysses 2`` on the PBS run's export writes the single process's numbers, once."""
+    if script == "pbs_mpiexec.sh" and not (BIN / "mpiexec").exists():
         pytest.skip("no mpiexec beside this interpreter (pip install mpich mpi4py: the dev extra)")
-    done = _train(launcher, tmp_path / "run")
-    assert f"2 process(es) on cpu: 1 node(s) x 2 per node ({'slurm' if launcher == 'srun' else 'mpi'})" in (
-        done.stdout + done.stderr)
-    (losses, weights), (ref_losses, ref_weights) = _losses_and_weights(tmp_path / "run"), _losses_and_weights(
-        torchrun_run[0])
+    out = tmp_path / "run"
+    done = _run_template(script, out, tmp_path)
+    launcher = TEMPLATES[script][1]
+    assert f"2 process(es) on cpu: 1 node(s) x 2 per node ({launcher})" in done.stdout + done.stderr
+    (losses, weights), (ref_losses, ref_weights) = _losses_and_weights(out), _losses_and_weights(torchrun_run[0])
     assert len(losses) == 3 and losses == ref_losses
     assert weights.keys() == ref_weights.keys()
     for key, value in ref_weights.items():
         torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=key)
-    assert len(list((tmp_path / "run" / "checkpoints" / "step3").glob("*optim_states.pt"))) == 2
-    if launcher == "mpiexec":  # and evaluate's ranks, ulysses 2, write the single process's numbers, once
-        export = tmp_path / "run" / "export"
-        cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "ds4sci.cli", "evaluate", str(export), "--fasta",
-               str(CDS), "--json", "--ulysses", "2"]
+    assert len(list((out / "checkpoints" / "step3").glob("*optim_states.pt"))) == 2
+    if script == "deepspeed_hostfile.sh":
+        _check_outputs(out, tmp_path, capsys)
+    if script == "pbs_mpiexec.sh":  # evaluate's ranks, ulysses 2, write the single process's numbers, once
+        cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "ds4sci.cli", "evaluate", str(out / "export"),
+               "--fasta", str(CDS), "--json", "--ulysses", "2"]
         done = subprocess.run(cmd, cwd=ROOT, env={**ENV, "MASTER_PORT": "29536"}, capture_output=True, text=True,
                               timeout=400)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -177,7 +183,7 @@ def test_mpiexec_and_srun_without_torchrun_train_as_torchrun_does(launcher, torc
 
 
 def test_torchrun_prints_ds4sci_lines_only_and_a_refusal_once(torchrun_run, tmp_path):
-    """Two processes under torchrun, ZeRO-1 (whose all-gathers make torch warn), output redirected: the run prints
+    """Two processes under torchrun, ZeRO-2 (whose all-gathers make torch warn), output redirected: the run prints
     ds4sci's lines only, from rank 0 (no DeepSpeed start-up print or warning, no FutureWarning, no bar frames: a loss
     line per train.log_every steps). A second run into the same folder (a copy of the shared run's) is refused in
     ONE line (rank 0's; rank 1 says nothing) and exits non-zero: torchrun's own report of the failed worker follows,

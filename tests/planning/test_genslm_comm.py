@@ -1,5 +1,7 @@
 """The planner's communication and step-time terms against hand counts, one term per test: each assertion is the
 closed form written out from what the ranks send, so a changed factor in ``comm`` or ``step_time`` fails here."""
+import itertools
+
 import pytest
 
 from ds4sci.distributed import ParallelDims
@@ -91,6 +93,30 @@ def test_a_group_is_intra_node_only_when_its_span_fits_in_a_node():
     c, t = comm(w, strategy), step_time(w, strategy, cluster)
     assert c.tp > 0 and c.ulysses > 0 and c.dp > 0
     assert t.comm_s == pytest.approx(c.tp / 100e9 + c.ulysses / 10e9 + c.dp / 10e9, rel=1e-12)
+
+
+def test_the_planner_times_a_group_intra_node_exactly_when_its_ranks_share_a_node():
+    """The planner and the trainer use one rank-to-node mapping: each group's bandwidth is intra-node exactly when
+    every group of its kind, as :meth:`ParallelDims.group_ranks` lists the ranks, lies in one block of
+    ``gpus_per_node`` consecutive ranks (ZeRO's traffic: the sequence x data group), nodes of 6 with tp 4 included."""
+    w = _workload()
+    checked = 0
+    for tp, ulysses, ring, dp, pp in itertools.product((1, 2, 4), (1, 2, 4), (1, 2, 3), (1, 2, 3), (1, 2)):
+        dims = ParallelDims(dp=dp, ulysses=ulysses, ring=ring, tp=tp, pp=pp)
+        if dims.world_size > 24:
+            continue
+        strategy = Strategy(dims, zero_stage=1)
+        c, kinds = comm(w, strategy), dims.group_ranks()
+        for per_node in (n for n in range(1, dims.world_size + 1) if dims.world_size % n == 0):
+            cluster = Cluster(gpus_per_node=per_node, nodes=dims.world_size // per_node, intra_gbps=100.0,
+                              inter_gbps=10.0)
+            expected = 0.0
+            for group, kind in (("tp", "tp"), ("ulysses", "ulysses"), ("ring", "ring"), ("pp", "pp"), ("dp", "sdp")):
+                inside = all(len({rank // per_node for rank in ranks}) == 1 for ranks in kinds[kind])
+                expected += getattr(c, group) / ((100.0 if inside else 10.0) * 1e9)
+            assert step_time(w, strategy, cluster).comm_s == pytest.approx(expected, rel=1e-12), (dims, per_node)
+            checked += 1
+    assert checked > 300
 
 
 def test_the_pipeline_bubble_is_pp_minus_one_over_m_plus_pp_minus_one():

@@ -87,6 +87,7 @@ def _same_logits(model, hf):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # a training in a new process through the command line
 def test_fine_tune_from_an_export_through_the_cli(trained, tmp_path):
     """The run starts where the export stopped (its first loss is the export's, far below a fresh model's) and,
     at a negligible learning rate, exports the same weights again, learned position table included."""
@@ -261,6 +262,7 @@ def test_refusals_name_the_cause(trained, tmp_path, capsys):
     assert err == f"ds4sci train: error: model.init_from='{tmp_path / 'nope'}': no such file or directory", err
 
 
+@pytest.mark.slow  # a training in a new process through the command line
 def test_fine_tune_from_a_hugging_face_directory_through_the_cli(tmp_path):
     """A run from a ``save_pretrained`` GPT-NeoX directory starts from its weights: each logged loss is the
     transformers model's own loss on that step's batch (a micro-batch holds the whole, tiny training set, so the

@@ -43,6 +43,7 @@ def _error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # a training in a new process through the command line
 def test_a_second_run_never_mixes_with_the_first(tmp_path):
     config, out = tmp_path / "tiny.yaml", tmp_path / "run"
     config.write_text(json.dumps(TINY))  # JSON is YAML
@@ -161,6 +162,7 @@ def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(tm
     assert _files(out) == before
 
 
+@pytest.mark.slow  # a training in a new process through the command line
 def test_the_same_command_line_with_resume_auto_starts_then_continues(tmp_path):
     """``ds4sci train CONFIG --resume auto``, as a restarted job runs it: the first start trains from step 1, the
     next continues from the newest checkpoint; another config into that folder is refused in one line."""
@@ -241,9 +243,10 @@ def test_what_can_be_checked_is_checked_before_any_work(tmp_path, capsys, monkey
     for key, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29500"}.items():  # torchrun's
         monkeypatch.setenv(key, value)
-    assert launch.launch_world_size() == 4
+    assert launch.current_launch().world_size == 4
 
 
+@pytest.mark.slow  # a training in a new process through the command line
 def test_train_without_a_config_runs_from_any_directory_and_its_redirected_output_reads_like_a_log(tmp_path):
     """No config: the bundled genome, from any working directory. Output redirected (no terminal), progress on (the
     default): no bar frames and nothing but ds4sci's lines: the start-up block, a loss line per train.log_every steps
@@ -263,18 +266,19 @@ def test_train_without_a_config_runs_from_any_directory_and_its_redirected_outpu
 
 def test_the_default_data_missing_says_how_to_start(tmp_path, monkeypatch):
     """An installation without the repository's examples/: ``ds4sci train`` with no config says how to start."""
+    from ds4sci.distributed.launch import resolve_launch
     from ds4sci.train.config import BUNDLED_GENOME
     from ds4sci.train.launch import check_launch
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config()
     assert cfg.data.fasta == BUNDLED_GENOME and os.path.isfile(BUNDLED_GENOME)
-    check_launch(cfg, 1)
+    check_launch(cfg, resolve_launch({}))
     isfile = os.path.isfile
     monkeypatch.setattr(os.path, "isfile", lambda path: path != BUNDLED_GENOME and isfile(path))
     with pytest.raises(FileNotFoundError, match="pass a YAML config .*examples/configs/demo_ecoli_sp2.yaml.* or --set "
                                                  "data.fasta=FILE .*--print-config lists every key"):
-        check_launch(cfg, 1)
+        check_launch(cfg, resolve_launch({}))
 
 
 @pytest.mark.parametrize("config, sets, split", [

@@ -10,13 +10,24 @@ runs ptxas with ``-v`` and prints its log under ``TRITON_DUMP_PTXAS_LOG=1``, whi
 ``TRITON_ALWAYS_COMPILE=1``, so a cache hit never skips ptxas; :mod:`.pool`). So the figures come from the ptxas and
 flags Triton itself uses for each target (the wheel's ``ptxas`` for sm_80, its ``ptxas-blackwell`` for sm_90a, with
 Triton's ``--regAllocOptLevel=2``), i.e. what a launch on that GPU would load.
+
+Given a ``cache_dir``, the figures of each compilation are kept there under a key of what determines them (the
+kernel's source and the sources it calls, Triton's version, the specialisation, the target, and the source of what
+reads the figures: this module, the PTX check, the ptxas log), and a compilation whose key is there is read instead of
+compiled: variants of different sets or calls that specialise identically (an OpenFold launch that is also a table
+entry, ``--quick``'s entries) are compiled once.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import inspect
 import io
+import json
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ds4sci.bench.aot.ptx import unsafe_exponents
@@ -36,8 +47,14 @@ TARGETS: dict[int, tuple[str, int]] = {
 }
 
 
-def compile_variant(variant: Variant | LocalVariant, capability: int) -> dict:
-    """Compile one variant for one target; a record of its tiles, resource usage and exponents (or its error)."""
+#: the fields of a record that come from the compiled code (what ``cache_dir`` keeps)
+COMPILED_FIELDS = ("shared_bytes", "registers", "stack_bytes", "spill_stores", "spill_loads", "ex2", "unsafe_ex2")
+
+
+def compile_variant(variant: Variant | LocalVariant, capability: int, cache_dir: str | None = None) -> dict:
+    """Compile one variant for one target; a record of its tiles, resource usage and exponents (or its error).
+    ``cache_dir``: a folder of earlier compilations' figures to read this one's from when there, and to add it to when
+    not (``record["cached"]`` says which); errors are never kept."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -54,12 +71,27 @@ def compile_variant(variant: Variant | LocalVariant, capability: int) -> dict:
         backend = triton.compiler.make_backend(target)
         signature, constexprs, attrs, _ = specialisation(kernel, args, meta, backend)
         record["specialisation"] = describe_specialisation(kernel, signature, constexprs, attrs)
-        src, options = ast_source(kernel, args, meta, backend)
-        with contextlib.redirect_stdout(io.StringIO()) as log:  # Triton prints ptxas's -v log here
-            compiled = triton.compile(src, target=target, options=options)
-        record["shared_bytes"] = int(compiled.metadata.shared)
-        record |= ptxas_usage(log.getvalue())
-        record["ex2"], record["unsafe_ex2"] = unsafe_exponents(compiled.asm["ptx"])
+        cached = None
+        if cache_dir is not None:
+            readers = b"".join(Path(inspect.getsourcefile(f)).read_bytes()  # what reads the figures: this file, ...
+                               for f in (compile_variant, unsafe_exponents, ptxas_usage))  # ... the PTX check, ptxas's
+            key = repr((kernel.cache_key, triton.__version__, signature, constexprs, attrs, meta, capability,
+                        hashlib.sha256(readers).hexdigest()))
+            cached = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+        record["cached"] = cached is not None and cached.exists()
+        if record["cached"]:
+            record |= json.loads(cached.read_text())
+        else:
+            src, options = ast_source(kernel, args, meta, backend)
+            with contextlib.redirect_stdout(io.StringIO()) as log:  # Triton prints ptxas's -v log here
+                compiled = triton.compile(src, target=target, options=options)
+            record["shared_bytes"] = int(compiled.metadata.shared)
+            record |= ptxas_usage(log.getvalue())
+            record["ex2"], record["unsafe_ex2"] = unsafe_exponents(compiled.asm["ptx"])
+            if cached is not None:  # written whole, then renamed: a reader never sees half a record
+                part = cached.with_suffix(f".{os.getpid()}.part")
+                part.write_text(json.dumps({field: record[field] for field in COMPILED_FIELDS}))
+                os.replace(part, cached)
         record["error"] = None
     except Exception as err:  # recorded and reported; the gate fails on any error
         record["error"] = f"{type(err).__name__}: {err}"

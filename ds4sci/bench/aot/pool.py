@@ -37,9 +37,11 @@ def _without_interpreter() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = saved
 
 
-def compile_all(variants: list[Variant | LocalVariant], capabilities=(80, 90), jobs: int = 1) -> list[dict]:
-    """Compile every (variant, target) in ``jobs`` spawned worker processes; records in input order."""
-    tasks = [(v, cc) for v in variants for cc in capabilities]
+def compile_all(variants: list[Variant | LocalVariant], capabilities=(80, 90), jobs: int = 1,
+                cache_dir: str | None = None) -> list[dict]:
+    """Compile every (variant, target) in ``jobs`` spawned worker processes; records in input order. ``cache_dir``:
+    figures of earlier compilations to reuse and add to (:func:`~ds4sci.bench.aot.compile.compile_variant`)."""
+    tasks = [(v, cc, cache_dir) for v in variants for cc in capabilities]
     ctx = multiprocessing.get_context("spawn")
     with _without_interpreter(), concurrent.futures.ProcessPoolExecutor(
         max_workers=max(1, jobs), mp_context=ctx, initializer=_worker_init
