@@ -68,7 +68,7 @@ from ds4sci.data.fasta import IUPAC_POLICIES
 from ds4sci.data.fasta import iter_raw_records
 from ds4sci.data.tokenizers import Tokenizer
 from ds4sci.distributed.launch import Launch
-from ds4sci.distributed.storage import node_index
+from ds4sci.distributed.nodes import node_of
 from ds4sci.distributed.storage import nodes_seeing
 from ds4sci.progress import progress_bar
 
@@ -360,7 +360,10 @@ def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iu
     if dist is None:
         root, files = _prepare(fasta, tokenizer, iupac, cache_dir, progress)
         return dataclasses.replace(Corpus.open(root), paths=tuple(files))
-    node, first = (node_index(launch), launch.local_rank == 0) if launch is not None else (0, dist.get_rank() == 0)
+    if launch is not None:
+        node, first = node_of(launch.rank, launch.local_world_size), launch.local_rank == 0
+    else:
+        node, first = 0, dist.get_rank() == 0
     try:
         shared = launch is None or {v.node: v.sees for v in nodes_seeing(cache_dir, launch)}[node]
     except OSError:  # on every rank: rank 0 cannot write there (a read-only cache built beforehand), so it is shared

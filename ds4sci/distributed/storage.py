@@ -11,8 +11,8 @@ calls it, and every rank gets the same answer (or the same error), so none is le
 The marker's name starts with :data:`MARKER_PREFIX`, so a run folder's rules (:mod:`ds4sci.train.run_dir`) can tell
 one that a killed process left behind from a run's files.
 
-Nodes: a rank's node is ``rank // local_world_size`` (:func:`node_index`): the ranks of a node are consecutive, as
-torchrun, DeepSpeed's launcher and ``srun``'s and ``mpiexec``'s default block distribution number them.
+Nodes: a rank's node is :func:`ds4sci.distributed.nodes.node_of` of its rank and the launch's processes per node,
+the one rank-to-node mapping of the trainer, the inference commands and the planner.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ds4sci.distributed.launch import Launch
+from ds4sci.distributed.nodes import node_of
 
 MARKER_PREFIX = ".ds4sci.node-check-"
 
@@ -36,11 +37,6 @@ class NodeView:
     node: int
     host: str
     sees: bool
-
-
-def node_index(launch: Launch) -> int:
-    """The node of ``launch``'s process: ``rank // local_world_size`` (consecutive ranks per node)."""
-    return launch.rank // launch.local_world_size
 
 
 def nodes_seeing(folder: str | os.PathLike, launch: Launch) -> list[NodeView]:
@@ -79,7 +75,7 @@ def nodes_seeing(folder: str | os.PathLike, launch: Launch) -> list[NodeView]:
                 sees = (folder / f"{MARKER_PREFIX}{value}").read_text() == value
             except OSError:  # missing, or the folder itself is missing or unreadable on this node
                 sees = False
-            view = NodeView(node_index(launch), socket.gethostname(), sees)
+            view = NodeView(node_of(launch.rank, launch.local_world_size), socket.gethostname(), sees)
         views: list = [None] * dist.get_world_size()
         dist.all_gather_object(views, view)
     finally:

@@ -7,7 +7,6 @@ from pathlib import Path
 from ds4sci.distributed.launch import Launch
 from ds4sci.distributed.storage import MARKER_PREFIX
 from ds4sci.distributed.storage import NodeView
-from ds4sci.distributed.storage import node_index
 from ds4sci.distributed.storage import nodes_seeing
 from ds4sci.train.config import load_config
 from ds4sci.train.run_dir import prepare_run_dir
@@ -20,11 +19,6 @@ def test_a_lone_process_is_node_0_and_sees_its_folder_without_writing_there(tmp_
     lone = Launch("none", 0, 1, 0, 1, 1, "127.0.0.1", 0)
     assert nodes_seeing(tmp_path / "out", lone) == [NodeView(0, socket.gethostname(), True)]
     assert not (tmp_path / "out").exists()
-
-
-def test_the_node_of_a_rank_counts_whole_nodes_of_consecutive_ranks():
-    nodes = [node_index(Launch("torchrun", rank, 8, rank % 4, 4, 2, "m", 1)) for rank in range(8)]
-    assert nodes == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_a_marker_left_by_a_killed_check_is_not_part_of_a_run_folder(tmp_path):
