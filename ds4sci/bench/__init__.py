@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from ds4sci.cli_args import LazyParser
-
 from ds4sci.cli_args import CommandError
+from ds4sci.cli_args import LazyParser
 from ds4sci.distributed.launch import resolve_launch
 
 # name -> (module, one-line help)

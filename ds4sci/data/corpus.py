@@ -21,9 +21,11 @@ agree with its ``meta.json`` (sizes, counts, key) is deleted and rebuilt. Buildi
 directory next to the cache and renames it into place at the end, so a killed build leaves no cache (only a
 ``.<key>.tmp.<host>.<pid>`` directory, removed by the next build on that host once its process is gone).
 
-Under ``torch.distributed`` only global rank 0 hashes the sources and builds; the other ranks wait in a broadcast
-of the result (the cache path, or rank 0's error, re-raised on every rank) and map the same files, so
-``cache_dir`` must be on a file system every rank sees. A large corpus is best built once beforehand
+Under ``torch.distributed`` global rank 0 hashes the sources and builds once for every node that sees ``cache_dir``
+as it does (shared storage); where a node does not (a node-local ``$TMPDIR`` or ``/local/scratch``: rank 0's marker
+is missing there, :func:`ds4sci.distributed.storage.nodes_seeing`), that node's first process builds its own copy,
+once per node. The other ranks wait in an all-gather of the builds (each builder's cache path or error; any error is
+re-raised on every rank) and map their node's files. A large corpus is best built once beforehand
 (``python -m ds4sci.data.corpus FASTA... --cache-dir DIR``), since the other ranks' wait counts against the
 process group's timeout.
 
@@ -65,6 +67,9 @@ from ds4sci.data.datasets import split_spans
 from ds4sci.data.fasta import IUPAC_POLICIES
 from ds4sci.data.fasta import iter_raw_records
 from ds4sci.data.tokenizers import Tokenizer
+from ds4sci.distributed.launch import Launch
+from ds4sci.distributed.nodes import node_of
+from ds4sci.distributed.storage import nodes_seeing
 from ds4sci.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -337,33 +342,50 @@ def _distributed():
 
 
 def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iupac: str = "n",
-                progress: bool = False) -> Corpus:
+                progress: bool = False, launch: Launch | None = None) -> Corpus:
     """The token cache of ``fasta`` (see :func:`resolve_sources`), built on first use (see the module docstring).
 
-    Under ``torch.distributed`` every rank must call this: rank 0 builds, the others wait and map its result.
+    Under ``torch.distributed`` every rank must call this. ``launch`` (this process's place: rank, local rank, local
+    world size) lets each node's first process check whether it sees ``cache_dir`` as rank 0 does: rank 0 builds for
+    the nodes that do, the first process of each node that does not builds its own, and the others wait and map
+    their node's. Without ``launch``, or where rank 0 cannot write into ``cache_dir`` (a read-only cache built
+    beforehand), every rank is taken to see rank 0's ``cache_dir``.
     ``progress``: a bar while the cache is built, on a terminal only.
 
     Raises:
-        ValueError / OSError: bad input (named by rank 0 and raised on every rank), or a rank that cannot map rank 0's
-            cache (``data.cache_dir`` not shared) or was given another tokenizer or iupac policy.
+        ValueError / OSError: bad input (named by the builder and raised on every rank), or a rank that cannot map its
+            builder's cache or was given another tokenizer or iupac policy.
     """
     dist = _distributed()
     if dist is None:
         root, files = _prepare(fasta, tokenizer, iupac, cache_dir, progress)
         return dataclasses.replace(Corpus.open(root), paths=tuple(files))
-    result: list = [None]
-    if dist.get_rank() == 0:
+    if launch is not None:
+        node, first = node_of(launch.rank, launch.local_world_size), launch.local_rank == 0
+    else:
+        node, first = 0, dist.get_rank() == 0
+    try:
+        shared = launch is None or {v.node: v.sees for v in nodes_seeing(cache_dir, launch)}[node]
+    except OSError:  # on every rank: rank 0 cannot write there (a read-only cache built beforehand), so it is shared
+        shared = True
+    mine = None  # this rank's build: ("ok", (root, files)) or (error class name, message)
+    if dist.get_rank() == 0 or (first and not shared):
         try:
             root, files = _prepare(fasta, tokenizer, iupac, cache_dir, progress)
-            result = [("ok", (str(root), files))]
+            mine = ("ok", (str(root), files))
         except (OSError, ValueError) as err:  # every rank raises the same user error, none hangs
-            result = [(type(err).__name__, str(err))]
+            mine = (type(err).__name__, str(err))
         except BaseException as err:
-            result = [("RuntimeError", f"rank 0 failed to build the token cache: {type(err).__name__}: {err}")]
-            dist.broadcast_object_list(result, src=0)
+            failed = ("RuntimeError", f"rank {dist.get_rank()} failed to build the token cache: "
+                                      f"{type(err).__name__}: {err}")
+            dist.all_gather_object([None] * dist.get_world_size(), (node, failed))
             raise
-    dist.broadcast_object_list(result, src=0)
-    status, value = result[0]
+    builds: list = [None] * dist.get_world_size()  # (node, build) of every rank; build None: it waited
+    dist.all_gather_object(builds, (node, mine))
+    result = builds[0][1] if shared else next(b for n, b in builds if n == node and b is not None)
+    if result[0] == "ok":  # another builder's error stops this rank too
+        result = next((b for _, b in builds if b is not None and b[0] != "ok"), result)
+    status, value = result
     if status != "ok":
         exc = {"FileNotFoundError": FileNotFoundError, "IsADirectoryError": IsADirectoryError,
                "ValueError": ValueError}.get(status, RuntimeError)
@@ -372,8 +394,8 @@ def open_corpus(fasta, tokenizer: Tokenizer, *, cache_dir: str | os.PathLike, iu
     try:
         corpus = dataclasses.replace(Corpus.open(value), paths=tuple(files))
     except (OSError, ValueError) as err:
-        raise ValueError(f"rank {dist.get_rank()}: cannot map the token cache rank 0 built at {value} ({err}); "
-                         f"data.cache_dir must be on a file system every rank sees") from None
+        raise ValueError(f"rank {dist.get_rank()}: cannot map the token cache built at {value} ({err}); "
+                         f"data.cache_dir must be on a file system every rank of a node sees") from None
     if corpus.meta["tokenizer"] != tokenizer.signature() or corpus.meta["iupac"] != iupac:
         raise ValueError(f"rank {dist.get_rank()}: the token cache at {value} was built with another tokenizer "
                          f"or iupac policy than this rank's (ranks disagree on the data config)")

@@ -94,9 +94,11 @@ def fit_global_batch(cfg: Config, dims: ParallelDims) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=t.global_batch_size // per_micro_step))
 
 
-def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.utils.data.Dataset, str]:
+def load_data(cfg: Config, launch: Launch | None = None) -> tuple[Tokenizer, torch.utils.data.Dataset,
+                                                                   torch.utils.data.Dataset, str]:
     """Tokenizer, training and validation datasets for ``cfg.data``, read from the token cache of ``data.fasta``
-    (built on first use by rank 0; :mod:`ds4sci.data.corpus`), and a line naming the split ``data.split`` chose
+    (built on first use by rank 0, or by each node's first process where ``launch``'s nodes do not share
+    ``data.cache_dir``; :mod:`ds4sci.data.corpus`), and a line naming the split ``data.split`` chose
     (:func:`ds4sci.data.datasets.describe_split`). Every rank must call it."""
     from ds4sci.data.corpus import load_datasets
     from ds4sci.data.corpus import open_corpus
@@ -105,7 +107,8 @@ def load_data(cfg: Config) -> tuple[Tokenizer, torch.utils.data.Dataset, torch.u
     d = cfg.data
     tok = Tokenizer.from_name(d.tokenizer)
     cache_dir = d.cache_dir or os.path.join(cfg.train.out_dir, "token_cache")
-    corpus = open_corpus(d.fasta, tok, cache_dir=cache_dir, iupac=d.iupac, progress=cfg.train.progress)
+    corpus = open_corpus(d.fasta, tok, cache_dir=cache_dir, iupac=d.iupac, progress=cfg.train.progress,
+                         launch=launch)
     train, val = load_datasets(corpus, tok, dataset=d.dataset, seq_len=d.seq_len, stride=d.stride,
                                val_fraction=d.val_fraction, split=d.split, max_train_tokens=d.max_train_tokens,
                                reverse_complement=d.reverse_complement, seed=cfg.train.seed)

@@ -5,7 +5,10 @@
   replaces it. ``token_cache/`` (the default ``data.cache_dir``) is a cache keyed by its data and tokenizer, not part
   of a run: a folder holding only it counts as empty, and ``--overwrite`` keeps it. Nor is the lock file
   (:mod:`ds4sci.train.run_lock`): every command that writes ``out_dir`` holds its lock first (:func:`open_run_dir`),
-  so a folder in use by a live run is refused whatever the command.
+  so a folder in use by a live run is refused whatever the command; nor a node check's marker
+  (:mod:`ds4sci.distributed.storage`) that a killed process left behind.
+* Every node must see the same ``out_dir``: a node that does not is refused by name before anything there is read
+  or deleted (:func:`open_run_dir`).
 * ``--overwrite`` deletes everything else in ``out_dir``, only when ``out_dir`` holds a run: a non-empty folder
   without ``config.yaml`` is no ds4sci run, and is never deleted (nor written into).
 * ``--resume`` continues the run in ``out_dir`` from its newest complete checkpoint; ``--resume CHECKPOINT`` from that
@@ -31,6 +34,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ds4sci.distributed.launch import Launch
+from ds4sci.distributed.storage import MARKER_PREFIX
+from ds4sci.distributed.storage import check_same_folder
 from ds4sci.train.config import Config
 from ds4sci.train.config import load_config
 from ds4sci.train.resume_keys import MAY_CHANGE
@@ -130,7 +136,8 @@ def prepare_run_dir(cfg: Config, resume: str | None = None, overwrite: bool = Fa
     out = Path(cfg.train.out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"train.out_dir {out} is a file, not a folder")
-    entries = sorted(p.name for p in out.iterdir() if p.name not in (CACHE, LOCK_FILE)) if out.is_dir() else []
+    entries = sorted(p.name for p in out.iterdir() if p.name not in (CACHE, LOCK_FILE)
+                     and not p.name.startswith(MARKER_PREFIX)) if out.is_dir() else []
     holds_run = (out / RUN_MARK).is_file()
     if entries and not holds_run:
         raise ValueError(f"train.out_dir {out} is not empty and holds no ds4sci run (no {RUN_MARK}; it holds "
@@ -190,31 +197,45 @@ def _delete_run(out: Path, entries: list[str], why: str) -> None:
         logger.warning("%s: deleted the run in %s (%s)", why, out, _names(entries))
 
 
-def open_run_dir(cfg: Config, resume: str | None, overwrite: bool, device) -> tuple[Path | None, RunLock | None]:
+def open_run_dir(cfg: Config, resume: str | None, overwrite: bool, device,
+                 launch: Launch) -> tuple[Path | None, RunLock | None]:
     """:func:`prepare_run_dir` on rank 0 under the run folder's lock (:mod:`ds4sci.train.run_lock`), its result or
     error on every rank (collective: every rank calls it). Rank 0 locks the folder before it reads or deletes
-    anything there, and keeps the lock for the run: a refusal (the folder in use by another live run, or refused by
-    :func:`prepare_run_dir`) releases it, and reaches every rank as the same one line.
+    anything there, and keeps the lock for the run; then every node checks that it sees the folder rank 0 locked
+    (:func:`~ds4sci.distributed.storage.check_same_folder`: a node-local ``train.out_dir`` would give each node its
+    own half of every checkpoint), before anything there is read or deleted. A refusal (the folder in use by
+    another live run, seen by some node as another folder, or refused by :func:`prepare_run_dir`) releases the
+    lock, and reaches every rank as the same one line.
 
     Returns:
         the checkpoint to resume from (or None), and on rank 0 the lock to release when the run ends (None on the
-        other ranks, and where the filesystem cannot lock).
+        other ranks).
     """
+    out = Path(cfg.train.out_dir)
     box: list = [None, None]  # [checkpoint, error message]
     lock = None
     if dist.get_rank() == 0:
         mode = " --overwrite" if overwrite else "" if resume is None else f" --resume {resume}".rstrip()
         try:
-            lock = lock_run_dir(Path(cfg.train.out_dir), f"ds4sci train{mode}")
-            box[0] = prepare_run_dir(cfg, resume, overwrite, dist.get_world_size())
+            lock = lock_run_dir(out, f"ds4sci train{mode}")
         except (OSError, ValueError) as err:
             box[1] = str(err)
-            if lock is not None:
-                lock.release()
-                lock = None
-    dist.broadcast_object_list(box, src=0, device=device)
-    if box[1] is not None:
-        raise ValueError(box[1])
+    try:
+        dist.broadcast_object_list(box, src=0, device=device)
+        if box[1] is None:
+            check_same_folder(out, "train.out_dir", launch)
+            if dist.get_rank() == 0:
+                try:
+                    box[0] = prepare_run_dir(cfg, resume, overwrite, dist.get_world_size())
+                except (OSError, ValueError) as err:
+                    box[1] = str(err)
+            dist.broadcast_object_list(box, src=0, device=device)
+        if box[1] is not None:
+            raise ValueError(box[1])
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return box[0], lock
 
 

@@ -188,11 +188,13 @@ class Trainer:
         self.groups = build_groups(self.dims, timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
         local = self.launch.local_rank
         self.device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":  # the device of NCCL's object collectives at start-up (run folder, token cache)
+            torch.cuda.set_device(self.device)
         self.out = Path(cfg.train.out_dir)
         # locked (rank 0, held to the end of train()) before anything there is read or written
-        resume_from, self.run_lock = open_run_dir(cfg, resume, overwrite, self.device)
+        resume_from, self.run_lock = open_run_dir(cfg, resume, overwrite, self.device, self.launch)
 
-        self.tokenizer, self.train_ds, self.val_ds, self.split = load_data(cfg)
+        self.tokenizer, self.train_ds, self.val_ds, self.split = load_data(cfg, self.launch)
         # built on the meta device: each rank draws (or, with model.init_from, copies from the memory-mapped source)
         # only its own pieces (its TP shards, its table rows, its pipeline stage), so no rank holds the whole model
         model = initial_model(cfg, self.tokenizer, device="meta")

@@ -180,17 +180,86 @@ def test_the_lock_is_shared_within_a_process_and_a_refused_launch_leaves_nothing
     assert not out.exists() and (tmp_path / "new").is_dir()
 
 
-def test_a_filesystem_that_cannot_lock_runs_unlocked_with_one_warning(tmp_path, monkeypatch, caplog):
-    def no_flock(fd, operation):
-        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+def _no_flock(fd, operation):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(run_lock.fcntl, "flock", no_flock)
-    with caplog.at_level(logging.WARNING, logger="ds4sci.train.run_lock"):
-        assert lock_run_dir(tmp_path / "run", "ds4sci train") is None
-    [message] = caplog.messages
-    assert message.startswith(f"train.out_dir {tmp_path / 'run'} is on {run_lock.filesystem(tmp_path)}, which "
-                              f"cannot lock files (flock: Function not implemented): this run goes on unlocked")
-    assert " mounted at /" in message
+
+#: ``python -c HOLDER FOLDER``: takes the lock of FOLDER where flock is refused (ENOLCK), says so, and sleeps.
+HOLDER = """
+import errno, fcntl, os, sys, time
+def no_flock(fd, operation):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+fcntl.flock = no_flock
+from ds4sci.train.run_lock import lock_run_dir
+lock_run_dir(sys.argv[1], "ds4sci train --set x=1")
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _exact_record(path: Path, command: str, pid: int | None = None) -> dict:
+    """The lock file at ``path`` holds exactly this process's (or ``pid``'s) record, byte for byte; returns it."""
+    content = path.read_bytes()
+    started = re.search(rb'"started": "([^"]+)"', content)[1].decode()
+    record = {"host": socket.gethostname(), "pid": pid or os.getpid(), "command": command, "started": started}
+    assert content == json.dumps(record).encode() + b"\n", content
+    return record
+
+
+def test_without_flock_a_lock_file_stops_a_second_job_and_a_dead_holders_lock_is_taken_over(tmp_path, monkeypatch,
+                                                                                              caplog):
+    """Where flock is refused (ENOLCK: NFS without a lock manager), the lock file is the lock: a live holder (another
+    process) refuses a second run naming it; killed, its lock (fresh, but naming a process of this host that is gone)
+    is taken over with the warning that names it, and the file then holds exactly the new holder's record."""
+    monkeypatch.setattr(run_lock.fcntl, "flock", _no_flock)
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        _exact_record(out / LOCK_FILE, "ds4sci train --set x=1", pid=holder.pid)
+        with pytest.raises(ValueError) as refused:
+            lock_run_dir(out, "ds4sci train")
+        assert str(refused.value).startswith(f"train.out_dir {out} is in use by pid {holder.pid} on host "
+                                             f"{socket.gethostname()} (ds4sci train --set x=1, started "), refused.value
+    finally:
+        holder.kill()
+        holder.wait()
+    with caplog.at_level(logging.INFO, logger="ds4sci.train.run_lock"):
+        lock = lock_run_dir(out, "ds4sci train --overwrite")
+    try:
+        assert (f"train.out_dir {out}: took over the lock left by pid {holder.pid} on host {socket.gethostname()} "
+                f"(ds4sci train --set x=1, started ") in caplog.text
+        assert f"is on {run_lock.filesystem(out)}, which cannot lock files (flock: No locks available)" in caplog.text
+        _exact_record(out / LOCK_FILE, "ds4sci train --overwrite")
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # the stale file moved aside is gone
+    finally:
+        lock.release()
+    assert not (out / LOCK_FILE).exists()  # released
+
+
+def test_without_flock_another_hosts_lock_is_stale_once_its_heartbeat_stops(tmp_path, monkeypatch):
+    """A lock file of another host is live while its time is refreshed (within STALE_S), stale after; a holder
+    refreshes its own file every HEARTBEAT_S, and its release leaves a file that took its lock over alone."""
+    monkeypatch.setattr(run_lock.fcntl, "flock", _no_flock)
+    out = tmp_path / "run"
+    out.mkdir()
+    other = {"host": "node07", "pid": 1, "command": "ds4sci train", "started": "2026-01-01T00:00:00+00:00"}
+    (out / LOCK_FILE).write_text(json.dumps(other) + "\n")
+    with pytest.raises(ValueError, match="is in use by pid 1 on host node07 "):
+        lock_run_dir(out, "ds4sci train")
+    old = time.time() - run_lock.STALE_S - 1
+    os.utime(out / LOCK_FILE, (old, old))
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    lock = lock_run_dir(out, "ds4sci train")
+    try:
+        beat = (out / LOCK_FILE).stat().st_mtime
+        _wait_for("a heartbeat", lambda: (out / LOCK_FILE).stat().st_mtime > beat, timeout=10)
+        (out / LOCK_FILE).rename(out / "taken")  # as a contender that judged this holder stale would replace it
+        (out / LOCK_FILE).write_text(json.dumps(other) + "\n")
+    finally:
+        lock.release()
+    assert json.loads((out / LOCK_FILE).read_text()) == other
 
 
 def test_a_takeover_from_a_longer_stale_record_leaves_exactly_the_new_holders_record(tmp_path, caplog):
