@@ -114,7 +114,8 @@ def test_make_targets_install_then_run(target, last, tmp_path):
     its dev and openfold extras, then runs the demo script / the whole suite (pytest with no test selection)."""
     lines = _make_dry_run(target, tmp_path)
     steps = [next(i for i, line in enumerate(lines) if pattern in line) for pattern in
-             ("-m venv .venv", "pip install -q torch==2.13.0", 'pip install -q -e ".[dev,openfold]"', last)]
+             ("-m venv .venv", "pip install --progress-bar off torch==2.13.0",
+              'pip install --progress-bar off -e ".[dev,openfold]"', last)]
     assert steps == sorted(steps), lines
     run = next(line for line in lines if last in line).split(";")[0].strip()
     assert run.startswith(last), run

@@ -212,7 +212,7 @@ def planted(original, when):
     return method
 
 if fault == "kill-at-start-up" and rank == 1:
-    trainer_module.load_data = planted(trainer_module.load_data, lambda cfg: True)
+    trainer_module.load_data = planted(trainer_module.load_data, lambda cfg, launch=None: True)
 if fault == "kill-in-evaluation" and rank == 1:
     Trainer._micro_batch = planted(Trainer._micro_batch, lambda self, dataset, index, shuffle: not shuffle)
 if fault == "kill-in-save" and rank == 1:
