@@ -52,6 +52,7 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "tensorboard>=2.14",
+        "scikit-learn>=1.3",  # task metrics and the linear probe (ds4sci.data.metrics, ds4sci probe)
     ],
     extras_require={
         # ds4sci.integrations.openfold replaces a private function of openfold3 0.5 (_deepspeed_evo_attn)
