@@ -63,6 +63,8 @@ setup(
                 "ruff>=0.17,<0.18", "mutmut>=3.8,<4",
                 # mpiexec (MPICH) and mpi4py: the `mpiexec -n 2 ds4sci train` test (tests/distributed/test_launchers.py)
                 "mpich>=4.2", "mpi4py>=4.0",
+                # Prodigal's gene calls: examples/tasks/make_coding_task.py, which derives the bundled coding task
+                "pyrodigal>=3.7",
                 # the documentation site: `make docs` (mkdocs build --strict), tests/test_docs.py
                 "mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings-python>=1.10"],
     },

@@ -1,5 +1,7 @@
 """Labelled data readers (ds4sci.data.labels): every input form and kind, the stable split rule, and every bad line
 named with its file and line, all in one error."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -140,3 +142,21 @@ def test_bad_arguments_are_value_errors(tmp_path):
         read_labelled(fasta, "binary", classes=["a", "b", "c"])
     assert np.array_equal(read_labelled(fasta, "binary", classes=["0", "1"]).targets(
         read_labelled(fasta, "binary").examples[0].split), [1])
+
+
+def test_bundled_coding_task_matches_the_genome_and_holds_out_a_region():
+    from ds4sci.data import read_fasta
+
+    root = Path(__file__).resolve().parents[2] / "examples" / "data"
+    genome = next(read_fasta(root / "NC_007779.1_ecoli_K12_W3110.fasta.gz")).sequence
+    windows = read_labelled(root / "ecoli_coding_windows.tsv", "binary")
+    bases = read_labelled(root / "ecoli_coding_bases.tsv", "token")
+    assert windows.split_rule == bases.split_rule == "given"
+    for data, size in ((windows, 256), (bases, 512)):
+        for e in data.examples:
+            start, end = map(int, e.id.split(":")[1].split("-"))
+            assert end - start == size and genome[start:end] == e.sequence
+            assert (start >= 3_950_000) == (e.split == "test") and (e.split != "validation" or start >= 3_500_000)
+    for split, count in (("train", 500), ("validation", 120), ("test", 200)):
+        assert len(windows.split(split)) == count and windows.targets(split).mean() == 0.5
+    assert 0.5 < bases.targets("test").mean() < 0.95  # both classes in the per-base test split
