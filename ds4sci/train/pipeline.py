@@ -29,13 +29,10 @@ Rank layout: :func:`pipeline_topology` is DeepSpeed's ``PipeModelDataParallelTop
 :class:`~ds4sci.distributed.ParallelDims` does (TP < Ulysses < Ring < DP < PP): the engine's "data" group is our
 sequence x data group (where gradients are reduced and ZeRO-1 partitions), its "model" axis our TP group.
 
-How DeepSpeed's engine treats these stages, as ds4sci relies on it (each pinned by
-``tests/distributed/test_train_pipeline.py``): gradients are averaged over its data group, so the loss scale is
-:func:`pipeline_reduction_factor` ``= dp * sp``, measured again at start-up on a probe pipeline
-(:func:`check_pipeline_gradient_reduction`); ZeRO-0 clipping counts a parameter once only when every TP-rank-0
-process marks its parameters ``model_parallel`` (:func:`build_pipeline_engine`; the last stage's tied copy is left
-unmarked); stage outputs are sequence-sharded over TP, so ``pipe_partitioned`` / ``grad_partitioned`` are off;
-ZeRO-2/3 are refused (the config refuses them first).
+What ds4sci relies on in DeepSpeed's engine (gradients averaged over its data group, hence
+:func:`pipeline_reduction_factor` ``= dp * sp``, measured again at start-up by
+:func:`check_pipeline_gradient_reduction`; ZeRO-0 clipping and the ``model_parallel`` marks; ZeRO-2/3 refused) is
+pinned by ``tests/distributed/test_train_pipeline.py``.
 
 The learned position table stays out of the engine as without pipelining
 (:class:`~ds4sci.train.position_table.PositionTable`); the embedding stage looks it up, so its gradient exists on
@@ -250,8 +247,9 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
     pipe.to(device)
     if groups.tp_rank == 0:
         for p in pipe.parameters():
-            # counted once in clip_grad_norm_'s global norm (see the module docstring), which, unlike ZeRO-1's, does not
-            # skip the last stage's copy of a tied embedding (ds_pipe_replicated): that copy stays unmarked
+            # ZeRO-0 clipping counts a parameter once in its global norm only when every TP-rank-0 process marks it
+            # model_parallel; unlike ZeRO-1's, it does not skip the last stage's copy of a tied embedding
+            # (ds_pipe_replicated): that copy stays unmarked
             p.model_parallel = not p.ds_pipe_replicated
     return _initialize(pipe, cfg, dims)
 
@@ -262,6 +260,7 @@ def _initialize(pipe, cfg: Config, dims: ParallelDims):
 
     ds_config = deepspeed_config(cfg, dims.sp)
     ds_config.pop("sequence_parallel_size")  # the engine sees the sequence ranks as data ranks (topology)
+    # stage outputs are already sequence-sharded over TP: DeepSpeed's own partitioning of them stays off
     ds_config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     optimizer, scheduler = make_optimizer([p for p in pipe.parameters() if p.requires_grad], cfg)
     engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
