@@ -130,6 +130,17 @@ def test_a_multi_base_ref_is_checked_on_every_base(setup, tmp_path, capsys):
     assert err.count("\n") == 1 and f"{tmp_path / 'v.tsv'}: 1 bad variant(s), nothing scored: line 3: REF" in err
 
 
+def test_a_file_of_many_bad_lines_is_one_short_line(setup, tmp_path):
+    """25 bad lines: the first 20 named with their line numbers, then how many more (a message per bad line of a
+    100K-variant file would be a screen of its own)."""
+    (tmp_path / "v.tsv").write_text("chrom\tpos\tref\talt\n" + "".join(f"chrZ\t{i}\tA\tC\n" for i in range(1, 26)))
+    with pytest.raises(ValueError) as err:
+        read_variants(tmp_path / "v.tsv", setup["reference"])
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'v.tsv'}: 25 bad variant(s), nothing scored: line 2: unknown chromosome")
+    assert "line 21: unknown" in message and "line 22:" not in message and message.endswith("; and 5 more")
+
+
 def window_log_likelihoods(model, tokenizer, windows: list[str]) -> np.ndarray:
     """The oracle: each window's log-likelihood (nats, the mean of both strands; the first token has no context and
     is not scored) from one plain forward of all the windows of both strands, stacked (windows of one length)."""
