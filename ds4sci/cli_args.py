@@ -54,7 +54,8 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
     """``--seq-len`` and ``--stride``: the windows a command reads records through
     (:func:`ds4sci.infer.evaluate.record_windows`); checked against the model by :func:`check_windows`."""
     parser.add_argument("--seq-len", type=positive_int, default=None,
-                        help="window length in tokens, at most the model's context (default: the model's context)")
+                        help="window length in tokens, at most the model's context (default: the length the model "
+                        "was trained on, as its export records it; the context for a model that records none)")
     parser.add_argument("--stride", type=positive_int, default=None,
                         help="tokens between window starts, at most --seq-len (default: --seq-len, windows that do "
                         "not overlap); a smaller stride gives every token after the first window at least "

@@ -5,7 +5,7 @@ The workload is a saturation-mutagenesis scan, the common zero-shot variant-effe
 mutated to the three others): ``--positions`` consecutive positions of the reference from ``--start`` (1-based),
 3 SNVs each, written as a VCF and read back with :func:`~ds4sci.infer.variants.read_variants`. The model is a
 randomly initialised nucleotide GenSLM of the given shape (speed does not depend on the weights), its context
-``--context`` tokens, the REF window the whole context (``--context`` bases, the command's default for SNVs).
+``--context`` tokens, the REF window the whole context (``--context`` bases, as ``--window`` would ask).
 
 Two ways to score the same variants, each one :func:`~ds4sci.infer.score.score_records` call over both strands:
 

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from ds4sci.infer.embed import embed_records
     from ds4sci.infer.embed import save_token_embeddings
     from ds4sci.infer.embed import token_embeddings
+    from ds4sci.infer.length import default_length
 
     def check_layer(config, tokenizer) -> None:
         if args.layer is not None and args.layer > config.num_layers:
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
                    runner=runner)
     what = "final norm" if args.layer is None else f"block {args.layer}"
     if args.per_token:
-        states = token_embeddings(model, tokenizer, read_fasta(args.fasta), args.seq_len, **options)
+        states = token_embeddings(model, tokenizer, read_fasta(args.fasta),
+                                  args.seq_len or default_length(args.export, config), **options)
         if not runner.is_writer:  # its records go to rank 0, which writes them
             for _ in states:
                 pass
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         count = save_token_embeddings(args.out, states)
         logger.info("wrote the per-token states (%s) of %d record(s) to %s", what, count, args.out)
         return 0
-    ids, vectors = embed_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, **options)
+    ids, vectors = embed_records(model, tokenizer, read_fasta(args.fasta),
+                                 args.seq_len or default_length(args.export, config), **options)
     if runner.is_writer:
         np.savez(args.out, ids=np.array(ids), embeddings=vectors)
         logger.info("wrote %d embeddings (%s) of size %d to %s", len(ids), what, vectors.shape[1], args.out)

@@ -22,9 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ds4sci.infer.evaluate import evaluate
     from ds4sci.infer.evaluate import windows
+    from ds4sci.infer.length import default_length
 
     model, config, tokenizer, runner = load_reader(args)
-    dataset = windows(config, tokenizer, args.fasta, args.seq_len, args.stride)
+    dataset = windows(config, tokenizer, args.fasta, args.seq_len or default_length(args.export, config), args.stride)
     result = evaluate(model, tokenizer, dataset, args.batch_size, runner)
     if not runner.is_writer:
         return 0

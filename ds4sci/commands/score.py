@@ -32,11 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds4sci.data import read_fasta
+    from ds4sci.infer.length import default_length
     from ds4sci.infer.score import score_records
 
     out_folder(args.out)
     model, _, tokenizer, runner = load_reader(args)
-    rows = score_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, args.reverse_complement,
+    rows = score_records(model, tokenizer, read_fasta(args.fasta),
+                         args.seq_len or default_length(args.export, model.config), args.reverse_complement,
                          stride=args.stride, batch_size=args.batch_size, progress=not args.no_progress, runner=runner)
     if not runner.is_writer:
         return 0

@@ -34,8 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      ", ".join(COLUMNS) + " (window_start/window_end: the REF window, 0-based half-open; '-': stdout)")
     parser.add_argument("--window", type=positive_int, default=None,
                         help="bases of the REF window centred on each variant (shifted inside the record near its "
-                        "ends; the whole record when shorter) (default: the model's context minus the longest "
-                        "insertion, so every ALT window fits one forward)")
+                        "ends; the whole record when shorter) (default: the length the model was trained on, as its "
+                        "export records it; the model's context for one that records none)")
+    parser.add_argument("--equal-length", action=argparse.BooleanOptionalAction, default=True,
+                        help="ALT windows of as many bases as the REF window, cut from the ALT haplotype centred on "
+                        "ALT (default: on, as Evo 2's maintainers recommend: with windows of different lengths an "
+                        "indel's LLR mostly measures the bases one window has and the other lacks); "
+                        "--no-equal-length: the REF window with REF replaced by ALT. SNVs score the same either way")
     add_reading_arguments(parser, windows=False)
 
 
@@ -56,6 +61,7 @@ def write_rows(rows: list[dict], out: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds4sci.data import read_fasta
+    from ds4sci.infer.length import default_length
     from ds4sci.infer.variants import check_nucleotide
     from ds4sci.infer.variants import read_variants
     from ds4sci.infer.variants import score_variants
@@ -71,8 +77,13 @@ def run(args: argparse.Namespace) -> int:
             raise CommandError(f"{args.reference}: record id {rec.id!r} appears twice (line {rec.line})")
         reference[rec.id] = rec.sequence
     variants = read_variants(args.vcf, reference)
-    rows = score_variants(model, tokenizer, reference, variants, args.window, batch_size=args.batch_size,
-                          progress=not args.no_progress, runner=runner)
+    trained = default_length(args.export, model.config) if args.window is None else None
+    try:
+        rows = score_variants(model, tokenizer, reference, variants, args.window, trained=trained,
+                              equal_length=args.equal_length, batch_size=args.batch_size,
+                              progress=not args.no_progress, runner=runner)
+    except ValueError as err:  # a variant its window cannot hold: name the file beside the line
+        raise CommandError(f"{args.vcf}: {err}") from None
     if not runner.is_writer:
         return 0
     write_rows(rows, args.out)

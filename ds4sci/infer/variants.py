@@ -2,20 +2,31 @@
 
 The zero-shot score genome language models give a variant (Meier et al. 2021's masked-marginal idea in its
 autoregressive form; Benegas et al. 2023, GPN; Evo 2's variant-effect scoring): the total log-likelihood of a window
-of the genome carrying the alternative allele minus that of the same window carrying the reference allele,
+of the genome carrying the alternative allele minus that of the window carrying the reference allele,
 
     llr = log p(ALT window) - log p(REF window)    (nats; negative: the model finds the variant less likely),
 
 each window's log-likelihood the mean of both strands, exactly as ``ds4sci score --reverse-complement`` computes it
-(:func:`ds4sci.infer.score.score_records`, which every window here goes through, in one call).
+(:func:`ds4sci.infer.score.score_records`, which every window here goes through, :data:`BLOCK` variants per call).
 
-Windows (:func:`reference_window`): the REF window holds ``W`` bases of the record around the variant's REF span,
-centred on it (``start = pos0 + len(REF) // 2 - W // 2``) and shifted, not cut, where it would run past either end of
-the record, so every window has ``W`` bases; a record shorter than ``W`` is its own window. The ALT window is the REF
-window with REF replaced by ALT (``W - len(REF) + len(ALT)`` bases). Variants whose REF windows coincide (several ALTs
-at one site, neighbours near a record end, where the shifted windows are the same) share one REF window, scored once.
-Every window must fit the model's context (one window of ``score_records``): the default ``W`` is the context minus
-the longest insertion's net length.
+Windows (:func:`variant_windows`) depend on the variant and the model alone, never on the other lines of the file.
+The REF window holds ``W`` bases of the record around the variant's REF span, centred on it (``start = pos0 +
+len(REF) // 2 - W // 2``) and shifted, not cut, where it would run past either end of the record, so every window
+has ``W`` bases; a record shorter than ``W`` is its own window. ``W`` defaults to the length the model was trained on
+(recorded in its export: :mod:`ds4sci.infer.length`), since a window longer than any the model has seen scores worse.
+The ALT window (:func:`alt_window`):
+
+- ``equal_length`` (the default, ``--equal-length``): ``W`` bases of the ALT haplotype centred on ALT, the way the
+  REF window is centred on REF, so an insertion's ALT window holds fewer flanking bases and a deletion's more. Both
+  windows hold the same number of bases, so the LLR of an indel compares sequences of one length (Evo 2's maintainers
+  keep the windows equal, ArcInstitute/evo2 #206); with windows of different lengths, the log-likelihood of the bases
+  one window has and the other lacks (about -1.4 nats per base at 2 bits per base) swamps the effect of the variant.
+- otherwise (``--no-equal-length``): the REF window with REF replaced by ALT (``W - len(REF) + len(ALT)`` bases); by
+  default ``W`` is narrowed for an insertion that would not fit the context otherwise (:func:`default_window`).
+
+SNVs and MNVs (``len(REF) == len(ALT)``) get the same windows both ways. Variants whose REF windows coincide
+(several ALTs at one site, neighbours near a record end, where the shifted windows are the same) share one REF
+window, scored once. Every window must fit the model's context (one window of ``score_records``).
 
 Variants come from a VCF (read with pysam; ``.vcf`` or a bgzipped ``.vcf.gz``; a record with several ALTs is one
 variant per ALT) or from a TSV with a header naming the columns ``chrom pos ref alt`` and optionally ``id`` (1-based
@@ -33,17 +44,26 @@ from __future__ import annotations
 
 import csv
 import gzip
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ds4sci.data import FastaRecord
 from ds4sci.infer.score import score_records
+from ds4sci.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 #: The longest REF or ALT allele scored, in bases: 50 bp, the usual boundary between indels and structural variants.
 MAX_ALLELE = 50
 #: Chromosomes named in an "unknown chromosome" message.
 SHOWN_CHROMS = 5
+#: Bad lines named in one error message (the count of the others follows).
+SHOWN_ERRORS = 20
+#: Variants per :func:`~ds4sci.infer.score.score_records` call: bounds memory on a file of millions of variants.
+BLOCK = 4096
 _BASES = frozenset("ACGT")
 
 
@@ -199,16 +219,18 @@ def read_variants(path: str | os.PathLike, reference: dict[str, str]) -> list[Va
     [``id``]), one per ALT, in file order, each checked against ``reference`` (record id -> sequence).
 
     Raises:
-        ValueError: one message naming every bad line, ``PATH line N: why``, joined by ``'; '`` (see the module
-            docstring for what is bad); or the file holds no variant.
+        ValueError: one message naming the bad lines, ``PATH: ... line N: why``, joined by ``'; '`` (see the module
+            docstring for what is bad; the first :data:`SHOWN_ERRORS`, then how many more); or the file holds no
+            variant.
     """
     path = os.fspath(path)
     variants, errors = (_read_vcf if _is_vcf(path) else _read_tsv)(path)
     errors += [(v.line, problem) for v in variants if (problem := _variant_problem(v, reference))]
     if errors:
         errors.sort(key=lambda e: e[0])
+        more = f"; and {len(errors) - SHOWN_ERRORS} more" if len(errors) > SHOWN_ERRORS else ""
         raise ValueError(f"{path}: {len(errors)} bad variant(s), nothing scored: "
-                         + "; ".join(f"line {line}: {why}" for line, why in errors))
+                         + "; ".join(f"line {line}: {why}" for line, why in errors[:SHOWN_ERRORS]) + more)
     if not variants:
         raise ValueError(f"{path}: no variant")
     return variants
@@ -225,6 +247,20 @@ def reference_window(pos0: int, ref_len: int, record_len: int, width: int) -> tu
     return start, start + width
 
 
+def alt_window(sequence: str, v: Variant, start: int, end: int, equal_length: bool) -> str:
+    """The ALT window of ``v`` on its record ``sequence`` whose REF window is ``[start, end)``: with
+    ``equal_length`` the ``end - start`` bases of the ALT haplotype (the record with REF replaced by ALT) centred on
+    the ALT allele, as :func:`reference_window` centres the REF window on REF (the whole haplotype when it is shorter);
+    otherwise the REF window with REF replaced by ALT (``end - start - len(REF) + len(ALT)`` bases)."""
+    pos0, ref_len, alt_len = v.pos - 1, len(v.ref), len(v.alt)
+    if not equal_length:
+        return sequence[start:pos0] + v.alt + sequence[pos0 + ref_len : end]
+    # haplotype coordinates: h[i] = sequence[i] before pos0, ALT on [pos0, pos0 + alt_len), then sequence[i - shift]
+    shift = alt_len - ref_len
+    h_start, h_end = reference_window(pos0, alt_len, len(sequence) + shift, end - start)
+    return sequence[h_start:pos0] + v.alt + sequence[pos0 + ref_len : h_end - shift]
+
+
 class VariantWindows(NamedTuple):
     """The windows of a list of variants: ``keys`` the distinct REF windows ``(chrom, start, end)``, ``ref_of[i]``
     the index in ``keys`` of variant ``i``'s REF window, ``alt[i]`` its ALT window's sequence."""
@@ -234,42 +270,57 @@ class VariantWindows(NamedTuple):
     alt: list[str]
 
 
-def default_window(context: int, variants: list[Variant]) -> int:
-    """The widest ``W`` (bases) whose ALT windows all fit ``context`` tokens: the context minus the longest net
-    insertion (``ValueError`` naming its line when that leaves no base)."""
-    longest = max(variants, key=lambda v: len(v.alt) - len(v.ref))
-    inserted = max(0, len(longest.alt) - len(longest.ref))
-    if inserted >= context:
-        raise ValueError(f"line {longest.line}: an insertion of {inserted} bases leaves no room for a window in the "
-                         f"model's context of {context} tokens")
-    return context - inserted
-
-
-def variant_windows(reference: dict[str, str], variants: list[Variant], width: int, context: int) -> VariantWindows:
-    """The REF and ALT windows (module docstring) of ``variants`` with REF windows of ``width`` bases.
+def default_window(context: int, variant: Variant, trained: int | None = None) -> int:
+    """The REF window (bases) of ``variant`` when none is asked for, with REF replaced by ALT in the ALT window: the
+    model's training length ``trained`` (None: its ``context``), narrowed where needed so that the ALT window fits
+    the context (``context`` minus the variant's net insertion). It depends on the variant and the model alone.
 
     Raises:
-        ValueError: ``width`` below the longest REF, or an ALT window longer than ``context`` tokens (naming the
-            variant's line, ``width`` and the context).
+        ValueError: the insertion leaves no base of context (naming the variant's line).
     """
-    if width < 1:
+    inserted = max(0, len(variant.alt) - len(variant.ref))
+    if inserted >= context:
+        raise ValueError(f"line {variant.line}: an insertion of {inserted} bases leaves no room for a window in the "
+                         f"model's context of {context} tokens")
+    return min(context if trained is None else trained, context - inserted)
+
+
+def variant_windows(reference: dict[str, str], variants: list[Variant], width: int | None, context: int, *,
+                    trained: int | None = None, equal_length: bool = True) -> VariantWindows:
+    """The REF and ALT windows (module docstring) of ``variants``: REF windows of ``width`` bases, or (None) of the
+    model's training length ``trained`` (None: the ``context``), narrowed per variant by :func:`default_window`
+    without ``equal_length``. ALT windows: :func:`alt_window`.
+
+    Raises:
+        ValueError: ``width`` beyond the context, a REF (or, ``equal_length``, an ALT) longer than its window, or an
+            ALT window of an explicit ``width`` longer than ``context`` tokens (each naming the variant's line).
+    """
+    if width is not None and width < 1:
         raise ValueError(f"--window {width}: must be at least 1 base")
-    if width > context:
+    if width is not None and width > context:
         raise ValueError(f"--window {width} bases exceeds the model's context of {context} tokens")
     index: dict[tuple[str, int, int], int] = {}
     ref_of, alt = [], []
     for v in variants:
-        if len(v.ref) > width:
-            raise ValueError(f"line {v.line}: REF of {len(v.ref)} bases does not fit a --window of {width} bases")
+        if width is not None:
+            w = width
+        elif equal_length:
+            w = min(context if trained is None else trained, context)
+        else:
+            w = default_window(context, v, trained)
+        longest = max(len(v.ref), len(v.alt)) if equal_length else len(v.ref)
+        if longest > w:
+            kind = "REF" if len(v.ref) == longest else "ALT"
+            raise ValueError(f"line {v.line}: {kind} of {longest} bases does not fit a window of {w} bases")
         sequence = reference[v.chrom]
-        start, end = reference_window(v.pos - 1, len(v.ref), len(sequence), width)
-        alt_window = sequence[start : v.pos - 1] + v.alt + sequence[v.pos - 1 + len(v.ref) : end]
-        if len(alt_window) > context:
-            raise ValueError(f"line {v.line}: the ALT window of {len(alt_window)} bases (--window {width} with "
+        start, end = reference_window(v.pos - 1, len(v.ref), len(sequence), w)
+        window = alt_window(sequence, v, start, end, equal_length)
+        if len(window) > context:
+            raise ValueError(f"line {v.line}: the ALT window of {len(window)} bases (--window {w} with "
                              f"{len(v.alt) - len(v.ref)} inserted) exceeds the model's context of {context} tokens; "
-                             f"use --window {width - (len(alt_window) - context)} or less")
+                             f"use --window {w - (len(window) - context)} or less, or --equal-length")
         ref_of.append(index.setdefault((v.chrom, start, end), len(index)))
-        alt.append(alt_window)
+        alt.append(window)
     return VariantWindows(list(index), ref_of, alt)
 
 
@@ -282,26 +333,45 @@ def check_nucleotide(tokenizer) -> None:
 
 
 def score_variants(model, tokenizer, reference: dict[str, str], variants: list[Variant], width: int | None = None,
-                   *, batch_size: int = 8, progress: bool = False, runner=None) -> list[dict]:
+                   *, trained: int | None = None, equal_length: bool = True, batch_size: int = 8,
+                   block: int = BLOCK, progress: bool = False, runner=None) -> list[dict]:
     """One row per variant, in order: ``chrom pos id ref alt``, ``llr`` (nats), ``ref_log_likelihood`` and
     ``alt_log_likelihood`` (nats, the mean of both strands), ``window_start`` / ``window_end`` (the REF window,
-    0-based half-open on the record, BED's convention). The distinct REF windows and the ALT windows go through ONE
-    :func:`~ds4sci.infer.score.score_records` call with ``seq_len`` = the model's context and
-    ``reverse_complement=True``, each REF window once.
+    0-based half-open on the record, BED's convention).
 
-    ``width``: REF window in bases (default :func:`default_window`); ``runner``: a
-    :class:`~ds4sci.infer.parallel.ShardedForward` to score across ranks (default: one process).
+    ``width``, ``trained``, ``equal_length``: the windows (:func:`variant_windows`). The variants are scored
+    ``block`` at a time (memory bounded whatever the file's size), each block's windows in one
+    :func:`~ds4sci.infer.score.score_records` call (``seq_len`` = the model's context, ``reverse_complement=True``,
+    ``batch_size`` windows per forward); each distinct REF window is scored once, in the first block that needs it.
+    ``progress``: a bar over the variants (variants per second) on a terminal, one log line per block otherwise; a
+    last line gives the rate. ``runner``: a :class:`~ds4sci.infer.parallel.ShardedForward` to score across ranks
+    (default: one process).
     """
     check_nucleotide(tokenizer)
     context = model.config.max_position_embeddings
-    width = default_window(context, variants) if width is None else width
-    windows = variant_windows(reference, variants, width, context)
-    records = [FastaRecord(f"ref{k}", "", reference[chrom][start:end]) for k, (chrom, start, end) in
-               enumerate(windows.keys)]
-    records += [FastaRecord(f"alt{i}", "", sequence) for i, sequence in enumerate(windows.alt)]
-    scores = [r["log_likelihood"] for r in score_records(model, tokenizer, records, context, True,
-                                                         batch_size=batch_size, progress=progress, runner=runner)]
-    ref_scores, alt_scores = scores[: len(windows.keys)], scores[len(windows.keys) :]
+    windows = variant_windows(reference, variants, width, context, trained=trained, equal_length=equal_length)
+    ref_scores: dict[int, float] = {}
+    alt_scores: list[float] = []
+    began = time.perf_counter()
+    writer = runner is None or runner.is_writer
+    with progress_bar(progress and writer, total=len(variants), desc="score-variants", unit="variant") as bar:
+        for first in range(0, len(variants), block):
+            todo = list(dict.fromkeys(k for k in windows.ref_of[first : first + block] if k not in ref_scores))
+            sequences = [reference[chrom][start:end] for chrom, start, end in (windows.keys[k] for k in todo)]
+            sequences += windows.alt[first : first + block]
+            records = [FastaRecord(str(i), "", sequence) for i, sequence in enumerate(sequences)]
+            scores = [r["log_likelihood"] for r in score_records(model, tokenizer, records, context, True,
+                                                                 batch_size=batch_size, runner=runner)]
+            ref_scores.update(zip(todo, scores[: len(todo)]))
+            alt_scores += scores[len(todo) :]
+            bar.update(len(scores) - len(todo))
+            if progress and writer and bar.disable:
+                logger.info("score-variants: %d/%d variants, %.1f variants/s", len(alt_scores), len(variants),
+                            len(alt_scores) / (time.perf_counter() - began))
+    if progress and writer:
+        seconds = time.perf_counter() - began
+        logger.info("scored %d variant(s) (%d distinct REF windows) in %.1f s: %.1f variants/s", len(variants),
+                    len(windows.keys), seconds, len(variants) / seconds)
     rows = []
     for v, k, alt_ll in zip(variants, windows.ref_of, alt_scores):
         _, start, end = windows.keys[k]

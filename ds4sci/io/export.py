@@ -1,9 +1,11 @@
 """Consolidated model export: one directory with the full GenSLM state dict (position table unsharded) in
 ``model.safetensors`` or, past :data:`MAX_SHARD_BYTES`, in ``model-0000i-of-0000n.safetensors`` shards with a
-``model.safetensors.index.json`` weight map (Hugging Face's convention), ``config.json`` (GenSLMConfig + tokenizer
-name) and ``tokenizer.json``. :class:`ExportWriter` takes the tensors one at a time and writes each shard as it
-fills, so the writer never holds more than one shard. Read back with :func:`ds4sci.load_model`
-(:mod:`ds4sci.io.weights`), which also reads Hugging Face GPT-NeoX directories and GenSLM checkpoints."""
+``model.safetensors.index.json`` weight map (Hugging Face's convention), ``config.json`` (GenSLMConfig, tokenizer
+name and, when known, ``trained_length``: the tokens per sequence the model was trained on, what inference windows
+default to, :func:`read_trained_length`) and ``tokenizer.json``. :class:`ExportWriter` takes the tensors one at a
+time and writes each shard as it fills, so the writer never holds more than one shard. Read back with
+:func:`ds4sci.load_model` (:mod:`ds4sci.io.weights`), which also reads Hugging Face GPT-NeoX directories and GenSLM
+checkpoints."""
 from __future__ import annotations
 
 import json
@@ -19,20 +21,24 @@ from ds4sci.models.genslm import GenSLMConfig
 
 MAX_SHARD_BYTES = 4 * 1024**3  # per safetensors file of an export
 INDEX = "model.safetensors.index.json"
+#: The ``config.json`` key (of a ds4sci export and of an ``export-hf`` directory) holding the training sequence length.
+TRAINED_LENGTH = "trained_length"
 
 
 class ExportWriter:
     """Writes an export directory from tensors given one at a time (:meth:`add`), then :meth:`close`: the tensors go
     into shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own), each written when full;
-    one shard is ``model.safetensors``, several are ``model-0000i-of-0000n.safetensors`` plus :data:`INDEX`."""
+    one shard is ``model.safetensors``, several are ``model-0000i-of-0000n.safetensors`` plus :data:`INDEX`.
+    ``trained_length``: the training sequence length in tokens (``data.seq_len``), recorded as ``config.json``'s
+    ``trained_length`` (None: not recorded)."""
 
     def __init__(self, out_dir: str | Path, config: GenSLMConfig, tokenizer: Tokenizer,
-                 max_shard_bytes: int | None = None):
+                 max_shard_bytes: int | None = None, *, trained_length: int | None = None):
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         for old in (*self.out.glob("model*.safetensors"), self.out / INDEX):  # a previous export's files
             old.unlink(missing_ok=True)
-        self.config, self.tokenizer = config, tokenizer
+        self.config, self.tokenizer, self.trained_length = config, tokenizer, trained_length
         self.max_shard_bytes = MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
@@ -79,19 +85,24 @@ class ExportWriter:
         return self.out
 
     def describe(self) -> None:
-        """Write the files beside the weights that say what they are: ``config.json`` (GenSLMConfig and tokenizer
-        name) and ``tokenizer.json`` (ds4sci's; :class:`ds4sci.io.export_hf.HFExportWriter` writes transformers')."""
+        """Write the files beside the weights that say what they are: ``config.json`` (GenSLMConfig, tokenizer
+        name, ``trained_length`` when known) and ``tokenizer.json`` (ds4sci's;
+        :class:`ds4sci.io.export_hf.HFExportWriter` writes transformers')."""
         meta = {"model": self.config.to_dict(), "tokenizer": self.tokenizer.kind}
+        if self.trained_length is not None:
+            meta[TRAINED_LENGTH] = self.trained_length
         (self.out / "config.json").write_text(json.dumps(meta, indent=1))
         self.tokenizer.save(self.out / "tokenizer.json")
 
 
 def export_consolidated(state_dict: dict[str, torch.Tensor], config: GenSLMConfig, tokenizer: Tokenizer,
-                        out_dir: str | Path, rank: int = 0, max_shard_bytes: int | None = None) -> Path:
-    """Write the export of ``state_dict`` (only on ``rank`` 0; other ranks return the path)."""
+                        out_dir: str | Path, rank: int = 0, max_shard_bytes: int | None = None, *,
+                        trained_length: int | None = None) -> Path:
+    """Write the export of ``state_dict`` (only on ``rank`` 0; other ranks return the path); ``trained_length``: see
+    :class:`ExportWriter`."""
     if rank != 0:
         return Path(out_dir)
-    writer = ExportWriter(out_dir, config, tokenizer, max_shard_bytes)
+    writer = ExportWriter(out_dir, config, tokenizer, max_shard_bytes, trained_length=trained_length)
     for name, tensor in state_dict.items():
         writer.add(name, tensor)
     return writer.close()
@@ -132,3 +143,23 @@ def read_consolidated(path: str | Path) -> tuple[dict[str, torch.Tensor], GenSLM
     if missing:
         raise FileNotFoundError(f"{path / missing[0]} is missing (named by {INDEX})")
     return read_checked([path / file for file in files], config, path / "config.json"), config, tokenizer
+
+
+def read_trained_length(source: str | Path) -> int | None:
+    """The training sequence length (tokens) recorded in ``source``'s ``config.json`` (a ds4sci export or an
+    ``export-hf`` directory), or None: a source that records none (a checkpoint file, an export written before the
+    length was recorded, a model trained elsewhere).
+
+    Raises:
+        ValueError: the recorded value is not a positive integer (naming the file and the value).
+    """
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text()).get(TRAINED_LENGTH)
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise ValueError(f"{path}: not a JSON object ({err})") from None
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"{path}: {TRAINED_LENGTH}={value!r}: expected a positive integer (tokens)")
+    return value

@@ -5,11 +5,11 @@ ds4sci's logits, ``AutoTokenizer.from_pretrained(OUT)`` as a ``PreTrainedTokeniz
 and ``ds4sci.load_model(OUT)`` reads it back.
 
 The directory holds ``config.json`` (a ``GPTNeoXConfig`` or ``LlamaConfig``, written from :mod:`ds4sci.io.hf`'s table
-of that architecture, the one the reader uses), the weights under that architecture's names
-(:func:`ds4sci.models.genslm.to_gpt_neox_state_dict`, :func:`ds4sci.models.genslm.to_llama_state_dict`) in
-``model.safetensors`` or, past a size, safetensors shards with an index (:class:`ds4sci.io.export.ExportWriter`), and
-the tokenizer's files (``PreTrainedTokenizerFast.save_pretrained``'s: ``tokenizer.json``,
-``tokenizer_config.json``).
+of that architecture, the one the reader uses, plus the source's ``trained_length`` when it records one), the
+weights under that architecture's names (:func:`ds4sci.models.genslm.to_gpt_neox_state_dict`,
+:func:`ds4sci.models.genslm.to_llama_state_dict`) in ``model.safetensors`` or, past a size, safetensors shards with an
+index (:class:`ds4sci.io.export.ExportWriter`), and the tokenizer's files
+(``PreTrainedTokenizerFast.save_pretrained``'s: ``tokenizer.json``, ``tokenizer_config.json``).
 
 The MLP picks the architecture; every other field must then fit it. A model it cannot express is refused before
 anything is written, naming the field: ALiBi and a learned absolute position table (both have rotary positions
@@ -32,7 +32,9 @@ import json
 from pathlib import Path
 
 from ds4sci.data import Tokenizer
+from ds4sci.io.export import TRAINED_LENGTH
 from ds4sci.io.export import ExportWriter
+from ds4sci.io.export import read_trained_length
 from ds4sci.io.hf import GPT_NEOX_ACTIVATIONS
 from ds4sci.io.hf import LLAMA3_KEYS
 from ds4sci.io.weights import ARCHITECTURES
@@ -152,6 +154,9 @@ def export_hf(source: str | Path, out: str | Path, overwrite: bool = False,
         raise FileExistsError(f"{out}: not empty; pass --overwrite to replace the model files in it")
     model, config, tokenizer = load_model(source)
     data = hf_config(config, tokenizer, source)
+    trained = read_trained_length(source)
+    if trained is not None:  # an extra key transformers keeps as a config attribute; read back by ds4sci
+        data[TRAINED_LENGTH] = trained
     writer = HFExportWriter(out, config, tokenizer, data, max_shard_bytes)
     state = to_llama_state_dict(model) if data["model_type"] == "llama" else to_gpt_neox_state_dict(model)
     for name, tensor in state.items():

@@ -515,7 +515,8 @@ class Trainer:
 
         folder = self.out / "export"
         with writing("export", folder):
-            writer = ExportWriter(folder, self.model_config, self.tokenizer) if self.rank == 0 else None
+            writer = (ExportWriter(folder, self.model_config, self.tokenizer, trained_length=self.cfg.data.seq_len)
+                      if self.rank == 0 else None)
         for name, tensor in self.full_state_items(dst=0):
             if writer is not None:
                 with writing("export", folder):

@@ -56,7 +56,7 @@ def _records():
     return [FastaRecord(name, "", seq) for name, seq in SEQUENCES.items()]
 
 
-# score-variants on the "long" record: an SNV, a deletion and an insertion (20-base windows: 21 after the insertion)
+# score-variants on the "long" record: an SNV, a deletion and an insertion (20-base windows, ALT ones too)
 VARIANTS = [Variant(1, "long", 3, ".", "G", "A"), Variant(2, "long", 20, ".", "CT", "C"),
             Variant(3, "long", 38, ".", "A", "AGG")]
 

@@ -93,21 +93,24 @@ def _read_tsv(text: str) -> list[dict]:
 
 
 def test_llr_is_the_difference_of_two_score_runs(data, tmp_path, capsys):
-    """Every variant's REF and ALT windows, cut here by hand from the reference, scored by the real ``ds4sci score
-    --reverse-complement``: ALT minus REF is the LLR score-variants writes."""
+    """Every variant's REF and ALT windows (``--no-equal-length``: the REF window with REF replaced by ALT), cut here
+    by hand from the reference, scored by the real ``ds4sci score --reverse-complement``: ALT minus REF is the LLR
+    score-variants writes."""
     out = tmp_path / "llr.tsv"
     assert main(["score-variants", data["nucleotide"], "--reference", data["ref"], "--vcf",
-                 str(data["root"] / "v.vcf"), "--out", str(out), "--batch-size", "3", "--no-progress"]) == 0
+                 str(data["root"] / "v.vcf"), "--out", str(out), "--batch-size", "3", "--no-progress",
+                 "--no-equal-length"]) == 0
     rows = _read_tsv(out.read_text())
     assert list(rows[0]) == ["chrom", "pos", "id", "ref", "alt", "llr", "ref_log_likelihood", "alt_log_likelihood",
                              "window_start", "window_end"]
     assert [r["id"] for r in rows] == ["first", "first", ".", "del3", "ins3", "sat", "sat", "sat", "mnv", "enddel",
                                        "last", "s1", "s1"]  # one row per ALT, in input order
-    width = CONTEXT - 3  # the default: the context minus the longest insertion (GTA)
     fasta = []
     for i, r in enumerate(rows):
         seq = data["reference"][r["chrom"]]
         pos0, ref = int(r["pos"]) - 1, r["ref"]
+        # the default of an export without trained_length: the context, less the variant's own net insertion
+        width = CONTEXT - max(0, len(r["alt"]) - len(ref))
         start, end = int(r["window_start"]), int(r["window_end"])
         assert seq[pos0 : pos0 + len(ref)] == ref
         if len(seq) <= width:  # a short record is its own window
@@ -118,7 +121,8 @@ def test_llr_is_the_difference_of_two_score_runs(data, tmp_path, capsys):
             assert abs(left - right) <= 1 or start == 0 or end == len(seq), r
         fasta.append(f">ref{i}\n{seq[start:end]}\n>alt{i}\n{seq[start:pos0] + r['alt'] + seq[pos0 + len(ref):end]}\n")
     assert [(int(r["window_start"]), int(r["window_end"])) for r in rows if r["id"] in ("first", "last", "enddel")] \
-        == [(0, width)] * 2 + [(200 - width, 200)] * 2
+        == [(0, CONTEXT)] * 2 + [(200 - CONTEXT, 200)] * 2
+    assert [int(r["window_end"]) - int(r["window_start"]) for r in rows if r["id"] == "ins3"] == [CONTEXT - 3]
     (tmp_path / "w.fa").write_text("".join(fasta))
     assert main(["score", data["nucleotide"], "--fasta", str(tmp_path / "w.fa"), "--reverse-complement", "--out",
                  "-", "--no-progress"]) == 0
@@ -142,7 +146,7 @@ def test_reference_windows_are_scored_once(data, monkeypatch):
         return score_records(model, tokenizer, records, *args, **kwargs)
 
     monkeypatch.setattr(variants_module, "score_records", counting)
-    rows = score_variants(model, tok, data["reference"], variants, 16, batch_size=4)
+    rows = score_variants(model, tok, data["reference"], variants, 16, equal_length=False, batch_size=4)
     monkeypatch.undo()
     # distinct REF windows of 16 bases: pos 1 and 3 (both ALTs of 1) share [0, 16); the 3 ALTs at 120 share one;
     # 197-200 and 200 share [184, 200); the short record's two ALTs share the record
@@ -170,12 +174,18 @@ def test_vcf_gz_and_tsv_give_the_same_output(data, tmp_path):
     assert outputs[0] == outputs[1] == outputs[2] and outputs[0].count("\n") == 14
 
 
-def test_default_window_leaves_room_for_the_longest_insertion():
+def test_default_window_leaves_room_for_the_variants_own_net_insertion():
+    """The default REF window is the variant's own: the trained length (else the context), narrowed by ITS net
+    insertion only. An MNV or a deletion with a long ALT inserts nothing and keeps the whole window (keyed on the ALT's
+    length instead, they would be narrowed, or refused where the context is that short)."""
     snv, ins = Variant(3, CHROM, 5, ".", "A", "G"), Variant(4, CHROM, 9, ".", "A", "ACGTA")
-    assert default_window(32, [snv]) == 32 and default_window(32, [snv, ins]) == 28
+    mnv, deletion = Variant(5, CHROM, 20, ".", "ACGT", "TGCA"), Variant(6, CHROM, 30, ".", "ACGTA", "ACGT")
+    assert default_window(32, snv) == 32 and default_window(32, ins) == 28
+    assert default_window(32, snv, 24) == 24 and default_window(32, ins, 30) == 28  # the trained length, if it fits
+    assert default_window(4, mnv) == 4 and default_window(4, deletion) == 4 and default_window(32, deletion) == 32
     with pytest.raises(ValueError, match="line 4: an insertion of 4 bases leaves no room for a window in the "
                                          "model's context of 4 tokens"):
-        default_window(4, [snv, ins])
+        default_window(4, ins)
 
 
 def test_window_geometry():
@@ -241,6 +251,6 @@ def test_refusals_are_one_line(data, tmp_path, capsys):
     assert f"{plain}: gzip-compressed but not BGZF, which htslib reads: recompress it with bgzip" in err
     err = refused(capsys, ["score-variants", data["nucleotide"], *common, "--window", "33"])
     assert "--window 33 bases exceeds the model's context of 32 tokens" in err
-    err = refused(capsys, ["score-variants", data["nucleotide"], *common, "--window", "31"])
-    assert "line 8: the ALT window of 34 bases (--window 31 with 3 inserted) exceeds the model's context of 32 " \
-           "tokens; use --window 29 or less" in err
+    err = refused(capsys, ["score-variants", data["nucleotide"], *common, "--window", "31", "--no-equal-length"])
+    assert f"{data['root'] / 'v.vcf'}: line 8: the ALT window of 34 bases (--window 31 with 3 inserted) exceeds the " \
+           "model's context of 32 tokens; use --window 29 or less" in err

@@ -103,6 +103,7 @@ def test_fine_tune_from_an_export_through_the_cli(trained, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1 and abs(first["loss"] - trained_loss) < 0.1, (first, trained_loss)
+    assert json.loads((out / "export" / "config.json").read_text())["trained_length"] == SEQ  # data.seq_len
     assert fresh_loss - first["loss"] > 0.5, (first, fresh_loss)
     before, after = load_file(str(export / "model.safetensors")), load_file(str(out / "export" / "model.safetensors"))
     assert set(before) == set(after) and "embed_pos.weight" in after
