@@ -173,25 +173,8 @@ class _ChunkedTriMul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z: Tensor, mask: Tensor, outgoing: bool, eps: float, chunk: int, *tensors) -> Tensor:
-        params = TriMulParams.from_tensors(tensors)
-        r_name, f_name = ("a", "b") if outgoing else ("b", "a")
-        zf, mf = _frame_pair(z, outgoing), _frame_mask(mask, outgoing)
-        n, c = z.shape[-2], params.c_hidden
-        f = _full_operand(zf, mf, params, f_name, eps, chunk)  # [*, c, N_j, N_k]
-        out = z.new_empty(z.shape)
-        outf = _frame_pair(out, outgoing)
-        training = any(ctx.needs_input_grad)
-        p_all = z.new_empty((*z.shape[:-3], c, n, n)) if training else None  # [*, c, N_i, N_j]
-        for start in range(0, n, chunk):
-            stop = min(start + chunk, n)
-            x = _layer_norm(_rows(zf, start, stop), params.ln_in_weight, params.ln_in_bias, eps)  # [*, R, N, C_z]
-            r = _operand(x, _rows(mf, start, stop, False).unsqueeze(-1), params, r_name)  # [*, R, N_k, c]
-            p = torch.matmul(r.movedim(-1, -3), f.transpose(-1, -2))  # [*, c, R, N_j]
-            if training:
-                p_all[..., start:stop, :] = p
-            _rows(outf, start, stop).copy_(_finish(x, p.movedim(-3, -1), params, eps))
-        if training:
-            ctx.save_for_backward(z, mask, p_all)
+        out, p = _chunked_forward(z, mask, TriMulParams.from_tensors(tensors), outgoing, eps, chunk, keep_p=True)
+        ctx.save_for_backward(z, mask, p)
         ctx.outgoing, ctx.eps, ctx.chunk, ctx.params = outgoing, eps, chunk, tensors
         return out
 
@@ -255,6 +238,30 @@ class _ChunkedTriMul(torch.autograd.Function):
         return grad_z, None, None, None, None, *grads
 
 
+def _chunked_forward(z: Tensor, mask: Tensor, params: TriMulParams, outgoing: bool, eps: float, chunk: int,
+                     keep_p: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """The chunked forward without autograd: the update ``[*, N, N, C_z]`` and, if ``keep_p``, the product of the
+    working frame, channel-major ``[*, c, N_i, N_j]`` (what backward needs); :class:`_ChunkedTriMul`."""
+    r_name, f_name = ("a", "b") if outgoing else ("b", "a")
+    zf, mf = _frame_pair(z, outgoing), _frame_mask(mask, outgoing)
+    n = z.shape[-2]
+    f = _full_operand(zf, mf, params, f_name, eps, chunk)  # [*, c, N_j, N_k]
+    out = z.new_empty(z.shape)
+    outf = _frame_pair(out, outgoing)
+    p_all = z.new_empty(f.shape) if keep_p else None  # [*, c, N_i, N_j]
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        x = _layer_norm(_rows(zf, start, stop), params.ln_in_weight, params.ln_in_bias, eps)  # [*, R, N, C_z]
+        r = _operand(x, _rows(mf, start, stop, False).unsqueeze(-1), params, r_name)  # [*, R, N_k, c]
+        p = torch.matmul(r.movedim(-1, -3), f.transpose(-1, -2))  # [*, c, R, N_j]
+        del r
+        if keep_p:
+            p_all[..., start:stop, :] = p
+        _rows(outf, start, stop).copy_(_finish(x, p.movedim(-3, -1), params, eps))
+        del x, p
+    return out, p_all
+
+
 def _frame_pair(t: Tensor, outgoing: bool) -> Tensor:
     """``t [*, N, N, C]`` in the chunked path's frame: itself (outgoing) or its ``(I, J)`` transpose (a view)."""
     return t if outgoing else t.transpose(-2, -3)
@@ -278,10 +285,12 @@ def _full_operand(zf: Tensor, mf: Tensor, params: TriMulParams, which: str, eps:
 
 
 def default_chunk_size(z: Tensor, c_hidden: int) -> int:
-    """Rows per block of the chunked path: as many as keep one block's widest tensor (``[*, R, N, max(C_z, c)]``)
-    within :data:`~ds4sci.kernels.backends.TRIMUL_CHUNK_BYTES`, at least one."""
+    """Rows per block of the chunked path: at most an eighth of the rows (so that one block's temporaries stay small
+    beside the full operand and the output), and no more than keep one block's widest tensor (``[*, R, N, max(C_z,
+    c)]``) within :data:`~ds4sci.kernels.backends.TRIMUL_CHUNK_BYTES`; at least one."""
+    n = z.shape[-2]
     row = z[..., 0, :, :].numel() // z.shape[-1] * max(z.shape[-1], c_hidden) * z.element_size()
-    return max(1, TRIMUL_CHUNK_BYTES // row)
+    return max(1, min(TRIMUL_CHUNK_BYTES // row, -(-n // 8)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -338,5 +347,9 @@ def triangle_multiplicative_update(z: Tensor, mask: Optional[Tensor], params: Tr
     mask = _check(z, mask, params, eps, chunk_size)
     if backend is TriMulBackend.TORCH:
         return trimul_torch(z, mask, params, bool(outgoing), eps)
-    chunk = chunk_size or default_chunk_size(z, params.c_hidden)
-    return _ChunkedTriMul.apply(z, mask, bool(outgoing), eps, min(chunk, z.shape[-2]), *params.tensors())
+    chunk = min(chunk_size or default_chunk_size(z, params.c_hidden), z.shape[-2])
+    tensors = params.tensors()
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (z, *tensors)):
+        return _ChunkedTriMul.apply(z, mask, bool(outgoing), eps, chunk, *tensors)
+    with torch.no_grad():  # inference: no product kept
+        return _chunked_forward(z, mask, params, bool(outgoing), eps, chunk, keep_p=False)[0]
