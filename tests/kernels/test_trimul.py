@@ -13,6 +13,7 @@ from ds4sci.models.evoformer import TriangleMultiplicationIncoming
 from ds4sci.models.evoformer import TriangleMultiplicationOutgoing
 
 from activation_checks import SavedBytes  # tests/ is on sys.path (its conftest.py)
+from evoformer_checks import assert_within_pytorch_error
 
 C_Z, C_HIDDEN, N = 8, 6, 11  # N odd and not a multiple of the chunks below
 OF3 = {  # OpenFold3 class -> (ds4sci class, fused projections)
@@ -126,3 +127,29 @@ def test_memory_per_update(cls):
     saved_torch, peak_torch = _measure(module, "torch")
     assert saved_torch == pytest.approx(14.16, abs=0.01)
     assert peak_torch == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cls", [TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming])
+def test_chunked_within_pytorch_error(cls, dtype):
+    """fp32 and bf16 on the CPU: the chunked path's output and every gradient against the fp64 reference, within 3x
+    the torch path's error in the same dtype (tests/kernels/test_trimul_gpu.py does the same on CUDA, fp16 too)."""
+    n, c = 23, 8  # 3-row blocks, the last one of 2 rows
+    torch.manual_seed(0)
+    ref_module = cls(c, c, convention="openfold").double()
+    with torch.no_grad():
+        for p in ref_module.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    module = cls(c, c, convention="openfold").to(dtype)
+    module.load_state_dict(ref_module.state_dict())
+    z, grad = torch.randn(2, 1, n, n, c, dtype=torch.float64)
+    mask = _mask(2, n, n)[1:]  # a fully masked column
+
+    def run(m, backend, t):
+        m.backend = backend
+        t = t.to(m.layer_norm_in.weight.dtype).requires_grad_()
+        out = m(t, mask.to(t.dtype))
+        grads = torch.autograd.grad(out, [t, *m.parameters()], grad.to(t.dtype))
+        return {"out": out.detach(), "z": grads[0]} | dict(zip(dict(m.named_parameters()), grads[1:]))
+
+    assert_within_pytorch_error(run(module, "chunked", z), run(ref_module, "torch", z), run(module, "torch", z), dtype)
