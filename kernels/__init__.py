@@ -9,6 +9,9 @@ Two families, each laid out reference -> chunked PyTorch path -> Triton kernel -
   ``sdpa_attention`` oracle), :mod:`~ds4sci.kernels.local_chunked`, :mod:`~ds4sci.kernels.triton_local_attention`,
   and the API :mod:`~ds4sci.kernels.local_attention` (the protocol, ``memory_efficient_attention``).
 
+The triangle multiplicative update (AF2 Algorithms 11/12): :mod:`~ds4sci.kernels.trimul`
+(``triangle_multiplicative_update``, its weights ``TriMulParams``, the torch and chunked paths).
+
 The MLP's memory-efficient path, :mod:`~ds4sci.kernels.tiled_mlp` (``tiled_mlp``: ALST's TiledMLP), and the output
 projection and loss's, :mod:`~ds4sci.kernels.tiled_loss` (``tiled_loss``: ALST's tiled loss), both token tiles
 recomputed in backward (:mod:`~ds4sci.kernels.token_tiles`), serve GenSLM's ``activation_checkpointing.tiled_mlp``
@@ -25,12 +28,15 @@ import importlib
 
 from .backends import EvoformerBackend
 from .backends import LocalBackend
+from .backends import TriMulBackend
 from .backends import parse_backend
 
-__all__ = ["DS4Sci_EvoformerAttention", "EvoformerBackend", "LocalBackend", "evoformer_attention", "parse_backend"]
+__all__ = ["DS4Sci_EvoformerAttention", "EvoformerBackend", "LocalBackend", "TriMulBackend", "TriMulParams",
+           "evoformer_attention", "parse_backend", "triangle_multiplicative_update"]
 
 # name -> submodule defining it, imported (with torch) on first access
-_LAZY = {"evoformer_attention": "evoformer", "DS4Sci_EvoformerAttention": "evoformer"}
+_LAZY = {"evoformer_attention": "evoformer", "DS4Sci_EvoformerAttention": "evoformer",
+         "triangle_multiplicative_update": "trimul", "TriMulParams": "trimul"}
 
 
 def __getattr__(name: str):

@@ -6,6 +6,8 @@ tile tables and torch-free callers (GenSLM's config, ``ds4sci plan``, ``ds4sci i
 - Evoformer attention (:mod:`ds4sci.kernels.evoformer`): :class:`EvoformerBackend`, :data:`EVOFORMER_MAX_HEAD_DIM`.
 - Local attention (:mod:`ds4sci.kernels.local_attention`): :class:`LocalBackend`, :data:`LOCAL_CHUNK_SIZE`,
   :data:`FLASH_MAX_HEAD_DIM`.
+- The triangle multiplicative update (:mod:`ds4sci.kernels.trimul`): :class:`TriMulBackend`,
+  :data:`TRIMUL_CHUNK_BYTES`.
 - Both fused Triton kernels: :data:`TRITON_MAX_HEAD_DIM` (their tile tables cover exactly 1..128), and
   :func:`import_error`, how each dispatcher learns (once) whether its Triton module imports.
 
@@ -22,11 +24,13 @@ from typing import Union
 __all__ = [
     "EvoformerBackend",
     "LocalBackend",
+    "TriMulBackend",
     "parse_backend",
     "EVOFORMER_MAX_HEAD_DIM",
     "TRITON_MAX_HEAD_DIM",
     "FLASH_MAX_HEAD_DIM",
     "LOCAL_CHUNK_SIZE",
+    "TRIMUL_CHUNK_BYTES",
     "import_error",
 ]
 
@@ -52,7 +56,15 @@ class LocalBackend(str, enum.Enum):
     # for a decode step (Sq == 1) off CUDA
 
 
-Family = TypeVar("Family", EvoformerBackend, LocalBackend)
+class TriMulBackend(str, enum.Enum):
+    """Which implementation runs ``triangle_multiplicative_update``."""
+
+    AUTO = "auto"  # chunked
+    CHUNKED = "chunked"  # row blocks of the product, recomputing backward (ds4sci.kernels.trimul)
+    TORCH = "torch"  # the plain autograd graph, the oracle (ds4sci.kernels.trimul.trimul_torch)
+
+
+Family = TypeVar("Family", EvoformerBackend, LocalBackend, TriMulBackend)
 
 
 def parse_backend(backend: Union[str, Family], family: type[Family]) -> Family:
@@ -89,3 +101,5 @@ FLASH_MAX_HEAD_DIM = 256
 #: Queries and keys per block of ``chunked_attention`` (and ``memory_efficient_attention``'s default): one block's
 #: fp32 logits are ``B*H*256*256`` floats, 16 MiB at ``B*H = 64``, per temporary.
 LOCAL_CHUNK_SIZE = 256
+#: The chunked triangle update's default block: rows whose widest tensor (``[*, R, N, max(C_z, c)]``) fits in 4 MiB.
+TRIMUL_CHUNK_BYTES = 4 * 2**20

@@ -15,6 +15,10 @@ with queries pre-scaled, as its ``Attention.forward`` does: ``openfold3-default`
 backward) and ``openfold3-lma`` (its low-memory attention, Rabe & Staats 2021, ``--lma-chunk`` queries per block and
 OpenFold3's default key block). Otherwise, or with ``--no-openfold``, the report says why they are missing.
 
+The triangle multiplicative update's rows (:mod:`ds4sci.bench.trimul_rows`: bytes saved for backward and the
+inference peak of one outgoing update, torch and chunked backends, at ``--trimul-n`` and ``--trimul-c``, in the
+report's ``triangle_update``) follow the attention table.
+
 Writes ``evoformer_memory.json``, ``.md`` and ``.png`` (saved and peak bytes per path) to ``--out``.
 DeepSpeed4Science reports 13x lower peak memory for OpenFold training with its fused kernel; the JSON records the
 ratios against that target.
@@ -30,6 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from ds4sci.bench import memory
+from ds4sci.bench import trimul_rows
 from ds4sci.bench.report import MIB
 from ds4sci.bench.report import check_positive
 from ds4sci.bench.report import markdown_table
@@ -58,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random inputs and weights (default: %(default)s)")
+    parser.add_argument("--trimul-n", type=int, default=64,
+                        help="N of the triangle multiplicative update's rows (default: %(default)s)")
+    parser.add_argument("--trimul-c", type=int, default=32,
+                        help="c_z = c_hidden of the triangle multiplicative update's rows (default: %(default)s)")
     parser.add_argument("--openfold-chunk", type=int, default=4,
                         help="MSA rows per chunk of OpenFold3's chunked path (default: %(default)s)")
     parser.add_argument("--lma-chunk", type=int, default=64,
@@ -209,6 +218,8 @@ def _markdown(report: dict) -> str:
         "N_res / D.",
         "",
         f"OpenFold3's paths: {report['openfold3_paths']}",
+        "",
+        *trimul_rows.memory_markdown(report["triangle_update"], cfg["trimul_n"], cfg["trimul_c"], cfg["dtype"]),
     ]
     return "\n".join(lines) + "\n"
 
@@ -234,11 +245,13 @@ def run(args: argparse.Namespace) -> int:
         "batch": args.batch, "n_seq": args.n_seq, "n_res": args.n_res, "heads": args.heads,
         "head_dim": args.head_dim, "dtype": args.dtype, "device": args.device, "seed": args.seed,
         "threads": torch.get_num_threads(), "openfold_chunk": args.openfold_chunk, "lma_chunk": args.lma_chunk,
+        "trimul_n": args.trimul_n, "trimul_c": args.trimul_c,
     }
     if args.quick:
         cfg.update(n_seq=16, n_res=128, heads=4, head_dim=16)
     on_cuda = torch.device(cfg["device"]).type == "cuda"
-    check_positive(cfg, ("batch", "n_seq", "n_res", "heads", "head_dim", "openfold_chunk", "lma_chunk"))
+    check_positive(cfg, ("batch", "n_seq", "n_res", "heads", "head_dim", "openfold_chunk", "lma_chunk", "trimul_n",
+                         "trimul_c"))
     backends = ["reference", "torch"] + (["triton"] if on_cuda else [])
     missing = "left out (--no-openfold)" if args.no_openfold else openfold3_missing()
     report: dict = {
@@ -274,5 +287,7 @@ def run(args: argparse.Namespace) -> int:
         r["peak_ratio_vs_reference"] = ref["peak_bytes"] / max(r["peak_bytes"], 1)
         r["saved_ratio_vs_reference"] = ref["saved_bytes"] / max(r["saved_bytes"], 1)
         r["meets_target"] = r["peak_ratio_vs_reference"] >= TARGET_PEAK_RATIO
+    report["triangle_update"] = trimul_rows.memory_rows(cfg["trimul_n"], cfg["trimul_c"], cfg["dtype"], cfg["device"],
+                                                        cfg["seed"])
     write_files(args.out, "evoformer_memory", report, _markdown(report), plot)
     return 0

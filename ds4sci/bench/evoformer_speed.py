@@ -16,6 +16,10 @@ both in q's dtype; q, k, v and the pair bias require grad (a training step), the
 Shapes are OpenFold's: MSA row attention with pair bias (N = N_seq, S = N_res, H = 8, D = 32), triangle attention
 (N = S = N_res, H = 4, D = 32), extra-MSA row attention (N >= 1024, H = 8, D = 8); ``--quick`` runs small ones.
 
+The triangle multiplicative update's rows (:mod:`ds4sci.bench.trimul_rows`: ds4sci's torch and chunked paths, and
+cuEquivariance's kernel when ``cuequivariance_torch`` imports) at N = ``--trimul-sizes``, c_z = c_hidden = 128 (32 and
+N = 64, 96 with ``--quick``), in the report's ``triangle_update``, follow the attention rows.
+
 Timing: CUDA events, ``--warmup`` calls, then the median of ``--repeats``; "fwd" is the forward alone, "fwd+bwd" the
 forward and the backward of ``sum(o * do)``. Also recorded: the peak CUDA memory of one forward+backward above what
 the inputs hold, and the largest difference from the ``ds4sci-torch`` output (a fast kernel that computes something
@@ -261,6 +265,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="implementations to time where available (default: all)")
     parser.add_argument("--warmup", type=int, default=3, help="(default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=10, help="(default: %(default)s)")
+    parser.add_argument("--trimul-sizes", nargs="+", type=int, default=[256, 512, 1024],
+                        help="N of the triangle multiplicative update's rows (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -295,7 +301,12 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "results": results,
     }
-    write_files(args.out, "evoformer_speed", report, _markdown(report), plot)
+    from ds4sci.bench import trimul_rows  # imports torch and the models, as run() does
+
+    sizes, c = ([64, 96], 32) if args.quick else (args.trimul_sizes, 128)
+    report["triangle_update"] = trimul_rows.speed_rows(sizes, c, args.dtypes, args.warmup, args.repeats)
+    markdown = _markdown(report) + "\n" + "\n".join(trimul_rows.speed_markdown(report["triangle_update"])) + "\n"
+    write_files(args.out, "evoformer_speed", report, markdown, plot)
     # ds4sci's own failures fail the command; another package's kernel failing (say DeepSpeed's JIT build) is reported
-    failed = [r for r in results if "error" in r and r["impl"].startswith("ds4sci")]
+    failed = [r for r in results + report["triangle_update"] if "error" in r and r["impl"].startswith("ds4sci")]
     return 1 if failed else 0

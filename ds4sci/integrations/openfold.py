@@ -30,6 +30,14 @@ it. Unlike :func:`enable` it edits the given model's stacks only (their ``forwar
 
     ds4sci_openfold.context_parallel(model, group)     # every rank: the same inputs, the same outputs and .grad
     ds4sci_openfold.context_parallel_off(model)
+
+:func:`triangle_updates` replaces the ``forward`` of OpenFold3's ``TriangleMultiplicativeUpdate`` and
+``FusedTriangleMultiplicativeUpdate`` classes (so every ``TriangleMultiplicationOutgoing`` / ``Incoming`` and their
+fused forms, in every model) with one that runs :func:`ds4sci.kernels.triangle_multiplicative_update` on the
+module's own parameters: the plain path and the in-place inference path (``inplace_safe=True``, z overwritten with
+``z + update``, or ``update``, as OpenFold3's ``_inference_forward`` does); a call that asks for
+``use_cueq_triangle_kernels`` or ``use_triton_triangle_kernels`` still runs OpenFold3's own. It is process-global, like
+:func:`enable`; :func:`triangle_updates_off` puts the original methods back.
 """
 from __future__ import annotations
 
@@ -49,8 +57,11 @@ from torch import Tensor
 from torch import nn
 
 from ds4sci.kernels import EvoformerBackend
+from ds4sci.kernels import TriMulBackend
+from ds4sci.kernels import TriMulParams
 from ds4sci.kernels import evoformer_attention
 from ds4sci.kernels import parse_backend
+from ds4sci.kernels import triangle_multiplicative_update
 
 logger = logging.getLogger(__name__)
 
@@ -335,5 +346,62 @@ def context_parallel_off(model: nn.Module) -> list[str]:
     return restored
 
 
-__all__ = ["EvoAttentionAdapter", "TARGETS", "context_parallel", "context_parallel_off", "disable", "enable",
-           "enabled", "is_enabled"]
+# ----------------------------------------------------------------------------------------------------------
+# OpenFold3's triangle multiplicative updates
+# ----------------------------------------------------------------------------------------------------------
+
+#: module and classes of OpenFold3 whose ``forward`` :func:`triangle_updates` replaces
+TRIMUL_TARGET = ("openfold3.core.model.layers.triangular_multiplicative_update",
+                 ("TriangleMultiplicativeUpdate", "FusedTriangleMultiplicativeUpdate"))
+_trimul_originals: dict[type, Any] = {}  # class -> its own forward, while replaced
+
+
+def _trimul_forward(original, backend: TriMulBackend):
+    """OpenFold3's ``forward(z, mask, inplace_safe, use_cueq_triangle_kernels, use_triton_triangle_kernels,
+    _add_with_inplace, _inplace_chunk_size)`` on ds4sci's kernel (module docstring)."""
+
+    def forward(self, z: Tensor, mask: Optional[Tensor] = None, inplace_safe: bool = False,
+                use_cueq_triangle_kernels: bool = False, use_triton_triangle_kernels: bool = False,
+                _add_with_inplace: bool = False, _inplace_chunk_size: Optional[int] = 256) -> Tensor:
+        if use_cueq_triangle_kernels or use_triton_triangle_kernels:
+            return original(self, z, mask, inplace_safe, use_cueq_triangle_kernels, use_triton_triangle_kernels,
+                            _add_with_inplace, _inplace_chunk_size)
+        update = triangle_multiplicative_update(z, mask, TriMulParams.from_module(self), outgoing=self._outgoing,
+                                                eps=self.layer_norm_in.eps, backend=backend)
+        if inplace_safe:  # OpenFold3's in-place inference contract: z overwritten, returned
+            return z.add_(update) if _add_with_inplace else z.copy_(update)
+        return update
+
+    forward.ds4sci_backend = backend
+    return forward
+
+
+def triangle_updates(backend: Union[str, TriMulBackend] = TriMulBackend.AUTO) -> list[str]:
+    """Run OpenFold3's triangle multiplicative updates on ds4sci's kernel (module docstring); calling it again
+    changes the backend. Returns the classes patched.
+
+    Raises:
+        ImportError: openfold3 is not importable.
+        ValueError: an unknown backend.
+    """
+    backend = parse_backend(backend, TriMulBackend)
+    module_name, class_names = TRIMUL_TARGET
+    module = importlib.import_module(module_name)
+    for name in class_names:
+        cls = getattr(module, name)
+        original = _trimul_originals.setdefault(cls, cls.forward)
+        cls.forward = _trimul_forward(original, backend)
+    logger.info("ds4sci.integrations.openfold: OpenFold3's %s use ds4sci's triangle update (backend=%s)",
+                ", ".join(class_names), backend.value)
+    return list(class_names)
+
+
+def triangle_updates_off() -> None:
+    """Put back the ``forward`` methods :func:`triangle_updates` replaced; a no-op when not switched."""
+    while _trimul_originals:
+        cls, original = _trimul_originals.popitem()
+        cls.forward = original
+
+
+__all__ = ["EvoAttentionAdapter", "TARGETS", "TRIMUL_TARGET", "context_parallel", "context_parallel_off", "disable",
+           "enable", "enabled", "is_enabled", "triangle_updates", "triangle_updates_off"]

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from dataclasses import replace
 
+from ds4sci.kernels.backends import TRIMUL_CHUNK_BYTES
 from ds4sci.planning.common import DTYPE_BYTES
 from ds4sci.planning.common import GIB
 from ds4sci.planning.common import STATE_BYTES
@@ -196,8 +197,11 @@ def block_saved_bytes(w: Workload) -> dict[str, float]:
 
     keys_pair = g.n if w.layout != "2d" else g.n // w.side
     cz, hp, cp = sh.c_z, sh.no_heads_pair, sh.c_hidden_pair_att
-    tri_mul = g.pairs * (_ln_saved(cz, e) + cz * e + 7 * sh.c_hidden_mul * e + _ln_saved(sh.c_hidden_mul, e)
-                         + sh.c_hidden_mul * e + 2 * cz * e) + _ln_const(cz, e) + _ln_const(sh.c_hidden_mul, e)
+    if w.layout == "1":  # the chunked kernel (ds4sci.kernels.trimul) saves z and the product p; its mask is the block's
+        tri_mul = g.pairs * (cz + sh.c_hidden_mul) * e
+    else:  # the context-parallel forms run the update's steps on shards and tiles, with autograd's own saving
+        tri_mul = g.pairs * (_ln_saved(cz, e) + cz * e + 7 * sh.c_hidden_mul * e + _ln_saved(sh.c_hidden_mul, e)
+                             + sh.c_hidden_mul * e + 2 * cz * e) + _ln_const(cz, e) + _ln_const(sh.c_hidden_mul, e)
     # the 1-D code computes the triangle bias through a second call of the layer norm (its own stats and output)
     twice = (_ln_saved(cz, e) - (0 if e < 4 else cz * e) + cz * e) if g.gathered else 0
     tri_att = attention(g.pairs, cz, cp, hp, keys_pair) + g.pairs * twice
@@ -222,9 +226,10 @@ def block_saved_bytes(w: Workload) -> dict[str, float]:
         out["attn_pair_bias"] = attention(g.tokens, sh.c_m, c, h, g.tokens) + g.pairs * bias_ln + _ln_const(cz, e)
         out["single_transition"] = transition(g.tokens, sh.c_m, "swiglu")
         masks = (pair_masks + g.tokens) * e
-    if not g.gathered:  # the biases and the other triangle operand are the rank's own (a tile on a mesh)
+    if w.layout == "2d":  # the other triangle operand is the rank's own tile (the kernel's is in its term above)
         out["tri_mul_out"] += g.pairs * sh.c_hidden_mul * e
         out["tri_mul_in"] += g.pairs * sh.c_hidden_mul * e
+    if not g.gathered:  # the biases are the rank's own (a tile on a mesh)
         out["tri_att_start"] += g.pairs * hp * e
         out["tri_att_end"] += g.pairs * hp * e
         out["msa_att_row" if sh.evoformer else "attn_pair_bias"] += g.pairs * h * e
@@ -275,6 +280,31 @@ def _ln_peak(c: int, e: int) -> float:
     return (e * c if e == 4 else 8 * c) + 8
 
 
+def _tri_mul_live(n: int, cz: int, c: int, e: int) -> float:
+    """Inference, one device: the chunked triangle update's peak (:mod:`ds4sci.kernels.trimul`): the full operand
+    ``f`` and the output (``N^2 (c + C_z) e``) beside one block of R rows (the kernel's default,
+    :data:`~ds4sci.kernels.backends.TRIMUL_CHUNK_BYTES`, at most ``N/8``). Per position of the block: LN_in's
+    (``_ln_peak``); x and the operand's gate, projection and two products (``x + 4 c``); x, p and LN_out's; x, p, the
+    projection of LN(p), the gate's sigmoid and the product (``4 C_z + c``). The residual add is the caller's."""
+    rows = max(1, min(TRIMUL_CHUNK_BYTES // (n * max(cz, c) * e), -(-n // 8)))
+    block = rows * n
+    return n * n * (c + cz) * e + max(block * e * (cz + 4 * c), block * e * (4 * cz + c),
+                                      block * (e * (cz + c) + _ln_peak(c, e)) + _ln_const(c, e),
+                                      block * _ln_peak(cz, e) + _ln_const(cz, e))
+
+
+def _tri_mul_steps_live(g: _Grid, cz: int, cmul: int, e: int) -> float:
+    """Inference, context-parallel forms: the update's steps on this rank's shard or tile: x, then a and b (3 c live
+    while one is built), matmul's copies and p, then the gate, LN(p) and its projection, the product; 1-D, the
+    gathered operand and its matmul copy, whole."""
+    mul = g.pairs * max(e * (cz + 4 * cmul), e * (cz + 5 * cmul), e * (3 * cz + 4 * cmul), e * (4 * cz + 3 * cmul),
+                        e * (2 * cz + 3 * cmul) + _ln_peak(cmul, e) + _ln_const(cmul, e) / g.pairs,
+                        _ln_peak(cz, e) + _ln_const(cz, e) / g.pairs)
+    if g.gathered:  # the gathered operand and its matmul copy, whole
+        mul += 2 * g.pairs_all * cmul * e
+    return mul
+
+
 def block_live_bytes(w: Workload) -> dict[str, float]:
     """Inference: the peak of live bytes beyond the block's inputs while each sub-module runs (what the block keeps
     alive around it included), by sub-module; ``inside_ops`` the modelled scratch inside single ops (module
@@ -321,13 +351,10 @@ def block_live_bytes(w: Workload) -> dict[str, float]:
     cmul = sh.c_hidden_mul
     rows_pair = g.n if w.layout == "1" else g.n // w.side
     steps = []  # (name, peak of the sub-module, output bytes, context alive around it)
-    # triangle multiplication: x, then a and b (3 c live while one is built), matmul's copies and p, then the gate,
-    # LN(p) and its projection, the product
-    mul = g.pairs * max(e * (cz + 4 * cmul), e * (cz + 5 * cmul), e * (3 * cz + 4 * cmul), e * (4 * cz + 3 * cmul),
-                        e * (2 * cz + 3 * cmul) + _ln_peak(cmul, e) + _ln_const(cmul, e) / g.pairs,
-                        _ln_peak(cz, e) + _ln_const(cz, e) / g.pairs)
-    if g.gathered:  # the gathered operand and its matmul copy, whole
-        mul += 2 * g.pairs_all * cmul * e
+    if w.layout == "1":
+        mul = _tri_mul_live(g.n, cz, cmul, e)
+    else:
+        mul = _tri_mul_steps_live(g, cz, cmul, e)
     att_held = g.pairs * (cz + hp + 1) * e  # LN(z), its triangle bias, the mask bias
     if g.gathered:
         att_held += g.pairs_all * hp * e

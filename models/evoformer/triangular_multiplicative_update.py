@@ -10,6 +10,12 @@ and the update is ``sigmoid(Linear_g(x)) * Linear_z(LN_out(p))``. AlphaFold-Mult
 (``a`` its first half). Parameter names as OpenFold's (``layer_norm_in``, ``layer_norm_out``, ``linear_a_p``,
 ``linear_a_g``, ``linear_b_p``, ``linear_b_g`` or ``linear_ab_p``, ``linear_ab_g``, ``linear_g``, ``linear_z``);
 OpenFold3's projections have no bias, OpenFold's have one (:class:`~ds4sci.models.evoformer.primitives.Convention`).
+
+``forward`` runs :func:`ds4sci.kernels.triangle_multiplicative_update` with the module's ``backend`` (a
+:class:`~ds4sci.kernels.TriMulBackend`: ``"auto"``/``"chunked"``, ``"torch"``; changeable later through the
+attribute). :meth:`~TriangleMultiplicativeUpdate.projections`, :meth:`~TriangleMultiplicativeUpdate.combine` and
+:meth:`~TriangleMultiplicativeUpdate.finish` are the same math in steps, for the context-parallel forms
+(:mod:`ds4sci.parallel.evoformer`), which compute the product on shards and mesh tiles.
 """
 from __future__ import annotations
 
@@ -20,6 +26,11 @@ import torch
 from torch import Tensor
 from torch import nn
 
+from ds4sci.kernels import TriMulBackend
+from ds4sci.kernels import TriMulParams
+from ds4sci.kernels import parse_backend
+from ds4sci.kernels import triangle_multiplicative_update
+from ds4sci.kernels.trimul import triangle_product
 from ds4sci.models.evoformer.primitives import Convention
 from ds4sci.models.evoformer.primitives import LayerNorm
 from ds4sci.models.evoformer.primitives import check_broadcasts
@@ -29,13 +40,16 @@ from ds4sci.models.evoformer.primitives import resolve_convention
 
 
 class TriangleMultiplicativeUpdate(nn.Module):
-    """``forward(z [*, N_res, N_res, C_z], mask [*, N_res, N_res] | None) -> [*, N_res, N_res, C_z]`` (the update of
-    z). ``outgoing``: Algorithm 11 (True) or 12 (False); ``fuse_projection_weights``: AlphaFold-Multimer's fused
-    projections."""
+    """``forward(z [*, N_res, N_res, C_z], mask [*, N_res, N_res] | None, chunk_size=None) -> [*, N_res, N_res, C_z]``
+    (the update of z; ``chunk_size``: rows per block of the chunked backend, None its default). ``outgoing``:
+    Algorithm 11 (True) or 12 (False); ``fuse_projection_weights``: AlphaFold-Multimer's fused projections;
+    ``backend``: :class:`~ds4sci.kernels.TriMulBackend`."""
 
     def __init__(self, c_z: int, c_hidden: int, outgoing: bool = True, fuse_projection_weights: bool = False, *,
-                 convention: Union[str, Convention] = Convention.OPENFOLD3):
+                 convention: Union[str, Convention] = Convention.OPENFOLD3,
+                 backend: Union[str, TriMulBackend] = TriMulBackend.AUTO):
         super().__init__()
+        self.backend = parse_backend(backend, TriMulBackend)
         convention = resolve_convention(convention)
         for name, value in (("c_z", c_z), ("c_hidden", c_hidden)):
             if not isinstance(value, int) or value < 1:
@@ -69,24 +83,20 @@ class TriangleMultiplicativeUpdate(nn.Module):
         b = mask * torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)
         return a, b
 
-    def forward(self, z: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, z: Tensor, mask: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tensor:
         layer = type(self).__name__
         check_channels(layer, "z", z, self.c_z, "N_res, N_res")
-        if mask is None:
-            mask = z.new_ones(z.shape[:-1])
-        check_broadcasts(layer, "mask", mask, z.shape[:-1], "N_res, N_res")
-        x = self.layer_norm_in(z)
-        a, b = self.projections(x, mask.to(z.dtype).unsqueeze(-1))
-        return self.finish(x, self.combine(a, b))
+        if mask is not None:
+            check_broadcasts(layer, "mask", mask, z.shape[:-1], "N_res, N_res")
+        return triangle_multiplicative_update(z, mask, TriMulParams.from_module(self), outgoing=self.outgoing,
+                                              eps=self.layer_norm_in.eps, backend=self.backend,
+                                              chunk_size=chunk_size)
 
     def combine(self, a: Tensor, b: Tensor) -> Tensor:
         """``p [*, I, J, c]``: outgoing ``p_ij = sum_k a_ik b_jk`` (``a`` any rows i, ``b`` every row), incoming
-        ``p_ij = sum_k a_ki b_kj`` (``a`` every column, ``b`` any columns j), as batched matmuls over channels."""
-        if self.outgoing:
-            p = torch.matmul(a.movedim(-1, -3), b.movedim(-1, -3).transpose(-1, -2))  # [*, c, I, J]
-        else:
-            p = torch.matmul(a.movedim(-1, -3).transpose(-1, -2), b.movedim(-1, -3))  # [*, c, I, J]
-        return p.movedim(-3, -1)
+        ``p_ij = sum_k a_ki b_kj`` (``a`` every column, ``b`` any columns j)
+        (:func:`ds4sci.kernels.trimul.triangle_product`)."""
+        return triangle_product(a, b, self.outgoing)
 
     def finish(self, x: Tensor, p: Tensor) -> Tensor:
         """The update ``sigmoid(Linear_g(x)) * Linear_z(LN_out(p))`` of the normalised pair ``x`` (the slab of p)."""
@@ -97,13 +107,15 @@ class TriangleMultiplicationOutgoing(TriangleMultiplicativeUpdate):
     """Triangle update using outgoing edges (AF2 Algorithm 11); OpenFold's constructor ``(c_z, c_hidden)``."""
 
     def __init__(self, c_z: int, c_hidden: int, fuse_projection_weights: bool = False, *,
-                 convention: Union[str, Convention] = Convention.OPENFOLD3):
-        super().__init__(c_z, c_hidden, True, fuse_projection_weights, convention=convention)
+                 convention: Union[str, Convention] = Convention.OPENFOLD3,
+                 backend: Union[str, TriMulBackend] = TriMulBackend.AUTO):
+        super().__init__(c_z, c_hidden, True, fuse_projection_weights, convention=convention, backend=backend)
 
 
 class TriangleMultiplicationIncoming(TriangleMultiplicativeUpdate):
     """Triangle update using incoming edges (AF2 Algorithm 12); OpenFold's constructor ``(c_z, c_hidden)``."""
 
     def __init__(self, c_z: int, c_hidden: int, fuse_projection_weights: bool = False, *,
-                 convention: Union[str, Convention] = Convention.OPENFOLD3):
-        super().__init__(c_z, c_hidden, False, fuse_projection_weights, convention=convention)
+                 convention: Union[str, Convention] = Convention.OPENFOLD3,
+                 backend: Union[str, TriMulBackend] = TriMulBackend.AUTO):
+        super().__init__(c_z, c_hidden, False, fuse_projection_weights, convention=convention, backend=backend)
