@@ -52,6 +52,7 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "tensorboard>=2.14",
+        "scikit-learn>=1.3",  # task metrics and the linear probe (ds4sci.data.metrics, ds4sci probe)
         "peft>=0.17",  # LoRA for fine-tuning (ds4sci.train.lora): inject_adapter_in_model, its state dict helpers
     ],
     extras_require={
@@ -63,6 +64,8 @@ setup(
                 "ruff>=0.17,<0.18", "mutmut>=3.8,<4",
                 # mpiexec (MPICH) and mpi4py: the `mpiexec -n 2 ds4sci train` test (tests/distributed/test_launchers.py)
                 "mpich>=4.2", "mpi4py>=4.0",
+                # Prodigal's gene calls: examples/tasks/make_coding_task.py, which derives the bundled coding task
+                "pyrodigal>=3.7",
                 # the documentation site: `make docs` (mkdocs build --strict), tests/test_docs.py
                 "mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings-python>=1.10"],
     },

@@ -19,6 +19,9 @@ SHA256 = {
     "genslm_codon_vocab_69.tsv": "f05c1f58a60062c35d0e6ed04e8dc16c30e7d2baa6e1df11854b900db276cbce",
     "genslm_codon_vocab_71.tsv": "1c6a2e160ef3811a8ef846a1cdea5e0f7fb65ee1de5b66720dcb7b4c4c6aa920",
     "ecoli_example_variants.vcf": "59a28d6142476effb70132bba1910820ea90a71a75b6cde04b3d269fe6a339bf",
+    # examples/tasks/make_coding_task.py (pyrodigal 3.7.1) writes these two
+    "ecoli_coding_windows.tsv": "006f867f4436d0c1cb9c881550aecc4bdcd7b66a813aa945036809c4dd6706c0",
+    "ecoli_coding_bases.tsv": "a0705698931fd72688eec0d5d02a9f2a4080f5c35b49bab8aae41df4b8080e39",
 }
 
 

@@ -64,22 +64,27 @@ def reference(tmp_path_factory) -> tuple[Path, dict]:
     return tmp, metrics
 
 
-def test_two_processes_shrunk_to_one(reference):
-    """2 processes (Ulysses 2, micro-batch 4) -> 1 (micro-batch 2 x accumulation 2): the issue's "world size 1 is
-    not a multiple of tp=1 x ulysses=2" came from checking the saved layout at the new world size."""
+@pytest.fixture(scope="module")
+def one_to_two(reference) -> dict:
+    """1 process -> 2 at Ulysses 2 (the same micro-batch 4 x dp 1), refused as "8 -> 4" before: its metrics (its
+    checkpoint at step 4, saved by 2 processes, is what :func:`test_two_processes_shrunk_to_one` resumes)."""
+    tmp, _ = reference
+    return _run(tmp, "one_to_two", 2, "parallel.ulysses=2", "train.micro_batch_size=4",
+                resume=tmp / "one" / "checkpoints" / "step2")
+
+
+def test_one_process_grown_to_two(reference, one_to_two):
+    _same(one_to_two, reference[1], range(3, 7), "1 -> 2")
+
+
+def test_two_processes_shrunk_to_one(reference, one_to_two):
+    """2 processes (Ulysses 2, micro-batch 4; their step-4 checkpoint) -> 1 (micro-batch 2 x accumulation 2): the
+    issue's "world size 1 is not a multiple of tp=1 x ulysses=2" came from checking the saved layout at the new
+    world size."""
     tmp, want = reference
-    _same(_run(tmp, "two", 2, "parallel.ulysses=2", "train.micro_batch_size=4"), want, range(1, 7), "2 processes")
     got = _run(tmp, "two_to_one", 1, "train.micro_batch_size=2", "train.grad_accum=2",
-               resume=tmp / "two" / "checkpoints" / "step4")
+               resume=tmp / "one_to_two" / "checkpoints" / "step4")
     _same(got, want, range(5, 7), "2 -> 1")
-
-
-def test_one_process_grown_to_two(reference):
-    """1 process -> 2 at Ulysses 2 (the same micro-batch 4 x dp 1), refused as "8 -> 4" before."""
-    tmp, want = reference
-    got = _run(tmp, "one_to_two", 2, "parallel.ulysses=2", "train.micro_batch_size=4",
-               resume=tmp / "one" / "checkpoints" / "step2")
-    _same(got, want, range(3, 7), "1 -> 2")
 
 
 def test_four_processes_shrunk_to_two(reference):
