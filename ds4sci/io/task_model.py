@@ -12,7 +12,7 @@ The folder a fine-tuning run exports (``train.out_dir/export``):
   and no backbone weights: the base (its weights, config and tokenizer) is read from ``base``.
 
 :func:`load_task_model` builds the :class:`~ds4sci.models.genslm.task.GenSLMForTask` (adapters injected, not
-merged: :func:`merged_task_model` folds them in).
+merged: :func:`ds4sci.train.lora.merge_lora` folds them in; ``ds4sci export-hf --merge`` writes the merged model).
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ from ds4sci.models.genslm import GenSLMForTask
 from ds4sci.models.genslm import TaskSpec
 from ds4sci.train.lora import LoraSpec
 from ds4sci.train.lora import load_adapter
-from ds4sci.train.lora import merge_lora
 
 TASK_FILE, HEAD_FILE, ADAPTER_FILE = "task.json", "head.safetensors", "adapter_model.safetensors"
 
@@ -85,8 +84,3 @@ def load_task_model(folder: str | Path, device: str | torch.device = "cpu") -> t
     model.head.load_state_dict({k: v.float() for k, v in head.items()}, strict=True)
     return model.float().to(device).eval(), tokenizer
 
-
-def merged_task_model(model: GenSLMForTask) -> GenSLMForTask:
-    """``model`` with its LoRA adapters (if any) folded into the backbone's weights (in place; returns it)."""
-    merge_lora(model.model)
-    return model
