@@ -53,6 +53,7 @@ setup(
         "matplotlib>=3.7",
         "tensorboard>=2.14",
         "scikit-learn>=1.3",  # task metrics and the linear probe (ds4sci.data.metrics, ds4sci probe)
+        "peft>=0.17",  # LoRA for fine-tuning (ds4sci.train.lora): inject_adapter_in_model, its state dict helpers
     ],
     extras_require={
         # ds4sci.integrations.openfold replaces a private function of openfold3 0.5 (_deepspeed_evo_attn)

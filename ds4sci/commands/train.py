@@ -42,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from ds4sci.train.trainer import Trainer  # after --print-config: DeepSpeed's import prints to stdout
+    if cfg.task.kind:  # a task: section: fine-tuning on labelled records (ds4sci.train.finetune)
+        from ds4sci.train.finetune import FineTuner as Trainer
+    else:
+        from ds4sci.train.trainer import Trainer  # after --print-config: DeepSpeed's import prints to stdout
 
     trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
     records = trainer.train()

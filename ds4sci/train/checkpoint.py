@@ -153,10 +153,11 @@ def fingerprint(trainer) -> dict:
 
 
 def _engine_params(trainer, replicas: bool = True) -> list[tuple[str, torch.nn.Parameter]]:
-    """``(GenSLM name, parameter)`` of this rank's engine (its pipeline stage's parameters under PP). ``replicas=False``
-    leaves out the last stage's copy of a tied embedding (DeepSpeed's ``ds_pipe_replicated``), whose values are the
-    first stage's: each tensor is written once, and read into both copies."""
-    named = trainer.engine.module.named_parameters()
+    """``(GenSLM name, parameter)`` of this rank's engine's trainable parameters (its pipeline stage's under PP).
+    ``replicas=False`` leaves out the last stage's copy of a tied embedding (DeepSpeed's ``ds_pipe_replicated``),
+    whose values are the first stage's: each tensor is written once, and read into both copies."""
+    # frozen parameters (LoRA's base weights) are the run's start, rebuilt from model.init_from: never saved
+    named = [(name, p) for name, p in trainer.engine.module.named_parameters() if p.requires_grad]
     if trainer.dims.pp > 1:
         return [(genslm_name(name, trainer.model_config.num_layers), p) for name, p in named
                 if replicas or not getattr(p, "ds_pipe_replicated", False)]

@@ -209,6 +209,33 @@ class TrainConfig:
 
 
 @dataclass
+class TaskConfig:
+    kind: str = _field(default="", help='"" (language modelling: the default) or a fine-tuning task on labelled '
+                       'records: "binary", "multiclass", "multilabel", "regression" or "token" (a class per token)')
+    data: str | list = _field(default="", help='labelled records: FASTA with ">id label=..." headers, or a TSV/CSV '
+                              'of id, sequence, label (optionally split); a list for several; relative: like '
+                              'data.fasta', path=True)
+    fasta: str = _field(default="", help='FASTA of the sequences when task.data is a label table keyed by id',
+                        path=True)
+    bed: str = _field(default="", help='BED intervals labelling the bases of task.data (kind token: 1 inside)',
+                      path=True)
+    classes: list = _field(default_factory=list, help='class names in logit order; [] -> sorted from the '
+                           'train split (binary: 0, 1)')
+    validation: float = _field(default=0.1, help='fraction of records for validation when no record names its split '
+                               '(a hash of the id)')
+    test: float = _field(default=0.1, help='fraction of records held out for the test split (metrics.json)')
+    pooling: str = _field(default="mean", help='a sequence head\'s pooling: "mean" over real tokens, "last" token '
+                          '(what transformers\' classifiers do: exportable) or "attention" (a learned pool)')
+    method: str = _field(default="lora", help='"lora" (peft adapters + head trainable) or "full" (every weight)')
+    lora_r: int = _field(default=8, help='LoRA rank')
+    lora_alpha: float = _field(default=16.0, help='LoRA scale: the update is lora_alpha / lora_r x B A')
+    lora_dropout: float = _field(default=0.0, help='dropout on the LoRA input')
+    lora_targets: list = _field(default_factory=lambda: ["attention"], help='modules LoRA adapts: names '
+                                '(query_key_value, dense, dense_h_to_4h, dense_h_to_4h_gate, dense_4h_to_h) or '
+                                'groups attention, mlp')
+
+
+@dataclass
 class Config:
     data: DataConfig = _field(default_factory=DataConfig, help='training data and tokenization')
     model: ModelConfig = _field(default_factory=ModelConfig, help='GenSLM model shape')
@@ -222,6 +249,8 @@ class Config:
     optim: OptimConfig = _field(default_factory=OptimConfig, help='AdamW with linear warmup and cosine decay')
     train: TrainConfig = _field(default_factory=TrainConfig,
                     help='run length, batch, precision, logging and checkpoints')
+    task: TaskConfig = _field(default_factory=TaskConfig,
+                    help='fine-tuning on labelled records (ds4sci.train.finetune); off with kind ""')
 
     def genslm_config(self, vocab_size: int, pad_token_id: int, base: GenSLMConfig | None = None) -> GenSLMConfig:
         """The run's model: ``base`` (the config of ``model.init_from``'s weights) or else ``model.preset``, with the
@@ -302,7 +331,22 @@ class Config:
                   "no such file or directory")
         else:
             self._validate_model(dims)
+        if self.task.kind:
+            self._validate_task(check)
         return self
+
+    def _validate_task(self, check) -> None:
+        """The ``task`` section of a fine-tuning run (``task.kind`` set)."""
+        k, p = self.task, self.parallel
+        kinds = ("binary", "multiclass", "multilabel", "regression", "token")
+        check(k.kind in kinds, "task.kind", k.kind, f"expected {', '.join(kinds)} (or \"\": language modelling)")
+        check(bool(k.data), "task.data", k.data, "a fine-tuning run needs labelled records")
+        check(k.pooling in ("mean", "last", "attention"), "task.pooling", k.pooling, "expected mean, last or attention")
+        check(k.method in ("lora", "full"), "task.method", k.method, "expected lora or full")
+        check(k.lora_r >= 1, "task.lora_r", k.lora_r, "must be >= 1")
+        check(0 <= k.lora_dropout < 1, "task.lora_dropout", k.lora_dropout, "must be in [0, 1)")
+        check(p.tp == 1 and p.pp == 1, "parallel", f"tp={p.tp}, pp={p.pp}",
+              "fine-tuning runs with data and sequence parallelism (ulysses, ring) only: set tp=1, pp=1")
 
     def _validate_model(self, dims) -> None:
         """``model.preset`` and ``model.overrides`` make a model this run can split."""
@@ -422,6 +466,11 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
             value = _parse_yaml(value, key)
         if isinstance(value, (list, tuple)):
             return tuple(float(v) for v in value)
+    elif typ is list:  # task.classes, task.lora_targets: names
+        if isinstance(value, str):
+            value = _parse_yaml(value, key)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int)) for v in value):
+            return [str(v) for v in value]
     elif typ is dict or origin is dict:
         if isinstance(value, str):
             value = _parse_yaml(value, key)

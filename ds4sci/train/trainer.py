@@ -194,7 +194,23 @@ class Trainer:
         # locked (rank 0, held to the end of train()) before anything there is read or written
         resume_from, self.run_lock = open_run_dir(cfg, resume, overwrite, self.device, self.launch)
 
-        self.tokenizer, self.train_ds, self.val_ds, self.split = load_data(cfg, self.launch)
+        self.tokenizer, self.train_ds, self.val_ds, self.split = self._load_data()
+        self._build_model()
+        self.step = 0
+        _on_rank_0(self._write_config, self.device)
+        self.resumed_from = load_checkpoint(self, resume_from) if resume_from is not None else None
+        if self.resumed_from is not None and self.step >= cfg.train.steps:
+            raise ValueError(f"--resume: {self.resumed_from} is at step {self.step}, train.steps={cfg.train.steps}: "
+                             f"nothing left to train (raise train.steps)")
+
+    def _load_data(self) -> tuple:
+        """``(tokenizer, training set, validation set, a line naming the split)`` (every rank)."""
+        return load_data(self.cfg, self.launch)
+
+    def _build_model(self) -> None:
+        """The model, its parallelization and the DeepSpeed engine (``self.engine``), with what the trainer keeps of
+        them (config, parameter count, TP plan, loss, position table)."""
+        cfg = self.cfg
         # built on the meta device: each rank draws (or, with model.init_from, copies from the memory-mapped source)
         # only its own pieces (its TP shards, its table rows, its pipeline stage), so no rank holds the whole model
         model = initial_model(cfg, self.tokenizer, device="meta")
@@ -210,19 +226,13 @@ class Trainer:
         # DistributedAttention all-gathers the shard shapes (a host sync) per layer per forward to catch uneven shards;
         # every batch of the trainer has one shape, so the first forward checks them and the others skip the check
         self._unchecked_shapes = [m for m in model.modules() if isinstance(m, DistributedAttention)]
-        apply_activation_checkpointing(model, cfg.activation_checkpointing, self.device)
+        apply_activation_checkpointing(model, self.cfg.activation_checkpointing, self.device)
         self.pos_table = PositionTable(table, self.groups, cfg, self.device) if table is not None else None
         if self.dims.pp > 1:  # DeepSpeed's pipeline engine; the first stage looks the position table up
             self.engine = build_pipeline_engine(model, self.pos_table, cfg, self.groups, self.device, materialize)
         else:
             self.engine = build_engine(model, cfg, self.groups, self.device, materialize)
         model.init_source = None  # every piece is drawn or copied now: release the fine-tuning source
-        self.step = 0
-        _on_rank_0(self._write_config, self.device)
-        self.resumed_from = load_checkpoint(self, resume_from) if resume_from is not None else None
-        if self.resumed_from is not None and self.step >= cfg.train.steps:
-            raise ValueError(f"--resume: {self.resumed_from} is at step {self.step}, train.steps={cfg.train.steps}: "
-                             f"nothing left to train (raise train.steps)")
 
     def _write_config(self) -> None:
         """Rank 0 at start-up: the run folder and its ``config.yaml``."""
@@ -365,6 +375,11 @@ class Trainer:
         return {"val_loss": loss, "val_perplexity": math.exp(loss),
                 "val_bits_per_base": loss / math.log(2) / self.tokenizer.bases_per_token}
 
+    def describe_validation(self, record: dict) -> str:
+        """The log line's words for an evaluation's ``record``."""
+        return (f"validation loss {record['val_loss']:.4f} nats/token, {record['val_bits_per_base']:.4f} "
+                f"bits/base")
+
     def train(self) -> list[dict]:
         """Run to ``train.steps``; log, evaluate, checkpoint and export. Returns the metric records.
 
@@ -412,8 +427,7 @@ class Trainer:
                         if key != "step":
                             writer.add_scalar(key, value, record["step"])
                 if "val_loss" in record:  # every validation, as it happens
-                    logger.info("step %d/%d: validation loss %.4f nats/token, %.4f bits/base", record["step"], t.steps,
-                                record["val_loss"], record["val_bits_per_base"])
+                    logger.info("step %d/%d: %s", record["step"], t.steps, self.describe_validation(record))
                 elif bar.disable:  # no progress bar (off, or stderr is no terminal): a line per logged step
                     elapsed = time.perf_counter() - start
                     left = elapsed / (record["step"] - first_step) * (t.steps - record["step"])

@@ -15,6 +15,7 @@ _EXPORTS = {
     "config_from_gpt_neox": "neox", "from_gpt_neox_state_dict": "neox", "to_gpt_neox_state_dict": "neox",
     "config_from_llama": "llama", "from_llama_state_dict": "llama", "to_llama_state_dict": "llama",
     "LearnedPositionEmbedding": "position", "alibi_slopes": "position",
+    "GenSLMForTask": "task", "TaskHead": "task", "TaskSpec": "task", "task_loss": "task",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,0 +1,101 @@
+"""``ds4sci export-hf`` of a fine-tuned task model (:mod:`ds4sci.io.task_model`): a transformers
+``GPTNeoXForSequenceClassification`` / ``LlamaForSequenceClassification`` (sequence kinds) or
+``GPTNeoXForTokenClassification`` / ``LlamaForTokenClassification`` (token kind) directory, its backbone written as
+:mod:`ds4sci.io.export_hf` writes a causal LM (same config rules and refusals) and the head as the class's
+``score`` (``classifier`` for GPT-NeoX token classification), with ``num_labels``, ``id2label`` and
+``problem_type``.
+
+What transformers cannot express is refused, naming why: its sequence classifiers pool the last non-padding token,
+so a ``mean`` or ``attention`` pooled head has no equivalent. Regression heads predict standardised targets; the
+statistics are kept in ``config.json`` as ``ds4sci_target_mean`` / ``ds4sci_target_std`` (transformers' score has
+no bias to fold the mean into).
+
+LoRA: with ``merge`` the adapters are folded into the weights (one plain model); without it the base model is
+written and the adapters beside it in ``OUT/adapter`` (peft's ``adapter_config.json`` and
+``adapter_model.safetensors``), for ``PeftModel.from_pretrained(model, OUT/adapter)``. Only GPT-NeoX names match
+ds4sci's layer for layer; a Llama model's fused q/k/v adapter has no peft equivalent on its split q/k/v projections,
+so it is written merged only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from ds4sci.io.export_hf import HFExportWriter
+from ds4sci.io.export_hf import hf_config
+from ds4sci.io.task_model import load_task_model
+from ds4sci.io.task_model import read_task_meta
+from ds4sci.io.weights import load_model
+from ds4sci.models.genslm import to_gpt_neox_state_dict
+from ds4sci.models.genslm import to_llama_state_dict
+from ds4sci.train.lora import merge_lora
+
+PROBLEM_TYPES = {"binary": "single_label_classification", "multiclass": "single_label_classification",
+                 "multilabel": "multi_label_classification", "regression": "regression",
+                 "token": "single_label_classification"}
+ADAPTER_DIR = "adapter"
+
+
+def export_task_hf(source: str | Path, out: str | Path, overwrite: bool = False, merge: bool = False) -> Path:
+    """Write the task model at ``source`` to ``out`` as a transformers classifier (module docstring).
+
+    Raises:
+        FileExistsError: ``out`` holds files and ``overwrite`` is false.
+        ValueError: a head or model transformers cannot express, or a Llama LoRA adapter without ``merge``.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: not empty; pass --overwrite to replace the model files in it")
+    spec, lora, base = read_task_meta(source)
+    if not spec.per_token and spec.pooling != "last":
+        raise ValueError(f"{source}: task.pooling={spec.pooling!r} cannot be written as a transformers sequence "
+                         f"classifier: its *ForSequenceClassification classes pool the last non-padding token only "
+                         f"(fine-tune with task.pooling=last to export)")
+    model, tokenizer = load_task_model(source)
+    config = model.model.config
+    data = hf_config(config, tokenizer, source)
+    llama = data["model_type"] == "llama"
+    adapter = lora is not None and not merge
+    if adapter and llama:
+        raise ValueError(f"{source}: a Llama model's LoRA adapter on the fused q/k/v projection has no peft "
+                         f"equivalent on transformers' q_proj/k_proj/v_proj; pass --merge to write the merged model")
+    if lora is not None and merge:
+        merge_lora(model.model)
+    backbone = load_model(base)[0] if adapter else model.model  # the plain weights the adapters apply to
+    prefix = "Llama" if llama else "GPTNeoX"
+    kind = "TokenClassification" if spec.per_token else "SequenceClassification"
+    names = list(spec.labels) or [str(i) for i in range(spec.num_labels)]
+    data.update(architectures=[f"{prefix}For{kind}"], num_labels=spec.num_labels,
+                id2label={str(i): n for i, n in enumerate(names)}, label2id={n: i for i, n in enumerate(names)},
+                problem_type=PROBLEM_TYPES[spec.kind])
+    if spec.kind == "regression" and spec.target_std:
+        data.update(ds4sci_target_mean=list(spec.target_mean), ds4sci_target_std=list(spec.target_std))
+    state = to_llama_state_dict(backbone) if llama else to_gpt_neox_state_dict(backbone)
+    state = {k: v for k, v in state.items() if k not in ("lm_head.weight", "embed_out.weight")}
+    head_name = "classifier" if spec.per_token and not llama else "score"
+    state.update({f"{head_name}.{k.removeprefix('score.')}": v for k, v in model.head.state_dict().items()})
+    writer = HFExportWriter(out, config, tokenizer, data)
+    for name, tensor in state.items():
+        writer.add(name, tensor)
+    writer.close()
+    if adapter:
+        _write_adapter(model, lora, out)
+    return out
+
+
+def _write_adapter(model, lora, out: Path) -> None:
+    """peft's files for the adapters of ``model`` (GPT-NeoX) in ``out/adapter``."""
+    from peft import LoraConfig
+    from peft import get_peft_model_state_dict
+
+    folder = out / ADAPTER_DIR
+    folder.mkdir(exist_ok=True)
+    targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.model.named_modules() if hasattr(m, "lora_A")})
+    LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+               base_model_name_or_path=str(out)).save_pretrained(str(folder))
+    state = get_peft_model_state_dict(model.model)  # layers.0.attention.query_key_value.lora_A.weight
+    save_file({f"base_model.model.gpt_neox.{k}": v.detach().float().contiguous() for k, v in state.items()},
+              str(folder / "adapter_model.safetensors"))
