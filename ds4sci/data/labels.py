@@ -361,7 +361,8 @@ def read_labelled(sources: LabelSource | str | os.PathLike | Sequence[LabelSourc
         kind: one of :data:`KINDS`.
         classes: the class names in index order (binary: negative, positive); default: sorted from the train split
             (binary: ``0``, ``1``). A name not among them is an unknown class.
-        validation, test: fractions for :func:`hash_split`, used only when no record names its split.
+        validation: the fraction for :func:`hash_split`'s validation split, used only when no record names its split.
+        test: the same for the test split.
 
     Returns:
         :class:`LabelledData`; regression targets are named ``label`` (one) or ``label0, label1, ...``.
