@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
             yield index, tsv_row(row)
 
     digest = {"command": "score", "export": os.path.abspath(args.export), "seq_len": args.seq_len,
-              "stride": args.stride, "reverse_complement": args.reverse_complement}
+              "stride": args.stride, "reverse_complement": args.reverse_complement,
+              "batch_size": args.batch_size, "max_tokens": args.max_tokens_per_batch}
     count = write_records(args, runner, digest, stream, "tsv", "score", len(records), "\t".join(COLUMNS))
     if count:
         logger.info("wrote the scores of %d record(s) to %s", count, args.out)

@@ -37,21 +37,18 @@ from ds4sci.infer.records import token_budget
 from ds4sci.progress import record_progress
 
 
-def _record_tokens(tokenizer, records: Iterable, skip: set[int]) -> tuple[list[str], list[np.ndarray]]:
-    """Ids of ``records`` and their token ids (empty for those in ``skip``).
+def _record_tokens(tokenizer, records: Iterable) -> tuple[list[str], list[np.ndarray]]:
+    """Ids of ``records`` and their token ids.
 
     Raises:
         ValueError: an empty record or an id seen twice (naming it), or no record at all.
     """
     ids, seen, tokens = [], set(), []
-    for r, rec in enumerate(records):
+    for rec in records:
         if rec.id in seen:
             raise ValueError(f"record id {rec.id!r} appears twice: embeddings are keyed by id")
         seen.add(rec.id)
         ids.append(rec.id)
-        if r in skip:
-            tokens.append(np.zeros(0, dtype=np.int64))
-            continue
         tokens.append(tokenizer.encode(rec.sequence))
         if len(tokens[-1]) == 0:
             raise ValueError(f"record {rec.id!r}: cannot embed an empty sequence")
@@ -66,7 +63,8 @@ def embed_stream(model, tokenizer, records: Iterable, seq_len: int | None = None
                  runner: ShardedForward | None = None) -> Iterator[tuple[int, str, np.ndarray]]:
     """``(index, id, embedding)`` for the records this data rank reads (dealt by token count,
     :func:`~ds4sci.infer.records.my_items`), in the order they complete: the mean state ``[hidden]`` float32, or
-    with ``per_token`` every token's ``[tokens, hidden]``. Records whose index is in ``skip`` are not read.
+    with ``per_token`` every token's ``[tokens, hidden]``. Records whose index is in ``skip`` are not yielded (as
+    :func:`ds4sci.infer.score.score_stream`).
     ``max_tokens``, ``pack``, ``progress``: as :func:`ds4sci.infer.score.score_stream`; others as
     :func:`embed_records`.
 
@@ -76,13 +74,12 @@ def embed_stream(model, tokenizer, records: Iterable, seq_len: int | None = None
     seq_len = window_length(model.config, seq_len)
     budget = token_budget(max_tokens, batch_size, seq_len)
     runner = runner or ShardedForward(model)
-    skip = set(skip)
-    ids, tokens = _record_tokens(tokenizer, records, skip)
+    ids, tokens = _record_tokens(tokenizer, records)
     windows, owner = item_windows(tokens, seq_len, stride)
-    todo = np.array([r for r in range(len(ids)) if r not in skip], dtype=np.int64)
-    items = todo[my_items(runner, np.array([len(tokens[r]) for r in todo], dtype=np.int64))]
+    items = my_items(runner, np.array([len(t) for t in tokens], dtype=np.int64))
     for r, value in read_items(runner, windows, owner, items, "states" if per_token else "sum", max_tokens=budget,
-                               row_len=seq_len, pad_id=tokenizer.pad_id, pack=pack, layer=layer, progress=progress):
+                               row_len=seq_len, pad_id=tokenizer.pad_id, pack=pack, layer=layer, skip=skip,
+                               progress=progress):
         yield r, ids[r], value if per_token else (value[0] / value[1]).astype(np.float32)
 
 
@@ -129,7 +126,7 @@ def token_embeddings(model, tokenizer, records: Iterable, seq_len: int | None = 
     seq_len = window_length(model.config, seq_len)
     budget = token_budget(max_tokens, batch_size, seq_len)
     runner = runner or ShardedForward(model)
-    ids, tokens = _record_tokens(tokenizer, records, set())
+    ids, tokens = _record_tokens(tokenizer, records)
     part = deal([len(t) for t in tokens], runner.dims.dp)
     with record_progress(progress and runner.is_writer, "embed", len(ids)) as shown:
         for r, name in enumerate(ids):

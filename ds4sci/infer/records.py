@@ -60,21 +60,23 @@ def my_items(runner: ShardedForward, sizes: np.ndarray, per_record: int = 1) -> 
 
 def read_items(runner: ShardedForward, windows: list[Window], owner: np.ndarray, items: Iterable[int], what: str, *,
                max_tokens: int, row_len: int, pad_id: int, pack: bool = True, layer: int | None = None,
-               progress=None) -> Iterator[tuple[int, object]]:
+               skip: Iterable[int] = (), progress=None) -> Iterator[tuple[int, object]]:
     """``(item, result)`` for each of ``items``, in the order they complete (every rank of a sequence group must
     read the same items). ``what``: ``"loss"``, result ``(nats, scored targets)`` (float, int); ``"sum"``,
     ``(summed states [hidden] float64, owned tokens)``; ``"states"``, ``[tokens, hidden]`` float32. An item with no
     window gives ``(0.0, 0)``, ``(None, 0)`` or None at once. ``progress`` (or None): called as
-    ``progress(items, tokens)`` after each batch with the items completed and tokens read.
+    ``progress(items, tokens)`` after each batch with the items completed and tokens read. Items in ``skip`` (done
+    by an earlier run) are planned with the others but not yielded, and a batch of theirs alone is not read: the
+    others are batched as in a run without ``skip``, so their numbers are the same to the last bit.
 
     Raises:
         ValueError: an unknown ``what`` (from :meth:`~ds4sci.infer.parallel.ShardedForward.read_slots`).
     """
-    items = np.asarray(sorted(items), dtype=np.int64)
+    items, skip = np.asarray(sorted(items), dtype=np.int64), set(skip)
     chosen = np.flatnonzero(np.isin(owner, items))  # [w] this rank's windows, in order
     left = dict(zip(*np.unique(owner[chosen], return_counts=True)))
     for item in items:
-        if int(item) not in left:
+        if int(item) not in left and int(item) not in skip:
             yield int(item), {"loss": (0.0, 0), "sum": (None, 0), "states": None}[what]
     lengths = np.array([len(windows[w].ids) for w in chosen], dtype=np.int64)
     plan = plan_batches(lengths, owner[chosen], max_tokens, row_len, pack and runner.dims.sp == 1)
@@ -83,6 +85,8 @@ def read_items(runner: ShardedForward, windows: list[Window], owner: np.ndarray,
                         minlength=int(owner.max(initial=-1)) + 1).astype(np.int64)  # [items] tokens embedded
     for planned in plan:
         rows = [[int(chosen[i]) for i in row] for row in planned]
+        if all(int(owner[w]) in skip for row in rows for w in row):
+            continue
         out = runner.read_slots(collate_rows(windows, rows, pad_id), what, layer)
         done = []
         for slot, w in enumerate(w for row in rows for w in row):
@@ -90,7 +94,7 @@ def read_items(runner: ShardedForward, windows: list[Window], owner: np.ndarray,
             value = (out[0][slot], out[1][slot]) if what == "loss" else out[slot]
             parts.setdefault(item, []).append((w, value))
             left[item] -= 1
-            if left[item] == 0:
+            if left[item] == 0 and item not in skip:
                 done.append(item)
         for item in done:
             pieces = [value for _, value in sorted(parts.pop(item), key=lambda p: p[0])]

@@ -34,8 +34,9 @@ def score_stream(model, tokenizer, records: Iterable, seq_len: int | None = None
                  ) -> Iterator[tuple[int, dict]]:
     """``(index, row)`` for the records this data rank reads (:func:`~ds4sci.infer.records.my_items`: dealt by token
     count), in the order they complete; ``index`` is the record's place in ``records``, ``row`` as
-    :func:`score_records`. Records whose index is in ``skip`` are not read (nor dealt). ``max_tokens``: tokens per
-    forward (default ``batch_size`` full windows); ``pack``: short records several to a row; ``progress``:
+    :func:`score_records`. Records whose index is in ``skip`` are not yielded (they are dealt and batched as without
+    ``skip``, so the others' numbers do not change; :func:`~ds4sci.infer.records.read_items`). ``max_tokens``:
+    tokens per forward (default ``batch_size`` full windows); ``pack``: short records several to a row; ``progress``:
     ``progress(records, tokens)`` after each forward (:func:`~ds4sci.infer.records.read_items`).
 
     Raises:
@@ -48,17 +49,14 @@ def score_stream(model, tokenizer, records: Iterable, seq_len: int | None = None
     budget = token_budget(max_tokens, batch_size, seq_len)
     runner = runner or ShardedForward(model)
     strands = 2 if reverse_complement else 1
-    skip = set(skip)
     heads, strand_ids = [], []
     for r, rec in enumerate(records):
         heads.append((r, rec.id, len(rec.sequence)))
-        ids = tokenizer.encode(rec.sequence) if r not in skip else tokenizer.encode("")
+        ids = tokenizer.encode(rec.sequence)
         strand_ids += [ids, tokenizer.reverse_complement(ids)] if reverse_complement else [ids]
-    todo = np.array([r for r, _, _ in heads if r not in skip], dtype=np.int64)
     windows, owner = item_windows(strand_ids, seq_len, stride)
-    sizes = np.array([len(strand_ids[strands * r]) for r in todo], dtype=np.int64)
-    mine = my_items(runner, sizes, strands)  # item k of todo's records: strands * todo[k // strands] + k % strands
-    items = todo[mine // strands] * strands + mine % strands
+    items = my_items(runner, np.array([len(strand_ids[strands * r]) for r in range(len(heads))]), strands)
+    skip = {strands * r + k for r in skip for k in range(strands)}
     done: dict[int, list] = {}
 
     def counted(n_items: int, tokens: int) -> None:
@@ -67,7 +65,7 @@ def score_stream(model, tokenizer, records: Iterable, seq_len: int | None = None
 
     for item, (nats, scored) in read_items(runner, windows, owner, items, "loss", max_tokens=budget,
                                            row_len=seq_len, pad_id=tokenizer.pad_id, layer=None,
-                                           pack=pack, progress=counted):
+                                           pack=pack, skip=skip, progress=counted):
         r = item // strands
         done.setdefault(r, [None] * strands)[item % strands] = (nats, scored)
         if all(part is not None for part in done[r]):
