@@ -134,7 +134,7 @@ def measure(cfg: dict) -> dict:
     records = corpus(cfg)
     tok = NucleotideTokenizer()
     ours, hf = throughput.build_models({"shape": "gpt-neox", "kv_heads": 0, "seq_len": cfg["context"],
-                                        "rotary_pct": 0.25, "hf_attention": "sdpa", "attention_backend": "auto"} | cfg)
+                                        "rotary_pct": 0.25, "hf_attention": "sdpa", "attention_backend": "sdpa"} | cfg)
     ours, hf = ours.eval(), hf.eval()
     context, budget = cfg["context"], cfg["max_tokens"]
 
