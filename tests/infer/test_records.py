@@ -101,3 +101,17 @@ def test_deal_balances_tokens_longest_first():
     assert deal(sizes, 1).tolist() == [0] * 8
     with pytest.raises(ValueError, match="parts"):
         deal(sizes, 0)
+
+
+def test_progress_logs_records_tokens_and_eta_when_redirected(caplog):
+    from ds4sci.progress import record_progress
+
+    with caplog.at_level("INFO", logger="ds4sci.progress"):
+        with record_progress(True, "score", 4, interval_s=0) as show:  # stderr is not a terminal under pytest
+            show(1, 100)
+            show(1, 50)
+        with record_progress(False, "score", 4, interval_s=0) as show:
+            show(1, 100)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and lines[0].startswith("score: 1/4 records, 100 tokens, ")
+    assert lines[1].startswith("score: 2/4 records, 150 tokens, ") and "records/s, ETA 0:" in lines[1]
