@@ -77,19 +77,21 @@ def run(args: argparse.Namespace) -> int:
         def stream(skip, progress):
             for index, key, states in embed_stream(model, tokenizer, records, args.seq_len, stride=args.stride,
                                                    batch_size=args.batch_size, max_tokens=args.max_tokens_per_batch,
-                                                   layer=args.layer, per_token=args.per_token, skip=skip,
-                                                   progress=progress, runner=runner):
+                                                   pack=args.pack, layer=args.layer, per_token=args.per_token,
+                                                   skip=skip, progress=progress, runner=runner):
                 yield index, (key, name, states)
 
         digest = {"command": "embed", "export": os.path.abspath(args.export), "seq_len": args.seq_len,
                   "stride": args.stride, "layer": args.layer, "per_token": args.per_token,
-              "batch_size": args.batch_size, "max_tokens": args.max_tokens_per_batch}
+              "batch_size": args.batch_size, "max_tokens": args.max_tokens_per_batch, "pack": args.pack}
         count = write_records(args, runner, digest, stream, "parquet", "embed", len(records))
         if count:
             logger.info("wrote the embeddings (%s) of %d record(s) to %s", what, count, args.out)
         return 0
     options = dict(stride=args.stride, batch_size=args.batch_size, max_tokens=args.max_tokens_per_batch,
                    progress=not args.no_progress, layer=args.layer, runner=runner)
+    if not args.per_token:
+        options["pack"] = args.pack
     if args.per_token:
         states = token_embeddings(model, tokenizer, read_fasta(args.fasta), args.seq_len, **options)
         if not runner.is_writer:  # its records go to rank 0, which writes them

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--resume needs an --out file (its OUT.parts/ folder holds what was written)")
     out_folder(args.out)
     model, _, tokenizer, runner = load_reader(args)
-    options = dict(stride=args.stride, max_tokens=args.max_tokens_per_batch,
+    options = dict(stride=args.stride, max_tokens=args.max_tokens_per_batch, pack=args.pack,
                    batch_size=args.batch_size)
     if args.out == "-":
         rows = score_records(model, tokenizer, read_fasta(args.fasta), args.seq_len, args.reverse_complement,
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     digest = {"command": "score", "export": os.path.abspath(args.export), "seq_len": args.seq_len,
               "stride": args.stride, "reverse_complement": args.reverse_complement,
-              "batch_size": args.batch_size, "max_tokens": args.max_tokens_per_batch}
+              "batch_size": args.batch_size, "max_tokens": args.max_tokens_per_batch, "pack": args.pack}
     count = write_records(args, runner, digest, stream, "tsv", "score", len(records), "\t".join(COLUMNS))
     if count:
         logger.info("wrote the scores of %d record(s) to %s", count, args.out)

@@ -58,7 +58,7 @@ def _record_tokens(tokenizer, records: Iterable) -> tuple[list[str], list[np.nda
 
 
 def embed_stream(model, tokenizer, records: Iterable, seq_len: int | None = None, *, stride: int | None = None,
-                 batch_size: int = 8, max_tokens: int | None = None, pack: bool = True, layer: int | None = None,
+                 batch_size: int = 8, max_tokens: int | None = None, pack: bool = False, layer: int | None = None,
                  per_token: bool = False, skip: Iterable[int] = (), progress=None,
                  runner: ShardedForward | None = None) -> Iterator[tuple[int, str, np.ndarray]]:
     """``(index, id, embedding)`` for the records this data rank reads (dealt by token count,
@@ -84,7 +84,7 @@ def embed_stream(model, tokenizer, records: Iterable, seq_len: int | None = None
 
 
 def embed_records(model, tokenizer, records: Iterable, seq_len: int | None = None, *, stride: int | None = None,
-                  batch_size: int = 8, max_tokens: int | None = None, pack: bool = True, progress: bool = False,
+                  batch_size: int = 8, max_tokens: int | None = None, pack: bool = False, progress: bool = False,
                   layer: int | None = None, runner: ShardedForward | None = None) -> tuple[list[str], np.ndarray]:
     """The ids of ``records`` (objects with ``id`` and ``sequence``: :func:`ds4sci.data.read_fasta`) and their
     embeddings ``[R, hidden]`` float32: each the mean state of ``layer`` over the record's tokens.

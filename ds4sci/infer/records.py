@@ -59,7 +59,7 @@ def my_items(runner: ShardedForward, sizes: np.ndarray, per_record: int = 1) -> 
 
 
 def read_items(runner: ShardedForward, windows: list[Window], owner: np.ndarray, items: Iterable[int], what: str, *,
-               max_tokens: int, row_len: int, pad_id: int, pack: bool = True, layer: int | None = None,
+               max_tokens: int, row_len: int, pad_id: int, pack: bool = False, layer: int | None = None,
                skip: Iterable[int] = (), progress=None) -> Iterator[tuple[int, object]]:
     """``(item, result)`` for each of ``items``, in the order they complete (every rank of a sequence group must
     read the same items). ``what``: ``"loss"``, result ``(nats, scored targets)`` (float, int); ``"sum"``,

@@ -29,7 +29,7 @@ from ds4sci.progress import record_progress
 
 
 def score_stream(model, tokenizer, records: Iterable, seq_len: int | None = None, reverse_complement: bool = False,
-                 *, stride: int | None = None, batch_size: int = 8, max_tokens: int | None = None, pack: bool = True,
+                 *, stride: int | None = None, batch_size: int = 8, max_tokens: int | None = None, pack: bool = False,
                  skip: Iterable[int] = (), progress=None, runner: ShardedForward | None = None
                  ) -> Iterator[tuple[int, dict]]:
     """``(index, row)`` for the records this data rank reads (:func:`~ds4sci.infer.records.my_items`: dealt by token
@@ -79,7 +79,7 @@ def score_stream(model, tokenizer, records: Iterable, seq_len: int | None = None
 
 
 def score_records(model, tokenizer, records: Iterable, seq_len: int | None = None, reverse_complement: bool = False,
-                  *, stride: int | None = None, batch_size: int = 8, max_tokens: int | None = None, pack: bool = True,
+                  *, stride: int | None = None, batch_size: int = 8, max_tokens: int | None = None, pack: bool = False,
                   progress: bool = False, runner: ShardedForward | None = None) -> list[dict]:
     """One row per record: ``id``, ``length`` (bases), ``tokens`` (targets scored, as ``evaluate`` counts them: the
     record's tokens minus one per window that does not overlap the one before it), ``log_likelihood`` (total, nats;

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 def _commands(root, out):
     common = [str(root / "export"), "--fasta", str(root / "x.fa"), "--seq-len", "16", "--stride", "12",
-              "--max-tokens-per-batch", "48", "--no-progress", "--flush-every", "3"]
+              "--max-tokens-per-batch", "48", "--pack", "--no-progress", "--flush-every", "3"]
     return [["score", *common, "--out", str(out / "s.tsv")], ["embed", *common, "--out", str(out / "e.parquet")]]
 
 

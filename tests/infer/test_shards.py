@@ -39,7 +39,7 @@ def job(tmp_path_factory):
     fasta = root / "x.fa"
     fasta.write_text("".join(f">r{i}\n{''.join(rng.choice(list('ACGT'), rng.integers(1, 41)))}\n" for i in range(60)))
     common = [str(export), "--fasta", str(fasta), "--seq-len", "16", "--stride", "12", "--max-tokens-per-batch", "48",
-              "--no-progress"]
+              "--pack", "--no-progress"]
     assert main(["score", *common, "--out", str(root / "whole.tsv")]) == 0
     return {"common": common, "whole": (root / "whole.tsv").read_bytes(), "export": export, "fasta": fasta}
 
