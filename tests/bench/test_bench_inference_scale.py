@@ -23,9 +23,9 @@ def test_quick_run_writes_the_report(tmp_path):
 
 
 def test_corpus_mixes_genes_and_genome_pieces():
-    cfg = inference_scale.config_from_args(bench_args(inference_scale, "--quick", "--genes", "3", "--pieces", "4"))
+    cfg = inference_scale.config_from_args(bench_args(inference_scale, "--quick"))
     records = inference_scale.corpus(cfg)
-    assert sorted(r.id.startswith("piece") for r in records) == [False] * 3 + [True] * 4
+    assert sorted(r.id.startswith("piece") for r in records) == [False] * 8 + [True] * 8
     assert all(20 <= len(r.sequence) <= 300 for r in records if r.id.startswith("piece"))
     with pytest.raises(ValueError, match="--min-bases 400 is above --max-bases 300"):
         inference_scale.config_from_args(bench_args(inference_scale, "--quick", "--min-bases", "400"))
