@@ -3,7 +3,8 @@ the one rule every ds4sci bar follows; and the dependencies kept quiet (:func:`q
 
 A bar is drawn when it is ``enabled`` (``train.progress``, no ``--no-progress``) and stderr is a terminal. Output
 redirected to a file or a pipe gets no bar frames: training logs one line every ``train.log_every`` steps instead
-(:meth:`ds4sci.train.trainer.Trainer.train` reads ``bar.disable``)."""
+(:meth:`ds4sci.train.trainer.Trainer.train` reads ``bar.disable``), and :func:`record_progress` (``score``,
+``embed``) one line of records, tokens and ETA every ``LOG_INTERVAL_S`` seconds."""
 from __future__ import annotations
 
 import contextlib
