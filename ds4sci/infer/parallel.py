@@ -14,8 +14,8 @@ it is never scored or embedded), tokens, targets and positions sharded together 
 
 ``evaluate`` deals windows over the data ranks: window ``i`` to data rank ``i % dp`` (:meth:`share`); ``score``
 and ``embed`` deal whole records by token count (:mod:`ds4sci.infer.records`) and read packed batches, any number of
-windows per row, through :meth:`read_slots`. :meth:`reduce_data` sums a rank's disjoint part into the full array on every rank and
-:meth:`to_writer` brings a record's array to rank 0, the one rank that writes files (:attr:`is_writer`).
+windows per row, through :meth:`read_slots`. :meth:`reduce_data` sums a rank's disjoint part into the full array on
+every rank and :meth:`to_writer` brings a record's array to rank 0, the one rank that writes files (:attr:`is_writer`).
 """
 from __future__ import annotations
 
