@@ -96,3 +96,10 @@ def test_parquet_embeddings_read_back(job, tmp_path, per_token):
     else:
         _, want = embed_records(model, tok, records, 16, stride=12, layer=1)
         np.testing.assert_allclose(np.stack(table["embedding"]), want, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_needs_a_file_it_can_resume(job, capsys):
+    assert main(["score", *job["common"], "--out", "-", "--resume"]) == 2
+    assert "--resume needs an --out file" in capsys.readouterr().err
+    assert main(["embed", *job["common"], "--out", "x.npz", "--resume"]) == 2
+    assert "--resume needs a .parquet --out (got 'x.npz')" in capsys.readouterr().err
