@@ -54,12 +54,15 @@ setup(
         "tensorboard>=2.14",
         "scikit-learn>=1.3",  # task metrics and the linear probe (ds4sci.data.metrics, ds4sci probe)
         "peft>=0.17",  # LoRA for fine-tuning (ds4sci.train.lora): inject_adapter_in_model, its state dict helpers
+        "pyarrow>=14",  # embed --out X.parquet: embeddings streamed in shards (ds4sci.infer.shards)
     ],
     extras_require={
         # ds4sci.integrations.openfold replaces a private function of openfold3 0.5 (_deepspeed_evo_attn)
         "openfold": ["openfold3>=0.5,<0.6"],
         "gpu": ["flash-attn"],
         "dev": ["pytest>=7.4", "pytest-timeout>=2.2", "pytest-xdist>=3.8", "hypothesis>=6.80", "transformers>=4.40",
+                # pandas: the Parquet read-back test reads embed's output as a user does
+                "pandas>=2.0",
                 # ruff: `make lint` (its rules change between minor releases); mutmut: `make mutate`
                 "ruff>=0.17,<0.18", "mutmut>=3.8,<4",
                 # mpiexec (MPICH) and mpi4py: the `mpiexec -n 2 ds4sci train` test (tests/distributed/test_launchers.py)

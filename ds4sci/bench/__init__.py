@@ -90,6 +90,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "variants/s of ds4sci score-variants on a saturation-mutagenesis scan (3 SNVs per position), REF windows "
         "shared vs scored per variant",
     ),
+    "inference-scale": (
+        "ds4sci.bench.inference_scale",
+        "records/s of ds4sci score on a corpus of mixed lengths: one window at a time, bucketed by length, packed "
+        "with document masks, and transformers' batched forward on the same weights",
+    ),
 }
 
 

@@ -30,6 +30,66 @@ def add_reading_arguments(parser: argparse.ArgumentParser, *, windows: bool = Tr
                             "not a terminal)")
 
 
+def add_record_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the commands that read many records (``score``, ``embed``): ``--max-tokens-per-batch``,
+    ``--pack``, ``--resume`` and ``--flush-every``."""
+    parser.add_argument("--max-tokens-per-batch", type=positive_int, default=None, metavar="N",
+                        help="tokens per forward, padding included, windows sorted by length (default: --batch-size "
+                        "full windows)")
+    parser.add_argument("--pack", action="store_true",
+                        help="pack short records several to a row, each attending to itself alone: faster on many "
+                        "short records; numbers equal unpacked ones up to float32 rounding (about 1e-7 relative)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the records already written in OUT.parts/ by a job of the same input and options "
+                        "(an interrupted run) and read only the others")
+    parser.add_argument("--flush-every", type=positive_int, default=256, metavar="N",
+                        help="records per chunk written to OUT.parts/ (what an interrupted job keeps; default: "
+                        "%(default)s)")
+
+
+def write_records(args: argparse.Namespace, runner, options: dict, stream: Callable, kind: str, desc: str,
+                  total: int, header: str | None = None) -> int | None:
+    """Run a record job into ``args.out`` through its shards (:mod:`ds4sci.infer.shards`): every rank calls it.
+    ``stream(skip, progress)`` yields ``(index, row)`` for this data rank's records not in ``skip`` (rows as
+    :class:`~ds4sci.infer.shards.ShardWriter` takes them, ``kind`` ``"tsv"`` or ``"parquet"``); ``options``: what
+    the digest holds besides the FASTA file. Returns the records in the merged file on rank 0 (None elsewhere, and
+    0 when a resumed job was already complete).
+
+    Raises:
+        CommandError: ``--resume`` of a job of another input or options.
+    """
+    from ds4sci.cli_args import CommandError
+    from ds4sci.infer.shards import ShardWriter
+    from ds4sci.infer.shards import done_indices
+    from ds4sci.infer.shards import job_digest
+    from ds4sci.infer.shards import merge
+    from ds4sci.infer.shards import parts_folder
+    from ds4sci.infer.shards import start_job
+    from ds4sci.progress import record_progress
+
+    try:
+        state = start_job(args.out, job_digest(args.fasta, options), args.resume, runner.is_writer)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    runner.barrier()
+    if state == "merged":
+        logger.info("%s is complete (%s): nothing to do", args.out, parts_folder(args.out))
+        return 0
+    done = done_indices(args.out)
+    if done and runner.is_writer:
+        logger.info("resuming: %d of %d record(s) already written", len(done), total)
+    writer = ShardWriter(args.out, runner.data_rank, kind, args.flush_every) if runner.writes_shards else None
+    left = -(-(total - len(done)) // runner.dims.dp)  # about this rank's share (dealt by tokens, not by count)
+    with record_progress(not args.no_progress and runner.is_writer, desc, left) as shown:
+        for index, row in stream(done, shown):
+            if writer is not None:
+                writer.add(index, row)
+    if writer is not None:
+        writer.close()
+    runner.barrier()
+    return merge(args.out, header) if runner.is_writer else None
+
+
 def load_reader(args: argparse.Namespace, *, windows: bool = True, check: Callable | None = None) -> tuple:
     """``(model, config, tokenizer, runner)``: the launch resolved (logged when it has several processes: by every
     rank, shown by rank 0 alone, :func:`ds4sci.cli.main`), then the model of ``args.export`` on ``--device``,

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import sys
 
+from ds4sci.cli_args import CommandError
 from ds4sci.cli_args import add_device_argument
 from ds4sci.cli_args import add_model_argument
 from ds4sci.cli_args import add_out_argument
 from ds4sci.cli_args import out_folder
 from ds4sci.commands.inference import add_reading_arguments
+from ds4sci.commands.inference import add_record_arguments
 from ds4sci.commands.inference import load_reader
+from ds4sci.commands.inference import write_records
 
 logger = logging.getLogger(__name__)
 
@@ -28,30 +30,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reverse-complement", action="store_true",
                         help="nucleotide models: average the log-likelihoods of both strands")
     add_reading_arguments(parser)
+    add_record_arguments(parser)
+
+
+def tsv_row(row: dict) -> str:
+    """A score row as its TSV line (no newline), the columns of :data:`COLUMNS`."""
+    return "\t".join([row["id"], str(row["length"]), str(row["tokens"]), f"{row['log_likelihood']:.6f}",
+                      f"{row['bits_per_base']:.6f}"])
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from ds4sci.data import read_fasta
     from ds4sci.infer.length import default_length
     from ds4sci.infer.score import score_records
+    from ds4sci.infer.score import score_stream
 
+    if args.resume and args.out == "-":
+        raise CommandError("--resume needs an --out file (its OUT.parts/ folder holds what was written)")
     out_folder(args.out)
     model, _, tokenizer, runner = load_reader(args)
-    rows = score_records(model, tokenizer, read_fasta(args.fasta),
-                         args.seq_len or default_length(args.export, model.config), args.reverse_complement,
-                         stride=args.stride, batch_size=args.batch_size, progress=not args.no_progress, runner=runner)
-    if not runner.is_writer:
+    seq_len = args.seq_len or default_length(args.export, model.config)
+    options = dict(stride=args.stride, max_tokens=args.max_tokens_per_batch, pack=args.pack,
+                   batch_size=args.batch_size)
+    if args.out == "-":
+        rows = score_records(model, tokenizer, read_fasta(args.fasta), seq_len, args.reverse_complement,
+                             progress=not args.no_progress, runner=runner, **options)
+        if runner.is_writer:
+            sys.stdout.write("\t".join(COLUMNS) + "\n" + "".join(tsv_row(r) + "\n" for r in rows))
         return 0
-    out = sys.stdout if args.out == "-" else open(args.out, "w", newline="", encoding="utf-8")
-    try:
-        writer = csv.writer(out, delimiter="\t", lineterminator="\n")
-        writer.writerow(COLUMNS)
-        for r in rows:
-            writer.writerow([r["id"], r["length"], r["tokens"], f"{r['log_likelihood']:.6f}",
-                             f"{r['bits_per_base']:.6f}"])
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    if args.out != "-":
-        logger.info("wrote the scores of %d record(s) to %s", len(rows), args.out)
+    records = list(read_fasta(args.fasta))
+
+    def stream(skip, progress):
+        for index, row in score_stream(model, tokenizer, records, seq_len, args.reverse_complement, skip=skip,
+                                       progress=progress, runner=runner, **options):
+            yield index, tsv_row(row)
+
+    digest = {"command": "score", "export": os.path.abspath(args.export), "seq_len": seq_len,
+              "stride": args.stride, "reverse_complement": args.reverse_complement,
+              "batch_size": args.batch_size, "max_tokens": args.max_tokens_per_batch, "pack": args.pack}
+    count = write_records(args, runner, digest, stream, "tsv", "score", len(records), "\t".join(COLUMNS))
+    if count:
+        logger.info("wrote the scores of %d record(s) to %s", count, args.out)
     return 0

@@ -27,93 +27,116 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4sci.infer.evaluate import RecordWindows
-from ds4sci.infer.evaluate import Window
-from ds4sci.infer.evaluate import record_windows
+from ds4sci.infer.batching import deal
 from ds4sci.infer.evaluate import window_length
 from ds4sci.infer.parallel import ShardedForward
-from ds4sci.progress import progress_bar
+from ds4sci.infer.records import item_windows
+from ds4sci.infer.records import my_items
+from ds4sci.infer.records import read_items
+from ds4sci.infer.records import token_budget
+from ds4sci.progress import record_progress
 
 
-def _record_windows(model, tokenizer, records: Iterable, seq_len: int | None, stride: int | None
-                    ) -> tuple[list[str], list[Window], np.ndarray]:
-    """Ids of ``records``, the windows of all of them and ``owner [W]``, the record of each window.
+def _record_tokens(tokenizer, records: Iterable) -> tuple[list[str], list[np.ndarray]]:
+    """Ids of ``records`` and their token ids.
 
     Raises:
         ValueError: an empty record or an id seen twice (naming it), or no record at all.
     """
-    seq_len = window_length(model.config, seq_len)
-    ids, seen, chunks, owner = [], set(), [], []
+    ids, seen, tokens = [], set(), []
     for rec in records:
         if rec.id in seen:
             raise ValueError(f"record id {rec.id!r} appears twice: embeddings are keyed by id")
         seen.add(rec.id)
-        tokens = tokenizer.encode(rec.sequence)
-        if len(tokens) == 0:
-            raise ValueError(f"record {rec.id!r}: cannot embed an empty sequence")
-        pieces = record_windows(tokens, seq_len, stride)
-        chunks += pieces
-        owner += [len(ids)] * len(pieces)
         ids.append(rec.id)
+        tokens.append(tokenizer.encode(rec.sequence))
+        if len(tokens[-1]) == 0:
+            raise ValueError(f"record {rec.id!r}: cannot embed an empty sequence")
     if not ids:
         raise ValueError("no record to embed")
-    return ids, chunks, np.array(owner, dtype=np.int64)
+    return ids, tokens
+
+
+def embed_stream(model, tokenizer, records: Iterable, seq_len: int | None = None, *, stride: int | None = None,
+                 batch_size: int = 8, max_tokens: int | None = None, pack: bool = False, layer: int | None = None,
+                 per_token: bool = False, skip: Iterable[int] = (), progress=None,
+                 runner: ShardedForward | None = None) -> Iterator[tuple[int, str, np.ndarray]]:
+    """``(index, id, embedding)`` for the records this data rank reads (dealt by token count,
+    :func:`~ds4sci.infer.records.my_items`), in the order they complete: the mean state ``[hidden]`` float32, or
+    with ``per_token`` every token's ``[tokens, hidden]``. Records whose index is in ``skip`` are not yielded (as
+    :func:`ds4sci.infer.score.score_stream`).
+    ``max_tokens``, ``pack``, ``progress``: as :func:`ds4sci.infer.score.score_stream`; others as
+    :func:`embed_records`.
+
+    Raises:
+        ValueError: a record with no token or an id seen twice (naming it), no record at all, a bad budget.
+    """
+    seq_len = window_length(model.config, seq_len)
+    budget = token_budget(max_tokens, batch_size, seq_len)
+    runner = runner or ShardedForward(model)
+    ids, tokens = _record_tokens(tokenizer, records)
+    windows, owner = item_windows(tokens, seq_len, stride)
+    items = my_items(runner, np.array([len(t) for t in tokens], dtype=np.int64))
+    for r, value in read_items(runner, windows, owner, items, "states" if per_token else "sum", max_tokens=budget,
+                               row_len=seq_len, pad_id=tokenizer.pad_id, pack=pack, layer=layer, skip=skip,
+                               progress=progress):
+        yield r, ids[r], value if per_token else (value[0] / value[1]).astype(np.float32)
 
 
 def embed_records(model, tokenizer, records: Iterable, seq_len: int | None = None, *, stride: int | None = None,
-                  batch_size: int = 8, progress: bool = False, layer: int | None = None,
-                  runner: ShardedForward | None = None) -> tuple[list[str], np.ndarray]:
+                  batch_size: int = 8, max_tokens: int | None = None, pack: bool = False, progress: bool = False,
+                  layer: int | None = None, runner: ShardedForward | None = None) -> tuple[list[str], np.ndarray]:
     """The ids of ``records`` (objects with ``id`` and ``sequence``: :func:`ds4sci.data.read_fasta`) and their
     embeddings ``[R, hidden]`` float32: each the mean state of ``layer`` over the record's tokens.
 
     ``seq_len``: window length (default: the model's context); ``stride``: tokens between window starts (default
-    ``seq_len``); ``batch_size``: windows per forward; ``progress``: a bar over the windows, on a terminal only
-    (:func:`ds4sci.progress.progress_bar`); ``runner``: one process by default (across ranks, window ``w`` is read
-    by data rank ``w % dp``, and every rank returns the embeddings).
+    ``seq_len``); windows batched by length, ``max_tokens`` per forward (default ``batch_size`` full windows),
+    short records packed several to a row (``pack``: :mod:`ds4sci.infer.records`); ``progress``: a display over
+    the records (:func:`ds4sci.progress.record_progress`); ``runner``: one process by default (across ranks,
+    records are dealt over the data ranks by token count, and every rank returns the embeddings).
 
     Raises:
         ValueError: a record with no token or an id seen twice (naming it), no record at all, or ``batch_size`` < 1.
     """
+    records = list(records)
     runner = runner or ShardedForward(model)
-    ids, chunks, owner = _record_windows(model, tokenizer, records, seq_len, stride)
-    windows = RecordWindows(chunks, tokenizer)
-    sums = np.zeros((len(chunks), model.config.hidden_size))  # [W, hidden] float64
-    mine = runner.share(len(chunks))
-    with progress_bar(progress and runner.is_writer, total=len(mine), desc="embed", unit="window") as bar:
-        for chosen, batch in runner.batches(windows, mine, batch_size):
-            sums[chosen] = runner.owned_sums(batch, layer)
-            bar.update(len(chosen))
-    sums = runner.reduce_data(sums)
-    totals = np.zeros((len(ids), sums.shape[1]))  # [R, hidden]
-    np.add.at(totals, owner, sums)
-    tokens = np.bincount(owner, weights=[len(c.ids) - c.owned for c in chunks], minlength=len(ids))  # [R]
-    return ids, (totals / tokens[:, None]).astype(np.float32)
+    ids, vectors = [rec.id for rec in records], None
+    with record_progress(progress and runner.is_writer, "embed", len(records)) as shown:
+        for r, _, vector in embed_stream(model, tokenizer, records, seq_len, stride=stride, batch_size=batch_size,
+                                         max_tokens=max_tokens, pack=pack, layer=layer, progress=shown,
+                                         runner=runner):
+            if vectors is None:
+                vectors = np.zeros((len(records), len(vector)))
+            vectors[r] = vector
+    vectors = runner.reduce_data(vectors if vectors is not None else np.zeros((len(ids), model.config.hidden_size)))
+    return ids, vectors.astype(np.float32)
 
 
 def token_embeddings(model, tokenizer, records: Iterable, seq_len: int | None = None, *, stride: int | None = None,
-                     batch_size: int = 8, progress: bool = False, layer: int | None = None,
-                     runner: ShardedForward | None = None) -> Iterator[tuple[str, np.ndarray]]:
+                     batch_size: int = 8, max_tokens: int | None = None, progress: bool = False,
+                     layer: int | None = None, runner: ShardedForward | None = None
+                     ) -> Iterator[tuple[str, np.ndarray]]:
     """``(id, states [tokens, hidden] float32)`` of each record in order: the state of ``layer`` at every token of
     the record, each from the window that owns it (arguments as :func:`embed_records`).
 
-    Across ranks, record ``r`` is read by data rank ``r % dp`` (its windows sequence-parallel) and its states are
-    sent to rank 0: only rank 0 gets pairs, the others get none, and every rank must run the iterator to its end.
+    Across ranks, records are dealt over the data ranks by token count, each read in turn by its data rank (its
+    windows sequence-parallel) and sent to rank 0: only rank 0 gets pairs, the others get none, and every rank must
+    run the iterator to its end.
     """
+    seq_len = window_length(model.config, seq_len)
+    budget = token_budget(max_tokens, batch_size, seq_len)
     runner = runner or ShardedForward(model)
-    ids, chunks, owner = _record_windows(model, tokenizer, records, seq_len, stride)
-    windows = RecordWindows(chunks, tokenizer)
-    bounds = np.searchsorted(owner, np.arange(len(ids) + 1))  # record r's windows: bounds[r] .. bounds[r + 1]
-    tokens = np.bincount(owner, weights=[len(c.ids) - c.owned for c in chunks], minlength=len(ids)).astype(int)
-    mine = set(runner.share(len(ids)))
-    with progress_bar(progress and runner.is_writer, total=len(ids), desc="embed", unit="record") as bar:
+    ids, tokens = _record_tokens(tokenizer, records)
+    part = deal([len(t) for t in tokens], runner.dims.dp)
+    with record_progress(progress and runner.is_writer, "embed", len(ids)) as shown:
         for r, name in enumerate(ids):
             states = None
-            if r in mine:
-                states = np.concatenate([s for _, batch in runner.batches(windows, range(bounds[r], bounds[r + 1]),
-                                                                          batch_size)
-                                         for s in runner.owned_states(batch, layer)])  # [tokens, hidden]
-            states = runner.to_writer(states, r, (int(tokens[r]), model.config.hidden_size))
-            bar.update(1)
+            if part[r] == runner.data_rank:
+                windows, owner = item_windows([tokens[r]], seq_len, stride)
+                (_, states), = read_items(runner, windows, owner, [0], "states", max_tokens=budget, row_len=seq_len,
+                                          pad_id=tokenizer.pad_id, layer=layer)
+            states = runner.to_writer(states, int(part[r]), (len(tokens[r]), model.config.hidden_size))
+            shown(1, len(tokens[r]))
             if states is not None:
                 yield name, states
 

@@ -12,9 +12,10 @@ window padded at its end to ``dims.sequence_multiple`` (padding is causal attent
 it is never scored or embedded), tokens, targets and positions sharded together in the layout ``ParallelDims`` chooses
 (zigzag with a ring, contiguous without), sums reduced over the sequence group in float64.
 
-Work is dealt over the data ranks: item ``i`` (a window, or a whole record for per-token states) to data rank
-``i % dp`` (:meth:`share`). :meth:`reduce_data` sums a rank's disjoint part into the full array on every rank and
-:meth:`to_writer` brings a record's array to rank 0, the one rank that writes files (:attr:`is_writer`).
+``evaluate`` deals windows over the data ranks: window ``i`` to data rank ``i % dp`` (:meth:`share`); ``score``
+and ``embed`` deal whole records by token count (:mod:`ds4sci.infer.records`) and read packed batches, any number of
+windows per row, through :meth:`read_slots`. :meth:`reduce_data` sums a rank's disjoint part into the full array on
+every rank and :meth:`to_writer` brings a record's array to rank 0, the one rank that writes files (:attr:`is_writer`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from ds4sci.distributed.groups import SequenceParallelGroups
 from ds4sci.distributed.groups import build_groups
 from ds4sci.distributed.launch import resolve_launch
 from ds4sci.distributed.nodes import cross_node_error
+from ds4sci.kernels.local_reference import PAD_DOC_ID
 from ds4sci.models.genslm import IGNORE_INDEX
 from ds4sci.models.genslm import shift_labels
 from ds4sci.models.genslm import token_loss
@@ -139,6 +141,21 @@ class ShardedForward:
         """Rank 0: the one rank that writes outputs and draws progress."""
         return self.groups is None or self.groups.rank == 0
 
+    @property
+    def data_rank(self) -> int:
+        """This process's data rank, ``0..dims.dp - 1``."""
+        return self.groups.dp_rank if self.groups is not None else 0
+
+    @property
+    def writes_shards(self) -> bool:
+        """Sequence rank 0 of its data rank: the rank that writes the data rank's output shards."""
+        return self.groups is None or self.groups.sp_rank == 0
+
+    def barrier(self) -> None:
+        """Wait for every rank (nothing on one process)."""
+        if self.groups is not None:
+            dist.barrier()
+
     def share(self, n: int) -> range:
         """Indices of ``n`` items this rank's data rank works on: ``i`` with ``i % dp == dp_rank``."""
         return range(self.groups.dp_rank if self.groups is not None else 0, n, self.dims.dp)
@@ -152,13 +169,13 @@ class ShardedForward:
         dist.all_reduce(t, group=self.groups.dp)
         return t.cpu().numpy()
 
-    def to_writer(self, state: np.ndarray | None, item: int, shape: tuple[int, ...]) -> np.ndarray | None:
-        """Item ``item``'s array (float32 ``shape``) on the writer: computed there, or sent by sequence rank 0 of the
-        data rank ``item % dp`` that computed it (``state``; ``None`` on ranks that did not). Other ranks get None.
+    def to_writer(self, state: np.ndarray | None, data_rank: int, shape: tuple[int, ...]) -> np.ndarray | None:
+        """An item's array (float32 ``shape``) on the writer: computed there, or sent by sequence rank 0 of the
+        data rank ``data_rank`` that computed it (``state``; ``None`` on ranks that did not). Other ranks get None.
         Every rank calls it for every item, in the same order."""
         if self.groups is None:
             return state
-        source = self.dims.rank_of(Coords(pp=0, dp=item % self.dims.dp, ring=0, ulysses=0, tp=0))
+        source = self.dims.rank_of(Coords(pp=0, dp=data_rank, ring=0, ulysses=0, tp=0))
         if source == 0:
             return state if self.is_writer else None
         if self.groups.rank == source:
@@ -176,10 +193,11 @@ class ShardedForward:
         any token, as causal attention keeps it from the real ones) and cut along the sequence -> ``[B, T'/sp]``."""
         d, sp_rank = self.dims, self.groups.sp_rank if self.groups is not None else 0
         batch = {**batch, "targets": shift_labels(batch["labels"])}  # before sharding: a shard's last token has one
-        pad = {"labels": IGNORE_INDEX, "targets": IGNORE_INDEX, "position_ids": 0, "input_ids": 0}
+        pad = {"labels": IGNORE_INDEX, "targets": IGNORE_INDEX, "position_ids": 0, "input_ids": 0,
+               "slots": -1, "owned": False, "doc_ids": PAD_DOC_ID}
         return {k: shard_sequence(pad_to_multiple(batch[k], 1, d.sequence_multiple, value), 1, sp_rank, d.sp,
                                   d.layout).to(self.device)
-                for k, value in pad.items()}
+                for k, value in pad.items() if k in batch}
 
     def _sum_sp(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (float64) summed over the sequence group, each rank's tokens once; on the CPU."""
@@ -221,6 +239,48 @@ class ShardedForward:
         owned = batch["labels"] != IGNORE_INDEX  # [B, T]
         hidden = hidden[:, : owned.shape[1]].cpu()  # [B, T, hidden]
         return [hidden[b][owned[b]].numpy() for b in range(hidden.shape[0])]
+
+    @torch.no_grad()
+    def read_slots(self, batch: dict[str, torch.Tensor], what: str, layer: int | None = None):
+        """What each window (slot) of a packed batch (:func:`~ds4sci.infer.batching.collate_rows`: ``slots [B, T]``,
+        ``owned``, ``doc_ids``) gives, ``n`` the number of slots: ``"loss"``, summed next-token loss (nats) ``[n]``
+        float64 and scored target count ``[n]`` int64; ``"sum"``, hidden states of ``layer`` summed over the owned
+        tokens ``[n, hidden]`` float64; ``"states"``, a list of ``n`` arrays ``[owned, hidden]`` float32 (gathered
+        from the sequence group). ``doc_ids`` are passed to attention only when some row holds several windows.
+
+        Raises:
+            ValueError: an unknown ``what``.
+        """
+        if what not in ("loss", "sum", "states"):
+            raise ValueError(f"what must be 'loss', 'sum' or 'states', got {what!r}")
+        n = int(batch["slots"].max()) + 1
+        packed = n > batch["slots"].shape[0]
+        if not packed:
+            batch = {k: v for k, v in batch.items() if k != "doc_ids"}
+        s = self._shard(batch)
+        slots = s["slots"].clamp(min=0)  # padding (-1) adds zeros to slot 0
+        if what == "loss":
+            logits = self.model(s["input_ids"], s["position_ids"], s.get("doc_ids"))  # [B, T'/sp, V]
+            each = token_loss(logits, s["targets"], "none").double()  # [B, T'/sp], 0 where ignored
+            scored = (s["targets"] != IGNORE_INDEX).double()
+            both = torch.zeros(2, n, dtype=torch.float64, device=each.device)
+            both[0].index_add_(0, slots.flatten(), each.flatten())
+            both[1].index_add_(0, slots.flatten(), scored.flatten())
+            both = self._sum_sp(both)
+            return both[0].numpy(), both[1].numpy().astype(np.int64)
+        hidden = self.model(s["input_ids"], s["position_ids"], s.get("doc_ids"), return_hidden=True,
+                            stop_after=layer)  # [B, T'/sp, hidden]
+        if what == "sum":
+            owned = s["owned"].unsqueeze(-1)  # [B, T'/sp, 1]
+            sums = torch.zeros(n, hidden.shape[-1], dtype=torch.float64, device=hidden.device)
+            sums.index_add_(0, slots.flatten(), (hidden.double() * owned).flatten(0, 1))
+            return self._sum_sp(sums).numpy()
+        hidden = hidden.float()
+        if self.groups is not None:
+            hidden = gather_sequence(hidden, 1, self.groups.sp, self.dims.layout)  # [B, T', hidden]
+        hidden = hidden[:, : batch["slots"].shape[1]].cpu()  # [B, T, hidden]
+        keep = batch["owned"]
+        return [hidden[(batch["slots"] == k) & keep].numpy() for k in range(n)]
 
     def batches(self, dataset, items, batch_size: int):
         """``(indices, batch)``: the samples ``dataset[i]`` for ``i`` in ``items``, ``batch_size`` at a time."""

@@ -1,0 +1,117 @@
+"""Many records: length-aware batching and packing equal one window at a time; records dealt by token count."""
+import numpy as np
+import pytest
+import torch
+
+from ds4sci.data import FastaRecord
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.infer.batching import deal
+from ds4sci.infer.batching import plan_batches
+from ds4sci.infer.embed import embed_stream
+from ds4sci.infer.evaluate import RecordWindows
+from ds4sci.infer.evaluate import record_windows
+from ds4sci.infer.parallel import ShardedForward
+from ds4sci.infer.score import score_stream
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+
+SEQ_LEN = 16
+# 1 token, short records that pack together, one of exactly a window, and records longer than a window
+LENGTHS = [1, 3, 5, 2, 7, 16, 40, 9, 1, 23, 4]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """A rotary-free learned-position model with init_std 0.2, so a token seen across records moves every number."""
+    torch.manual_seed(0)
+    tok = NucleotideTokenizer()
+    cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=32, init_std=0.2,
+                              position_embedding="learned")
+    rng = np.random.default_rng(0)
+    records = [FastaRecord(f"r{i}", "", "".join(rng.choice(list("ACGT"), n))) for i, n in enumerate(LENGTHS)]
+    return GenSLM(cfg).eval(), tok, records
+
+
+def _one_at_a_time(model, tok, records, stride):
+    """Per record: (summed loss, targets, owned-state sum, per-token states), each window alone in its batch."""
+    runner, out = ShardedForward(model), []
+    for rec in records:
+        loss, count, states = 0.0, 0, []
+        for w in record_windows(tok.encode(rec.sequence), SEQ_LEN, stride):
+            (_, batch), = runner.batches(RecordWindows([w], tok), [0], 1)
+            sums, counts = runner.losses(batch)
+            loss, count = loss + sums[0], count + counts[0]
+            states += runner.owned_states(batch)
+        states = np.concatenate(states)
+        out.append((loss, count, states.mean(0), states))
+    return out
+
+
+@pytest.mark.parametrize("stride, configs", [(None, [(48, True)]), (6, [(40, True), (64, False)])])
+def test_packed_and_bucketed_equal_one_window_at_a_time(setup, stride, configs):
+    model, tok, records = setup
+    expected = _one_at_a_time(model, tok, records, stride)
+    for max_tokens, pack in configs:
+        options = dict(stride=stride, max_tokens=max_tokens, pack=pack)
+        scores = dict(score_stream(model, tok, records, SEQ_LEN, **options))
+        means = {r: v for r, _, v in embed_stream(model, tok, records, SEQ_LEN, **options)}
+        states = {r: v for r, _, v in embed_stream(model, tok, records, SEQ_LEN, per_token=True, **options)}
+        assert sorted(scores) == sorted(means) == sorted(states) == list(range(len(records)))
+        for r, (loss, count, mean, per_token) in enumerate(expected):
+            assert scores[r]["id"] == records[r].id and scores[r]["tokens"] == count
+            assert scores[r]["log_likelihood"] == pytest.approx(-loss, rel=1e-5, abs=1e-5), (r, max_tokens, pack)
+            np.testing.assert_allclose(means[r], mean, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(states[r], per_token, rtol=1e-4, atol=1e-5)
+
+
+def test_reverse_complement_streams_the_mean_of_both_strands(setup):
+    model, tok, records = setup
+    both = dict(score_stream(model, tok, records, SEQ_LEN, True, max_tokens=64))
+    plus = dict(score_stream(model, tok, records, SEQ_LEN, max_tokens=64))
+    minus = dict(score_stream(model, tok, [FastaRecord(r.id, "", tok.decode(tok.reverse_complement(
+        tok.encode(r.sequence)))) for r in records], SEQ_LEN, max_tokens=64))
+    for r in range(len(records)):
+        assert both[r]["log_likelihood"] == pytest.approx(
+            (plus[r]["log_likelihood"] + minus[r]["log_likelihood"]) / 2, rel=1e-5, abs=1e-6)
+
+
+def test_plan_covers_every_window_once_within_the_budget():
+    rng = np.random.default_rng(1)
+    owner = np.repeat(np.arange(50), rng.integers(1, 4, 50))
+    lengths = np.where(np.r_[owner[1:] != owner[:-1], True], rng.integers(1, 17, len(owner)), 16)
+    for pack in (True, False):
+        plan = plan_batches(lengths, owner, 64, 16, pack)
+        rows = [row for batch in plan for row in batch]
+        assert sorted(w for row in rows for w in row) == list(range(len(owner)))
+        assert all(len(batch) * max(lengths[row].sum() for row in batch) <= 64 for batch in plan)
+        assert all(lengths[row].sum() <= 16 for row in rows)
+        assert any(len(row) > 1 for row in rows) == pack
+        flat = [w for row in rows for w in row]  # a record's windows in order
+        for r in range(50):
+            mine = [w for w in flat if owner[w] == r]
+            assert mine == sorted(mine)
+    assert plan_batches([40], [0], 8, 16) == [[[0]]]  # a row over the budget goes alone
+
+
+def test_deal_balances_tokens_longest_first():
+    sizes = [10, 1, 7, 3, 3, 8, 2, 2]
+    part = deal(sizes, 3)
+    loads = np.bincount(part, weights=sizes, minlength=3)
+    assert loads.tolist() == [12, 12, 12]
+    assert deal(sizes, 1).tolist() == [0] * 8
+    with pytest.raises(ValueError, match="parts"):
+        deal(sizes, 0)
+
+
+def test_progress_logs_records_tokens_and_eta_when_redirected(caplog):
+    from ds4sci.progress import record_progress
+
+    with caplog.at_level("INFO", logger="ds4sci.progress"):
+        with record_progress(True, "score", 4, interval_s=0) as show:  # stderr is not a terminal under pytest
+            show(1, 100)
+            show(1, 50)
+        with record_progress(False, "score", 4, interval_s=0) as show:
+            show(1, 100)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and lines[0].startswith("score: 1/4 records, 100 tokens, ")
+    assert lines[1].startswith("score: 2/4 records, 150 tokens, ") and "records/s, ETA 0:" in lines[1]

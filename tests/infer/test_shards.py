@@ -1,0 +1,105 @@
+"""Record jobs written in rank shards: a job SIGKILLed at random points and resumed writes the uninterrupted file
+byte for byte, never a record twice; Parquet embeddings read back to the arrays; resume refuses another input."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from ds4sci.cli import main
+from ds4sci.data import NucleotideTokenizer
+from ds4sci.data import read_fasta
+from ds4sci.infer.embed import embed_records
+from ds4sci.infer.embed import token_embeddings
+from ds4sci.infer.shards import parts_folder
+from ds4sci.io.export import export_consolidated
+from ds4sci.io.weights import load_model
+from ds4sci.models.genslm import GenSLM
+from ds4sci.models.genslm import GenSLMConfig
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """An export of a 1-block model with a 32-token context and 60 records of 1..40 bases, and what an
+    uninterrupted ``score`` writes for them."""
+    root = tmp_path_factory.mktemp("shards")
+    torch.manual_seed(0)
+    tok = NucleotideTokenizer()
+    cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=32, num_layers=1,
+                              position_embedding="learned")
+    export = export_consolidated(GenSLM(cfg).state_dict(), cfg, tok, root / "export")
+    rng = np.random.default_rng(0)
+    fasta = root / "x.fa"
+    fasta.write_text("".join(f">r{i}\n{''.join(rng.choice(list('ACGT'), rng.integers(1, 41)))}\n" for i in range(60)))
+    common = [str(export), "--fasta", str(fasta), "--seq-len", "16", "--stride", "12", "--max-tokens-per-batch", "48",
+              "--pack", "--no-progress"]
+    assert main(["score", *common, "--out", str(root / "whole.tsv")]) == 0
+    return {"common": common, "whole": (root / "whole.tsv").read_bytes(), "export": export, "fasta": fasta}
+
+
+def _chunks(out):
+    return sorted(p for p in parts_folder(out).glob("part-*") if not p.name.endswith(".tmp"))
+
+
+def test_killed_and_resumed_writes_the_uninterrupted_file(job, tmp_path, capsys):
+    out = tmp_path / "scores.tsv"
+    argv = [sys.executable, "-m", "ds4sci.cli", "score", *job["common"], "--out", str(out), "--flush-every", "2",
+            "--resume"]
+    rng, written = random.Random(0), []
+    for _ in range(3):  # each time killed after a random number of chunks and a random moment more
+        target = rng.randint(1, 3) + (len(_chunks(out)) if parts_folder(out).exists() else 0)
+        proc = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        while proc.poll() is None and not (parts_folder(out).exists() and len(_chunks(out)) >= target):
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0, 0.3))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        indices = [int(line.split("\t")[0]) for c in _chunks(out) for line in c.read_text().splitlines()]
+        assert len(indices) == len(set(indices))  # no record written twice
+        assert indices and set(written) <= set(indices)  # what a chunk held stays written
+        written = indices
+    assert not out.exists() and len(written) < 60  # killed before the end
+    other = [{"12": "8"}.get(arg, arg) for arg in job["common"]]  # another stride
+    assert main(["score", *other, "--out", str(out), "--resume"]) == 2  # another job's shards are not taken
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "written for another input or other options" in err and str(parts_folder(out)) in err
+    assert main(["score", *job["common"], "--out", str(out), "--resume"]) == 0
+    assert out.read_bytes() == job["whole"]
+    assert main(["score", *job["common"], "--out", str(out), "--resume"]) == 0  # complete: nothing read again
+    assert out.read_bytes() == job["whole"]
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_parquet_embeddings_read_back(job, tmp_path, per_token):
+    out = tmp_path / "e.parquet"
+    flags = ["--per-token"] if per_token else []
+    assert main(["embed", *job["common"], "--out", str(out), "--layer", "1", "--flush-every", "20", *flags]) == 0
+    model, _, tok = load_model(job["export"])
+    records = list(read_fasta(job["fasta"]))
+    frame = pd.read_parquet(out, columns=["id", "layer"])  # a column alone
+    assert frame["id"].tolist() == [r.id for r in records] and set(frame["layer"]) == {"1"}
+    first = next(pq.ParquetFile(out).iter_batches(batch_size=3)).to_pydict()  # three rows alone
+    assert first["id"] == ["r0", "r1", "r2"]
+    table = pd.read_parquet(out)
+    if per_token:
+        want = dict(token_embeddings(model, tok, records, 16, stride=12, layer=1))
+        for name, states in zip(table["id"], table["embedding"]):
+            np.testing.assert_allclose(np.stack(states), want[name], rtol=1e-4, atol=1e-5)
+    else:
+        _, want = embed_records(model, tok, records, 16, stride=12, layer=1)
+        np.testing.assert_allclose(np.stack(table["embedding"]), want, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_needs_a_file_it_can_resume(job, capsys):
+    assert main(["score", *job["common"], "--out", "-", "--resume"]) == 2
+    assert "--resume needs an --out file" in capsys.readouterr().err
+    assert main(["embed", *job["common"], "--out", "x.npz", "--resume"]) == 2
+    assert "--resume needs a .parquet --out (got 'x.npz')" in capsys.readouterr().err
