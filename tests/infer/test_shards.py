@@ -48,9 +48,21 @@ def _chunks(out):
     return sorted(p for p in parts_folder(out).glob("part-*") if not p.name.endswith(".tmp"))
 
 
+#: ``python -c SLOWED ds4sci-argv...``: ``ds4sci`` with each chunk's flush 20 ms longer, so that the whole job (30
+#: chunks) outlasts the kill's random moment on an idle machine as on a busy one.
+SLOWED = """
+import sys, time
+from ds4sci.cli import main
+from ds4sci.infer.shards import ShardWriter
+flush = ShardWriter.flush
+ShardWriter.flush = lambda self: (time.sleep(0.02), flush(self))[1]
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_killed_and_resumed_writes_the_uninterrupted_file(job, tmp_path, capsys):
     out = tmp_path / "scores.tsv"
-    argv = [sys.executable, "-m", "ds4sci.cli", "score", *job["common"], "--out", str(out), "--flush-every", "2",
+    argv = [sys.executable, "-c", SLOWED, "score", *job["common"], "--out", str(out), "--flush-every", "2",
             "--resume"]
     rng, written = random.Random(0), []
     for _ in range(3):  # each time killed after a random number of chunks and a random moment more
@@ -59,7 +71,7 @@ def test_killed_and_resumed_writes_the_uninterrupted_file(job, tmp_path, capsys)
                                 stderr=subprocess.DEVNULL)
         while proc.poll() is None and not (parts_folder(out).exists() and len(_chunks(out)) >= target):
             time.sleep(0.01)
-        time.sleep(rng.uniform(0, 0.3))
+        time.sleep(rng.uniform(0, 0.1))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         indices = [int(line.split("\t")[0]) for c in _chunks(out) for line in c.read_text().splitlines()]
