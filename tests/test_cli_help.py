@@ -31,7 +31,7 @@ def test_every_command_help_imports_no_torch():
 # Benchmarks whose module still imports torch when its options are built (top-level ``import torch``, a
 # ``--device`` default read from ``torch.cuda``, ds4sci.bench.memory, ds4sci.kernels' ops): not yet quick (issue 42).
 # No other may join it; take one out when its module is made quick.
-BENCH_HELP_IMPORTS_TORCH = {"evoformer-memory", "openfold-stack", "genslm-attention-memory"}
+BENCH_HELP_IMPORTS_TORCH = {"openfold-stack", "genslm-attention-memory"}
 BENCH_HELP_IMPORTS = """
 import sys
 from ds4sci.bench import BENCHMARKS
