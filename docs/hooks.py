@@ -2,9 +2,12 @@
 
 ``reference/cli.md`` walks the ``ds4sci`` argument parsers (:func:`ds4sci.cli.build_parser`, every command, every
 benchmark) and ``reference/config.md`` the training config dataclasses (:mod:`ds4sci.train.config`, the source of
-``ds4sci train --print-config``). Nothing is copied into ``docs/``: an option or key added to the code appears on the
-next build, and one without a help text stops the build (:func:`cli_page` raises), so ``make docs`` and
-``tests/test_docs.py`` fail.
+``ds4sci train --print-config``); ``reference/planner.md`` the terms of the planners' memory breakdowns
+(``ds4sci plan``'s and ``ds4sci plan-evoformer``'s ``TERMS``, checked against the fields of
+:class:`ds4sci.planning.genslm.Memory` and :class:`ds4sci.planning.evoformer.EvoformerMemory`). Nothing is copied
+into ``docs/``: an option or key added to the code appears on the next build, and one without a help text (a
+planner term without a description) stops the build (:func:`cli_page`, :func:`config_page`, :func:`planner_page`
+raise), so ``make docs`` and ``tests/test_docs.py`` fail.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from pathlib import Path
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
-GENERATED = ("reference/cli.md", "reference/config.md")
+GENERATED = ("reference/cli.md", "reference/config.md", "reference/planner.md")
 
 
 def _cell(text: object) -> str:
@@ -96,6 +99,47 @@ def config_page() -> str:
     return "\n".join(lines)
 
 
+def term_rows(terms: dict[str, str], fields: list[str], name: str) -> list[str]:
+    """One table row per term of a planner's breakdown (``terms``: name -> description) in the order of ``fields``
+    (its dataclass's); raises ``ValueError`` naming every field without a description and every description of no
+    field."""
+    missing = [f for f in fields if not terms.get(f)]
+    unknown = [t for t in terms if t not in fields]
+    if missing or unknown:
+        raise ValueError(f"{name}: terms without a description: {', '.join(missing) or 'none'}; described but not "
+                         f"terms: {', '.join(unknown) or 'none'}")
+    return [f"| `{f}` | {_cell(terms[f])} |" for f in fields]
+
+
+def planner_page() -> str:
+    """Markdown for the terms of both planners' memory breakdowns, each with what it stands for."""
+    from ds4sci.commands import plan
+    from ds4sci.commands import plan_evoformer
+    from ds4sci.planning.evoformer import EvoformerMemory
+    from ds4sci.planning.genslm import Memory
+
+    genslm = {**plan.TERMS, "total": "the sum of the terms, counting the larger of a2a_staging and ring_buffers "
+              "(alive one after the other within a layer)",
+              "host_activations": "not on the GPU: the checkpointed inputs host offload keeps in host memory "
+              "(activation_checkpointing.cpu); not in the total"}
+    header = ["| term | what it is |", "| --- | --- |"]
+    return "\n".join([
+        "# The planners' terms", "",
+        "Generated from `ds4sci.commands.plan.TERMS` and `ds4sci.commands.plan_evoformer.TERMS`, checked against the "
+        "fields of `ds4sci.planning.genslm.Memory` and `ds4sci.planning.evoformer.EvoformerMemory` when the site is "
+        "built: a term added to a planner without a description stops the build. Bytes per GPU; how each is counted "
+        "and its source: [how the planners count](../explanation/planner.md); what to run: [pick a layout with the "
+        "planner](../how-to/planner.md).", "",
+        "## `ds4sci plan` (GenSLM)", "",
+        "The memory of a layout by term, as `ds4sci plan` prints it (`Memory of layout #1 by term`) and `plan.json` "
+        "records it.", "",
+        *header, *term_rows(genslm, [f.name for f in dataclasses.fields(Memory)], "ds4sci plan"), "",
+        "## `ds4sci plan-evoformer` (Evoformer and Pairformer trunks)", "",
+        "The memory per GPU by term, the columns of the table `ds4sci plan-evoformer` prints.", "",
+        *header, *term_rows(plan_evoformer.TERMS, [f.name for f in dataclasses.fields(EvoformerMemory)],
+                            "ds4sci plan-evoformer"), ""])
+
+
 def api_source_tree() -> str:
     """A folder where ``ds4sci/`` holds the package and ``ds4sci/kernels``, ``ds4sci/models`` link to ``kernels/``
     and ``models/`` (setup.py's ``package_dir``), so mkdocstrings finds every public module by its import name."""
@@ -116,6 +160,6 @@ def on_config(config):
 
 
 def on_files(files, config):
-    for uri, page in zip(GENERATED, (cli_page, config_page)):
+    for uri, page in zip(GENERATED, (cli_page, config_page, planner_page)):
         files.append(File.generated(config, uri, content=page()))
     return files

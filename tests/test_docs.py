@@ -79,3 +79,26 @@ def test_config_reference_has_every_key():
     for key in known_keys():
         assert f"| `{key}` |" in page, key
     assert f"| `train.steps` | `{cfg.train.steps}` |" in page
+
+
+def test_planner_reference_has_every_term(monkeypatch):
+    """Every term of both planners' breakdowns is on the page with its description; a term added to the dataclass
+    without one (or a description of no term) stops the build, naming it."""
+    import dataclasses
+
+    from ds4sci.commands import plan_evoformer
+    from ds4sci.planning.evoformer import EvoformerMemory
+    from ds4sci.planning.genslm import Memory
+
+    hooks = _hooks()
+    page = hooks.planner_page()
+    for cls in (Memory, EvoformerMemory):
+        for f in dataclasses.fields(cls):
+            assert f"| `{f.name}` | " in page, (cls.__name__, f.name)
+    terms = dict(plan_evoformer.TERMS)
+    del terms["exit"]
+    terms["spill"] = "a term of no field"
+    monkeypatch.setattr(plan_evoformer, "TERMS", terms)
+    with pytest.raises(ValueError, match=r"ds4sci plan-evoformer: terms without a description: exit; described but "
+                                         r"not terms: spill"):
+        hooks.planner_page()

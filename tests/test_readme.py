@@ -11,6 +11,8 @@ Every command in README.md and ``docs/**/*.md`` (fenced ``bash`` blocks and inli
   ``parallel.dims(world size)``), so a key, a value, a file or a process count that would stop the run fails here;
 - benchmarks (minutes to hours; their ``--quick`` forms are run by ``tests/bench/test_bench_*.py``): parsed by the
   ``ds4sci`` parser, so every option and value must exist;
+- scripts launched by ``torchrun`` (``torchrun --nproc-per-node 2 examples/SCRIPT.py``): run as written, their
+  printed differences from one process checked;
 - pytest invocations: the named test files exist; ``make demo`` / ``make test``: ``tests/test_foundation.py``.
 
 A command that fits none of these fails :func:`test_every_command_is_checked`, so a new command on any page must be
@@ -97,6 +99,8 @@ def _kind(command: str) -> str:
         return "pytest"
     if words[0] == "python":
         return "run" if words[1:3] == ["-m", "ds4sci.data.corpus"] else "script"
+    if words[0] == "torchrun" and words[-1].endswith(".py"):
+        return "launched script"
     if words[0] not in ("ds4sci", "torchrun", "deepspeed"):
         return "unknown"
     _, argv = _argv(command)
@@ -196,6 +200,19 @@ def test_benchmark_command_parses(command):
 
     _, argv = _argv(command)
     build_parser(["bench"]).parse_args([w if w != "DIR" else "/tmp/out" for w in argv])
+
+
+@pytest.mark.slow  # two processes that import torch
+@pytest.mark.parametrize("command", [c for c in COMMANDS if _kind(c) == "launched script"])
+def test_launched_script_runs_as_written(command, scratch):
+    """``torchrun ... examples/SCRIPT.py`` as written (the Evoformer-across-ranks tutorial's): it exits 0 and each
+    rank's printed difference from one process is float32 rounding."""
+    words = shlex.split(command)
+    proc = _run([str(BIN / "torchrun"), *words[1:]], scratch)
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    diffs = [float(d) for d in re.findall(r"largest difference from one process.*: (\S+)$", proc.stdout, flags=re.M)]
+    processes = int(words[words.index("--nproc-per-node") + 1])
+    assert len(diffs) == processes and max(diffs) < 1e-5, proc.stdout
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if _kind(c) in ("pytest", "script")])

@@ -30,11 +30,8 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
-
-from ds4sci.bench import memory
-from ds4sci.bench import trimul_rows
 from ds4sci.bench.report import MIB
 from ds4sci.bench.report import check_positive
 from ds4sci.bench.report import markdown_table
@@ -42,12 +39,14 @@ from ds4sci.bench.report import missing_dependency
 from ds4sci.bench.report import save_figure
 from ds4sci.bench.report import subplots
 from ds4sci.bench.report import write_files
-from ds4sci.kernels import evoformer_attention
+
+if TYPE_CHECKING:  # imported where used: ``ds4sci bench evoformer-memory --help`` imports no torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
 TARGET_PEAK_RATIO = 13.0  # DeepSpeed4Science's headline for OpenFold training
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype -> the torch dtype's name
 _GRADS = ("q", "k", "v", "pair")
 OPENFOLD_PATHS = ("openfold3-default", "openfold3-chunked", "openfold3-lma")
 
@@ -59,8 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8, help="H (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=32, help="D (default: %(default)s)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="(default: %(default)s)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="(default: %(default)s)")
+    parser.add_argument("--device", help="(default: cuda when it is available, else cpu)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random inputs and weights (default: %(default)s)")
     parser.add_argument("--trimul-n", type=int, default=64,
@@ -83,8 +81,10 @@ def _shape(cfg: dict) -> tuple[int, int, int, int, int]:
 def _inputs(cfg: dict) -> dict[str, torch.Tensor]:
     """q, k, v ``[B, N_seq, N_res, H, D]``, an OpenFold mask bias ``[B, N_seq, 1, 1, N_res]`` (no grad, last
     eighth of the residues padded with -1e9) and a learned pair bias ``[B, 1, H, N_res, N_res]``; plus dO."""
+    import torch
+
     b, n, s, h, d = _shape(cfg)
-    dtype, device = _DTYPES[cfg["dtype"]], torch.device(cfg["device"])
+    dtype, device = getattr(torch, _DTYPES[cfg["dtype"]]), torch.device(cfg["device"])
     g = torch.Generator().manual_seed(cfg["seed"])
     t = {name: torch.randn(b, n, s, h, d, generator=g).to(device, dtype) for name in ("q", "k", "v", "do")}
     keep = torch.ones(b, n, s)
@@ -114,6 +114,8 @@ def _quiet_openfold() -> Iterator[None]:
 
 def _attend(t: dict[str, torch.Tensor], path: str, cfg: dict) -> torch.Tensor:
     """O ``[B, N_seq, N_res, H, D]`` of ``path``: a ds4sci backend or one of :data:`OPENFOLD_PATHS`."""
+    from ds4sci.kernels import evoformer_attention
+
     biases = [t["mask"], t["pair"]]
     if path not in OPENFOLD_PATHS:
         return evoformer_attention(t["q"], t["k"], t["v"], biases, backend=path)
@@ -146,6 +148,8 @@ def _results(o: torch.Tensor, t: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 def saved_bytes_and_results(cfg: dict, backend: str) -> tuple[int, dict[str, torch.Tensor]]:
     """Bytes of the unique storages autograd saves in the forward of ``backend`` (a ds4sci backend or one of
     :data:`OPENFOLD_PATHS`) at ``cfg``'s shape, and the output ``o`` and gradients ``dq, dk, dv, dpair``."""
+    from ds4sci.bench import memory
+
     t = _inputs(cfg)
     with _quiet_openfold():
         with memory.saved_for_backward() as saved:
@@ -178,6 +182,10 @@ def peak_bytes(cfg: dict, backend: str) -> int:
     """Peak memory of one forward+backward of ``backend`` above the memory held before it (bytes), in this
     process: after a warm-up at a tiny shape, so lazily loaded kernels and libraries are not counted. On the CPU
     :func:`run` calls it in a fresh subprocess per backend."""
+    import torch
+
+    from ds4sci.bench import memory
+
     torch.set_num_threads(cfg["threads"])
     with _quiet_openfold():
         _fwd_bwd(_inputs(cfg | {"batch": 1, "n_seq": 1, "n_res": 4, "heads": 1, "head_dim": 4}), backend, cfg)
@@ -188,12 +196,19 @@ def peak_bytes(cfg: dict, backend: str) -> int:
 
 
 def _peak(cfg: dict, backend: str) -> int:
+    import torch
+
+    from ds4sci.bench import memory
+
     if torch.device(cfg["device"]).type == "cuda":
         return peak_bytes(cfg, backend)
     return int(memory.run_in_subprocess(f"{__name__}:peak_bytes", cfg, backend))
 
 
 def _markdown(report: dict) -> str:
+    from ds4sci.bench import memory
+    from ds4sci.bench import trimul_rows
+
     cfg = report["config"]
     rows = [
         (name, f"{r['saved_bytes'] / MIB:.1f}", f"{r['peak_bytes'] / MIB:.1f}",
@@ -241,9 +256,15 @@ def plot(report: dict, path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ds4sci.bench import memory
+    from ds4sci.bench import trimul_rows
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = {
         "batch": args.batch, "n_seq": args.n_seq, "n_res": args.n_res, "heads": args.heads,
-        "head_dim": args.head_dim, "dtype": args.dtype, "device": args.device, "seed": args.seed,
+        "head_dim": args.head_dim, "dtype": args.dtype, "device": device, "seed": args.seed,
         "threads": torch.get_num_threads(), "openfold_chunk": args.openfold_chunk, "lma_chunk": args.lma_chunk,
         "trimul_n": args.trimul_n, "trimul_c": args.trimul_c,
     }
@@ -280,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     ref = report["backends"]["reference"]
     # What any backend must hold at the end of forward+backward: O, dQ, dK, dV and the pair-bias gradient.
     b, n, s, h, d = _shape(cfg)
-    elem = torch.finfo(_DTYPES[cfg["dtype"]]).bits // 8
+    elem = torch.finfo(getattr(torch, _DTYPES[cfg["dtype"]])).bits // 8
     report["output_and_grad_bytes"] = (4 * b * n * s * h * d + b * h * s * s) * elem
     report["best_possible_peak_ratio"] = ref["peak_bytes"] / report["output_and_grad_bytes"]
     for r in (report["backends"] | report["openfold3"]).values():

@@ -26,8 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-
-import torch
+from typing import TYPE_CHECKING
 
 from ds4sci.bench import throughput
 from ds4sci.bench.report import add_int_options
@@ -51,8 +50,11 @@ from ds4sci.bench.rounds import alternate
 from ds4sci.bench.rounds import median_round
 from ds4sci.bench.rounds import round_options
 from ds4sci.bench.rounds import torch_threads
-from ds4sci.data import CodonTokenizer
-from ds4sci.infer.generate import sample
+
+if TYPE_CHECKING:  # imported where used: ``ds4sci bench generate --help`` imports no torch
+    import torch
+
+    from ds4sci.data import CodonTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
 def build_models(cfg: dict):
     """ds4sci's GenSLM and Hugging Face's ``GPTNeoXForCausalLM`` holding the same weights, in eval mode, their output
     heads scaled by :data:`HEAD_SCALE`; context ``prompt_len + new_tokens``."""
+    import torch
+
     ours, hf = throughput.build_models({"shape": "gpt-neox", "kv_heads": 0,
                                         "seq_len": cfg["prompt_len"] + cfg["new_tokens"]} | cfg)
     with torch.no_grad():
@@ -109,6 +113,8 @@ def build_models(cfg: dict):
 
 def make_prompt(cfg: dict, tokenizer: CodonTokenizer) -> tuple[str, list[int]]:
     """``(text, ids)``: ``prompt_len`` random codons (no special token) and their ids."""
+    import torch
+
     codons = sorted(set(range(tokenizer.vocab_size)) - tokenizer.special_ids)
     g = torch.Generator().manual_seed(cfg["seed"] + 1)
     ids = [codons[i] for i in torch.randint(0, len(codons), (cfg["prompt_len"],), generator=g).tolist()]
@@ -117,6 +123,10 @@ def make_prompt(cfg: dict, tokenizer: CodonTokenizer) -> tuple[str, list[int]]:
 
 def runners(ours, hf, tokenizer: CodonTokenizer, text: str, ids: list[int], cfg: dict) -> dict:
     """``name -> run(new_tokens) -> [N, new_tokens] generated ids`` for each of :data:`METHODS`."""
+    import torch
+
+    from ds4sci.infer.generate import sample
+
     n = cfg["num_sequences"]
     prompt = torch.tensor([ids]).expand(n, len(ids))  # [N, P]
     special = sorted(tokenizer.special_ids)
@@ -163,6 +173,10 @@ def check_greedy_agreement(tokens: dict[str, torch.Tensor]) -> None:
 def measure(cfg: dict) -> dict:
     """Build both models, check they agree, time the three methods alternately with ``cfg["threads"]`` torch
     threads: the report's ``hf_model``, ``check``, ``rounds`` and ``load``."""
+    import torch
+
+    from ds4sci.data import CodonTokenizer
+
     with torch_threads(cfg["threads"]):
         tokenizer = CodonTokenizer()
         ours, hf = build_models(cfg)
@@ -257,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         logger.error(missing)
         return 1
+    import torch
     import transformers
 
     report = {"command": command_line("generate", cfg, args.out), "config": cfg, "machine": machine(),

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from ds4sci.bench.report import markdown_table
 from ds4sci.bench.report import parse_int_list
 from ds4sci.bench.report import save_figure
@@ -51,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure_table(seq_len: int, hidden: int, degree: int) -> int:
     """Bytes of rank 0's position table after one AdamW step: parameter, gradient, optimizer state tensors."""
+    import torch
+
     from ds4sci.models.genslm import LearnedPositionEmbedding
     from ds4sci.sequence import shard_positions
 
@@ -67,6 +67,8 @@ def measure_table(seq_len: int, hidden: int, degree: int) -> int:
 
 def measure_mask(policy: str, seq_len: int) -> dict[str, int]:
     """Bytes of the mask tensors ds4sci (or a dense additive mask) allocates for one packed-document window."""
+    import torch
+
     from ds4sci.kernels.local_reference import attention_mask
 
     doc = (torch.arange(seq_len) * 4 // seq_len)[None]  # four documents
@@ -111,6 +113,8 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """GiB per rank vs S at the paper's scale (formula), log-log."""
+    import torch
+
     c = report["config"]
     S = [int(s) for s in torch.logspace(4, 6, 9).tolist()]
     fig, ax = subplots(figsize=(7, 5))

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -29,6 +27,8 @@ def round_options(rounds: int, each: str) -> dict[str, tuple[int, str]]:
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Run the block with ``n`` torch threads, then restore the caller's number."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

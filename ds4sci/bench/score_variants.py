@@ -28,8 +28,6 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import torch
-
 from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import check_heads
 from ds4sci.bench.report import check_positive
@@ -48,16 +46,6 @@ from ds4sci.bench.rounds import alternate
 from ds4sci.bench.rounds import median_round
 from ds4sci.bench.rounds import round_options
 from ds4sci.bench.rounds import torch_threads
-from ds4sci.data import FastaRecord
-from ds4sci.data import NucleotideTokenizer
-from ds4sci.data import read_fasta
-from ds4sci.infer.score import score_records
-from ds4sci.infer.variants import read_variants
-from ds4sci.infer.variants import score_variants
-from ds4sci.infer.variants import variant_windows
-from ds4sci.models.genslm import GenSLM
-from ds4sci.models.genslm import GenSLMConfig
-from ds4sci.train.config import BUNDLED_GENOME
 
 MODES = ("shared", "unshared")
 #: guard: the two modes' LLRs may differ by float rounding only (their windows are batched differently), nats
@@ -76,14 +64,16 @@ _QUICK = {"positions": 6, "context": 64, "hidden": 32, "layers": 1, "heads": 2, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload, shape and run options (``--out`` is added by :mod:`ds4sci.bench`)."""
     add_int_options(parser, _INT_OPTIONS, _QUICK)
-    parser.add_argument("--reference", default=BUNDLED_GENOME,
+    parser.add_argument("--reference", default=None,
                         help="FASTA whose first record is mutated (default: the bundled E. coli K-12 genome)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights (default: %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> dict:
     """The run configuration: the options (``--quick`` overriding them), checked; ``ValueError`` names a bad value."""
-    cfg = int_config(args, _INT_OPTIONS, _QUICK) | {"reference": args.reference, "seed": args.seed}
+    from ds4sci.train.config import BUNDLED_GENOME
+
+    cfg = int_config(args, _INT_OPTIONS, _QUICK) | {"reference": args.reference or BUNDLED_GENOME, "seed": args.seed}
     check_positive(cfg, _INT_OPTIONS)
     check_heads(cfg["hidden"], cfg["heads"])
     return cfg
@@ -106,6 +96,10 @@ def saturation_vcf(path: Path, chrom: str, sequence: str, start: int, positions:
 
 def unshared_llrs(model, tokenizer, reference: dict[str, str], variants, batch_size: int) -> list[float]:
     """The LLRs of ``variants`` with every variant's REF window scored for it alone (one ``score_records`` call)."""
+    from ds4sci.data import FastaRecord
+    from ds4sci.infer.score import score_records
+    from ds4sci.infer.variants import variant_windows
+
     context = model.config.max_position_embeddings
     windows = variant_windows(reference, variants, context, context)
     records = [FastaRecord(f"ref{i}", "", reference[chrom][start:end])
@@ -119,6 +113,16 @@ def unshared_llrs(model, tokenizer, reference: dict[str, str], variants, batch_s
 def measure(cfg: dict) -> dict:
     """Build the workload and the model, then time both modes ``cfg["rounds"]`` times (torch threads set to
     ``cfg["threads"]`` for the run, restored after)."""
+    import torch
+
+    from ds4sci.data import NucleotideTokenizer
+    from ds4sci.data import read_fasta
+    from ds4sci.infer.variants import read_variants
+    from ds4sci.infer.variants import score_variants
+    from ds4sci.infer.variants import variant_windows
+    from ds4sci.models.genslm import GenSLM
+    from ds4sci.models.genslm import GenSLMConfig
+
     record = next(iter(read_fasta(cfg["reference"])))
     reference = {record.id: record.sequence}
     with tempfile.TemporaryDirectory() as tmp:
@@ -210,6 +214,8 @@ def plot(report: dict, path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     cfg = config_from_args(args)
     report = {"command": command_line("score-variants", cfg, args.out), "config": cfg, "machine": machine(),
               "versions": {"torch": torch.__version__}} | measure(cfg)

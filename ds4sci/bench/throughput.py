@@ -29,8 +29,7 @@ import argparse
 import dataclasses
 import logging
 import statistics
-
-import torch
+from typing import TYPE_CHECKING
 
 from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import check_heads
@@ -49,15 +48,12 @@ from ds4sci.bench.rounds import alternate
 from ds4sci.bench.rounds import median_round
 from ds4sci.bench.rounds import round_options
 from ds4sci.bench.rounds import torch_threads
-from ds4sci.data import CodonTokenizer
-from ds4sci.io.export_hf import hf_config as transformers_config
 from ds4sci.kernels.backends import LocalBackend
-from ds4sci.models.genslm import GenSLM
-from ds4sci.models.genslm import GenSLMConfig
-from ds4sci.models.genslm import config_from_gpt_neox
-from ds4sci.models.genslm import lm_loss
-from ds4sci.models.genslm import to_gpt_neox_state_dict
-from ds4sci.models.genslm.llama import from_llama_state_dict
+
+if TYPE_CHECKING:  # imported where used: ``ds4sci bench throughput --help`` imports no torch
+    import torch
+
+    from ds4sci.models.genslm import GenSLM
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +129,16 @@ def build_models(cfg: dict) -> tuple[GenSLM, torch.nn.Module]:
     configuration, GenSLM's initial weights copied into Hugging Face's model) or ``LlamaForCausalLM`` (``"llama"``:
     from GenSLM's Llama-shaped configuration, Hugging Face's initial weights copied into GenSLM); both in training
     mode, fp32, on the CPU."""
+    import torch
     import transformers
+
+    from ds4sci.data import CodonTokenizer
+    from ds4sci.io.export_hf import hf_config as transformers_config
+    from ds4sci.models.genslm import GenSLM
+    from ds4sci.models.genslm import GenSLMConfig
+    from ds4sci.models.genslm import config_from_gpt_neox
+    from ds4sci.models.genslm import to_gpt_neox_state_dict
+    from ds4sci.models.genslm.llama import from_llama_state_dict
 
     torch.manual_seed(cfg["seed"])
     if cfg["shape"] == "llama":
@@ -166,6 +171,8 @@ def build_models(cfg: dict) -> tuple[GenSLM, torch.nn.Module]:
 
 def make_batch(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Random codon tokens ``[B, S]`` and their positions ``[B, S]`` (0..S-1 in every row)."""
+    import torch
+
     g = torch.Generator().manual_seed(cfg["seed"] + 1)
     ids = torch.randint(0, _VOCAB, (cfg["batch"], cfg["seq_len"]), generator=g)
     return ids, torch.arange(cfg["seq_len"]).expand_as(ids)
@@ -178,6 +185,8 @@ def _logits(name: str, model: torch.nn.Module, ids: torch.Tensor, pos: torch.Ten
 def check_same_function(ours: GenSLM, hf: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor) -> float:
     """max |logits_ds4sci - logits_hf| on ``ids``; ``RuntimeError`` when it exceeds ``LOGIT_RTOL`` x max(1, max
     |logits_hf|), i.e. when the two models do not compute the same function and their speeds say nothing."""
+    import torch
+
     with torch.no_grad():
         got, want = _logits("ds4sci", ours, ids, pos), _logits("hf", hf, ids, pos)
     diff, scale = (got - want).abs().max().item(), max(1.0, want.abs().max().item())
@@ -190,6 +199,10 @@ def check_same_function(ours: GenSLM, hf: torch.nn.Module, ids: torch.Tensor, po
 
 def _trainer(name: str, model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor):
     """A function running one training step of ``model``: forward, next-token loss, backward, AdamW step."""
+    import torch
+
+    from ds4sci.models.genslm import lm_loss
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def train_step() -> None:
@@ -305,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         logger.error(missing)
         return 1
+    import torch
     import transformers
 
     report = {"command": command_line("throughput", cfg, args.out), "config": cfg,

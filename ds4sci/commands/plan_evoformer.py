@@ -28,8 +28,20 @@ from ds4sci.planning.evoformer import memory
 from ds4sci.report import markdown_table
 from ds4sci.report import write_report
 
-TERMS = ("parameters", "representations", "checkpoints", "block_saved", "gathers", "working", "exit", "reserve",
-         "total")
+TERMS = {  # EvoformerMemory's terms in the order the table lists them, each with what it stands for (the reference)
+    "parameters": "on every rank: the dtype's bytes per parameter in inference, 16 with gradient and AdamW state in "
+    "training",
+    "representations": "z and m (Pairformer: s) held between blocks, this rank's share (1/P, or 1/p^2 on a mesh)",
+    "checkpoints": "training: each block's checkpointed input (per-block activation checkpointing)",
+    "block_saved": "training: what the block being recomputed saves for backward",
+    "gathers": "training, 1-D: the all-gathered tensors that do not shrink with P (pair biases, a triangle "
+    "multiplication operand, the outer product's b)",
+    "working": "training: gradients of the block's outputs and inputs and the largest sub-module's; inference: the "
+    "peak of live tensors of one block (--chunk-size lowers it)",
+    "exit": "1-D: the stack's exit all-gathers of m and z beyond the working set",
+    "reserve": "--reserve-gib: the CUDA context and communication buffers",
+    "total": "the sum of the terms, against --gpu-mem-gib",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_crop:
         lines += [f"Longest crop that fits: {w.n_res} residues.", ""]
     lines += ["GiB per GPU:", ""]
-    lines += markdown_table(TERMS, [[f"{getattr(mem, t) / GIB:.2f}" for t in TERMS]])
+    lines += markdown_table(list(TERMS), [[f"{getattr(mem, t) / GIB:.2f}" for t in TERMS]])
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:

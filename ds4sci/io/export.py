@@ -25,6 +25,15 @@ INDEX = "model.safetensors.index.json"
 TRAINED_LENGTH = "trained_length"
 
 
+def follow_umask(path: str | Path) -> None:
+    """Give the file ``path`` the mode a plain ``open`` would (0666 less the umask): safetensors writes its files
+    owner-only (0600), and an export or a checkpoint on a shared cluster is read by the group under umask 0002 or
+    0022."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 class ExportWriter:
     """Writes an export directory from tensors given one at a time (:meth:`add`), then :meth:`close`: the tensors go
     into shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own), each written when full;
@@ -62,11 +71,7 @@ class ExportWriter:
     def _flush(self) -> None:
         shard = self.out / f"shard-{len(self.shards):05d}.tmp"
         save_file(self.pending, str(shard))
-        # safetensors writes its files owner-only (0600); an export follows the umask like every other file (a
-        # published folder on a shared cluster is readable by the group under umask 0002 or 0022)
-        umask = os.umask(0)
-        os.umask(umask)
-        shard.chmod(0o666 & ~umask)
+        follow_umask(shard)
         self.shards.append(set(self.pending))
         self.pending, self.pending_bytes = {}, 0
 

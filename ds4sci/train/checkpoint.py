@@ -45,6 +45,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ds4sci.io.export import follow_umask
 from ds4sci.train.checkpoint_check import DIGEST
 from ds4sci.train.checkpoint_check import FORMAT
 from ds4sci.train.checkpoint_check import META
@@ -205,6 +206,7 @@ def _save_portable(trainer, folder: Path, digests: dict[str, str], failed: list[
         def write():
             file.parent.mkdir(exist_ok=True)
             save_file(mine, file)
+            follow_umask(file)
             digests[str(file.relative_to(folder))] = digest_file(file)
 
         _attempt(failed, where, file, write)

@@ -23,8 +23,9 @@ TINY = {"data": {"fasta": str(CDS), "dataset": "records", "seq_len": 32, "val_fr
 
 
 def _train(config: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    """``ds4sci train CONFIG`` into ``out`` in a new process, under umask 0022."""
     cmd = [sys.executable, "-m", "ds4sci.cli", "train", str(config), "--set", f"train.out_dir={out}", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, umask=0o022)
 
 
 def _metrics(out: Path) -> tuple[list[int], list[int]]:
@@ -57,6 +58,11 @@ def test_a_second_run_never_mixes_with_the_first(tmp_path):
         assert needle in log, needle
     assert log.index("step 2/4: validation loss") < log.index("saved checkpoint") < log.index("step 3/4: loss")
     assert _metrics(out) == ([1, 2, 3, 4], [2, 4]) and _checkpoints(out) == ({"step2", "step4"}, "step4")
+    # every file of the run follows the umask (0022: 0644), checkpoints too (safetensors writes 0600 by itself)
+    modes = {p.relative_to(out).as_posix(): oct(p.stat().st_mode & 0o777) for p in out.rglob("*") if p.is_file()}
+    assert any(name.startswith("checkpoints/step4/portable/") for name in modes), sorted(modes)
+    wrong = {name: mode for name, mode in modes.items() if mode != oct(0o644)}
+    assert not wrong, wrong
 
     # README's second command into the same folder: refused, nothing of the first run touched
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
