@@ -9,7 +9,8 @@ Every command in README.md and ``docs/**/*.md`` (fenced ``bash`` blocks and inli
 - training runs (minutes each): the launcher's process count, the config file, every ``--set`` and every path
   it names are resolved as ``ds4sci train`` resolves them before any work (``load_config``, then
   ``parallel.dims(world size)``), so a key, a value, a file or a process count that would stop the run fails here;
-- benchmarks (minutes to hours; their ``--quick`` forms are run by ``tests/bench/test_bench_*.py``): parsed by the
+- benchmarks (minutes to hours; their ``--quick`` forms are run by ``tests/bench/test_bench_*.py``), and commands
+  that read what a training on the pages writes (``ds4sci predict runs/coding/export ...``): parsed by the
   ``ds4sci`` parser, so every option and value must exist;
 - scripts launched by ``torchrun`` (``torchrun --nproc-per-node 2 examples/SCRIPT.py``): run as written, their
   printed differences from one process checked;
@@ -65,14 +66,19 @@ def _inline_commands() -> list[str]:
         words = span.split()
         if not span.startswith(INLINE_STARTS) or len(words) < 2:
             continue
-        if words[0] == "ds4sci" and ("/" in words[1] or words[1].isupper() or "error:" in span
+        if words[0] == "ds4sci" and ("/" in words[1] or any(w.isupper() for w in words[1:3]) or "error:" in span
                                      or len(words) == 2 and words[1][0] != "-"):
-            continue  # "ds4sci score", "ds4sci train/evaluate/...", "ds4sci CMD: error: ...": prose, messages
+            continue  # "ds4sci score", "ds4sci train/evaluate/...", "ds4sci bench NAME ...", "ds4sci CMD: error: ..."
         commands.append(span)
     return commands
 
 
 COMMANDS = sorted(set(_bash_commands()) | set(_inline_commands()))
+#: The runs whose exports :func:`scratch` makes, so that the commands reading them run.
+SCRATCH_RUNS = {"runs/demo/", "runs/my_genomes/", "runs/ecoli_llama_u2/"}
+#: The ``train.out_dir`` of every other training command on the pages: a command that reads from one of them
+#: (``ds4sci predict runs/coding/export ...``) is parsed, not run.
+TRAINED_HERE = tuple(sorted({m + "/" for m in re.findall(r"train\.out_dir=(runs/[\w.-]+)", TEXT)} - SCRATCH_RUNS))
 
 
 def _argv(command: str) -> tuple[int, list[str]]:
@@ -108,6 +114,8 @@ def _kind(command: str) -> str:
         return "run" if "--print-config" in argv else "train"
     if argv[0] == "bench":
         return "bench"
+    if len(argv) > 1 and argv[1].startswith(TRAINED_HERE):
+        return "reads a training's output"
     if argv[0] in RUN or argv[0].startswith("--"):
         return "run"
     return "unknown"
@@ -194,12 +202,12 @@ def test_training_command_resolves(command, scratch):
         os.chdir(cwd)
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if _kind(c) == "bench"])
-def test_benchmark_command_parses(command):
+@pytest.mark.parametrize("command", [c for c in COMMANDS if _kind(c) in ("bench", "reads a training's output")])
+def test_command_parses(command):
     from ds4sci.cli import build_parser
 
     _, argv = _argv(command)
-    build_parser(["bench"]).parse_args([w if w != "DIR" else "/tmp/out" for w in argv])
+    build_parser(argv[:1]).parse_args([w if w != "DIR" else "/tmp/out" for w in argv])
 
 
 @pytest.mark.slow  # two processes that import torch
