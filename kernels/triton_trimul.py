@@ -28,9 +28,10 @@ positions (one partial per split, ``X`` = LN(z) or LN(p) recomputed from the sta
 column sums of the row gradients; the launcher sums the partials in a fixed order, so two backward passes are
 bitwise equal.
 
-All offsets are 64-bit (``R * c_z`` exceeds 2^31 at N = 4096, c_z = 128). Limitations: fp16, bf16, fp32 (IEEE
-matmuls), ``c_z`` and ``c_hidden`` in 1..128 (a channel row is held whole in registers); in fp16/bf16 the operands
-of every matmul are rounded to z's dtype as PyTorch's same-dtype path rounds them, everything else is fp32.
+All offsets are 64-bit (``R * c_z`` exceeds 2^31 at N = 4096, c_z = 128). Limitations: fp16 and bf16 with ``c_z``
+and ``c_hidden`` in 1..128, fp32 (IEEE matmuls) in 1..32 (a channel row is held whole in registers:
+:data:`MAX_CHANNELS`); in fp16/bf16 the operands of every matmul are rounded to z's dtype as PyTorch's same-dtype
+path rounds them, everything else is fp32.
 """
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ from .triton_common import block_d_for
 from .triton_common import cast
 from .triton_common import dot
 
-#: widest channel count of c_z and c_hidden (a channel row is one register tile)
-MAX_CHANNELS = 128
+#: widest channel count of c_z and c_hidden (a channel row is one register tile) per kind of dtype: fp32 matmuls are
+#: FMA loops (IEEE, no tensor cores) holding whole operand rows of the weight tiles in registers, and spill past 32
+#: channels (ds4sci bench kernels-aot: 1-5 KB at 64 and 128 channels); fp16/bf16 use the tensor cores
+MAX_CHANNELS = {False: 128, True: 32}
 #: the persistent backward row kernels run at most this many programs (a few waves on an H100), so their LayerNorm
 #: weight partials stay ``[ROW_PROGRAMS, 2, 128]`` fp32 whatever N is
 ROW_PROGRAMS = 512
@@ -64,12 +67,15 @@ WGRAD_SPLITS = 64
 class TrimulConfig:
     block_cz: int  # c_z padded to a power of two >= 16
     block_ch: int  # c_hidden padded likewise
+    block_h: int  # hidden channels per step of the input backward (its weight tiles: block_cz x block_h)
     rows: Tiles  # the row kernels: block_m positions per tile (block_n unused)
     product: Tiles  # block_m x block_n output tiles, block_k = PRODUCT_BLOCK_K
     wgrad: Tiles  # block_m x block_n weight-gradient tiles, block_k = WGRAD_BLOCK_K positions per step
 
 
 PRODUCT_BLOCK_K = 32
+#: hidden channels per step of the input backward: 128 x 128 weight tiles (four per step) spilled there at c = 128
+BLOCK_H_MAX = 32
 WGRAD_BLOCK_K = 32
 
 # (fp32?, widest channel bucket) -> (row tiles, product tiles, weight-gradient tiles). A row tile holds x, four
@@ -81,22 +87,22 @@ _TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles, Tiles]] = {
     (False, 128): (Tiles(16, 16, 8, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1)),
     (True, 16): (Tiles(32, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
     (True, 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
-    (True, 64): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
-    (True, 128): (Tiles(16, 16, 8, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
 }
+assert all(c <= MAX_CHANNELS[fp32] for fp32, c in _TABLE)
 
 
 def config(dtype: torch.dtype, c_z: int, c_hidden: int) -> TrimulConfig:
     """Tiles for ``dtype`` and the channel counts (see ``_TABLE``); raises TypeError on an unsupported dtype and
-    ValueError on a channel count outside 1..:data:`MAX_CHANNELS`."""
+    ValueError on a channel count outside 1..:data:`MAX_CHANNELS` of the dtype."""
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"trimul_triton: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    widest = MAX_CHANNELS[dtype == torch.float32]
     for name, c in (("c_z", c_z), ("c_hidden", c_hidden)):
-        if not 1 <= c <= MAX_CHANNELS:
-            raise ValueError(f"trimul_triton: {name} must be in 1..{MAX_CHANNELS}, got {c}")
+        if not 1 <= c <= widest:
+            raise ValueError(f"trimul_triton: {name} must be in 1..{widest} in {dtype}, got {c}")
     block_cz, block_ch = block_d_for(c_z), block_d_for(c_hidden)
     rows, product, wgrad = _TABLE[(dtype == torch.float32, max(block_cz, block_ch))]
-    return TrimulConfig(block_cz, block_ch, rows, product, wgrad)
+    return TrimulConfig(block_cz, block_ch, min(block_ch, BLOCK_H_MAX), rows, product, wgrad)
 
 
 # ---- @triton.jit helpers -----------------------------------------------------------------------------------
@@ -313,47 +319,53 @@ def _out_bwd_kernel(
 
 
 @triton.jit
+def _edge_grad(x, m, D, Wp, Bp, Wg, Bg, g_row, ok, cz, cz_ok, ch, ch_ok, Cz, HAS_BIAS: tl.constexpr):
+    """One edge projection's backward on a chunk ``ch`` of hidden channels: from ``D = dA`` or ``dB`` (fp32 pointers
+    ``[BLOCK_R, BLOCK_H]``) and ``e = m * sigmoid(x W_g + b_g) * (x W_p + b_p)`` recomputed, stores the gradients of
+    the projection and the gate logit at ``g_row`` and ``g_row + Ch`` (``g_row`` offset by the projection's place in
+    Gx) and returns their part of dx ``[BLOCK_R, BLOCK_CZ]`` fp32."""
+    d_m = tl.load(D, mask=ok, other=0.0) * m
+    sig = tl.sigmoid(_linear(x, Wg, Bg, cz, cz_ok, ch, ch_ok, Cz, HAS_BIAS))
+    dproj = cast(d_m * sig, x.dtype)
+    dgate = cast(d_m * _linear(x, Wp, Bp, cz, cz_ok, ch, ch_ok, Cz, HAS_BIAS) * sig * (1.0 - sig), x.dtype)
+    tl.store(g_row[0], dproj, mask=ok)
+    tl.store(g_row[1], dgate, mask=ok)
+    return _linear_t(dproj, Wp, cz, cz_ok, ch, ch_ok, Cz) + _linear_t(dgate, Wg, cz, cz_ok, ch, ch_ok, Cz)
+
+
+@triton.jit
 def _in_bwd_kernel(
     Z, Mask, Stats, DA, DB, DXg, LnW, LnB, Wap, Bap, Wag, Bag, Wbp, Bbp, Wbg, Bbg,
     DZ, Gx, VecPart,
     R, N, Cz, Ch, eps, stride_i, stride_j, stride_gx,
-    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CZ: tl.constexpr, BLOCK_CH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CZ: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Persistent like :func:`_out_bwd_kernel`. Per position: the projection and gate logit gradients of a and b
     (into ``Gx[:, :4 Ch]``, order a_p, a_g, b_p, b_g) from dA, dB (channel-major fp32, the operand layout) and dz
     (``DZ [R, Cz]``) from them and the output gate's ``DXg``; per program the partial sums of LN_in's weight and
-    bias gradients (``VecPart [programs, 2, BLOCK_CZ]`` fp32)."""
+    bias gradients (``VecPart [programs, 2, BLOCK_CZ]`` fp32). The hidden channels are taken BLOCK_H at a time, so
+    the weight tiles in registers are ``[BLOCK_CZ, BLOCK_H]``."""
     cz = tl.arange(0, BLOCK_CZ)
     cz_ok = cz < Cz
-    ch = tl.arange(0, BLOCK_CH)
-    ch_ok = ch < Ch
     dw = tl.zeros([BLOCK_CZ], tl.float32)
     db = tl.zeros([BLOCK_CZ], tl.float32)
-    dtype = Z.dtype.element_ty
     for tile in range(tl.program_id(0), tl.cdiv(R, BLOCK_R), tl.num_programs(0)):
         r, r_ok, _, _ = _positions(tile, R, Cz, BLOCK_R, BLOCK_CZ)
         rz_ok = r_ok[:, None] & cz_ok[None, :]
-        rh_ok = r_ok[:, None] & ch_ok[None, :]
         xhat, x, rstd = _layer_norm_in(Z, Stats, LnW, LnB, r, r_ok, cz, cz_ok, Cz, eps, True)
         m = tl.load(Mask + r, mask=r_ok, other=0.0).to(tl.float32)[:, None]
-        op = ch[None, :].to(tl.int64) * R + _op_offsets(r, N, stride_i, stride_j)[:, None]  # [BLOCK_R, BLOCK_CH]
-        g_row = Gx + r[:, None] * stride_gx + ch[None, :]
+        pos = _op_offsets(r, N, stride_i, stride_j)  # [BLOCK_R] within a channel of dA, dB
         dx = tl.load(DXg + r[:, None] * Cz + cz[None, :], mask=rz_ok, other=0.0)  # the output gate's part
-        # a, then b: d(proj) = dA * m * sigmoid(g), d(gate logit) = dA * m * proj * sigmoid'(g)
-        da_m = tl.load(DA + op, mask=rh_ok, other=0.0) * m
-        sig = tl.sigmoid(_linear(x, Wag, Bag, cz, cz_ok, ch, ch_ok, Cz, HAS_BIAS))
-        dproj = cast(da_m * sig, dtype)
-        dgate = cast(da_m * _linear(x, Wap, Bap, cz, cz_ok, ch, ch_ok, Cz, HAS_BIAS) * sig * (1.0 - sig), dtype)
-        tl.store(g_row, dproj, mask=rh_ok)
-        tl.store(g_row + Ch, dgate, mask=rh_ok)
-        dx += _linear_t(dproj, Wap, cz, cz_ok, ch, ch_ok, Cz) + _linear_t(dgate, Wag, cz, cz_ok, ch, ch_ok, Cz)
-        db_m = tl.load(DB + op, mask=rh_ok, other=0.0) * m
-        sig = tl.sigmoid(_linear(x, Wbg, Bbg, cz, cz_ok, ch, ch_ok, Cz, HAS_BIAS))
-        dproj = cast(db_m * sig, dtype)
-        dgate = cast(db_m * _linear(x, Wbp, Bbp, cz, cz_ok, ch, ch_ok, Cz, HAS_BIAS) * sig * (1.0 - sig), dtype)
-        tl.store(g_row + 2 * Ch, dproj, mask=rh_ok)
-        tl.store(g_row + 3 * Ch, dgate, mask=rh_ok)
-        dx += _linear_t(dproj, Wbp, cz, cz_ok, ch, ch_ok, Cz) + _linear_t(dgate, Wbg, cz, cz_ok, ch, ch_ok, Cz)
+        for h0 in range(0, Ch, BLOCK_H):
+            ch = h0 + tl.arange(0, BLOCK_H)
+            ch_ok = ch < Ch
+            ok = r_ok[:, None] & ch_ok[None, :]
+            op = ch[None, :].to(tl.int64) * R + pos[:, None]  # [BLOCK_R, BLOCK_H]
+            g_row = Gx + r[:, None] * stride_gx + ch[None, :]
+            dx += _edge_grad(x, m, DA + op, Wap, Bap, Wag, Bag, (g_row, g_row + Ch), ok, cz, cz_ok, ch, ch_ok, Cz,
+                             HAS_BIAS)
+            dx += _edge_grad(x, m, DB + op, Wbp, Bbp, Wbg, Bbg, (g_row + 2 * Ch, g_row + 3 * Ch), ok, cz, cz_ok, ch,
+                             ch_ok, Cz, HAS_BIAS)
         dw += tl.sum(dx * xhat, 0)
         db += tl.sum(dx, 0)
         dz = _layer_norm_bwd(dx, xhat, rstd, LnW, cz, cz_ok, Cz)
@@ -516,7 +528,8 @@ def _backward(dout: Tensor, z: Tensor, mask: Tensor, p: Tensor, stats: Tensor, w
     ln_in_part = torch.empty(programs, 2, cfg.block_cz, dtype=torch.float32, device=dev)
     _in_bwd_kernel[(programs,)](
         z, mask, stats, da, db, dx_gate, *_pointers(w, _IN), dz, gx, ln_in_part, r, n, cz, ch, eps,
-        *_op_strides(n, outgoing), gx.stride(0), HAS_BIAS=has_bias, **blocks, **cfg.rows.launch_options())
+        *_op_strides(n, outgoing), gx.stride(0), HAS_BIAS=has_bias, BLOCK_R=cfg.rows.block_m,
+        BLOCK_CZ=cfg.block_cz, BLOCK_H=cfg.block_h, **cfg.rows.launch_options())
 
     z_rows = z.view(r, cz)
     dw_x = _weight_grad(gx, z_rows, (cz, 1), stats, w["ln_in_weight"], w["ln_in_bias"], cfg)  # [4 Ch + Cz, Cz]

@@ -9,6 +9,7 @@ error in the same dtype (``assert_within_pytorch_error``, as the attention kerne
 ``TRITON_INTERPRET=0`` on a CUDA machine the same tests run the compiled kernels.
 """
 import os
+import sys
 from dataclasses import dataclass
 from dataclasses import fields
 from typing import Optional
@@ -135,15 +136,19 @@ def test_within_3x_pytorch_error(dtype, outgoing, bias, lead, n):
 
 
 def test_loops_over_tiles_programs_and_splits(monkeypatch):
-    """Small tiles, few persistent programs and many weight-gradient splits, so every loop runs several times (the
-    product's k loop, the row kernels' tile loop, the splits' position loop): still the fp64 reference in fp32."""
+    """Small tiles, few persistent programs, many weight-gradient splits and c_hidden = 20 in steps of 16, so every
+    loop runs several times, the last step partly masked (the product's k loop, the row kernels' tile loop, the input
+    backward's hidden-channel loop, the splits' position loop): still the fp64 reference in fp32."""
     small = tt.Tiles(16, 16, 4, 1)
-    monkeypatch.setitem(tt._TABLE, (True, 16), (small, small, small))
+    monkeypatch.setitem(tt._TABLE, (True, 32), (small, small, small))
     monkeypatch.setattr(tt, "PRODUCT_BLOCK_K", 16)
     monkeypatch.setattr(tt, "WGRAD_BLOCK_K", 16)
+    monkeypatch.setattr(tt, "BLOCK_H_MAX", 16)
     monkeypatch.setattr(tt, "ROW_PROGRAMS", 3)
     monkeypatch.setattr(tt, "WGRAD_SPLITS", 5)
+    monkeypatch.setattr(sys.modules[__name__], "C_HIDDEN", 20)
     z, mask, dout, weights = _inputs((), 17, True, seed=3)
+    assert weights["a_proj_w"].shape == (20, C_Z)
     ref64 = _run(reference, z, mask, dout, weights, True, torch.float64)
     ref_same = _run(reference, z, mask, dout, weights, True, torch.float32)
     ours = _run(trimul_triton, z, mask, dout, weights, True, torch.float32, DEVICE)
@@ -153,8 +158,11 @@ def test_loops_over_tiles_programs_and_splits(monkeypatch):
 def test_rejects_what_the_kernels_cannot_take():
     z = torch.zeros(3, 3, 200)
     w = _weights(False, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="c_z must be in 1..128, got 200"):
-        trimul_triton(z, None, Params(**{k: v if v is None else v.float() for k, v in w.items()}), True, EPS)
+    with pytest.raises(ValueError, match="c_z must be in 1..128 in torch.bfloat16, got 200"):
+        trimul_triton(z.bfloat16(), None, Params(**{k: v if v is None else v.bfloat16() for k, v in w.items()}),
+                      True, EPS)
+    with pytest.raises(ValueError, match="c_hidden must be in 1..32 in torch.float32, got 40"):
+        trimul_triton(torch.zeros(3, 3, C_Z), None, Params(**(w | {"a_proj_w": torch.zeros(40, C_Z)})), True, EPS)
     with pytest.raises(TypeError, match="dtype must be one of"):
         trimul_triton(torch.zeros(3, 3, C_Z, dtype=torch.float64), None, Params(**w), True, EPS)
     with pytest.raises(ValueError, match=r"\[\*, N, N, c_z\], got \(3, 4, 12\)"):
