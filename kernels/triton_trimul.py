@@ -67,26 +67,27 @@ WGRAD_SPLITS = 64
 class TrimulConfig:
     block_cz: int  # c_z padded to a power of two >= 16
     block_ch: int  # c_hidden padded likewise
-    block_h: int  # hidden channels per step of the input backward (its weight tiles: block_cz x block_h)
     rows: Tiles  # the row kernels: block_m positions per tile (block_n unused)
     product: Tiles  # block_m x block_n output tiles, block_k = PRODUCT_BLOCK_K
     wgrad: Tiles  # block_m x block_n weight-gradient tiles, block_k = WGRAD_BLOCK_K positions per step
+    in_bwd: Tiles  # the input backward: block_m positions, block_n hidden channels per step (weight tiles c_z x n)
 
 
 PRODUCT_BLOCK_K = 32
-#: hidden channels per step of the input backward: 128 x 128 weight tiles (four per step) spilled there at c = 128
-BLOCK_H_MAX = 32
 WGRAD_BLOCK_K = 32
 
-# (fp32?, widest channel bucket) -> (row tiles, product tiles, weight-gradient tiles). A row tile holds x, four
-# projection tiles and a weight tile: 16 positions from 64 channels on.
-_TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles, Tiles]] = {
-    (False, 16): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1)),
-    (False, 32): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1)),
-    (False, 64): (Tiles(16, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1)),
-    (False, 128): (Tiles(16, 16, 8, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1)),
-    (True, 16): (Tiles(32, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
-    (True, 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
+# (fp32?, widest channel bucket) -> (row tiles, product tiles, weight-gradient tiles, input-backward tiles), chosen
+# with ``ds4sci bench kernels-aot --set trimul`` so that nothing spills on sm_80 and sm_90a. A row tile holds x, four
+# projection tiles and a weight tile: 16 positions from 64 channels on. The input backward (the most live tiles:
+# x, its normalised form, dx and four projections) takes the hidden channels in steps: its 128 x 128 weight tiles
+# spilled at c = 128, steps of 32 at c = 32 spilled 56 B (bf16) and fp32 needs 8 warps.
+_TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles, Tiles, Tiles]] = {
+    (False, 16): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
+    (False, 32): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
+    (False, 64): (Tiles(16, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 4, 1)),
+    (False, 128): (Tiles(16, 16, 8, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 8, 1)),
+    (True, 16): (Tiles(32, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 16, 8, 1)),
+    (True, 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
 }
 assert all(c <= MAX_CHANNELS[fp32] for fp32, c in _TABLE)
 
@@ -101,8 +102,7 @@ def config(dtype: torch.dtype, c_z: int, c_hidden: int) -> TrimulConfig:
         if not 1 <= c <= widest:
             raise ValueError(f"trimul_triton: {name} must be in 1..{widest} in {dtype}, got {c}")
     block_cz, block_ch = block_d_for(c_z), block_d_for(c_hidden)
-    rows, product, wgrad = _TABLE[(dtype == torch.float32, max(block_cz, block_ch))]
-    return TrimulConfig(block_cz, block_ch, min(block_ch, BLOCK_H_MAX), rows, product, wgrad)
+    return TrimulConfig(block_cz, block_ch, *_TABLE[(dtype == torch.float32, max(block_cz, block_ch))])
 
 
 # ---- @triton.jit helpers -----------------------------------------------------------------------------------
@@ -525,11 +525,13 @@ def _backward(dout: Tensor, z: Tensor, mask: Tensor, p: Tensor, stats: Tensor, w
     del a, b, dp
 
     dz = torch.empty(r, cz, dtype=z.dtype, device=dev)
+    t = cfg.in_bwd
+    programs = min(triton.cdiv(r, t.block_m), ROW_PROGRAMS)
     ln_in_part = torch.empty(programs, 2, cfg.block_cz, dtype=torch.float32, device=dev)
     _in_bwd_kernel[(programs,)](
         z, mask, stats, da, db, dx_gate, *_pointers(w, _IN), dz, gx, ln_in_part, r, n, cz, ch, eps,
-        *_op_strides(n, outgoing), gx.stride(0), HAS_BIAS=has_bias, BLOCK_R=cfg.rows.block_m,
-        BLOCK_CZ=cfg.block_cz, BLOCK_H=cfg.block_h, **cfg.rows.launch_options())
+        *_op_strides(n, outgoing), gx.stride(0), HAS_BIAS=has_bias, BLOCK_R=t.block_m, BLOCK_CZ=cfg.block_cz,
+        BLOCK_H=t.block_n, **t.launch_options())
 
     z_rows = z.view(r, cz)
     dw_x = _weight_grad(gx, z_rows, (cz, 1), stats, w["ln_in_weight"], w["ln_in_bias"], cfg)  # [4 Ch + Cz, Cz]

@@ -140,10 +140,9 @@ def test_loops_over_tiles_programs_and_splits(monkeypatch):
     loop runs several times, the last step partly masked (the product's k loop, the row kernels' tile loop, the input
     backward's hidden-channel loop, the splits' position loop): still the fp64 reference in fp32."""
     small = tt.Tiles(16, 16, 4, 1)
-    monkeypatch.setitem(tt._TABLE, (True, 32), (small, small, small))
+    monkeypatch.setitem(tt._TABLE, (True, 32), (small, small, small, small))
     monkeypatch.setattr(tt, "PRODUCT_BLOCK_K", 16)
     monkeypatch.setattr(tt, "WGRAD_BLOCK_K", 16)
-    monkeypatch.setattr(tt, "BLOCK_H_MAX", 16)
     monkeypatch.setattr(tt, "ROW_PROGRAMS", 3)
     monkeypatch.setattr(tt, "WGRAD_SPLITS", 5)
     monkeypatch.setattr(sys.modules[__name__], "C_HIDDEN", 20)
