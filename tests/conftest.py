@@ -21,6 +21,7 @@ _KERNEL_MODULES = {
     "ds4sci.kernels.triton_common": "dot",
     "ds4sci.kernels.triton_evoformer": "_fwd_kernel",
     "ds4sci.kernels.triton_local_attention": "_fwd_kernel",
+    "ds4sci.kernels.triton_trimul": "_in_fwd_kernel",
 }
 if os.environ["TRITON_INTERPRET"] == "1":
     from triton.runtime.interpreter import InterpretedFunction

@@ -1,5 +1,5 @@
-"""``ds4sci bench kernels-aot``: compile the shipped Triton kernels (Evoformer, local attention) for sm_80 and sm_90,
-without a GPU.
+"""``ds4sci bench kernels-aot``: compile the shipped Triton kernels (Evoformer, local attention, the triangle
+multiplicative update) for sm_80 and sm_90, without a GPU.
 
 Every variant of ``--set`` (:mod:`ds4sci.bench.aot.variants`: the Evoformer tile table at a representative launch,
 OpenFold's and OpenFold3's launches, the local-attention tile table) is compiled for each target with
@@ -9,7 +9,9 @@ public path (recorded, not run: :mod:`ds4sci.bench.aot.calls`) as Triton's JIT w
 (:mod:`ds4sci.bench.aot.pool`). Each compilation (:mod:`ds4sci.bench.aot.compile`) records Triton's dynamic shared
 memory request, the registers, stack frame and spills of Triton's own ``ptxas -v`` run (:mod:`ds4sci.bench.aot.ptxas`)
 and whether every ``ex2.approx`` in the PTX takes a scaled difference ``(s - m) * log2 e`` rather than a fused
-multiply-add of a separately scaled maximum (:mod:`ds4sci.bench.aot.ptx`).
+multiply-add of a separately scaled maximum (:mod:`ds4sci.bench.aot.ptx`). That rule is the softmax's: the triangle
+multiplicative update's kernels (``--set trimul``, :mod:`ds4sci.bench.aot.trimul`) subtract no maximum, their only
+exponents are sigmoids of a logit, so their records carry no exponent findings (:func:`_without_softmax`).
 
 ``--cache-dir DIR`` keeps each compilation's figures under what determines its code and reads them back in later runs
 (:mod:`ds4sci.bench.aot.compile`): the test suite's gates share one folder, so a kernel two of them compile is
@@ -55,7 +57,7 @@ def _markdown(report: dict) -> str:
     local = report.get("local_representative", LOCAL_REPRESENTATIVE)
     names = [name for name, _ in TARGETS.values()]
     lines = [
-        "# Triton kernels compiled ahead of time (Evoformer, local attention)",
+        "# Triton kernels compiled ahead of time (Evoformer, local attention, triangle multiplicative update)",
         "",
         f"Triton {report['triton_version']}; registers and spills from the `ptxas -v` log of Triton's own compile "
         f"({'; '.join(f'{k}: {v}' for k, v in report['ptxas'].items())}); "
@@ -121,14 +123,18 @@ def _quick_entries() -> str:
 #: kernel family of a compilation -> (label, colour) in the plot
 _FAMILIES = {"evoformer": ("Evoformer tile table", "tab:blue"),
              "callers": ("OpenFold/OpenFold3 launches", "tab:orange"),
-             "local": ("local attention", "tab:green")}
+             "local": ("local attention", "tab:green"),
+             "trimul": ("triangle multiplicative update", "tab:purple")}
 
 
 def _family(r: dict) -> str:
-    """``"local"`` (a local-attention variant: it has document flags), ``"callers"`` (an Evoformer variant launched
-    as a caller launches it) or ``"evoformer"`` (the representative launch of the Evoformer tile table)."""
+    """``"local"`` (a local-attention variant: it has document flags), ``"trimul"`` (a triangle multiplicative update
+    variant: it has an edge direction), ``"callers"`` (an Evoformer variant launched as a caller launches it) or
+    ``"evoformer"`` (the representative launch of the Evoformer tile table)."""
     if "has_docs" in r:
         return "local"
+    if "outgoing" in r:
+        return "trimul"
     return "callers" if r["call"] is not None else "evoformer"
 
 
@@ -169,12 +175,21 @@ def _where(r: dict) -> str:
     return f"{r['case']}: {r['kernel']} {r['dtype']} BLOCK_D={r['block_d']} {r['flags']} {r['target']}"
 
 
+def _without_softmax(r: dict) -> dict:
+    """A triangle multiplicative update record with the softmax exponent rule lifted: its ``ex2`` are sigmoids,
+    ``exp2(-x * log2 e)`` of a logit, with no maximum whose rounding could become an exponent."""
+    if _family(r) == "trimul" and r["error"] is None:
+        r = r | {"unsafe_ex2": [], "exponents_ok": True, "ok": r["resources_ok"]}
+    return r
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="variant_set", choices=SETS, default="all",
                         help="shipped: every Evoformer tile-table variant at a representative launch; callers: the "
                              "specialisations OpenFold/OpenFold3 launch; local: the local-attention kernels for every "
-                             "tile-table entry, flags all off and all on; local-full: every flag combination; all: "
-                             "shipped, callers and local (default: %(default)s)")
+                             "tile-table entry, flags all off and all on; local-full: every flag combination; trimul: "
+                             "the triangle multiplicative update's kernels for every bf16/fp32 tile-table entry and "
+                             "N=4096; all: shipped, callers, local and trimul (default: %(default)s)")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None,
                         help="shipped and local sets: dtypes (default: all for shipped and local-full, "
                              f"{' '.join(LOCAL_DTYPES)} for local)")
@@ -210,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
                                 tuple(args.block_d) if args.block_d else None, args.worst_case_only)
     compiles_callers = not args.quick and args.variant_set in ("callers", "all")
     start = time.perf_counter()
-    results = compile_all(variants, tuple(args.targets), args.jobs, args.cache_dir)
+    results = [_without_softmax(r) for r in compile_all(variants, tuple(args.targets), args.jobs, args.cache_dir)]
     report = {
         "triton_version": triton.__version__,
         "ptxas": ptxas_versions(TARGETS),

@@ -100,6 +100,8 @@ def test_online_softmax_update_is_softmax_over_tiles():
 @pytest.mark.parametrize("module, kernels, casts", [
     ("triton_evoformer", {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dpair_kernel"}, 1),
     ("triton_local_attention", {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_logits"}, 7),
+    ("triton_trimul", {"_in_fwd_kernel", "_product_kernel", "_out_fwd_kernel", "_out_bwd_kernel", "_in_bwd_kernel",
+                       "_wgrad_kernel"}, 10),
     ("triton_common", {"dot", "online_softmax_update"}, 1),  # cast itself is the one raw downcast
 ])
 def test_kernels_downcast_only_through_cast(module, kernels, casts):

@@ -1,4 +1,4 @@
-"""The compiled variants of each ``--set`` of ``ds4sci bench kernels-aot`` (``all``: shipped, callers and local).
+"""The compiled variants of each ``--set`` of ``ds4sci bench kernels-aot`` (``all``: shipped, callers, local, trimul).
 
 - ``shipped``: every (dtype, ``BLOCK_D``, kernel, flags) the tile table of :mod:`ds4sci.kernels.triton_evoformer` and
   the launchers can produce (forward and the four backward kernels, each with its ``HAS_MASK`` / ``HAS_PAIR`` /
@@ -16,6 +16,8 @@
   branch stops that), at one representative causal GQA launch (B = 1, S = 256, H = 8, Hkv = 2, D = ``BLOCK_D``):
   96 compilations. ``local-full``: every dtype and flag combination (288 compilations). The kernels do not
   specialise the integers that change from ring block to ring block (offsets, band), so one launch stands for all.
+- ``trimul``: the triangle multiplicative update's kernels (:mod:`ds4sci.bench.aot.trimul`): per bf16/fp32 tile-table
+  entry one call with biases and outgoing edges and one without and incoming, the first the N = 4096 one.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ from ds4sci.bench.aot.calls import kernel_name
 from ds4sci.bench.aot.calls import launch_flags
 from ds4sci.bench.aot.calls import local_call_launches
 from ds4sci.bench.aot.specialise import specialisation_key
+from ds4sci.bench.aot.trimul import TRIMUL_BUCKETS
+from ds4sci.bench.aot.trimul import TRIMUL_DTYPES
+from ds4sci.bench.aot.trimul import trimul_variants
 
 DTYPES = ("fp16", "bf16", "fp32")
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dpair")
@@ -179,7 +184,7 @@ def local_variants(dtypes=LOCAL_DTYPES, block_ds: Optional[tuple[int, ...]] = No
             for kernel in LOCAL_KERNELS for docs, alibi in flag_sets]
 
 
-SETS = ("shipped", "callers", "local", "local-full", "all")
+SETS = ("shipped", "callers", "local", "local-full", "trimul", "all")
 #: ``--quick``: one tile-table entry per kernel family (Evoformer: OpenFold's head dim 32; local attention: GenSLM's
 #: 64), bf16, every kernel with every flag on
 QUICK = {"shipped": ("bf16", 32), "local": ("bf16", 64)}
@@ -196,8 +201,9 @@ def quick_variants() -> list:
 def variants_for(which: str, dtypes=None, block_ds=None, worst_case_only: bool = False) -> list:
     """The variants of ``--set``: ``shipped`` (the Evoformer tile table), ``callers``
     (:data:`~ds4sci.bench.aot.calls.CALLERS`), ``local`` (the local-attention tile table for :data:`LOCAL_DTYPES`,
-    every flag off and every flag on), ``local-full`` (every dtype and flag combination) or ``all`` (shipped, callers
-    and local). ``dtypes`` (None: each set's own) and ``block_ds`` (None: every bucket) narrow the table sets."""
+    every flag off and every flag on), ``local-full`` (every dtype and flag combination), ``trimul`` (the triangle
+    multiplicative update's kernels, :mod:`~ds4sci.bench.aot.trimul`) or ``all`` (shipped, callers, local and
+    trimul). ``dtypes`` (None: each set's own) and ``block_ds`` (None: every bucket) narrow the table sets."""
     out: list = []
     if which in ("shipped", "all"):
         out += shipped_variants(dtypes or DTYPES, block_ds, worst_case_only)
@@ -205,6 +211,8 @@ def variants_for(which: str, dtypes=None, block_ds=None, worst_case_only: bool =
         out += caller_variants()
     if which in ("local", "all"):
         out += local_variants(dtypes or LOCAL_DTYPES, block_ds, worst_case_only=worst_case_only)
+    if which in ("trimul", "all"):
+        out += trimul_variants(dtypes or TRIMUL_DTYPES, block_ds or TRIMUL_BUCKETS)
     if which == "local-full":
         out += local_variants(dtypes or DTYPES, block_ds, itertools.product((False, True), repeat=2),
                               worst_case_only)

@@ -1,0 +1,168 @@
+"""The Triton triangle multiplicative update (ds4sci.kernels.triton_trimul) against an fp64 PyTorch reference.
+
+Under the interpreter (``TRITON_INTERPRET=1``, tests/conftest.py) every kernel launch costs about a second on a busy
+2-core machine, so the shapes are tiny (N <= 17, c_z = 12, c_hidden = 6) and the cases a covering set: each dtype in
+both directions, with and without projection biases (OpenFold's and OpenFold3's convention), odd N that is no
+multiple of any tile, masks with fully masked rows and columns, leading batch dims; one case with small tiles runs
+every kernel loop several times. Forward and every gradient (z and the 16 weights) must be within 3x PyTorch's own
+error in the same dtype (``assert_within_pytorch_error``, as the attention kernels' tests). With
+``TRITON_INTERPRET=0`` on a CUDA machine the same tests run the compiled kernels.
+"""
+import os
+import sys
+from dataclasses import dataclass
+from dataclasses import fields
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evoformer_checks import assert_within_pytorch_error  # tests/ is on sys.path (its conftest.py)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or CUDA")
+triton = pytest.importorskip("triton")
+
+from ds4sci.kernels import triton_trimul as tt  # noqa: E402
+from ds4sci.kernels.triton_trimul import trimul_triton  # noqa: E402
+
+C_Z, C_HIDDEN, EPS = 12, 6, 1e-5
+
+
+@dataclass
+class Params:
+    """The weights ``trimul_triton`` reads (the lead reconciles this with kernels/trimul.py's dataclass)."""
+
+    ln_in_weight: torch.Tensor
+    ln_in_bias: torch.Tensor
+    a_proj_w: torch.Tensor
+    a_proj_b: Optional[torch.Tensor]
+    a_gate_w: torch.Tensor
+    a_gate_b: Optional[torch.Tensor]
+    b_proj_w: torch.Tensor
+    b_proj_b: Optional[torch.Tensor]
+    b_gate_w: torch.Tensor
+    b_gate_b: Optional[torch.Tensor]
+    ln_out_weight: torch.Tensor
+    ln_out_bias: torch.Tensor
+    out_proj_w: torch.Tensor
+    out_proj_b: Optional[torch.Tensor]
+    out_gate_w: torch.Tensor
+    out_gate_b: Optional[torch.Tensor]
+
+
+def _shape(name: str) -> tuple[int, ...]:
+    """nn.Linear's layout: [c_out, c_in] weights, [c_out] biases; LayerNorms over their channels."""
+    c_out, c_in = {"ln_in": (C_Z, None), "ln_out": (C_HIDDEN, None), "out_proj": (C_Z, C_HIDDEN),
+                   "out_gate": (C_Z, C_Z)}.get(name.rsplit("_", 1)[0], (C_HIDDEN, C_Z))
+    return (c_out, c_in) if name.endswith("_w") else (c_out,)
+
+
+def _weights(bias: bool, g: torch.Generator) -> dict:
+    """fp64 weights {name: tensor | None}: LayerNorm weights near 1, projections scaled by 1/sqrt(fan-in)."""
+    out = {}
+    for f in fields(Params):
+        shape = _shape(f.name)
+        if f.name.endswith("_b") and not bias:
+            out[f.name] = None
+        elif f.name.endswith("_w"):
+            out[f.name] = torch.randn(shape, generator=g, dtype=torch.float64) / shape[1] ** 0.5
+        elif f.name.endswith("weight"):
+            out[f.name] = 1 + 0.2 * torch.randn(shape, generator=g, dtype=torch.float64)
+        else:
+            out[f.name] = 0.2 * torch.randn(shape, generator=g, dtype=torch.float64)
+    return out
+
+
+def reference(z, mask, p: Params, outgoing: bool, eps: float):
+    """AF2 Algorithms 11/12 in plain PyTorch ops, in the inputs' dtype."""
+    x = F.layer_norm(z, z.shape[-1:], p.ln_in_weight, p.ln_in_bias, eps)
+    m = mask[..., None]
+    a = m * torch.sigmoid(F.linear(x, p.a_gate_w, p.a_gate_b)) * F.linear(x, p.a_proj_w, p.a_proj_b)
+    b = m * torch.sigmoid(F.linear(x, p.b_gate_w, p.b_gate_b)) * F.linear(x, p.b_proj_w, p.b_proj_b)
+    if outgoing:  # p_ij = sum_k a_ik b_jk as [*, c, I, K] @ [*, c, K, J]
+        prod = torch.matmul(a.movedim(-1, -3), b.movedim(-1, -3).transpose(-1, -2))
+    else:  # p_ij = sum_k a_ki b_kj
+        prod = torch.matmul(a.movedim(-1, -3).transpose(-1, -2), b.movedim(-1, -3))
+    y = F.layer_norm(prod.movedim(-3, -1), (p.ln_out_weight.shape[0],), p.ln_out_weight, p.ln_out_bias, eps)
+    return torch.sigmoid(F.linear(x, p.out_gate_w, p.out_gate_b)) * F.linear(y, p.out_proj_w, p.out_proj_b)
+
+
+def _inputs(lead: tuple[int, ...], n: int, bias: bool, seed: int):
+    """fp64 z ``[*lead, N, N, C_Z]``, a mask ``[*lead, N, N]`` (random zeros, row 1 and column N - 2 fully masked),
+    dout and the weights."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(*lead, n, n, C_Z, generator=g, dtype=torch.float64)
+    mask = (torch.rand(*lead, n, n, generator=g) > 0.15).double()
+    mask[..., 1, :] = 0
+    mask[..., :, n - 2] = 0
+    dout = torch.randn(*lead, n, n, C_Z, generator=g, dtype=torch.float64)
+    return z, mask, dout, _weights(bias, g)
+
+
+def _run(fn, z, mask, dout, weights, outgoing, dtype, device="cpu") -> dict:
+    """{out, dz, d<weight>...} of ``fn`` in ``dtype`` on ``device``, returned on the CPU."""
+    leaves = {"z": z.detach().to(device, dtype).requires_grad_()}
+    leaves |= {k: v.detach().to(device, dtype).requires_grad_() for k, v in weights.items() if v is not None}
+    params = Params(**{k: leaves.get(k) for k in weights})
+    out = fn(leaves["z"], mask.to(device, dtype), params, outgoing, EPS)
+    out.backward(dout.to(device, dtype))
+    return {"out": out.detach().cpu()} | {f"d{k}": v.grad.cpu() for k, v in leaves.items()}
+
+
+CASES = [  # (dtype, outgoing, biases, leading dims, N)
+    (torch.float32, True, True, (2,), 11),
+    (torch.float32, False, False, (), 15),
+    (torch.bfloat16, True, False, (), 17),
+    (torch.bfloat16, False, True, (), 13),
+    (torch.float16, True, True, (), 13),
+    (torch.float16, False, False, (1, 1), 17),
+]
+
+
+@pytest.mark.parametrize("dtype, outgoing, bias, lead, n", CASES,
+                         ids=[f"{str(c[0])[6:]}-{'out' if c[1] else 'in'}-{'bias' if c[2] else 'nobias'}-N{c[4]}"
+                              for c in CASES])
+def test_within_3x_pytorch_error(dtype, outgoing, bias, lead, n):
+    z, mask, dout, weights = _inputs(lead, n, bias, seed=n)
+    ref64 = _run(reference, z, mask, dout, weights, outgoing, torch.float64)
+    ref_same = _run(reference, z, mask, dout, weights, outgoing, dtype)
+    ours = _run(trimul_triton, z, mask, dout, weights, outgoing, dtype, DEVICE)
+    assert len(ours) == 1 + 1 + (16 if bias else 10)
+    assert_within_pytorch_error(ours, ref64, ref_same, dtype)
+
+
+def test_loops_over_tiles_programs_and_splits(monkeypatch):
+    """Small tiles, few persistent programs, many weight-gradient splits and c_hidden = 20 in steps of 16, so every
+    loop runs several times, the last step partly masked (the product's k loop, the row kernels' tile loop, the input
+    backward's hidden-channel loop, the splits' position loop): still the fp64 reference in fp32."""
+    small = tt.Tiles(16, 16, 4, 1)
+    monkeypatch.setitem(tt._TABLE, (True, 32), (small, small, small, small))
+    monkeypatch.setattr(tt, "PRODUCT_BLOCK_K", 16)
+    monkeypatch.setattr(tt, "WGRAD_BLOCK_K", 16)
+    monkeypatch.setattr(tt, "ROW_PROGRAMS", 3)
+    monkeypatch.setattr(tt, "WGRAD_SPLITS", 5)
+    monkeypatch.setattr(sys.modules[__name__], "C_HIDDEN", 20)
+    z, mask, dout, weights = _inputs((), 17, True, seed=3)
+    assert weights["a_proj_w"].shape == (20, C_Z)
+    ref64 = _run(reference, z, mask, dout, weights, True, torch.float64)
+    ref_same = _run(reference, z, mask, dout, weights, True, torch.float32)
+    ours = _run(trimul_triton, z, mask, dout, weights, True, torch.float32, DEVICE)
+    assert_within_pytorch_error(ours, ref64, ref_same, torch.float32)
+
+
+def test_rejects_what_the_kernels_cannot_take():
+    z = torch.zeros(3, 3, 200)
+    w = _weights(False, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="c_z must be in 1..128 in torch.bfloat16, got 200"):
+        trimul_triton(z.bfloat16(), None, Params(**{k: v if v is None else v.bfloat16() for k, v in w.items()}),
+                      True, EPS)
+    with pytest.raises(ValueError, match="c_hidden must be in 1..32 in torch.float32, got 40"):
+        trimul_triton(torch.zeros(3, 3, C_Z), None, Params(**(w | {"a_proj_w": torch.zeros(40, C_Z)})), True, EPS)
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        trimul_triton(torch.zeros(3, 3, C_Z, dtype=torch.float64), None, Params(**w), True, EPS)
+    with pytest.raises(ValueError, match=r"\[\*, N, N, c_z\], got \(3, 4, 12\)"):
+        trimul_triton(torch.zeros(3, 4, C_Z), None, Params(**w), True, EPS)

@@ -1,0 +1,121 @@
+"""Ahead-of-time compile gate of the triangle multiplicative update's Triton kernels (``ds4sci bench kernels-aot --set
+trimul``, ds4sci.bench.aot.trimul), no GPU.
+
+- ``test_gate_covers_the_launches``: the set holds every specialisation of the calls it stands for, N = 4096
+  specialises exactly as N = 64 (so the representative bf16 / c = 128 entry is the large-N code) and N = 256 adds
+  nothing;
+- ``test_narrow_offsets_*``: the 64-bit offset check on hand-written Triton IR;
+- slow: ``test_large_n_offsets_are_64_bit`` builds the Triton IR of every launch of the N = 4096, c = 128 call (a
+  pair tensor of 2^31 elements) in a process without the interpreter and finds a 64-bit term in every position-indexed
+  load and store; ``test_gate_compiles_within_limits`` compiles the set for sm_80 and sm_90a (92 kernels, 184
+  compilations: about 15 minutes on 2 busy cores without the shared ``--cache-dir``) and checks shared memory and
+  spills.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ds4sci.bench.aot.calls import kernel_name
+from ds4sci.bench.aot.trimul import LARGE_N
+from ds4sci.bench.aot.trimul import TrimulCall
+from ds4sci.bench.aot.trimul import narrow_offsets
+from ds4sci.bench.aot.trimul import trimul_call_launches
+from ds4sci.bench.aot.trimul import trimul_calls
+from ds4sci.bench.aot.variants import variants_for
+
+from aot_checks import assert_gate_compiled  # tests/ is on sys.path (its conftest.py)
+from aot_checks import assert_resources  # tests/ is on sys.path (its conftest.py)
+from aot_checks import compiles  # tests/ is on sys.path (its conftest.py)
+from aot_checks import gate_fixture  # tests/ is on sys.path (its conftest.py)
+
+#: the calls that name a compiled variant: all but the representative one that specialises as N = 4096
+NAMING_CALLS = {call.name for call in trimul_calls()} - {"trimul bf16 c=128 bias, outgoing"}
+KERNELS = ["in_fwd", "product", "out_fwd", "in_fwd", "out_bwd", "product", "product", "in_bwd", "wgrad", "wgrad"]
+
+
+def _keys(call):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from ds4sci.bench.aot.specialise import specialisation_key
+    from ds4sci.bench.aot.trimul import TrimulVariant
+
+    backend = triton.compiler.make_backend(GPUTarget("cuda", 80, 32))
+    return [specialisation_key(TrimulVariant(kernel_name(k), call.dtype, call.c_z, 0, call.bias, call.outgoing, call),
+                               k, args, meta, backend) for k, args, meta in trimul_call_launches(call)]
+
+
+def test_gate_covers_the_launches():
+    variants = variants_for("trimul")
+    assert [kernel_name(k) for k, _, _ in trimul_call_launches(LARGE_N)] == KERNELS
+    small = TrimulCall("small", "bf16", 64, 128, 128, bias=True, outgoing=True)
+    assert _keys(LARGE_N) == _keys(small)
+    assert _keys(TrimulCall("N=256", "bf16", 256, 128, 128, bias=True, outgoing=True)) == _keys(small)
+    assert len(set(_keys(TrimulCall("N=37", "bf16", 37, 128, 128, True, True))) - set(_keys(small))) >= 5
+    assert {v.case for v in variants} == NAMING_CALLS
+    assert {v.kernel for v in variants} == set(KERNELS)
+    assert {(v.dtype, v.block_d) for v in variants} == {(d, c) for d in ("bf16", "fp32") for c in (16, 32, 64, 128)
+                                                        if d == "bf16" or c <= 32}
+    assert [v for v in variants if v.case == LARGE_N.name][0].kernel == "in_fwd"  # the large-N call comes first
+
+
+_TTIR = """
+  tt.func public @k(%Z: !tt.ptr<bf16> loc("Z"(#loc)), %Wa: !tt.ptr<bf16> loc("Wa"(#loc)), %X: !tt.ptr<f32>) {
+    %0 = tt.splat %Z : !tt.ptr<bf16> -> tensor<16x!tt.ptr<bf16>> loc(#loc1)
+    %1 = tt.addptr %0, %r64 : tensor<16x!tt.ptr<bf16>>, tensor<16xi64> loc(#loc2)
+    %z_2 = tt.load %1, %ok : tensor<16x!tt.ptr<bf16>> loc(#loc3)
+    %3 = tt.splat %Z : !tt.ptr<bf16> -> tensor<16x!tt.ptr<bf16>> loc(#loc1)
+    %4 = tt.addptr %3, %r32 : tensor<16x!tt.ptr<bf16>>, tensor<16xi32> loc(#loc2)
+    tt.store %4, %z_2, %ok : tensor<16x!tt.ptr<bf16>> loc(#loc4)
+    %5 = tt.splat %Wa : !tt.ptr<bf16> -> tensor<16x!tt.ptr<bf16>> loc(#loc1)
+    %6 = tt.addptr %5, %c32 : tensor<16x!tt.ptr<bf16>>, tensor<16xi32> loc(#loc2)
+    %w = tt.load %6 : tensor<16x!tt.ptr<bf16>> loc(#loc5)
+    %7 = tt.addptr %X, %base : !tt.ptr<f32>, i64 loc(#loc6)
+    %8 = tt.splat %7 : !tt.ptr<f32> -> tensor<16x16x!tt.ptr<f32>> loc(#loc7)
+    %9 = tt.addptr %8, %offs : tensor<16x16x!tt.ptr<f32>>, tensor<16x16xi32> loc(#loc8)
+    %acc = scf.for %k = %c0 to %n step %c16 iter_args(%acc_1 = %cst, %x_ptrs = %9) -> (tensor<16x16xf32>) : i32 {
+      %x = tt.load %x_ptrs : tensor<16x16x!tt.ptr<f32>> loc(#loc9)
+      %x_ptrs_2 = tt.addptr %x_ptrs, %step : tensor<16x16x!tt.ptr<f32>>, tensor<16x16xi32> loc(#loc10)
+    }
+"""
+
+
+def test_narrow_offsets_finds_the_32_bit_chain_only():
+    """The store through ``Z + r32`` is flagged; ``Z + r64``, the weight ``Wa`` and the loop-carried pointer whose
+    initial value has a 64-bit base are not."""
+    assert narrow_offsets(_TTIR) == ["line 8: tt.store through %Z with 32-bit offsets only"]
+    assert narrow_offsets(_TTIR.replace("!tt.ptr<f32>, i64", "!tt.ptr<f32>, i32")) == [
+        "line 8: tt.store through %Z with 32-bit offsets only", "line 16: tt.load through %X with 32-bit offsets only"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_large_n_offsets_are_64_bit():
+    """In the N = 4096, c = 128 specialisation (R * c_z = 2^31 elements) every position-indexed access has a 64-bit
+    term; the IR is built in a process without ``TRITON_INTERPRET`` (the interpreter's functions have no IR)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json; from ds4sci.bench.aot.trimul import large_n_narrow_offsets as f; print(json.dumps(f()))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=840)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert sorted(found) == sorted(f"{k} {i}" for k, i in {("in_fwd", 1), ("in_fwd", 2), ("product", 1),
+                                                            ("product", 2), ("product", 3), ("out_fwd", 1),
+                                                            ("out_bwd", 1), ("in_bwd", 1), ("wgrad", 1),
+                                                            ("wgrad", 2)})
+    assert all(problems == [] for problems in found.values()), found
+
+
+trimul_gate = gate_fixture("trimul")
+
+
+@compiles
+def test_gate_compiles_within_limits(trimul_gate):
+    rc, report, markdown = trimul_gate
+    results = report["results"]
+    assert_gate_compiled(results, variants_for("trimul"), NAMING_CALLS)
+    assert_resources(results)
+    assert rc == 0 and report["all_ok"]
+    assert "triangle multiplicative update" in markdown
