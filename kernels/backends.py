@@ -59,7 +59,8 @@ class LocalBackend(str, enum.Enum):
 class TriMulBackend(str, enum.Enum):
     """Which implementation runs ``triangle_multiplicative_update``."""
 
-    AUTO = "auto"  # chunked
+    AUTO = "auto"  # triton for CUDA tensors it supports (when Triton imports), chunked otherwise
+    TRITON = "triton"  # the fused kernels (ds4sci.kernels.triton_trimul)
     CHUNKED = "chunked"  # row blocks of the product, recomputing backward (ds4sci.kernels.trimul)
     TORCH = "torch"  # the plain autograd graph, the oracle (ds4sci.kernels.trimul.trimul_torch)
 

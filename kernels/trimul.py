@@ -19,7 +19,9 @@ Backends (:class:`~ds4sci.kernels.backends.TriMulBackend`):
   accumulates the full operand's gradient in place (one ``baddbmm`` per block), then back-propagates that through its
   projections block by block. Incoming runs as outgoing in the transposed frame (rows of ``z^T``) with the roles of
   ``a`` and ``b`` swapped. Inference (no gradient needed) holds the output, the full operand and one block.
-- ``"auto"``: ``"chunked"``.
+- ``"triton"``: the fused kernels of :mod:`~ds4sci.kernels.triton_trimul` (forward in three kernels, a backward
+  that recomputes ``a`` and ``b`` from ``z`` and the saved LayerNorm statistics; CUDA, or the interpreter).
+- ``"auto"``: ``"triton"`` for CUDA tensors its kernels take, ``"chunked"`` otherwise.
 
 :func:`triangle_product` is the product alone (``a, b [*, N, N, c] -> p``), which the context-parallel forms call on
 their shards and tiles. The weights travel in :class:`TriMulParams`, built from any module with OpenFold's (and
@@ -30,6 +32,9 @@ weights.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+import os
 from typing import Optional
 from typing import Union
 
@@ -39,7 +44,10 @@ from torch.nn import functional as F
 
 from .backends import TRIMUL_CHUNK_BYTES
 from .backends import TriMulBackend
+from .backends import import_error
 from .backends import parse_backend
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TriMulParams", "triangle_multiplicative_update", "triangle_product", "trimul_torch"]
 
@@ -327,6 +335,36 @@ def _check(z: Tensor, mask: Optional[Tensor], params: TriMulParams, eps: float, 
                          f"{tuple(z.shape[:-1])}") from None
 
 
+def _triton_module():
+    from . import triton_trimul  # imports Triton: only when a CUDA tensor or backend="triton" asks for it
+
+    return triton_trimul
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> str:
+    return import_error(_triton_module, logger, "triangle_multiplicative_update: the triton backend",
+                        "auto uses the chunked backend")
+
+
+def _choose_backend(backend: Union[str, TriMulBackend], z: Tensor, params: TriMulParams) -> TriMulBackend:
+    """Parse ``backend``; ``"auto"``: triton for CUDA tensors of a dtype and channel counts its kernels take (when
+    Triton imports), chunked otherwise."""
+    chosen = parse_backend(backend, TriMulBackend)
+    if chosen is TriMulBackend.AUTO:
+        use_triton = (z.is_cuda and z.dtype != torch.float64 and not _triton_import_error()
+                      and max(params.c_z, params.c_hidden) <= _triton_module().MAX_CHANNELS[z.dtype == torch.float32])
+        return TriMulBackend.TRITON if use_triton else TriMulBackend.CHUNKED
+    if chosen is TriMulBackend.TRITON:
+        if not z.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"triangle_multiplicative_update: the triton backend needs CUDA tensors (or "
+                             f"TRITON_INTERPRET=1 on the CPU), got z on {z.device}")
+        error = _triton_import_error()
+        if error:
+            raise RuntimeError(f"triangle_multiplicative_update: the triton backend is unavailable: {error}")
+    return chosen
+
+
 def triangle_multiplicative_update(z: Tensor, mask: Optional[Tensor], params: TriMulParams, *, outgoing: bool,
                                    eps: float = 1e-5, backend: Union[str, TriMulBackend] = TriMulBackend.AUTO,
                                    chunk_size: Optional[int] = None) -> Tensor:
@@ -335,18 +373,23 @@ def triangle_multiplicative_update(z: Tensor, mask: Optional[Tensor], params: Tr
     weights ``params``; ``outgoing``: Algorithm 11 (True) or 12 (False); ``eps`` of both LayerNorms. Returns
     ``[*, N_i, N_j, C_z]`` in z's dtype; differentiable in ``z`` and every weight.
 
-    ``backend``: ``"chunked"`` (and ``"auto"``) or ``"torch"`` (module docstring); ``chunk_size``: rows per block of
-    the chunked path (None: :func:`default_chunk_size`), ignored by ``"torch"``.
+    ``backend``: ``"auto"``, ``"triton"``, ``"chunked"`` or ``"torch"`` (module docstring; ``"triton"`` takes
+    float16/bfloat16 with up to 128 channels and float32 with up to 32); ``chunk_size``: rows per block of the chunked
+    path (None: :func:`default_chunk_size`), ignored by the others.
 
     Raises:
         TypeError: z, mask or params of the wrong type, or z not a floating dtype.
         ValueError: z not ``[*, N, N, C_z]``, C_z not the weights', a mask that does not broadcast, a non-positive
-            eps or chunk_size, an unknown backend.
+            eps or chunk_size, an unknown backend, ``"triton"`` off CUDA (outside the interpreter) or beyond its
+            channel counts.
+        RuntimeError: ``"triton"`` when Triton does not import.
     """
-    backend = parse_backend(backend, TriMulBackend)
     mask = _check(z, mask, params, eps, chunk_size)
+    backend = _choose_backend(backend, z, params)
     if backend is TriMulBackend.TORCH:
         return trimul_torch(z, mask, params, bool(outgoing), eps)
+    if backend is TriMulBackend.TRITON:
+        return _triton_module().trimul_triton(z, mask, params, bool(outgoing), eps)
     chunk = min(chunk_size or default_chunk_size(z, params.c_hidden), z.shape[-2])
     tensors = params.tensors()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (z, *tensors)):

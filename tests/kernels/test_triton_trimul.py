@@ -10,9 +10,7 @@ error in the same dtype (``assert_within_pytorch_error``, as the attention kerne
 """
 import os
 import sys
-from dataclasses import dataclass
 from dataclasses import fields
-from typing import Optional
 
 import pytest
 import torch
@@ -26,32 +24,12 @@ pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or CUDA")
 triton = pytest.importorskip("triton")
 
+from ds4sci.kernels import TriMulParams  # noqa: E402
+from ds4sci.kernels import triangle_multiplicative_update  # noqa: E402
 from ds4sci.kernels import triton_trimul as tt  # noqa: E402
 from ds4sci.kernels.triton_trimul import trimul_triton  # noqa: E402
 
 C_Z, C_HIDDEN, EPS = 12, 6, 1e-5
-
-
-@dataclass
-class Params:
-    """The weights ``trimul_triton`` reads (the lead reconciles this with kernels/trimul.py's dataclass)."""
-
-    ln_in_weight: torch.Tensor
-    ln_in_bias: torch.Tensor
-    a_proj_w: torch.Tensor
-    a_proj_b: Optional[torch.Tensor]
-    a_gate_w: torch.Tensor
-    a_gate_b: Optional[torch.Tensor]
-    b_proj_w: torch.Tensor
-    b_proj_b: Optional[torch.Tensor]
-    b_gate_w: torch.Tensor
-    b_gate_b: Optional[torch.Tensor]
-    ln_out_weight: torch.Tensor
-    ln_out_bias: torch.Tensor
-    out_proj_w: torch.Tensor
-    out_proj_b: Optional[torch.Tensor]
-    out_gate_w: torch.Tensor
-    out_gate_b: Optional[torch.Tensor]
 
 
 def _shape(name: str) -> tuple[int, ...]:
@@ -64,7 +42,7 @@ def _shape(name: str) -> tuple[int, ...]:
 def _weights(bias: bool, g: torch.Generator) -> dict:
     """fp64 weights {name: tensor | None}: LayerNorm weights near 1, projections scaled by 1/sqrt(fan-in)."""
     out = {}
-    for f in fields(Params):
+    for f in fields(TriMulParams):
         shape = _shape(f.name)
         if f.name.endswith("_b") and not bias:
             out[f.name] = None
@@ -77,7 +55,7 @@ def _weights(bias: bool, g: torch.Generator) -> dict:
     return out
 
 
-def reference(z, mask, p: Params, outgoing: bool, eps: float):
+def reference(z, mask, p: TriMulParams, outgoing: bool, eps: float):
     """AF2 Algorithms 11/12 in plain PyTorch ops, in the inputs' dtype."""
     x = F.layer_norm(z, z.shape[-1:], p.ln_in_weight, p.ln_in_bias, eps)
     m = mask[..., None]
@@ -107,7 +85,7 @@ def _run(fn, z, mask, dout, weights, outgoing, dtype, device="cpu") -> dict:
     """{out, dz, d<weight>...} of ``fn`` in ``dtype`` on ``device``, returned on the CPU."""
     leaves = {"z": z.detach().to(device, dtype).requires_grad_()}
     leaves |= {k: v.detach().to(device, dtype).requires_grad_() for k, v in weights.items() if v is not None}
-    params = Params(**{k: leaves.get(k) for k in weights})
+    params = TriMulParams(**{k: leaves.get(k) for k in weights})
     out = fn(leaves["z"], mask.to(device, dtype), params, outgoing, EPS)
     out.backward(dout.to(device, dtype))
     return {"out": out.detach().cpu()} | {f"d{k}": v.grad.cpu() for k, v in leaves.items()}
@@ -158,11 +136,29 @@ def test_rejects_what_the_kernels_cannot_take():
     z = torch.zeros(3, 3, 200)
     w = _weights(False, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="c_z must be in 1..128 in torch.bfloat16, got 200"):
-        trimul_triton(z.bfloat16(), None, Params(**{k: v if v is None else v.bfloat16() for k, v in w.items()}),
-                      True, EPS)
+        half = TriMulParams(**{k: v if v is None else v.bfloat16() for k, v in w.items()})
+        trimul_triton(z.bfloat16(), None, half, True, EPS)
     with pytest.raises(ValueError, match="c_hidden must be in 1..32 in torch.float32, got 40"):
-        trimul_triton(torch.zeros(3, 3, C_Z), None, Params(**(w | {"a_proj_w": torch.zeros(40, C_Z)})), True, EPS)
+        wide = TriMulParams(**(w | {"a_proj_w": torch.zeros(40, C_Z)}))
+        trimul_triton(torch.zeros(3, 3, C_Z), None, wide, True, EPS)
     with pytest.raises(TypeError, match="dtype must be one of"):
-        trimul_triton(torch.zeros(3, 3, C_Z, dtype=torch.float64), None, Params(**w), True, EPS)
+        trimul_triton(torch.zeros(3, 3, C_Z, dtype=torch.float64), None, TriMulParams(**w), True, EPS)
     with pytest.raises(ValueError, match=r"\[\*, N, N, c_z\], got \(3, 4, 12\)"):
-        trimul_triton(torch.zeros(3, 4, C_Z), None, Params(**w), True, EPS)
+        trimul_triton(torch.zeros(3, 4, C_Z), None, TriMulParams(**w), True, EPS)
+
+
+def test_the_public_function_runs_these_kernels_for_backend_triton_and_auto_only_on_cuda(monkeypatch):
+    """``triangle_multiplicative_update(..., backend="triton")`` is ``trimul_triton`` on the same weights, mask and
+    direction (bitwise); ``"auto"`` takes the kernels for CUDA tensors only (on the CPU: the chunked path)."""
+    z, mask, dout, weights = _inputs((), 9, True, seed=4)
+    for outgoing in (True, False):
+        direct = _run(trimul_triton, z, mask, dout, weights, outgoing, torch.float32, DEVICE)
+        public = _run(lambda *a: triangle_multiplicative_update(*a[:3], outgoing=a[3], eps=a[4], backend="triton"),
+                      z, mask, dout, weights, outgoing, torch.float32, DEVICE)
+        assert all(torch.equal(public[k], direct[k]) for k in direct), outgoing
+    if INTERPRET:
+        monkeypatch.setattr(tt, "trimul_triton", lambda *a: pytest.fail("auto ran the Triton kernels on the CPU"))
+        auto, chunked = (_run(lambda *a, b=b: triangle_multiplicative_update(*a[:3], outgoing=a[3], eps=a[4],
+                                                                             backend=b),
+                              z, mask, dout, weights, True, torch.float32) for b in ("auto", "chunked"))
+        assert all(torch.equal(auto[k], chunked[k]) for k in chunked)
