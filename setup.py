@@ -52,7 +52,9 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "tensorboard>=2.14",
-        "scikit-learn>=1.3",  # task metrics and the linear probe (ds4sci.data.metrics, ds4sci probe)
+        # task metrics and the linear probe (ds4sci.data.metrics, ds4sci probe); 1.9: LogisticRegressionCV's
+        # l1_ratios / use_legacy_attributes, the arguments that keep working past 1.10's change of defaults
+        "scikit-learn>=1.9,<2",
     ],
     extras_require={
         # ds4sci.integrations.openfold replaces a private function of openfold3 0.5 (_deepspeed_evo_attn)

@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "score": ("ds4sci.commands.score", "per-record log-likelihood and bits per base of FASTA sequences (TSV)"),
     "score-variants": ("ds4sci.commands.score_variants", "log-likelihood ratio ALT vs REF of each variant of a VCF "
                        "(or TSV) in a window of the reference (TSV)"),
+    "probe": ("ds4sci.commands.probe", "a linear probe (logistic or ridge, cross-validated) on a model's frozen "
+              "embeddings of labelled sequences: test metrics to metrics.json"),
     "export-hf": ("ds4sci.commands.export_hf", "write a model as a Hugging Face transformers directory "
                   "(GPTNeoXForCausalLM or LlamaForCausalLM, and its tokenizer)"),
     "bench": ("ds4sci.bench", "run a benchmark and write its results (JSON + Markdown) to --out"),
