@@ -20,7 +20,7 @@ def _motif_table(path, n=200, length=32, shuffle=False, seed=0):
     """``n`` records, half with the motif planted at a random place (label 1); the first half train, the rest test.
     ``shuffle``: labels permuted, so they say nothing about the sequences."""
     rng = np.random.default_rng(seed)
-    labels = np.arange(n) % 2
+    labels = rng.permutation(np.arange(n) % 2)  # in no pattern a reordering of the records could keep
     rows = []
     for i, label in enumerate(labels):
         seq = "".join(rng.choice(list("ACT"), length))
@@ -40,6 +40,7 @@ def _motif_table(path, n=200, length=32, shuffle=False, seed=0):
 def one_thread():
     """One BLAS and torch thread: the probe's small fits and forwards only slow down when threads contend for the
     2 cores the suite shares (a fit took 20 s with two OpenBLAS threads on a loaded machine, 2 s with one)."""
+    import sklearn.linear_model  # noqa: F401  (loads the BLAS libraries threadpool_limits acts on)
     import torch
     from threadpoolctl import threadpool_limits
 
