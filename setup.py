@@ -52,7 +52,9 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "tensorboard>=2.14",
-        "scikit-learn>=1.3",  # task metrics and the linear probe (ds4sci.data.metrics, ds4sci probe)
+        # task metrics and the linear probe (ds4sci.data.metrics, ds4sci probe); 1.9: LogisticRegressionCV's
+        # l1_ratios / use_legacy_attributes, the arguments that keep working past 1.10's change of defaults
+        "scikit-learn>=1.9,<2",
         "peft>=0.17",  # LoRA for fine-tuning (ds4sci.train.lora): inject_adapter_in_model, its state dict helpers
         "pyarrow>=14",  # embed --out X.parquet: embeddings streamed in shards (ds4sci.infer.shards)
     ],

@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "(or TSV) in a window of the reference (TSV)"),
     "predict": ("ds4sci.commands.predict", "a fine-tuned task model's predictions for FASTA or table records, one "
                 "TSV row per record (or per token)"),
+    "probe": ("ds4sci.commands.probe", "a linear probe (logistic or ridge, cross-validated) on a model's frozen "
+              "embeddings of labelled sequences: test metrics to metrics.json"),
     "export-hf": ("ds4sci.commands.export_hf", "write a model as a Hugging Face transformers directory "
                   "(GPTNeoXForCausalLM or LlamaForCausalLM, and its tokenizer)"),
     "bench": ("ds4sci.bench", "run a benchmark and write its results (JSON + Markdown) to --out"),

@@ -26,7 +26,9 @@ per file (``LabelSource(split=...)``); when no record names one, each record's s
 
 Every bad line (missing label, unknown class or split, a value that is not a number, a length mismatch, a
 duplicate id, a BED interval outside its record, a record with no label row) is collected, and
-:func:`read_labelled` raises one :class:`LabelError` that lists them ALL, each as ``FILE:LINE: what``.
+:func:`read_labelled` raises one :class:`LabelError` that lists them ALL, each as ``FILE:LINE: what``. A FASTA file
+itself malformed (not FASTA, a character that is no base) stops at its first error, from :func:`read_fasta`; a bad
+base in a table's ``sequence`` cell is one more collected line.
 """
 from __future__ import annotations
 
