@@ -25,9 +25,9 @@ import logging
 import os
 import random
 import statistics
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import check_heads
@@ -47,17 +47,13 @@ from ds4sci.bench.rounds import CLOCKS
 from ds4sci.bench.rounds import alternate
 from ds4sci.bench.rounds import round_options
 from ds4sci.bench.rounds import torch_threads
-from ds4sci.data import FastaRecord
-from ds4sci.data import NucleotideTokenizer
-from ds4sci.data import read_fasta
-from ds4sci.infer.evaluate import record_windows
-from ds4sci.infer.score import score_records
-from ds4sci.train.config import BUNDLED_GENOME
+
+if TYPE_CHECKING:  # the others are imported where used: ``ds4sci bench inference-scale --help`` imports no torch
+    from ds4sci.data import FastaRecord
 
 logger = logging.getLogger(__name__)
 
 MODES = ("one", "bucketed", "packed", "hf")
-GENES = os.path.join(os.path.dirname(BUNDLED_GENOME), "NZ_CP040672.1_cds_100.fna")
 #: guard: every way's record log-likelihoods within this of one window at a time's, nats
 LL_ATOL = 1e-2
 _INT_OPTIONS = {
@@ -91,8 +87,13 @@ def config_from_args(args: argparse.Namespace) -> dict:
 
 def corpus(cfg: dict) -> list[FastaRecord]:
     """``genes`` bundled genes and ``pieces`` random pieces of the bundled genome, shuffled (seeded)."""
+    from ds4sci.data import FastaRecord
+    from ds4sci.data import read_fasta
+    from ds4sci.train.config import BUNDLED_GENOME
+
     rng = random.Random(cfg["seed"])
-    genes = list(read_fasta(GENES))[: cfg["genes"]]
+    genes = list(read_fasta(os.path.join(os.path.dirname(BUNDLED_GENOME), "NZ_CP040672.1_cds_100.fna")))
+    genes = genes[: cfg["genes"]]
     genome = next(iter(read_fasta(BUNDLED_GENOME))).sequence
     pieces = []
     for i in range(cfg["pieces"]):
@@ -107,6 +108,10 @@ def corpus(cfg: dict) -> list[FastaRecord]:
 def hf_scores(hf, tokenizer, records, context: int, batch: int) -> list[float]:
     """Each record's log-likelihood (nats) through Hugging Face's model: the windows of ``context`` tokens in file
     order, ``batch`` per forward padded to the longest (attention mask, positions from 0 in each window)."""
+    import torch
+
+    from ds4sci.infer.evaluate import record_windows
+
     windows = [(r, w) for r, rec in enumerate(records) for w in record_windows(tokenizer.encode(rec.sequence), context)]
     totals = np.zeros(len(records))
     with torch.no_grad():
@@ -130,6 +135,9 @@ def hf_scores(hf, tokenizer, records, context: int, batch: int) -> list[float]:
 def measure(cfg: dict) -> dict:
     """Build the corpus and the models, check the four ways agree, then time them ``cfg["rounds"]`` times."""
     from ds4sci.bench import throughput
+    from ds4sci.data import NucleotideTokenizer
+    from ds4sci.infer.evaluate import record_windows
+    from ds4sci.infer.score import score_records
 
     records = corpus(cfg)
     tok = NucleotideTokenizer()
@@ -217,6 +225,8 @@ def plot(report: dict, path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``ds4sci bench inference-scale``: exit status 1, with one error line, when transformers is not importable."""
+    import torch
+
     cfg = config_from_args(args)
     missing = missing_dependency("transformers", "ds4sci bench inference-scale needs transformers ({err}); install "
                                  "it with pip install 'ds4sci[dev]'", name="GPTNeoXForCausalLM")
