@@ -10,8 +10,9 @@ Every command in README.md and ``docs/**/*.md`` (fenced ``bash`` blocks and inli
   it names are resolved as ``ds4sci train`` resolves them before any work (``load_config``, then
   ``parallel.dims(world size)``), so a key, a value, a file or a process count that would stop the run fails here;
 - benchmarks (minutes to hours; their ``--quick`` forms are run by ``tests/bench/test_bench_*.py``), and commands
-  that read what a training on the pages writes (``ds4sci predict runs/coding/export ...``): parsed by the
-  ``ds4sci`` parser, so every option and value must exist;
+  that read what a training on the pages writes (``ds4sci predict runs/coding/export ...``), and ``ds4sci probe``
+  (minutes of cross-validated fits; ``tests/infer/test_probe.py`` runs it): parsed by the ``ds4sci`` parser, so every
+  option and value must exist;
 - scripts launched by ``torchrun`` (``torchrun --nproc-per-node 2 examples/SCRIPT.py``): run as written, their
   printed differences from one process checked;
 - pytest invocations: the named test files exist; ``make demo`` / ``make test``: ``tests/test_foundation.py``.
@@ -114,7 +115,7 @@ def _kind(command: str) -> str:
         return "run" if "--print-config" in argv else "train"
     if argv[0] == "bench":
         return "bench"
-    if len(argv) > 1 and argv[1].startswith(TRAINED_HERE):
+    if len(argv) > 1 and argv[1].startswith(TRAINED_HERE) or argv[0] == "probe":
         return "reads a training's output"
     if argv[0] in RUN or argv[0].startswith("--"):
         return "run"
