@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fasta", required=True, help="FASTA file whose records are embedded (ids must be unique)")
     add_out_argument(parser, "embed", "embeddings.npz", "output .npz: arrays ids [R] and embeddings [R, hidden] "
                      "(float32); with --per-token, one float32 array [tokens, hidden] per record, named by its id; "
-                     "or .parquet: columns id, layer, embedding (hidden floats; with --per-token, tokens x hidden), written in "
-                     "rank shards as it goes and resumable")
+                     "or .parquet: columns id, layer, embedding (hidden floats; with --per-token, tokens x hidden), "
+                     "written in rank shards as it goes and resumable")
     parser.add_argument("--layer", type=layer, default=None, metavar="K",
                         help="the states embedded: 'final' (the final norm's output, the default), or block K's output "
                         "(0: the token and position embeddings, num_layers: the last block's, before the final norm)")
