@@ -38,8 +38,11 @@ def main() -> float:
     single = step(block)  # the block on this process alone
     across = step(ds4sci.evoformer_context_parallel(block))  # the same block across every rank
     diff = max((a - b).abs().max().item() for a, b in zip(across, single))
-    print(f"rank {rank} of {dist.get_world_size()}: largest difference from one process, outputs and gradients: "
-          f"{diff:.1e}")
+    for turn in range(dist.get_world_size()):  # one rank after another: whole lines, in rank order
+        if turn == rank:
+            print(f"rank {rank} of {dist.get_world_size()}: largest difference from one process, outputs and "
+                  f"gradients: {diff:.1e}", flush=True)
+        dist.barrier()
     dist.destroy_process_group()
     return diff
 
