@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import statistics
 import sys
 import time
 from typing import Callable
@@ -47,6 +46,7 @@ from ds4sci.bench.report import markdown_table
 from ds4sci.bench.report import save_figure
 from ds4sci.bench.report import subplots
 from ds4sci.bench.report import write_files
+from ds4sci.bench.rounds import cuda_median_ms
 
 logger = logging.getLogger(__name__)
 
@@ -128,23 +128,6 @@ def _inputs(shape: Shape, dtype, seed: int = 0):
     return q, k, v, mask, pair, do
 
 
-def _median_ms(fn: Callable[[], None], warmup: int, repeats: int) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _dtype(name: str):
     import torch
 
@@ -188,8 +171,8 @@ def measure(name: str, shape: Shape, dtype_name: str, warmup: int, repeats: int,
         record["first_call_s"] = round(time.perf_counter() - start, 3)  # includes Triton/CUTLASS compilation
         if reference is not None:
             record["max_abs_diff_vs_ds4sci_torch"] = (o.float() - reference.float()).abs().max().item()
-        record["fwd_ms"] = _median_ms(forward, warmup, repeats)
-        record["fwd_bwd_ms"] = _median_ms(forward_backward, warmup, repeats)
+        record["fwd_ms"] = cuda_median_ms(forward, warmup, repeats)
+        record["fwd_bwd_ms"] = cuda_median_ms(forward_backward, warmup, repeats)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

@@ -67,3 +67,24 @@ def median_round(summary: dict[str, dict], names: tuple[str, ...], unit: str) ->
     ..., "ratio_median": ...}``): the last row of a benchmark's table of rounds."""
     return {clock: {name: s[f"{name}_{unit}_per_s_median"] for name in names} | {"ratio": s["ratio_median"]}
             for clock, s in summary.items()}
+
+
+def cuda_median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA device (CUDA events around each call, after ``warmup``
+    untimed calls and a synchronize)."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

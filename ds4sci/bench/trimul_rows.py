@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import statistics
 from typing import Callable
 
 import torch
@@ -21,6 +20,7 @@ from ds4sci.bench.memory import LiveTensors
 from ds4sci.bench.memory import saved_for_backward
 from ds4sci.bench.report import MIB
 from ds4sci.bench.report import markdown_table
+from ds4sci.bench.rounds import cuda_median_ms
 from ds4sci.kernels import TriMulParams
 from ds4sci.kernels import triangle_multiplicative_update
 from ds4sci.models.evoformer import TriangleMultiplicationOutgoing
@@ -95,20 +95,6 @@ def _implementations(module, eps: float) -> dict[str, Callable]:
     return impls
 
 
-def _median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def speed_rows(sizes: list[int], c: int, dtypes: list[str], warmup: int, repeats: int) -> list[dict]:
     """On CUDA: per N in ``sizes``, dtype and implementation, ``fwd_ms``, ``fwd_bwd_ms``, ``peak_bytes`` and
     ``max_abs_diff`` from ds4sci-torch (or the error, recorded)."""
@@ -128,8 +114,8 @@ def speed_rows(sizes: list[int], c: int, dtypes: list[str], warmup: int, repeats
                     reference = out if reference is None else reference
                     record["max_abs_diff"] = (out.float() - reference.float()).abs().max().item()
                     del out
-                    record["fwd_ms"] = _median_ms(lambda: fn(z, mask), warmup, repeats)
-                    record["fwd_bwd_ms"] = _median_ms(lambda: fn(z, mask).backward(grad), warmup, repeats)
+                    record["fwd_ms"] = cuda_median_ms(lambda: fn(z, mask), warmup, repeats)
+                    record["fwd_bwd_ms"] = cuda_median_ms(lambda: fn(z, mask).backward(grad), warmup, repeats)
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()

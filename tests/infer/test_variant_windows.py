@@ -1,7 +1,6 @@
 """Variant scores that mean one thing (issue 43): a variant's windows depend on it and the model alone, equal-length
 ALT windows cut as by hand, every base of a multi-base REF checked, 1,000+ variants scored in blocks equal to one at a
 time, and the training length recorded in exports and read back as the default window of every reading command."""
-import gzip
 import json
 import logging
 from pathlib import Path
@@ -26,20 +25,11 @@ from ds4sci.models.genslm import GenSLM
 from ds4sci.models.genslm import GenSLMConfig
 
 from cli_checks import refused
+from test_variants import CHROM  # tests/infer is on sys.path under pytest (rootdir conftest)
+from test_variants import genome_prefix
 
-ECOLI = Path(__file__).resolve().parents[2] / "examples/data/NC_007779.1_ecoli_K12_W3110.fasta.gz"
-CHROM = "NC_007779.1"
 CONTEXT = 32
 TRAINED = 16  # the training length recorded in the "trained" export, below the context
-
-
-def genome_prefix(bases: int) -> str:
-    with gzip.open(ECOLI, "rt") as f:
-        assert f.readline().startswith(">" + CHROM)
-        text = ""
-        while len(text) < bases:
-            text += f.readline().strip()
-    return text[:bases]
 
 
 def other(base: str, k: int = 1) -> str:

@@ -35,7 +35,7 @@ VCF_HEADER = ("##fileformat=VCFv4.2\n"
               "#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO\n")
 
 
-def _genome_prefix(bases: int) -> str:
+def genome_prefix(bases: int) -> str:
     with gzip.open(ECOLI, "rt") as f:
         assert f.readline().startswith(">" + CHROM)
         text = ""
@@ -49,7 +49,7 @@ def data(tmp_path_factory):
     """A reference of two records cut from the E. coli genome (``NC_007779.1``: its first 200 bases; ``short``: the
     next 12, shorter than any window), variants on it (VCF and TSV) and nucleotide and codon exports."""
     root = tmp_path_factory.mktemp("variants")
-    genome = _genome_prefix(212)
+    genome = genome_prefix(212)
     reference = {CHROM: genome[:200], "short": genome[200:212]}
     (root / "ref.fa").write_text("".join(f">{name} piece of {CHROM}\n{seq}\n" for name, seq in reference.items()))
 
