@@ -28,10 +28,6 @@ def test_every_command_help_imports_no_torch():
     assert "commands:" in proc.stdout
 
 
-# Benchmarks whose module still imports torch when its options are built (top-level ``import torch``, a
-# ``--device`` default read from ``torch.cuda``, ds4sci.bench.memory, ds4sci.kernels' ops): not yet quick (issue 42).
-# No other may join it; take one out when its module is made quick.
-BENCH_HELP_IMPORTS_TORCH = {"openfold-stack", "genslm-attention-memory"}
 BENCH_HELP_IMPORTS = """
 import sys
 from ds4sci.bench import BENCHMARKS
@@ -50,15 +46,14 @@ print("benchmarks:", len(sys.argv) - 1)
 
 
 def test_every_benchmark_help_imports_no_torch():
-    """``ds4sci bench NAME --help`` for every benchmark but the listed ones, in one process, in turn: the first that
-    imports torch is named."""
+    """``ds4sci bench NAME --help`` for every benchmark, in one process, in turn: the first that imports torch is
+    named."""
     from ds4sci.bench import BENCHMARKS
 
-    assert BENCH_HELP_IMPORTS_TORCH < set(BENCHMARKS)
-    quick = [name for name in BENCHMARKS if name not in BENCH_HELP_IMPORTS_TORCH]
-    proc = subprocess.run([sys.executable, "-c", BENCH_HELP_IMPORTS, *quick], capture_output=True, text=True, cwd="/")
+    proc = subprocess.run([sys.executable, "-c", BENCH_HELP_IMPORTS, *BENCHMARKS], capture_output=True, text=True,
+                          cwd="/")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert f"benchmarks: {len(quick)}" in proc.stdout
+    assert f"benchmarks: {len(BENCHMARKS)}" in proc.stdout
 
 
 def test_preset_help_lists_every_preset_with_the_count_plan_prints(capsys, monkeypatch):

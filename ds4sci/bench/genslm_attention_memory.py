@@ -11,11 +11,12 @@ passed to the core as ``ds4sci.data`` packs windows). Each mode runs on two path
 - ``after`` = ``"auto"``: :func:`ds4sci.kernels.local_attention.memory_efficient_attention` (chunked
   FlashAttention-2 on the CPU, O(S * chunk) memory; the Triton kernel or flash-attn on CUDA).
 
-Every run is one fresh subprocess (:func:`ds4sci.bench.memory.run_in_subprocess`) measuring, after a warm-up, the
-peak memory of forward+backward (:class:`~ds4sci.bench.memory.PeakMemory`), the bytes saved for backward and the
-wall time. Runs predicted to need more than ``--memory-limit-gib`` (quadratic extrapolation from the largest smaller
-S measured, or :func:`analytic_peak_bytes` before any) are skipped; on the CPU each subprocess also caps its address
-space, so a run let through fails with an allocation error and is reported as failed.
+Every run is one fresh subprocess (:func:`ds4sci.bench.memory.run_in_subprocess` of
+:func:`ds4sci.bench.genslm_attention_step.measure`) measuring, after a warm-up, the peak memory of forward+backward
+(:class:`~ds4sci.bench.memory.PeakMemory`), the bytes saved for backward and the wall time. Runs predicted to need
+more than ``--memory-limit-gib`` (quadratic extrapolation from the largest smaller S measured, or
+:func:`analytic_peak_bytes` before any) are skipped; on the CPU each subprocess also caps its address space, so a run
+let through fails with an allocation error and is reported as failed.
 
 Writes ``genslm_attention_memory.json``, ``.md`` (tables per S, mode and path, and the growth exponent p of ``c + a
 * S^p`` fitted to peak and saved bytes) and ``.png`` (log-log, with slope-1 and slope-2 references) to ``--out``.
@@ -27,14 +28,10 @@ import argparse
 import logging
 import math
 import os
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from ds4sci.bench import memory
 from ds4sci.bench.report import MIB
 from ds4sci.bench.report import markdown_table
 from ds4sci.bench.report import parse_int_list
@@ -52,8 +49,10 @@ MODES = ("causal", "alibi", "documents")
 PATHS = {"before": "sdpa", "after": "auto"}
 DEFAULT_SEQ_LENS = (4096, 8192, 16384, 32768, 65536)
 QUICK_SEQ_LENS = (256, 512)  # --quick
+#: what each run's subprocess calls (the module of one run imports torch; this one builds the parser without it)
+MEASURE = "ds4sci.bench.genslm_attention_step:measure"
 GIB = 2.0**30
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> the torch dtype's name
 # Analytic bounds used before a mode and path has a measurement (see analytic_peak_bytes). The explicit ALiBi path
 # peaks at about 5.3 fp32 [B, H, S, S] tensors (logits, |i - j| biases, biased logits, probabilities, their
 # gradient; measured at 4K and 8K); 8 covers it. Linear terms: the after path peaks at about 13 [B, S, hidden]
@@ -61,7 +60,6 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # blocks of the chunked path; 32 covers them.
 _QUADRATIC_FACTOR = 8
 _LINEAR_FACTOR = 32
-_WARMUP_SEQ_LEN = 512
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -97,11 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--doc-len", type=int, default=3000,
                         help="mean document length of the documents mode (default: %(default)s)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="(default: %(default)s)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="(default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="torch threads per run on the CPU (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="(default: %(default)s)")
+    parser.add_argument("--device", help="(default: cuda when it is available, else cpu)")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads per run on the CPU (default: torch's number of threads here)")
     parser.add_argument("--memory-limit-gib", type=float, default=None,
                         help="runs predicted to peak above this are not launched (default: 3/4 of the memory "
                              "available at the start: MemAvailable on the CPU, free device memory on CUDA)")
@@ -116,6 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def default_memory_limit(device: str) -> int:
     """3/4 of the memory available now: ``MemAvailable`` of ``/proc/meminfo`` on the CPU, free memory on CUDA."""
+    import torch
+
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(0.75 * free)
@@ -128,6 +127,8 @@ def default_memory_limit(device: str) -> int:
 
 def _check_config(cfg: dict) -> str | None:
     """Why ``cfg`` cannot run (one line), or None."""
+    import torch
+
     for name in ("hidden", "heads", "batch", "doc_len", "threads"):
         if cfg[name] < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {cfg[name]}"
@@ -158,101 +159,6 @@ def command_line(cfg: dict, out: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# One run (in its own subprocess)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def build_layer(cfg: dict, mode: str, path: str) -> torch.nn.Module:
-    """One GenSLM attention layer for ``mode`` on ``path``, weights drawn from ``cfg['seed']`` (the same on both
-    paths), on ``cfg``'s device and dtype."""
-    from ds4sci.models.genslm.config import GenSLMConfig
-    from ds4sci.models.genslm.model import Attention
-
-    position = "alibi" if mode == "alibi" else cfg["position"]
-    config = GenSLMConfig(hidden_size=cfg["hidden"], num_heads=cfg["heads"], num_layers=1,
-                          position_embedding=position, attention_backend=PATHS[path])
-    torch.manual_seed(cfg["seed"])
-    return Attention(config).to(cfg["device"], _DTYPES[cfg["dtype"]])
-
-
-def document_lengths(seq_len: int, doc_len: int, seed: int) -> list[int]:
-    """Lengths of the packed documents of a window of ``seq_len`` tokens: uniform in ``[doc_len/2, 3*doc_len/2]``
-    (at least 1), the last one cut to fill the window exactly."""
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = max(1, doc_len // 2), max(1, 3 * doc_len // 2)
-    lengths, total = [], 0
-    while total < seq_len:
-        n = min(int(torch.randint(lo, hi + 1, (1,), generator=g)), seq_len - total)
-        lengths.append(n)
-        total += n
-    return lengths
-
-
-def make_inputs(cfg: dict, mode: str, seq_len: int) -> dict:
-    """x ``[B, S, hidden]`` (requires grad, as from a previous layer), position_ids ``[B, S]`` and, in the
-    documents mode, doc_ids ``[B, S]`` (positions restart at 0 in every document)."""
-    B, device = cfg["batch"], cfg["device"]
-    g = torch.Generator().manual_seed(cfg["seed"] + 1)
-    x = torch.randn(B, seq_len, cfg["hidden"], generator=g).to(device, _DTYPES[cfg["dtype"]]).requires_grad_(True)
-    if mode == "documents":
-        lengths = document_lengths(seq_len, cfg["doc_len"], cfg["seed"])
-        doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [S]
-        position_ids = torch.cat([torch.arange(n) for n in lengths])  # [S], restarting per document
-        return {"x": x, "position_ids": position_ids.expand(B, -1).to(device),
-                "doc_ids": doc_ids.expand(B, -1).to(device)}
-    return {"x": x, "position_ids": torch.arange(seq_len).expand(B, -1).to(device), "doc_ids": None}
-
-
-def step(layer: torch.nn.Module, inputs: dict) -> torch.Tensor:
-    """Forward and the backward of the scalar loss ``mean(out^2)``; the loss, detached."""
-    out = layer(inputs["x"], inputs["position_ids"], inputs["doc_ids"])  # [B, S, hidden]
-    loss = out.float().square().mean()
-    loss.backward()
-    return loss.detach()
-
-
-def _cap_address_space(limit_bytes: int) -> None:
-    """Cap this process's address space at what it maps now plus ``limit_bytes`` (a run over the limit then fails
-    to allocate rather than exhausting the machine's memory)."""
-    cap = memory.proc_status_bytes("VmSize") + limit_bytes
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-
-
-def measure(cfg: dict, mode: str, path: str, seq_len: int) -> dict:
-    """One forward+backward of ``mode`` on ``path`` at ``seq_len`` in this process, after a warm-up at a small S:
-    its peak memory above what the layer and inputs hold, the bytes saved for backward and the wall time. Meant to
-    run in a fresh process per run (:func:`ds4sci.bench.memory.run_in_subprocess`)."""
-    from ds4sci.kernels.local_attention import select_backend
-
-    torch.set_num_threads(cfg["threads"])
-    layer = build_layer(cfg, mode, path)
-    # loads lazily imported kernels; at a smaller S, so that the allocator keeps no block of the measured size
-    step(layer, make_inputs(cfg, mode, max(1, min(_WARMUP_SEQ_LEN, seq_len // 4))))
-    layer.zero_grad(set_to_none=True)
-    inputs = make_inputs(cfg, mode, seq_len)
-    # [1, S, H, D], one row stored and expanded: what select_backend looks at (its rule reads the query length)
-    probe = torch.empty(1, 1, cfg["heads"], cfg["hidden"] // cfg["heads"], device=cfg["device"],
-                        dtype=_DTYPES[cfg["dtype"]]).expand(1, seq_len, -1, -1)
-    slopes = layer.core.slopes if mode == "alibi" else None
-    kernel = "sdpa" if path == "before" else select_backend(probe, probe, probe, causal=True,
-                                                            q_doc=inputs["doc_ids"], alibi_slopes=slopes)
-    on_cuda = torch.device(cfg["device"]).type == "cuda"
-    if not on_cuda:
-        _cap_address_space(cfg["memory_limit_bytes"])
-    with memory.PeakMemory(cfg["device"]) as peak:
-        start = time.perf_counter()
-        with memory.saved_for_backward() as saved:
-            step(layer, inputs)
-        if on_cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return {"peak_bytes": peak.bytes, "saved_bytes": saved.bytes, "seconds": seconds, "kernel": kernel}
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Prediction, growth exponents
 # ----------------------------------------------------------------------------------------------------------
 
@@ -261,7 +167,9 @@ def analytic_peak_bytes(cfg: dict, path: str, seq_len: int) -> int:
     """A generous bound on the peak before anything of a mode and path is measured: the before path as if it held
     8 fp32 ``[B, H, S, S]`` tensors (its explicit ALiBi softmax peaks at about 5.3; the others at less), both paths
     32 ``[B, S, hidden]`` tensors and 8 ``[B, H, chunk, chunk]`` blocks."""
-    elem = torch.finfo(_DTYPES[cfg["dtype"]]).bits // 8
+    import torch
+
+    elem = torch.finfo(getattr(torch, DTYPES[cfg["dtype"]])).bits // 8
     logits_elem = max(elem, 4)  # the explicit softmax runs in promote_types(dtype, float32)
     B, H = cfg["batch"], cfg["heads"]
     linear = (_LINEAR_FACTOR * B * seq_len * cfg["hidden"] * elem
@@ -370,6 +278,8 @@ def _fmt_exponent(p: float | None) -> str:
 
 def markdown(report: dict) -> str:
     """The Markdown summary of a report: peak, saved bytes and time per S, mode and path, and growth exponents."""
+    from ds4sci.bench import memory
+
     cfg = report["config"]
     columns = [(mode, path) for mode in cfg["modes"] for path in cfg["paths"]]
     header = ["S", *[f"{mode} {path}" for mode, path in columns]]
@@ -522,10 +432,12 @@ def run_all(cfg: dict, progress: Callable[[list[dict]], None] | None = None) -> 
 def _launch(cfg: dict, mode: str, path: str, s: int, where: str, record: dict, series: dict[int, int],
             series_times: dict[int, float], failed: set[tuple[str, str]]) -> None:
     """One run in its subprocess: its results into ``record`` and the series' measurements, or a failure."""
+    from ds4sci.bench import memory
+
     logger.info("genslm-attention-memory %s: running (predicted peak <= %.2f GiB)", where,
                 record["predicted_bytes"] / GIB)
     try:
-        result = memory.run_in_subprocess(f"{__name__}:measure", cfg, mode, path, s, env={"PYTHONWARNINGS": "ignore"})
+        result = memory.run_in_subprocess(MEASURE, cfg, mode, path, s, env={"PYTHONWARNINGS": "ignore"})
     except RuntimeError as err:
         last = [line for line in str(err).strip().splitlines() if line.strip()][-1]
         record |= {"status": "failed", "error": last[:200]}
@@ -542,17 +454,23 @@ def _launch(cfg: dict, mode: str, path: str, s: int, where: str, record: dict, s
 def run(args: argparse.Namespace) -> int:
     """``ds4sci bench genslm-attention-memory``: exit status 2 with one error line for an impossible
     configuration, 1 when a run failed, else 0."""
+    import torch
+
+    from ds4sci.bench import memory
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    threads = torch.get_num_threads() if args.threads is None else args.threads
     cfg = {
         "seq_lens": list(QUICK_SEQ_LENS if args.quick else args.seq_lens), "modes": list(args.modes),
         "paths": list(args.paths),
         "hidden": args.hidden, "heads": args.heads, "batch": args.batch, "position": args.position,
-        "doc_len": args.doc_len, "dtype": args.dtype, "device": args.device, "threads": args.threads,
+        "doc_len": args.doc_len, "dtype": args.dtype, "device": device, "threads": threads,
         "time_limit_s": args.time_limit_s, "seed": args.seed,
     }
     problem = None
     try:
         cfg["memory_limit_bytes"] = (int(args.memory_limit_gib * GIB) if args.memory_limit_gib is not None
-                                     else default_memory_limit(args.device))
+                                     else default_memory_limit(device))
     except (RuntimeError, ValueError) as err:
         problem = f"cannot determine the memory limit ({err}); pass --memory-limit-gib"
     problem = problem or _check_config(cfg)

@@ -26,10 +26,8 @@ import logging
 import os
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from ds4sci.bench import memory
 from ds4sci.bench.report import MIB
 from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import check_positive
@@ -46,10 +44,13 @@ from ds4sci.bench.report import subplots
 from ds4sci.bench.report import write_files
 from ds4sci.kernels import EvoformerBackend
 
+if TYPE_CHECKING:  # imported where used: ``ds4sci bench openfold-stack --help`` imports no torch
+    import torch
+
 logger = logging.getLogger(__name__)
 
 MODES = ("default", "ds4sci")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> the torch dtype's name
 #: option -> (default, help); ``--dtype``, ``--backend`` and ``--device`` are added separately
 _INT_OPTIONS = {
     "n_seq": (32, "MSA depth N_seq"),
@@ -73,18 +74,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="(default: %(default)s)")
     parser.add_argument("--backend", choices=[b.value for b in EvoformerBackend], default="auto",
                         help="ds4sci kernel backend (default: %(default)s)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="(default: %(default)s)")
+    parser.add_argument("--device", help="(default: cuda when it is available, else cpu)")
 
 
 def default_config(**overrides) -> dict:
-    """A run configuration: every option at its default, then ``overrides`` (e.g. ``n_res=64``)."""
+    """A run configuration: every option at its default, then ``overrides`` (e.g. ``n_res=64``); a ``device`` of
+    None is cuda when it is available, else cpu."""
+    import torch
+
     cfg = {name: default for name, (default, _) in _INT_OPTIONS.items()}
-    cfg |= {"dtype": "fp32", "backend": "auto", "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    cfg |= {"dtype": "fp32", "backend": "auto", "device": None}
     unknown = set(overrides) - set(cfg)
     if unknown:
         raise TypeError(f"unknown openfold-stack options {sorted(unknown)}")
-    return cfg | overrides
+    cfg |= overrides
+    return cfg | {"device": cfg["device"] or ("cuda" if torch.cuda.is_available() else "cpu")}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -95,6 +99,7 @@ def default_config(**overrides) -> dict:
 def build_stack(cfg: dict) -> torch.nn.Module:
     """OpenFold3's ``EvoformerStack`` at ``cfg``'s shape with random weights (AF2's init zeroes every output
     projection, which would make the step and the comparison trivial), on ``cfg``'s device and dtype."""
+    import torch
     from openfold3.core.model.latent.evoformer import EvoformerStack
 
     torch.manual_seed(cfg["seed"])
@@ -115,14 +120,16 @@ def build_stack(cfg: dict) -> torch.nn.Module:
                 prm.copy_(1 + 0.1 * noise)
             else:
                 prm.copy_(0.1 * noise)
-    return stack.to(cfg["device"], _DTYPES[cfg["dtype"]])
+    return stack.to(cfg["device"], getattr(torch, _DTYPES[cfg["dtype"]]))
 
 
 def make_inputs(cfg: dict) -> dict[str, torch.Tensor]:
     """MSA ``m [1, N_seq, N_res, C_m]``, pair ``z [1, N_res, N_res, C_z]``, masks with the last eighth of the
     residues and of the sequences padded."""
+    import torch
+
     g = torch.Generator().manual_seed(cfg["seed"] + 1)
-    dtype, device = _DTYPES[cfg["dtype"]], cfg["device"]
+    dtype, device = getattr(torch, _DTYPES[cfg["dtype"]]), cfg["device"]
     n_seq, n_res = cfg["n_seq"], cfg["n_res"]
     m = torch.randn(1, n_seq, n_res, cfg["c_m"], generator=g)
     z = torch.randn(1, n_res, n_res, cfg["c_z"], generator=g)
@@ -183,6 +190,10 @@ def measure_step(cfg: dict, mode: str, outcome_path: str) -> dict:
     small shape (so lazily loaded libraries and kernels are not counted): its peak memory, the bytes saved for
     backward and its wall time. Saves :func:`step_outcome` to ``outcome_path`` (``torch.save``). Meant to run in a
     fresh process per mode (:func:`compare`), since OpenFold patching is process-global and so is the peak RSS."""
+    import torch
+
+    from ds4sci.bench import memory
+
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     torch.set_num_threads(cfg["threads"])
@@ -219,6 +230,10 @@ def openfold3_missing() -> str | None:
 def compare(cfg: dict) -> dict:
     """Both paths at ``cfg``, each in a fresh subprocess: the report (without ``command``), with the machine and, per
     path, the load average at the start and at the end of its subprocess (``load``: mode -> {"start", "end"})."""
+    import torch
+
+    from ds4sci.bench import memory
+
     results, outcomes, load = {}, {}, {}
     host = machine() | ({"gpu": torch.cuda.get_device_name(cfg["device"])}
                         if torch.device(cfg["device"]).type == "cuda" else {})
@@ -247,6 +262,8 @@ def compare(cfg: dict) -> dict:
 
 def markdown(report: dict) -> str:
     """The Markdown summary of a :func:`compare` report."""
+    from ds4sci.bench import memory
+
     cfg, r = report["config"], report["results"]
     rows = [(mode, f"{r[mode]['peak_bytes'] / MIB:.1f}", f"{r[mode]['saved_bytes'] / MIB:.1f}",
              f"{r[mode]['seconds']:.2f}", describe_load(report["load"][mode]["start"], report["load"][mode]["end"]))

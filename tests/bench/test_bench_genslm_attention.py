@@ -13,6 +13,7 @@ import torch
 
 from ds4sci import cli
 from ds4sci.bench import genslm_attention_memory as bench
+from ds4sci.bench import genslm_attention_step
 from ds4sci.bench import memory
 
 TINY = {"hidden": 32, "heads": 4, "batch": 1, "position": "rotary", "doc_len": 100, "dtype": "fp32",
@@ -59,9 +60,9 @@ def test_both_paths_compute_the_same_step(mode):
     """Before and after run the same layer, inputs and loss, so the benchmark compares memory of one computation;
     documents restart positions at 0 and never span the window edge."""
     cfg = TINY | {"doc_len": 60}
-    inputs = bench.make_inputs(cfg, mode, 300)
+    inputs = genslm_attention_step.make_inputs(cfg, mode, 300)
     if mode == "documents":
-        lengths = bench.document_lengths(300, 60, 0)
+        lengths = genslm_attention_step.document_lengths(300, 60, 0)
         assert sum(lengths) == 300 and all(1 <= n <= 90 for n in lengths) and len(lengths) >= 4
         starts = torch.nonzero(inputs["position_ids"][0] == 0).flatten().tolist()
         assert len(starts) == len(lengths) == int(inputs["doc_ids"].max()) + 1
@@ -70,8 +71,8 @@ def test_both_paths_compute_the_same_step(mode):
     results = {}
     for path in bench.PATHS:
         x = inputs["x"].detach().clone().requires_grad_(True)
-        layer = bench.build_layer(cfg, mode, path)
-        loss = bench.step(layer, inputs | {"x": x})
+        layer = genslm_attention_step.build_layer(cfg, mode, path)
+        loss = genslm_attention_step.step(layer, inputs | {"x": x})
         results[path] = (loss, x.grad, layer.query_key_value.weight.grad)
     for a, b in zip(results["before"], results["after"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
@@ -128,7 +129,7 @@ def test_a_run_over_the_limit_fails_to_allocate_instead_of_exhausting_memory():
     S = 2048) cannot be allocated under a 32 MiB limit."""
     cfg = TINY | {"memory_limit_bytes": 32 * 2**20, "seq_lens": [2048]}
     with pytest.raises(RuntimeError, match=r"(?is)failed in its subprocess.*(allocat|memory)"):
-        memory.run_in_subprocess(f"{bench.__name__}:measure", cfg, "alibi", "before", 2048)
+        memory.run_in_subprocess(bench.MEASURE, cfg, "alibi", "before", 2048)
 
 
 @pytest.mark.parametrize("argv, message", [
