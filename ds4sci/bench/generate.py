@@ -24,39 +24,32 @@ without it the command says so and exits with 1.
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 from typing import TYPE_CHECKING
 
 from ds4sci.bench import throughput
 from ds4sci.bench.report import add_int_options
-from ds4sci.bench.report import check_heads
-from ds4sci.bench.report import check_positive
-from ds4sci.bench.report import command_line
 from ds4sci.bench.report import describe_load
 from ds4sci.bench.report import describe_machine
-from ds4sci.bench.report import int_config
 from ds4sci.bench.report import load_average
 from ds4sci.bench.report import machine
 from ds4sci.bench.report import markdown_table
-from ds4sci.bench.report import missing_dependency
 from ds4sci.bench.report import plural
 from ds4sci.bench.report import save_figure
 from ds4sci.bench.report import shape_options
 from ds4sci.bench.report import subplots
-from ds4sci.bench.report import write_files
+from ds4sci.bench.report import versions
 from ds4sci.bench.rounds import CLOCKS
 from ds4sci.bench.rounds import alternate
-from ds4sci.bench.rounds import median_round
 from ds4sci.bench.rounds import round_options
+from ds4sci.bench.rounds import round_rows
 from ds4sci.bench.rounds import torch_threads
+from ds4sci.bench.rounds import write_rounds
 
 if TYPE_CHECKING:  # imported where used: ``ds4sci bench generate --help`` imports no torch
     import torch
 
     from ds4sci.data import CodonTokenizer
-
-logger = logging.getLogger(__name__)
 
 METHODS = ("ds4sci", "hf", "uncached")
 #: both models' output head times this: logits spread enough that no greedy choice is a near tie (see the module doc)
@@ -85,16 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> dict:
     """The run configuration: the options (``--quick`` overriding the shape and lengths), checked; ``ValueError``
     names a bad value."""
-    cfg = int_config(args, _INT_OPTIONS, _QUICK) | {
-        "rotary_pct": args.rotary_pct, "attention_backend": args.attention_backend,
-        "hf_attention": args.hf_attention, "seed": args.seed}
-    check_positive(cfg, _INT_OPTIONS)
-    check_heads(cfg["hidden"], cfg["heads"])
+    cfg = throughput.model_config(args, _INT_OPTIONS, _QUICK, {"rotary_pct": args.rotary_pct})
     if cfg["uncached_tokens"] > cfg["new_tokens"]:
         raise ValueError(f"--uncached-tokens={cfg['uncached_tokens']}: must be at most --new-tokens="
                          f"{cfg['new_tokens']} (its tokens are checked against ds4sci's)")
-    if not 0 <= cfg["rotary_pct"] <= 1:
-        raise ValueError(f"--rotary-pct={cfg['rotary_pct']}: must be in [0, 1]")
     return cfg
 
 
@@ -211,8 +198,7 @@ def markdown(report: dict) -> str:
     def cells(r: dict) -> list[str]:
         return [f"{r['wall'][m]:.1f}" for m in METHODS] + [f"{r[clock]['ratio']:.3f}" for clock in CLOCKS]
 
-    rows = [[i, *cells(r)] for i, r in enumerate(report["rounds"])]
-    rows.append(["median", *cells(median_round(s, METHODS, "tokens"))])
+    rows = round_rows(report, METHODS, "tokens", cells)
     lines = [
         f"# Generation: ds4sci cached decoding vs Hugging Face {report['hf_model']}.generate",
         "",
@@ -266,16 +252,8 @@ def plot(report: dict, path) -> None:
 def run(args: argparse.Namespace) -> int:
     """``ds4sci bench generate``: exit status 1, with one error line, when transformers is not importable."""
     cfg = config_from_args(args)
-    missing = missing_dependency("transformers", "ds4sci bench generate needs transformers ({err}); install it with "
-                                 "pip install 'ds4sci[dev]'", name="GPTNeoXForCausalLM")
-    if missing:
-        logger.error(missing)
+    if not throughput.transformers_importable("generate"):
         return 1
-    import torch
-    import transformers
-
-    report = {"command": command_line("generate", cfg, args.out), "config": cfg, "machine": machine(),
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}} | measure(cfg)
-    report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in CLOCKS}
-    write_files(args.out, "generate", report, markdown(report), plot)
+    write_rounds("generate", cfg, args.out, {"machine": machine(), "versions": versions("torch", "transformers")},
+                 measure(cfg), summarize, markdown, plot)
     return 0

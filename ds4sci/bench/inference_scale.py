@@ -21,7 +21,6 @@ CPU clocks, with the medians and the ratios to ``one`` and to ``hf``. Writes ``i
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import random
 import statistics
@@ -32,26 +31,24 @@ import numpy as np
 from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import check_heads
 from ds4sci.bench.report import check_positive
-from ds4sci.bench.report import command_line
 from ds4sci.bench.report import describe_machine
 from ds4sci.bench.report import int_config
 from ds4sci.bench.report import machine
 from ds4sci.bench.report import markdown_table
-from ds4sci.bench.report import missing_dependency
 from ds4sci.bench.report import plural
 from ds4sci.bench.report import save_figure
 from ds4sci.bench.report import shape_options
 from ds4sci.bench.report import subplots
-from ds4sci.bench.report import write_files
+from ds4sci.bench.report import versions
 from ds4sci.bench.rounds import CLOCKS
 from ds4sci.bench.rounds import alternate
 from ds4sci.bench.rounds import round_options
 from ds4sci.bench.rounds import torch_threads
+from ds4sci.bench.rounds import write_rounds
+from ds4sci.bench.throughput import transformers_importable
 
 if TYPE_CHECKING:  # the others are imported where used: ``ds4sci bench inference-scale --help`` imports no torch
     from ds4sci.data import FastaRecord
-
-logger = logging.getLogger(__name__)
 
 MODES = ("one", "bucketed", "packed", "hf")
 #: guard: every way's record log-likelihoods within this of one window at a time's, nats
@@ -225,18 +222,9 @@ def plot(report: dict, path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``ds4sci bench inference-scale``: exit status 1, with one error line, when transformers is not importable."""
-    import torch
-
     cfg = config_from_args(args)
-    missing = missing_dependency("transformers", "ds4sci bench inference-scale needs transformers ({err}); install "
-                                 "it with pip install 'ds4sci[dev]'", name="GPTNeoXForCausalLM")
-    if missing:
-        logger.error(missing)
+    if not transformers_importable("inference-scale"):
         return 1
-    import transformers
-
-    report = {"command": command_line("inference-scale", cfg, args.out), "config": cfg, "machine": machine(),
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}} | measure(cfg)
-    report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in CLOCKS}
-    write_files(args.out, "inference_scale", report, markdown(report), plot)
+    write_rounds("inference-scale", cfg, args.out, {"machine": machine(),
+                 "versions": versions("torch", "transformers")}, measure(cfg), summarize, markdown, plot)
     return 0

@@ -17,8 +17,8 @@ from ds4sci.report import write_report
 
 __all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
            "option", "shape_options", "add_int_options", "int_config", "check_positive", "check_heads", "command_line",
-           "missing_dependency", "subplots", "plot_peaks", "save_figure", "markdown_table", "plural", "write_report",
-           "write_files"]
+           "missing_dependency", "versions", "subplots", "plot_peaks", "save_figure", "markdown_table", "plural",
+           "write_report", "write_files"]
 
 MIB = 2.0**20
 
@@ -126,6 +126,12 @@ def missing_dependency(module: str, why: str, name: str | None = None) -> str | 
     except ImportError as err:
         return why.format(err=err)
     return None
+
+
+def versions(*modules: str) -> dict[str, str]:
+    """``{module: its __version__}`` for each of ``modules`` (imported here): the libraries a report's figures came
+    from."""
+    return {name: importlib.import_module(name).__version__ for name in modules}
 
 
 def _pyplot():

@@ -1,8 +1,9 @@
 """Timed rounds shared by the benchmarks that compare two ways of doing one piece of work in one process
-(``throughput``, ``generate``, ``score-variants``): each round runs every way once, the order reversed every round so
-that drift (other processes, thermal, the allocator) falls on all; rates are work / seconds on two clocks, ``wall``
-(``time.perf_counter``) and ``cpu`` (``time.process_time``: this process's CPU seconds, so time other processes take
-from a shared machine does not count; with one thread, the compute time)."""
+(``throughput``, ``generate``, ``score-variants``, ``inference-scale``): each round runs every way once, the order
+reversed every round so that drift (other processes, thermal, the allocator) falls on all; rates are work / seconds on
+two clocks, ``wall`` (``time.perf_counter``) and ``cpu`` (``time.process_time``: this process's CPU seconds, so time
+other processes take from a shared machine does not count; with one thread, the compute time). :func:`write_rounds`
+writes such a benchmark's report."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,11 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from ds4sci.bench.report import command_line
+from ds4sci.bench.report import write_files
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +67,24 @@ def alternate(runs: dict[str, Callable[[], Any]], work: dict[str, float], rounds
     return timed
 
 
-def median_round(summary: dict[str, dict], names: tuple[str, ...], unit: str) -> dict:
-    """A round (as :func:`alternate` times it) of the medians in ``summary`` (clock -> ``{"NAME_UNIT_per_s_median":
-    ..., "ratio_median": ...}``): the last row of a benchmark's table of rounds."""
-    return {clock: {name: s[f"{name}_{unit}_per_s_median"] for name in names} | {"ratio": s["ratio_median"]}
-            for clock, s in summary.items()}
+def round_rows(report: dict, names: tuple[str, ...], unit: str, cells: Callable[[dict], list[str]]) -> list[list]:
+    """The rows of a benchmark's table of rounds: ``[i, *cells(round)]`` for each of ``report["rounds"]`` (as
+    :func:`alternate` times them), then ``["median", *cells(median)]``, ``median`` the round of the medians in
+    ``report["summary"]`` (clock -> ``{"NAME_UNIT_per_s_median": ..., "ratio_median": ...}``)."""
+    median = {clock: {name: s[f"{name}_{unit}_per_s_median"] for name in names} | {"ratio": s["ratio_median"]}
+              for clock, s in report["summary"].items()}
+    return [[i, *cells(r)] for i, r in enumerate(report["rounds"])] + [["median", *cells(median)]]
+
+
+def write_rounds(benchmark: str, cfg: dict, out: str, context: dict, measured: dict,
+                 summarize: Callable[[list[dict]], dict], markdown: Callable[[dict], str], plot) -> Path:
+    """Write the report of ``ds4sci bench BENCHMARK`` (:func:`~ds4sci.bench.report.write_files`, named ``benchmark``
+    with ``_`` for ``-``): ``{"command": ..., "config": cfg} | context | measured`` (``measured["rounds"]`` as
+    :func:`alternate` times them) and ``"summary"``, clock -> ``summarize`` of the rounds on that clock; the JSON path.
+    """
+    report = {"command": command_line(benchmark, cfg, out), "config": cfg} | context | measured
+    report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in CLOCKS}
+    return write_files(out, benchmark.replace("-", "_"), report, markdown(report), plot)
 
 
 def cuda_median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:

@@ -31,7 +31,6 @@ from pathlib import Path
 from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import check_heads
 from ds4sci.bench.report import check_positive
-from ds4sci.bench.report import command_line
 from ds4sci.bench.report import describe_machine
 from ds4sci.bench.report import int_config
 from ds4sci.bench.report import machine
@@ -40,12 +39,13 @@ from ds4sci.bench.report import plural
 from ds4sci.bench.report import save_figure
 from ds4sci.bench.report import shape_options
 from ds4sci.bench.report import subplots
-from ds4sci.bench.report import write_files
+from ds4sci.bench.report import versions
 from ds4sci.bench.rounds import CLOCKS
 from ds4sci.bench.rounds import alternate
-from ds4sci.bench.rounds import median_round
 from ds4sci.bench.rounds import round_options
+from ds4sci.bench.rounds import round_rows
 from ds4sci.bench.rounds import torch_threads
+from ds4sci.bench.rounds import write_rounds
 
 MODES = ("shared", "unshared")
 #: guard: the two modes' LLRs may differ by float rounding only (their windows are batched differently), nats
@@ -167,8 +167,7 @@ def markdown(report: dict) -> str:
         return [f"{r[clock][mode]:.2f}" for clock in CLOCKS for mode in MODES] + [
             f"{r[clock]['ratio']:.3f}" for clock in CLOCKS]
 
-    rows = [[i, *cells(r)] for i, r in enumerate(report["rounds"])]
-    rows.append(["median", *cells(median_round(s, MODES, "variants"))])
+    rows = round_rows(report, MODES, "variants", cells)
     windows_ratio = w["unshared"] / w["shared"]
     lines = [
         "# score-variants: variants per second, REF windows shared and not",
@@ -214,11 +213,7 @@ def plot(report: dict, path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     cfg = config_from_args(args)
-    report = {"command": command_line("score-variants", cfg, args.out), "config": cfg, "machine": machine(),
-              "versions": {"torch": torch.__version__}} | measure(cfg)
-    report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in CLOCKS}
-    write_files(args.out, "score_variants", report, markdown(report), plot)
+    write_rounds("score-variants", cfg, args.out, {"machine": machine(), "versions": versions("torch")}, measure(cfg),
+                 summarize, markdown, plot)
     return 0

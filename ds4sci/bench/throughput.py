@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import check_heads
 from ds4sci.bench.report import check_positive
-from ds4sci.bench.report import command_line
 from ds4sci.bench.report import int_config
 from ds4sci.bench.report import markdown_table
 from ds4sci.bench.report import missing_dependency
@@ -42,12 +41,13 @@ from ds4sci.bench.report import plural
 from ds4sci.bench.report import save_figure
 from ds4sci.bench.report import shape_options
 from ds4sci.bench.report import subplots
-from ds4sci.bench.report import write_files
+from ds4sci.bench.report import versions
 from ds4sci.bench.rounds import CLOCKS
 from ds4sci.bench.rounds import alternate
-from ds4sci.bench.rounds import median_round
 from ds4sci.bench.rounds import round_options
+from ds4sci.bench.rounds import round_rows
 from ds4sci.bench.rounds import torch_threads
+from ds4sci.bench.rounds import write_rounds
 from ds4sci.kernels.backends import LocalBackend
 
 if TYPE_CHECKING:  # imported where used: ``ds4sci bench throughput --help`` imports no torch
@@ -96,32 +96,45 @@ def add_model_options(parser: argparse.ArgumentParser, seed_help: str) -> None:
     parser.add_argument("--seed", type=int, default=0, help=f"{seed_help} (default: %(default)s)")
 
 
+def model_config(args: argparse.Namespace, options: dict[str, tuple[int, str]], quick: dict[str, int],
+                 extra: dict) -> dict:
+    """A configuration of a benchmark that compares GenSLM with Hugging Face's model: the integer ``options``
+    (``--quick`` setting ``quick``'s, :func:`~ds4sci.bench.report.int_config`), ``extra`` (with ``"rotary_pct"``)
+    and :func:`add_model_options`' options, checked: ``ValueError`` names a bad value."""
+    cfg = int_config(args, options, quick) | extra | {
+        "attention_backend": args.attention_backend, "hf_attention": args.hf_attention, "seed": args.seed}
+    check_positive(cfg, options)
+    check_heads(cfg["hidden"], cfg["heads"])
+    if not 0 <= cfg["rotary_pct"] <= 1:
+        raise ValueError(f"--rotary-pct={cfg['rotary_pct']}: must be in [0, 1]")
+    return cfg
+
+
 def config_from_args(args: argparse.Namespace) -> dict:
     """The run configuration: the options (``--quick`` overriding the shape), checked; ``ValueError`` names a bad
     value."""
     llama = args.shape == "llama"
     rotary_pct = (1.0 if llama else 0.25) if args.rotary_pct is None else args.rotary_pct
-    cfg = int_config(args, _INT_OPTIONS, _QUICK) | {
-        "shape": args.shape, "kv_heads": args.kv_heads, "rotary_pct": rotary_pct,
-        "attention_backend": args.attention_backend, "hf_attention": args.hf_attention, "seed": args.seed}
-    check_positive(cfg, _INT_OPTIONS)
-    check_heads(cfg["hidden"], cfg["heads"])
+    cfg = model_config(args, _INT_OPTIONS, _QUICK, {"shape": args.shape, "kv_heads": args.kv_heads,
+                                                    "rotary_pct": rotary_pct})
     if cfg["kv_heads"] < 0 or (cfg["kv_heads"] and cfg["heads"] % cfg["kv_heads"]):
         raise ValueError(f"--kv-heads={cfg['kv_heads']}: must divide --heads={cfg['heads']} (or be 0)")
     if not llama and cfg["kv_heads"] not in (0, cfg["heads"]):
         raise ValueError(f"--kv-heads={cfg['kv_heads']}: GPT-NeoX has one key/value head per query head; "
                          "grouped-query attention needs --shape llama")
-    if not 0 <= cfg["rotary_pct"] <= 1:
-        raise ValueError(f"--rotary-pct={cfg['rotary_pct']}: must be in [0, 1]")
     if llama and cfg["rotary_pct"] != 1:
         raise ValueError(f"--rotary-pct={cfg['rotary_pct']}: LlamaForCausalLM rotates every head dim (1.0)")
     return cfg
 
 
-def transformers_missing() -> str | None:
-    """Why ``transformers.GPTNeoXForCausalLM`` cannot be imported here, or None when it can."""
-    return missing_dependency("transformers", "ds4sci bench throughput needs transformers ({err}); install it with "
-                              "pip install 'ds4sci[dev]'", name="GPTNeoXForCausalLM")
+def transformers_importable(benchmark: str) -> bool:
+    """Whether ``transformers.GPTNeoXForCausalLM``, which ``ds4sci bench BENCHMARK`` compares with, imports here;
+    when not, one error line says why and what to install."""
+    missing = missing_dependency("transformers", f"ds4sci bench {benchmark} needs transformers ({{err}}); install it "
+                                 "with pip install 'ds4sci[dev]'", name="GPTNeoXForCausalLM")
+    if missing:
+        logger.error(missing)
+    return not missing
 
 
 def build_models(cfg: dict) -> tuple[GenSLM, torch.nn.Module]:
@@ -250,11 +263,10 @@ def markdown(report: dict) -> str:
         return [f"{r[clock][key]:.0f}" for clock in CLOCKS for key in MODELS] + [
             f"{r[clock]['ratio']:.3f}" for clock in CLOCKS]
 
-    rows = [[i, *cells(r)] for i, r in enumerate(report["rounds"])]
     llama = c["shape"] == "llama"
     shape = "Llama shape (SwiGLU, RMSNorm, no biases, sequential residual)" if llama else "GPT-NeoX shape"
     kv = f" ({c['kv_heads'] or c['heads']} key/value)" if llama else ""
-    rows.append(["median", *cells(median_round(s, MODELS, "tokens"))])
+    rows = round_rows(report, MODELS, "tokens", cells)
     lines = [
         f"# Training throughput: ds4sci GenSLM vs Hugging Face {report['hf_model']}",
         "",
@@ -314,15 +326,8 @@ def plot_ratios(ax, rounds: list[dict]) -> None:
 def run(args: argparse.Namespace) -> int:
     """``ds4sci bench throughput``: exit status 1, with one error line, when transformers is not importable."""
     cfg = config_from_args(args)
-    missing = transformers_missing()
-    if missing:
-        logger.error(missing)
+    if not transformers_importable("throughput"):
         return 1
-    import torch
-    import transformers
-
-    report = {"command": command_line("throughput", cfg, args.out), "config": cfg,
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}} | measure(cfg)
-    report["summary"] = {clock: summarize([r[clock] for r in report["rounds"]]) for clock in CLOCKS}
-    write_files(args.out, "throughput", report, markdown(report), plot)
+    write_rounds("throughput", cfg, args.out, {"versions": versions("torch", "transformers")}, measure(cfg), summarize,
+                 markdown, plot)
     return 0

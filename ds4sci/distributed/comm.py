@@ -154,7 +154,7 @@ def split(x: Tensor, group: dist.ProcessGroup, dim: int, counter: CommCounter | 
 
 
 # -------------------------------------------------------------------------------------- differentiable ones
-def _all_to_all_forward(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int,
+def _all_to_all_forward(x: Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup,
                         counter: CommCounter | None) -> Tensor:
     world = dist.get_world_size(group)
     if x.size(scatter_dim) % world != 0:
@@ -173,17 +173,20 @@ def _all_to_all_forward(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, g
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
-class _AllToAll(torch.autograd.Function):
+class _Reversed(torch.autograd.Function):
+    """``_Reversed.apply(x, op, there, back, group, counter)``: ``op(x, there, back, group, counter)`` in forward and
+    ``op(grad, back, there, group, counter)`` in backward, the same exchange the other way: the inverse all-to-all
+    scatters along the gathered dim and gathers along the scattered one; a move's gradient goes to its source, from its
+    destination."""
+
     @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim, counter):
-        ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.counter = group, scatter_dim, gather_dim, counter
-        return _all_to_all_forward(x, group, scatter_dim, gather_dim, counter)
+    def forward(ctx, x, op, there, back, group, counter):
+        ctx.op, ctx.there, ctx.back, ctx.group, ctx.counter = op, there, back, group, counter
+        return op(x, there, back, group, counter)
 
     @staticmethod
     def backward(ctx, grad):
-        # The inverse all-to-all: scatter along the gathered dim, gather along the scattered dim.
-        grad = _all_to_all_forward(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim, ctx.counter)
-        return grad, None, None, None, None
+        return ctx.op(grad, ctx.back, ctx.there, ctx.group, ctx.counter), None, None, None, None, None
 
 
 def all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gather_dim: int,
@@ -199,7 +202,7 @@ def all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gat
     """
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group, scatter_dim, gather_dim, counter)
+    return _Reversed.apply(x, _all_to_all_forward, scatter_dim, gather_dim, group, counter)
 
 
 Collective = Callable[[Tensor, dist.ProcessGroup, int, "CommCounter | None"], Tensor]
@@ -315,18 +318,7 @@ def send_recv(x: Tensor, dst: int, src: int, group, counter: CommCounter | None 
     return received
 
 
-class _Move(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dst, src, group, counter):
-        ctx.dst, ctx.src, ctx.group, ctx.counter = dst, src, group, counter
-        return send_recv(x, dst, src, group, counter)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return send_recv(grad, ctx.src, ctx.dst, ctx.group, ctx.counter), None, None, None, None
-
-
 def move(x: Tensor, dst: int, src: int, group, counter: CommCounter | None = None) -> Tensor:
     """Differentiable :func:`send_recv`: a permutation of tensors over ranks (``x`` to ``dst``, this rank's from
     ``src``); backward sends the gradient the inverse way (to ``src``, from ``dst``)."""
-    return _Move.apply(x, dst, src, group, counter)
+    return _Reversed.apply(x, send_recv, dst, src, group, counter)

@@ -135,6 +135,21 @@ class HFExportWriter(ExportWriter):
         write_hf_tokenizer(self.tokenizer, self.out)
 
 
+def export_dir(out: str | Path, overwrite: bool) -> Path:
+    """``out`` as a :class:`~pathlib.Path` when a transformers export may be written to it: missing, empty, or a
+    directory whose files ``overwrite`` lets the export replace.
+
+    Raises:
+        FileExistsError: ``out`` is not a directory, or holds files and ``overwrite`` is false.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: not empty; pass --overwrite to replace the model files in it")
+    return out
+
+
 def export_hf(source: str | Path, out: str | Path, overwrite: bool = False,
               max_shard_bytes: int | None = None) -> Path:
     """Write the model at ``source`` (anything :func:`ds4sci.load_model` reads) to ``out`` as a transformers
@@ -147,11 +162,7 @@ def export_hf(source: str | Path, out: str | Path, overwrite: bool = False,
         ValueError: the source cannot be read, or the architecture its MLP picks cannot express its model
             (:func:`hf_config`).
     """
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out}: not empty; pass --overwrite to replace the model files in it")
+    out = export_dir(out, overwrite)
     model, config, tokenizer = load_model(source)
     data = hf_config(config, tokenizer, source)
     trained = read_trained_length(source)

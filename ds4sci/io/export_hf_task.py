@@ -23,6 +23,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ds4sci.io.export_hf import HFExportWriter
+from ds4sci.io.export_hf import export_dir
 from ds4sci.io.export_hf import hf_config
 from ds4sci.io.task_model import load_task_model
 from ds4sci.io.task_model import read_task_meta
@@ -44,11 +45,7 @@ def export_task_hf(source: str | Path, out: str | Path, overwrite: bool = False,
         FileExistsError: ``out`` holds files and ``overwrite`` is false.
         ValueError: a head or model transformers cannot express, or a Llama LoRA adapter without ``merge``.
     """
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out}: not empty; pass --overwrite to replace the model files in it")
+    out = export_dir(out, overwrite)
     spec, lora, base = read_task_meta(source)
     if not spec.per_token and spec.pooling != "last":
         raise ValueError(f"{source}: task.pooling={spec.pooling!r} cannot be written as a transformers sequence "
