@@ -31,6 +31,7 @@ from ds4sci.bench import throughput
 from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import describe_load
 from ds4sci.bench.report import describe_machine
+from ds4sci.bench.report import describe_shape
 from ds4sci.bench.report import load_average
 from ds4sci.bench.report import machine
 from ds4sci.bench.report import markdown_table
@@ -202,9 +203,9 @@ def markdown(report: dict) -> str:
     lines = [
         f"# Generation: ds4sci cached decoding vs Hugging Face {report['hf_model']}.generate",
         "",
-        f"GPT-NeoX shape: hidden {c['hidden']}, {plural(c['layers'], 'layer')}, {plural(c['heads'], 'head')}, MLP "
-        f"{4 * c['hidden']}, rotary_pct {c['rotary_pct']}, codon vocabulary, same weights (output head x{HEAD_SCALE:g} "
-        f"in both); fp32 on the CPU, {plural(c['threads'], 'torch thread')}. Greedy, "
+        f"GPT-NeoX shape: {describe_shape(c)}, MLP {4 * c['hidden']}, rotary_pct {c['rotary_pct']}, codon vocabulary, "
+        f"same weights (output head x{HEAD_SCALE:g} in both); fp32 on the CPU, {plural(c['threads'], 'torch thread')}. "
+        "Greedy, "
         f"{plural(c['num_sequences'], 'sequence')} decoded together after a {c['prompt_len']}-token prompt: "
         f"{c['new_tokens']} new tokens each by ds4sci (`sample`, KV cache; attention backend "
         f"{c['attention_backend']!r}) and Hugging Face (`generate(use_cache=True)`, attn_implementation "

@@ -32,6 +32,7 @@ from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import check_heads
 from ds4sci.bench.report import check_positive
 from ds4sci.bench.report import describe_machine
+from ds4sci.bench.report import describe_shape
 from ds4sci.bench.report import int_config
 from ds4sci.bench.report import machine
 from ds4sci.bench.report import markdown_table
@@ -188,8 +189,8 @@ def markdown(report: dict) -> str:
         f"Corpus: {plural(c['genes'], 'bundled gene')} and {plural(c['pieces'], 'genome piece')} of "
         f"{c['min_bases']}-{c['max_bases']} bases, shuffled: {report['records']} records, {report['tokens']:,} bases "
         f"(min {n['min']}, median {n['median']:.0f}, max {n['max']}), {report['windows']} windows of up to "
-        f"{c['context']}. Random GPT-NeoX-shaped GenSLM and GPTNeoXForCausalLM with the same weights: hidden "
-        f"{c['hidden']}, {plural(c['layers'], 'layer')}, {plural(c['heads'], 'head')}; fp32 on the CPU, "
+        f"{c['context']}. Random GPT-NeoX-shaped GenSLM and GPTNeoXForCausalLM with the same weights: "
+        f"{describe_shape(c)}; fp32 on the CPU, "
         f"{plural(c['threads'], 'torch thread')}; {c['max_tokens']} tokens per forward. torch "
         f"{report['versions']['torch']}, transformers {report['versions']['transformers']}. Machine: "
         f"{describe_machine(report['machine'])}. Log-likelihoods checked against one window at a time: max "

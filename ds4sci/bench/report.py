@@ -15,10 +15,10 @@ from ds4sci.report import markdown_table
 from ds4sci.report import plural
 from ds4sci.report import write_report
 
-__all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list",
-           "option", "shape_options", "add_int_options", "int_config", "check_positive", "check_heads", "command_line",
-           "missing_dependency", "versions", "subplots", "plot_peaks", "save_figure", "markdown_table", "plural",
-           "write_report", "write_files"]
+__all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load", "parse_int_list", "option",
+           "shape_options", "describe_shape", "add_int_options", "int_config", "check_positive", "check_heads",
+           "command_line", "missing_dependency", "versions", "subplots", "plot_peaks", "save_figure", "markdown_table",
+           "plural", "write_report", "write_files"]
 
 MIB = 2.0**20
 
@@ -78,6 +78,11 @@ def shape_options(hidden: int, layers: int, heads: int) -> dict[str, tuple[int, 
     """The ``add_int_options`` entries of a GenSLM shape: ``hidden``, ``layers`` and ``heads`` with their defaults."""
     return {"hidden": (hidden, "hidden size"), "layers": (layers, "transformer layers"),
             "heads": (heads, "attention heads")}
+
+
+def describe_shape(cfg: dict) -> str:
+    """``"hidden 64, 2 layers, 4 heads"``: the GenSLM shape :func:`shape_options` declares, as ``cfg`` holds it."""
+    return f"hidden {cfg['hidden']}, {plural(cfg['layers'], 'layer')}, {plural(cfg['heads'], 'head')}"
 
 
 def add_int_options(parser: argparse.ArgumentParser, options: dict[str, tuple[int, str]],

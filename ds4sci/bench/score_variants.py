@@ -32,6 +32,7 @@ from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import check_heads
 from ds4sci.bench.report import check_positive
 from ds4sci.bench.report import describe_machine
+from ds4sci.bench.report import describe_shape
 from ds4sci.bench.report import int_config
 from ds4sci.bench.report import machine
 from ds4sci.bench.report import markdown_table
@@ -176,7 +177,7 @@ def markdown(report: dict) -> str:
         "",
         f"Saturation mutagenesis: {plural(c['positions'], 'position')} from {report['chrom']}:{c['start']}, 3 SNVs "
         f"each ({plural(report['variants'], 'variant')}); windows of {c['context']} bases, both strands. Random "
-        f"nucleotide GenSLM: hidden {c['hidden']}, {plural(c['layers'], 'layer')}, {plural(c['heads'], 'head')}, "
+        f"nucleotide GenSLM: {describe_shape(c)}, "
         f"context {c['context']}; fp32 on the CPU, {plural(c['threads'], 'torch thread')}, batch {c['batch_size']} "
         f"windows; torch {report['versions']['torch']}. Machine: {describe_machine(report['machine'])}. Windows "
         f"scored: shared {w['shared']:,}, unshared {w['unshared']:,} (ratio {windows_ratio:.3f}). Same LLRs "

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from ds4sci.bench.report import add_int_options
 from ds4sci.bench.report import check_heads
 from ds4sci.bench.report import check_positive
+from ds4sci.bench.report import describe_shape
 from ds4sci.bench.report import int_config
 from ds4sci.bench.report import markdown_table
 from ds4sci.bench.report import missing_dependency
@@ -270,12 +271,11 @@ def markdown(report: dict) -> str:
     lines = [
         f"# Training throughput: ds4sci GenSLM vs Hugging Face {report['hf_model']}",
         "",
-        f"{shape}: hidden {c['hidden']}, {plural(c['layers'], 'layer')}, {plural(c['heads'], 'head')}{kv}, MLP "
-        f"{4 * c['hidden']}, rotary_pct {c['rotary_pct']}, vocabulary {_VOCAB}; batch {c['batch']} x {c['seq_len']} "
-        "tokens, fp32 on the "
-        f"CPU, {plural(c['threads'], 'torch thread')}. ds4sci attention backend {c['attention_backend']!r}, Hugging "
-        f"Face attn_implementation {c['hf_attention']!r}; torch {report['versions']['torch']}, transformers "
-        f"{report['versions']['transformers']}. One step = forward + next-token cross entropy + backward + AdamW. "
+        f"{shape}: {describe_shape(c)}{kv}, MLP {4 * c['hidden']}, rotary_pct {c['rotary_pct']}, vocabulary {_VOCAB}; "
+        f"batch {c['batch']} x {c['seq_len']} tokens, fp32 on the CPU, {plural(c['threads'], 'torch thread')}. ds4sci "
+        f"attention backend {c['attention_backend']!r}, Hugging Face attn_implementation {c['hf_attention']!r}; torch "
+        f"{report['versions']['torch']}, transformers {report['versions']['transformers']}. One step = forward + "
+        "next-token cross entropy + backward + AdamW. "
         f"{plural(c['rounds'], 'round')} of {plural(c['steps'], 'timed step')} per model, alternating (order swapped "
         f"each round), after {plural(c['warmup'], 'warm-up step')} each. Same function checked first: max |logits "
         "difference| "
