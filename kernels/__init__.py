@@ -24,12 +24,11 @@ below that need torch load on first access (PEP 562), and the Triton backends lo
 """
 from __future__ import annotations
 
-import importlib
-
 from .backends import EvoformerBackend
 from .backends import LocalBackend
 from .backends import TriMulBackend
 from .backends import parse_backend
+from .lazy import lazy_exports
 
 __all__ = ["DS4Sci_EvoformerAttention", "EvoformerBackend", "LocalBackend", "TriMulBackend", "TriMulParams",
            "evoformer_attention", "parse_backend", "triangle_multiplicative_update"]
@@ -38,12 +37,4 @@ __all__ = ["DS4Sci_EvoformerAttention", "EvoformerBackend", "LocalBackend", "Tri
 _LAZY = {"evoformer_attention": "evoformer", "DS4Sci_EvoformerAttention": "evoformer",
          "triangle_multiplicative_update": "trimul", "TriMulParams": "trimul"}
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

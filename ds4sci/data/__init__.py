@@ -28,6 +28,7 @@ from ds4sci.data.tokenizers import STOP_CODONS
 from ds4sci.data.tokenizers import CodonTokenizer
 from ds4sci.data.tokenizers import NucleotideTokenizer
 from ds4sci.data.tokenizers import Tokenizer
+from ds4sci.kernels.lazy import lazy_exports
 
 _CORPUS_NAMES = ("Corpus", "load_datasets", "open_corpus", "resolve_sources")
 
@@ -39,11 +40,5 @@ __all__ = [
     "hash_split", "read_labelled",
 ]
 
-
-def __getattr__(name: str):
-    """``ds4sci.data.open_corpus`` and the other :mod:`ds4sci.data.corpus` names, imported on first use."""
-    if name in _CORPUS_NAMES:
-        from ds4sci.data import corpus
-
-        return getattr(corpus, name)
-    raise AttributeError(f"module 'ds4sci.data' has no attribute {name!r}")
+# ds4sci.data.open_corpus and the other ds4sci.data.corpus names, imported on first use
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(_CORPUS_NAMES, "corpus"))

@@ -5,7 +5,7 @@ imports without torch.
 """
 from __future__ import annotations
 
-import importlib
+from ds4sci.kernels.lazy import lazy_exports
 
 # name -> submodule defining it
 _EXPORTS = {
@@ -20,12 +20,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
