@@ -123,25 +123,17 @@ def _blocks(kind: str, cfg: dict, n_blocks: int):
     import torch
     from torch import nn
 
-    from ds4sci.kernels import TriMulBackend
     from ds4sci.models.evoformer import EvoformerBlock
     from ds4sci.models.evoformer import PairformerBlock
-    from ds4sci.models.evoformer import TriangleMultiplicativeUpdate
 
     torch.manual_seed(0)
     c, h = cfg["c_hidden"], cfg["heads"]
 
-    def make():
+    def make():  # the triangle updates on their default (chunked) path, whose steps the context-parallel forms run
         if kind == "evoformer":
-            block = EvoformerBlock(cfg["c_m"], cfg["c_z"], c, c, c, c, h, h, TRANSITION_N, 0.0, 0.0,
-                                   backend="torch")
-        else:
-            block = PairformerBlock(cfg["c_m"], cfg["c_z"], c, h, c, c, h, transition_n=TRANSITION_N,
-                                    pair_dropout=0.0, backend="torch")
-        for module in block.modules():  # the triangle updates' torch path: the math the context-parallel forms
-            if isinstance(module, TriangleMultiplicativeUpdate):  # run, so P = 1 and P > 1 save and hold alike
-                module.backend = TriMulBackend.TORCH
-        return block
+            return EvoformerBlock(cfg["c_m"], cfg["c_z"], c, c, c, c, h, h, TRANSITION_N, 0.0, 0.0, backend="torch")
+        return PairformerBlock(cfg["c_m"], cfg["c_z"], c, h, c, c, h, transition_n=TRANSITION_N, pair_dropout=0.0,
+                               backend="torch")
     return nn.ModuleList(make() for _ in range(n_blocks))
 
 
