@@ -301,15 +301,18 @@ def _tri_mul_live(n: int, cz: int, c: int, e: int) -> float:
 
 
 def _tri_mul_steps_live(g: _Grid, cz: int, cmul: int, e: int) -> float:
-    """Inference, context-parallel forms: the update's steps on this rank's shard or tile: x, then a and b (3 c live
-    while one is built), matmul's copies and p, then the gate, LN(p) and its projection, the product; 1-D, the
-    gathered operand and its matmul copy, whole."""
-    mul = g.pairs * max(e * (cz + 4 * cmul), e * (cz + 5 * cmul), e * (3 * cz + 4 * cmul), e * (4 * cz + 3 * cmul),
-                        e * (2 * cz + 3 * cmul) + _ln_peak(cmul, e) + _ln_const(cmul, e) / g.pairs,
-                        _ln_peak(cz, e) + _ln_const(cz, e) / g.pairs)
-    if g.gathered:  # the gathered operand and its matmul copy, whole
-        mul += 2 * g.pairs_all * cmul * e
-    return mul
+    """Inference, context-parallel forms: the update's steps (:mod:`ds4sci.kernels.trimul`) on this rank's shard or
+    tile, modelled from the code (not measured): an operand built (x, the gate, the projection, the gate's sigmoid
+    and the masked products: ``C_z + 4 c``) beside the one built before (``c``); 1-D, this rank's operand and the
+    product beside the gathered operand, whole; 2-D, the Cannon sum: both operand tiles, their skewed copies, the
+    next tiles in flight, the running sum, the step's product and the new sum (``9 c``); then the output step: p, x,
+    the projection of LN(p), the gate and its sigmoid, the product (``4 C_z + c``), or p and x beside LN_out's."""
+    mul = g.pairs * max(e * (cz + 5 * cmul), e * (4 * cz + cmul),
+                        e * (cz + cmul) + _ln_peak(cmul, e) + _ln_const(cmul, e) / g.pairs,
+                        e * cmul + _ln_peak(cz, e) + _ln_const(cz, e) / g.pairs)
+    if g.gathered:  # this rank's operand and the product beside the gathered operand, whole
+        return max(mul, 2 * g.pairs * cmul * e + g.pairs_all * cmul * e)
+    return max(mul, 9 * g.pairs * cmul * e)
 
 
 def block_live_bytes(w: Workload) -> dict[str, float]:
