@@ -23,11 +23,14 @@ Backends (:class:`~ds4sci.kernels.backends.TriMulBackend`):
   that recomputes ``a`` and ``b`` from ``z`` and the saved LayerNorm statistics; CUDA, or the interpreter).
 - ``"auto"``: ``"triton"`` for CUDA tensors its kernels take, ``"chunked"`` otherwise.
 
-:func:`triangle_product` is the product alone (``a, b [*, N, N, c] -> p``), which the context-parallel forms call on
-their shards and tiles. The weights travel in :class:`TriMulParams`, built from any module with OpenFold's (and
-OpenFold3's) attribute names by :meth:`TriMulParams.from_module`; AlphaFold-Multimer's fused ``linear_ab_p`` /
-``linear_ab_g`` become views of their halves, so both conventions share one container and gradients reach the fused
-weights.
+:func:`channel_product` is the product alone on channel-major operands (``a, b [*, c, N, N] -> p``): the chunked
+path calls it per row block, the context-parallel forms (:mod:`ds4sci.parallel.evoformer`) per shard and per Cannon
+step on mesh tiles, between :func:`triangle_operand` and :func:`triangle_finish` (the steps before and after the
+product, recomputing in backward as the chunked path does: they save ``z``, the mask and ``p`` only).
+
+The weights travel in :class:`TriMulParams`, built from any module with OpenFold's (and OpenFold3's) attribute names
+by :meth:`TriMulParams.from_module`; AlphaFold-Multimer's fused ``linear_ab_p`` / ``linear_ab_g`` become views of
+their halves, so both conventions share one container and gradients reach the fused weights.
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ from .backends import parse_backend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TriMulParams", "triangle_multiplicative_update", "triangle_product", "trimul_torch"]
+__all__ = ["TriMulParams", "channel_product", "triangle_finish", "triangle_multiplicative_update", "triangle_operand",
+           "triangle_product", "trimul_torch"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -141,16 +145,20 @@ def _finish(x: Tensor, p: Tensor, params: TriMulParams, eps: float) -> Tensor:
     return torch.sigmoid(F.linear(x, params.out_gate_w, params.out_gate_b)) * y
 
 
-def triangle_product(a: Tensor, b: Tensor, outgoing: bool) -> Tensor:
-    """``p [*, I, J, c]``: outgoing ``p_ij = sum_k a_ik b_jk`` (``a [*, I, K, c]``, ``b [*, J, K, c]``), incoming
-    ``p_ij = sum_k a_ki b_kj`` (``a [*, K, I, c]``, ``b [*, K, J, c]``), as batched matmuls over channels. Any
-    block of rows (outgoing ``a``) or columns (incoming ``b``) gives that block of ``p``: the context-parallel forms
-    call it on shards and mesh tiles."""
+def channel_product(a: Tensor, b: Tensor, outgoing: bool) -> Tensor:
+    """The triangular product of channel-major operands, ``p [*, c, I, J]``: outgoing ``p_ij = sum_k a_ik b_jk``
+    (``a [*, c, I, K]``, ``b [*, c, J, K]``), incoming ``p_ij = sum_k a_ki b_kj`` (``a [*, c, K, I]``, ``b [*, c, K,
+    J]``), one batched matmul over the channels. Any block of rows (outgoing ``a``) or columns (incoming ``b``)
+    gives that block of ``p``, and a sum over blocks of ``k`` the whole: the chunked path calls it per row block, the
+    context-parallel forms per shard (1-D) and per Cannon step on mesh tiles (2-D)."""
     if outgoing:
-        p = torch.matmul(a.movedim(-1, -3), b.movedim(-1, -3).transpose(-1, -2))  # [*, c, I, J]
-    else:
-        p = torch.matmul(a.movedim(-1, -3).transpose(-1, -2), b.movedim(-1, -3))  # [*, c, I, J]
-    return p.movedim(-3, -1)
+        return torch.matmul(a, b.transpose(-1, -2))
+    return torch.matmul(a.transpose(-1, -2), b)
+
+
+def triangle_product(a: Tensor, b: Tensor, outgoing: bool) -> Tensor:
+    """:func:`channel_product` of operands in the pair layout: ``a, b [*, ., ., c]`` -> ``p [*, I, J, c]``."""
+    return channel_product(a.movedim(-1, -3), b.movedim(-1, -3), outgoing).movedim(-3, -1)
 
 
 def trimul_torch(z: Tensor, mask: Tensor, params: TriMulParams, outgoing: bool, eps: float) -> Tensor:
@@ -160,6 +168,58 @@ def trimul_torch(z: Tensor, mask: Tensor, params: TriMulParams, outgoing: bool, 
     m = mask.unsqueeze(-1)
     p = triangle_product(_operand(x, m, params, "a"), _operand(x, m, params, "b"), outgoing)
     return _finish(x, p, params, eps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The steps, recomputing: what the context-parallel forms call around their product of shards and tiles
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Recomputed(torch.autograd.Function):
+    """``forward(ctx, fn, *inputs) -> fn(*inputs)`` without a graph, saving only ``inputs`` (None allowed); backward
+    runs ``fn`` again with autograd on and returns the gradients of the inputs that need one."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        needs = ctx.needs_input_grad[1:]
+        leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+        wrt = [t for t, need in zip(leaves, needs) if need]
+        with torch.enable_grad():
+            grads = iter(torch.autograd.grad(ctx.fn(*leaves), wrt, grad, allow_unused=True))
+        return None, *(next(grads) if need else None for need in needs)
+
+
+def _operand_of(which: str, eps: float, z: Tensor, mask: Tensor, *tensors) -> Tensor:
+    params = TriMulParams.from_tensors(tensors)
+    x = _layer_norm(z, params.ln_in_weight, params.ln_in_bias, eps)
+    return _operand(x, mask.unsqueeze(-1), params, which).movedim(-1, -3).contiguous()
+
+
+def _finish_of(eps: float, z: Tensor, p: Tensor, *tensors) -> Tensor:
+    params = TriMulParams.from_tensors(tensors)
+    return _finish(_layer_norm(z, params.ln_in_weight, params.ln_in_bias, eps), p.movedim(-3, -1), params, eps)
+
+
+def triangle_operand(z: Tensor, mask: Tensor, params: TriMulParams, which: str, eps: float) -> Tensor:
+    """The operand ``which`` (``"a"`` or ``"b"``), ``mask * sigmoid(x W_g + b_g) * (x W_p + b_p)`` with ``x =
+    LN_in(z)``, of any block of pairs ``z [*, I, J, C_z]`` (``mask [*, I, J]`` in z's dtype), channel-major and
+    contiguous ``[*, c, I, J]`` (what :func:`channel_product` takes). Differentiable in ``z`` and the weights; saves
+    only ``z`` and ``mask`` for backward and recomputes the rest there, as the chunked path does."""
+    return _Recomputed.apply(functools.partial(_operand_of, which, eps), z, mask, *params.tensors())
+
+
+def triangle_finish(z: Tensor, p: Tensor, params: TriMulParams, eps: float) -> Tensor:
+    """The update ``sigmoid(Linear_g(LN_in(z))) * Linear_z(LN_out(p))`` ``[*, I, J, C_z]`` of any block of pairs ``z
+    [*, I, J, C_z]`` from that block's product ``p [*, c, I, J]`` (channel-major, :func:`channel_product`).
+    Differentiable in ``z``, ``p`` and the weights; saves only ``z`` and ``p`` for backward and recomputes the
+    LayerNorms, the gate and the projection there, as the chunked path does."""
+    return _Recomputed.apply(functools.partial(_finish_of, eps), z, p, *params.tensors())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -261,7 +321,7 @@ def _chunked_forward(z: Tensor, mask: Tensor, params: TriMulParams, outgoing: bo
         stop = min(start + chunk, n)
         x = _layer_norm(_rows(zf, start, stop), params.ln_in_weight, params.ln_in_bias, eps)  # [*, R, N, C_z]
         r = _operand(x, _rows(mf, start, stop, False).unsqueeze(-1), params, r_name)  # [*, R, N_k, c]
-        p = torch.matmul(r.movedim(-1, -3), f.transpose(-1, -2))  # [*, c, R, N_j]
+        p = channel_product(r.movedim(-1, -3), f, True)  # [*, c, R, N_j]
         del r
         if keep_p:
             p_all[..., start:stop, :] = p

@@ -183,13 +183,18 @@ def block_saved_bytes(w: Workload) -> dict[str, float]:
     sh, g, e = w.shape, _Grid(w), DTYPE_BYTES[w.dtype]
     ref = w.backend == "reference"
     mesh_extra = 1 if w.layout == "2d" else 0  # the rotating key/value input's tile beside the query tile
+    # 2-D, beyond it, the mean over ranks of one more copy of the input tile, measured per rank on a 2 x 2 mesh
+    # (tests/planning): on the mesh row where the key/value skew moves the tile ((p-1)/p of the ranks), on the
+    # column (a transposed input) where it does not (1/p)
+    ring_copy = {"row": (w.side - 1) / w.side, "col": 1 / w.side, None: 0} if w.layout == "2d" else {}
 
-    def attention(positions, c_in, c, h, keys):
+    def attention(positions, c_in, c, h, keys, ring=None):
         """LN (input, stats, output), q, k, v, o, g, o*g, softmax statistics, mask bias; the reference saves the
-        probabilities and exponentials instead of the statistics."""
+        probabilities and exponentials instead of the statistics; ``ring``: the mesh ring of the keys (2-D; None for the
+        Pairformer's single attention, whose tiles do not move)."""
         core = 8 * h if not ref else 2 * h * keys * e
-        return positions * (_ln_saved(c_in, e) + (1 + mesh_extra) * c_in * e + 6 * h * c * e + core + e) \
-            + _ln_const(c_in, e)
+        return positions * (_ln_saved(c_in, e) + (1 + mesh_extra + ring_copy.get(ring, 0)) * c_in * e + 6 * h * c * e
+                            + core + e) + _ln_const(c_in, e)
 
     def transition(positions, c, kind):
         hidden = (4 if kind == "swiglu" else 1) * sh.transition_n * c
@@ -197,15 +202,17 @@ def block_saved_bytes(w: Workload) -> dict[str, float]:
 
     keys_pair = g.n if w.layout != "2d" else g.n // w.side
     cz, hp, cp = sh.c_z, sh.no_heads_pair, sh.c_hidden_pair_att
-    if w.layout == "1":  # the chunked kernel (ds4sci.kernels.trimul) saves z and the product p; its mask is the block's
-        tri_mul = g.pairs * (cz + sh.c_hidden_mul) * e
-    else:  # the context-parallel forms run the update's steps on shards and tiles, with autograd's own saving
-        tri_mul = g.pairs * (_ln_saved(cz, e) + cz * e + 7 * sh.c_hidden_mul * e + _ln_saved(sh.c_hidden_mul, e)
-                             + sh.c_hidden_mul * e + 2 * cz * e) + _ln_const(cz, e) + _ln_const(sh.c_hidden_mul, e)
+    # the triangle updates (ds4sci.kernels.trimul: the chunked path on one device, its recomputing steps on shards
+    # and tiles) save z and the product p; the mask is the block's. On shards and tiles the product also saves this
+    # rank's operand (1-D: the other is gathered, in gathered_bytes; 2-D: the other tile too, below)
+    tri_mul = g.pairs * (cz + sh.c_hidden_mul) * e
+    if w.layout != "1":
+        tri_mul += g.pairs * sh.c_hidden_mul * e
     # the 1-D code computes the triangle bias through a second call of the layer norm (its own stats and output)
     twice = (_ln_saved(cz, e) - (0 if e < 4 else cz * e) + cz * e) if g.gathered else 0
-    tri_att = attention(g.pairs, cz, cp, hp, keys_pair) + g.pairs * twice
-    out = {"tri_mul_out": tri_mul, "tri_mul_in": tri_mul, "tri_att_start": tri_att, "tri_att_end": tri_att,
+    tri_att = {ring: attention(g.pairs, cz, cp, hp, keys_pair, ring) + g.pairs * twice for ring in ("row", "col")}
+    out = {"tri_mul_out": tri_mul, "tri_mul_in": tri_mul, "tri_att_start": tri_att["row"],
+           "tri_att_end": tri_att["col"],
            "pair_transition": transition(g.pairs, cz, sh.transition_type)}
     h, c = sh.no_heads_msa, sh.c_hidden_msa_att
     pair_masks = g.pairs_all if w.layout != "2d" else 2 * g.pairs_all / w.side  # 2-D: the row and column strips
@@ -213,8 +220,8 @@ def block_saved_bytes(w: Workload) -> dict[str, float]:
     if sh.evoformer:
         keys_row = g.n if w.layout != "2d" else g.n // w.side
         keys_col = g.s if w.layout != "2d" else g.s // w.side
-        out["msa_att_row"] = attention(g.msa, sh.c_m, c, h, keys_row) + g.pairs * bias_ln + _ln_const(cz, e)
-        out["msa_att_col"] = attention(g.msa, sh.c_m, c, h, keys_col)
+        out["msa_att_row"] = attention(g.msa, sh.c_m, c, h, keys_row, "row") + g.pairs * bias_ln + _ln_const(cz, e)
+        out["msa_att_col"] = attention(g.msa, sh.c_m, c, h, keys_col, "col")
         out["msa_transition"] = transition(g.msa, sh.c_m, sh.transition_type)
         co = sh.c_hidden_opm
         out["outer_product_mean"] = (g.msa * (_ln_saved(sh.c_m, e) + sh.c_m * e + co * e) + g.pairs * (co * co + 1) * e
@@ -226,7 +233,7 @@ def block_saved_bytes(w: Workload) -> dict[str, float]:
         out["attn_pair_bias"] = attention(g.tokens, sh.c_m, c, h, g.tokens) + g.pairs * bias_ln + _ln_const(cz, e)
         out["single_transition"] = transition(g.tokens, sh.c_m, "swiglu")
         masks = (pair_masks + g.tokens) * e
-    if w.layout == "2d":  # the other triangle operand is the rank's own tile (the kernel's is in its term above)
+    if w.layout == "2d":  # the other triangle operand is a tile too (the first is in the term above)
         out["tri_mul_out"] += g.pairs * sh.c_hidden_mul * e
         out["tri_mul_in"] += g.pairs * sh.c_hidden_mul * e
     if not g.gathered:  # the biases are the rank's own (a tile on a mesh)
@@ -294,15 +301,18 @@ def _tri_mul_live(n: int, cz: int, c: int, e: int) -> float:
 
 
 def _tri_mul_steps_live(g: _Grid, cz: int, cmul: int, e: int) -> float:
-    """Inference, context-parallel forms: the update's steps on this rank's shard or tile: x, then a and b (3 c live
-    while one is built), matmul's copies and p, then the gate, LN(p) and its projection, the product; 1-D, the
-    gathered operand and its matmul copy, whole."""
-    mul = g.pairs * max(e * (cz + 4 * cmul), e * (cz + 5 * cmul), e * (3 * cz + 4 * cmul), e * (4 * cz + 3 * cmul),
-                        e * (2 * cz + 3 * cmul) + _ln_peak(cmul, e) + _ln_const(cmul, e) / g.pairs,
-                        _ln_peak(cz, e) + _ln_const(cz, e) / g.pairs)
-    if g.gathered:  # the gathered operand and its matmul copy, whole
-        mul += 2 * g.pairs_all * cmul * e
-    return mul
+    """Inference, context-parallel forms: the update's steps (:mod:`ds4sci.kernels.trimul`) on this rank's shard or
+    tile, modelled from the code (not measured): an operand built (x, the gate, the projection, the gate's sigmoid
+    and the masked products: ``C_z + 4 c``) beside the one built before (``c``); 1-D, this rank's operand and the
+    product beside the gathered operand, whole; 2-D, the Cannon sum: both operand tiles, their skewed copies, the
+    next tiles in flight, the running sum, the step's product and the new sum (``9 c``); then the output step: p, x,
+    the projection of LN(p), the gate and its sigmoid, the product (``4 C_z + c``), or p and x beside LN_out's."""
+    mul = g.pairs * max(e * (cz + 5 * cmul), e * (4 * cz + cmul),
+                        e * (cz + cmul) + _ln_peak(cmul, e) + _ln_const(cmul, e) / g.pairs,
+                        e * cmul + _ln_peak(cz, e) + _ln_const(cz, e) / g.pairs)
+    if g.gathered:  # this rank's operand and the product beside the gathered operand, whole
+        return max(mul, 2 * g.pairs * cmul * e + g.pairs_all * cmul * e)
+    return max(mul, 9 * g.pairs * cmul * e)
 
 
 def block_live_bytes(w: Workload) -> dict[str, float]:

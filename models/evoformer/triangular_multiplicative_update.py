@@ -13,16 +13,15 @@ OpenFold3's projections have no bias, OpenFold's have one (:class:`~ds4sci.model
 
 ``forward`` runs :func:`ds4sci.kernels.triangle_multiplicative_update` with the module's ``backend`` (a
 :class:`~ds4sci.kernels.TriMulBackend`: ``"auto"``/``"chunked"``, ``"torch"``; changeable later through the
-attribute). :meth:`~TriangleMultiplicativeUpdate.projections`, :meth:`~TriangleMultiplicativeUpdate.combine` and
-:meth:`~TriangleMultiplicativeUpdate.finish` are the same math in steps, for the context-parallel forms
-(:mod:`ds4sci.parallel.evoformer`), which compute the product on shards and mesh tiles.
+attribute). The context-parallel forms (:mod:`ds4sci.parallel.evoformer`) run the same math in the kernels' steps
+(:func:`~ds4sci.kernels.trimul.triangle_operand`, :func:`~ds4sci.kernels.trimul.channel_product`,
+:func:`~ds4sci.kernels.trimul.triangle_finish`) on shards and mesh tiles, with the module's weights.
 """
 from __future__ import annotations
 
 from typing import Optional
 from typing import Union
 
-import torch
 from torch import Tensor
 from torch import nn
 
@@ -30,7 +29,6 @@ from ds4sci.kernels import TriMulBackend
 from ds4sci.kernels import TriMulParams
 from ds4sci.kernels import parse_backend
 from ds4sci.kernels import triangle_multiplicative_update
-from ds4sci.kernels.trimul import triangle_product
 from ds4sci.models.evoformer.primitives import Convention
 from ds4sci.models.evoformer.primitives import LayerNorm
 from ds4sci.models.evoformer.primitives import check_broadcasts
@@ -73,16 +71,6 @@ class TriangleMultiplicativeUpdate(nn.Module):
             self.linear_b_p = linear(c_z, c_hidden, "lecun")
             self.linear_b_g = linear(c_z, c_hidden, "gating")
 
-    def projections(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """The gated, masked edge projections ``a, b [*, I, J, c]`` of the normalised pair ``x [*, I, J, C_z]``
-        (``mask [*, I, J, 1]``)."""
-        if self.fused:
-            ab = mask * torch.sigmoid(self.linear_ab_g(x)) * self.linear_ab_p(x)
-            return ab[..., : self.c_hidden], ab[..., self.c_hidden :]
-        a = mask * torch.sigmoid(self.linear_a_g(x)) * self.linear_a_p(x)
-        b = mask * torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)
-        return a, b
-
     def forward(self, z: Tensor, mask: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tensor:
         layer = type(self).__name__
         check_channels(layer, "z", z, self.c_z, "N_res, N_res")
@@ -91,16 +79,6 @@ class TriangleMultiplicativeUpdate(nn.Module):
         return triangle_multiplicative_update(z, mask, TriMulParams.from_module(self), outgoing=self.outgoing,
                                               eps=self.layer_norm_in.eps, backend=self.backend,
                                               chunk_size=chunk_size)
-
-    def combine(self, a: Tensor, b: Tensor) -> Tensor:
-        """``p [*, I, J, c]``: outgoing ``p_ij = sum_k a_ik b_jk`` (``a`` any rows i, ``b`` every row), incoming
-        ``p_ij = sum_k a_ki b_kj`` (``a`` every column, ``b`` any columns j)
-        (:func:`ds4sci.kernels.trimul.triangle_product`)."""
-        return triangle_product(a, b, self.outgoing)
-
-    def finish(self, x: Tensor, p: Tensor) -> Tensor:
-        """The update ``sigmoid(Linear_g(x)) * Linear_z(LN_out(p))`` of the normalised pair ``x`` (the slab of p)."""
-        return torch.sigmoid(self.linear_g(x)) * self.linear_z(self.layer_norm_out(p))
 
 
 class TriangleMultiplicationOutgoing(TriangleMultiplicativeUpdate):

@@ -9,6 +9,10 @@ from openfold3.core.model.layers import triangular_multiplicative_update as of3
 from ds4sci.bench.memory import LiveTensors
 from ds4sci.kernels import TriMulParams
 from ds4sci.kernels import triangle_multiplicative_update
+from ds4sci.kernels.trimul import channel_product
+from ds4sci.kernels.trimul import triangle_finish
+from ds4sci.kernels.trimul import triangle_operand
+from ds4sci.kernels.trimul import trimul_torch
 from ds4sci.models.evoformer import TriangleMultiplicationIncoming
 from ds4sci.models.evoformer import TriangleMultiplicationOutgoing
 
@@ -153,3 +157,33 @@ def test_chunked_within_pytorch_error(cls, dtype):
         return {"out": out.detach(), "z": grads[0]} | dict(zip(dict(m.named_parameters()), grads[1:]))
 
     assert_within_pytorch_error(run(module, "chunked", z), run(ref_module, "torch", z), run(module, "torch", z), dtype)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("outgoing", [True, False], ids=["outgoing", "incoming"])
+def test_steps_are_the_update_and_save_z_operands_p(outgoing, fused):
+    """The steps the context-parallel forms run on shards and tiles (triangle_operand, channel_product,
+    triangle_finish) give the torch path's output and every gradient in fp64, and save for backward only z, the
+    mask, the two operands (the product's inputs) and p: ``C_z + 3 c`` numbers per pair beside the mask."""
+    torch.manual_seed(3)
+    cls = TriangleMultiplicationOutgoing if outgoing else TriangleMultiplicationIncoming
+    module = cls(C_Z, C_HIDDEN, fused, convention="openfold").double()
+    for p in module.parameters():
+        p.data.normal_()
+    z, mask = torch.randn(2, N, N, C_Z, dtype=torch.float64), _mask(2, N, N)
+    params, grad = TriMulParams.from_module(module), torch.randn(2, N, N, C_Z, dtype=torch.float64)
+    outs = []
+    for steps in (False, True):
+        zz = z.clone().requires_grad_()
+        with SavedBytes(module) as saved:
+            if steps:
+                a, b = (triangle_operand(zz, mask, params, which, 1e-5) for which in "ab")
+                out = triangle_finish(zz, channel_product(a, b, outgoing), params, 1e-5)
+            else:
+                out = trimul_torch(zz, mask, params, outgoing, 1e-5)
+        outs.append((out, torch.autograd.grad(out, [zz, *module.parameters()], grad)))
+    (ref, ref_grads), (out, grads) = outs
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-11)
+    assert saved.total == z.nbytes + mask.nbytes + 3 * z.nbytes // C_Z * C_HIDDEN

@@ -1,14 +1,15 @@
 """Evoformer and Pairformer blocks, and stacks of them, across ranks: axial (1-D) context parallelism with
 single-process semantics (FastFold's Dynamic Axial Parallelism, Cheng et al. 2022, on ds4sci's collectives).
 
-The MSA ``m [*, N_seq, N_res, C_m]`` and the pair ``z [*, N_res, N_res, C_z]`` are split along one axis over P ranks,
-switched by all-to-alls between the sub-modules of a block (AF2 supplement Algorithm 6) that need the other axis
-whole: MSA row attention on m by sequences (gathering the pair bias ``[N_res, N_res, H]`` from z's rows); column
-attention, transition and outer product mean on m by residues (gathering the outer product's ``b``); triangle
-multiplication outgoing / incoming on z by rows / columns (gathering ``b`` / ``a``); triangle attention starting /
-ending on z by rows / columns (gathering the triangle bias); pair transition on z by columns. An internal gather's
-backward reduce-scatters, so a gathered tensor's gradient sums every rank's contribution (FastFold's split-only
-backward drops the other ranks' terms).
+The MSA ``m [*, N_seq, N_res, C_m]`` and the pair ``z [*, N_res, N_res, C_z]`` are split along one axis over P
+ranks, switched by all-to-alls between the sub-modules of a block (AF2 supplement Algorithm 6) that need the other
+axis whole: MSA row attention on m by sequences (gathering the pair bias ``[N_res, N_res, H]`` from z's rows);
+column attention, transition and outer product mean on m by residues (gathering the outer product's ``b``); triangle
+multiplication outgoing / incoming on z by rows / columns (gathering ``b`` / ``a``; the steps of
+:mod:`ds4sci.kernels.trimul`: operands and output recomputed in backward, the product by ``channel_product``);
+triangle attention starting / ending on z by rows / columns (gathering the triangle bias); pair transition on z by
+columns. An internal gather's backward reduce-scatters, so a gathered tensor's gradient sums every rank's
+contribution (FastFold's split-only backward drops the other ranks' terms).
 
 Pairformer blocks (AF3 supplement Algorithm 17): the same pair stack, then the single representation ``s`` replicated
 on every rank (its attention's bias gathered from z's columns; its cost ``O(N^2 H c)`` is small beside the pair
@@ -39,6 +40,10 @@ from ds4sci.distributed.comm import group_rank
 from ds4sci.distributed.comm import group_size
 from ds4sci.distributed.comm import reduce_scatter
 from ds4sci.distributed.comm import split_sequence_region
+from ds4sci.kernels import TriMulParams
+from ds4sci.kernels.trimul import channel_product
+from ds4sci.kernels.trimul import triangle_finish
+from ds4sci.kernels.trimul import triangle_operand
 from ds4sci.models.evoformer import EvoformerBlock
 from ds4sci.models.evoformer import PairformerBlock
 from ds4sci.parallel.evoformer.common import Blocks
@@ -135,18 +140,26 @@ def _pairformer(blk: PairformerBlock, s: Tensor, z_r: Tensor, single_mask: Tenso
     return s + blk.single_transition(s, single_mask, ax.chunk_size), z_c
 
 
+def _triangle_update(mul, z: Tensor, mask: Tensor, ax: _Axes) -> Tensor:
+    """A triangle multiplicative update of z by rows ``[*, N'/p, N', C_z]`` (outgoing: ``p_ij = sum_k a_ik b_jk``,
+    this rank's rows i of a, every row j of b, gathered) or by columns ``[*, N', N'/p, C_z]`` (incoming: ``p_ij =
+    sum_k a_ki b_kj``, every column i of a, gathered, this rank's columns j of b), by the steps of
+    :mod:`ds4sci.kernels.trimul` on channel-major operands ``[*, c, ., .]``; ``mask`` z's ``[*, ., .]``. This rank's
+    operand first, the gathered one second; each dies once the product is made."""
+    w, eps, outgoing = TriMulParams.from_module(mul), mul.layer_norm_in.eps, mul.outgoing
+    mine = triangle_operand(z, mask, w, "a" if outgoing else "b", eps)
+    other = ax.gather(triangle_operand(z, mask, w, "b" if outgoing else "a", eps), -2 if outgoing else -1)
+    p = channel_product(mine, other, True) if outgoing else channel_product(other, mine, False)
+    del mine, other
+    return triangle_finish(z, p, w, eps)
+
+
 def _pair_stack(ps, z_r: Tensor, ax: _Axes) -> Tensor:
     """The pair stack on z by rows ``[*, N'/p, N', C_z]``; returns z by columns ``[*, N', N'/p, C_z]``."""
     chunk_size, pm_rows, pm_cols = ax.chunk_size, ax.pm_rows, ax.pm_cols
-    mul = ps.tri_mul_out  # outgoing: p_ij = sum_k a_ik b_jk: this rank's rows i of a, every row j of b
-    x = mul.layer_norm_in(z_r)
-    a, b = mul.projections(x, pm_rows.unsqueeze(-1))
-    z_r = z_r + ps.dropout_row(mul.finish(x, mul.combine(a, ax.gather(b, -3))))
+    z_r = z_r + ps.dropout_row(_triangle_update(ps.tri_mul_out, z_r, pm_rows, ax))
     z_c = ax.rows_to_cols(z_r)
-    mul = ps.tri_mul_in  # incoming: p_ij = sum_k a_ki b_kj: every column i of a, this rank's columns j of b
-    x = mul.layer_norm_in(z_c)
-    a, b = mul.projections(x, pm_cols.unsqueeze(-1))
-    z_c = z_c + ps.dropout_row(mul.finish(x, mul.combine(ax.gather(a, -2), b)))
+    z_c = z_c + ps.dropout_row(_triangle_update(ps.tri_mul_in, z_c, pm_cols, ax))
     z_r = ax.cols_to_rows(z_c)
     bias = ax.gather(ps.tri_att_start.triangle_bias(z_r), -3)
     z_r = z_r + ps.dropout_row(ps.tri_att_start(z_r, ax.key_rows, chunk_size, bias=bias))

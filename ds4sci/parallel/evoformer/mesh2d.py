@@ -9,9 +9,11 @@ mesh row, the tile of (r, c + r); on the column, of (r + c, c)) so that both ope
 the *ring* that moves the tiles one rank on per step.
 
 Per block (AF2 supplement Algorithm 6): the outer product mean and the triangle multiplications are Cannon sums of
-products of tiles; the MSA row and column attentions and the triangle attentions are ring attention (Liu et al.
-2023) on the Evoformer kernel, the bias tile rotating beside the key/value tile and the partial results merged by the
-kernel's row max and row sum; the transitions are pointwise on the tile. The padding keys are masked with -inf.
+products of tiles (the triangle multiplications by the steps of :mod:`ds4sci.kernels.trimul`: each step one
+``channel_product``, operands and output recomputed in backward); the MSA row and column attentions and the triangle
+attentions are ring attention (Liu et al. 2023) on the Evoformer kernel, the bias tile rotating beside the key/value
+tile and the partial results merged by the kernel's row max and row sum; the transitions are pointwise on the tile.
+The padding keys are masked with -inf.
 
 Pairformer blocks (AF3 supplement Algorithm 17): the pair stack on the tiles, then ``s [*, N, C_s]`` replicated as in
 the axial version, its attention with pair bias (AF3 Algorithm 24) computed from the bias tiles, which never move
@@ -36,6 +38,10 @@ from ds4sci.distributed.comm import CommCounter
 from ds4sci.distributed.comm import group_rank
 from ds4sci.distributed.comm import move
 from ds4sci.distributed.comm import split_sequence_region
+from ds4sci.kernels import TriMulParams
+from ds4sci.kernels.trimul import channel_product
+from ds4sci.kernels.trimul import triangle_finish
+from ds4sci.kernels.trimul import triangle_operand
 from ds4sci.models.evoformer import EvoformerBlock
 from ds4sci.models.evoformer import PairformerBlock
 from ds4sci.models.evoformer.primitives import GatedAttention
@@ -267,17 +273,24 @@ class _MeshStack(nn.Module):
         out = _attend(att.mha, x, mesh, kv_ring, key_mask, self._real[1], bias, att.inf, att.backend)
         return out if att.starting else out.transpose(-2, -3)
 
+    def _triangle_update(self, mul, z: Tensor, mask: Tensor) -> Tensor:
+        """A triangle multiplicative update of this rank's z tile ``[*, n, n, C_z]`` (``mask`` its ``[*, n, n]``) by
+        the steps of :mod:`ds4sci.kernels.trimul` on channel-major tiles ``[*, c, n, n]``, each Cannon step one
+        ``channel_product``: outgoing ``p_ij = sum_k a_ik b_jk`` from the row's a[I_r, K_t] and the column's swapped
+        b[J_c, K_t]; incoming ``p_ij = sum_k a_ki b_kj`` from the row's swapped a[K_t, I_r] and the column's
+        b[K_t, J_c]."""
+        w, eps, outgoing, mesh = TriMulParams.from_module(mul), mul.layer_norm_in.eps, mul.outgoing, self.mesh
+        a, b = (triangle_operand(z, mask, w, which, eps) for which in "ab")
+        a, b = (a, _swap(b, mesh)) if outgoing else (_swap(a, mesh), b)
+        p = self._cannon(a, b, lambda a_t, b_t: channel_product(a_t, b_t, outgoing))
+        del a, b
+        return triangle_finish(z, p, w, eps)
+
     def _pair_stack(self, blk: EvoformerBlock, z: Tensor, chunk_size: int | None) -> Tensor:
         """The pair stack on this rank's z tile ``[*, n, n, C_z]``."""
-        ps, pm, mesh = blk.pair_stack, self._masks[3], self.mesh
-        mul = ps.tri_mul_out  # p_ij = sum_k a_ik b_jk: the row's a[I_r, K_t], the column's swapped b[J_c, K_t]
-        x = mul.layer_norm_in(z)
-        a, b = mul.projections(x, pm.unsqueeze(-1))
-        z = z + ps.dropout_row(mul.finish(x, self._cannon(a, _swap(b, mesh), mul.combine)))
-        mul = ps.tri_mul_in  # p_ij = sum_k a_ki b_kj: the row's swapped a[K_t, I_r], the column's b[K_t, J_c]
-        x = mul.layer_norm_in(z)
-        a, b = mul.projections(x, pm.unsqueeze(-1))
-        z = z + ps.dropout_row(mul.finish(x, self._cannon(_swap(a, mesh), b, mul.combine)))
+        ps, pm = blk.pair_stack, self._masks[3]
+        z = z + ps.dropout_row(self._triangle_update(ps.tri_mul_out, z, pm))
+        z = z + ps.dropout_row(self._triangle_update(ps.tri_mul_in, z, pm))
         z = z + ps.dropout_row(self._triangle_attention(ps.tri_att_start, z, False))
         z = z + ps.dropout_col(self._triangle_attention(ps.tri_att_end, z, ps.transpose_end_bias))
         return z + ps.pair_transition(z, pm, chunk_size)
