@@ -1,7 +1,7 @@
 """Fine-tuning (``ds4sci train`` with a ``task:`` section, :class:`ds4sci.train.finetune.FineTuner`) across
 processes: a LoRA + attention-pooled head under Ulysses 2 and ring 2, and LoRA under ZeRO-3 and ZeRO-0 at dp 2,
-each give one process's losses, adapter and head weights (fp32); a run stopped at a checkpoint and resumed
-continues with the uninterrupted losses, and its end writes metrics.json (test split) and the task export.
+each give one process's losses, adapter and head weights (fp32), as does LoRA under full activation checkpointing;
+a run stopped at a checkpoint and resumed continues with the uninterrupted losses, and its end writes metrics.json (test split) and the task export.
 One process group per world size, every case in it."""
 import json
 import random
@@ -54,6 +54,9 @@ def _cases(rank, world, tmp, data):
     if world == 1:
         straight = FineTuner(load_config(None, _sets(f"{tmp}/straight", data)))
         out["straight"] = [straight.train_step().loss for _ in range(STEPS)], _trained(straight)
+        checkpointed = FineTuner(load_config(None, _sets(f"{tmp}/checkpointed", data,
+                                                         "activation_checkpointing.mode=full")))
+        out["checkpointed"] = [checkpointed.train_step().loss for _ in range(STEPS)], _trained(checkpointed)
         first = FineTuner(load_config(None, _sets(f"{tmp}/first", data, steps=1)))
         out["first"] = [r["loss"] for r in first.train() if "loss" in r]  # 1 step, checkpoint, test, export
         resumed = FineTuner(load_config(None, _sets(f"{tmp}/resumed", data)))
@@ -83,6 +86,11 @@ def test_finetune_layouts_resume_and_outputs(tmp_path):
         for key, value in state.items():
             torch.testing.assert_close(torch.from_numpy(got_state[key]), torch.from_numpy(value), rtol=1e-4,
                                        atol=1e-6, msg=lambda m, n=name, k=key: f"{n}: {k}: {m}")
+    got_losses, got_state = one["checkpointed"]  # LoRA under full activation checkpointing: the same run
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-6, atol=1e-7)
+    for key, value in state.items():
+        torch.testing.assert_close(torch.from_numpy(got_state[key]), torch.from_numpy(value), rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, k=key: f"checkpointed: {k}: {m}")
     assert one["first"] == losses[:1]
     torch.testing.assert_close(torch.tensor(one["resumed"][0]), torch.tensor(losses[1:]), rtol=0, atol=0)
     for key, value in state.items():
