@@ -1,8 +1,8 @@
 """Fine-tuning (``ds4sci train`` with a ``task:`` section, :class:`ds4sci.train.finetune.FineTuner`) across
 processes: a LoRA + attention-pooled head under Ulysses 2 and ring 2, and LoRA under ZeRO-3 and ZeRO-0 at dp 2,
 each give one process's losses, adapter and head weights (fp32), as does LoRA under full activation checkpointing;
-a run stopped at a checkpoint and resumed continues with the uninterrupted losses, and its end writes metrics.json (test split) and the task export.
-One process group per world size, every case in it."""
+a run stopped at a checkpoint and resumed continues with the uninterrupted losses, and its end writes metrics.json
+(test split) and the task export. One process group per world size, every case in it."""
 import json
 import random
 from pathlib import Path
