@@ -15,8 +15,8 @@ the file's start, when not 0). The three ways, each on the same records and base
 
 The fine-tunes run in one worker process (a process group of one, :func:`ds4sci.spawn.run_workers`) so the
 benchmark's own process holds none. Times are wall and CPU seconds of the fitting (probe: features and fit;
-fine-tunes: ``FineTuner.train``, its evaluations and the test split included). Writes ``finetune.json``, ``.md`` and
-``.png`` to ``--out``.
+fine-tunes: ``FineTuner.train``, its one validation and the test split at the end included). Writes
+``finetune.json``, ``.md`` and ``.png`` to ``--out``.
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def run_finetune(cfg: dict, base: str, table: Path, method: str, out: Path) -> d
     sets = ["task.kind=binary", f"task.data={table}", "task.pooling=last", f"task.method={method}",
             "task.lora_targets=[attention,mlp]", f"task.lora_r={cfg['lora_r']}", f"task.lora_alpha={2 * cfg['lora_r']}",
             f"model.init_from={base}", f"data.seq_len={cfg['seq_len']}", f"train.micro_batch_size={cfg['batch']}",
-            f"train.steps={cfg['steps']}", f"train.eval_every={max(1, cfg['steps'] // 3)}", "train.eval_batches=1000",
+            f"train.steps={cfg['steps']}", "train.eval_every=0", "train.eval_batches=1000",
             f"train.log_every={max(1, cfg['steps'] // 10)}", "train.progress=false", f"train.seed={cfg['seed']}",
             f"train.out_dir={out / method}", f"optim.lr={cfg['lr']}", f"optim.min_lr={cfg['lr'] / 10}",
             f"optim.warmup_steps={min(10, cfg['steps'] // 10)}"]
