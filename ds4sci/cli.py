@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "TSV row per record (or per token)"),
     "probe": ("ds4sci.commands.probe", "a linear probe (logistic or ridge, cross-validated) on a model's frozen "
               "embeddings of labelled sequences: test metrics to metrics.json"),
+    "merge": ("ds4sci.commands.merge", "fold a fine-tuned task model's LoRA adapters into its weights: a plain "
+              "ds4sci export with its head"),
     "export-hf": ("ds4sci.commands.export_hf", "write a model as a Hugging Face transformers directory "
                   "(GPTNeoXForCausalLM or LlamaForCausalLM, and its tokenizer)"),
     "bench": ("ds4sci.bench", "run a benchmark and write its results (JSON + Markdown) to --out"),

@@ -95,6 +95,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "records/s of ds4sci score on a corpus of mixed lengths: one window at a time, bucketed by length, packed "
         "with document masks, and transformers' batched forward on the same weights",
     ),
+    "finetune": (
+        "ds4sci.bench.finetune",
+        "the linear probe, LoRA and full fine-tuning side by side on the bundled coding task: test AUROC, trainable "
+        "parameters, optimizer-state bytes, time",
+    ),
 }
 
 

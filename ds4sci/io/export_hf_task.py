@@ -12,9 +12,10 @@ no bias to fold the mean into).
 
 LoRA: with ``merge`` the adapters are folded into the weights (one plain model); without it the base model is
 written and the adapters beside it in ``OUT/adapter`` (peft's ``adapter_config.json`` and
-``adapter_model.safetensors``), for ``PeftModel.from_pretrained(model, OUT/adapter)``. Only GPT-NeoX names match
-ds4sci's layer for layer; a Llama model's fused q/k/v adapter has no peft equivalent on its split q/k/v projections,
-so it is written merged only.
+``adapter_model.safetensors``), for ``PeftModel.from_pretrained(model, OUT/adapter)``. GPT-NeoX names match ds4sci's
+layer for layer. A Llama model's adapter on the fused q/k/v projection becomes one adapter on each of transformers'
+``q_proj``, ``k_proj`` and ``v_proj``: the same ``A`` (``r x hidden``) for the three, ``B``'s rows split as the
+weight's (:func:`~ds4sci.models.genslm.llama.unfuse_qkv`), so each update ``B_q A`` is the fused update's rows.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from ds4sci.io.task_model import read_task_meta
 from ds4sci.io.weights import load_model
 from ds4sci.models.genslm import to_gpt_neox_state_dict
 from ds4sci.models.genslm import to_llama_state_dict
+from ds4sci.models.genslm.llama import LLAMA_LAYER_NAMES
+from ds4sci.models.genslm.llama import unfuse_qkv
 from ds4sci.train.lora import merge_lora
 
 PROBLEM_TYPES = {"binary": "single_label_classification", "multiclass": "single_label_classification",
@@ -43,7 +46,7 @@ def export_task_hf(source: str | Path, out: str | Path, overwrite: bool = False,
 
     Raises:
         FileExistsError: ``out`` holds files and ``overwrite`` is false.
-        ValueError: a head or model transformers cannot express, or a Llama LoRA adapter without ``merge``.
+        ValueError: a head or model transformers cannot express.
     """
     out = export_dir(out, overwrite)
     spec, lora, base = read_task_meta(source)
@@ -56,9 +59,6 @@ def export_task_hf(source: str | Path, out: str | Path, overwrite: bool = False,
     data = hf_config(config, tokenizer, source)
     llama = data["model_type"] == "llama"
     adapter = lora is not None and not merge
-    if adapter and llama:
-        raise ValueError(f"{source}: a Llama model's LoRA adapter on the fused q/k/v projection has no peft "
-                         f"equivalent on transformers' q_proj/k_proj/v_proj; pass --merge to write the merged model")
     if lora is not None and merge:
         merge_lora(model.model)
     backbone = load_model(base)[0] if adapter else model.model  # the plain weights the adapters apply to
@@ -79,20 +79,46 @@ def export_task_hf(source: str | Path, out: str | Path, overwrite: bool = False,
         writer.add(name, tensor)
     writer.close()
     if adapter:
-        _write_adapter(model, lora, out)
+        _write_adapter(model.model, lora, out, llama)
     return out
 
 
-def _write_adapter(model, lora, out: Path) -> None:
-    """peft's files for the adapters of ``model`` (GPT-NeoX) in ``out/adapter``."""
-    from peft import LoraConfig
+def _adapter_tensors(backbone, llama: bool) -> dict:
+    """The adapters of ``backbone`` (a GenSLM with LoRA injected) under the names peft saves for transformers'
+    classifier of that shape (``base_model.model.gpt_neox.layers.0.attention.query_key_value.lora_A.weight``, or
+    Llama's ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: the module docstring), fp32."""
     from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(backbone)  # layers.0.attention.query_key_value.lora_A.weight
+    if not llama:
+        return {f"base_model.model.gpt_neox.{k}": v.detach().float() for k, v in state.items()}
+    config = backbone.config
+    modules = {ours.removesuffix(".weight"): theirs.removesuffix(".weight")
+               for theirs, ours in LLAMA_LAYER_NAMES.items() if ours.endswith(".weight")}
+    out = {}
+    for name, tensor in state.items():
+        _, layer, rest = name.split(".", 2)
+        module, lora = rest.split(".lora_")  # attention.query_key_value, A.weight
+        prefix = f"base_model.model.model.layers.{layer}."
+        if module == "attention.query_key_value":
+            # B [(H + 2 Hkv) D, r]: its rows split as the weight's; A [r, hidden]: the same for the three, copied
+            parts = (unfuse_qkv(tensor, config.num_heads, config.num_kv_heads) if lora.startswith("B") else
+                     [tensor.clone() for _ in range(3)])
+            for projection, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                out[f"{prefix}self_attn.{projection}.lora_{lora}"] = part.detach().float()
+        else:
+            out[f"{prefix}{modules[module]}.lora_{lora}"] = tensor.detach().float()
+    return out
+
+
+def _write_adapter(backbone, lora, out: Path, llama: bool) -> None:
+    """peft's files for the adapters of ``backbone`` in ``out/adapter``."""
+    from peft import LoraConfig
 
     folder = out / ADAPTER_DIR
     folder.mkdir(exist_ok=True)
-    targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.model.named_modules() if hasattr(m, "lora_A")})
+    state = _adapter_tensors(backbone, llama)
+    targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in state})
     LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                base_model_name_or_path=str(out)).save_pretrained(str(folder))
-    state = get_peft_model_state_dict(model.model)  # layers.0.attention.query_key_value.lora_A.weight
-    save_file({f"base_model.model.gpt_neox.{k}": v.detach().float().contiguous() for k, v in state.items()},
-              str(folder / "adapter_model.safetensors"))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "adapter_model.safetensors"))

@@ -12,7 +12,8 @@ The folder a fine-tuning run exports (``train.out_dir/export``):
   and no backbone weights: the base (its weights, config and tokenizer) is read from ``base``.
 
 :func:`load_task_model` builds the :class:`~ds4sci.models.genslm.task.GenSLMForTask` (adapters injected, not
-merged: :func:`ds4sci.train.lora.merge_lora` folds them in; ``ds4sci export-hf --merge`` writes the merged model).
+merged: :func:`ds4sci.train.lora.merge_lora` folds them in). :func:`merge_task_model` (``ds4sci merge``) writes a
+LoRA model merged, as the folder of a full fine-tune; ``ds4sci export-hf --merge`` writes it as transformers'.
 """
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ import torch
 from safetensors.torch import save_file
 
 from ds4sci.data import Tokenizer
+from ds4sci.io.export import export_consolidated
+from ds4sci.io.export import read_trained_length
 from ds4sci.io.tensors import read_tensors
 from ds4sci.io.weights import load_model
 from ds4sci.models.genslm import GenSLMForTask
 from ds4sci.models.genslm import TaskSpec
 from ds4sci.train.lora import LoraSpec
 from ds4sci.train.lora import load_adapter
+from ds4sci.train.lora import merge_lora
 
 TASK_FILE, HEAD_FILE, ADAPTER_FILE = "task.json", "head.safetensors", "adapter_model.safetensors"
 
@@ -84,3 +88,29 @@ def load_task_model(folder: str | Path, device: str | torch.device = "cpu") -> t
     model.head.load_state_dict({k: v.float() for k, v in head.items()}, strict=True)
     return model.float().to(device).eval(), tokenizer
 
+
+
+def merge_task_model(source: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+    """Write the LoRA task model at ``source`` to ``out`` with its adapters folded into the weights: the folder of a
+    full fine-tune (a ds4sci export of the backbone, which ``ds4sci score`` / ``embed`` and ``ds4sci.load_model`` read
+    as a language model, with ``task.json`` and the head for ``predict`` and ``export-hf``), fp32; the base's
+    ``trained_length`` kept.
+
+    Raises:
+        FileExistsError: ``out`` holds files and ``overwrite`` is false.
+        ValueError: ``source`` has no LoRA adapters (a full fine-tune is merged already).
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: not empty; pass --overwrite to replace the model files in it")
+    spec, lora, base = read_task_meta(source)
+    if lora is None:
+        raise ValueError(f"{source}: a full fine-tune, with no LoRA adapters to merge (it is a plain export already)")
+    model, tokenizer = load_task_model(source)
+    backbone = merge_lora(model.model)
+    export_consolidated(backbone.state_dict(), backbone.config, tokenizer, out,
+                        trained_length=read_trained_length(base))
+    write_task_files(out, spec, model.head.state_dict())
+    return out

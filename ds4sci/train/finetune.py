@@ -156,6 +156,11 @@ class FineTuner(Trainer):
         _, local_sum = self._logits_and_sum(batch)
         return local_sum, (batch["targets"] != IGNORE_INDEX).sum()
 
+    def step_tokens(self, batches: list[dict], count: torch.Tensor) -> int:
+        """The real (unpadded) input tokens of a step over every rank, each once: a pooled head's ``count`` is
+        records (collective)."""
+        return int(self._all_sum(sum(b["mask"].sum() for b in batches)).item())
+
     # ------------------------------------------------------------------------------------------------ evaluate
     @torch.no_grad()
     def evaluate(self, dataset=None, prefix: str = "val") -> dict[str, float]:

@@ -336,7 +336,12 @@ class Trainer:
             with _no_update([] if finite else [self.pos_table.optimizer]):
                 self.pos_table.step(reduction)
         self.step += 1
-        return StepResult(self.step, loss, int(count.item()), lr)
+        return StepResult(self.step, loss, self.step_tokens(batches, count), lr)
+
+    def step_tokens(self, batches: list[dict], count: torch.Tensor) -> int:
+        """The tokens a step trained on, over every rank (``tokens`` in metrics.jsonl, the log's tokens/s): the
+        language-modelling targets, ``count``."""
+        return int(count.item())
 
     def _nonfinite(self, loss: float, applied: bool) -> None:
         """A NaN / infinite step loss under ``train.nonfinite``: ``stop`` raises, ``skip`` logs (the update is

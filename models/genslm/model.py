@@ -444,6 +444,10 @@ class GenSLM(nn.Module):
                 raise ValueError("pass position_embeds exactly when the position table was popped from the model")
             x = x + (self.embed_pos(position_ids) if position_embeds is None else position_embeds.to(x.dtype))
         x = self.emb_dropout(x)
+        if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled() and not x.requires_grad:
+            # A frozen embedding (LoRA): a reentrant checkpoint's output needs grad only when an input does, so the
+            # blocks' trainable weights (the adapters) would silently get none without this
+            x = x.requires_grad_()
         for i, block in enumerate(self.layers[:stop_after]):
             if self.checkpoint_fn is not None and self.training:
                 x = self.checkpoint_fn(block, x, position_ids, doc_ids)  # recomputed in backward

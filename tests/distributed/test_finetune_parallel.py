@@ -1,8 +1,9 @@
 """Fine-tuning (``ds4sci train`` with a ``task:`` section, :class:`ds4sci.train.finetune.FineTuner`) across
 processes: a LoRA + attention-pooled head under Ulysses 2 and ring 2, and LoRA under ZeRO-3 and ZeRO-0 at dp 2,
-each give one process's losses, adapter and head weights (fp32); a run stopped at a checkpoint and resumed
-continues with the uninterrupted losses, and its end writes metrics.json (test split) and the task export.
-One process group per world size, every case in it."""
+each give one process's losses, adapter and head weights (fp32), as does LoRA under full activation checkpointing;
+the tokens logged per step (tokens/s) are the batch's real tokens, each counted once; a run stopped at a checkpoint
+and resumed continues with the uninterrupted losses, and its end writes metrics.json (test split) and the task
+export. One process group per world size, every case in it."""
 import json
 import random
 from pathlib import Path
@@ -45,6 +46,12 @@ def _trained(trainer):
     return {k: v.numpy() for k, v in trainer.full_state_dict().items() if ".lora_" in k or k.startswith("head.")}
 
 
+def _steps(trainer, n=STEPS):
+    """``n`` training steps: their losses and (logged) tokens."""
+    results = [trainer.train_step() for _ in range(n)]
+    return [r.loss for r in results], [r.tokens for r in results]
+
+
 def _cases(rank, world, tmp, data):
     from ds4sci.train.checkpoint import load_checkpoint
     from ds4sci.train.config import load_config
@@ -53,17 +60,20 @@ def _cases(rank, world, tmp, data):
     out = {}
     if world == 1:
         straight = FineTuner(load_config(None, _sets(f"{tmp}/straight", data)))
-        out["straight"] = [straight.train_step().loss for _ in range(STEPS)], _trained(straight)
+        out["straight"] = _steps(straight), _trained(straight)
+        checkpointed = FineTuner(load_config(None, _sets(f"{tmp}/checkpointed", data,
+                                                         "activation_checkpointing.mode=full")))
+        out["checkpointed"] = _steps(checkpointed), _trained(checkpointed)
         first = FineTuner(load_config(None, _sets(f"{tmp}/first", data, steps=1)))
         out["first"] = [r["loss"] for r in first.train() if "loss" in r]  # 1 step, checkpoint, test, export
         resumed = FineTuner(load_config(None, _sets(f"{tmp}/resumed", data)))
         load_checkpoint(resumed, f"{tmp}/first/checkpoints/step1")
-        out["resumed"] = [resumed.train_step().loss for _ in range(STEPS - 1)], _trained(resumed)
+        out["resumed"] = _steps(resumed, STEPS - 1)[0], _trained(resumed)
         return out
     for name, extra, micro in [("ulysses", ["parallel.ulysses=2"], 4), ("ring", ["parallel.ring=2"], 4),
                                ("zero0", ["zero.stage=0"], 2), ("zero3", ["zero.stage=3"], 2)]:
         trainer = FineTuner(load_config(None, _sets(f"{tmp}/{name}", data, *extra, micro=micro)))
-        out[name] = [trainer.train_step().loss for _ in range(STEPS)], _trained(trainer)
+        out[name] = _steps(trainer), _trained(trainer)
     return out
 
 
@@ -72,17 +82,24 @@ def test_finetune_layouts_resume_and_outputs(tmp_path):
     data = str(_labelled(tmp_path / "motif.tsv"))
     one = run_workers(_cases, 1, str(tmp_path), data, env=ENV, timeout=400)[0]
     two = run_workers(_cases, 2, str(tmp_path), data, env=ENV, timeout=400)[0]
-    losses, state = one["straight"]
+    (losses, tokens), state = one["straight"]
+    assert all(4 * 28 <= n <= 4 * 32 for n in tokens), tokens  # 4 records of 28-32 bases a step: tokens, not records
     assert len(state) == 2 * 4 * 2 + 3  # lora_A, lora_B of 4 modules x 2 layers; pool weight, bias; score
     assert all(abs(v).max() > 1e-4 for k, v in state.items() if ".lora_B" in k)  # trained: B starts at zero
     assert len(set(losses)) == STEPS
     for name in ("ulysses", "ring", "zero0", "zero3"):
-        got_losses, got_state = two[name]
+        (got_losses, got_tokens), got_state = two[name]
+        assert got_tokens == tokens, name  # each token of a sharded or data-parallel batch counted once
         torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, n=name: f"{n} losses: {m}")
         for key, value in state.items():
             torch.testing.assert_close(torch.from_numpy(got_state[key]), torch.from_numpy(value), rtol=1e-4,
                                        atol=1e-6, msg=lambda m, n=name, k=key: f"{n}: {k}: {m}")
+    (got_losses, _), got_state = one["checkpointed"]  # LoRA under full activation checkpointing: the same run
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-6, atol=1e-7)
+    for key, value in state.items():
+        torch.testing.assert_close(torch.from_numpy(got_state[key]), torch.from_numpy(value), rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, k=key: f"checkpointed: {k}: {m}")
     assert one["first"] == losses[:1]
     torch.testing.assert_close(torch.tensor(one["resumed"][0]), torch.tensor(losses[1:]), rtol=0, atol=0)
     for key, value in state.items():

@@ -13,27 +13,7 @@ from ds4sci.infer.embed import token_embeddings
 from ds4sci.infer.probe import fit_probe
 from ds4sci.infer.probe import probe_features
 
-MOTIF = "GGAGGTG"  # the only G's: the background is drawn from A, C, T
-
-
-def _motif_table(path, n=200, length=32, shuffle=False, seed=0):
-    """``n`` records, half with the motif planted at a random place (label 1); the first half train, the rest test.
-    ``shuffle``: labels permuted, so they say nothing about the sequences."""
-    rng = np.random.default_rng(seed)
-    labels = rng.permutation(np.arange(n) % 2)  # in no pattern a reordering of the records could keep
-    rows = []
-    for i, label in enumerate(labels):
-        seq = "".join(rng.choice(list("ACT"), length))
-        if label:
-            at = rng.integers(0, length - len(MOTIF))
-            seq = seq[:at] + MOTIF + seq[at + len(MOTIF):]
-        rows.append([f"r{i}", seq, int(label), "train" if i < n // 2 else "test"])
-    if shuffle:
-        permuted = rng.permutation(labels)
-        for row, label in zip(rows, permuted):
-            row[2] = int(label)
-    path.write_text("id\tsequence\tlabel\tsplit\n" + "".join("\t".join(map(str, r)) + "\n" for r in rows))
-    return path
+from motif_checks import motif_table  # tests/ is on sys.path (its conftest.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,7 +49,7 @@ def export(tmp_path_factory):
 
 def test_probe_finds_a_planted_motif_and_not_shuffled_labels(export, tmp_path, capsys):
     for shuffle in (False, True):
-        data = _motif_table(tmp_path / f"motif{shuffle}.tsv", shuffle=shuffle)
+        data = motif_table(tmp_path / f"motif{shuffle}.tsv", shuffle=shuffle)
         out = tmp_path / f"out{shuffle}"
         assert main(["probe", str(export), "--data", str(data), "--out", str(out), "--no-progress",
                      "--device", "cpu", "--folds", "3"]) == 0
@@ -151,7 +131,7 @@ def test_the_command_knows_the_readers_kinds_and_splits():
 def test_user_mistakes_are_one_error(export, tmp_path, capsys, argv, message):
     bad = tmp_path / "bad.tsv"
     bad.write_text("id\tsequence\tlabel\na\tACGT\t1\nb\tACGT\t\nc\tAC\t7\n")
-    good = _motif_table(tmp_path / "good.tsv", n=20)
+    good = motif_table(tmp_path / "good.tsv", n=20)
     argv = [a.format(bad=bad, good=good) for a in argv]
     assert main(["probe", str(export), *argv, "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     err = capsys.readouterr().err

@@ -76,12 +76,13 @@ def test_predict_equals_the_forward(tmp_path, kind, pooling):
 
 
 @pytest.mark.parametrize("shape,kind,lora", [("neox", "binary", "adapter"), ("llama", "regression", None),
-                                             ("neox", "token", None), ("llama", "multilabel", "merge")])
+                                             ("neox", "token", None), ("llama", "multilabel", "merge"),
+                                             ("llama", "binary", "adapter")])
 def test_export_hf_logits_equal_transformers(tmp_path, shape, kind, lora):
     transformers = pytest.importorskip("transformers")
     spec = TaskSpec(kind, 2 if kind != "token" else 3, "last", target_mean=(1.0, 2.0) if kind == "regression" else (),
                     target_std=(2.0, 0.5) if kind == "regression" else ())
-    folder, model = _task_model(tmp_path, spec, lora=LoraSpec(r=2) if lora else None,
+    folder, model = _task_model(tmp_path, spec, lora=LoraSpec(r=2, targets=("attention", "mlp")) if lora else None,
                                 **(LLAMA if shape == "llama" else {}))
     out = export_task_hf(folder, tmp_path / "hf", merge=lora == "merge")
     auto = (transformers.AutoModelForTokenClassification if kind == "token"
@@ -105,6 +106,27 @@ def test_export_hf_refuses_what_transformers_cannot_express(tmp_path):
     folder, _ = _task_model(tmp_path, TaskSpec("binary", 2, "mean"))
     with pytest.raises(ValueError, match="pool the last non-padding token only"):
         export_task_hf(folder, tmp_path / "hf")
-    folder, _ = _task_model(tmp_path / "l", TaskSpec("binary", 2, "last"), lora=LoraSpec(r=2), **LLAMA)
-    with pytest.raises(ValueError, match="pass --merge"):
-        export_task_hf(folder, tmp_path / "hf2")
+
+
+def test_merge_writes_a_plain_export_with_the_adapter_models_logits(tmp_path, capsys):
+    from ds4sci.cli import main
+    from ds4sci.io.export import read_trained_length
+    from ds4sci.io.task_model import read_task_meta
+    from ds4sci.io.weights import load_model
+
+    spec = TaskSpec("multiclass", 3, "attention")
+    folder, model = _task_model(tmp_path, spec, lora=LoraSpec(r=2, targets=("attention", "mlp")), **LLAMA)
+    assert main(["merge", str(folder), str(tmp_path / "merged")]) == 0
+    merged, _ = load_task_model(tmp_path / "merged")
+    assert read_task_meta(tmp_path / "merged") == (spec, None, None)  # a full fine-tune's folder
+    ids, mask, pos = _padded()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids, pos, mask), model(ids, pos, mask), rtol=1e-5, atol=1e-6)
+        lm, _, _ = load_model(tmp_path / "merged")  # the language model ds4sci score and embed read
+        torch.testing.assert_close(lm(ids, pos), model.model(ids, pos), rtol=1e-4, atol=1e-5)  # fp32 merge
+    assert read_trained_length(tmp_path / "merged") == read_trained_length(tmp_path / "base")
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "merged"), str(tmp_path / "again")]) == 2  # nothing to merge
+    assert main(["merge", str(folder), str(tmp_path / "merged")]) == 2  # not empty
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "no LoRA adapters to merge" in err[0] and "not empty; pass --overwrite" in err[1], err

@@ -1,10 +1,13 @@
 """LoRA through peft (ds4sci.train.lora): targets by name and group, only adapters trainable, the adapter state
-round trip, and a merge that computes what the adapted model computes."""
+round trip, a merge that computes what the adapted model computes, and activation checkpointing (full and
+selective) giving the losses and adapter gradients of the plain model."""
 import pytest
 import torch
 
 from ds4sci.models.genslm import GenSLM
 from ds4sci.models.genslm import GenSLMConfig
+from ds4sci.train.activation_checkpointing import CheckpointedCore
+from ds4sci.train.activation_checkpointing import checkpoint
 from ds4sci.train.lora import LoraSpec
 from ds4sci.train.lora import adapter_state_dict
 from ds4sci.train.lora import apply_lora
@@ -53,3 +56,32 @@ def test_adapter_round_trip_and_merge_equal_the_adapted_model():
     merged = merge_lora(adapted)
     assert set(merged.state_dict()) == set(_model().state_dict())
     torch.testing.assert_close(merged(ids, pos), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_lora_under_activation_checkpointing_gives_the_losses_and_adapter_grads(mode):
+    """The hooks the trainer sets (ds4sci.train.activation_checkpointing: DeepSpeed's reentrant checkpoint around
+    each block, or around each attention core): with the embedding frozen, a checkpointed block's input needs no
+    grad, and its adapters must get their gradients all the same."""
+    ids = torch.randint(0, 69, (2, 9))
+    pos = torch.arange(9).expand(2, 9)
+    results = []
+    for hooked in (False, True):
+        model = apply_lora(_model(), LoraSpec(r=2, targets=("attention", "mlp")))
+        _perturb(model)  # B != 0: every adapter's A and B get a gradient
+        if hooked and mode == "full":
+            model.checkpoint_fn = checkpoint
+            for block in model.layers:
+                block.recompute_norm = True
+        elif hooked:
+            for block in model.layers:
+                block.attention.core = CheckpointedCore(block.attention.core)
+        loss = model(ids, pos).pow(2).mean()
+        loss.backward()
+        results.append((loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (loss, grads), (ref_loss, ref_grads) = results[1], results[0]
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    assert set(grads) == set(ref_grads) and len(grads) == 2 * 2 * 4  # A, B x 4 modules x 2 layers
+    for name, grad in grads.items():
+        assert grad is not None, name
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
