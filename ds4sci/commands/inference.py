@@ -30,12 +30,17 @@ def add_reading_arguments(parser: argparse.ArgumentParser, *, windows: bool = Tr
                             "not a terminal)")
 
 
-def add_record_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of the commands that read many records (``score``, ``embed``): ``--max-tokens-per-batch``,
-    ``--pack``, ``--resume`` and ``--flush-every``."""
+def add_token_budget_argument(parser: argparse.ArgumentParser) -> None:
+    """``--max-tokens-per-batch`` (``score``, ``embed``, ``score-variants``)."""
     parser.add_argument("--max-tokens-per-batch", type=positive_int, default=None, metavar="N",
                         help="tokens per forward, padding included, windows sorted by length (default: --batch-size "
                         "full windows)")
+
+
+def add_record_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the commands that read many records (``score``, ``embed``): ``--max-tokens-per-batch``,
+    ``--pack``, ``--resume`` and ``--flush-every``."""
+    add_token_budget_argument(parser)
     parser.add_argument("--pack", action="store_true",
                         help="pack short records several to a row, each attending to itself alone: faster on many "
                         "short records; numbers equal unpacked ones up to float32 rounding (about 1e-7 relative)")

@@ -5,12 +5,15 @@ and short records (genes, reads, amplicons) fill one row each. Here:
 
 - :func:`deal`: records to data ranks, longest first onto the rank with the fewest tokens so far (greedy LPT), so
   ranks finish together.
-- :func:`plan_batches`: a rank's windows into rows and rows into batches. Records are taken longest first and a
-  record's windows stay together (a record is complete soon after its first window is read, so little is held).
-  With ``pack``, records of one window are packed several to a row (the longest left with the shortest that still
-  fit, up to ``row_len`` tokens): each is its own document of the row, so attention never crosses records
-  (``doc_ids``). Rows are grouped into batches of at most ``max_tokens`` tokens, padding counted (rows x the
-  longest row); a row longer than the budget is a batch alone.
+- :func:`plan_batches`: a rank's windows into rows and rows into batches. Records are taken longest first. With
+  ``together``, a record's windows stay together (a record is complete soon after its first window is read, so
+  little is held: what per-token states need); without, every short window (a record's last, or its only one) waits
+  for the others of its length, so that the full windows fill whole batches and the short ones share batches sorted
+  by length (a partial last window next to full ones would be padded to the window length). With ``pack``, short
+  windows are packed several to a row (the longest left with the shortest that still fit, up to ``row_len``
+  tokens): each is its own document of the row, so attention never crosses records (``doc_ids``). Rows are grouped
+  into batches of at most ``max_tokens`` tokens, padding counted (rows x the longest row); a row longer than the
+  budget is a batch alone.
 - :func:`collate_rows`: a planned batch as tensors, every window a slot with its own document id and positions
   from 0, as one window alone reads them.
 """
@@ -50,13 +53,14 @@ def deal(sizes: Sequence[int], parts: int) -> np.ndarray:
 
 
 def plan_batches(lengths: Sequence[int], owner: Sequence[int], max_tokens: int, row_len: int,
-                 pack: bool = True) -> list[list[list[int]]]:
+                 pack: bool = True, together: bool = True) -> list[list[list[int]]]:
     """Batches of rows of window indices: ``batches[b][row]`` lists the windows laid one after the other in that row.
 
     ``lengths [W]``: tokens of each window; ``owner [W]``: its record, a record's windows consecutive and in order;
     ``max_tokens``: tokens per batch, padding included (rows x longest row); ``row_len``: the longest row a packed
-    row may reach (the window length); ``pack``: records of one window packed several to a row.
-    Every window is in exactly one row.
+    row may reach (the window length); ``pack``: short windows packed several to a row; ``together``: a record's
+    windows read together (only records of one window are short windows to pack or sort), else every window
+    shorter than ``row_len`` is. Every window is in exactly one row, a record's windows in order.
 
     Raises:
         ValueError: ``max_tokens`` or ``row_len`` < 1, or ``lengths`` and ``owner`` of different sizes.
@@ -74,16 +78,19 @@ def plan_batches(lengths: Sequence[int], owner: Sequence[int], max_tokens: int, 
     order = np.argsort(-totals, kind="stable")
     rows, singles = [], []
     for r in order:
-        if pack and ends[r] - starts[r] == 1 and lengths[starts[r]] < row_len:
-            singles.append(int(starts[r]))
+        last = ends[r] - 1
+        if (pack or not together) and (ends[r] - starts[r] == 1 or not together) and lengths[last] < row_len:
+            rows += [[w] for w in range(starts[r], last)]
+            singles.append(int(last))
         else:
             rows += [[w] for w in range(starts[r], ends[r])]
-    lo, hi = 0, len(singles) - 1  # singles longest first: each row the longest left, then the shortest that fit
+    singles.sort(key=lambda w: -int(lengths[w]))  # longest first: each row the longest left, then the shortest that fit
+    lo, hi = 0, len(singles) - 1
     packed = []
     while lo <= hi:
         row, used = [singles[lo]], int(lengths[singles[lo]])
         lo += 1
-        while lo <= hi and used + lengths[singles[hi]] <= row_len:
+        while pack and lo <= hi and used + lengths[singles[hi]] <= row_len:
             row.append(singles[hi])
             used += int(lengths[singles[hi]])
             hi -= 1
