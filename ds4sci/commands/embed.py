@@ -83,10 +83,10 @@ def run(args: argparse.Namespace) -> int:
                                                    skip=skip, progress=progress, runner=runner):
                 yield index, (key, name, states)
 
-        digest = {"command": "embed", "export": os.path.abspath(args.export), "seq_len": seq_len,
+        job = {"command": "embed", "export": os.path.abspath(args.export), "seq_len": seq_len,
                   "stride": args.stride, "layer": args.layer, "per_token": args.per_token,
                   "batch_size": args.batch_size, "max_tokens": args.max_tokens_per_batch, "pack": args.pack}
-        count = write_records(args, runner, digest, stream, "parquet", "embed", len(records))
+        count = write_records(args, runner, job, stream, "parquet", "embed", len(records))
         if count:
             logger.info("wrote the embeddings (%s) of %d record(s) to %s", what, count, args.out)
         return 0

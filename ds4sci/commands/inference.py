@@ -30,12 +30,17 @@ def add_reading_arguments(parser: argparse.ArgumentParser, *, windows: bool = Tr
                             "not a terminal)")
 
 
-def add_record_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of the commands that read many records (``score``, ``embed``): ``--max-tokens-per-batch``,
-    ``--pack``, ``--resume`` and ``--flush-every``."""
+def add_token_budget_argument(parser: argparse.ArgumentParser) -> None:
+    """``--max-tokens-per-batch`` (``score``, ``embed``, ``score-variants``)."""
     parser.add_argument("--max-tokens-per-batch", type=positive_int, default=None, metavar="N",
                         help="tokens per forward, padding included, windows sorted by length (default: --batch-size "
                         "full windows)")
+
+
+def add_record_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the commands that read many records (``score``, ``embed``): ``--max-tokens-per-batch``,
+    ``--pack``, ``--resume`` and ``--flush-every``."""
+    add_token_budget_argument(parser)
     parser.add_argument("--pack", action="store_true",
                         help="pack short records several to a row, each attending to itself alone: faster on many "
                         "short records; numbers equal unpacked ones up to float32 rounding (about 1e-7 relative)")
@@ -52,23 +57,26 @@ def write_records(args: argparse.Namespace, runner, options: dict, stream: Calla
     """Run a record job into ``args.out`` through its shards (:mod:`ds4sci.infer.shards`): every rank calls it.
     ``stream(skip, progress)`` yields ``(index, row)`` for this data rank's records not in ``skip`` (rows as
     :class:`~ds4sci.infer.shards.ShardWriter` takes them, ``kind`` ``"tsv"`` or ``"parquet"``); ``options``: what
-    the digest holds besides the FASTA file. Returns the records in the merged file on rank 0 (None elsewhere, and
+    the job's manifest holds besides the FASTA file's digest and the process layout (data ranks, Ulysses and ring
+    degrees). Returns the records in the merged file on rank 0 (None elsewhere, and
     0 when a resumed job was already complete).
 
     Raises:
-        CommandError: ``--resume`` of a job of another input or options.
+        CommandError: ``--resume`` of a job of another input, options or number of processes (naming them).
     """
     from ds4sci.cli_args import CommandError
     from ds4sci.infer.shards import ShardWriter
     from ds4sci.infer.shards import done_indices
-    from ds4sci.infer.shards import job_digest
+    from ds4sci.infer.shards import input_digest
     from ds4sci.infer.shards import merge
     from ds4sci.infer.shards import parts_folder
     from ds4sci.infer.shards import start_job
     from ds4sci.progress import record_progress
 
     try:
-        state = start_job(args.out, job_digest(args.fasta, options), args.resume, runner.is_writer)
+        job = {"input": input_digest(args.fasta), "data_ranks": runner.dims.dp, "ulysses": runner.dims.ulysses,
+               "ring": runner.dims.ring} | options
+        state = start_job(args.out, job, args.resume, runner.is_writer)
     except ValueError as e:
         raise CommandError(str(e)) from None
     runner.barrier()

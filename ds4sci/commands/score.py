@@ -67,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
                                        progress=progress, runner=runner, **options):
             yield index, tsv_row(row)
 
-    digest = {"command": "score", "export": os.path.abspath(args.export), "seq_len": seq_len,
+    job = {"command": "score", "export": os.path.abspath(args.export), "seq_len": seq_len,
               "stride": args.stride, "reverse_complement": args.reverse_complement,
               "batch_size": args.batch_size, "max_tokens": args.max_tokens_per_batch, "pack": args.pack}
-    count = write_records(args, runner, digest, stream, "tsv", "score", len(records), "\t".join(COLUMNS))
+    count = write_records(args, runner, job, stream, "tsv", "score", len(records), "\t".join(COLUMNS))
     if count:
         logger.info("wrote the scores of %d record(s) to %s", count, args.out)
     return 0

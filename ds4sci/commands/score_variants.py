@@ -14,6 +14,7 @@ from ds4sci.cli_args import add_out_argument
 from ds4sci.cli_args import out_folder
 from ds4sci.cli_args import positive_int
 from ds4sci.commands.inference import add_reading_arguments
+from ds4sci.commands.inference import add_token_budget_argument
 from ds4sci.commands.inference import load_reader
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "indel's LLR mostly measures the bases one window has and the other lacks); "
                         "--no-equal-length: the REF window with REF replaced by ALT. SNVs score the same either way")
     add_reading_arguments(parser, windows=False)
+    add_token_budget_argument(parser)
 
 
 def write_rows(rows: list[dict], out: str) -> None:
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rows = score_variants(model, tokenizer, reference, variants, args.window, trained=trained,
                               equal_length=args.equal_length, batch_size=args.batch_size,
-                              progress=not args.no_progress, runner=runner)
+                              max_tokens=args.max_tokens_per_batch, progress=not args.no_progress, runner=runner)
     except ValueError as err:  # a variant its window cannot hold: name the file beside the line
         raise CommandError(f"{args.vcf}: {err}") from None
     if not runner.is_writer:

@@ -5,12 +5,16 @@ and short records (genes, reads, amplicons) fill one row each. Here:
 
 - :func:`deal`: records to data ranks, longest first onto the rank with the fewest tokens so far (greedy LPT), so
   ranks finish together.
-- :func:`plan_batches`: a rank's windows into rows and rows into batches. Records are taken longest first and a
-  record's windows stay together (a record is complete soon after its first window is read, so little is held).
-  With ``pack``, records of one window are packed several to a row (the longest left with the shortest that still
-  fit, up to ``row_len`` tokens): each is its own document of the row, so attention never crosses records
-  (``doc_ids``). Rows are grouped into batches of at most ``max_tokens`` tokens, padding counted (rows x the
-  longest row); a row longer than the budget is a batch alone.
+- :func:`plan_batches`: a rank's windows into rows and rows into batches. Records are taken longest first. With
+  ``together``, a record's windows stay together (a record is complete soon after its first window is read, so
+  little is held: what per-token states need); without, the short last window of a longer record waits for the
+  others of its length, so that the full windows fill whole batches and the short ones share batches sorted by
+  length (next to full ones it would be padded to the window length). With ``pack``, records of one window are
+  packed several to a row (the longest left with the shortest that still fit, up to ``row_len`` tokens): each is
+  its own document of the row, so attention never crosses records (``doc_ids``). A long record's last window is
+  not packed: a row of one window keeps attention's causal kernel, where a packed row needs a document mask. Rows
+  are grouped into batches of at most ``max_tokens`` tokens, padding counted (rows x the longest row); a row longer
+  than the budget is a batch alone.
 - :func:`collate_rows`: a planned batch as tensors, every window a slot with its own document id and positions
   from 0, as one window alone reads them.
 """
@@ -50,13 +54,14 @@ def deal(sizes: Sequence[int], parts: int) -> np.ndarray:
 
 
 def plan_batches(lengths: Sequence[int], owner: Sequence[int], max_tokens: int, row_len: int,
-                 pack: bool = True) -> list[list[list[int]]]:
+                 pack: bool = True, together: bool = True) -> list[list[list[int]]]:
     """Batches of rows of window indices: ``batches[b][row]`` lists the windows laid one after the other in that row.
 
     ``lengths [W]``: tokens of each window; ``owner [W]``: its record, a record's windows consecutive and in order;
     ``max_tokens``: tokens per batch, padding included (rows x longest row); ``row_len``: the longest row a packed
-    row may reach (the window length); ``pack``: records of one window packed several to a row.
-    Every window is in exactly one row.
+    row may reach (the window length); ``pack``: records of one window packed several to a row; ``together``: a
+    record's windows read together, else the short last windows of longer records are batched by length after the
+    full windows. Every window is in exactly one row, a record's windows in order.
 
     Raises:
         ValueError: ``max_tokens`` or ``row_len`` < 1, or ``lengths`` and ``owner`` of different sizes.
@@ -72,14 +77,16 @@ def plan_batches(lengths: Sequence[int], owner: Sequence[int], max_tokens: int, 
     ends = np.r_[starts[1:], len(owner)]
     totals = np.add.reduceat(lengths, starts)
     order = np.argsort(-totals, kind="stable")
-    rows, singles = [], []
+    rows, singles, shorts = [], [], []
     for r in order:
-        if pack and ends[r] - starts[r] == 1 and lengths[starts[r]] < row_len:
-            singles.append(int(starts[r]))
+        last, alone = ends[r] - 1, ends[r] - starts[r] == 1
+        if lengths[last] < row_len and ((pack and alone) or not together):
+            rows += [[w] for w in range(starts[r], last)]
+            (singles if pack and alone else shorts).append(int(last))
         else:
             rows += [[w] for w in range(starts[r], ends[r])]
     lo, hi = 0, len(singles) - 1  # singles longest first: each row the longest left, then the shortest that fit
-    packed = []
+    packed = [[w] for w in shorts]  # a long record's last window: sorted by length, not packed (a causal row)
     while lo <= hi:
         row, used = [singles[lo]], int(lengths[singles[lo]])
         lo += 1

@@ -210,8 +210,7 @@ class ShardedForward:
         """Summed next-token loss (nats) ``[B]`` float64 and scored target count ``[B]`` int64 of each window."""
         s = self._shard(batch)
         logits = self.model(s["input_ids"], s["position_ids"])  # [B, T'/sp, V]
-        sums = torch.stack([token_loss(logits[b : b + 1], s["targets"][b : b + 1], "sum").double()
-                            for b in range(logits.shape[0])])  # [B]
+        sums = token_loss(logits, s["targets"], "none").double().sum(1)  # [B], 0 where ignored
         counts = (s["targets"] != IGNORE_INDEX).sum(1).double()  # [B]
         both = self._sum_sp(torch.stack([sums, counts]))  # [2, B]
         return both[0].numpy(), both[1].numpy().astype(np.int64)

@@ -6,8 +6,9 @@ windows (:func:`~ds4sci.infer.evaluate.record_windows`) are consecutive in the w
 cuts them; :func:`my_items` deals items over the data ranks of a :class:`~ds4sci.infer.parallel.ShardedForward`
 (:func:`~ds4sci.infer.batching.deal`: longest first onto the least loaded rank, the items of one record together);
 :func:`read_items` reads this rank's items in the batches :func:`~ds4sci.infer.batching.plan_batches` plans
-(``max_tokens`` per forward, short records packed several to a row with document masks; no packing across
-sequence ranks) and yields each item's result as soon as its last window is read. Numbers equal one window at a
+(``max_tokens`` per forward, the short windows batched by length after the full ones, or packed several to a row
+with document masks; no packing across sequence ranks; per-token states keep an item's windows together, so little
+is held) and yields each item's result as soon as its last window is read. Numbers equal one window at a
 time up to float32 summation order: every window keeps its own positions, and attention never leaves its document.
 """
 from __future__ import annotations
@@ -79,7 +80,9 @@ def read_items(runner: ShardedForward, windows: list[Window], owner: np.ndarray,
         if int(item) not in left and int(item) not in skip:
             yield int(item), {"loss": (0.0, 0), "sum": (None, 0), "states": None}[what]
     lengths = np.array([len(windows[w].ids) for w in chosen], dtype=np.int64)
-    plan = plan_batches(lengths, owner[chosen], max_tokens, row_len, pack and runner.dims.sp == 1)
+    # per-token states are held until their item is complete: only they keep an item's windows together
+    plan = plan_batches(lengths, owner[chosen], max_tokens, row_len, pack and runner.dims.sp == 1,
+                        together=what == "states")
     parts: dict[int, list] = {}
     owned = np.bincount(owner[chosen], weights=[len(windows[w].ids) - windows[w].owned for w in chosen],
                         minlength=int(owner.max(initial=-1)) + 1).astype(np.int64)  # [items] tokens embedded

@@ -334,7 +334,8 @@ def check_nucleotide(tokenizer) -> None:
 
 def score_variants(model, tokenizer, reference: dict[str, str], variants: list[Variant], width: int | None = None,
                    *, trained: int | None = None, equal_length: bool = True, batch_size: int = 8,
-                   block: int = BLOCK, progress: bool = False, runner=None) -> list[dict]:
+                   max_tokens: int | None = None, block: int = BLOCK, progress: bool = False,
+                   runner=None) -> list[dict]:
     """One row per variant, in order: ``chrom pos id ref alt``, ``llr`` (nats), ``ref_log_likelihood`` and
     ``alt_log_likelihood`` (nats, the mean of both strands), ``window_start`` / ``window_end`` (the REF window,
     0-based half-open on the record, BED's convention).
@@ -342,7 +343,8 @@ def score_variants(model, tokenizer, reference: dict[str, str], variants: list[V
     ``width``, ``trained``, ``equal_length``: the windows (:func:`variant_windows`). The variants are scored
     ``block`` at a time (memory bounded whatever the file's size), each block's windows in one
     :func:`~ds4sci.infer.score.score_records` call (``seq_len`` = the model's context, ``reverse_complement=True``,
-    ``batch_size`` windows per forward); each distinct REF window is scored once, in the first block that needs it.
+    ``max_tokens`` per forward, padding counted, windows sorted by length: default ``batch_size`` full windows);
+    each distinct REF window is scored once, in the first block that needs it.
     ``progress``: a bar over the variants (variants per second) on a terminal, one log line per block otherwise; a
     last line gives the rate. ``runner``: a :class:`~ds4sci.infer.parallel.ShardedForward` to score across ranks
     (default: one process).
@@ -361,7 +363,8 @@ def score_variants(model, tokenizer, reference: dict[str, str], variants: list[V
             sequences += windows.alt[first : first + block]
             records = [FastaRecord(str(i), "", sequence) for i, sequence in enumerate(sequences)]
             scores = [r["log_likelihood"] for r in score_records(model, tokenizer, records, context, True,
-                                                                 batch_size=batch_size, runner=runner)]
+                                                                 batch_size=batch_size, max_tokens=max_tokens,
+                                                                 runner=runner)]
             ref_scores.update(zip(todo, scores[: len(todo)]))
             alt_scores += scores[len(todo) :]
             bar.update(len(scores) - len(todo))

@@ -79,17 +79,22 @@ def test_plan_covers_every_window_once_within_the_budget():
     rng = np.random.default_rng(1)
     owner = np.repeat(np.arange(50), rng.integers(1, 4, 50))
     lengths = np.where(np.r_[owner[1:] != owner[:-1], True], rng.integers(1, 17, len(owner)), 16)
+    padded = {}
     for pack in (True, False):
-        plan = plan_batches(lengths, owner, 64, 16, pack)
-        rows = [row for batch in plan for row in batch]
-        assert sorted(w for row in rows for w in row) == list(range(len(owner)))
-        assert all(len(batch) * max(lengths[row].sum() for row in batch) <= 64 for batch in plan)
-        assert all(lengths[row].sum() <= 16 for row in rows)
-        assert any(len(row) > 1 for row in rows) == pack
-        flat = [w for row in rows for w in row]  # a record's windows in order
-        for r in range(50):
-            mine = [w for w in flat if owner[w] == r]
-            assert mine == sorted(mine)
+        for together in (True, False):
+            plan = plan_batches(lengths, owner, 64, 16, pack, together)
+            rows = [row for batch in plan for row in batch]
+            assert sorted(w for row in rows for w in row) == list(range(len(owner)))
+            padded[pack, together] = sum(len(batch) * max(lengths[row].sum() for row in batch) for batch in plan)
+            assert all(len(batch) * max(lengths[row].sum() for row in batch) <= 64 for batch in plan)
+            assert all(lengths[row].sum() <= 16 for row in rows)
+            assert any(len(row) > 1 for row in rows) == pack
+            flat = [w for row in rows for w in row]  # a record's windows in order
+            for r in range(50):
+                mine = [w for w in flat if owner[w] == r]
+                assert mine == sorted(mine)
+        # the short last windows of long records batched by length (or packed) pad less than beside full windows
+        assert padded[pack, False] < padded[pack, True]
     assert plan_batches([40], [0], 8, 16) == [[[0]]]  # a row over the budget goes alone
 
 

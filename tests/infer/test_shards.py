@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 import time
+from argparse import Namespace
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -14,11 +16,17 @@ import pytest
 import torch
 
 from ds4sci.cli import main
+from ds4sci.cli_args import CommandError
+from ds4sci.commands.inference import write_records
 from ds4sci.data import NucleotideTokenizer
 from ds4sci.data import read_fasta
+from ds4sci.infer import shards
 from ds4sci.infer.embed import embed_records
 from ds4sci.infer.embed import token_embeddings
+from ds4sci.infer.shards import ShardWriter
+from ds4sci.infer.shards import merge
 from ds4sci.infer.shards import parts_folder
+from ds4sci.infer.shards import start_job
 from ds4sci.io.export import export_consolidated
 from ds4sci.io.weights import load_model
 from ds4sci.models.genslm import GenSLM
@@ -53,6 +61,8 @@ def _chunks(out):
 SLOWED = """
 import sys, time
 from ds4sci.cli import main
+from ds4sci.cli_args import CommandError
+from ds4sci.commands.inference import write_records
 from ds4sci.infer.shards import ShardWriter
 flush = ShardWriter.flush
 ShardWriter.flush = lambda self: (time.sleep(0.02), flush(self))[1]
@@ -83,6 +93,7 @@ def test_killed_and_resumed_writes_the_uninterrupted_file(job, tmp_path, capsys)
     assert main(["score", *other, "--out", str(out), "--resume"]) == 2  # another job's shards are not taken
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "written for another input or other options" in err and str(parts_folder(out)) in err
+    assert "(stride 12 there, 8 here)" in err
     assert main(["score", *job["common"], "--out", str(out), "--resume"]) == 0
     assert out.read_bytes() == job["whole"]
     assert main(["score", *job["common"], "--out", str(out), "--resume"]) == 0  # complete: nothing read again
@@ -115,3 +126,44 @@ def test_resume_needs_a_file_it_can_resume(job, capsys):
     assert "--resume needs an --out file" in capsys.readouterr().err
     assert main(["embed", *job["common"], "--out", "x.npz", "--resume"]) == 2
     assert "--resume needs a .parquet --out (got 'x.npz')" in capsys.readouterr().err
+
+
+def test_resume_on_another_number_of_processes_is_refused(job, tmp_path):
+    """The process layout is part of the job: a job resumed on other data ranks is refused, naming both counts."""
+    def runner(dp):
+        return SimpleNamespace(is_writer=True, writes_shards=True, data_rank=0, barrier=lambda: None,
+                               dims=SimpleNamespace(dp=dp, ulysses=1, ring=1))
+
+    args = Namespace(out=str(tmp_path / "x.tsv"), fasta=job["fasta"], resume=False, flush_every=2, no_progress=True)
+    assert write_records(args, runner(2), {"command": "score"}, lambda skip, shown: iter(()), "tsv", "score", 0,
+                         "id") == 0
+    args.resume = True
+    with pytest.raises(CommandError, match=r"\(data_ranks 2 there, 4 here\)"):
+        write_records(args, runner(4), {"command": "score"}, lambda skip, shown: iter(()), "tsv", "score", 0, "id")
+
+
+@pytest.mark.parametrize("kind", ["tsv", "parquet"])
+def test_merge_streams_sorted_chunks_in_passes(tmp_path, monkeypatch, kind):
+    """Two ranks' chunks (records in completion order) merged two at a time, in passes: the rows in input order."""
+    out = tmp_path / f"x.{kind}"
+    start_job(out, {}, False, True)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(23)
+    rows = {int(i): (f"r{i}\t{i * 0.5}" if kind == "tsv" else (f"r{i}", "final", rng.normal(size=(int(i) % 3 + 1, 4))))
+            for i in order}
+    for rank in (0, 1):
+        writer = ShardWriter(out, rank, kind, flush_every=3)
+        for i in order[rank::2]:
+            writer.add(int(i), rows[int(i)])
+        writer.close()
+    monkeypatch.setattr(shards, "FAN_IN", 2)
+    assert merge(out, "id\tvalue") == 23
+    assert not list(parts_folder(out).glob("*-*"))  # chunks and the passes' files removed
+    if kind == "tsv":
+        assert out.read_text() == "id\tvalue\n" + "".join(rows[i] + "\n" for i in range(23))
+        return
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "layer", "embedding"] and table.column("id").to_pylist() == \
+        [f"r{i}" for i in range(23)]
+    for i, got in enumerate(table.column("embedding").to_pylist()):
+        np.testing.assert_array_equal(np.array(got, dtype=np.float32), rows[i][2].astype(np.float32))

@@ -14,6 +14,7 @@ from ds4sci.data import CodonTokenizer
 from ds4sci.data import FastaRecord
 from ds4sci.data import NucleotideTokenizer
 from ds4sci.infer import variants as variants_module
+from ds4sci.infer.parallel import ShardedForward
 from ds4sci.infer.score import score_records
 from ds4sci.infer.variants import Variant
 from ds4sci.infer.variants import default_window
@@ -162,6 +163,30 @@ def test_reference_windows_are_scored_once(data, monkeypatch):
         ref_ll, alt_ll = [s["log_likelihood"] for s in score_records(model, tok, pair, CONTEXT, True)]
         alone.append(alt_ll - ref_ll)
     assert [r["llr"] for r in rows] == pytest.approx(alone, rel=1e-5, abs=1e-5)
+
+
+def test_token_budget_bounds_every_forward(data, tmp_path, monkeypatch):
+    """``--max-tokens-per-batch``: no forward holds more tokens (rows x width) than the budget, and the LLRs are
+    those of batching by rows."""
+    shapes = []
+    read_slots = ShardedForward.read_slots
+
+    def spy(self, batch, *args, **kwargs):
+        shapes.append(tuple(batch["input_ids"].shape))
+        return read_slots(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(ShardedForward, "read_slots", spy)
+    out = {}
+    for budget in (None, 40):
+        shapes.clear()
+        out[budget] = tmp_path / f"{budget}.tsv"
+        assert main(["score-variants", data["nucleotide"], "--reference", data["ref"], "--vcf",
+                     str(data["root"] / "v.vcf"), "--window", "16", "--out", str(out[budget]), "--no-progress",
+                     "--batch-size", "8"] + (["--max-tokens-per-batch", str(budget)] if budget else [])) == 0
+        most = max(b * t for b, t in shapes)
+        assert most <= 40 if budget else most > 40, (budget, shapes)
+    rows = {budget: _read_tsv(path.read_text()) for budget, path in out.items()}
+    assert [float(r["llr"]) for r in rows[40]] == pytest.approx([float(r["llr"]) for r in rows[None]], abs=2e-6)
 
 
 def test_vcf_gz_and_tsv_give_the_same_output(data, tmp_path):
