@@ -10,9 +10,10 @@ EXTRAS ?= dev,openfold
 .PHONY: install demo lint test mutate docs docs-serve clean
 
 # pip prints a line per package it collects and installs (no -q: a fresh install takes minutes), without the
-# progress bar a CI log cannot bear; each step first says what it installs. --no-compile: pip would byte-compile every
-# file of every package (torch alone: 44 CPU-seconds of its 56 here); Python compiles what is imported, once, instead.
-PIP := $(PY) -m pip install --progress-bar off --no-compile
+# progress bar a CI log cannot bear; each step first says what it installs. pip byte-compiles what it installs (not
+# --no-compile: where PYTHONDONTWRITEBYTECODE is set, as on the development machines, every process would then compile
+# torch from source at import, many times the suite's CPU).
+PIP := $(PY) -m pip install --progress-bar off
 
 $(PY):
 	@echo "make: creating the virtual environment $(VENV) and updating pip, setuptools and wheel"
