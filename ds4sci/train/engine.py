@@ -107,6 +107,26 @@ def _without_shm_op() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def initialize_deepspeed(**kwargs):
+    """``deepspeed.initialize(**kwargs)`` with ``TORCHDYNAMO_DISABLE=1`` while it runs (the variable restored after).
+
+    DeepSpeed's ZeRO optimizer check imports its Muon optimizer, whose ``torch.compile`` decorators import
+    TorchInductor at that import: seconds of CPU in every rank's start-up, for an optimizer ds4sci never uses. With
+    the variable set those decorators are no-ops; ds4sci compiles nothing inside ``deepspeed.initialize``. The fact
+    is pinned by ``tests/train/test_engine_start.py``."""
+    import deepspeed
+
+    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        return deepspeed.initialize(**kwargs)
+    finally:
+        if before is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = before
+
+
 @contextlib.contextmanager
 def printed_at_debug():
     """What Python code prints to stdout inside becomes one DEBUG log line (DeepSpeed's start-up prints there)."""
@@ -314,6 +334,6 @@ def _initialize(model: nn.Module, cfg: Config, groups: SequenceParallelGroups, d
             materialize(model)
         model.to(device)
     optimizer, scheduler = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+    engine, _, _, _ = initialize_deepspeed(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
                                            mpu=DeepSpeedMPU(groups), dist_init_required=False)
     return engine

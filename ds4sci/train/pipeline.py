@@ -56,6 +56,7 @@ from ds4sci.parallel.genslm_tp import token_loss_for
 from ds4sci.train.config import Config
 from ds4sci.train.consolidate import gather_tensor_parallel
 from ds4sci.train.engine import deepspeed_config
+from ds4sci.train.engine import initialize_deepspeed
 from ds4sci.train.engine import make_optimizer
 from ds4sci.train.engine import printed_at_debug
 from ds4sci.train.loss import scaled_shard_loss
@@ -256,14 +257,12 @@ def build_pipeline_engine(model: GenSLM, position_table, cfg: Config, groups: Se
 
 def _initialize(pipe, cfg: Config, dims: ParallelDims):
     """``deepspeed.initialize`` of the ``PipelineModule`` ``pipe`` with ``cfg``'s DeepSpeed config and optimizer."""
-    import deepspeed
-
     ds_config = deepspeed_config(cfg, dims.sp)
     ds_config.pop("sequence_parallel_size")  # the engine sees the sequence ranks as data ranks (topology)
     # stage outputs are already sequence-sharded over TP: DeepSpeed's own partitioning of them stays off
     ds_config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     optimizer, scheduler = make_optimizer([p for p in pipe.parameters() if p.requires_grad], cfg)
-    engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+    engine, _, _, _ = initialize_deepspeed(model=pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
                                            dist_init_required=False)
     return engine
 
