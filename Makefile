@@ -10,10 +10,12 @@ EXTRAS ?= dev,openfold
 .PHONY: install demo lint test mutate docs docs-serve clean
 
 # pip prints a line per package it collects and installs (no -q: a fresh install takes minutes), without the
-# progress bar a CI log cannot bear; each step first says what it installs. pip byte-compiles what it installs (not
-# --no-compile: where PYTHONDONTWRITEBYTECODE is set, as on the development machines, every process would then compile
-# torch from source at import, many times the suite's CPU).
-PIP := $(PY) -m pip install --progress-bar off
+# progress bar a CI log cannot bear; each step first says what it installs. --no-compile: pip does not byte-compile
+# all it installs (half the install's time); Python writes each module's .pyc at its first import instead, so the
+# commands make runs do not get PYTHONDONTWRITEBYTECODE (set on the development machines): with it, every process
+# would compile torch from source at import, many times the suite's CPU.
+unexport PYTHONDONTWRITEBYTECODE
+PIP := $(PY) -m pip install --progress-bar off --no-compile
 
 $(PY):
 	@echo "make: creating the virtual environment $(VENV) and updating pip, setuptools and wheel"
