@@ -62,16 +62,22 @@ def _at_stage_0(overrides):
     return [o for o in overrides if not o.startswith("zero.stage=")] + ["zero.stage=0"]
 
 
+def _unique_at_stage_0(cases):
+    """``cases`` at ZeRO stage 0 (:func:`_at_stage_0`), those that differ only in ``train.out_dir`` once: the
+    distinct runs, and for each case the index of its run."""
+    runs, index = {}, []
+    for overrides in map(_at_stage_0, cases):
+        key = tuple(o for o in overrides if not o.startswith("train.out_dir="))
+        index.append(runs.setdefault(key, (len(runs), overrides))[0])
+    return [overrides for _, overrides in runs.values()], index
+
+
 def _baseline(cases):
     """The single-process references of ``cases`` (``_train_cases``'s results, by case) from one process, each run at
-    ZeRO stage 0 (:func:`_at_stage_0`) and cases that differ only in ``train.out_dir`` run once."""
-    runs = {}
-    keys = []
-    for overrides in map(_at_stage_0, cases):
-        keys.append(tuple(o for o in overrides if not o.startswith("train.out_dir=")))
-        runs.setdefault(keys[-1], overrides)
-    results = dict(zip(runs, run_workers(_train_cases, 1, list(runs.values()), env=ENV, timeout=300)[0]))
-    return [results[key] for key in keys]
+    ZeRO stage 0 and cases that differ only in ``train.out_dir`` run once (:func:`_unique_at_stage_0`)."""
+    runs, index = _unique_at_stage_0(cases)
+    results = run_workers(_train_cases, 1, runs, env=ENV, timeout=300)[0]
+    return [results[i] for i in index]
 
 
 def _compare(got, want, label):
@@ -116,18 +122,12 @@ def _plain_torch_losses(rank, world, overrides):
     return losses, {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
-def _anchor(rank, world, cases, plain):
-    """``_train_cases(cases)`` and the plain PyTorch loop of ``plain``, in one process."""
-    return _train_cases(rank, world, cases), _plain_torch_losses(rank, world, plain)
-
-
 @pytest.mark.slow
-def test_single_process_trainer_equals_a_plain_pytorch_loop(tmp_path):
+def test_single_process_trainer_equals_a_plain_pytorch_loop(one_process):
     """Anchors the baseline of the tests below: the DeepSpeed engine with the position table kept outside it
     trains exactly like plain PyTorch with the table inside the model, at every ZeRO stage (no clipping; the plain
     loop does not depend on the stage), so that one process at stage 0 is every stage's reference."""
-    cases = [_overrides(tmp_path / f"plain{zero}", zero, micro=4) for zero in range(4)]
-    got, want = run_workers(_anchor, 1, cases, cases[0], env=ENV, timeout=300)[0]
+    got, want = one_process["anchor"]
     for zero, result in enumerate(got):
         _compare(result, want, f"trainer zero={zero} vs plain PyTorch")
 
@@ -202,9 +202,13 @@ BF16 = ["train.dtype=bf16"]
 
 
 @pytest.fixture(scope="module")
-def world_2(tmp_path_factory):
-    """The 2-rank runs (one process group) of the SP-every-stage and bf16 tests, and their single-process runs."""
-    root = tmp_path_factory.mktemp("world_2")
+def root(tmp_path_factory):
+    """One folder for every run of this module."""
+    return tmp_path_factory.mktemp("runs")
+
+
+def _world_2_runs(root):
+    """The 2-rank cases of ``test_world_2_sp_every_stage_ring_and_dp`` and their single-process references."""
     stages = [0, 1, 2, 3]
     packed = _packed(root)
     cases = [_overrides(root / f"sp{z}", z, ulysses=2) for z in stages] + [
@@ -215,26 +219,76 @@ def world_2(tmp_path_factory):
         _overrides(root / "packu", 1, ulysses=2, pe="rotary", extra=packed),
         _overrides(root / "packr", 0, ring=2, pe="alibi", extra=[*packed, "parallel.layout=contiguous"]),
     ]
-    bf16 = [_overrides(root / f"bf{z}", z, ulysses=2, extra=BF16) for z in (1, 2)]
-    got, bf16_got, _ = run_workers(_world, 2, cases, bf16, None, env=ENV, timeout=500)[0]
-    want = _baseline([_overrides(root / f"b{z}", z) for z in stages] + [
+    references = [_overrides(root / f"b{z}", z) for z in stages] + [
         _overrides(root / "bring", 3),
         _overrides(root / "bdp3", 3, micro=2, pe="rotary"),
         _overrides(root / "bga", 2, micro=2, extra=CLIP),
         _overrides(root / "brope3", 3, pe="rotary", extra=CLIP),
         _overrides(root / "bpacku", 1, pe="rotary", extra=packed),
         _overrides(root / "bpackr", 0, pe="alibi", extra=packed),
-    ])
-    bf16_want = run_workers(_master_updates, 1, [_overrides(root / "bbf", 1, extra=BF16), _overrides(root / "bf", 1)],
-                            env=ENV, timeout=300)[0]
-    return got, want, bf16_got, bf16_want
+    ]
+    return cases, references
+
+
+def _world_4_runs(root):
+    """The 4-rank cases of ``test_sp2_x_dp2_and_hybrid_ulysses_x_ring`` and their single-process references."""
+    cases = [
+        _overrides(root / "spdp1", 1, ulysses=2, micro=1, extra=CLIP),
+        _overrides(root / "spdp3", 3, ulysses=2, micro=1),
+        _overrides(root / "usp", 2, ulysses=2, ring=2, micro=2, pe="alibi"),
+        _overrides(root / "usp0", 0, ulysses=2, ring=2, micro=2, extra=CLIP),
+    ]
+    references = [
+        _overrides(root / "b1", 1, micro=2, extra=CLIP),
+        _overrides(root / "b3", 3, micro=2),
+        _overrides(root / "b2", 2, micro=2, pe="alibi"),
+        _overrides(root / "b0", 0, micro=2, extra=CLIP),
+    ]
+    return cases, references
+
+
+def _bf16_runs(root):
+    """The 2-rank cases of ``test_bf16_with_sp_tracks_bf16_and_fp32_single_process`` and its single-process runs
+    (bf16, fp32)."""
+    return ([_overrides(root / f"bf{z}", z, ulysses=2, extra=BF16) for z in (1, 2)],
+            [_overrides(root / "bbf", 1, extra=BF16), _overrides(root / "bf", 1)])
+
+
+def _one_process_runs(rank, world, anchor, references, bf16):
+    """Every single-process run of this module, in one process: ``_train_cases(anchor)``, the plain PyTorch loop of
+    ``anchor[0]``, ``_train_cases(references)`` and ``_master_updates(bf16)``."""
+    return (_train_cases(rank, world, anchor), _plain_torch_losses(rank, world, anchor[0]),
+            _train_cases(rank, world, references), _master_updates(rank, world, bf16))
+
+
+@pytest.fixture(scope="module")
+def one_process(root):
+    """The single-process runs: the anchor's (``"anchor"``: the trainer at ZeRO 0-3 and the plain loop), the
+    references of the 2- and 4-rank training cases at ZeRO stage 0 (``"world_2"``, ``"world_4"``; each distinct run
+    once) and the bf16 test's (``"bf16"``)."""
+    anchor = [_overrides(root / f"plain{zero}", zero, micro=4) for zero in range(4)]
+    world_2, world_4 = _world_2_runs(root)[1], _world_4_runs(root)[1]
+    runs, index = _unique_at_stage_0(world_2 + world_4)
+    got, plain, references, bf16 = run_workers(_one_process_runs, 1, anchor, runs, _bf16_runs(root)[1], env=ENV,
+                                               timeout=600)[0]
+    references = [references[i] for i in index]
+    return {"anchor": (got, plain), "world_2": references[:len(world_2)], "world_4": references[len(world_2):],
+            "bf16": bf16}
+
+
+@pytest.fixture(scope="module")
+def world_2(root):
+    """Rank 0's 2-rank runs (one process group): the SP-every-stage test's and the bf16 test's."""
+    got, bf16, _ = run_workers(_world, 2, _world_2_runs(root)[0], _bf16_runs(root)[0], None, env=ENV,
+                               timeout=500)[0]
+    return got, bf16
 
 
 @pytest.mark.slow
-def test_world_2_sp_every_stage_ring_and_dp(world_2):
+def test_world_2_sp_every_stage_ring_and_dp(world_2, one_process):
     """ZeRO 0-3 under Ulysses, ring (zigzag; contiguous), data parallelism, accumulation, rotary under SP with ZeRO-3
     and clipping; packed records with document masks under Ulysses (rotary) and under the contiguous ring (ALiBi)."""
-    got, want, _, _ = world_2
+    got, want = world_2[0], one_process["world_2"]
     for z, g, w in zip([0, 1, 2, 3], got, want):
         _compare(g, w, f"ulysses=2 zero={z}")
     _compare(got[4], want[4], "ring=2 zigzag zero=3")
@@ -246,32 +300,18 @@ def test_world_2_sp_every_stage_ring_and_dp(world_2):
 
 
 @pytest.fixture(scope="module")
-def world_4(tmp_path_factory):
-    """The 4-rank runs (one process group) of the SP x DP, hybrid and validation tests, the training cases'
-    single-process runs, and every rank's validation result."""
-    root = tmp_path_factory.mktemp("world_4")
-    cases = [
-        _overrides(root / "spdp1", 1, ulysses=2, micro=1, extra=CLIP),
-        _overrides(root / "spdp3", 3, ulysses=2, micro=1),
-        _overrides(root / "usp", 2, ulysses=2, ring=2, micro=2, pe="alibi"),
-        _overrides(root / "usp0", 0, ulysses=2, ring=2, micro=2, extra=CLIP),
-    ]
+def world_4(root):
+    """The 4-rank runs (one process group): rank 0's SP x DP and hybrid cases, and every rank's validation result."""
     # 5 validation windows (~150 bases), global micro-batches of 4 (2 per data rank x 2 data ranks, SP=2 inside)
     validation = _overrides(root / "val", 1, ulysses=2, micro=2,
                             extra=["data.val_fraction=0.0000323", "train.eval_batches=8"])
-    results = run_workers(_world, 4, cases, [], validation, env=ENV, timeout=500)
-    want = _baseline([
-        _overrides(root / "b1", 1, micro=2, extra=CLIP),
-        _overrides(root / "b3", 3, micro=2),
-        _overrides(root / "b2", 2, micro=2, pe="alibi"),
-        _overrides(root / "b0", 0, micro=2, extra=CLIP),
-    ])
-    return results[0][0], want, [r[2] for r in results]
+    results = run_workers(_world, 4, _world_4_runs(root)[0], [], validation, env=ENV, timeout=500)
+    return results[0][0], [r[2] for r in results]
 
 
 @pytest.mark.slow
-def test_sp2_x_dp2_and_hybrid_ulysses_x_ring(world_4):
-    got, want, _ = world_4
+def test_sp2_x_dp2_and_hybrid_ulysses_x_ring(world_4, one_process):
+    got, want = world_4[0], one_process["world_4"]
     _compare(got[0], want[0], "sp=2 x dp=2 zero=1 clipped")
     _compare(got[1], want[1], "sp=2 x dp=2 zero=3")
     _compare(got[2], want[2], "ulysses=2 x ring=2 zero=2 alibi")
@@ -279,13 +319,13 @@ def test_sp2_x_dp2_and_hybrid_ulysses_x_ring(world_4):
 
 
 @pytest.mark.slow
-def test_bf16_with_sp_tracks_bf16_and_fp32_single_process(world_2):
+def test_bf16_with_sp_tracks_bf16_and_fp32_single_process(world_2, one_process):
     """bf16 (DeepSpeed's bf16 mode, fp32 master weights) under Ulysses SP=2 and ZeRO-1/2: the losses follow the bf16
     single-process run (here they agree to ~1e-9; 1e-3 leaves room for layout-dependent rounding) and the fp32 run
     to a few percent; every parameter's update (fp32 master weights, position table included) is the fp32
     single-process run's update to 5% of its size (measured: <= 1.2%; an update of the wrong scale is off by ~50%
     and more, where the parameters themselves differ by ~1e-3 either way)."""
-    _, _, got, (want_bf16, want_fp32) = world_2
+    got, (want_bf16, want_fp32) = world_2[1], one_process["bf16"]
     for (losses, updates), z in zip(got, (1, 2)):
         label = f"bf16 ulysses=2 zero={z}"
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_bf16[0]), rtol=1e-3, atol=0,
@@ -305,7 +345,7 @@ def test_bf16_with_sp_tracks_bf16_and_fp32_single_process(world_2):
 def test_validation_scores_every_sample_once_under_sp_and_dp(world_4):
     """5 validation windows, global micro-batches of 4 (2 per data rank x 2 data ranks, SP=2 inside): the last
     micro-batch is part padding, and the loss equals the single-model mean over exactly the 5 windows."""
-    results = world_4[2]
+    results = world_4[1]
     got, want, n_val = results[0]
     assert n_val == 5, n_val
     assert all(r[0] == got for r in results)
