@@ -335,9 +335,20 @@ def _parallel(cfg, seed, groups):
     return model
 
 
+def _parts(rank, world, parts):
+    """``fn(rank, world, *args)`` for each ``(fn, args)`` of ``parts``, in order, on this process group."""
+    return [fn(rank, world, *args) for fn, args in parts]
+
+
+@pytest.fixture(scope="module")
+def world_2():
+    """Every rank's results of the 2-rank workers (one process group): model checks, tiled saved bytes, losses."""
+    return run_workers(_parts, 2, [(_worker_tp2, ()), (_worker_tiled_saved_bytes, ()), (_worker_loss_reductions, ())])
+
+
 @pytest.mark.distributed
-def test_tensor_parallel_world_2():
-    assert run_workers(_worker_tp2, 2) == [True, True]
+def test_tensor_parallel_world_2(world_2):
+    assert [r[0] for r in world_2] == [True, True]
 
 
 def _worker_tiled_saved_bytes(rank, world):
@@ -355,12 +366,12 @@ def _worker_tiled_saved_bytes(rank, world):
     return True
 
 
-def test_tiled_mlp_saved_bytes_tp2():
+def test_tiled_mlp_saved_bytes_tp2(world_2):
     """Under TP 2 the tiled MLP saves what the planner says (``Strategy.mlp_tile``): the gathered MLP input in place of
     this rank's region and of the column-parallel layer's ``[B, S, intermediate / tp]`` outputs; with GPT-NeoX's
     parallel residual that input is a view of the one all-gather buffer of both norms' outputs, kept whole, beside
     the region."""
-    assert run_workers(_worker_tiled_saved_bytes, 2) == [True, True]
+    assert [r[1] for r in world_2] == [True, True]
 
 
 # ---------------------------------------------------------------------------- the loss's "mean" reduction, TP2
@@ -401,8 +412,8 @@ def _worker_loss_reductions(rank, world):
 
 
 @pytest.mark.distributed
-def test_vocab_parallel_loss_mean_and_sum_against_cross_entropy_tp2():
-    assert run_workers(_worker_loss_reductions, 2) == [True, True]
+def test_vocab_parallel_loss_mean_and_sum_against_cross_entropy_tp2(world_2):
+    assert [r[2] for r in world_2] == [True, True]
 
 
 # ---------------------------------------------------------------------------- world size 4
@@ -436,9 +447,16 @@ def _worker_four(rank, world):
     return True
 
 
+@pytest.fixture(scope="module")
+def world_4():
+    """Every rank's results of the 4-rank workers (one process group): model checks, the engine at ZeRO 2 and 3."""
+    return run_workers(_parts, 4, [(_worker_four, ()), (_worker_engine, (2,)), (_worker_engine, (3,))],
+                       env={"DS_ACCELERATOR": "cpu"}, timeout=400)
+
+
 @pytest.mark.distributed
-def test_tensor_parallel_world_4():
-    assert run_workers(_worker_four, 4) == [True] * 4
+def test_tensor_parallel_world_4(world_4):
+    assert [r[0] for r in world_4] == [True] * 4
 
 
 # ---------------------------------------------------------------------------- world size 8: TP2 x Ulysses2 x Ring2
@@ -511,5 +529,5 @@ def _worker_engine(rank, world, stage):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_tensor_parallel_deepspeed_engine(stage):
-    assert run_workers(_worker_engine, 4, stage, env={"DS_ACCELERATOR": "cpu"}, timeout=240) == [True] * 4
+def test_tensor_parallel_deepspeed_engine(stage, world_4):
+    assert [r[stage - 1] for r in world_4] == [True] * 4

@@ -1,6 +1,8 @@
 """THE equivalence test: training with sequence parallelism (Ulysses, ring, hybrid; with and without data
 parallelism) under every ZeRO stage gives the same per-step losses and final parameters as single-process
-training on the same global batches, the sequence-partitioned position table included."""
+training on the same global batches, the sequence-partitioned position table included. The single-process reference
+runs at ZeRO stage 0 (the first test ties one process at every stage to a plain PyTorch loop), and the runs of one
+world size share one process group (module-scoped fixtures)."""
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +53,31 @@ def _train_cases(rank, world, cases):
     return results
 
 
+def _at_stage_0(overrides):
+    """A single-process fp32 run's overrides at ZeRO stage 0: one process trains alike at every stage
+    (:func:`test_single_process_trainer_equals_a_plain_pytorch_loop` checks stages 0-3), and stage 0 builds fastest
+    (a ZeRO-3 engine costs seconds). bf16 runs keep their stage (their optimizers differ by stage)."""
+    if "train.dtype=bf16" in overrides:
+        return list(overrides)
+    return [o for o in overrides if not o.startswith("zero.stage=")] + ["zero.stage=0"]
+
+
+def _unique_at_stage_0(cases):
+    """``cases`` at ZeRO stage 0 (:func:`_at_stage_0`), those that differ only in ``train.out_dir`` once: the
+    distinct runs, and for each case the index of its run."""
+    runs, index = {}, []
+    for overrides in map(_at_stage_0, cases):
+        key = tuple(o for o in overrides if not o.startswith("train.out_dir="))
+        index.append(runs.setdefault(key, (len(runs), overrides))[0])
+    return [overrides for _, overrides in runs.values()], index
+
+
 def _baseline(cases):
-    return run_workers(_train_cases, 1, cases, env=ENV, timeout=300)[0]
+    """The single-process references of ``cases`` (``_train_cases``'s results, by case) from one process, each run at
+    ZeRO stage 0 and cases that differ only in ``train.out_dir`` run once (:func:`_unique_at_stage_0`)."""
+    runs, index = _unique_at_stage_0(cases)
+    results = run_workers(_train_cases, 1, runs, env=ENV, timeout=300)[0]
+    return [results[i] for i in index]
 
 
 def _compare(got, want, label):
@@ -98,14 +123,13 @@ def _plain_torch_losses(rank, world, overrides):
 
 
 @pytest.mark.slow
-def test_single_process_trainer_equals_a_plain_pytorch_loop(tmp_path):
+def test_single_process_trainer_equals_a_plain_pytorch_loop(one_process):
     """Anchors the baseline of the tests below: the DeepSpeed engine with the position table kept outside it
-    trains exactly like plain PyTorch with the table inside the model (ZeRO 0 and 2, no clipping)."""
-    for zero in (0, 2):
-        overrides = _overrides(tmp_path / f"plain{zero}", zero, micro=4)
-        got = _baseline([overrides])[0]
-        want = run_workers(_plain_torch_losses, 1, overrides, env=ENV, timeout=300)[0]
-        _compare(got, want, f"trainer zero={zero} vs plain PyTorch")
+    trains exactly like plain PyTorch with the table inside the model, at every ZeRO stage (no clipping; the plain
+    loop does not depend on the stage), so that one process at stage 0 is every stage's reference."""
+    got, want = one_process["anchor"]
+    for zero, result in enumerate(got):
+        _compare(result, want, f"trainer zero={zero} vs plain PyTorch")
 
 
 # Gradient clipping is active with this threshold (the debug model's gradient norm is ~1): the clipped cases check
@@ -121,60 +145,6 @@ def _packed(tmp_path) -> list[str]:
     fasta = tmp_path / "short_genes.fasta"
     fasta.write_text("".join(f">g{i}\n{g}\n" for i, g in enumerate(genes)))
     return [f"data.fasta={fasta}", "data.dataset=packed", "data.val_fraction=0.2"]
-
-
-@pytest.mark.slow
-def test_world_2_sp_every_stage_ring_and_dp(tmp_path):
-    """ZeRO 0-3 under Ulysses, ring (zigzag; contiguous), data parallelism, accumulation, rotary under SP with ZeRO-3
-    and clipping; packed records with document masks under Ulysses (rotary) and under the contiguous ring (ALiBi)."""
-    stages = [0, 1, 2, 3]
-    packed = _packed(tmp_path)
-    cases = [_overrides(tmp_path / f"sp{z}", z, ulysses=2) for z in stages] + [
-        _overrides(tmp_path / "ring", 3, ring=2),  # zigzag layout: the table's rows are two chunks per rank
-        _overrides(tmp_path / "dp3", 3, micro=1, pe="rotary"),  # ZeRO-3 over two data-parallel ranks
-        _overrides(tmp_path / "ga", 2, ulysses=2, micro=1, extra=["train.grad_accum=2", *CLIP]),
-        _overrides(tmp_path / "rope3", 3, ulysses=2, pe="rotary", extra=CLIP),
-        _overrides(tmp_path / "packu", 1, ulysses=2, pe="rotary", extra=packed),
-        _overrides(tmp_path / "packr", 0, ring=2, pe="alibi", extra=[*packed, "parallel.layout=contiguous"]),
-    ]
-    got = run_workers(_train_cases, 2, cases, env=ENV, timeout=400)[0]
-    want = _baseline([_overrides(tmp_path / f"b{z}", z) for z in stages] + [
-        _overrides(tmp_path / "bring", 3),
-        _overrides(tmp_path / "bdp3", 3, micro=2, pe="rotary"),
-        _overrides(tmp_path / "bga", 2, micro=2, extra=CLIP),
-        _overrides(tmp_path / "brope3", 3, pe="rotary", extra=CLIP),
-        _overrides(tmp_path / "bpacku", 1, pe="rotary", extra=packed),
-        _overrides(tmp_path / "bpackr", 0, pe="alibi", extra=packed),
-    ])
-    for z, g, w in zip(stages, got, want):
-        _compare(g, w, f"ulysses=2 zero={z}")
-    _compare(got[4], want[4], "ring=2 zigzag zero=3")
-    _compare(got[5], want[5], "dp=2 zero=3 rotary")
-    _compare(got[6], want[6], "ulysses=2 zero=2 grad_accum=2 clipped")
-    _compare(got[7], want[7], "ulysses=2 zero=3 rotary clipped")
-    _compare(got[8], want[8], "ulysses=2 zero=1 rotary, packed records with document masks")
-    _compare(got[9], want[9], "ring=2 contiguous zero=0 alibi, packed records with document masks")
-
-
-@pytest.mark.slow
-def test_sp2_x_dp2_and_hybrid_ulysses_x_ring(tmp_path):
-    cases = [
-        _overrides(tmp_path / "spdp1", 1, ulysses=2, micro=1, extra=CLIP),
-        _overrides(tmp_path / "spdp3", 3, ulysses=2, micro=1),
-        _overrides(tmp_path / "usp", 2, ulysses=2, ring=2, micro=2, pe="alibi"),
-        _overrides(tmp_path / "usp0", 0, ulysses=2, ring=2, micro=2, extra=CLIP),
-    ]
-    got = run_workers(_train_cases, 4, cases, env=ENV, timeout=500)[0]
-    want = _baseline([
-        _overrides(tmp_path / "b1", 1, micro=2, extra=CLIP),
-        _overrides(tmp_path / "b3", 3, micro=2),
-        _overrides(tmp_path / "b2", 2, micro=2, pe="alibi"),
-        _overrides(tmp_path / "b0", 0, micro=2, extra=CLIP),
-    ])
-    _compare(got[0], want[0], "sp=2 x dp=2 zero=1 clipped")
-    _compare(got[1], want[1], "sp=2 x dp=2 zero=3")
-    _compare(got[2], want[2], "ulysses=2 x ring=2 zero=2 alibi")
-    _compare(got[3], want[3], "ulysses=2 x ring=2 zero=0 clipped")
 
 
 def _master_updates(rank, world, cases):
@@ -203,33 +173,6 @@ def _master_updates(rank, world, cases):
     return results
 
 
-@pytest.mark.slow
-def test_bf16_with_sp_tracks_bf16_and_fp32_single_process(tmp_path):
-    """bf16 (DeepSpeed's bf16 mode, fp32 master weights) under Ulysses SP=2 and ZeRO-1/2: the losses follow the bf16
-    single-process run (here they agree to ~1e-9; 1e-3 leaves room for layout-dependent rounding) and the fp32 run
-    to a few percent; every parameter's update (fp32 master weights, position table included) is the fp32
-    single-process run's update to 5% of its size (measured: <= 1.2%; an update of the wrong scale is off by ~50%
-    and more, where the parameters themselves differ by ~1e-3 either way)."""
-    bf16 = ["train.dtype=bf16"]
-    got = run_workers(_master_updates, 2, [_overrides(tmp_path / f"sp{z}", z, ulysses=2, extra=bf16) for z in (1, 2)],
-                      env=ENV, timeout=400)[0]
-    want_bf16, want_fp32 = run_workers(_master_updates, 1, [_overrides(tmp_path / "b", 1, extra=bf16),
-                                                             _overrides(tmp_path / "f", 1)], env=ENV, timeout=300)[0]
-    for (losses, updates), z in zip(got, (1, 2)):
-        label = f"bf16 ulysses=2 zero={z}"
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_bf16[0]), rtol=1e-3, atol=0,
-                                   msg=f"{label} vs bf16 single process")
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_fp32[0]), rtol=5e-2, atol=0,
-                                   msg=f"{label} vs fp32 single process")
-        assert set(updates) == set(want_fp32[1]), label
-        for key, ref in want_fp32[1].items():
-            size = np.linalg.norm(ref)
-            assert size > 0, (label, key)  # every parameter moved
-            error = np.linalg.norm(updates[key] - ref) / size
-            assert error <= 0.05, f"{label}: {key}: update off by {error:.1%} of its size vs fp32 single process"
-    assert abs(want_bf16[0][-1] - want_bf16[0][0]) > 1e-3
-
-
 def _validation_cases(rank, world, overrides):
     """The trainer's validation loss under SP, and (rank 0) the plain single-model loss over the same samples."""
     from ds4sci.infer.evaluate import evaluate
@@ -248,13 +191,161 @@ def _validation_cases(rank, world, overrides):
     return got, evaluate(model.eval(), trainer.tokenizer, trainer.val_ds, batch_size=3)["loss"], len(trainer.val_ds)
 
 
+def _world(rank, world, cases, bf16, validation):
+    """One process group's runs: ``_train_cases(cases)``, ``_master_updates(bf16)`` and (when given)
+    ``_validation_cases(validation)``."""
+    return (_train_cases(rank, world, cases), _master_updates(rank, world, bf16),
+            _validation_cases(rank, world, validation) if validation else None)
+
+
+BF16 = ["train.dtype=bf16"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """One folder for every run of this module."""
+    return tmp_path_factory.mktemp("runs")
+
+
+def _world_2_runs(root):
+    """The 2-rank cases of ``test_world_2_sp_every_stage_ring_and_dp`` and their single-process references."""
+    stages = [0, 1, 2, 3]
+    packed = _packed(root)
+    cases = [_overrides(root / f"sp{z}", z, ulysses=2) for z in stages] + [
+        _overrides(root / "ring", 3, ring=2),  # zigzag layout: the table's rows are two chunks per rank
+        _overrides(root / "dp3", 3, micro=1, pe="rotary"),  # ZeRO-3 over two data-parallel ranks
+        _overrides(root / "ga", 2, ulysses=2, micro=1, extra=["train.grad_accum=2", *CLIP]),
+        _overrides(root / "rope3", 3, ulysses=2, pe="rotary", extra=CLIP),
+        _overrides(root / "packu", 1, ulysses=2, pe="rotary", extra=packed),
+        _overrides(root / "packr", 0, ring=2, pe="alibi", extra=[*packed, "parallel.layout=contiguous"]),
+    ]
+    references = [_overrides(root / f"b{z}", z) for z in stages] + [
+        _overrides(root / "bring", 3),
+        _overrides(root / "bdp3", 3, micro=2, pe="rotary"),
+        _overrides(root / "bga", 2, micro=2, extra=CLIP),
+        _overrides(root / "brope3", 3, pe="rotary", extra=CLIP),
+        _overrides(root / "bpacku", 1, pe="rotary", extra=packed),
+        _overrides(root / "bpackr", 0, pe="alibi", extra=packed),
+    ]
+    return cases, references
+
+
+def _world_4_runs(root):
+    """The 4-rank cases of ``test_sp2_x_dp2_and_hybrid_ulysses_x_ring`` and their single-process references."""
+    cases = [
+        _overrides(root / "spdp1", 1, ulysses=2, micro=1, extra=CLIP),
+        _overrides(root / "spdp3", 3, ulysses=2, micro=1),
+        _overrides(root / "usp", 2, ulysses=2, ring=2, micro=2, pe="alibi"),
+        _overrides(root / "usp0", 0, ulysses=2, ring=2, micro=2, extra=CLIP),
+    ]
+    references = [
+        _overrides(root / "b1", 1, micro=2, extra=CLIP),
+        _overrides(root / "b3", 3, micro=2),
+        _overrides(root / "b2", 2, micro=2, pe="alibi"),
+        _overrides(root / "b0", 0, micro=2, extra=CLIP),
+    ]
+    return cases, references
+
+
+def _bf16_runs(root):
+    """The 2-rank cases of ``test_bf16_with_sp_tracks_bf16_and_fp32_single_process`` and its single-process runs
+    (bf16, fp32)."""
+    return ([_overrides(root / f"bf{z}", z, ulysses=2, extra=BF16) for z in (1, 2)],
+            [_overrides(root / "bbf", 1, extra=BF16), _overrides(root / "bf", 1)])
+
+
+def _one_process_runs(rank, world, anchor, references, bf16):
+    """Every single-process run of this module, in one process: ``_train_cases(anchor)``, the plain PyTorch loop of
+    ``anchor[0]``, ``_train_cases(references)`` and ``_master_updates(bf16)``."""
+    return (_train_cases(rank, world, anchor), _plain_torch_losses(rank, world, anchor[0]),
+            _train_cases(rank, world, references), _master_updates(rank, world, bf16))
+
+
+@pytest.fixture(scope="module")
+def one_process(root):
+    """The single-process runs: the anchor's (``"anchor"``: the trainer at ZeRO 0-3 and the plain loop), the
+    references of the 2- and 4-rank training cases at ZeRO stage 0 (``"world_2"``, ``"world_4"``; each distinct run
+    once) and the bf16 test's (``"bf16"``)."""
+    anchor = [_overrides(root / f"plain{zero}", zero, micro=4) for zero in range(4)]
+    world_2, world_4 = _world_2_runs(root)[1], _world_4_runs(root)[1]
+    runs, index = _unique_at_stage_0(world_2 + world_4)
+    got, plain, references, bf16 = run_workers(_one_process_runs, 1, anchor, runs, _bf16_runs(root)[1], env=ENV,
+                                               timeout=600)[0]
+    references = [references[i] for i in index]
+    return {"anchor": (got, plain), "world_2": references[:len(world_2)], "world_4": references[len(world_2):],
+            "bf16": bf16}
+
+
+@pytest.fixture(scope="module")
+def world_2(root):
+    """Rank 0's 2-rank runs (one process group): the SP-every-stage test's and the bf16 test's."""
+    got, bf16, _ = run_workers(_world, 2, _world_2_runs(root)[0], _bf16_runs(root)[0], None, env=ENV,
+                               timeout=500)[0]
+    return got, bf16
+
+
 @pytest.mark.slow
-def test_validation_scores_every_sample_once_under_sp_and_dp(tmp_path):
+def test_world_2_sp_every_stage_ring_and_dp(world_2, one_process):
+    """ZeRO 0-3 under Ulysses, ring (zigzag; contiguous), data parallelism, accumulation, rotary under SP with ZeRO-3
+    and clipping; packed records with document masks under Ulysses (rotary) and under the contiguous ring (ALiBi)."""
+    got, want = world_2[0], one_process["world_2"]
+    for z, g, w in zip([0, 1, 2, 3], got, want):
+        _compare(g, w, f"ulysses=2 zero={z}")
+    _compare(got[4], want[4], "ring=2 zigzag zero=3")
+    _compare(got[5], want[5], "dp=2 zero=3 rotary")
+    _compare(got[6], want[6], "ulysses=2 zero=2 grad_accum=2 clipped")
+    _compare(got[7], want[7], "ulysses=2 zero=3 rotary clipped")
+    _compare(got[8], want[8], "ulysses=2 zero=1 rotary, packed records with document masks")
+    _compare(got[9], want[9], "ring=2 contiguous zero=0 alibi, packed records with document masks")
+
+
+@pytest.fixture(scope="module")
+def world_4(root):
+    """The 4-rank runs (one process group): rank 0's SP x DP and hybrid cases, and every rank's validation result."""
+    # 5 validation windows (~150 bases), global micro-batches of 4 (2 per data rank x 2 data ranks, SP=2 inside)
+    validation = _overrides(root / "val", 1, ulysses=2, micro=2,
+                            extra=["data.val_fraction=0.0000323", "train.eval_batches=8"])
+    results = run_workers(_world, 4, _world_4_runs(root)[0], [], validation, env=ENV, timeout=500)
+    return results[0][0], [r[2] for r in results]
+
+
+@pytest.mark.slow
+def test_sp2_x_dp2_and_hybrid_ulysses_x_ring(world_4, one_process):
+    got, want = world_4[0], one_process["world_4"]
+    _compare(got[0], want[0], "sp=2 x dp=2 zero=1 clipped")
+    _compare(got[1], want[1], "sp=2 x dp=2 zero=3")
+    _compare(got[2], want[2], "ulysses=2 x ring=2 zero=2 alibi")
+    _compare(got[3], want[3], "ulysses=2 x ring=2 zero=0 clipped")
+
+
+@pytest.mark.slow
+def test_bf16_with_sp_tracks_bf16_and_fp32_single_process(world_2, one_process):
+    """bf16 (DeepSpeed's bf16 mode, fp32 master weights) under Ulysses SP=2 and ZeRO-1/2: the losses follow the bf16
+    single-process run (here they agree to ~1e-9; 1e-3 leaves room for layout-dependent rounding) and the fp32 run
+    to a few percent; every parameter's update (fp32 master weights, position table included) is the fp32
+    single-process run's update to 5% of its size (measured: <= 1.2%; an update of the wrong scale is off by ~50%
+    and more, where the parameters themselves differ by ~1e-3 either way)."""
+    got, (want_bf16, want_fp32) = world_2[1], one_process["bf16"]
+    for (losses, updates), z in zip(got, (1, 2)):
+        label = f"bf16 ulysses=2 zero={z}"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_bf16[0]), rtol=1e-3, atol=0,
+                                   msg=f"{label} vs bf16 single process")
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_fp32[0]), rtol=5e-2, atol=0,
+                                   msg=f"{label} vs fp32 single process")
+        assert set(updates) == set(want_fp32[1]), label
+        for key, ref in want_fp32[1].items():
+            size = np.linalg.norm(ref)
+            assert size > 0, (label, key)  # every parameter moved
+            error = np.linalg.norm(updates[key] - ref) / size
+            assert error <= 0.05, f"{label}: {key}: update off by {error:.1%} of its size vs fp32 single process"
+    assert abs(want_bf16[0][-1] - want_bf16[0][0]) > 1e-3
+
+
+@pytest.mark.slow
+def test_validation_scores_every_sample_once_under_sp_and_dp(world_4):
     """5 validation windows, global micro-batches of 4 (2 per data rank x 2 data ranks, SP=2 inside): the last
     micro-batch is part padding, and the loss equals the single-model mean over exactly the 5 windows."""
-    overrides = _overrides(tmp_path / "val", 1, ulysses=2, micro=2,
-                           extra=["data.val_fraction=0.0000323", "train.eval_batches=8"])  # ~150 bases: 5 windows
-    results = run_workers(_validation_cases, 4, overrides, env=ENV, timeout=300)
+    results = world_4[1]
     got, want, n_val = results[0]
     assert n_val == 5, n_val
     assert all(r[0] == got for r in results)

@@ -65,24 +65,39 @@ def _train_cases_with_evidence(rank, world, cases):
     return results
 
 
+# (label, ZeRO stage, parallel degrees, switches) of test_offload_and_activation_checkpointing_match_single_process
+CASES = [
+    ("ulysses=2 zero=1 checkpointing full", 1, {"ulysses": 2}, FULL + CLIP),
+    ("ulysses=2 zero=3 checkpointing selective on cpu", 3, {"ulysses": 2}, SELECTIVE + CPU + CLIP),
+    ("ring=2 zero=2 checkpointing selective", 2, {"ring": 2}, SELECTIVE + CLIP),
+    ("ulysses=2 zero=2 offload optimizer", 2, {"ulysses": 2}, OFFLOAD_OPT + CLIP),
+    ("ulysses=2 zero=3 offload optimizer+params, checkpointing full on cpu", 3, {"ulysses": 2},
+     OFFLOAD_OPT + OFFLOAD_PARAM + FULL + CPU + CLIP),
+]
+
+
+def _world_2(rank, world, cases, zero3):
+    """The 2-rank runs (one process group): ``_train_cases_with_evidence(cases)`` and ``_zero3_construction(zero3)``."""
+    return _train_cases_with_evidence(rank, world, cases), _zero3_construction(rank, world, zero3)
+
+
+@pytest.fixture(scope="module")
+def world_2(tmp_path_factory):
+    """Every rank's :func:`_world_2` results: the ``CASES`` and the ZeRO-3 construction (Ulysses 2, rotary)."""
+    root = tmp_path_factory.mktemp("world_2")
+    cases = [_overrides(root / f"c{i}", z, **deg, extra=x) for i, (_, z, deg, x) in enumerate(CASES)]
+    zero3 = _overrides(root / "z3", 3, ulysses=2, pe="rotary", steps=1)
+    return run_workers(_world_2, 2, cases, zero3, env=ENV, timeout=500)
+
+
 @pytest.mark.slow
-def test_offload_and_activation_checkpointing_match_single_process(tmp_path):
-    # (label, ZeRO stage, parallel degrees, switches); the baseline is one process at the same stage, switches off
+def test_offload_and_activation_checkpointing_match_single_process(world_2, tmp_path):
+    # the baseline is one process (at stage 0: test_train_equivalence's _baseline), switches off
     layers = 2  # the debug preset
-    cases = [
-        ("ulysses=2 zero=1 checkpointing full", 1, {"ulysses": 2}, FULL + CLIP),
-        ("ulysses=2 zero=3 checkpointing selective on cpu", 3, {"ulysses": 2}, SELECTIVE + CPU + CLIP),
-        ("ring=2 zero=2 checkpointing selective", 2, {"ring": 2}, SELECTIVE + CLIP),
-        ("ulysses=2 zero=2 offload optimizer", 2, {"ulysses": 2}, OFFLOAD_OPT + CLIP),
-        ("ulysses=2 zero=3 offload optimizer+params, checkpointing full on cpu", 3, {"ulysses": 2},
-         OFFLOAD_OPT + OFFLOAD_PARAM + FULL + CPU + CLIP),
-    ]
-    got = run_workers(_train_cases_with_evidence, 2,
-                      [_overrides(tmp_path / f"c{i}", z, **deg, extra=x) for i, (_, z, deg, x) in enumerate(cases)],
-                      env=ENV, timeout=400)[0]
-    stages = sorted({z for _, z, _, _ in cases})
+    got = world_2[0][0]
+    stages = sorted({z for _, z, _, _ in CASES})
     want = dict(zip(stages, _baseline([_overrides(tmp_path / f"b{z}", z, extra=CLIP) for z in stages])))
-    for (label, z, _, extra), (losses, state, ev) in zip(cases, got):
+    for (label, z, _, extra), (losses, state, ev) in zip(CASES, got):
         _compare((losses, state), want[z], label)
         assert ev["offload_optimizer"] == (OFFLOAD_OPT[0] in extra), (label, ev)
         assert ev["offload_param"] == (OFFLOAD_PARAM[0] in extra), (label, ev)
@@ -143,12 +158,10 @@ def _zero3_construction(rank, world, overrides):
     return drawn, whole, block, rest, len(model.layers), partitioned, trainer.train_step().loss
 
 
-def test_zero3_builds_one_block_at_a_time(tmp_path):
+def test_zero3_builds_one_block_at_a_time(world_2):
     """ZeRO-3 (Ulysses 2, rotary): the engine draws the meta-built model block by block, each partitioned before
     the next is drawn, so a rank never holds more than one block (or the embeddings and head) whole."""
-    overrides = _overrides(tmp_path / "z3", 3, ulysses=2, pe="rotary", steps=1)
-    got = run_workers(_zero3_construction, 2, overrides, env=ENV, timeout=300)
-    for drawn, whole, block, rest, layers, partitioned, loss in got:
+    for _, (drawn, whole, block, rest, layers, partitioned, loss) in world_2:
         assert drawn == [block] * layers + [rest], (drawn, block, rest)
         assert max(whole) <= max(block, rest) and whole[-1] == rest, (whole, block, rest)
         assert partitioned and torch.isfinite(torch.tensor(loss))

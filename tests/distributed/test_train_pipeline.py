@@ -34,12 +34,14 @@ from test_train_equivalence import ENV
 from test_train_equivalence import _overrides
 from test_train_tensor_parallel import _cases
 from test_train_tensor_parallel import _check
+from test_train_tensor_parallel import one_process
 
 runs = test_train_tensor_parallel.runs  # the module-scoped run folder fixture, shared
 
 PP2 = ["parallel.pp=2"]
 
-# Single-process references, by name: (ZeRO stage, position embedding, clipped); micro-batches of 2.
+# Single-process references, by name: (ZeRO stage, position embedding, clipped); micro-batches of 2. They run at
+# ZeRO stage 0 (test_train_tensor_parallel.one_process).
 REFERENCES = {"z1 rotary clip": (1, "rotary", True), "z1 learned": (1, "learned", False),
               "z0 alibi clip": (0, "alibi", True)}
 END_TO_END = "z1 rotary clip"
@@ -54,8 +56,7 @@ def _case(out_dir, name, ulysses=1, ring=1, micro=2, extra=()):
 
 @pytest.fixture(scope="module")
 def references(runs):
-    cases = [(_case(runs / f"ref{i}", name), name == END_TO_END) for i, name in enumerate(REFERENCES)]
-    return dict(zip(REFERENCES, run_workers(_cases, 1, cases, env=ENV, timeout=400)[0]))
+    return one_process(runs, REFERENCES, END_TO_END, _case)
 
 
 def test_topology_numbers_ranks_like_parallel_dims():
@@ -97,13 +98,6 @@ def test_config_refuses_zero_2_and_3_with_pipeline(stage):
         load_config(None, [f"zero.stage={stage}", "parallel.pp=2", "model.overrides.num_layers=2"])
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_pp2_end_to_end(runs, references):
-    got = run_workers(_cases, 2, [(_case(runs / "pp", END_TO_END, extra=PP2), True)], env=ENV, timeout=400)[0]
-    _check(got[0], references[END_TO_END], "pp=2 zero=1 clipped, Trainer.train() export")
-
-
 def _printed_while_building(rank, world, overrides):
     """What building a Trainer prints on this rank's stdout."""
     import contextlib
@@ -118,19 +112,36 @@ def _printed_while_building(rank, world, overrides):
     return printed.getvalue()
 
 
-@pytest.mark.distributed
-def test_pipeline_build_prints_nothing(runs):
-    """DeepSpeed's pipeline prints (its seeds, topology and stage layers, from the start-up check's probe pipeline
-    and from the model's) stay out of a run's output: logged at DEBUG (``ds4sci.train.engine.printed_at_debug``)."""
-    printed = run_workers(_printed_while_building, 2, _case(runs / "pp-quiet", END_TO_END, extra=PP2), env=ENV,
-                          timeout=300)
-    assert printed == ["", ""], printed
+def _pp2_world(rank, world, quiet, cases):
+    """The 2-rank runs (one process group): what building the Trainer of ``quiet`` prints, and ``_cases(cases)``."""
+    return _printed_while_building(rank, world, quiet), _cases(rank, world, cases)
+
+
+@pytest.fixture(scope="module")
+def pp2(runs):
+    """Every rank's print while building a PP2 Trainer, and rank 0's end-to-end PP2 run."""
+    results = run_workers(_pp2_world, 2, _case(runs / "pp-quiet", END_TO_END, extra=PP2),
+                          [(_case(runs / "pp", END_TO_END, extra=PP2), True)], env=ENV, timeout=400)
+    return [printed for printed, _ in results], results[0][1]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pp2_with_ulysses_and_tensor_parallelism(runs, references):
-    cases = [
+def test_pp2_end_to_end(pp2, references):
+    _check(pp2[1][0], references[END_TO_END], "pp=2 zero=1 clipped, Trainer.train() export")
+
+
+@pytest.mark.distributed
+def test_pipeline_build_prints_nothing(pp2):
+    """DeepSpeed's pipeline prints (its seeds, topology and stage layers, from the start-up check's probe pipeline
+    and from the model's) stay out of a run's output: logged at DEBUG (``ds4sci.train.engine.printed_at_debug``)."""
+    printed = pp2[0]
+    assert printed == ["", ""], printed
+
+
+def _layouts(runs):
+    """(reference name, label, overrides) of the 4-rank layouts of ``test_pp2_with_ulysses_and_tensor_parallelism``."""
+    return [
         ("z1 learned", "pp=2 x ulysses=2 zero=1 learned, selective checkpointing",
          _case(runs / "ppu", "z1 learned", ulysses=2, extra=[*PP2, "activation_checkpointing.mode=selective"])),
         ("z0 alibi clip", "tp=2 x pp=2 zero=0 grad_accum=2 clipped, full checkpointing",
@@ -148,8 +159,31 @@ def test_pp2_with_ulysses_and_tensor_parallelism(runs, references):
         ("z1 learned", "pp=2 x dp=2 zero=1 learned, optimizer offload",
          _case(runs / "ppo", "z1 learned", micro=1, extra=[*PP2, "parallel.dp=2", "zero.offload_optimizer=cpu"])),
     ]
-    got = run_workers(_cases, 4, [(overrides, False) for _, _, overrides in cases], env=ENV, timeout=400)[0]
-    for (name, label, _), result in zip(cases, got):
+
+
+# (reference name, label) of the bf16 cases of test_bf16_with_pp2_x_ulysses2_tracks_fp32_single_process
+BF16_CASES = [("z0 alibi clip", "bf16 pp=2 x ulysses=2 zero=0 clipped"), ("z1 learned", "bf16 pp=2 x ulysses=2 zero=1")]
+
+
+def _pp4_world(rank, world, cases, bf16):
+    """The 4-rank runs (one process group): ``_pipeline_divisions``, ``_cases(cases)`` and
+    ``_pipeline_master_updates(bf16)``."""
+    return _pipeline_divisions(rank, world), _cases(rank, world, cases), _pipeline_master_updates(rank, world, bf16)
+
+
+@pytest.fixture(scope="module")
+def pp4(runs):
+    """Every rank's results of :func:`_pp4_world` on the layouts of :func:`_layouts` and the ``BF16_CASES``."""
+    bf16 = [_case(runs / f"bf{i}", name, ulysses=2, extra=[*PP2, "train.dtype=bf16"])
+            for i, (name, _) in enumerate(BF16_CASES)]
+    return run_workers(_pp4_world, 4, [(overrides, False) for _, _, overrides in _layouts(runs)], bf16, env=ENV,
+                       timeout=600)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp2_with_ulysses_and_tensor_parallelism(runs, pp4, references):
+    for (name, label, _), result in zip(_layouts(runs), pp4[0][1]):
         _check(result, references[name], label)
 
 
@@ -182,12 +216,11 @@ def _pipeline_divisions(rank, world):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pipeline_gradient_reduction_is_what_deepspeed_measures():
+def test_pipeline_gradient_reduction_is_what_deepspeed_measures(pp4):
     """The pipeline engine's measured gradient division is ``pipeline_reduction_factor`` x ``grad_accum`` (on every
     rank of both stages), and the start-up check refuses a wrong factor on every rank, naming DeepSpeed's version and
     both numbers (tests/train/test_loss.py does the same for the non-pipeline engine)."""
-    results = run_workers(_pipeline_divisions, 4, env=ENV, timeout=300)
-    for measured, error in results:
+    for (measured, error), _, _ in pp4:
         assert measured == [want for _, want in PROBES], measured
         assert error is not None and re.search(r"^DeepSpeed \d+\.\d+\.\d+ reduces gradients differently", error), error
         assert "(pipeline engine, parallel.pp=2, zero.stage=1, dp=1, sp=2, train.grad_accum=1)" in error, error
@@ -238,18 +271,14 @@ def _pipeline_master_updates(rank, world, cases):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_bf16_with_pp2_x_ulysses2_tracks_fp32_single_process(runs, references):
+def test_bf16_with_pp2_x_ulysses2_tracks_fp32_single_process(pp4, references):
     """bf16 (DeepSpeed's bf16 mode, fp32 master weights) under PP2 x Ulysses2 at ZeRO-0 (the pipeline engine's
     BF16_Optimizer; clipped) and ZeRO-1 (DeepSpeed's ZeRO-1 optimizer in bf16; unclipped: the loss scale): the losses
     follow the fp32 single-process run to a few percent and every parameter's update (fp32 master weights, position
     table included) is the fp32 run's (final minus initial parameters) to 5% of its size, as
     ``test_bf16_with_sp_tracks_bf16_and_fp32_single_process`` checks under SP alone (measured here: <= 0.8%; an
     update of the wrong scale is off by ~50% and more)."""
-    cases = [("z0 alibi clip", "bf16 pp=2 x ulysses=2 zero=0 clipped"), ("z1 learned", "bf16 pp=2 x ulysses=2 zero=1")]
-    got = run_workers(_pipeline_master_updates, 4,
-                      [_case(runs / f"bf{i}", name, ulysses=2, extra=[*PP2, "train.dtype=bf16"])
-                       for i, (name, _) in enumerate(cases)], env=ENV, timeout=400)[0]
-    for (name, label), (losses, updates, initial) in zip(cases, got):
+    for (name, label), (losses, updates, initial) in zip(BF16_CASES, pp4[0][2]):
         ref_losses, ref_state, _ = references[name]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=5e-2, atol=0,
                                    msg=f"{label} vs fp32 single process")

@@ -19,6 +19,7 @@ from ds4sci.spawn import run_workers
 
 from test_train_equivalence import CLIP
 from test_train_equivalence import ENV
+from test_train_equivalence import _at_stage_0
 from test_train_equivalence import _compare
 from test_train_equivalence import _overrides
 from test_train_equivalence import _train_cases
@@ -37,7 +38,8 @@ LLAMA_KV1_UNTIED = ["model.preset=llama-debug", "model.overrides.num_kv_heads=1"
 
 # Single-process references, by name: (ZeRO stage, position embedding, clipped, tokenizer, model overrides). A
 # parallel case is compared with the reference of its name (activation checkpointing and layouts do not change the
-# reference).
+# reference), which runs at ZeRO stage 0 (one process trains alike at every stage: test_train_equivalence's
+# _at_stage_0).
 REFERENCES = {
     "z0 rotary clip": (0, "rotary", True, "nucleotide", []),
     "z1 learned": (1, "learned", False, "nucleotide", []),
@@ -48,7 +50,7 @@ REFERENCES = {
     "z1 rotary clip codon": (1, "rotary", True, "codon", []),
 }
 END_TO_END = "z1 rotary clip codon"
-# those of test_llama_shape_under_every_layout (their own one-process run)
+# those of test_llama_shape_under_every_layout
 LLAMA_REFERENCES = {
     "llama z1 clip": (1, "rotary", True, "nucleotide", LLAMA),
     "llama kv1 untied z1": (1, "rotary", False, "nucleotide", LLAMA_KV1_UNTIED),
@@ -98,16 +100,22 @@ def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("runs")
 
 
+def one_process(runs, names, end_to_end, case=_case):
+    """The single-process runs of reference ``names`` (overrides ``case(out_dir, name)``; ``_cases``' results, by
+    name; ``Trainer.train()`` end to end for ``end_to_end``) from one process, at ZeRO stage 0: references equal at
+    that stage run once."""
+    keys, cases = {}, {}
+    for name in names:
+        overrides = [o for o in _at_stage_0(case(runs / "ref", name)) if not o.startswith("train.out_dir=")]
+        keys[name] = key = tuple(overrides), name == end_to_end
+        cases.setdefault(key, ([*overrides, f"train.out_dir={runs / f'ref{len(cases)}'}"], key[1]))
+    results = dict(zip(cases, run_workers(_cases, 1, list(cases.values()), env=ENV, timeout=400)[0]))
+    return {name: results[key] for name, key in keys.items()}
+
+
 @pytest.fixture(scope="module")
 def references(runs):
-    cases = [(_case(runs / f"ref{i}", name), name == END_TO_END) for i, name in enumerate(REFERENCES)]
-    return dict(zip(REFERENCES, run_workers(_cases, 1, cases, env=ENV, timeout=400)[0]))
-
-
-@pytest.fixture(scope="module")
-def llama_references(runs):
-    cases = [(_case(runs / f"llama_ref{i}", name), False) for i, name in enumerate(LLAMA_REFERENCES)]
-    return dict(zip(LLAMA_REFERENCES, run_workers(_cases, 1, cases, env=ENV, timeout=400)[0]))
+    return one_process(runs, [*REFERENCES, *LLAMA_REFERENCES], END_TO_END)
 
 
 def _check(got, want, label):
@@ -117,20 +125,16 @@ def _check(got, want, label):
         assert val == pytest.approx(ref_val, rel=1e-5), (label, val, ref_val)
 
 
-def test_tp2_every_zero_stage_and_activation_checkpointing(runs, references):
-    cases = [
-        ("z0 rotary clip", "tp=2 zero=0 clipped", []),
-        ("z1 learned", "tp=2 zero=1, full checkpointing", FULL),
-        ("z2 rotary clip", "tp=2 zero=2 clipped, optimizer offload, selective checkpointing on the CPU",
-         OFFLOAD_OPTIMIZER + SELECTIVE + CPU),
-        # ZeRO-3 offload computes the gradient norm in its own function (complete_grad_norm_calculation_for_cpu_offload)
-        ("z3 alibi clip", "tp=2 zero=3 clipped, optimizer and parameter offload, full checkpointing on the CPU",
-         OFFLOAD_OPTIMIZER + OFFLOAD_PARAM + FULL + CPU),
-    ]
-    got = run_workers(_cases, 2, [(_case(runs / f"tp{i}", name, extra=TP2 + x), False)
-                                  for i, (name, _, x) in enumerate(cases)], env=ENV, timeout=400)[0]
-    for (name, label, _), result in zip(cases, got):
-        _check(result, references[name], label)
+# (reference name, label, extra overrides) of test_tp2_every_zero_stage_and_activation_checkpointing
+TP2_CASES = [
+    ("z0 rotary clip", "tp=2 zero=0 clipped", []),
+    ("z1 learned", "tp=2 zero=1, full checkpointing", FULL),
+    ("z2 rotary clip", "tp=2 zero=2 clipped, optimizer offload, selective checkpointing on the CPU",
+     OFFLOAD_OPTIMIZER + SELECTIVE + CPU),
+    # ZeRO-3 offload computes the gradient norm in its own function (complete_grad_norm_calculation_for_cpu_offload)
+    ("z3 alibi clip", "tp=2 zero=3 clipped, optimizer and parameter offload, full checkpointing on the CPU",
+     OFFLOAD_OPTIMIZER + OFFLOAD_PARAM + FULL + CPU),
+]
 
 
 def test_tp2_with_ulysses_and_ring_and_the_export(runs, references):
@@ -145,28 +149,44 @@ def test_tp2_with_ulysses_and_ring_and_the_export(runs, references):
         _check(result, references[name], label)
 
 
-def test_llama_shape_under_every_layout(runs, llama_references):
+# (reference name, label, parallel degrees, extra overrides) of test_llama_shape_under_every_layout
+LLAMA_CASES = [
+    ("llama z1 clip", "llama tied ulysses=2 zero=1 clipped", dict(ulysses=2), []),
+    ("llama z1 clip", "llama tied ring=2 zigzag zero=1 clipped", dict(ring=2), []),
+    # ZeRO-2 against the one-process run (at stage 0, as every reference: the same fp32 masters and steps)
+    ("llama z1 clip", "llama tied ulysses=2 zero=2 clipped", dict(ulysses=2), ["zero.stage=2"]),
+    ("llama z1 clip", "llama tied tp=2 zero=1 clipped, full checkpointing on the CPU", {}, TP2 + FULL + CPU),
+    ("llama z1 clip", "llama tied pp=2 zero=1 clipped", {}, ["parallel.pp=2"]),
+    # ZeRO-0's clipping norm (its own function) must count the tied matrix once, not once per end stage
+    ("llama z1 clip", "llama tied pp=2 zero=0 clipped", {}, ["parallel.pp=2", "zero.stage=0"]),
+    ("llama kv1 untied z1", "llama kv1 untied pp=2 zero=1", {}, ["parallel.pp=2"]),
+    ("llama kv1 untied z1", "llama kv1 untied tp=2 zero=1 (the key/value head shared by both TP ranks)", {},
+     TP2),
+    ("llama kv1 untied z3 clip", "llama kv1 untied tp=2 zero=3 clipped, optimizer and parameter offload, "
+     "selective checkpointing", {}, TP2 + OFFLOAD_OPTIMIZER + OFFLOAD_PARAM + SELECTIVE),
+    ("llama kv1 untied z3 clip", "llama kv1 untied ulysses=2 zero=3 clipped", dict(ulysses=2), []),
+]
+
+
+@pytest.fixture(scope="module")
+def world_2(runs):
+    """Rank 0's results of the 2-rank runs (one process group): ``TP2_CASES``, then ``LLAMA_CASES``."""
+    cases = [(_case(runs / f"tp{i}", name, extra=TP2 + x), False) for i, (name, _, x) in enumerate(TP2_CASES)]
+    cases += [(_case(runs / f"llama{i}", name, **deg, extra=x), False)
+              for i, (name, _, deg, x) in enumerate(LLAMA_CASES)]
+    got = run_workers(_cases, 2, cases, env=ENV, timeout=600)[0]
+    return got[:len(TP2_CASES)], got[len(TP2_CASES):]
+
+
+def test_tp2_every_zero_stage_and_activation_checkpointing(world_2, references):
+    for (name, label, _), result in zip(TP2_CASES, world_2[0]):
+        _check(result, references[name], label)
+
+
+def test_llama_shape_under_every_layout(world_2, references):
     """Issue 26's done-when: a Llama-shaped run (grouped-query attention with fewer key/value heads than query heads,
     SwiGLU, RMSNorm, no biases; head tied and untied) gives the one-process losses and final parameters under
     Ulysses 2, ring 2 (zigzag), TP 2 and PP 2 (DeepSpeed's tied layers for the tied head), across ZeRO 1-3,
     offload and activation checkpointing."""
-    cases = [
-        ("llama z1 clip", "llama tied ulysses=2 zero=1 clipped", dict(ulysses=2), []),
-        ("llama z1 clip", "llama tied ring=2 zigzag zero=1 clipped", dict(ring=2), []),
-        # ZeRO-2 against the one-process ZeRO-1 run (one process: the same fp32 masters and steps)
-        ("llama z1 clip", "llama tied ulysses=2 zero=2 clipped", dict(ulysses=2), ["zero.stage=2"]),
-        ("llama z1 clip", "llama tied tp=2 zero=1 clipped, full checkpointing on the CPU", {}, TP2 + FULL + CPU),
-        ("llama z1 clip", "llama tied pp=2 zero=1 clipped", {}, ["parallel.pp=2"]),
-        # ZeRO-0's clipping norm (its own function) must count the tied matrix once, not once per end stage
-        ("llama z1 clip", "llama tied pp=2 zero=0 clipped", {}, ["parallel.pp=2", "zero.stage=0"]),
-        ("llama kv1 untied z1", "llama kv1 untied pp=2 zero=1", {}, ["parallel.pp=2"]),
-        ("llama kv1 untied z1", "llama kv1 untied tp=2 zero=1 (the key/value head shared by both TP ranks)", {},
-         TP2),
-        ("llama kv1 untied z3 clip", "llama kv1 untied tp=2 zero=3 clipped, optimizer and parameter offload, "
-         "selective checkpointing", {}, TP2 + OFFLOAD_OPTIMIZER + OFFLOAD_PARAM + SELECTIVE),
-        ("llama kv1 untied z3 clip", "llama kv1 untied ulysses=2 zero=3 clipped", dict(ulysses=2), []),
-    ]
-    got = run_workers(_cases, 2, [(_case(runs / f"llama{i}", name, **deg, extra=x), False)
-                                  for i, (name, _, deg, x) in enumerate(cases)], env=ENV, timeout=600)[0]
-    for (name, label, _, _), result in zip(cases, got):
-        _check(result, llama_references[name], label)
+    for (name, label, _, _), result in zip(LLAMA_CASES, world_2[1]):
+        _check(result, references[name], label)
