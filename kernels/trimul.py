@@ -18,7 +18,8 @@ Backends (:class:`~ds4sci.kernels.backends.TriMulBackend`):
   autograd on (LN_in, the projections, LN_out and the gate: their statistics are recomputed too, ``O(N^2 C_z)``) and
   accumulates the full operand's gradient in place (one ``baddbmm`` per block), then back-propagates that through its
   projections block by block. Incoming runs as outgoing in the transposed frame (rows of ``z^T``) with the roles of
-  ``a`` and ``b`` swapped. Inference (no gradient needed) holds the output, the full operand and one block.
+  ``a`` and ``b`` swapped. Inference (no gradient needed) holds the output and one block: the other operand is
+  recomputed from ``z`` a block at a time for every row block, never held whole (:func:`_chunked_forward`).
 - ``"triton"``: the fused kernels of :mod:`~ds4sci.kernels.triton_trimul` (forward in three kernels, a backward
   that recomputes ``a`` and ``b`` from ``z`` and the saved LayerNorm statistics; CUDA, or the interpreter).
 - ``"auto"``: ``"triton"`` for CUDA tensors its kernels take, ``"chunked"`` otherwise.
