@@ -18,7 +18,8 @@ Backends (:class:`~ds4sci.kernels.backends.TriMulBackend`):
   autograd on (LN_in, the projections, LN_out and the gate: their statistics are recomputed too, ``O(N^2 C_z)``) and
   accumulates the full operand's gradient in place (one ``baddbmm`` per block), then back-propagates that through its
   projections block by block. Incoming runs as outgoing in the transposed frame (rows of ``z^T``) with the roles of
-  ``a`` and ``b`` swapped. Inference (no gradient needed) holds the output, the full operand and one block.
+  ``a`` and ``b`` swapped. Inference (no gradient needed) holds the output and one block: the other operand is
+  recomputed from ``z`` a block at a time for every row block, never held whole (:func:`_chunked_forward`).
 - ``"triton"``: the fused kernels of :mod:`~ds4sci.kernels.triton_trimul` (forward in three kernels, a backward
   that recomputes ``a`` and ``b`` from ``z`` and the saved LayerNorm statistics; CUDA, or the interpreter).
 - ``"auto"``: ``"triton"`` for CUDA tensors its kernels take, ``"chunked"`` otherwise.
@@ -309,25 +310,41 @@ class _ChunkedTriMul(torch.autograd.Function):
 def _chunked_forward(z: Tensor, mask: Tensor, params: TriMulParams, outgoing: bool, eps: float, chunk: int,
                      keep_p: bool) -> tuple[Tensor, Optional[Tensor]]:
     """The chunked forward without autograd: the update ``[*, N, N, C_z]`` and, if ``keep_p``, the product of the
-    working frame, channel-major ``[*, c, N_i, N_j]`` (what backward needs); :class:`_ChunkedTriMul`."""
+    working frame, channel-major ``[*, c, N_i, N_j]`` (what backward needs); :class:`_ChunkedTriMul`. Each row block
+    of the output takes its product block by block of ``f``'s rows (``p_ij`` for ``j`` in a block): training
+    (``keep_p``) slices the full ``f``, built once (backward needs it whole anyway); inference recomputes each block
+    of ``f`` from ``z`` for every row block, so that no more than one block of either operand is ever live. That
+    repeats ``f``'s LayerNorm and projections ``N/R`` times (``R`` rows per block): ``N/R * 4 N^2 C_z c`` flops, or
+    ``2 (N/R) C_z / N`` times the product's ``2 N^3 c``."""
     r_name, f_name = ("a", "b") if outgoing else ("b", "a")
     zf, mf = _frame_pair(z, outgoing), _frame_mask(mask, outgoing)
     n = z.shape[-2]
-    f = _full_operand(zf, mf, params, f_name, eps, chunk)  # [*, c, N_j, N_k]
+    f = _full_operand(zf, mf, params, f_name, eps, chunk) if keep_p else None  # [*, c, N_j, N_k]
     out = z.new_empty(z.shape)
     outf = _frame_pair(out, outgoing)
-    p_all = z.new_empty(f.shape) if keep_p else None  # [*, c, N_i, N_j]
+    p_all = z.new_empty((*z.shape[:-3], params.c_hidden, n, n)) if keep_p else None  # [*, c, N_i, N_j]
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
-        x = _layer_norm(_rows(zf, start, stop), params.ln_in_weight, params.ln_in_bias, eps)  # [*, R, N, C_z]
-        r = _operand(x, _rows(mf, start, stop, False).unsqueeze(-1), params, r_name)  # [*, R, N_k, c]
-        p = channel_product(r.movedim(-1, -3), f, True)  # [*, c, R, N_j]
+        r = _block_operand(zf, mf, params, r_name, eps, start, stop)  # [*, c, R, N_k]
+        p = p_all[..., start:stop, :] if keep_p else r.new_empty((*r.shape[:-1], n))  # [*, c, R, N_j]
+        for j in range(0, n, chunk):
+            j_stop = min(j + chunk, n)
+            f_rows = f[..., j:j_stop, :] if keep_p else _block_operand(zf, mf, params, f_name, eps, j, j_stop)
+            p[..., j:j_stop] = channel_product(r, f_rows, True)
+            del f_rows
         del r
-        if keep_p:
-            p_all[..., start:stop, :] = p
+        x = _layer_norm(_rows(zf, start, stop), params.ln_in_weight, params.ln_in_bias, eps)  # [*, R, N, C_z]
         _rows(outf, start, stop).copy_(_finish(x, p.movedim(-3, -1), params, eps))
         del x, p
     return out, p_all
+
+
+def _block_operand(zf: Tensor, mf: Tensor, params: TriMulParams, which: str, eps: float, start: int,
+                   stop: int) -> Tensor:
+    """The operand ``which`` of rows ``start:stop`` of the frame, channel-major ``[*, c, R, N]`` (a view of the
+    pair layout's ``[*, R, N, c]``), without autograd."""
+    x = _layer_norm(_rows(zf, start, stop), params.ln_in_weight, params.ln_in_bias, eps)
+    return _operand(x, _rows(mf, start, stop, False).unsqueeze(-1), params, which).movedim(-1, -3)
 
 
 def _frame_pair(t: Tensor, outgoing: bool) -> Tensor:
@@ -347,8 +364,7 @@ def _full_operand(zf: Tensor, mf: Tensor, params: TriMulParams, which: str, eps:
     f = zf.new_empty((*zf.shape[:-3], params.c_hidden, n, n))
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
-        x = _layer_norm(_rows(zf, start, stop), params.ln_in_weight, params.ln_in_bias, eps)
-        f[..., start:stop, :] = _operand(x, _rows(mf, start, stop, False).unsqueeze(-1), params, which).movedim(-1, -3)
+        f[..., start:stop, :] = _block_operand(zf, mf, params, which, eps, start, stop)
     return f
 
 

@@ -288,16 +288,19 @@ def _ln_peak(c: int, e: int) -> float:
 
 
 def _tri_mul_live(n: int, cz: int, c: int, e: int) -> float:
-    """Inference, one device: the chunked triangle update's peak (:mod:`ds4sci.kernels.trimul`): the full operand
-    ``f`` and the output (``N^2 (c + C_z) e``) beside one block of R rows (the kernel's default,
-    :data:`~ds4sci.kernels.backends.TRIMUL_CHUNK_BYTES`, at most ``N/8``). Per position of the block: LN_in's
-    (``_ln_peak``); x and the operand's gate, projection and two products (``x + 4 c``); x, p and LN_out's; x, p, the
-    projection of LN(p), the gate's sigmoid and the product (``4 C_z + c``). The residual add is the caller's."""
+    """Inference, one device: the chunked triangle update's peak (:mod:`ds4sci.kernels.trimul`): the output (``N^2
+    C_z e``) beside one block of R rows (the kernel's default, :data:`~ds4sci.kernels.backends.TRIMUL_CHUNK_BYTES`,
+    at most ``N/8``); the other operand is recomputed a block at a time, never whole. Per position of the block: the
+    row block's operand and product (``2 c``) beside a block of the other operand being built (x, the gate, the
+    projection and two products: ``C_z + 4 c``) or beside its LN_in (``_ln_peak``); then x, p, the projection of
+    LN(p), the gate's sigmoid and the product (``4 C_z + c``), or x and p beside LN_out's, or p beside LN_in's. The
+    residual add is the caller's."""
     rows = max(1, min(TRIMUL_CHUNK_BYTES // (n * max(cz, c) * e), -(-n // 8)))
     block = rows * n
-    return n * n * (c + cz) * e + max(block * e * (cz + 4 * c), block * e * (4 * cz + c),
-                                      block * (e * (cz + c) + _ln_peak(c, e)) + _ln_const(c, e),
-                                      block * _ln_peak(cz, e) + _ln_const(cz, e))
+    return n * n * cz * e + max(block * e * (cz + 6 * c), block * e * (4 * cz + c),
+                                block * (2 * c * e + _ln_peak(cz, e)) + _ln_const(cz, e),
+                                block * (e * (cz + c) + _ln_peak(c, e)) + _ln_const(c, e),
+                                block * (c * e + _ln_peak(cz, e)) + _ln_const(cz, e))
 
 
 def _tri_mul_steps_live(g: _Grid, cz: int, cmul: int, e: int) -> float:

@@ -119,3 +119,58 @@ def test_gate_compiles_within_limits(trimul_gate):
     assert_resources(results)
     assert rc == 0 and report["all_ok"]
     assert "triangle multiplicative update" in markdown
+
+
+_PTX = """
+.visible .entry k(
+	.param .u64 k_param_0,
+	.param .u32 k_param_1
+)
+{
+	ld.param.u64 	%rd1, [k_param_0];
+	ld.param.u32 	%r1, [k_param_1];
+	mov.u32 	%r2, %ctaid.x;
+	mul.wide.s32 	%rd2, %r2, %r1;
+	shl.b64 	%rd3, %rd2, 1;
+	add.s64 	%rd4, %rd1, %rd3;
+	// begin inline asm
+	@%p1 ld.global.b16 { %rs1 }, [ %rd4 + 0 ];
+	// end inline asm
+	shl.b32 	%r4, %r2, 6;
+	mul.wide.u32 	%rd7, %r4, 2;
+	add.s64 	%rd8, %rd1, %rd7;
+	st.global.b16 	[ %rd8 + 0 ], { %rs1 };
+	mul.lo.s32 	%r3, %r2, %r1;
+	mul.wide.s32 	%rd5, %r3, 2;
+	add.s64 	%rd6, %rd1, %rd5;
+	st.global.b16 	[ %rd6 + 0 ], { %rs1 };
+	ret;
+}
+"""
+
+
+def test_narrow_addresses_flags_the_32_bit_product_only():
+    """In PTX: the load through ``ctaid * N`` multiplied in 64 bits (``mul.wide.s32`` of the two, then scaled in 64
+    bits) passes, as does a tile offset ``ctaid << 6`` widened; the store through ``ctaid * N`` multiplied in 32 bits
+    and widened only by the element size (the overflow past 2^31 elements) is flagged, unless its buffer is skipped."""
+    from ds4sci.bench.aot.ptx import narrow_addresses
+
+    problems = narrow_addresses(_PTX)
+    assert len(problems) == 1 and problems[0].startswith("line 23: st.global.b16"), problems
+    assert "mul.wide.s32 of mul(" in problems[0]
+    assert narrow_addresses(_PTX, frozenset({0})) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_large_n_ptx_addresses_are_64_bit():
+    """The PTX for sm_80 of every launch of the N = 4096, c = 128 call (Triton's stages, no ptxas, no GPU; ~75 s on
+    2 busy cores): no global load or store of a position-indexed buffer takes its address from a 32-bit product of
+    a position and a size widened at the end, and every launch has global accesses to check."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json; from ds4sci.bench.aot.trimul import large_n_narrow_addresses as f; print(json.dumps(f()))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=840)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert len(found) == len(KERNELS)
+    assert all(problems == [] for problems in found.values()), found

@@ -6,6 +6,9 @@ mask bias) the rounding error of the separately scaled maximum, up to 64, become
 equals the maximum, which should be exactly 0. Triton's interpreter rounds each operation apart and never shows it.
 Subtracting before scaling, ``exp2((s - m) * LOG2E)``, is exact where s == m whatever the compiler fuses. The PTX of a
 compiled kernel is text, so which form each ``ex2`` takes is checked without a GPU (:func:`unsafe_exponents`).
+
+The same dataflow shows how each global load and store gets its address: :func:`narrow_addresses` flags a 32-bit
+product of a position and a size widened only at the end (overflow past 2^31 elements).
 """
 from __future__ import annotations
 
@@ -183,3 +186,113 @@ def _exponent_problem(values: _PtxValues, origin) -> str:
             return ""
         return f"comes from {origin}, a difference with an operand from a fused multiply-add ({', '.join(fused)})"
     return f"comes from {origin}, not a scaled difference"
+
+
+# ---- 64-bit addressing -------------------------------------------------------------------------------------
+
+_ADDRESS = re.compile(r"^\[\s*(%[\w$]+)")
+_PARAM = re.compile(r"^\[(\w+_param_(\d+))\]$")
+#: integer ops a 64-bit address is built with: their register operands are followed back
+_PTX_INT64 = ("add.s64", "add.u64", "sub.s64", "sub.u64", "mul.lo.s64", "mul.lo.u64", "mad.lo.s64", "mad.lo.u64",
+              "shl.b64", "and.b64", "or.b64", "mov.b64", "mov.u64", "mov.s64", "selp.b64", "selp.u64", "selp.s64",
+              "cvta.")
+#: 32-bit products: a position times a stride or an element size overflows here first
+_PTX_MUL32 = ("mul.lo.s32", "mul.lo.u32", "mad.lo.s32", "mad.lo.u32", "shl.b32")
+#: a program id (the launch position) and a kernel argument (a size or a stride) in a value's ancestry
+_PTX_PROGRAM = re.compile(r"%ctaid")
+_PTX_ARGUMENT = re.compile(r"_param_\d+")
+
+
+def _global_address(inst: PtxInstruction) -> Optional[str]:
+    """The address register of a global load or store (``ld.global``, ``st.global``, ``cp.async``), else None."""
+    if inst.opcode.startswith("st.global"):
+        operand = inst.operands[0]
+    elif inst.opcode.startswith(("ld.global", "cp.async.")) and not inst.opcode.startswith(
+            ("cp.async.commit", "cp.async.wait")) and len(inst.operands) > 1:
+        operand = inst.operands[1]
+    else:
+        return None
+    match = _ADDRESS.match(operand)
+    return match.group(1) if match else None
+
+
+def narrow_addresses(ptx: str, skip_params: frozenset = frozenset()) -> list[str]:
+    """The global loads and stores of a kernel's PTX whose address is a 32-bit product widened at the end (one
+    message each; empty: every address of a position-indexed buffer is 64-bit arithmetic on the position).
+
+    Each address register is followed back through 64-bit integer arithmetic (adds, 64-bit multiplies and shifts,
+    moves, selects) to the kernel parameter it starts from (``ld.param.u64 [k_param_i]``; buffers whose index is in
+    ``skip_params``, the weights indexed by channels only, are left out) and to the 32-bit values widened into it
+    (``cvt.s64.s32``, ``mul.wide.s32``). A widened value flags the access when, through 32-bit adds, moves and
+    selects (the subtrahend of a difference left out: ``x - q * d`` is a remainder, bounded by ``x``), it is a 32-bit
+    product (``mul.lo.s32``, ``mad.lo.s32``, ``shl.b32``) of two registers that between them depend on the launch (a
+    program id) and on a kernel argument (a size or a stride): a position times a stride computed in 32 bits, which
+    overflows past 2^31 elements before the widening. Products by an immediate (a tile size) and of thread indices
+    pass: the check cannot see magnitudes, so a position times a compile-time constant is not flagged."""
+    instructions = parse_ptx(ptx)
+    values = _PtxValues(instructions)
+    problems = []
+    for inst in instructions:
+        address = _global_address(inst)
+        if address is None:
+            continue
+        params, narrow = set(), []
+        _trace64(values, address, params, narrow, set())
+        if narrow and not (params and params <= skip_params):
+            problems.append(f"{inst}: address from {', '.join(narrow)}")
+    return problems
+
+
+def _trace64(values: _PtxValues, reg: str, params: set, narrow: list, seen: set) -> None:
+    """Follow a 64-bit address value back (:func:`narrow_addresses`), collecting parameter indices and the widened
+    32-bit products."""
+    if not _is_register(reg) or reg in seen:
+        return
+    seen.add(reg)
+    for inst in values.defs.get(reg, []):
+        op, sources = inst.opcode, inst.operands[1:]
+        if op.startswith("ld.param"):
+            match = _PARAM.match(sources[0]) if sources else None
+            if match:
+                params.add(int(match.group(2)))
+        elif op.startswith(("mul.wide.", "cvt.s64.", "cvt.u64.")):
+            for source in sources:
+                if _is_register(source) and _product32(values, source, set()):
+                    narrow.append(f"{op} of {values.describe(source)}")
+        elif op.startswith(_PTX_INT64):
+            for source in sources:
+                _trace64(values, source, params, narrow, seen)
+
+
+def _product32(values: _PtxValues, reg: str, seen: set) -> bool:
+    """Whether a 32-bit value is (through adds, moves and selects) a 32-bit product of a launch-dependent value."""
+    if not _is_register(reg) or reg in seen:
+        return False
+    seen.add(reg)
+    for inst in values.defs.get(reg, []):
+        sources = [s for s in inst.operands[1:] if _is_register(s)]
+        if inst.opcode.startswith(_PTX_MUL32):
+            factors = inst.operands[1:3]  # a product by an immediate (a tile size) is bounded by its index: left out
+            if all(f.startswith("%") for f in factors) and \
+                    any(_depends(values, f, _PTX_PROGRAM, set()) for f in factors) and \
+                    any(_depends(values, f, _PTX_ARGUMENT, set()) for f in factors):
+                return True
+        elif inst.opcode.startswith("sub."):  # x - q * d (a remainder): bounded by x, whatever q * d is
+            if _product32(values, sources[0], seen) if sources else False:
+                return True
+        elif inst.opcode.startswith(("add.", "mov.", "selp.", "or.", "and.")):
+            if any(_product32(values, s, seen) for s in sources[:2]):
+                return True
+    return False
+
+
+def _depends(values: _PtxValues, reg: str, what: re.Pattern, seen: set) -> bool:
+    """Whether a value depends on an operand matching ``what`` (a program id, or a kernel argument's load)."""
+    if what.search(reg):
+        return True
+    if not _is_register(reg) or reg in seen:
+        return False
+    seen.add(reg)
+    return any(what.search(" ".join(inst.operands[1:])) or any(_depends(values, s, what, seen)
+                                                               for s in inst.operands[1:])
+               for inst in values.defs.get(reg, []))

@@ -11,7 +11,8 @@ The first call is the large-N one, :data:`LARGE_N` (N = 4096, c_z = c_hidden = 1
 elements). Its launches specialise exactly as a small N that is a multiple of 16 does (Triton specialises integers on
 ``== 1`` and divisibility by 16 only), so the gate's bf16 / 128 entry *is* that specialisation, and
 :func:`narrow_offsets` checks in its Triton IR that every load and store of a position-indexed buffer adds a 64-bit
-offset (the IR states each pointer offset's integer type; the PTX built from it keeps that arithmetic in 64 bits).
+offset (the IR states each pointer offset's integer type), and :func:`large_n_narrow_addresses` checks the PTX for
+sm_80 built from it (:func:`~ds4sci.bench.aot.ptx.narrow_addresses`: no address from a 32-bit position product).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Optional
 
 from ds4sci.bench.aot.calls import kernel_name
 from ds4sci.bench.aot.calls import record_launches
+from ds4sci.bench.aot.ptx import narrow_addresses
 
 _TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 #: channel buckets of the tile table and the dtypes of ``--set trimul`` (fp16 shares bf16's tiles)
@@ -154,6 +156,16 @@ def trimul_variants(dtypes=TRIMUL_DTYPES, buckets=TRIMUL_BUCKETS) -> list[Trimul
 def ttir(kernel, args, meta, capability: int = 90) -> str:
     """The Triton IR (after Triton's TTIR passes: helpers inlined, nothing lowered) of a recorded launch, as the JIT
     would specialise it; seconds, no ptxas. Needs JIT functions (a process without ``TRITON_INTERPRET``)."""
+    return _lowered(kernel, args, meta, capability, to_ptx=False)
+
+
+def ptx(kernel, args, meta, capability: int = 80) -> str:
+    """The PTX of a recorded launch for ``sm_<capability>``, through Triton's own stages (TTIR, TTGIR, LLVM IR, PTX;
+    no ptxas, no GPU). Needs JIT functions (a process without ``TRITON_INTERPRET``)."""
+    return _lowered(kernel, args, meta, capability, to_ptx=True)
+
+
+def _lowered(kernel, args, meta, capability: int, to_ptx: bool) -> str:
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -168,16 +180,49 @@ def ttir(kernel, args, meta, capability: int = 90) -> str:
     ir.load_dialects(context)
     backend.load_dialects(context)
     module = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
-    return str(backend.make_ttir(module, {}, opts, capability))
+    metadata: dict = {}
+    module = backend.make_ttir(module, metadata, opts, capability)
+    if not to_ptx:
+        return str(module)
+    for stage in (backend.make_ttgir, backend.make_llir):
+        module = stage(module, metadata, opts, capability)
+    return backend.make_ptx(module, metadata, opts, capability)
 
 
 def large_n_narrow_offsets() -> dict[str, list[str]]:
     """``{kernel (launch index): narrow_offsets(its IR)}`` for every launch of :data:`LARGE_N`."""
-    out, counts = {}, {}
-    for kernel, args, meta in trimul_call_launches(LARGE_N):
-        name = kernel_name(kernel)
+    return {name: narrow_offsets(ttir(kernel, args, meta)) for name, (kernel, args, meta) in _large_n_launches()}
+
+
+def large_n_narrow_addresses() -> dict[str, list[str]]:
+    """``{kernel (launch index): narrow_addresses(its PTX for sm_80)}`` for every launch of :data:`LARGE_N`, the
+    weights' parameters (indexed by channels only) left out."""
+    from ds4sci.bench.aot.specialise import specialisation
+
+    backend = _sm80_backend()
+    out = {}
+    for name, (kernel, args, meta) in _large_n_launches():
+        signature = specialisation(kernel, args, meta, backend)[0]
+        runtime = [arg for arg, ty in signature.items() if ty != "constexpr"]  # the PTX's parameters, in order
+        weights = frozenset(i for i, arg in enumerate(runtime) if _WEIGHT_ARG.match(f"%{arg}"))
+        out[name] = narrow_addresses(ptx(kernel, args, meta, 80), weights)
+    return out
+
+
+def _sm80_backend():
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    return triton.compiler.make_backend(GPUTarget("cuda", 80, 32))
+
+
+def _large_n_launches() -> list[tuple[str, tuple]]:
+    """``[(kernel and its launch index, (kernel, args, meta))]`` for every launch of :data:`LARGE_N`."""
+    out, counts = [], {}
+    for launch in trimul_call_launches(LARGE_N):
+        name = kernel_name(launch[0])
         counts[name] = counts.get(name, 0) + 1
-        out[f"{name} {counts[name]}"] = narrow_offsets(ttir(kernel, args, meta))
+        out.append((f"{name} {counts[name]}", launch))
     return out
 
 
