@@ -6,7 +6,8 @@ helpers they share). ``setdefault``: on a GPU machine, ``TRITON_INTERPRET=0 pyte
 instead (see ``DEVICE`` in tests/kernels/test_triton_evoformer.py). If a kernel module was already imported with the
 variable unset (a plugin imported it first), it is reloaded so that its kernels are interpreted functions, and so is
 every module after it in :data:`_KERNEL_MODULES` (they import from it). The ahead-of-time compile gate needs real JIT
-functions and compiles in worker processes started without the variable (``ds4sci.bench.aot.pool``).
+functions and compiles in worker processes started without the variable (``ds4sci.bench.aot.pool``). Under the
+interpreter, :func:`_patching_once` spares the interpreter's repeated patching of ``triton.language`` inside a launch.
 """
 import importlib
 import os
@@ -33,6 +34,45 @@ if os.environ["TRITON_INTERPRET"] == "1":
         _stale = _stale or not isinstance(getattr(sys.modules[_module], _function, None), InterpretedFunction)
         if _stale:
             importlib.reload(sys.modules[_module])
+
+    import triton.runtime.interpreter as _interpreter
+
+    class _NothingToRestore:
+        def restore(self):
+            pass
+
+    def _patching_once(patch_lang):
+        """Triton's interpreter patches ``triton.language`` for a launch (an ``inspect.getmembers`` walk over it,
+        milliseconds) and restores it when the launch is done; it also patches it again, never restoring, on every
+        call of a ``@triton.jit`` helper inside the launch: a third of the interpreter's time in kernels built of
+        helpers. The returned ``patch_lang`` skips the repeat when the helper sees no language module the launch
+        has not patched: the same modules are patched during the launch and restored after it, so every result is
+        the same, bit for bit."""
+        patched: list[set[int]] = []  # ids of the language modules the running launch has patched (one entry)
+
+        def patch_lang_once(fn):
+            langs = {id(value) for value in fn.__globals__.values()
+                     if value is _interpreter.tl or value is _interpreter.tl.core}
+            if patched and langs and langs <= patched[-1]:
+                return _NothingToRestore()  # a helper inside a launch that has patched what it sees
+            scope = patch_lang(fn)
+            if patched:  # a helper seeing a module the launch has not patched: patched as Triton does
+                patched[-1].update(langs)
+                return scope
+            restore = scope.restore  # a launch: patched until its GridExecutor restores
+
+            def restore_and_forget():
+                patched.pop()
+                restore()
+
+            scope.restore = restore_and_forget
+            patched.append(langs)
+            return scope
+
+        return patch_lang_once
+
+    if hasattr(_interpreter, "_LangPatchScope"):  # Triton versions whose launches restore what they patched
+        _interpreter._patch_lang = _patching_once(_interpreter._patch_lang)
 
 
 def pytest_collection_modifyitems(items):

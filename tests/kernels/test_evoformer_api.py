@@ -160,7 +160,9 @@ def test_bias_grads_cast_to_bias_dtype(backend):
     assert mask.grad.shape == mask.shape and pair.grad.shape == pair.shape
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS + TRITON_BACKENDS)
+# The triton backend's -inf rows, -1e9 masks and determinism: test_triton_evoformer.py's stronger forms of these three
+# (more keys, an empty row through the pair bias, errors against PyTorch's own, the bias gradients' bits)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_minus_inf_fully_masked_rows_give_zeros_not_nan(backend):
     tensors, do = _leaves((2, 3, 7, 2, 8), (2, 3, 1, 1, 7), (2, 1, 2, 7, 7))
     tensors[3][1, 2] = -math.inf  # all keys of (b=1, n=2)
@@ -177,7 +179,7 @@ def test_minus_inf_fully_masked_rows_give_zeros_not_nan(backend):
         torch.testing.assert_close(a.double(), r, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS + TRITON_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_openfold_minus_1e9_mask(backend):
     # OpenFold's mask bias: 1e9 * (mask - 1); some keys padded, one sequence entirely padding.
     tensors, do = _leaves((2, 3, 9, 2, 8), None, (2, 1, 2, 9, 9))
@@ -194,7 +196,7 @@ def test_openfold_minus_1e9_mask(backend):
         torch.testing.assert_close(a.double()[rows], r[rows], rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch"] + TRITON_BACKENDS)
+@pytest.mark.parametrize("backend", ["torch"])
 def test_backward_is_bitwise_deterministic(backend):
     tensors, do = _leaves((2, 3, 17, 4, 8), (2, 3, 1, 1, 17), (1, 1, 4, 17, 17))
     first = _run(tensors, do, backend, torch.float32)
@@ -350,8 +352,10 @@ def test_import_does_not_import_triton():
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _op_args(dtype=torch.float32, requires_grad=True):
-    tensors, do = _leaves((2, 3, 5, 2, 8), (1, 3, 1, 1, 5), (2, 1, 2, 5, 5))
+def _op_args(dtype=torch.float32, requires_grad=True, shape=(2, 3, 5, 2, 8)):
+    """q, k, v ``shape`` [B, N, S, H, D], mask [1, N, 1, 1, S] (broadcast over B), pair [B, 1, H, S, S], and dO."""
+    b, n, s, h, _ = shape
+    tensors, do = _leaves(shape, (1, n, 1, 1, s), (b, 1, h, s, s))
     return [t.to(dtype).requires_grad_(requires_grad) for t in tensors], do.to(dtype)
 
 
@@ -369,7 +373,8 @@ def test_opcheck_backward_op():
 
 
 def test_gradcheck_through_custom_op():
-    (q, k, v, mask, pair), _ = _op_args(dtype=torch.float64)
+    # finite differences cost one forward per input element: the smallest shape with B, N, H > 1 and S > 1
+    (q, k, v, mask, pair), _ = _op_args(dtype=torch.float64, shape=(2, 2, 3, 2, 4))
     assert torch.autograd.gradcheck(
         lambda *a: evoformer_attention(*a[:3], [a[3], a[4]], backend="torch"), (q, k, v, mask, pair)
     )

@@ -130,3 +130,27 @@ def _jit_functions(module: str) -> list:
     mod = importlib.import_module(f"ds4sci.kernels.{module}")
     return [f for f in vars(mod).values()
             if isinstance(f, (JITFunction, InterpretedFunction)) and f.fn.__module__ == mod.__name__]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's patching of triton.language")
+def test_interpreter_patches_the_language_once_per_launch_and_restores_it(monkeypatch):
+    """tests/conftest.py's ``_patching_once``: a launch's helper calls (``cast``, once per program) patch
+    triton.language no more than the launch itself does, so eight programs patch as much as one, and the launch
+    leaves the language as it found it (a first launch's helpers may patch ``triton.language.core`` for good, as
+    Triton's own interpreter does, hence the launch before the snapshot)."""
+    from triton.runtime import interpreter
+
+    walks = []
+    walk = interpreter._patch_builtin  # what every patching of the language runs
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *args: walks.append(args[0]) or walk(*args))
+    x, y = torch.randn(16, device=DEVICE), torch.empty(16, device=DEVICE)
+    counts = []
+    for programs in (1, 8):
+        before = {name: getattr(tl, name) for name in ("program_id", "load", "store", "range", "where")}
+        tensor_before = dict(vars(tl.tensor))
+        walks.clear()
+        _cast_kernel[(programs,)](x, y, 16)
+        counts.append(len(walks))
+    assert counts[0] > 0 and counts[1] == counts[0], counts
+    assert {name: getattr(tl, name) for name in before} == before
+    assert dict(vars(tl.tensor)) == tensor_before

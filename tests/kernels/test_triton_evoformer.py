@@ -3,9 +3,9 @@
 On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set in tests/conftest.py): exact kernel
 semantics, slow, so shapes stay small (S <= 65, N <= 3, H <= 4, Z <= 2) and the cases below are a covering set, not a
 cartesian product. With ``TRITON_INTERPRET=0`` on a CUDA machine the same tests run on the GPU. The public-API
-numerics tests of test_evoformer_api.py (every bias combination in fp32 at six shapes, fp16/bf16, broadcasts, -inf
-and -1e9 masks, determinism) also run this backend; this file adds the backend contract, strides, the remaining
-dtype/shape/bias cases, the four Evoformer variants and the tile table.
+numerics tests of test_evoformer_api.py (every bias combination in fp32 at six shapes, fp16/bf16, broadcasts, bias
+gradient dtypes) also run this backend; this file adds the backend contract, strides, the remaining dtype/shape/bias
+cases, -inf rows, -1e9 masks, determinism, the four Evoformer variants and the tile table.
 """
 import os
 from types import SimpleNamespace
@@ -267,7 +267,8 @@ def test_dpair_split_over_n_chunks_matches_the_reference_and_is_deterministic():
     chunk = te.dpair_chunk(1, 50, 1, 9, te._config(torch.float32, 8).bwd)
     assert chunk == 17
     got = _fwd_bwd(*args)
-    assert torch.equal(got[6], _fwd_bwd(*args)[6])
+    q, k, v, do, mask, pair = args
+    assert torch.equal(got[6], te.backward(do, q, k, v, *got[:2], mask, pair, True, True)[4])  # the same forward
     cast = [t.double() for t in args]
     o_ref, stats_ref = evoformer_reference.forward(*cast[:3], cast[4], cast[5])
     want = evoformer_reference.backward(cast[3], *cast[:3], o_ref, stats_ref, cast[4], cast[5], True, True)[4]
