@@ -5,7 +5,9 @@ Every command in README.md and ``docs/**/*.md`` (fenced ``bash`` blocks and inli
 
 - run as written in a scratch folder that holds ``examples/`` and a small export at ``runs/demo/export`` (what
   ``make demo`` leaves): ``evaluate``, ``generate``, ``embed``, ``score``, ``plan``, ``info``, ``--help``,
-  ``--print-config``, the corpus pre-build (its ``FASTA... DIR`` placeholders filled with a bundled genome);
+  ``--print-config``, the corpus pre-build (its ``FASTA... DIR`` placeholders filled with a bundled genome); each
+  in a process forked from :mod:`ds4sci.spawn`'s server (torch imported once for all: tests/fork_checks.py),
+  ``--help`` through the console script;
 - training runs (minutes each): the launcher's process count, the config file, every ``--set`` and every path
   it names are resolved as ``ds4sci train`` resolves them before any work (``load_config``, then
   ``parallel.dims(world size)``), so a key, a value, a file or a process count that would stop the run fails here;
@@ -23,7 +25,6 @@ given a check here. The Python blocks run, with inputs of the shapes their comme
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import shlex
@@ -32,6 +33,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from fork_checks import ranks_in_fork  # tests/ is on sys.path (its conftest.py)
+from fork_checks import run_in_fork
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -165,16 +169,47 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if _kind(c) == "run"])
+def _exec_blocks(programs: list[str]) -> int:
+    """Each program in a namespace of its own, one after the other (in the process :func:`run_in_fork` gives it)."""
+    for i, code in enumerate(programs):
+        exec(compile(code, f"<python block {i}>", "exec"), {"__name__": "__main__"})
+    return 0
+
+
+def _as_run(command: str) -> str:
+    """The command as :func:`test_cheap_command_runs_as_written` runs it: ``runs/my_genomes`` is the scratch's
+    ``runs/demo`` (a link), so a command that differs from another only by that folder is the same run, made once."""
+    return command.replace("runs/my_genomes/", "runs/demo/")
+
+
+@pytest.mark.parametrize("command", sorted({_as_run(c) for c in COMMANDS if _kind(c) == "run"}))
 def test_cheap_command_runs_as_written(command, scratch, tmp_path):
+    """Each command, as written, exits 0 and writes each ``--out`` it names. ``--help`` runs through the console
+    script in a fresh interpreter (the entry point, torch-free); the others are ``ds4sci.cli.main`` (what the console
+    script calls) in a process forked from :mod:`ds4sci.spawn`'s server, torch already imported (tests/fork_checks.py):
+    a lone one, or as many ranks as the ``torchrun`` line launches, in one process group."""
     words = shlex.split(command.replace("[", "").replace("]", ""))  # "[--reverse-complement]": run with it
+    if "--help" in words:
+        proc = _run([str(BIN / "ds4sci"), *words[1:]], scratch)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        assert "usage: ds4sci" in proc.stdout, proc.stdout
+        return
     if words[:3] == ["python", "-m", "ds4sci.data.corpus"]:
         fill = {"FASTA...": GENOME, "DIR": str(tmp_path / "cache")}
-        words = [sys.executable] + [fill.get(w, w) for w in words[1:]]
-    elif words[0] == "ds4sci":
-        words[0] = str(BIN / "ds4sci")
-    proc = _run(words, scratch)
-    assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        from ds4sci.data.corpus import main
+
+        processes, argv = 1, [fill.get(w, w) for w in words[3:]]
+    else:
+        from ds4sci.cli import main
+
+        processes, argv = _argv(command.replace("[", "").replace("]", ""))
+    env = {"OMP_NUM_THREADS": "1"}
+    if processes == 1:
+        ranks = [run_in_fork(argv, scratch, main=main, env=env)]
+    else:
+        ranks = ranks_in_fork(argv, scratch, processes, main=main, env=env)
+    for rank in ranks:
+        assert rank.returncode == 0, f"{command}\n{rank.stdout[-2000:]}\n{rank.stderr[-2000:]}"
     for out in re.findall(r"--out (\S+)", command):
         if "plan" not in command and "DIR" not in out:
             assert (scratch / out).stat().st_size > 0, out
@@ -244,14 +279,12 @@ def test_python_blocks_run(scratch):
     checks = {evoformer[0]: (prelude, "assert o.shape == q.shape\n"),
               load_model[0]: ("", "assert logits.shape[:2] == ids.shape\n"
                                   "assert hidden.shape[-1] == model.config.hidden_size\n")}
-    # One interpreter (torch imported once), each block in a namespace of its own
+    # One process forked from the spawn server (torch imported there once), each block in a namespace of its own
     programs = []
     for block in blocks:
         before, after = checks.get(block, ("", ""))
         programs.append(before + block + after)
-    runner = ("import json, sys\nfor i, code in enumerate(json.loads(sys.argv[1])):\n"
-              "    exec(compile(code, f'<python block {i}>', 'exec'), {'__name__': '__main__'})\n")
-    proc = _run([sys.executable, "-c", runner, json.dumps(programs)], scratch)
+    proc = run_in_fork(programs, scratch, main=_exec_blocks, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

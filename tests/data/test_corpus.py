@@ -28,6 +28,8 @@ from ds4sci.data.datasets import split_spans
 from ds4sci.data.datasets import val_mask
 from ds4sci.spawn import run_workers
 
+from fork_checks import run_in_fork  # tests/ is on sys.path (its conftest.py)
+
 NUC = NucleotideTokenizer()
 
 
@@ -349,16 +351,14 @@ def test_training_start_up_names_the_split_auto_chose(tmp_path):
     """``ds4sci train`` on a glob of two genomes: trains (was: stopped with "cannot be split by records"), and its
     start-up block says which split ``data.split: auto`` chose and why."""
     import json
-    import subprocess
-    import sys
 
     config = tmp_path / "two.yaml"
     config.write_text(json.dumps({  # JSON is YAML
         "data": {"fasta": _two_genomes(tmp_path / "genomes"), "seq_len": 32, "val_fraction": 0.02},
         "train": {"steps": 1, "micro_batch_size": 2, "log_every": 1, "eval_every": 1, "eval_batches": 1,
                   "progress": False, "out_dir": str(tmp_path / "run")}}))
-    proc = subprocess.run([sys.executable, "-m", "ds4sci.cli", "train", str(config)], capture_output=True, text=True,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = run_in_fork(["train", str(config)], os.getcwd(), env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+                       timeout=300)  # a lone process (forked: tests/fork_checks.py)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("  split       region: the last 2% of every record held out (data.split auto: 2 record(s), fewer than "
             "250 = 5 / val_fraction for a record split)\n") in proc.stderr

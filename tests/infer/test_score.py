@@ -3,9 +3,6 @@ import csv
 import io
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +21,6 @@ from ds4sci.models.genslm import GenSLM
 from ds4sci.models.genslm import GenSLMConfig
 
 CONTEXT = 32
-BIN = Path(sys.executable).parent
 # 70 bases -> windows of 16: 16 16 16 16 6; 9 -> one window; 1 base -> nothing to score; lowercase, N as in training
 FASTA = ">long variant 1\n" + "ACGTTGCAAGGCTTAC" * 4 + "ACGTTG\n>short\nacgTNacgt\n>one\nA\n"
 
@@ -49,8 +45,7 @@ def _read_tsv(text: str) -> list[dict]:
 def test_score_cli_token_weighted_mean_is_evaluate_loss(exports, tmp_path, capsys):
     tsv = tmp_path / "scores.tsv"
     common = ["--fasta", exports["fasta"], "--seq-len", "16", "--batch-size", "3"]
-    subprocess.run([str(BIN / "ds4sci"), "score", exports["nucleotide"], *common, "--out", str(tsv)], check=True,
-                   capture_output=True)
+    assert main(["score", exports["nucleotide"], *common, "--out", str(tsv)]) == 0
     assert main(["evaluate", exports["nucleotide"], *common, "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     text = tsv.read_text()

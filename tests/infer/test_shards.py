@@ -3,8 +3,6 @@ byte for byte, never a record twice; Parquet embeddings read back to the arrays;
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from argparse import Namespace
 from types import SimpleNamespace
@@ -32,6 +30,8 @@ from ds4sci.io.weights import load_model
 from ds4sci.models.genslm import GenSLM
 from ds4sci.models.genslm import GenSLMConfig
 
+from fork_checks import start_in_fork  # tests/ is on sys.path (its conftest.py)
+
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
@@ -56,34 +56,26 @@ def _chunks(out):
     return sorted(p for p in parts_folder(out).glob("part-*") if not p.name.endswith(".tmp"))
 
 
-#: ``python -c SLOWED ds4sci-argv...``: ``ds4sci`` with each chunk's flush 20 ms longer, so that the whole job (30
-#: chunks) outlasts the kill's random moment on an idle machine as on a busy one.
-SLOWED = """
-import sys, time
-from ds4sci.cli import main
-from ds4sci.cli_args import CommandError
-from ds4sci.commands.inference import write_records
-from ds4sci.infer.shards import ShardWriter
-flush = ShardWriter.flush
-ShardWriter.flush = lambda self: (time.sleep(0.02), flush(self))[1]
-sys.exit(main(sys.argv[1:]))
-"""
+def _slowed_main(argv: list[str]) -> int:
+    """``ds4sci ARGV`` with each chunk's flush 20 ms longer, so that the whole job (30 chunks) outlasts the kill's
+    random moment on an idle machine as on a busy one (in its own forked process: the patch stays there)."""
+    flush = ShardWriter.flush
+    ShardWriter.flush = lambda self: (time.sleep(0.02), flush(self))[1]
+    return main(argv)
 
 
 def test_killed_and_resumed_writes_the_uninterrupted_file(job, tmp_path, capsys):
     out = tmp_path / "scores.tsv"
-    argv = [sys.executable, "-c", SLOWED, "score", *job["common"], "--out", str(out), "--flush-every", "2",
-            "--resume"]
+    argv = ["score", *job["common"], "--out", str(out), "--flush-every", "2", "--resume"]
     rng, written = random.Random(0), []
     for _ in range(3):  # each time killed after a random number of chunks and a random moment more
         target = rng.randint(1, 3) + (len(_chunks(out)) if parts_folder(out).exists() else 0)
-        proc = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        while proc.poll() is None and not (parts_folder(out).exists() and len(_chunks(out)) >= target):
+        proc = start_in_fork(argv, os.getcwd(), main=_slowed_main, env={"OMP_NUM_THREADS": "1"})
+        while proc.exitcode is None and not (parts_folder(out).exists() and len(_chunks(out)) >= target):
             time.sleep(0.01)
         time.sleep(rng.uniform(0, 0.1))
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.join()
         indices = [int(line.split("\t")[0]) for c in _chunks(out) for line in c.read_text().splitlines()]
         assert len(indices) == len(set(indices))  # no record written twice
         assert indices and set(written) <= set(indices)  # what a chunk held stays written

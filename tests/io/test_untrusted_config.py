@@ -4,8 +4,6 @@ refused from the safetensors header before any layer is built."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +16,8 @@ from ds4sci.io.export import export_consolidated
 from ds4sci.io.export import read_consolidated
 from ds4sci.models.genslm import GenSLM
 from ds4sci.models.genslm import GenSLMConfig
+
+from fork_checks import run_in_fork  # tests/ is on sys.path (its conftest.py)
 
 FASTA = ">a\nACGTTGCAAGGCTTACACGTTG\n"
 
@@ -110,23 +110,31 @@ def test_a_sharded_export_is_checked_across_its_shards(export, tmp_path):
         read_consolidated(out)
 
 
+def _capped(argv: list[str]) -> int:
+    """``ds4sci ARGV`` under an address-space cap of 1 GiB above what this process has mapped once the command's
+    modules (and torch) are imported; prints the seconds from the command's start to its end."""
+    import resource
+    import time
+
+    import ds4sci.commands.evaluate  # noqa: F401 - what the command imports: not timed
+    import ds4sci.infer.evaluate  # noqa: F401
+    import ds4sci.io.weights  # noqa: F401
+
+    mapped = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    start = time.perf_counter()
+    code = main(argv)
+    print(f"{time.perf_counter() - start:.3f}")
+    return code
+
+
 def test_a_billion_layers_are_refused_before_any_is_built(export, tmp_path):
-    """Under an address-space cap of 1 GiB above what the interpreter has mapped once the command's modules (and
-    torch) are imported, which building layers would exhaust within seconds, the refusal comes at once."""
+    """Under an address-space cap of 1 GiB above what the process has mapped once the command's modules (and torch)
+    are imported, which building layers would exhaust within seconds, the refusal comes at once (a lone process forked
+    with torch imported: tests/fork_checks.py)."""
     out = _edited(export, tmp_path, num_layers=10**9)
-    script = f"""
-import os, resource, sys, time
-import ds4sci.commands.evaluate, ds4sci.infer.evaluate, ds4sci.io.weights  # what the command imports: not timed
-from ds4sci.cli import main
-mapped = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-resource.setrlimit(resource.RLIMIT_AS, (mapped + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
-start = time.perf_counter()
-code = main(["evaluate", {str(out)!r}, "--fasta", {str(export.parent.parent / "x.fa")!r}])
-print(f"{{time.perf_counter() - start:.3f}}")
-sys.exit(code)
-"""
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    argv = ["evaluate", str(out), "--fasta", str(export.parent.parent / "x.fa")]
+    run = run_in_fork(argv, os.getcwd(), main=_capped, env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr == (f"ds4sci evaluate: error: {out / 'config.json'}: num_layers=1000000000 but "
                           f"model.safetensors holds layers 0-1 (2 layers)\n")

@@ -1,11 +1,8 @@
 """Fine-tuning from existing weights (``model.init_from``) and ``ds4sci.load_model``: ds4sci exports, Hugging Face
 GPT-NeoX directories written by transformers, GenSLM-style Lightning checkpoints, and every refusal naming its cause."""
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,9 +23,12 @@ from ds4sci.models.genslm import lm_loss
 from ds4sci.train.config import load_config
 from ds4sci.train.init_from import initial_model
 
+from fork_checks import run_in_fork  # tests/ is on sys.path (its conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 CDS = ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna"
 SEQ = 64
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # added to this process's in the trainings' processes
 # GenSLM's architecture file layout (its GPT-NeoX config.json, old key names), at a tiny size
 GENSLM_ARCH = {
     "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": 69, "hidden_size": 32,
@@ -87,7 +87,7 @@ def _same_logits(model, hf):
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # a training in a new process through the command line
+@pytest.mark.slow  # a training through the command line (in a forked process: tests/fork_checks.py)
 def test_fine_tune_from_an_export_through_the_cli(trained, tmp_path):
     """The run starts where the export stopped (its first loss is the export's, far below a fresh model's) and,
     at a negligible learning rate, exports the same weights again, learned position table included."""
@@ -97,9 +97,7 @@ def test_fine_tune_from_an_export_through_the_cli(trained, tmp_path):
             "train.micro_batch_size=8", "train.eval_batches=1", "train.progress=false", f"train.out_dir={out}",
             "optim.lr=1e-9", "optim.min_lr=0", "optim.warmup_steps=0", "optim.weight_decay=0",
             f"model.init_from={export}"]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "ds4sci.cli", "train", *[a for s in sets for a in ("--set", s)]],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    run = run_in_fork(["train", *[a for s in sets for a in ("--set", s)]], tmp_path, env=ENV, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1 and abs(first["loss"] - trained_loss) < 0.1, (first, trained_loss)
@@ -263,7 +261,7 @@ def test_refusals_name_the_cause(trained, tmp_path, capsys):
     assert err == f"ds4sci train: error: model.init_from='{tmp_path / 'nope'}': no such file or directory", err
 
 
-@pytest.mark.slow  # a training in a new process through the command line
+@pytest.mark.slow  # a training through the command line (in a forked process: tests/fork_checks.py)
 def test_fine_tune_from_a_hugging_face_directory_through_the_cli(tmp_path):
     """A run from a ``save_pretrained`` GPT-NeoX directory starts from its weights: each logged loss is the
     transformers model's own loss on that step's batch (a micro-batch holds the whole, tiny training set, so the
@@ -303,10 +301,8 @@ def test_fine_tune_from_a_hugging_face_directory_through_the_cli(tmp_path):
         assert token_loss(model(ids, pos), targets).item() == pytest.approx(want, rel=1e-5)
     assert fresh_loss - want > 0.5, (want, fresh_loss)
 
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "ds4sci.cli", "train",
-                          *[a for s in [*sets, f"model.init_from={hf_dir}"] for a in ("--set", s)]],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    argv = ["train", *[a for s in [*sets, f"model.init_from={hf_dir}"] for a in ("--set", s)]]
+    run = run_in_fork(argv, tmp_path, env=ENV, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     losses = [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
               if "loss" in r]

@@ -1,9 +1,11 @@
-"""Run folders that never mix, and what training says while it runs, through the CLI."""
+"""Run folders that never mix, and what training says while it runs, through the CLI.
+
+The trainings run ``ds4sci.cli.main`` in a process forked from the spawn server (:mod:`fork_checks`): the command's
+files, output and exit status are the subject, not the interpreter's start-up."""
 import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,19 +15,20 @@ from ds4sci.train.run_dir import MAY_CHANGE
 from ds4sci.train.run_dir import prepare_run_dir
 
 from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
+from fork_checks import run_in_fork
 
 ROOT = Path(__file__).resolve().parents[2]
 CDS = ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna"
-ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # added to this process's
 TINY = {"data": {"fasta": str(CDS), "dataset": "records", "seq_len": 32, "val_fraction": 0.2},
         "train": {"steps": 4, "micro_batch_size": 2, "log_every": 1, "eval_every": 2, "eval_batches": 1,
                   "save_every": 2, "progress": False}}
 
 
 def _train(config: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    """``ds4sci train CONFIG`` into ``out`` in a new process, under umask 0022."""
-    cmd = [sys.executable, "-m", "ds4sci.cli", "train", str(config), "--set", f"train.out_dir={out}", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, umask=0o022)
+    """``ds4sci train CONFIG`` into ``out`` in a process of its own (forked, torch imported), under umask 0022."""
+    argv = ["train", str(config), "--set", f"train.out_dir={out}", *args]
+    return run_in_fork(argv, ROOT, env=ENV, umask=0o022, timeout=300)
 
 
 def _metrics(out: Path) -> tuple[list[int], list[int]]:
@@ -44,7 +47,7 @@ def _error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.slow  # a training in a new process through the command line
+@pytest.mark.slow  # a training through the command line
 def test_a_second_run_never_mixes_with_the_first(tmp_path):
     config, out = tmp_path / "tiny.yaml", tmp_path / "run"
     config.write_text(json.dumps(TINY))  # JSON is YAML
@@ -168,7 +171,7 @@ def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(tm
     assert _files(out) == before
 
 
-@pytest.mark.slow  # a training in a new process through the command line
+@pytest.mark.slow  # a training through the command line
 def test_the_same_command_line_with_resume_auto_starts_then_continues(tmp_path):
     """``ds4sci train CONFIG --resume auto``, as a restarted job runs it: the first start trains from step 1, the
     next continues from the newest checkpoint; another config into that folder is refused in one line."""
@@ -252,14 +255,14 @@ def test_what_can_be_checked_is_checked_before_any_work(tmp_path, capsys, monkey
     assert launch.current_launch().world_size == 4
 
 
-@pytest.mark.slow  # a training in a new process through the command line
+@pytest.mark.slow  # a training through the command line
 def test_train_without_a_config_runs_from_any_directory_and_its_redirected_output_reads_like_a_log(tmp_path):
     """No config: the bundled genome, from any working directory. Output redirected (no terminal), progress on (the
     default): no bar frames and nothing but ds4sci's lines: the start-up block, a loss line per train.log_every steps
     (step, loss, lr, tokens/s, time left), validation lines and the final result."""
-    cmd = [sys.executable, "-m", "ds4sci.cli", "train", "--set", "train.steps=4", "--set", "train.log_every=2",
-           "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--set", "train.micro_batch_size=2"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    argv = ["train", "--set", "train.steps=4", "--set", "train.log_every=2", "--set", "train.eval_every=2",
+            "--set", "train.eval_batches=1", "--set", "train.micro_batch_size=2"]
+    proc = run_in_fork(argv, tmp_path, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "runs" / "train" / "export" / "model.safetensors").is_file()
     messages = log_messages(proc.stdout + proc.stderr)

@@ -5,6 +5,7 @@ import errno
 import fcntl
 import json
 import logging
+import multiprocessing
 import os
 import re
 import signal
@@ -20,10 +21,14 @@ from ds4sci.train import run_lock
 from ds4sci.train.run_lock import LOCK_FILE
 from ds4sci.train.run_lock import lock_run_dir
 
+from fork_checks import run_in_fork  # tests/ is on sys.path (its conftest.py)
+from fork_checks import start_in_fork
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CDS = ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna"
-ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+FORK_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, **FORK_ENV}
 # long enough to be still training while the test acts (it is killed): ~30 steps a second here
 LONG = [f"data.fasta={CDS}", "data.dataset=records", "data.seq_len=32", "data.val_fraction=0.2", "train.steps=100000",
         "train.micro_batch_size=2", "train.log_every=10", "train.eval_every=0", "train.save_every=0",
@@ -34,8 +39,10 @@ def _cmd(out: Path, *args: str, sets=LONG, launcher=(sys.executable, "-m", "ds4s
     return [*launcher, "train", *[a for s in [*sets, f"train.out_dir={out}"] for a in ("--set", s)], *args]
 
 
-def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start(out: Path, stderr: Path) -> multiprocessing.Process:
+    """``ds4sci train`` (:data:`LONG`) into ``out``, started in a process forked from the spawn server (torch
+    imported), its stderr written to the file ``stderr``."""
+    return start_in_fork(_cmd(out, launcher=()), ROOT, env=FORK_ENV, stderr=stderr)
 
 
 def _wait_for(what, condition, timeout=240.0) -> None:
@@ -51,11 +58,16 @@ def _training(out: Path) -> bool:
     return metrics.is_file() and metrics.stat().st_size > 0
 
 
-def _refusal(proc: subprocess.Popen, timeout=240) -> str:
-    """``proc``'s one error line; it must exit 2 without a traceback."""
-    _, err = proc.communicate(timeout=timeout)
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+def _in_fork(out: Path, *args: str, sets=LONG) -> subprocess.CompletedProcess:
+    """``ds4sci train`` as :func:`_cmd` writes it, run to its end in a process forked from the spawn server (torch
+    imported)."""
+    return run_in_fork(_cmd(out, *args, sets=sets, launcher=()), ROOT, env=FORK_ENV, timeout=300)
+
+
+def _refusal(proc: subprocess.CompletedProcess) -> str:
+    """``proc``'s one error line; it must have exited 2 without a traceback."""
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return lines[0]
 
 
@@ -71,29 +83,28 @@ def test_a_live_run_folder_is_refused_to_every_command_and_a_killed_runs_lock_is
     left behind), ``--overwrite`` takes the lock over, naming the killed run, and replaces the run. A run stopped by
     an error leaves no lock behind."""
     out = tmp_path / "run"
-    procs = [first, second] = [_start(_cmd(out)), _start(_cmd(out))]
+    errs = [tmp_path / "first.err", tmp_path / "second.err"]
+    procs = [first, second] = [_start(out, err) for err in errs]
     try:
-        _wait_for("one of two simultaneous runs to be refused", lambda: first.poll() is not None or
-                  second.poll() is not None, timeout=150)
-        loser, winner = (first, second) if first.poll() is not None else (second, first)
-        line = _refusal(loser)
+        _wait_for("one of two simultaneous runs to be refused", lambda: first.exitcode is not None or
+                  second.exitcode is not None, timeout=150)
+        loser, winner = (first, second) if first.exitcode is not None else (second, first)
+        line = _refusal(subprocess.CompletedProcess([], loser.exitcode, "", errs[procs.index(loser)].read_text()))
         assert line.startswith(_in_use_by(out, winner.pid)), line
         assert line.endswith(f"): wait for it to finish, or choose another train.out_dir (its lock: "
                              f"{out / LOCK_FILE})")
         _wait_for("the run to train", lambda: _training(out))
         config = (out / "config.yaml").read_bytes()
-        procs += [_start(_cmd(out, "--overwrite")), _start(_cmd(out, "--resume"))]
-        for proc in procs[2:]:
-            assert _refusal(proc, timeout=150).startswith(_in_use_by(out, winner.pid))
-        assert winner.poll() is None and (out / "config.yaml").read_bytes() == config and _training(out)
+        for flag in ("--overwrite", "--resume"):
+            assert _refusal(_in_fork(out, flag)).startswith(_in_use_by(out, winner.pid))
+        assert winner.is_alive() and (out / "config.yaml").read_bytes() == config and _training(out)
     finally:
         for proc in procs:
             proc.kill()
-            proc.communicate()
+            proc.join()
     assert json.loads((out / LOCK_FILE).read_text())["pid"] == winner.pid  # left behind: stale
 
-    replaced = subprocess.run(_cmd(out, "--overwrite", sets=[*LONG, "train.steps=2"]), cwd=ROOT, env=ENV,
-                              capture_output=True, text=True, timeout=300)
+    replaced = _in_fork(out, "--overwrite", sets=[*LONG, "train.steps=2"])
     assert replaced.returncode == 0, replaced.stderr[-3000:]
     assert (f"train.out_dir {out}: took over the lock left by pid {winner.pid} on host {socket.gethostname()} "
             f"(ds4sci train, started ") in replaced.stderr
@@ -102,6 +113,7 @@ def test_a_live_run_folder_is_refused_to_every_command_and_a_killed_runs_lock_is
     assert not (out / LOCK_FILE).exists()  # released at the end of the run
 
     # a run stopped by an error after taking the lock releases it as it exits: no stale lock for the next run
+    # (a new interpreter: the release at exit is atexit's, which a forked process does not run)
     stopped = subprocess.run(_cmd(out, "--resume", sets=[*LONG, "train.steps=2"]), cwd=ROOT, env=ENV,
                              capture_output=True, text=True, timeout=300)
     assert stopped.returncode == 2 and "nothing left to train" in stopped.stderr, stopped.stderr[-3000:]
