@@ -170,10 +170,11 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
 
 
 # ------------------------------------------------------------------- faults outside the step: one line each
-#: ``python WRAPPER FAULT ds4sci-argv...`` under torchrun: ``ds4sci`` with one fault planted (after recording the
-#: time it strikes in the file $FAULT_FILE): rank 1 killed (SIGKILL) at start-up (as it loads the data), in an
-#: evaluation or in the checkpoint save of step 4; or rank 0 fills the run's (small) file system after step 1
-#: (TensorBoard's buffered writes meet it first, some 30 steps on; with "fill-metrics", metrics.jsonl's).
+#: ``python WRAPPER FAULT ds4sci-argv...`` (under torchrun, or forked by :func:`rank_checks.launch`): ``ds4sci`` with
+#: one fault planted (after recording the time it strikes in the file $FAULT_FILE): rank 1 killed (SIGKILL) at
+#: start-up (as it loads the data), in an evaluation or in the checkpoint save of step 4; or rank 0 fills the run's
+#: (small) file system after step 1 (TensorBoard's buffered writes meet it first, some 30 steps on; with
+#: "fill-metrics", metrics.jsonl's).
 _PLANTED = """
 import os, signal, sys, time
 from pathlib import Path
@@ -220,10 +221,10 @@ sys.exit(main(sys.argv[2:]))
 def _run_with_fault(tmp_path: Path, fault: str, out: Path, *extra: str, port: int | None = None,
                     file_size_limit: int | None = None) -> tuple[int, str, str, float, float | None]:
     """``ds4sci train`` on 2 ranks (DP=2, ZeRO-1) with ``fault`` planted (:data:`_PLANTED`; "none": none): under
-    torchrun on ``port``, or (no port) as 2 ranks forked by :func:`rank_checks.launch`, stopped as torchrun stops
-    them when one fails, files limited to ``file_size_limit`` bytes. Returns the exit status (torchrun's; rank
-    0's), the workers' output (torchrun's own report left out), the whole output, the wall time, and the time the
-    fault struck (None if it did not)."""
+    torchrun on ``port``, or (no port) as 2 ranks forked by :func:`rank_checks.launch`, rank 1 killed once rank 0
+    has exited (as torchrun stops the others when a rank fails), files limited to ``file_size_limit`` bytes.
+    Returns the exit status (torchrun's; rank 0's), the workers' output (torchrun's own report left out), the whole
+    output, the wall time, and the time the fault struck (None if it did not)."""
     fault_file = tmp_path / f"{fault}.time"
     fault_file.unlink(missing_ok=True)
     sets = _overrides(out, 1, steps=4, extra=[f"data.cache_dir={tmp_path / 'cache'}", "train.timeout_s=120", *extra,
@@ -234,7 +235,7 @@ def _run_with_fault(tmp_path: Path, fault: str, out: Path, *extra: str, port: in
     if port is None:
         store = open_store()
         ranks = launch(argv, [{**env, **rank} for rank in ranks_env(2, store.port)], script=_PLANTED, cwd=ROOT,
-                       timeout=400, until="launcher", file_size_limit=file_size_limit)
+                       timeout=400, until="rank 0", file_size_limit=file_size_limit)
         code, workers = ranks[0].returncode, "".join(rank.stdout + rank.stderr for rank in ranks)
         output = workers
     else:
@@ -266,23 +267,24 @@ def _one_error_line(code: int, workers: str, output: str, status: int) -> str:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("fault, phase", [
-    ("kill-at-start-up", "start-up ({out})"),
-    ("kill-in-evaluation", "evaluation at step 2 ({out})"),
-    ("kill-in-save", "checkpoint save at step 4 ({out}/checkpoints/step4)"),
+@pytest.mark.parametrize("fault, phase, port", [
+    ("kill-at-start-up", "start-up ({out})", 29641),
+    ("kill-in-evaluation", "evaluation at step 2 ({out})", None),
+    ("kill-in-save", "checkpoint save at step 4 ({out}/checkpoints/step4)", None),
 ])
-def test_a_rank_lost_outside_the_step_stops_the_run_with_one_line(tmp_path, fault, phase):
-    """``ds4sci train`` under torchrun (2 ranks), rank 1 killed at start-up, in an evaluation or in a save: rank 0
-    stops at once with one line naming the phase, the run's folder (the checkpoint being written) and the cause,
-    before torchrun's report; no traceback."""
+def test_a_rank_lost_outside_the_step_stops_the_run_with_one_line(tmp_path, fault, phase, port):
+    """``ds4sci train`` on 2 ranks, rank 1 killed (SIGKILL) at start-up, in an evaluation or in a save: rank 0 stops
+    at once with one line naming the phase, the run's folder (the checkpoint being written) and the cause; no
+    traceback. At start-up under torchrun (its store and rendezvous; the line comes before torchrun's report, whose
+    status is 1); in the phases after it, as forked ranks (rank 0's status: 2)."""
     from ds4sci.data import Tokenizer
     from ds4sci.data.corpus import open_corpus
 
     open_corpus(GENOME, Tokenizer.from_name("nucleotide"), cache_dir=str(tmp_path / "cache"), progress=False)
     out = tmp_path / "run"
     code, workers, output, _, struck = _run_with_fault(tmp_path, fault, out, "train.eval_every=2",
-                                                       "train.save_every=2", port=29641)
-    line = _one_error_line(code, workers, output, 1)  # torchrun's status: a worker failed
+                                                       "train.save_every=2", port=port)
+    line = _one_error_line(code, workers, output, 2 if port is None else 1)  # rank 0's; torchrun's: a worker failed
     assert line.startswith(f"{phase.format(out=out)}: another rank left a collective (it died?); every rank stops "
                            f"instead of waiting (a hang is bounded by train.timeout_s=120 s) ("), line
     assert struck is not None and time.time() - struck < 60  # at once (120 s: the timeout a hang would wait)
@@ -310,8 +312,8 @@ def _small_disk(folder: Path, size: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["none", "fill-tensorboard", "fill-metrics"])
 def test_a_full_disk_in_a_save_or_mid_run_stops_the_run_with_one_line(tmp_path, fault):
-    """``ds4sci train`` on 2 ranks (forked, stopped as torchrun stops them: the error, not the launcher, is the
-    subject here; the test above runs torchrun) on a 1 MB file system (tmpfs where the test may mount one, run as
+    """``ds4sci train`` on 2 ranks (forked: the error, not the launcher, is the subject here; the test above runs
+    torchrun) on a 1 MB file system (tmpfs where the test may mount one, run as
     root; else a file size limit of 100 kB, which fills during the save only: the mid-run cases skip): the save of
     step 2 (2.8 MB) does not fit ("none": no fault planted), or rank 0 fills the file system after step 1 and
     TensorBoard's writes, or metrics.jsonl's, meet it. One line names the phase, the file and "No space left on
