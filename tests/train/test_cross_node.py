@@ -4,6 +4,8 @@ faked two-node torchrun launch that stops with the one line instead of waiting f
 import logging
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -12,8 +14,6 @@ from ds4sci.cli import main
 from ds4sci.distributed.launch import Launch
 from ds4sci.train.config import load_config
 from ds4sci.train.launch import check_launch
-
-from rank_checks import launch
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
@@ -73,8 +73,9 @@ def test_one_rank_of_a_two_node_launch_stops_with_one_line_before_waiting_for_th
     env = {**ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     out = tmp_path / "run"
-    argv = ["train", "--set", "parallel.ulysses=2", "--set", f"train.out_dir={out}", "--set", "train.timeout_s=30"]
-    [done] = launch(argv, [env], cwd=tmp_path, timeout=120)  # a process of its own (forked: torch already imported)
+    cmd = [sys.executable, "-m", "ds4sci.cli", "train", "--set", "parallel.ulysses=2", "--set", f"train.out_dir={out}",
+           "--set", "train.timeout_s=30"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines() == [
         "ds4sci train: error: parallel: ulysses=2 groups would span nodes on 2 node(s) x 1 process(es) per node; "
