@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from ds4sci.spawn import run_workers
 
+from rank_checks import launch
 from test_train_equivalence import ENV
 from test_train_equivalence import _overrides
 
@@ -160,12 +160,13 @@ def test_a_flipped_byte_anywhere_is_refused_by_every_rank_naming_the_file_and_th
 
 
 def _cli_train(out: Path, zero: int, steps: int, *args: str) -> subprocess.CompletedProcess:
-    """``ds4sci train`` in one process on the genome, rotary positions, a save every step."""
+    """``ds4sci train`` in one process (:func:`rank_checks.launch`: forked, not a fresh interpreter) on the genome,
+    rotary positions, a save every step."""
     sets = _overrides(out, zero, pe="rotary", steps=steps,
                       extra=["train.save_every=1", f"data.cache_dir={out.parent / 'token_cache'}"])
-    return subprocess.run([sys.executable, "-m", "ds4sci.cli", "train", *[a for s in sets for a in ("--set", s)],
-                           *args], cwd=ROOT, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+    [done] = launch(["train", *[a for s in sets for a in ("--set", s)], *args], [{**ENV, "OMP_NUM_THREADS": "1"}],
+                    cwd=ROOT, timeout=300)
+    return done
 
 
 @pytest.mark.distributed

@@ -5,7 +5,6 @@ import contextlib
 import copy
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -14,8 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds4sci.spawn import open_store
 from ds4sci.spawn import run_workers
 
+from rank_checks import launch
+from rank_checks import ranks_env
 from test_train_equivalence import ENV
 from test_train_equivalence import GENOME
 from test_train_equivalence import _overrides
@@ -146,31 +148,20 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
     train.timeout_s, at once / after the timeout (not the 30 min default that new_group would otherwise keep)."""
     from ds4sci.data import Tokenizer
     from ds4sci.data.corpus import open_corpus
-    from ds4sci.spawn import open_store
 
     timeout_s = 8  # bounds every collective, start-up's included: the token cache is built here, before
     open_corpus(GENOME, Tokenizer.from_name("nucleotide"), cache_dir=str(tmp_path / "cache"), progress=False)
-    runs, stores = {}, {}
     for mode in ("dies", "hangs"):
         sets = _overrides(tmp_path / mode, 0, steps=3,
                           extra=[f"train.timeout_s={timeout_s}", f"data.cache_dir={tmp_path / 'cache'}"])
-        argv = ["train", *[a for s in sets for a in ("--set", s)]]
-        store = stores[mode] = open_store()  # torchrun's way: every rank a client of a store already listening
-        runs[mode] = [subprocess.Popen(
-            [sys.executable, "-c", _FAULTY_RANK_1, mode, *argv], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1", "RANK": str(r),
-                                         "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                         "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
-            for r in range(2)]
-    for mode, (rank0, rank1) in runs.items():
-        try:
-            _, err = rank0.communicate(timeout=240)
-            ended = time.time()
-        finally:
-            rank1.kill()
-        fault = float(rank1.communicate()[0].split("FAULT ")[1].split()[0])
-        last = err.strip().splitlines()[-1]
-        assert rank0.returncode == 2, err[-3000:]
+        argv = [mode, "train", *[a for s in sets for a in ("--set", s)]]
+        store = open_store()  # torchrun's way: every rank a client of a store already listening
+        rank0, rank1 = launch(argv, [{**ENV, "OMP_NUM_THREADS": "1", **env} for env in ranks_env(2, store.port)],
+                              script=_FAULTY_RANK_1, cwd=ROOT, timeout=240, until="rank 0")  # then rank 1 killed
+        ended = time.time()
+        fault = float(rank1.stdout.split("FAULT ")[1].split()[0])
+        last = rank0.stderr.strip().splitlines()[-1]
+        assert rank0.returncode == 2, rank0.stderr[-3000:]
         assert last.startswith("ds4sci train: error: step 2: ") and f"train.timeout_s={timeout_s} s" in last, last
         if mode == "dies":
             assert "another rank left a collective" in last and ended - fault < timeout_s, last
@@ -179,10 +170,11 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
 
 
 # ------------------------------------------------------------------- faults outside the step: one line each
-#: ``python WRAPPER FAULT ds4sci-argv...`` under torchrun: ``ds4sci`` with one fault planted (after recording the
-#: time it strikes in the file $FAULT_FILE): rank 1 killed (SIGKILL) at start-up (as it loads the data), in an
-#: evaluation or in the checkpoint save of step 4; or rank 0 fills the run's (small) file system after step 1
-#: (TensorBoard's buffered writes meet it first, some 30 steps on; with "fill-metrics", metrics.jsonl's).
+#: ``python WRAPPER FAULT ds4sci-argv...`` (under torchrun, or forked by :func:`rank_checks.launch`): ``ds4sci`` with
+#: one fault planted (after recording the time it strikes in the file $FAULT_FILE): rank 1 killed (SIGKILL) at
+#: start-up (as it loads the data), in an evaluation or in the checkpoint save of step 4; or rank 0 fills the run's
+#: (small) file system after step 1 (TensorBoard's buffered writes meet it first, some 30 steps on; with
+#: "fill-metrics", metrics.jsonl's).
 _PLANTED = """
 import os, signal, sys, time
 from pathlib import Path
@@ -226,38 +218,48 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def _torchrun_with_fault(tmp_path: Path, fault: str, out: Path, port: int, *extra: str, preexec_fn=None):
-    """``ds4sci train`` under torchrun, 2 ranks (DP=2, ZeRO-1), with ``fault`` planted (:data:`_PLANTED`; "none":
-    none). Returns the completed process, its wall time, and the time the fault struck (None if it did not)."""
-    script, fault_file = tmp_path / "planted.py", tmp_path / f"{fault}.time"
-    script.write_text(_PLANTED)
+def _run_with_fault(tmp_path: Path, fault: str, out: Path, *extra: str, port: int | None = None,
+                    file_size_limit: int | None = None) -> tuple[int, str, str, float, float | None]:
+    """``ds4sci train`` on 2 ranks (DP=2, ZeRO-1) with ``fault`` planted (:data:`_PLANTED`; "none": none): under
+    torchrun on ``port``, or (no port) as 2 ranks forked by :func:`rank_checks.launch`, rank 1 killed once rank 0
+    has exited (as torchrun stops the others when a rank fails), files limited to ``file_size_limit`` bytes.
+    Returns the exit status (torchrun's; rank 0's), the workers' output (torchrun's own report left out), the whole
+    output, the wall time, and the time the fault struck (None if it did not)."""
+    fault_file = tmp_path / f"{fault}.time"
     fault_file.unlink(missing_ok=True)
     sets = _overrides(out, 1, steps=4, extra=[f"data.cache_dir={tmp_path / 'cache'}", "train.timeout_s=120", *extra,
                                               f"train.out_dir={out}"])
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(port),
-           "--monitor-interval", "1",
-           str(script), fault, "train", *[a for s in sets for a in ("--set", s)]]
+    argv = [fault, "train", *[a for s in sets for a in ("--set", s)]]
+    env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1", "FAULT_FILE": str(fault_file)}
     began = time.time()
-    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1",
-                                              "FAULT_FILE": str(fault_file)},
-                          capture_output=True, text=True, timeout=400, preexec_fn=preexec_fn)
+    if port is None:
+        store = open_store()
+        ranks = launch(argv, [{**env, **rank} for rank in ranks_env(2, store.port)], script=_PLANTED, cwd=ROOT,
+                       timeout=400, until="rank 0", file_size_limit=file_size_limit)
+        code, workers = ranks[0].returncode, "".join(rank.stdout + rank.stderr for rank in ranks)
+        output = workers
+    else:
+        (script := tmp_path / "planted.py").write_text(_PLANTED)
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(port),
+               "--monitor-interval", "1", str(script), *argv]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+        code, output = done.returncode, done.stdout + done.stderr
+        workers = _TORCHRUN.split(done.stderr, maxsplit=1)[0] + done.stdout
     struck = float(fault_file.read_text()) if fault_file.exists() else None
-    return done, time.time() - began, struck
+    return code, workers, output, time.time() - began, struck
 
 
 #: A line of torchrun's own report (glog style): it and all that follows is torchrun's, not ds4sci's.
 _TORCHRUN = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ torch/distributed/", re.MULTILINE)
 
 
-def _one_error_line(done: subprocess.CompletedProcess) -> str:
-    """The run failed (torchrun's exit status 1) and its workers printed ds4sci's log lines and ONE error line, no
-    traceback or other line (what follows torchrun's first line of its own report aside). Returns the error line."""
+def _one_error_line(code: int, workers: str, output: str, status: int) -> str:
+    """The run failed with exit status ``status`` and its workers printed ds4sci's log lines and ONE error line, no
+    traceback or other line. Returns the error line."""
     from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
 
-    output = done.stdout + done.stderr
-    workers = _TORCHRUN.split(done.stderr, maxsplit=1)[0] + done.stdout
     errors = [line for line in workers.splitlines() if "error:" in line]
-    assert done.returncode == 1 and len(errors) == 1, output[-4000:]
+    assert code == status and len(errors) == 1, output[-4000:]
     assert errors[0].startswith("ds4sci train: error: "), output[-4000:]
     log_messages("\n".join(line for line in workers.splitlines() if line != errors[0]))  # nothing else
     return errors[0].removeprefix("ds4sci train: error: ")
@@ -265,22 +267,24 @@ def _one_error_line(done: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("fault, phase", [
-    ("kill-at-start-up", "start-up ({out})"),
-    ("kill-in-evaluation", "evaluation at step 2 ({out})"),
-    ("kill-in-save", "checkpoint save at step 4 ({out}/checkpoints/step4)"),
+@pytest.mark.parametrize("fault, phase, port", [
+    ("kill-at-start-up", "start-up ({out})", 29641),
+    ("kill-in-evaluation", "evaluation at step 2 ({out})", None),
+    ("kill-in-save", "checkpoint save at step 4 ({out}/checkpoints/step4)", None),
 ])
-def test_a_rank_lost_outside_the_step_stops_the_run_with_one_line(tmp_path, fault, phase):
-    """``ds4sci train`` under torchrun (2 ranks), rank 1 killed at start-up, in an evaluation or in a save: rank 0
-    stops at once with one line naming the phase, the run's folder (the checkpoint being written) and the cause,
-    before torchrun's report; no traceback."""
+def test_a_rank_lost_outside_the_step_stops_the_run_with_one_line(tmp_path, fault, phase, port):
+    """``ds4sci train`` on 2 ranks, rank 1 killed (SIGKILL) at start-up, in an evaluation or in a save: rank 0 stops
+    at once with one line naming the phase, the run's folder (the checkpoint being written) and the cause; no
+    traceback. At start-up under torchrun (its store and rendezvous; the line comes before torchrun's report, whose
+    status is 1); in the phases after it, as forked ranks (rank 0's status: 2)."""
     from ds4sci.data import Tokenizer
     from ds4sci.data.corpus import open_corpus
 
     open_corpus(GENOME, Tokenizer.from_name("nucleotide"), cache_dir=str(tmp_path / "cache"), progress=False)
     out = tmp_path / "run"
-    done, _, struck = _torchrun_with_fault(tmp_path, fault, out, 29641, "train.eval_every=2", "train.save_every=2")
-    line = _one_error_line(done)
+    code, workers, output, _, struck = _run_with_fault(tmp_path, fault, out, "train.eval_every=2",
+                                                       "train.save_every=2", port=port)
+    line = _one_error_line(code, workers, output, 2 if port is None else 1)  # rank 0's; torchrun's: a worker failed
     assert line.startswith(f"{phase.format(out=out)}: another rank left a collective (it died?); every rank stops "
                            f"instead of waiting (a hang is bounded by train.timeout_s=120 s) ("), line
     assert struck is not None and time.time() - struck < 60  # at once (120 s: the timeout a hang would wait)
@@ -289,8 +293,8 @@ def test_a_rank_lost_outside_the_step_stops_the_run_with_one_line(tmp_path, faul
 @contextlib.contextmanager
 def _small_disk(folder: Path, size: str):
     """A file system of ``size`` at ``folder`` (tmpfs: mounting needs root); yields how a full disk is met there:
-    "tmpfs", or "file size limit" where mounting is refused (RLIMIT_FSIZE, set for the launched run by
-    :func:`_file_size_limit`: a write past it fails with EFBIG, "File too large", in place of ENOSPC)."""
+    "tmpfs", or "file size limit" where mounting is refused (RLIMIT_FSIZE, set for the launched ranks by
+    :func:`rank_checks.launch`: a write past it fails with EFBIG, "File too large", in place of ENOSPC)."""
     folder.mkdir()
     try:
         mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
@@ -304,23 +308,12 @@ def _small_disk(folder: Path, size: str):
             subprocess.run(["umount", str(folder)], check=True)
 
 
-def _file_size_limit(nbytes: int):
-    """``preexec_fn``: files may grow to ``nbytes`` in this process and its children, SIGXFSZ ignored (a write past
-    the limit fails with EFBIG instead of killing the process)."""
-    import resource
-
-    def limit():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
-
-    return limit
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["none", "fill-tensorboard", "fill-metrics"])
 def test_a_full_disk_in_a_save_or_mid_run_stops_the_run_with_one_line(tmp_path, fault):
-    """``ds4sci train`` under torchrun (2 ranks) on a 1 MB file system (tmpfs where the test may mount one, run as
+    """``ds4sci train`` on 2 ranks (forked: the error, not the launcher, is the subject here; the test above runs
+    torchrun) on a 1 MB file system (tmpfs where the test may mount one, run as
     root; else a file size limit of 100 kB, which fills during the save only: the mid-run cases skip): the save of
     step 2 (2.8 MB) does not fit ("none": no fault planted), or rank 0 fills the file system after step 1 and
     TensorBoard's writes, or metrics.jsonl's, meet it. One line names the phase, the file and "No space left on
@@ -335,9 +328,9 @@ def test_a_full_disk_in_a_save_or_mid_run_stops_the_run_with_one_line(tmp_path, 
         extra = ["train.save_every=2"] if fault == "none" else ["train.steps=200", "train.save_every=0"]
         if disk != "tmpfs" and fault != "none":
             pytest.skip("filling a file system mid-run needs a small one: mounting a tmpfs needs root")
-        limit = _file_size_limit(100_000) if disk != "tmpfs" else None
-        done, wall, _ = _torchrun_with_fault(tmp_path, fault, out, 29651, *extra, preexec_fn=limit)
-        line = _one_error_line(done)
+        limit = 100_000 if disk != "tmpfs" else None
+        code, workers, output, wall, _ = _run_with_fault(tmp_path, fault, out, *extra, file_size_limit=limit)
+        line = _one_error_line(code, workers, output, 2)  # rank 0's status: the command's error
     reason = "No space left on device [Errno 28]" if disk == "tmpfs" else "File too large [Errno 27]"
     if fault == "none":
         checkpoints = re.escape(str(out / "checkpoints"))

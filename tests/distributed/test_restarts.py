@@ -1,13 +1,13 @@
 """Runs beyond one torchrun agent, through the command line: two ``torchrun --nnodes 2`` agents on this host (c10d
-rendezvous, one process each) train the demo config with ring SP=2 as ``torchrun --nproc-per-node 2`` does and both
-exit 0 without a traceback; a worker killed mid-run under ``--max-restarts 1`` and ``--resume auto`` finishes with the
+rendezvous, one process each) train the demo config with ring SP=2 as two ranks on one node do and both exit 0
+without a traceback; a worker killed mid-run under ``--max-restarts 1`` and ``--resume auto`` finishes with the
 uninterrupted run's losses and export; and a ``--nnodes 1:2`` job that loses its second node re-forms on one and
 finishes at the same global batch (``train.global_batch_size``) with the same losses.
 
-One uninterrupted run (:func:`reference`) is trained for every test: 4 steps, a checkpoint every 2, so a fault at the
-start of step 3 resumes from step 2. Faults are planted by :data:`_PLANTED`, a wrapper of ``ds4sci`` that torchrun
-starts in its place, on the first attempt only (``TORCHELASTIC_RESTART_COUNT=0``), as tests/distributed/test_faults.py
-plants its own."""
+One uninterrupted run (:func:`reference`: the 2 ranks of ``torchrun --nproc-per-node 2``, forked with its variables) is
+trained for every test: 4 steps, a checkpoint every 2, so a fault at the start of step 3 resumes from step 2. Faults
+are planted by :data:`_PLANTED`, a wrapper of ``ds4sci`` that torchrun starts in its place, on the first attempt only
+(``TORCHELASTIC_RESTART_COUNT=0``), as tests/distributed/test_faults.py plants its own."""
 import json
 import os
 import socket
@@ -18,6 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from ds4sci.spawn import open_store
+
+from rank_checks import launch
+from rank_checks import ranks_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -102,13 +107,17 @@ def planted(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, planted) -> tuple[Path, Path]:
-    """``torchrun --nproc-per-node 2``, ring SP=2, uninterrupted (nothing planted): its folder and the token cache
-    every test shares."""
+def reference(tmp_path_factory) -> tuple[Path, Path]:
+    """The uninterrupted run (ring SP=2, nothing planted) on the 2 ranks ``torchrun --nproc-per-node 2`` would start,
+    with its variables (:func:`rank_checks.launch`: the reference's numbers, not a launcher, are what the tests
+    use): its folder and the token cache every test shares."""
     tmp = tmp_path_factory.mktemp("restarts")
-    [done] = _agents(planted, tmp / "reference", tmp / "cache",
-                     [["--nproc-per-node", "2", "--master-port", str(_free_port())]])
-    _quiet(done)
+    store = open_store()
+    argv = ["train", DEMO, *_sets(tmp / "reference", tmp / "cache")]
+    ranks = launch(argv, [{**ENV, **env, "TORCHELASTIC_RESTART_COUNT": "0"} for env in ranks_env(2, store.port)],
+                   cwd=ROOT, timeout=500)
+    for done in ranks:
+        _quiet(subprocess.CompletedProcess(argv, done.returncode, done.stdout + done.stderr, ""))
     losses = _losses(tmp / "reference")
     assert [s for s, _ in losses] == [1, 2, 3, 4] and abs(losses[-1][1] - losses[0][1]) > 1e-2  # it learned
     return tmp / "reference", tmp / "cache"

@@ -1,5 +1,6 @@
-"""Resume on another process count, through the CLI as a user meets it (``ds4sci train`` in one process, ``torchrun``
-for more): a run shrunk from 2 processes to 1, grown from 1 to 2, and grown to 4 then shrunk to 2 continues with the
+"""Resume on another process count, through the CLI as a user meets it (``ds4sci train`` in one process, or in as many
+as torchrun would start, with its variables: :func:`rank_checks.launch`; the resume, not the launcher, is the subject
+here): a run shrunk from 2 processes to 1, grown from 1 to 2, and grown to 4 then shrunk to 2 continues with the
 losses of one uninterrupted process, as long as the global batch (micro-batch x dp x accumulation) stays; a launch
 that changes it is refused in one line saying what to set.
 
@@ -10,32 +11,39 @@ other samples. The final validation (step 6, one global batch) is compared too.
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from ds4sci.spawn import open_store
+
+from rank_checks import launch
+from rank_checks import ranks_env
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 CDS = ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna"
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
 def _train(tmp: Path, name: str, procs: int, *sets: str, resume: Path | None = None) -> subprocess.CompletedProcess:
-    """``ds4sci train`` into ``tmp/name`` on ``procs`` processes (torchrun when more than one: ``--standalone``
-    picks a free port); 6 steps of 4 windows of 32 nucleotides, a checkpoint every 2, validation at the end."""
+    """``ds4sci train`` into ``tmp/name`` on ``procs`` processes (stopped, as torchrun stops them, when one fails:
+    the status is the first failing rank's; the output is every rank's); 6 steps of 4 windows of 32 nucleotides, a
+    checkpoint every 2, validation at the end."""
     run = [f"train.out_dir={tmp / name}", f"data.cache_dir={tmp / 'token_cache'}", f"data.fasta={CDS}",
            "data.dataset=windows", "data.seq_len=32", "data.max_train_tokens=320", "data.val_fraction=0.2",
            "train.steps=6", "train.save_every=2", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
            "train.progress=false", "optim.warmup_steps=1", "optim.lr=0.05", "optim.grad_clip=0", "optim.eps=1.0",
            *sets]
-    launch = [sys.executable] if procs == 1 else [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(procs)]
-    cmd = [*launch, "-m", "ds4sci.cli", "train", *(arg for item in run for arg in ("--set", item))]
-    cmd += ["--resume", str(resume)] if resume is not None else []
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=500)
+    argv = ["train", *(arg for item in run for arg in ("--set", item))]
+    argv += ["--resume", str(resume)] if resume is not None else []
+    store = open_store()
+    ranks = launch(argv, [{**ENV, **env} for env in ranks_env(procs, store.port)] if procs > 1 else [ENV], cwd=ROOT,
+                   timeout=500, until="launcher")
+    code = next((rank.returncode for rank in ranks if rank.returncode), 0)
+    return subprocess.CompletedProcess(argv, code, "".join(r.stdout for r in ranks), "".join(r.stderr for r in ranks))
 
 
 def _run(tmp: Path, name: str, procs: int, *sets: str, resume: Path | None = None) -> dict[int, tuple[float, ...]]:

@@ -6,13 +6,12 @@ folder, so a relative path names another folder on each node, as a node-local pa
   built beforehand), and a run folder that node 1 does not see is refused naming
   node 1; no marker is left behind.
 - ``ds4sci train`` as 2 processes with torchrun's variables set by hand (one per node, each in its own working
-  directory): with a shared ``train.out_dir`` and a relative ``data.cache_dir`` it trains, building the cache twice;
-  with a relative ``train.out_dir`` it stops at start-up with one line naming node 1 and its host.
+  directory; forked by :func:`rank_checks.launch`, no launcher): with a shared ``train.out_dir`` and a relative
+  ``data.cache_dir`` it trains, building the cache twice; with a relative ``train.out_dir`` it stops at start-up
+  with one line naming node 1 and its host.
 """
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,9 @@ import pytest
 from ds4sci.distributed.storage import MARKER_PREFIX
 from ds4sci.spawn import open_store
 from ds4sci.spawn import run_workers
+
+from rank_checks import launch
+from rank_checks import ranks_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CDS = str(ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna")
@@ -95,7 +97,8 @@ def test_a_node_local_cache_is_built_once_per_node_and_a_shared_one_once(tmp_pat
     assert _markers(tmp_path) == []
 
 
-#: ``python -c COUNTED ds4sci-argv...``: ``ds4sci`` with each token cache build appended to $BUILD_LOG.
+#: ``python -c COUNTED ds4sci-argv...`` (as :func:`rank_checks.launch` runs it): ``ds4sci`` with each token cache
+#: build appended to $BUILD_LOG.
 COUNTED = """
 import os, sys
 from pathlib import Path
@@ -111,45 +114,30 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _two_nodes(tmp_path: Path, name: str, out: str, cache: str) -> list[subprocess.Popen]:
-    """``ds4sci train`` as 2 nodes of one process, node n working in ``tmp_path/name/node<n>``."""
+def _two_nodes(tmp_path: Path, name: str, out: str, cache: str) -> tuple[list[tuple[int, str]], list[str]]:
+    """``ds4sci train`` as 2 nodes of one process (forked ranks, :func:`rank_checks.launch`), node n working in
+    ``tmp_path/name/node<n>``: each rank's (exit code, stderr) once both have exited, and the build log."""
     sets = [f"data.fasta={CDS}", "data.tokenizer=codon", "data.dataset=records", "data.seq_len=32",
             "data.val_fraction=0.2", "train.steps=2", "train.micro_batch_size=2", "train.log_every=1",
             "train.eval_every=0", "train.eval_batches=1", "train.save_every=0", "train.progress=false",
             "train.timeout_s=120", f"train.out_dir={out}", f"data.cache_dir={cache}"]
     store = open_store()
-    procs = []
-    for rank in (0, 1):
-        cwd = tmp_path / name / f"node{rank}"
+    cwds = [tmp_path / name / f"node{rank}" for rank in (0, 1)]
+    for cwd in cwds:
         cwd.mkdir(parents=True)
-        env = {**os.environ, **ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-               "TORCHELASTIC_USE_AGENT_STORE": "True", "BUILD_LOG": str(tmp_path / f"{name}.builds")}
-        argv = ["train", *[a for s in sets for a in ("--set", s)]]
-        procs.append(subprocess.Popen([sys.executable, "-c", COUNTED, *argv], cwd=cwd, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    procs.append(store)  # kept open while the ranks run
-    return procs
+    log = tmp_path / f"{name}.builds"
+    envs = [{**ENV, **env, "BUILD_LOG": str(log)} for env in ranks_env(2, store.port, nodes=2)]
+    ranks = launch(["train", *[a for s in sets for a in ("--set", s)]], envs, script=COUNTED, cwd=cwds, timeout=300)
+    return [(p.returncode, p.stderr) for p in ranks], log.read_text().splitlines() if log.exists() else []
 
 
 @pytest.fixture(scope="module")
 def two_node_runs(tmp_path_factory):
-    """Two 2-node jobs at once: ``shared`` (one absolute ``train.out_dir``, a relative ``data.cache_dir``) and
-    ``split`` (a relative ``train.out_dir``). Their (exit code, stderr) per rank, and the build log of each."""
+    """Two 2-node jobs: ``shared`` (one absolute ``train.out_dir``, a relative ``data.cache_dir``) and ``split`` (a
+    relative ``train.out_dir``). Their (exit code, stderr) per rank, and the build log of each."""
     tmp = tmp_path_factory.mktemp("nodes")
-    jobs = {"shared": _two_nodes(tmp, "shared", str(tmp / "shared" / "run"), "cache"),
-            "split": _two_nodes(tmp, "split", "run", "cache")}
-    done = {}
-    for name, (*ranks, store) in jobs.items():
-        try:
-            errs = [p.communicate(timeout=300)[1] for p in ranks]
-            done[name] = [(p.returncode, err) for p, err in zip(ranks, errs)]
-        finally:
-            for p in ranks:
-                p.kill()
-        builds = tmp / f"{name}.builds"
-        done[name] = (done[name], builds.read_text().splitlines() if builds.exists() else [])
-    return tmp, done
+    return tmp, {"shared": _two_nodes(tmp, "shared", str(tmp / "shared" / "run"), "cache"),
+                 "split": _two_nodes(tmp, "split", "run", "cache")}
 
 
 @pytest.mark.distributed
