@@ -34,7 +34,10 @@ from pathlib import Path
 
 import pytest
 
-from fork_checks import ranks_in_fork  # tests/ is on sys.path (its conftest.py)
+from ds4sci.spawn import open_store
+
+from fork_checks import launch  # tests/ is on sys.path (its conftest.py)
+from fork_checks import ranks_env  # tests/ is on sys.path (its conftest.py)
 from fork_checks import run_in_fork
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +210,9 @@ def test_cheap_command_runs_as_written(command, scratch, tmp_path):
     if processes == 1:
         ranks = [run_in_fork(argv, scratch, main=main, env=env)]
     else:
-        ranks = ranks_in_fork(argv, scratch, processes, main=main, env=env)
+        store = open_store()  # torchrun's agent's part: the store its ranks meet at
+        ranks = launch(argv, [{**env, **rank} for rank in ranks_env(processes, store.port)], main=main, cwd=scratch,
+                       timeout=600)
     for rank in ranks:
         assert rank.returncode == 0, f"{command}\n{rank.stdout[-2000:]}\n{rank.stderr[-2000:]}"
     for out in re.findall(r"--out (\S+)", command):

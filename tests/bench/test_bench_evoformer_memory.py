@@ -53,7 +53,8 @@ def test_differences_are_from_a_float64_reference(monkeypatch, tmp_path):
 
 def test_triangle_update_rows(monkeypatch, tmp_path):
     """The triangle update's rows at a 24-residue pair, c = 8: the chunked path saves z, p and the mask (``2 + 1/8``
-    times z), the torch path its whole graph; inference: the output and a block of 3 rows (the other operand recomputed a block at a time)."""
+    times z), the torch path its whole graph; inference: the output and a block of 3 rows (the other operand
+    recomputed a block at a time)."""
     report, markdown = _run(tmp_path, monkeypatch, "--n-seq", "1", "--n-res", "8", "--heads", "1", "--head-dim", "4",
                             "--no-openfold", "--trimul-n", "24", "--trimul-c", "8")
     rows = report["triangle_update"]

@@ -12,7 +12,7 @@ import torch
 
 from ds4sci.spawn import run_workers
 
-from rank_checks import launch
+from fork_checks import launch
 from test_train_equivalence import ENV
 from test_train_equivalence import _overrides
 
@@ -160,7 +160,7 @@ def test_a_flipped_byte_anywhere_is_refused_by_every_rank_naming_the_file_and_th
 
 
 def _cli_train(out: Path, zero: int, steps: int, *args: str) -> subprocess.CompletedProcess:
-    """``ds4sci train`` in one process (:func:`rank_checks.launch`: forked, not a fresh interpreter) on the genome,
+    """``ds4sci train`` in one process (:func:`fork_checks.launch`: forked, not a fresh interpreter) on the genome,
     rotary positions, a save every step."""
     sets = _overrides(out, zero, pe="rotary", steps=steps,
                       extra=["train.save_every=1", f"data.cache_dir={out.parent / 'token_cache'}"])

@@ -3,6 +3,7 @@ of rank 0 that stop every rank, non-finite losses (stop / skip), and the determi
 in test_checkpoint_faults.py."""
 import contextlib
 import copy
+import functools
 import os
 import re
 import subprocess
@@ -16,8 +17,9 @@ import torch
 from ds4sci.spawn import open_store
 from ds4sci.spawn import run_workers
 
-from rank_checks import launch
-from rank_checks import ranks_env
+from fork_checks import launch
+from fork_checks import ranks_env
+from fork_checks import run_script
 from test_train_equivalence import ENV
 from test_train_equivalence import GENOME
 from test_train_equivalence import _overrides
@@ -157,7 +159,8 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
         argv = [mode, "train", *[a for s in sets for a in ("--set", s)]]
         store = open_store()  # torchrun's way: every rank a client of a store already listening
         rank0, rank1 = launch(argv, [{**ENV, "OMP_NUM_THREADS": "1", **env} for env in ranks_env(2, store.port)],
-                              script=_FAULTY_RANK_1, cwd=ROOT, timeout=240, until="rank 0")  # then rank 1 killed
+                              main=functools.partial(run_script, _FAULTY_RANK_1), cwd=ROOT, timeout=240,
+                              until="rank 0")  # then rank 1 killed
         ended = time.time()
         fault = float(rank1.stdout.split("FAULT ")[1].split()[0])
         last = rank0.stderr.strip().splitlines()[-1]
@@ -170,7 +173,7 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_within_the_timeout(tmp_path)
 
 
 # ------------------------------------------------------------------- faults outside the step: one line each
-#: ``python WRAPPER FAULT ds4sci-argv...`` (under torchrun, or forked by :func:`rank_checks.launch`): ``ds4sci`` with
+#: ``python WRAPPER FAULT ds4sci-argv...`` (under torchrun, or forked by :func:`fork_checks.launch`): ``ds4sci`` with
 #: one fault planted (after recording the time it strikes in the file $FAULT_FILE): rank 1 killed (SIGKILL) at
 #: start-up (as it loads the data), in an evaluation or in the checkpoint save of step 4; or rank 0 fills the run's
 #: (small) file system after step 1 (TensorBoard's buffered writes meet it first, some 30 steps on; with
@@ -221,7 +224,7 @@ sys.exit(main(sys.argv[2:]))
 def _run_with_fault(tmp_path: Path, fault: str, out: Path, *extra: str, port: int | None = None,
                     file_size_limit: int | None = None) -> tuple[int, str, str, float, float | None]:
     """``ds4sci train`` on 2 ranks (DP=2, ZeRO-1) with ``fault`` planted (:data:`_PLANTED`; "none": none): under
-    torchrun on ``port``, or (no port) as 2 ranks forked by :func:`rank_checks.launch`, rank 1 killed once rank 0
+    torchrun on ``port``, or (no port) as 2 ranks forked by :func:`fork_checks.launch`, rank 1 killed once rank 0
     has exited (as torchrun stops the others when a rank fails), files limited to ``file_size_limit`` bytes.
     Returns the exit status (torchrun's; rank 0's), the workers' output (torchrun's own report left out), the whole
     output, the wall time, and the time the fault struck (None if it did not)."""
@@ -234,8 +237,9 @@ def _run_with_fault(tmp_path: Path, fault: str, out: Path, *extra: str, port: in
     began = time.time()
     if port is None:
         store = open_store()
-        ranks = launch(argv, [{**env, **rank} for rank in ranks_env(2, store.port)], script=_PLANTED, cwd=ROOT,
-                       timeout=400, until="rank 0", file_size_limit=file_size_limit)
+        ranks = launch(argv, [{**env, **rank} for rank in ranks_env(2, store.port)],
+                       main=functools.partial(run_script, _PLANTED), cwd=ROOT, timeout=400, until="rank 0",
+                       file_size_limit=file_size_limit)
         code, workers = ranks[0].returncode, "".join(rank.stdout + rank.stderr for rank in ranks)
         output = workers
     else:
@@ -294,7 +298,7 @@ def test_a_rank_lost_outside_the_step_stops_the_run_with_one_line(tmp_path, faul
 def _small_disk(folder: Path, size: str):
     """A file system of ``size`` at ``folder`` (tmpfs: mounting needs root); yields how a full disk is met there:
     "tmpfs", or "file size limit" where mounting is refused (RLIMIT_FSIZE, set for the launched ranks by
-    :func:`rank_checks.launch`: a write past it fails with EFBIG, "File too large", in place of ENOSPC)."""
+    :func:`fork_checks.launch`: a write past it fails with EFBIG, "File too large", in place of ENOSPC)."""
     folder.mkdir()
     try:
         mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from ds4sci.spawn import open_store
 
-from rank_checks import launch
-from rank_checks import ranks_env
+from fork_checks import launch
+from fork_checks import ranks_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -109,7 +109,7 @@ def planted(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, Path]:
     """The uninterrupted run (ring SP=2, nothing planted) on the 2 ranks ``torchrun --nproc-per-node 2`` would start,
-    with its variables (:func:`rank_checks.launch`: the reference's numbers, not a launcher, are what the tests
+    with its variables (:func:`fork_checks.launch`: the reference's numbers, not a launcher, are what the tests
     use): its folder and the token cache every test shares."""
     tmp = tmp_path_factory.mktemp("restarts")
     store = open_store()

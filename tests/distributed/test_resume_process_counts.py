@@ -1,5 +1,5 @@
 """Resume on another process count, through the CLI as a user meets it (``ds4sci train`` in one process, or in as many
-as torchrun would start, with its variables: :func:`rank_checks.launch`; the resume, not the launcher, is the subject
+as torchrun would start, with its variables: :func:`fork_checks.launch`; the resume, not the launcher, is the subject
 here): a run shrunk from 2 processes to 1, grown from 1 to 2, and grown to 4 then shrunk to 2 continues with the
 losses of one uninterrupted process, as long as the global batch (micro-batch x dp x accumulation) stays; a launch
 that changes it is refused in one line saying what to set.
@@ -18,8 +18,8 @@ import torch
 
 from ds4sci.spawn import open_store
 
-from rank_checks import launch
-from rank_checks import ranks_env
+from fork_checks import launch
+from fork_checks import ranks_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

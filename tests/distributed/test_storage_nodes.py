@@ -6,10 +6,11 @@ folder, so a relative path names another folder on each node, as a node-local pa
   built beforehand), and a run folder that node 1 does not see is refused naming
   node 1; no marker is left behind.
 - ``ds4sci train`` as 2 processes with torchrun's variables set by hand (one per node, each in its own working
-  directory; forked by :func:`rank_checks.launch`, no launcher): with a shared ``train.out_dir`` and a relative
+  directory; forked by :func:`fork_checks.launch`, no launcher): with a shared ``train.out_dir`` and a relative
   ``data.cache_dir`` it trains, building the cache twice; with a relative ``train.out_dir`` it stops at start-up
   with one line naming node 1 and its host.
 """
+import functools
 import os
 import socket
 from pathlib import Path
@@ -20,8 +21,9 @@ from ds4sci.distributed.storage import MARKER_PREFIX
 from ds4sci.spawn import open_store
 from ds4sci.spawn import run_workers
 
-from rank_checks import launch
-from rank_checks import ranks_env
+from fork_checks import launch
+from fork_checks import ranks_env
+from fork_checks import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 CDS = str(ROOT / "examples" / "data" / "NZ_CP040672.1_cds_100.fna")
@@ -97,7 +99,7 @@ def test_a_node_local_cache_is_built_once_per_node_and_a_shared_one_once(tmp_pat
     assert _markers(tmp_path) == []
 
 
-#: ``python -c COUNTED ds4sci-argv...`` (as :func:`rank_checks.launch` runs it): ``ds4sci`` with each token cache
+#: ``python -c COUNTED ds4sci-argv...`` (as :func:`fork_checks.launch` runs it): ``ds4sci`` with each token cache
 #: build appended to $BUILD_LOG.
 COUNTED = """
 import os, sys
@@ -115,7 +117,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _two_nodes(tmp_path: Path, name: str, out: str, cache: str) -> tuple[list[tuple[int, str]], list[str]]:
-    """``ds4sci train`` as 2 nodes of one process (forked ranks, :func:`rank_checks.launch`), node n working in
+    """``ds4sci train`` as 2 nodes of one process (forked ranks, :func:`fork_checks.launch`), node n working in
     ``tmp_path/name/node<n>``: each rank's (exit code, stderr) once both have exited, and the build log."""
     sets = [f"data.fasta={CDS}", "data.tokenizer=codon", "data.dataset=records", "data.seq_len=32",
             "data.val_fraction=0.2", "train.steps=2", "train.micro_batch_size=2", "train.log_every=1",
@@ -127,7 +129,8 @@ def _two_nodes(tmp_path: Path, name: str, out: str, cache: str) -> tuple[list[tu
         cwd.mkdir(parents=True)
     log = tmp_path / f"{name}.builds"
     envs = [{**ENV, **env, "BUILD_LOG": str(log)} for env in ranks_env(2, store.port, nodes=2)]
-    ranks = launch(["train", *[a for s in sets for a in ("--set", s)]], envs, script=COUNTED, cwd=cwds, timeout=300)
+    argv = ["train", *[a for s in sets for a in ("--set", s)]]
+    ranks = launch(argv, envs, main=functools.partial(run_script, COUNTED), cwd=cwds, timeout=300)
     return [(p.returncode, p.stderr) for p in ranks], log.read_text().splitlines() if log.exists() else []
 
 
