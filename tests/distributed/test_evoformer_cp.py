@@ -3,6 +3,8 @@ two representations, and every parameter's .grad, when every rank computes the s
 to rounding); the parameter gradients bitwise the same on every rank. Evoformer and Pairformer blocks and stacks
 (block by block, and sharded between blocks); N_seq and N_res that the group size does not divide (at 4 ranks with
 N_res 5, a rank holding only padding); 2, 3 and 4 ranks; every Evoformer option; OpenFold's convention."""
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -69,12 +71,43 @@ def _run(module, blocks, x, z, x_mask, pair_mask, weights, chunk_size=None):
             **{n: p.grad.clone() for n, p in blocks.named_parameters()}}
 
 
-def _worker(rank, world, cases):
+@contextlib.contextmanager
+def one_thread():
+    """This process on one thread, as the workers run: the single-process references are computed once here (not
+    on every rank of every world) and passed to the workers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def as_numpy(results):
+    """``_run``'s tensors as numpy arrays: plain data for the workers' arguments."""
+    return {k: v.numpy() for k, v in results.items()}
+
+
+def from_numpy(arrays):
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}
+
+
+def _reference(cases):
+    """Per case name: the single process's outputs and gradients (``_run``), as numpy arrays."""
+    refs = {}
+    with one_thread():
+        for name, kind, options, n_blocks, _, n_seq, n_res, _ in cases:
+            blocks = _blocks(kind, options, n_blocks)
+            refs[name] = as_numpy(_run(_single(blocks), blocks, *_inputs(kind, n_seq, n_res)))
+    return refs
+
+
+def _worker(rank, world, cases, references):
     errors, grads = {}, {}
     for name, kind, options, n_blocks, sharded, n_seq, n_res, chunk_size in cases:
         blocks = _blocks(kind, options, n_blocks)
         inputs = _inputs(kind, n_seq, n_res)
-        single = _run(_single(blocks), blocks, *inputs)
+        single = from_numpy(references[name])
         parallel = _run(evoformer_context_parallel(blocks, sharded=sharded), blocks, *inputs, chunk_size)
         assert single.keys() == parallel.keys()
         errors[name] = {k: (parallel[k] - v).abs().max().item() / max(1.0, v.abs().max().item())
@@ -98,9 +131,15 @@ CASES = [  # name, kind, block options, blocks, sharded, N_seq, N_res, chunk_siz
 SMALL = [CASES[0], CASES[4], CASES[7], CASES[8]]
 
 
+@pytest.fixture(scope="module")
+def references():
+    return _reference(CASES)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_axial_equals_single_process_per_rank(world):
-    results = run_workers(_worker, world, CASES if world == 2 else SMALL, timeout=600)
+def test_axial_equals_single_process_per_rank(world, references):
+    cases = CASES if world == 2 else SMALL
+    results = run_workers(_worker, world, cases, {name: references[name] for name, *_ in cases}, timeout=600)
     for rank, (errors, grads) in enumerate(results):
         for case, per_tensor in errors.items():
             bad = sorted(((e, k) for k, e in per_tensor.items() if not e <= 1e-12), reverse=True)
@@ -109,18 +148,25 @@ def test_axial_equals_single_process_per_rank(world):
             assert not differ, f"rank {rank}, {case}: parameter gradients differ from rank 0's: {differ[:3]}"
 
 
-def _masked_worker(rank, world, n_seq, n_res):
-    """Per dtype: the largest error against the single process (outputs, input and parameter gradients) of an
-    Evoformer block with fully masked real rows: a sequence, an MSA column, a pair row and a pair column."""
+def _masked_case(dtype, n_seq, n_res):
+    """An Evoformer block in ``dtype`` and its inputs with fully masked real rows: a sequence, an MSA column, a pair
+    row and a pair column."""
+    block = _blocks("evoformer", {}, 1).to(dtype)
+    m, z, msa_mask, pair_mask, weights = _inputs("evoformer", n_seq, n_res)
+    m, z, msa_mask, pair_mask = (t.to(dtype) for t in (m, z, msa_mask, pair_mask))
+    weights = [w.to(dtype) for w in weights]
+    msa_mask[:, 1], msa_mask[:, :, 2], pair_mask[:, 3], pair_mask[:, :, 4] = 0, 0, 0, 0
+    return block, (m, z, msa_mask, pair_mask, weights)
+
+
+def _masked_worker(rank, world, n_seq, n_res, references):
+    """Per dtype: the largest error against the single process's ``references`` (outputs, input and parameter
+    gradients) of the block of :func:`_masked_case`."""
     errors = {}
     for dtype in (torch.float64, torch.float32):
-        block = _blocks("evoformer", {}, 1).to(dtype)
-        m, z, msa_mask, pair_mask, weights = _inputs("evoformer", n_seq, n_res)
-        m, z, msa_mask, pair_mask = (t.to(dtype) for t in (m, z, msa_mask, pair_mask))
-        weights = [w.to(dtype) for w in weights]
-        msa_mask[:, 1], msa_mask[:, :, 2], pair_mask[:, 3], pair_mask[:, :, 4] = 0, 0, 0, 0
-        want = _run(block, block, m, z, msa_mask, pair_mask, weights)
-        got = _run(evoformer_context_parallel(block), block, m, z, msa_mask, pair_mask, weights)
+        block, inputs = _masked_case(dtype, n_seq, n_res)
+        want = from_numpy(references[str(dtype)])
+        got = _run(evoformer_context_parallel(block), block, *inputs)
         errors[str(dtype)] = max(((got[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k)
                                  for k, v in want.items())
     return errors
@@ -129,7 +175,10 @@ def _masked_worker(rank, world, n_seq, n_res):
 def test_axial_fully_masked_rows_equal_single_process():
     """A real row whose keys are all masked (OpenFold's finite -1e9) with N_seq and N_res padded: the padding keys
     are at -inf, so it attends over its real keys as the single process does (fp64 to rounding, fp32 to 1e-5)."""
-    for rank, errors in enumerate(run_workers(_masked_worker, 2, 5, 7, timeout=600)):
+    with one_thread():
+        references = {str(dtype): as_numpy(_run(block, block, *inputs))
+                      for dtype in (torch.float64, torch.float32) for block, inputs in [_masked_case(dtype, 5, 7)]}
+    for rank, errors in enumerate(run_workers(_masked_worker, 2, 5, 7, references, timeout=600)):
         for dtype, tol in (("torch.float64", 1e-12), ("torch.float32", 1e-5)):
             assert errors[dtype][0] <= tol, f"rank {rank}, {dtype}: worst {errors[dtype]}"
 

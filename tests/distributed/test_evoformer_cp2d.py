@@ -16,6 +16,10 @@ from ds4sci.models.evoformer import EvoformerBlock
 from ds4sci.parallel.evoformer import ring
 from ds4sci.spawn import run_workers
 
+from test_evoformer_cp import as_numpy  # the single-process references computed once, here, on one thread
+from test_evoformer_cp import from_numpy
+from test_evoformer_cp import one_thread
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 # every channel count below N_res, so that "two dims of N_res or more" means a whole N_res x N_res tensor
@@ -78,25 +82,38 @@ def _whole_pair_seen(block, n_res, run):
     return seen
 
 
-def _worker(rank, world, p, n_seq, n_res, cases):
+def _reference(n_seq, n_res, cases):
+    """Per case name: the single process's outputs and gradients and its unbatched outputs (numpy arrays); and the
+    sub-modules the check sees the single process give its whole pair representation (the last case's block)."""
+    references = {}
+    with one_thread():
+        for name, options in cases:
+            block = _block(options)
+            inputs = _inputs(n_seq, n_res)
+            single = _run(block, block, *inputs)
+            with torch.no_grad():  # unbatched inputs (no leading dims)
+                single["unbatched m"], single["unbatched z"] = block(*[t[0] for t in inputs[:4]])
+            references[name] = as_numpy(single)
+        seen = _whole_pair_seen(block, n_res, lambda: _run(block, block, *inputs))
+    return references, seen
+
+
+def _worker(rank, world, p, n_seq, n_res, cases, references):
     errors, seen, param_grads = {}, {}, {}
     for name, options in cases:
         block = _block(options)
         inputs = _inputs(n_seq, n_res)
-        single = _run(block, block, *inputs)
+        single = from_numpy(references[name])
         parallel_block = evoformer_context_parallel(block, mesh=(p, p))
         parallel = {}
         seen[name] = _whole_pair_seen(block, n_res, lambda: parallel.update(_run(parallel_block, block, *inputs)))
         with torch.no_grad():  # unbatched inputs (no leading dims)
             unbatched = [t[0] for t in inputs[:4]]
-            for key, one, many in zip(("unbatched m", "unbatched z"), block(*unbatched), parallel_block(*unbatched)):
-                single[key], parallel[key] = one, many
+            parallel["unbatched m"], parallel["unbatched z"] = parallel_block(*unbatched)
         assert single.keys() == parallel.keys()
         errors[name] = {k: (parallel[k] - v).abs().max().item() / max(1.0, v.abs().max().item())
                         for k, v in single.items()}
         param_grads[name] = {n: parallel[n].tolist() for n, _ in block.named_parameters()}  # plain data to return
-    # the check sees the single process's whole pair representation
-    seen["single process"] = _whole_pair_seen(block, n_res, lambda: _run(block, block, *inputs))
     return errors, seen, param_grads
 
 
@@ -109,7 +126,9 @@ CASES = [  # name, block options
 
 @pytest.mark.parametrize("p, n_seq, n_res, cases", [(2, 5, 9, CASES), (3, 5, 7, CASES[:1])], ids=["2x2", "3x3"])
 def test_2d_mesh_block_equals_single_process_per_rank(p, n_seq, n_res, cases):
-    results = run_workers(_worker, p * p, p, n_seq, n_res, cases, timeout=600)
+    references, single_seen = _reference(n_seq, n_res, cases)
+    assert "pair_stack.tri_mul_out" in single_seen, single_seen  # the check sees the single process's whole pair
+    results = run_workers(_worker, p * p, p, n_seq, n_res, cases, references, timeout=600)
     for rank, (_, _, grads) in enumerate(results):  # the parallel runs' parameter gradients: identical on every rank
         for case, per_param in grads.items():
             for name, g in per_param.items():
@@ -119,7 +138,6 @@ def test_2d_mesh_block_equals_single_process_per_rank(p, n_seq, n_res, cases):
             bad = sorted(((e, k) for k, e in per_tensor.items() if not e <= 1e-12), reverse=True)
             assert not bad, f"rank {rank}, {case}: {len(bad)} tensors differ, the worst {bad[:3]}"
             assert not seen[case], f"rank {rank}, {case}: whole N_res x N_res tensors in {sorted(seen[case])}"
-        assert "pair_stack.tri_mul_out" in seen["single process"], seen["single process"]
 
 
 def test_mesh_argument_errors():
@@ -136,18 +154,25 @@ def test_mesh_argument_errors():
             assert torch.equal(got, want)
 
 
-def _masked_worker(rank, world, n_seq, n_res):
-    """Per dtype: the largest error relative to the single process, over outputs, input and parameter gradients, with
-    fully masked real rows: a sequence (MSA row attention), a residue column of the MSA (column attention) and a
-    row of the pair mask (triangle attention, starting node; its column for the ending node)."""
+def _masked_case(dtype, n_seq, n_res):
+    """A block in ``dtype`` and its inputs with fully masked real rows: a sequence (MSA row attention), a residue
+    column of the MSA (column attention) and a row of the pair mask (triangle attention, starting node; its column
+    for the ending node)."""
+    block = _block({}).to(dtype)
+    m, z, msa_mask, pair_mask, weights = (t.to(dtype) if isinstance(t, torch.Tensor) else [w.to(dtype) for w in t]
+                                          for t in _inputs(n_seq, n_res))
+    msa_mask[:, 1], msa_mask[:, :, 2], pair_mask[:, 3], pair_mask[:, :, 4] = 0, 0, 0, 0
+    return block, (m, z, msa_mask, pair_mask, weights)
+
+
+def _masked_worker(rank, world, n_seq, n_res, references):
+    """Per dtype: the largest error relative to the single process's ``references``, over outputs, input and
+    parameter gradients, of the block of :func:`_masked_case` on a 2 x 2 mesh."""
     errors = {}
     for dtype in (torch.float64, torch.float32):
-        block = _block({}).to(dtype)
-        m, z, msa_mask, pair_mask, weights = (t.to(dtype) if isinstance(t, torch.Tensor) else [w.to(dtype) for w in t]
-                                              for t in _inputs(n_seq, n_res))
-        msa_mask[:, 1], msa_mask[:, :, 2], pair_mask[:, 3], pair_mask[:, :, 4] = 0, 0, 0, 0
-        single = _run(block, block, m, z, msa_mask, pair_mask, weights)
-        parallel = _run(evoformer_context_parallel(block, mesh=(2, 2)), block, m, z, msa_mask, pair_mask, weights)
+        block, inputs = _masked_case(dtype, n_seq, n_res)
+        single = from_numpy(references[str(dtype)])
+        parallel = _run(evoformer_context_parallel(block, mesh=(2, 2)), block, *inputs)
         errors[str(dtype)] = max(((parallel[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k)
                                  for k, v in single.items())
     return errors
@@ -157,32 +182,44 @@ def test_2d_fully_masked_rows_equal_single_process():
     """A real row whose keys are all masked (OpenFold's finite -1e9) attends as the kernel does in one pass over the
     real keys: fp64 to rounding, fp32 to 1e-5 (merging the tiles by row max and row sum kept apart, not by a
     log-sum-exp that loses ``log l`` against 1e9 in fp32; the padding keys at -inf, so no real row sees them)."""
-    for rank, errors in enumerate(run_workers(_masked_worker, 4, 5, 9, timeout=600)):
+    with one_thread():
+        references = {str(dtype): as_numpy(_run(block, block, *inputs))
+                      for dtype in (torch.float64, torch.float32) for block, inputs in [_masked_case(dtype, 5, 9)]}
+    for rank, errors in enumerate(run_workers(_masked_worker, 4, 5, 9, references, timeout=600)):
         for dtype, tol in (("torch.float64", 1e-12), ("torch.float32", 1e-5)):
             assert errors[dtype][0] <= tol, f"rank {rank}, {dtype}: worst {errors[dtype]}"
 
 
-def _stack_worker(rank, world, n_seq, n_res):
-    """Per mode (sharded between blocks or block by block): the largest error of a 2-block stack against the
-    single process (outputs, input and parameter gradients), its parameter gradients as bytes, and the
-    all-gathers it ran (calls) beside a 1-block stack's."""
+def _stack():
+    """A 2-block Evoformer stack, random weights (std 0.3), fp64, eval mode."""
     from torch import nn
-
-    from ds4sci.distributed.comm import CommCounter
 
     torch.manual_seed(0)
     stack = nn.ModuleList(EvoformerBlock(**KW, backend="torch") for _ in range(2)).double().eval()
     with torch.no_grad():
         for p in stack.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
+    return stack
 
+
+def _stack_single(stack):
+    """The single-process forward of a stack."""
     def single(m, z, msa_mask, pair_mask):
         for blk in stack:
             m, z = blk(m, z, msa_mask, pair_mask)
         return m, z
+    return single
 
+
+def _stack_worker(rank, world, n_seq, n_res, reference):
+    """Per mode (sharded between blocks or block by block): the largest error of a 2-block stack against the
+    single process's ``reference`` (outputs, input and parameter gradients), its parameter gradients as bytes, and
+    the all-gathers it ran (calls) beside a 1-block stack's."""
+    from ds4sci.distributed.comm import CommCounter
+
+    stack = _stack()
     inputs = _inputs(n_seq, n_res)
-    want = _run(single, stack, *inputs)
+    want = from_numpy(reference)
     results = {}
     for sharded in (True, False):
         counter = CommCounter()
@@ -199,7 +236,10 @@ def test_2d_stack_tiles_between_blocks_equals_single_process():
     """A 2-block stack on a 2 x 2 mesh, sharded (m and z stay this rank's tiles from the entry to the exit: as many
     all-gathers as one block's, the entry's backward and the exit) and block by block (twice one block's), equals
     the single process (fp64, to rounding); parameter gradients bitwise the same on every rank."""
-    results = run_workers(_stack_worker, 4, 5, 7, timeout=600)
+    with one_thread():
+        stack = _stack()
+        reference = as_numpy(_run(_stack_single(stack), stack, *_inputs(5, 7)))
+    results = run_workers(_stack_worker, 4, 5, 7, reference, timeout=600)
     for rank, per_mode in enumerate(results):
         for sharded, (error, grads, (gathers, one_block)) in per_mode.items():
             assert error[0] <= 1e-12, f"rank {rank}, sharded={sharded}: worst {error}"
@@ -233,11 +273,9 @@ class _WholePairOps(TorchDispatchMode):
         return out
 
 
-def _pairformer_worker(rank, world, p, n_res):
-    """Per case (one block; a 2-block stack tiled between blocks): the largest error against the single process
-    (outputs, input and parameter gradients, fp64), the parameter gradients as bytes, and the ops of the one-block
-    step (forward and backward) that made a whole ``N x N`` tensor other than z (:class:`_WholePairOps`), the single
-    process's too (the check sees its bias), and per case the bytes of the pair mask's strips this rank holds."""
+def _pairformer_case(n_res):
+    """A 2-block Pairformer stack (random weights, std 0.3, fp64, eval mode) and its inputs (s, z, single mask,
+    pair mask, loss weights)."""
     from torch import nn
 
     from ds4sci.models.evoformer import PairformerBlock
@@ -255,25 +293,56 @@ def _pairformer_worker(rank, world, p, n_res):
     pair_mask = (torch.rand(2, n_res, n_res, generator=g) > 0.2).double()
     weights = [torch.randn(s.shape, generator=g, dtype=torch.float64),
                torch.randn(z.shape, generator=g, dtype=torch.float64)]
+    return stack, (s, z, single_mask, pair_mask, weights)
+
+
+def _pairformer_cases(stack):
+    """(name, blocks, sharded): one block; a 2-block stack tiled between blocks."""
+    return (("one block", stack[0], False), ("2-block stack, tiled", stack, True))
+
+
+def _pairformer_single(blocks):
+    """The single-process forward of a block or a stack."""
+    from torch import nn
+
+    def single(s, z, single_mask, pair_mask):
+        for blk in (blocks if isinstance(blocks, nn.ModuleList) else [blocks]):
+            s, z = blk(s, z, single_mask, pair_mask)
+        return s, z
+    return single
+
+
+def _pairformer_reference(p, n_res):
+    """Per case: the single process's outputs and gradients (numpy arrays); and the ops of the 2-block stack's single
+    process (forward and backward) that made a whole ``N x N`` tensor other than z (:class:`_WholePairOps`: the
+    check sees its bias)."""
+    with one_thread():
+        stack, inputs = _pairformer_case(n_res)
+        references = {name: as_numpy(_run(_pairformer_single(blocks), blocks, *inputs))
+                      for name, blocks, _ in _pairformer_cases(stack)}
+        with _WholePairOps(2, n_res, -(-n_res // p) * p, PAIR_KW["c_z"]) as ops:
+            _run(_pairformer_single(stack), stack, *inputs)
+    return references, ops.seen
+
+
+def _pairformer_worker(rank, world, p, n_res, references):
+    """Per case (one block; a 2-block stack tiled between blocks): the largest error against the single process's
+    ``references`` (outputs, input and parameter gradients, fp64), the parameter gradients as bytes, and the ops of
+    the one-block step (forward and backward) that made a whole ``N x N`` tensor other than z
+    (:class:`_WholePairOps`), and per case the bytes of the pair mask's strips this rank holds."""
+    stack, inputs = _pairformer_case(n_res)
     results, seen, held = {}, {}, {}
-    for name, blocks, sharded in (("one block", stack[0], False), ("2-block stack, tiled", stack, True)):
-        def single(s, z, single_mask, pair_mask, blocks=blocks):
-            for blk in (blocks if isinstance(blocks, nn.ModuleList) else [blocks]):
-                s, z = blk(s, z, single_mask, pair_mask)
-            return s, z
-        want = _run(single, blocks, s, z, single_mask, pair_mask, weights)
+    for name, blocks, sharded in _pairformer_cases(stack):
+        want = from_numpy(references[name])
         module = evoformer_context_parallel(blocks, mesh=(p, p), sharded=sharded)
         with _WholePairOps(2, n_res, -(-n_res // p) * p, PAIR_KW["c_z"]) as ops:
-            got = _run(module, blocks, s, z, single_mask, pair_mask, weights)
+            got = _run(module, blocks, *inputs)
         error = max(((got[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k) for k, v in want.items())
         results[name], seen[name] = (error, {n: got[n].numpy().tobytes() for n, _ in blocks.named_parameters()}), \
             ops.seen
         _, strips, _, tile = module._regions[0]._masks  # the pair mask's row and column strips, this rank's tile
         held[name] = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*strips, tile)}
                          .values())
-    with _WholePairOps(2, n_res, -(-n_res // p) * p, PAIR_KW["c_z"]) as ops:
-        _run(single, stack, s, z, single_mask, pair_mask, weights)
-    seen["single process"] = ops.seen
     return results, seen, held
 
 
@@ -286,7 +355,9 @@ def test_2d_pairformer_equals_single_process(p, n_res):
     pair mask included (the single process does: its bias ``[*, N, N, H_s]`` and the attention's ``[*, 1, H_s, N, N]``):
     a rank holds of the pair mask its row and column strips only, ``2 N'^2 / p`` per batch element (plan_evoformer's
     term)."""
-    results = run_workers(_pairformer_worker, p * p, p, n_res, timeout=600)
+    references, single_seen = _pairformer_reference(p, n_res)
+    assert any(shape[-1] == PAIR_KW["no_heads_pair_bias"] for _, shape in single_seen), single_seen
+    results = run_workers(_pairformer_worker, p * p, p, n_res, references, timeout=600)
     padded = -(-n_res // p) * p
     for rank, (per_case, seen, held) in enumerate(results):
         for case, (error, grads) in per_case.items():
@@ -295,4 +366,3 @@ def test_2d_pairformer_equals_single_process(p, n_res):
             assert not seen[case], f"rank {rank}, {case}: whole N_res x N_res tensors from {sorted(seen[case])[:4]}"
             # plan_evoformer's 2-D pair mask term: the strips, 2 N'^2 / p per batch element (fp64), the tile a view
             assert held[case] == 2 * 2 * padded * padded // p * 8, (rank, case, held[case])
-        assert any(shape[-1] == PAIR_KW["no_heads_pair_bias"] for _, shape in seen["single process"]), seen
