@@ -3,6 +3,7 @@ import gzip
 import hashlib
 import importlib
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,11 +118,12 @@ def _make_dry_run(target: str, tmp_path: Path) -> list[str]:
                                           ("test", ".venv/bin/python -m pytest")])
 def test_make_targets_install_then_run(target, last, tmp_path):
     """README's two commands: each creates .venv, installs torch==2.13.0 (the CPU wheel) BEFORE the package and
-    its dev and openfold extras, then runs the demo script / the whole suite (pytest with no test selection)."""
+    its dev and openfold extras (``--no-compile``: bytecode is written at first import), then runs the demo script /
+    the whole suite (pytest with no test selection)."""
     lines = _make_dry_run(target, tmp_path)
     steps = [next(i for i, line in enumerate(lines) if pattern in line) for pattern in
-             ("-m venv .venv", "pip install --progress-bar off torch==2.13.0",
-              'pip install --progress-bar off -e ".[dev,openfold]"', last)]
+             ("-m venv .venv", "pip install --progress-bar off --no-compile torch==2.13.0",
+              'pip install --progress-bar off --no-compile -e ".[dev,openfold]"', last)]
     assert steps == sorted(steps), lines
     run = next(line for line in lines if last in line).split(";")[0].strip()
     assert run.startswith(last), run
@@ -166,3 +168,14 @@ def test_modules_marked_first_are_scheduled_first():
              Item("d.py::x", True, "slow"), Item("e.py::x")]
     conftest.pytest_collection_modifyitems(items)
     assert [i.nodeid for i in items] == ["d.py::x", "b.py::x", "b.py::y", "c.py::x", "a.py::x", "e.py::x"]
+
+
+def test_make_commands_write_bytecode(tmp_path):
+    """pip installs without byte-compiling (``--no-compile``), so the commands make runs must be free to write each
+    module's .pyc at its first import: PYTHONDONTWRITEBYTECODE, set on the development machines, is not passed on
+    (with it every process would compile torch from source, many times the suite's CPU)."""
+    probe = tmp_path / "probe.mk"
+    probe.write_text("probe:\n\t@echo \"[$${PYTHONDONTWRITEBYTECODE-unset}]\"\n")
+    out = subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "-f", str(probe), "probe"], cwd=ROOT,
+                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[unset]", out.stdout
