@@ -19,6 +19,20 @@ import ds4sci.spawn
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def share_cores(environ, cpu_count: int) -> None:
+    """Under pytest-xdist (``PYTEST_XDIST_WORKER_COUNT`` in ``environ``), give each worker's math libraries (torch's
+    OpenMP pool, numpy's BLAS) its share of the cores through ``OMP_NUM_THREADS``, unless set: with a thread per core
+    in every worker, OpenMP's waiting threads spin on cores another worker needs (two model test files: 123 CPU-s
+    with 2 threads per worker against 45 with 1, on 2 busy cores). Read by torch and numpy at import, and by the
+    processes the tests start."""
+    workers = environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count // int(workers))))
+
+
+share_cores(os.environ, os.cpu_count() or 1)  # before torch or numpy is imported
+
 # The tests' fork server (ds4sci.spawn.run_workers and fork_checks share it) also imports what a forked
 # ``ds4sci.cli.main(["train", ...])`` imports on its way (the trainer with DeepSpeed, TensorBoard's writer, pyplot):
 # ~1.9 CPU-s less for each of the suite's forked commands. It starts at the first call, after this, with the

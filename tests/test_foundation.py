@@ -144,13 +144,33 @@ def test_ci_runs_make_test(tmp_path):
     assert calls.read_text().splitlines() == [f"{ROOT}|true|test"]
 
 
-def test_modules_marked_first_are_scheduled_first():
+def _suite_conftest(request):
+    """tests/conftest.py as pytest loaded it (not `import conftest`: each test folder has one of that name)."""
+    return request.config.pluginmanager.get_plugin(str(ROOT / "tests" / "conftest.py"))
+
+
+XDIST = "PYTEST_XDIST_WORKER_COUNT"
+
+
+@pytest.mark.parametrize("environ, cores, threads", [
+    ({XDIST: "2"}, 2, "1"), ({XDIST: "2"}, 16, "8"), ({XDIST: "3"}, 2, "1"),
+    ({XDIST: "2", "OMP_NUM_THREADS": "4"}, 2, "4"), ({}, 2, None)])
+def test_xdist_workers_share_the_cores(request, environ, cores, threads):
+    """Under pytest-xdist each worker's torch/BLAS threads are its share of the cores (an explicit OMP_NUM_THREADS
+    kept); without xdist nothing is set. The suite's own workers (``make test``) run with theirs."""
+    _suite_conftest(request).share_cores(environ, cores)
+    assert environ.get("OMP_NUM_THREADS") == threads
+    if XDIST in os.environ:
+        import torch
+
+        assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
+
+
+def test_modules_marked_first_are_scheduled_first(request):
     """tests/conftest.py moves every test of a module with a ``first``-marked test ahead of the rest, then those of
     modules with a ``slow`` or ``distributed`` test, keeping the order within each part (what lets ``make test``'s two
     workers overlap the compile gates and the long modules with the suite)."""
-    spec = importlib.util.spec_from_file_location("suite_conftest", ROOT / "tests" / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)  # not `import conftest`: each test folder has one of that name
-    spec.loader.exec_module(conftest)
+    conftest = _suite_conftest(request)
 
     class Item:
         def __init__(self, nodeid, first=False, *markers):
