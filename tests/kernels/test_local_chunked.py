@@ -291,26 +291,6 @@ def test_cpu_decode_step_runs_sdpa_equal_to_chunked(kv_heads, alibi, q_offset):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_cpu_inference_causal_pass_runs_sdpa_equal_to_chunked(kv_heads):
-    """Off CUDA, gradients off: "auto" runs SDPA's causal kernel for a causal block whose queries are its keys, equal
-    to the chunked path in fp32 (GQA too); with gradients on, document ids, offsets, a window, ALiBi or the lse it
-    keeps the chunked path, and on CUDA it never picks sdpa."""
-    gen = torch.Generator().manual_seed(5)
-    q = torch.randn(3, 37, H, D, generator=gen)
-    k, v = (torch.randn(3, 37, kv_heads, D, generator=gen) for _ in range(2))
-    docs = torch.zeros(3, 37, dtype=torch.long)
-    with torch.no_grad():
-        assert select_backend(q, k, v, causal=True) is LocalBackend.SDPA
-        assert select_backend(q, k, v, causal=True, device_type="cuda") is not LocalBackend.SDPA
-        for opts in (dict(q_doc=docs), dict(q_offset=5, k_offset=4), dict(window=9),
-                     dict(alibi_slopes=SLOPES), dict(return_lse=True), dict(causal=False)):
-            assert select_backend(q, k, v, **{"causal": True, **opts}) is LocalBackend.CHUNKED, opts
-        got = memory_efficient_attention(q, k, v, causal=True)
-    assert select_backend(q, k, v, causal=True) is LocalBackend.CHUNKED  # gradients on: training keeps chunked
-    torch.testing.assert_close(got, chunked_attention(q, k, v, causal=True, chunk_size=8), rtol=1e-5, atol=1e-6)
-
-
 def test_cpu_auto_runs_chunked(monkeypatch):
     calls = []
     monkeypatch.setattr(la, "chunked_attention", lambda *a, **kw: calls.append(kw) or "chunked")
