@@ -19,10 +19,10 @@ class _RotaryQKV(torch.autograd.Function):
 
     The rotation's backward needs only ``cos`` and ``sin`` (it is the transposed rotation, ``dy * cos + cat(dy2 *
     sin, -(dy1 * sin))``: the gradient autograd forms for the out-of-place ``x * cos + cat(-x2, x1) * sin``, term for
-    term, so bitwise the same), so the
-    projection's output, which nothing saves, is overwritten instead of copied: the attention core then saves views
-    of this one buffer, not rotated copies of q and k. Backward un-rotates the incoming gradient in place: it is the
-    one the q, k, v split's backward concatenated for this buffer, used nowhere else."""
+    term, so bitwise the same), so the projection's output, which nothing saves, is overwritten instead of copied:
+    the attention core then saves views of this one buffer, not rotated copies of q and k. Backward un-rotates the
+    incoming gradient in place: it is the one the q, k, v split's backward concatenated for this buffer, used nowhere
+    else."""
 
     @staticmethod
     def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor, g: int, D: int) -> Tensor:
