@@ -15,7 +15,16 @@ import sys
 
 import pytest
 
+import ds4sci.spawn
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The tests' fork server (ds4sci.spawn.run_workers and fork_checks share it) also imports what a forked
+# ``ds4sci.cli.main(["train", ...])`` imports on its way (the trainer with DeepSpeed, TensorBoard's writer, pyplot):
+# ~1.9 CPU-s less for each of the suite's forked commands. It starts at the first call, after this, with the
+# environment of that moment (TRITON_INTERPRET set above; DeepSpeed picks its accelerator then: the CPU here).
+ds4sci.spawn.PRELOAD = (*ds4sci.spawn.PRELOAD, "ds4sci.cli", "ds4sci.train.trainer", "torch.utils.tensorboard",
+                        "matplotlib.pyplot")
 
 # Modules defining @triton.jit functions, each before the modules that import from it -> one of its jit functions
 _KERNEL_MODULES = {

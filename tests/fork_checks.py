@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ds4sci import spawn
 from ds4sci.cli import main as cli_main
-from ds4sci.spawn import PRELOAD
 
 Main = Callable[[list[str]], int]
 
@@ -93,7 +93,7 @@ def start_in_fork(argv: list[str], cwd: Path | str, *, main: Main = cli_main, en
     ``stderr``. Returns it running: its ``pid``, ``exitcode`` (``main``'s status once it ended, ``-9`` when killed),
     ``is_alive()``, ``join()`` and ``kill()``."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # as run_workers: read when the server starts, ignored after
+    ctx.set_forkserver_preload(list(spawn.PRELOAD))  # as run_workers: read when the server starts, ignored after
     proc = ctx.Process(target=_child, args=(main, list(argv), str(cwd), {**os.environ, **(env or {})}, umask,
                                             file_size_limit, str(stdout), str(stderr)))
     proc.start()
