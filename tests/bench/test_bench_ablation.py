@@ -45,19 +45,39 @@ def test_summary_reads_the_slopes_and_the_budget():
     assert "| one process | 2 | 2 | 2.0 | " in text  # blocks held, parameter KiB at L = 2
 
 
+S = 256  # tokens of every real run
+WORLD2 = ["tp2", "ring2", "pp2", "dp2xzero3"]  # the 2-rank layouts, measured in one process group per row
+
+
+@pytest.fixture(scope="module")
+def world2():
+    """``world2(row, layout)``: ``row``'s runs under ``layout`` of :data:`WORLD2` at 2 and 4 layers; each row is
+    measured once, under every layout of WORLD2 in one process group, for all the tests that read it."""
+    measured = {}
+
+    def runs(row: str, layout: str) -> list[dict]:
+        if row not in measured:
+            measured[row] = ablation.measure(row, SHAPE, [(2, S), (4, S)], WORLD2)
+        return [r for r in measured[row] if r["layout"] == layout]
+
+    return runs
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout, ranks", [("1", 1), ("tp2", 2)])
-def test_host_offload_row_measures_what_the_planner_predicts(layout, ranks):
+def test_host_offload_row_measures_what_the_planner_predicts(layout, ranks, world2):
     """A real run of the last row (full checkpointing, tiled MLP, host offload) through the trainer's
-    apply_activation_checkpointing at 1 and 2 layers, on one process and per rank under TP 2: nothing per layer left
-    on the device, each block's input (this rank's ``S / ranks`` tokens) in host memory, the planner's host bytes.
-    Under TP the first block's input is the region split from the embedding, which must own its storage to be moved
-    (a view of the embedding stayed on the device, half the planner's host bytes at 2 layers)."""
-    S = 256
-    runs = ablation.measure("+ host offload", SHAPE, [(1, S), (2, S)], layout)
+    apply_activation_checkpointing at two depths (1 and 2 layers on one process; under TP 2, 2 and 4 layers: the
+    row's run under every 2-rank layout), on one process and per rank under TP 2: nothing per layer left on the
+    device, each block's input (this rank's ``S / ranks`` tokens) in host memory, the planner's host bytes. Under TP
+    the first block's input is the region split from the embedding, which must own its storage to be moved (a view of
+    the embedding stayed on the device, half the planner's host bytes at 2 layers)."""
+    row = "+ host offload"
+    runs = ablation.measure(row, SHAPE, [(1, S), (2, S)], layout) if ranks == 1 else world2(row, layout)
+    added = runs[1]["layers"] - runs[0]["layers"]
     assert runs[1]["device"] == runs[0]["device"] > 0
-    assert runs[1]["host"] - runs[0]["host"] == 32 * 4 * S // ranks
-    assert runs[1]["host"] == ablation.planner("+ host offload", SHAPE, 2, S, layout)["host"]
+    assert runs[1]["host"] - runs[0]["host"] == added * 32 * 4 * S // ranks
+    assert runs[1]["host"] == ablation.planner(row, SHAPE, runs[1]["layers"], S, layout)["host"]
     assert all(r["peak"] > 0 for r in runs)
 
 
@@ -72,9 +92,9 @@ def test_the_tiled_loss_row_follows_the_baseline_and_stays_on():
     assert base["per_layer"] == tiled["per_layer"] and tiled["peak"] != base["peak"]
 
 
-def _per_layer(runs, S):
-    """Bytes per token of the full sequence per layer left on the device, from runs at 1 and 2 layers."""
-    return (runs[1]["device"] - runs[0]["device"]) / S
+def _per_layer(runs):
+    """Bytes per token of the full sequence per layer left on the device, from runs at two depths."""
+    return (runs[1]["device"] - runs[0]["device"]) / ((runs[1]["layers"] - runs[0]["layers"]) * S)
 
 
 @pytest.mark.distributed
@@ -83,26 +103,25 @@ def test_ulysses_2_ranks_keep_half_the_one_process_per_layer_bytes():
     rank keeps its half of every block input, exactly half the one-process figure per token of the full sequence
     (the planner's, exact against saved-tensor hooks on one process: tests/planning/test_genslm_plan.py), and the
     planner's per-rank figure."""
-    S = 256
     runs = ablation.measure("+ checkpointing", SHAPE, [(1, S), (2, S)], "ulysses2")
     assert [len(r["ranks"]) for r in runs] == [2, 2]
     assert runs[1]["ranks"][0]["device"] == runs[1]["ranks"][1]["device"]
     one = ablation.planner("+ checkpointing", SHAPE, 2, S)["per_layer"]
     assert one == 32 * 4  # one hidden vector: the block input
-    assert _per_layer(runs, S) == one / 2 == ablation.planner("+ checkpointing", SHAPE, 2, S, "ulysses2")["per_layer"]
+    assert _per_layer(runs) == one / 2 == ablation.planner("+ checkpointing", SHAPE, 2, S, "ulysses2")["per_layer"]
 
 
 @pytest.mark.distributed
-def test_tp_re_gather_row_saves_this_ranks_region():
-    """The TP re-gather row: TP 2 without checkpointing. The column-parallel layers save this rank's sequence region
-    of their inputs (re-gathered in backward), so a rank keeps half the one-process bytes per layer per token of the
-    full sequence, plus the rotary tables of the gathered positions (``2 rotary_dim (tp - 1)`` fp32 values per local
-    token); saving the gathered ``[B, S, h]`` inputs would add one hidden vector. The planner's per-rank figure."""
-    S = 256
-    runs = ablation.measure("baseline", SHAPE, [(1, S), (2, S)], "tp2")
-    one = ablation.planner("baseline", SHAPE, 2, S)["per_layer"]
-    rotary = 2 * ablation._config(SHAPE, 2, S).rotary_dim * (2 - 1) * 4
-    assert _per_layer(runs, S) == (one + rotary) / 2 == ablation.planner("baseline", SHAPE, 2, S, "tp2")["per_layer"]
+def test_tp_re_gather_row_saves_this_ranks_region(world2):
+    """The TP re-gather row: TP 2 without checkpointing (at 2 and 4 layers, the baseline's run under every 2-rank
+    layout). The column-parallel layers save this rank's sequence region of their inputs (re-gathered in backward),
+    so a rank keeps half the one-process bytes per layer per token of the full sequence, plus the rotary tables of
+    the gathered positions (``2 rotary_dim (tp - 1)`` fp32 values per local token); saving the gathered ``[B, S, h]``
+    inputs would add one hidden vector. The planner's per-rank figure."""
+    runs = world2("baseline", "tp2")
+    one = ablation.planner("baseline", SHAPE, 4, S)["per_layer"]
+    rotary = 2 * ablation._config(SHAPE, 4, S).rotary_dim * (2 - 1) * 4
+    assert _per_layer(runs) == (one + rotary) / 2 == ablation.planner("baseline", SHAPE, 4, S, "tp2")["per_layer"]
 
 
 def test_planner_per_rank_figures_are_per_token_of_the_full_sequence():
@@ -114,7 +133,7 @@ def test_planner_per_rank_figures_are_per_token_of_the_full_sequence():
 
 
 @pytest.mark.distributed
-def test_ring_pipeline_and_zero3_rows_measure_what_the_planner_predicts():
+def test_ring_pipeline_and_zero3_rows_measure_what_the_planner_predicts(world2):
     """The baseline row under ring 2 (zigzag), PP 2 and ZeRO-3 over 2 data ranks, in one process group, each through
     the trainer's own path (parallelize; build_pipeline_engine and pipeline_train_batch; build_engine at ZeRO-3), at 2
     and 4 layers. Ring 2: each rank saves exactly half the one-process bytes per layer per token of the full sequence
@@ -122,10 +141,9 @@ def test_ring_pipeline_and_zero3_rows_measure_what_the_planner_predicts():
     PP 2: each stage holds L / 2 blocks and saves per block what one process does. ZeRO-3: a data rank saves per layer
     what one process does, holds its parameter partitions beside the (all persistent, tiny) gathered tensors and is
     handed half the gradients. Every figure equals the planner's per-rank one exactly."""
-    S, row = 256, "baseline"
+    row = "baseline"
     layouts = ["ring2", "pp2", "dp2xzero3"]
-    runs = ablation.measure(row, SHAPE, [(2, S), (4, S)], layouts)
-    by = {layout: [r for r in runs if r["layout"] == layout] for layout in layouts}
+    by = {layout: world2(row, layout) for layout in layouts}
     one = ablation.planner(row, SHAPE, 4, S)
     assert one["per_layer"] % 2 == 0
 
@@ -146,16 +164,13 @@ def test_ring_pipeline_and_zero3_rows_measure_what_the_planner_predicts():
 
 
 @pytest.mark.distributed
-def test_host_offload_row_under_ring_pipeline_and_zero3():
+def test_host_offload_row_under_ring_pipeline_and_zero3(world2):
     """The last row (full checkpointing, tiled MLP, host offload) under ring 2, PP 2 and ZeRO-3, one process group:
     nothing per layer left on the device, and the planner's host bytes on every rank (ring 2: this rank's S / 2
     tokens of each block input; PP 2: its stage's L / 2 blocks; ZeRO-3: every block of its own sequence)."""
-    S = 256
-    layouts = ["ring2", "pp2", "dp2xzero3"]
-    runs = ablation.measure("+ host offload", SHAPE, [(2, S), (4, S)], layouts)
     vector = 32 * 4
     for layout, blocks, tokens in (("ring2", 4, S // 2), ("pp2", 2, S), ("dp2xzero3", 4, S)):
-        small, large = [r for r in runs if r["layout"] == layout]
+        small, large = world2("+ host offload", layout)
         assert large["device"] == small["device"] > 0, layout  # the same outside the layers, nothing per layer
         assert [r["host"] for r in large["ranks"]] == [blocks * tokens * vector] * 2, layout
         assert large["host"] == ablation.planner("+ host offload", SHAPE, 4, S, layout)["host"], layout

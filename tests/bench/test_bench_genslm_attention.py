@@ -1,9 +1,10 @@
 """``ds4sci bench genslm-attention-memory``: one GenSLM attention layer's memory vs sequence length.
 
-The end-to-end test runs the command at tiny sizes (S = 256, 512, 1024, hidden 32) in its subprocesses; the
-rest checks the pieces in this process: both paths compute the same step, the growth-exponent fit, the
-prediction that keeps over-limit runs from starting, the address-space cap behind it, and one error line for a
-user's mistake.
+The end-to-end tests run the command at tiny sizes (S = 256, 512, 1024, hidden 32), each run in a process of its
+own forked from the tests' fork server (tests/harness_checks.py) rather than a fresh interpreter; the rest checks the
+pieces in this process: both paths compute the same step, the growth-exponent fit, the prediction that keeps
+over-limit runs from starting, the address-space cap behind it (in a fresh interpreter, as the command runs it), and
+one error line for a user's mistake.
 """
 import json
 import logging
@@ -16,13 +17,16 @@ from ds4sci.bench import genslm_attention_memory as bench
 from ds4sci.bench import genslm_attention_step
 from ds4sci.bench import memory
 
+from harness_checks import run_in_forked_process  # tests/ is on sys.path (its conftest.py)
+
 TINY = {"hidden": 32, "heads": 4, "batch": 1, "position": "rotary", "doc_len": 100, "dtype": "fp32",
         "device": "cpu", "threads": 1, "seed": 0, "time_limit_s": None, "memory_limit_bytes": 2**30}
 
 
-def test_alibi_saved_bytes_linear_after_quadratic_before(tmp_path):
+def test_alibi_saved_bytes_linear_after_quadratic_before(tmp_path, monkeypatch):
     """The memory-efficient core's claim at tiny sizes: with ALiBi the old path saves an S x S softmax, the default
     core O(S)."""
+    monkeypatch.setattr(memory, "run_in_subprocess", run_in_forked_process)
     out = tmp_path / "bench"
     assert cli.main(["bench", "genslm-attention-memory", "--seq-lens", "256,512,1K", "--modes", "alibi",
                      "--hidden", "32", "--heads", "4", "--threads", "1", "--device", "cpu", "--out", str(out)]) == 0
@@ -44,8 +48,9 @@ def test_alibi_saved_bytes_linear_after_quadratic_before(tmp_path):
     assert report["command"].startswith("ds4sci bench genslm-attention-memory --seq-lens 256,512,1024 --modes alibi ")
 
 
-def test_quick_run_writes_json_markdown_and_png(tmp_path):
-    """The CI smoke run: S = 256 and 512 (--quick overrides --seq-lens), here the causal mode alone (4 subprocesses)."""
+def test_quick_run_writes_json_markdown_and_png(tmp_path, monkeypatch):
+    """The CI smoke run: S = 256 and 512 (--quick overrides --seq-lens), here the causal mode alone (4 runs)."""
+    monkeypatch.setattr(memory, "run_in_subprocess", run_in_forked_process)
     assert cli.main(["bench", "genslm-attention-memory", "--quick", "--seq-lens", "64K", "--modes", "causal",
                      "--threads", "1", "--device", "cpu", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "genslm_attention_memory.json").read_text())
@@ -122,6 +127,16 @@ def test_over_limit_runs_are_predicted_and_not_launched(tmp_path, monkeypatch):
     limits = TINY | {"memory_limit_bytes": 2**20, "time_limit_s": 5.0}
     assert bench._skip_reason(limits, 2**19, 6.0) == "predicted 6 s > time limit 5 s"
     assert bench._skip_reason(limits, 2**19, 4.0) is None
+
+
+def test_a_fresh_interpreter_measures_what_a_forked_process_does():
+    """The command's own runner (``python -m ds4sci.bench.memory`` in a fresh interpreter) returns the measurement's
+    JSON, the same saved bytes and kernel as the forked process the end-to-end tests run it in."""
+    fresh = memory.run_in_subprocess(bench.MEASURE, TINY, "alibi", "after", 256)
+    forked = run_in_forked_process(bench.MEASURE, TINY, "alibi", "after", 256)
+    assert set(fresh) == {"peak_bytes", "saved_bytes", "seconds", "kernel"}
+    assert (fresh["saved_bytes"], fresh["kernel"]) == (forked["saved_bytes"], forked["kernel"])
+    assert fresh["saved_bytes"] > 0 and fresh["seconds"] > 0
 
 
 def test_a_run_over_the_limit_fails_to_allocate_instead_of_exhausting_memory():

@@ -405,11 +405,16 @@ def test_example_ds4sci_step_agrees():
 
 
 @pytest.mark.slow
-def test_openfold_stack_bench_ds4sci_saves_less(tmp_path):
-    """`ds4sci bench openfold-stack` at a tiny shape: both paths run in subprocesses and agree, the files are
-    written, and ds4sci's step saves fewer bytes for backward (deterministic, unlike the peak RSS at this size)."""
+def test_openfold_stack_bench_ds4sci_saves_less(tmp_path, monkeypatch):
+    """`ds4sci bench openfold-stack` at a tiny shape: both paths run in processes of their own and agree, the files
+    are written, and ds4sci's step saves fewer bytes for backward (deterministic, unlike the peak RSS at this size).
+    The processes are forked from the tests' fork server (tests/harness_checks.py), not fresh interpreters."""
     from ds4sci import cli
+    from ds4sci.bench import memory
 
+    from harness_checks import run_in_forked_process  # tests/ is on sys.path (its conftest.py)
+
+    monkeypatch.setattr(memory, "run_in_subprocess", run_in_forked_process)
     assert cli.main(["bench", "openfold-stack", "--quick", "--backend", "torch", "--device", "cpu",
                      "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "openfold_stack.json").read_text())

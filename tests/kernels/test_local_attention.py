@@ -246,19 +246,22 @@ print(max(0, status_kib("VmHWM") - before) * 1024)
 
 
 @pytest.mark.slow
-def test_mask_construction_peak_memory_is_near_one_mask():
-    """Peak RSS growth while building an 8192 x 8192 causal document mask (64 MiB of bool), in fresh processes."""
-    import os
-    import subprocess
-    import sys
+def test_mask_construction_peak_memory_is_near_one_mask(tmp_path):
+    """Peak RSS growth while building an 8192 x 8192 causal document mask (64 MiB of bool), each way in a process of
+    its own (forked from the tests' fork server, torch imported: tests/fork_checks.py)."""
+    import functools
+
+    from fork_checks import run_in_fork  # tests/ is on sys.path (its conftest.py)
+    from fork_checks import run_script
 
     S = 8192
     mask_bytes = S * S
 
     def grow(how):
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no thread stacks appearing mid-measurement
-        out = subprocess.run([sys.executable, "-c", _MASK_PEAK, str(S), how], capture_output=True, text=True,
-                             check=True, env=env)
+        # one torch thread: no thread stacks appearing mid-measurement
+        out = run_in_fork([str(S), how], tmp_path, main=functools.partial(run_script, _MASK_PEAK),
+                          env={"OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-3000:]
         return int(out.stdout.strip().splitlines()[-1])
 
     ours, naive = grow("ours"), grow("naive")

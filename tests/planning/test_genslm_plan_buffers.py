@@ -20,6 +20,9 @@ from ds4sci.planning import genslm as plan
 from ds4sci.planning.common import STATE_BYTES
 from ds4sci.spawn import run_workers
 
+#: (ZeRO stage, dtype) of the reduce-bucket steps
+STEPS = [(2, "fp32"), (3, "bf16")]
+
 
 def _ds_config(stage: int, dtype: str = "bf16", pp: int = 1) -> dict:
     from ds4sci.train.config import load_config
@@ -47,20 +50,17 @@ def test_zero_buffer_sizes_are_deepspeeds_for_the_config_ds4sci_writes(stage):
     assert MEMORY_OPT_ALLREDUCE_SIZE == z.allreduce_bucket_size
 
 
-def _zero_step_buffers(rank, world, stage, dtype):
+def _zero_step_buffers(stage, dtype):
     """One forward + backward of a tiny GenSLM under DeepSpeed with ds4sci's config for ``stage``: the elements and
-    element size of each gradient-reduction buffer the ZeRO optimizer holds. DeepSpeed's communication backend
-    comes up through ds4sci's ``init_distributed``, as in training: without it, ``deepspeed.initialize`` would
-    JIT-compile DeepSpeed's CPU shared-memory op first (minutes on 2 cores, no part of what is measured)."""
-    import deepspeed
+    element size of each gradient-reduction buffer the ZeRO optimizer holds. The engine comes up as in training
+    (``initialize_deepspeed``; DeepSpeed's communication backend through ds4sci's ``init_distributed``, see
+    :func:`_zero_runs`)."""
+    from ds4sci.train.engine import initialize_deepspeed
 
-    from ds4sci.train.engine import init_distributed
-
-    init_distributed()
     torch.manual_seed(0)
     model = GenSLM(GenSLMConfig.preset("debug"))
     config = _ds_config(stage, dtype)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+    engine, *_ = initialize_deepspeed(model=model, model_parameters=model.parameters(), config=config,
                                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     seen = set()
 
@@ -86,13 +86,12 @@ def _zero_step_buffers(rank, world, stage, dtype):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage, dtype", [(2, "fp32"), (3, "bf16")])
-def test_a_zero_step_allocates_the_planned_reduce_bucket(stage, dtype):
+@pytest.mark.parametrize("stage, dtype", STEPS)
+def test_a_zero_step_allocates_the_planned_reduce_bucket(zero_runs, stage, dtype):
     """A ZeRO step (one process, gloo, DeepSpeed's CPU accelerator) holds one contiguous gradient buffer of
     ``reduce_bucket_size`` elements, in the gradient dtype at stage 2 and the parameter dtype at stage 3: the
     planner's buffer (stage 3 adds the reduce-scatter's flattened copy, transient, which this does not see)."""
-    buffers = run_workers(_zero_step_buffers, 1, stage, dtype, timeout=240,
-                          env={"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0"})[0]
+    buffers = zero_runs["buffers", stage, dtype]
     w = plan.Workload(GenSLMConfig.preset("debug"), 32, dtype=dtype)
     strategy = plan.Strategy(zero_stage=stage)
     p, g, _ = STATE_BYTES[dtype]
@@ -103,24 +102,23 @@ def test_a_zero_step_allocates_the_planned_reduce_bucket(stage, dtype):
 
 
 GATHER_MODEL = dict(hidden_size=256, num_layers=6, intermediate_size=1024)  # llama-debug's shape, 6 layers of 0.9M
+#: (stage3_max_reuse_distance, stage3_prefetch_bucket_size) of the ZeRO-3 gathered-parameter steps
+GATHERS = [(plan.ZERO.max_reuse_distance, plan.ZERO.prefetch_bucket_size), (3_500_000, 0), (1_500_000, 0)]
 
 
-def _zero3_gathered_peak(rank, world, reuse, prefetch):
+def _zero3_gathered_peak(reuse, prefetch):
     """Two ZeRO-3 steps (fp32, no checkpointing) of a 6-layer Llama-shaped GenSLM with ds4sci's config and the given
     ``stage3_max_reuse_distance`` and ``stage3_prefetch_bucket_size``: in the second (the parameter trace complete),
-    the most elements of non-persistent parameters gathered at once, sampled after each module's fetch. DeepSpeed's
-    communication backend comes up through ds4sci's ``init_distributed`` (see :func:`_zero_step_buffers`)."""
-    import deepspeed
+    the most elements of non-persistent parameters gathered at once, sampled after each module's fetch."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from ds4sci.train.engine import init_distributed
+    from ds4sci.train.engine import initialize_deepspeed
 
-    init_distributed()
     torch.manual_seed(0)
     model = GenSLM(GenSLMConfig.preset("llama-debug", **GATHER_MODEL))
     config = _ds_config(3, "fp32")
     config["zero_optimization"].update(stage3_max_reuse_distance=reuse, stage3_prefetch_bucket_size=prefetch)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+    engine, *_ = initialize_deepspeed(model=model, model_parameters=model.parameters(), config=config,
                                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
     params = list(engine.module.parameters())
@@ -140,18 +138,39 @@ def _zero3_gathered_peak(rank, world, reuse, prefetch):
     return peak[0]
 
 
+def _zero_runs_on_rank(rank, world):
+    """Every DeepSpeed run of this module in one process (one start-up, DeepSpeed imported once): the buffers of
+    :func:`_zero_step_buffers` per ``STEPS`` entry, the gathered peak of :func:`_zero3_gathered_peak` per ``GATHERS``
+    entry. DeepSpeed's communication backend comes up through ds4sci's ``init_distributed``, as in training: without
+    it, ``deepspeed.initialize`` would JIT-compile DeepSpeed's CPU shared-memory op first (minutes on 2 cores, no part
+    of what is measured)."""
+    from ds4sci.train.engine import init_distributed
+
+    init_distributed()
+    return ([_zero_step_buffers(stage, dtype) for stage, dtype in STEPS],
+            [_zero3_gathered_peak(reuse, prefetch) for reuse, prefetch in GATHERS])
+
+
+@pytest.fixture(scope="module")
+def zero_runs():
+    """``("buffers", stage, dtype)`` and ``("gathered", reuse, prefetch)`` -> what that run measured (one process,
+    gloo, DeepSpeed's CPU accelerator)."""
+    buffers, gathered = run_workers(_zero_runs_on_rank, 1, timeout=400,
+                                    env={"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0"})[0]
+    return ({("buffers", *key): b for key, b in zip(STEPS, buffers)}
+            | {("gathered", *key): g for key, g in zip(GATHERS, gathered)})
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("reuse, prefetch", [(plan.ZERO.max_reuse_distance, plan.ZERO.prefetch_bucket_size),
-                                             (3_500_000, 0), (1_500_000, 0)])
-def test_zero3_gathered_parameters_within_a_layer_of_a_zero3_step(reuse, prefetch):
+@pytest.mark.parametrize("reuse, prefetch", GATHERS)
+def test_zero3_gathered_parameters_within_a_layer_of_a_zero3_step(zero_runs, reuse, prefetch):
     """ZeRO-3's gathered parameters at the peak of a step against the planner's (the same reuse distance and prefetch
     bucket): with DeepSpeed's defaults this small model stays gathered whole, as predicted; with a reuse distance of
     3.5M (1.5M) elements the last two layers (one) stay gathered from forward to backward. The planner counts whole
     layers where DeepSpeed keeps modules: it is over by less than one layer (a layer: 917,504 elements outside the
     persistent norms and attention output)."""
-    measured = run_workers(_zero3_gathered_peak, 1, reuse, prefetch, timeout=300,
-                           env={"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0"})[0]
+    measured = zero_runs["gathered", reuse, prefetch]
     w = plan.Workload(GenSLMConfig.preset("llama-debug", **GATHER_MODEL), 32, dtype="fp32")
     zero = plan.ZeroBuffers(max_reuse_distance=reuse, prefetch_bucket_size=prefetch)
     predicted = plan.zero3_gathered_params(w, plan.Strategy(zero_stage=3), zero)
