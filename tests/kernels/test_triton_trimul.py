@@ -27,7 +27,9 @@ triton = pytest.importorskip("triton")
 from ds4sci.kernels import TriMulParams  # noqa: E402
 from ds4sci.kernels import triangle_multiplicative_update  # noqa: E402
 from ds4sci.kernels import triton_trimul as tt  # noqa: E402
+from ds4sci.kernels.triton_common import Tiles  # noqa: E402
 from ds4sci.kernels.triton_trimul import trimul_triton  # noqa: E402
+from ds4sci.kernels.triton_trimul_tiles import TABLE  # noqa: E402
 
 C_Z, C_HIDDEN, EPS = 12, 6, 1e-5
 
@@ -117,8 +119,8 @@ def test_loops_over_tiles_programs_and_splits(monkeypatch):
     """Small tiles, few persistent programs, many weight-gradient splits and c_hidden = 20 in steps of 16, so every
     loop runs several times, the last step partly masked (the product's k loop, the row kernels' tile loop, the input
     backward's hidden-channel loop, the splits' position loop): still the fp64 reference in fp32."""
-    small = tt.Tiles(16, 16, 4, 1)
-    monkeypatch.setitem(tt._TABLE, (True, 32), (small, small, small, small))
+    small = Tiles(16, 16, 4, 1)
+    monkeypatch.setitem(TABLE, (True, 32), (small, small, small, small))
     monkeypatch.setattr(tt, "PRODUCT_BLOCK_K", 16)
     monkeypatch.setattr(tt, "WGRAD_BLOCK_K", 16)
     monkeypatch.setattr(tt, "ROW_PROGRAMS", 3)

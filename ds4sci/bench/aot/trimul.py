@@ -119,7 +119,7 @@ class TrimulVariant:
 def trimul_calls(dtypes=TRIMUL_DTYPES, buckets=TRIMUL_BUCKETS) -> list[TrimulCall]:
     """:data:`LARGE_N` (when bf16 and 128 are asked for), then per (dtype, bucket) the call with biases and outgoing
     edges and the one without biases and with incoming edges, then the :data:`ODD_N` calls asked for."""
-    from ds4sci.kernels.triton_trimul import MAX_CHANNELS
+    from ds4sci.kernels.triton_trimul_tiles import MAX_CHANNELS
 
     calls = [LARGE_N] if LARGE_N.dtype in dtypes and LARGE_N.c_z in buckets else []
     for dtype in dtypes:
