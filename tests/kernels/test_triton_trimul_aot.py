@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from ds4sci.bench.aot.calls import kernel_name
+from ds4sci.bench.aot.trimul import INFERENCE_CHUNK
 from ds4sci.bench.aot.trimul import LARGE_N
 from ds4sci.bench.aot.trimul import TrimulCall
 from ds4sci.bench.aot.trimul import narrow_offsets
@@ -55,6 +56,11 @@ def test_gate_covers_the_launches():
     assert _keys(LARGE_N) == _keys(small)
     assert _keys(TrimulCall("N=256", "bf16", 256, 128, 128, bias=True, outgoing=True)) == _keys(small)
     assert len(set(_keys(TrimulCall("N=37", "bf16", 37, 128, 128, True, True))) - set(_keys(small))) >= 5
+    inference = TrimulCall("inference", "bf16", 64, 128, 128, bias=True, outgoing=True, chunk=INFERENCE_CHUNK)
+    large = TrimulCall("N=4096 inference", "bf16", 4096, 128, 128, bias=True, outgoing=True, chunk=4096 // 8)
+    assert set(_keys(large)) == set(_keys(inference))  # in its default blocks (an eighth of the rows)
+    # the output kernel computing LN_in's statistics; the block product specialises as the whole one here
+    assert [k.split("'")[1] for k in set(_keys(inference)) - set(_keys(small))] == ["out_fwd"]
     assert {v.case for v in variants} == NAMING_CALLS
     assert {v.kernel for v in variants} == set(KERNELS)
     assert {(v.dtype, v.block_d) for v in variants} == {(d, c) for d in ("bf16", "fp32") for c in (16, 32, 64, 128)
