@@ -19,9 +19,11 @@ Backends (:class:`~ds4sci.kernels.backends.TriMulBackend`):
   accumulates the full operand's gradient in place (one ``baddbmm`` per block), then back-propagates that through its
   projections block by block. Incoming runs as outgoing in the transposed frame (rows of ``z^T``) with the roles of
   ``a`` and ``b`` swapped. Inference (no gradient needed) holds the output and one block: the other operand is
-  recomputed from ``z`` a block at a time for every row block, never held whole (:func:`_chunked_forward`).
+  recomputed from ``z`` a block at a time for every row block, never held whole (:func:`_chunked_forward`). Both
+  this and the Triton path's inference follow one row-block plan, :func:`~ds4sci.kernels.trimul_blocks.row_blocks`.
 - ``"triton"``: the fused kernels of :mod:`~ds4sci.kernels.triton_trimul` (forward in three kernels, a backward
-  that recomputes ``a`` and ``b`` from ``z`` and the saved LayerNorm statistics; CUDA, or the interpreter).
+  that recomputes ``a`` and ``b`` from ``z`` and the saved LayerNorm statistics, inference in row blocks holding
+  one block beyond the output; CUDA, or the interpreter).
 - ``"auto"``: ``"triton"`` for CUDA tensors its kernels take, ``"chunked"`` otherwise.
 
 :func:`channel_product` is the product alone on channel-major operands (``a, b [*, c, N, N] -> p``): the chunked
