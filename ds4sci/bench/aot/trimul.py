@@ -13,7 +13,8 @@ elements). Its launches specialise exactly as a small N that is a multiple of 16
 ``== 1`` and divisibility by 16 only), so the gate's bf16 / 128 entry *is* that specialisation, and
 :func:`narrow_offsets` checks in its Triton IR that every load and store of a position-indexed buffer adds a 64-bit
 offset (the IR states each pointer offset's integer type), and :func:`large_n_narrow_addresses` checks the PTX for
-sm_80 built from it (:func:`~ds4sci.bench.aot.ptx.narrow_addresses`: no address from a 32-bit position product).
+sm_80 built from it (:func:`~ds4sci.bench.aot.ptx.narrow_addresses`: no address from a 32-bit position product); both
+also check the three kernels of its inference (:data:`LARGE_N_INFERENCE`).
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ class TrimulCall:
 
 #: the large-N specialisation whose 64-bit addressing the gate checks
 LARGE_N = TrimulCall("N=4096 c=128", "bf16", 4096, 128, 128, bias=True, outgoing=True)
+#: its inference, in the default blocks of an eighth of the rows (checked too: its first launch of each kernel)
+LARGE_N_INFERENCE = dataclasses.replace(LARGE_N, name="N=4096 c=128 inference", chunk=4096 // 8)
 #: N not a multiple of 16 (nor are N^2 and the operand strides): other compiled code, for the widest channels
 ODD_N = (TrimulCall("N=37 bf16 c=128 bias, incoming", "bf16", 37, 128, 128, bias=True, outgoing=False),
          TrimulCall("N=37 fp32 c=32 outgoing", "fp32", 37, 32, 32, bias=False, outgoing=True),
@@ -205,13 +208,15 @@ def _lowered(kernel, args, meta, capability: int, to_ptx: bool) -> str:
 
 
 def large_n_narrow_offsets() -> dict[str, list[str]]:
-    """``{kernel (launch index): narrow_offsets(its IR)}`` for every launch of :data:`LARGE_N`."""
+    """``{kernel (launch index): narrow_offsets(its IR)}`` for every launch of :data:`LARGE_N` (and the first of each
+    kernel of :data:`LARGE_N_INFERENCE`)."""
     return {name: narrow_offsets(ttir(kernel, args, meta)) for name, (kernel, args, meta) in _large_n_launches()}
 
 
 def large_n_narrow_addresses() -> dict[str, list[str]]:
-    """``{kernel (launch index): narrow_addresses(its PTX for sm_80)}`` for every launch of :data:`LARGE_N`, the
-    weights' parameters (indexed by channels only) left out."""
+    """``{kernel (launch index): narrow_addresses(its PTX for sm_80)}`` for every launch of :data:`LARGE_N` (and the
+    first of each kernel of :data:`LARGE_N_INFERENCE`), the weights' parameters (indexed by channels only) left
+    out."""
     from ds4sci.bench.aot.specialise import specialisation
 
     backend = _sm80_backend()
@@ -232,13 +237,17 @@ def _sm80_backend():
 
 
 def _large_n_launches() -> list[tuple[str, tuple]]:
-    """``[(kernel and its launch index, (kernel, args, meta))]`` for every launch of :data:`LARGE_N`."""
+    """``[(kernel and its launch index, (kernel, args, meta))]`` for every launch of :data:`LARGE_N`, then
+    ``[(kernel "inference", ...)]`` for the first launch of each kernel of :data:`LARGE_N_INFERENCE`."""
     out, counts = [], {}
     for launch in trimul_call_launches(LARGE_N):
         name = kernel_name(launch[0])
         counts[name] = counts.get(name, 0) + 1
         out.append((f"{name} {counts[name]}", launch))
-    return out
+    first: dict[str, tuple] = {}
+    for launch in trimul_call_launches(LARGE_N_INFERENCE):
+        first.setdefault(kernel_name(launch[0]), launch)
+    return out + [(f"{name} inference", launch) for name, launch in first.items()]
 
 
 # ---- The 64-bit offset check -------------------------------------------------------------------------------
