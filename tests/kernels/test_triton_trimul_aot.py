@@ -171,9 +171,10 @@ def test_narrow_addresses_flags_the_32_bit_product_only():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_large_n_ptx_addresses_are_64_bit():
-    """The PTX for sm_80 of every launch of the N = 4096, c = 128 call (Triton's stages, no ptxas, no GPU; ~75 s on
-    2 busy cores): no global load or store of a position-indexed buffer takes its address from a 32-bit product of
-    a position and a size widened at the end, and every launch has global accesses to check."""
+    """The PTX for sm_80 of every launch of the N = 4096, c = 128 call and of each kernel of its inference (Triton's
+    stages, no ptxas, no GPU; ~110 s on 2 busy cores): no global load or store of a position-indexed buffer takes its
+    address from a 32-bit product of a position and a size widened at the end, and every launch has global accesses
+    to check."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "import json; from ds4sci.bench.aot.trimul import large_n_narrow_addresses as f; print(json.dumps(f()))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=840)
