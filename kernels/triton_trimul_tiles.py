@@ -12,7 +12,10 @@ from .triton_common import block_d_for
 
 #: widest channel count of c_z and c_hidden (a channel row is one register tile) per kind of dtype: fp32 matmuls are
 #: FMA loops (IEEE, no tensor cores) holding whole operand rows of the weight tiles in registers, and spill past 32
-#: channels (ds4sci bench kernels-aot: 1-5 KB at 64 and 128 channels); fp16/bf16 use the tensor cores
+#: channels (ds4sci bench kernels-aot). At 64, 8-warp row tiles (16 positions) make every kernel spill-free but the
+#: input backward on sm_90a (140-196 B of spill stores with 16 hidden channels a step, 20 B with 8); 16 warps
+#: cannot hold 255 registers a thread. At 128 the row kernels spill 2.3-5.2 KB (sm_80, 8 warps). Going further takes
+#: a loop over channel blocks inside the kernels. fp16/bf16 use the tensor cores.
 MAX_CHANNELS = {False: 128, True: 32}
 
 
