@@ -19,9 +19,11 @@ Backends (:class:`~ds4sci.kernels.backends.TriMulBackend`):
   accumulates the full operand's gradient in place (one ``baddbmm`` per block), then back-propagates that through its
   projections block by block. Incoming runs as outgoing in the transposed frame (rows of ``z^T``) with the roles of
   ``a`` and ``b`` swapped. Inference (no gradient needed) holds the output and one block: the other operand is
-  recomputed from ``z`` a block at a time for every row block, never held whole (:func:`_chunked_forward`).
+  recomputed from ``z`` a block at a time for every row block, never held whole (:func:`_chunked_forward`). Both
+  this and the Triton path's inference follow one row-block plan, :func:`~ds4sci.kernels.trimul_blocks.row_blocks`.
 - ``"triton"``: the fused kernels of :mod:`~ds4sci.kernels.triton_trimul` (forward in three kernels, a backward
-  that recomputes ``a`` and ``b`` from ``z`` and the saved LayerNorm statistics; CUDA, or the interpreter).
+  that recomputes ``a`` and ``b`` from ``z`` and the saved LayerNorm statistics, inference in row blocks holding
+  one block beyond the output; CUDA, or the interpreter).
 - ``"auto"``: ``"triton"`` for CUDA tensors its kernels take, ``"chunked"`` otherwise.
 
 :func:`channel_product` is the product alone on channel-major operands (``a, b [*, c, N, N] -> p``): the chunked
@@ -46,10 +48,14 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from .backends import TRIMUL_CHUNK_BYTES
 from .backends import TriMulBackend
 from .backends import import_error
 from .backends import parse_backend
+from .trimul_blocks import default_chunk_size
+from .trimul_blocks import frame_mask
+from .trimul_blocks import frame_pair
+from .trimul_blocks import row_blocks
+from .trimul_blocks import rows
 
 logger = logging.getLogger(__name__)
 
@@ -228,11 +234,6 @@ def triangle_finish(z: Tensor, p: Tensor, params: TriMulParams, eps: float) -> T
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _rows(t: Tensor, start: int, stop: int, pair: bool = True) -> Tensor:
-    """Rows ``start:stop`` of ``t [*, N, N, C]`` (``pair``) or of ``t [*, N, N]``."""
-    return t[..., start:stop, :, :] if pair else t[..., start:stop, :]
-
-
 class _ChunkedTriMul(torch.autograd.Function):
     """``forward(ctx, z [*, N, N, C_z], mask [*, N, N], outgoing, eps, chunk, *params) -> [*, N, N, C_z]``, the
     chunked path (module docstring). In the working frame (``z`` outgoing, ``z^T`` incoming) ``p_ij = sum_k r_ik
@@ -258,13 +259,13 @@ class _ChunkedTriMul(torch.autograd.Function):
         wrt = [t for t, need in zip(leaves, needs) if need]
         sums: list[Optional[Tensor]] = [None] * len(wrt)
         need_z = ctx.needs_input_grad[0]
-        zf, mf, gf = _frame_pair(z, outgoing), _frame_mask(mask, outgoing), _frame_pair(grad_out, outgoing)
+        zf, mf, gf = frame_pair(z, outgoing), frame_mask(mask, outgoing), frame_pair(grad_out, outgoing)
         n = z.shape[-2]
         with torch.no_grad():
             f = _full_operand(zf, mf, params, f_name, eps, chunk)  # [*, c, N_j, N_k]
         df = torch.zeros_like(f)
         grad_z = torch.empty_like(z) if need_z else None
-        dzf = _frame_pair(grad_z, outgoing) if need_z else None
+        dzf = frame_pair(grad_z, outgoing) if need_z else None
 
         def accumulate(grads, rows_of_z):
             if need_z:
@@ -276,32 +277,32 @@ class _ChunkedTriMul(torch.autograd.Function):
 
         for start in range(0, n, chunk):  # the row operand, the product's block and the output
             stop = min(start + chunk, n)
-            z_rows = _rows(zf, start, stop).detach().requires_grad_(need_z)
+            z_rows = rows(zf, start, stop).detach().requires_grad_(need_z)
             p = p_all[..., start:stop, :].detach().requires_grad_()  # [*, c, R, N_j]
             with torch.enable_grad():
                 x = _layer_norm(z_rows, params.ln_in_weight, params.ln_in_bias, eps)
-                r = _operand(x, _rows(mf, start, stop, False).unsqueeze(-1), params, r_name).movedim(-1, -3)
+                r = _operand(x, rows(mf, start, stop, False).unsqueeze(-1), params, r_name).movedim(-1, -3)
                 out = _finish(x, p.movedim(-3, -1), params, eps)
-            g_rows = _rows(gf, start, stop)
+            g_rows = rows(gf, start, stop)
             (dp,) = torch.autograd.grad(out, [p], g_rows, retain_graph=True)  # [*, c, R, N_j]
             dr = torch.matmul(dp, f)  # [*, c, R, N_k]: dr_ik = sum_j dp_ij f_jk
             # df_jk += sum_i dp_ij r_ik, in place: [*c, N_j, N_k] += [*c, N_j, R] @ [*c, R, N_k]
             df.view(-1, n, n).baddbmm_(dp.transpose(-1, -2).reshape(-1, n, stop - start),
                                        r.detach().reshape(-1, stop - start, n))
             if need_z:
-                _rows(dzf, start, stop).zero_()
+                rows(dzf, start, stop).zero_()
             accumulate(torch.autograd.grad([out, r], [z_rows][:int(need_z)] + wrt, [g_rows, dr], allow_unused=True),
-                       _rows(dzf, start, stop) if need_z else None)
+                       rows(dzf, start, stop) if need_z else None)
         for start in range(0, n, chunk):  # the full operand's projections
             stop = min(start + chunk, n)
-            z_rows = _rows(zf, start, stop).detach().requires_grad_(need_z)
+            z_rows = rows(zf, start, stop).detach().requires_grad_(need_z)
             with torch.enable_grad():
                 x = _layer_norm(z_rows, params.ln_in_weight, params.ln_in_bias, eps)
-                f_rows = _operand(x, _rows(mf, start, stop, False).unsqueeze(-1), params, f_name).movedim(-1, -3)
+                f_rows = _operand(x, rows(mf, start, stop, False).unsqueeze(-1), params, f_name).movedim(-1, -3)
             inputs = [z_rows][:int(need_z)] + wrt
             if inputs:
                 accumulate(torch.autograd.grad(f_rows, inputs, df[..., start:stop, :], allow_unused=True),
-                           _rows(dzf, start, stop) if need_z else None)
+                           rows(dzf, start, stop) if need_z else None)
         summed = iter(sums)
         grads = [next(summed).to(t.dtype) if need else None for t, need in zip(ctx.params, needs)]
         return grad_z, None, None, None, None, *grads
@@ -309,52 +310,35 @@ class _ChunkedTriMul(torch.autograd.Function):
 
 def _chunked_forward(z: Tensor, mask: Tensor, params: TriMulParams, outgoing: bool, eps: float, chunk: int,
                      keep_p: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """The chunked forward without autograd: the update ``[*, N, N, C_z]`` and, if ``keep_p``, the product of the
-    working frame, channel-major ``[*, c, N_i, N_j]`` (what backward needs); :class:`_ChunkedTriMul`. Each row block
-    of the output takes its product block by block of ``f``'s rows (``p_ij`` for ``j`` in a block): training
-    (``keep_p``) slices the full ``f``, built once (backward needs it whole anyway); inference recomputes each block
-    of ``f`` from ``z`` for every row block, so that no more than one block of either operand is ever live. That
-    repeats ``f``'s LayerNorm and projections ``N/R`` times (``R`` rows per block): ``N/R * 4 N^2 C_z c`` flops, or
-    ``2 (N/R) C_z / N`` times the product's ``2 N^3 c``."""
-    r_name, f_name = ("a", "b") if outgoing else ("b", "a")
-    zf, mf = _frame_pair(z, outgoing), _frame_mask(mask, outgoing)
+    """The chunked forward without autograd (:func:`~ds4sci.kernels.trimul_blocks.row_blocks` with PyTorch steps):
+    the update ``[*, N, N, C_z]`` and, if ``keep_p``, the product of the working frame, channel-major ``[*, c, N_i,
+    N_j]`` (what backward needs); :class:`_ChunkedTriMul`. Training (``keep_p``) slices the full ``f``, built once
+    (backward needs it whole anyway); inference recomputes each block of ``f`` from ``z`` for every row block, so
+    that no more than one block of either operand is ever live. That repeats ``f``'s LayerNorm and projections
+    ``N/R`` times (``R`` rows per block): ``N/R * 4 N^2 C_z c`` flops, or ``2 (N/R) C_z / N`` times the product's
+    ``2 N^3 c``."""
     n = z.shape[-2]
-    f = _full_operand(zf, mf, params, f_name, eps, chunk) if keep_p else None  # [*, c, N_j, N_k]
-    out = z.new_empty(z.shape)
-    outf = _frame_pair(out, outgoing)
+    full = (_full_operand(frame_pair(z, outgoing), frame_mask(mask, outgoing), params, "b" if outgoing else "a", eps,
+                          chunk) if keep_p else None)  # [*, c, N_j, N_k]
     p_all = z.new_empty((*z.shape[:-3], params.c_hidden, n, n)) if keep_p else None  # [*, c, N_i, N_j]
-    for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        r = _block_operand(zf, mf, params, r_name, eps, start, stop)  # [*, c, R, N_k]
-        p = p_all[..., start:stop, :] if keep_p else r.new_empty((*r.shape[:-1], n))  # [*, c, R, N_j]
-        for j in range(0, n, chunk):
-            j_stop = min(j + chunk, n)
-            f_rows = f[..., j:j_stop, :] if keep_p else _block_operand(zf, mf, params, f_name, eps, j, j_stop)
-            p[..., j:j_stop] = channel_product(r, f_rows, True)
-            del f_rows
-        del r
-        x = _layer_norm(_rows(zf, start, stop), params.ln_in_weight, params.ln_in_bias, eps)  # [*, R, N, C_z]
-        _rows(outf, start, stop).copy_(_finish(x, p.movedim(-3, -1), params, eps))
-        del x, p
+
+    def product(r: Tensor, f_rows: Tensor, out: Tensor) -> None:
+        out.copy_(channel_product(r, f_rows, True))
+
+    def finish(z_rows: Tensor, p: Tensor) -> Tensor:
+        x = _layer_norm(z_rows, params.ln_in_weight, params.ln_in_bias, eps)  # [*, R, N, C_z]
+        return _finish(x, p.movedim(-3, -1), params, eps)
+
+    out = row_blocks(z, mask, outgoing, chunk, functools.partial(_block_operand, params, eps), product, finish,
+                     full, p_all)
     return out, p_all
 
 
-def _block_operand(zf: Tensor, mf: Tensor, params: TriMulParams, which: str, eps: float, start: int,
-                   stop: int) -> Tensor:
-    """The operand ``which`` of rows ``start:stop`` of the frame, channel-major ``[*, c, R, N]`` (a view of the
-    pair layout's ``[*, R, N, c]``), without autograd."""
-    x = _layer_norm(_rows(zf, start, stop), params.ln_in_weight, params.ln_in_bias, eps)
-    return _operand(x, _rows(mf, start, stop, False).unsqueeze(-1), params, which).movedim(-1, -3)
-
-
-def _frame_pair(t: Tensor, outgoing: bool) -> Tensor:
-    """``t [*, N, N, C]`` in the chunked path's frame: itself (outgoing) or its ``(I, J)`` transpose (a view)."""
-    return t if outgoing else t.transpose(-2, -3)
-
-
-def _frame_mask(mask: Tensor, outgoing: bool) -> Tensor:
-    """``mask [*, N, N]`` in the chunked path's frame (a view)."""
-    return mask if outgoing else mask.transpose(-1, -2)
+def _block_operand(params: TriMulParams, eps: float, z_rows: Tensor, mask_rows: Tensor, which: str) -> Tensor:
+    """The operand ``which`` of rows ``z_rows [*, R, N, C_z]`` (``mask_rows [*, R, N]``), channel-major ``[*, c, R,
+    N]`` (a view of the pair layout's ``[*, R, N, c]``), without autograd."""
+    x = _layer_norm(z_rows, params.ln_in_weight, params.ln_in_bias, eps)
+    return _operand(x, mask_rows.unsqueeze(-1), params, which).movedim(-1, -3)
 
 
 def _full_operand(zf: Tensor, mf: Tensor, params: TriMulParams, which: str, eps: float, chunk: int) -> Tensor:
@@ -364,17 +348,9 @@ def _full_operand(zf: Tensor, mf: Tensor, params: TriMulParams, which: str, eps:
     f = zf.new_empty((*zf.shape[:-3], params.c_hidden, n, n))
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
-        f[..., start:stop, :] = _block_operand(zf, mf, params, which, eps, start, stop)
+        f[..., start:stop, :] = _block_operand(params, eps, rows(zf, start, stop), rows(mf, start, stop, False),
+                                               which)
     return f
-
-
-def default_chunk_size(z: Tensor, c_hidden: int) -> int:
-    """Rows per block of the chunked path: at most an eighth of the rows (so that one block's temporaries stay small
-    beside the full operand and the output), and no more than keep one block's widest tensor (``[*, R, N, max(C_z,
-    c)]``) within :data:`~ds4sci.kernels.backends.TRIMUL_CHUNK_BYTES`; at least one."""
-    n = z.shape[-2]
-    row = z[..., 0, :, :].numel() // z.shape[-1] * max(z.shape[-1], c_hidden) * z.element_size()
-    return max(1, min(TRIMUL_CHUNK_BYTES // row, -(-n // 8)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -417,6 +393,12 @@ def _triton_module():
     return triton_trimul
 
 
+def _triton_max_channels(fp32: bool) -> int:
+    from .triton_trimul_tiles import MAX_CHANNELS  # imports Triton (its helpers): only once it is known to import
+
+    return MAX_CHANNELS[fp32]
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_import_error() -> str:
     return import_error(_triton_module, logger, "triangle_multiplicative_update: the triton backend",
@@ -429,7 +411,7 @@ def _choose_backend(backend: Union[str, TriMulBackend], z: Tensor, params: TriMu
     chosen = parse_backend(backend, TriMulBackend)
     if chosen is TriMulBackend.AUTO:
         use_triton = (z.is_cuda and z.dtype != torch.float64 and not _triton_import_error()
-                      and max(params.c_z, params.c_hidden) <= _triton_module().MAX_CHANNELS[z.dtype == torch.float32])
+                      and max(params.c_z, params.c_hidden) <= _triton_max_channels(z.dtype == torch.float32))
         return TriMulBackend.TRITON if use_triton else TriMulBackend.CHUNKED
     if chosen is TriMulBackend.TRITON:
         if not z.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -451,7 +433,8 @@ def triangle_multiplicative_update(z: Tensor, mask: Optional[Tensor], params: Tr
 
     ``backend``: ``"auto"``, ``"triton"``, ``"chunked"`` or ``"torch"`` (module docstring; ``"triton"`` takes
     float16/bfloat16 with up to 128 channels and float32 with up to 32); ``chunk_size``: rows per block of the chunked
-    path (None: :func:`default_chunk_size`), ignored by the others.
+    path (None: :func:`~ds4sci.kernels.trimul_blocks.default_chunk_size`) and of the Triton path's inference (None:
+    an eighth of the rows), ignored by the torch path.
 
     Raises:
         TypeError: z, mask or params of the wrong type, or z not a floating dtype.
@@ -465,7 +448,7 @@ def triangle_multiplicative_update(z: Tensor, mask: Optional[Tensor], params: Tr
     if backend is TriMulBackend.TORCH:
         return trimul_torch(z, mask, params, bool(outgoing), eps)
     if backend is TriMulBackend.TRITON:
-        return _triton_module().trimul_triton(z, mask, params, bool(outgoing), eps)
+        return _triton_module().trimul_triton(z, mask, params, bool(outgoing), eps, chunk_size)
     chunk = min(chunk_size or default_chunk_size(z, params.c_hidden), z.shape[-2])
     tensors = params.tensors()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (z, *tensors)):

@@ -1,5 +1,5 @@
-"""The Triton path of the triangle multiplicative update (AF2 supplement Algorithms 11/12, AF3 12/13), forward and
-recomputing backward.
+"""The Triton path of the triangle multiplicative update (AF2 supplement Algorithms 11/12, AF3 12/13), forward,
+recomputing backward and a blockwise inference.
 
 With ``x = LN_in(z)`` and per position ``a = mask * sigmoid(x W_ag + b_ag) * (x W_ap + b_ap)`` (``b`` likewise),
 
@@ -7,16 +7,16 @@ With ``x = LN_in(z)`` and per position ``a = mask * sigmoid(x W_ag + b_ag) * (x 
     p[i, j, :] = sum_k a[k, i, :] * b[k, j, :]      (incoming, Alg. 12)
     out = sigmoid(x W_g + b_g) * (LN_out(p) W_o + b_o)
 
-Forward, three kernels over ``R = B * N * N`` flattened positions (``z`` row-major ``[R, c_z]``):
+Forward (training), three kernels over ``R = B * N * N`` flattened positions (``z`` row-major ``[R, c_z]``):
 
 1. ``_in_fwd_kernel`` (a tile of positions, whole channel rows): LN_in (its mean and rstd stored, ``[R, 2]`` fp32),
    the four projections and gates and the mask, writing ``a`` and ``b`` *channel-major* ``[c, B, N, N]`` as the
    product's operands: for incoming edges transposed in (i, j), so both directions multiply ``A @ B^T``;
 2. ``_product_kernel``: the triangular product as a tiled batched matmul over ``k`` (``tl.dot``, fp32 accumulation),
-   one ``[N, N]`` matrix per (channel, batch); strides make the same kernel the backward's ``dP @ B`` and
-   ``dP^T @ A``;
+   one ``[M, K] @ [K, N]`` matrix product per (channel, batch) through strides: the forward's ``A @ B^T``, the
+   backward's ``dP @ B`` and ``dP^T @ A`` and the inference's blocks;
 3. ``_out_fwd_kernel``: LN_out of ``p`` (read channel-major), the output projection and the output gate (``x``
-   recomputed from ``z`` and the saved statistics).
+   recomputed from ``z`` and the saved statistics, or with them in inference).
 
 Saved for backward: ``z``, ``p`` (channel-major, in z's dtype) and the LN_in statistics (2 numbers per position).
 Backward recomputes ``a`` and ``b`` with kernel 1 from the saved statistics, then ``_out_bwd_kernel`` (dP, the
@@ -26,17 +26,17 @@ fp32 without atomics: the two row kernels are persistent (a fixed grid of progra
 storing one partial of the LayerNorm weights), ``_wgrad_kernel`` forms ``G^T X`` over a fixed split of the
 positions (one partial per split, ``X`` = LN(z) or LN(p) recomputed from the statistics), bias gradients are
 column sums of the row gradients; the launcher sums the partials in a fixed order, so two backward passes are
-bitwise equal.
+bitwise equal. Inference (no autograd) runs the same kernels on row blocks (:func:`_inference`): beyond z and the
+output it holds O(one block), never ``a``, ``b`` or ``p`` whole.
 
 All offsets are 64-bit (``R * c_z`` exceeds 2^31 at N = 4096, c_z = 128). Limitations: fp16 and bf16 with ``c_z``
 and ``c_hidden`` in 1..128, fp32 (IEEE matmuls) in 1..32 (a channel row is held whole in registers:
-:data:`MAX_CHANNELS`); in fp16/bf16 the operands of every matmul are rounded to z's dtype as PyTorch's same-dtype
-path rounds them, everything else is fp32.
+:data:`~ds4sci.kernels.triton_trimul_tiles.MAX_CHANNELS`); in fp16/bf16 the operands of every matmul are rounded to
+z's dtype as PyTorch's same-dtype path rounds them, everything else is fp32.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -44,66 +44,22 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_common import SUPPORTED_DTYPES
-from .triton_common import Tiles
-from .triton_common import block_d_for
+from .trimul_blocks import default_chunk_size
+from .trimul_blocks import row_blocks
 from .triton_common import cast
 from .triton_common import dot
+from .triton_trimul_tiles import TrimulConfig
+from .triton_trimul_tiles import config
 
-#: widest channel count of c_z and c_hidden (a channel row is one register tile) per kind of dtype: fp32 matmuls are
-#: FMA loops (IEEE, no tensor cores) holding whole operand rows of the weight tiles in registers, and spill past 32
-#: channels (ds4sci bench kernels-aot: 1-5 KB at 64 and 128 channels); fp16/bf16 use the tensor cores
-MAX_CHANNELS = {False: 128, True: 32}
 #: the persistent backward row kernels run at most this many programs (a few waves on an H100), so their LayerNorm
 #: weight partials stay ``[ROW_PROGRAMS, 2, 128]`` fp32 whatever N is
 ROW_PROGRAMS = 512
 #: the weight-gradient kernel splits the positions into at most this many chunks (one fp32 partial each)
 WGRAD_SPLITS = 64
 
-# ---- Tile configuration ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TrimulConfig:
-    block_cz: int  # c_z padded to a power of two >= 16
-    block_ch: int  # c_hidden padded likewise
-    rows: Tiles  # the row kernels: block_m positions per tile (block_n unused)
-    product: Tiles  # block_m x block_n output tiles, block_k = PRODUCT_BLOCK_K
-    wgrad: Tiles  # block_m x block_n weight-gradient tiles, block_k = WGRAD_BLOCK_K positions per step
-    in_bwd: Tiles  # the input backward: block_m positions, block_n hidden channels per step (weight tiles c_z x n)
-
-
+#: the k step of the product and the position step of the weight-gradient kernel
 PRODUCT_BLOCK_K = 32
 WGRAD_BLOCK_K = 32
-
-# (fp32?, widest channel bucket) -> (row tiles, product tiles, weight-gradient tiles, input-backward tiles), chosen
-# with ``ds4sci bench kernels-aot --set trimul`` so that nothing spills on sm_80 and sm_90a. A row tile holds x, four
-# projection tiles and a weight tile: 16 positions from 64 channels on. The input backward (the most live tiles:
-# x, its normalised form, dx and four projections) takes the hidden channels in steps: its 128 x 128 weight tiles
-# spilled at c = 128, steps of 32 at c = 32 spilled 56 B (bf16) and fp32 needs 8 warps.
-_TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles, Tiles, Tiles]] = {
-    (False, 16): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
-    (False, 32): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
-    (False, 64): (Tiles(16, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 4, 1)),
-    (False, 128): (Tiles(16, 16, 8, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 8, 1)),
-    (True, 16): (Tiles(32, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 16, 8, 1)),
-    (True, 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
-}
-assert all(c <= MAX_CHANNELS[fp32] for fp32, c in _TABLE)
-
-
-def config(dtype: torch.dtype, c_z: int, c_hidden: int) -> TrimulConfig:
-    """Tiles for ``dtype`` and the channel counts (see ``_TABLE``); raises TypeError on an unsupported dtype and
-    ValueError on a channel count outside 1..:data:`MAX_CHANNELS` of the dtype."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"trimul_triton: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    widest = MAX_CHANNELS[dtype == torch.float32]
-    for name, c in (("c_z", c_z), ("c_hidden", c_hidden)):
-        if not 1 <= c <= widest:
-            raise ValueError(f"trimul_triton: {name} must be in 1..{widest} in {dtype}, got {c}")
-    block_cz, block_ch = block_d_for(c_z), block_d_for(c_hidden)
-    return TrimulConfig(block_cz, block_ch, *_TABLE[(dtype == torch.float32, max(block_cz, block_ch))])
-
 
 # ---- @triton.jit helpers -----------------------------------------------------------------------------------
 
@@ -225,48 +181,51 @@ def _in_fwd_kernel(
 
 @triton.jit
 def _product_kernel(
-    X, Y, C, N,
-    stride_xm, stride_xk, stride_yk, stride_yn, stride_cm, stride_cn,
+    X, Y, C, M, N, K,
+    stride_xq, stride_xm, stride_xk, stride_yq, stride_yk, stride_yn, stride_cq, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``C[q] = X[q] @ Y[q]`` for every ``[N, N]`` matrix q of three ``[Q, N, N]`` buffers (matrix stride N^2), read
-    and written through the given strides, fp32 accumulation. One program: a BLOCK_M x BLOCK_N tile of one q."""
+    """``C[q] = X[q] @ Y[q]`` (``[M, K] @ [K, N]``) for every matrix q of three buffers read and written through the
+    given strides, fp32 accumulation. One program: a BLOCK_M x BLOCK_N tile of one q."""
     tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0 and BLOCK_K % 16 == 0, "tiles: multiples of 16 (tl.dot)")
     pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(N, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     tile_n = pid % num_n  # column tiles fastest, then row tiles, then matrices
     tile_m = (pid // num_n) % num_m
-    base = (pid // (num_n * num_m)).to(tl.int64) * N * N
+    q = (pid // (num_n * num_m)).to(tl.int64)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    # 32-bit offsets within one matrix (N^2 < 2^31), a 64-bit base per matrix
-    x_ptrs = X + base + rows[:, None] * stride_xm + ks[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
-    y_ptrs = Y + base + ks[:, None] * stride_yk + cols[None, :] * stride_yn  # [BLOCK_K, BLOCK_N]
+    # 32-bit offsets within one matrix (fewer than 2^31 elements), a 64-bit base per matrix
+    x_ptrs = X + q * stride_xq + rows[:, None] * stride_xm + ks[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    y_ptrs = Y + q * stride_yq + ks[:, None] * stride_yk + cols[None, :] * stride_yn  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, N, BLOCK_K):
-        k_ok = k0 + ks < N
-        x = tl.load(x_ptrs, mask=(rows[:, None] < N) & k_ok[None, :], other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + ks < K
+        x = tl.load(x_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
         y = tl.load(y_ptrs, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
         acc += dot(x, y)
         x_ptrs += BLOCK_K * stride_xk
         y_ptrs += BLOCK_K * stride_yk
-    ok = (rows[:, None] < N) & (cols[None, :] < N)
-    tl.store(C + base + rows[:, None] * stride_cm + cols[None, :] * stride_cn, cast(acc, C.dtype.element_ty), mask=ok)
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(C + q * stride_cq + rows[:, None] * stride_cm + cols[None, :] * stride_cn, cast(acc, C.dtype.element_ty),
+             mask=ok)
 
 
 @triton.jit
 def _out_fwd_kernel(
     Z, Stats, P, LnInW, LnInB, Wg, Bg, LnOutW, LnOutB, Wo, Bo, Out,
     R, Cz, Ch, eps,
-    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CZ: tl.constexpr, BLOCK_CH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STATS_IN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CZ: tl.constexpr,
+    BLOCK_CH: tl.constexpr,
 ):
     """One program: a tile of BLOCK_R positions. out = sigmoid(x W_g + b_g) * (LN_out(p) W_o + b_o), p read from the
-    channel-major ``P [Ch, R]``, x recomputed from z and the saved LN_in statistics."""
+    channel-major ``P [Ch, R]``, x recomputed from z and the LN_in statistics (read when STATS_IN, else computed and
+    stored)."""
     r, r_ok, cz, cz_ok = _positions(tl.program_id(0), R, Cz, BLOCK_R, BLOCK_CZ)
     ch = tl.arange(0, BLOCK_CH)
     ch_ok = ch < Ch
-    _, x, _ = _layer_norm_in(Z, Stats, LnInW, LnInB, r, r_ok, cz, cz_ok, Cz, eps, True)
+    _, x, _ = _layer_norm_in(Z, Stats, LnInW, LnInB, r, r_ok, cz, cz_ok, Cz, eps, STATS_IN)
     gate = tl.sigmoid(_linear(x, Wg, Bg, cz, cz_ok, cz, cz_ok, Cz, HAS_BIAS))  # [BLOCK_R, BLOCK_CZ]
     _, y, _, _ = _layer_norm_out(P, LnOutW, LnOutB, r, r_ok, ch, ch_ok, R, Ch, eps, Z.dtype.element_ty)
     o = _linear(y, Wo, Bo, ch, ch_ok, cz, cz_ok, Ch, HAS_BIAS)  # [BLOCK_R, BLOCK_CZ]
@@ -443,40 +402,74 @@ def _forward(z: Tensor, mask: Tensor, w: dict, outgoing: bool, eps: float) -> tu
     ``[B, N, N, Cz]`` contiguous and mask ``[B, N, N]`` contiguous."""
     nb, n, _, cz = z.shape
     ch = w["a_proj_w"].shape[0]
-    r = nb * n * n
     cfg = config(z.dtype, cz, ch)
-    has_bias = w["a_proj_b"] is not None
-    stats = torch.empty(r, 2, dtype=torch.float32, device=z.device)
+    stats = torch.empty(nb * n * n, 2, dtype=torch.float32, device=z.device)
     a, b, p = (torch.empty(ch, nb, n, n, dtype=z.dtype, device=z.device) for _ in range(3))  # [Ch, B, N, N]
     _in_projections(z, mask, stats, w, a, b, outgoing, eps, cfg, stats_in=False)
-    _product(a, b, p, transpose_x=False, transpose_y=True, cfg=cfg)
-    out = torch.empty(r, cz, dtype=z.dtype, device=z.device)
-    blocks = dict(BLOCK_R=cfg.rows.block_m, BLOCK_CZ=cfg.block_cz, BLOCK_CH=cfg.block_ch)
-    _out_fwd_kernel[(triton.cdiv(r, cfg.rows.block_m),)](
-        z, stats, p, *_pointers(w, _OUT), out, r, cz, ch, eps, HAS_BIAS=has_bias, **blocks,
-        **cfg.rows.launch_options())
-    return out, p, stats
+    _product(a.view(-1, n, n), b.view(-1, n, n).mT, p.view(-1, n, n), cfg)
+    return _out_projection(z, stats, p, w, eps, cfg, stats_in=True), p, stats
 
 
 def _in_projections(z, mask, stats, w, a, b, outgoing, eps, cfg, stats_in):
-    """Kernel 1: a, b ``[Ch, B, N, N]`` (and, unless ``stats_in``, the LN_in statistics)."""
-    nb, n, _, cz = z.shape
-    r = nb * n * n
+    """Kernel 1: a, b ``[Ch, B, N, N]`` (and, unless ``stats_in``, the LN_in statistics) of z ``[B, N, N, Cz]``, or
+    ``[Ch, B, R, N]`` of a block of rows ``[B, R, N, Cz]`` with ``outgoing`` (positions in z's order)."""
+    n, cz = z.shape[-2:]
+    r = z.numel() // cz
     _in_fwd_kernel[(triton.cdiv(r, cfg.rows.block_m),)](
         z, mask, stats, *_pointers(w, _IN), a, b, r, n, cz, a.shape[0], eps, *_op_strides(n, outgoing),
         HAS_BIAS=w["a_proj_b"] is not None, STATS_IN=stats_in, BLOCK_R=cfg.rows.block_m, BLOCK_CZ=cfg.block_cz,
         BLOCK_CH=cfg.block_ch, **cfg.rows.launch_options())
 
 
-def _product(x: Tensor, y: Tensor, c: Tensor, transpose_x: bool, transpose_y: bool, cfg: TrimulConfig) -> None:
-    """Kernel 2: ``c[q] = op(x[q]) @ op(y[q])`` for the ``[N, N]`` matrices of ``[Ch, B, N, N]`` buffers (op: a
-    transpose where asked)."""
-    n = x.shape[-1]
-    t = cfg.product
-    sx, sy = ((1, n) if transpose_x else (n, 1)), ((1, n) if transpose_y else (n, 1))
-    grid = (triton.cdiv(n, t.block_m) * triton.cdiv(n, t.block_n) * x.shape[0] * x.shape[1],)
-    _product_kernel[grid](x, y, c, n, *sx, *sy, n, 1, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                          BLOCK_K=PRODUCT_BLOCK_K, **t.launch_options())
+def _product(x: Tensor, y: Tensor, c: Tensor, cfg: TrimulConfig) -> None:
+    """Kernel 2: ``c[q] = x[q] @ y[q]`` for the matrices of ``x [Q, M, K]``, ``y [Q, K, N]``, ``c [Q, M, N]``
+    (any strides: a transpose is a view)."""
+    (q, m, k), nc, t = x.shape, y.shape[-1], cfg.product
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(nc, t.block_n) * q,)
+    _product_kernel[grid](x, y, c, m, nc, k, *x.stride(), *y.stride(), *c.stride(), BLOCK_M=t.block_m,
+                          BLOCK_N=t.block_n, BLOCK_K=PRODUCT_BLOCK_K, **t.launch_options())
+
+
+def _out_projection(z: Tensor, stats: Tensor, p: Tensor, w: dict, eps: float, cfg: TrimulConfig,
+                    stats_in: bool) -> Tensor:
+    """Kernel 3: the update ``[R, Cz]`` of z's ``R`` positions (contiguous) from p (channel-major ``[Ch, R]``) and
+    the LN_in statistics (``[R, 2]``: read if ``stats_in``, else computed and stored there)."""
+    cz, ch = z.shape[-1], p.shape[0]
+    r = z.numel() // cz
+    out = torch.empty(r, cz, dtype=z.dtype, device=z.device)
+    _out_fwd_kernel[(triton.cdiv(r, cfg.rows.block_m),)](
+        z, stats, p, *_pointers(w, _OUT), out, r, cz, ch, eps, HAS_BIAS=w["a_proj_b"] is not None, STATS_IN=stats_in,
+        BLOCK_R=cfg.rows.block_m, BLOCK_CZ=cfg.block_cz, BLOCK_CH=cfg.block_ch, **cfg.rows.launch_options())
+    return out
+
+
+def _inference(z: Tensor, mask: Tensor, w: dict, outgoing: bool, eps: float, chunk: int) -> Tensor:
+    """The update ``[B, N, N, Cz]`` of z ``[B, N, N, Cz]`` (mask ``[B, N, N]``) without autograd, by blocks of
+    ``chunk`` rows of the working frame (:func:`~ds4sci.kernels.trimul_blocks.row_blocks`, the chunked path's plan):
+    a block's operand comes from kernel 1 on its rows (made contiguous; both operands are formed, one kept), each
+    block of the product from kernel 2 on an operand block against a block of the other operand recomputed for it,
+    and the block's output from kernel 3 (its LN_in statistics computed there). Live beyond z and the output: O(one
+    block) (channel-major ``[Ch, B, R, N]`` blocks, product in z's dtype from fp32 accumulation)."""
+    cz, ch = z.shape[-1], w["a_proj_w"].shape[0]
+    cfg = config(z.dtype, cz, ch)
+
+    def stats(z_rows: Tensor) -> Tensor:
+        return torch.empty(z_rows.numel() // cz, 2, dtype=torch.float32, device=z.device)
+
+    def operand(z_rows: Tensor, mask_rows: Tensor, which: str) -> Tensor:  # [B, R, N, Cz] -> [Ch, B, R, N]
+        z_rows, mask_rows = z_rows.contiguous(), mask_rows.contiguous()
+        a, b = (z.new_empty((ch, *z_rows.shape[:-1])) for _ in range(2))
+        _in_projections(z_rows, mask_rows, stats(z_rows), w, a, b, True, eps, cfg, stats_in=False)
+        return a if which == "a" else b
+
+    def product(r: Tensor, f_rows: Tensor, out: Tensor) -> None:  # [Ch, B, R, N], [Ch, B, J, N] -> [Ch, B, R, J]
+        _product(r.flatten(0, 1), f_rows.flatten(0, 1).mT, out.flatten(0, 1), cfg)
+
+    def finish(z_rows: Tensor, p: Tensor) -> Tensor:  # [B, R, N, Cz], [Ch, B, R, N] -> [B, R, N, Cz]
+        z_rows = z_rows.contiguous()
+        return _out_projection(z_rows, stats(z_rows), p, w, eps, cfg, stats_in=False).view(z_rows.shape)
+
+    return row_blocks(z, mask, outgoing, chunk, operand, product, finish)
 
 
 def _weight_grad(g: Tensor, src: Tensor, src_strides: tuple[int, int], stats: Tensor, ln_w: Tensor, ln_b: Tensor,
@@ -520,8 +513,9 @@ def _backward(dout: Tensor, z: Tensor, mask: Tensor, p: Tensor, stats: Tensor, w
         gx.stride(0), HAS_BIAS=has_bias, **blocks, **cfg.rows.launch_options())
 
     da, db = (torch.empty(ch, nb, n, n, dtype=torch.float32, device=dev) for _ in range(2))
-    _product(dp, b, da, transpose_x=False, transpose_y=False, cfg=cfg)  # dA = dP @ B
-    _product(dp, a, db, transpose_x=True, transpose_y=False, cfg=cfg)  # dB = dP^T @ A
+    mats = [t.view(-1, n, n) for t in (dp, a, b, da, db)]
+    _product(mats[0], mats[2], mats[3], cfg)  # dA = dP @ B
+    _product(mats[0].mT, mats[1], mats[4], cfg)  # dB = dP^T @ A
     del a, b, dp
 
     dz = torch.empty(r, cz, dtype=z.dtype, device=dev)
@@ -567,7 +561,8 @@ class _TrimulFunction(torch.autograd.Function):
         return (dz if ctx.needs_input_grad[0] else None), None, None, None, *dweights
 
 
-def trimul_triton(z: Tensor, mask: Optional[Tensor], params, outgoing: bool, eps: float) -> Tensor:
+def trimul_triton(z: Tensor, mask: Optional[Tensor], params, outgoing: bool, eps: float,
+                  chunk_size: Optional[int] = None) -> Tensor:
     """The triangle multiplicative update ``[*, N, N, c_z]`` of z ``[*, N, N, c_z]`` (fp16, bf16 or fp32, on a CUDA
     device or on the CPU under ``TRITON_INTERPRET=1``), differentiable in z and every weight.
 
@@ -575,13 +570,14 @@ def trimul_triton(z: Tensor, mask: Optional[Tensor], params, outgoing: bool, eps
     attributes :data:`PARAM_NAMES` (LayerNorm weights ``[c_z]`` / ``[c_hidden]``; projection weights ``[c_hidden,
     c_z]``, the output gate ``[c_z, c_z]``, the output projection ``[c_z, c_hidden]``, nn.Linear's layout; biases
     all None or all present), in z's dtype. ``outgoing``: Algorithm 11 (True) or 12 (False); ``eps``: both
-    LayerNorms'. Raises TypeError on an unsupported dtype or a weight of another dtype, ValueError on a shape."""
+    LayerNorms'. Without autograd (grad mode off or nothing requiring a gradient) it runs in blocks of ``chunk_size``
+    rows (None: an eighth of the rows; :func:`_inference`). Raises TypeError on an unsupported dtype or a weight of
+    another dtype, ValueError on a shape."""
     weights = [getattr(params, name) for name in PARAM_NAMES]
     if z.dim() < 3 or z.shape[-2] != z.shape[-3]:
         raise ValueError(f"trimul_triton: z must be [*, N, N, c_z], got {tuple(z.shape)}")
     lead, n, cz = z.shape[:-3], z.shape[-2], z.shape[-1]
-    ch = params.a_proj_w.shape[0]
-    config(z.dtype, cz, ch)  # the dtype and channel checks
+    config(z.dtype, cz, params.a_proj_w.shape[0])  # the dtype and channel checks
     biases = [t is None for name, t in zip(PARAM_NAMES, weights) if name.endswith("_b")]
     if any(biases) and not all(biases):
         raise ValueError("trimul_triton: the projection biases must be all present or all None")
@@ -589,9 +585,12 @@ def trimul_triton(z: Tensor, mask: Optional[Tensor], params, outgoing: bool, eps
         if t is not None and t.dtype != z.dtype:
             raise TypeError(f"trimul_triton: {name} is {t.dtype}, z is {z.dtype}")
     nb = math.prod(lead)
-    z4 = z.reshape(nb, n, n, cz).contiguous()  # [B, N, N, c_z]
-    if mask is None:
-        mask = z.new_ones(())
-    mask3 = mask.to(z.dtype).expand(*lead, n, n).reshape(nb, n, n).contiguous()  # [B, N, N]
-    out = _TrimulFunction.apply(z4, mask3, bool(outgoing), float(eps), *weights)
+    z4 = z.reshape(nb, n, n, cz)  # [B, N, N, c_z]
+    mask3 = (z.new_ones(()) if mask is None else mask).to(z.dtype).expand(*lead, n, n).reshape(nb, n, n)  # [B, N, N]
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (z, *weights))):
+        chunk = min(chunk_size or default_chunk_size(z, 0, budget=None), n)
+        with torch.no_grad():
+            return _inference(z4, mask3, dict(zip(PARAM_NAMES, weights)), bool(outgoing), float(eps), chunk).view(
+                z.shape)
+    out = _TrimulFunction.apply(z4.contiguous(), mask3.contiguous(), bool(outgoing), float(eps), *weights)
     return out.reshape(z.shape)

@@ -16,8 +16,8 @@ backward) and ``openfold3-lma`` (its low-memory attention, Rabe & Staats 2021, `
 OpenFold3's default key block). Otherwise, or with ``--no-openfold``, the report says why they are missing.
 
 The triangle multiplicative update's rows (:mod:`ds4sci.bench.trimul_rows`: bytes saved for backward and the
-inference peak of one outgoing update, torch and chunked backends, at ``--trimul-n`` and ``--trimul-c``, in the
-report's ``triangle_update``) follow the attention table.
+inference peak of one outgoing update, torch and chunked backends (and triton on CUDA), at ``--trimul-n`` and
+``--trimul-c``, in the report's ``triangle_update``) follow the attention table.
 
 Writes ``evoformer_memory.json``, ``.md`` and ``.png`` (saved and peak bytes per path) to ``--out``.
 DeepSpeed4Science reports 13x lower peak memory for OpenFold training with its fused kernel; the JSON records the

@@ -4,10 +4,10 @@
   (:class:`~ds4sci.models.evoformer.TriangleMultiplicationOutgoing`) per backend of
   :func:`ds4sci.kernels.triangle_multiplicative_update`: the bytes saved for backward (saved-tensor hooks, each
   storage once, parameters left out) and the inference peak of live tensors beyond the inputs
-  (:class:`~ds4sci.bench.memory.LiveTensors`), each also in units of z's bytes.
+  (:class:`~ds4sci.bench.memory.LiveTensors`), each also in units of z's bytes; ``triton`` only on CUDA.
 - Speed (CUDA only): forward and forward+backward milliseconds (CUDA events, median of the repeats), the peak CUDA
   memory of one forward+backward above the inputs, and the largest difference from the torch path's output, for
-  ``ds4sci-torch``, ``ds4sci-chunked`` and, when ``cuequivariance_torch`` imports, NVIDIA's
+  ``ds4sci-torch``, ``ds4sci-chunked``, ``ds4sci-triton`` and, when ``cuequivariance_torch`` imports, NVIDIA's
   ``triangle_multiplicative_update`` (OpenFold3's convention: no biases, fused a/b weights).
 """
 from __future__ import annotations
@@ -25,7 +25,12 @@ from ds4sci.kernels import TriMulParams
 from ds4sci.kernels import triangle_multiplicative_update
 from ds4sci.models.evoformer import TriangleMultiplicationOutgoing
 
+#: the backends of every row; CUDA adds "triton" (its kernels: training and the blockwise inference)
 BACKENDS = ("torch", "chunked")
+
+
+def _backends(device: str) -> tuple[str, ...]:
+    return BACKENDS + (("triton",) if torch.device(device).type == "cuda" else ())
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -47,7 +52,7 @@ def memory_rows(n: int, c: int, dtype: str = "fp32", device: str = "cpu", seed: 
     mask = torch.ones(1, n, n, device=device, dtype=z.dtype)
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     rows = {}
-    for backend in BACKENDS:
+    for backend in _backends(device):
         module.backend = backend
         zg = z.clone().requires_grad_()
         with saved_for_backward() as saved:
@@ -81,7 +86,7 @@ def _cueq() -> Callable | None:
 
 def _implementations(module, eps: float) -> dict[str, Callable]:
     impls = {f"ds4sci-{b}": (lambda z, m, b=b: triangle_multiplicative_update(
-        z, m, TriMulParams.from_module(module), outgoing=True, eps=eps, backend=b)) for b in BACKENDS}
+        z, m, TriMulParams.from_module(module), outgoing=True, eps=eps, backend=b)) for b in _backends("cuda")}
     cueq = _cueq()
     if cueq is not None:
         def run_cueq(z, m):

@@ -27,7 +27,9 @@ triton = pytest.importorskip("triton")
 from ds4sci.kernels import TriMulParams  # noqa: E402
 from ds4sci.kernels import triangle_multiplicative_update  # noqa: E402
 from ds4sci.kernels import triton_trimul as tt  # noqa: E402
+from ds4sci.kernels.triton_common import Tiles  # noqa: E402
 from ds4sci.kernels.triton_trimul import trimul_triton  # noqa: E402
+from ds4sci.kernels.triton_trimul_tiles import TABLE  # noqa: E402
 
 C_Z, C_HIDDEN, EPS = 12, 6, 1e-5
 
@@ -117,8 +119,8 @@ def test_loops_over_tiles_programs_and_splits(monkeypatch):
     """Small tiles, few persistent programs, many weight-gradient splits and c_hidden = 20 in steps of 16, so every
     loop runs several times, the last step partly masked (the product's k loop, the row kernels' tile loop, the input
     backward's hidden-channel loop, the splits' position loop): still the fp64 reference in fp32."""
-    small = tt.Tiles(16, 16, 4, 1)
-    monkeypatch.setitem(tt._TABLE, (True, 32), (small, small, small, small))
+    small = Tiles(16, 16, 4, 1)
+    monkeypatch.setitem(TABLE, (True, 32), (small, small, small, small))
     monkeypatch.setattr(tt, "PRODUCT_BLOCK_K", 16)
     monkeypatch.setattr(tt, "WGRAD_BLOCK_K", 16)
     monkeypatch.setattr(tt, "ROW_PROGRAMS", 3)
@@ -162,3 +164,54 @@ def test_the_public_function_runs_these_kernels_for_backend_triton_and_auto_only
                                                                              backend=b),
                               z, mask, dout, weights, True, torch.float32) for b in ("auto", "chunked"))
         assert all(torch.equal(auto[k], chunked[k]) for k in chunked)
+
+
+def _infer(z, mask, weights, outgoing, dtype, chunk, device=DEVICE) -> tuple[torch.Tensor, int]:
+    """``trimul_triton`` without autograd (its inference in blocks of ``chunk`` rows) in ``dtype``: (the output on the
+    CPU, the peak bytes of live tensors beyond the inputs and weights)."""
+    from ds4sci.bench.memory import LiveTensors
+
+    z, mask = z.to(device, dtype), mask.to(device, dtype)
+    params = TriMulParams(**{k: None if v is None else v.to(device, dtype) for k, v in weights.items()})
+    inputs = [t for t in (z, mask, *params.tensors()) if t is not None]
+    with torch.no_grad(), LiveTensors(t.untyped_storage().data_ptr() for t in inputs) as live:
+        out = trimul_triton(z, mask, params, outgoing, EPS, chunk)
+    return out.cpu(), live.peak
+
+
+@pytest.mark.parametrize("outgoing", [True, False], ids=["outgoing", "incoming"])
+def test_inference_in_row_blocks_holds_one_block(outgoing):
+    """Without autograd the kernels run on blocks of rows (odd N = 15 in blocks of 8 and 7 rows, masked rows and
+    columns, fp32): the output is within 3x PyTorch's fp32 error of the fp64 reference, and the live tensors beyond
+    the inputs peak at the output plus one block's row operand, product and both operands of a block of the other
+    (four ``[c, R, N]``) and its LN_in statistics (``[R, N, 2]`` fp32); incoming edges (the working frame is z's
+    transpose) also copy that block's z and mask rows contiguous. Never ``a``, ``b`` or ``p`` whole."""
+    n, chunk = 15, 8
+    z, mask, _, weights = _inputs((), n, True, seed=5)
+    ours, peak = _infer(z, mask, weights, outgoing, torch.float32, chunk)
+    ref64, ref32 = (reference(z.to(d), mask.to(d), TriMulParams(**{k: None if v is None else v.to(d)
+                                                                  for k, v in weights.items()}), outgoing, EPS)
+                    for d in (torch.float64, torch.float32))
+    assert_within_pytorch_error({"out": ours}, {"out": ref64}, {"out": ref32}, torch.float32)
+    block = chunk * n * 4  # bytes of one fp32 channel of a block
+    copies = 0 if outgoing else block * (C_Z + 1)
+    assert peak == n * n * C_Z * 4 + 4 * C_HIDDEN * block + 2 * block + copies
+
+
+@pytest.mark.parametrize("dtype, outgoing, bias, lead, n, chunk", [
+    (torch.bfloat16, False, False, (2,), 7, 4), (torch.float16, True, True, (1, 1), 9, 4)], ids=["bf16-in", "fp16-out"])
+def test_inference_within_3x_pytorch_error_in_half_dtypes(dtype, outgoing, bias, lead, n, chunk):
+    """The public function with ``backend="triton"`` without autograd, half dtypes, leading dims, odd N in blocks of
+    4 rows (7 = 4 + 3, 9 = 4 + 4 + 1: a last block of one row): within 3x PyTorch's same-dtype error of the fp64
+    reference."""
+    z, mask, _, weights = _inputs(lead, n, bias, seed=n)
+
+    def run(d, device="cpu", **kw):
+        params = TriMulParams(**{k: None if v is None else v.to(device, d) for k, v in weights.items()})
+        with torch.no_grad():
+            return triangle_multiplicative_update(z.to(device, d), mask.to(device, d), params, outgoing=outgoing,
+                                                  eps=EPS, **kw).cpu()
+
+    ours = run(dtype, DEVICE, backend="triton", chunk_size=chunk)
+    refs = [run(d, backend="torch") for d in (torch.float64, dtype)]
+    assert_within_pytorch_error({"out": ours}, {"out": refs[0]}, {"out": refs[1]}, dtype)

@@ -2,14 +2,14 @@
 trimul``, ds4sci.bench.aot.trimul), no GPU.
 
 - ``test_gate_covers_the_launches``: the set holds every specialisation of the calls it stands for, N = 4096
-  specialises exactly as N = 64 (so the representative bf16 / c = 128 entry is the large-N code) and N = 256 adds
-  nothing;
+  specialises exactly as N = 64 (so the representative bf16 / c = 128 entry is the large-N code; its inference in
+  default blocks as N = 64 in blocks of 16) and N = 256 adds nothing;
 - ``test_narrow_offsets_*``: the 64-bit offset check on hand-written Triton IR;
 - slow: ``test_large_n_offsets_are_64_bit`` builds the Triton IR of every launch of the N = 4096, c = 128 call (a
-  pair tensor of 2^31 elements) in a process without the interpreter and finds a 64-bit term in every position-indexed
-  load and store; ``test_gate_compiles_within_limits`` compiles the set for sm_80 and sm_90a (92 kernels, 184
-  compilations: about 15 minutes on 2 busy cores without the shared ``--cache-dir``) and checks shared memory and
-  spills.
+  pair tensor of 2^31 elements; training, and each kernel of its inference) in a process without the interpreter and
+  finds a 64-bit term in every position-indexed load and store; ``test_gate_compiles_within_limits`` compiles the
+  set for sm_80 and sm_90a (115 kernels, 230 compilations: about 20 minutes on 2 busy cores without the shared
+  ``--cache-dir``) and checks shared memory and spills.
 """
 import json
 import os
@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from ds4sci.bench.aot.calls import kernel_name
+from ds4sci.bench.aot.trimul import INFERENCE_CHUNK
 from ds4sci.bench.aot.trimul import LARGE_N
 from ds4sci.bench.aot.trimul import TrimulCall
 from ds4sci.bench.aot.trimul import narrow_offsets
@@ -55,6 +56,11 @@ def test_gate_covers_the_launches():
     assert _keys(LARGE_N) == _keys(small)
     assert _keys(TrimulCall("N=256", "bf16", 256, 128, 128, bias=True, outgoing=True)) == _keys(small)
     assert len(set(_keys(TrimulCall("N=37", "bf16", 37, 128, 128, True, True))) - set(_keys(small))) >= 5
+    inference = TrimulCall("inference", "bf16", 64, 128, 128, bias=True, outgoing=True, chunk=INFERENCE_CHUNK)
+    large = TrimulCall("N=4096 inference", "bf16", 4096, 128, 128, bias=True, outgoing=True, chunk=4096 // 8)
+    assert set(_keys(large)) == set(_keys(inference))  # in its default blocks (an eighth of the rows)
+    # the output kernel computing LN_in's statistics; the block product specialises as the whole one here
+    assert [k.split("'")[1] for k in set(_keys(inference)) - set(_keys(small))] == ["out_fwd"]
     assert {v.case for v in variants} == NAMING_CALLS
     assert {v.kernel for v in variants} == set(KERNELS)
     assert {(v.dtype, v.block_d) for v in variants} == {(d, c) for d in ("bf16", "fp32") for c in (16, 32, 64, 128)
@@ -104,7 +110,8 @@ def test_large_n_offsets_are_64_bit():
     assert sorted(found) == sorted(f"{k} {i}" for k, i in {("in_fwd", 1), ("in_fwd", 2), ("product", 1),
                                                             ("product", 2), ("product", 3), ("out_fwd", 1),
                                                             ("out_bwd", 1), ("in_bwd", 1), ("wgrad", 1),
-                                                            ("wgrad", 2)})
+                                                            ("wgrad", 2), ("in_fwd", "inference"),
+                                                            ("product", "inference"), ("out_fwd", "inference")})
     assert all(problems == [] for problems in found.values()), found
 
 
@@ -164,13 +171,14 @@ def test_narrow_addresses_flags_the_32_bit_product_only():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_large_n_ptx_addresses_are_64_bit():
-    """The PTX for sm_80 of every launch of the N = 4096, c = 128 call (Triton's stages, no ptxas, no GPU; ~75 s on
-    2 busy cores): no global load or store of a position-indexed buffer takes its address from a 32-bit product of
-    a position and a size widened at the end, and every launch has global accesses to check."""
+    """The PTX for sm_80 of every launch of the N = 4096, c = 128 call and of each kernel of its inference (Triton's
+    stages, no ptxas, no GPU; ~110 s on 2 busy cores): no global load or store of a position-indexed buffer takes its
+    address from a 32-bit product of a position and a size widened at the end, and every launch has global accesses
+    to check."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "import json; from ds4sci.bench.aot.trimul import large_n_narrow_addresses as f; print(json.dumps(f()))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.splitlines()[-1])
-    assert len(found) == len(KERNELS)
+    assert len(found) == len(KERNELS) + 3  # and the inference's in_fwd, product and out_fwd
     assert all(problems == [] for problems in found.values()), found

@@ -3,16 +3,18 @@
 ``--set trimul`` compiles, for each tile-table entry (bf16 and fp32: fp16 shares bf16's tiles; channel buckets 16, 32,
 64, 128 with c_z = c_hidden, fp32 up to 32), the launches of one forward and backward of ``trimul_triton`` with
 projection biases and outgoing edges and one without biases and with incoming edges (every kernel with its flags on
-and off; the edge direction changes which operand stride Triton specialises to 1), and two calls with an odd N
-(:data:`ODD_N`). Launch arguments are recorded from the public function on ``meta`` tensors (shapes and strides, no
-storage), so what is compiled follows the launchers.
+and off; the edge direction changes which operand stride Triton specialises to 1), the same two calls without
+autograd (the inference in blocks of :data:`INFERENCE_CHUNK` rows: block products, the output kernel computing LN_in's
+statistics), and four calls with an odd N (:data:`ODD_N`, training and inference). Launch arguments are recorded from
+the public function on ``meta`` tensors (shapes and strides, no storage), so what is compiled follows the launchers.
 
 The first call is the large-N one, :data:`LARGE_N` (N = 4096, c_z = c_hidden = 128, bf16: a pair tensor of 2^31
 elements). Its launches specialise exactly as a small N that is a multiple of 16 does (Triton specialises integers on
 ``== 1`` and divisibility by 16 only), so the gate's bf16 / 128 entry *is* that specialisation, and
 :func:`narrow_offsets` checks in its Triton IR that every load and store of a position-indexed buffer adds a 64-bit
 offset (the IR states each pointer offset's integer type), and :func:`large_n_narrow_addresses` checks the PTX for
-sm_80 built from it (:func:`~ds4sci.bench.aot.ptx.narrow_addresses`: no address from a 32-bit position product).
+sm_80 built from it (:func:`~ds4sci.bench.aot.ptx.narrow_addresses`: no address from a 32-bit position product); both
+also check the three kernels of its inference (:data:`LARGE_N_INFERENCE`).
 """
 from __future__ import annotations
 
@@ -31,13 +33,17 @@ TRIMUL_BUCKETS = (16, 32, 64, 128)
 TRIMUL_DTYPES = ("bf16", "fp32")
 #: representative launch: one batch, N = 64 (a multiple of 16, as N = 4096)
 TRIMUL_N = 64
+#: rows per block of the gate's inference calls: N = 64 in blocks of 16 specialises as N = 4096 in its default
+#: blocks of 512 rows (every size and stride a multiple of 16 or 1)
+INFERENCE_CHUNK = 16
 #: what each launch of a kernel that one forward and backward starts more than once does, in launch order
 ROLES = {"in_fwd": ("stats", "stats_in"), "product": ("A@B^T", "dP@B", "dP^T@A"), "wgrad": ("LN_in", "LN_out")}
 
 
 @dataclasses.dataclass(frozen=True)
 class TrimulCall:
-    """One ``trimul_triton`` call: z ``[1, N, N, c_z]`` contiguous, all weights, no mask."""
+    """One ``trimul_triton`` call: z ``[1, N, N, c_z]`` contiguous, all weights, no mask; forward and backward, or
+    (``chunk`` rows per block) inference."""
 
     name: str
     dtype: str
@@ -46,18 +52,23 @@ class TrimulCall:
     c_hidden: int
     bias: bool
     outgoing: bool
+    chunk: Optional[int] = None
 
 
 #: the large-N specialisation whose 64-bit addressing the gate checks
 LARGE_N = TrimulCall("N=4096 c=128", "bf16", 4096, 128, 128, bias=True, outgoing=True)
+#: its inference, in the default blocks of an eighth of the rows (checked too: its first launch of each kernel)
+LARGE_N_INFERENCE = dataclasses.replace(LARGE_N, name="N=4096 c=128 inference", chunk=4096 // 8)
 #: N not a multiple of 16 (nor are N^2 and the operand strides): other compiled code, for the widest channels
 ODD_N = (TrimulCall("N=37 bf16 c=128 bias, incoming", "bf16", 37, 128, 128, bias=True, outgoing=False),
-         TrimulCall("N=37 fp32 c=32 outgoing", "fp32", 37, 32, 32, bias=False, outgoing=True))
+         TrimulCall("N=37 fp32 c=32 outgoing", "fp32", 37, 32, 32, bias=False, outgoing=True),
+         TrimulCall("N=37 bf16 c=128 inference, bias, incoming", "bf16", 37, 128, 128, True, False, chunk=5),
+         TrimulCall("N=37 fp32 c=32 inference, outgoing", "fp32", 37, 32, 32, False, True, chunk=5))
 
 
 def trimul_call_launches(call: TrimulCall) -> list[tuple]:
-    """[(kernel, args, kwargs)] of every Triton launch of ``call``'s forward and backward, in launch order (on meta
-    tensors: nothing is allocated or run)."""
+    """[(kernel, args, kwargs)] of every Triton launch of ``call``'s forward and backward (or inference), in launch
+    order (on meta tensors: nothing is allocated or run)."""
     import torch
 
     from ds4sci.kernels.triton_trimul import PARAM_NAMES
@@ -75,13 +86,14 @@ def trimul_call_launches(call: TrimulCall) -> list[tuple]:
         return (c_out, c_in) if name.endswith("_w") else (c_out,)
 
     def leaf(*s):
-        return torch.empty(s, dtype=dtype, device="meta", requires_grad=True)
+        return torch.empty(s, dtype=dtype, device="meta", requires_grad=call.chunk is None)
 
     params = {name: None if name.endswith("_b") and not call.bias else leaf(*shape(name)) for name in PARAM_NAMES}
     z = leaf(1, call.n, call.n, cz)
     with record_launches() as launches:
-        out = trimul_triton(z, None, SimpleNamespace(**params), call.outgoing, 1e-5)
-        out.backward(torch.empty_like(out))
+        out = trimul_triton(z, None, SimpleNamespace(**params), call.outgoing, 1e-5, call.chunk)
+        if call.chunk is None:
+            out.backward(torch.empty_like(out))
     return launches
 
 
@@ -100,7 +112,10 @@ class TrimulVariant:
     @property
     def flags(self) -> str:
         roles = ROLES.get(self.kernel)
-        parts = [roles[self.index]] if roles else []
+        if self.call is not None and self.call.chunk is not None:
+            parts = ["inference"]
+        else:
+            parts = [roles[self.index]] if roles else []
         return "+".join(parts + (["bias"] if self.bias else []) + ["outgoing" if self.outgoing else "incoming"])
 
     @property
@@ -118,14 +133,17 @@ class TrimulVariant:
 
 def trimul_calls(dtypes=TRIMUL_DTYPES, buckets=TRIMUL_BUCKETS) -> list[TrimulCall]:
     """:data:`LARGE_N` (when bf16 and 128 are asked for), then per (dtype, bucket) the call with biases and outgoing
-    edges and the one without biases and with incoming edges, then the :data:`ODD_N` calls asked for."""
-    from ds4sci.kernels.triton_trimul import MAX_CHANNELS
+    edges and the one without biases and with incoming edges, each for training and for inference, then the
+    :data:`ODD_N` calls asked for."""
+    from ds4sci.kernels.triton_trimul_tiles import MAX_CHANNELS
 
     calls = [LARGE_N] if LARGE_N.dtype in dtypes and LARGE_N.c_z in buckets else []
     for dtype in dtypes:
         for c in (c for c in buckets if c <= MAX_CHANNELS[dtype == "fp32"]):
-            calls += [TrimulCall(f"trimul {dtype} c={c} {'bias, outgoing' if bias else 'incoming'}", dtype, TRIMUL_N,
-                                 c, c, bias=bias, outgoing=bias) for bias in (True, False)]
+            calls += [TrimulCall(f"trimul {dtype} c={c} {'inference, ' if chunk else ''}"
+                                 f"{'bias, outgoing' if bias else 'incoming'}", dtype, TRIMUL_N, c, c, bias=bias,
+                                 outgoing=bias, chunk=chunk)
+                      for chunk in (None, INFERENCE_CHUNK) for bias in (True, False)]
     return calls + [call for call in ODD_N if call.dtype in dtypes and call.c_z in buckets]
 
 
@@ -190,13 +208,15 @@ def _lowered(kernel, args, meta, capability: int, to_ptx: bool) -> str:
 
 
 def large_n_narrow_offsets() -> dict[str, list[str]]:
-    """``{kernel (launch index): narrow_offsets(its IR)}`` for every launch of :data:`LARGE_N`."""
+    """``{kernel (launch index): narrow_offsets(its IR)}`` for every launch of :data:`LARGE_N` (and the first of each
+    kernel of :data:`LARGE_N_INFERENCE`)."""
     return {name: narrow_offsets(ttir(kernel, args, meta)) for name, (kernel, args, meta) in _large_n_launches()}
 
 
 def large_n_narrow_addresses() -> dict[str, list[str]]:
-    """``{kernel (launch index): narrow_addresses(its PTX for sm_80)}`` for every launch of :data:`LARGE_N`, the
-    weights' parameters (indexed by channels only) left out."""
+    """``{kernel (launch index): narrow_addresses(its PTX for sm_80)}`` for every launch of :data:`LARGE_N` (and the
+    first of each kernel of :data:`LARGE_N_INFERENCE`), the weights' parameters (indexed by channels only) left
+    out."""
     from ds4sci.bench.aot.specialise import specialisation
 
     backend = _sm80_backend()
@@ -217,13 +237,17 @@ def _sm80_backend():
 
 
 def _large_n_launches() -> list[tuple[str, tuple]]:
-    """``[(kernel and its launch index, (kernel, args, meta))]`` for every launch of :data:`LARGE_N`."""
+    """``[(kernel and its launch index, (kernel, args, meta))]`` for every launch of :data:`LARGE_N`, then
+    ``[(kernel "inference", ...)]`` for the first launch of each kernel of :data:`LARGE_N_INFERENCE`."""
     out, counts = [], {}
     for launch in trimul_call_launches(LARGE_N):
         name = kernel_name(launch[0])
         counts[name] = counts.get(name, 0) + 1
         out.append((f"{name} {counts[name]}", launch))
-    return out
+    first: dict[str, tuple] = {}
+    for launch in trimul_call_launches(LARGE_N_INFERENCE):
+        first.setdefault(kernel_name(launch[0]), launch)
+    return out + [(f"{name} inference", launch) for name, launch in first.items()]
 
 
 # ---- The 64-bit offset check -------------------------------------------------------------------------------
