@@ -237,20 +237,9 @@ def check_padded(rank, ulysses, ring, S, layout, local=SDPA):
                                    msg=lambda m: f"{label} grad: {m}")
 
 
-@pytest.fixture(scope="module")
-def world_2():
-    """Both ranks' results of the 2-rank tests, in one process group: :func:`_worker_two`'s, then
-    :func:`_worker_deepspeed`'s."""
-    return run_workers(_world_two, 2, env={"DS_ACCELERATOR": "cpu"})
-
-
-def _world_two(rank, world):
-    return _worker_two(rank, world), _worker_deepspeed(rank, world)
-
-
 @pytest.mark.distributed
-def test_sequence_parallel_world_2(world_2):
-    assert [ours for ours, _ in world_2] == [True, True]
+def test_sequence_parallel_world_2():
+    assert run_workers(_worker_two, 2) == [True, True]
 
 
 # ---------------------------------------------------------------------------- world size 4
@@ -370,6 +359,6 @@ def _worker_deepspeed(rank, world):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_agrees_with_deepspeed_distributed_attention(world_2):
-    diffs = [theirs for _, theirs in world_2]
+def test_agrees_with_deepspeed_distributed_attention():
+    diffs = run_workers(_worker_deepspeed, 2, env={"DS_ACCELERATOR": "cpu"})
     assert all(d <= 1e-12 for per_rank in diffs for d in per_rank), diffs
