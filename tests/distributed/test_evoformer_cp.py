@@ -131,15 +131,34 @@ CASES = [  # name, kind, block options, blocks, sharded, N_seq, N_res, chunk_siz
 SMALL = [CASES[0], CASES[4], CASES[7], CASES[8]]
 
 
+def _group_worker(rank, world, cases, references, masked):
+    """One process group's runs: :func:`_worker`'s, and (when ``masked`` holds its references) the fully masked rows'
+    :func:`_masked_worker` on the 5 x 7 block."""
+    return _worker(rank, world, cases, references), masked and _masked_worker(rank, world, 5, 7, masked)
+
+
 @pytest.fixture(scope="module")
-def references():
-    return _reference(CASES)
+def groups():
+    """``groups(world)``: every rank's results of ``world`` ranks' one process group, run once for the module at its
+    first use: the axial cases (every case on 2 ranks, :data:`SMALL` on 3 and 4) and, on 2 ranks, the fully masked
+    rows' (:func:`_group_worker`)."""
+    references, runs = {}, {}
+
+    def get(world):
+        if world not in runs:
+            if not references:
+                references.update(_reference(CASES))
+            cases = CASES if world == 2 else SMALL
+            masked = _masked_reference(5, 7) if world == 2 else None
+            runs[world] = run_workers(_group_worker, world, cases, {name: references[name] for name, *_ in cases},
+                                      masked, timeout=600)
+        return runs[world]
+    return get
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_axial_equals_single_process_per_rank(world, references):
-    cases = CASES if world == 2 else SMALL
-    results = run_workers(_worker, world, cases, {name: references[name] for name, *_ in cases}, timeout=600)
+def test_axial_equals_single_process_per_rank(world, groups):
+    results = [axial for axial, _ in groups(world)]
     for rank, (errors, grads) in enumerate(results):
         for case, per_tensor in errors.items():
             bad = sorted(((e, k) for k, e in per_tensor.items() if not e <= 1e-12), reverse=True)
@@ -172,13 +191,17 @@ def _masked_worker(rank, world, n_seq, n_res, references):
     return errors
 
 
-def test_axial_fully_masked_rows_equal_single_process():
+def _masked_reference(n_seq, n_res):
+    """Per dtype: the single process's outputs and gradients of the block of :func:`_masked_case` (numpy arrays)."""
+    with one_thread():
+        return {str(dtype): as_numpy(_run(block, block, *inputs))
+                for dtype in (torch.float64, torch.float32) for block, inputs in [_masked_case(dtype, n_seq, n_res)]}
+
+
+def test_axial_fully_masked_rows_equal_single_process(groups):
     """A real row whose keys are all masked (OpenFold's finite -1e9) with N_seq and N_res padded: the padding keys
     are at -inf, so it attends over its real keys as the single process does (fp64 to rounding, fp32 to 1e-5)."""
-    with one_thread():
-        references = {str(dtype): as_numpy(_run(block, block, *inputs))
-                      for dtype in (torch.float64, torch.float32) for block, inputs in [_masked_case(dtype, 5, 7)]}
-    for rank, errors in enumerate(run_workers(_masked_worker, 2, 5, 7, references, timeout=600)):
+    for rank, (_, errors) in enumerate(groups(2)):
         for dtype, tol in (("torch.float64", 1e-12), ("torch.float32", 1e-5)):
             assert errors[dtype][0] <= tol, f"rank {rank}, {dtype}: worst {errors[dtype]}"
 

@@ -6,6 +6,8 @@ sub-module (nor the attention kernel) of any rank ever sees a tensor with two di
 rows (a sequence, an MSA column, a pair row and column) in fp64 and fp32 as the single process attends them. Stacks
 of 2 blocks (block by block, and tiled between blocks) and Pairformer blocks on 2 x 2 and 3 x 3, where no op
 (forward or backward) makes an N_res x N_res tensor but z itself (the pair mask neither: a rank holds its strips)."""
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -124,11 +126,11 @@ CASES = [  # name, block options
 ]
 
 
-@pytest.mark.parametrize("p, n_seq, n_res, cases", [(2, 5, 9, CASES), (3, 5, 7, CASES[:1])], ids=["2x2", "3x3"])
-def test_2d_mesh_block_equals_single_process_per_rank(p, n_seq, n_res, cases):
-    references, single_seen = _reference(n_seq, n_res, cases)
+@pytest.mark.parametrize("p", [2, 3], ids=["2x2", "3x3"])
+def test_2d_mesh_block_equals_single_process_per_rank(p, mesh_runs):
+    """One block per case on a 2 x 2 mesh (N_seq 5, N_res 9; both conventions) and a 3 x 3 mesh (N_seq 5, N_res 7)."""
+    single_seen, results = mesh_runs(p)["block"]
     assert "pair_stack.tri_mul_out" in single_seen, single_seen  # the check sees the single process's whole pair
-    results = run_workers(_worker, p * p, p, n_seq, n_res, cases, references, timeout=600)
     for rank, (_, _, grads) in enumerate(results):  # the parallel runs' parameter gradients: identical on every rank
         for case, per_param in grads.items():
             for name, g in per_param.items():
@@ -178,14 +180,18 @@ def _masked_worker(rank, world, n_seq, n_res, references):
     return errors
 
 
-def test_2d_fully_masked_rows_equal_single_process():
+def _masked_reference(n_seq, n_res):
+    """Per dtype: the single process's outputs and gradients of the block of :func:`_masked_case` (numpy arrays)."""
+    with one_thread():
+        return {str(dtype): as_numpy(_run(block, block, *inputs))
+                for dtype in (torch.float64, torch.float32) for block, inputs in [_masked_case(dtype, n_seq, n_res)]}
+
+
+def test_2d_fully_masked_rows_equal_single_process(mesh_runs):
     """A real row whose keys are all masked (OpenFold's finite -1e9) attends as the kernel does in one pass over the
     real keys: fp64 to rounding, fp32 to 1e-5 (merging the tiles by row max and row sum kept apart, not by a
     log-sum-exp that loses ``log l`` against 1e9 in fp32; the padding keys at -inf, so no real row sees them)."""
-    with one_thread():
-        references = {str(dtype): as_numpy(_run(block, block, *inputs))
-                      for dtype in (torch.float64, torch.float32) for block, inputs in [_masked_case(dtype, 5, 9)]}
-    for rank, errors in enumerate(run_workers(_masked_worker, 4, 5, 9, references, timeout=600)):
+    for rank, errors in enumerate(mesh_runs(2)["masked"][1]):
         for dtype, tol in (("torch.float64", 1e-12), ("torch.float32", 1e-5)):
             assert errors[dtype][0] <= tol, f"rank {rank}, {dtype}: worst {errors[dtype]}"
 
@@ -232,14 +238,18 @@ def _stack_worker(rank, world, n_seq, n_res, reference):
     return results
 
 
-def test_2d_stack_tiles_between_blocks_equals_single_process():
+def _stack_reference(n_seq, n_res):
+    """The single process's outputs and gradients of :func:`_stack` (numpy arrays)."""
+    with one_thread():
+        stack = _stack()
+        return as_numpy(_run(_stack_single(stack), stack, *_inputs(n_seq, n_res)))
+
+
+def test_2d_stack_tiles_between_blocks_equals_single_process(mesh_runs):
     """A 2-block stack on a 2 x 2 mesh, sharded (m and z stay this rank's tiles from the entry to the exit: as many
     all-gathers as one block's, the entry's backward and the exit) and block by block (twice one block's), equals
     the single process (fp64, to rounding); parameter gradients bitwise the same on every rank."""
-    with one_thread():
-        stack = _stack()
-        reference = as_numpy(_run(_stack_single(stack), stack, *_inputs(5, 7)))
-    results = run_workers(_stack_worker, 4, 5, 7, reference, timeout=600)
+    results = mesh_runs(2)["stack"][1]
     for rank, per_mode in enumerate(results):
         for sharded, (error, grads, (gathers, one_block)) in per_mode.items():
             assert error[0] <= 1e-12, f"rank {rank}, sharded={sharded}: worst {error}"
@@ -346,8 +356,8 @@ def _pairformer_worker(rank, world, p, n_res, references):
     return results, seen, held
 
 
-@pytest.mark.parametrize("p, n_res", [(2, 7), (3, 7)], ids=["2x2", "3x3"])
-def test_2d_pairformer_equals_single_process(p, n_res):
+@pytest.mark.parametrize("p", [2, 3], ids=["2x2", "3x3"])
+def test_2d_pairformer_equals_single_process(p, mesh_runs):
     """Pairformer blocks on a p x p mesh (z tiled, s replicated, its attention from the bias tiles), one block and a
     2-block stack tiled between blocks, N_res 7 (padded to 8 on 2 x 2, to 9 on 3 x 3): outputs, input and parameter
     gradients equal the single process (fp64, to rounding) on every rank, parameter gradients bitwise the same on every
@@ -355,10 +365,9 @@ def test_2d_pairformer_equals_single_process(p, n_res):
     pair mask included (the single process does: its bias ``[*, N, N, H_s]`` and the attention's ``[*, 1, H_s, N, N]``):
     a rank holds of the pair mask its row and column strips only, ``2 N'^2 / p`` per batch element (plan_evoformer's
     term)."""
-    references, single_seen = _pairformer_reference(p, n_res)
+    single_seen, results = mesh_runs(p)["pairformer"]
     assert any(shape[-1] == PAIR_KW["no_heads_pair_bias"] for _, shape in single_seen), single_seen
-    results = run_workers(_pairformer_worker, p * p, p, n_res, references, timeout=600)
-    padded = -(-n_res // p) * p
+    padded = -(-PAIRFORMER_N_RES // p) * p
     for rank, (per_case, seen, held) in enumerate(results):
         for case, (error, grads) in per_case.items():
             assert error[0] <= 1e-12, f"rank {rank}, {case}: worst {error}"
@@ -366,3 +375,47 @@ def test_2d_pairformer_equals_single_process(p, n_res):
             assert not seen[case], f"rank {rank}, {case}: whole N_res x N_res tensors from {sorted(seen[case])[:4]}"
             # plan_evoformer's 2-D pair mask term: the strips, 2 N'^2 / p per batch element (fp64), the tile a view
             assert held[case] == 2 * 2 * padded * padded // p * 8, (rank, case, held[case])
+
+
+PAIRFORMER_N_RES = 7  # padded to 8 on 2 x 2, to 9 on 3 x 3
+#: Per mesh side p: the shape arguments of each test's part run on the p x p mesh.
+_MESH_PARTS = {
+    2: {"block": (5, 9, CASES), "masked": (5, 9), "stack": (5, 7), "pairformer": (PAIRFORMER_N_RES,)},
+    3: {"block": (5, 7, CASES[:1]), "pairformer": (PAIRFORMER_N_RES,)},
+}
+
+
+def _single_part(name, p, shape):
+    """A part's single-process run in this process: (the references its workers take, what its test checks)."""
+    if name == "block":
+        return _reference(*shape)
+    if name == "pairformer":
+        return _pairformer_reference(p, *shape)
+    references = _masked_reference(*shape) if name == "masked" else _stack_reference(*shape)
+    return references, references
+
+
+def _mesh_worker(rank, world, p, parts):
+    """Every part's worker on this rank of the p x p mesh's one process group, in order: per part, its result."""
+    workers = {"block": functools.partial(_worker, rank, world, p),
+               "masked": functools.partial(_masked_worker, rank, world),
+               "stack": functools.partial(_stack_worker, rank, world),
+               "pairformer": functools.partial(_pairformer_worker, rank, world, p)}
+    return {name: workers[name](*shape, references) for name, (shape, references) in parts.items()}
+
+
+@pytest.fixture(scope="module")
+def mesh_runs():
+    """``mesh_runs(p)``: per part of the p x p mesh (:data:`_MESH_PARTS`), what its test checks of the single
+    process and every rank's result, the p x p ranks of one process group running every part; run once for the
+    module, at its first use."""
+    runs = {}
+
+    def get(p):
+        if p not in runs:
+            single = {name: _single_part(name, p, shape) for name, shape in _MESH_PARTS[p].items()}
+            parts = {name: (shape, single[name][0]) for name, shape in _MESH_PARTS[p].items()}
+            results = run_workers(_mesh_worker, p * p, p, parts, timeout=600)
+            runs[p] = {name: (single[name][1], [r[name] for r in results]) for name in parts}
+        return runs[p]
+    return get

@@ -12,6 +12,10 @@ from ds4sci.models.evoformer import EvoformerBlock
 from ds4sci.models.evoformer import PairformerBlock
 from ds4sci.spawn import run_workers
 
+from test_evoformer_cp import as_numpy  # the single-process references computed once, here, on one thread
+from test_evoformer_cp import from_numpy
+from test_evoformer_cp import one_thread
+
 EVO = dict(c_m=8, c_z=6, c_hidden_msa_att=4, c_hidden_opm=3, c_hidden_mul=5, c_hidden_pair_att=4, no_heads_msa=2,
            no_heads_pair=2, transition_n=2, msa_dropout=0.15, pair_dropout=0.25)
 PAIR = dict(c_s=7, c_z=6, c_hidden_pair_bias=4, no_heads_pair_bias=2, c_hidden_mul=5, c_hidden_pair_att=4,
@@ -71,14 +75,27 @@ def _run(module, blocks, inputs: dict, by_name: bool) -> dict:
             **{n: p.grad.clone() for n, p in blocks.named_parameters()}}
 
 
-def _worker(rank, world, cases):
-    """Per case: the largest difference of the keyword call to the positional call and to the single process."""
+def _singles(cases) -> dict:
+    """Per (kind, blocks) of ``cases``: the single process's outputs and gradients called by name (numpy arrays),
+    computed once, here, on one thread (as the workers run), and passed to the workers."""
+    singles = {}
+    with one_thread():
+        for kind, n_blocks, *_ in cases:
+            if (kind, n_blocks) not in singles:
+                blocks = _blocks(kind, n_blocks)
+                singles[kind, n_blocks] = as_numpy(_run(_single(blocks), blocks, _inputs(kind), True))
+    return singles
+
+
+def _worker(rank, world, cases, singles):
+    """Per case: the largest difference of the keyword call to the positional call and to the single process
+    (``singles``: :func:`_singles`)."""
     diffs = {}
     for kind, n_blocks, sharded, mesh in cases:
         blocks, inputs = _blocks(kind, n_blocks), _inputs(kind)
         module = evoformer_context_parallel(blocks, mesh=mesh, sharded=sharded)
         positional = _run(module, blocks, inputs, False)
-        single = _run(_single(blocks), blocks, inputs, True)
+        single = from_numpy(singles[kind, n_blocks])
         for by_name in (True, "mixed"):
             named = _run(module, blocks, inputs, by_name)
             diffs[f"{kind} x{n_blocks} sharded={sharded} mesh={mesh} by_name={by_name}"] = (
@@ -99,20 +116,21 @@ def _check(results):
 def test_axial_called_by_the_blocks_own_names():
     cases = [("evoformer", 1, False, None), ("pairformer", 1, False, None), ("evoformer", 2, True, None),
              ("pairformer", 2, False, None)]
-    _check(run_workers(_worker, 2, cases, timeout=600))
+    _check(run_workers(_worker, 2, cases, _singles(cases), timeout=600))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_2d_mesh_called_by_the_blocks_own_names():
     cases = [("evoformer", 1, False, (2, 2)), ("pairformer", 2, True, (2, 2))]
-    _check(run_workers(_worker, 4, cases, timeout=600))
+    _check(run_workers(_worker, 4, cases, _singles(cases), timeout=600))
 
 
 def test_one_process_by_name_and_a_name_the_block_does_not_take():
     """A group of one runs the blocks themselves; called by name as they are; ``x_mask`` (the old wrapper's name for
     both masks) is refused as the block refuses it."""
-    _check([_worker(0, 1, [("evoformer", 1, False, None), ("pairformer", 2, True, None)])])
+    cases = [("evoformer", 1, False, None), ("pairformer", 2, True, None)]
+    _check([_worker(0, 1, cases, _singles(cases))])
     for kind in ("evoformer", "pairformer"):
         blocks, inputs = _blocks(kind, 1), _inputs(kind)
         x, z, x_mask, pair_mask = inputs.values()

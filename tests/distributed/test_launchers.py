@@ -1,10 +1,13 @@
 """`ds4sci train` end to end under every launcher, Ulysses SP=2 on gloo, on the shipped codon config
-(``examples/configs/codon_cds_sp2.yaml``, 3 steps): torchrun's run (:func:`torchrun_run`, trained once for the module)
-logs the losses and exports the weights of the same configuration trained in one plain process, and writes every
-output of a run (metrics, validation, loss plot, config, TensorBoard, checkpoints, export) that `ds4sci evaluate` /
-`generate` / `embed` read. The job templates of ``examples/cluster/`` (SLURM with ``srun torchrun`` and with ``srun``
-alone, PBS with ``mpiexec``, DeepSpeed's launcher with a hostfile) run as written, with bash, the scheduler faked by
-its environment (one node: this machine), and train as torchrun does: its losses and weights, bitwise."""
+(``examples/configs/codon_cds_sp2.yaml``, 3 steps). The job templates of ``examples/cluster/`` (SLURM with ``srun
+torchrun`` and with ``srun`` alone, PBS with ``mpiexec``, DeepSpeed's launcher with a hostfile) run as written, with
+bash, the scheduler faked by its environment (one node: this machine). torchrun's run (:func:`torchrun_run`: the
+``srun torchrun`` template's, launched once for the module) logs the losses and exports the weights of the same
+configuration trained in one plain process, and writes every output of a run (metrics, validation, loss plot, config,
+TensorBoard, checkpoints, export) that `ds4sci evaluate` / `generate` / `embed` read; the other templates train as
+torchrun does: its losses and weights, bitwise. A second run into a folder that holds a run is refused once.
+(``mpiexec -n 2 ... evaluate --ulysses 2`` writes one process's numbers: tests/distributed/test_inference_parallel.py.)
+"""
 import json
 import os
 import shutil
@@ -17,7 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ds4sci.spawn import open_store
 from ds4sci.spawn import run_workers
+
+from fork_checks import launch
+from fork_checks import ranks_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -31,7 +38,7 @@ FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
 #: The job's host list, compressed: its first host (the rendezvous and master) is this machine, the only one that
 #: resolves here; the job runs on that node alone.
 SLURM_JOB = {"SLURM_JOB_NODELIST": "localhost,node[02-03]", "SLURM_NNODES": "1"}
-#: Each template: the scheduler's environment (each its own rendezvous port, 29531-29537 in this module: srun's ports
+#: Each template: the scheduler's environment (each its own rendezvous port, 29532-29537 in this module: srun's ports
 #: are 20000 + job id % 10000) and the launcher the start-up block names.
 TEMPLATES = {
     "slurm_torchrun.sh": ({**SLURM_JOB, "SLURM_NTASKS": "1", "SLURM_JOB_ID": "9537", "GPUS_PER_NODE": "2"},
@@ -50,20 +57,6 @@ def _sets(out) -> list[str]:
     return [arg for item in run for arg in ("--set", item)]  # one KEY=VALUE per --set
 
 
-@pytest.fixture(scope="module")
-def torchrun_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """``torchrun --nproc-per-node 2 -m ds4sci.cli train CONFIG``: two processes, Ulysses 2, ZeRO-2 over both, 3
-    steps, validation at the end (the codon config's validation set is smaller than one global micro-batch): its
-    folder and its process (output as text), trained once for the tests of this module, the reference of the
-    templates."""
-    out = tmp_path_factory.mktemp("torchrun") / "run"
-    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29531", "-m", "ds4sci.cli", "train",
-           str(CONFIG), *_sets(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out, done
-
-
 def _run_template(script: str, out: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     """``bash examples/cluster/SCRIPT`` with CONFIG and DS4SCI_ARGS pointing it at :func:`_sets`' run into ``out``,
     the scheduler's variables of :data:`TEMPLATES`, this environment's launchers first on PATH (the fake ``srun``
@@ -77,6 +70,16 @@ def _run_template(script: str, out: Path, tmp_path: Path) -> subprocess.Complete
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``slurm_torchrun.sh``'s job: ``srun torchrun --nproc-per-node 2 -m ds4sci.cli train CONFIG``, two processes,
+    Ulysses 2, ZeRO-2 over both, 3 steps, validation at the end (the codon config's validation set is smaller than one
+    global micro-batch): its folder and its process (output as text), launched once for the tests of this module,
+    the reference of the other templates."""
+    tmp = tmp_path_factory.mktemp("torchrun")
+    return tmp / "run", _run_template("slurm_torchrun.sh", tmp / "run", tmp)
 
 
 def _cli_main(rank, world, argv):
@@ -126,7 +129,7 @@ def _check_outputs(out: Path, tmp_path: Path, capsys) -> None:
 
 
 def test_torchrun_trains_as_one_process_and_writes_every_output(torchrun_run, tmp_path, capsys):
-    """The launched run is the single-process run (the same configuration with SP=1: the same global batches, run by
+    """torchrun's run is the single-process run (the same configuration with SP=1: the same global batches, run by
     ``cli.main`` in a worker forked from :func:`ds4sci.spawn.run_workers`' server, torch imported once there): same
     losses, same exported weights; and it writes every output, which the tools read."""
     out = torchrun_run[0]
@@ -152,12 +155,13 @@ def test_torchrun_trains_as_one_process_and_writes_every_output(torchrun_run, tm
 def test_job_template_trains_as_torchrun(script, torchrun_run, tmp_path, capsys):
     """Each job template of examples/cluster, run as written with its scheduler faked, forms one world of two (not
     two worlds of one): torchrun's layout, so its losses and weights, bitwise; the start-up block names the launcher,
-    its node and processes per node. DeepSpeed's launcher's run also writes every output the tools read; ``mpiexec
-    -n 2 evaluate --ulysses 2`` on the PBS run's export writes the single process's numbers, once."""
+    its node and processes per node. DeepSpeed's launcher's run also writes every output the tools read. (The
+    ``srun torchrun`` template's run is :func:`torchrun_run`, which the others are compared with: it is checked
+    against one process in the test above.)"""
     if script == "pbs_mpiexec.sh" and not (BIN / "mpiexec").exists():
         pytest.skip("no mpiexec beside this interpreter (pip install mpich mpi4py: the dev extra)")
-    out = tmp_path / "run"
-    done = _run_template(script, out, tmp_path)
+    out, done = torchrun_run if script == "slurm_torchrun.sh" else (tmp_path / "run", None)
+    done = done or _run_template(script, out, tmp_path)
     launcher = TEMPLATES[script][1]
     assert f"2 process(es) on cpu: 1 node(s) x 2 per node ({launcher})" in done.stdout + done.stderr
     (losses, weights), (ref_losses, ref_weights) = _losses_and_weights(out), _losses_and_weights(torchrun_run[0])
@@ -168,26 +172,15 @@ def test_job_template_trains_as_torchrun(script, torchrun_run, tmp_path, capsys)
     assert len(list((out / "checkpoints" / "step3").glob("*optim_states.pt"))) == 2
     if script == "deepspeed_hostfile.sh":
         _check_outputs(out, tmp_path, capsys)
-    if script == "pbs_mpiexec.sh":  # evaluate's ranks, ulysses 2, write the single process's numbers, once
-        cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "ds4sci.cli", "evaluate", str(out / "export"),
-               "--fasta", str(CDS), "--json", "--ulysses", "2"]
-        done = subprocess.run(cmd, cwd=ROOT, env={**ENV, "MASTER_PORT": "29536"}, capture_output=True, text=True,
-                              timeout=400)
-        assert done.returncode == 0, done.stderr[-3000:]
-        [line] = done.stdout.strip().splitlines()
-        alone = subprocess.run(cmd[3:-2], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
-        assert alone.returncode == 0, alone.stderr[-3000:]
-        parallel, single = json.loads(line), json.loads(alone.stdout)
-        assert parallel["tokens"] == single["tokens"]
-        assert parallel["loss"] == pytest.approx(single["loss"], rel=1e-7)
 
 
 def test_torchrun_prints_ds4sci_lines_only_and_a_refusal_once(torchrun_run, tmp_path):
-    """Two processes under torchrun, ZeRO-2 (whose all-gathers make torch warn), output redirected: the run prints
-    ds4sci's lines only, from rank 0 (no DeepSpeed start-up print or warning, no FutureWarning, no bar frames: a loss
-    line per train.log_every steps). A second run into the same folder (a copy of the shared run's) is refused in
-    ONE line (rank 0's; rank 1 says nothing) and exits non-zero: torchrun's own report of the failed worker follows,
-    its exit status is 1."""
+    """Two processes under srun torchrun, ZeRO-2 (whose all-gathers make torch warn), output redirected: the run
+    prints ds4sci's lines only, from rank 0 (no DeepSpeed start-up print or warning, no FutureWarning, no bar frames:
+    a loss line per train.log_every steps). A second run into the same folder (a copy of the shared run's), by two
+    ranks with torchrun's variables (:func:`fork_checks.launch`: the refusal, not the launcher, is the subject here;
+    stopped as torchrun stops its workers when one fails), is refused in ONE line (rank 0's; rank 1 says nothing) and
+    exits non-zero."""
     from cli_checks import log_messages  # tests/ is on sys.path (its conftest.py)
 
     shared, first = torchrun_run
@@ -197,15 +190,16 @@ def test_torchrun_prints_ds4sci_lines_only_and_a_refusal_once(torchrun_run, tmp_
     assert sum(m.startswith("ds4sci train") for m in messages) == 1  # the start-up block, once
     out = tmp_path / "run"
     shutil.copytree(shared, out)
-    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29533", "-m", "ds4sci.cli", "train"]
     sets = [f"train.out_dir={out}", f"data.fasta={CDS}", "data.dataset=records", "data.seq_len=64",
             "data.val_fraction=0.1", "parallel.ulysses=2", "zero.stage=1", "train.steps=2", "train.log_every=1",
             "train.eval_batches=1", "train.micro_batch_size=2"]
-    cmd += [arg for item in sets for arg in ("--set", item)]
-    second = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
-    output = second.stdout + second.stderr
-    refusals = [line for line in output.splitlines() if "error:" in line]
-    assert second.returncode != 0 and len(refusals) == 1, output[-3000:]
-    assert refusals[0].startswith(f"ds4sci train: error: train.out_dir {out} already holds a run (checkpoints, ")
-    assert refusals[0].endswith("continue it with --resume, or replace it with --overwrite (or choose another "
-                                "train.out_dir)")
+    store = open_store()
+    ranks = launch(["train", *[arg for item in sets for arg in ("--set", item)]],
+                   [{"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **env} for env in ranks_env(2, store.port)],
+                   cwd=ROOT, until="launcher", timeout=400)
+    refusals = [[line for line in (done.stdout + done.stderr).splitlines() if "error:" in line] for done in ranks]
+    output = "\n".join(f"--- rank {r} ---\n{done.stdout}{done.stderr}" for r, done in enumerate(ranks))
+    assert ranks[0].returncode != 0 and [len(lines) for lines in refusals] == [1, 0], output[-3000:]
+    assert refusals[0][0].startswith(f"ds4sci train: error: train.out_dir {out} already holds a run (checkpoints, ")
+    assert refusals[0][0].endswith("continue it with --resume, or replace it with --overwrite (or choose another "
+                                   "train.out_dir)")
