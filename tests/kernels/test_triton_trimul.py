@@ -8,6 +8,7 @@ every kernel loop several times. Forward and every gradient (z and the 16 weight
 error in the same dtype (``assert_within_pytorch_error``, as the attention kernels' tests). With
 ``TRITON_INTERPRET=0`` on a CUDA machine the same tests run the compiled kernels.
 """
+import copy
 import os
 import sys
 from dataclasses import fields
@@ -215,3 +216,42 @@ def test_inference_within_3x_pytorch_error_in_half_dtypes(dtype, outgoing, bias,
     ours = run(dtype, DEVICE, backend="triton", chunk_size=chunk)
     refs = [run(d, backend="torch") for d in (torch.float64, dtype)]
     assert_within_pytorch_error({"out": ours}, {"out": refs[0]}, {"out": refs[1]}, dtype)
+
+
+@pytest.mark.parametrize("name", ["TriangleMultiplicationOutgoing", "TriangleMultiplicationIncoming",
+                                  "FusedTriangleMultiplicationOutgoing", "FusedTriangleMultiplicationIncoming"])
+def test_openfold3_modules_through_the_kernels(name):
+    """OpenFold3's module (plain or Multimer-fused) loaded strictly into ds4sci's with ``backend="triton"``: in fp32
+    its output and the gradients of z and of every parameter within 3x PyTorch's fp32 error of OpenFold3's own module
+    in fp64 (OpenFold3's in fp32 giving PyTorch's error), fully masked row and column included; and without autograd
+    (the row-block inference, 4-row blocks of N = 11) its output too."""
+    from openfold3.core.model.layers import triangular_multiplicative_update as of3
+
+    from ds4sci.models.evoformer import TriangleMultiplicationIncoming
+    from ds4sci.models.evoformer import TriangleMultiplicationOutgoing
+
+    torch.manual_seed(0)
+    ref_module = getattr(of3, name)(C_Z, C_HIDDEN).double()
+    with torch.no_grad():  # OpenFold3's init zeroes the output projection and opens the gates: random weights instead
+        for p in ref_module.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    cls = TriangleMultiplicationIncoming if name.endswith("Incoming") else TriangleMultiplicationOutgoing
+    module = cls(C_Z, C_HIDDEN, name.startswith("Fused"), backend="triton")
+    module.load_state_dict(ref_module.state_dict(), strict=True)
+    n = 11
+    z, mask, dout, _ = _inputs((1,), n, False, seed=7)
+
+    def run(m, dtype, device="cpu"):
+        m = m.to(device, dtype)
+        leaf = z.to(device, dtype).requires_grad_()
+        out = m(leaf, mask.to(device, dtype))
+        grads = torch.autograd.grad(out, [leaf, *m.parameters()], dout.to(device, dtype))
+        names = ["dz", *(f"d{k}" for k, _ in m.named_parameters())]
+        return {"out": out.detach().cpu()} | {k: g.cpu() for k, g in zip(names, grads)}
+
+    ref64 = run(ref_module, torch.float64)
+    ref32 = run(copy.deepcopy(ref_module), torch.float32)
+    assert_within_pytorch_error(run(module, torch.float32, DEVICE), ref64, ref32, torch.float32)
+    with torch.no_grad():
+        inferred = module.to(DEVICE)(z.to(DEVICE, torch.float32), mask.to(DEVICE, torch.float32), 4).cpu()
+    assert_within_pytorch_error({"out": inferred}, {"out": ref64["out"]}, {"out": ref32["out"]}, torch.float32)
