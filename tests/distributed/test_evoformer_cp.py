@@ -133,8 +133,9 @@ SMALL = [CASES[0], CASES[4], CASES[7], CASES[8]]
 
 def _group_worker(rank, world, cases, references, masked):
     """One process group's runs: :func:`_worker`'s, and (when ``masked`` holds its references) the fully masked rows'
-    :func:`_masked_worker` on the 5 x 7 block."""
-    return _worker(rank, world, cases, references), masked and _masked_worker(rank, world, 5, 7, masked)
+    :func:`masked_errors` of the 5 x 7 block of :func:`_masked_case`."""
+    return _worker(rank, world, cases, references), masked and masked_errors(
+        _masked_case, _run, evoformer_context_parallel, 5, 7, masked)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,7 @@ def groups():
             if not references:
                 references.update(_reference(CASES))
             cases = CASES if world == 2 else SMALL
-            masked = _masked_reference(5, 7) if world == 2 else None
+            masked = masked_references(_masked_case, _run, 5, 7) if world == 2 else None
             runs[world] = run_workers(_group_worker, world, cases, {name: references[name] for name, *_ in cases},
                                       masked, timeout=600)
         return runs[world]
@@ -178,24 +179,24 @@ def _masked_case(dtype, n_seq, n_res):
     return block, (m, z, msa_mask, pair_mask, weights)
 
 
-def _masked_worker(rank, world, n_seq, n_res, references):
-    """Per dtype: the largest error against the single process's ``references`` (outputs, input and parameter
-    gradients) of the block of :func:`_masked_case`."""
+def masked_errors(case, run, wrap, n_seq, n_res, references):
+    """Per dtype (fp64, fp32): the largest error relative to the single process's ``references`` over outputs, input
+    and parameter gradients, with its name, of the block of ``case(dtype, n_seq, n_res)`` wrapped by ``wrap(block)``
+    and run by ``run(module, block, *inputs)`` (this file's and the 2-D file's fully masked rows)."""
     errors = {}
     for dtype in (torch.float64, torch.float32):
-        block, inputs = _masked_case(dtype, n_seq, n_res)
-        want = from_numpy(references[str(dtype)])
-        got = _run(evoformer_context_parallel(block), block, *inputs)
+        block, inputs = case(dtype, n_seq, n_res)
+        got = run(wrap(block), block, *inputs)
         errors[str(dtype)] = max(((got[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k)
-                                 for k, v in want.items())
+                                 for k, v in from_numpy(references[str(dtype)]).items())
     return errors
 
 
-def _masked_reference(n_seq, n_res):
-    """Per dtype: the single process's outputs and gradients of the block of :func:`_masked_case` (numpy arrays)."""
+def masked_references(case, run, n_seq, n_res):
+    """Per dtype: the single process's outputs and gradients (numpy arrays, one thread) for :func:`masked_errors`."""
     with one_thread():
-        return {str(dtype): as_numpy(_run(block, block, *inputs))
-                for dtype in (torch.float64, torch.float32) for block, inputs in [_masked_case(dtype, n_seq, n_res)]}
+        return {str(dtype): as_numpy(run(block, block, *inputs))
+                for dtype in (torch.float64, torch.float32) for block, inputs in [case(dtype, n_seq, n_res)]}
 
 
 def test_axial_fully_masked_rows_equal_single_process(groups):

@@ -20,6 +20,8 @@ from ds4sci.spawn import run_workers
 
 from test_evoformer_cp import as_numpy  # the single-process references computed once, here, on one thread
 from test_evoformer_cp import from_numpy
+from test_evoformer_cp import masked_errors
+from test_evoformer_cp import masked_references
 from test_evoformer_cp import one_thread
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -165,26 +167,6 @@ def _masked_case(dtype, n_seq, n_res):
                                           for t in _inputs(n_seq, n_res))
     msa_mask[:, 1], msa_mask[:, :, 2], pair_mask[:, 3], pair_mask[:, :, 4] = 0, 0, 0, 0
     return block, (m, z, msa_mask, pair_mask, weights)
-
-
-def _masked_worker(rank, world, n_seq, n_res, references):
-    """Per dtype: the largest error relative to the single process's ``references``, over outputs, input and
-    parameter gradients, of the block of :func:`_masked_case` on a 2 x 2 mesh."""
-    errors = {}
-    for dtype in (torch.float64, torch.float32):
-        block, inputs = _masked_case(dtype, n_seq, n_res)
-        single = from_numpy(references[str(dtype)])
-        parallel = _run(evoformer_context_parallel(block, mesh=(2, 2)), block, *inputs)
-        errors[str(dtype)] = max(((parallel[k] - v).abs().max().item() / max(1.0, v.abs().max().item()), k)
-                                 for k, v in single.items())
-    return errors
-
-
-def _masked_reference(n_seq, n_res):
-    """Per dtype: the single process's outputs and gradients of the block of :func:`_masked_case` (numpy arrays)."""
-    with one_thread():
-        return {str(dtype): as_numpy(_run(block, block, *inputs))
-                for dtype in (torch.float64, torch.float32) for block, inputs in [_masked_case(dtype, n_seq, n_res)]}
 
 
 def test_2d_fully_masked_rows_equal_single_process(mesh_runs):
@@ -391,14 +373,15 @@ def _single_part(name, p, shape):
         return _reference(*shape)
     if name == "pairformer":
         return _pairformer_reference(p, *shape)
-    references = _masked_reference(*shape) if name == "masked" else _stack_reference(*shape)
+    references = masked_references(_masked_case, _run, *shape) if name == "masked" else _stack_reference(*shape)
     return references, references
 
 
 def _mesh_worker(rank, world, p, parts):
     """Every part's worker on this rank of the p x p mesh's one process group, in order: per part, its result."""
     workers = {"block": functools.partial(_worker, rank, world, p),
-               "masked": functools.partial(_masked_worker, rank, world),
+               "masked": functools.partial(masked_errors, _masked_case, _run,
+                                           functools.partial(evoformer_context_parallel, mesh=(2, 2))),
                "stack": functools.partial(_stack_worker, rank, world),
                "pairformer": functools.partial(_pairformer_worker, rank, world, p)}
     return {name: workers[name](*shape, references) for name, (shape, references) in parts.items()}
