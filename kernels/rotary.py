@@ -44,17 +44,17 @@ class _RotaryQKV(torch.autograd.Function):
 
 def _rotate_(part: Tensor, cos: Tensor, sin: Tensor) -> None:
     """RoPE's rotation of ``part [..., Hkv, g + 1, r]`` (half-split pairs ``(i, i + r/2)``) by the angles of ``cos,
-    sin [..., 1, r]``, written back into ``part``: ``x * cos + cat(-x2, x1) * sin``, as ``(x1 c - x2 s, x2 c + x1 s)``
-    (the same products and sums, so bitwise the same values; the tables' halves are equal, ``cat(freqs, freqs)``,
-    so their first half serves both). Computed on a copy with the tokens innermost: ``part`` is ``r`` strided floats
-    per head (4 in a GPT-NeoX model of head dim 16 and rotary_pct 0.25), over which each elementwise op runs several
-    times slower than over rows of tokens, and the copy out and back costs less than one of them."""
+    sin [..., 1, r]``, written back into ``part``: ``x * cos + cat(-x2, x1) * sin``, as ``(x1 c1 - x2 s1, x2 c2 +
+    x1 s2)`` with ``c1, c2`` (``s1, s2``) the tables' halves (the same products and sums, so bitwise the same values).
+    Computed on a copy with the tokens innermost: ``part`` is ``r`` strided floats per head (4 in a GPT-NeoX model of
+    head dim 16 and rotary_pct 0.25), over which each elementwise op runs several times slower than over rows of
+    tokens, and the copy out and back costs less than one of them."""
     r, h = part.shape[-1], part.shape[-1] // 2
     tokens = part.view(-1, *part.shape[-3:]).permute(3, 1, 2, 0)  # [r, Hkv, g + 1, N] view, N the tokens
     x1, x2 = tokens.contiguous().split(h)  # [h, Hkv, g + 1, N] each
-    c = cos.reshape(-1, r)[:, :h].t().contiguous()[:, None, None]  # [h, 1, 1, N]
-    s = sin.reshape(-1, r)[:, :h].t().contiguous()[:, None, None]
-    tokens.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s)))
+    c1, c2 = cos.reshape(-1, r).t().contiguous()[:, None, None].split(h)  # [h, 1, 1, N] each
+    s1, s2 = sin.reshape(-1, r).t().contiguous()[:, None, None].split(h)
+    tokens.copy_(torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2)))
 
 
 def _rotated_part(qkv: Tensor, g: int, D: int, r: int) -> Tensor:

@@ -47,7 +47,13 @@ def row_blocks(z: Tensor, mask: Tensor, outgoing: bool, chunk: int, operand: Ope
     """The update ``[*, N, N, C_z]`` of ``z [*, N, N, C_z]`` (``mask [*, N, N]``) by blocks of ``chunk`` rows of the
     working frame (module docstring), without autograd. ``full``: ``f`` of every row (``[.., N, N]``, sliced by rows
     instead of recomputed); ``keep``: where to store the frame's product (``[.., N_i, N_j]``, written row block by row
-    block; else each block's product is a temporary)."""
+    block; else each block's product is a temporary).
+
+    Raises:
+        ValueError: ``chunk`` below 1.
+    """
+    if chunk < 1:
+        raise ValueError(f"row_blocks: chunk must be at least 1 row, got {chunk}")
     r_name, f_name = ("a", "b") if outgoing else ("b", "a")
     zf, mf = frame_pair(z, outgoing), frame_mask(mask, outgoing)
     n = z.shape[-2]

@@ -588,7 +588,7 @@ def trimul_triton(z: Tensor, mask: Optional[Tensor], params, outgoing: bool, eps
     z4 = z.reshape(nb, n, n, cz)  # [B, N, N, c_z]
     mask3 = (z.new_ones(()) if mask is None else mask).to(z.dtype).expand(*lead, n, n).reshape(nb, n, n)  # [B, N, N]
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (z, *weights))):
-        chunk = min(chunk_size or default_chunk_size(z, 0, budget=None), n)
+        chunk = min(default_chunk_size(z, 0, budget=None) if chunk_size is None else chunk_size, n)
         with torch.no_grad():
             return _inference(z4, mask3, dict(zip(PARAM_NAMES, weights)), bool(outgoing), float(eps), chunk).view(
                 z.shape)

@@ -148,6 +148,9 @@ def test_rejects_what_the_kernels_cannot_take():
         trimul_triton(torch.zeros(3, 3, C_Z, dtype=torch.float64), None, TriMulParams(**w), True, EPS)
     with pytest.raises(ValueError, match=r"\[\*, N, N, c_z\], got \(3, 4, 12\)"):
         trimul_triton(torch.zeros(3, 4, C_Z), None, TriMulParams(**w), True, EPS)
+    with pytest.raises(ValueError, match="chunk must be at least 1 row, got 0"):  # inference in row blocks
+        fp32 = TriMulParams(**{k: v if v is None else v.float() for k, v in w.items()})
+        trimul_triton(torch.zeros(3, 3, C_Z), None, fp32, True, EPS, 0)
 
 
 def test_the_public_function_runs_these_kernels_for_backend_triton_and_auto_only_on_cuda(monkeypatch):

@@ -57,11 +57,15 @@ def _rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 @pytest.mark.parametrize("Hkv, rotary_dim", [(4, 4), (2, 16), (1, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_in_place_rotary_is_bitwise_the_out_of_place_one(Hkv, rotary_dim, dtype):
+@pytest.mark.parametrize("tables", ["rope", "any"])
+def test_in_place_rotary_is_bitwise_the_out_of_place_one(Hkv, rotary_dim, dtype, tables):
     """Multi-head, grouped- and multi-query layouts, part or all of each head rotated: the rotated q and k, the
-    untouched v, and the gradient of the projection's output are bitwise those of rotating copies of q and k."""
+    untouched v, and the gradient of the projection's output are bitwise those of rotating copies of q and k, with
+    RoPE's tables and with any tables (halves that differ)."""
     B, T, D, g = 2, 9, 16, H // Hkv
     cos, sin = rotary_cos_sin(torch.arange(T).expand(B, T) + 5, rotary_dim, 10000.0, dtype)
+    if tables == "any":
+        cos, sin = torch.randn_like(cos), torch.randn_like(sin)
     base = torch.randn(B, T, Hkv * (g + 2) * D, dtype=dtype)
     grads = [torch.randn(B, T, Hkv, n * D, dtype=dtype) for n in (g, 1, 1)]
 
