@@ -199,8 +199,9 @@ def test_openfold_minus_1e9_mask_matches_outside_padding(dtype):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def test_strided_views_give_bitwise_the_same_result_as_contiguous_copies():
-    """MSA column attention hands over transposed views; the kernel reads strides, never copies."""
+def test_strided_views_give_the_result_of_contiguous_copies():
+    """MSA column attention hands over transposed views; the kernel reads strides, never copies: bitwise the same
+    result under the interpreter, the same to rounding when compiled."""
     g = torch.Generator().manual_seed(7)
     z, n, s, h, d = 2, 3, 17, 2, 24
     base = torch.randn(4, z, s, n, h, 2 * d, generator=g).to(DEVICE)  # [4, Z, S, N, H, 2D]
@@ -213,7 +214,11 @@ def test_strided_views_give_bitwise_the_same_result_as_contiguous_copies():
     assert not q.is_contiguous() and q.stride(-1) == 2 and mask.stride(1) == 0 and pair.stride(0) == 0
     strided = _fwd_bwd(q, k, v, do, mask, pair)
     dense = _fwd_bwd(*(t.contiguous() for t in (q, k, v, do, mask, pair)))
-    _assert_bitwise_equal(strided, dense)
+    if INTERPRET:
+        _assert_bitwise_equal(strided, dense)
+    else:  # compiled, a tile's register layout follows the strides, and so does a reduction's order: rounding only
+        for a, b in zip(strided, dense):
+            torch.testing.assert_close(a, b)
     assert strided[5].shape == (z, n, s) and strided[6].shape == (z, h, s, s)  # dmask per n, dpair summed over N
     assert strided[5].dtype == torch.float32 and strided[6].dtype == torch.float32
     # and the per-n mask gradient is the reference's (not reduced over the broadcast N)
@@ -269,7 +274,7 @@ def test_dpair_split_over_n_chunks_matches_the_reference_and_is_deterministic():
     got = _fwd_bwd(*args)
     q, k, v, do, mask, pair = args
     assert torch.equal(got[6], te.backward(do, q, k, v, *got[:2], mask, pair, True, True)[4])  # the same forward
-    cast = [t.double() for t in args]
+    cast = [t.double().cpu() for t in args]
     o_ref, stats_ref = evoformer_reference.forward(*cast[:3], cast[4], cast[5])
     want = evoformer_reference.backward(cast[3], *cast[:3], o_ref, stats_ref, cast[4], cast[5], True, True)[4]
     torch.testing.assert_close(got[6].double().cpu(), want, rtol=0, atol=1e-5)
@@ -298,18 +303,19 @@ def test_backend_checks_only_its_tile_table_domain(args, error, match):
 @pytest.mark.parametrize("variant", ["msa_row", "msa_col", "tri_start", "tri_end"])
 def test_evoformer_variants_match_openfold_formulation(variant):
     p64 = _variant_params(torch.float64)
-    p32 = {key: t.detach().float().requires_grad_(t.requires_grad) for key, t in p64.items()}
-    got, _ = _variant(variant, "triton", p32)
+    p32, p_kernel = ({key: t.detach().to(device, torch.float32).requires_grad_(t.requires_grad)
+                      for key, t in p64.items()} for device in ("cpu", DEVICE))
+    got, _ = _variant(variant, "triton", p_kernel)
     pt, want = _variant(variant, "reference", p32)[1], _variant(variant, "reference", p64)[1]
     do = torch.randn(want.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     names = [key for key, t in p64.items() if t.requires_grad]
-    grads = [torch.autograd.grad(out, [p[key] for key in names], do.to(out.dtype), allow_unused=True)
-             for out, p in ((got, p32), (pt, p32), (want, p64))]
+    grads = [torch.autograd.grad(out, [p[key] for key in names], do.to(out.device, out.dtype), allow_unused=True)
+             for out, p in ((got, p_kernel), (pt, p32), (want, p64))]
     for name, a, b, r in zip(["out"] + names, [got, *grads[0]], [pt, *grads[1]], [want, *grads[2]]):
         assert (a is None) == (r is None), name
         if r is None:
             continue
-        err = (a.double() - r).abs().max().item()
+        err = (a.double().cpu() - r).abs().max().item()
         err_pt = (b.double() - r).abs().max().item()
         assert err <= 3 * err_pt + 1e-6 * max(1.0, r.abs().max().item()), f"{variant} {name}: {err:.3g} vs {err_pt:.3g}"
 
