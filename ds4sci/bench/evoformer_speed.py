@@ -228,7 +228,8 @@ def plot(report: dict, path) -> None:
                   if r["dtype"] == dtype and r["impl"] == name}
             xs = [j + (i - (len(impls) - 1) / 2) * width for j, label in enumerate(shapes) if label in ms]
             ax.bar(xs, [ms[label] for label in shapes if label in ms], width, label=name)
-        ax.set_xticks(range(len(shapes)), [label.replace(" N=", "\nN=") for label in shapes], fontsize=7)
+        ax.set_xticks(range(len(shapes)), [label.replace(" N=", "\nN=").replace(" H=", "\nH=") for label in shapes],
+                      fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel("forward + backward (ms)")
         ax.set_title(dtype)
