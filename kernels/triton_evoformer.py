@@ -54,34 +54,34 @@ from .triton_common import tile_offsets
 class KernelConfig:
     block_d: int  # head dim padded to a power of two >= 16
     fwd: Tiles
-    bwd: Tiles  # shared by the preprocess, dK/dV, dQ and dpair kernels
+    bwd: Tiles  # the preprocess, dK/dV (k, v resident, loops over query tiles) and dpair kernels
+    dq: Tiles  # the dQ kernel: q, dO resident, loops over key tiles
 
 
-# (fp32?, BLOCK_D) -> (forward tiles, backward tiles), chosen with ``ds4sci bench kernels-aot`` so that every kernel
-# variant compiles for sm_80 and sm_90 within shared memory and without spills, in the representative launch and in
-# OpenFold's and OpenFold3's (``--set callers``).
-# - fp16/bf16 (tensor cores): the backward keeps more fp32 [BLOCK_M, BLOCK_N] tiles live (S, P, dP, dS) plus dK/dV
-#   accumulators: 32 query rows from D = 32 on; 8 warps and one pipeline stage at D = 128.
-# - BLOCK_D = 32 covers OpenFold's D = 24 and c = 32 heads, whose permuted rows (key stride H) load one scalar per
-#   element: 8 warps in the forward, 32 x 32 backward tiles.
+# (fp32?, BLOCK_D) -> (forward, backward, dQ tiles), every kernel variant spill-free and within shared memory for
+# sm_80 and sm_90 in the representative launch and OpenFold's/OpenFold3's (``ds4sci bench kernels-aot``).
+# - fp16/bf16 (tensor cores): 32 query rows in the backward at D = 64 and 128; 8 warps, one stage at D = 128.
+# - BLOCK_D = 32 (OpenFold's D = 24, c = 32): 64 resident rows stepping 32 at a time in every kernel, chosen on an
+#   H200 (docs/performance/kernels.md): the forward 3x faster than 64 x 64 tiles of 8 warps; larger tiles were
+#   faster still but spill on sm_80 in OpenFold's unaligned launches (D = 24, permuted rows).
 # - fp32 is IEEE (no TF32), FMA loops holding whole operand rows in registers: small tiles, one pipeline stage.
-_TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles]] = {
-    (False, 16): (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
-    (False, 32): (Tiles(64, 64, 8, 2), Tiles(32, 32, 4, 2)),
-    (False, 64): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
-    (False, 128): (Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 1)),
-    (True, 16): (Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 1)),
-    (True, 32): (Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
-    (True, 64): (Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
-    (True, 128): (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),
+_TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles, Tiles]] = {
+    (False, 16): (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
+    (False, 32): (Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+    (False, 64): (Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2), Tiles(32, 64, 4, 2)),
+    (False, 128): (Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 1), Tiles(32, 64, 8, 1)),
+    (True, 16): (Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
+    (True, 32): (Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1)),
+    (True, 64): (Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),
+    (True, 128): (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),
 }
 assert {d for _, d in _TABLE} == set(BLOCK_D_BUCKETS)  # one entry per head-dim bucket
 
 
 def _config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     """Tiles, warps and stages for ``dtype`` and ``head_dim`` (see ``_TABLE``); the only tile heuristic."""
-    block_d, (fwd, bwd) = table_entry(_TABLE, dtype, head_dim, "triton_evoformer")
-    return KernelConfig(block_d=block_d, fwd=fwd, bwd=bwd)
+    block_d, tiles = table_entry(_TABLE, dtype, head_dim, "triton_evoformer")
+    return KernelConfig(block_d, *tiles)
 
 
 # ---- @triton.jit helpers -----------------------------------------------------------------------------------
@@ -539,9 +539,10 @@ def bwd_launches(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: 
          (q, k, v, mask, pair, do, stats, delta, dk, dv, dmask_part, *qkvdo_strides, *dk.stride(), *dv.stride(),
           *bias_strides, *dims, scale),
          dict(**bias_flags, MASK_GRAD=dmask_part is not None, **tiles, **common)),
-        (_bwd_dq_kernel, (num_m * z * n * h,),
+        (_bwd_dq_kernel, (triton.cdiv(s, cfg.dq.block_m) * z * n * h,),
          (q, k, v, mask, pair, do, stats, delta, dq, *qkvdo_strides, *dq.stride(), *bias_strides, *dims, scale),
-         dict(**bias_flags, **tiles, **common)),
+         dict(**bias_flags, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, BLOCK_D=cfg.block_d,
+              **cfg.dq.launch_options())),
     ]
     if dpair_part is not None:
         n_chunk = dpair_chunk(z, n, h, s, t)

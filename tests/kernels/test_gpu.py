@@ -53,7 +53,7 @@ def gpu(test):
         test = mark(test)
     return test
 
-Z, N, S, H = 1, 3, 300, 4  # S = 300: 5 to 19 query and key tiles for every tile-table entry, a partial last tile
+Z, N, S, H = 1, 3, 300, 4  # S = 300: 3 to 19 query and 5 to 19 key tiles for every tile-table entry, partial last tiles
 MASKS = {"-1e9": -1e9, "finfo.min": torch.finfo(torch.float32).min, "-inf": -math.inf}
 # (dtype, head dim): each dtype once, head dims of OpenFold's callers (extra MSA 8, MSA/pair 32, triangle 64)
 CASES = [(torch.float32, 32), (torch.bfloat16, 8), (torch.float16, 64), (torch.bfloat16, 32)]

@@ -343,7 +343,7 @@ def test_config_table_covers_every_head_dim(dtype):
     for d in range(1, TRITON_MAX_HEAD_DIM + 1):
         cfg = te._config(dtype, d)
         assert cfg.block_d in te.BLOCK_D_BUCKETS and cfg.block_d >= max(16, d) and cfg.block_d < max(32, 2 * d)
-        for tiles in (cfg.fwd, cfg.bwd):
+        for tiles in (cfg.fwd, cfg.bwd, cfg.dq):
             assert tiles.block_m % 16 == 0 and tiles.block_n % 16 == 0  # tl.dot's minimum
             assert tiles.num_warps in (4, 8) and tiles.num_stages >= 1
         seen.add(cfg.block_d)
