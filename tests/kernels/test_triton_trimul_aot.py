@@ -32,9 +32,15 @@ from aot_checks import assert_resources  # tests/ is on sys.path (its conftest.p
 from aot_checks import compiles  # tests/ is on sys.path (its conftest.py)
 from aot_checks import gate_fixture  # tests/ is on sys.path (its conftest.py)
 
-#: the calls that name a compiled variant: all but the representative one that specialises as N = 4096
-NAMING_CALLS = {call.name for call in trimul_calls()} - {"trimul bf16 c=128 bias, outgoing"}
-KERNELS = ["in_fwd", "product", "out_fwd", "in_fwd", "out_bwd", "product", "product", "in_bwd", "wgrad", "wgrad"]
+#: calls whose launches all specialise as earlier calls': where the tile table gives two buckets the same tiles (fp32
+#: from 32 channels on, fp64 from 16: the same channel blocks), the later bucket's launches differ only in the
+#: LayerNorm backward's partials (BLOCK_C), which only the call with biases and outgoing edges (the first) adds
+SHARED_TILES = {f"trimul {dtype} c={c} {kind}" for dtype, buckets in (("fp32", (64, 128)), ("fp64", (32, 64, 128)))
+                for c in buckets for kind in ("incoming", "inference, bias, outgoing", "inference, incoming")}
+#: the calls that name a compiled variant: all but those and the representative one that specialises as N = 4096
+NAMING_CALLS = {call.name for call in trimul_calls()} - {"trimul bf16 c=128 bias, outgoing"} - SHARED_TILES
+KERNELS = ["in_fwd", "product", "out_fwd", "in_fwd", "out_bwd", "ln_bwd", "product", "product", "in_bwd", "ln_bwd",
+           "wgrad", "wgrad"]
 
 
 def _keys(call):
@@ -63,8 +69,8 @@ def test_gate_covers_the_launches():
     assert [k.split("'")[1] for k in set(_keys(inference)) - set(_keys(small))] == ["out_fwd"]
     assert {v.case for v in variants} == NAMING_CALLS
     assert {v.kernel for v in variants} == set(KERNELS)
-    assert {(v.dtype, v.block_d) for v in variants} == {(d, c) for d in ("bf16", "fp32") for c in (16, 32, 64, 128)
-                                                        if d == "bf16" or c <= 32}
+    assert {(v.dtype, v.block_d) for v in variants} == {(d, c) for d in ("bf16", "fp32", "fp64")
+                                                        for c in (16, 32, 64, 128)}
     assert [v for v in variants if v.case == LARGE_N.name][0].kernel == "in_fwd"  # the large-N call comes first
 
 
@@ -109,7 +115,8 @@ def test_large_n_offsets_are_64_bit():
     found = json.loads(done.stdout.splitlines()[-1])
     assert sorted(found) == sorted(f"{k} {i}" for k, i in {("in_fwd", 1), ("in_fwd", 2), ("product", 1),
                                                             ("product", 2), ("product", 3), ("out_fwd", 1),
-                                                            ("out_bwd", 1), ("in_bwd", 1), ("wgrad", 1),
+                                                            ("out_bwd", 1), ("ln_bwd", 1), ("ln_bwd", 2),
+                                                            ("in_bwd", 1), ("wgrad", 1),
                                                             ("wgrad", 2), ("in_fwd", "inference"),
                                                             ("product", "inference"), ("out_fwd", "inference")})
     assert all(problems == [] for problems in found.values()), found
