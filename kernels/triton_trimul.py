@@ -367,7 +367,7 @@ def _in_projections(z, mask, stats, w, a, b, outgoing, eps, cfg, stats_in):
     _in_fwd_kernel[(triton.cdiv(r, cfg.rows.block_m),)](
         z, mask, stats, *_pointers(w, _IN), a, b, r, n, cz, a.shape[0], eps, *_op_strides(n, outgoing),
         HAS_BIAS=w["a_proj_b"] is not None, STATS_IN=stats_in, BLOCK_R=cfg.rows.block_m, STEP_Z=cfg.step_z,
-        STEP_H=cfg.step_h, **cfg.rows.launch_options())
+        STEP_H=cfg.proj_h, **cfg.rows.launch_options())
 
 
 def _product(x: Tensor, y: Tensor, c: Tensor, cfg: TrimulConfig) -> None:
@@ -471,14 +471,13 @@ def _backward(dout: Tensor, z: Tensor, mask: Tensor, p: Tensor, stats: Tensor, w
     t = cfg.in_bwd
     _in_bwd_kernel[(triton.cdiv(r, t.block_m),)](
         z, mask, stats, da, db, *_pointers(w, _IN), gx, r, n, cz, ch, *_op_strides(n, outgoing), gx.stride(0),
-        HAS_BIAS=has_bias, BLOCK_R=t.block_m, STEP_Z=cfg.step_z, STEP_H=min(t.block_n, cfg.block_ch),
-        **t.launch_options())
+        HAS_BIAS=has_bias, BLOCK_R=t.block_m, STEP_Z=cfg.step_z, STEP_H=cfg.proj_h, **t.launch_options())
     del da, db
     dz = torch.empty(r, cz, dtype=z.dtype, device=dev)
     weights = [w[name] for name in ("a_proj_w", "a_gate_w", "b_proj_w", "b_gate_w", "out_gate_w")]
     z_rows = z.view(r, cz)
     ln_in = _ln_backward(gx, weights, ch, cz, z_rows, (cz, 1), stats, w["ln_in_weight"], dz, cfg.block_cz,
-                         dict(STEP_C=cfg.step_z, STEP_K0=cfg.step_h, STEP_K4=cfg.step_z), cfg)
+                         dict(STEP_C=cfg.step_z, STEP_K0=cfg.proj_h, STEP_K4=cfg.proj_z), cfg)
 
     dw_x = _weight_grad(gx, z_rows, (cz, 1), stats, w["ln_in_weight"], w["ln_in_bias"], cfg)  # [4 Ch + Cz, Cz]
     dw_o = _weight_grad(go, p.view(ch, r), (1, r), stats_out, w["ln_out_weight"], w["ln_out_bias"], cfg)  # [Cz, Ch]

@@ -22,12 +22,30 @@ DTYPES = (*SUPPORTED_DTYPES, torch.float64)
 class TrimulConfig:
     block_cz: int  # c_z padded to a power of two >= 16
     block_ch: int  # c_hidden padded likewise
-    step_z: int  # c_z channels per block in the row kernels: min(rows.block_n, block_cz)
-    step_h: int  # c_hidden channels per block likewise
-    rows: Tiles  # the row kernels: block_m positions per tile, block_n channels per block
+    rows: Tiles  # the row kernels: block_m positions per tile, block_n channels per block (the output side)
     product: Tiles  # block_m x block_n output tiles, block_k = triton_trimul.PRODUCT_BLOCK_K
     wgrad: Tiles  # block_m x block_n weight-gradient tiles, block_k = triton_trimul.WGRAD_BLOCK_K positions per step
-    in_bwd: Tiles  # the input backward: block_m positions, block_n hidden channels per block (c_z: step_z)
+    in_bwd: Tiles  # the input backward's tiles; block_n: channels per block on the projections' side
+
+    @property
+    def step_z(self) -> int:
+        """c_z channels per block of the row kernels (LN_in's statistics, x, the output's channels)."""
+        return min(self.rows.block_n, self.block_cz)
+
+    @property
+    def step_h(self) -> int:
+        """c_hidden channels per block of LN_out, the output projection's input and LN_out's backward."""
+        return min(self.rows.block_n, self.block_ch)
+
+    @property
+    def proj_h(self) -> int:
+        """c_hidden channels per block of the four projections (forward and backward) and of LN_in's backward."""
+        return min(self.in_bwd.block_n, self.block_ch)
+
+    @property
+    def proj_z(self) -> int:
+        """c_z channels per block of the output gate's contraction in LN_in's backward."""
+        return min(self.in_bwd.block_n, self.block_cz)
 
 
 def kind(dtype: torch.dtype) -> str:
@@ -36,19 +54,20 @@ def kind(dtype: torch.dtype) -> str:
 
 
 # (kind, widest channel bucket) -> (row tiles, product tiles, weight-gradient tiles, input-backward tiles), chosen
-# with ``ds4sci bench kernels-aot --set trimul`` so that nothing spills on sm_80 and sm_90a. fp16/bf16 take a whole
-# channel row as one block (tensor cores; 16 positions from 64 channels on), their input backward the hidden
-# channels in steps (128 x 128 weight tiles spilled at c = 128, steps of 32 at c = 32 spilled 56 B). fp32 and fp64
-# matmuls are FMA loops holding their operand tiles in registers: blocks of 32 (fp32) or 16 (fp64) channels.
+# with ``ds4sci bench kernels-aot --set trimul`` so that nothing spills on sm_80 and sm_90a. fp16/bf16 (tensor
+# cores) take a whole channel row as one block on the output side (16 positions from 64 channels on) and the hidden
+# channels of the projections in steps: four [16, 128] logit tiles at once spilled 120-200 B at c = 128, steps of 32
+# at c = 32 spilled 56 B. fp32 and fp64 matmuls are FMA loops holding a thread's rows and columns of both operands
+# over the whole contraction block in registers: blocks of 16 channels (32 spilled 36-44 B in LN_in's backward).
 TABLE: dict[tuple[str, int], tuple[Tiles, Tiles, Tiles, Tiles]] = {
     ("half", 16): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
     ("half", 32): (Tiles(32, 32, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
     ("half", 64): (Tiles(16, 64, 4, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 4, 1)),
     ("half", 128): (Tiles(16, 128, 8, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 8, 1)),
     ("fp32", 16): (Tiles(32, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 16, 8, 1)),
-    ("fp32", 32): (Tiles(16, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
-    ("fp32", 64): (Tiles(16, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
-    ("fp32", 128): (Tiles(16, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
+    ("fp32", 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
+    ("fp32", 64): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
+    ("fp32", 128): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
     ("fp64", 16): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
     ("fp64", 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
     ("fp64", 64): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
@@ -65,6 +84,4 @@ def config(dtype: torch.dtype, c_z: int, c_hidden: int) -> TrimulConfig:
         if not 1 <= c <= MAX_CHANNELS:
             raise ValueError(f"trimul_triton: {name} must be in 1..{MAX_CHANNELS}, got {c}")
     block_cz, block_ch = block_d_for(c_z), block_d_for(c_hidden)
-    rows, product, wgrad, in_bwd = TABLE[(kind(dtype), max(block_cz, block_ch))]
-    return TrimulConfig(block_cz, block_ch, min(rows.block_n, block_cz), min(rows.block_n, block_ch), rows, product,
-                        wgrad, in_bwd)
+    return TrimulConfig(block_cz, block_ch, *TABLE[(kind(dtype), max(block_cz, block_ch))])

@@ -103,6 +103,28 @@ def test_narrow_offsets_finds_the_32_bit_chain_only():
         "line 8: tt.store through %Z with 32-bit offsets only", "line 16: tt.load through %X with 32-bit offsets only"]
 
 
+_SIBLINGS = """
+  tt.func public @k(%Z: !tt.ptr<bf16> loc("Z"(#loc)), %n: i32) {
+    %a = scf.for %h = %c0 to %n step %c16 iter_args(%acc = %cst) -> (tensor<16xf32>) : i32 {
+      %p = tt.splat %Z : !tt.ptr<bf16> -> tensor<16x!tt.ptr<bf16>> loc(#loc1)
+      %p_1 = tt.addptr %p, %r64 : tensor<16x!tt.ptr<bf16>>, tensor<16xi64> loc(#loc2)
+      %x = tt.load %p_1 : tensor<16x!tt.ptr<bf16>> loc(#loc3)
+    }
+    %b = scf.for %h = %c0 to %n step %c16 iter_args(%acc = %cst) -> (tensor<16xf32>) : i32 {
+      %p = tt.splat %Z : !tt.ptr<bf16> -> tensor<16x!tt.ptr<bf16>> loc(#loc1)
+      %p_1 = tt.addptr %p, %r32 : tensor<16x!tt.ptr<bf16>>, tensor<16xi32> loc(#loc2)
+      %x = tt.load %p_1 : tensor<16x!tt.ptr<bf16>> loc(#loc3)
+    }
+"""
+
+
+def test_narrow_offsets_follows_names_reused_in_sibling_loops():
+    """Two loops one after the other reuse value names (as Triton's IR printer does): each load is traced through
+    the definitions in its own loop, so the first (64-bit) passes and the second (32-bit) is flagged."""
+    assert narrow_offsets(_SIBLINGS) == ["line 11: tt.load through %Z with 32-bit offsets only"]
+    assert narrow_offsets(_SIBLINGS.replace("xi32>", "xi64>")) == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_large_n_offsets_are_64_bit():

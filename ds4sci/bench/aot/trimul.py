@@ -268,35 +268,35 @@ def narrow_offsets(ttir: str) -> list[str]:
 
     Each access's pointer is followed back through ``tt.addptr`` (collecting its offset's integer type),
     ``tt.splat``, ``tt.broadcast``, ``tt.expand_dims``, ``tt.reshape`` and loop-carried values (to their initial
-    value) to the argument it starts from."""
-    defs: dict[str, tuple[str, str, str]] = {}  # result -> (op, source, offset type)
-    carried: dict[str, str] = {}  # loop block argument -> initial value
+    value) to the argument it starts from. The IR reuses value names in sibling regions (two loops one after the
+    other), so each step takes the name's nearest definition above the line that uses it (the one that dominates
+    it)."""
+    defs: dict[str, list[tuple[int, tuple[str, str]]]] = {}  # name -> [(line, (source, offset type))]
     accesses = []
     for number, line in enumerate(ttir.splitlines(), start=1):
         match = _DEF.match(line)
         if match:
             result, op, source, _, types = match.groups()
-            defs[result] = (op, source, types.rsplit(",", 1)[-1].strip() if op == "tt.addptr" else "")
-        for group in _ITER_ARGS.findall(line):
+            defs.setdefault(result, []).append(
+                (number, (source, types.rsplit(",", 1)[-1].strip() if op == "tt.addptr" else "")))
+        for group in _ITER_ARGS.findall(line):  # a loop block argument: its initial value, no offset
             for pair in group.split(","):
                 if "=" in pair:
                     name, init = (part.strip().split(":")[0].strip() for part in pair.split("=", 1))
-                    carried[name] = init
+                    defs.setdefault(name, []).append((number, (init, "")))
         access = _ACCESS.search(line)
         if access:
             accesses.append((number, access.group(1), access.group(2)))
     problems = []
     for number, kind, pointer in accesses:
-        wide, name, steps = False, pointer, 0
+        wide, name, at, steps = False, pointer, number, 0
         while steps < 10_000:
             steps += 1
-            if name in defs:
-                op, name, offset_type = (defs[name][0], defs[name][1], defs[name][2])
-                wide = wide or offset_type.endswith("i64>") or offset_type == "i64"
-            elif name in carried:
-                name = carried[name]
-            else:
+            above = [(line, found) for line, found in defs.get(name, ()) if line < at]
+            if not above:
                 break
+            at, (name, offset_type) = above[-1]
+            wide = wide or offset_type.endswith("i64>") or offset_type == "i64"
         if not wide and not _WEIGHT_ARG.match(name):
             problems.append(f"line {number}: tt.{kind} through {name} with 32-bit offsets only")
     return problems
