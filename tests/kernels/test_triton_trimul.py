@@ -139,6 +139,7 @@ WIDE = [  # (dtype, c_z, c_hidden, outgoing, biases, N): channel blocks of 16 (f
     (torch.float32, 64, 64, True, True, 3),
     (torch.float32, 72, 24, False, False, 5),
     (torch.float64, 40, 24, True, True, 3),
+    (torch.float16, 40, 72, False, False, 3),  # the projections' hidden channels in steps of 32: 72 = 2 x 32 + 8
 ]
 
 
@@ -146,9 +147,9 @@ WIDE = [  # (dtype, c_z, c_hidden, outgoing, biases, N): channel blocks of 16 (f
                          ids=[f"{str(c[0])[6:]}-cz{c[1]}-ch{c[2]}-N{c[5]}" for c in WIDE])
 def test_wide_channels_run_in_blocks(monkeypatch, dtype, c_z, c_hidden, outgoing, bias, n):
     """Channel counts past one block of the row kernels (the table's fp32 entries for 64 and 128 channels, fp64's
-    for 64; 72, 40 and 24 leave a partial last block), masked rows and columns, odd N: the output and every gradient
-    within 3x PyTorch's fp32 error of the fp64 reference (fp64: within 1e-10); for 72/24 in fp32 also the row-block
-    inference (N = 5 in blocks of 2, 2, 1 rows)."""
+    for 64, fp16's for 128; 72, 40 and 24 leave a partial last block), masked rows and columns, odd N: the output and
+    every gradient within 3x PyTorch's same-dtype error of the fp64 reference (fp64: within 1e-10); for 72/24 in fp32
+    also the row-block inference (N = 5 in blocks of 2, 2, 1 rows)."""
     monkeypatch.setattr(sys.modules[__name__], "C_Z", c_z)
     monkeypatch.setattr(sys.modules[__name__], "C_HIDDEN", c_hidden)
     z, mask, dout, weights = _inputs((), n, bias, seed=n)
