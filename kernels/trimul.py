@@ -393,10 +393,10 @@ def _triton_module():
     return triton_trimul
 
 
-def _triton_max_channels(fp32: bool) -> int:
+def _triton_max_channels() -> int:
     from .triton_trimul_tiles import MAX_CHANNELS  # imports Triton (its helpers): only once it is known to import
 
-    return MAX_CHANNELS[fp32]
+    return MAX_CHANNELS
 
 
 @functools.lru_cache(maxsize=None)
@@ -410,8 +410,8 @@ def _choose_backend(backend: Union[str, TriMulBackend], z: Tensor, params: TriMu
     Triton imports), chunked otherwise."""
     chosen = parse_backend(backend, TriMulBackend)
     if chosen is TriMulBackend.AUTO:
-        use_triton = (z.is_cuda and z.dtype != torch.float64 and not _triton_import_error()
-                      and max(params.c_z, params.c_hidden) <= _triton_max_channels(z.dtype == torch.float32))
+        use_triton = (z.is_cuda and not _triton_import_error()
+                      and max(params.c_z, params.c_hidden) <= _triton_max_channels())
         return TriMulBackend.TRITON if use_triton else TriMulBackend.CHUNKED
     if chosen is TriMulBackend.TRITON:
         if not z.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -432,7 +432,7 @@ def triangle_multiplicative_update(z: Tensor, mask: Optional[Tensor], params: Tr
     ``[*, N_i, N_j, C_z]`` in z's dtype; differentiable in ``z`` and every weight.
 
     ``backend``: ``"auto"``, ``"triton"``, ``"chunked"`` or ``"torch"`` (module docstring; ``"triton"`` takes
-    float16/bfloat16 with up to 128 channels and float32 with up to 32); ``chunk_size``: rows per block of the chunked
+    every float dtype with up to 128 channels); ``chunk_size``: rows per block of the chunked
     path (None: :func:`~ds4sci.kernels.trimul_blocks.default_chunk_size`) and of the Triton path's inference (None:
     an eighth of the rows), ignored by the torch path.
 

@@ -10,49 +10,78 @@ from .triton_common import SUPPORTED_DTYPES
 from .triton_common import Tiles
 from .triton_common import block_d_for
 
-#: widest channel count of c_z and c_hidden (a channel row is one register tile) per kind of dtype: fp32 matmuls are
-#: FMA loops (IEEE, no tensor cores) holding whole operand rows of the weight tiles in registers, and spill past 32
-#: channels (ds4sci bench kernels-aot). At 64, 8-warp row tiles (16 positions) make every kernel spill-free but the
-#: input backward on sm_90a (140-196 B of spill stores with 16 hidden channels a step, 20 B with 8); 16 warps
-#: cannot hold 255 registers a thread. At 128 the row kernels spill 2.3-5.2 KB (sm_80, 8 warps). Going further takes
-#: a loop over channel blocks inside the kernels. fp16/bf16 use the tensor cores.
-MAX_CHANNELS = {False: 128, True: 32}
+#: widest c_z and c_hidden, every dtype: the row kernels take the channels a block at a time (``Tiles.block_n`` of
+#: the row tiles), so their register tiles are bounded by the block, not by the channel count; the bound is the
+#: LayerNorm weight partials (one ``[2, 128]`` row per persistent program) and the table's buckets.
+MAX_CHANNELS = 128
+#: the dtypes of z and the weights: the attention kernels' and fp64 (fp64 accumulation, everything else fp32)
+DTYPES = (*SUPPORTED_DTYPES, torch.float64)
 
 
 @dataclass(frozen=True)
 class TrimulConfig:
     block_cz: int  # c_z padded to a power of two >= 16
     block_ch: int  # c_hidden padded likewise
-    rows: Tiles  # the row kernels: block_m positions per tile (block_n unused)
+    rows: Tiles  # the row kernels: block_m positions per tile, block_n channels per block (the output side)
     product: Tiles  # block_m x block_n output tiles, block_k = triton_trimul.PRODUCT_BLOCK_K
     wgrad: Tiles  # block_m x block_n weight-gradient tiles, block_k = triton_trimul.WGRAD_BLOCK_K positions per step
-    in_bwd: Tiles  # the input backward: block_m positions, block_n hidden channels per step (weight tiles c_z x n)
+    in_bwd: Tiles  # the input backward's tiles; block_n: channels per block on the projections' side
+
+    @property
+    def step_z(self) -> int:
+        """c_z channels per block of the row kernels (LN_in's statistics, x, the output's channels)."""
+        return min(self.rows.block_n, self.block_cz)
+
+    @property
+    def step_h(self) -> int:
+        """c_hidden channels per block of LN_out, the output projection's input and LN_out's backward."""
+        return min(self.rows.block_n, self.block_ch)
+
+    @property
+    def proj_h(self) -> int:
+        """c_hidden channels per block of the four projections (forward and backward) and of LN_in's backward."""
+        return min(self.in_bwd.block_n, self.block_ch)
+
+    @property
+    def proj_z(self) -> int:
+        """c_z channels per block of the output gate's contraction in LN_in's backward."""
+        return min(self.in_bwd.block_n, self.block_cz)
 
 
-# (fp32?, widest channel bucket) -> (row tiles, product tiles, weight-gradient tiles, input-backward tiles), chosen
-# with ``ds4sci bench kernels-aot --set trimul`` so that nothing spills on sm_80 and sm_90a. A row tile holds x, four
-# projection tiles and a weight tile: 16 positions from 64 channels on. The input backward (the most live tiles:
-# x, its normalised form, dx and four projections) takes the hidden channels in steps: its 128 x 128 weight tiles
-# spilled at c = 128, steps of 32 at c = 32 spilled 56 B (bf16) and fp32 needs 8 warps.
-TABLE: dict[tuple[bool, int], tuple[Tiles, Tiles, Tiles, Tiles]] = {
-    (False, 16): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
-    (False, 32): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
-    (False, 64): (Tiles(16, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 4, 1)),
-    (False, 128): (Tiles(16, 16, 8, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 8, 1)),
-    (True, 16): (Tiles(32, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 16, 8, 1)),
-    (True, 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
+def kind(dtype: torch.dtype) -> str:
+    """The tile table's dtype key: ``"half"`` (fp16, bf16: tensor cores), ``"fp32"`` or ``"fp64"`` (FMA loops)."""
+    return {torch.float32: "fp32", torch.float64: "fp64"}.get(dtype, "half")
+
+
+# (kind, widest channel bucket) -> (row tiles, product tiles, weight-gradient tiles, input-backward tiles), chosen
+# with ``ds4sci bench kernels-aot --set trimul`` so that nothing spills on sm_80 and sm_90a. fp16/bf16 (tensor
+# cores) take a whole channel row as one block on the output side (16 positions from 64 channels on) and the hidden
+# channels of the projections in steps: four [16, 128] logit tiles at once spilled 120-200 B at c = 128, steps of 32
+# at c = 32 spilled 56 B. fp32 and fp64 matmuls are FMA loops holding a thread's rows and columns of both operands
+# over the whole contraction block in registers: blocks of 16 channels (32 spilled 36-44 B in LN_in's backward).
+TABLE: dict[tuple[str, int], tuple[Tiles, Tiles, Tiles, Tiles]] = {
+    ("half", 16): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
+    ("half", 32): (Tiles(32, 32, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
+    ("half", 64): (Tiles(16, 64, 4, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 4, 1)),
+    ("half", 128): (Tiles(16, 128, 8, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 8, 1)),
+    ("fp32", 16): (Tiles(32, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 16, 8, 1)),
+    ("fp32", 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
+    ("fp32", 64): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
+    ("fp32", 128): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
+    ("fp64", 16): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
+    ("fp64", 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
+    ("fp64", 64): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
+    ("fp64", 128): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
 }
-assert all(c <= MAX_CHANNELS[fp32] for fp32, c in TABLE)
 
 
 def config(dtype: torch.dtype, c_z: int, c_hidden: int) -> TrimulConfig:
     """Tiles for ``dtype`` and the channel counts (see ``TABLE``); raises TypeError on an unsupported dtype and
-    ValueError on a channel count outside 1..:data:`MAX_CHANNELS` of the dtype."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"trimul_triton: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    widest = MAX_CHANNELS[dtype == torch.float32]
+    ValueError on a channel count outside 1..:data:`MAX_CHANNELS`."""
+    if dtype not in DTYPES:
+        raise TypeError(f"trimul_triton: dtype must be one of {DTYPES}, got {dtype}")
     for name, c in (("c_z", c_z), ("c_hidden", c_hidden)):
-        if not 1 <= c <= widest:
-            raise ValueError(f"trimul_triton: {name} must be in 1..{widest} in {dtype}, got {c}")
+        if not 1 <= c <= MAX_CHANNELS:
+            raise ValueError(f"trimul_triton: {name} must be in 1..{MAX_CHANNELS}, got {c}")
     block_cz, block_ch = block_d_for(c_z), block_d_for(c_hidden)
-    return TrimulConfig(block_cz, block_ch, *TABLE[(dtype == torch.float32, max(block_cz, block_ch))])
+    return TrimulConfig(block_cz, block_ch, *TABLE[(kind(dtype), max(block_cz, block_ch))])

@@ -121,7 +121,7 @@ def test_loops_over_tiles_programs_and_splits(monkeypatch):
     loop runs several times, the last step partly masked (the product's k loop, the row kernels' tile loop, the input
     backward's hidden-channel loop, the splits' position loop): still the fp64 reference in fp32."""
     small = Tiles(16, 16, 4, 1)
-    monkeypatch.setitem(TABLE, (True, 32), (small, small, small, small))
+    monkeypatch.setitem(TABLE, ("fp32", 32), (small, small, small, small))
     monkeypatch.setattr(tt, "PRODUCT_BLOCK_K", 16)
     monkeypatch.setattr(tt, "WGRAD_BLOCK_K", 16)
     monkeypatch.setattr(tt, "ROW_PROGRAMS", 3)
@@ -135,17 +135,45 @@ def test_loops_over_tiles_programs_and_splits(monkeypatch):
     assert_within_pytorch_error(ours, ref64, ref_same, torch.float32)
 
 
+WIDE = [  # (dtype, c_z, c_hidden, outgoing, biases, N): channel blocks of 16 (fp32, fp64), 72 = 4 x 16 + 8, ...
+    (torch.float32, 64, 64, True, True, 3),
+    (torch.float32, 72, 24, False, False, 3),
+    (torch.float64, 40, 24, True, True, 3),
+    (torch.float16, 40, 72, False, False, 3),  # the projections' hidden channels in steps of 32: 72 = 2 x 32 + 8
+]
+
+
+@pytest.mark.parametrize("dtype, c_z, c_hidden, outgoing, bias, n", WIDE,
+                         ids=[f"{str(c[0])[6:]}-cz{c[1]}-ch{c[2]}-N{c[5]}" for c in WIDE])
+def test_wide_channels_run_in_blocks(monkeypatch, dtype, c_z, c_hidden, outgoing, bias, n):
+    """Channel counts past one block of the row kernels (the table's fp32 entries for 64 and 128 channels, fp64's
+    for 64, fp16's for 128; 72, 40 and 24 leave a partial last block), masked rows and columns, odd N: the output and
+    every gradient within 3x PyTorch's same-dtype error of the fp64 reference (fp64: within 1e-10); for 72/24 in fp32
+    also the row-block inference (N = 3 in blocks of 2 and 1 rows)."""
+    monkeypatch.setattr(sys.modules[__name__], "C_Z", c_z)
+    monkeypatch.setattr(sys.modules[__name__], "C_HIDDEN", c_hidden)
+    z, mask, dout, weights = _inputs((), n, bias, seed=n)
+    ref64 = _run(reference, z, mask, dout, weights, outgoing, torch.float64)
+    ref_same = _run(reference, z, mask, dout, weights, outgoing, dtype)
+    ours = _run(trimul_triton, z, mask, dout, weights, outgoing, dtype, DEVICE)
+    assert len(ours) == 1 + 1 + (16 if bias else 10)
+    assert_within_pytorch_error(ours, ref64, ref_same, dtype)
+    if (c_z, dtype) == (72, torch.float32):
+        inferred, _ = _infer(z, mask, weights, outgoing, dtype, 2)
+        assert_within_pytorch_error({"out": inferred}, {"out": ref64["out"]}, {"out": ref_same["out"]}, dtype)
+
+
 def test_rejects_what_the_kernels_cannot_take():
     z = torch.zeros(3, 3, 200)
     w = _weights(False, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="c_z must be in 1..128 in torch.bfloat16, got 200"):
+    with pytest.raises(ValueError, match="c_z must be in 1..128, got 200"):
         half = TriMulParams(**{k: v if v is None else v.bfloat16() for k, v in w.items()})
         trimul_triton(z.bfloat16(), None, half, True, EPS)
-    with pytest.raises(ValueError, match="c_hidden must be in 1..32 in torch.float32, got 40"):
-        wide = TriMulParams(**(w | {"a_proj_w": torch.zeros(40, C_Z)}))
+    with pytest.raises(ValueError, match="c_hidden must be in 1..128, got 129"):
+        wide = TriMulParams(**(w | {"a_proj_w": torch.zeros(129, C_Z)}))
         trimul_triton(torch.zeros(3, 3, C_Z), None, wide, True, EPS)
     with pytest.raises(TypeError, match="dtype must be one of"):
-        trimul_triton(torch.zeros(3, 3, C_Z, dtype=torch.float64), None, TriMulParams(**w), True, EPS)
+        trimul_triton(torch.zeros(3, 3, C_Z, dtype=torch.int32), None, TriMulParams(**w), True, EPS)
     with pytest.raises(ValueError, match=r"\[\*, N, N, c_z\], got \(3, 4, 12\)"):
         trimul_triton(torch.zeros(3, 4, C_Z), None, TriMulParams(**w), True, EPS)
     with pytest.raises(ValueError, match="chunk must be at least 1 row, got 0"):  # inference in row blocks
@@ -226,8 +254,9 @@ def test_inference_within_3x_pytorch_error_in_half_dtypes(dtype, outgoing, bias,
 def test_openfold3_modules_through_the_kernels(name):
     """OpenFold3's module (plain or Multimer-fused) loaded strictly into ds4sci's with ``backend="triton"``: in fp32
     its output and the gradients of z and of every parameter within 3x PyTorch's fp32 error of OpenFold3's own module
-    in fp64 (OpenFold3's in fp32 giving PyTorch's error), fully masked row and column included; and without autograd
-    (the row-block inference, 4-row blocks of N = 11) its output too."""
+    in fp64 (OpenFold3's in fp32 giving PyTorch's error), fully masked row and column included, and without autograd
+    (the row-block inference, 4-row blocks of N = 11) its output too; in fp64 (N = 5, blocks of 4 and 1 rows) equal to
+    OpenFold3's in fp64 to rounding, as the chunked path (tests/kernels/test_trimul.py), in training and inference."""
     from openfold3.core.model.layers import triangular_multiplicative_update as of3
 
     from ds4sci.models.evoformer import TriangleMultiplicationIncoming
@@ -241,8 +270,7 @@ def test_openfold3_modules_through_the_kernels(name):
     cls = TriangleMultiplicationIncoming if name.endswith("Incoming") else TriangleMultiplicationOutgoing
     module = cls(C_Z, C_HIDDEN, name.startswith("Fused"), backend="triton")
     module.load_state_dict(ref_module.state_dict(), strict=True)
-    n = 11
-    z, mask, dout, _ = _inputs((1,), n, False, seed=7)
+    z, mask, dout, _ = _inputs((1,), 11, False, seed=7)
 
     def run(m, dtype, device="cpu"):
         m = m.to(device, dtype)
@@ -258,3 +286,13 @@ def test_openfold3_modules_through_the_kernels(name):
     with torch.no_grad():
         inferred = module.to(DEVICE)(z.to(DEVICE, torch.float32), mask.to(DEVICE, torch.float32), 4).cpu()
     assert_within_pytorch_error({"out": inferred}, {"out": ref64["out"]}, {"out": ref32["out"]}, torch.float32)
+    module.double().load_state_dict(ref_module.state_dict(), strict=True)  # the fp64 weights, not fp32's rounding
+    z, mask, dout, _ = _inputs((1,), 5, False, seed=8)
+    ref64, ours64 = run(ref_module, torch.float64), run(module, torch.float64, DEVICE)
+    assert ours64.keys() == ref64.keys()
+    for key, ref in ref64.items():
+        tol = 1e-12 if key == "out" else 1e-11
+        torch.testing.assert_close(ours64[key], ref, rtol=tol, atol=tol, msg=lambda m: f"fp64 {key}: {m}")
+    with torch.no_grad():
+        inferred = module.to(DEVICE)(z.to(DEVICE), mask.to(DEVICE), 4).cpu()
+    torch.testing.assert_close(inferred, ref64["out"], rtol=1e-12, atol=1e-12)

@@ -1,7 +1,7 @@
 """The triangle multiplicative update's Triton kernels (:mod:`ds4sci.kernels.triton_trimul`) in the compile gate.
 
-``--set trimul`` compiles, for each tile-table entry (bf16 and fp32: fp16 shares bf16's tiles; channel buckets 16, 32,
-64, 128 with c_z = c_hidden, fp32 up to 32), the launches of one forward and backward of ``trimul_triton`` with
+``--set trimul`` compiles, for each tile-table entry (bf16, fp32 and fp64: fp16 shares bf16's tiles; channel buckets
+16, 32, 64, 128 with c_z = c_hidden), the launches of one forward and backward of ``trimul_triton`` with
 projection biases and outgoing edges and one without biases and with incoming edges (every kernel with its flags on
 and off; the edge direction changes which operand stride Triton specialises to 1), the same two calls without
 autograd (the inference in blocks of :data:`INFERENCE_CHUNK` rows: block products, the output kernel computing LN_in's
@@ -27,17 +27,18 @@ from ds4sci.bench.aot.calls import kernel_name
 from ds4sci.bench.aot.calls import record_launches
 from ds4sci.bench.aot.ptx import narrow_addresses
 
-_TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+_TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
 #: channel buckets of the tile table and the dtypes of ``--set trimul`` (fp16 shares bf16's tiles)
 TRIMUL_BUCKETS = (16, 32, 64, 128)
-TRIMUL_DTYPES = ("bf16", "fp32")
+TRIMUL_DTYPES = ("bf16", "fp32", "fp64")
 #: representative launch: one batch, N = 64 (a multiple of 16, as N = 4096)
 TRIMUL_N = 64
 #: rows per block of the gate's inference calls: N = 64 in blocks of 16 specialises as N = 4096 in its default
 #: blocks of 512 rows (every size and stride a multiple of 16 or 1)
 INFERENCE_CHUNK = 16
 #: what each launch of a kernel that one forward and backward starts more than once does, in launch order
-ROLES = {"in_fwd": ("stats", "stats_in"), "product": ("A@B^T", "dP@B", "dP^T@A"), "wgrad": ("LN_in", "LN_out")}
+ROLES = {"in_fwd": ("stats", "stats_in"), "product": ("A@B^T", "dP@B", "dP^T@A"), "ln_bwd": ("LN_out", "LN_in"),
+         "wgrad": ("LN_in", "LN_out")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +62,11 @@ LARGE_N = TrimulCall("N=4096 c=128", "bf16", 4096, 128, 128, bias=True, outgoing
 LARGE_N_INFERENCE = dataclasses.replace(LARGE_N, name="N=4096 c=128 inference", chunk=4096 // 8)
 #: N not a multiple of 16 (nor are N^2 and the operand strides): other compiled code, for the widest channels
 ODD_N = (TrimulCall("N=37 bf16 c=128 bias, incoming", "bf16", 37, 128, 128, bias=True, outgoing=False),
-         TrimulCall("N=37 fp32 c=32 outgoing", "fp32", 37, 32, 32, bias=False, outgoing=True),
+         TrimulCall("N=37 fp32 c=128 outgoing", "fp32", 37, 128, 128, bias=False, outgoing=True),
+         TrimulCall("N=37 fp64 c=128 bias, incoming", "fp64", 37, 128, 128, bias=True, outgoing=False),
          TrimulCall("N=37 bf16 c=128 inference, bias, incoming", "bf16", 37, 128, 128, True, False, chunk=5),
-         TrimulCall("N=37 fp32 c=32 inference, outgoing", "fp32", 37, 32, 32, False, True, chunk=5))
+         TrimulCall("N=37 fp32 c=128 inference, outgoing", "fp32", 37, 128, 128, False, True, chunk=5),
+         TrimulCall("N=37 fp64 c=128 inference, outgoing", "fp64", 37, 128, 128, False, True, chunk=5))
 
 
 def trimul_call_launches(call: TrimulCall) -> list[tuple]:
@@ -135,11 +138,9 @@ def trimul_calls(dtypes=TRIMUL_DTYPES, buckets=TRIMUL_BUCKETS) -> list[TrimulCal
     """:data:`LARGE_N` (when bf16 and 128 are asked for), then per (dtype, bucket) the call with biases and outgoing
     edges and the one without biases and with incoming edges, each for training and for inference, then the
     :data:`ODD_N` calls asked for."""
-    from ds4sci.kernels.triton_trimul_tiles import MAX_CHANNELS
-
     calls = [LARGE_N] if LARGE_N.dtype in dtypes and LARGE_N.c_z in buckets else []
     for dtype in dtypes:
-        for c in (c for c in buckets if c <= MAX_CHANNELS[dtype == "fp32"]):
+        for c in buckets:
             calls += [TrimulCall(f"trimul {dtype} c={c} {'inference, ' if chunk else ''}"
                                  f"{'bias, outgoing' if bias else 'incoming'}", dtype, TRIMUL_N, c, c, bias=bias,
                                  outgoing=bias, chunk=chunk)
@@ -267,35 +268,35 @@ def narrow_offsets(ttir: str) -> list[str]:
 
     Each access's pointer is followed back through ``tt.addptr`` (collecting its offset's integer type),
     ``tt.splat``, ``tt.broadcast``, ``tt.expand_dims``, ``tt.reshape`` and loop-carried values (to their initial
-    value) to the argument it starts from."""
-    defs: dict[str, tuple[str, str, str]] = {}  # result -> (op, source, offset type)
-    carried: dict[str, str] = {}  # loop block argument -> initial value
+    value) to the argument it starts from. The IR reuses value names in sibling regions (two loops one after the
+    other), so each step takes the name's nearest definition above the line that uses it (the one that dominates
+    it)."""
+    defs: dict[str, list[tuple[int, tuple[str, str]]]] = {}  # name -> [(line, (source, offset type))]
     accesses = []
     for number, line in enumerate(ttir.splitlines(), start=1):
         match = _DEF.match(line)
         if match:
             result, op, source, _, types = match.groups()
-            defs[result] = (op, source, types.rsplit(",", 1)[-1].strip() if op == "tt.addptr" else "")
-        for group in _ITER_ARGS.findall(line):
+            defs.setdefault(result, []).append(
+                (number, (source, types.rsplit(",", 1)[-1].strip() if op == "tt.addptr" else "")))
+        for group in _ITER_ARGS.findall(line):  # a loop block argument: its initial value, no offset
             for pair in group.split(","):
                 if "=" in pair:
                     name, init = (part.strip().split(":")[0].strip() for part in pair.split("=", 1))
-                    carried[name] = init
+                    defs.setdefault(name, []).append((number, (init, "")))
         access = _ACCESS.search(line)
         if access:
             accesses.append((number, access.group(1), access.group(2)))
     problems = []
     for number, kind, pointer in accesses:
-        wide, name, steps = False, pointer, 0
+        wide, name, at, steps = False, pointer, number, 0
         while steps < 10_000:
             steps += 1
-            if name in defs:
-                op, name, offset_type = (defs[name][0], defs[name][1], defs[name][2])
-                wide = wide or offset_type.endswith("i64>") or offset_type == "i64"
-            elif name in carried:
-                name = carried[name]
-            else:
+            above = [(line, found) for line, found in defs.get(name, ()) if line < at]
+            if not above:
                 break
+            at, (name, offset_type) = above[-1]
+            wide = wide or offset_type.endswith("i64>") or offset_type == "i64"
         if not wide and not _WEIGHT_ARG.match(name):
             problems.append(f"line {number}: tt.{kind} through {name} with 32-bit offsets only")
     return problems
