@@ -85,7 +85,7 @@ WGRAD_BLOCK_K = 32
 @triton.jit
 def _in_fwd_kernel(
     Z, Mask, Stats, LnW, LnB, Wap, Bap, Wag, Bag, Wbp, Bbp, Wbg, Bbg, A, B,
-    R, N, Cz, Ch, eps, stride_i, stride_j,
+    R, N, Cz, Ch, eps: tl.float64, stride_i, stride_j,
     HAS_BIAS: tl.constexpr, STATS_IN: tl.constexpr,
     BLOCK_R: tl.constexpr, STEP_Z: tl.constexpr, STEP_H: tl.constexpr,
 ):
@@ -142,7 +142,7 @@ def _product_kernel(
 @triton.jit
 def _out_fwd_kernel(
     Z, Stats, P, LnInW, LnInB, Wg, Bg, LnOutW, LnOutB, Wo, Bo, Out,
-    R, Cz, Ch, eps,
+    R, Cz, Ch, eps: tl.float64,
     HAS_BIAS: tl.constexpr, STATS_IN: tl.constexpr, BLOCK_R: tl.constexpr, STEP_Z: tl.constexpr,
     STEP_H: tl.constexpr,
 ):
@@ -163,7 +163,7 @@ def _out_fwd_kernel(
 @triton.jit
 def _out_bwd_kernel(
     Z, Stats, P, DOut, LnInW, LnInB, Wg, Bg, LnOutW, LnOutB, Wo, Bo, Gx, Go, StatsOut,
-    R, Cz, Ch, eps, stride_gx,
+    R, Cz, Ch, eps: tl.float64, stride_gx,
     HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, STEP_Z: tl.constexpr, STEP_H: tl.constexpr,
 ):
     """One program: a tile of BLOCK_R positions. The output-gate logit gradient (into ``Gx[:, 4 Ch:]``), the

@@ -69,7 +69,7 @@ def row_stats(Src, r, r_ok, stride_r, stride_c, C, eps, STEP: tl.constexpr):
         delta = block_mean - mean
         mean += delta * count / (c0 + count)
         m2 += tl.sum(centred * centred, 1) + delta * delta * c0 * count / (c0 + count)
-    return mean, 1.0 / tl.sqrt(m2 / C + eps)
+    return mean, 1.0 / tl.sqrt((m2 / C + eps).to(m2.dtype))  # eps arrives as fp64 (exact for fp64 rows)
 
 
 @triton.jit

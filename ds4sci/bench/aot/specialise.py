@@ -1,8 +1,9 @@
 """What Triton's JIT specialises a recorded launch on, and the ``ASTSource`` that compiles it ahead of time.
 
 Triton specialises every integer argument on ``== 1`` (a compile-time constant) and on divisibility by 16, every
-pointer on its dtype and 16-byte alignment, honouring each parameter's ``do_not_specialize``. The recorded (kernel,
-arguments, keywords) of a launch pass through Triton's own argument specialisation (``native_specialize_impl``, what
+pointer on its dtype and 16-byte alignment, honouring each parameter's ``do_not_specialize``; a parameter annotated
+with a dtype (``eps: tl.float64``) takes that type, unspecialised if a float or bool. The recorded (kernel, arguments,
+keywords) of a launch pass through Triton's own argument specialisation (``native_specialize_impl``, what
 ``JITFunction.run`` calls), so two launches with one :func:`specialisation_key` compile to the same code.
 """
 from __future__ import annotations
@@ -20,10 +21,13 @@ def specialisation(kernel, args, meta, backend) -> tuple[dict, dict, dict, dict]
         raise ValueError(f"{kernel.__name__}: {len(args)} arguments for parameters {runtime_names}")
     signature, attrs = {}, {}
     fixed, unaligned = _not_specialised(kernel)
+    annotated = _annotated_types(kernel)
     for name, arg in zip(runtime_names, args):
         # (type, specialisation): e.g. ("*fp16", "D") for a 16-byte aligned pointer, ("constexpr", 1), ("i32", "");
         # arguments the kernel marks ``do_not_specialize`` (``_on_alignment``) are not, as in JITFunction.run
         ty, desc = native_specialize_impl(backend, arg, False, name not in fixed, name not in unaligned)
+        if name in annotated:  # as JITFunction.run: the annotation's type; floats and bools not specialised
+            ty, desc = annotated[name], (None if annotated[name][:2] in ("fp", "bf", "u1") else desc)
         signature[name] = ty
         if ty == "constexpr":
             constexprs[name] = arg
@@ -46,6 +50,23 @@ def _not_specialised(kernel) -> tuple[set[str], set[str]]:
         return {kernel.arg_names[x] if isinstance(x, int) else x for x in keywords.get(key) or ()}
 
     return names("do_not_specialize"), names("do_not_specialize_on_alignment")
+
+
+def _annotated_types(kernel) -> dict[str, str]:
+    """Parameters annotated with a dtype (``eps: tl.float64``, a string under postponed annotations) -> its name
+    (``"fp64"``), from a JIT or an interpreted function."""
+    import inspect
+
+    import triton.language as tl
+
+    types = {}
+    for name, p in inspect.signature(getattr(kernel, "fn", kernel)).parameters.items():
+        annotation = p.annotation
+        if isinstance(annotation, str) and annotation.startswith("tl."):
+            annotation = getattr(tl, annotation[3:], None)
+        if isinstance(annotation, tl.dtype):
+            types[name] = annotation.name
+    return types
 
 
 def meta_names(kernel) -> set[str]:
