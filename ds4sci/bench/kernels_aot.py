@@ -188,8 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shipped: every Evoformer tile-table variant at a representative launch; callers: the "
                              "specialisations OpenFold/OpenFold3 launch; local: the local-attention kernels for every "
                              "tile-table entry, flags all off and all on; local-full: every flag combination; trimul: "
-                             "the triangle multiplicative update's kernels for every bf16/fp32 tile-table entry and "
-                             "N=4096; all: shipped, callers, local and trimul (default: %(default)s)")
+                             "the triangle multiplicative update's kernels for every bf16/fp32/fp64 tile-table "
+                             "entry and N=4096; all: shipped, callers, local and trimul (default: %(default)s)")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None,
                         help="shipped and local sets: dtypes (default: all for shipped and local-full, "
                              f"{' '.join(LOCAL_DTYPES)} for local)")

@@ -16,8 +16,8 @@
   branch stops that), at one representative causal GQA launch (B = 1, S = 256, H = 8, Hkv = 2, D = ``BLOCK_D``):
   96 compilations. ``local-full``: every dtype and flag combination (288 compilations). The kernels do not
   specialise the integers that change from ring block to ring block (offsets, band), so one launch stands for all.
-- ``trimul``: the triangle multiplicative update's kernels (:mod:`ds4sci.bench.aot.trimul`): per bf16/fp32 tile-table
-  entry one call with biases and outgoing edges and one without and incoming, the first the N = 4096 one.
+- ``trimul``: the triangle multiplicative update's kernels (:mod:`ds4sci.bench.aot.trimul`): per bf16/fp32/fp64
+  tile-table entry one call with biases and outgoing edges and one without and incoming, the first the N = 4096 one.
 """
 from __future__ import annotations
 
