@@ -56,8 +56,8 @@ from .triton_common import cast
 from .triton_common import dot
 from .triton_trimul_rows import add_to_block
 from .triton_trimul_rows import channels
-from .triton_trimul_rows import dx_block
 from .triton_trimul_rows import gate_and_output
+from .triton_trimul_rows import ln_block_grad
 from .triton_trimul_rows import ln_in_stats
 from .triton_trimul_rows import load_block
 from .triton_trimul_rows import op_offsets
@@ -242,20 +242,17 @@ def _ln_bwd_kernel(
         r, r_ok = positions(tile, R, BLOCK_R)
         mean = tl.load(Stats + 2 * r, mask=r_ok, other=0.0)
         rstd = tl.load(Stats + 2 * r + 1, mask=r_ok, other=0.0)
-        dy_first = dx_block(G, r, r_ok, Wap, Wag, Wbp, Wbg, Wlast, c_first, c_first_ok, C, K0, K4, stride_g, FIVE,
-                             BLOCK_R, STEP_C, STEP_K0, STEP_K4)
-        yhat_first = standardised(Src, r, r_ok, c_first, c_first_ok, stride_r, stride_c, mean, rstd)
-        g_first = dy_first * w_first[None, :]
+        _, _, dy_first, yhat_first, g_first = ln_block_grad(
+            G, Wap, Wag, Wbp, Wbg, Wlast, Src, LnW, r, r_ok, mean, rstd, 0, C, K0, K4, stride_g, stride_r, stride_c,
+            FIVE, BLOCK_R, STEP_C, STEP_K0, STEP_K4)
         sum_g = tl.sum(g_first, 1)
         sum_gy = tl.sum(g_first * yhat_first, 1)
         dw = add_to_block(dw, tl.sum(dy_first * yhat_first, 0), 0, NB)
         db = add_to_block(db, tl.sum(dy_first, 0), 0, NB)
         for c0 in range(STEP_C, C, STEP_C):
-            c, c_ok = channels(c0, C, STEP_C)
-            dy = dx_block(G, r, r_ok, Wap, Wag, Wbp, Wbg, Wlast, c, c_ok, C, K0, K4, stride_g, FIVE, BLOCK_R, STEP_C,
-                           STEP_K0, STEP_K4)
-            yhat = standardised(Src, r, r_ok, c, c_ok, stride_r, stride_c, mean, rstd)
-            g = dy * widen(tl.load(LnW + c, mask=c_ok, other=0.0))[None, :]
+            c, c_ok, dy, yhat, g = ln_block_grad(
+                G, Wap, Wag, Wbp, Wbg, Wlast, Src, LnW, r, r_ok, mean, rstd, c0, C, K0, K4, stride_g, stride_r,
+                stride_c, FIVE, BLOCK_R, STEP_C, STEP_K0, STEP_K4)
             sum_g += tl.sum(g, 1)
             sum_gy += tl.sum(g * yhat, 1)
             dw = add_to_block(dw, tl.sum(dy * yhat, 0), c0 // STEP_C, NB)
@@ -266,11 +263,9 @@ def _ln_bwd_kernel(
         tl.store(Out + r[:, None] * stride_r + c_first[None, :].to(tl.int64) * stride_c, cast(dx, Out.dtype.element_ty),
                  mask=r_ok[:, None] & c_first_ok[None, :])
         for c0 in range(STEP_C, C, STEP_C):
-            c, c_ok = channels(c0, C, STEP_C)
-            dy = dx_block(G, r, r_ok, Wap, Wag, Wbp, Wbg, Wlast, c, c_ok, C, K0, K4, stride_g, FIVE, BLOCK_R, STEP_C,
-                           STEP_K0, STEP_K4)
-            yhat = standardised(Src, r, r_ok, c, c_ok, stride_r, stride_c, mean, rstd)
-            g = dy * widen(tl.load(LnW + c, mask=c_ok, other=0.0))[None, :]
+            c, c_ok, dy, yhat, g = ln_block_grad(
+                G, Wap, Wag, Wbp, Wbg, Wlast, Src, LnW, r, r_ok, mean, rstd, c0, C, K0, K4, stride_g, stride_r,
+                stride_c, FIVE, BLOCK_R, STEP_C, STEP_K0, STEP_K4)
             dx = tl.where(c_ok[None, :], (g - mean_g - yhat * mean_gy) * rstd[:, None], 0.0)
             tl.store(Out + r[:, None] * stride_r + c[None, :].to(tl.int64) * stride_c, cast(dx, Out.dtype.element_ty),
                      mask=r_ok[:, None] & c_ok[None, :])

@@ -207,3 +207,17 @@ def dx_block(G, r, r_ok, Wap, Wag, Wbp, Wbg, Wlast, ci, ci_ok, C, K0, K4, stride
         g = tl.load(G + r[:, None] * stride_g + 4 * K0 + ck[None, :], mask=r_ok[:, None] & ck_ok[None, :], other=0.0)
         acc += linear_t(g, Wlast, ci, ci_ok, ck, ck_ok, C)
     return acc
+
+
+@triton.jit
+def ln_block_grad(G, Wap, Wag, Wbp, Wbg, Wlast, Src, LnW, r, r_ok, mean, rstd, c0, C, K0, K4, stride_g, stride_r,
+                  stride_c, FIVE: tl.constexpr, BLOCK_R: tl.constexpr, STEP_C: tl.constexpr, STEP_K0: tl.constexpr,
+                  STEP_K4: tl.constexpr):
+    """A LayerNorm backward's terms on channels c0.. (STEP_C of them) of rows r: the channels (c, c_ok), dy (the row
+    gradients through the weights after it, :func:`dx_block`), yhat (its standardised input) and ``g = dy * weight``,
+    ``[BLOCK_R, STEP_C]`` each in the accumulation dtype."""
+    c, c_ok = channels(c0, C, STEP_C)
+    dy = dx_block(G, r, r_ok, Wap, Wag, Wbp, Wbg, Wlast, c, c_ok, C, K0, K4, stride_g, FIVE, BLOCK_R, STEP_C, STEP_K0,
+                  STEP_K4)
+    yhat = standardised(Src, r, r_ok, c, c_ok, stride_r, stride_c, mean, rstd)
+    return c, c_ok, dy, yhat, dy * widen(tl.load(LnW + c, mask=c_ok, other=0.0))[None, :]

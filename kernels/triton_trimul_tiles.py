@@ -27,25 +27,12 @@ class TrimulConfig:
     wgrad: Tiles  # block_m x block_n weight-gradient tiles, block_k = triton_trimul.WGRAD_BLOCK_K positions per step
     in_bwd: Tiles  # the input backward's tiles; block_n: channels per block on the projections' side
 
-    @property
-    def step_z(self) -> int:
-        """c_z channels per block of the row kernels (LN_in's statistics, x, the output's channels)."""
-        return min(self.rows.block_n, self.block_cz)
-
-    @property
-    def step_h(self) -> int:
-        """c_hidden channels per block of LN_out, the output projection's input and LN_out's backward."""
-        return min(self.rows.block_n, self.block_ch)
-
-    @property
-    def proj_h(self) -> int:
-        """c_hidden channels per block of the four projections (forward and backward) and of LN_in's backward."""
-        return min(self.in_bwd.block_n, self.block_ch)
-
-    @property
-    def proj_z(self) -> int:
-        """c_z channels per block of the output gate's contraction in LN_in's backward."""
-        return min(self.in_bwd.block_n, self.block_cz)
+    # channels per block: step_z, step_h of c_z and c_hidden in the row kernels (LN_in's and LN_out's statistics, x,
+    # the output's channels, LN_out's backward); proj_h, proj_z in the projections and LN_in's backward
+    step_z: int
+    step_h: int
+    proj_h: int
+    proj_z: int
 
 
 def kind(dtype: torch.dtype) -> str:
@@ -84,4 +71,7 @@ def config(dtype: torch.dtype, c_z: int, c_hidden: int) -> TrimulConfig:
         if not 1 <= c <= MAX_CHANNELS:
             raise ValueError(f"trimul_triton: {name} must be in 1..{MAX_CHANNELS}, got {c}")
     block_cz, block_ch = block_d_for(c_z), block_d_for(c_hidden)
-    return TrimulConfig(block_cz, block_ch, *TABLE[(kind(dtype), max(block_cz, block_ch))])
+    rows, product, wgrad, in_bwd = TABLE[(kind(dtype), max(block_cz, block_ch))]
+    return TrimulConfig(block_cz, block_ch, rows, product, wgrad, in_bwd, step_z=min(rows.block_n, block_cz),
+                        step_h=min(rows.block_n, block_ch), proj_h=min(in_bwd.block_n, block_ch),
+                        proj_z=min(in_bwd.block_n, block_cz))
