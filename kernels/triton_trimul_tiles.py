@@ -46,19 +46,15 @@ def kind(dtype: torch.dtype) -> str:
 # channels of the projections in steps: four [16, 128] logit tiles at once spilled 120-200 B at c = 128, steps of 32
 # at c = 32 spilled 56 B. fp32 and fp64 matmuls are FMA loops holding a thread's rows and columns of both operands
 # over the whole contraction block in registers: blocks of 16 channels (32 spilled 36-44 B in LN_in's backward).
+_FMA_ROWS = (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1))  # fp32 from 32 channels on, and fp64
 TABLE: dict[tuple[str, int], tuple[Tiles, Tiles, Tiles, Tiles]] = {
     ("half", 16): (Tiles(32, 16, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
     ("half", 32): (Tiles(32, 32, 4, 1), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1)),
     ("half", 64): (Tiles(16, 64, 4, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 4, 1)),
     ("half", 128): (Tiles(16, 128, 8, 1), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(16, 32, 8, 1)),
     ("fp32", 16): (Tiles(32, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 16, 8, 1)),
-    ("fp32", 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
-    ("fp32", 64): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
-    ("fp32", 128): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 8, 1)),
-    ("fp64", 16): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
-    ("fp64", 32): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
-    ("fp64", 64): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
-    ("fp64", 128): (Tiles(16, 16, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(16, 16, 4, 1)),
+    **{("fp32", c): (*_FMA_ROWS, Tiles(16, 16, 8, 1)) for c in (32, 64, 128)},
+    **{("fp64", c): (*_FMA_ROWS, Tiles(16, 16, 4, 1)) for c in (16, 32, 64, 128)},
 }
 
 
