@@ -95,6 +95,26 @@ _TTIR = """
 """
 
 
+def test_layer_norm_eps_compiles_as_fp64():
+    """Compiled, Triton types a plain Python float argument as fp32 (the interpreter keeps it a Python float, fp64):
+    the kernels taking LayerNorm's eps declare it ``tl.float64`` so that fp64 rows add eps exactly (on the H200 an
+    fp32 eps put OpenFold3's fp64 output 2.5e-12 off), and the gate specialises it as Triton's JIT does."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from ds4sci.bench.aot.specialise import specialisation
+
+    backend = triton.compiler.make_backend(GPUTarget("cuda", 80, 32))
+    launches = [launch for call in trimul_calls(dtypes=("fp64", "bf16"), buckets=(16,))
+                for launch in trimul_call_launches(call)]
+    with_eps = [(k, args, meta) for k, args, meta in launches if "eps" in k.arg_names]
+    assert {kernel_name(k) for k, _, _ in with_eps} == {"in_fwd", "out_fwd", "out_bwd"}
+    for kernel, args, meta in with_eps:
+        signature, _, attrs, _ = specialisation(kernel, args, meta, backend)
+        assert signature["eps"] == "fp64", kernel_name(kernel)
+        assert (kernel.arg_names.index("eps"),) not in attrs  # a float is not specialised
+
+
 def test_narrow_offsets_finds_the_32_bit_chain_only():
     """The store through ``Z + r32`` is flagged; ``Z + r64``, the weight ``Wa`` and the loop-carried pointer whose
     initial value has a 64-bit base are not."""
