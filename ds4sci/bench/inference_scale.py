@@ -7,12 +7,15 @@ is a randomly initialised GPT-NeoX-shaped GenSLM and Hugging Face's ``GPTNeoXFor
 (:func:`ds4sci.bench.throughput.build_models`; speed does not depend on the weights), its context ``--context``
 tokens, the window. Four ways to score every record (:func:`ds4sci.infer.score.score_records` for ds4sci's):
 
-- ``one``: each window alone in its forward (what a loop over records does);
-- ``bucketed``: windows sorted by length, batched to ``--max-tokens`` tokens (padding counted), no packing;
+- ``one``: each window alone in its forward, one forward after the other (what a loop over records does);
+- ``bucketed``: windows sorted by length, batched to ``--max-tokens`` tokens (padding counted), no packing; with
+  ``--threads`` above 1, that many batches read at once, one thread each
+  (:meth:`~ds4sci.infer.parallel.ShardedForward.map_batches`, what ``ds4sci score`` does on the CPU);
 - ``packed``: as ``bucketed``, and short records packed several to a row with document masks;
 - ``hf``: ``GPTNeoXForCausalLM`` over the windows in file order, ``--max-tokens / --context`` windows per forward
   padded to the longest (attention mask), the per-record sums taken from its logits.
 
+Every way runs with ``--threads`` torch threads (default: this machine's cores, as ``ds4sci score`` would).
 Every way's log-likelihoods must agree with ``one``'s (a guard: a speed-up that changed the numbers says nothing).
 Each round times all four, the order reversed every round (:mod:`ds4sci.bench.rounds`); records/s on the wall and
 CPU clocks, with the medians and the ratios to ``one`` and to ``hf``. Writes ``inference_scale.json``, ``.md`` and
@@ -62,7 +65,9 @@ _INT_OPTIONS = {
     "context": (256, "model context in tokens, the window"),
 } | shape_options(hidden=64, layers=2, heads=4) | {
     "max_tokens": (4096, "tokens per forward (bucketed, packed; hf: max_tokens / context windows)"),
-} | round_options(3, "each times the four ways")
+} | round_options(3, "each times the four ways") | {
+    "threads": (len(os.sched_getaffinity(0)), "torch threads, every way (default: this machine's cores)"),
+}
 _QUICK = {"genes": 8, "pieces": 8, "max_bases": 300, "context": 64, "hidden": 32, "layers": 1, "heads": 2,
           "max_tokens": 512, "rounds": 2}
 
@@ -135,6 +140,7 @@ def measure(cfg: dict) -> dict:
     from ds4sci.bench import throughput
     from ds4sci.data import NucleotideTokenizer
     from ds4sci.infer.evaluate import record_windows
+    from ds4sci.infer.parallel import ShardedForward
     from ds4sci.infer.score import score_records
 
     records = corpus(cfg)
@@ -144,13 +150,18 @@ def measure(cfg: dict) -> dict:
     ours, hf = ours.eval(), hf.eval()
     context, budget = cfg["context"], cfg["max_tokens"]
 
-    def ours_run(max_tokens: int, pack: bool):
-        return lambda: [r["log_likelihood"] for r in score_records(ours, tok, records, context,
-                                                                   max_tokens=max_tokens, pack=pack)]
+    runners = {"one": ShardedForward(ours, workers=1), "bucketed": ShardedForward(ours),
+               "packed": ShardedForward(ours)}
 
-    runs = {"one": ours_run(1, False), "bucketed": ours_run(budget, False), "packed": ours_run(budget, True),
+    def ours_run(mode: str, max_tokens: int, pack: bool):
+        return lambda: [r["log_likelihood"] for r in score_records(ours, tok, records, context, max_tokens=max_tokens,
+                                                                   pack=pack, runner=runners[mode])]
+
+    runs = {"one": ours_run("one", 1, False), "bucketed": ours_run("bucketed", budget, False),
+            "packed": ours_run("packed", budget, True),
             "hf": lambda: hf_scores(hf, tok, records, context, max(1, budget // context))}
     with torch_threads(cfg["threads"]):
+        in_flight = {mode: runner.batch_workers() for mode, runner in runners.items()}
         scores = {mode: run() for mode, run in runs.items()}  # warm-up, and the guard's numbers
         diff = {mode: float(np.abs(np.subtract(scores[mode], scores["one"])).max()) for mode in MODES}
         if max(diff.values()) > LL_ATOL:
@@ -160,7 +171,7 @@ def measure(cfg: dict) -> dict:
     lengths = [len(rec.sequence) for rec in records]
     return {"records": len(records), "windows": len(windows), "tokens": int(sum(lengths)),
             "lengths": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)},
-            "check": {"max_abs_ll_diff": diff, "ll_atol": LL_ATOL}, "rounds": rounds}
+            "batches_in_flight": in_flight, "check": {"max_abs_ll_diff": diff, "ll_atol": LL_ATOL}, "rounds": rounds}
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -191,7 +202,8 @@ def markdown(report: dict) -> str:
         f"(min {n['min']}, median {n['median']:.0f}, max {n['max']}), {report['windows']} windows of up to "
         f"{c['context']}. Random GPT-NeoX-shaped GenSLM and GPTNeoXForCausalLM with the same weights: "
         f"{describe_shape(c)}; fp32 on the CPU, "
-        f"{plural(c['threads'], 'torch thread')}; {c['max_tokens']} tokens per forward. torch "
+        f"{plural(c['threads'], 'torch thread')}; {c['max_tokens']} tokens per forward, bucketed and packed reading "
+        f"{plural(report['batches_in_flight']['packed'], 'batch', 'batches')} at once (one thread each). torch "
         f"{report['versions']['torch']}, transformers {report['versions']['transformers']}. Machine: "
         f"{describe_machine(report['machine'])}. Log-likelihoods checked against one window at a time: max "
         f"|difference| {max(report['check']['max_abs_ll_diff'].values()):.1e} nats.",
@@ -201,22 +213,24 @@ def markdown(report: dict) -> str:
         "",
         *markdown_table(("way", "/ one (wall)", "/ one (CPU)", "/ hf (wall)", "/ hf (CPU)"), ratios),
         "",
-        f"Packed: **{s['cpu']['packed_over_one_median']:.2f}x** one window at a time and "
-        f"**{s['cpu']['packed_over_hf_median']:.2f}x** transformers' batched forward per CPU second; bucketed "
-        f"{s['cpu']['bucketed_over_one_median']:.2f}x and {s['cpu']['bucketed_over_hf_median']:.2f}x (medians over "
-        f"{plural(len(report['rounds']), 'round')}).",
+        f"Records per second: packed **{s['wall']['packed_over_one_median']:.2f}x** one window at a time and "
+        f"**{s['wall']['packed_over_hf_median']:.2f}x** transformers' batched forward, bucketed "
+        f"{s['wall']['bucketed_over_one_median']:.2f}x and {s['wall']['bucketed_over_hf_median']:.2f}x; per CPU "
+        f"second packed {s['cpu']['packed_over_one_median']:.2f}x and {s['cpu']['packed_over_hf_median']:.2f}x, "
+        f"bucketed {s['cpu']['bucketed_over_one_median']:.2f}x and {s['cpu']['bucketed_over_hf_median']:.2f}x "
+        f"(medians over {plural(len(report['rounds']), 'round')}, {plural(c['threads'], 'torch thread')}).",
     ]
     return "\n".join(lines) + "\n"
 
 
 def plot(report: dict, path) -> None:
-    """Records per CPU second of each way, per round and the median."""
+    """Records per second (wall clock) of each way, per round and the median."""
     fig, ax = subplots(1, 1, figsize=(7, 4.5))
-    medians = [report["summary"]["cpu"][f"{mode}_records_per_s_median"] for mode in MODES]
+    medians = [report["summary"]["wall"][f"{mode}_records_per_s_median"] for mode in MODES]
     ax.bar(MODES, medians, color=["tab:gray", "tab:orange", "tab:blue", "tab:green"])
     for i, mode in enumerate(MODES):
-        ax.scatter([i] * len(report["rounds"]), [r["cpu"][mode] for r in report["rounds"]], color="black", s=10)
-    ax.set_ylabel("records per CPU second")
+        ax.scatter([i] * len(report["rounds"]), [r["wall"][mode] for r in report["rounds"]], color="black", s=10)
+    ax.set_ylabel(f"records per second, {plural(report['config']['threads'], 'torch thread')}")
     ax.set_title(f"{report['records']} records of mixed length, window {report['config']['context']}")
     save_figure(fig, path)
 

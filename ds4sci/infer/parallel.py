@@ -16,11 +16,23 @@ it is never scored or embedded), tokens, targets and positions sharded together 
 and ``embed`` deal whole records by token count (:mod:`ds4sci.infer.records`) and read packed batches, any number of
 windows per row, through :meth:`read_slots`. :meth:`reduce_data` sums a rank's disjoint part into the full array on
 every rank and :meth:`to_writer` brings a record's array to rank 0, the one rank that writes files (:attr:`is_writer`).
+
+On the CPU, a rank whose windows are not split over sequence ranks reads several batches at once (:meth:`map_batches`):
+one batch per torch thread, each operator on the thread that called it. Small operators (a hidden size of a few
+hundred, a few thousand tokens) use one core well and several poorly, so batches side by side beat one batch spread
+over every core (the "throughput streams" of CPU inference servers); every batch runs the same operators on the same
+inputs, so its numbers do not change.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -49,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a collective waits for a peer before it fails (torch's default for gloo).
 TIMEOUT_S = 1800.0
+
+Batch = TypeVar("Batch")
+Result = TypeVar("Result")
 
 
 def inference_device(spec: str = "auto") -> torch.device:
@@ -85,17 +100,21 @@ class ShardedForward:
         model: a :class:`~ds4sci.models.genslm.GenSLM`; with ``groups``, already made sequence-parallel over them
             (what :meth:`from_world` does).
         groups: the process groups (``None``: one process, no parallelism).
+        workers: batches :meth:`map_batches` reads at once (``None``: :meth:`batch_workers` chooses).
 
     A batch (``collate`` of windows: ``input_ids``, ``labels``, ``position_ids`` ``[B, T]``, labels ``-100`` where a
     token is not the window's to score or embed) goes through :meth:`losses`, :meth:`owned_sums` or
     :meth:`owned_states`; every rank of a sequence group must call them with the same batch.
     """
 
-    def __init__(self, model, groups: SequenceParallelGroups | None = None):
+    def __init__(self, model, groups: SequenceParallelGroups | None = None, workers: int | None = None):
+        if workers is not None and workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
         self.model = model
         self.groups = groups
         self.dims = groups.dims if groups is not None else ParallelDims(dp=1)
         self.device = next(model.parameters()).device
+        self.workers = workers
 
     @classmethod
     def from_world(cls, model, ulysses: int = 1, ring: int = 1, timeout_s: float = TIMEOUT_S) -> ShardedForward:
@@ -185,6 +204,41 @@ class ShardedForward:
             dist.recv(received, src=source)
             return received.cpu().numpy()
         return None
+
+    def batch_workers(self) -> int:
+        """Batches :meth:`map_batches` reads at once: ``workers`` if given; else, on the CPU with no sequence
+        parallelism, torch's intra-op threads (``torch.get_num_threads()``: ``OMP_NUM_THREADS`` or the cores), and
+        1 on a GPU or across sequence ranks (every rank of a sequence group must run its collectives in one order)."""
+        if self.workers is not None:
+            return self.workers
+        return torch.get_num_threads() if self.device.type == "cpu" and self.dims.sp == 1 else 1
+
+    def map_batches(self, read: Callable[[Batch], Result], batches: Iterable[Batch]) -> Iterator[tuple[Batch, Result]]:
+        """``(batch, read(batch))`` for each of ``batches``, in their order. With :meth:`batch_workers` ``n > 1``,
+        ``n`` threads call ``read`` on the next batches while the caller takes the results (at most ``n + 1`` batches
+        ahead), torch's intra-op threads set to 1 until the last result is taken (restored after, also when the
+        caller stops early or ``read`` raises: its exception comes out here)."""
+        workers = self.batch_workers()
+        if workers == 1:
+            for batch in batches:
+                yield batch, read(batch)
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="ds4sci-batch")
+        try:
+            pending = collections.deque()
+            for batch in batches:
+                pending.append((batch, pool.submit(read, batch)))
+                if len(pending) > workers:
+                    done, future = pending.popleft()
+                    yield done, future.result()
+            while pending:
+                done, future = pending.popleft()
+                yield done, future.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            torch.set_num_threads(threads)
 
     # ----------------------------------------------------------------------------------------------- the passes
     def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

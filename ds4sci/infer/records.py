@@ -8,8 +8,10 @@ cuts them; :func:`my_items` deals items over the data ranks of a :class:`~ds4sci
 :func:`read_items` reads this rank's items in the batches :func:`~ds4sci.infer.batching.plan_batches` plans
 (``max_tokens`` per forward, the short windows batched by length after the full ones, or packed several to a row
 with document masks; no packing across sequence ranks; per-token states keep an item's windows together, so little
-is held) and yields each item's result as soon as its last window is read. Numbers equal one window at a
-time up to float32 summation order: every window keeps its own positions, and attention never leaves its document.
+is held) and yields each item's result as soon as its last window is read; on the CPU several batches are read at
+once (:meth:`~ds4sci.infer.parallel.ShardedForward.map_batches`), their results taken in plan order. Numbers equal
+one window at a time up to float32 summation order: every window keeps its own positions, and attention never
+leaves its document.
 """
 from __future__ import annotations
 
@@ -86,11 +88,10 @@ def read_items(runner: ShardedForward, windows: list[Window], owner: np.ndarray,
     parts: dict[int, list] = {}
     owned = np.bincount(owner[chosen], weights=[len(windows[w].ids) - windows[w].owned for w in chosen],
                         minlength=int(owner.max(initial=-1)) + 1).astype(np.int64)  # [items] tokens embedded
-    for planned in plan:
-        rows = [[int(chosen[i]) for i in row] for row in planned]
-        if all(int(owner[w]) in skip for row in rows for w in row):
-            continue
-        out = runner.read_slots(collate_rows(windows, rows, pad_id), what, layer)
+    batches = ([[int(chosen[i]) for i in row] for row in planned] for planned in plan)
+    wanted = (rows for rows in batches if not all(int(owner[w]) in skip for row in rows for w in row))
+    for rows, out in runner.map_batches(lambda rows: runner.read_slots(collate_rows(windows, rows, pad_id), what,
+                                                                       layer), wanted):
         done = []
         for slot, w in enumerate(w for row in rows for w in row):
             item = int(owner[w])

@@ -120,3 +120,93 @@ def test_progress_logs_records_tokens_and_eta_when_redirected(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and lines[0].startswith("score: 1/4 records, 100 tokens, ")
     assert lines[1].startswith("score: 2/4 records, 150 tokens, ") and "records/s, ETA 0:" in lines[1]
+
+
+def test_batches_read_on_threads_give_the_same_numbers_in_the_same_order(setup):
+    """On the CPU several batches are read at once (``ShardedForward.map_batches``), each operator on one thread:
+    scores, mean and per-token embeddings come out bitwise equal to the batches read one after the other on one
+    thread, in the same order. (Against several intra-op threads they can differ in the last bits: MKL's GEMM of a
+    few rows rounds differently on two threads than on one.)"""
+    model, tok, records = setup
+    options = dict(max_tokens=24, pack=True)  # many small batches, packed and not
+    threads = torch.get_num_threads()
+    for stride in (None, 6):
+        runs = {}
+        for workers in (1, 3):
+            runner = ShardedForward(model, workers=workers)
+            torch.set_num_threads(1)
+            try:
+                runs[workers] = (
+                    list(score_stream(model, tok, records, SEQ_LEN, stride=stride, runner=runner, **options)),
+                    list(embed_stream(model, tok, records, SEQ_LEN, stride=stride, runner=runner, **options)),
+                    list(embed_stream(model, tok, records, SEQ_LEN, stride=stride, per_token=True, runner=runner,
+                                      **options)))
+            finally:
+                torch.set_num_threads(threads)
+        (scores, means, states), (scores3, means3, states3) = runs[1], runs[3]
+        assert scores == scores3
+        for (i, name, v), (i3, name3, v3) in zip(means + states, means3 + states3, strict=True):
+            assert (i, name) == (i3, name3)
+            np.testing.assert_array_equal(v, v3)
+
+
+@pytest.fixture
+def three_threads():
+    """torch's intra-op threads set to 3 for the test (a number no default gives here), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield 3
+    torch.set_num_threads(threads)
+
+
+def test_map_batches_runs_workers_at_once_in_order_on_one_thread_each(three_threads):
+    import threading
+    import time
+
+    model = GenSLM(GenSLMConfig.preset("debug", vocab_size=8, max_position_embeddings=8))
+    threads = three_threads
+    meet = threading.Barrier(2, timeout=10)  # two reads must be in flight together to pass
+    inside, ahead, started, taken = [], [], [], []
+
+    def read(i):
+        started.append(i)
+        ahead.append(len(started) - len(taken))
+        inside.append(torch.get_num_threads())
+        if i < 2:
+            meet.wait()
+        time.sleep(0.01 * (i % 3 == 0))  # later batches finish first
+        return i * i
+
+    runner = ShardedForward(model, workers=2)
+    for i, value in runner.map_batches(read, range(9)):
+        assert value == i * i
+        taken.append(i)
+    assert taken == list(range(9)) and inside == [1] * 9 and max(ahead) <= 3  # at most workers + 1 ahead
+    assert torch.get_num_threads() == threads
+
+    def broken(i):
+        if i == 4:
+            raise RuntimeError("batch 4")
+        return i
+
+    with pytest.raises(RuntimeError, match="batch 4"):
+        list(runner.map_batches(broken, range(9)))
+    assert torch.get_num_threads() == threads
+    first = runner.map_batches(lambda i: i, range(9))
+    assert next(first) == (0, 0)
+    first.close()  # a caller that stops early
+    assert torch.get_num_threads() == threads
+
+
+def test_batch_workers_follow_the_threads_on_the_cpu_and_are_one_across_sequence_ranks(three_threads):
+    from types import SimpleNamespace
+
+    from ds4sci.distributed.dims import ParallelDims
+
+    model = GenSLM(GenSLMConfig.preset("debug", vocab_size=8, max_position_embeddings=8))
+    assert ShardedForward(model).batch_workers() == three_threads
+    assert ShardedForward(model, workers=2).batch_workers() == 2
+    assert ShardedForward(model, SimpleNamespace(dims=ParallelDims(dp=1, ulysses=2))).batch_workers() == 1
+    assert ShardedForward(model, SimpleNamespace(dims=ParallelDims(dp=2))).batch_workers() == three_threads
+    with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
+        ShardedForward(model, workers=0)
