@@ -196,6 +196,9 @@ def test_map_batches_runs_workers_at_once_in_order_on_one_thread_each(three_thre
     assert next(first) == (0, 0)
     first.close()  # a caller that stops early
     assert torch.get_num_threads() == threads
+    # fewer batches than workers: one after the other, each on every thread
+    few = ShardedForward(model, workers=3).map_batches(lambda i: torch.get_num_threads(), range(2))
+    assert list(few) == [(0, threads), (1, threads)]
 
 
 def test_batch_workers_follow_the_threads_on_the_cpu_and_are_one_across_sequence_ranks(three_threads):
