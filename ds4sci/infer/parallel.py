@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import itertools
 import logging
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -214,18 +213,16 @@ class ShardedForward:
             return self.workers
         return torch.get_num_threads() if self.device.type == "cpu" and self.dims.sp == 1 else 1
 
-    def map_batches(self, read: Callable[[Batch], Result], batches: Iterable[Batch]) -> Iterator[tuple[Batch, Result]]:
-        """``(batch, read(batch))`` for each of ``batches``, in their order. With :meth:`batch_workers` ``n > 1``
-        and at least ``n`` batches, ``n`` threads call ``read`` on the next batches while the caller takes the
-        results (at most ``n + 1`` batches ahead), torch's intra-op threads set to 1 until the last result is taken
-        (restored after, also when the caller stops early or ``read`` raises: its exception comes out here); fewer
-        batches are read one after the other, each on every thread."""
-        workers = self.batch_workers()
-        batches = iter(batches)
-        first = list(itertools.islice(batches, workers))
-        batches = itertools.chain(first, batches)
-        if len(first) < workers:
-            workers = 1
+    def map_batches(self, read: Callable[[Batch], Result], batches: Iterable[Batch],
+                    planned: int) -> Iterator[tuple[Batch, Result]]:
+        """``(batch, read(batch))`` for each of ``batches``, in their order. ``planned``: the batches of the whole job
+        (those an interrupted run already read included), which decides how they are read, so a resumed job reads
+        its batches as the first run did: with :meth:`batch_workers` ``n > 1`` and at least ``n`` planned, ``n``
+        threads call ``read`` on the next batches while the caller takes the results (at most ``n + 1`` batches
+        ahead), torch's intra-op threads set to 1 until the last result is taken (restored after, also when the
+        caller stops early or ``read`` raises: its exception comes out here); with fewer, one after the other, each
+        on every thread."""
+        workers = self.batch_workers() if planned >= self.batch_workers() else 1
         if workers == 1:
             for batch in batches:
                 yield batch, read(batch)

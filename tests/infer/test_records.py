@@ -178,7 +178,7 @@ def test_map_batches_runs_workers_at_once_in_order_on_one_thread_each(three_thre
         return i * i
 
     runner = ShardedForward(model, workers=2)
-    for i, value in runner.map_batches(read, range(9)):
+    for i, value in runner.map_batches(read, range(9), 9):
         assert value == i * i
         taken.append(i)
     assert taken == list(range(9)) and inside == [1] * 9 and max(ahead) <= 3  # at most workers + 1 ahead
@@ -190,15 +190,18 @@ def test_map_batches_runs_workers_at_once_in_order_on_one_thread_each(three_thre
         return i
 
     with pytest.raises(RuntimeError, match="batch 4"):
-        list(runner.map_batches(broken, range(9)))
+        list(runner.map_batches(broken, range(9), 9))
     assert torch.get_num_threads() == threads
-    first = runner.map_batches(lambda i: i, range(9))
+    first = runner.map_batches(lambda i: i, range(9), 9)
     assert next(first) == (0, 0)
     first.close()  # a caller that stops early
     assert torch.get_num_threads() == threads
-    # fewer batches than workers: one after the other, each on every thread
-    few = ShardedForward(model, workers=3).map_batches(lambda i: torch.get_num_threads(), range(2))
+    # a job of fewer batches than workers: one after the other, each on every thread; the batches left to a
+    # resumed job are read as the whole job's were
+    few = ShardedForward(model, workers=3).map_batches(lambda i: torch.get_num_threads(), range(2), 2)
     assert list(few) == [(0, threads), (1, threads)]
+    left = ShardedForward(model, workers=3).map_batches(lambda i: torch.get_num_threads(), range(2), 5)
+    assert list(left) == [(0, 1), (1, 1)]
 
 
 def test_batch_workers_follow_the_threads_on_the_cpu_and_are_one_across_sequence_ranks(three_threads):
@@ -213,3 +216,16 @@ def test_batch_workers_follow_the_threads_on_the_cpu_and_are_one_across_sequence
     assert ShardedForward(model, SimpleNamespace(dims=ParallelDims(dp=2))).batch_workers() == three_threads
     with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
         ShardedForward(model, workers=0)
+
+
+def test_a_resumed_job_reads_its_batches_as_the_whole_job_did(setup):
+    """``read_items`` tells ``map_batches`` the whole plan's batches, those of skipped records included: the batches
+    left to a resumed job are read the same way (on threads or not) as in the uninterrupted run."""
+    model, tok, records = setup
+    runner, planned = ShardedForward(model, workers=3), []
+    map_batches = runner.map_batches
+    runner.map_batches = lambda read, batches, count: (planned.append(count), map_batches(read, batches, count))[1]
+    whole = dict(score_stream(model, tok, records, SEQ_LEN, max_tokens=24, runner=runner))
+    left = dict(score_stream(model, tok, records, SEQ_LEN, max_tokens=24, runner=runner,
+                             skip=range(1, len(records))))
+    assert planned[0] == planned[1] >= 3 and list(left) == [0] and left[0] == whole[0]
