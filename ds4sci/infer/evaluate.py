@@ -109,11 +109,15 @@ def window_losses(model, dataset, batch_size: int = 8, progress=None,
     ``dataset``, in order, on every rank; ``progress`` (a tqdm bar or None) is advanced by this rank's windows.
 
     ``runner``: the :class:`~ds4sci.infer.parallel.ShardedForward` of ``model`` (default: one process); across ranks,
-    window ``w`` is read by data rank ``w % dp``, sequence-parallel within it, ``batch_size`` windows per forward."""
+    window ``w`` is read by data rank ``w % dp``, sequence-parallel within it, ``batch_size`` windows per forward
+    (several batches at once on the CPU: :meth:`~ds4sci.infer.parallel.ShardedForward.map_batches`)."""
     runner = runner or ShardedForward(model)
     sums, counts = np.zeros(len(dataset)), np.zeros(len(dataset), dtype=np.int64)
-    for chosen, batch in runner.batches(dataset, runner.share(len(dataset)), batch_size):
-        sums[chosen], counts[chosen] = runner.losses(batch)
+    mine = runner.share(len(dataset))
+    batches = runner.batches(dataset, mine, batch_size)
+    for (chosen, _), both in runner.map_batches(lambda pair: runner.losses(pair[1]), batches,
+                                                -(-len(mine) // batch_size)):
+        sums[chosen], counts[chosen] = both
         if progress is not None:
             progress.update(len(chosen))
     return runner.reduce_data(sums), runner.reduce_data(counts)

@@ -340,10 +340,10 @@ class ShardedForward:
         return [hidden[(batch["slots"] == k) & keep].numpy() for k in range(n)]
 
     def batches(self, dataset, items, batch_size: int):
-        """``(indices, batch)``: the samples ``dataset[i]`` for ``i`` in ``items``, ``batch_size`` at a time."""
+        """``(indices, batch)``: the samples ``dataset[i]`` for ``i`` in ``items``, ``batch_size`` at a time, collated
+        as they are taken (``ValueError`` at once for a ``batch_size`` below 1)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         items = list(items)
-        for start in range(0, len(items), batch_size):
-            chosen = items[start : start + batch_size]
-            yield chosen, collate([dataset[i] for i in chosen])
+        chosen = (items[start : start + batch_size] for start in range(0, len(items), batch_size))
+        return ((some, collate([dataset[i] for i in some])) for some in chosen)
