@@ -47,13 +47,13 @@ class EvoformerBackend(str, enum.Enum):
 class LocalBackend(str, enum.Enum):
     """Which implementation runs ``memory_efficient_attention`` (and GenSLM's ``attention_backend``)."""
 
-    AUTO = "auto"  # flash-attn where it can express the call, else the Triton kernel on CUDA, else chunked (sdpa for
-    # a decode step, one query row, off CUDA)
+    AUTO = "auto"  # flash-attn where it can express the call, else the Triton kernel on CUDA, else chunked (sdpa off
+    # CUDA for a decode step, one query row, and for a causal pass without gradients)
     CHUNKED = "chunked"  # online softmax in PyTorch, any device (ds4sci.kernels.local_chunked)
     TRITON = "triton"  # the fused kernel (ds4sci.kernels.triton_local_attention)
     FLASH = "flash"  # flash-attn's flash_attn_func (GPU, fp16/bf16)
-    SDPA = "sdpa"  # the readable O(S^2) oracle (ds4sci.kernels.local_reference.sdpa_attention); auto picks it only
-    # for a decode step (Sq == 1) off CUDA
+    SDPA = "sdpa"  # the readable O(S^2) oracle (ds4sci.kernels.local_reference.sdpa_attention); off CUDA auto picks
+    # it for a decode step (Sq == 1) and a causal pass without gradients (SDPA's causal kernel)
 
 
 class TriMulBackend(str, enum.Enum):

@@ -104,7 +104,8 @@ def backends(cuda: bool | None = None) -> dict[str, dict[str, dict]]:
         },
         "genslm_local_attention": {
             "auto": (True, "picks " + ("flash where it can express the call, else triton, else chunked" if cuda
-                                       else "chunked here (no CUDA device; sdpa for a decode step)")),
+                                       else "chunked here (no CUDA device; sdpa for a decode step and a causal "
+                                            "inference pass)")),
             "flash": flash,
             "triton": local_triton,
             "chunked": (True, "usable (PyTorch online softmax, any device, every option)"),

@@ -62,6 +62,10 @@ logger = logging.getLogger(__name__)
 #: Seconds a collective waits for a peer before it fails (torch's default for gloo).
 TIMEOUT_S = 1800.0
 
+#: A window is read at a width padded to a multiple of this many tokens (at most the window length): see
+#: :meth:`ShardedForward.read_slots`.
+WIDTH_STEP = 64
+
 Batch = TypeVar("Batch")
 Result = TypeVar("Result")
 
@@ -91,6 +95,25 @@ def inference_device(spec: str = "auto") -> torch.device:
                          + (f" (local rank {local})" if not index else ""))
     torch.cuda.set_device(device)
     return device
+
+
+#: What each ``[B, T]`` tensor of a batch is padded with (:meth:`ShardedForward._shard`, :func:`width_groups`).
+_PAD = {"labels": IGNORE_INDEX, "targets": IGNORE_INDEX, "position_ids": 0, "input_ids": 0, "slots": -1,
+        "owned": False, "doc_ids": PAD_DOC_ID}
+
+
+def width_groups(batch: dict[str, torch.Tensor], row_len: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """The rows of a batch of one window per row (:func:`~ds4sci.infer.batching.collate_rows`, ``slots [B, T]``
+    -1 at padding) in groups of one width, narrowest first: each row's tokens rounded up to a multiple of
+    :data:`WIDTH_STEP`, at most ``row_len`` (when given); each group's ``[b, T]`` tensors cut or padded
+    (:data:`_PAD`) to that width."""
+    lengths = (batch["slots"] >= 0).sum(1)  # [B] tokens of each row
+    widths = -(-lengths // WIDTH_STEP) * WIDTH_STEP
+    if row_len is not None:
+        widths = torch.minimum(widths, torch.maximum(lengths, torch.tensor(row_len)))
+    for width in sorted(set(widths.tolist())):
+        rows = torch.nonzero(widths == width).flatten()
+        yield {k: pad_to_multiple(v[rows, :width], 1, width, _PAD[k]) for k, v in batch.items()}
 
 
 class ShardedForward:
@@ -251,11 +274,9 @@ class ShardedForward:
         any token, as causal attention keeps it from the real ones) and cut along the sequence -> ``[B, T'/sp]``."""
         d, sp_rank = self.dims, self.groups.sp_rank if self.groups is not None else 0
         batch = {**batch, "targets": shift_labels(batch["labels"])}  # before sharding: a shard's last token has one
-        pad = {"labels": IGNORE_INDEX, "targets": IGNORE_INDEX, "position_ids": 0, "input_ids": 0,
-               "slots": -1, "owned": False, "doc_ids": PAD_DOC_ID}
         return {k: shard_sequence(pad_to_multiple(batch[k], 1, d.sequence_multiple, value), 1, sp_rank, d.sp,
                                   d.layout).to(self.device)
-                for k, value in pad.items() if k in batch}
+                for k, value in _PAD.items() if k in batch}
 
     def _sum_sp(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (float64) summed over the sequence group, each rank's tokens once; on the CPU."""
@@ -298,12 +319,19 @@ class ShardedForward:
         return [hidden[b][owned[b]].numpy() for b in range(hidden.shape[0])]
 
     @torch.no_grad()
-    def read_slots(self, batch: dict[str, torch.Tensor], what: str, layer: int | None = None):
+    def read_slots(self, batch: dict[str, torch.Tensor], what: str, layer: int | None = None,
+                   row_len: int | None = None):
         """What each window (slot) of a packed batch (:func:`~ds4sci.infer.batching.collate_rows`: ``slots [B, T]``,
         ``owned``, ``doc_ids``) gives, ``n`` the number of slots: ``"loss"``, summed next-token loss (nats) ``[n]``
         float64 and scored target count ``[n]`` int64; ``"sum"``, hidden states of ``layer`` summed over the owned
         tokens ``[n, hidden]`` float64; ``"states"``, a list of ``n`` arrays ``[owned, hidden]`` float32 (gathered
         from the sequence group). ``doc_ids`` are passed to attention only when some row holds several windows.
+
+        A batch of one window per row is read in groups of rows of one width, each row's tokens padded to the next
+        multiple of :data:`WIDTH_STEP` (at most ``row_len``, the window length, when given): a window's numbers then
+        depend on its own length alone, not on the longest row beside it (PyTorch's fused attention on the CPU rounds
+        with the padded width; :func:`~ds4sci.kernels.local_attention.select_backend`). Rows of several windows
+        (packing) are read as they are.
 
         Raises:
             ValueError: an unknown ``what``.
@@ -314,6 +342,16 @@ class ShardedForward:
         packed = n > batch["slots"].shape[0]
         if not packed:
             batch = {k: v for k, v in batch.items() if k != "doc_ids"}
+        parts = [self._read_part(part, what, layer, n) for part in
+                 ([batch] if packed else width_groups(batch, row_len))]
+        if what != "states":
+            return tuple(sum(values) for values in zip(*parts)) if what == "loss" else sum(parts)
+        states = {k: state for part in parts for k, state in part.items()}
+        return [states[k] for k in range(n)]
+
+    def _read_part(self, batch: dict[str, torch.Tensor], what: str, layer: int | None, n: int):
+        """:meth:`read_slots` of rows holding some of the ``n`` slots: loss and counts ``[n]``, sums ``[n, hidden]``
+        (zero for the slots elsewhere) or ``{slot: states}`` for the slots here."""
         s = self._shard(batch)
         slots = s["slots"].clamp(min=0)  # padding (-1) adds zeros to slot 0
         if what == "loss":
@@ -337,7 +375,7 @@ class ShardedForward:
             hidden = gather_sequence(hidden, 1, self.groups.sp, self.dims.layout)  # [B, T', hidden]
         hidden = hidden[:, : batch["slots"].shape[1]].cpu()  # [B, T, hidden]
         keep = batch["owned"]
-        return [hidden[(batch["slots"] == k) & keep].numpy() for k in range(n)]
+        return {k: hidden[(batch["slots"] == k) & keep].numpy() for k in batch["slots"].unique().tolist() if k >= 0}
 
     def batches(self, dataset, items, batch_size: int):
         """``(indices, batch)``: the samples ``dataset[i]`` for ``i`` in ``items``, ``batch_size`` at a time, collated

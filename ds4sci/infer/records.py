@@ -91,7 +91,7 @@ def read_items(runner: ShardedForward, windows: list[Window], owner: np.ndarray,
     batches = ([[int(chosen[i]) for i in row] for row in planned] for planned in plan)
     wanted = (rows for rows in batches if not all(int(owner[w]) in skip for row in rows for w in row))
     for rows, out in runner.map_batches(lambda rows: runner.read_slots(collate_rows(windows, rows, pad_id), what,
-                                                                       layer), wanted, len(plan)):
+                                                                       layer, row_len), wanted, len(plan)):
         done = []
         for slot, w in enumerate(w for row in rows for w in row):
             item = int(owner[w])

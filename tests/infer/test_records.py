@@ -229,3 +229,37 @@ def test_a_resumed_job_reads_its_batches_as_the_whole_job_did(setup):
     left = dict(score_stream(model, tok, records, SEQ_LEN, max_tokens=24, runner=runner,
                              skip=range(1, len(records))))
     assert planned[0] == planned[1] >= 3 and list(left) == [0] and left[0] == whole[0]
+
+
+def test_a_windows_numbers_do_not_depend_on_the_rows_beside_it():
+    """Off CUDA, inference runs PyTorch's fused causal attention, whose rounding follows a row's padded width: each
+    window is read at its own length rounded up to WIDTH_STEP (at most the window), so every record's score and
+    embeddings are bitwise the same alone as in batches of longer and shorter rows, on threads or not."""
+    from ds4sci.infer.parallel import WIDTH_STEP
+    from ds4sci.infer.parallel import width_groups
+
+    torch.manual_seed(0)
+    tok = NucleotideTokenizer()
+    seq_len = 160
+    cfg = GenSLMConfig.preset("debug", vocab_size=tok.vocab_size, max_position_embeddings=seq_len, init_std=0.2)
+    model = GenSLM(cfg).eval()
+    rng = np.random.default_rng(2)
+    records = [FastaRecord(f"r{i}", "", "".join(rng.choice(list("ACGT"), n)))
+               for i, n in enumerate([9, 70, 130, 160, 200, 3, 64, 65, 400])]
+    for workers in (1, 2):
+        runner = ShardedForward(model, workers=workers)
+        together = dict(score_stream(model, tok, records, seq_len, max_tokens=4 * seq_len, runner=runner))
+        states = {i: v for i, _, v in embed_stream(model, tok, records, seq_len, max_tokens=4 * seq_len,
+                                                   per_token=True, runner=runner)}
+        for i, rec in enumerate(records):
+            alone, = dict(score_stream(model, tok, [rec], seq_len, runner=runner, max_tokens=seq_len)).values()
+            assert alone == together[i], rec.id
+            (_, _, state), = embed_stream(model, tok, [rec], seq_len, per_token=True, runner=runner)
+            np.testing.assert_array_equal(state, states[i])
+    slots = torch.tensor([[0] * 9 + [-1] * 151, [1] * 70 + [-1] * 90, [2] * 160])
+    batch = {"slots": slots, "input_ids": torch.ones_like(slots)}
+    groups = list(width_groups(batch, row_len=seq_len))
+    assert [g["slots"].shape for g in groups] == [(1, WIDTH_STEP), (1, 2 * WIDTH_STEP), (1, seq_len)]
+    assert [int(g["slots"].max()) for g in groups] == [0, 1, 2] and int(groups[0]["slots"][0, 9]) == -1
+    wide = list(width_groups({"slots": slots[:1, :9], "input_ids": slots[:1, :9]}))  # padded up to the step
+    assert wide[0]["slots"].shape == (1, WIDTH_STEP) and wide[0]["slots"][0, 9:].eq(-1).all()

@@ -16,6 +16,7 @@ import torch
 
 from ds4sci.kernels import local_attention as la
 from ds4sci.kernels import local_chunked
+from ds4sci.kernels.backends import LOCAL_CHUNK_SIZE
 from ds4sci.kernels.backends import LocalBackend
 from ds4sci.kernels.local_attention import memory_efficient_attention
 from ds4sci.kernels.local_attention import select_backend
@@ -259,15 +260,17 @@ def test_bad_backend_names_the_value():
 
 def test_sdpa_backend_runs_the_oracle_by_name_only():
     """backend="sdpa" is sdpa_attention with every protocol argument and option (chunk_size ignored); "auto" never
-    picks it for more than one query row, on any device."""
+    picks it for more than one query row of a pass that needs gradients, on any device, nor on CUDA."""
     tensors, protocol = _inputs((13, 5, 12, 10), 2, docs=True, seed=7)
     opts = dict(causal=True, window=9, alibi_slopes=SLOPES.double(), scale=0.3, **protocol)
     for a, b in zip(_run(memory_efficient_attention, tensors, torch.float64, backend="sdpa", chunk_size=2, **opts),
                     _run(sdpa_attention, tensors, torch.float64, **opts)):
         assert torch.equal(a, b)
-    q = torch.randn(1, 4, 2, 8)
+    q = torch.randn(1, 4, 2, 8, requires_grad=True)
     for device_type in ("cpu", "cuda"):
         assert select_backend(q, q, q, causal=True, device_type=device_type) is not LocalBackend.SDPA
+    with torch.no_grad():
+        assert select_backend(q, q, q, causal=True, device_type="cuda") is not LocalBackend.SDPA
     assert select_backend(q, q, q, backend="sdpa") is LocalBackend.SDPA
 
 
@@ -291,10 +294,40 @@ def test_cpu_decode_step_runs_sdpa_equal_to_chunked(kv_heads, alibi, q_offset):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_cpu_inference_causal_pass_runs_sdpa_equal_to_chunked(kv_heads):
+    """Off CUDA, without gradients: "auto" runs SDPA's causal kernel for a causal block whose queries are its keys,
+    equal to the chunked path in fp32 (GQA too), and with document ids up to LOCAL_CHUNK_SIZE queries; needing
+    gradients, with offsets, a window, ALiBi, the lse or longer packed rows it keeps the chunked path, and on CUDA it
+    never picks sdpa."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 37, H, D, generator=gen)
+    k, v = (torch.randn(3, 37, kv_heads, D, generator=gen) for _ in range(2))
+    docs = torch.arange(37).div(10, rounding_mode="floor").expand(3, 37)
+    long = torch.zeros(1, LOCAL_CHUNK_SIZE + 1, H, D)
+    assert select_backend(q, k, v, causal=True) is LocalBackend.SDPA  # no input needs a gradient
+    assert select_backend(q, k, v, causal=True, q_doc=docs) is LocalBackend.SDPA
+    assert select_backend(q, k, v, causal=True, device_type="cuda") is not LocalBackend.SDPA
+    assert select_backend(long, long, long, causal=True) is LocalBackend.SDPA
+    long_docs = torch.zeros(1, LOCAL_CHUNK_SIZE + 1, dtype=torch.long)
+    assert select_backend(long, long, long, causal=True, q_doc=long_docs) is LocalBackend.CHUNKED
+    for opts in (dict(q_offset=5, k_offset=4), dict(window=9), dict(alibi_slopes=SLOPES), dict(return_lse=True),
+                 dict(causal=False)):
+        assert select_backend(q, k, v, **{"causal": True, **opts}) is LocalBackend.CHUNKED, opts
+    assert select_backend(q.requires_grad_(), k, v, causal=True) is LocalBackend.CHUNKED  # training keeps chunked
+    with torch.no_grad():
+        assert select_backend(q, k, v, causal=True) is LocalBackend.SDPA
+        got = memory_efficient_attention(q, k, v, causal=True)
+        got_docs = memory_efficient_attention(q, k, v, causal=True, q_doc=docs, k_doc=docs)
+    torch.testing.assert_close(got, chunked_attention(q, k, v, causal=True, chunk_size=8), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_docs, chunked_attention(q, k, v, causal=True, q_doc=docs, k_doc=docs, chunk_size=8),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_cpu_auto_runs_chunked(monkeypatch):
     calls = []
     monkeypatch.setattr(la, "chunked_attention", lambda *a, **kw: calls.append(kw) or "chunked")
-    q = torch.randn(1, 4, 2, 8)
+    q = torch.randn(1, 4, 2, 8, requires_grad=True)
     assert memory_efficient_attention(q, q, q, causal=True, chunk_size=16) == "chunked"
     assert calls[0]["causal"] and calls[0]["chunk_size"] == 16
     assert select_backend(q, q, q, causal=True, alibi_slopes=SLOPES) == "chunked"
