@@ -5,7 +5,9 @@ The corpus: the bundled genes (``examples/data/NZ_CP040672.1_cds_100.fna``, ``--
 pieces of the bundled genome of random lengths (``--min-bases`` to ``--max-bases``), shuffled together. The model
 is a randomly initialised GPT-NeoX-shaped GenSLM and Hugging Face's ``GPTNeoXForCausalLM`` holding the same weights
 (:func:`ds4sci.bench.throughput.build_models`; speed does not depend on the weights), its context ``--context``
-tokens, the window. Four ways to score every record (:func:`ds4sci.infer.score.score_records` for ds4sci's):
+tokens, the window; ds4sci's attention backend is its default (``auto``: on the CPU, PyTorch's fused causal kernel
+for inference, :func:`~ds4sci.kernels.local_attention.select_backend`), transformers' ``sdpa``. Four ways to score
+every record (:func:`ds4sci.infer.score.score_records` for ds4sci's):
 
 - ``one``: each window alone in its forward, one forward after the other (what a loop over records does);
 - ``bucketed``: windows sorted by length, batched to ``--max-tokens`` tokens (padding counted), no packing; with
@@ -146,7 +148,7 @@ def measure(cfg: dict) -> dict:
     records = corpus(cfg)
     tok = NucleotideTokenizer()
     ours, hf = throughput.build_models({"shape": "gpt-neox", "kv_heads": 0, "seq_len": cfg["context"],
-                                        "rotary_pct": 0.25, "hf_attention": "sdpa", "attention_backend": "sdpa"} | cfg)
+                                        "rotary_pct": 0.25, "hf_attention": "sdpa", "attention_backend": "auto"} | cfg)
     ours, hf = ours.eval(), hf.eval()
     context, budget = cfg["context"], cfg["max_tokens"]
 
@@ -201,7 +203,7 @@ def markdown(report: dict) -> str:
         f"{c['min_bases']}-{c['max_bases']} bases, shuffled: {report['records']} records, {report['tokens']:,} bases "
         f"(min {n['min']}, median {n['median']:.0f}, max {n['max']}), {report['windows']} windows of up to "
         f"{c['context']}. Random GPT-NeoX-shaped GenSLM and GPTNeoXForCausalLM with the same weights: "
-        f"{describe_shape(c)}; fp32 on the CPU, "
+        f"{describe_shape(c)}; attention: ds4sci's default (auto), transformers' sdpa; fp32 on the CPU, "
         f"{plural(c['threads'], 'torch thread')}; {c['max_tokens']} tokens per forward, bucketed and packed reading "
         f"{plural(report['batches_in_flight']['packed'], 'batch', 'batches')} at once (one thread each). torch "
         f"{report['versions']['torch']}, transformers {report['versions']['transformers']}. Machine: "

@@ -64,7 +64,7 @@ TIMEOUT_S = 1800.0
 
 #: A window is read at a width padded to a multiple of this many tokens (at most the window length): see
 #: :meth:`ShardedForward.read_slots`.
-WIDTH_STEP = 64
+WIDTH_STEP = 16
 
 Batch = TypeVar("Batch")
 Result = TypeVar("Result")
@@ -111,9 +111,10 @@ def width_groups(batch: dict[str, torch.Tensor], row_len: int | None = None) -> 
     widths = -(-lengths // WIDTH_STEP) * WIDTH_STEP
     if row_len is not None:
         widths = torch.minimum(widths, torch.maximum(lengths, torch.tensor(row_len)))
-    for width in sorted(set(widths.tolist())):
-        rows = torch.nonzero(widths == width).flatten()
-        yield {k: pad_to_multiple(v[rows, :width], 1, width, _PAD[k]) for k, v in batch.items()}
+    distinct = sorted(set(widths.tolist()))
+    for width in distinct:
+        part = batch if len(distinct) == 1 else {k: v[widths == width] for k, v in batch.items()}
+        yield {k: pad_to_multiple(v[:, :width], 1, width, _PAD[k]) for k, v in part.items()}  # views at width T
 
 
 class ShardedForward:
