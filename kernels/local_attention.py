@@ -193,14 +193,17 @@ def _triton_import_error() -> str:
 def select_backend(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offset: int = 0,
                    q_doc: Tensor | None = None, return_lse: bool = False, causal: bool = False,
                    window: int | None = None, mask: Tensor | None = None, alibi_slopes: Tensor | None = None,
-                   backend: str | LocalBackend = "auto", device_type: str | None = None) -> LocalBackend:
+                   backend: str | LocalBackend = "auto", device_type: str | None = None,
+                   inference: bool = False) -> LocalBackend:
     """The backend :func:`memory_efficient_attention` runs for this call (a :class:`LocalBackend` but ``AUTO``).
 
     A forced ``backend`` is returned as it is. Off CUDA, ``"auto"`` picks
     :func:`~ds4sci.kernels.local_reference.sdpa_attention` for a decode step (one query row, ``Sq == 1``: its one
     ``[B, H, 1, Sk]`` row of logits is no larger than the keys, ``[B, Sk, Hkv, D]``, and it reads all keys in one
-    pass, where the chunked path's loop over key blocks costs more than the attention itself) and, with gradients
-    off (inference), for a causal block whose queries are its keys (``q_offset == k_offset``, ``Sq == Sk``) with no
+    pass, where the chunked path's loop over key blocks costs more than the attention itself) and, for an
+    ``inference`` pass (a model in eval mode says so: a checkpointed training forward also runs without gradients,
+    and its recomputation must run the same kernel) that needs no gradient, for a causal block whose queries are its
+    keys (``q_offset == k_offset``, ``Sq == Sk``) with no
     window, explicit mask, ALiBi or lse: PyTorch's fused causal kernel then runs it with no mask tensor, 2.5-6x
     faster on this machine's CPU than the chunked path's blocks (``[16, 256, 4, 16]``: 10 ms against 25-65 ms); with
     document ids (packed rows) only up to :data:`~ds4sci.kernels.backends.LOCAL_CHUNK_SIZE` queries, where its
@@ -225,8 +228,8 @@ def select_backend(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int = 0, k_offs
         causal_kernel = (causal and q_offset == k_offset and q.shape[1] == k.shape[1] and window is None
                          and mask is None and alibi_slopes is None and not return_lse
                          and (q_doc is None or q.shape[1] <= LOCAL_CHUNK_SIZE))
-        inference = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-        one_pass = q.shape[1] == 1 or (causal_kernel and inference)
+        no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+        one_pass = q.shape[1] == 1 or (causal_kernel and inference and no_grad)
         return LocalBackend.SDPA if one_pass else LocalBackend.CHUNKED  # a decode step, or a causal inference pass
     needs_lse_grad = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     flash_ok = (
@@ -248,9 +251,10 @@ def memory_efficient_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int
                                return_lse: bool = False, causal: bool = False, window: int | None = None,
                                mask: Tensor | None = None, alibi_slopes: Tensor | None = None,
                                scale: float | None = None, chunk_size: int = LOCAL_CHUNK_SIZE,
-                               backend: str | LocalBackend = "auto"):
+                               backend: str | LocalBackend = "auto", inference: bool = False):
     """The default local attention: the protocol and options of ``sdpa_attention``, without O(S^2) memory unless
-    ``backend="sdpa"`` asks for that oracle.
+    ``backend="sdpa"`` asks for that oracle. ``inference``: the caller's model is in eval mode (read by
+    :func:`select_backend`).
 
     q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` -> out ``[B, Sq, H, D]`` (and lse ``[B, H, Sq]``).
     ``backend`` is a :class:`~ds4sci.kernels.backends.LocalBackend` or its value (``ValueError`` otherwise);
@@ -265,13 +269,15 @@ def memory_efficient_attention(q: Tensor, k: Tensor, v: Tensor, *, q_offset: int
       everywhere else.
     - ``"sdpa"``: :func:`~ds4sci.kernels.local_reference.sdpa_attention`, the readable O(S^2) oracle: for a call of
       more than one query row only when asked for by name (GenSLM's ``attention_backend="sdpa"``, for checking the
-      others); off CUDA, ``"auto"`` runs it for a decode step (``Sq == 1``) and for a causal pass without gradients
-      whose queries are its keys (:func:`select_backend`).
+      others); off CUDA, ``"auto"`` runs it for a decode step (``Sq == 1``) and for an ``inference`` causal pass
+      without gradients whose queries are its keys (:func:`select_backend`).
 
-    None of the backends ``"auto"`` picks materialises an ``Sq x Sk`` tensor with ``Sq > 1``.
+    None of the backends ``"auto"`` picks materialises an ``Sq x Sk`` tensor with ``Sq > 1`` larger than one of the
+    chunked path's blocks.
     """
     name = select_backend(q, k, v, q_offset=q_offset, k_offset=k_offset, q_doc=q_doc, return_lse=return_lse,
-                          causal=causal, window=window, mask=mask, alibi_slopes=alibi_slopes, backend=backend)
+                          causal=causal, window=window, mask=mask, alibi_slopes=alibi_slopes, backend=backend,
+                          inference=inference)
     protocol = dict(q_offset=q_offset, k_offset=k_offset, head_offset=head_offset, q_doc=q_doc, k_doc=k_doc,
                     return_lse=return_lse)
     if name is LocalBackend.SDPA:

@@ -47,8 +47,9 @@ class AttentionCore(nn.Module):
     :func:`~ds4sci.kernels.local_attention.memory_efficient_attention`, the one dispatch.
 
     ``backend`` (a :class:`~ds4sci.kernels.backends.LocalBackend` or its value): ``"auto"`` (flash-attn, the Triton
-    kernel or the chunked PyTorch path, and off CUDA SDPA for a cached decode step's one query row, see
-    :func:`~ds4sci.kernels.local_attention.select_backend`; no ``S x S`` tensor), ``"chunked"``, ``"triton"``,
+    kernel or the chunked PyTorch path, and off CUDA SDPA for a cached decode step's one query row and, in eval mode
+    without gradients, PyTorch's fused causal kernel, see :func:`~ds4sci.kernels.local_attention.select_backend`; no
+    ``S x S`` tensor beyond one chunked block), ``"chunked"``, ``"triton"``,
     ``"flash"``, or ``"sdpa"``:
     :func:`~ds4sci.kernels.local_reference.sdpa_attention`, the readable O(S^2) oracle.
 
@@ -67,7 +68,8 @@ class AttentionCore(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, **protocol) -> Tensor | tuple[Tensor, Tensor]:
         slopes = self.slopes if self.alibi else None
-        return memory_efficient_attention(q, k, v, causal=True, alibi_slopes=slopes, backend=self.backend, **protocol)
+        return memory_efficient_attention(q, k, v, causal=True, alibi_slopes=slopes, backend=self.backend,
+                                          inference=not self.training, **protocol)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, alibi={self.alibi}, backend={self.backend.value!r}"

@@ -120,8 +120,10 @@ def test_merge_writes_a_plain_export_with_the_adapter_models_logits(tmp_path, ca
     merged, _ = load_task_model(tmp_path / "merged")
     assert read_task_meta(tmp_path / "merged") == (spec, None, None)  # a full fine-tune's folder
     ids, mask, pos = _padded()
+    model.eval()  # as the merged model is read: both run inference's attention kernel
     with torch.no_grad():
-        torch.testing.assert_close(merged(ids, pos, mask), model(ids, pos, mask), rtol=1e-5, atol=1e-6)
+        # fp32: W + s B A merged against x W + s (x A) B, through two layers; 1.4e-6 apart on a logit of 0.02
+        torch.testing.assert_close(merged(ids, pos, mask), model(ids, pos, mask), rtol=1e-5, atol=2e-6)
         lm, _, _ = load_model(tmp_path / "merged")  # the language model ds4sci score and embed read
         torch.testing.assert_close(lm(ids, pos), model.model(ids, pos), rtol=1e-4, atol=1e-5)  # fp32 merge
     assert read_trained_length(tmp_path / "merged") == read_trained_length(tmp_path / "base")

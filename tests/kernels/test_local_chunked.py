@@ -296,29 +296,32 @@ def test_cpu_decode_step_runs_sdpa_equal_to_chunked(kv_heads, alibi, q_offset):
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_cpu_inference_causal_pass_runs_sdpa_equal_to_chunked(kv_heads):
-    """Off CUDA, without gradients: "auto" runs SDPA's causal kernel for a causal block whose queries are its keys,
-    equal to the chunked path in fp32 (GQA too), and with document ids up to LOCAL_CHUNK_SIZE queries; needing
-    gradients, with offsets, a window, ALiBi, the lse or longer packed rows it keeps the chunked path, and on CUDA it
-    never picks sdpa."""
+    """Off CUDA, an inference pass (eval mode) without gradients: "auto" runs SDPA's causal kernel for a causal block
+    whose queries are its keys, equal to the chunked path in fp32 (GQA too), and with document ids up to
+    LOCAL_CHUNK_SIZE queries; not in inference (a checkpointed training forward runs without gradients too, and its
+    recomputation must run the same kernel), needing gradients, with offsets, a window, ALiBi, the lse or longer
+    packed rows it keeps the chunked path, and on CUDA it never picks sdpa."""
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(3, 37, H, D, generator=gen)
     k, v = (torch.randn(3, 37, kv_heads, D, generator=gen) for _ in range(2))
     docs = torch.arange(37).div(10, rounding_mode="floor").expand(3, 37)
     long = torch.zeros(1, LOCAL_CHUNK_SIZE + 1, H, D)
-    assert select_backend(q, k, v, causal=True) is LocalBackend.SDPA  # no input needs a gradient
-    assert select_backend(q, k, v, causal=True, q_doc=docs) is LocalBackend.SDPA
-    assert select_backend(q, k, v, causal=True, device_type="cuda") is not LocalBackend.SDPA
-    assert select_backend(long, long, long, causal=True) is LocalBackend.SDPA
-    long_docs = torch.zeros(1, LOCAL_CHUNK_SIZE + 1, dtype=torch.long)
-    assert select_backend(long, long, long, causal=True, q_doc=long_docs) is LocalBackend.CHUNKED
+    select = functools.partial(select_backend, causal=True, inference=True)
+    assert select(q, k, v) is LocalBackend.SDPA  # no input needs a gradient
+    assert select_backend(q, k, v, causal=True) is LocalBackend.CHUNKED  # not an inference pass
+    assert select(q, k, v, q_doc=docs) is LocalBackend.SDPA
+    assert select(q, k, v, device_type="cuda") is not LocalBackend.SDPA
+    assert select(long, long, long) is LocalBackend.SDPA
+    assert select(long, long, long, q_doc=torch.zeros(1, LOCAL_CHUNK_SIZE + 1, dtype=torch.long)) is \
+        LocalBackend.CHUNKED
     for opts in (dict(q_offset=5, k_offset=4), dict(window=9), dict(alibi_slopes=SLOPES), dict(return_lse=True),
                  dict(causal=False)):
-        assert select_backend(q, k, v, **{"causal": True, **opts}) is LocalBackend.CHUNKED, opts
-    assert select_backend(q.requires_grad_(), k, v, causal=True) is LocalBackend.CHUNKED  # training keeps chunked
+        assert select(q, k, v, **opts) is LocalBackend.CHUNKED, opts
+    assert select(q.requires_grad_(), k, v) is LocalBackend.CHUNKED  # a gradient through attention: chunked
     with torch.no_grad():
-        assert select_backend(q, k, v, causal=True) is LocalBackend.SDPA
-        got = memory_efficient_attention(q, k, v, causal=True)
-        got_docs = memory_efficient_attention(q, k, v, causal=True, q_doc=docs, k_doc=docs)
+        assert select(q, k, v) is LocalBackend.SDPA
+        got = memory_efficient_attention(q, k, v, causal=True, inference=True)
+        got_docs = memory_efficient_attention(q, k, v, causal=True, q_doc=docs, k_doc=docs, inference=True)
     torch.testing.assert_close(got, chunked_attention(q, k, v, causal=True, chunk_size=8), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_docs, chunked_attention(q, k, v, causal=True, q_doc=docs, k_doc=docs, chunk_size=8),
                                rtol=1e-5, atol=1e-6)
