@@ -264,5 +264,22 @@ def test_a_windows_numbers_do_not_depend_on_the_rows_beside_it():
 
     assert [g["slots"].shape for g in groups] == [(1, step(9)), (1, step(70)), (1, seq_len)]
     assert [int(g["slots"].max()) for g in groups] == [0, 1, 2] and int(groups[0]["slots"][0, 9]) == -1
+    full = torch.zeros(1, 150, dtype=torch.long)  # a full window of a length off the step keeps its length
+    assert [g["slots"].shape for g in width_groups({"slots": full}, row_len=150)] == [(1, 150)]
+    assert [g["slots"].shape for g in width_groups({"slots": full})] == [(1, step(150))] and step(150) > 150
     wide = list(width_groups({"slots": slots[:1, :9], "input_ids": slots[:1, :9]}))  # padded up to the step
     assert wide[0]["slots"].shape == (1, step(9)) and step(9) > 9 and wide[0]["slots"][0, 9:].eq(-1).all()
+
+
+def test_full_windows_are_read_at_the_window_length(setup):
+    """Rounding a window's width up to WIDTH_STEP stops at the window length: a window of 12 tokens is not padded
+    to 16 (bucketed and packed)."""
+    model, tok, records = setup
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+    try:
+        for pack in (False, True):
+            list(score_stream(model, tok, records, 12, max_tokens=48, pack=pack))
+    finally:
+        hook.remove()
+    assert widths and max(widths) == 12
