@@ -45,6 +45,7 @@ from ds4sci.bench.report import plural
 from ds4sci.bench.report import save_figure
 from ds4sci.bench.report import shape_options
 from ds4sci.bench.report import subplots
+from ds4sci.bench.report import usable_cores
 from ds4sci.bench.report import versions
 from ds4sci.bench.rounds import CLOCKS
 from ds4sci.bench.rounds import alternate
@@ -68,7 +69,7 @@ _INT_OPTIONS = {
 } | shape_options(hidden=64, layers=2, heads=4) | {
     "max_tokens": (4096, "tokens per forward (bucketed, packed; hf: max_tokens / context windows)"),
 } | round_options(3, "each times the four ways") | {
-    "threads": (len(os.sched_getaffinity(0)), "torch threads, every way (default: this machine's cores)"),
+    "threads": (usable_cores(), "torch threads, every way (default: this machine's cores)"),
 }
 _QUICK = {"genes": 8, "pieces": 8, "max_bases": 300, "context": 64, "hidden": 32, "layers": 1, "heads": 2,
           "max_tokens": 512, "rounds": 2}

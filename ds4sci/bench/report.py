@@ -23,6 +23,11 @@ __all__ = ["MIB", "machine", "load_average", "describe_machine", "describe_load"
 MIB = 2.0**20
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS reports one, else every core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine() -> dict:
     """What a timing ran on, and when: ``{"cpu": model name, "cores": logical CPUs, "usable_cores": CPUs this process
     may run on, "date": UTC time, ISO 8601, to the second}`` (``"cpu"`` from ``/proc/cpuinfo``, else
@@ -33,8 +38,7 @@ def machine() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable,
+    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable_cores(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 

@@ -127,8 +127,9 @@ class ShardedForward:
         workers: batches :meth:`map_batches` reads at once (``None``: :meth:`batch_workers` chooses).
 
     A batch (``collate`` of windows: ``input_ids``, ``labels``, ``position_ids`` ``[B, T]``, labels ``-100`` where a
-    token is not the window's to score or embed) goes through :meth:`losses`, :meth:`owned_sums` or
-    :meth:`owned_states`; every rank of a sequence group must call them with the same batch.
+    token is not the window's to score or embed) goes through :meth:`losses` or :meth:`owned_states`, a packed batch
+    (:func:`~ds4sci.infer.batching.collate_rows`) through :meth:`read_slots`; every rank of a sequence group must call
+    them with the same batch.
     """
 
     def __init__(self, model, groups: SequenceParallelGroups | None = None, workers: int | None = None):
@@ -298,14 +299,6 @@ class ShardedForward:
     def _hidden(self, s: dict[str, torch.Tensor], layer: int | None) -> torch.Tensor:
         """Hidden states of the shard ``[B, T'/sp, hidden]``: block ``layer``'s output, or the final norm's (None)."""
         return self.model(s["input_ids"], s["position_ids"], return_hidden=True, stop_after=layer)
-
-    @torch.no_grad()
-    def owned_sums(self, batch: dict[str, torch.Tensor], layer: int | None = None) -> np.ndarray:
-        """Each window's hidden states summed over the tokens it owns (labelled) ``[B, hidden]`` float64."""
-        s = self._shard(batch)
-        owned = (s["labels"] != IGNORE_INDEX).unsqueeze(-1)  # [B, T'/sp, 1]: context and padding are not
-        sums = (self._hidden(s, layer).double() * owned).sum(1)  # [B, hidden]
-        return self._sum_sp(sums).numpy()
 
     @torch.no_grad()
     def owned_states(self, batch: dict[str, torch.Tensor], layer: int | None = None) -> list[np.ndarray]:
